@@ -1,0 +1,233 @@
+"""Plans for ``split-gateup`` and ``fuse-gateup``: move FFNs between the forms of their scheme.
+
+Split: fused ``gate_up`` (per FFN, or experts stacked (E, 2I, H)) -> separate gate/up (per expert).
+Fuse: separate gate/up -> fused per FFN, or with ``stack_experts`` routed experts -> stacked (E, 2I, H).
+Every output is a pure row rearrangement, so each entry carries byte pieces as well as ``compute``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from .detect import FFNSet
+from .errors import LayoutError, NothingToDoError
+from .ffn import FFN
+from .layouts import GateUpLayout, fuse, split
+from .plan import Entry, Plan, copy_entry
+from .registry import Form, bias_name
+
+MAX_PIECES = 256  # above this many byte runs (interleaved, column axis) computing is faster than copying
+
+
+def _runs(shape: tuple[int, ...], isz: int, dim: int, start: int, length: int, base: int = 0) -> list[tuple[int, int]]:
+    """Byte runs of ``t.narrow(dim, start, length)`` for a C-contiguous ``t``, one per index before ``dim``."""
+    outer = 1
+    for d in shape[:dim]:
+        outer *= d
+    inner = isz
+    for d in shape[dim + 1:]:
+        inner *= d
+    return [(base + (o * shape[dim] + start) * inner, length * inner) for o in range(outer)]
+
+
+def _name(template: str, f: FFN) -> str:
+    return template.format(layer=f.ref.layer, expert=f.ref.expert)
+
+
+def _target(f: FFN, form_name: str, verb: str) -> Form:
+    form = f.group.forms.get(form_name)
+    if form is None:
+        raise NothingToDoError(f"{f.ref}: the naming scheme has no {form_name} form to {verb} into "
+                               f"(it knows {', '.join(f.group.forms)}); declare one with --scheme-file")
+    return form
+
+
+def _split_entries(ckpt, f: FFN, src: str, is_bias: bool, names: dict[str, str]) -> list[Entry]:
+    """gate and up entries cut from the fused tensor ``src`` (expert ``f.index`` when stacked)."""
+    info = ckpt.info(src)
+    shape, base = info.shape, 0
+    if f.index is not None:  # (E, 2I, ...) -> expert f.index
+        shape = shape[1:]
+        base = f.index * info.nbytes // info.shape[0]
+    layout = f.layout
+    dim = layout.dim(len(shape), is_bias)
+    segs = layout.segments(shape[dim])
+    out = []
+    for role in ("gate", "up"):
+        runs = [_runs(shape, info.dtype.itemsize, dim, s, ln, base) for r, s, _, ln in segs if r == role]
+        pieces = tuple((0, off, n) for o in range(len(runs[0])) for seg in runs for off, n in [seg[o]])
+        rows = [f"{s}:{s + ln}" for r, s, _, ln in segs if r == role]
+        where = f"[{f.index}] " if f.index is not None else ""
+        what = "rows" if layout.axis == "rows" or is_bias else "columns"
+        note = f"{what} {','.join(rows[:4])}{',…' if len(rows) > 4 else ''} of {src}{where and ' ' + where.strip()}" \
+               f" ({layout.describe()})"
+        k = 0 if role == "gate" else 1
+        out_shape = list(shape)
+        out_shape[dim] //= 2
+
+        def compute(ts, k=k, index=f.index, b=is_bias, name=src):
+            t = ts[0] if index is None else ts[0][index]
+            return split(t, layout, is_bias=b, name=name)[k]
+
+        out.append(Entry(names[role], info.dtype, tuple(out_shape), (src,), compute,
+                         pieces if len(pieces) <= MAX_PIECES else None, note))
+    return out
+
+
+def _index_entry(ckpt, src: str, index: int | None, name: str) -> Entry:
+    """``src`` itself, or its slice ``[index]`` of a stacked tensor, under ``name``."""
+    if index is None:
+        return copy_entry(ckpt, src, name)
+    info = ckpt.info(src)
+    n = info.nbytes // info.shape[0]
+    return Entry(name, info.dtype, info.shape[1:], (src,), lambda ts, i=index: ts[0][i].contiguous(),
+                 ((0, index * n, n),), f"[{index}] of {src}")
+
+
+def plan_split(ckpt, ffns: FFNSet) -> Plan:
+    """Plan splitting every fused FFN of ``ckpt`` into separate gate/up projections.
+
+    Raises:
+        NothingToDoError: no FFN is fused.
+        LayoutError: a fused tensor does not fit the layout (odd rows, --tp not dividing).
+    """
+    fused = [f for f in ffns.ffns if f.form.fused]
+    if not fused:
+        raise NothingToDoError(f"{ckpt.path}: nothing to split: all {len(ffns.ffns)} FFNs already have separate "
+                               f"gate and up projections (scheme {ffns.scheme.name})")
+    replaced: dict[str, list[Entry]] = defaultdict(list)
+    for f in fused:
+        target = _target(f, "separate", "split")
+        new = {r: _name(t, f) for r, t in target.templates().items()}
+        replaced[f.names["gate_up"]] += _split_entries(ckpt, f, f.names["gate_up"], False, new)
+        if "gate_up_bias" in f.names:
+            replaced[f.names["gate_up_bias"]] += _split_entries(
+                ckpt, f, f.names["gate_up_bias"], True, {r: bias_name(new[r]) for r in ("gate", "up")})
+        for src, dst in ((f.names["down"], new["down"]), (f.names.get("down_bias"), bias_name(new["down"]))):
+            if src and (f.index is not None or src != dst):
+                replaced[src].append(_index_entry(ckpt, src, f.index, dst))
+    return _assemble(ckpt, ffns, replaced, "split-gateup", len(fused), fused[0].layout)
+
+
+def _fuse_pieces(parts: list[tuple[int, tuple[int, ...], int]], layout: GateUpLayout, is_bias: bool,
+                 isz: int) -> tuple[tuple[int, int, int], ...]:
+    """Byte pieces of fused tensors built from (gate input position, shape, up input position) triples,
+    stacked one after the other (one triple per expert)."""
+    pieces = []
+    for g, shape, u in parts:
+        dim = layout.dim(len(shape), is_bias)
+        segs = layout.segments(2 * shape[dim])
+        runs = [(g if r == "gate" else u, _runs(shape, isz, dim, p, ln)) for r, _, p, ln in segs]
+        pieces += [(pos, *rs[o]) for o in range(len(runs[0][1])) for pos, rs in runs]
+    return tuple(pieces)
+
+
+def _fuse_entry(ckpt, name: str, srcs: list[tuple[str, str]], layout: GateUpLayout, is_bias: bool,
+                stacked: bool = False) -> Entry:
+    """One fused tensor from (gate, up) name pairs: one pair, or one per expert stacked on dim 0."""
+    infos = [(ckpt.info(g), ckpt.info(u)) for g, u in srcs]
+    gi, ui = infos[0]
+    for g, u in infos:
+        if g.shape != gi.shape or u.shape != g.shape or g.dtype != gi.dtype or u.dtype != g.dtype:
+            raise LayoutError(f"cannot fuse {g.name} {g.dtype}{list(g.shape)} with {u.name} {u.dtype}{list(u.shape)}: "
+                              "gate and up (and all stacked experts) need one shape and dtype")
+    dim = layout.dim(len(gi.shape), is_bias)
+    shape = list(gi.shape)
+    shape[dim] *= 2
+    layout.segments(shape[dim])  # raises LayoutError for a bad --tp before anything is written
+    inputs = tuple(n for pair in srcs for n in pair)
+    pieces = _fuse_pieces([(2 * k, gi.shape, 2 * k + 1) for k in range(len(srcs))], layout, is_bias, gi.dtype.itemsize)
+
+    def compute(ts, n=name):
+        fused = [fuse(ts[2 * k], ts[2 * k + 1], layout, is_bias=is_bias, name=n) for k in range(len(ts) // 2)]
+        return torch.stack(fused) if stacked else fused[0]
+
+    out_shape = (len(srcs), *shape) if stacked else tuple(shape)
+    first = f"{srcs[0][0]} + {srcs[0][1]}" + (f" … ({len(srcs)} experts stacked)" if stacked else "")
+    return Entry(name, gi.dtype, out_shape, inputs, compute, pieces if len(pieces) <= MAX_PIECES * len(srcs) else None,
+                 f"fuse({first}; {layout.describe()})")
+
+
+def _stack_entry(ckpt, name: str, srcs: list[str]) -> Entry:
+    info = ckpt.info(srcs[0])
+    for s in srcs:
+        if ckpt.info(s).shape != info.shape or ckpt.info(s).dtype != info.dtype:
+            raise LayoutError(f"cannot stack {s} {list(ckpt.info(s).shape)} with {srcs[0]} {list(info.shape)}")
+    return Entry(name, info.dtype, (len(srcs), *info.shape), tuple(srcs), lambda ts: torch.stack(ts),
+                 tuple((k, 0, info.nbytes) for k in range(len(srcs))), f"stack({srcs[0]} … {len(srcs)} experts)")
+
+
+def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False) -> Plan:
+    """Plan fusing every separate FFN of ``ckpt`` (routed experts stacked when ``stack_experts``).
+
+    Raises:
+        NothingToDoError: no FFN is separate, or the scheme has no fused form.
+        LayoutError: shapes that cannot be fused in the layout.
+    """
+    separate = [f for f in ffns.ffns if f.form_name == "separate"]
+    if not separate:
+        raise NothingToDoError(f"{ckpt.path}: nothing to fuse: no FFN has separate gate and up projections "
+                               f"(scheme {ffns.scheme.name}, forms {sorted({f.form_name for f in ffns.ffns})})")
+    replaced: dict[str, list[Entry]] = defaultdict(list)
+    by_layer: dict[int, list[FFN]] = defaultdict(list)
+    for f in separate:
+        if stack_experts and f.ref.kind == "expert":
+            by_layer[f.ref.layer].append(f)
+            continue
+        target = _target(f, "fused", "fuse")
+        new = {r: _name(t, f) for r, t in target.templates().items()}
+        replaced[f.names["gate"]].append(_fuse_entry(ckpt, new["gate_up"], [(f.names["gate"], f.names["up"])], f.layout, False))
+        replaced[f.names["up"]] += []
+        _fuse_biases(ckpt, f, replaced, [f], bias_name(new["gate_up"]))
+        for src, dst in ((f.names["down"], new["down"]), (f.names.get("down_bias"), bias_name(new["down"]))):
+            if src and src != dst:
+                replaced[src].append(copy_entry(ckpt, src, dst))
+    for layer, experts in by_layer.items():
+        experts.sort(key=lambda f: f.ref.expert)
+        if [f.ref.expert for f in experts] != list(range(len(experts))):
+            raise LayoutError(f"layer {layer}: experts {[f.ref.expert for f in experts]} are not 0..E-1; cannot stack")
+        f0 = experts[0]
+        target = _target(f0, "stacked", "stack")
+        new = {r: _name(t, f0) for r, t in target.templates().items()}
+        replaced[f0.names["gate"]].append(_fuse_entry(
+            ckpt, new["gate_up"], [(f.names["gate"], f.names["up"]) for f in experts], f0.layout, False, True))
+        replaced[f0.names["down"]].append(_stack_entry(ckpt, new["down"], [f.names["down"] for f in experts]))
+        _fuse_biases(ckpt, f0, replaced, experts, bias_name(new["gate_up"]), stacked=True)
+        if "down_bias" in f0.names:
+            replaced[f0.names["down_bias"]].append(_stack_entry(ckpt, bias_name(new["down"]),
+                                                                [f.names["down_bias"] for f in experts]))
+        for f in experts:
+            for role in f.names:
+                replaced[f.names[role]] += []
+    return _assemble(ckpt, ffns, replaced, "fuse-gateup", len(separate), separate[0].layout)
+
+
+def _fuse_biases(ckpt, f0: FFN, replaced, group: list[FFN], name: str, stacked: bool = False) -> None:
+    has = [("gate_bias" in f.names, "up_bias" in f.names) for f in group]
+    if not any(a or b for a, b in has):
+        return
+    if not all(a and b for a, b in has):
+        raise LayoutError(f"{f0.ref}: gate and up must both have biases (or neither) to be fused")
+    replaced[f0.names["gate_bias"]].append(
+        _fuse_entry(ckpt, name, [(f.names["gate_bias"], f.names["up_bias"]) for f in group], f0.layout, True, stacked))
+    for f in group:
+        replaced[f.names["up_bias"]] += []
+
+
+def _assemble(ckpt, ffns: FFNSet, replaced: dict[str, list[Entry]], command: str, changed: int,
+              layout: GateUpLayout) -> Plan:
+    entries: list[Entry] = []
+    for name in ckpt:
+        entries += replaced[name] if name in replaced else [copy_entry(ckpt, name)]
+    seen: set[str] = set()
+    for e in entries:
+        if e.name in seen:
+            raise LayoutError(f"two output tensors would be named {e.name}; the input mixes forms")
+        seen.add(e.name)
+    summary = {"command": command, "input": str(ckpt.path), "scheme": ffns.scheme.name, "layout": layout.describe(),
+               "ffns_changed": changed, "ffns_total": len(ffns.ffns), "tensors_in": len(ckpt),
+               "tensors_out": len(entries), "bytes": sum(e.nbytes for e in entries)}
+    changes = ["config.json: carried over unchanged (no config key records the gate/up layout)"]
+    return Plan(ckpt, entries, ckpt.config, changes, summary)

@@ -1,0 +1,65 @@
+"""Atomic outputs: write into a temporary sibling, move into place only when everything succeeded.
+
+An existing output is refused unless ``force``; an output that is, contains, or lies inside an input is
+refused always (writing it would destroy what is being read).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import OutputExistsError
+
+
+def check_output(out: Path, inputs: list[Path], force: bool) -> None:
+    """Refuse an output that exists (without force) or overlaps an input.
+
+    Raises:
+        OutputExistsError: naming the path and the fix.
+    """
+    o = out.resolve()
+    for inp in inputs:
+        i = inp.resolve()
+        if o == i or i.is_relative_to(o):
+            raise OutputExistsError(f"{out}: the output would overwrite the input {inp}; choose another -o path")
+    if out.exists() and not force:
+        raise OutputExistsError(f"{out}: already exists; choose another -o path or pass --force to replace it")
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    elif p.exists() or p.is_symlink():
+        p.unlink()
+
+
+@contextmanager
+def atomic_output(out: Path, *, inputs: list[Path], force: bool) -> Iterator[Path]:
+    """Yield a temporary path beside ``out``; on success it replaces ``out``, on failure it is removed.
+
+    The caller creates a file or a directory at the yielded path.
+
+    Raises:
+        OutputExistsError: before anything is written, see ``check_output``.
+    """
+    check_output(out, inputs, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = out.parent / f".{out.name}.tmp-{tag}"
+    try:
+        yield tmp
+    except BaseException:
+        _remove(tmp)
+        raise
+    if out.exists() or out.is_symlink():
+        old = out.parent / f".{out.name}.old-{tag}"
+        os.replace(out, old)
+        os.replace(tmp, out)
+        _remove(old)
+    else:
+        os.replace(tmp, out)

@@ -1,0 +1,164 @@
+"""Every command is a plan, then a stream.
+
+A ``Plan`` has one ``Entry`` per output tensor saying how it is made from input tensors. ``--dry-run``
+prints it; ``execute`` streams it into safetensors shards in a temporary path renamed into place only
+when everything succeeded, then carries config.json and the tokenizer/generation files over.
+
+An entry has two equivalent recipes: ``compute`` (a pure function of the input tensors, always present)
+and, when the output is a pure rearrangement of contiguous byte runs of its inputs, ``pieces`` (byte
+ranges the writer copies with ``copy_file_range``, the data never entering Python). The executor uses
+``pieces`` whenever every input's bytes sit in a safetensors file; tests check both recipes agree.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .dtypes import st_dtype
+from .output import atomic_output
+from .progress import Progress
+from .sizes import human
+from .store import WEIGHT_INDEXES, WEIGHT_SUFFIXES, Checkpoint
+from .writer import ByteRange, OutTensor, write_file, write_sharded
+
+log = logging.getLogger(__name__)
+
+# Carried beside a single .safetensors input (a directory input carries every non-weight file).
+KNOWN_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                    "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
+                    "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One output tensor and how to make it.
+
+    Attributes:
+        name, dtype, shape: the output tensor.
+        inputs: input tensor names ``compute`` receives, in order.
+        compute: pure function from the input tensors to the output tensor.
+        pieces: (input position, byte offset in that input, nbytes) runs whose concatenation is the
+            output's bytes, or None when the output is not such a rearrangement.
+        note: how it is made, for --dry-run ("rows 0:96 of X").
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    inputs: tuple[str, ...]
+    compute: Callable[[list[torch.Tensor]], torch.Tensor]
+    pieces: tuple[tuple[int, int, int], ...] | None
+    note: str
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def copy_entry(ckpt: Checkpoint, name: str, new_name: str | None = None) -> Entry:
+    """An entry copying (and optionally renaming) one tensor byte for byte."""
+    info = ckpt.info(name)
+    note = "unchanged" if new_name in (None, name) else f"renamed from {name}"
+    return Entry(new_name or name, info.dtype, info.shape, (name,), lambda ts: ts[0], ((0, 0, info.nbytes),), note)
+
+
+@dataclass
+class Plan:
+    """What a command will write.
+
+    Attributes:
+        source: the input checkpoint.
+        entries: the output tensors, in write order.
+        config: the config.json to write (None: none).
+        changes: human-readable lines on what changes beyond tensors (config, names), printed and in JSON.
+        summary: machine-readable facts about the plan for --json.
+    """
+
+    source: Checkpoint
+    entries: list[Entry]
+    config: dict | None
+    changes: list[str] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+
+    def describe(self) -> list[str]:
+        """One line per output tensor: ``name  dtype[shape]  <- how``."""
+        return [f"{e.name}  {str(e.dtype).removeprefix('torch.')}{list(e.shape)}  \u2190 {e.note}" for e in self.entries]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+
+def _out_tensor(e: Entry, ckpt: Checkpoint, cache: dict) -> OutTensor:
+    infos = [ckpt.info(n) for n in e.inputs]
+
+    def produce():
+        if e.pieces is not None and all(i.start is not None for i in infos):
+            return [ByteRange(infos[k].file, infos[k].start + off, n) for k, off, n in e.pieces]
+        tensors = []
+        for n in e.inputs:
+            if n not in cache:
+                cache.clear()  # keep at most one whole input (e.g. a stacked expert tensor) alive
+                cache[n] = ckpt[n]
+            tensors.append(cache[n])
+        out = e.compute(tensors)
+        if out.dtype != e.dtype or tuple(out.shape) != e.shape:
+            raise RuntimeError(f"internal error: {e.name} computed {out.dtype}{list(out.shape)}, "
+                               f"planned {e.dtype}{list(e.shape)}")
+        return out
+
+    return OutTensor(e.name, st_dtype(e.dtype), e.shape, e.nbytes, produce)
+
+
+def side_files(ckpt: Checkpoint) -> list[Path]:
+    """Non-weight files to carry over: all of a directory input's, or the known ones beside a file."""
+    if ckpt.path.is_dir() or ckpt.path.name.endswith(".index.json"):
+        return sorted(p for p in ckpt.root.iterdir() if p.is_file() and not p.name.startswith(".")
+                      and p.suffix not in WEIGHT_SUFFIXES and p.name not in WEIGHT_INDEXES)
+    return [ckpt.root / n for n in KNOWN_SIDE_FILES if (ckpt.root / n).is_file()]
+
+
+def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int | None = None,
+            metadata: dict | None = None, desc: str = "writing") -> list[str]:
+    """Stream a plan to ``out``: a ``.safetensors`` file, or a directory of shards plus side files.
+
+    Returns:
+        The weight files written (names relative to ``out`` for a directory).
+
+    Raises:
+        OutputExistsError: ``out`` exists without ``force``, or overlaps the input.
+    """
+    ckpt = plan.source
+    meta = dict(ckpt.metadata if metadata is None else metadata)
+    meta.setdefault("format", "pt")
+    cache: dict = {}
+    items = [_out_tensor(e, ckpt, cache) for e in plan.entries]
+    progress = Progress(plan.total_bytes, desc)
+    inputs = [ckpt.path, *ckpt.files]
+    try:
+        with atomic_output(out, inputs=inputs, force=force) as tmp:
+            if out.suffix == ".safetensors":
+                write_file(tmp, items, meta, progress)
+                written = [out.name]
+            else:
+                tmp.mkdir()
+                written = write_sharded(tmp, items, max_shard_size=max_shard_size, metadata=meta, progress=progress)
+                for p in side_files(ckpt):
+                    if p.name != "config.json":
+                        shutil.copy2(p, tmp / p.name)
+                if plan.config is not None:
+                    (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
+    finally:
+        progress.close()
+    log.info("wrote %s (%s in %d file(s))", out, human(plan.total_bytes), len(written))
+    return written

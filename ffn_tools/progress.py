@@ -1,0 +1,41 @@
+"""Progress on long work: a byte counter on stderr, shown only on a terminal and not with --quiet."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from .sizes import human
+
+_enabled = True
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turn progress display on or off for this process (the CLI's --quiet)."""
+    global _enabled
+    _enabled = enabled
+
+
+class Progress:
+    """Counts bytes done out of a total and redraws one line at most 10 times a second."""
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.done = total, desc, 0
+        self.start = self._last = time.monotonic()
+        self.shown = _enabled and sys.stderr.isatty()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.shown and (now - self._last > 0.1 or self.done >= self.total):
+            self._last = now
+            rate = self.done / max(now - self.start, 1e-9)
+            pct = 100 * self.done / self.total if self.total else 100
+            sys.stderr.write(f"\r{self.desc}: {pct:5.1f}%  {human(self.done)} / {human(self.total)}  "
+                             f"{human(int(rate))}/s ")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")
+            sys.stderr.flush()

@@ -1,0 +1,255 @@
+"""Lazy tensor store: a checkpoint opens as a read-only mapping ``name -> tensor``.
+
+Names, shapes and dtypes are known from headers without reading data; ``ckpt[name]`` reads one tensor.
+Safetensors files (single, sharded with an index, or a directory) are read through ``safe_open``; pickles
+(``pytorch_model.bin``, ``*.pth``, ``*.pt``) only through ``torch.load(weights_only=True, mmap=True)``.
+Other formats (MLX, Flax) subclass ``Checkpoint`` in ``converters/`` and present the same mapping with
+Hugging Face PyTorch names.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .dtypes import st_dtype, torch_dtype
+from .errors import CheckpointError
+from .safetensors_format import read_header
+
+PICKLE_SUFFIXES = (".bin", ".pth", ".pt")
+# Files that hold weights; everything else in a checkpoint directory is carried over by writers.
+WEIGHT_SUFFIXES = (".safetensors", ".msgpack", *PICKLE_SUFFIXES)
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json", "flax_model.msgpack.index.json")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor lives and what it is, known without reading it.
+
+    ``start`` is the absolute byte offset of its data in ``file`` when the bytes can be copied verbatim
+    (C-contiguous little-endian data in a safetensors file), else None.
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file: Path
+    start: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def st_dtype(self) -> str:
+        return st_dtype(self.dtype)
+
+
+class Checkpoint(Mapping[str, torch.Tensor]):
+    """A read-only, lazy mapping of tensor names to tensors, with the checkpoint's config and metadata.
+
+    Attributes:
+        path: the path the user gave.
+        root: the directory holding config.json and the other non-weight files.
+        files: the weight files, in order.
+        config: config.json as a dict, or None.
+        metadata: safetensors ``__metadata__`` (of the first shard), empty if none.
+        format: "safetensors", "pickle", or a converter's format name ("mlx", "flax", ...).
+    """
+
+    format = "?"
+
+    def __init__(self, path: Path, root: Path, files: list[Path], infos: dict[str, TensorInfo],
+                 metadata: dict[str, str] | None = None, config: dict | None = None):
+        self.path = path
+        self.root = root
+        self.files = files
+        self._infos = infos
+        self.metadata = dict(metadata or {})
+        self.config = config if config is not None else read_config(root)
+
+    def info(self, name: str) -> TensorInfo:
+        """Shape, dtype and location of a tensor, without reading it."""
+        return self._infos[name]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._read(self._infos[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._infos)
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def _read(self, info: TensorInfo) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(i.nbytes for i in self._infos.values())
+
+    def close(self) -> None:
+        """Release open files; the mapping is unusable afterwards."""
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class SafetensorsCheckpoint(Checkpoint):
+    """One or more safetensors files."""
+
+    format = "safetensors"
+
+    def __init__(self, path: Path, root: Path, files: list[Path]):
+        infos: dict[str, TensorInfo] = {}
+        metadata: dict[str, str] = {}
+        for i, f in enumerate(files):
+            entries, meta = read_header(f)
+            if i == 0:
+                metadata = meta
+            for e in entries.values():
+                if e.name in infos:
+                    raise CheckpointError(f"tensor {e.name!r} appears in both {infos[e.name].file} and {f}")
+                infos[e.name] = TensorInfo(e.name, torch_dtype(e.dtype), e.shape, f, e.start)
+        super().__init__(path, root, files, infos, metadata)
+        self._handles: dict[Path, object] = {}
+
+    def _read(self, info: TensorInfo) -> torch.Tensor:
+        from safetensors import safe_open
+
+        handle = self._handles.get(info.file)
+        if handle is None:
+            handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
+        return handle.get_tensor(info.name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+class PickleCheckpoint(Checkpoint):
+    """PyTorch pickles, loaded with ``weights_only=True`` (memory-mapped where the file allows)."""
+
+    format = "pickle"
+
+    def __init__(self, path: Path, root: Path, files: list[Path]):
+        self._tensors: dict[str, torch.Tensor] = {}
+        infos: dict[str, TensorInfo] = {}
+        for f in files:
+            for name, t in _load_pickle(f).items():
+                self._tensors[name] = t
+                infos[name] = TensorInfo(name, t.dtype, tuple(t.shape), f, None)
+        super().__init__(path, root, files, infos)
+
+    def _read(self, info: TensorInfo) -> torch.Tensor:
+        return self._tensors[info.name]
+
+    def close(self) -> None:
+        self._tensors.clear()
+
+
+def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            obj = torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{path}: refused to load: the pickle holds more than tensors and could run code "
+            f"(weights_only=True: {first[:160]}); convert it to safetensors in a trusted environment"
+        ) from None
+    except Exception as e:  # zipfile/EOF errors: not a checkpoint, or truncated
+        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({type(e).__name__}: {e})") from None
+    for key in ("state_dict", "model", "module"):
+        if isinstance(obj, dict) and set(obj) == {key} and isinstance(obj[key], dict):
+            obj = obj[key]
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise CheckpointError(f"{path}: not a state dict of tensors (found {type(obj).__name__})")
+    return obj
+
+
+def read_config(root: Path) -> dict | None:
+    """config.json of a checkpoint directory, or None when there is none.
+
+    Raises:
+        CheckpointError: config.json exists but is not valid JSON.
+    """
+    p = root / "config.json"
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{p}: not valid JSON ({e})") from None
+
+
+def config_dtype(config: dict | None) -> str | None:
+    """The dtype a config declares: the newer ``dtype`` key, else ``torch_dtype``."""
+    if not config:
+        return None
+    value = config.get("dtype") or config.get("torch_dtype")
+    return str(value).removeprefix("torch.") if value else None
+
+
+def _index_files(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a valid index (needs a 'weight_map' object: {e})") from None
+    files = [index.parent / n for n in dict.fromkeys(weight_map.values())]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{index}: names shard(s) that do not exist: {', '.join(sorted(missing))}")
+    return files
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Open a PyTorch checkpoint lazily: a .safetensors file, an index, a pickle, or a directory.
+
+    Raises:
+        CheckpointError: the path is missing or holds no checkpoint, or a file is unreadable or unsafe.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    if path.is_dir():
+        root = path
+        for name in WEIGHT_INDEXES[:2]:
+            if (path / name).is_file():
+                return _open_files(path, root, _index_files(path / name))
+        for pattern in ("*.safetensors", "pytorch_model*.bin", "*.pth", "*.pt", "*.bin"):
+            files = sorted(path.glob(pattern))
+            if files:
+                return _open_files(path, root, files)
+        raise CheckpointError(
+            f"{path}: no checkpoint here (looked for *.safetensors, model.safetensors.index.json, "
+            "pytorch_model.bin, *.pth, *.pt)"
+        )
+    root = path.parent
+    if path.name.endswith(".index.json"):
+        return _open_files(path, root, _index_files(path))
+    if path.suffix in (".safetensors", *PICKLE_SUFFIXES):
+        return _open_files(path, root, [path])
+    raise CheckpointError(f"{path}: not a checkpoint (expected .safetensors, .index.json, .bin, .pth or .pt)")
+
+
+def _open_files(path: Path, root: Path, files: list[Path]) -> Checkpoint:
+    if all(f.suffix == ".safetensors" for f in files):
+        return SafetensorsCheckpoint(path, root, files)
+    if all(f.suffix in PICKLE_SUFFIXES for f in files):
+        return PickleCheckpoint(path, root, files)
+    raise CheckpointError(f"{path}: mixes safetensors and pickle files; point at one of them")

@@ -1,0 +1,152 @@
+"""Streaming safetensors writer: one tensor in memory at a time, untouched bytes copied by the kernel.
+
+Each output tensor is an ``OutTensor`` whose ``produce()`` returns its bytes as a torch tensor, a numpy
+array, a bytes-like object, or a list of ``ByteRange`` (pieces of input files copied verbatim with
+``copy_file_range``, never entering Python). Shards are filled greedily in the given order so that every
+file, header included, is at most ``max_shard_size`` bytes (a tensor larger than that gets a shard alone).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Union
+
+import numpy as np
+import torch
+
+from .progress import Progress
+from .safetensors_format import build_header, header_entry_size
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """``nbytes`` bytes of ``file`` starting at absolute offset ``start``."""
+
+    file: Path
+    start: int
+    nbytes: int
+
+
+Payload = Union[torch.Tensor, np.ndarray, bytes, memoryview, list]
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """A tensor to write: its header entry, and how to get its bytes when its turn comes."""
+
+    name: str
+    dtype: str  # safetensors dtype string
+    shape: tuple[int, ...]
+    nbytes: int
+    produce: Callable[[], Payload]
+
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def plan_shards(items: Sequence[OutTensor], max_shard_size: int | None, metadata: dict | None) -> list[list[OutTensor]]:
+    """Split ``items`` into consecutive shards whose files are each at most ``max_shard_size`` bytes."""
+    if not max_shard_size:
+        return [list(items)] if items else [[]]
+    meta_len = len(build_header([], metadata)) - 8
+    shards: list[list[OutTensor]] = []
+    cur: list[OutTensor] = []
+    data = 0
+    head = meta_len
+    for t in items:
+        add = header_entry_size(t.name, t.dtype, t.shape, data, t.nbytes)
+        size = 8 + head + add + 8 + data + t.nbytes  # +8: worst-case header padding
+        if cur and size > max_shard_size:
+            shards.append(cur)
+            cur, data, head = [], 0, meta_len
+            add = header_entry_size(t.name, t.dtype, t.shape, 0, t.nbytes)
+        cur.append(t)
+        data += t.nbytes
+        head += add
+    shards.append(cur)
+    return shards
+
+
+def shard_names(n: int, prefix: str = "model") -> list[str]:
+    """Hugging Face shard names: model.safetensors alone, else model-00001-of-0000N.safetensors."""
+    if n == 1:
+        return [f"{prefix}.safetensors"]
+    return [f"{prefix}-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+
+def write_file(path: Path, items: Sequence[OutTensor], metadata: dict | None, progress: Progress | None = None) -> None:
+    """Write one safetensors file, streaming each tensor's bytes."""
+    header = build_header([(t.name, t.dtype, t.shape, t.nbytes) for t in items], metadata)
+    with open(path, "wb", buffering=0) as f:
+        _write_all(f, memoryview(header))
+        for t in items:
+            written = _emit(f, t.produce())
+            if written != t.nbytes:
+                raise RuntimeError(f"internal error: {t.name} produced {written} bytes, expected {t.nbytes}")
+            if progress:
+                progress.update(t.nbytes)
+
+
+def write_sharded(out_dir: Path, items: Sequence[OutTensor], *, max_shard_size: int | None,
+                  metadata: dict | None, prefix: str = "model", progress: Progress | None = None) -> list[str]:
+    """Write ``items`` into ``out_dir`` as HF-style shards (+ index when more than one).
+
+    Returns:
+        The shard file names written.
+    """
+    shards = plan_shards(items, max_shard_size, metadata)
+    names = shard_names(len(shards), prefix)
+    weight_map: dict[str, str] = {}
+    for name, shard in zip(names, shards):
+        write_file(out_dir / name, shard, metadata, progress)
+        weight_map.update({t.name: name for t in shard})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.nbytes for t in items)},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return names
+
+
+def _write_all(f, view: memoryview) -> None:
+    while view:
+        n = f.write(view)
+        view = view[n:]
+
+
+def _emit(f, payload: Payload) -> int:
+    if isinstance(payload, list):
+        return sum(_copy_range(f, r) for r in payload)
+    if isinstance(payload, torch.Tensor):
+        t = payload.detach().cpu().contiguous().reshape(-1)
+        payload = t.view(torch.uint8).numpy() if t.numel() else b""
+    if isinstance(payload, np.ndarray):
+        payload = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
+    view = memoryview(payload).cast("B")
+    _write_all(f, view)
+    return len(view)
+
+
+def _copy_range(f, r: ByteRange) -> int:
+    """Copy a byte range from an input file with copy_file_range (falling back to read/write)."""
+    with open(r.file, "rb", buffering=0) as src:
+        offset, left = r.start, r.nbytes
+        try:
+            while left:
+                n = os.copy_file_range(src.fileno(), f.fileno(), left, offset)
+                if n == 0:
+                    raise OSError("short copy")
+                offset += n
+                left -= n
+        except (OSError, AttributeError):
+            src.seek(offset)
+            while left:
+                chunk = src.read(min(left, 64 << 20))
+                if not chunk:
+                    raise OSError(f"{r.file}: ended early while copying") from None
+                _write_all(f, memoryview(chunk))
+                left -= len(chunk)
+    return r.nbytes
