@@ -8,15 +8,18 @@ Every output is a pure row rearrangement, so each entry carries byte pieces as w
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
-from .detect import FFNSet
-from .errors import LayoutError, NothingToDoError
+from .detect import FFNSet, find_ffns
+from .errors import FFNToolsError, LayoutError, NothingToDoError
 from .ffn import FFN
 from .layouts import GateUpLayout, fuse, split
-from .plan import Entry, Plan, copy_entry
-from .registry import Form, bias_name
+from .output import check_output
+from .plan import Entry, Plan, copy_entry, execute
+from .registry import Form, Scheme, bias_name
+from .store import open_checkpoint
 
 MAX_PIECES = 256  # above this many byte runs (interleaved, column axis) computing is faster than copying
 
@@ -231,3 +234,65 @@ def _assemble(ckpt, ffns: FFNSet, replaced: dict[str, list[Entry]], command: str
                "tensors_out": len(entries), "bytes": sum(e.nbytes for e in entries)}
     changes = ["config.json: carried over unchanged (no config key records the gate/up layout)"]
     return Plan(ckpt, entries, ckpt.config, changes, summary)
+
+
+def default_output(path: Path, tag: str) -> Path:
+    """A path beside the input that exists nowhere yet: model.split.safetensors, or DIR-split/."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".safetensors":
+        stem, suffix, parent = f"{path.stem}.{tag}", ".safetensors", path.parent
+    else:
+        d = path if path.is_dir() else path.parent
+        stem, suffix, parent = f"{d.name}-{tag}", "", d.parent
+    candidate, k = parent / f"{stem}{suffix}", 2
+    while candidate.exists():
+        candidate, k = parent / f"{stem}-{k}{suffix}", k + 1
+    return candidate
+
+
+def _run(command: str, plan_fn, path, out, *, scheme, layout, dry_run, force, max_shard_size, **kw) -> dict:
+    path = Path(path)
+    with open_checkpoint(path) as ckpt:
+        plan = plan_fn(ckpt, find_ffns(ckpt, scheme, layout), **kw)
+        out = Path(out) if out else default_output(path, "split" if command == "split-gateup" else "fused")
+        if out.suffix == ".safetensors" and max_shard_size:
+            raise FFNToolsError(f"{out}: --max-shard-size needs a directory output, not a .safetensors file")
+        summary = dict(plan.summary, output=str(out), dry_run=dry_run, changes=plan.changes,
+                       plan=plan.describe() if dry_run else None)
+        if dry_run:
+            check_output(out, [path, *ckpt.files], force)
+            return summary
+        summary["files"] = execute(plan, out, force=force, max_shard_size=max_shard_size, desc=command)
+        return summary
+
+
+def split_gateup(path, out=None, *, scheme: Scheme | None = None, layout: GateUpLayout | None = None,
+                 dry_run: bool = False, force: bool = False, max_shard_size: int | None = None) -> dict:
+    """Split every fused gate_up tensor of a checkpoint into gate and up projections.
+
+    Args:
+        path: a .safetensors file, an index, or a checkpoint directory.
+        out: output file or directory; default beside the input (``model.split.safetensors``, ``DIR-split``).
+        scheme: naming scheme (detected when None).
+        layout: the layout the fused tensors are stored in (the scheme's when None).
+        dry_run: plan only; nothing is written.
+        force: replace an existing output.
+        max_shard_size: bytes per output shard (directory outputs).
+
+    Returns:
+        A summary: scheme, layout, counts, output path, files (and the plan lines when ``dry_run``).
+    """
+    return _run("split-gateup", plan_split, path, out, scheme=scheme, layout=layout, dry_run=dry_run,
+                force=force, max_shard_size=max_shard_size)
+
+
+def fuse_gateup(path, out=None, *, scheme: Scheme | None = None, layout: GateUpLayout | None = None,
+                stack_experts: bool = False, dry_run: bool = False, force: bool = False,
+                max_shard_size: int | None = None) -> dict:
+    """Fuse gate and up projections into one gate_up tensor per FFN (the inverse of ``split_gateup``).
+
+    Args are as for ``split_gateup``, plus ``stack_experts``: stack routed experts into transformers-v5
+    tensors ``mlp.experts.gate_up_proj`` (E, 2I, H) and ``mlp.experts.down_proj`` (E, H, I).
+    """
+    return _run("fuse-gateup", plan_fuse, path, out, scheme=scheme, layout=layout, dry_run=dry_run,
+                force=force, max_shard_size=max_shard_size, stack_experts=stack_experts)

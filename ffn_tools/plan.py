@@ -105,12 +105,9 @@ def _out_tensor(e: Entry, ckpt: Checkpoint, cache: dict) -> OutTensor:
     def produce():
         if e.pieces is not None and all(i.start is not None for i in infos):
             return [ByteRange(infos[k].file, infos[k].start + off, n) for k, off, n in e.pieces]
-        tensors = []
-        for n in e.inputs:
-            if n not in cache:
-                cache.clear()  # keep at most one whole input (e.g. a stacked expert tensor) alive
-                cache[n] = ckpt[n]
-            tensors.append(cache[n])
+        for n in [n for n in cache if n not in e.inputs]:
+            del cache[n]  # keep only this entry's inputs alive (a stacked tensor serves E entries)
+        tensors = [cache[n] if n in cache else cache.setdefault(n, ckpt[n]) for n in e.inputs]
         out = e.compute(tensors)
         if out.dtype != e.dtype or tuple(out.shape) != e.shape:
             raise RuntimeError(f"internal error: {e.name} computed {out.dtype}{list(out.shape)}, "
@@ -129,8 +126,13 @@ def side_files(ckpt: Checkpoint) -> list[Path]:
 
 
 def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int | None = None,
-            metadata: dict | None = None, desc: str = "writing") -> list[str]:
+            metadata: dict | None = None, desc: str = "writing", carry: bool = True,
+            extra_files: dict[str, str] | None = None) -> list[str]:
     """Stream a plan to ``out``: a ``.safetensors`` file, or a directory of shards plus side files.
+
+    Args:
+        carry: copy the input's non-weight files (tokenizer, generation config, ...) into a directory output.
+        extra_files: more text files (name -> content) to write into a directory output.
 
     Returns:
         The weight files written (names relative to ``out`` for a directory).
@@ -153,11 +155,13 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
             else:
                 tmp.mkdir()
                 written = write_sharded(tmp, items, max_shard_size=max_shard_size, metadata=meta, progress=progress)
-                for p in side_files(ckpt):
+                for p in side_files(ckpt) if carry else []:
                     if p.name != "config.json":
                         shutil.copy2(p, tmp / p.name)
                 if plan.config is not None:
                     (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
+                for name, text in (extra_files or {}).items():
+                    (tmp / name).write_text(text)
     finally:
         progress.close()
     log.info("wrote %s (%s in %d file(s))", out, human(plan.total_bytes), len(written))

@@ -231,7 +231,10 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         for name in WEIGHT_INDEXES[:2]:
             if (path / name).is_file():
                 return _open_files(path, root, _index_files(path / name))
-        for pattern in ("*.safetensors", "pytorch_model*.bin", "*.pth", "*.pt", "*.bin"):
+        for main, pattern in (("model.safetensors", "*.safetensors"), ("pytorch_model.bin", "pytorch_model*.bin"),
+                              (None, "*.pth"), (None, "*.pt"), (None, "*.bin")):
+            if main and (path / main).is_file():  # beside it may lie outputs like model.split.safetensors
+                return _open_files(path, root, [path / main])
             files = sorted(path.glob(pattern))
             if files:
                 return _open_files(path, root, files)

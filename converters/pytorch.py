@@ -1,0 +1,59 @@
+"""PyTorch format: Hugging Face safetensors (single or sharded) and weights-only pickles.
+
+Reading is ``ffn_tools.store``; exporting writes HF-named safetensors shards that transformers loads,
+optionally casting floating tensors to ``dtype``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ffn_tools.dtypes import parse_user_dtype, short_name
+from ffn_tools.plan import Entry, Plan, copy_entry, execute
+from ffn_tools.store import Checkpoint, open_checkpoint
+
+FORMAT = "torch"
+OPTIONS: frozenset[str] = frozenset()
+
+
+def can_read(path: Path) -> bool:
+    """Anything ``open_checkpoint`` accepts; errors are left for ``open`` to report."""
+    return True
+
+
+def open(path: Path) -> Checkpoint:  # noqa: A001 - the converter surface's name
+    """Open a PyTorch checkpoint lazily (see ``ffn_tools.store.open_checkpoint``)."""
+    return open_checkpoint(path)
+
+
+def cast_entry(ckpt: Checkpoint, name: str, dtype) -> Entry:
+    """Copy a tensor, casting it to ``dtype`` if it is floating and differs."""
+    info = ckpt.info(name)
+    if dtype is None or not info.dtype.is_floating_point or info.dtype == dtype:
+        return copy_entry(ckpt, name)
+    return Entry(name, dtype, info.shape, (name,), lambda ts: ts[0].to(dtype), None,
+                 f"cast {short_name(info.dtype)} -> {short_name(dtype)}")
+
+
+def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
+           max_shard_size: int | None = None) -> dict:
+    """Write ``ckpt`` as Hugging Face PyTorch safetensors in directory ``out``.
+
+    Returns:
+        Summary: output path, files, tensor count, bytes, dtype.
+    """
+    target = parse_user_dtype(dtype) if dtype else None
+    config = dict(ckpt.config) if ckpt.config is not None else None
+    changes = []
+    if config is not None:
+        config.pop("quantization", None)
+        config.pop("quantization_config", None)
+        if target is not None:
+            config["dtype"] = short_name(target)
+            config.pop("torch_dtype", None)
+            changes.append(f"config.json: dtype set to {short_name(target)}")
+    plan = Plan(ckpt, [cast_entry(ckpt, n, target) for n in ckpt], config, changes)
+    files = execute(plan, out, force=force, max_shard_size=max_shard_size, metadata={"format": "pt"},
+                    desc="converting to torch")
+    return {"output": str(out), "format": FORMAT, "files": files, "tensors": len(plan.entries),
+            "bytes": plan.total_bytes, "changes": changes}

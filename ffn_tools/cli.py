@@ -1,0 +1,242 @@
+"""The ``ffn-tools`` command line. Thin: each command parses, calls one library function, prints."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from . import progress
+from .errors import FFNToolsError
+from .layouts import ARRANGEMENTS, ORDERS, GateUpLayout
+from .registry import SCHEMES, custom_scheme, load_scheme_file
+from .sizes import SIZE_HELP, parse_size
+
+SHARD_HELP = f"Largest output file, header included, e.g. 500MB, 5GB, 2GiB. {SIZE_HELP}"
+
+
+class Group(click.Group):
+    """Turns library errors into one-line messages (exit 1), never a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except FFNToolsError as e:
+            raise click.ClickException(str(e)) from None
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("-q", "--quiet", is_flag=True, help="Print only results and errors; no progress.")
+@click.option("-v", "--verbose", is_flag=True, help="Log what is being done.")
+@click.version_option(package_name="ffn-tools")
+def cli(quiet: bool, verbose: bool) -> None:
+    """Split, fuse, convert and verify the SwiGLU feed-forward weights of LLM checkpoints.
+
+    Reads Llama / Mistral / Qwen / Phi-3 / Mixtral / Qwen-MoE checkpoints (safetensors, sharded or not,
+    weights-only pickles, MLX, Flax), finds every FFN, and writes new checkpoints atomically: outputs go
+    to a temporary path and are moved into place only on success; the input is never modified.
+    """
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
+    progress.set_enabled(not quiet)
+
+
+def scheme_options(f):
+    """--scheme, --scheme-file and --gate/--up/--down/--gate-up templates, resolved into ``scheme``."""
+
+    @click.option("--scheme", "scheme_name", type=click.Choice(sorted(SCHEMES)),
+                  help="Naming scheme of the FFN tensors (detected from config.json and tensor names by default).")
+    @click.option("--scheme-file", type=click.Path(exists=True, dir_okay=False),
+                  help="JSON file declaring the FFN tensor names: {\"gate\": T, \"up\": T, \"down\": T} "
+                       "with {layer}/{expert} placeholders, or the full form with groups and forms.")
+    @click.option("--gate", help="Template of gate weights, e.g. 'blocks.{layer}.ffn.W_gate.weight'.")
+    @click.option("--up", help="Template of up weights.")
+    @click.option("--down", help="Template of down weights.")
+    @click.option("--gate-up", help="Template of fused gate_up weights.")
+    @functools.wraps(f)
+    def wrapper(*args, scheme_name, scheme_file, gate, up, down, gate_up, **kwargs):
+        if sum(bool(x) for x in (scheme_name, scheme_file, gate or up or down or gate_up)) > 1:
+            raise click.UsageError("use one of --scheme, --scheme-file or --gate/--up/--down templates")
+        scheme = SCHEMES.get(scheme_name) if scheme_name else None
+        try:
+            if scheme_file:
+                scheme = load_scheme_file(scheme_file)
+            elif gate or up or down or gate_up:
+                scheme = custom_scheme(gate, up, down, gate_up)
+        except FFNToolsError as e:
+            raise click.UsageError(str(e)) from None
+        return f(*args, scheme=scheme, **kwargs)
+
+    return wrapper
+
+
+def layout_options(f):
+    """--layout/--order/--tp, resolved into ``layout`` (None when none is given: the scheme's)."""
+
+    @click.option("--layout", "arrangement", type=click.Choice(ARRANGEMENTS),
+                  help="How gate and up share the fused tensor: concat [g; u], interleaved rows g0,u0,g1,u1,... "
+                       "(GPT-OSS), or tp: per tensor-parallel rank [g_r; u_r] (vLLM, Megatron). Default: the scheme's (concat).")
+    @click.option("--order", type=click.Choice(ORDERS), help="Which projection comes first. Default: gate-up.")
+    @click.option("--tp", type=click.IntRange(min=1), help="Tensor-parallel degree for --layout tp.")
+    @functools.wraps(f)
+    def wrapper(*args, arrangement, order, tp, **kwargs):
+        layout = None
+        if arrangement or order or tp:
+            if tp and arrangement != "tp":
+                raise click.UsageError("--tp needs --layout tp")
+            if arrangement == "tp" and not tp:
+                raise click.UsageError("--layout tp needs --tp N (the number of ranks)")
+            layout = GateUpLayout(order or "gate-up", arrangement or "concat", tp or 1)
+        return f(*args, layout=layout, **kwargs)
+
+    return wrapper
+
+
+def size_option(f):
+    return click.option("--max-shard-size", type=str, default=None, callback=lambda c, p, v: parse_size(v) if v else None,
+                        help=SHARD_HELP)(f)
+
+
+def emit(result: dict, as_json: bool, lines: list[str]) -> None:
+    if as_json:
+        click.echo(json.dumps(result, indent=2, default=str))
+    else:
+        for line in lines:
+            click.echo(line)
+
+
+@cli.command()
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of text.")
+@scheme_options
+@layout_options
+def inspect(path, as_json, scheme, layout):
+    """Show the architecture, naming scheme, FFN layout and sizes of the checkpoint at PATH.
+
+    PATH is a .safetensors file, an index, a pickle, or a directory (PyTorch, MLX or Flax).
+    """
+    from converters import open_any
+
+    from .summary import format_summary, inspect_checkpoint
+
+    with open_any(path) as ckpt:
+        s = inspect_checkpoint(ckpt, scheme, layout)
+    emit(s, as_json, format_summary(s))
+
+
+@cli.command()
+@click.argument("path", type=click.Path(exists=True))
+@click.option("-o", "--out", required=True, type=click.Path(), help="Output directory (or a .safetensors file).")
+@click.option("--layers", help="Layers to keep, e.g. 0-3,7 (default: all).")
+@click.option("--experts", help="Routed experts to keep, e.g. 0,5 (default: all; dense and shared FFNs are kept).")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+@size_option
+@scheme_options
+@layout_options
+def extract(path, out, layers, experts, force, as_json, max_shard_size, scheme, layout):
+    """Write only the FFNs of PATH, with canonical names layers.{L}.{gate,up,down}.weight.
+
+    Experts are layers.{L}.experts.{E}.*, the shared expert layers.{L}.shared_expert.*; biases .bias.
+    Weights are (out, in) and bit-exact with the source. A manifest (ffn_manifest.json) records the source,
+    scheme, activation, dtype, d_model, d_ffn, layers and experts.
+    """
+    from converters import open_any
+
+    from .extract import extract as run
+
+    with open_any(path) as ckpt:
+        m = run(ckpt, Path(out), layers=layers, experts=experts, scheme=scheme, layout=layout, force=force,
+                max_shard_size=max_shard_size)
+    emit(m, as_json, [f"wrote {out}: {m['ffns']} FFNs, {m['tensors']} tensors ({m['dtype']})"])
+
+
+def _gateup_command(name: str, fn, help_text: str, extra=()):
+    @click.argument("path", type=click.Path(exists=True))
+    @click.option("-o", "--out", type=click.Path(), help="Output file or directory. Default: beside the input, "
+                  "under a new name (model.split.safetensors, DIR-split/; .fused / -fused for fuse).")
+    @click.option("--dry-run", is_flag=True, help="Print the plan (every output tensor and how it is made); write nothing.")
+    @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+    @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of what was done.")
+    @size_option
+    @scheme_options
+    @layout_options
+    def command(path, out, dry_run, force, as_json, max_shard_size, scheme, layout, **kw):
+        r = fn(path, out, scheme=scheme, layout=layout, dry_run=dry_run, force=force, max_shard_size=max_shard_size, **kw)
+        verb = "would write" if dry_run else "wrote"
+        lines = (r["plan"] or []) if dry_run else []
+        lines += [f"{verb} {r['output']}: {r['ffns_changed']} of {r['ffns_total']} FFNs ({r['layout']}), "
+                  f"{r['tensors_out']} tensors", *r["changes"]]
+        emit(r, as_json, lines)
+
+    command.__doc__ = help_text
+    for decorator in extra:
+        command = decorator(command)
+    return cli.command(name)(command)
+
+
+def _split(*a, **k):
+    from .gateup import split_gateup
+
+    return split_gateup(*a, **k)
+
+
+def _fuse(*a, **k):
+    from .gateup import fuse_gateup
+
+    return fuse_gateup(*a, **k)
+
+
+_gateup_command("split-gateup", _split, """Split fused gate_up projections into gate_proj and up_proj.
+
+    PATH is a .safetensors file, an index or a directory. Phi-3 style mlp.gate_up_proj becomes
+    mlp.gate_proj + mlp.up_proj; transformers-v5 stacked experts mlp.experts.gate_up_proj (E, 2I, H) and
+    mlp.experts.down_proj (E, H, I) become per-expert tensors. Everything else is copied byte for byte;
+    config.json, tokenizer and generation files are carried over.
+    """)
+_gateup_command("fuse-gateup", _fuse, """Fuse gate_proj and up_proj into one gate_up_proj (the inverse of split-gateup).
+
+    Llama-style mlp.gate_proj + mlp.up_proj become mlp.gate_up_proj; per-expert MoE weights become
+    per-expert fused tensors or, with --stack-experts, transformers-v5 stacked tensors
+    mlp.experts.gate_up_proj (E, 2I, H) and mlp.experts.down_proj (E, H, I).
+    """, extra=(click.option("--stack-experts", is_flag=True,
+                             help="Stack routed experts into mlp.experts.gate_up_proj / down_proj (transformers v5)."),))
+
+
+@cli.command()
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--to", "to", required=True, type=click.Choice(("torch", "mlx", "flax")), help="Output format.")
+@click.option("-o", "--out", required=True, type=click.Path(), help="Output directory.")
+@click.option("--dtype", type=click.Choice(("float32", "float16", "bfloat16")), help="Cast floating weights to this dtype.")
+@click.option("--quantize", type=click.Choice(("4", "8")), help="MLX only: quantize with mx.quantize to 4 or 8 bits.")
+@click.option("--group-size", type=click.Choice(("32", "64", "128")), help="MLX only: quantization group size (default 64).")
+@click.option("--flax-layout", type=click.Choice(("hf", "linen")),
+              help="Flax only: hf = the Hugging Face Flax parameter tree (default); linen = FFNs as nn.Dense gate/up/down.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+@size_option
+def convert(path, to, out, dtype, quantize, group_size, flax_layout, force, as_json, max_shard_size):
+    """Convert the checkpoint at PATH to PyTorch safetensors, MLX or Flax msgpack.
+
+    The input may be any format ffn-tools reads. MLX output loads with mlx_lm.load; Flax output is
+    flax_model.msgpack (sharded with an index beyond --max-shard-size). Unquantized conversions are
+    lossless: converting back reproduces every bit.
+    """
+    from converters import convert as run
+
+    r = run(path, to, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size,
+            quantize=int(quantize) if quantize else None, group_size=int(group_size) if group_size else None,
+            flax_layout=flax_layout)
+    emit(r, as_json, [f"wrote {r['output']} ({to})", *r.get("changes", [])])
+
+
+def main() -> None:
+    """Console-script entry point."""
+    cli(prog_name="ffn-tools")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

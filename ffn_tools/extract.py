@@ -1,0 +1,106 @@
+"""``extract``: an FFN-only safetensors checkpoint with canonical names and a JSON manifest.
+
+Names: ``layers.{L}.{gate,up,down}.weight`` (and ``.bias``); experts ``layers.{L}.experts.{E}.…``; the
+shared expert ``layers.{L}.shared_expert.…``. Weights are (out, in), bit-exact with the source (fused
+tensors split by row moves, stacked experts indexed). The manifest sits beside it as ``ffn_manifest.json``
+(or ``OUT.json`` for a ``.safetensors`` output).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .detect import find_ffns
+from .dtypes import short_name
+from .errors import FFNToolsError
+from .ffn import FFN, canonical_weights
+from .layouts import GateUpLayout
+from .plan import Entry, Plan, copy_entry, execute
+from .registry import Scheme
+from .specs import parse_spec
+
+MANIFEST = "ffn_manifest.json"
+
+
+def canonical_prefix(f: FFN) -> str:
+    """``layers.3`` / ``layers.3.experts.5`` / ``layers.3.shared_expert``."""
+    base = f"layers.{f.ref.layer}"
+    return {"dense": base, "expert": f"{base}.experts.{f.ref.expert}", "shared": f"{base}.shared_expert"}[f.ref.kind]
+
+
+def _entries(ckpt, f: FFN) -> list[Entry]:
+    prefix = canonical_prefix(f)
+    shapes = {"gate": (f.d_ffn, f.d_model), "up": (f.d_ffn, f.d_model), "down": (f.d_model, f.d_ffn),
+              "gate_bias": (f.d_ffn,), "up_bias": (f.d_ffn,), "down_bias": (f.d_model,)}
+    has_bias = {"gate_bias": "gate_bias" in f.names or "gate_up_bias" in f.names,
+                "up_bias": "up_bias" in f.names or "gate_up_bias" in f.names, "down_bias": "down_bias" in f.names}
+    roles = ["gate", "up", "down"] + [r for r, present in has_bias.items() if present]
+    dtype = ckpt.info(f.names["down"]).dtype
+    inputs = tuple(dict.fromkeys(f.names.values()))
+    out = []
+    for role in roles:
+        name = f"{prefix}.{role.split('_')[0]}.{'bias' if role.endswith('_bias') else 'weight'}"
+        if role in f.names and f.index is None:  # stored as is: a byte copy under the canonical name
+            out.append(copy_entry(ckpt, f.names[role], name))
+            continue
+
+        def compute(ts, role=role):
+            return canonical_weights(dict(zip(inputs, ts)), f)[role].contiguous()
+
+        src = f.names.get(role) or f.names["gate_up_bias" if role.endswith("_bias") else "gate_up"]
+        out.append(Entry(name, dtype, shapes[role], inputs, compute, None, f"{role} of {f.ref} ({src})"))
+    return out
+
+
+def extract(ckpt, out: Path, *, layers: str | None = None, experts: str | None = None,
+            scheme: Scheme | None = None, layout: GateUpLayout | None = None, force: bool = False,
+            max_shard_size: int | None = None) -> dict:
+    """Write the (selected) FFNs of ``ckpt`` with canonical names, plus a manifest.
+
+    Args:
+        ckpt: the source checkpoint.
+        out: a directory, or a ``.safetensors`` file.
+        layers, experts: selections like ``0-3,7`` (None: all). ``experts`` keeps dense and shared FFNs.
+
+    Returns:
+        The manifest (also written as JSON).
+
+    Raises:
+        FFNToolsError: the selection matches no FFN, or the output exists.
+    """
+    ffns = find_ffns(ckpt, scheme, layout)
+    keep_layers = parse_spec(layers) if layers else None
+    keep_experts = parse_spec(experts) if experts else None
+    chosen = [f for f in ffns.ffns if (keep_layers is None or f.ref.layer in keep_layers)
+              and (keep_experts is None or f.ref.kind != "expert" or f.ref.expert in keep_experts)]
+    if not chosen:
+        raise FFNToolsError(f"--layers {layers or 'all'} --experts {experts or 'all'} selects no FFN of {ckpt.path} "
+                            f"(layers {ffns.ffns[0].ref.layer}-{ffns.ffns[-1].ref.layer})")
+    entries = [e for f in chosen for e in _entries(ckpt, f)]
+    dtype = ckpt.info(chosen[0].names["down"]).dtype
+    manifest = {
+        "source": str(ckpt.path), "scheme": ffns.scheme.name, "activation": ffns.activation.config_name,
+        "gated_unit": ffns.activation.unit, "dtype": short_name(dtype),
+        "d_model": chosen[0].d_model, "d_ffn": sorted({f.d_ffn for f in chosen}),
+        "layers": sorted({f.ref.layer for f in chosen}),
+        "experts": sorted({f.ref.expert for f in chosen if f.ref.kind == "expert"}),
+        "shared_expert": any(f.ref.kind == "shared" for f in chosen),
+        "ffns": len(chosen), "tensors": len(entries),
+    }
+    config = {"hidden_act": ffns.activation.config_name, "ffn_tools_manifest": manifest}
+    plan = Plan(ckpt, entries, None if out.suffix == ".safetensors" else config)
+    metadata = {"format": "pt", "ffn_tools": "extract"}
+    if out.suffix == ".safetensors":
+        execute(plan, out, force=force, metadata=metadata, desc="extracting")
+        Path(str(out)[: -len(".safetensors")] + ".json").write_text(json.dumps(manifest, indent=2) + "\n")
+    else:
+        _execute_dir(plan, out, force, max_shard_size, metadata, manifest)
+    return manifest
+
+
+def _execute_dir(plan: Plan, out: Path, force: bool, max_shard_size, metadata, manifest) -> None:
+    # The manifest goes in with the shards, inside the atomic rename; side files are not carried:
+    # an FFN-only checkpoint is not loadable as the source model.
+    execute(plan, out, force=force, max_shard_size=max_shard_size, metadata=metadata, desc="extracting",
+            extra_files={MANIFEST: json.dumps(manifest, indent=2) + "\n"}, carry=False)

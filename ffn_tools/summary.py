@@ -1,0 +1,92 @@
+"""``inspect``: what a checkpoint holds, as a dict (printed as text or JSON by the CLI)."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from .detect import FFNSet, find_ffns
+from .dtypes import short_name
+from .layouts import GateUpLayout
+from .registry import Scheme
+from .store import Checkpoint, config_dtype
+
+
+def inspect_checkpoint(ckpt: Checkpoint, scheme: Scheme | None = None, layout: GateUpLayout | None = None) -> dict:
+    """Describe a checkpoint and its FFNs.
+
+    Returns:
+        architecture, scheme, layers, routed/shared experts, d_model, d_ffn per kind, layout per kind,
+        activation, dtypes, shards, total bytes, FFN tensor counts per kind, and the tensors outside
+        any FFN (count and bytes).
+
+    Raises:
+        SchemeError: no FFN found (see ``find_ffns``).
+    """
+    ffns: FFNSet = find_ffns(ckpt, scheme, layout)
+    config = ckpt.config or {}
+    kinds: dict[str, dict] = {}
+    per_kind = defaultdict(list)
+    for f in ffns.ffns:
+        per_kind[f.ref.kind].append(f)
+    for kind, fs in per_kind.items():
+        forms = Counter(f.form_name for f in fs)
+        layouts = sorted({f.layout.describe() for f in fs if f.form.fused})
+        tensors = {n for f in fs for n in f.names.values()}
+        kinds[kind] = {
+            "count": len(fs),
+            "layers": len({f.ref.layer for f in fs}),
+            "d_ffn": sorted({f.d_ffn for f in fs}),
+            "forms": dict(forms),
+            "layout": "separate" if not layouts else "fused (" + "; ".join(layouts) + ")"
+                      + (" and separate" if forms.get("separate") else ""),
+            "bias": any(f.has_bias for f in fs),
+            "tensors": len(tensors),
+        }
+    experts = per_kind.get("expert", [])
+    outside = [n for n in ckpt if n not in ffns.tensors]
+    return {
+        "path": str(ckpt.path),
+        "format": ckpt.format,
+        "architecture": (config.get("architectures") or [config.get("model_type", "unknown")])[0],
+        "model_type": config.get("model_type"),
+        "scheme": ffns.scheme.name,
+        "scheme_description": ffns.scheme.description,
+        "layers": len({f.ref.layer for f in ffns.ffns}),
+        "config_layers": config.get("num_hidden_layers"),
+        "routed_experts": len({f.ref.expert for f in experts}),
+        "shared_experts": 1 if "shared" in per_kind else 0,
+        "d_model": sorted({f.d_model for f in ffns.ffns}),
+        "ffn": kinds,
+        "activation": ffns.activation.describe(),
+        "gated_unit": ffns.activation.unit,
+        "dtypes": dict(Counter(short_name(ckpt.info(n).dtype) for n in ckpt)),
+        "config_dtype": config_dtype(ckpt.config),
+        "shards": [str(f.name) for f in ckpt.files],
+        "total_bytes": ckpt.total_bytes,
+        "tensors": len(ckpt),
+        "ffn_tensors": len(ffns.tensors),
+        "outside_ffn": {"count": len(outside), "bytes": sum(ckpt.info(n).nbytes for n in outside)},
+    }
+
+
+def format_summary(s: dict) -> list[str]:
+    """Human-readable lines for an ``inspect_checkpoint`` result."""
+    from .sizes import human
+
+    lines = [
+        f"{s['path']}  ({s['format']}, {len(s['shards'])} shard(s), {human(s['total_bytes'])}, {s['tensors']} tensors)",
+        f"  architecture  {s['architecture']}  (model_type {s['model_type']})",
+        f"  scheme        {s['scheme']}: {s['scheme_description']}",
+        f"  layers        {s['layers']}" + (f" (config: {s['config_layers']})" if s["config_layers"] not in (None, s["layers"]) else ""),
+        f"  experts       {s['routed_experts']} routed, {s['shared_experts']} shared",
+        f"  d_model       {', '.join(map(str, s['d_model']))}",
+        f"  activation    {s['activation']}",
+        f"  dtypes        {', '.join(f'{k} x{v}' for k, v in s['dtypes'].items())}"
+        + (f"  (config: {s['config_dtype']})" if s["config_dtype"] else ""),
+    ]
+    for kind, k in s["ffn"].items():
+        lines.append(f"  {kind:<13} {k['count']} FFNs in {k['layers']} layers, d_ffn {', '.join(map(str, k['d_ffn']))}, "
+                     f"{k['layout']}{', with biases' if k['bias'] else ''}, {k['tensors']} tensors")
+    o = s["outside_ffn"]
+    lines.append(f"  outside FFNs  {o['count']} tensors, {human(o['bytes'])}")
+    return lines

@@ -1,0 +1,76 @@
+"""Tiny real checkpoints built with transformers' own configs and ``save_pretrained``.
+
+Every architecture the tests use is one row of ``ARCHS``: a config class and model class from
+transformers, and config keyword arguments (2 layers, hidden 64). ``build(arch, path, dtype=...)`` writes
+a real Hugging Face checkpoint directory and returns its path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+              tie_word_embeddings=False)
+
+# arch -> (config class, model class, extra config kwargs)
+ARCHS: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama-bias": ("LlamaConfig", "LlamaForCausalLM", {"mlp_bias": True}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                   "shared_expert_intermediate_size": 80, "decoder_sparse_step": 1}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "head_dim": 16,
+                   "decoder_sparse_step": 1}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16, "hidden_act": "gelu_pytorch_tanh",
+                                                   "hidden_activation": "gelu_pytorch_tanh"}),
+}
+
+
+def make_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """An initialised transformers model of ``arch`` (random weights, seeded, in ``dtype``)."""
+    import transformers
+
+    cfg_name, model_name, extra = ARCHS[arch]
+    config = getattr(transformers, cfg_name)(**{**COMMON, **extra})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).to(dtype).eval()
+    with torch.no_grad():  # default init leaves some weights (norms, biases) at exact 0/1: perturb all
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
+def build(arch: str, path: Path, dtype: torch.dtype = torch.float32, max_shard_size: str | None = None,
+          safe_serialization: bool = True, seed: int = 0) -> Path:
+    """Save a tiny ``arch`` model with ``save_pretrained`` into ``path`` and return ``path``."""
+    model = make_model(arch, dtype, seed)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    if not safe_serialization:
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        path.mkdir(parents=True, exist_ok=True)
+        model.config.save_pretrained(path)
+        torch.save(state, path / "pytorch_model.bin")
+        return path
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+def logits(path: Path, arch: str, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits of the checkpoint at ``path`` loaded by transformers' own ``from_pretrained``."""
+    import transformers
+
+    model_name = ARCHS[arch][1]
+    model = getattr(transformers, model_name).from_pretrained(path).eval()
+    if tokens is None:
+        tokens = torch.arange(3, 19).reshape(2, 8)
+    with torch.no_grad():
+        return model(tokens).logits
