@@ -1,0 +1,47 @@
+"""The ffn-tools demo: a tiny real Phi-3 checkpoint, split, fused back, converted, checked.
+
+Builds the checkpoint with transformers' own Phi3Config + save_pretrained (no downloads), then runs the
+ffn-tools command line on it exactly as a user would, printing each command first. Run: ``make demo``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+BIN = Path(sys.executable).parent / "ffn-tools"
+
+
+def run(*args: str) -> None:
+    print(f"\n$ ffn-tools {' '.join(args)}", flush=True)
+    subprocess.run([str(BIN), *args], check=True)
+
+
+def main() -> None:
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    work = Path(tempfile.mkdtemp(prefix="ffn-tools-demo-"))
+    try:
+        config = Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+        torch.manual_seed(0)
+        Phi3ForCausalLM(config).to(torch.bfloat16).save_pretrained(work / "phi3")
+        print(f"built a tiny bf16 Phi-3 in {work / 'phi3'} with transformers")
+        run("inspect", str(work / "phi3"))
+        run("split-gateup", str(work / "phi3" / "model.safetensors"), "--dry-run")
+        run("split-gateup", str(work / "phi3" / "model.safetensors"))
+        run("split-gateup", str(work / "phi3"), "-o", str(work / "phi3-split"))
+        run("fuse-gateup", str(work / "phi3-split"), "-o", str(work / "phi3-fused"))
+        run("extract", str(work / "phi3"), "-o", str(work / "phi3-ffn"), "--layers", "1")
+        run("inspect", str(work / "phi3-split"), "--json")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
