@@ -203,7 +203,8 @@ _gateup_command("fuse-gateup", _fuse, """Fuse gate_proj and up_proj into one gat
     per-expert fused tensors or, with --stack-experts, transformers-v5 stacked tensors
     mlp.experts.gate_up_proj (E, 2I, H) and mlp.experts.down_proj (E, H, I).
     """, extra=(click.option("--stack-experts", is_flag=True,
-                             help="Stack routed experts into mlp.experts.gate_up_proj / down_proj (transformers v5)."),))
+                             help="Stack routed experts into mlp.experts.gate_up_proj / down_proj, as transformers v5 "
+                                  "stores them; dense MLPs and shared experts are left as they are."),))
 
 
 @cli.command()

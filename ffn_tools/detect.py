@@ -6,7 +6,7 @@ separate) is collected and reported in one error, sorted.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -94,21 +94,28 @@ def find_ffns(ckpt, scheme: Scheme | None = None, layout: GateUpLayout | None = 
                           f"(e.g. {next(iter(scheme.groups[0].forms.values())).templates()})")
     ffns: list[FFN] = []
     problems: list[str] = []
-    for (gi, stacked, layer, expert), forms in sorted(hits.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][3] or 0)):
-        group = scheme.groups[gi]
+    keys = sorted(hits, key=lambda k: (k[2], k[0], k[3] or 0))
+    complete = {k: [f for f, roles in hits[k].items() if set(roles) == set(scheme.groups[k[0]].forms[f].templates())]
+                for k in keys}
+    usual: dict[int, Counter] = defaultdict(Counter)  # group -> how often each form is complete
+    for k in keys:
+        usual[k[0]].update(complete[k])
+    for key in keys:
+        gi, stacked, layer, expert = key
+        group, forms = scheme.groups[gi], hits[key]
         where = f"layer {layer}" + (f" expert {expert}" if expert is not None else "") + \
             ("" if group.kind != "shared" else " shared expert")
-        complete = [f for f, roles in forms.items() if set(roles) == set(group.forms[f].templates())]
-        if len(complete) != 1:
-            if complete:
-                problems.append(f"{where}: both {' and '.join(complete)} tensors are present; keep one form")
+        if len(complete[key]) != 1:
+            if complete[key]:
+                problems.append(f"{where}: both {' and '.join(complete[key])} tensors are present; keep one form")
             else:
-                f, roles = max(forms.items(), key=lambda kv: len(kv[1]))
-                missing = [group.forms[f].templates()[r] for r in group.forms[f].templates() if r not in roles]
+                f, roles = max(forms.items(), key=lambda kv: (usual[gi][kv[0]], len(kv[1])))
+                missing = [t for r, t in group.forms[f].templates().items() if r not in roles]
+                note = f" (other layers use the {f} form)" if usual[gi][f] else ""
                 problems.append(f"{where}: has {', '.join(sorted(roles.values()))} but lacks "
-                                f"{', '.join(m.format(layer=layer, expert=expert) for m in missing)}")
+                                f"{', '.join(m.format(layer=layer, expert=expert) for m in missing)}{note}")
             continue
-        form_name = complete[0]
+        form_name = complete[key][0]
         ffns.extend(_build(ckpt, group, form_name, forms[form_name], layer, expert, layout or group.layout, problems))
     if problems:
         raise SchemeError(f"{ckpt.path}: inconsistent FFN tensors under scheme {scheme.name!r}: " + "; ".join(sorted(problems)))
@@ -132,14 +139,18 @@ def _build(ckpt, group: Group, form_name: str, roles: dict[str, str], layer: int
         return []
     h, i = down[lead:]
     want = {"down": (h, i), "down_bias": (h,)}
+    fused_axis = 0 if layout.axis == "rows" else 1
     if form.fused:
-        fused_axis = 0 if layout.axis == "rows" else 1
         want["gate_up"] = (2 * i, h) if fused_axis == 0 else (h, 2 * i)
         want["gate_up_bias"] = (2 * i,)
     else:
         want.update(gate=(i, h), up=(i, h), gate_bias=(i,), up_bias=(i,))
     n_experts = down[0] if form.stacked else None
     before = len(problems)
+    if form.fused and len(shapes["gate_up"]) == 2 + lead and shapes["gate_up"][lead + fused_axis] % 2:
+        problems.append(f"{names['gate_up']}: odd number of gate/up rows ({shapes['gate_up'][lead + fused_axis]}); "
+                        "gate and up must be equal halves: is this really a fused gate_up tensor?")
+        return []
     for role, shape in shapes.items():
         expect = ((n_experts,) if form.stacked else ()) + want[role]
         if tuple(shape) != expect:

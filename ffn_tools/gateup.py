@@ -163,7 +163,9 @@ def _stack_entry(ckpt, name: str, srcs: list[str]) -> Entry:
 
 
 def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False) -> Plan:
-    """Plan fusing every separate FFN of ``ckpt`` (routed experts stacked when ``stack_experts``).
+    """Plan fusing every separate FFN of ``ckpt``; with ``stack_experts``, stack the routed experts instead.
+
+    With ``stack_experts`` dense MLPs and shared experts keep their form, as transformers v5 stores them.
 
     Raises:
         NothingToDoError: no FFN is separate, or the scheme has no fused form.
@@ -176,8 +178,9 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False) -> Plan:
     replaced: dict[str, list[Entry]] = defaultdict(list)
     by_layer: dict[int, list[FFN]] = defaultdict(list)
     for f in separate:
-        if stack_experts and f.ref.kind == "expert":
-            by_layer[f.ref.layer].append(f)
+        if stack_experts:  # only routed experts: v5 keeps dense MLPs and shared experts separate
+            if f.ref.kind == "expert":
+                by_layer[f.ref.layer].append(f)
             continue
         target = _target(f, "fused", "fuse")
         new = {r: _name(t, f) for r, t in target.templates().items()}
@@ -204,7 +207,10 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False) -> Plan:
         for f in experts:
             for role in f.names:
                 replaced[f.names[role]] += []
-    return _assemble(ckpt, ffns, replaced, "fuse-gateup", len(separate), separate[0].layout)
+    if stack_experts and not by_layer:
+        raise NothingToDoError(f"{ckpt.path}: --stack-experts: no routed experts with separate gate/up to stack")
+    changed = sum(len(v) for v in by_layer.values()) if stack_experts else len(separate)
+    return _assemble(ckpt, ffns, replaced, "fuse-gateup", changed, separate[0].layout)
 
 
 def _fuse_biases(ckpt, f0: FFN, replaced, group: list[FFN], name: str, stacked: bool = False) -> None:

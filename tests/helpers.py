@@ -1,0 +1,49 @@
+"""Small test helpers: run the CLI in-process, compare checkpoints tensor by tensor."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from click.testing import CliRunner
+
+from ffn_tools.cli import cli
+from ffn_tools.store import open_checkpoint
+
+
+def run_cli(*args: str, ok: bool = True):
+    """Invoke ``ffn-tools ARGS`` in-process; assert success (or a clean one-line failure when not ok)."""
+    result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=True)
+    if ok:
+        assert result.exit_code == 0, f"exit {result.exit_code}: {result.output}\n{result.exception!r}"
+    else:
+        assert result.exit_code != 0, result.output
+        assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+        assert "Traceback" not in result.output
+        errors = [ln for ln in result.output.splitlines() if ln.startswith("Error:")]
+        assert len(errors) == 1, result.output  # one line saying what is wrong (usage errors add a usage hint)
+    return result
+
+
+def tensors(path: Path) -> dict[str, torch.Tensor]:
+    with open_checkpoint(path) as c:
+        return {n: c[n].clone() for n in c}
+
+
+def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Same names, dtypes, shapes and bytes."""
+    assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))
+    for n in a:
+        assert a[n].dtype == b[n].dtype and a[n].shape == b[n].shape, n
+        assert raw(a[n]) == raw(b[n]), f"{n} differs"
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    """sha256 of every file under ``path``: to prove an input was not modified."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}

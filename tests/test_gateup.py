@@ -1,0 +1,232 @@
+"""split-gateup / fuse-gateup on real transformers checkpoints: exact, loadable, planned, refusing bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_identical, run_cli, tensors, tree_digest
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tiny_models import logits, make_model
+
+from ffn_tools.store import open_checkpoint
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def test_phi3_split_then_fuse_is_byte_identical_and_loads(model_dir, tmp_path):
+    src = model_dir("phi3")
+    run_cli("split-gateup", src, "-o", tmp_path / "split")
+    split = tensors(tmp_path / "split")
+    assert "model.layers.0.mlp.gate_up_proj.weight" not in split
+    assert split["model.layers.0.mlp.gate_proj.weight"].shape == (96, 64)
+    run_cli("fuse-gateup", tmp_path / "split", "-o", tmp_path / "back")
+    assert_identical(tensors(src), tensors(tmp_path / "back"))
+    assert torch.equal(logits(src, "phi3"), logits(tmp_path / "back", "phi3"))
+    assert (tmp_path / "split" / "generation_config.json").is_file()
+    assert json.loads((tmp_path / "split" / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+
+
+def test_split_phi3_ffn_equals_transformers_phi3_mlp(model_dir, tmp_path):
+    model = make_model("phi3")
+    src = model_dir("phi3")
+    run_cli("split-gateup", src, "-o", tmp_path / "split")
+    t = tensors(tmp_path / "split")
+    x = torch.randn(5, 64)
+    for layer in range(2):
+        p = f"model.layers.{layer}.mlp."
+        g, u, d = (t[p + n + ".weight"] for n in ("gate_proj", "up_proj", "down_proj"))
+        ours = F.linear(F.silu(F.linear(x, g)) * F.linear(x, u), d)
+        with torch.no_grad():
+            theirs = model.model.layers[layer].mlp(x)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(ours, F.linear(F.silu(F.linear(x, u)) * F.linear(x, g), d))  # order matters
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-bias", "qwen3"])
+def test_llama_fuse_then_split_is_byte_identical_with_same_logits(model_dir, tmp_path, arch):
+    src = model_dir(arch)
+    run_cli("fuse-gateup", src, "-o", tmp_path / "fused")
+    fused = tensors(tmp_path / "fused")
+    assert fused["model.layers.1.mlp.gate_up_proj.weight"].shape == (192, 64)
+    if arch == "llama-bias":
+        assert fused["model.layers.1.mlp.gate_up_proj.bias"].shape == (192,)
+    run_cli("split-gateup", tmp_path / "fused", "-o", tmp_path / "back")
+    assert_identical(tensors(src), tensors(tmp_path / "back"))
+    assert torch.equal(logits(src, arch), logits(tmp_path / "back", arch))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_moe_stack_experts_round_trip_and_transformers_loads_stacked(model_dir, tmp_path, arch):
+    src = model_dir(arch)
+    run_cli("fuse-gateup", src, "--stack-experts", "-o", tmp_path / "stacked")
+    st = tensors(tmp_path / "stacked")
+    assert st["model.layers.0.mlp.experts.gate_up_proj"].shape[:1] == (4,)
+    assert not any(".experts.0." in n for n in st)
+    # transformers v5 stores experts exactly like this: the stacked checkpoint loads and gives equal logits
+    assert torch.equal(logits(src, arch), logits(tmp_path / "stacked", arch))
+    run_cli("split-gateup", tmp_path / "stacked", "-o", tmp_path / "back")
+    assert_identical(tensors(src), tensors(tmp_path / "back"))
+
+
+def test_moe_per_expert_fuse_round_trip(model_dir, tmp_path):
+    src = model_dir("qwen2_moe", torch.bfloat16)
+    run_cli("fuse-gateup", src, "-o", tmp_path / "fused")
+    t = tensors(tmp_path / "fused")
+    assert t["model.layers.0.mlp.experts.3.gate_up_proj.weight"].shape == (96, 64)
+    assert t["model.layers.0.mlp.shared_expert.gate_up_proj.weight"].shape == (160, 64)
+    assert "model.layers.0.mlp.shared_expert_gate.weight" in t  # not an FFN: passes through
+    run_cli("split-gateup", tmp_path / "fused", "-o", tmp_path / "back")
+    assert_identical(tensors(src), tensors(tmp_path / "back"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", [("concat", "gate-up", None), ("concat", "up-gate", None),
+                                    ("interleaved", "gate-up", None), ("interleaved", "up-gate", None),
+                                    ("tp", "gate-up", 2), ("tp", "up-gate", 4)], ids=str)
+def test_every_layout_round_trips_on_a_real_checkpoint(model_dir, tmp_path, dtype, layout):
+    arrangement, order, tp = layout
+    opts = ["--layout", arrangement, "--order", order] + (["--tp", str(tp)] if tp else [])
+    src = model_dir("llama-bias", dtype)
+    run_cli("fuse-gateup", src, "-o", tmp_path / "fused", *opts)
+    base, fused = tensors(src), tensors(tmp_path / "fused")
+    g, u = base["model.layers.0.mlp.gate_proj.weight"], base["model.layers.0.mlp.up_proj.weight"]
+    w = fused["model.layers.0.mlp.gate_up_proj.weight"]
+    first = g if order == "gate-up" else u
+    assert torch.equal(w[0], first[0])  # every layout starts with row 0 of the first projection
+    run_cli("split-gateup", tmp_path / "fused", "-o", tmp_path / "back", *opts)
+    assert_identical(base, tensors(tmp_path / "back"))
+    if layout != ("concat", "gate-up", None):  # reading it with the wrong layout must not round-trip
+        run_cli("split-gateup", tmp_path / "fused", "-o", tmp_path / "wrong")
+        assert not torch.equal(tensors(tmp_path / "wrong")["model.layers.0.mlp.gate_proj.weight"], g)
+
+
+def test_byte_copy_path_equals_compute_path(model_dir, tmp_path):
+    """The executor copies byte ranges from safetensors and computes from pickles: both must agree."""
+    st, pk = model_dir("llama-bias", torch.bfloat16), model_dir("llama-bias", torch.bfloat16, safe_serialization=False)
+    for name, src in (("st", st), ("pk", pk)):
+        run_cli("fuse-gateup", src, "-o", tmp_path / f"{name}-fused", "--layout", "tp", "--tp", "2")
+    assert_identical(tensors(tmp_path / "st-fused"), tensors(tmp_path / "pk-fused"))
+
+
+def test_single_file_form_writes_beside_the_input(model_dir, tmp_path):
+    shutil.copytree(model_dir("phi3"), tmp_path / "phi3")
+    f = tmp_path / "phi3" / "model.safetensors"
+    before = tree_digest(f)
+    r = run_cli("split-gateup", f)
+    assert (tmp_path / "phi3" / "model.split.safetensors").is_file()
+    assert "model.split.safetensors" in r.output
+    run_cli("split-gateup", f)  # a second run overwrites nothing
+    assert (tmp_path / "phi3" / "model.split-2.safetensors").is_file()
+    assert tree_digest(f) == before
+    with safe_open(tmp_path / "phi3" / "model.split.safetensors", "pt") as s:
+        assert s.metadata() == {"format": "pt"}
+        assert "model.layers.1.mlp.up_proj.weight" in s.keys()
+
+
+def test_dry_run_writes_nothing_and_names_every_output(model_dir, tmp_path):
+    src = model_dir("phi3")
+    r = run_cli("split-gateup", src, "-o", tmp_path / "out", "--dry-run")
+    assert not (tmp_path / "out").exists()
+    assert "model.layers.0.mlp.gate_proj.weight  float32[96, 64]  \u2190 rows 0:96 of model.layers.0.mlp.gate_up_proj.weight" in r.output
+    assert "model.layers.1.mlp.up_proj.weight  float32[96, 64]  \u2190 rows 96:192 of" in r.output
+    assert len([ln for ln in r.output.splitlines() if "\u2190" in ln]) == len(tensors(src)) + 2
+    j = json.loads(run_cli("split-gateup", src, "-o", tmp_path / "out", "--json").output)
+    assert j["ffns_changed"] == 2 and j["tensors_out"] == len(tensors(src)) + 2 and j["files"] == ["model.safetensors"]
+
+
+def test_sharded_output_is_byte_exact_in_size_and_loads(model_dir, tmp_path):
+    src = model_dir("phi3")
+    run_cli("split-gateup", src, "-o", tmp_path / "out", "--max-shard-size", "60KB")
+    files = sorted((tmp_path / "out").glob("model-*.safetensors"))
+    assert len(files) > 2 and files[0].name == f"model-00001-of-{len(files):05d}.safetensors"
+    big = max(p.stat().st_size for p in files)
+    assert big <= 60_000
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert list(index["weight_map"]) == sorted(index["weight_map"])
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors(tmp_path / "out").values())
+    run_cli("fuse-gateup", tmp_path / "out", "-o", tmp_path / "back")
+    assert torch.equal(logits(src, "phi3"), logits(tmp_path / "back", "phi3"))
+
+
+def _bad_phi3(tmp_path, src, case):
+    t = tensors(src)
+    if case == "odd-rows":
+        t["model.layers.1.mlp.gate_up_proj.weight"] = t["model.layers.1.mlp.gate_up_proj.weight"][:-1].contiguous()
+        t["model.layers.1.mlp.down_proj.weight"] = torch.zeros(64, 95)
+    elif case == "missing-fused":
+        del t["model.layers.1.mlp.gate_up_proj.weight"]
+    d = tmp_path / case
+    d.mkdir()
+    shutil.copy(src / "config.json", d)
+    save_file(t, d / "model.safetensors", metadata={"format": "pt"})
+    return d
+
+
+@pytest.mark.parametrize("case, args, message", [
+    ("odd-rows", [], "odd number of gate/up rows"),
+    ("tp-not-dividing", ["--layout", "tp", "--tp", "5"], "5 tensor-parallel ranks"),
+    ("missing-fused", [], "layer 1: has model.layers.1.mlp.down_proj.weight but lacks model.layers.1.mlp.gate_up_proj.weight"),
+    ("nothing-to-split", [], "nothing to split"),
+    ("output-exists", [], "already exists"),
+    ("output-is-input", [], "would overwrite the input"),
+    ("tp-without-layout", ["--tp", "2"], "--tp needs --layout tp"),
+])
+def test_bad_input_is_refused_and_nothing_is_written(model_dir, tmp_path, case, args, message):
+    src = model_dir("llama" if case == "nothing-to-split" else "phi3")
+    if case in ("odd-rows", "missing-fused"):
+        src = _bad_phi3(tmp_path, src, case)
+    out = tmp_path / "out"
+    if case == "output-exists":
+        out.mkdir()
+        (out / "keep.txt").write_text("mine")
+    if case == "output-is-input":
+        out = src
+    before = tree_digest(src)
+    r = run_cli("split-gateup", src, "-o", out, *args, ok=False)
+    assert message in r.output
+    assert tree_digest(src) == before
+    if case == "output-exists":
+        assert (out / "keep.txt").read_text() == "mine" and len(list(out.iterdir())) == 1
+    elif case != "output-is-input":
+        assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_force_replaces_an_existing_output(model_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    run_cli("split-gateup", model_dir("phi3"), "-o", out, "--force")
+    assert not (out / "old.txt").exists() and (out / "model.safetensors").is_file()
+
+
+def test_failure_midway_leaves_no_partial_output(model_dir, tmp_path, monkeypatch):
+    import ffn_tools.writer as writer
+
+    calls = {"n": 0}
+    real = writer._emit
+
+    def flaky(f, payload):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise OSError("disk full")
+        return real(f, payload)
+
+    monkeypatch.setattr(writer, "_emit", flaky)
+    with pytest.raises(OSError):
+        from ffn_tools.gateup import split_gateup
+
+        split_gateup(model_dir("phi3"), tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pickle_input_is_split_too(model_dir, tmp_path):
+    src = model_dir("llama", safe_serialization=False)
+    run_cli("fuse-gateup", src, "-o", tmp_path / "fused")
+    with open_checkpoint(tmp_path / "fused") as c:
+        assert c.format == "safetensors" and "model.layers.0.mlp.gate_up_proj.weight" in c

@@ -1,0 +1,132 @@
+"""Lazy checkpoint reading: every input form, metadata without data, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+
+import pytest
+import torch
+from helpers import run_cli, tensors
+from safetensors.torch import save_file
+
+from ffn_tools.errors import CheckpointError
+from ffn_tools.store import config_dtype, open_checkpoint
+
+
+def test_directory_file_and_index_agree(model_dir, tmp_path):
+    d = model_dir("llama")
+    sharded = model_dir("llama", max_shard_size="50KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    base = tensors(d)
+    for p in (d, d / "model.safetensors", sharded, sharded / "model.safetensors.index.json"):
+        with open_checkpoint(p) as c:
+            assert set(c) == set(base)
+            assert all(torch.equal(c[n], base[n]) for n in c)
+    with open_checkpoint(sharded) as c:
+        assert len(c.files) > 1
+
+
+def test_shapes_and_dtypes_without_reading(model_dir, monkeypatch):
+    d = model_dir("qwen2_moe", torch.bfloat16)
+    with open_checkpoint(d) as c:
+        monkeypatch.setattr(type(c), "_read", lambda self, info: pytest.fail("data was read"))
+        info = c.info("model.layers.0.mlp.experts.1.gate_proj.weight")
+        assert info.shape == (48, 64) and info.dtype == torch.bfloat16 and info.nbytes == 48 * 64 * 2
+        assert c.total_bytes == sum(c.info(n).nbytes for n in c)
+
+
+def test_pickle_loads_with_weights_only(model_dir):
+    d = model_dir("llama", safe_serialization=False)
+    assert (d / "pytorch_model.bin").is_file()
+    with open_checkpoint(d) as c:
+        assert c.format == "pickle"
+        assert torch.equal(c["model.layers.1.mlp.up_proj.weight"],
+                           tensors(model_dir("llama"))["model.layers.1.mlp.up_proj.weight"])
+
+
+def test_config_dtype_keys():
+    assert config_dtype({"dtype": "bfloat16"}) == "bfloat16"
+    assert config_dtype({"torch_dtype": "float16"}) == "float16"
+    assert config_dtype({"dtype": "float32", "torch_dtype": "float16"}) == "float32"
+    assert config_dtype({}) is None
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def _truncate(src, dst):
+    data = src.read_bytes()
+    dst.write_bytes(data[: len(data) - 100])
+
+
+def _corrupt_header(src, dst):
+    data = bytearray(src.read_bytes())
+    data[10:20] = b"\xff" * 10
+    dst.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "no such file"),
+    ("not-a-checkpoint", "not a checkpoint"),
+    ("text-as-safetensors", "not a safetensors file"),
+    ("truncated", "truncated"),
+    ("corrupted-header", "corrupted safetensors header"),
+    ("index-missing-shard", "shard(s) that do not exist"),
+    ("evil-pickle", "refused to load"),
+    ("empty-dir", "no checkpoint here"),
+])
+def test_bad_input_is_a_one_line_error(model_dir, tmp_path, case, message):
+    src = model_dir("llama") / "model.safetensors"
+    p = tmp_path / "x"
+    if case == "missing":
+        p = tmp_path / "nope.safetensors"
+    elif case == "not-a-checkpoint":
+        p = tmp_path / "notes.txt"
+        p.write_text("hello")
+    elif case == "text-as-safetensors":
+        p = tmp_path / "model.safetensors"
+        p.write_text("hello")
+    elif case == "truncated":
+        p = tmp_path / "model.safetensors"
+        _truncate(src, p)
+    elif case == "corrupted-header":
+        p = tmp_path / "model.safetensors"
+        _corrupt_header(src, p)
+    elif case == "index-missing-shard":
+        p = tmp_path / "sharded"
+        shutil.copytree(model_dir("llama", max_shard_size="50KB"), p)
+        next(p.glob("model-00002-*.safetensors")).unlink()
+    elif case == "evil-pickle":
+        p = tmp_path / "pytorch_model.bin"
+        torch.save({"w": torch.ones(2), "x": Evil()}, p)
+    elif case == "empty-dir":
+        p.mkdir()
+    if case != "missing":
+        with pytest.raises(CheckpointError, match=message.split("(")[0]):
+            open_checkpoint(p)
+    r = run_cli("inspect", p, ok=False)
+    assert message.split("(")[0] in r.output or case == "missing"
+
+
+def test_duplicate_tensor_across_files_is_reported(tmp_path):
+    save_file({"a": torch.ones(2)}, tmp_path / "a.safetensors")
+    save_file({"a": torch.zeros(2)}, tmp_path / "b.safetensors")
+    with pytest.raises(CheckpointError, match="appears in both"):
+        open_checkpoint(tmp_path)
+
+
+def test_header_offsets_are_absolute(tmp_path):
+    t = {"x": torch.arange(10, dtype=torch.float32), "y": torch.arange(4, dtype=torch.bfloat16)}
+    save_file(t, tmp_path / "m.safetensors")
+    with open_checkpoint(tmp_path / "m.safetensors") as c:
+        data = (tmp_path / "m.safetensors").read_bytes()
+        for n in t:
+            i = c.info(n)
+            assert data[i.start:i.start + i.nbytes] == t[n].view(torch.uint8).numpy().tobytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    assert json.loads(data[8:8 + n])["x"]["dtype"] == "F32"
