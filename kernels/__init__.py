@@ -1,0 +1,40 @@
+"""Fused gated-FFN kernels, one module per backend, the same surface each.
+
+Every backend module (`kernels.reference`, `.triton`, `.metal`, `.mlx`, `.jax`) provides
+
+    available() -> bool, why_unavailable() -> str
+    silu_mul(gate, up, *, activation="silu", single_rounding=False, out=None)
+    silu_mul_fused(gate_up, *, order="gate-up", interleaved=False, activation="silu", single_rounding=False, out=None)
+    ffn(x, gate_w, up_w, down_w, biases=None, *, activation="silu", single_rounding=False)
+
+taking and returning torch tensors (the output dtype is the input dtype, except the float64 reference).
+Importing this package imports no heavy framework; `get_backend` imports one backend module on demand.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from kernels._surface import ACTIVATIONS, DTYPES, ORDERS
+
+BACKENDS = ("reference", "triton", "metal", "mlx", "jax")
+"""Backend module names, the float64 ground truth first."""
+
+__all__ = ["ACTIVATIONS", "BACKENDS", "DTYPES", "ORDERS", "available_backends", "get_backend"]
+
+
+def get_backend(name: str) -> ModuleType:
+    """Import and return the backend module `kernels.<name>`.
+
+    Raises:
+        ValueError: `name` is not one of BACKENDS.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"Unknown kernel backend {name!r}; known backends: {', '.join(BACKENDS)}.")
+    return importlib.import_module(f"kernels.{name}")
+
+
+def available_backends() -> list[str]:
+    """Names of the backends that can run here, in BACKENDS order."""
+    return [name for name in BACKENDS if get_backend(name).available()]
