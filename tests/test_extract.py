@@ -1,0 +1,78 @@
+"""extract: canonical FFN-only checkpoints, bit-exact with the source, with a manifest."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import raw, run_cli, tensors
+
+from ffn_tools.detect import find_ffns
+from ffn_tools.errors import FFNToolsError
+from ffn_tools.specs import parse_spec
+from ffn_tools.store import open_checkpoint
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_extract_llama_bias_bit_exact(model_dir, tmp_path, dtype):
+    src = model_dir("llama-bias", dtype)
+    run_cli("extract", src, "-o", tmp_path / "ffn")
+    out, base = tensors(tmp_path / "ffn"), tensors(src)
+    assert len(out) == 2 * 6
+    for layer in range(2):
+        for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+            for kind in ("weight", "bias"):
+                assert raw(out[f"layers.{layer}.{ours}.{kind}"]) == raw(base[f"model.layers.{layer}.mlp.{theirs}.{kind}"])
+    m = json.loads((tmp_path / "ffn" / "ffn_manifest.json").read_text())
+    assert m["dtype"] == str(dtype).removeprefix("torch.") and m["d_model"] == 64 and m["d_ffn"] == [96]
+    assert m["layers"] == [0, 1] and m["activation"] == "silu" and m["scheme"] == "hf"
+
+
+def test_extract_phi3_splits_fused_bit_exact(model_dir, tmp_path):
+    src = model_dir("phi3", torch.bfloat16)
+    run_cli("extract", src, "-o", tmp_path / "ffn.safetensors", "--layers", "1")
+    out, base = tensors(tmp_path / "ffn.safetensors"), tensors(src)
+    w = base["model.layers.1.mlp.gate_up_proj.weight"]
+    assert sorted(out) == ["layers.1.down.weight", "layers.1.gate.weight", "layers.1.up.weight"]
+    assert raw(out["layers.1.gate.weight"]) == raw(w[:96]) and raw(out["layers.1.up.weight"]) == raw(w[96:])
+    assert json.loads((tmp_path / "ffn.json").read_text())["layers"] == [1]
+
+
+def test_extract_moe_experts_and_shared(model_dir, tmp_path):
+    src = model_dir("qwen2_moe")
+    r = run_cli("extract", src, "-o", tmp_path / "ffn", "--experts", "1,3", "--json")
+    m = json.loads(r.output)
+    out, base = tensors(tmp_path / "ffn"), tensors(src)
+    assert m["experts"] == [1, 3] and m["shared_expert"] and m["ffns"] == 2 * 3
+    assert torch.equal(out["layers.0.experts.3.up.weight"], base["model.layers.0.mlp.experts.3.up_proj.weight"])
+    assert torch.equal(out["layers.1.shared_expert.down.weight"], base["model.layers.1.mlp.shared_expert.down_proj.weight"])
+    assert not any(".experts.0." in n for n in out)
+    with open_checkpoint(tmp_path / "ffn") as c:  # the output is itself readable: the ffn-tools scheme
+        assert find_ffns(c).scheme.name == "ffn-tools" and len(find_ffns(c).ffns) == 6
+
+
+def test_extract_from_v5_stacked_experts(model_dir, tmp_path):
+    src = model_dir("mixtral", torch.bfloat16, safe_serialization=False)  # v5 state dict: stacked experts
+    run_cli("extract", src, "-o", tmp_path / "ffn", "--layers", "0")
+    out = tensors(tmp_path / "ffn")
+    with open_checkpoint(src) as c:
+        gu = c["model.layers.0.mlp.experts.gate_up_proj"]
+        dn = c["model.layers.0.mlp.experts.down_proj"]
+    for e in range(4):
+        assert raw(out[f"layers.0.experts.{e}.gate.weight"]) == raw(gu[e, :96])
+        assert raw(out[f"layers.0.experts.{e}.up.weight"]) == raw(gu[e, 96:])
+        assert raw(out[f"layers.0.experts.{e}.down.weight"]) == raw(dn[e])
+
+
+def test_specs():
+    assert parse_spec("0-3,7") == {0, 1, 2, 3, 7}
+    assert parse_spec("5") == {5}
+    for bad in ("3-1", "a", "1,,2", "-1"):
+        with pytest.raises(FFNToolsError):
+            parse_spec(bad)
+
+
+def test_extract_selection_matching_nothing(model_dir, tmp_path):
+    r = run_cli("extract", model_dir("llama"), "-o", tmp_path / "ffn", "--layers", "9", ok=False)
+    assert "selects no FFN" in r.output and not (tmp_path / "ffn").exists()

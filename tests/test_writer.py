@@ -1,0 +1,62 @@
+"""The streaming writer: byte-exact shard sizes, HF names and index, metadata, readable by safe_open."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from ffn_tools.errors import FFNToolsError
+from ffn_tools.sizes import parse_size
+from ffn_tools.writer import OutTensor, plan_shards, write_sharded
+
+
+def items(sizes):
+    out = []
+    for k, n in enumerate(sizes):
+        t = torch.arange(n, dtype=torch.float32) + k
+        out.append(OutTensor(f"t.{k:03d}", "F32", (n,), 4 * n, lambda t=t: t))
+    return out
+
+
+@pytest.mark.parametrize("limit", [3000, 5000, 12345, 10**6])
+def test_every_shard_fits_and_reads_back(tmp_path, limit):
+    its = items([100, 300, 7, 500, 1, 250, 250, 640, 3])
+    out = tmp_path / str(limit)
+    out.mkdir()
+    names = write_sharded(out, its, max_shard_size=limit, metadata={"format": "pt", "k": "v"})
+    for n in names:
+        assert (out / n).stat().st_size <= max(limit, 4 * 640 + 200)
+        with safe_open(out / n, "pt") as f:
+            assert f.metadata() == {"format": "pt", "k": "v"}
+    if len(names) == 1:
+        assert names == ["model.safetensors"] and not (out / "model.safetensors.index.json").exists()
+        return
+    assert names[0] == f"model-00001-of-{len(names):05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in its)
+    assert list(index["weight_map"]) == sorted(index["weight_map"])
+    for t in its:
+        with safe_open(out / index["weight_map"][t.name], "pt") as f:
+            assert torch.equal(f.get_tensor(t.name), t.produce())
+
+
+def test_shards_are_filled_greedily():
+    its = items([100] * 10)  # 400 bytes each
+    shards = plan_shards(its, 1000, None)
+    assert [len(s) for s in shards] == [2, 2, 2, 2, 2]  # 2 x 400 + header < 1000 < 3 x 400
+    assert [len(s) for s in plan_shards(its, 10**9, None)] == [10]
+
+
+@pytest.mark.parametrize("text, value", [("500MB", 500 * 10**6), ("5GB", 5 * 10**9), ("2GiB", 2 * 2**30),
+                                         ("1.5G", 15 * 10**8), ("1048576", 2**20), ("64kib", 65536)])
+def test_sizes(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["5XB", "GB", "-1MB", "0"])
+def test_bad_sizes(text):
+    with pytest.raises(FFNToolsError):
+        parse_size(text)
