@@ -1,72 +1,81 @@
-"""Dtype names: safetensors' strings, torch dtypes, and the names users type."""
+"""Dtype names: safetensors' strings, torch dtypes, and the names users type.
+
+The tables here are plain Python so that byte-moving commands (split, fuse, copy) never import torch:
+importing torch costs over a second, more than copying a gigabyte. torch dtypes are looked up lazily.
+"""
 
 from __future__ import annotations
 
-import torch
-
 from .errors import FFNToolsError
 
-# safetensors dtype string -> torch dtype. Bytes per element come from torch.
-ST_TO_TORCH: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "U16": torch.uint16,
-    "U32": torch.uint32,
-    "U64": torch.uint64,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
+# safetensors dtype string -> (bytes per element, torch attribute name = the name printed in reports)
+ST_DTYPES: dict[str, tuple[int, str]] = {
+    "F64": (8, "float64"),
+    "F32": (4, "float32"),
+    "F16": (2, "float16"),
+    "BF16": (2, "bfloat16"),
+    "I64": (8, "int64"),
+    "I32": (4, "int32"),
+    "I16": (2, "int16"),
+    "I8": (1, "int8"),
+    "U8": (1, "uint8"),
+    "U16": (2, "uint16"),
+    "U32": (4, "uint32"),
+    "U64": (8, "uint64"),
+    "BOOL": (1, "bool"),
+    "F8_E4M3": (1, "float8_e4m3fn"),
+    "F8_E5M2": (1, "float8_e5m2"),
 }
-TORCH_TO_ST: dict[torch.dtype, str] = {v: k for k, v in ST_TO_TORCH.items()}
+_BY_NAME = {name: st for st, (_, name) in ST_DTYPES.items()}
 
 # Names accepted on the command line and in config.json ("torch_dtype" / "dtype").
-USER_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float64": torch.float64,
+USER_DTYPES: dict[str, str] = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float64": "float64",
 }
 # The choices offered by --dtype options.
 DTYPE_CHOICES = ("float32", "float16", "bfloat16")
 
 
-def itemsize(st_dtype: str) -> int:
-    """Bytes per element of a safetensors dtype string."""
-    return torch_dtype(st_dtype).itemsize
+def _check(st: str) -> str:
+    if st not in ST_DTYPES:
+        raise FFNToolsError(f"unsupported tensor dtype {st!r}; known: {', '.join(ST_DTYPES)}")
+    return st
 
 
-def torch_dtype(st_dtype: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype string.
-
-    Raises:
-        FFNToolsError: the string is not a dtype safetensors defines.
-    """
-    try:
-        return ST_TO_TORCH[st_dtype]
-    except KeyError:
-        raise FFNToolsError(f"unsupported tensor dtype {st_dtype!r}; known: {', '.join(ST_TO_TORCH)}") from None
+def as_st(dtype) -> str:
+    """The safetensors dtype string of a torch dtype, or of a safetensors string (checked)."""
+    if isinstance(dtype, str):
+        return _check(dtype)
+    name = str(dtype).removeprefix("torch.")
+    if name not in _BY_NAME:
+        raise FFNToolsError(f"dtype {dtype} cannot be stored in safetensors")
+    return _BY_NAME[name]
 
 
-def st_dtype(dtype: torch.dtype) -> str:
-    """The safetensors dtype string of a torch dtype."""
-    try:
-        return TORCH_TO_ST[dtype]
-    except KeyError:
-        raise FFNToolsError(f"dtype {dtype} cannot be stored in safetensors") from None
+st_dtype = as_st
 
 
-def parse_user_dtype(name: str) -> torch.dtype:
+def itemsize(dtype) -> int:
+    """Bytes per element of a safetensors dtype string or torch dtype."""
+    return ST_DTYPES[as_st(dtype)][0]
+
+
+def short_name(dtype) -> str:
+    """'bfloat16' for torch.bfloat16 or 'BF16': the name printed in reports."""
+    return ST_DTYPES[as_st(dtype)][1]
+
+
+def torch_dtype(dtype):
+    """The torch dtype of a safetensors dtype string (imports torch)."""
+    import torch
+
+    return getattr(torch, short_name(dtype))
+
+
+def parse_user_dtype(name: str):
     """Turn 'bfloat16', 'bf16', 'torch.float16', ... into a torch dtype.
 
     Raises:
@@ -75,9 +84,4 @@ def parse_user_dtype(name: str) -> torch.dtype:
     key = name.lower().removeprefix("torch.")
     if key not in USER_DTYPES:
         raise FFNToolsError(f"unknown dtype {name!r}; use one of {', '.join(DTYPE_CHOICES)}")
-    return USER_DTYPES[key]
-
-
-def short_name(dtype: torch.dtype) -> str:
-    """'bfloat16' for torch.bfloat16: the name printed in reports."""
-    return str(dtype).removeprefix("torch.")
+    return torch_dtype(_BY_NAME[USER_DTYPES[key]])

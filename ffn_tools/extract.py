@@ -36,7 +36,7 @@ def _entries(ckpt, f: FFN) -> list[Entry]:
     has_bias = {"gate_bias": "gate_bias" in f.names or "gate_up_bias" in f.names,
                 "up_bias": "up_bias" in f.names or "gate_up_bias" in f.names, "down_bias": "down_bias" in f.names}
     roles = ["gate", "up", "down"] + [r for r, present in has_bias.items() if present]
-    dtype = ckpt.info(f.names["down"]).dtype
+    dtype = ckpt.info(f.names["down"]).st_dtype
     inputs = tuple(dict.fromkeys(f.names.values()))
     out = []
     for role in roles:
@@ -78,7 +78,7 @@ def extract(ckpt, out: Path, *, layers: str | None = None, experts: str | None =
         raise FFNToolsError(f"--layers {layers or 'all'} --experts {experts or 'all'} selects no FFN of {ckpt.path} "
                             f"(layers {ffns.ffns[0].ref.layer}-{ffns.ffns[-1].ref.layer})")
     entries = [e for f in chosen for e in _entries(ckpt, f)]
-    dtype = ckpt.info(chosen[0].names["down"]).dtype
+    dtype = ckpt.info(chosen[0].names["down"]).st_dtype
     manifest = {
         "source": str(ckpt.path), "scheme": ffns.scheme.name, "activation": ffns.activation.config_name,
         "gated_unit": ffns.activation.unit, "dtype": short_name(dtype),

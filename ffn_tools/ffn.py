@@ -7,11 +7,13 @@ optional biases ``gate_bias``, ``up_bias`` (I,) and ``down_bias`` (H,).
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from .layouts import GateUpLayout, split
 from .registry import Form, Group
+
+if TYPE_CHECKING:
+    import torch
 
 # config.json hidden_act -> (gated unit name, kernel activation name). Data, not branches.
 ACTIVATIONS: dict[str, tuple[str, str]] = {
@@ -99,16 +101,16 @@ class FFN:
         return any(k.endswith("_bias") for k in self.names)
 
 
-def canonical_weights(ckpt, ffn: FFN) -> dict[str, torch.Tensor]:
+def canonical_weights(ckpt, ffn: FFN) -> "dict[str, torch.Tensor]":
     """Read an FFN's canonical weights (gate, up, down and any biases) from a checkpoint.
 
     Fused tensors are split with the FFN's layout; stacked experts are indexed; both are exact.
     """
-    def get(role: str) -> torch.Tensor:
+    def get(role: str) -> "torch.Tensor":
         t = ckpt[ffn.names[role]]
         return t[ffn.index] if ffn.index is not None else t
 
-    out: dict[str, torch.Tensor] = {"down": get("down")}
+    out = {"down": get("down")}
     if "gate_up" in ffn.names:
         out["gate"], out["up"] = split(get("gate_up"), ffn.layout, name=ffn.names["gate_up"])
         if "gate_up_bias" in ffn.names:

@@ -10,9 +10,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 from .detect import FFNSet, find_ffns
+from .dtypes import itemsize
 from .errors import FFNToolsError, LayoutError, NothingToDoError
 from .ffn import FFN
 from .layouts import GateUpLayout, fuse, split
@@ -33,6 +32,12 @@ def _runs(shape: tuple[int, ...], isz: int, dim: int, start: int, length: int, b
     for d in shape[dim + 1:]:
         inner *= d
     return [(base + (o * shape[dim] + start) * inner, length * inner) for o in range(outer)]
+
+
+def _stack(tensors):
+    import torch
+
+    return torch.stack(tensors)
 
 
 def _name(template: str, f: FFN) -> str:
@@ -59,7 +64,7 @@ def _split_entries(ckpt, f: FFN, src: str, is_bias: bool, names: dict[str, str])
     segs = layout.segments(shape[dim])
     out = []
     for role in ("gate", "up"):
-        runs = [_runs(shape, info.dtype.itemsize, dim, s, ln, base) for r, s, _, ln in segs if r == role]
+        runs = [_runs(shape, itemsize(info.st_dtype), dim, s, ln, base) for r, s, _, ln in segs if r == role]
         pieces = tuple((0, off, n) for o in range(len(runs[0])) for seg in runs for off, n in [seg[o]])
         rows = [f"{s}:{s + ln}" for r, s, _, ln in segs if r == role]
         where = f"[{f.index}] " if f.index is not None else ""
@@ -74,7 +79,7 @@ def _split_entries(ckpt, f: FFN, src: str, is_bias: bool, names: dict[str, str])
             t = ts[0] if index is None else ts[0][index]
             return split(t, layout, is_bias=b, name=name)[k]
 
-        out.append(Entry(names[role], info.dtype, tuple(out_shape), (src,), compute,
+        out.append(Entry(names[role], info.st_dtype, tuple(out_shape), (src,), compute,
                          pieces if len(pieces) <= MAX_PIECES else None, note))
     return out
 
@@ -85,7 +90,7 @@ def _index_entry(ckpt, src: str, index: int | None, name: str) -> Entry:
         return copy_entry(ckpt, src, name)
     info = ckpt.info(src)
     n = info.nbytes // info.shape[0]
-    return Entry(name, info.dtype, info.shape[1:], (src,), lambda ts, i=index: ts[0][i].contiguous(),
+    return Entry(name, info.st_dtype, info.shape[1:], (src,), lambda ts, i=index: ts[0][i].contiguous(),
                  ((0, index * n, n),), f"[{index}] of {src}")
 
 
@@ -133,32 +138,32 @@ def _fuse_entry(ckpt, name: str, srcs: list[tuple[str, str]], layout: GateUpLayo
     infos = [(ckpt.info(g), ckpt.info(u)) for g, u in srcs]
     gi, ui = infos[0]
     for g, u in infos:
-        if g.shape != gi.shape or u.shape != g.shape or g.dtype != gi.dtype or u.dtype != g.dtype:
-            raise LayoutError(f"cannot fuse {g.name} {g.dtype}{list(g.shape)} with {u.name} {u.dtype}{list(u.shape)}: "
+        if g.shape != gi.shape or u.shape != g.shape or g.st_dtype != gi.st_dtype or u.st_dtype != g.st_dtype:
+            raise LayoutError(f"cannot fuse {g.name} {g.st_dtype}{list(g.shape)} with {u.name} {u.st_dtype}{list(u.shape)}: "
                               "gate and up (and all stacked experts) need one shape and dtype")
     dim = layout.dim(len(gi.shape), is_bias)
     shape = list(gi.shape)
     shape[dim] *= 2
     layout.segments(shape[dim])  # raises LayoutError for a bad --tp before anything is written
     inputs = tuple(n for pair in srcs for n in pair)
-    pieces = _fuse_pieces([(2 * k, gi.shape, 2 * k + 1) for k in range(len(srcs))], layout, is_bias, gi.dtype.itemsize)
+    pieces = _fuse_pieces([(2 * k, gi.shape, 2 * k + 1) for k in range(len(srcs))], layout, is_bias, itemsize(gi.st_dtype))
 
     def compute(ts, n=name):
         fused = [fuse(ts[2 * k], ts[2 * k + 1], layout, is_bias=is_bias, name=n) for k in range(len(ts) // 2)]
-        return torch.stack(fused) if stacked else fused[0]
+        return _stack(fused) if stacked else fused[0]
 
     out_shape = (len(srcs), *shape) if stacked else tuple(shape)
     first = f"{srcs[0][0]} + {srcs[0][1]}" + (f" … ({len(srcs)} experts stacked)" if stacked else "")
-    return Entry(name, gi.dtype, out_shape, inputs, compute, pieces if len(pieces) <= MAX_PIECES * len(srcs) else None,
+    return Entry(name, gi.st_dtype, out_shape, inputs, compute, pieces if len(pieces) <= MAX_PIECES * len(srcs) else None,
                  f"fuse({first}; {layout.describe()})")
 
 
 def _stack_entry(ckpt, name: str, srcs: list[str]) -> Entry:
     info = ckpt.info(srcs[0])
     for s in srcs:
-        if ckpt.info(s).shape != info.shape or ckpt.info(s).dtype != info.dtype:
+        if ckpt.info(s).shape != info.shape or ckpt.info(s).st_dtype != info.st_dtype:
             raise LayoutError(f"cannot stack {s} {list(ckpt.info(s).shape)} with {srcs[0]} {list(info.shape)}")
-    return Entry(name, info.dtype, (len(srcs), *info.shape), tuple(srcs), lambda ts: torch.stack(ts),
+    return Entry(name, info.st_dtype, (len(srcs), *info.shape), tuple(srcs), _stack,
                  tuple((k, 0, info.nbytes) for k in range(len(srcs))), f"stack({srcs[0]} … {len(srcs)} experts)")
 
 

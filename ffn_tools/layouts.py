@@ -13,10 +13,12 @@ arranged one of three ways, each with either projection first:
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import LayoutError
+
+if TYPE_CHECKING:
+    import torch
 
 ORDERS = ("gate-up", "up-gate")
 ARRANGEMENTS = ("concat", "interleaved", "tp")
@@ -94,13 +96,15 @@ class GateUpLayout:
 CONCAT = GateUpLayout()
 
 
-def split(fused: torch.Tensor, layout: GateUpLayout = CONCAT, *, is_bias: bool = False,
-          name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
+def split(fused: "torch.Tensor", layout: GateUpLayout = CONCAT, *, is_bias: bool = False,
+          name: str = "tensor") -> "tuple[torch.Tensor, torch.Tensor]":
     """Split a fused gate/up tensor into (gate, up), each contiguous.
 
     Raises:
         LayoutError: the fused dim does not fit the layout (message names ``name``).
     """
+    import torch
+
     dim = layout.dim(fused.ndim, is_bias)
     n = fused.shape[dim]
     try:
@@ -117,13 +121,15 @@ def split(fused: torch.Tensor, layout: GateUpLayout = CONCAT, *, is_bias: bool =
     return parts["gate"].contiguous(), parts["up"].contiguous()
 
 
-def fuse(gate: torch.Tensor, up: torch.Tensor, layout: GateUpLayout = CONCAT, *, is_bias: bool = False,
-         name: str = "tensor") -> torch.Tensor:
+def fuse(gate: "torch.Tensor", up: "torch.Tensor", layout: GateUpLayout = CONCAT, *, is_bias: bool = False,
+         name: str = "tensor") -> "torch.Tensor":
     """Fuse gate and up into one tensor in ``layout``; the exact inverse of ``split``.
 
     Raises:
         LayoutError: gate and up differ in shape or dtype, or their size does not fit the layout.
     """
+    import torch
+
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise LayoutError(f"{name}: gate {list(gate.shape)} {gate.dtype} and up {list(up.shape)} {up.dtype} "
                           "must have the same shape and dtype to be fused")

@@ -18,10 +18,9 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import torch
-
-from .dtypes import st_dtype
+from .dtypes import as_st, itemsize, short_name
 from .output import atomic_output
 from .progress import Progress
 from .sizes import human
@@ -50,16 +49,20 @@ class Entry:
     """
 
     name: str
-    dtype: torch.dtype
+    dtype: Any  # torch dtype or safetensors dtype string
     shape: tuple[int, ...]
     inputs: tuple[str, ...]
-    compute: Callable[[list[torch.Tensor]], torch.Tensor]
+    compute: Callable[[list], Any]  # list[torch.Tensor] -> torch.Tensor
     pieces: tuple[tuple[int, int, int], ...] | None
     note: str
 
     @property
+    def st_dtype(self) -> str:
+        return as_st(self.dtype)
+
+    @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
+        n = itemsize(self.dtype)
         for d in self.shape:
             n *= d
         return n
@@ -69,7 +72,7 @@ def copy_entry(ckpt: Checkpoint, name: str, new_name: str | None = None) -> Entr
     """An entry copying (and optionally renaming) one tensor byte for byte."""
     info = ckpt.info(name)
     note = "unchanged" if new_name in (None, name) else f"renamed from {name}"
-    return Entry(new_name or name, info.dtype, info.shape, (name,), lambda ts: ts[0], ((0, 0, info.nbytes),), note)
+    return Entry(new_name or name, info.st_dtype, info.shape, (name,), lambda ts: ts[0], ((0, 0, info.nbytes),), note)
 
 
 @dataclass
@@ -92,7 +95,7 @@ class Plan:
 
     def describe(self) -> list[str]:
         """One line per output tensor: ``name  dtype[shape]  <- how``."""
-        return [f"{e.name}  {str(e.dtype).removeprefix('torch.')}{list(e.shape)}  \u2190 {e.note}" for e in self.entries]
+        return [f"{e.name}  {short_name(e.dtype)}{list(e.shape)}  \u2190 {e.note}" for e in self.entries]
 
     @property
     def total_bytes(self) -> int:
@@ -109,12 +112,12 @@ def _out_tensor(e: Entry, ckpt: Checkpoint, cache: dict) -> OutTensor:
             del cache[n]  # keep only this entry's inputs alive (a stacked tensor serves E entries)
         tensors = [cache[n] if n in cache else cache.setdefault(n, ckpt[n]) for n in e.inputs]
         out = e.compute(tensors)
-        if out.dtype != e.dtype or tuple(out.shape) != e.shape:
+        if as_st(out.dtype) != e.st_dtype or tuple(out.shape) != tuple(e.shape):
             raise RuntimeError(f"internal error: {e.name} computed {out.dtype}{list(out.shape)}, "
                                f"planned {e.dtype}{list(e.shape)}")
         return out
 
-    return OutTensor(e.name, st_dtype(e.dtype), e.shape, e.nbytes, produce)
+    return OutTensor(e.name, e.st_dtype, tuple(e.shape), e.nbytes, produce)
 
 
 def side_files(ckpt: Checkpoint) -> list[Path]:

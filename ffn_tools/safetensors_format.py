@@ -15,7 +15,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .dtypes import ST_TO_TORCH, itemsize
+from .dtypes import ST_DTYPES, itemsize
 from .errors import CheckpointError
 
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
@@ -68,7 +68,7 @@ def read_header(path: Path) -> tuple[dict[str, HeaderEntry], dict[str, str]]:
             dtype, shape, (lo, hi) = spec["dtype"], tuple(int(d) for d in spec["shape"]), spec["data_offsets"]
         except (TypeError, KeyError, ValueError):
             raise CheckpointError(f"{path}: corrupted safetensors header entry for tensor {name!r}") from None
-        if dtype not in ST_TO_TORCH:
+        if dtype not in ST_DTYPES:
             raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
         count = 1
         for d in shape:

@@ -12,12 +12,10 @@ from __future__ import annotations
 import json
 import pickle
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from .dtypes import st_dtype, torch_dtype
+from .dtypes import as_st, itemsize, torch_dtype
 from .errors import CheckpointError
 from .safetensors_format import read_header
 
@@ -26,34 +24,44 @@ PICKLE_SUFFIXES = (".bin", ".pth", ".pt")
 WEIGHT_SUFFIXES = (".safetensors", ".msgpack", *PICKLE_SUFFIXES)
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json", "flax_model.msgpack.index.json")
 
+if TYPE_CHECKING:
+    import torch
 
-@dataclass(frozen=True)
+
 class TensorInfo:
     """Where a tensor lives and what it is, known without reading it.
 
-    ``start`` is the absolute byte offset of its data in ``file`` when the bytes can be copied verbatim
-    (C-contiguous little-endian data in a safetensors file), else None.
+    Args:
+        name: the tensor's name.
+        dtype: a torch dtype or a safetensors dtype string ("BF16"); ``.dtype`` gives the torch dtype
+            (importing torch), ``.st_dtype`` the string (without importing torch).
+        shape: its shape.
+        file: the file holding it.
+        start: the absolute byte offset of its data in ``file`` when the bytes can be copied verbatim
+            (C-contiguous little-endian data in a safetensors file), else None.
     """
 
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    file: Path
-    start: int | None = None
+    __slots__ = ("name", "st_dtype", "shape", "file", "start")
+
+    def __init__(self, name: str, dtype, shape: tuple[int, ...], file: Path, start: int | None = None):
+        self.name, self.st_dtype, self.shape, self.file, self.start = name, as_st(dtype), tuple(shape), file, start
+
+    @property
+    def dtype(self) -> "torch.dtype":
+        return torch_dtype(self.st_dtype)
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
+        n = itemsize(self.st_dtype)
         for d in self.shape:
             n *= d
         return n
 
-    @property
-    def st_dtype(self) -> str:
-        return st_dtype(self.dtype)
+    def __repr__(self) -> str:
+        return f"TensorInfo({self.name!r}, {self.st_dtype}, {list(self.shape)}, {self.file.name}, start={self.start})"
 
 
-class Checkpoint(Mapping[str, torch.Tensor]):
+class Checkpoint(Mapping[str, "torch.Tensor"]):
     """A read-only, lazy mapping of tensor names to tensors, with the checkpoint's config and metadata.
 
     Attributes:
@@ -80,7 +88,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         """Shape, dtype and location of a tensor, without reading it."""
         return self._infos[name]
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def __getitem__(self, name: str) -> "torch.Tensor":
         return self._read(self._infos[name])
 
     def __iter__(self) -> Iterator[str]:
@@ -89,7 +97,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self._infos)
 
-    def _read(self, info: TensorInfo) -> torch.Tensor:
+    def _read(self, info: TensorInfo) -> "torch.Tensor":
         raise NotImplementedError
 
     @property
@@ -121,11 +129,11 @@ class SafetensorsCheckpoint(Checkpoint):
             for e in entries.values():
                 if e.name in infos:
                     raise CheckpointError(f"tensor {e.name!r} appears in both {infos[e.name].file} and {f}")
-                infos[e.name] = TensorInfo(e.name, torch_dtype(e.dtype), e.shape, f, e.start)
+                infos[e.name] = TensorInfo(e.name, e.dtype, e.shape, f, e.start)
         super().__init__(path, root, files, infos, metadata)
         self._handles: dict[Path, object] = {}
 
-    def _read(self, info: TensorInfo) -> torch.Tensor:
+    def _read(self, info: TensorInfo) -> "torch.Tensor":
         from safetensors import safe_open
 
         handle = self._handles.get(info.file)
@@ -143,7 +151,7 @@ class PickleCheckpoint(Checkpoint):
     format = "pickle"
 
     def __init__(self, path: Path, root: Path, files: list[Path]):
-        self._tensors: dict[str, torch.Tensor] = {}
+        self._tensors: dict[str, "torch.Tensor"] = {}
         infos: dict[str, TensorInfo] = {}
         for f in files:
             for name, t in _load_pickle(f).items():
@@ -151,14 +159,16 @@ class PickleCheckpoint(Checkpoint):
                 infos[name] = TensorInfo(name, t.dtype, tuple(t.shape), f, None)
         super().__init__(path, root, files, infos)
 
-    def _read(self, info: TensorInfo) -> torch.Tensor:
+    def _read(self, info: TensorInfo) -> "torch.Tensor":
         return self._tensors[info.name]
 
     def close(self) -> None:
         self._tensors.clear()
 
 
-def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
+def _load_pickle(path: Path) -> dict[str, "torch.Tensor"]:
+    import torch
+
     try:
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

@@ -59,7 +59,7 @@ def inspect_checkpoint(ckpt: Checkpoint, scheme: Scheme | None = None, layout: G
         "ffn": kinds,
         "activation": ffns.activation.describe(),
         "gated_unit": ffns.activation.unit,
-        "dtypes": dict(Counter(short_name(ckpt.info(n).dtype) for n in ckpt)),
+        "dtypes": dict(Counter(short_name(ckpt.info(n).st_dtype) for n in ckpt)),
         "config_dtype": config_dtype(ckpt.config),
         "shards": [str(f.name) for f in ckpt.files],
         "total_bytes": ckpt.total_bytes,

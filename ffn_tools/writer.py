@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
-
-import numpy as np
-import torch
+from typing import Any
 
 from .progress import Progress
 from .safetensors_format import build_header, header_entry_size
@@ -31,7 +29,7 @@ class ByteRange:
     nbytes: int
 
 
-Payload = Union[torch.Tensor, np.ndarray, bytes, memoryview, list]
+Payload = Any  # torch.Tensor | numpy.ndarray | bytes | memoryview | list[ByteRange]
 
 
 @dataclass(frozen=True)
@@ -120,10 +118,12 @@ def _write_all(f, view: memoryview) -> None:
 def _emit(f, payload: Payload) -> int:
     if isinstance(payload, list):
         return sum(_copy_range(f, r) for r in payload)
-    if isinstance(payload, torch.Tensor):
+    torch, np = sys.modules.get("torch"), sys.modules.get("numpy")  # a tensor/array means it is imported
+    if torch is not None and isinstance(payload, torch.Tensor):
         t = payload.detach().cpu().contiguous().reshape(-1)
         payload = t.view(torch.uint8).numpy() if t.numel() else b""
-    if isinstance(payload, np.ndarray):
+        np = sys.modules["numpy"]
+    if np is not None and isinstance(payload, np.ndarray):
         payload = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
     view = memoryview(payload).cast("B")
     _write_all(f, view)

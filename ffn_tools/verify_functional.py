@@ -1,0 +1,157 @@
+"""The functional check of one FFN: seeded inputs, A's FFN on the float64 reference, B's on each backend.
+
+Inputs are standard normal (seeded), scaled so that A's gate pre-activations have a median RMS of
+``PREACT_RMS`` (about 2, as in trained models where the input is a normalised hidden state), and rounded
+to values every involved dtype holds exactly, so A and B see the same numbers. The scale matters: for
+small pre-activations ``silu(g)*u ~ g*u/2`` is symmetric in gate and up, and a swap would go unnoticed.
+
+B's FFN runs the way an inference engine runs its checkpoint: a fused gate_up (concat or interleaved,
+either order) as one GEMM whose output goes through the backend's ``silu_mul_fused`` with the declared
+layout, so the kernel itself reads gate and up out of the fused activation; separate weights, and
+layouts the kernels do not take (tp, column-axis kernels), through the backend's ``ffn()``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .layouts import GateUpLayout
+from .tolerances import Tolerance
+from .verify_report import BackendResult
+
+PREACT_RMS = 2.0
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass
+class Operands:
+    """One side's FFN, ready to run: canonical (out, in) weights, biases by kernel key, maybe the fused form.
+
+    ``fused`` is (gate_up weight (2I, H), gate_up bias or None, layout) when the checkpoint stores gate
+    and up in one tensor in a layout ``silu_mul_fused`` can read.
+    """
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    biases: dict[str, torch.Tensor]
+    activation: str
+    fused: tuple[torch.Tensor, torch.Tensor | None, GateUpLayout] | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.down.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down))
+
+    def uniform(self, dtype: torch.dtype | None = None) -> "Operands":
+        """The same FFN with every tensor in one kernel dtype (``dtype``, else the weights' own when they
+        share one, else float32, which holds float16 and bfloat16 exactly)."""
+        ts = [self.gate, self.up, self.down, *self.biases.values()]
+        if dtype is None:
+            dtypes = {t.dtype for t in ts}
+            dtype = dtypes.pop() if len(dtypes) == 1 and self.dtype in KERNEL_DTYPES else torch.float32
+        if all(t.dtype == dtype for t in ts):
+            return self
+        fused = None
+        if self.fused:
+            w, b, layout = self.fused
+            fused = (w.to(dtype), None if b is None else b.to(dtype), layout)
+        return Operands(self.gate.to(dtype), self.up.to(dtype), self.down.to(dtype),
+                        {k: v.to(dtype) for k, v in self.biases.items()}, self.activation, fused)
+
+
+def input_scale(gate: torch.Tensor) -> float:
+    """The factor that gives N(0, 1) inputs gate pre-activations of RMS ``PREACT_RMS`` (median over rows).
+
+    The median ignores outlier rows (a huge weight would otherwise shrink every other pre-activation).
+    """
+    norms = torch.linalg.vector_norm(gate, dim=1, dtype=torch.float32)  # (I,): RMS of gate_i . x for x ~ N(0, 1)
+    med = float(norms.median()) if norms.numel() else 0.0
+    return PREACT_RMS / med if math.isfinite(med) and med > 0 else 1.0
+
+
+def make_inputs(tokens: int, d_model: int, seed: int, scale: float, dtypes) -> torch.Tensor:
+    """(tokens, d_model) float32 inputs, seeded per d_model, that every dtype in ``dtypes`` holds exactly."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + d_model)
+    x = torch.randn(tokens, d_model, generator=gen) * scale
+    kinds = [d for d in dict.fromkeys(dtypes) if d in KERNEL_DTYPES and d != torch.float32]
+    for _ in range(4):  # bf16 -> fp16 -> bf16 -> fp16 settles: each rounding only drops bits
+        before = x
+        for d in kinds:
+            x = x.to(d).to(torch.float32)
+        if torch.equal(x, before):
+            break
+    return x
+
+
+def run_reference(ref_backend, x: torch.Tensor, ops: Operands) -> torch.Tensor:
+    """A's (or B's) FFN in float64 on the reference backend."""
+    ops = ops.uniform()
+    return ref_backend.ffn(x.to(ops.dtype), ops.gate, ops.up, ops.down, ops.biases or None,
+                           activation=ops.activation)
+
+
+def run_backend(backend, x: torch.Tensor, ops: Operands) -> tuple[torch.Tensor, str]:
+    """B's FFN on a non-reference backend in B's dtype. Returns (output, path)."""
+    ops = ops.uniform(ops.dtype if ops.dtype in KERNEL_DTYPES else torch.float32)
+    xb = x.to(ops.dtype)
+    if ops.fused is not None:
+        w, b, layout = ops.fused
+        gu = F.linear(xb, w, b)  # (T, 2I) in the checkpoint's own arrangement
+        h = backend.silu_mul_fused(gu, order=layout.order, interleaved=layout.arrangement == "interleaved",
+                                   activation=ops.activation)
+        return F.linear(h, ops.down, ops.biases.get("down")), f"fused {layout.describe()}"
+    return backend.ffn(xb, ops.gate, ops.up, ops.down, ops.biases or None, activation=ops.activation), "ffn"
+
+
+def compare(name: str, path: str, out: torch.Tensor, ref: torch.Tensor, tol: Tolerance,
+            seconds: float = 0.0) -> BackendResult:
+    """Metrics of ``out`` against the float64 ``ref`` and the pass/fail verdict under ``tol``."""
+    o = out.detach().to(torch.float64).reshape(-1)
+    r = ref.detach().to(torch.float64).reshape(-1)
+    if o.shape != r.shape:
+        raise ValueError(f"{name}: output {tuple(out.shape)} does not match the reference {tuple(ref.shape)}")
+    nonfinite = int((~torch.isfinite(o)).sum())
+    diff = (o - r).abs()
+    rms = float(r.pow(2).mean().sqrt()) if r.numel() else 0.0
+    bound = (tol.atol * rms + tol.rtol * r.abs()).clamp_min(torch.finfo(torch.float64).tiny)
+    ratio = float((diff / bound).max()) if o.numel() else 0.0
+    max_abs = float(diff.max()) if o.numel() else 0.0
+    peak = float(r.abs().max()) if r.numel() else 0.0
+    max_rel = max_abs / peak if peak > 0 else (0.0 if max_abs == 0 else math.inf)
+    on, rn = float(o.norm()), float(r.norm())
+    cosine = float(o @ r) / (on * rn) if on > 0 and rn > 0 else (1.0 if on == rn == 0 else 0.0)
+    if nonfinite:
+        ratio, cosine = math.nan, math.nan
+    passed = nonfinite == 0 and ratio <= 1.0 and cosine >= tol.min_cosine
+    return BackendResult(name, path, max_abs, max_rel, cosine, ratio, nonfinite, passed, seconds)
+
+
+def check_ffn(backends: dict, x: torch.Tensor, ops_a: Operands, ops_b: Operands,
+              tol: Tolerance) -> list[BackendResult]:
+    """A on the reference against B on every backend in ``backends`` (name -> module; "reference" first)."""
+    ref_mod = backends.get("reference") or _reference()
+    r = run_reference(ref_mod, x, ops_a)
+    results = []
+    for name, mod in backends.items():
+        t0 = time.perf_counter()
+        if name == "reference":
+            out, path = run_reference(mod, x, ops_b), "ffn (float64)"
+        else:
+            out, path = run_backend(mod, x, ops_b)
+        results.append(compare(name, path, out, r, tol, time.perf_counter() - t0))
+    return results
+
+
+def _reference():
+    from kernels import reference
+
+    return reference

@@ -1,0 +1,207 @@
+"""What ``verify`` found: per-FFN results, and their rendering as a table (worst first) or JSON."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .ffn import FFNRef
+from .tolerances import Tolerance
+
+MAX_ROWS = 40  # passing rows beyond this are summarised in one line (--json has them all)
+
+
+@dataclass
+class BackendResult:
+    """B's FFN on one backend against A's float64 reference.
+
+    Attributes:
+        backend: the kernels backend name.
+        path: how B's FFN ran: "ffn" (separate weights through ``ffn()``) or "fused <layout>" (one GEMM
+            into ``silu_mul_fused`` reading gate and up out of the fused activation).
+        max_abs: max |b - r|.
+        max_rel: max |b - r| / max |r|.
+        cosine: cosine similarity of the flattened outputs.
+        ratio: max of |b - r| / (atol·rms(r) + rtol·|r|): at most 1 passes.
+        nonfinite: count of inf/nan outputs.
+        passed: within tolerance, cosine high enough, all finite.
+        seconds: wall time of the backend call.
+    """
+
+    backend: str
+    path: str
+    max_abs: float
+    max_rel: float
+    cosine: float
+    ratio: float
+    nonfinite: int
+    passed: bool
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in vars(self).items()}
+
+
+@dataclass
+class FFNResult:
+    """Everything checked for one FFN present in both checkpoints."""
+
+    ref: FFNRef
+    shape_a: tuple[int, int]  # (d_model, d_ffn)
+    shape_b: tuple[int, int]
+    dtype_a: str
+    dtype_b: str
+    exact: str = "skipped"  # "identical" | "differs" | "skipped" | "impossible"
+    problems: list[str] = field(default_factory=list)  # failures, one sentence each
+    notes: list[str] = field(default_factory=list)  # facts that are not failures
+    backends: list[BackendResult] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems and all(b.passed for b in self.backends)
+
+    @property
+    def worst(self) -> BackendResult | None:
+        return max(self.backends, key=lambda b: _order(b.ratio, b.cosine), default=None)
+
+    def sort_key(self) -> tuple:
+        w = self.worst
+        return (self.passed, -(_order(w.ratio, w.cosine)[0] if w else math.inf), self.ref)
+
+    def as_dict(self) -> dict:
+        return {"ffn": str(self.ref), "layer": self.ref.layer, "kind": self.ref.kind,
+                "expert": self.ref.expert if self.ref.kind == "expert" else None,
+                "d_model": self.shape_a[0], "d_ffn": self.shape_a[1], "shape_b": list(self.shape_b),
+                "dtype_a": self.dtype_a, "dtype_b": self.dtype_b, "exact": self.exact, "passed": self.passed,
+                "problems": self.problems, "notes": self.notes, "backends": [b.as_dict() for b in self.backends]}
+
+
+def _order(ratio: float, cosine: float) -> tuple[float, float]:
+    """Badness of a backend result: nan (non-finite output) is the worst."""
+    r = math.inf if math.isnan(ratio) else ratio
+    return (r, -cosine if math.isfinite(cosine) else math.inf)
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of ``verify``. ``passed`` is the verdict; ``lines()`` and ``as_dict()`` render it."""
+
+    a: dict
+    b: dict
+    backends: list[str]
+    skipped_backends: dict[str, str]
+    tokens: int
+    seed: int
+    tolerance: Tolerance | None
+    results: list[FFNResult] = field(default_factory=list)
+    only_a: list[str] = field(default_factory=list)
+    only_b: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # checkpoint-level failures
+    notes: list[str] = field(default_factory=list)
+    logits: dict | None = None
+
+    @property
+    def passed(self) -> bool:
+        return (not self.problems and not self.only_a and not self.only_b and all(r.passed for r in self.results)
+                and (self.logits is None or self.logits["passed"]))
+
+    def failures(self) -> list[str]:
+        """Every failure as one line naming where, checkpoint-level first, then worst FFN first."""
+        out = list(self.problems)
+        if self.only_a:
+            out.append(f"only in A ({len(self.only_a)}): {_clip(self.only_a)}")
+        if self.only_b:
+            out.append(f"only in B ({len(self.only_b)}): {_clip(self.only_b)}")
+        for r in sorted(self.results, key=FFNResult.sort_key):
+            if r.passed:
+                break
+            out += [f"{r.ref}: {p}" for p in r.problems]
+            out += [f"{r.ref}: {b.backend}: {_why(b, self.tolerance)}" for b in r.backends if not b.passed]
+        if self.logits is not None and not self.logits["passed"]:
+            out += [f"logits: {p}" for p in self.logits["problems"]]
+        return out
+
+    def verdict(self) -> str:
+        n = len(self.results)
+        if self.passed:
+            exact = sum(r.exact == "identical" for r in self.results)
+            bits = f", {exact} bit-identical" if exact else ""
+            logits = ", logits agree" if self.logits else ""
+            return (f"PASS: {n} FFN{'s' * (n != 1)} of A and B agree on {', '.join(self.backends)}{bits}{logits}")
+        bad = sum(not r.passed for r in self.results)
+        first = self.failures()[0]
+        return f"FAIL: {bad} of {n} FFNs differ, {len(self.only_a) + len(self.only_b)} unpaired; first: {first}"
+
+    def as_dict(self) -> dict:
+        return {"passed": self.passed, "verdict": self.verdict(), "a": self.a, "b": self.b,
+                "backends": self.backends, "skipped_backends": self.skipped_backends, "tokens": self.tokens,
+                "seed": self.seed, "tolerance": self.tolerance.as_dict() if self.tolerance else None,
+                "problems": self.problems, "notes": self.notes, "only_a": self.only_a, "only_b": self.only_b,
+                "failures": self.failures(),
+                "ffns": [r.as_dict() for r in sorted(self.results, key=FFNResult.sort_key)], "logits": self.logits}
+
+    def lines(self, max_rows: int = MAX_ROWS) -> list[str]:
+        """The text report: the two sides, the check, a table worst first, failures, the verdict."""
+        out = [f"A: {_side(self.a)}", f"B: {_side(self.b)}"]
+        skipped = "".join(f"; {k} skipped ({v})" for k, v in self.skipped_backends.items())
+        tol = self.tolerance.describe() if self.tolerance else "none"
+        out.append(f"check: {self.tokens} tokens, seed {self.seed}, backends {', '.join(self.backends) or 'none'}"
+                   f"{skipped}; tolerance {tol}")
+        out += [f"note: {n}" for n in self.notes]
+        if self.results:
+            out.append("")
+            out.append(f"{'FFN':<24} {'worst backend':<14} {'max abs':>9} {'max rel':>9} {'cosine':>12} "
+                       f"{'tol x':>7}  {'exact':<10} result")
+            rows = sorted(self.results, key=FFNResult.sort_key)
+            for i, r in enumerate(rows):
+                if i >= max_rows and r.passed:
+                    out.append(f"... {len(rows) - i} more FFNs, all pass (--json lists every one)")
+                    break
+                out.append(_row(r))
+        out += ["", *[f"  - {f}" for f in self.failures()]] if not self.passed else []
+        if self.logits is not None:
+            lg = self.logits
+            out.append(f"logits ({lg['client_a']} vs {lg['client_b']}, {lg['shape']}): max abs diff "
+                       f"{_num(lg['max_abs'])}, cosine {_cos(lg['cosine'])}, top-1 agreement "
+                       f"{lg['top1_agreement']:.1%} -> {'ok' if lg['passed'] else 'FAIL'}")
+        out.append(self.verdict())
+        return out
+
+
+def _row(r: FFNResult) -> str:
+    w = r.worst
+    cells = (f"{w.backend:<14} {_num(w.max_abs):>9} {_num(w.max_rel):>9} {_cos(w.cosine):>12} {_num(w.ratio, 2):>7}"
+             if w else f"{'-':<14} {'':>9} {'':>9} {'':>12} {'':>7}")
+    return f"{str(r.ref):<24} {cells}  {r.exact:<10} {'ok' if r.passed else 'FAIL'}"
+
+
+def _why(b: BackendResult, tol: Tolerance | None) -> str:
+    if b.nonfinite:
+        return f"{b.nonfinite} output values are inf/nan"
+    parts = []
+    if b.ratio > 1:
+        parts.append(f"max abs error {_num(b.max_abs)} is {_num(b.ratio, 2)}x the tolerance")
+    if tol and not b.cosine >= tol.min_cosine:
+        parts.append(f"cosine {_cos(b.cosine)} < {tol.min_cosine:g}")
+    return "; ".join(parts) or "failed"
+
+
+def _side(s: dict) -> str:
+    bits = [s.get("format"), s.get("scheme"), s.get("dtype"), s.get("activation"), s.get("quantization")]
+    return f"{s['path']}  ({', '.join(str(b) for b in bits if b)})"
+
+
+def _clip(items: list[str], n: int = 8) -> str:
+    return ", ".join(items[:n]) + (f", ... ({len(items) - n} more)" if len(items) > n else "")
+
+
+def _num(x: float, digits: int = 1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "nan"
+    if math.isinf(x):
+        return "inf"
+    return f"{x:.{digits}f}" if digits == 2 else f"{x:.{digits}e}"
+
+
+def _cos(x: float) -> str:
+    return "nan" if x is None or math.isnan(x) else f"{x:.9f}"[:11]
