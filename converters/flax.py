@@ -1,0 +1,348 @@
+"""Flax format: ``flax.serialization`` msgpack parameter trees, in the ``hf`` or ``linen`` layout.
+
+Files are those transformers 4.x's ``FlaxPreTrainedModel.save_pretrained`` wrote: ``flax_model.msgpack``, or
+beyond ``--max-shard-size`` the shards ``flax_model-00001-of-0000N.msgpack`` (each an unflattened subtree)
+and ``flax_model.msgpack.index.json`` (``weight_map``: ``model/layers/0/mlp/gate_proj/kernel`` -> shard, sorted
+keys). Here every file, headers included, is at most ``--max-shard-size`` bytes (a larger array gets a
+file alone). The layouts are described in ``converters.flax_tree``. Reading and writing need neither jax
+nor flax (``converters.flax_msgpack``); bytes are moved, never converted, so round trips are bit-exact.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from ffn_tools.detect import choose_scheme, find_ffns
+from ffn_tools.dtypes import parse_user_dtype, short_name
+from ffn_tools.errors import CheckpointError, FFNToolsError, SchemeError
+from ffn_tools.ffn import canonical_weights
+from ffn_tools.output import atomic_output
+from ffn_tools.plan import side_files
+from ffn_tools.progress import Progress
+from ffn_tools.store import Checkpoint, TensorInfo, read_config
+
+from . import flax_tree as tree
+from .flax_msgpack import DTYPES, Leaf, OutLeaf, read_leaf, read_tree, shard_cost, write_tree
+
+FORMAT = "flax"
+OPTIONS: frozenset[str] = frozenset({"flax_layout"})
+LAYOUTS = ("hf", "linen")
+WEIGHTS_NAME = "flax_model.msgpack"
+INDEX_NAME = "flax_model.msgpack.index.json"
+# A directory holding any of these is a PyTorch checkpoint (even with a flax_model.msgpack beside it).
+TORCH_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def can_read(path: Path) -> bool:
+    """A .msgpack file, a .msgpack.index.json, or a directory of .msgpack files without PyTorch weights."""
+    path = Path(path)
+    if path.is_dir():
+        return any(path.glob("*.msgpack")) and not any((path / n).exists() for n in TORCH_FILES)
+    return path.name.endswith((".msgpack", ".msgpack.index.json"))
+
+
+def _index_files(index: Path) -> tuple[list[Path], dict[str, str]]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a valid index (needs a 'weight_map' object: {e})") from None
+    files = [index.parent / n for n in dict.fromkeys(weight_map.values())]
+    missing = sorted(f.name for f in files if not f.is_file())
+    if missing:
+        raise CheckpointError(f"{index}: names shard(s) that do not exist: {', '.join(missing)}; "
+                              "copy them beside the index or point at a complete checkpoint")
+    return files, weight_map
+
+
+def _resolve(path: Path) -> tuple[Path, list[Path], dict[str, str] | None]:
+    """(root, weight files, index weight_map or None) of a Flax checkpoint path."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    if path.is_dir():
+        if (path / INDEX_NAME).is_file():
+            return path, *_index_files(path / INDEX_NAME)
+        if (path / WEIGHTS_NAME).is_file():
+            return path, [path / WEIGHTS_NAME], None
+        found = sorted(path.glob("*.msgpack"))
+        if len(found) != 1:
+            raise CheckpointError(f"{path}: {'no' if not found else 'several'} .msgpack files and no {INDEX_NAME}; "
+                                  "point at one .msgpack file or an index")
+        return path, found, None
+    if path.name.endswith(".index.json"):
+        return path.parent, *_index_files(path)
+    return path.parent, [path], None
+
+
+class FlaxCheckpoint(Checkpoint):
+    """A Flax tree presented with PyTorch names and (out, in) weights (see ``converters.flax_tree``).
+
+    Attributes:
+        layout: "hf" or "linen".
+    """
+
+    format = FORMAT
+
+    def __init__(self, path: Path):
+        root, files, weight_map = _resolve(path)
+        leaves: dict[tuple[str, ...], Leaf] = {}
+        for f in files:
+            for leaf in read_tree(f):
+                if leaf.path in leaves:
+                    raise CheckpointError(f"{'/'.join(leaf.path)} appears in both {leaves[leaf.path].file} and {f}")
+                leaves[leaf.path] = leaf
+        if weight_map is not None:
+            _check_index(path, weight_map, leaves)
+        config = read_config(root)
+        if config and isinstance(config.get("architectures"), list):  # transformers 4.x wrote FlaxLlamaForCausalLM
+            config["architectures"] = [a.removeprefix("Flax") if isinstance(a, str) else a for a in config["architectures"]]
+        self._leaves: dict[str, tuple[Leaf, bool]] = {}
+        linen = tree.linen_ffns(list(leaves))
+        self.layout = "hf" if linen is None else "linen"
+        if linen is None:
+            for p, leaf in leaves.items():
+                self._add(*tree.hf_name(p, len(leaf.shape), leaf.file), leaf)
+        else:
+            shapes = {p: (leaf.dtype, leaf.shape) for p, leaf in leaves.items()}
+            problems = [msg for ffn in linen.values() for msg in tree.check_linen(ffn, shapes)]
+            if problems:
+                raise CheckpointError(f"{path}: not a linen FFN tree: " + "; ".join(sorted(problems)))
+            for p, leaf in leaves.items():
+                ffn = linen[p[: len(p) - 2]]
+                self._add(f"{ffn.canonical}.{p[-2]}.{'weight' if p[-1] == 'kernel' else 'bias'}", p[-1] == "kernel", leaf)
+        infos = {}
+        for name, (leaf, transpose) in self._leaves.items():
+            start = leaf.pieces[0][0] if len(leaf.pieces) == 1 and not transpose else None
+            infos[name] = TensorInfo(name, DTYPES[leaf.dtype], leaf.shape[::-1] if transpose else leaf.shape, leaf.file, start)
+        super().__init__(path, root, files, infos, {}, config)
+        self._handles: dict[Path, object] = {}
+        if linen is None:
+            self._check_ffns()
+
+    def _add(self, name: str, transpose: bool, leaf: Leaf) -> None:
+        if name in self._leaves:
+            other = "/".join(self._leaves[name][0].path)
+            raise CheckpointError(f"{leaf.file}: {'/'.join(leaf.path)} and {other} both read as {name}; keep one")
+        self._leaves[name] = (leaf, transpose)
+
+    def _check_ffns(self) -> None:
+        """Shapes of FFN kernels must fit together (a kernel stored (out, in) is caught here)."""
+        try:
+            scheme = choose_scheme(list(self), self.config)
+        except SchemeError:
+            return  # no FFN naming recognised: nothing to check (inspect will say so)
+        try:
+            find_ffns(self, scheme)
+        except SchemeError as e:
+            raise CheckpointError(f"{e}. Shapes are PyTorch (out, in) = kernel.T: every Flax kernel must be "
+                                  "stored (in, out); re-export the tree with W.T kernels") from None
+
+    def _read(self, info: TensorInfo) -> torch.Tensor:
+        leaf, transpose = self._leaves[info.name]
+        handle = self._handles.get(leaf.file)
+        if handle is None:
+            handle = self._handles[leaf.file] = builtins.open(leaf.file, "rb")  # noqa: SIM115 - closed in close()
+        t = read_leaf(handle, leaf)
+        return t.T.contiguous() if transpose else t  # (in, out) -> (out, in): a pure move
+
+    def close(self) -> None:
+        for h in self._handles.values():
+            h.close()
+        self._handles.clear()
+
+
+def _check_index(path: Path, weight_map: dict[str, str], leaves: dict[tuple[str, ...], Leaf]) -> None:
+    found = {"/".join(p): leaf.file.name for p, leaf in leaves.items()}
+    problems = [f"{k}: listed in {v} but not there" for k, v in weight_map.items() if found.get(k) != v and k not in found]
+    problems += [f"{k}: in {v}, the index says {weight_map[k]}" for k, v in found.items() if k in weight_map and weight_map[k] != v]
+    problems += [f"{k}: in {v} but not in the index" for k, v in found.items() if k not in weight_map]
+    if problems:
+        more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+        raise CheckpointError(f"{path}: index and shards disagree: {'; '.join(sorted(problems)[:8])}{more}; "
+                              "re-export the checkpoint")
+
+
+def open(path: Path) -> FlaxCheckpoint:  # noqa: A001 - the converter surface's name
+    """Open a Flax checkpoint lazily: a .msgpack file, an index, or a directory.
+
+    Raises:
+        CheckpointError: missing files, not a parameter tree, or kernels whose shapes do not fit.
+    """
+    return FlaxCheckpoint(Path(path))
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t.to(dtype) if dtype is not None and t.dtype.is_floating_point else t
+
+
+def _out_dtype(ckpt: Checkpoint, name: str, dtype: torch.dtype | None) -> torch.dtype:
+    d = ckpt.info(name).dtype
+    return dtype if dtype is not None and d.is_floating_point else d
+
+
+def _hf_leaves(ckpt: Checkpoint, dtype: torch.dtype | None) -> list[OutLeaf]:
+    out = []
+    for name in ckpt:
+        info = ckpt.info(name)
+        path, transpose = tree.hf_path(name, len(info.shape))
+
+        def produce(name=name, transpose=transpose):
+            t = _cast(ckpt[name], dtype)
+            return t.T.contiguous() if transpose else t  # kernel = W.T: a pure move
+
+        out.append(OutLeaf(path, _out_dtype(ckpt, name, dtype), info.shape[::-1] if transpose else info.shape, produce))
+    return out
+
+
+class _FFNReader:
+    """Canonical weights of one FFN at a time; keeps the input tensors the current FFN shares with the next
+    (a stacked expert tensor is read once for all its experts)."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt, self.ref, self.tensors, self.weights = ckpt, None, {}, {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            self.tensors[name] = self.ckpt[name]
+        return self.tensors[name]
+
+    def get(self, ffn) -> dict[str, torch.Tensor]:
+        if self.ref != ffn.ref:
+            keep = set(ffn.names.values())
+            self.tensors = {n: t for n, t in self.tensors.items() if n in keep}
+            self.weights, self.ref = canonical_weights(self, ffn), ffn.ref
+        return self.weights
+
+
+def _linen_leaves(ckpt: Checkpoint, dtype: torch.dtype | None) -> tuple[list[OutLeaf], dict]:
+    ffns = find_ffns(ckpt)
+    mixed = []
+    for f in ffns.ffns:
+        kinds = {n: ckpt.info(n).dtype for n in f.names.values()}
+        if len(set(kinds.values())) > 1 and dtype is None:
+            mixed.append(f"{f.ref}: " + ", ".join(f"{n} {short_name(d)}" for n, d in sorted(kinds.items())))
+    if mixed:
+        raise FFNToolsError(f"{ckpt.path}: the linen layout writes each FFN in one dtype but "
+                            f"{'; '.join(mixed)}; pass --dtype to choose one")
+    reader, out = _FFNReader(ckpt), []
+    for f in ffns.ffns:
+        prefix = tree.linen_subtree(f.ref.layer, f.ref.kind, f.ref.expert)
+        src_dtype = _out_dtype(ckpt, f.names["down"], dtype)
+        h, i = f.d_model, f.d_ffn
+        has = {r: f"{r}_bias" in f.names or (r != "down" and "gate_up_bias" in f.names) for r in tree.ROLES}
+        for role in tree.ROLES:
+            kernel = (i, h) if role == "down" else (h, i)
+            leaves = [("kernel", kernel)] + ([("bias", (kernel[1],))] if has[role] else [])
+            for leaf, shape in leaves:
+                key = role if leaf == "kernel" else f"{role}_bias"
+
+                def produce(f=f, key=key):
+                    t = _cast(reader.get(f)[key], dtype)
+                    return t.T.contiguous() if t.ndim == 2 else t.contiguous()  # kernel = W.T (in, out)
+
+                out.append(OutLeaf((*prefix, role, leaf), src_dtype, shape, produce))
+    chosen = ffns.ffns
+    manifest = {
+        "flax_layout": "linen", "source": str(ckpt.path), "scheme": ffns.scheme.name,
+        "naming": "params/layers_{L}[_experts_{E}|_shared_expert]/{gate,up,down}/{kernel,bias}, kernels (in, out)",
+        "activation": ffns.activation.config_name, "gated_unit": ffns.activation.unit,
+        "dtype": short_name(out[0].dtype), "d_model": chosen[0].d_model, "d_ffn": sorted({f.d_ffn for f in chosen}),
+        "layers": sorted({f.ref.layer for f in chosen}),
+        "experts": sorted({f.ref.expert for f in chosen if f.ref.kind == "expert"}),
+        "shared_expert": any(f.ref.kind == "shared" for f in chosen), "ffns": len(chosen), "tensors": len(out),
+    }
+    config = {"ffn_tools_manifest": manifest}
+    if not ffns.activation.assumed:
+        config["hidden_act"] = ffns.activation.config_name
+    return out, config
+
+
+def _shards(leaves: list[OutLeaf], max_shard_size: int | None) -> list[list[OutLeaf]]:
+    if not max_shard_size:
+        return [leaves]
+    shards, cur, size = [], [], 5  # 5: the root map header, at most
+    for leaf in leaves:
+        cost = shard_cost(leaf)
+        if cur and size + cost > max_shard_size:
+            shards.append(cur)
+            cur, size = [], 5
+        cur.append(leaf)
+        size += cost
+    return [*shards, cur]
+
+
+def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
+           max_shard_size: int | None = None, flax_layout: str | None = None) -> dict:
+    """Write ``ckpt`` as a Flax msgpack tree: a directory (``flax_model.msgpack`` or shards + index, plus
+    config.json and, for ``hf``, the tokenizer and generation files), or one ``.msgpack`` file.
+
+    Args:
+        flax_layout: "hf" (default: the whole model as Hugging Face Flax models named it) or "linen"
+            (the FFNs only, one ``nn.Dense`` gate/up/down module tree each).
+
+    Returns:
+        Summary: output, format, layout, files, tensors, bytes, changes.
+
+    Raises:
+        FFNToolsError: unknown layout, a name the layout cannot hold, mixed FFN dtypes (linen, without
+            ``dtype``), no FFN found (linen), or the output exists.
+    """
+    layout = flax_layout or "hf"
+    if layout not in LAYOUTS:
+        raise FFNToolsError(f"unknown Flax layout {layout!r}; use one of {', '.join(LAYOUTS)}")
+    out = Path(out)
+    target = parse_user_dtype(dtype) if dtype else None
+    changes = []
+    if layout == "hf":
+        leaves = _hf_leaves(ckpt, target)
+        config = dict(ckpt.config) if ckpt.config is not None else None
+        changes.append("layout hf: 2-D weights stored as kernel = W.T (in, out), embeddings as embedding")
+        if config is not None:
+            config.pop("quantization", None)
+            config.pop("quantization_config", None)
+            if target is not None:
+                config["dtype"] = short_name(target)
+                config.pop("torch_dtype", None)
+                changes.append(f"config.json: dtype set to {short_name(target)}")
+    else:
+        leaves, config = _linen_leaves(ckpt, target)
+        changes.append(f"layout linen: {config['ffn_tools_manifest']['ffns']} FFNs as "
+                       "params/layers_{L}[_experts_{E}|_shared_expert]/{gate,up,down}; other tensors not written")
+    if target is not None:
+        changes.append(f"floating tensors cast to {short_name(target)}")
+    single = out.suffix == ".msgpack"
+    if single and max_shard_size:
+        raise FFNToolsError(f"{out}: --max-shard-size needs a directory output, not a .msgpack file")
+    shards = _shards(leaves, max_shard_size)
+    files = [WEIGHTS_NAME] if len(shards) == 1 else [
+        WEIGHTS_NAME.replace(".msgpack", f"-{k:05d}-of-{len(shards):05d}.msgpack") for k in range(1, len(shards) + 1)]
+    total = sum(leaf.nbytes for leaf in leaves)
+    progress = Progress(total, f"converting to flax ({layout})")
+    try:
+        with atomic_output(out, inputs=[ckpt.path, *ckpt.files], force=force) as tmp:
+            if single:
+                write_tree(tmp, leaves, progress.update)
+                files = [out.name]
+            else:
+                tmp.mkdir()
+                for name, shard in zip(files, shards):
+                    write_tree(tmp / name, shard, progress.update)
+                if len(shards) > 1:
+                    weight_map = {"/".join(leaf.path): name for name, shard in zip(files, shards) for leaf in shard}
+                    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+                    (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+                for p in side_files(ckpt) if layout == "hf" else []:
+                    if p.name != "config.json":
+                        shutil.copy2(p, tmp / p.name)
+                if config is not None:
+                    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    finally:
+        progress.close()
+    return {"output": str(out), "format": FORMAT, "layout": layout, "files": files, "tensors": len(leaves),
+            "bytes": total, "changes": changes}
