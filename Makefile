@@ -16,10 +16,10 @@ $(BIN)/.installed: pyproject.toml
 install: $(BIN)/.installed
 
 demo: install
-	TRITON_INTERPRET=1 $(BIN)/python examples/demo.py
+	$(BIN)/python examples/demo.py
 
 test: install
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n 2 tests
+	$(BIN)/python -m pytest -n 2 tests
 
 bench: install
 	$(BIN)/python benchmarks/bench_split.py

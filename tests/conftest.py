@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels tests: Triton's interpreter on CPU-only machines
+if not torch.cuda.is_available():  # Triton runs through its interpreter; must be set before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny_models  # noqa: E402
