@@ -1,0 +1,170 @@
+"""How mlx-lm names and quantizes each architecture's weights, declared as data.
+
+mlx-lm loads Hugging Face names almost unchanged; what each model's ``sanitize`` changes is listed here:
+routed experts stacked into ``switch_mlp`` tensors (E, out, in), rotary ``inv_freq`` buffers dropped, and
+``lm_head`` dropped when the model ties it to ``embed_tokens``. ``quantize_overrides`` mirrors a model's
+``quant_predicate`` (module path suffix -> the parameters ``mlx_lm.convert`` records for it). Read from
+mlx_lm 0.32 ``models/*.py``; mistral shares llama's entry as in mlx-lm's ``MODEL_REMAPPING``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ffn_tools.errors import FFNToolsError
+
+
+@dataclass(frozen=True)
+class SwitchMLP:
+    """Routed experts ``{prefix}.experts.{e}.{hf}.weight`` stacked as ``{prefix}.switch_mlp.{mlx}.weight``.
+
+    Attributes:
+        prefix: module path of the MoE block, with ``{layer}``.
+        projections: HF projection name -> mlx-lm projection name.
+        count_keys: config.json keys that may give the number of experts (transformers v5 renamed some).
+    """
+
+    prefix: str
+    projections: dict[str, str]
+    count_keys: tuple[str, ...]
+
+    def count(self, config: dict) -> int | None:
+        """The number of experts config.json declares, if it does."""
+        return next((config[k] for k in self.count_keys if isinstance(config.get(k), int)), None)
+
+    def expert_pattern(self) -> re.Pattern:
+        """Matches per-expert HF weight names; groups: layer, expert, proj."""
+        p = re.escape(self.prefix).replace(re.escape("{layer}"), r"(?P<layer>\d+)")
+        projs = "|".join(map(re.escape, self.projections))
+        return re.compile(rf"{p}\.experts\.(?P<expert>\d+)\.(?P<proj>{projs})\.weight")
+
+    def switch_pattern(self) -> re.Pattern:
+        """Matches stacked MLX names; groups: layer, proj (mlx-lm's name), part (weight/scales/biases)."""
+        p = re.escape(self.prefix).replace(re.escape("{layer}"), r"(?P<layer>\d+)")
+        projs = "|".join(map(re.escape, self.projections.values()))
+        return re.compile(rf"{p}\.switch_mlp\.(?P<proj>{projs})\.(?P<part>weight|scales|biases)")
+
+    def stacked_name(self, layer: int, hf_proj: str) -> str:
+        return f"{self.prefix.format(layer=layer)}.switch_mlp.{self.projections[hf_proj]}.weight"
+
+    def expert_name(self, layer: int, expert: int, mlx_proj: str) -> str:
+        hf = {v: k for k, v in self.projections.items()}[mlx_proj]
+        return f"{self.prefix.format(layer=layer)}.experts.{expert}.{hf}.weight"
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What mlx-lm's model class for a ``model_type`` expects.
+
+    Attributes:
+        tie: "config" (``tie_word_embeddings``, defaulting to ``tie_default``), "always" (no lm_head in the
+            MLX model) or "never" (lm_head always kept).
+        tie_default: mlx-lm's ``ModelArgs`` default for ``tie_word_embeddings``.
+        dense_form: "separate" (gate_proj, up_proj) or "fused" (Phi-3's gate_up_proj).
+        switch: how routed experts are stacked, or None for dense models.
+        quantize_overrides: (module path suffix, quantization parameters) from the model's quant_predicate.
+    """
+
+    tie: str = "config"
+    tie_default: bool = False
+    dense_form: str = "separate"
+    switch: SwitchMLP | None = None
+    quantize_overrides: tuple[tuple[str, dict], ...] = field(default=())
+
+
+_W = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_QWEN = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+_LLAMA = Arch(tie_default=True)
+_QWEN_COUNT = ("num_experts", "num_local_experts")
+
+ARCHS: dict[str, Arch] = {
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": Arch(tie_default=True),
+    "qwen3": Arch(),
+    "gemma": Arch(tie="always"),
+    "gemma2": Arch(tie="always"),
+    "phi3": Arch(dense_form="fused"),
+    "mixtral": Arch(switch=SwitchMLP("model.layers.{layer}.block_sparse_moe", _W, ("num_local_experts",))),
+    "qwen2_moe": Arch(tie="never", switch=SwitchMLP("model.layers.{layer}.mlp", _QWEN, _QWEN_COUNT)),
+    "qwen3_moe": Arch(switch=SwitchMLP("model.layers.{layer}.mlp", _QWEN, _QWEN_COUNT),
+                      quantize_overrides=(("mlp.gate", {"group_size": 64, "bits": 8}),)),
+}
+
+# Tensors mlx-lm recomputes instead of loading.
+DROPPED = (re.compile(r".*\.rotary_emb\.inv_freq"),)
+# Forms mlx-lm's model classes cannot load, and the ffn-tools command that fixes each.
+_WRONG_FORM = {
+    "separate": (re.compile(r".*\.gate_up_proj(\.weight)?"), "ffn-tools split-gateup"),
+    "fused": (re.compile(r".*\.mlp\.gate_proj\.weight"), "ffn-tools fuse-gateup"),
+}
+
+
+def arch_for(config: dict | None, where: str) -> tuple[str, Arch]:
+    """The model_type and its ``Arch``.
+
+    Raises:
+        FFNToolsError: no config.json, or a model_type this table does not describe.
+    """
+    if not config:
+        raise FFNToolsError(f"{where}: no config.json; MLX export needs it to know the architecture "
+                            "(model_type) mlx_lm will build; put the model's config.json beside the weights")
+    model_type = config.get("model_type")
+    if model_type not in ARCHS:
+        raise FFNToolsError(f"{where}: model_type {model_type!r} is not supported for MLX export; "
+                            f"supported: {', '.join(sorted(ARCHS))}")
+    return model_type, ARCHS[model_type]
+
+
+def head_is_tied(arch: Arch, config: dict) -> bool:
+    """Whether mlx-lm's model has no lm_head (it reuses embed_tokens)."""
+    if arch.tie == "config":
+        return bool(config.get("tie_word_embeddings", arch.tie_default))
+    return arch.tie == "always"
+
+
+def wrong_form(arch: Arch, names) -> str | None:
+    """An error message when the checkpoint's FFNs are in a form mlx-lm's model cannot load, else None."""
+    rx, fix = _WRONG_FORM[arch.dense_form]
+    bad = sorted(n for n in names if rx.fullmatch(n))
+    if not bad:
+        return None
+    want = "separate gate_proj/up_proj" if arch.dense_form == "separate" else "one fused gate_up_proj"
+    return (f"{bad[0]}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}: mlx-lm's model expects {want} "
+            f"projections; run `{fix}` on the checkpoint first")
+
+
+def quantize_override(arch: Arch, module_path: str) -> dict | None:
+    """The parameters a model's quant_predicate gives ``module_path``, or None for the defaults."""
+    for suffix, params in arch.quantize_overrides:
+        if module_path.endswith(suffix):
+            return dict(params)
+    return None
+
+
+def legacy_config(config: dict, arch: Arch) -> tuple[dict, list[str]]:
+    """config.json with the keys transformers v5 moved restored where mlx-lm's ``ModelArgs`` read them.
+
+    transformers v5 nests ``rope_theta`` (and the scaling) under ``rope_parameters`` and renamed some expert
+    counts; most mlx-lm models read the old top-level keys and would silently use their defaults (Qwen2's
+    rope_theta 1e6 instead of the checkpoint's). Existing keys are never overwritten.
+
+    Returns:
+        (the new config, lines saying what was added).
+    """
+    config, added = dict(config), []
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict):
+        if "rope_theta" not in config and "rope_theta" in rope:
+            config["rope_theta"] = rope["rope_theta"]
+            added.append("rope_theta")
+        if config.get("rope_scaling") is None and rope.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+            config["rope_scaling"] = {"type": scaling["rope_type"], **scaling}
+            added.append("rope_scaling")
+    if arch.switch and arch.switch.count_keys[0] not in config and (n := arch.switch.count(config)) is not None:
+        config[arch.switch.count_keys[0]] = n
+        added.append(arch.switch.count_keys[0])
+    lines = [f"config.json: added {', '.join(added)} from transformers v5 keys (mlx-lm reads the old names)"] if added else []
+    return config, lines

@@ -1,0 +1,212 @@
+"""Streaming casts and quantization with MLX's own ops, a few rows at a time, without torch or numpy.
+
+An output tensor made from input tensors (one, or E experts stacked on dim 0) is computed in row chunks of
+about ``CHUNK_BYTES``: input bytes are read with ``pread`` (or taken from a decoded tensor when the input
+is not a plain safetensors file), wrapped as an ``mx.array``, cast with ``astype`` and/or packed with
+``mx.quantize``, and the results are appended to the outputs' byte buffers. Affine quantization works per
+row group along the last axis, so chunking rows gives the same bits as ``mlx_lm.convert``'s whole-tensor
+call (the tests compare them). Memory stays at one chunk plus the (packed) outputs of one tensor.
+
+Reading goes the other way: ``dequantize`` unpacks one module's weight, scales and biases.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+
+import mlx.core as mx
+
+from ffn_tools.dtypes import itemsize
+
+CHUNK_BYTES = 4 << 20
+FLOATS = ("F32", "F16", "BF16", "F64")
+_MX = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "F64": mx.float64, "U32": mx.uint32,
+       "U8": mx.uint8, "U16": mx.uint16, "I32": mx.int32}
+_ST = {v: k for k, v in _MX.items()}
+_UINT = {1: ("B", mx.uint8), 2: ("H", mx.uint16), 4: ("I", mx.uint32), 8: ("Q", mx.uint64)}
+
+
+class RawTensor(bytearray):
+    """A tensor's bytes with its safetensors dtype and shape: what ``plan.execute`` checks and writes.
+
+    Lets entries produce MLX results without importing torch (importing it costs over a second).
+    """
+
+    def __init__(self, dtype: str, shape: Sequence[int]):
+        self.dtype, self.shape = dtype, tuple(shape)
+        n = itemsize(dtype)
+        for d in self.shape:
+            n *= d
+        super().__init__(n)
+
+    def to_torch(self):
+        """The same bytes as a torch tensor (imports torch)."""
+        import torch
+
+        from ffn_tools.dtypes import torch_dtype
+
+        if not len(self):
+            return torch.empty(self.shape, dtype=torch_dtype(self.dtype))
+        return torch.frombuffer(self, dtype=torch_dtype(self.dtype)).reshape(self.shape)
+
+
+def mx_dtype(st: str):
+    """The ``mx.Dtype`` of a safetensors dtype string."""
+    return _MX[st]
+
+
+def to_mx(data: memoryview, st: str, shape: Sequence[int]) -> mx.array:
+    """An mx array of dtype ``st`` from raw little-endian bytes (copied)."""
+    code, utype = _UINT[itemsize(st)]
+    a = mx.array(data.cast(code, shape=list(shape) or [1]))
+    a = a if _MX[st] == utype else a.view(_MX[st])
+    return a if shape else a.reshape(())
+
+
+def raw_bytes(a: mx.array) -> memoryview:
+    """The bytes of an (evaluated, row-contiguous) mx array."""
+    code, utype = _UINT[a.dtype.size]
+    return memoryview(a if a.dtype == utype else a.view(utype)).cast("B")
+
+
+def read_bytes(file, start: int, nbytes: int) -> bytes:
+    """``nbytes`` bytes of ``file`` from ``start``.
+
+    Raises:
+        OSError: the file ends early.
+    """
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        parts, left = [], nbytes
+        while left:
+            b = os.pread(fd, left, start + nbytes - left)
+            if not b:
+                raise OSError(f"{file}: ended early at byte {start + nbytes - left}")
+            parts.append(b)
+            left -= len(b)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(last dim, product of the others): a tensor seen as rows; a scalar is one row of one."""
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return (shape[-1] if shape else 1), rows
+
+
+def row_chunks(ckpt, name: str, max_bytes: int | None = None) -> Iterator[tuple[memoryview, int]]:
+    """(bytes, rows) chunks of whole rows of a tensor viewed as (rows, last dim)."""
+    info = ckpt.info(name)
+    max_bytes = max_bytes or CHUNK_BYTES
+    cols, rows = _rows_cols(info.shape)
+    row_bytes = cols * itemsize(info.st_dtype)
+    if not rows * row_bytes:
+        return
+    step = max(1, max_bytes // row_bytes)
+    if info.start is not None:
+        for r in range(0, rows, step):
+            n = min(step, rows - r)
+            yield memoryview(read_bytes(info.file, info.start + r * row_bytes, n * row_bytes)), n
+        return
+    if hasattr(ckpt, "read_raw"):  # a view that decodes without torch (MLX, dequantized)
+        data = memoryview(ckpt.read_raw(name))
+    else:  # a pickle or Flax tensor: decode it with torch
+        import torch
+
+        data = memoryview(ckpt[name].contiguous().reshape(-1).view(torch.uint8).numpy())
+    for r in range(0, rows, step):
+        n = min(step, rows - r)
+        yield data[r * row_bytes:(r + n) * row_bytes], n
+
+
+def stream(ckpt, sources: Sequence[str], outputs: Sequence[tuple[str, tuple[int, ...]]],
+           fn: Callable[[mx.array], Sequence[mx.array]], max_bytes: int | None = None) -> list[RawTensor]:
+    """Apply ``fn`` to row chunks of ``sources`` (rows concatenated in order) and collect its outputs.
+
+    Args:
+        sources: input tensor names; their rows, in order, are the rows of the logical input.
+        outputs: (dtype, shape) of each output of ``fn``, for the whole logical input.
+        fn: maps an (rows, last dim) chunk to per-output arrays whose first axis is those rows.
+
+    Raises:
+        RuntimeError: the outputs did not come out at their planned sizes (a bug).
+    """
+    outs = [RawTensor(st, shape) for st, shape in outputs]
+    pos = [0] * len(outs)
+    for name in sources:
+        info = ckpt.info(name)
+        cols, _ = _rows_cols(info.shape)
+        for data, rows in row_chunks(ckpt, name, max_bytes):
+            results = fn(to_mx(data, info.st_dtype, (rows, cols)))
+            mx.eval(*results)
+            for k, r in enumerate(results):
+                b = raw_bytes(r)
+                outs[k][pos[k]:pos[k] + len(b)] = b
+                pos[k] += len(b)
+            del results
+    if pos != [len(o) for o in outs]:
+        raise RuntimeError(f"internal error: {', '.join(sources)[:200]} produced {pos} bytes, planned "
+                           f"{[len(o) for o in outs]}")
+    return outs
+
+
+def cast_fn(target: str | None) -> Callable[[mx.array], list[mx.array]]:
+    """Chunk function: cast to ``target`` (None: unchanged)."""
+    return lambda a: [a.astype(_MX[target]) if target else a]
+
+
+def quantize_fn(target: str | None, group_size: int, bits: int) -> Callable[[mx.array], list[mx.array]]:
+    """Chunk function: optional cast, then ``mx.quantize`` -> (packed weight, scales, biases)."""
+    def fn(a: mx.array) -> list[mx.array]:
+        return list(mx.quantize(a.astype(_MX[target]) if target else a, group_size=group_size, bits=bits))
+
+    return fn
+
+
+def quantized_shapes(shape: tuple[int, ...], group_size: int, bits: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(packed weight shape, scales/biases shape) of a weight of ``shape`` quantized along its last axis."""
+    lead, cols = shape[:-1], shape[-1]
+    return (*lead, cols * bits // 32), (*lead, cols // group_size)
+
+
+class QuantJob:
+    """One weight's quantization, shared by its three entries (weight, scales, biases).
+
+    Computed when the first part is asked for and forgotten once all three are taken, so only one
+    tensor's packed outputs are alive at a time.
+    """
+
+    def __init__(self, ckpt, sources: Sequence[str], shape: tuple[int, ...], dtype: str, target: str | None,
+                 group_size: int, bits: int):
+        self.ckpt, self.sources, self.target = ckpt, tuple(sources), target
+        self.group_size, self.bits = group_size, bits
+        wshape, sshape = quantized_shapes(shape, group_size, bits)
+        st = target or dtype
+        self.specs = [("U32", wshape), (st, sshape), (st, sshape)]
+        self._parts: list[RawTensor] | None = None
+        self._left: set[int] = set()
+
+    def part(self, k: int) -> RawTensor:
+        if self._parts is None or k not in self._left:
+            self._parts = stream(self.ckpt, self.sources, self.specs,
+                                 quantize_fn(self.target, self.group_size, self.bits))
+            self._left = {0, 1, 2}
+        part = self._parts[k]
+        self._left.discard(k)
+        if not self._left:
+            self._parts = None
+        return part
+
+
+def dequantize(w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int,
+               mode: str = "affine") -> RawTensor:
+    """Unpack one quantized weight with ``mx.dequantize`` (dtype: the scales')."""
+    out = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode)
+    mx.eval(out)
+    raw = RawTensor(_ST[out.dtype], out.shape)
+    raw[:] = raw_bytes(out)
+    return raw

@@ -1,0 +1,132 @@
+"""An MLX model directory seen as a Hugging Face PyTorch checkpoint (the converter surface's ``open``).
+
+Names are mlx-lm's with ``sanitize`` undone: ``switch_mlp`` stacks (E, out, in) become per-expert tensors,
+and quantized modules (``X.weight`` packed uint32 + ``X.scales`` + ``X.biases``) become one ``X.weight``
+dequantized with ``mx.dequantize`` in the scales' dtype. Unquantized tensors, experts included, keep their
+byte offsets, so converting them back copies bytes and is lossless. The config loses its ``quantization``
+blocks. Nothing is read until a tensor is asked for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ffn_tools.errors import CheckpointError
+from ffn_tools.store import Checkpoint, SafetensorsCheckpoint, TensorInfo, open_checkpoint
+
+from .mlx_arch import ARCHS
+from .mlx_quant import RawTensor, dequantize, read_bytes, to_mx
+
+QUANT_KEYS = ("quantization", "quantization_config")
+
+
+def _params(qcfg: dict, module: str) -> dict:
+    """Quantization parameters of one module: its own entry in the block, else the block's defaults."""
+    own = qcfg.get(module)
+    base = {"group_size": qcfg.get("group_size"), "bits": qcfg.get("bits"), "mode": qcfg.get("mode", "affine")}
+    return {**base, **own} if isinstance(own, dict) else base
+
+
+class MLXCheckpoint(Checkpoint):
+    """A lazy, read-only view of an MLX model directory with Hugging Face names (see the module doc)."""
+
+    format = "mlx"
+
+    def __init__(self, path: Path):
+        raw = open_checkpoint(path)
+        if not isinstance(raw, SafetensorsCheckpoint):
+            raise CheckpointError(f"{path}: MLX weights are safetensors files; found {raw.format} files")
+        self.raw = raw
+        if raw.config is None:
+            raise CheckpointError(f"{raw.root}: no config.json; an MLX model needs the config.json mlx_lm wrote "
+                                  "(model_type, quantization) beside its weights")
+        config = dict(raw.config)
+        qcfg = config.get("quantization")
+        self._recipes: dict[str, tuple] = {}
+        infos: dict[str, TensorInfo] = {}
+        problems: list[str] = []
+        quantized = sorted(n[: -len(".scales")] for n in raw if n.endswith(".scales"))
+        if quantized and not isinstance(qcfg, dict):
+            raise CheckpointError(
+                f"{raw.root / 'config.json'}: {len(quantized)} modules are quantized ({quantized[0]}.scales, ...) "
+                "but config.json has no 'quantization' block; add the one mlx_lm.convert wrote, e.g. "
+                '"quantization": {"group_size": 64, "bits": 4}')
+        for m in quantized:
+            if f"{m}.weight" not in raw:
+                problems.append(f"{m}.scales has no {m}.weight")
+        arch = ARCHS.get(config.get("model_type"))
+        switch = arch.switch if arch else None
+        pattern = switch.switch_pattern() if switch else None
+        for name in raw:
+            module, _, part = name.rpartition(".")
+            if part in ("scales", "biases") and f"{module}.scales" in raw:
+                continue
+            q = _params(qcfg, module) if part == "weight" and f"{module}.scales" in raw else None
+            if q is not None and not self._check(module, q, problems):
+                continue
+            m = pattern.fullmatch(name) if pattern else None
+            if m is None and ".switch_mlp." in name:
+                problems.append(f"{name}: cannot unstack switch_mlp experts of model_type "
+                                f"{config.get('model_type')!r}; known: {', '.join(a for a in ARCHS if ARCHS[a].switch)}")
+                continue
+            experts = range(raw.info(name).shape[0]) if m else [None]
+            for e in experts:
+                hf = switch.expert_name(int(m["layer"]), e, m["proj"]) if m else name
+                infos[hf] = self._plan(hf, module, name, e, q)
+        if problems:
+            raise CheckpointError(f"{raw.root}: cannot read this MLX model: " + "; ".join(sorted(problems)))
+        for k in QUANT_KEYS:
+            config.pop(k, None)
+        super().__init__(raw.path, raw.root, raw.files, infos, {"format": "pt"}, config)
+
+    def _check(self, module: str, q: dict, problems: list[str]) -> bool:
+        w, s = self.raw.info(f"{module}.weight"), self.raw.info(f"{module}.scales")
+        gs, bits, mode = q["group_size"], q["bits"], q["mode"]
+        if mode != "affine" or f"{module}.biases" not in self.raw:
+            problems.append(f"{module}: quantization mode {mode!r} is not supported (only affine with biases); "
+                            "dequantize it with mlx_lm.convert --dequantize first")
+            return False
+        if not isinstance(gs, int) or not isinstance(bits, int) or w.st_dtype != "U32" or \
+                w.shape[-1] * 32 % bits or s.shape[-1] * gs != w.shape[-1] * 32 // bits:
+            problems.append(f"{module}: config.json quantization (group_size {gs}, bits {bits}) does not fit "
+                            f"{module}.weight {w.st_dtype}{list(w.shape)} and .scales {list(s.shape)}; "
+                            "fix the 'quantization' block")
+            return False
+        return True
+
+    def _plan(self, hf: str, module: str, name: str, expert: int | None, q: dict | None) -> TensorInfo:
+        info = self.raw.info(name)
+        if q is None:  # bytes as they are: the whole tensor, or one expert's slice of the stack
+            if expert is None:
+                return TensorInfo(hf, info.st_dtype, info.shape, info.file, info.start)
+            per = info.nbytes // info.shape[0]
+            return TensorInfo(hf, info.st_dtype, info.shape[1:], info.file, info.start + expert * per)
+        self._recipes[hf] = (module, expert, q)
+        s = self.raw.info(f"{module}.scales")
+        shape = info.shape[1:] if expert is not None else info.shape
+        return TensorInfo(hf, s.st_dtype, (*shape[:-1], shape[-1] * 32 // q["bits"]), info.file, None)
+
+    def _part(self, name: str, expert: int | None):
+        info = self.raw.info(name)
+        shape, start, n = info.shape, info.start, info.nbytes
+        if expert is not None:
+            n //= shape[0]
+            shape, start = shape[1:], start + expert * n
+        return to_mx(memoryview(read_bytes(info.file, start, n)), info.st_dtype, shape)
+
+    def read_raw(self, name: str) -> RawTensor:
+        """A tensor's bytes without torch: dequantized, or read from its place in the file."""
+        info = self._infos[name]
+        if name not in self._recipes:
+            raw = RawTensor(info.st_dtype, info.shape)
+            raw[:] = read_bytes(info.file, info.start, info.nbytes)
+            return raw
+        module, expert, q = self._recipes[name]
+        w, s, b = (self._part(f"{module}.{p}", expert) for p in ("weight", "scales", "biases"))
+        return dequantize(w, s, b, q["group_size"], q["bits"], q["mode"])
+
+    def _read(self, info: TensorInfo):
+        return self.read_raw(info.name).to_torch()
+
+    def close(self) -> None:
+        self.raw.close()
