@@ -1,0 +1,353 @@
+"""Every kernel backend against the float64 reference, and the numerics each one promises.
+
+Backends are skipped by capability only (Metal off Apple silicon); everything that can run here runs.
+Inputs are random and never zero (gate ~ 3 N(0,1) with planted -100, -30, 30, 100 for the exp overflow and
+saturation paths), sizes are odd (1, 7, 129, 1001 columns; 1 and 33 rows), outputs are NaN-poisoned
+buffers passed through `out=` so an element a kernel fails to write fails the comparison.
+
+Bit-exactness, stated per backend (see test_rounding_structure_is_exact and test_silu_ulps_from_eager):
+* Every backend's default output is *bit-exact* to round(round(act32(g)) * u) and its single-rounding output
+  to round(act32(g) * u), where act32 is that backend's own float32 activation: the rounding structure of
+  eager `F.silu(g) * u` holds exactly.
+* Against eager `F.silu(g) * u` itself on the CPU, bits can differ only because each backend's float32 exp
+  differs from PyTorch's: SILU_EAGER_ULPS holds the bounds measured here (the CUDA path promises bit-exact
+  equality; benchmarks/gpu_kernels.py checks that on a GPU). For gelu/gelu_tanh, PyTorch's own CPU erf/tanh
+  lose relative accuracy in the negative tail, so those are compared with the reference only.
+"""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import reference
+from kernels.tolerances import compare, tolerance
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+BACKENDS = ("triton", "metal", "mlx", "jax")
+LAYOUTS = (
+    ("pair", "gate-up", False),
+    ("fused", "gate-up", False),
+    ("fused", "up-gate", False),
+    ("fused", "gate-up", True),
+    ("fused", "up-gate", True),
+)
+SHAPES = ((1, 7), (33, 129))  # the full dtype x activation x layout product runs on these
+EXTRA_SHAPES = ((1, 1), (5, 1001))  # and silu on these (a jax compile per shape keeps the product small)
+EAGER = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+# Max ulp distance from eager F.silu(g) * u on the CPU where |eager| >= 2**-100 (further down, each exp
+# library handles float32 underflow differently; there the absolute difference must stay < 2**-100).
+# float32: the float32 exp libraries differ (numpy for the Triton interpreter, MLX's own, XLA's) from
+# PyTorch's Sleef exp; MLX's is the loosest at large |x|. 16-bit: one float32 ulp can flip the first
+# rounding, which moves the product by at most 2 ulp of the dtype; measured: no bf16 difference at all.
+SILU_EAGER_ULPS = {
+    "triton": {torch.float32: 5, torch.float16: 2, torch.bfloat16: 2},
+    "mlx": {torch.float32: 64, torch.float16: 2, torch.bfloat16: 2},
+    "jax": {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2},
+}
+MAX_DIFFERING_FRACTION_16BIT = 1e-3
+
+
+def _dtype_id(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def backend_params(names=BACKENDS):
+    out = []
+    for name in names:
+        mod = kernels.get_backend(name)
+        out.append(pytest.param(name, id=name, marks=pytest.mark.skipif(not mod.available(), reason=mod.why_unavailable())))
+    return out
+
+
+def make_inputs(shape, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    g = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    u = torch.randn(shape, generator=gen).to(dtype)
+    g = torch.where(g == 0, torch.full_like(g, 0.5), g)  # never zeros
+    u = torch.where(u == 0, torch.full_like(u, -0.75), u)
+    if shape[-1] >= 4:
+        g[..., 0, :4] = torch.tensor([-100.0, -30.0, 30.0, 100.0]).to(dtype)
+    return g, u
+
+
+def fuse(g, u, order, interleaved):
+    """Build the fused (..., 2I) tensor independently of the kernels' own split code."""
+    a, b = (g, u) if order == "gate-up" else (u, g)
+    if interleaved:
+        return torch.stack([a, b], dim=-1).reshape(*g.shape[:-1], 2 * g.shape[-1])
+    return torch.cat([a, b], dim=-1)
+
+
+def run_layout(mod, layout, g, u, out, **kw):
+    kind, order, interleaved = layout
+    if kind == "pair":
+        return mod.silu_mul(g, u, out=out, **kw)
+    return mod.silu_mul_fused(fuse(g, u, order, interleaved), order=order, interleaved=interleaved, out=out, **kw)
+
+
+def ulp_key(t: torch.Tensor) -> torch.Tensor:
+    """Integers ordered like the floats, so that |key(a) - key(b)| counts representable values between."""
+    bits = t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.int16).long()
+    magnitude = bits & ((1 << (8 * t.element_size() - 1)) - 1)
+    return torch.where(bits < 0, -magnitude, magnitude)
+
+
+def _layout_id(layout) -> str:
+    return layout[0] if layout[0] == "pair" else f"{layout[1]}{'-il' if layout[2] else ''}"
+
+
+# --- every backend against the float64 reference ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "activation, shape",
+    [(a, s) for s in SHAPES for a in kernels.ACTIVATIONS] + [("silu", s) for s in EXTRA_SHAPES],
+    ids=lambda v: v if isinstance(v, str) else f"{v[0]}x{v[1]}",
+)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_layout_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("backend", backend_params())
+def test_activation_matches_reference(backend, dtype, layout, activation, shape):
+    g, u = make_inputs(shape, dtype)
+    out = torch.full(shape, float("nan"), dtype=dtype)
+    res = run_layout(kernels.get_backend(backend), layout, g, u, out, activation=activation)
+    assert res is out and res.dtype == dtype
+    c = compare(out, reference.silu_mul(g, u, activation=activation), *tolerance(dtype))
+    assert c.ok, c.summary()
+
+
+@pytest.mark.parametrize("single_rounding", [False, True], ids=["two-roundings", "single-rounding"])
+@pytest.mark.parametrize("activation", kernels.ACTIVATIONS)
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=_dtype_id)
+@pytest.mark.parametrize("backend", backend_params())
+def test_rounding_structure_is_exact(backend, dtype, activation, single_rounding):
+    """Bit-exact: the backend rounds its own float32 activation exactly as promised (RNE, once or twice)."""
+    mod = kernels.get_backend(backend)
+    g, u = make_inputs((9, 257), dtype, seed=1)
+    act32 = mod.silu_mul(g.float(), torch.ones(g.shape), activation=activation)  # x * 1 is exact
+    if single_rounding:
+        expected = (act32 * u.float()).to(dtype)
+    else:
+        expected = (act32.to(dtype).float() * u.float()).to(dtype)
+    for layout in (LAYOUTS[0], LAYOUTS[2], LAYOUTS[3]):
+        out = torch.full(g.shape, float("nan"), dtype=dtype)
+        res = run_layout(mod, layout, g, u, out, activation=activation, single_rounding=single_rounding)
+        assert torch.equal(res.view(torch.int16), expected.view(torch.int16)), layout
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("backend", backend_params(("triton", "mlx", "jax")))
+def test_silu_ulps_from_eager(backend, dtype):
+    """Distance from eager `F.silu(g) * u` in ulps of the dtype, over the whole interesting range of g."""
+    gen = torch.Generator().manual_seed(2)
+    g = torch.cat([torch.linspace(-90, 90, 40_001), torch.randn(24_999, generator=gen) * 4]).view(200, 325)
+    u = (torch.randn(200, 325, generator=gen) + 0.5).to(dtype)
+    g = g.to(dtype)
+    res = kernels.get_backend(backend).silu_mul(g, u)
+    eager = F.silu(g) * u
+    normal = eager.abs() >= 2.0**-100
+    ulps = (ulp_key(res) - ulp_key(eager)).abs()[normal]
+    bound = SILU_EAGER_ULPS[backend][dtype]
+    assert int(ulps.max()) <= bound, f"{int(ulps.max())} ulp > {bound}"
+    tiny = (res.double() - eager.double()).abs()[~normal]
+    assert float(tiny.max()) < 2.0**-100 if tiny.numel() else True
+    if dtype != torch.float32:
+        assert float((ulps > 0).double().mean()) <= MAX_DIFFERING_FRACTION_16BIT
+
+
+@pytest.mark.parametrize("shape, bias", [((1, 32, 7), False), ((33, 48, 129), True)], ids=["T1xH32xI7", "T33xH48xI129-bias"])
+@pytest.mark.parametrize("activation", kernels.ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("backend", backend_params())
+def test_ffn_matches_reference(backend, dtype, activation, shape, bias):
+    tokens, hidden, inter = shape
+    gen = torch.Generator().manual_seed(hidden + inter)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    gate_w = (torch.randn(inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+    up_w = (torch.randn(inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+    down_w = (torch.randn(hidden, inter, generator=gen) / inter**0.5).to(dtype)
+    biases = None
+    if bias:
+        biases = {k: (torch.randn(n, generator=gen) * 0.1).to(dtype) for k, n in (("gate", inter), ("down", hidden))}
+    mod = kernels.get_backend(backend)
+    res = mod.ffn(x, gate_w, up_w, down_w, biases, activation=activation)
+    assert res.dtype == dtype and res.shape == (tokens, hidden)
+    ref = reference.ffn(x, gate_w, up_w, down_w, biases, activation=activation)
+    c = compare(res, ref, *tolerance(dtype, "ffn"))
+    assert c.ok, c.summary()
+    # The tolerance is tight enough to catch swapped gate/up projections.
+    swapped = reference.ffn(x, up_w, gate_w, down_w, biases, activation=activation)
+    assert not compare(res, swapped, *tolerance(dtype, "ffn")).ok
+
+
+# --- the checks catch what they claim to catch ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+@pytest.mark.parametrize("backend", backend_params())
+def test_wrong_order_is_caught(backend, interleaved):
+    g, u = make_inputs((3, 65), torch.bfloat16)
+    res = kernels.get_backend(backend).silu_mul_fused(fuse(g, u, "gate-up", interleaved), order="up-gate", interleaved=interleaved)
+    assert not compare(res, reference.silu_mul(g, u), *tolerance(torch.bfloat16)).ok
+
+
+@pytest.mark.skipif(not kernels.get_backend("triton").available(), reason=kernels.get_backend("triton").why_unavailable())
+def test_unwritten_tail_is_caught(monkeypatch):
+    """Negative control: a launch grid that misses the ragged last tile leaves NaN, and the comparison fails."""
+    kt = kernels.get_backend("triton")
+    monkeypatch.setattr(kt, "_cdiv", lambda a, b: a // b)  # the classic bug: floor instead of ceil
+    g, u = make_inputs((5, 100), torch.float16)
+    out = torch.full(g.shape, float("nan"), dtype=g.dtype)
+    kt.silu_mul(g, u, out=out, config=kt.LaunchConfig(2, 32, 1))
+    assert out.isnan().any()
+    assert not compare(out, reference.silu_mul(g, u), *tolerance(torch.float16)).ok
+
+
+# --- Triton specifics: tiling, views, devices -----------------------------------------------------------
+
+triton_only = pytest.mark.skipif(
+    not kernels.get_backend("triton").available(), reason=kernels.get_backend("triton").why_unavailable()
+)
+
+
+@triton_only
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_layout_id)
+@pytest.mark.parametrize("config", [(1, 16), (4, 32), (8, 64)], ids=lambda c: f"{c[0]}x{c[1]}")
+def test_triton_many_tiles_with_ragged_edges(layout, config):
+    """Small forced tiles: many programs in both grid axes, with ragged last tiles in both."""
+    kt = kernels.get_backend("triton")
+    g, u = make_inputs((6, 67), torch.bfloat16, seed=4)
+    out = torch.full(g.shape, float("nan"), dtype=g.dtype)
+    run_layout(kt, layout, g, u, out, config=kt.LaunchConfig(*config, 1))
+    expected = F.silu(g.float()).bfloat16().float() * u.float()  # reference rounding structure, torch's exp
+    assert compare(out, reference.silu_mul(g, u), *tolerance(torch.bfloat16)).ok
+    assert compare(out, expected.bfloat16(), 0, 2**-7).ok
+
+
+@triton_only
+def test_triton_strided_and_batched_inputs():
+    kt = kernels.get_backend("triton")
+    g, u = make_inputs((2, 3, 2 * 129), torch.float16, seed=6)
+    gs, us = g[..., ::2], u[..., 1::2]  # non-unit column stride: copied to contiguous rows
+    c = compare(kt.silu_mul(gs, us), reference.silu_mul(gs, us), *tolerance(torch.float16))
+    assert c.ok, c.summary()
+    gu = torch.cat([g, u], dim=-1)[:, 1:]  # (2, 2, 4*129) view with a gap between rows
+    res = kt.silu_mul_fused(gu, interleaved=True)
+    assert res.shape == (2, 2, 2 * 129)
+    assert compare(res, reference.silu_mul_fused(gu, interleaved=True), *tolerance(torch.float16)).ok
+
+
+@triton_only
+def test_triton_launch_config_for_cuda(monkeypatch):
+    kt = kernels.get_backend("triton")
+    monkeypatch.setattr(kt, "INTERPRETED", False)
+    for rows, cols in [(1, 1), (1, 14336), (512, 14336), (8192, 14336), (16384, 28672), (3, 1001)]:
+        cfg = kt.launch_config(rows, cols)
+        for v in (cfg.block_m, cfg.block_n):
+            assert v & (v - 1) == 0
+        assert cfg.block_m * cfg.block_n <= 4096 and cfg.num_warps in (4, 8)
+        assert cfg.block_m <= max(1, 2 * rows) and cfg.block_n < 2 * max(cols, 1) or cfg.block_n == 1
+    assert kt.launch_config(8192, 14336).block_m * kt.launch_config(8192, 14336).block_n == 4096
+
+
+# --- reference, conversions, surface --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_reference_is_float64_math(dtype):
+    g, u = make_inputs((3, 17), dtype)
+    for act, fn in EAGER.items():
+        res = reference.silu_mul(g, u, activation=act)
+        assert res.dtype == torch.float64
+        assert torch.equal(res, fn(g.double()) * u.double())
+    for order in kernels.ORDERS:
+        for il in (False, True):
+            assert torch.equal(reference.silu_mul_fused(fuse(g, u, order, il), order=order, interleaved=il), F.silu(g.double()) * u.double())
+
+
+@pytest.mark.parametrize("backend", backend_params(("mlx", "jax")))
+def test_conversion_is_bit_exact(backend):
+    """All 65536 bfloat16 and float16 bit patterns (NaN payloads included) survive the trip to and back."""
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    if backend == "mlx":
+        from kernels._mlx_io import to_mlx, to_torch
+
+        there_and_back = lambda t: to_torch(to_mlx(t))  # noqa: E731
+    else:
+        kj = kernels.get_backend("jax")
+        there_and_back = lambda t: kj._to_torch(kj._to_jax(t), t.device)  # noqa: E731
+    for dtype in (torch.bfloat16, torch.float16):
+        back = there_and_back(every.view(dtype))
+        assert back.dtype == dtype and torch.equal(back.view(torch.int16), every)
+
+
+@pytest.mark.parametrize("backend", backend_params(("reference", "triton", "mlx", "jax")))
+def test_empty_inputs(backend):
+    mod = kernels.get_backend(backend)
+    g = torch.empty(0, 7, dtype=torch.bfloat16)
+    assert mod.silu_mul(g, g).shape == (0, 7)
+    assert mod.silu_mul_fused(torch.empty(0, 14, dtype=torch.bfloat16), interleaved=True).shape == (0, 7)
+
+
+SURFACE = {
+    "silu_mul": ["gate", "up", "activation", "single_rounding", "out"],
+    "silu_mul_fused": ["gate_up", "order", "interleaved", "activation", "single_rounding", "out"],
+    "ffn": ["x", "gate_w", "up_w", "down_w", "biases", "activation", "single_rounding"],
+}
+
+
+@pytest.mark.parametrize("backend", kernels.BACKENDS)
+def test_same_surface_everywhere(backend):
+    mod = kernels.get_backend(backend)
+    for fn_name, params in SURFACE.items():
+        sig = inspect.signature(getattr(mod, fn_name))
+        assert list(sig.parameters)[: len(params)] == params, fn_name
+        defaults = {k: p.default for k, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+        assert defaults.get("activation") == "silu" and defaults.get("single_rounding") is False
+    assert isinstance(mod.available(), bool)
+    assert (mod.why_unavailable() == "") == mod.available()
+    assert "\n" not in mod.why_unavailable()
+
+
+@pytest.mark.parametrize("backend", kernels.BACKENDS)
+def test_bad_arguments_are_rejected_with_a_reason(backend):
+    """Checks run before any framework work, so they hold even where the backend is unavailable."""
+    mod = kernels.get_backend(backend)
+    g = torch.randn(2, 6)
+    cases = [
+        (lambda: mod.silu_mul(g, torch.randn(2, 5)), ValueError, "same shape"),
+        (lambda: mod.silu_mul(g, g.half()), TypeError, "cast"),
+        (lambda: mod.silu_mul(g.long(), g.long()), TypeError, "supported dtypes"),
+        (lambda: mod.silu_mul(g, g, activation="relu"), ValueError, "gelu_tanh"),
+        (lambda: mod.silu_mul_fused(torch.randn(2, 7)), ValueError, "even"),
+        (lambda: mod.silu_mul_fused(g, order="gate-first"), ValueError, "up-gate"),
+        (lambda: mod.silu_mul(g, g, out=torch.empty(2, 5)), ValueError, "expected"),
+        (lambda: mod.ffn(torch.randn(3, 4), torch.randn(6, 4), torch.randn(6, 4), torch.randn(6, 4)), ValueError, "(out, in)"),
+        (lambda: mod.ffn(torch.randn(3, 4), torch.randn(6, 4), torch.randn(6, 4), torch.randn(4, 6), {"w1": g}), ValueError, "bias"),
+    ]
+    for call, exc, words in cases:
+        with pytest.raises(exc, match=None) as info:
+            call()
+        assert words in str(info.value), str(info.value)
+
+
+def test_get_backend_and_available_backends():
+    with pytest.raises(ValueError, match="reference, triton, metal, mlx, jax"):
+        kernels.get_backend("cuda")
+    names = kernels.available_backends()
+    assert names[0] == "reference" and set(names) <= set(kernels.BACKENDS)
+    assert all(kernels.get_backend(n).available() for n in names)
+
+
+def test_import_is_cheap_and_lazy():
+    code = "import sys, kernels; print(sorted(m for m in ('triton', 'mlx', 'jax') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "[]"
