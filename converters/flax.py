@@ -4,36 +4,37 @@ Files are those transformers 4.x's ``FlaxPreTrainedModel.save_pretrained`` wrote
 beyond ``--max-shard-size`` the shards ``flax_model-00001-of-0000N.msgpack`` (each an unflattened subtree)
 and ``flax_model.msgpack.index.json`` (``weight_map``: ``model/layers/0/mlp/gate_proj/kernel`` -> shard, sorted
 keys). Here every file, headers included, is at most ``--max-shard-size`` bytes (a larger array gets a
-file alone). The layouts are described in ``converters.flax_tree``. Reading and writing need neither jax
-nor flax (``converters.flax_msgpack``); bytes are moved, never converted, so round trips are bit-exact.
+file alone). The layouts are described in ``converters.flax_tree``, reading in ``converters.flax_reader``.
+Neither jax nor flax is needed (``converters.flax_msgpack``, ``converters.flax_writer``); bytes are moved,
+never converted, so round trips are bit-exact.
 """
 
 from __future__ import annotations
 
-import builtins
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from ffn_tools.detect import choose_scheme, find_ffns
-from ffn_tools.dtypes import parse_user_dtype, short_name
-from ffn_tools.errors import CheckpointError, FFNToolsError, SchemeError
+from ffn_tools.detect import find_ffns
+from ffn_tools.dtypes import as_st, parse_user_dtype, short_name
+from ffn_tools.errors import FFNToolsError
 from ffn_tools.ffn import canonical_weights
 from ffn_tools.output import atomic_output
 from ffn_tools.plan import side_files
 from ffn_tools.progress import Progress
-from ffn_tools.store import Checkpoint, TensorInfo, read_config
+from ffn_tools.store import Checkpoint
 
 from . import flax_tree as tree
-from .flax_msgpack import DTYPES, Leaf, OutLeaf, read_leaf, read_tree, shard_cost, write_tree
+from .flax_reader import INDEX_NAME, WEIGHTS_NAME, FlaxCheckpoint
+from .flax_writer import OutLeaf, shard_cost, write_tree
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "flax"
 OPTIONS: frozenset[str] = frozenset({"flax_layout"})
 LAYOUTS = ("hf", "linen")
-WEIGHTS_NAME = "flax_model.msgpack"
-INDEX_NAME = "flax_model.msgpack.index.json"
 # A directory holding any of these is a PyTorch checkpoint (even with a flax_model.msgpack beside it).
 TORCH_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -46,128 +47,6 @@ def can_read(path: Path) -> bool:
     return path.name.endswith((".msgpack", ".msgpack.index.json"))
 
 
-def _index_files(index: Path) -> tuple[list[Path], dict[str, str]]:
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError("weight_map is not an object")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{index}: not a valid index (needs a 'weight_map' object: {e})") from None
-    files = [index.parent / n for n in dict.fromkeys(weight_map.values())]
-    missing = sorted(f.name for f in files if not f.is_file())
-    if missing:
-        raise CheckpointError(f"{index}: names shard(s) that do not exist: {', '.join(missing)}; "
-                              "copy them beside the index or point at a complete checkpoint")
-    return files, weight_map
-
-
-def _resolve(path: Path) -> tuple[Path, list[Path], dict[str, str] | None]:
-    """(root, weight files, index weight_map or None) of a Flax checkpoint path."""
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such file or directory")
-    if path.is_dir():
-        if (path / INDEX_NAME).is_file():
-            return path, *_index_files(path / INDEX_NAME)
-        if (path / WEIGHTS_NAME).is_file():
-            return path, [path / WEIGHTS_NAME], None
-        found = sorted(path.glob("*.msgpack"))
-        if len(found) != 1:
-            raise CheckpointError(f"{path}: {'no' if not found else 'several'} .msgpack files and no {INDEX_NAME}; "
-                                  "point at one .msgpack file or an index")
-        return path, found, None
-    if path.name.endswith(".index.json"):
-        return path.parent, *_index_files(path)
-    return path.parent, [path], None
-
-
-class FlaxCheckpoint(Checkpoint):
-    """A Flax tree presented with PyTorch names and (out, in) weights (see ``converters.flax_tree``).
-
-    Attributes:
-        layout: "hf" or "linen".
-    """
-
-    format = FORMAT
-
-    def __init__(self, path: Path):
-        root, files, weight_map = _resolve(path)
-        leaves: dict[tuple[str, ...], Leaf] = {}
-        for f in files:
-            for leaf in read_tree(f):
-                if leaf.path in leaves:
-                    raise CheckpointError(f"{'/'.join(leaf.path)} appears in both {leaves[leaf.path].file} and {f}")
-                leaves[leaf.path] = leaf
-        if weight_map is not None:
-            _check_index(path, weight_map, leaves)
-        config = read_config(root)
-        if config and isinstance(config.get("architectures"), list):  # transformers 4.x wrote FlaxLlamaForCausalLM
-            config["architectures"] = [a.removeprefix("Flax") if isinstance(a, str) else a for a in config["architectures"]]
-        self._leaves: dict[str, tuple[Leaf, bool]] = {}
-        linen = tree.linen_ffns(list(leaves))
-        self.layout = "hf" if linen is None else "linen"
-        if linen is None:
-            for p, leaf in leaves.items():
-                self._add(*tree.hf_name(p, len(leaf.shape), leaf.file), leaf)
-        else:
-            shapes = {p: (leaf.dtype, leaf.shape) for p, leaf in leaves.items()}
-            problems = [msg for ffn in linen.values() for msg in tree.check_linen(ffn, shapes)]
-            if problems:
-                raise CheckpointError(f"{path}: not a linen FFN tree: " + "; ".join(sorted(problems)))
-            for p, leaf in leaves.items():
-                ffn = linen[p[: len(p) - 2]]
-                self._add(f"{ffn.canonical}.{p[-2]}.{'weight' if p[-1] == 'kernel' else 'bias'}", p[-1] == "kernel", leaf)
-        infos = {}
-        for name, (leaf, transpose) in self._leaves.items():
-            start = leaf.pieces[0][0] if len(leaf.pieces) == 1 and not transpose else None
-            infos[name] = TensorInfo(name, DTYPES[leaf.dtype], leaf.shape[::-1] if transpose else leaf.shape, leaf.file, start)
-        super().__init__(path, root, files, infos, {}, config)
-        self._handles: dict[Path, object] = {}
-        if linen is None:
-            self._check_ffns()
-
-    def _add(self, name: str, transpose: bool, leaf: Leaf) -> None:
-        if name in self._leaves:
-            other = "/".join(self._leaves[name][0].path)
-            raise CheckpointError(f"{leaf.file}: {'/'.join(leaf.path)} and {other} both read as {name}; keep one")
-        self._leaves[name] = (leaf, transpose)
-
-    def _check_ffns(self) -> None:
-        """Shapes of FFN kernels must fit together (a kernel stored (out, in) is caught here)."""
-        try:
-            scheme = choose_scheme(list(self), self.config)
-        except SchemeError:
-            return  # no FFN naming recognised: nothing to check (inspect will say so)
-        try:
-            find_ffns(self, scheme)
-        except SchemeError as e:
-            raise CheckpointError(f"{e}. Shapes are PyTorch (out, in) = kernel.T: every Flax kernel must be "
-                                  "stored (in, out); re-export the tree with W.T kernels") from None
-
-    def _read(self, info: TensorInfo) -> torch.Tensor:
-        leaf, transpose = self._leaves[info.name]
-        handle = self._handles.get(leaf.file)
-        if handle is None:
-            handle = self._handles[leaf.file] = builtins.open(leaf.file, "rb")  # noqa: SIM115 - closed in close()
-        t = read_leaf(handle, leaf)
-        return t.T.contiguous() if transpose else t  # (in, out) -> (out, in): a pure move
-
-    def close(self) -> None:
-        for h in self._handles.values():
-            h.close()
-        self._handles.clear()
-
-
-def _check_index(path: Path, weight_map: dict[str, str], leaves: dict[tuple[str, ...], Leaf]) -> None:
-    found = {"/".join(p): leaf.file.name for p, leaf in leaves.items()}
-    problems = [f"{k}: listed in {v} but not there" for k, v in weight_map.items() if found.get(k) != v and k not in found]
-    problems += [f"{k}: in {v}, the index says {weight_map[k]}" for k, v in found.items() if k in weight_map and weight_map[k] != v]
-    problems += [f"{k}: in {v} but not in the index" for k, v in found.items() if k not in weight_map]
-    if problems:
-        more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
-        raise CheckpointError(f"{path}: index and shards disagree: {'; '.join(sorted(problems)[:8])}{more}; "
-                              "re-export the checkpoint")
-
-
 def open(path: Path) -> FlaxCheckpoint:  # noqa: A001 - the converter surface's name
     """Open a Flax checkpoint lazily: a .msgpack file, an index, or a directory.
 
@@ -177,13 +56,17 @@ def open(path: Path) -> FlaxCheckpoint:  # noqa: A001 - the converter surface's 
     return FlaxCheckpoint(Path(path))
 
 
+FLOATING = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+
+
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.to(dtype) if dtype is not None and t.dtype.is_floating_point else t
 
 
-def _out_dtype(ckpt: Checkpoint, name: str, dtype: torch.dtype | None) -> torch.dtype:
-    d = ckpt.info(name).dtype
-    return dtype if dtype is not None and d.is_floating_point else d
+def _out_dtype(ckpt: Checkpoint, name: str, dtype: torch.dtype | None) -> str:
+    """The safetensors dtype string a tensor is written in (floating ones cast to ``dtype``)."""
+    d = ckpt.info(name).st_dtype
+    return as_st(dtype) if dtype is not None and d in FLOATING else d
 
 
 def _hf_leaves(ckpt: Checkpoint, dtype: torch.dtype | None) -> list[OutLeaf]:
@@ -224,7 +107,7 @@ def _linen_leaves(ckpt: Checkpoint, dtype: torch.dtype | None) -> tuple[list[Out
     ffns = find_ffns(ckpt)
     mixed = []
     for f in ffns.ffns:
-        kinds = {n: ckpt.info(n).dtype for n in f.names.values()}
+        kinds = {n: ckpt.info(n).st_dtype for n in f.names.values()}
         if len(set(kinds.values())) > 1 and dtype is None:
             mixed.append(f"{f.ref}: " + ", ".join(f"{n} {short_name(d)}" for n, d in sorted(kinds.items())))
     if mixed:

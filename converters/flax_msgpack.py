@@ -6,8 +6,8 @@ keys whose leaves are msgpack ext type 1 (ndarray; 3 = numpy scalar) holding the
 ``{"__msgpack_chunked_array__": True, "shape": {"0": d0, ...}, "chunks": {"0": flat ext, ...}}``.
 
 Reading parses only the msgpack headers and records where each array's bytes lie (nothing is decoded
-until a tensor is asked for); writing emits the same bytes ``to_bytes`` would, one tensor in memory at a
-time. Bytes are never converted: bfloat16 stays bfloat16 (the bytes of torch and ml_dtypes agree).
+until a tensor is asked for); ``converters.flax_writer`` writes the same bytes ``to_bytes`` would. Bytes
+are never converted: bfloat16 stays bfloat16 (the bytes of torch and ml_dtypes agree).
 """
 
 from __future__ import annotations
@@ -15,21 +15,23 @@ from __future__ import annotations
 import math
 import mmap
 import struct
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from ffn_tools.dtypes import itemsize, torch_dtype
 from ffn_tools.errors import CheckpointError
 
-# numpy dtype names flax writes -> torch dtypes (bytes are reinterpreted, never converted).
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
-    "uint8": torch.uint8, "uint16": torch.uint16, "uint32": torch.uint32, "uint64": torch.uint64,
-    "bool": torch.bool,
+if TYPE_CHECKING:
+    import torch
+
+# numpy dtype names flax writes -> safetensors dtype strings (bytes are reinterpreted, never converted).
+# Plain strings: reading a tree's structure does not import torch.
+DTYPES: dict[str, str] = {
+    "float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64",
+    "uint8": "U8", "uint16": "U16", "uint32": "U32", "uint64": "U64", "bool": "BOOL",
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 EXT_NDARRAY, EXT_SCALAR = 1, 3
@@ -49,7 +51,7 @@ class Leaf:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+        return math.prod(self.shape) * itemsize(DTYPES[self.dtype])
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,7 @@ def _ndarray(buf, ext: _Ext, where: str) -> tuple[str, tuple[int, ...], tuple[in
     if dtype not in DTYPES:
         raise CheckpointError(f"{where}: dtype {dtype!r} is not supported; supported: {', '.join(DTYPES)}")
     shape = tuple(item[0])
-    if item[2].size != math.prod(shape) * DTYPES[dtype].itemsize:
+    if item[2].size != math.prod(shape) * itemsize(DTYPES[dtype]):
         raise ValueError(f"{where}: {item[2].size} bytes do not hold {dtype}{list(shape)}")
     return dtype, shape, (item[2].start, item[2].size)
 
@@ -191,14 +193,16 @@ def _unchunk(buf, file: Path, path: tuple, node: dict) -> Leaf:
     shape = tuple(shape_map[str(i)] for i in range(len(shape_map)))
     parts = [_ndarray(buf, chunks[str(i)], f"{where}/chunks/{i}") for i in range(len(chunks))]
     dtypes = {d for d, _, _ in parts}
-    if len(dtypes) != 1 or sum(n for _, _, (_, n) in parts) != math.prod(shape) * DTYPES[parts[0][0]].itemsize:
+    if len(dtypes) != 1 or sum(n for _, _, (_, n) in parts) != math.prod(shape) * itemsize(DTYPES[parts[0][0]]):
         raise ValueError(f"{where}: chunks do not add up to shape {list(shape)}")
     return Leaf(path, parts[0][0], shape, file, tuple(p for _, _, p in parts))
 
 
 def read_leaf(handle, leaf: Leaf) -> torch.Tensor:
     """The tensor of ``leaf``, read from the open binary file ``handle`` (bytes reinterpreted, not converted)."""
-    dtype = DTYPES[leaf.dtype]
+    import torch
+
+    dtype = torch_dtype(DTYPES[leaf.dtype])
     if leaf.nbytes == 0:
         return torch.empty(leaf.shape, dtype=dtype)
     data = bytearray(leaf.nbytes)
@@ -209,143 +213,3 @@ def read_leaf(handle, leaf: Leaf) -> torch.Tensor:
             raise CheckpointError(f"{leaf.file}: ended early while reading {'/'.join(leaf.path)}")
         at += n
     return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(leaf.shape)
-
-
-# ---- writing -------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class OutLeaf:
-    """An array to write: where in the tree, what it is, and how to get it when its turn comes."""
-
-    path: tuple[str, ...]
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    produce: Callable[[], torch.Tensor]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-def _uint(n: int) -> bytes:
-    if n <= 0x7F:
-        return bytes([n])
-    for limit, tag, fmt in ((0xFF, 0xCC, "B"), (0xFFFF, 0xCD, "H"), (0xFFFFFFFF, 0xCE, "I")):
-        if n <= limit:
-            return bytes([tag]) + struct.pack(">" + fmt, n)
-    return b"\xcf" + struct.pack(">Q", n)
-
-
-def _sized(n: int, fix: tuple[int, int] | None, tags: Sequence[tuple[int, int, str]]) -> bytes:
-    if fix and n < fix[1]:
-        return bytes([fix[0] | n])
-    for tag, limit, fmt in tags:
-        if n < limit:
-            return bytes([tag]) + struct.pack(">" + fmt, n)
-    raise CheckpointError(f"msgpack cannot hold an object of {n} bytes/entries")
-
-
-def _map(n: int) -> bytes:
-    return _sized(n, (0x80, 16), ((0xDE, 1 << 16, "H"), (0xDF, 1 << 32, "I")))
-
-
-def _str(s: str) -> bytes:
-    b = s.encode("utf-8")
-    return _sized(len(b), (0xA0, 32), ((0xD9, 1 << 8, "B"), (0xDA, 1 << 16, "H"), (0xDB, 1 << 32, "I"))) + b
-
-
-def _array_record_head(shape: tuple[int, ...], dtype: str, nbytes: int) -> bytes:
-    """The ndarray ext's header and record head, up to (not including) the C-order bytes."""
-    shape_b = _sized(len(shape), (0x90, 16), ((0xDC, 1 << 16, "H"), (0xDD, 1 << 32, "I"))) + b"".join(map(_uint, shape))
-    record = b"\x93" + shape_b + _str(dtype) + _sized(nbytes, None, ((0xC4, 1 << 8, "B"), (0xC5, 1 << 16, "H"), (0xC6, 1 << 32, "I")))
-    size = len(record) + nbytes
-    fixext = {1: 0xD4, 2: 0xD5, 4: 0xD6, 8: 0xD7, 16: 0xD8}
-    head = bytes([fixext[size]]) if size in fixext else _sized(size, None, ((0xC7, 1 << 8, "B"), (0xC8, 1 << 16, "H"), (0xC9, 1 << 32, "I")))
-    return head + bytes([EXT_NDARRAY]) + record
-
-
-def _chunks(leaf: OutLeaf) -> list[tuple[int, int]] | None:
-    """(first element, count) of each flat chunk when the array is stored chunked, else None."""
-    if leaf.nbytes <= MAX_CHUNK_SIZE:
-        return None
-    per = max(1, int(MAX_CHUNK_SIZE / leaf.dtype.itemsize))
-    total = math.prod(leaf.shape)
-    return [(i, min(per, total - i)) for i in range(0, total, per)]
-
-
-def _chunked_head(leaf: OutLeaf, n_chunks: int) -> bytes:
-    shape = _map(len(leaf.shape)) + b"".join(_str(str(i)) + _uint(d) for i, d in enumerate(leaf.shape))
-    return _map(3) + _str(CHUNKED) + b"\xc3" + _str("shape") + shape + _str("chunks") + _map(n_chunks)
-
-
-def leaf_size(leaf: OutLeaf) -> int:
-    """Exact encoded size of a leaf's value."""
-    name, item = DTYPE_NAMES[leaf.dtype], leaf.dtype.itemsize
-    chunks = _chunks(leaf)
-    if chunks is None:
-        return len(_array_record_head(leaf.shape, name, leaf.nbytes)) + leaf.nbytes
-    return len(_chunked_head(leaf, len(chunks))) + sum(
-        len(_str(str(i))) + len(_array_record_head((n,), name, n * item)) + n * item for i, (_, n) in enumerate(chunks))
-
-
-def shard_cost(leaf: OutLeaf) -> int:
-    """An upper bound of what the leaf adds to a file: its value, its keys, a map header per key."""
-    return leaf_size(leaf) + sum(len(_str(k)) + 5 for k in leaf.path)
-
-
-def nest(leaves: Sequence[OutLeaf]) -> dict:
-    """The tree of leaves (maps in first-appearance order).
-
-    Raises:
-        CheckpointError: a path is both an array and a subtree, or appears twice.
-    """
-    root: dict = {}
-    for leaf in leaves:
-        node = root
-        for i, k in enumerate(leaf.path[:-1]):
-            node = node.setdefault(k, {})
-            if not isinstance(node, dict):
-                raise CheckpointError(f"{'/'.join(leaf.path[: i + 1])} would be both an array and a subtree "
-                                      f"(holding {'/'.join(leaf.path)}); rename one of the tensors")
-        if leaf.path[-1] in node:
-            raise CheckpointError(f"{'/'.join(leaf.path)} would be written twice; rename one of the tensors")
-        node[leaf.path[-1]] = leaf
-    return root
-
-
-def write_tree(path: Path, leaves: Sequence[OutLeaf], on_leaf: Callable[[int], None] | None = None) -> None:
-    """Write ``leaves`` as one msgpack tree, streaming each array's bytes."""
-    with open(path, "wb") as f:
-        _write_node(f, nest(leaves), on_leaf)
-
-
-def _write_node(f, node: dict, on_leaf) -> None:
-    f.write(_map(len(node)))
-    for key, v in node.items():
-        f.write(_str(key))
-        if isinstance(v, dict):
-            _write_node(f, v, on_leaf)
-        else:
-            _write_leaf(f, v)
-            if on_leaf:
-                on_leaf(v.nbytes)
-
-
-def _write_leaf(f, leaf: OutLeaf) -> None:
-    t = leaf.produce()
-    if t.dtype != leaf.dtype or tuple(t.shape) != leaf.shape:
-        raise RuntimeError(f"internal error: {'/'.join(leaf.path)} produced {t.dtype}{list(t.shape)}, "
-                           f"planned {leaf.dtype}{list(leaf.shape)}")
-    flat = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-    data = memoryview(flat.numpy())
-    name, item = DTYPE_NAMES[leaf.dtype], leaf.dtype.itemsize
-    chunks = _chunks(leaf)
-    if chunks is None:
-        f.write(_array_record_head(leaf.shape, name, leaf.nbytes))
-        f.write(data)
-        return
-    f.write(_chunked_head(leaf, len(chunks)))
-    for i, (first, n) in enumerate(chunks):
-        f.write(_str(str(i)) + _array_record_head((n,), name, n * item))
-        f.write(data[first * item: (first + n) * item])

@@ -127,7 +127,7 @@ def check_linen(ffn: LinenFFN, leaves: dict[tuple[str, ...], tuple[str, tuple[in
         if p in want and tuple(shape) != want[p]:
             problems.append(f"{where}/{'/'.join(p)}: shape {list(shape)}, expected {list(want[p])} "
                             f"(kernels are (in, out): gate, up (d_model, d_ffn), down (d_ffn, d_model); "
-                            f"from {where}/gate/kernel {list(mine[('gate', 'kernel')][1])})")
+                            f"from {where}/gate/kernel {list(mine[('gate', 'kernel')][1])}); store it as W.T")
     dtypes = {v[0] for v in mine.values()}
     if len(dtypes) > 1:
         listed = ", ".join(f"{'/'.join(p)} {v[0]}" for p, v in sorted(mine.items()))
