@@ -27,7 +27,7 @@ from ffn_tools.store import Checkpoint
 
 from . import flax_tree as tree
 from .flax_reader import INDEX_NAME, WEIGHTS_NAME, FlaxCheckpoint
-from .flax_writer import OutLeaf, shard_cost, write_tree
+from .flax_writer import OutLeaf, nest, shard_cost, write_tree
 
 if TYPE_CHECKING:
     import torch
@@ -135,7 +135,7 @@ def _linen_leaves(ckpt: Checkpoint, dtype: torch.dtype | None) -> tuple[list[Out
         "flax_layout": "linen", "source": str(ckpt.path), "scheme": ffns.scheme.name,
         "naming": "params/layers_{L}[_experts_{E}|_shared_expert]/{gate,up,down}/{kernel,bias}, kernels (in, out)",
         "activation": ffns.activation.config_name, "gated_unit": ffns.activation.unit,
-        "dtype": short_name(out[0].dtype), "d_model": chosen[0].d_model, "d_ffn": sorted({f.d_ffn for f in chosen}),
+        "dtype": "/".join(sorted({short_name(leaf.dtype) for leaf in out})), "d_model": chosen[0].d_model, "d_ffn": sorted({f.d_ffn for f in chosen}),
         "layers": sorted({f.ref.layer for f in chosen}),
         "experts": sorted({f.ref.expert for f in chosen if f.ref.kind == "expert"}),
         "shared_expert": any(f.ref.kind == "shared" for f in chosen), "ffns": len(chosen), "tensors": len(out),
@@ -199,6 +199,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
                        "params/layers_{L}[_experts_{E}|_shared_expert]/{gate,up,down}; other tensors not written")
     if target is not None:
         changes.append(f"floating tensors cast to {short_name(target)}")
+    nest(leaves)  # every path is an array or a subtree, never both: checked before anything is written
     single = out.suffix == ".msgpack"
     if single and max_shard_size:
         raise FFNToolsError(f"{out}: --max-shard-size needs a directory output, not a .msgpack file")

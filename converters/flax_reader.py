@@ -125,8 +125,9 @@ class FlaxCheckpoint(Checkpoint):
             for name, (leaf, transposed) in self._leaves.items():  # name the Flax leaves too
                 if transposed:
                     msg = re.sub(rf"(?<![\w.]){re.escape(name)}(?![\w.])", f"{name} (= {'/'.join(leaf.path)}.T)", msg)
-            raise CheckpointError(f"{msg}. Shapes are PyTorch (out, in) = kernel.T: every Flax kernel must be "
-                                  "stored (in, out); re-export the tree with W.T kernels") from None
+            hint = (". Shapes are PyTorch (out, in) = kernel.T: every Flax kernel must be stored (in, out); "
+                    "re-export the tree with W.T kernels") if "shape" in msg else ""
+            raise CheckpointError(msg + hint) from None
 
     def _read(self, info: TensorInfo) -> torch.Tensor:
         leaf, transpose = self._leaves[info.name]
@@ -144,7 +145,7 @@ class FlaxCheckpoint(Checkpoint):
 
 def _check_index(path: Path, weight_map: dict[str, str], leaves: dict[tuple[str, ...], Leaf]) -> None:
     found = {"/".join(p): leaf.file.name for p, leaf in leaves.items()}
-    problems = [f"{k}: listed in {v} but not there" for k, v in weight_map.items() if found.get(k) != v and k not in found]
+    problems = [f"{k}: listed in {v} but not there" for k, v in weight_map.items() if k not in found]
     problems += [f"{k}: in {v}, the index says {weight_map[k]}" for k, v in found.items() if k in weight_map and weight_map[k] != v]
     problems += [f"{k}: in {v} but not in the index" for k, v in found.items() if k not in weight_map]
     if problems:

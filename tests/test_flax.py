@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -257,6 +258,8 @@ def test_cli_convert_and_inspect(model_dir, tmp_path):
     assert "layers.0.shared_expert.gate.weight" in tensors(tmp_path / "torch")
     run_cli("convert", src, "--to", "flax", "-o", tmp_path / "hf", "--max-shard-size", "100KB")
     assert json.loads(run_cli("inspect", tmp_path / "hf", "--json").output)["scheme"] == "qwen-moe"
+    for out in ("linen", "hf"):
+        assert "PASS: 10 FFNs" in run_cli("verify", src, tmp_path / out, "--backend", "reference").output
 
 
 def test_can_read(model_dir, exported, tmp_path):
@@ -394,3 +397,11 @@ def test_refusals(model_dir, exported, tmp_path):
         convert(exported("llama"), "flax", exported("llama"), force=True)
     with pytest.raises(FFNToolsError, match="needs a directory output"):
         convert(src, "flax", tmp_path / "one.msgpack", max_shard_size=10_000)
+    from safetensors.torch import save_file
+
+    for names, message in ((["a.kernel"], "'a.kernel' cannot be stored in the hf Flax layout"),
+                           (["x.y", "x.y.z"], "x/y would be both an array and a subtree")):
+        save_file({n: torch.zeros(2) for n in names}, tmp_path / "odd.safetensors")
+        with pytest.raises(FFNToolsError, match=re.escape(message)):
+            convert(tmp_path / "odd.safetensors", "flax", tmp_path / "odd")
+        assert not (tmp_path / "odd").exists()
