@@ -65,9 +65,8 @@ def to_mx(data: memoryview, st: str, shape: Sequence[int]) -> mx.array:
 
 
 def raw_bytes(a: mx.array) -> memoryview:
-    """The bytes of an (evaluated, row-contiguous) mx array."""
-    code, utype = _UINT[a.dtype.size]
-    return memoryview(a if a.dtype == utype else a.view(utype)).cast("B")
+    """The bytes of an (evaluated, row-contiguous) mx array, through its buffer (bf16 included)."""
+    return memoryview(a).cast("B")
 
 
 def read_bytes(file, start: int, nbytes: int) -> bytes:

@@ -1,0 +1,325 @@
+"""MLX format, checked against mlx-lm itself: ``mlx_lm.load`` runs the export, ``mlx_lm.convert`` quantizes the
+same model to the same bits, and transformers reloads what comes back."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_identical, raw, run_cli, tensors, tree_digest
+
+import tiny_models
+from converters import convert, detect_format, open_any
+from ffn_tools.errors import CheckpointError, FFNToolsError, OutputExistsError
+
+mx = pytest.importorskip("mlx.core")
+mlx_lm = pytest.importorskip("mlx_lm")
+mlx_format = pytest.importorskip("converters.mlx")
+mlx_quant = pytest.importorskip("converters.mlx_quant")
+
+ARCHS = ["llama", "qwen2", "mistral", "phi3", "mixtral", "qwen2_moe"]
+TOKENS = torch.arange(3, 19).reshape(2, 8)
+# Keys the export adds because mlx-lm reads transformers v4 names (see mlx_arch.legacy_config).
+V4_KEYS = {"rope_theta", "rope_scaling", "num_experts"}
+# mlx_lm cannot read transformers v5's Qwen3-MoE config; its reference conversion gets the v4 keys.
+QWEN3_MOE_V4 = {"num_experts": 4, "rope_theta": 10000.0}
+
+
+def write_tokenizer(path: Path, vocab_size: int = tiny_models.COMMON["vocab_size"]) -> None:
+    """A real word-level tokenizer: mlx_lm.load and mlx_lm.convert load one, and there is no hub here."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            unk_token="<unk>").save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def hf(model_dir, tmp_path_factory):
+    """``hf(arch, dtype, **config) -> Path``: a tiny transformers checkpoint plus a tokenizer (cached)."""
+    cache: dict = {}
+
+    def get(arch: str, dtype: torch.dtype = torch.float32, **config) -> Path:
+        key = (arch, dtype, tuple(sorted(config.items())))
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"hf-{arch}") / "model"
+            shutil.copytree(model_dir(arch, dtype), path)
+            write_tokenizer(path)
+            if config:
+                cfg = json.loads((path / "config.json").read_text())
+                (path / "config.json").write_text(json.dumps({**cfg, **config}, indent=2))
+            cache[key] = path
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def mlx_ref(hf, tmp_path_factory):
+    """``mlx_ref(arch, bits=None, group_size=64, dtype) -> Path``: what mlx_lm.convert writes (cached)."""
+    cache: dict = {}
+
+    def get(arch: str, bits: int | None = None, group_size: int = 64, dtype=torch.float32) -> Path:
+        key = (arch, bits, group_size, dtype)
+        if key not in cache:
+            src = hf(arch, dtype, **(QWEN3_MOE_V4 if arch == "qwen3_moe" else {}))
+            out = tmp_path_factory.mktemp(f"mlxref-{arch}") / "mlx"
+            mlx_lm.convert(str(src), str(out), quantize=bits is not None, q_bits=bits, q_group_size=group_size)
+            cache[key] = out
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def exported(hf, tmp_path_factory):
+    """``exported(arch, dtype, quantize=None, group_size=None) -> (Path, summary)``: ffn-tools' MLX output."""
+    cache: dict = {}
+
+    def get(arch: str, dtype=torch.float32, quantize: int | None = None, group_size: int | None = None):
+        key = (arch, dtype, quantize, group_size)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"mlx-{arch}") / "mlx"
+            cache[key] = out, convert(hf(arch, dtype), "mlx", out, quantize=quantize, group_size=group_size)
+        return cache[key]
+
+    return get
+
+
+def mlx_logits(path: Path, **model_config) -> torch.Tensor:
+    model, _ = mlx_lm.load(str(path), model_config=model_config or None)
+    out = model(mx.array(TOKENS.numpy()))
+    return torch.tensor(out.astype(mx.float32).tolist())
+
+
+def config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def assert_mlx_lm_config(mine: dict, theirs: dict) -> None:
+    """mlx_lm.convert's config.json, plus only the v4 keys mlx-lm needs (same values where it has them)."""
+    assert {k: mine.get(k) for k in theirs} == theirs
+    assert set(mine) - set(theirs) <= V4_KEYS
+
+
+def assert_nothing_written(out: Path) -> None:
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")], "temporary files left"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_export_runs_in_mlx_lm_like_transformers(arch, hf, exported, mlx_ref):
+    out, summary = exported(arch)
+    got = mlx_logits(out)
+    want = tiny_models.logits(hf(arch), arch, TOKENS)
+    assert (got - want).abs().max().item() <= 1e-4
+    # The same tensors mlx_lm.convert writes (names after sanitize, shapes, bytes) and mlx-lm's config.
+    assert_identical(tensors(out), tensors(mlx_ref(arch)))
+    assert_mlx_lm_config(config(out), config(mlx_ref(arch)))
+    assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].keys() == tensors(out).keys()
+    assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
+    assert summary["format"] == "mlx" and summary["quantization"] is None
+    names = set(tensors(out))
+    if arch in ("mixtral", "qwen2_moe"):
+        stacked = [n for n in names if ".switch_mlp." in n]
+        assert stacked and not [n for n in names if ".experts." in n]
+        assert any("stacked" in c for c in summary["changes"])
+    if arch == "phi3":
+        assert "model.layers.0.mlp.gate_up_proj.weight" in names
+
+
+@pytest.mark.parametrize("arch,bits,group_size", [(a, 4, 64) for a in ARCHS] +
+                         [("llama", 8, 32), ("qwen2_moe", 8, 32), ("mixtral", 4, 128), ("qwen3_moe", 4, 64)])
+def test_quantized_is_bit_identical_to_mlx_lm_convert(arch, bits, group_size, exported, mlx_ref):
+    out, summary = exported(arch, quantize=bits, group_size=group_size)
+    ref = mlx_ref(arch, bits, group_size)
+    assert_identical(tensors(out), tensors(ref))
+    mine, theirs = config(out), config(ref)
+    assert_mlx_lm_config(mine, theirs)
+    assert mine["quantization"] == mine["quantization_config"] == theirs["quantization"]
+    # It loads and runs in mlx-lm, computing what mlx-lm's own conversion computes.
+    added = {k: mine[k] for k in set(mine) - set(theirs)}
+    assert torch.equal(mlx_logits(out), mlx_logits(ref, **added))
+    assert summary["quantized"] == sum(n.endswith(".scales") for n in tensors(out))
+
+
+def test_weights_not_a_multiple_of_the_group_size_stay_unquantized(exported):
+    # d_ffn 96: down_proj's last dimension is not a multiple of 64, so mlx_lm leaves it unquantized.
+    out, summary = exported("llama", quantize=4, group_size=64)
+    names = tensors(out)
+    assert "model.layers.0.mlp.down_proj.scales" not in names and "model.layers.0.mlp.gate_proj.scales" in names
+    assert names["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32
+    assert summary["unquantized"] == ["model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"]
+    line = [c for c in summary["changes"] if "unquantized" in c]
+    assert len(line) == 1 and "down_proj" in line[0] and "96" in line[0] and "64" in line[0]
+
+
+def test_qwen3_moe_router_keeps_its_8_bit_override(exported):
+    out, _ = exported("qwen3_moe", quantize=4, group_size=64)
+    q = config(out)["quantization"]
+    assert q["model.layers.0.mlp.gate"] == {"group_size": 64, "bits": 8}
+    assert config(out)["num_experts"] == 4 and config(out)["rope_theta"] == 10000.0
+
+
+def test_chunked_quantization_equals_whole_tensor(hf, mlx_ref, tmp_path, monkeypatch):
+    monkeypatch.setattr(mlx_quant, "CHUNK_BYTES", 100)  # one row per chunk
+    convert(hf("mixtral"), "mlx", tmp_path / "out", quantize=4)
+    assert_identical(tensors(tmp_path / "out"), tensors(mlx_ref("mixtral", 4, 64)))
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("llama", torch.bfloat16), ("mixtral", torch.bfloat16),
+                                        ("qwen2_moe", torch.float32), ("phi3", torch.bfloat16),
+                                        ("qwen3_moe", torch.bfloat16)])
+def test_torch_mlx_torch_is_bit_exact(arch, dtype, hf, exported, tmp_path):
+    out, _ = exported(arch, dtype)
+    with open_any(out) as view:
+        assert view.format == "mlx"
+        assert all(view.info(n).start is not None for n in view)  # unstacking copies bytes
+    convert(out, "torch", tmp_path / "back")
+    assert_identical(tensors(tmp_path / "back"), tensors(hf(arch, dtype)))
+    if dtype == torch.float32:
+        assert torch.equal(tiny_models.logits(tmp_path / "back", arch, TOKENS),
+                           tiny_models.logits(hf(arch, dtype), arch, TOKENS))
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_quantized_mlx_imports_dequantized(arch, hf, mlx_ref, tmp_path):
+    ref = mlx_ref(arch, 4, 64)
+    convert(ref, "torch", tmp_path / "back", dtype="float32")
+    back, orig, q = tensors(tmp_path / "back"), tensors(hf(arch)), tensors(ref)
+    assert sorted(back) == sorted(orig)  # experts unstacked, HF names
+    for name, t in back.items():
+        m = re.fullmatch(r"(.*)\.experts\.(\d+)\.(w[123])\.weight", name)
+        module = f"{m[1]}.switch_mlp.{ {'w1': 'gate_proj', 'w3': 'up_proj', 'w2': 'down_proj'}[m[3]] }" if m \
+            else name.removesuffix(".weight")
+        if f"{module}.scales" in q:
+            parts = [mx.array(q[f"{module}.{p}"].numpy()) for p in ("weight", "scales", "biases")]
+            if m:
+                parts = [p[int(m[2])] for p in parts]
+            want = torch.tensor(mx.dequantize(*parts, group_size=64, bits=4).tolist())
+            assert torch.equal(t, want), name
+        else:
+            assert raw(t) == raw(orig[name]), name
+    assert "quantization" not in config(tmp_path / "back")
+    # transformers runs it as mlx-lm runs the quantized model.
+    got = tiny_models.logits(tmp_path / "back", arch, TOKENS)
+    assert (got - mlx_logits(ref)).abs().max().item() <= 1e-4
+
+
+def test_mlx_to_mlx_requantizes_like_the_source(exported, mlx_ref, tmp_path):
+    plain, _ = exported("qwen2_moe")
+    convert(plain, "mlx", tmp_path / "q", quantize=4)
+    assert_identical(tensors(tmp_path / "q"), tensors(mlx_ref("qwen2_moe", 4, 64)))
+
+
+def test_can_read_claims_mlx_and_not_hf(hf, exported, mlx_ref, model_dir):
+    for arch in ARCHS + ["qwen3_moe", "gemma"]:
+        assert not mlx_format.can_read(model_dir(arch)), arch
+        assert detect_format(model_dir(arch)) == "torch"
+    assert not mlx_format.can_read(model_dir("llama", safe_serialization=False))
+    assert not mlx_format.can_read(Path("/nonexistent"))
+    for path in (exported("llama")[0], exported("mixtral", quantize=4)[0], mlx_ref("llama", 4, 64),
+                 exported("llama")[0] / "model.safetensors"):
+        assert mlx_format.can_read(path) and detect_format(path) == "mlx", path
+
+
+def test_cli_convert_inspect_and_back(hf, tmp_path):
+    out = tmp_path / "mlx"
+    r = run_cli("convert", hf("mixtral", torch.bfloat16), "--to", "mlx", "-o", out, "--quantize", "8",
+                "--group-size", "32", "--json")
+    summary = json.loads(r.output)
+    assert summary["quantization"] == {"group_size": 32, "bits": 8, "mode": "affine"}
+    assert summary["unquantized"] == []
+    info = json.loads(run_cli("inspect", out, "--json").output)
+    assert info["format"] == "mlx" and info["routed_experts"] == 4 and info["scheme"] == "mixtral"
+    run_cli("convert", out, "--to", "torch", "-o", tmp_path / "back")
+    assert sorted(tensors(tmp_path / "back")) == sorted(tensors(hf("mixtral", torch.bfloat16)))
+    run_cli("convert", hf("llama"), "--to", "mlx", "-o", out, ok=False)  # exists, no --force
+    run_cli("convert", hf("llama"), "--to", "mlx", "-o", out, "--force")
+    assert config(out)["model_type"] == "llama"
+
+
+def test_bad_options_write_nothing(hf, tmp_path):
+    src, out = hf("llama"), tmp_path / "out"
+    before = tree_digest(src)
+    for kwargs, words in (({"dtype": "float8"}, "unknown dtype 'float8'"),
+                          ({"group_size": 64}, "--group-size applies only with --quantize"),
+                          ({"quantize": 7}, "cannot quantize to 7 bits"),
+                          ({"quantize": 4, "group_size": 48}, "group size 48")):
+        with pytest.raises(FFNToolsError, match=re.escape(words)):
+            convert(src, "mlx", out, **kwargs)
+        assert_nothing_written(out)
+    with pytest.raises(FFNToolsError, match="--flax-layout does not apply to --to mlx"):
+        convert(src, "mlx", out, flax_layout="linen")
+    run_cli("convert", src, "--to", "mlx", "-o", out, "--dtype", "float64", ok=False)
+    assert_nothing_written(out)
+    assert tree_digest(src) == before
+
+
+def _copy(src: Path, dst: Path, edit_config=None) -> Path:
+    shutil.copytree(src, dst)
+    if edit_config:
+        cfg = config(dst)
+        edit_config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_bad_mlx_directories_are_refused_in_one_line(exported, mlx_ref, tmp_path):
+    no_config = _copy(exported("llama")[0], tmp_path / "no-config")
+    (no_config / "config.json").unlink()
+    no_block = _copy(mlx_ref("llama", 4, 64), tmp_path / "no-block",
+                     lambda c: [c.pop("quantization"), c.pop("quantization_config")])
+    wrong_bits = _copy(mlx_ref("llama", 4, 64), tmp_path / "wrong-bits",
+                       lambda c: c.update(quantization={"group_size": 64, "bits": 8}))
+    for path, words in ((no_config, "no config.json"), (no_block, "has no 'quantization' block"),
+                        (wrong_bits, "does not fit")):
+        before = tree_digest(path)
+        with pytest.raises(CheckpointError, match=re.escape(words)) as e:
+            convert(path, "torch", tmp_path / "out")
+        assert "\n" not in str(e.value) and str(path) in str(e.value)
+        r = run_cli("convert", path, "--to", "torch", "-o", tmp_path / "out", ok=False)
+        assert words in r.output
+        assert_nothing_written(tmp_path / "out")
+        assert tree_digest(path) == before
+
+
+def test_checkpoints_mlx_lm_cannot_run_are_refused(hf, model_dir, tmp_path):
+    from ffn_tools.gateup import fuse_gateup
+    from safetensors.torch import load_file, save_file
+
+    fused = tmp_path / "fused"
+    fuse_gateup(model_dir("llama"), fused)
+    unknown = _copy(model_dir("llama"), tmp_path / "unknown", lambda c: c.update(model_type="apex1"))
+    missing = _copy(model_dir("mixtral"), tmp_path / "missing")
+    weights = load_file(missing / "model.safetensors")
+    del weights["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(weights, missing / "model.safetensors", metadata={"format": "pt"})
+    no_config = _copy(model_dir("llama"), tmp_path / "no-config")
+    (no_config / "config.json").unlink()
+    cases = ((fused, "run `ffn-tools split-gateup`"), (unknown, "model_type 'apex1' is not supported"),
+             (missing, "missing [3]"), (no_config, "no config.json"),
+             (model_dir("gemma"), "not tied to model.embed_tokens"))
+    for path, words in cases:
+        with pytest.raises(FFNToolsError, match=re.escape(words)) as e:
+            convert(path, "mlx", tmp_path / "out", quantize=4)
+        assert "\n" not in str(e.value)
+        assert_nothing_written(tmp_path / "out")
+
+
+def test_existing_output_needs_force(hf, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    with pytest.raises(OutputExistsError):
+        convert(hf("llama"), "mlx", out)
+    assert (out / "keep").exists()
+    convert(hf("llama"), "mlx", out, force=True)
+    assert not (out / "keep").exists() and (out / "model.safetensors").is_file()
