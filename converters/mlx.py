@@ -151,7 +151,7 @@ def _outputs(ckpt: Checkpoint, arch: Arch, config: dict, changes: list[str]) -> 
 
 
 def _plan_tensor(ckpt, arch: Arch, name: str, srcs: tuple[str, ...], target: str | None, bits: int | None,
-                 group_size: int, qblock: dict, left: list) -> list[Entry]:
+                 group_size: int, qblock: dict, left: list, jobs: list) -> list[Entry]:
     """The entries of one output tensor: a byte copy/stack, a cast, or a quantized weight's three parts."""
     info = ckpt.info(srcs[0])
     st, stacked = info.st_dtype, len(srcs) > 1
@@ -169,7 +169,11 @@ def _plan_tensor(ckpt, arch: Arch, name: str, srcs: tuple[str, ...], target: str
         if override:
             qblock[module] = override
         g, b = (override or {}).get("group_size", group_size), (override or {}).get("bits", bits)
+        if shape[-1] % g:
+            raise FFNToolsError(f"{name}: the model's quantization override {override} needs the last dimension "
+                                f"({shape[-1]}) to be a multiple of {g}; mlx_lm.convert fails on it too")
         job = QuantJob(ckpt, srcs, shape, st, cast, g, b)
+        jobs.append(job)
         wshape, sshape = quantized_shapes(shape, g, b)
         note = f"mx.quantize {b}-bit group {g}{' after cast to ' + cast if cast else ''} {how}".rstrip()
         return [Entry(f"{module}.{part}", dt, shp, (), lambda _, j=job, k=k: j.part(k), None, f"{part} of {note}")
@@ -229,6 +233,9 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
             cannot load, missing experts, an existing output.
     """
     out = Path(out)
+    if out.suffix == ".safetensors":
+        raise FFNToolsError(f"{out}: MLX models are directories (weights, config.json, tokenizer); "
+                            "give a directory path to -o")
     target, bits, group_size = _options(dtype, quantize, group_size)
     model_type, arch = arch_for(ckpt.config, str(ckpt.path))
     config, changes = legacy_config(ckpt.config, arch)
@@ -239,9 +246,9 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
             changes.append(f"cast floating tensors to {legacy} (config.json torch_dtype), as mlx_lm.convert does")
     if msg := wrong_form(arch, ckpt):
         raise FFNToolsError(f"{ckpt.path}: {msg}")
-    entries, qblock, left = [], {}, []
+    entries, qblock, left, jobs = [], {}, [], []
     for name, srcs in _outputs(ckpt, arch, config, changes):
-        entries += _plan_tensor(ckpt, arch, name, srcs, target, bits, group_size, qblock, left)
+        entries += _plan_tensor(ckpt, arch, name, srcs, target, bits, group_size, qblock, left, jobs)
     quantization = None
     if bits:
         quantization = {"group_size": group_size, "bits": bits, "mode": "affine", **qblock}
@@ -263,8 +270,17 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         index = {"metadata": {"total_size": plan.total_bytes},
                  "weight_map": {e.name: "model.safetensors" for e in sorted(entries, key=lambda e: e.name)}}
         extra["model.safetensors.index.json"] = json.dumps(index, indent=4)
-    files = execute(plan, out, force=force, max_shard_size=shard, metadata=METADATA, desc="converting to mlx",
-                    extra_files=extra)
+    pool = None
+    if jobs:
+        from .mlx_quant import start_pool
+
+        pool = start_pool(jobs)
+    try:
+        files = execute(plan, out, force=force, max_shard_size=shard, metadata=METADATA, desc="converting to mlx",
+                        extra_files=extra)
+    finally:
+        if pool is not None:
+            pool.close()
     return {"output": str(out), "format": FORMAT, "model_type": model_type, "files": files,
             "tensors": len(entries), "bytes": plan.total_bytes, "dtype": short_name(target) if target else None,
             "quantization": quantization, "quantized": sum(e.name.endswith(".scales") for e in entries),

@@ -168,3 +168,15 @@ def legacy_config(config: dict, arch: Arch) -> tuple[dict, list[str]]:
         added.append(arch.switch.count_keys[0])
     lines = [f"config.json: added {', '.join(added)} from transformers v5 keys (mlx-lm reads the old names)"] if added else []
     return config, lines
+
+
+def strip_legacy(config: dict, arch: Arch | None) -> dict:
+    """The inverse of ``legacy_config``: drop the keys it would have added (same value), for transformers."""
+    out = dict(config)
+    candidates = ("rope_theta", "rope_scaling", *(arch.switch.count_keys[:1] if arch and arch.switch else ()))
+    for key in candidates:
+        if key in out:
+            trial = {k: v for k, v in out.items() if k != key}
+            if legacy_config(trial, arch or Arch())[0].get(key) == out[key]:
+                out = trial
+    return out

@@ -20,6 +20,8 @@ import mlx.core as mx
 from ffn_tools.dtypes import itemsize
 
 CHUNK_BYTES = 4 << 20
+PARALLEL_MIN_BYTES = 128 << 20  # less to quantize than this: starting worker processes costs more
+MAX_WORKERS = 8
 FLOATS = ("F32", "F16", "BF16", "F64")
 _MX = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "F64": mx.float64, "U32": mx.uint32,
        "U8": mx.uint8, "U16": mx.uint16, "I32": mx.int32}
@@ -33,12 +35,15 @@ class RawTensor(bytearray):
     Lets entries produce MLX results without importing torch (importing it costs over a second).
     """
 
-    def __init__(self, dtype: str, shape: Sequence[int]):
+    def __init__(self, dtype: str, shape: Sequence[int], data: bytes | None = None):
         self.dtype, self.shape = dtype, tuple(shape)
         n = itemsize(dtype)
         for d in self.shape:
             n *= d
-        super().__init__(n)
+        super().__init__(n if data is None else data)
+
+    def __reduce_ex__(self, protocol):  # to come back from a worker process (bytearray defines its own)
+        return RawTensor, (self.dtype, self.shape, bytes(self))
 
     def to_torch(self):
         """The same bytes as a torch tensor (imports torch)."""
@@ -175,8 +180,8 @@ def quantized_shapes(shape: tuple[int, ...], group_size: int, bits: int) -> tupl
 class QuantJob:
     """One weight's quantization, shared by its three entries (weight, scales, biases).
 
-    Computed when the first part is asked for and forgotten once all three are taken, so only one
-    tensor's packed outputs are alive at a time.
+    Computed when the first part is asked for (or earlier, by a ``QuantPool`` worker) and forgotten once
+    all three are taken, so only one tensor's packed outputs are alive at a time (plus the pool's few).
     """
 
     def __init__(self, ckpt, sources: Sequence[str], shape: tuple[int, ...], dtype: str, target: str | None,
@@ -186,19 +191,96 @@ class QuantJob:
         wshape, sshape = quantized_shapes(shape, group_size, bits)
         st = target or dtype
         self.specs = [("U32", wshape), (st, sshape), (st, sshape)]
+        infos = [ckpt.info(n) for n in self.sources]
+        self.infos = infos if all(i.start is not None for i in infos) else None  # what a worker can read
+        self.nbytes = sum(i.nbytes for i in infos)
+        self.pool, self.index, self.future = None, -1, None
         self._parts: list[RawTensor] | None = None
         self._left: set[int] = set()
 
+    def args(self) -> tuple:
+        """Arguments of ``quantize_files`` for this job."""
+        return self.infos, self.specs, self.target, self.group_size, self.bits, CHUNK_BYTES
+
     def part(self, k: int) -> RawTensor:
         if self._parts is None or k not in self._left:
-            self._parts = stream(self.ckpt, self.sources, self.specs,
-                                 quantize_fn(self.target, self.group_size, self.bits))
+            if self.pool is not None and self.future is None and self.index >= self.pool.submitted:
+                self.pool.ahead(self)
+            if self.future is not None:
+                self._parts, self.future = self.future.result(), None
+            else:
+                self._parts = stream(self.ckpt, self.sources, self.specs,
+                                     quantize_fn(self.target, self.group_size, self.bits))
             self._left = {0, 1, 2}
         part = self._parts[k]
         self._left.discard(k)
         if not self._left:
             self._parts = None
         return part
+
+
+class _Infos:
+    """The ``info`` half of a checkpoint, for a worker reading bytes at known offsets."""
+
+    def __init__(self, infos):
+        self._infos = {i.name: i for i in infos}
+
+    def info(self, name: str):
+        return self._infos[name]
+
+
+def quantize_files(infos, specs, target, group_size, bits, chunk_bytes) -> list[RawTensor]:
+    """A ``QuantJob`` in a worker process: read, cast and quantize tensors at known file offsets."""
+    return stream(_Infos(infos), [i.name for i in infos], specs, quantize_fn(target, group_size, bits), chunk_bytes)
+
+
+class QuantPool:
+    """Runs quantization jobs ahead of the writer in worker processes: on CPU ``mx.quantize`` uses one
+    core, so N workers make it up to N times faster. At most ``2 * workers`` results wait in memory."""
+
+    def __init__(self, jobs: Sequence[QuantJob], workers: int):
+        self.jobs = [j for j in jobs if j.infos is not None]
+        for i, j in enumerate(self.jobs):
+            j.pool, j.index = self, i
+        self.workers, self.submitted = workers, 0
+        self._executor = None
+
+    def ahead(self, job: QuantJob) -> None:
+        """Submit ``job`` and the next few, starting the workers on first use."""
+        if self._executor is None:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            # spawn: fresh interpreters (forking a process that runs MLX's threads is unsafe)
+            self._executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+        while self.submitted < len(self.jobs) and self.submitted <= job.index + 2 * self.workers:
+            j = self.jobs[self.submitted]
+            j.future = self._executor.submit(quantize_files, *j.args())
+            self.submitted += 1
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def idle_cores() -> int:
+    """Cores this process may use that are not busy already (1-minute load average; ours counts as idle)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        busy = max(os.getloadavg()[0] - 1, 0)
+    except OSError:
+        busy = 0
+    return max(1, min(cores, int(cores - busy + 0.5)))
+
+
+def start_pool(jobs: Sequence[QuantJob]) -> QuantPool | None:
+    """A ``QuantPool`` when quantizing on the CPU, with enough to quantize to repay starting workers and idle
+    cores to run them (workers on a busy machine only add their start-up and copying), else None."""
+    todo = [j for j in jobs if j.infos is not None]
+    if mx.default_device() != mx.cpu or sum(j.nbytes for j in todo) < PARALLEL_MIN_BYTES:
+        return None
+    workers = min(idle_cores(), MAX_WORKERS, len(todo))
+    return QuantPool(todo, workers) if workers >= 2 else None
 
 
 def dequantize(w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int,

@@ -168,10 +168,19 @@ def test_qwen3_moe_router_keeps_its_8_bit_override(exported):
     assert config(out)["num_experts"] == 4 and config(out)["rope_theta"] == 10000.0
 
 
-def test_chunked_quantization_equals_whole_tensor(hf, mlx_ref, tmp_path, monkeypatch):
+@pytest.mark.parametrize("workers", [False, True])
+def test_chunked_quantization_equals_whole_tensor(workers, hf, mlx_ref, tmp_path, monkeypatch):
     monkeypatch.setattr(mlx_quant, "CHUNK_BYTES", 100)  # one row per chunk
-    convert(hf("mixtral"), "mlx", tmp_path / "out", quantize=4)
-    assert_identical(tensors(tmp_path / "out"), tensors(mlx_ref("mixtral", 4, 64)))
+    if workers:  # the worker processes big models use, here for a tiny one
+        monkeypatch.setattr(mlx_quant, "PARALLEL_MIN_BYTES", 0)
+        monkeypatch.setattr(mlx_quant, "MAX_WORKERS", 2)
+        monkeypatch.setattr(mlx_quant, "idle_cores", lambda: 2)
+    started = []
+    monkeypatch.setattr(mlx_quant.QuantPool, "ahead", lambda self, job, f=mlx_quant.QuantPool.ahead:
+                        started.append(job.index) or f(self, job))
+    convert(hf("mixtral", torch.bfloat16), "mlx", tmp_path / "out", quantize=4)
+    assert bool(started) == workers
+    assert_identical(tensors(tmp_path / "out"), tensors(mlx_ref("mixtral", 4, 64, torch.bfloat16)))
 
 
 @pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("llama", torch.bfloat16), ("mixtral", torch.bfloat16),
@@ -184,6 +193,7 @@ def test_torch_mlx_torch_is_bit_exact(arch, dtype, hf, exported, tmp_path):
         assert all(view.info(n).start is not None for n in view)  # unstacking copies bytes
     convert(out, "torch", tmp_path / "back")
     assert_identical(tensors(tmp_path / "back"), tensors(hf(arch, dtype)))
+    assert config(tmp_path / "back") == config(hf(arch, dtype))
     if dtype == torch.float32:
         assert torch.equal(tiny_models.logits(tmp_path / "back", arch, TOKENS),
                            tiny_models.logits(hf(arch, dtype), arch, TOKENS))
@@ -211,6 +221,18 @@ def test_quantized_mlx_imports_dequantized(arch, hf, mlx_ref, tmp_path):
     # transformers runs it as mlx-lm runs the quantized model.
     got = tiny_models.logits(tmp_path / "back", arch, TOKENS)
     assert (got - mlx_logits(ref)).abs().max().item() <= 1e-4
+
+
+def test_sharded_export_loads_and_reads_back(hf, exported, tmp_path):
+    out = tmp_path / "sharded"
+    summary = convert(hf("mixtral"), "mlx", out, max_shard_size=200_000)
+    assert len(summary["files"]) > 1 and all(re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", f)
+                                             for f in summary["files"])
+    assert all((out / f).stat().st_size <= 200_000 for f in summary["files"])
+    assert_identical(tensors(out), tensors(exported("mixtral")[0]))
+    assert torch.equal(mlx_logits(out), mlx_logits(exported("mixtral")[0]))
+    convert(out, "torch", tmp_path / "back")
+    assert_identical(tensors(tmp_path / "back"), tensors(hf("mixtral")))
 
 
 def test_mlx_to_mlx_requantizes_like_the_source(exported, mlx_ref, tmp_path):
@@ -256,6 +278,9 @@ def test_bad_options_write_nothing(hf, tmp_path):
         with pytest.raises(FFNToolsError, match=re.escape(words)):
             convert(src, "mlx", out, **kwargs)
         assert_nothing_written(out)
+    with pytest.raises(FFNToolsError, match="MLX models are directories"):
+        convert(src, "mlx", tmp_path / "model.safetensors")
+    assert_nothing_written(tmp_path / "model.safetensors")
     with pytest.raises(FFNToolsError, match="--flax-layout does not apply to --to mlx"):
         convert(src, "mlx", out, flax_layout="linen")
     run_cli("convert", src, "--to", "mlx", "-o", out, "--dtype", "float64", ok=False)

@@ -1,0 +1,143 @@
+"""ffn-tools `convert --to mlx` against `mlx_lm.convert` on the same ~1 GB bf16 Llama-shaped checkpoint.
+
+Builds the checkpoint once under bench-data/ (d_model 2048, d_ffn 5632, 12 layers, written with safetensors
+directly plus a LlamaConfig config.json and a tiny word-level tokenizer, which mlx_lm.convert needs), then
+runs each tool in its own subprocess, plain and with 4-bit quantization, and prints wall time and peak RSS
+(the child's ru_maxrss) of each, and ffn-tools / mlx_lm as ratios against the targets.
+
+    .venv/bin/python benchmarks/bench_mlx.py [--repeat N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "bench-data"
+SRC = DATA / "llama-1g-bf16"
+SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=12, num_attention_heads=32,
+             num_key_value_heads=4, vocab_size=8192)
+# (time ratio, RSS ratio) targets: ffn-tools / mlx_lm.convert.
+TARGETS = {"plain": (0.25, 0.20), "q4": (0.50, 0.30)}
+
+
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer (mlx_lm.convert loads and saves one; there is no hub to fetch one from)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            unk_token="<unk>").save_pretrained(path)
+
+
+def build(path: Path) -> None:
+    """Write the checkpoint shard by shard (5 GB HF default is one shard: ~1.1 GB) with safetensors."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    h, i, v = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
+    kv = h // SHAPE["num_attention_heads"] * SHAPE["num_key_value_heads"]
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    tensors = {"model.embed_tokens.weight": w(v, h)}
+    for layer in range(SHAPE["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        tensors.update({
+            f"{p}.input_layernorm.weight": 1 + w(h), f"{p}.post_attention_layernorm.weight": 1 + w(h),
+            f"{p}.self_attn.q_proj.weight": w(h, h), f"{p}.self_attn.k_proj.weight": w(kv, h),
+            f"{p}.self_attn.v_proj.weight": w(kv, h), f"{p}.self_attn.o_proj.weight": w(h, h),
+            f"{p}.mlp.gate_proj.weight": w(i, h), f"{p}.mlp.up_proj.weight": w(i, h),
+            f"{p}.mlp.down_proj.weight": w(h, i),
+        })
+    tensors["model.norm.weight"] = 1 + w(h)
+    tensors["lm_head.weight"] = w(v, h)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    LlamaConfig(**SHAPE, tie_word_embeddings=False, dtype="bfloat16", bos_token_id=1, eos_token_id=2,
+                pad_token_id=0).save_pretrained(tmp)
+    write_tokenizer(tmp, v)
+    tmp.rename(path)
+
+
+def measure(cmd: list[str], out: Path) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of ``cmd`` run in a child process; ``out`` is removed first."""
+    shutil.rmtree(out, ignore_errors=True)
+    pid_start = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:  # child: exec the command with its output silenced
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.execv(cmd[0], cmd)
+    _, status, usage = os.wait4(pid, 0)
+    seconds = time.perf_counter() - pid_start
+    if os.waitstatus_to_exitcode(status) != 0:
+        subprocess.run(cmd, check=True)  # rerun visibly to show the error
+    return seconds, usage.ru_maxrss * 1024
+
+
+def commands(kind: str, out: Path) -> dict[str, list[str]]:
+    py = sys.executable
+    ffn = [str(Path(py).parent / "ffn-tools"), "-q", "convert", str(SRC), "--to", "mlx", "-o", str(out / "ffn"),
+           *(["--quantize", "4", "--group-size", "64"] if kind == "q4" else [])]
+    q = "quantize=True, q_bits=4, q_group_size=64" if kind == "q4" else "quantize=False"
+    mlx = [py, "-c", f"from mlx_lm import convert; convert(hf_path={str(SRC)!r}, mlx_path={str(out / 'mlx')!r}, {q})"]
+    return {"ffn": ffn, "mlx": mlx}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="Runs per tool and setting, alternating tools; the best time and the largest RSS are kept.")
+    args = ap.parse_args()
+    if not SRC.exists():
+        print(f"building {SRC} ...", flush=True)
+        build(SRC)
+    size = 0
+    for p in SRC.glob("*.safetensors"):  # read once so that neither tool pays for a cold page cache
+        with p.open("rb") as f:
+            while chunk := f.read(64 << 20):
+                size += len(chunk)
+    print(f"input: {SRC} ({size / 1e9:.2f} GB bf16, d_model {SHAPE['hidden_size']}, d_ffn "
+          f"{SHAPE['intermediate_size']}, {SHAPE['num_hidden_layers']} layers)")
+    out = DATA / "mlx-out"
+    ok = True
+    results = {}
+    for kind in ("plain", "q4"):
+        cmds = commands(kind, out)
+        runs: dict[str, list] = {tool: [] for tool in cmds}
+        for _ in range(args.repeat):  # alternate, so that both see the same machine load
+            for tool, cmd in cmds.items():
+                runs[tool].append(measure(cmd, out / tool))
+        best = {tool: (min(t for t, _ in r), max(m for _, m in r)) for tool, r in runs.items()}
+        (ft, fr), (mt, mr) = best["ffn"], best["mlx"]
+        tt, tr = TARGETS[kind]
+        t_ratio, r_ratio = ft / mt, fr / mr
+        ok &= t_ratio <= tt and r_ratio <= tr
+        results[kind] = {"ffn_tools": {"seconds": ft, "peak_rss": fr}, "mlx_lm": {"seconds": mt, "peak_rss": mr},
+                         "time_ratio": t_ratio, "rss_ratio": r_ratio}
+        print(f"{kind:>5}: ffn-tools {ft:6.2f} s {fr / 2**20:7.0f} MiB | mlx_lm.convert {mt:6.2f} s "
+              f"{mr / 2**20:7.0f} MiB | time {t_ratio:.2f}x (target <= {tt}) RSS {r_ratio:.2f}x (target <= {tr})")
+    shutil.rmtree(out, ignore_errors=True)
+    print(json.dumps(results))
+    print("all targets met" if ok else "TARGET MISSED")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
