@@ -16,6 +16,7 @@ numpy; they differ from PyTorch's CPU exp by a few float32 ulp (see tests/test_k
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Mapping, NamedTuple
@@ -134,8 +135,15 @@ def _launch(kind, args, n_rows, n_cols, activation, single_rounding, config, **e
     cfg = config or launch_config(n_rows, n_cols)
     grid = (_cdiv(n_rows, cfg.block_m), _cdiv(n_cols, cfg.block_n))
     fn = kern.glu_pair_kernel if kind == "pair" else kern.glu_interleaved_kernel
-    # exp(-x) overflowing to inf for x < -88 is intended (x / inf = -0, as in eager); numpy would warn.
-    with np.errstate(over="ignore"):
+    device = args[0].device
+    if INTERPRETED:
+        # exp(-x) overflowing to inf for x < -88 is intended (x / inf = -0, as in eager); numpy would warn.
+        ctx = np.errstate(over="ignore")
+    elif device.type == "cuda":
+        ctx = torch.cuda.device(device)  # launch on the tensors' GPU, not the current one
+    else:
+        ctx = contextlib.nullcontext()
+    with ctx:
         fn[grid](
             *args,
             **extra,
