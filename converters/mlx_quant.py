@@ -22,7 +22,6 @@ from ffn_tools.dtypes import itemsize
 CHUNK_BYTES = 4 << 20
 PARALLEL_MIN_BYTES = 128 << 20  # less to quantize than this: starting worker processes costs more
 MAX_WORKERS = 8
-FLOATS = ("F32", "F16", "BF16", "F64")
 _MX = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "F64": mx.float64, "U32": mx.uint32,
        "U8": mx.uint8, "U16": mx.uint16, "I32": mx.int32}
 _ST = {v: k for k, v in _MX.items()}
@@ -54,11 +53,6 @@ class RawTensor(bytearray):
         if not len(self):
             return torch.empty(self.shape, dtype=torch_dtype(self.dtype))
         return torch.frombuffer(self, dtype=torch_dtype(self.dtype)).reshape(self.shape)
-
-
-def mx_dtype(st: str):
-    """The ``mx.Dtype`` of a safetensors dtype string."""
-    return _MX[st]
 
 
 def to_mx(data: memoryview, st: str, shape: Sequence[int]) -> mx.array:
