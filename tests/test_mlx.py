@@ -66,12 +66,14 @@ def mlx_ref(hf, tmp_path_factory):
     """``mlx_ref(arch, bits=None, group_size=64, dtype) -> Path``: what mlx_lm.convert writes (cached)."""
     cache: dict = {}
 
-    def get(arch: str, bits: int | None = None, group_size: int = 64, dtype=torch.float32) -> Path:
-        key = (arch, bits, group_size, dtype)
+    def get(arch: str, bits: int | None = None, group_size: int = 64, dtype=torch.float32, to: str | None = None,
+            **config) -> Path:
+        key = (arch, bits, group_size, dtype, to, tuple(sorted(config.items())))
         if key not in cache:
-            src = hf(arch, dtype, **(QWEN3_MOE_V4 if arch == "qwen3_moe" else {}))
+            src = hf(arch, dtype, **(QWEN3_MOE_V4 if arch == "qwen3_moe" else {}), **config)
             out = tmp_path_factory.mktemp(f"mlxref-{arch}") / "mlx"
-            mlx_lm.convert(str(src), str(out), quantize=bits is not None, q_bits=bits, q_group_size=group_size)
+            mlx_lm.convert(str(src), str(out), quantize=bits is not None, q_bits=bits, q_group_size=group_size,
+                           dtype=to)
             cache[key] = out
         return cache[key]
 
@@ -148,6 +150,38 @@ def test_quantized_is_bit_identical_to_mlx_lm_convert(arch, bits, group_size, ex
     added = {k: mine[k] for k in set(mine) - set(theirs)}
     assert torch.equal(mlx_logits(out), mlx_logits(ref, **added))
     assert summary["quantized"] == sum(n.endswith(".scales") for n in tensors(out))
+
+
+@pytest.mark.parametrize("to,bits", [("float16", None), ("bfloat16", 4)])
+def test_dtype_casts_like_mlx_lm_convert(to, bits, hf, mlx_ref, tmp_path):
+    summary = convert(hf("qwen2"), "mlx", tmp_path / "out", dtype=to, quantize=bits)
+    assert_identical(tensors(tmp_path / "out"), tensors(mlx_ref("qwen2", bits, 64, to=to)))
+    floats = {t.dtype for t in tensors(tmp_path / "out").values() if t.dtype != torch.uint32}
+    assert floats == {getattr(torch, to)}
+    assert any(f"cast to {to}" in c for c in summary["changes"])
+
+
+def test_legacy_torch_dtype_is_applied_before_quantizing_as_mlx_lm_does(hf, mlx_ref, tmp_path):
+    src = hf("llama", torch_dtype="float16")  # a transformers v4 key, weights still float32
+    summary = convert(src, "mlx", tmp_path / "q", quantize=4)
+    assert_identical(tensors(tmp_path / "q"), tensors(mlx_ref("llama", 4, 64, torch_dtype="float16")))
+    assert any("torch_dtype" in c for c in summary["changes"])
+    convert(src, "mlx", tmp_path / "plain")  # lossless without quantizing
+    assert tensors(tmp_path / "plain")["model.norm.weight"].dtype == torch.float32
+
+
+def test_rotary_buffers_and_tied_heads_are_dropped_like_sanitize(hf, mlx_ref, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = _copy(hf("llama", tie_word_embeddings=True), tmp_path / "src")
+    weights = load_file(src / "model.safetensors")
+    extra = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.rand(8) for i in range(2)}
+    save_file({**weights, **extra}, src / "model.safetensors", metadata={"format": "pt"})
+    summary = convert(src, "mlx", tmp_path / "out")
+    mlx_lm.convert(str(src), str(tmp_path / "ref"))
+    assert_identical(tensors(tmp_path / "out"), tensors(tmp_path / "ref"))
+    assert "lm_head.weight" not in tensors(tmp_path / "out")
+    assert any("inv_freq" in c for c in summary["changes"]) and any("lm_head" in c for c in summary["changes"])
 
 
 def test_weights_not_a_multiple_of_the_group_size_stay_unquantized(exported):
