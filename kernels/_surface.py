@@ -33,6 +33,11 @@ GELU_TANH_BETA = _f32(1.41421356237309504880 * 1.12837916709551257390 * 0.5)
 GELU_TANH_KAPPA = _f32(0.044715)
 
 
+def one_line(exc: BaseException) -> str:
+    """`Type: message` on one line, for why_unavailable() reasons."""
+    return f"{type(exc).__name__}: " + " ".join(str(exc).split())
+
+
 def check_activation(activation: str) -> str:
     if activation not in ACTIVATIONS:
         raise ValueError(f"Unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}.")

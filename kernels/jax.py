@@ -26,6 +26,7 @@ from kernels._surface import (
     check_out,
     check_pair,
     emit,
+    one_line,
 )
 
 __all__ = ["available", "why_unavailable", "silu_mul", "silu_mul_fused", "ffn"]
@@ -39,11 +40,11 @@ def why_unavailable() -> str:
         import jax.numpy as jnp
         import ml_dtypes  # noqa: F401  (bfloat16 for numpy)
     except ImportError as exc:
-        return f"jax is not installed ({exc}); install ffn-tools[flax]"
+        return f"jax is not installed ({one_line(exc)}); install ffn-tools[flax]"
     try:
         jax.block_until_ready(jax.jit(lambda a: a + 1)(jnp.ones(1)))
     except Exception as exc:
-        return f"jax cannot run a jit'd function: {type(exc).__name__}: {exc}"
+        return f"jax cannot run a jit'd function: {one_line(exc)}"
     return ""
 
 

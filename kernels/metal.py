@@ -19,7 +19,7 @@ from typing import Mapping
 import torch
 
 from kernels._mlx_io import mlx_dtype, to_mlx, to_torch
-from kernels._surface import check_activation, check_ffn, check_fused, check_order, check_out, check_pair, emit
+from kernels._surface import check_activation, check_ffn, check_fused, check_order, check_out, check_pair, emit, one_line
 
 __all__ = [
     "HEADER",
@@ -146,7 +146,7 @@ def why_unavailable() -> str:
     try:
         import mlx.core as mx
     except ImportError as exc:
-        return f"mlx is not installed ({exc}); Metal kernels need ffn-tools[mlx] on Apple silicon"
+        return f"mlx is not installed ({one_line(exc)}); Metal kernels need ffn-tools[mlx] on Apple silicon"
     try:
         probe = mx.fast.metal_kernel(
             name="ffn_tools_probe",
@@ -164,7 +164,7 @@ def why_unavailable() -> str:
         mx.eval(res)
     except Exception as exc:
         prefix = "" if mx.metal.is_available() else "Metal needs Apple silicon: "
-        return f"{prefix}mx.fast.metal_kernel raised {str(exc)!r}"
+        return f"{prefix}mx.fast.metal_kernel raised {' '.join(str(exc).split())!r}"
     return ""
 
 
@@ -183,11 +183,14 @@ def _kernel(variant: str):
     )
 
 
-def _run(variant: str, arrays: list, n_rows: int, n: int, dtype: torch.dtype, activation, single, **tmpl):
-    """Launch one variant over the (n, n_rows) grid and return the (n_rows, n) mlx output."""
+def _require() -> None:
     why = why_unavailable()
     if why:
         raise RuntimeError(f"The Metal backend is unavailable: {why}")
+
+
+def _run(variant: str, arrays: list, n_rows: int, n: int, dtype: torch.dtype, activation, single, **tmpl):
+    """Launch one variant over the (n, n_rows) grid and return the (n_rows, n) mlx output."""
     mdt = mlx_dtype(dtype)
     # Flags are int template parameters (0/1): MLX prints template values as integers.
     template = [("T", mdt), ("ACT", _ACT_CODE[activation]), ("SINGLE_ROUNDING", int(bool(single)))]
@@ -236,6 +239,7 @@ def silu_mul(
     check_pair(gate, up)
     check_activation(activation)
     check_out(out, tuple(gate.shape), gate.dtype, gate.device)
+    _require()
     n = gate.shape[-1]
 
     def run():
@@ -273,6 +277,7 @@ def silu_mul_fused(
     check_activation(activation)
     shape = (*gate_up.shape[:-1], n)
     check_out(out, shape, gate_up.dtype, gate_up.device)
+    _require()
     variant = "fused_interleaved" if interleaved else "fused_halves"
 
     def run():
@@ -306,7 +311,9 @@ def ffn(
     Returns:
         (..., H) tensor of the input dtype.
     """
-    b = {k: to_mlx(v) for k, v in check_ffn(x, gate_w, up_w, down_w, biases, activation).items()}
+    b = check_ffn(x, gate_w, up_w, down_w, biases, activation)
+    _require()
+    b = {k: to_mlx(v) for k, v in b.items()}
     hidden, inter = down_w.shape
     x2 = to_mlx(x).reshape(-1, hidden)
 

@@ -26,6 +26,7 @@ from kernels._surface import (
     check_out,
     check_pair,
     emit,
+    one_line,
 )
 
 __all__ = ["available", "why_unavailable", "silu_mul", "silu_mul_fused", "ffn"]
@@ -38,11 +39,11 @@ def why_unavailable() -> str:
     try:
         import mlx.core as mx
     except ImportError as exc:
-        return f"mlx is not installed ({exc}); install ffn-tools[mlx] or ffn-tools[mlx-cpu]"
+        return f"mlx is not installed ({one_line(exc)}); install ffn-tools[mlx] or ffn-tools[mlx-cpu]"
     try:
         mx.eval(mx.array([1.0]) + 1)
     except Exception as exc:
-        return f"mlx cannot evaluate arrays on {mx.default_device()}: {type(exc).__name__}: {exc}"
+        return f"mlx cannot evaluate arrays on {mx.default_device()}: {one_line(exc)}"
     return ""
 
 

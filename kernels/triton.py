@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels._surface import check_activation, check_ffn, check_fused, check_order, check_out, check_pair
+from kernels._surface import check_activation, check_ffn, check_fused, check_order, check_out, check_pair, one_line
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -60,13 +60,13 @@ def _load() -> tuple[object | None, str]:
     try:
         import triton  # noqa: F401  (the real package: this module is kernels.triton)
     except ImportError as exc:
-        return None, f"triton is not installed ({exc}); install ffn-tools[cuda]"
+        return None, f"triton is not installed ({one_line(exc)}); install ffn-tools[cuda]"
     if not INTERPRETED and not torch.cuda.is_available():
         return None, "no CUDA device and the Triton interpreter is off (TRITON_INTERPRET is not 1)"
     try:
         from kernels import _triton_kernels
     except Exception as exc:  # a broken triton install says so instead of failing a whole verify run
-        return None, f"the Triton kernels failed to load: {type(exc).__name__}: {exc}"
+        return None, f"the Triton kernels failed to load: {one_line(exc)}"
     return _triton_kernels, ""
 
 

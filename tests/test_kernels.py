@@ -188,6 +188,16 @@ def test_ffn_matches_reference(backend, dtype, activation, shape, bias):
     assert not compare(res, swapped, *tolerance(dtype, "ffn")).ok
 
 
+@pytest.mark.parametrize("backend", backend_params())
+def test_ffn_keeps_leading_dims(backend):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 3, 32, generator=gen).bfloat16()
+    w = [(torch.randn(*s, generator=gen) / s[1] ** 0.5).bfloat16() for s in ((7, 32), (7, 32), (32, 7))]
+    res = kernels.get_backend(backend).ffn(x, *w)
+    assert res.shape == (2, 3, 32)
+    assert compare(res, reference.ffn(x, *w), *tolerance(torch.bfloat16, "ffn")).ok
+
+
 # --- the checks catch what they claim to catch ----------------------------------------------------------
 
 
