@@ -234,6 +234,10 @@ def convert(path, to, out, dtype, quantize, group_size, flax_layout, force, as_j
     emit(r, as_json, [f"wrote {r['output']} ({to})", *r.get("changes", [])])
 
 
+from .verify_cli import verify as _verify  # noqa: E402
+cli.add_command(_verify)
+
+
 def main() -> None:
     """Console-script entry point."""
     cli(prog_name="ffn-tools")

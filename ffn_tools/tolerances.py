@@ -36,10 +36,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
-
-# Coarsest last: the row of a pair of dtypes is the later one.
-DTYPE_ORDER = (torch.float32, torch.float16, torch.bfloat16)
+# Coarsest last: the row of a pair of dtypes is the later one. Names, not torch dtypes: the CLI's
+# --help shows this table without importing torch.
+DTYPE_ORDER = ("float32", "float16", "bfloat16")
 LOGITS_WIDEN = 4.0
 
 
@@ -53,16 +52,16 @@ class Tolerance:
     row: str
 
     def describe(self) -> str:
-        return f"{self.row}: atol {self.atol:g}·rms, rtol {self.rtol:g}, cosine >= {self.min_cosine:g}"
+        return f"{self.row}: atol {self.atol:g}·rms, rtol {self.rtol:g}, cosine >= {self.min_cosine}"
 
     def as_dict(self) -> dict:
         return {"row": self.row, "atol": self.atol, "rtol": self.rtol, "min_cosine": self.min_cosine}
 
 
-DTYPE_TOLERANCES: dict[torch.dtype, Tolerance] = {
-    torch.float32: Tolerance(2e-4, 2e-4, 0.9999999, "float32"),
-    torch.float16: Tolerance(1e-2, 1e-2, 0.99999, "float16"),
-    torch.bfloat16: Tolerance(6e-2, 6e-2, 0.9999, "bfloat16"),
+DTYPE_TOLERANCES: dict[str, Tolerance] = {
+    "float32": Tolerance(2e-4, 2e-4, 0.9999999, "float32"),
+    "float16": Tolerance(1e-2, 1e-2, 0.99999, "float16"),
+    "bfloat16": Tolerance(6e-2, 6e-2, 0.9999, "bfloat16"),
 }
 
 QUANT_TOLERANCES: dict[int, Tolerance] = {
@@ -74,16 +73,22 @@ QUANT_TOLERANCES: dict[int, Tolerance] = {
     2: Tolerance(10.0, 10.0, 0.5, "2-bit"),
 }
 
-HELP = ("Tolerances per dtype / quantization, |b-r| <= atol·rms(r) + rtol·|r| and cosine >= min: "
-        + "; ".join(f"{t.row} {t.atol:g}/{t.rtol:g}/{t.min_cosine:g}"
-                    for t in (*DTYPE_TOLERANCES.values(), *QUANT_TOLERANCES.values()))
-        + " (atol/rtol/min cosine).")
+HELP = "\n".join([
+    "\b",  # click: keep these lines as they are
+    "Tolerances, per the coarser dtype of A and B and per quantization (the looser row when both apply):",
+    "element |b - r| <= atol * rms(r) + rtol * |r|, and cosine(b, r) >= min cosine.",
+    f"  {'row':<10} {'atol':>6} {'rtol':>6}  min cosine",
+    *(f"  {t.row:<10} {t.atol:>6g} {t.rtol:>6g}  {t.min_cosine}"
+      for t in (*DTYPE_TOLERANCES.values(), *QUANT_TOLERANCES.values())),
+    f"Whole-model logits (--logits): the row widened {LOGITS_WIDEN:g} times.",
+])
 
 
-def coarsest(dtypes) -> torch.dtype:
-    """The coarsest of some floating dtypes, by ``DTYPE_ORDER`` (float32 when none is known)."""
-    known = [d for d in dtypes if d in DTYPE_ORDER]
-    return max(known, key=DTYPE_ORDER.index) if known else torch.float32
+def coarsest(dtypes) -> str:
+    """The name of the coarsest of some dtypes (torch dtypes or names), by ``DTYPE_ORDER``; float32 when
+    none is a 16- or 32-bit float (float64 weights are compared as float32)."""
+    known = [n for n in (str(d).removeprefix("torch.") for d in dtypes) if n in DTYPE_ORDER]
+    return max(known, key=DTYPE_ORDER.index) if known else "float32"
 
 
 def tolerance_for(dtypes, quant_bits: int | None = None, *, atol: float | None = None,

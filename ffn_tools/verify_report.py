@@ -116,7 +116,10 @@ class VerifyReport:
             if r.passed:
                 break
             out += [f"{r.ref}: {p}" for p in r.problems]
-            out += [f"{r.ref}: {b.backend}: {_why(b, self.tolerance)}" for b in r.backends if not b.passed]
+            bad = [b for b in r.backends if not b.passed]
+            if bad:
+                worst = max(bad, key=lambda b: _order(b.ratio, b.cosine))
+                out.append(f"{r.ref}: fails on {', '.join(b.backend for b in bad)}: {_why(worst, self.tolerance)}")
         if self.logits is not None and not self.logits["passed"]:
             out += [f"logits: {p}" for p in self.logits["problems"]]
         return out
@@ -129,8 +132,10 @@ class VerifyReport:
             logits = ", logits agree" if self.logits else ""
             return (f"PASS: {n} FFN{'s' * (n != 1)} of A and B agree on {', '.join(self.backends)}{bits}{logits}")
         bad = sum(not r.passed for r in self.results)
-        first = self.failures()[0]
-        return f"FAIL: {bad} of {n} FFNs differ, {len(self.only_a) + len(self.only_b)} unpaired; first: {first}"
+        unpaired = len(self.only_a) + len(self.only_b)
+        counts = [f"{bad} of {n} FFNs differ"] if n else []
+        counts += [f"{unpaired} unpaired"] if unpaired else []
+        return f"FAIL: {', '.join(counts) + '; ' if counts else ''}first: {self.failures()[0]}"
 
     def as_dict(self) -> dict:
         return {"passed": self.passed, "verdict": self.verdict(), "a": self.a, "b": self.b,
@@ -182,7 +187,7 @@ def _why(b: BackendResult, tol: Tolerance | None) -> str:
     if b.ratio > 1:
         parts.append(f"max abs error {_num(b.max_abs)} is {_num(b.ratio, 2)}x the tolerance")
     if tol and not b.cosine >= tol.min_cosine:
-        parts.append(f"cosine {_cos(b.cosine)} < {tol.min_cosine:g}")
+        parts.append(f"cosine {_cos(b.cosine)} < {tol.min_cosine}")
     return "; ".join(parts) or "failed"
 
 

@@ -1,0 +1,137 @@
+"""``verify --logits``: both whole models through their real clients on one fixed token batch.
+
+PyTorch checkpoint directories load with transformers' ``AutoModelForCausalLM.from_pretrained`` (dtype
+from config.json); MLX directories with mlx_lm (``mlx_lm.utils.load_model``: the model without needing
+tokenizer files). A checkpoint a client loads only partly (weights missing, unused or of the wrong shape,
+which transformers would fill with random values) fails rather than being compared. The metrics are those
+of the FFN check (max |b - a|, cosine, the tolerance ratio) plus top-1 agreement, which is reported; the
+verdict uses the tolerance row widened for whole models (``tolerances.widened``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from .errors import FFNToolsError
+from .tolerances import Tolerance
+from .verify_functional import compare
+
+log = logging.getLogger(__name__)
+
+BATCH = (2, 16)  # (sequences, tokens)
+CLIENTS = {"transformers": "transformers AutoModelForCausalLM", "mlx_lm": "mlx_lm"}
+
+
+def client_for(ckpt, side: str) -> str:
+    """Which client loads ``ckpt`` as a whole model.
+
+    Raises:
+        FFNToolsError: neither does (a Flax checkpoint, an FFN-only extract, a single file, no config).
+    """
+    path = Path(ckpt.path)
+    cfg = ckpt.config or {}
+    if not path.is_dir() or "model_type" not in cfg:
+        raise FFNToolsError(f"--logits: {side} ({path}) is not a model directory with a config.json naming its "
+                            "model_type; whole-model logits need a directory transformers or mlx_lm can load")
+    if ckpt.format == "mlx":
+        try:
+            import mlx_lm  # noqa: F401
+        except ImportError as e:
+            raise FFNToolsError(f"--logits: {side} is an MLX checkpoint and mlx_lm is not installed ({e})") from None
+        return "mlx_lm"
+    if ckpt.format in ("safetensors", "pickle"):
+        return "transformers"
+    raise FFNToolsError(f"--logits: {side} ({path}) is a {ckpt.format} checkpoint; no client here runs it as a "
+                        "whole model (transformers reads PyTorch, mlx_lm reads MLX)")
+
+
+def token_batch(vocab_size: int, seed: int) -> torch.Tensor:
+    """The fixed (2, 16) batch of token ids, seeded."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, BATCH, generator=gen)
+
+
+def _transformers_logits(path: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # loading problems are reported below, as failures
+    hf_logging.disable_progress_bar()
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype="auto", output_loading_info=True)
+    problems = [f"transformers: {what} {_clip(info.get(key) or [])}"
+                for key, what in (("missing_keys", "initialised weights the checkpoint lacks:"),
+                                  ("unexpected_keys", "ignored weights it does not know:"),
+                                  ("mismatched_keys", "re-initialised weights of the wrong shape:"))
+                if info.get(key)]
+    with torch.no_grad():
+        return model.eval()(tokens).logits.to(torch.float64), problems
+
+
+def _mlx_logits(path: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.utils import load_model
+
+    try:
+        model, _ = load_model(path)
+    except ValueError as e:  # strict loading: missing or unexpected parameters
+        return torch.empty(0), [f"mlx_lm: {str(e).splitlines()[0][:300]}"]
+    out = model(mx.array(tokens.numpy()))
+    return torch.from_numpy(np.array(out.astype(mx.float32))).to(torch.float64), []
+
+
+def _run(fn, client: str, path: Path, side: str, tokens: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+    """One client's logits; a client that cannot run the model here is trouble, not a difference."""
+    try:
+        return fn(path, tokens)
+    except Exception as e:  # the client's own errors: unknown model_type, ops missing on this device, ...
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise FFNToolsError(f"--logits: {client} could not run {side} ({path}) here: {first}") from None
+
+
+def _clip(items, n: int = 4) -> str:
+    items = sorted(items)
+    return ", ".join(items[:n]) + (f" ... ({len(items)} in all)" if len(items) > n else "")
+
+
+def compare_logits(a, b, clients: tuple[str, str], tol: Tolerance, seed: int = 0) -> dict:
+    """Logits of A and B on the same token batch, compared.
+
+    Returns:
+        {client_a, client_b, shape, max_abs, cosine, ratio, top1_agreement, passed, problems}.
+
+    Raises:
+        FFNToolsError: the two configs disagree on the vocabulary size.
+    """
+    from converters import open_any
+
+    vocab = []
+    for p in (a, b):
+        with open_any(p) as c:
+            vocab.append((c.config or {}).get("vocab_size"))
+    if vocab[0] != vocab[1] or not isinstance(vocab[0], int):
+        raise FFNToolsError(f"--logits: vocabulary sizes differ or are unknown (A {vocab[0]}, B {vocab[1]})")
+    tokens = token_batch(vocab[0], seed)
+    run = {"transformers": _transformers_logits, "mlx_lm": _mlx_logits}
+    (la, pa), (lb, pb) = (_run(run[c], c, Path(p), side, tokens) for c, p, side in zip(clients, (a, b), "AB"))
+    problems = [f"A: {p}" for p in pa] + [f"B: {p}" for p in pb]
+    out = {"client_a": clients[0], "client_b": clients[1], "shape": list(BATCH) + [vocab[0]],
+           "max_abs": math.nan, "cosine": math.nan, "ratio": math.nan, "top1_agreement": 0.0,
+           "tolerance": tol.as_dict(), "problems": problems, "passed": False}
+    if la.shape != lb.shape or la.numel() == 0:
+        problems.append(f"logits of shape {list(la.shape)} (A) and {list(lb.shape)} (B) cannot be compared")
+        return out
+    m = compare("logits", "", lb, la, tol)
+    out.update(max_abs=m.max_abs, cosine=m.cosine, ratio=m.ratio,
+               top1_agreement=float((la.argmax(-1) == lb.argmax(-1)).double().mean()))
+    if not m.passed:
+        problems.append(f"max abs difference {m.max_abs:.3g} ({m.ratio:.2f}x the tolerance), cosine {m.cosine:.7f} "
+                        f"(min {tol.min_cosine:g}); top-1 agreement {out['top1_agreement']:.1%}")
+    out["passed"] = not problems
+    for k in ("max_abs", "cosine", "ratio"):
+        out[k] = None if not math.isfinite(out[k]) else out[k]
+    return out
