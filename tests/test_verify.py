@@ -1,0 +1,397 @@
+"""``ffn-tools verify`` on real transformers checkpoints: it catches planted defects, passes every correct
+conversion the toolkit makes (in float32, float16 and bfloat16, on every backend available here), and
+refuses bad input with exit status 2.
+
+Defects are planted in copies written with ``safetensors.torch.save_file`` (the shared fixture directories
+are never modified). Inputs are small (4 tokens, tiny models) so the Triton interpreter stays quick.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from helpers import run_cli
+from safetensors.torch import load_file, save_file
+from tiny_models import COMMON
+
+from ffn_tools.cli import cli
+from ffn_tools.layouts import GateUpLayout, fuse, split
+from ffn_tools.tolerances import tolerance_for
+from ffn_tools.verify_functional import SAME_AS_A, compare, input_scale, make_inputs
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+L1 = "model.layers.1.mlp."
+HAS_MLX = importlib.util.find_spec("converters.mlx") is not None
+HAS_FLAX = importlib.util.find_spec("converters.flax") is not None
+needs_mlx = pytest.mark.skipif(not HAS_MLX, reason="converters/mlx.py is not there yet")
+needs_flax = pytest.mark.skipif(not HAS_FLAX, reason="converters/flax.py is not there yet")
+
+
+def verify(*args, tokens: int = 4):
+    """Run ``ffn-tools verify ARGS --tokens N`` in-process; return (exit code, stdout)."""
+    r = CliRunner().invoke(cli, ["verify", *map(str, args), "--tokens", str(tokens)])
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert "Traceback" not in r.output
+    return r.exit_code, r.stdout
+
+
+def verify_json(*args, tokens: int = 4):
+    code, out = verify(*args, "--json", tokens=tokens)
+    return code, json.loads(out)
+
+
+def assert_passes(*args, tokens: int = 4) -> dict:
+    code, rep = verify_json(*args, tokens=tokens)
+    assert code == 0, "\n".join(rep["failures"])
+    assert rep["passed"] and rep["ffns"]
+    import kernels
+
+    assert rep["backends"] == kernels.available_backends()  # every backend that can run here, ran
+    return rep
+
+
+def assert_fails(*args, where: str, exit_code: int = 1) -> str:
+    code, out = verify(*args)
+    assert code == exit_code, out
+    assert "FAIL" in out and where in out, out
+    return out
+
+
+def plant(src: Path, dst: Path, edit=None, config=None) -> Path:
+    """A copy of checkpoint ``src`` at ``dst`` with ``edit(state_dict)`` / ``config(dict)`` applied."""
+    shutil.copytree(src, dst)
+    for f in sorted(dst.glob("*.safetensors")):
+        sd = load_file(f)
+        if edit:
+            edit(sd)
+        save_file({k: v.contiguous() for k, v in sd.items()}, f, metadata={"format": "pt"})
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def square_llama(tmp_path_factory):
+    """A bf16 Llama with d_model == d_ffn (intermediate_size == hidden_size): a transposed down fits."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(**{**COMMON, "intermediate_size": COMMON["hidden_size"]})
+    torch.manual_seed(1)
+    path = tmp_path_factory.mktemp("square") / "llama"
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+# ---------------------------------------------------------------- no false alarms: every correct conversion
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_and_fuse_pass_bit_identical(model_dir, tmp_path, dtype):
+    phi3, llama = model_dir("phi3", dtype), model_dir("llama-bias", dtype)
+    run_cli("split-gateup", phi3, "-o", tmp_path / "split")
+    run_cli("fuse-gateup", tmp_path / "split", "-o", tmp_path / "back")
+    run_cli("fuse-gateup", llama, "-o", tmp_path / "fused")
+    for a, b in ((phi3, tmp_path / "split"), (tmp_path / "split", tmp_path / "back"), (llama, tmp_path / "fused")):
+        rep = assert_passes(a, b)
+        assert {f["exact"] for f in rep["ffns"]} == {"identical"}
+    rep = assert_passes(llama, tmp_path / "fused")
+    paths = {b["backend"]: b["path"] for b in rep["ffns"][0]["backends"]}
+    assert paths.pop("reference") == SAME_AS_A  # bit-identical weights: the float64 output is A's
+    assert set(paths.values()) <= {"fused concat, gate-up"}  # B's fused gate_up ran through silu_mul_fused
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", [("concat", "up-gate", None), ("interleaved", "gate-up", None),
+                                    ("interleaved", "up-gate", None), ("tp", "gate-up", 2), ("tp", "up-gate", 4)],
+                         ids=lambda v: "-".join(str(x) for x in v if x))
+def test_every_layout_passes(model_dir, tmp_path, dtype, layout):
+    arrangement, order, tp = layout
+    opts = ["--layout", arrangement, "--order", order] + (["--tp", tp] if tp else [])
+    src = model_dir("llama-bias", dtype)
+    run_cli("fuse-gateup", src, "-o", tmp_path / "fused", *opts)
+    run_cli("split-gateup", tmp_path / "fused", "-o", tmp_path / "back", *opts)
+    rep = assert_passes(src, tmp_path / "fused", *opts)
+    path = {b["backend"]: b["path"] for b in rep["ffns"][0]["backends"]}.get("triton")
+    if path:
+        assert path == ("ffn" if arrangement == "tp" else f"fused {arrangement}, {order}")
+    assert_passes(tmp_path / "fused", tmp_path / "back", *opts)
+    assert_passes(src, tmp_path / "back")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_moe_stacked_per_expert_and_extract_pass(model_dir, tmp_path, dtype):
+    qwen, mixtral = model_dir("qwen2_moe", dtype), model_dir("mixtral", dtype)
+    run_cli("fuse-gateup", qwen, "--stack-experts", "-o", tmp_path / "stacked")
+    run_cli("fuse-gateup", mixtral, "-o", tmp_path / "fused")
+    run_cli("extract", qwen, "-o", tmp_path / "ffn")
+    rep = assert_passes(qwen, tmp_path / "stacked")
+    assert len(rep["ffns"]) == 10  # 2 layers x (4 experts + shared)
+    assert_passes(mixtral, tmp_path / "fused")
+    assert_passes(tmp_path / "ffn", qwen)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cast_and_geglu_pass(model_dir, tmp_path, dtype):
+    """A dtype cast is a correct conversion: no exact check, the coarser dtype's tolerance."""
+    src = model_dir("llama", torch.float32)
+    run_cli("convert", src, "--to", "torch", "--dtype", str(dtype).removeprefix("torch."), "-o", tmp_path / "cast")
+    rep = assert_passes(src, tmp_path / "cast")
+    assert rep["tolerance"]["row"] == str(dtype).removeprefix("torch.")
+    gemma = model_dir("gemma", dtype)
+    rep = assert_passes(gemma, gemma)
+    assert "GeGLU (gelu_pytorch_tanh)" in rep["a"]["activation"]
+
+
+@needs_mlx
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("quant", [None, ("4", "32"), ("8", "64")], ids=["plain", "q4g32", "q8g64"])
+def test_mlx_conversions_pass(model_dir, tmp_path, dtype, quant):
+    src = model_dir("qwen3_moe" if quant == ("8", "64") else "llama", dtype)
+    q = ["--quantize", quant[0], "--group-size", quant[1]] if quant else []
+    run_cli("convert", src, "--to", "mlx", "-o", tmp_path / "mlx", *q)
+    rep = assert_passes(src, tmp_path / "mlx")
+    assert {f["exact"] for f in rep["ffns"]} == ({"skipped"} if quant else {"identical"})
+    if quant:
+        assert rep["tolerance"]["row"].endswith(f"{quant[0]}-bit")
+
+
+@needs_flax
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("flax_layout", ["hf", "linen"])
+def test_flax_conversions_pass(model_dir, tmp_path, dtype, flax_layout):
+    src = model_dir("llama-bias" if flax_layout == "hf" else "mixtral", dtype)
+    run_cli("convert", src, "--to", "flax", "--flax-layout", flax_layout, "-o", tmp_path / "flax")
+    rep = assert_passes(src, tmp_path / "flax")
+    assert {f["exact"] for f in rep["ffns"]} == {"identical"}
+
+
+# ---------------------------------------------------------------- planted defects: each must fail
+
+
+def _swap(a: str, b: str):
+    def edit(sd):
+        sd[a], sd[b] = sd[b], sd[a]
+    return edit
+
+
+def test_gate_and_up_swapped_fails_even_without_the_exact_check(model_dir, tmp_path):
+    src = model_dir("llama", torch.bfloat16)
+    bad = plant(src, tmp_path / "bad", _swap(L1 + "gate_proj.weight", L1 + "up_proj.weight"))
+    out = assert_fails(src, bad, where="layer 1: not bit-identical")
+    assert "gate and up are swapped" in out
+    code, rep = verify_json(src, bad, "--no-exact")  # the functional check alone catches it
+    assert code == 1 and [f["ffn"] for f in rep["ffns"] if not f["passed"]] == ["layer 1"]
+    assert all(not b["passed"] and b["cosine"] < 0.9 for b in rep["ffns"][0]["backends"])
+
+
+def test_concat_read_as_interleaved_and_the_reverse_fail(model_dir, tmp_path):
+    phi3 = model_dir("phi3", torch.float16)
+    run_cli("split-gateup", phi3, "-o", tmp_path / "split")
+    assert_fails(tmp_path / "split", phi3, "--layout", "interleaved", where="layer 0")
+
+    def interleave(sd):
+        g, u = split(sd[L1 + "gate_up_proj.weight"])
+        sd[L1 + "gate_up_proj.weight"] = fuse(g, u, GateUpLayout("gate-up", "interleaved"))
+
+    bad = plant(phi3, tmp_path / "bad", interleave)
+    out = assert_fails(phi3, bad, where="layer 1")
+    assert "stored as interleaved, gate-up but was read as concat, gate-up" in out
+    assert "layer 0 " not in out.split("\n\n")[-1]  # layer 0 is intact
+    assert_passes(tmp_path / "split", bad, "--layers", "0")
+
+
+def test_down_transposed_fails_square_and_not(model_dir, square_llama, tmp_path):
+    transpose = lambda sd: sd.__setitem__(L1 + "down_proj.weight", sd[L1 + "down_proj.weight"].T.contiguous())  # noqa: E731
+    bad = plant(square_llama, tmp_path / "square", transpose)  # shapes still fit: only the values tell
+    out = assert_fails(square_llama, bad, where="layer 1")
+    assert "B's down is A's down transposed" in out
+    code, rep = verify_json(square_llama, bad, "--no-exact")
+    assert code == 1 and [f["ffn"] for f in rep["ffns"] if not f["passed"]] == ["layer 1"]
+    src = model_dir("llama")
+    out = assert_fails(src, plant(src, tmp_path / "wide", transpose), where="model.layers.1.mlp.")
+    assert "inconsistent" in out
+
+
+def test_two_experts_swapped_fail_naming_both(model_dir, tmp_path):
+    src = model_dir("mixtral", torch.float16)
+    e = "model.layers.1.block_sparse_moe.experts."
+
+    def edit(sd):
+        for w in ("w1", "w2", "w3"):
+            _swap(f"{e}1.{w}.weight", f"{e}2.{w}.weight")(sd)
+
+    code, rep = verify_json(src, plant(src, tmp_path / "bad", edit))
+    assert code == 1
+    assert sorted(f["ffn"] for f in rep["ffns"] if not f["passed"]) == ["layer 1 expert 1", "layer 1 expert 2"]
+    assert any("B's layer 1 expert 1 holds A's layer 1 expert 2 weights" in p for p in rep["failures"])
+
+
+def test_layers_shifted_by_one_fail(model_dir, tmp_path):
+    src = model_dir("qwen3", torch.bfloat16)
+
+    def shift(sd):
+        for k in sorted(sd, reverse=True):
+            for i in (1, 0):
+                if f"layers.{i}." in k:
+                    sd[k.replace(f"layers.{i}.", f"layers.{i + 1}.")] = sd.pop(k)
+                    break
+
+    code, rep = verify_json(src, plant(src, tmp_path / "bad", shift))
+    assert code == 1
+    assert rep["only_a"] == ["layer 0"] and rep["only_b"] == ["layer 2"]
+    assert [f["ffn"] for f in rep["ffns"] if not f["passed"]] == ["layer 1"]
+    assert any("B's layer 1 holds A's layer 0 weights" in p for p in rep["failures"])
+
+
+def test_a_dropped_bias_fails(model_dir, tmp_path):
+    src = model_dir("llama-bias", torch.float32)
+    bad = plant(src, tmp_path / "bad", lambda sd: sd.pop(L1 + "down_proj.bias"))
+    out = assert_fails(src, bad, where="layer 1: biases differ: B lacks down_bias")
+    assert "layer 0:" not in out
+
+
+def test_one_bf16_ulp_fails_the_exact_check_only(model_dir, tmp_path):
+    src = model_dir("llama", torch.bfloat16)
+
+    def nudge(sd):
+        sd[L1 + "up_proj.weight"].view(torch.int16)[3, 5] += 1  # the next bfloat16 value
+
+    bad = plant(src, tmp_path / "bad", nudge)
+    out = assert_fails(src, bad, where="layer 1: not bit-identical: up[3, 5]")
+    assert "1 of 6144 elements differ" in out
+    assert verify(src, bad, "--no-exact")[0] == 0  # one ulp is far inside every functional tolerance
+
+
+def test_bf16_cast_to_fp16_with_overflow_fails(model_dir, tmp_path):
+    src = plant(model_dir("llama", torch.bfloat16), tmp_path / "big",
+                lambda sd: sd[L1 + "gate_proj.weight"].__setitem__((2, 3), 1e5))  # fine in bf16, inf in fp16
+    run_cli("convert", src, "--to", "torch", "--dtype", "float16", "-o", tmp_path / "fp16")
+    out = assert_fails(src, tmp_path / "fp16", where="layer 1: B's gate has 1 inf/nan values")
+    assert "inf/nan" in out and "layer 0:" not in out
+
+
+@needs_mlx
+def test_mlx_quantized_with_the_wrong_group_size_fails(model_dir, tmp_path):
+    import mlx.core as mx
+
+    src = model_dir("llama", torch.bfloat16)
+    run_cli("convert", src, "--to", "mlx", "-o", tmp_path / "q4", "--quantize", "4", "--group-size", "32")
+    path = tmp_path / "q4" / "model.safetensors"
+    arrays = mx.load(str(path))
+    w = mx.array(load_file(src / "model.safetensors")[L1 + "up_proj.weight"].float().numpy()).astype(mx.bfloat16)
+    q, s, b = mx.quantize(w, group_size=64, bits=4)  # config.json still says 32
+    arrays.update({L1 + "up_proj.weight": q, L1 + "up_proj.scales": s, L1 + "up_proj.biases": b})
+    mx.save_safetensors(str(path), arrays, metadata={"format": "mlx"})
+    out = assert_fails(src, tmp_path / "q4", where="model.layers.1.mlp.up_proj")
+    assert "B cannot be read" in out and "model.layers.0" not in out
+
+
+def test_activation_mismatch_fails(model_dir, tmp_path):
+    src = model_dir("gemma")
+    bad = plant(src, tmp_path / "silu", config=lambda c: c.update(hidden_act="silu", hidden_activation="silu"))
+    out = assert_fails(src, bad, where="activation differs: A GeGLU (gelu_pytorch_tanh), B SwiGLU (silu)")
+    assert "layer 0" in out and "layer 1" in out  # and the outputs differ too
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_different_models_say_which_shapes_differ(model_dir, tmp_path):
+    import transformers
+
+    cfg = transformers.LlamaConfig(**{**COMMON, "intermediate_size": 128})
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "wider")
+    out = assert_fails(model_dir("llama"), tmp_path / "wider", where="shapes differ: A has d_model 64, d_ffn 96; "
+                                                                       "B has d_model 64, d_ffn 128")
+    assert "layer 0" in out and "layer 1" in out
+    assert_fails(model_dir("llama"), model_dir("qwen2_moe"), where="no FFN in common")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--backend", "cuda"], "unknown backend 'cuda'"),
+    (["--backend", "metal"], "backend 'metal' is not available here: "),
+    (["--layers", "7"], "selects no FFN"),
+    (["--layers", "x"], "cannot read selection"),
+    (["--logits", "ffn"], "--logits: B"),
+    (["no-ffns"], "no FFN tensors found"),
+])
+def test_bad_input_exits_2_saying_why(model_dir, tmp_path, args, message):
+    import kernels
+
+    if args == ["--backend", "metal"] and kernels.get_backend("metal").available():
+        pytest.skip("Metal runs here")
+    src = model_dir("llama")
+    b = src
+    if "ffn" in args:
+        run_cli("extract", src, "-o", tmp_path / "ffn")
+        args, b = ["--logits"], tmp_path / "ffn"
+    if "no-ffns" in args:
+        save_file({"embed.weight": torch.zeros(4, 4)}, tmp_path / "x.safetensors")
+        args, b = [], tmp_path / "x.safetensors"
+    r = CliRunner().invoke(cli, ["verify", str(src), str(b), "--tokens", "2", *args])
+    assert r.exit_code == 2, r.output
+    assert message in r.output and "Traceback" not in r.output
+
+
+# ---------------------------------------------------------------- the report
+
+
+def test_table_worst_first_then_verdict_and_selection(model_dir, tmp_path):
+    src = model_dir("qwen2_moe", torch.bfloat16)
+    e = "model.layers.0.mlp.experts.3."
+    bad = plant(src, tmp_path / "bad", _swap(e + "gate_proj.weight", e + "up_proj.weight"))
+    code, out = verify(bad, src)
+    lines = out.splitlines()
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("FFN "))
+    assert lines[header + 1].startswith("layer 0 expert 3") and lines[header + 1].endswith("FAIL")
+    assert lines[-1].startswith("FAIL: 1 of 10 FFNs differ") and code == 1
+    code, rep = verify_json(bad, src, "--experts", "0-2")
+    assert code == 0 and len(rep["ffns"]) == 8  # 2 layers x (3 experts + shared)
+    assert verify(bad, src, "--layers", "1")[0] == 0
+
+
+def test_logits_through_the_real_clients(model_dir, tmp_path):
+    src = model_dir("llama-bias")
+    run_cli("convert", src, "--to", "torch", "--dtype", "bfloat16", "-o", tmp_path / "bf16")
+    code, rep = verify_json(src, tmp_path / "bf16", "--logits", "--backend", "reference")
+    assert code == 0 and rep["logits"]["client_a"] == rep["logits"]["client_b"] == "transformers"
+    assert rep["logits"]["passed"] and rep["logits"]["cosine"] > 0.999
+    bad = plant(src, tmp_path / "bad", _swap(L1 + "gate_proj.weight", L1 + "up_proj.weight"))
+    code, rep = verify_json(src, bad, "--logits", "--no-exact", "--backend", "reference")
+    assert code == 1 and not rep["logits"]["passed"]
+    if HAS_MLX:
+        run_cli("convert", src, "--to", "mlx", "-o", tmp_path / "mlx")
+        code, rep = verify_json(src, tmp_path / "mlx", "--logits", "--backend", "reference")
+        assert code == 0 and rep["logits"]["client_b"] == "mlx_lm" and rep["logits"]["top1_agreement"] == 1.0
+
+
+# ---------------------------------------------------------------- the pieces
+
+
+def test_inputs_are_exact_in_both_dtypes_and_scaled_by_the_median_row():
+    x = make_inputs(64, 32, 0, 1e-3, [torch.bfloat16, torch.float16])  # small: fp16 subnormals
+    assert torch.equal(x.to(torch.bfloat16).float(), x) and torch.equal(x.to(torch.float16).float(), x)
+    assert torch.equal(x, make_inputs(64, 32, 0, 1e-3, [torch.bfloat16, torch.float16]))
+    gate = torch.full((8, 16), 0.25)
+    gate[0, 0] = 1e5  # one outlier does not shrink the inputs
+    assert input_scale(gate) == pytest.approx(2.0)
+
+
+def test_tolerance_rows_and_metrics():
+    assert tolerance_for([torch.float32, torch.bfloat16]).row == "bfloat16"
+    assert tolerance_for([torch.float16], 4).atol == 2.5
+    assert tolerance_for([torch.float32], atol=0.5).atol == 0.5
+    ref = torch.tensor([1.0, -2.0, 3.0, 0.0], dtype=torch.float64)
+    tol = tolerance_for([torch.float16])
+    assert compare("x", "", ref.half(), ref, tol).passed
+    m = compare("x", "", torch.tensor([1.0, -2.0, 3.1, 0.0]), ref, tol)
+    assert not m.passed and m.max_abs == pytest.approx(0.1, rel=1e-5)
+    assert not compare("x", "", torch.tensor([1.0, float("inf"), 3.0, 0.0]), ref, tol).passed
