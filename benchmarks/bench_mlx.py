@@ -3,7 +3,9 @@
 Builds the checkpoint once under bench-data/ (d_model 2048, d_ffn 5632, 12 layers, written with safetensors
 directly plus a LlamaConfig config.json and a tiny word-level tokenizer, which mlx_lm.convert needs), then
 runs each tool in its own subprocess, plain and with 4-bit quantization, and prints wall time and peak RSS
-(the child's ru_maxrss) of each, and ffn-tools / mlx_lm as ratios against the targets.
+(the child's ru_maxrss: the largest process of its tree, so with ffn-tools' quantize workers, on an idle
+multi-core machine, each worker is at most that size) of each, and ffn-tools / mlx_lm as ratios against the
+targets. CPU time (user + sys) is printed too: on a busy machine it is the steadier comparison.
 
     .venv/bin/python benchmarks/bench_mlx.py [--repeat N]
 """
@@ -75,8 +77,8 @@ def build(path: Path) -> None:
     tmp.rename(path)
 
 
-def measure(cmd: list[str], out: Path) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of ``cmd`` run in a child process; ``out`` is removed first."""
+def measure(cmd: list[str], out: Path) -> tuple[float, int, float]:
+    """Wall seconds, peak RSS (bytes) and CPU seconds of ``cmd`` run in a child process; ``out`` is removed first."""
     shutil.rmtree(out, ignore_errors=True)
     pid_start = time.perf_counter()
     pid = os.fork()
@@ -88,7 +90,7 @@ def measure(cmd: list[str], out: Path) -> tuple[float, int]:
     seconds = time.perf_counter() - pid_start
     if os.waitstatus_to_exitcode(status) != 0:
         subprocess.run(cmd, check=True)  # rerun visibly to show the error
-    return seconds, usage.ru_maxrss * 1024
+    return seconds, usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime
 
 
 def commands(kind: str, out: Path) -> dict[str, list[str]]:
@@ -108,6 +110,7 @@ def main() -> None:
     if not SRC.exists():
         print(f"building {SRC} ...", flush=True)
         build(SRC)
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     size = 0
     for p in SRC.glob("*.safetensors"):  # read once so that neither tool pays for a cold page cache
         with p.open("rb") as f:
@@ -124,15 +127,18 @@ def main() -> None:
         for _ in range(args.repeat):  # alternate, so that both see the same machine load
             for tool, cmd in cmds.items():
                 runs[tool].append(measure(cmd, out / tool))
-        best = {tool: (min(t for t, _ in r), max(m for _, m in r)) for tool, r in runs.items()}
-        (ft, fr), (mt, mr) = best["ffn"], best["mlx"]
+        best = {tool: (min(t for t, _, _ in r), max(m for _, m, _ in r), min(c for _, _, c in r))
+                for tool, r in runs.items()}
+        (ft, fr, fc), (mt, mr, mc) = best["ffn"], best["mlx"]
         tt, tr = TARGETS[kind]
         t_ratio, r_ratio = ft / mt, fr / mr
         ok &= t_ratio <= tt and r_ratio <= tr
-        results[kind] = {"ffn_tools": {"seconds": ft, "peak_rss": fr}, "mlx_lm": {"seconds": mt, "peak_rss": mr},
-                         "time_ratio": t_ratio, "rss_ratio": r_ratio}
-        print(f"{kind:>5}: ffn-tools {ft:6.2f} s {fr / 2**20:7.0f} MiB | mlx_lm.convert {mt:6.2f} s "
-              f"{mr / 2**20:7.0f} MiB | time {t_ratio:.2f}x (target <= {tt}) RSS {r_ratio:.2f}x (target <= {tr})")
+        results[kind] = {"ffn_tools": {"seconds": ft, "peak_rss": fr, "cpu_seconds": fc},
+                         "mlx_lm": {"seconds": mt, "peak_rss": mr, "cpu_seconds": mc},
+                         "time_ratio": t_ratio, "rss_ratio": r_ratio, "cpu_ratio": fc / mc}
+        print(f"{kind:>5}: ffn-tools {ft:6.2f} s {fr / 2**20:6.0f} MiB (cpu {fc:5.2f} s) | mlx_lm.convert {mt:6.2f} s "
+              f"{mr / 2**20:6.0f} MiB (cpu {mc:5.2f} s) | time {t_ratio:.2f}x (target <= {tt}) "
+              f"RSS {r_ratio:.2f}x (target <= {tr}) cpu {fc / mc:.2f}x")
     shutil.rmtree(out, ignore_errors=True)
     print(json.dumps(results))
     print("all targets met" if ok else "TARGET MISSED")
