@@ -101,11 +101,12 @@ def tolerance_for(dtypes, quant_bits: int | None = None, *, atol: float | None =
         atol, rtol: user overrides (``--atol``/``--rtol``); the row's minimum cosine is kept.
 
     Returns:
-        The tolerance; ``row`` names where it came from (with "+ --atol" when overridden).
+        The tolerance; ``row`` names where it came from ("(overridden)" appended after --atol/--rtol).
     """
     tol = DTYPE_TOLERANCES[coarsest(dtypes)]
     if quant_bits is not None:
-        q = QUANT_TOLERANCES.get(quant_bits) or QUANT_TOLERANCES[min(QUANT_TOLERANCES, key=lambda b: abs(b - quant_bits))]
+        nearest = min(QUANT_TOLERANCES, key=lambda b: (abs(b - quant_bits), b))  # e.g. 7 bits: the 6-bit row
+        q = QUANT_TOLERANCES[nearest]
         tol = Tolerance(max(tol.atol, q.atol), max(tol.rtol, q.rtol), min(tol.min_cosine, q.min_cosine),
                         f"{tol.row} {q.row}")
     if atol is not None or rtol is not None:

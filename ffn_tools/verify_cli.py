@@ -1,16 +1,17 @@
 """The ``ffn-tools verify`` command: parse, call ``ffn_tools.verify.verify``, print, exit 0/1/2.
 
-Imported by ``ffn_tools.cli`` (import that module, not this one, first: the option helpers come from it).
+The command object is built on first access of ``verify``: its --scheme/--layout options come from
+``ffn_tools.cli``, which imports this module at its end, so building lazily lets either be imported first.
 Only click and torch-free core modules are imported here; torch and the kernels load when the command runs.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import click
 
-from .cli import layout_options, scheme_options
 from .errors import FFNToolsError
 from .tolerances import HELP as TOLERANCE_HELP
 
@@ -24,55 +25,69 @@ class VerifyTrouble(click.ClickException):
     exit_code = 2
 
 
-@click.command("verify", epilog=TOLERANCE_HELP)
-@click.argument("a", type=click.Path(exists=True))
-@click.argument("b", type=click.Path(exists=True))
-@click.option("--backend", "backends", multiple=True, metavar="NAME",
-              help=f"Kernel backend to run B's FFNs on, one of {BACKEND_NAMES}; repeat for several. "
-                   "Default: every one available on this machine (unavailable ones are listed as skipped).")
-@click.option("--tokens", type=click.IntRange(min=1), default=DEFAULT_TOKENS, show_default=True,
-              help="Rows of the random input each FFN is run on.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs and token batch.")
-@click.option("--layers", help="Layers to verify, e.g. 0-3,7 (default: all).")
-@click.option("--experts", help="Routed experts to verify, e.g. 0,5 (default: all; dense and shared FFNs are kept).")
-@click.option("--atol", type=click.FloatRange(min=0), help="Absolute tolerance, in units of the RMS of the "
-              "reference output (default: from the table below).")
-@click.option("--rtol", type=click.FloatRange(min=0), help="Relative tolerance (default: from the table below).")
-@click.option("--exact/--no-exact", default=None,
-              help="Demand (or skip) bit-identical canonical gate/up/down and biases. Default: demanded where "
-                   "both sides should be lossless copies (same dtype, neither quantized).")
-@click.option("--logits", is_flag=True, help="Also run both whole models on a fixed token batch through their "
-              "real clients (transformers for PyTorch, mlx_lm for MLX directories) and compare the logits.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
-@scheme_options
-@layout_options
-def verify(a, b, backends, tokens, seed, layers, experts, atol, rtol, exact, logits, as_json, scheme, layout):
-    """Check that checkpoint B holds the same FFNs as checkpoint A.
+def _build():
+    _cli = importlib.import_module("ffn_tools.cli")  # partly initialised when it is importing us: enough
 
-    A and B are any checkpoints ffn-tools reads (PyTorch safetensors or pickles, split or fused, MLX plain
-    or quantized, Flax, an extract output). FFNs are paired by layer and expert; one present on one side
-    only fails. For each pair, the canonical gate/up/down (and biases) must be bit-identical where both
-    sides should be lossless copies, and the FFN is run on seeded random inputs: A's on the float64
-    reference, B's on every backend, in B's dtype, with fused gate_up checkpoints going through the fused
-    kernel. The activation is each checkpoint's own (SwiGLU, or GeGLU where config.json says so).
+    @click.command("verify", epilog=TOLERANCE_HELP)
+    @click.argument("a", type=click.Path(exists=True))
+    @click.argument("b", type=click.Path(exists=True))
+    @click.option("--backend", "backends", multiple=True, metavar="NAME",
+                  help=f"Kernel backend to run B's FFNs on, one of {BACKEND_NAMES}; repeat for several. "
+                       "Default: every one available on this machine (unavailable ones are listed as skipped).")
+    @click.option("--tokens", type=click.IntRange(min=1), default=DEFAULT_TOKENS, show_default=True,
+                  help="Rows of the random input each FFN is run on.")
+    @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs and token batch.")
+    @click.option("--layers", help="Layers to verify, e.g. 0-3,7 (default: all).")
+    @click.option("--experts", help="Routed experts to verify, e.g. 0,5 (default: all; dense and shared FFNs "
+                  "are kept).")
+    @click.option("--atol", type=click.FloatRange(min=0), help="Absolute tolerance, in units of the RMS of the "
+                  "reference output (default: from the table below).")
+    @click.option("--rtol", type=click.FloatRange(min=0), help="Relative tolerance (default: from the table below).")
+    @click.option("--exact/--no-exact", default=None,
+                  help="Demand (or skip) bit-identical canonical gate/up/down and biases. Default: demanded where "
+                       "both sides should be lossless copies (same dtype, neither quantized).")
+    @click.option("--logits", is_flag=True, help="Also run both whole models on a fixed token batch through their "
+                  "real clients (transformers for PyTorch, mlx_lm for MLX directories) and compare the logits.")
+    @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
+    @_cli.scheme_options
+    @_cli.layout_options
+    def verify(a, b, backends, tokens, seed, layers, experts, atol, rtol, exact, logits, as_json, scheme, layout):
+        """Check that checkpoint B holds the same FFNs as checkpoint A.
 
-    A passes when every element is within atol·rms + rtol·|reference| and the cosine similarity is high
-    enough; the tolerances depend on the coarser dtype and on quantization (table below). --layout,
-    --order and --tp say how fused gate_up tensors are laid out, in both checkpoints.
+        A and B are any checkpoints ffn-tools reads (PyTorch safetensors or pickles, split or fused, MLX plain
+        or quantized, Flax, an extract output). FFNs are paired by layer and expert; one present on one side
+        only fails. For each pair, the canonical gate/up/down (and biases) must be bit-identical where both
+        sides should be lossless copies, and the FFN is run on seeded random inputs: A's on the float64
+        reference, B's on every backend, in B's dtype, with fused gate_up checkpoints going through the fused
+        kernel. The activation is each checkpoint's own (SwiGLU, or GeGLU where config.json says so).
 
-    Prints a table, worst FFN first, and a verdict. Exit status: 0 all pass, 1 something differs,
-    2 verification could not run (bad arguments, unreadable input, no FFNs, backend unavailable).
-    """
-    from .verify import verify as run
+        A passes when every element is within atol·rms + rtol·|reference| and the cosine similarity is high
+        enough; the tolerances depend on the coarser dtype and on quantization (table below). --layout,
+        --order and --tp say how fused gate_up tensors are laid out, in both checkpoints.
 
-    try:
-        report = run(a, b, backends=list(backends) or None, tokens=tokens, seed=seed, layers=layers, experts=experts,
-                     atol=atol, rtol=rtol, exact=exact, logits=logits, scheme=scheme, layout=layout)
-    except FFNToolsError as e:
-        raise VerifyTrouble(str(e)) from None
-    if as_json:
-        click.echo(json.dumps(report.as_dict(), indent=2, default=str))
-    else:
-        for line in report.lines():
-            click.echo(line)
-    click.get_current_context().exit(0 if report.passed else 1)
+        Prints a table, worst FFN first, and a verdict. Exit status: 0 all pass, 1 something differs,
+        2 verification could not run (bad arguments, unreadable input, no FFNs, backend unavailable).
+        """
+        from .verify import verify as run
+
+        try:
+            report = run(a, b, backends=list(backends) or None, tokens=tokens, seed=seed, layers=layers,
+                         experts=experts, atol=atol, rtol=rtol, exact=exact, logits=logits, scheme=scheme,
+                         layout=layout)
+        except FFNToolsError as e:
+            raise VerifyTrouble(str(e)) from None
+        if as_json:
+            click.echo(json.dumps(report.as_dict(), indent=2, default=str))
+        else:
+            for line in report.lines():
+                click.echo(line)
+        click.get_current_context().exit(0 if report.passed else 1)
+
+    return verify
+
+
+def __getattr__(name: str):
+    if name != "verify":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    command = _build()
+    return globals().setdefault("verify", command)

@@ -209,7 +209,9 @@ def test_concat_read_as_interleaved_and_the_reverse_fail(model_dir, tmp_path):
 
 
 def test_down_transposed_fails_square_and_not(model_dir, square_llama, tmp_path):
-    transpose = lambda sd: sd.__setitem__(L1 + "down_proj.weight", sd[L1 + "down_proj.weight"].T.contiguous())  # noqa: E731
+    def transpose(sd):
+        sd[L1 + "down_proj.weight"] = sd[L1 + "down_proj.weight"].T.contiguous()
+
     bad = plant(square_llama, tmp_path / "square", transpose)  # shapes still fit: only the values tell
     out = assert_fails(square_llama, bad, where="layer 1")
     assert "B's down is A's down transposed" in out

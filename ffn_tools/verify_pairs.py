@@ -1,0 +1,156 @@
+"""The checks of one FFN present in both checkpoints: shapes, biases, bit-exactness, the functional run.
+
+``PairChecker`` holds what every pair shares (the two checkpoints and their FFN sets, the backends, the
+tolerance, the exact-check mode, the input seed) and ``check(ref, a_ffn, b_ffn)`` returns its
+``FFNResult``. ``name_owners`` runs after all pairs, only when some differed, to say which of A's FFNs a
+differing B FFN actually holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .detect import FFNSet
+from .dtypes import short_name
+from .ffn import FFN, FFNRef, canonical_weights
+from .tolerances import Tolerance
+from .verify_diagnose import Fingerprints, explain, first_difference
+from .verify_functional import Operands, check_ffn, input_scale, make_inputs
+from .verify_report import FFNResult, VerifyReport
+
+KERNEL_LAYOUTS = ("concat", "interleaved")  # what silu_mul_fused reads directly (either order, row axis)
+ROLES = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
+
+
+class Cached:
+    """A checkpoint mapping that keeps the last few tensors read (stacked experts share one tensor)."""
+
+    def __init__(self, ckpt, size: int = 4):
+        self.ckpt, self.size, self._cache = ckpt, size, {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._cache:
+            if len(self._cache) >= self.size:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[name] = self.ckpt[name]
+        return self._cache[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.ckpt
+
+
+@dataclass
+class PairChecker:
+    """Checks pairs of FFNs, A's against B's (see the module docstring)."""
+
+    ca: object  # Checkpoint A
+    cb: object  # Checkpoint B
+    fa: FFNSet
+    fb: FFNSet
+    backends: dict  # name -> kernels module, "reference" first
+    tol: Tolerance
+    exact: bool | None  # True demand, False skip, None where lossless
+    quantized: bool  # A or B is quantized: nothing is bit-exact
+    seed: int
+    tokens: int
+
+    def __post_init__(self) -> None:
+        self.cached_a, self.cached_b = Cached(self.ca), Cached(self.cb)
+
+    def check(self, ref: FFNRef, x: FFN, y: FFN) -> FFNResult:
+        """Every check of A's FFN ``x`` against B's FFN ``y``."""
+        res = FFNResult(ref, (x.d_model, x.d_ffn), (y.d_model, y.d_ffn),
+                        short_name(self.ca.info(x.names["down"]).st_dtype),
+                        short_name(self.cb.info(y.names["down"]).st_dtype))
+        if res.shape_a != res.shape_b:
+            res.problems.append(f"shapes differ: A has d_model {x.d_model}, d_ffn {x.d_ffn}; B has d_model "
+                                f"{y.d_model}, d_ffn {y.d_ffn} (different models?)")
+            return res
+        wa, wb = canonical_weights(self.cached_a, x), canonical_weights(self.cached_b, y)
+        _biases(res, wa, wb)
+        ops_a = _operands(self.cached_a, x, wa, self.fa.activation.kernel)
+        ops_b = _operands(self.cached_b, y, wb, self.fb.activation.kernel)
+        stored = None
+        if y.form.fused:  # B's gate_up as stored, for naming a misread layout
+            stored = (self._raw(self.cached_b, y, "gate_up"), y.layout)
+            if not ops_b.fused and y.layout.axis == "rows":
+                res.notes.append(f"B's fused layout {y.layout.describe()} ran through ffn() on split weights")
+        self._exact(res, wa, wb, stored)
+        inputs = make_inputs(self.tokens, x.d_model, self.seed, input_scale(ops_a.gate),
+                             [t.dtype for t in (*wa.values(), *wb.values())])
+        res.backends = check_ffn(self.backends, inputs, ops_a, ops_b, self.tol, identical=res.exact == "identical")
+        if any(b.nonfinite for b in res.backends):
+            _nonfinite(res, wa, wb)
+        return res
+
+    @staticmethod
+    def _raw(cached, ffn: FFN, role: str) -> torch.Tensor:
+        t = cached[ffn.names[role]]
+        return t[ffn.index] if ffn.index is not None else t
+
+    def _exact(self, res: FFNResult, wa: dict, wb: dict, stored) -> None:
+        """Bit-for-bit comparison of the canonical tensors, per ``self.exact``."""
+        if self.exact is False:
+            return
+        common = [r for r in ROLES if r in wa and r in wb]
+        mixed = [r for r in common if wa[r].dtype != wb[r].dtype]
+        why = "A or B is quantized" if self.quantized else (
+            f"dtypes differ ({mixed[0]}: A {short_name(wa[mixed[0]].dtype)}, B {short_name(wb[mixed[0]].dtype)})"
+            if mixed else None)
+        if why:
+            res.exact = "impossible" if self.exact else "skipped"
+            if self.exact:
+                res.problems.append(f"--exact: cannot be bit-identical: {why}")
+            return
+        diffs = [d for r in common if (d := first_difference(r, wa[r], wb[r]))]
+        res.exact = "differs" if diffs else "identical"
+        if diffs:
+            more = len(diffs) - 1
+            res.problems.append(f"not bit-identical: {diffs[0]}"
+                                + (f" ({more} more tensor{'s' * (more > 1)} differ{'s' * (more == 1)})" if more else "")
+                                + "".join(f"; {h}" for h in explain(wa, wb, stored)))
+
+    def name_owners(self, report: VerifyReport, differing: list[FFNRef], rb: dict[FFNRef, FFN]) -> None:
+        """For each differing B FFN that holds another A FFN's weights, say whose (layers shifted, experts
+        permuted). Reads A's FFNs once more: it runs only when something differed."""
+        prints = Fingerprints()
+        for ref, f in self.fa.by_ref().items():
+            prints.add(ref, canonical_weights(self.ca, f))
+        by_ref = {r.ref: r for r in report.results}
+        for ref in differing:
+            owner = prints.whose(canonical_weights(self.cb, rb[ref]))
+            if owner is not None and owner != ref:
+                by_ref[ref].problems.append(f"B's {ref} holds A's {owner} weights")
+
+
+def _operands(cached, ffn: FFN, w: dict[str, torch.Tensor], activation: str) -> Operands:
+    biases = {r.removesuffix("_bias"): t for r, t in w.items() if r.endswith("_bias")}
+    fused = None
+    lay = ffn.layout
+    if ffn.form.fused and lay.arrangement in KERNEL_LAYOUTS and lay.axis == "rows":
+        bias = PairChecker._raw(cached, ffn, "gate_up_bias") if "gate_up_bias" in ffn.names else None
+        fused = (PairChecker._raw(cached, ffn, "gate_up"), bias, lay)
+    return Operands(w["gate"], w["up"], w["down"], biases, activation, fused)
+
+
+def _biases(res: FFNResult, wa: dict, wb: dict) -> None:
+    """Bias presence: a failure whatever the dtypes."""
+    ba, bb = sorted(r for r in wa if r.endswith("_bias")), sorted(r for r in wb if r.endswith("_bias"))
+    if ba != bb:
+        lacks, extra = [r for r in ba if r not in bb], [r for r in bb if r not in ba]
+        parts = [f"B lacks {', '.join(lacks)}"] if lacks else []
+        parts += [f"B has extra {', '.join(extra)}"] if extra else []
+        res.problems.append("biases differ: " + "; ".join(parts))
+
+
+def _nonfinite(res: FFNResult, wa: dict, wb: dict) -> None:
+    """Which of B's weights hold inf/nan where A's are finite. Run only when B's outputs are non-finite
+    (a scan of every weight costs as much as the reference's GEMMs; any inf/nan weight shows in the output)."""
+    for role, t in wb.items():
+        if t.is_floating_point():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad and (role not in wa or torch.isfinite(wa[role]).all()):
+                res.problems.append(f"B's {role} has {bad} inf/nan values where A's are finite "
+                                    f"(overflow in a cast to {short_name(t.dtype)}?)")
