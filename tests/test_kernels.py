@@ -183,7 +183,7 @@ def test_ffn_matches_reference(backend, dtype, activation, shape, bias):
     down_w = (torch.randn(hidden, inter, generator=gen) / inter**0.5).to(dtype)
     biases = None
     if bias:
-        biases = {k: (torch.randn(n, generator=gen) * 0.1).to(dtype) for k, n in (("gate", inter), ("down", hidden))}
+        biases = {k: (torch.randn(n, generator=gen) * 0.1).to(dtype) for k, n in (("gate", inter), ("up", inter), ("down", hidden))}
     mod = kernels.get_backend(backend)
     res = mod.ffn(x, gate_w, up_w, down_w, biases, activation=activation)
     assert res.dtype == dtype and res.shape == (tokens, hidden)
