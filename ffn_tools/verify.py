@@ -93,17 +93,23 @@ def _open(path, side: str):
 
 
 def _find(ckpt, side: str, scheme: Scheme | None, layout: GateUpLayout | None) -> tuple[FFNSet | None, str | None]:
-    """B's (or A's) FFNs, or (None, problem) when its FFN tensors exist but are inconsistent.
+    """A's (or B's) FFNs, or (None, problem) when its FFN tensors exist but are inconsistent.
+
+    A given ``scheme`` applies where it matches: a checkpoint none of whose tensor names fit it (say an
+    extract output compared with a custom-named original) is detected as usual.
 
     Raises:
         SchemeError: no FFN tensors at all (nothing to verify: a usage problem, not a difference).
     """
     names = list(ckpt)
-    if scheme is None:
-        scheme = choose_scheme(names, ckpt.config)
-    elif not any(compile_template(t).fullmatch(n) for g in scheme.groups for f in g.forms.values()
-                 for t in f.templates().values() for n in names):
-        raise SchemeError(f"{side} ({ckpt.path}): no tensor matches scheme {scheme.name!r}")
+    if scheme is not None and not any(compile_template(t).fullmatch(n) for g in scheme.groups
+                                      for f in g.forms.values() for t in f.templates().values() for n in names):
+        log.info("%s: no tensor matches scheme %r; detecting its scheme", side, scheme.name)
+        scheme = None
+    try:
+        scheme = scheme or choose_scheme(names, ckpt.config)
+    except SchemeError as e:
+        raise SchemeError(f"{side}: {e}") from None
     try:
         return find_ffns(ckpt, scheme, layout), None
     except SchemeError as e:

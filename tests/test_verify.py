@@ -323,7 +323,8 @@ def test_different_models_say_which_shapes_differ(model_dir, tmp_path):
     (["--layers", "7"], "selects no FFN"),
     (["--layers", "x"], "cannot read selection"),
     (["--logits", "ffn"], "--logits: B"),
-    (["no-ffns"], "no FFN tensors found"),
+    (["no-ffns"], "B: no FFN tensors found"),
+    (["relu"], "activation 'relu' (B) is not one the kernels have"),
 ])
 def test_bad_input_exits_2_saying_why(model_dir, tmp_path, args, message):
     import kernels
@@ -335,12 +336,31 @@ def test_bad_input_exits_2_saying_why(model_dir, tmp_path, args, message):
     if "ffn" in args:
         run_cli("extract", src, "-o", tmp_path / "ffn")
         args, b = ["--logits"], tmp_path / "ffn"
+    if "relu" in args:
+        args, b = [], plant(src, tmp_path / "relu", config=lambda c: c.update(hidden_act="relu"))
     if "no-ffns" in args:
         save_file({"embed.weight": torch.zeros(4, 4)}, tmp_path / "x.safetensors")
         args, b = [], tmp_path / "x.safetensors"
     r = CliRunner().invoke(cli, ["verify", str(src), str(b), "--tokens", "2", *args])
     assert r.exit_code == 2, r.output
     assert message in r.output and "Traceback" not in r.output
+
+
+def test_custom_templates_apply_where_they_match(model_dir, tmp_path):
+    """A checkpoint with its own names (like the seed APEX-1's W_gate/W_up/W_down) against the original."""
+    src = model_dir("llama", torch.float16)
+
+    def rename(sd):
+        for k in [k for k in sd if ".mlp." in k]:
+            sd[k.replace("model.layers.", "blocks.").replace(".mlp.", ".ffn.").replace("gate_proj", "W_gate")
+               .replace("up_proj", "W_up").replace("down_proj", "W_down")] = sd.pop(k)
+
+    apex = plant(src, tmp_path / "apex", rename)
+    t = ["--gate", "blocks.{layer}.ffn.W_gate.weight", "--up", "blocks.{layer}.ffn.W_up.weight",
+         "--down", "blocks.{layer}.ffn.W_down.weight"]
+    rep = assert_passes(src, apex, *t)
+    assert (rep["a"]["scheme"], rep["b"]["scheme"]) == ("hf", "custom")
+    assert verify(src, apex)[0] == 2  # without the templates B's FFNs cannot be found
 
 
 # ---------------------------------------------------------------- the report
