@@ -184,8 +184,8 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
             opened.append((c and stack.enter_context(c), e))
         (ca, ea), (cb, eb) = opened
         if ea or eb:
-            return VerifyReport({"path": str(a)}, {"path": str(b)}, list(mods), skipped, tokens, seed, None,
-                                problems=[e for e in (ea, eb) if e])
+            sides = [_side(c, None) if c else {"path": str(p)} for c, p in ((ca, a), (cb, b))]
+            return VerifyReport(*sides, list(mods), skipped, tokens, seed, None, problems=[e for e in (ea, eb) if e])
         clients = None
         if logits:
             from .verify_logits import client_for

@@ -145,6 +145,11 @@ def test_cast_and_geglu_pass(model_dir, tmp_path, dtype):
     run_cli("convert", src, "--to", "torch", "--dtype", str(dtype).removeprefix("torch."), "-o", tmp_path / "cast")
     rep = assert_passes(src, tmp_path / "cast")
     assert rep["tolerance"]["row"] == str(dtype).removeprefix("torch.")
+    ref = next(b for b in rep["ffns"][0]["backends"] if b["backend"] == "reference")
+    if dtype != torch.float32:  # B's own rounded weights: the reference runs on them
+        assert ref["path"] == "ffn (float64)" and ref["max_abs"] > 0
+    else:  # a float32 -> float32 "cast" copies the bits: A's output is B's
+        assert ref["path"] == SAME_AS_A and ref["max_abs"] == 0
     gemma = model_dir("gemma", dtype)
     rep = assert_passes(gemma, gemma)
     assert "GeGLU (gelu_pytorch_tanh)" in rep["a"]["activation"]
