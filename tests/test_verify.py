@@ -155,6 +155,13 @@ def test_cast_and_geglu_pass(model_dir, tmp_path, dtype):
     assert "GeGLU (gelu_pytorch_tanh)" in rep["a"]["activation"]
 
 
+def test_sharded_and_pickled_copies_pass(model_dir):
+    src = model_dir("llama-bias", torch.bfloat16)
+    assert_passes(src, model_dir("llama-bias", torch.bfloat16, max_shard_size="100KB"))
+    rep = assert_passes(model_dir("llama-bias", torch.bfloat16, safe_serialization=False), src)
+    assert rep["a"]["format"] == "pickle" and {f["exact"] for f in rep["ffns"]} == {"identical"}
+
+
 @needs_mlx
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("quant", [None, ("4", "32"), ("8", "64")], ids=["plain", "q4g32", "q8g64"])
