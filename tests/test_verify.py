@@ -429,3 +429,15 @@ def test_tolerance_rows_and_metrics():
     m = compare("x", "", torch.tensor([1.0, -2.0, 3.1, 0.0]), ref, tol)
     assert not m.passed and m.max_abs == pytest.approx(0.1, rel=1e-5)
     assert not compare("x", "", torch.tensor([1.0, float("inf"), 3.0, 0.0]), ref, tol).passed
+
+
+def test_cli_constants_match_the_library_and_help_shows_the_table():
+    """verify_cli repeats two constants so that `ffn-tools --help` does not import torch."""
+    import kernels
+    from ffn_tools import verify as lib
+    from ffn_tools import verify_cli
+
+    assert verify_cli.BACKEND_NAMES == ", ".join(kernels.BACKENDS)
+    assert verify_cli.DEFAULT_TOKENS == lib.DEFAULT_TOKENS
+    out = CliRunner().invoke(cli, ["verify", "--help"]).output
+    assert "bfloat16" in out and "4-bit" in out and "Exit status: 0 all pass, 1 something differs" in out
