@@ -17,9 +17,23 @@ import torch
 BIN = Path(sys.executable).parent / "ffn-tools"
 
 
-def run(*args: str) -> None:
+def run(*args: str, expect: int = 0) -> None:
     print(f"\n$ ffn-tools {' '.join(args)}", flush=True)
-    subprocess.run([str(BIN), *args], check=True)
+    code = subprocess.run([str(BIN), *args]).returncode
+    if code != expect:
+        raise SystemExit(f"demo: expected exit status {expect}, got {code}")
+
+
+def swap_gate_up(src: Path, dst: Path) -> None:
+    """A broken copy of a split checkpoint: every layer's gate_proj and up_proj trade names."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    t = load_file(src / "model.safetensors")
+    for name in [n for n in t if n.endswith("mlp.gate_proj.weight")]:
+        up = name.replace("gate_proj", "up_proj")
+        t[name], t[up] = t[up], t[name]
+    save_file(t, dst / "model.safetensors", metadata={"format": "pt"})
 
 
 def main() -> None:
@@ -38,7 +52,15 @@ def main() -> None:
         run("split-gateup", str(work / "phi3"), "-o", str(work / "phi3-split"))
         run("fuse-gateup", str(work / "phi3-split"), "-o", str(work / "phi3-fused"))
         run("extract", str(work / "phi3"), "-o", str(work / "phi3-ffn"), "--layers", "1")
-        run("inspect", str(work / "phi3-split"), "--json")
+        run("convert", str(work / "phi3"), "--to", "mlx", "-o", str(work / "phi3-mlx-q4"), "--quantize", "4",
+            "--group-size", "32")
+        run("convert", str(work / "phi3-split"), "--to", "flax", "-o", str(work / "phi3-flax"))
+        run("verify", str(work / "phi3"), str(work / "phi3-split"))
+        run("verify", str(work / "phi3"), str(work / "phi3-mlx-q4"), "--backend", "reference", "--backend", "mlx")
+        run("verify", str(work / "phi3"), str(work / "phi3-flax"), "--backend", "reference", "--backend", "jax")
+        print("\nNow a conversion that silently swaps gate and up: it loads, but verify catches it.")
+        swap_gate_up(work / "phi3-split", work / "phi3-swapped")
+        run("verify", str(work / "phi3"), str(work / "phi3-swapped"), "--backend", "reference", expect=1)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
