@@ -28,6 +28,7 @@ from ffn_tools.store import Checkpoint
 from . import flax_tree as tree
 from .flax_reader import INDEX_NAME, WEIGHTS_NAME, FlaxCheckpoint
 from .flax_writer import OutLeaf, nest, shard_cost, write_tree
+from .pytorch import unquantized_config
 
 if TYPE_CHECKING:
     import torch
@@ -184,15 +185,9 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     changes = []
     if layout == "hf":
         leaves = _hf_leaves(ckpt, target)
-        config = dict(ckpt.config) if ckpt.config is not None else None
         changes.append("layout hf: 2-D weights stored as kernel = W.T (in, out), embeddings as embedding")
-        if config is not None:
-            config.pop("quantization", None)
-            config.pop("quantization_config", None)
-            if target is not None:
-                config["dtype"] = short_name(target)
-                config.pop("torch_dtype", None)
-                changes.append(f"config.json: dtype set to {short_name(target)}")
+        config, more = unquantized_config(ckpt.config, target)
+        changes += more
     else:
         leaves, config = _linen_leaves(ckpt, target)
         changes.append(f"layout linen: {config['ffn_tools_manifest']['ffns']} FFNs as "

@@ -35,6 +35,20 @@ def cast_entry(ckpt: Checkpoint, name: str, dtype) -> Entry:
                  f"cast {short_name(info.dtype)} -> {short_name(dtype)}")
 
 
+def unquantized_config(config: dict | None, target) -> tuple[dict | None, list[str]]:
+    """A copy of ``config`` for unquantized weights in dtype ``target`` (None: unchanged), and what changed."""
+    if config is None:
+        return None, []
+    config, changes = dict(config), []
+    config.pop("quantization", None)
+    config.pop("quantization_config", None)
+    if target is not None:
+        config["dtype"] = short_name(target)
+        config.pop("torch_dtype", None)
+        changes.append(f"config.json: dtype set to {short_name(target)}")
+    return config, changes
+
+
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
            max_shard_size: int | None = None) -> dict:
     """Write ``ckpt`` as Hugging Face PyTorch safetensors in directory ``out``.
@@ -43,15 +57,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         Summary: output path, files, tensor count, bytes, dtype.
     """
     target = parse_user_dtype(dtype) if dtype else None
-    config = dict(ckpt.config) if ckpt.config is not None else None
-    changes = []
-    if config is not None:
-        config.pop("quantization", None)
-        config.pop("quantization_config", None)
-        if target is not None:
-            config["dtype"] = short_name(target)
-            config.pop("torch_dtype", None)
-            changes.append(f"config.json: dtype set to {short_name(target)}")
+    config, changes = unquantized_config(ckpt.config, target)
     plan = Plan(ckpt, [cast_entry(ckpt, n, target) for n in ckpt], config, changes)
     files = execute(plan, out, force=force, max_shard_size=max_shard_size, metadata={"format": "pt"},
                     desc="converting to torch")
