@@ -37,8 +37,9 @@ def inspect_checkpoint(ckpt: Checkpoint, scheme: Scheme | None = None, layout: G
             "layers": len({f.ref.layer for f in fs}),
             "d_ffn": sorted({f.d_ffn for f in fs}),
             "forms": dict(forms),
-            "layout": "separate" if not layouts else "fused (" + "; ".join(layouts) + ")"
-                      + (" and separate" if forms.get("separate") else ""),
+            "layout": ("stacked experts, " if forms.get("stacked") or forms.get("stacked-separate") else "")
+                      + ("separate" if not layouts else "fused (" + "; ".join(layouts) + ")"
+                         + (" and separate" if forms.get("separate") else "")),
             "bias": any(f.has_bias for f in fs),
             "tensors": len(tensors),
         }
