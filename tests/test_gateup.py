@@ -230,3 +230,19 @@ def test_pickle_input_is_split_too(model_dir, tmp_path):
     run_cli("fuse-gateup", src, "-o", tmp_path / "fused")
     with open_checkpoint(tmp_path / "fused") as c:
         assert c.format == "safetensors" and "model.layers.0.mlp.gate_up_proj.weight" in c
+
+
+def test_split_never_imports_torch(model_dir, tmp_path):
+    """Importing torch costs over a second, more than copying a gigabyte: the byte-moving path avoids it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from click.testing import CliRunner; from ffn_tools.cli import cli; "
+            f"r = CliRunner().invoke(cli, ['split-gateup', {str(model_dir('phi3'))!r}, '-o', {str(tmp_path / 'o')!r}]); "
+            "assert r.exit_code == 0, r.output; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+    split = tensors(tmp_path / "o")
+    fused = tensors(model_dir("phi3"))["model.layers.1.mlp.gate_up_proj.weight"]
+    assert torch.equal(split["model.layers.1.mlp.up_proj.weight"], fused[96:])
