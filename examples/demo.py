@@ -42,7 +42,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="ffn-tools-demo-"))
     try:
         config = Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+                            num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
+                            pad_token_id=0)
         torch.manual_seed(0)
         Phi3ForCausalLM(config).to(torch.bfloat16).save_pretrained(work / "phi3")
         print(f"built a tiny bf16 Phi-3 in {work / 'phi3'} with transformers")
