@@ -149,7 +149,8 @@ def _select(ffns: FFNSet, layers: set[int] | None, experts: set[int] | None) -> 
 def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT_TOKENS, seed: int = 0,
            layers: str | None = None, experts: str | None = None, atol: float | None = None,
            rtol: float | None = None, exact: bool | None = None, logits: bool = False,
-           scheme: Scheme | None = None, layout: GateUpLayout | None = None) -> VerifyReport:
+           scheme: Scheme | None = None, layout: GateUpLayout | None = None,
+           b_layout: GateUpLayout | None = None) -> VerifyReport:
     """Verify that checkpoint ``b`` holds the same FFNs as checkpoint ``a``.
 
     Args:
@@ -164,13 +165,16 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
         logits: also compare whole-model logits through transformers / mlx_lm.
         scheme, layout: naming scheme and fused gate/up layout, for both checkpoints (detected / the
             scheme's by default).
+        b_layout: B's fused gate/up layout, when it differs from A's: then ``layout`` applies to A only
+            (None: B's is ``layout`` too).
 
     Returns:
         The report; ``report.passed`` is the verdict.
 
     Raises:
         FFNToolsError: unreadable checkpoints, no FFNs, an unknown or unavailable backend, an empty
-            selection, an activation the kernels do not have, --logits on a checkpoint without a client.
+            selection or one naming layers or experts neither checkpoint has, an activation the kernels
+            do not have, --logits on a checkpoint without a client.
     """
     if tokens < 1:
         raise FFNToolsError(f"--tokens {tokens}: need at least 1 token")
@@ -191,7 +195,7 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
             from .verify_logits import client_for
 
             clients = (client_for(ca, "A"), client_for(cb, "B"))
-        (fa, pa), (fb, pb) = _find(ca, "A", scheme, layout), _find(cb, "B", scheme, layout)
+        (fa, pa), (fb, pb) = _find(ca, "A", scheme, layout), _find(cb, "B", scheme, b_layout or layout)
         report = VerifyReport(_side(ca, fa), _side(cb, fb), list(mods), skipped, tokens, seed, None)
         report.problems += [p for p in (pa, pb) if p]
         if fa and fb:
@@ -204,6 +208,40 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
     return report
 
 
+def _spans(ids) -> str:
+    """``{0, 1, 2, 5}`` as ``0-2,5``."""
+    out, ids = [], sorted(ids)
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _check_selection(fa: FFNSet, fb: FFNSet, sel_layers: set[int] | None, sel_experts: set[int] | None) -> None:
+    """Refuse layers or experts asked for that neither checkpoint has (a typo would otherwise pass quietly,
+    checking less than was asked).
+
+    Raises:
+        FFNToolsError: naming the missing ones and what A and B do have.
+    """
+    refs = [f.ref for f in (*fa.ffns, *fb.ffns)]
+    problems = []
+    for option, sel, have, what in (
+            ("--layers", sel_layers, {r.layer for r in refs}, "layer"),
+            ("--experts", sel_experts, {r.expert for r in refs if r.kind == "expert"}, "expert")):
+        missing = sel - have if sel is not None else set()
+        if missing:
+            held = (f"they have {what}s {_spans(have)}" if have else f"they have no routed {what}s")
+            problems.append(f"{option} {_spans(sel)}: {what}{'s' * (len(missing) > 1)} {_spans(missing)} "
+                            f"in neither A nor B ({held})")
+    if problems:
+        raise FFNToolsError("; ".join(problems))
+
+
 def _check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, mods, sel_layers, sel_experts,
                  atol, rtol, exact, seed, tokens) -> None:
     for f, side in ((fa, "A"), (fb, "B")):
@@ -212,6 +250,7 @@ def _check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, mods, sel
                                 "(silu, gelu, gelu_tanh); verify cannot run it")
     if (fa.activation.kernel, fa.activation.unit) != (fb.activation.kernel, fb.activation.unit):
         report.problems.append(f"activation differs: A {fa.activation.describe()}, B {fb.activation.describe()}")
+    _check_selection(fa, fb, sel_layers, sel_experts)
     ra, rb = _select(fa, sel_layers, sel_experts), _select(fb, sel_layers, sel_experts)
     if not ra and not rb:
         raise FFNToolsError(f"--layers/--experts selects no FFN (A has layers {fa.ffns[0].ref.layer}-"

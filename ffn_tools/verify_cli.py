@@ -7,12 +7,14 @@ Only click and torch-free core modules are imported here; torch and the kernels 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 
 import click
 
 from .errors import FFNToolsError
+from .layouts import ARRANGEMENTS, ORDERS, GateUpLayout
 from .tolerances import HELP as TOLERANCE_HELP
 
 DEFAULT_TOKENS = 32  # = verify.DEFAULT_TOKENS (not imported: that module imports torch)
@@ -23,6 +25,29 @@ class VerifyTrouble(click.ClickException):
     """Verification could not run (unreadable input, no FFNs, a backend that cannot run): exit 2."""
 
     exit_code = 2
+
+
+def b_layout_options(f):
+    """--b-layout/--b-order/--b-tp: B's fused gate_up layout, resolved into ``b_layout`` (None: none given,
+    B's is A's). Checked like ``cli.layout_options``."""
+
+    @click.option("--b-layout", "b_arrangement", type=click.Choice(ARRANGEMENTS),
+                  help="B's fused gate_up layout, when it differs from A's (say A concat-fused like Phi-3, B "
+                       "interleaved): with any --b-* option --layout/--order/--tp apply to A only.")
+    @click.option("--b-order", type=click.Choice(ORDERS), help="B's order of gate and up. Default: gate-up.")
+    @click.option("--b-tp", type=click.IntRange(min=1), help="B's tensor-parallel degree for --b-layout tp.")
+    @functools.wraps(f)
+    def wrapper(*args, b_arrangement, b_order, b_tp, **kwargs):
+        b_layout = None
+        if b_arrangement or b_order or b_tp:
+            if b_tp and b_arrangement != "tp":
+                raise click.UsageError("--b-tp needs --b-layout tp")
+            if b_arrangement == "tp" and not b_tp:
+                raise click.UsageError("--b-layout tp needs --b-tp N (the number of ranks)")
+            b_layout = GateUpLayout(b_order or "gate-up", b_arrangement or "concat", b_tp or 1)
+        return f(*args, b_layout=b_layout, **kwargs)
+
+    return wrapper
 
 
 def _build():
@@ -51,7 +76,9 @@ def _build():
     @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
     @_cli.scheme_options
     @_cli.layout_options
-    def verify(a, b, backends, tokens, seed, layers, experts, atol, rtol, exact, logits, as_json, scheme, layout):
+    @b_layout_options
+    def verify(a, b, backends, tokens, seed, layers, experts, atol, rtol, exact, logits, as_json, scheme, layout,
+               b_layout):
         """Check that checkpoint B holds the same FFNs as checkpoint A.
 
         A and B are any checkpoints ffn-tools reads (PyTorch safetensors or pickles, split or fused, MLX plain
@@ -63,7 +90,9 @@ def _build():
 
         A passes when every element is within atol·rms + rtol·|reference| and the cosine similarity is high
         enough; the tolerances depend on the coarser dtype and on quantization (table below). --layout,
-        --order and --tp say how fused gate_up tensors are laid out, in both checkpoints.
+        --order and --tp say how fused gate_up tensors are laid out, in both checkpoints; when B's layout
+        differs from A's, give B's with --b-layout, --b-order and --b-tp (the plain options then apply to
+        A only). --layers and --experts naming layers or experts neither checkpoint has are refused.
 
         Prints a table, worst FFN first, and a verdict. Exit status: 0 all pass, 1 something differs,
         2 verification could not run (bad arguments, unreadable input, no FFNs, backend unavailable).
@@ -73,7 +102,7 @@ def _build():
         try:
             report = run(a, b, backends=list(backends) or None, tokens=tokens, seed=seed, layers=layers,
                          experts=experts, atol=atol, rtol=rtol, exact=exact, logits=logits, scheme=scheme,
-                         layout=layout)
+                         layout=layout, b_layout=b_layout)
         except FFNToolsError as e:
             raise VerifyTrouble(str(e)) from None
         if as_json:

@@ -78,8 +78,8 @@ def explain(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
         stored, read_as = fused_b
         for cand in _layouts(a["gate"].shape[0]):
             if cand != read_as and identical(fuse(a["gate"], a["up"], cand), stored):
-                flags = f"--layout {cand.arrangement}" + (f" --tp {cand.tp}" if cand.arrangement == "tp" else "") \
-                    + f" --order {cand.order}"
+                flags = f"--b-layout {cand.arrangement}" + (f" --b-tp {cand.tp}" if cand.arrangement == "tp" else "") \
+                    + f" --b-order {cand.order}"
                 hints.append(f"B's gate_up is stored as {cand.describe()} but was read as {read_as.describe()} "
                              f"(pass {flags} if that is how it was written)")
                 break

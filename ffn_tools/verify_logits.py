@@ -130,7 +130,7 @@ def compare_logits(a, b, clients: tuple[str, str], tol: Tolerance, seed: int = 0
                top1_agreement=float((la.argmax(-1) == lb.argmax(-1)).double().mean()))
     if not m.passed:
         problems.append(f"max abs difference {m.max_abs:.3g} ({m.ratio:.2f}x the tolerance), cosine {m.cosine:.7f} "
-                        f"(min {tol.min_cosine:g}); top-1 agreement {out['top1_agreement']:.1%}")
+                        f"(min {tol.min_cosine:.10g}); top-1 agreement {out['top1_agreement']:.1%}")
     out["passed"] = not problems
     for k in ("max_abs", "cosine", "ratio"):
         out[k] = None if not math.isfinite(out[k]) else out[k]

@@ -220,6 +220,37 @@ def test_concat_read_as_interleaved_and_the_reverse_fail(model_dir, tmp_path):
     assert_passes(tmp_path / "split", bad, "--layers", "0")
 
 
+def test_per_side_layouts_and_the_hint_naming_the_b_flags(model_dir, tmp_path):
+    """A concat-fused (Phi-3) against the same weights fused interleaved: --layout would misread A too;
+    --b-layout applies to B only, and the hint says so."""
+    phi3 = model_dir("phi3", torch.bfloat16)
+    run_cli("split-gateup", phi3, "-o", tmp_path / "split")
+    run_cli("fuse-gateup", tmp_path / "split", "-o", tmp_path / "inter", "--layout", "interleaved")
+    out = assert_fails(phi3, tmp_path / "inter", where="layer 0")
+    assert "stored as interleaved, gate-up but was read as concat, gate-up" in out
+    assert "pass --b-layout interleaved --b-order gate-up" in out and "pass --layout" not in out
+    rep = assert_passes(phi3, tmp_path / "inter", "--b-layout", "interleaved")
+    assert {f["exact"] for f in rep["ffns"]} == {"identical"}
+    path = {b["backend"]: b["path"] for b in rep["ffns"][0]["backends"]}.get("triton")
+    assert path in (None, "fused interleaved, gate-up")
+    assert_fails(phi3, tmp_path / "inter", "--layout", "interleaved", where="layer 0")  # both sides: A misread
+    # the plain options apply to A only once a --b-* option is given
+    assert_passes(tmp_path / "inter", phi3, "--layout", "interleaved", "--b-layout", "concat")
+    assert_passes(tmp_path / "inter", tmp_path / "inter", "--layout", "interleaved")  # both sides, as before
+    r = CliRunner().invoke(cli, ["verify", str(phi3), str(tmp_path / "inter"), "--b-tp", "2"])
+    assert r.exit_code == 2 and "--b-tp needs --b-layout tp" in r.output
+
+
+def test_selections_naming_what_neither_side_has_exit_2(model_dir):
+    qwen = model_dir("qwen2_moe", torch.bfloat16)  # 2 layers, 4 experts and a shared expert each
+    for args, message in ((["--experts", "9"], "--experts 9: expert 9 in neither A nor B (they have experts 0-3)"),
+                          (["--experts", "2-6"], "experts 4-6 in neither A nor B"),
+                          (["--layers", "0-5"], "--layers 0-5: layers 2-5 in neither A nor B (they have layers 0-1)")):
+        r = CliRunner().invoke(cli, ["verify", str(qwen), str(qwen), "--tokens", "2", *args])
+        assert r.exit_code == 2 and message in r.output and "PASS" not in r.output, r.output
+    assert verify(qwen, qwen, "--experts", "3", "--layers", "1")[0] == 0
+
+
 def test_down_transposed_fails_square_and_not(model_dir, square_llama, tmp_path):
     def transpose(sd):
         sd[L1 + "down_proj.weight"] = sd[L1 + "down_proj.weight"].T.contiguous()
@@ -315,6 +346,19 @@ def test_activation_mismatch_fails(model_dir, tmp_path):
     assert "layer 0" in out and "layer 1" in out  # and the outputs differ too
 
 
+def test_activation_mismatch_fails_on_the_reference_backend_alone(model_dir, tmp_path):
+    """Bit-identical weights, other activation: B's float64 output is computed with B's activation, not
+    taken over from A's (which would show every FFN as 0.0 ok)."""
+    src = model_dir("gemma", torch.float32)
+    bad = plant(src, tmp_path / "silu", config=lambda c: c.update(hidden_act="silu", hidden_activation="silu"))
+    code, rep = verify_json(src, bad, "--backend", "reference")
+    assert code == 1 and rep["ffns"]
+    for f in rep["ffns"]:
+        assert f["exact"] == "identical" and not f["passed"], f
+        (ref,) = f["backends"]
+        assert ref["path"] != SAME_AS_A and not ref["passed"] and ref["max_abs"] > 0, ref
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -332,7 +376,8 @@ def test_different_models_say_which_shapes_differ(model_dir, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--backend", "cuda"], "unknown backend 'cuda'"),
     (["--backend", "metal"], "backend 'metal' is not available here: "),
-    (["--layers", "7"], "selects no FFN"),
+    (["--layers", "7"], "--layers 7: layer 7 in neither A nor B (they have layers 0-1)"),
+    (["--experts", "0"], "--experts 0: expert 0 in neither A nor B (they have no routed experts)"),
     (["--layers", "x"], "cannot read selection"),
     (["--logits", "ffn"], "--logits: B"),
     (["no-ffns"], "B: no FFN tensors found"),
