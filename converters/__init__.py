@@ -23,6 +23,8 @@ from ffn_tools.errors import FFNToolsError
 
 FORMATS = ("torch", "mlx", "flax")
 _MODULES = {"torch": "converters.pytorch", "mlx": "converters.mlx", "flax": "converters.flax"}
+# Options whose command-line flags are not simply --the-name.
+_FLAGS = {"scheme": "--scheme/--scheme-file/--gate/--up/--down", "layout": "--layout/--order/--tp"}
 # Order in which formats are tried when reading: the specific ones before plain PyTorch.
 _READ_ORDER = ("mlx", "flax", "torch")
 
@@ -82,7 +84,7 @@ def convert(path: str | Path, to: str, out: str | Path, *, dtype: str | None = N
     given = {k: v for k, v in options.items() if v is not None}
     wrong = sorted(set(given) - set(mod.OPTIONS))
     if wrong:
-        flags = ", ".join("--" + w.replace("_", "-") for w in wrong)
+        flags = ", ".join(_FLAGS.get(w, "--" + w.replace("_", "-")) for w in wrong)
         raise FFNToolsError(f"{flags} does not apply to --to {to}")
     with open_any(path) as ckpt:
         return mod.export(ckpt, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, **given)

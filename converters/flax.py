@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     import torch
 
 FORMAT = "flax"
-OPTIONS: frozenset[str] = frozenset({"flax_layout"})
+OPTIONS: frozenset[str] = frozenset({"flax_layout", "scheme", "layout"})
 LAYOUTS = ("hf", "linen")
 # A directory holding any of these is a PyTorch checkpoint (even with a flax_model.msgpack beside it).
 TORCH_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -104,8 +104,9 @@ class _FFNReader:
         return self.weights
 
 
-def _linen_leaves(ckpt: Checkpoint, dtype: torch.dtype | None) -> tuple[list[OutLeaf], dict]:
-    ffns = find_ffns(ckpt)
+def _linen_leaves(ckpt: Checkpoint, dtype: torch.dtype | None, scheme=None,
+                  layout=None) -> tuple[list[OutLeaf], dict]:
+    ffns = find_ffns(ckpt, scheme, layout)
     mixed = []
     for f in ffns.ffns:
         kinds = {n: ckpt.info(n).st_dtype for n in f.names.values()}
@@ -162,13 +163,15 @@ def _shards(leaves: list[OutLeaf], max_shard_size: int | None) -> list[list[OutL
 
 
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
-           max_shard_size: int | None = None, flax_layout: str | None = None) -> dict:
+           max_shard_size: int | None = None, flax_layout: str | None = None, scheme=None, layout=None) -> dict:
     """Write ``ckpt`` as a Flax msgpack tree: a directory (``flax_model.msgpack`` or shards + index, plus
     config.json and, for ``hf``, the tokenizer and generation files), or one ``.msgpack`` file.
 
     Args:
         flax_layout: "hf" (default: the whole model as Hugging Face Flax models named it) or "linen"
             (the FFNs only, one ``nn.Dense`` gate/up/down module tree each).
+        scheme, layout: for "linen", the FFN naming scheme and the layout of fused gate_up tensors
+            (detected / the scheme's when None), as ``find_ffns`` takes them.
 
     Returns:
         Summary: output, format, layout, files, tensors, bytes, changes.
@@ -177,19 +180,19 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         FFNToolsError: unknown layout, a name the layout cannot hold, mixed FFN dtypes (linen, without
             ``dtype``), no FFN found (linen), or the output exists.
     """
-    layout = flax_layout or "hf"
-    if layout not in LAYOUTS:
-        raise FFNToolsError(f"unknown Flax layout {layout!r}; use one of {', '.join(LAYOUTS)}")
+    tree_layout = flax_layout or "hf"
+    if tree_layout not in LAYOUTS:
+        raise FFNToolsError(f"unknown Flax layout {tree_layout!r}; use one of {', '.join(LAYOUTS)}")
     out = Path(out)
     target = parse_user_dtype(dtype) if dtype else None
     changes = []
-    if layout == "hf":
+    if tree_layout == "hf":
         leaves = _hf_leaves(ckpt, target)
         changes.append("layout hf: 2-D weights stored as kernel = W.T (in, out), embeddings as embedding")
         config, more = unquantized_config(ckpt.config, target)
         changes += more
     else:
-        leaves, config = _linen_leaves(ckpt, target)
+        leaves, config = _linen_leaves(ckpt, target, scheme, layout)
         changes.append(f"layout linen: {config['ffn_tools_manifest']['ffns']} FFNs as "
                        "params/layers_{L}[_experts_{E}|_shared_expert]/{gate,up,down}; other tensors not written")
     if target is not None:
@@ -202,7 +205,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     files = [WEIGHTS_NAME] if len(shards) == 1 else [
         WEIGHTS_NAME.replace(".msgpack", f"-{k:05d}-of-{len(shards):05d}.msgpack") for k in range(1, len(shards) + 1)]
     total = sum(leaf.nbytes for leaf in leaves)
-    progress = Progress(total, f"converting to flax ({layout})")
+    progress = Progress(total, f"converting to flax ({tree_layout})")
     try:
         with atomic_output(out, inputs=[ckpt.path, *ckpt.files], force=force) as tmp:
             if single:
@@ -216,12 +219,12 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
                     weight_map = {"/".join(leaf.path): name for name, shard in zip(files, shards) for leaf in shard}
                     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
                     (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-                for p in side_files(ckpt) if layout == "hf" else []:
+                for p in side_files(ckpt) if tree_layout == "hf" else []:
                     if p.name != "config.json":
                         shutil.copy2(p, tmp / p.name)
                 if config is not None:
                     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     finally:
         progress.close()
-    return {"output": str(out), "format": FORMAT, "layout": layout, "files": files, "tensors": len(leaves),
+    return {"output": str(out), "format": FORMAT, "layout": tree_layout, "files": files, "tensors": len(leaves),
             "bytes": total, "changes": changes}

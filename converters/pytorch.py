@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ffn_tools.dtypes import parse_user_dtype, short_name
+from ffn_tools.errors import FFNToolsError
 from ffn_tools.plan import Entry, Plan, copy_entry, execute
 from ffn_tools.store import Checkpoint, open_checkpoint
 
@@ -56,6 +57,9 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     Returns:
         Summary: output path, files, tensor count, bytes, dtype.
     """
+    if Path(out).suffix == ".safetensors":
+        raise FFNToolsError(f"{out}: convert writes a directory (config.json and tokenizer files travel with the "
+                            "weights); give a directory path")
     target = parse_user_dtype(dtype) if dtype else None
     config, changes = unquantized_config(ckpt.config, target)
     plan = Plan(ckpt, [cast_entry(ckpt, n, target) for n in ckpt], config, changes)

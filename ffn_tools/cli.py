@@ -27,6 +27,9 @@ class Group(click.Group):
             return super().invoke(ctx)
         except FFNToolsError as e:
             raise click.ClickException(str(e)) from None
+        except OSError as e:  # a path the OS refuses (a file where a folder must be, no permission, disk full)
+            where = f"{e.filename}: " if e.filename else ""
+            raise click.ClickException(f"{where}{e.strerror or e}") from None
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -219,18 +222,21 @@ _gateup_command("fuse-gateup", _fuse, """Fuse gate_proj and up_proj into one gat
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 @size_option
-def convert(path, to, out, dtype, quantize, group_size, flax_layout, force, as_json, max_shard_size):
+@scheme_options
+@layout_options
+def convert(path, to, out, dtype, quantize, group_size, flax_layout, force, as_json, max_shard_size, scheme, layout):
     """Convert the checkpoint at PATH to PyTorch safetensors, MLX or Flax msgpack.
 
     The input may be any format ffn-tools reads. MLX output loads with mlx_lm.load; Flax output is
     flax_model.msgpack (sharded with an index beyond --max-shard-size). Unquantized conversions are
-    lossless: converting back reproduces every bit.
+    lossless: converting back reproduces every bit. The scheme and layout options say where the FFNs
+    are for --flax-layout linen, which writes only the FFNs.
     """
     from converters import convert as run
 
     r = run(path, to, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size,
             quantize=int(quantize) if quantize else None, group_size=int(group_size) if group_size else None,
-            flax_layout=flax_layout)
+            flax_layout=flax_layout, scheme=scheme, layout=layout)
     emit(r, as_json, [f"wrote {r['output']} ({to})", *r.get("changes", [])])
 
 

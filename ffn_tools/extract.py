@@ -90,9 +90,9 @@ def extract(ckpt, out: Path, *, layers: str | None = None, experts: str | None =
     }
     config = {"hidden_act": ffns.activation.config_name, "ffn_tools_manifest": manifest}
     plan = Plan(ckpt, entries, None if out.suffix == ".safetensors" else config)
-    metadata = {"format": "pt", "ffn_tools": "extract"}
+    metadata = {"format": "pt", "ffn_tools": "extract", "hidden_act": ffns.activation.config_name}
     if out.suffix == ".safetensors":
-        execute(plan, out, force=force, metadata=metadata, desc="extracting")
+        execute(plan, out, force=force, max_shard_size=max_shard_size, metadata=metadata, desc="extracting")
         Path(str(out)[: -len(".safetensors")] + ".json").write_text(json.dumps(manifest, indent=2) + "\n")
     else:
         _execute_dir(plan, out, force, max_shard_size, metadata, manifest)

@@ -26,6 +26,9 @@ ACTIVATIONS: dict[str, tuple[str, str]] = {
     "gelu_python": ("GeGLU", "gelu"),
 }
 ASSUMED_ACTIVATION = "silu"
+# (model_type, hidden_act) -> what transformers actually runs: Gemma's released configs carry a legacy
+# "gelu" that GemmaConfig replaces by the tanh approximation.
+LEGACY_ACTIVATION = {("gemma", "gelu"): "gelu_pytorch_tanh"}
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,8 @@ def activation_from_config(config: dict | None) -> Activation:
     """
     name = None
     if config:
-        name = config.get("hidden_act") or config.get("hidden_activation")
+        name = config.get("hidden_activation") or config.get("hidden_act")
+        name = LEGACY_ACTIVATION.get((config.get("model_type"), name), name)
     if not name:
         return Activation(ASSUMED_ACTIVATION, *ACTIVATIONS[ASSUMED_ACTIVATION], assumed=True)
     unit, kernel = ACTIVATIONS.get(name, ("unknown", name))

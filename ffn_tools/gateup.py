@@ -12,11 +12,11 @@ from pathlib import Path
 
 from .detect import FFNSet, find_ffns
 from .dtypes import itemsize
-from .errors import FFNToolsError, LayoutError, NothingToDoError
+from .errors import LayoutError, NothingToDoError
 from .ffn import FFN
 from .layouts import GateUpLayout, fuse, split
 from .output import check_output
-from .plan import Entry, Plan, copy_entry, execute
+from .plan import Entry, Plan, check_shardable, copy_entry, execute
 from .registry import Form, Scheme, bias_name
 from .store import open_checkpoint
 
@@ -243,7 +243,7 @@ def _assemble(ckpt, ffns: FFNSet, replaced: dict[str, list[Entry]], command: str
     summary = {"command": command, "input": str(ckpt.path), "scheme": ffns.scheme.name, "layout": layout.describe(),
                "ffns_changed": changed, "ffns_total": len(ffns.ffns), "tensors_in": len(ckpt),
                "tensors_out": len(entries), "bytes": sum(e.nbytes for e in entries)}
-    changes = ["config.json: carried over unchanged (no config key records the gate/up layout)"]
+    changes = ["config.json: carried over unchanged (no config key records the gate/up layout)"] if ckpt.config else []
     return Plan(ckpt, entries, ckpt.config, changes, summary)
 
 
@@ -266,8 +266,7 @@ def _run(command: str, plan_fn, path, out, *, scheme, layout, dry_run, force, ma
     with open_checkpoint(path) as ckpt:
         plan = plan_fn(ckpt, find_ffns(ckpt, scheme, layout), **kw)
         out = Path(out) if out else default_output(path, "split" if command == "split-gateup" else "fused")
-        if out.suffix == ".safetensors" and max_shard_size:
-            raise FFNToolsError(f"{out}: --max-shard-size needs a directory output, not a .safetensors file")
+        check_shardable(out, max_shard_size)
         summary = dict(plan.summary, output=str(out), dry_run=dry_run, changes=plan.changes,
                        plan=plan.describe() if dry_run else None)
         if dry_run:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .dtypes import as_st, itemsize, short_name
+from .errors import FFNToolsError
 from .output import atomic_output
 from .progress import Progress
 from .sizes import human
@@ -128,6 +129,16 @@ def side_files(ckpt: Checkpoint) -> list[Path]:
     return [ckpt.root / n for n in KNOWN_SIDE_FILES if (ckpt.root / n).is_file()]
 
 
+def check_shardable(out: Path, max_shard_size: int | None) -> None:
+    """Refuse --max-shard-size for a single-file output.
+
+    Raises:
+        FFNToolsError: naming the path and the fix.
+    """
+    if out.suffix == ".safetensors" and max_shard_size:
+        raise FFNToolsError(f"{out}: --max-shard-size needs a directory output, not a .safetensors file")
+
+
 def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int | None = None,
             metadata: dict | None = None, desc: str = "writing", carry: bool = True,
             extra_files: dict[str, str] | None = None) -> list[str]:
@@ -144,6 +155,7 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
         OutputExistsError: ``out`` exists without ``force``, or overlaps the input.
     """
     ckpt = plan.source
+    check_shardable(out, max_shard_size)
     meta = dict(ckpt.metadata if metadata is None else metadata)
     meta.setdefault("format", "pt")
     cache: dict = {}

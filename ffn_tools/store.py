@@ -83,6 +83,8 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
         self._infos = infos
         self.metadata = dict(metadata or {})
         self.config = config if config is not None else read_config(root)
+        if self.config is None and "hidden_act" in self.metadata:  # a single-file extract output
+            self.config = {"hidden_act": self.metadata["hidden_act"]}
 
     def info(self, name: str) -> TensorInfo:
         """Shape, dtype and location of a tensor, without reading it."""

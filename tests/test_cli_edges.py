@@ -1,0 +1,67 @@
+"""Edges of the command line a demanding user hits: options that do not apply, odd output paths,
+activations recorded where there is no config, and FFN options for the linen export."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from helpers import run_cli, tensors
+from safetensors.torch import save_file
+
+from ffn_tools.ffn import activation_from_config
+
+
+def test_linen_export_reads_the_layout_it_is_told(model_dir, tmp_path):
+    run_cli("split-gateup", model_dir("phi3"), "-o", tmp_path / "split")
+    run_cli("fuse-gateup", tmp_path / "split", "-o", tmp_path / "il", "--layout", "interleaved")
+    run_cli("convert", tmp_path / "il", "--to", "flax", "--flax-layout", "linen", "-o", tmp_path / "linen",
+            "--layout", "interleaved")
+    run_cli("convert", tmp_path / "linen", "--to", "torch", "-o", tmp_path / "back")
+    back, split = tensors(tmp_path / "back"), tensors(tmp_path / "split")
+    assert torch.equal(back["layers.1.gate.weight"], split["model.layers.1.mlp.gate_proj.weight"])
+    assert torch.equal(back["layers.1.up.weight"], split["model.layers.1.mlp.up_proj.weight"])
+
+
+def test_linen_export_with_custom_templates(tmp_path):
+    t = {f"blocks.{i}.ffn.{w}.weight": torch.randn(*s) for i in range(2)
+         for w, s in (("W_gate", (24, 8)), ("W_up", (24, 8)), ("W_down", (8, 24)))}
+    save_file(t, tmp_path / "apex.safetensors")
+    args = ["--gate", "blocks.{layer}.ffn.W_gate.weight", "--up", "blocks.{layer}.ffn.W_up.weight",
+            "--down", "blocks.{layer}.ffn.W_down.weight"]
+    run_cli("convert", tmp_path / "apex.safetensors", "--to", "flax", "--flax-layout", "linen", "-o", tmp_path / "l", *args)
+    run_cli("convert", tmp_path / "l", "--to", "torch", "-o", tmp_path / "back")
+    assert torch.equal(tensors(tmp_path / "back")["layers.1.up.weight"], t["blocks.1.ffn.W_up.weight"])
+
+
+def test_options_that_do_not_apply_are_refused(model_dir, tmp_path):
+    r = run_cli("convert", model_dir("llama"), "--to", "torch", "-o", tmp_path / "x", "--layout", "interleaved", ok=False)
+    assert "--layout/--order/--tp does not apply to --to torch" in r.output
+    r = run_cli("convert", model_dir("llama"), "--to", "torch", "-o", tmp_path / "x.safetensors", ok=False)
+    assert "convert writes a directory" in r.output
+    r = run_cli("extract", model_dir("llama"), "-o", tmp_path / "e.safetensors", "--max-shard-size", "10KB", ok=False)
+    assert "--max-shard-size needs a directory output" in r.output
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_output_path_the_os_refuses_is_one_line(model_dir, tmp_path):
+    (tmp_path / "afile").write_text("not a folder")
+    for args in (["convert", model_dir("llama"), "--to", "torch"], ["split-gateup", model_dir("phi3")]):
+        r = run_cli(*args, "-o", tmp_path / "afile" / "out", ok=False)
+        assert "afile" in r.output
+    assert (tmp_path / "afile").read_text() == "not a folder"
+
+
+def test_single_file_extract_keeps_its_activation(model_dir, tmp_path):
+    run_cli("extract", model_dir("gemma"), "-o", tmp_path / "g.safetensors")
+    s = json.loads(run_cli("inspect", tmp_path / "g.safetensors", "--json").output)
+    assert s["gated_unit"] == "GeGLU" and "gelu_pytorch_tanh" in s["activation"]
+    r = run_cli("verify", model_dir("gemma"), tmp_path / "g.safetensors", "--backend", "reference")
+    assert "PASS" in r.output
+
+
+def test_gemma_legacy_gelu_is_the_tanh_approximation():
+    assert activation_from_config({"model_type": "gemma", "hidden_act": "gelu"}).kernel == "gelu_tanh"
+    assert activation_from_config({"model_type": "llama", "hidden_act": "gelu"}).kernel == "gelu"
+    assert activation_from_config({"model_type": "gemma2", "hidden_act": "gelu",
+                                   "hidden_activation": "gelu_pytorch_tanh"}).kernel == "gelu_tanh"
