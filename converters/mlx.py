@@ -25,7 +25,8 @@ from ffn_tools.plan import Entry, Plan, copy_entry, execute
 from ffn_tools.store import Checkpoint, open_checkpoint
 from ffn_tools.writer import OutTensor, plan_shards
 
-from .mlx_arch import DROPPED, Arch, arch_for, head_is_tied, legacy_config, quantize_override, wrong_form
+from .mlx_arch import (ADDED_KEYS, DROPPED, TIE_KEY, Arch, added_tie_key, arch_for, head_is_tied, legacy_config,
+                       quantize_override, wrong_form)
 
 FORMAT = "mlx"
 OPTIONS: frozenset[str] = frozenset({"quantize", "group_size"})
@@ -246,6 +247,13 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
             changes.append(f"cast floating tensors to {legacy} (config.json torch_dtype), as mlx_lm.convert does")
     if msg := wrong_form(arch, ckpt):
         raise FFNToolsError(f"{ckpt.path}: {msg}")
+    metadata = METADATA
+    if (tie := added_tie_key(arch, config, "lm_head.weight" in ckpt)) is not None:
+        config[TIE_KEY] = tie
+        metadata = {**METADATA, ADDED_KEYS: TIE_KEY}
+        changes.append(f"config.json: added {TIE_KEY} {str(tie).lower()} (the source has no such key; that is "
+                       f"transformers' choice for {model_type}, and mlx-lm's default would differ); reading the "
+                       "MLX model back drops it again")
     entries, qblock, left, jobs = [], {}, [], []
     for name, srcs in _outputs(ckpt, arch, config, changes):
         entries += _plan_tensor(ckpt, arch, name, srcs, target, bits, group_size, qblock, left, jobs)
@@ -266,7 +274,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     shard = max_shard_size or MAX_SHARD_SIZE
     items = [OutTensor(e.name, e.st_dtype, tuple(e.shape), e.nbytes, None) for e in entries]
     extra = {"config.json": mlx_config(ckpt, config, quantization)}
-    if len(plan_shards(items, shard, METADATA)) == 1:  # mlx-lm writes an index even for one shard
+    if len(plan_shards(items, shard, metadata)) == 1:  # mlx-lm writes an index even for one shard
         index = {"metadata": {"total_size": plan.total_bytes},
                  "weight_map": {e.name: "model.safetensors" for e in sorted(entries, key=lambda e: e.name)}}
         extra["model.safetensors.index.json"] = json.dumps(index, indent=4)
@@ -276,7 +284,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
 
         pool = start_pool(jobs)
     try:
-        files = execute(plan, out, force=force, max_shard_size=shard, metadata=METADATA, desc="converting to mlx",
+        files = execute(plan, out, force=force, max_shard_size=shard, metadata=metadata, desc="converting to mlx",
                         extra_files=extra)
     finally:
         if pool is not None:

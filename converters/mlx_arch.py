@@ -2,7 +2,8 @@
 
 mlx-lm loads Hugging Face names almost unchanged; what each model's ``sanitize`` changes is listed here:
 routed experts stacked into ``switch_mlp`` tensors (E, out, in), rotary ``inv_freq`` buffers dropped, and
-``lm_head`` dropped when the model ties it to ``embed_tokens``. ``quantize_overrides`` mirrors a model's
+``lm_head`` dropped when the model ties it to ``embed_tokens`` (decided as transformers decides, see
+``head_is_tied``, not by mlx-lm's ``ModelArgs`` defaults). ``quantize_overrides`` mirrors a model's
 ``quant_predicate`` (module path suffix -> the parameters ``mlx_lm.convert`` records for it). Read from
 mlx_lm 0.32 ``models/*.py``; mistral shares llama's entry as in mlx-lm's ``MODEL_REMAPPING``.
 """
@@ -58,16 +59,18 @@ class Arch:
     """What mlx-lm's model class for a ``model_type`` expects.
 
     Attributes:
-        tie: "config" (``tie_word_embeddings``, defaulting to ``tie_default``), "always" (no lm_head in the
-            MLX model) or "never" (lm_head always kept).
-        tie_default: mlx-lm's ``ModelArgs`` default for ``tie_word_embeddings``.
+        tie: "config" (``tie_word_embeddings``, see ``head_is_tied``), "always" (no lm_head in the MLX model)
+            or "never" (lm_head always kept).
+        tie_default: mlx-lm's ``ModelArgs`` default for ``tie_word_embeddings``; None where it is required.
+        hf_tie_default: transformers' default for it (the config class's), used when config.json lacks the key.
         dense_form: "separate" (gate_proj, up_proj) or "fused" (Phi-3's gate_up_proj).
         switch: how routed experts are stacked, or None for dense models.
         quantize_overrides: (module path suffix, quantization parameters) from the model's quant_predicate.
     """
 
     tie: str = "config"
-    tie_default: bool = False
+    tie_default: bool | None = False
+    hf_tie_default: bool = False
     dense_form: str = "separate"
     switch: SwitchMLP | None = None
     quantize_overrides: tuple[tuple[str, dict], ...] = field(default=())
@@ -82,13 +85,13 @@ ARCHS: dict[str, Arch] = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": Arch(tie_default=True),
-    "qwen3": Arch(),
-    "gemma": Arch(tie="always"),
-    "gemma2": Arch(tie="always"),
+    "qwen3": Arch(tie_default=None),
+    "gemma": Arch(tie="always", hf_tie_default=True),
+    "gemma2": Arch(tie="always", hf_tie_default=True),
     "phi3": Arch(dense_form="fused"),
     "mixtral": Arch(switch=SwitchMLP("model.layers.{layer}.block_sparse_moe", _W, ("num_local_experts",))),
     "qwen2_moe": Arch(tie="never", switch=SwitchMLP("model.layers.{layer}.mlp", _QWEN, _QWEN_COUNT)),
-    "qwen3_moe": Arch(switch=SwitchMLP("model.layers.{layer}.mlp", _QWEN, _QWEN_COUNT),
+    "qwen3_moe": Arch(tie_default=None, switch=SwitchMLP("model.layers.{layer}.mlp", _QWEN, _QWEN_COUNT),
                       quantize_overrides=(("mlp.gate", {"group_size": 64, "bits": 8}),)),
 }
 
@@ -117,11 +120,33 @@ def arch_for(config: dict | None, where: str) -> tuple[str, Arch]:
     return model_type, ARCHS[model_type]
 
 
-def head_is_tied(arch: Arch, config: dict) -> bool:
-    """Whether mlx-lm's model has no lm_head (it reuses embed_tokens)."""
-    if arch.tie == "config":
-        return bool(config.get("tie_word_embeddings", arch.tie_default))
-    return arch.tie == "always"
+TIE_KEY = "tie_word_embeddings"
+# safetensors metadata naming the config.json keys export added that the source lacked (comma-separated);
+# reading the directory back drops them, so the round trip gives the source's config.json. mlx-lm ignores it.
+ADDED_KEYS = "ffn_tools_added_config_keys"
+
+
+def head_is_tied(arch: Arch, config: dict, has_head: bool = True) -> bool:
+    """Whether the model ties lm_head to embed_tokens, so mlx-lm's model must have no lm_head.
+
+    As transformers decides: config.json's ``tie_word_embeddings`` where present, else the config class's
+    default (``hf_tie_default``; False for Llama and Qwen2 although mlx-lm's ``ModelArgs`` say True). A
+    checkpoint without ``lm_head.weight`` (``has_head`` False) can only run tied.
+    """
+    if arch.tie != "config":
+        return arch.tie == "always"
+    if TIE_KEY in config:
+        return bool(config[TIE_KEY])
+    return arch.hf_tie_default or not has_head
+
+
+def added_tie_key(arch: Arch, config: dict, has_head: bool) -> bool | None:
+    """The ``tie_word_embeddings`` value the MLX config.json needs because the source's lacks the key and
+    mlx-lm's ``ModelArgs`` would otherwise decide differently (or fail: Qwen3 requires it), else None."""
+    if arch.tie != "config" or TIE_KEY in config:
+        return None
+    tied = head_is_tied(arch, config, has_head)
+    return None if arch.tie_default is tied else tied
 
 
 def wrong_form(arch: Arch, names) -> str | None:

@@ -4,7 +4,8 @@ Names are mlx-lm's with ``sanitize`` undone: ``switch_mlp`` stacks (E, out, in) 
 and quantized modules (``X.weight`` packed uint32 + ``X.scales`` + ``X.biases``) become one ``X.weight``
 dequantized with ``mx.dequantize`` in the scales' dtype. Unquantized tensors, experts included, keep their
 byte offsets, so converting them back copies bytes and is lossless. The config loses its ``quantization``
-blocks and the transformers v4 keys export added for mlx-lm. Nothing is read until a tensor is asked for.
+blocks, the transformers v4 keys export added for mlx-lm, and the keys the safetensors metadata says export
+added (``mlx_arch.ADDED_KEYS``). Nothing is read until a tensor is asked for.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from ffn_tools.errors import CheckpointError
 from ffn_tools.store import Checkpoint, SafetensorsCheckpoint, TensorInfo, open_checkpoint
 
-from .mlx_arch import ARCHS, strip_legacy
+from .mlx_arch import ADDED_KEYS, ARCHS, strip_legacy
 from .mlx_quant import RawTensor, dequantize, read_bytes, to_mx
 
 QUANT_KEYS = ("quantization", "quantization_config")
@@ -78,6 +79,8 @@ class MLXCheckpoint(Checkpoint):
         for k in QUANT_KEYS:
             config.pop(k, None)
         config = strip_legacy(config, arch)  # the transformers v4 keys the export added for mlx-lm
+        for k in filter(None, raw.metadata.get(ADDED_KEYS, "").split(",")):  # keys the source lacked
+            config.pop(k, None)
         super().__init__(raw.path, raw.root, raw.files, infos, {"format": "pt"}, config)
 
     def _check(self, module: str, q: dict, problems: list[str]) -> bool:

@@ -382,3 +382,36 @@ def test_existing_output_needs_force(hf, tmp_path):
     assert (out / "keep").exists()
     convert(hf("llama"), "mlx", out, force=True)
     assert not (out / "keep").exists() and (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_absent_tie_key_keeps_the_head_as_transformers_does(arch, model_dir, tmp_path):
+    # transformers' Llama/Qwen2/Qwen3 configs default tie_word_embeddings to False; mlx-lm's ModelArgs default
+    # Llama/Qwen2 to True (and Qwen3 requires the key), so the export must keep lm_head and say so.
+    src = _copy(model_dir(arch), tmp_path / "src", lambda c: c.pop("tie_word_embeddings"))
+    write_tokenizer(src)
+    summary = convert(src, "mlx", tmp_path / "mlx")
+    assert "lm_head.weight" in tensors(tmp_path / "mlx")
+    assert config(tmp_path / "mlx")["tie_word_embeddings"] is False
+    assert any("tie_word_embeddings false" in c for c in summary["changes"])
+    want = tiny_models.logits(src, arch, TOKENS)
+    assert (mlx_logits(tmp_path / "mlx") - want).abs().max().item() <= 1e-4
+    # Back to torch: every tensor bit for bit, and config.json without the key the export added.
+    convert(tmp_path / "mlx", "torch", tmp_path / "back")
+    assert_identical(tensors(tmp_path / "back"), tensors(src))
+    assert config(tmp_path / "back") == config(src)
+    assert torch.equal(tiny_models.logits(tmp_path / "back", arch, TOKENS), want)
+    # MLX to MLX re-adds it; with no lm_head at all the model can only be tied, as mlx-lm's default says.
+    convert(tmp_path / "mlx", "mlx", tmp_path / "again")
+    assert_identical(tensors(tmp_path / "again"), tensors(tmp_path / "mlx"))
+    assert config(tmp_path / "again") == config(tmp_path / "mlx")
+    if arch == "llama":
+        from safetensors.torch import load_file, save_file
+
+        headless = _copy(src, tmp_path / "headless")
+        weights = load_file(headless / "model.safetensors")
+        del weights["lm_head.weight"]
+        save_file(weights, headless / "model.safetensors", metadata={"format": "pt"})
+        convert(headless, "mlx", tmp_path / "tied")
+        assert "tie_word_embeddings" not in config(tmp_path / "tied")
+        assert "lm_head.weight" not in tensors(tmp_path / "tied")
