@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import OutputExistsError
+from .store import WEIGHT_SUFFIXES
 
 
 def check_output(out: Path, inputs: list[Path], force: bool) -> None:
@@ -29,6 +30,15 @@ def check_output(out: Path, inputs: list[Path], force: bool) -> None:
             raise OutputExistsError(f"{out}: the output would overwrite the input {inp}; choose another -o path")
     if out.exists() and not force:
         raise OutputExistsError(f"{out}: already exists; choose another -o path or pass --force to replace it")
+    if out.is_dir() and not _looks_like_output(out):
+        raise OutputExistsError(f"{out}: is a directory that holds no checkpoint; --force replaces only earlier "
+                                "outputs, so remove it yourself if you mean it")
+
+
+def _looks_like_output(d: Path) -> bool:
+    """A directory --force may replace: empty, or an earlier checkpoint output (weights, config or a manifest)."""
+    entries = list(d.iterdir())
+    return not entries or any(p.suffix in WEIGHT_SUFFIXES or p.name in ("config.json", "ffn_manifest.json") for p in entries)
 
 
 def _remove(p: Path) -> None:

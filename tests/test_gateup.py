@@ -197,12 +197,17 @@ def test_bad_input_is_refused_and_nothing_is_written(model_dir, tmp_path, case, 
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
-def test_force_replaces_an_existing_output(model_dir, tmp_path):
+def test_force_replaces_an_earlier_output_but_no_other_directory(model_dir, tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
+    run_cli("split-gateup", model_dir("phi3"), "-o", out)
     (out / "old.txt").write_text("old")
     run_cli("split-gateup", model_dir("phi3"), "-o", out, "--force")
     assert not (out / "old.txt").exists() and (out / "model.safetensors").is_file()
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes.txt").write_text("mine")
+    r = run_cli("split-gateup", model_dir("phi3"), "-o", home, "--force", ok=False)
+    assert "holds no checkpoint" in r.output and (home / "notes.txt").read_text() == "mine"
 
 
 def test_failure_midway_leaves_no_partial_output(model_dir, tmp_path, monkeypatch):

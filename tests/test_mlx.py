@@ -379,7 +379,10 @@ def test_existing_output_needs_force(hf, tmp_path):
     (out / "keep").write_text("x")
     with pytest.raises(OutputExistsError):
         convert(hf("llama"), "mlx", out)
+    with pytest.raises(OutputExistsError, match="holds no checkpoint"):  # --force replaces only outputs
+        convert(hf("llama"), "mlx", out, force=True)
     assert (out / "keep").exists()
+    (out / "config.json").write_text("{}")  # an earlier output
     convert(hf("llama"), "mlx", out, force=True)
     assert not (out / "keep").exists() and (out / "model.safetensors").is_file()
 
