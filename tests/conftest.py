@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests build every checkpoint locally: never wait on a hub
 if not torch.cuda.is_available():  # Triton runs through its interpreter; must be set before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).parent))
