@@ -25,7 +25,7 @@ from ffn_tools.plan import Entry, Plan, copy_entry, execute
 from ffn_tools.store import Checkpoint, open_checkpoint
 from ffn_tools.writer import OutTensor, plan_shards
 
-from .mlx_arch import (ADDED_KEYS, DROPPED, TIE_KEY, Arch, added_tie_key, arch_for, head_is_tied, legacy_config,
+from .mlx_arch import (DROPPED, TIE_KEY, Arch, added_metadata, added_tie_key, arch_for, head_is_tied, legacy_config,
                        quantize_override, wrong_form)
 
 FORMAT = "mlx"
@@ -247,13 +247,12 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
             changes.append(f"cast floating tensors to {legacy} (config.json torch_dtype), as mlx_lm.convert does")
     if msg := wrong_form(arch, ckpt):
         raise FFNToolsError(f"{ckpt.path}: {msg}")
-    metadata = METADATA
     if (tie := added_tie_key(arch, config, "lm_head.weight" in ckpt)) is not None:
         config[TIE_KEY] = tie
-        metadata = {**METADATA, ADDED_KEYS: TIE_KEY}
         changes.append(f"config.json: added {TIE_KEY} {str(tie).lower()} (the source has no such key; that is "
                        f"transformers' choice for {model_type}, and mlx-lm's default would differ); reading the "
                        "MLX model back drops it again")
+    metadata = {**METADATA, **added_metadata(ckpt.config, config)}  # what reading back removes
     entries, qblock, left, jobs = [], {}, [], []
     for name, srcs in _outputs(ckpt, arch, config, changes):
         entries += _plan_tensor(ckpt, arch, name, srcs, target, bits, group_size, qblock, left, jobs)

@@ -121,9 +121,31 @@ def arch_for(config: dict | None, where: str) -> tuple[str, Arch]:
 
 
 TIE_KEY = "tie_word_embeddings"
-# safetensors metadata naming the config.json keys export added that the source lacked (comma-separated);
-# reading the directory back drops them, so the round trip gives the source's config.json. mlx-lm ignores it.
+# safetensors metadata naming the config.json keys export added that the source lacked (comma-separated):
+# ``tie_word_embeddings`` and ``legacy_config``'s v4 keys; reading the directory back drops them, so the round
+# trip gives the source's config.json. Keys the source had stay, whatever their value. mlx-lm ignores it.
 ADDED_KEYS = "ffn_tools_added_config_keys"
+# Likewise the keys the source had as null that export filled in (``rope_scaling``): reading back nulls them.
+NULLED_KEYS = "ffn_tools_null_config_keys"
+
+
+def added_metadata(source: dict, config: dict) -> dict[str, str]:
+    """The safetensors metadata recording what export added to ``source`` to make ``config`` (see
+    ``ADDED_KEYS``, ``NULLED_KEYS``); empty when nothing was."""
+    added = sorted(k for k in config if k not in source)
+    nulled = sorted(k for k in config if k in source and source[k] is None and config[k] is not None)
+    return {k: ",".join(v) for k, v in ((ADDED_KEYS, added), (NULLED_KEYS, nulled)) if v}
+
+
+def restore_source_config(config: dict, metadata: dict) -> dict:
+    """The inverse of ``added_metadata``: ``config`` without the keys export added, its filled nulls nulled."""
+    out = dict(config)
+    for k in filter(None, metadata.get(ADDED_KEYS, "").split(",")):
+        out.pop(k, None)
+    for k in filter(None, metadata.get(NULLED_KEYS, "").split(",")):
+        if k in out:
+            out[k] = None
+    return out
 
 
 def head_is_tied(arch: Arch, config: dict, has_head: bool = True) -> bool:
@@ -173,7 +195,8 @@ def legacy_config(config: dict, arch: Arch) -> tuple[dict, list[str]]:
 
     transformers v5 nests ``rope_theta`` (and the scaling) under ``rope_parameters`` and renamed some expert
     counts; most mlx-lm models read the old top-level keys and would silently use their defaults (Qwen2's
-    rope_theta 1e6 instead of the checkpoint's). Existing keys are never overwritten.
+    rope_theta 1e6 instead of the checkpoint's). Existing keys are never overwritten (a null ``rope_scaling``
+    is filled in). Export records what it added (``added_metadata``) so reading back removes only that.
 
     Returns:
         (the new config, lines saying what was added).
@@ -191,17 +214,6 @@ def legacy_config(config: dict, arch: Arch) -> tuple[dict, list[str]]:
     if arch.switch and arch.switch.count_keys[0] not in config and (n := arch.switch.count(config)) is not None:
         config[arch.switch.count_keys[0]] = n
         added.append(arch.switch.count_keys[0])
-    lines = [f"config.json: added {', '.join(added)} from transformers v5 keys (mlx-lm reads the old names)"] if added else []
+    lines = [f"config.json: added {', '.join(added)} from transformers v5 keys (mlx-lm reads the old names); "
+             "reading the MLX model back drops them again"] if added else []
     return config, lines
-
-
-def strip_legacy(config: dict, arch: Arch | None) -> dict:
-    """The inverse of ``legacy_config``: drop the keys it would have added (same value), for transformers."""
-    out = dict(config)
-    candidates = ("rope_theta", "rope_scaling", *(arch.switch.count_keys[:1] if arch and arch.switch else ()))
-    for key in candidates:
-        if key in out:
-            trial = {k: v for k, v in out.items() if k != key}
-            if legacy_config(trial, arch or Arch())[0].get(key) == out[key]:
-                out = trial
-    return out

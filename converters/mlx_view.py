@@ -4,8 +4,9 @@ Names are mlx-lm's with ``sanitize`` undone: ``switch_mlp`` stacks (E, out, in) 
 and quantized modules (``X.weight`` packed uint32 + ``X.scales`` + ``X.biases``) become one ``X.weight``
 dequantized with ``mx.dequantize`` in the scales' dtype. Unquantized tensors, experts included, keep their
 byte offsets, so converting them back copies bytes and is lossless. The config loses its ``quantization``
-blocks, the transformers v4 keys export added for mlx-lm, and the keys the safetensors metadata says export
-added (``mlx_arch.ADDED_KEYS``). Nothing is read until a tensor is asked for.
+blocks and the keys the safetensors metadata says export added for mlx-lm (``mlx_arch.ADDED_KEYS``: the
+transformers v4 keys, ``tie_word_embeddings``; keys the source had are kept). ``quant_params`` gives each
+tensor's per-module quantization. Nothing is read until a tensor is asked for.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from ffn_tools.errors import CheckpointError
 from ffn_tools.store import Checkpoint, SafetensorsCheckpoint, TensorInfo, open_checkpoint
 
-from .mlx_arch import ADDED_KEYS, ARCHS, strip_legacy
+from .mlx_arch import ARCHS, restore_source_config
 from .mlx_quant import RawTensor, dequantize, read_bytes, to_mx
 
 QUANT_KEYS = ("quantization", "quantization_config")
@@ -78,9 +79,7 @@ class MLXCheckpoint(Checkpoint):
             raise CheckpointError(f"{raw.root}: cannot read this MLX model: " + "; ".join(sorted(problems)))
         for k in QUANT_KEYS:
             config.pop(k, None)
-        config = strip_legacy(config, arch)  # the transformers v4 keys the export added for mlx-lm
-        for k in filter(None, raw.metadata.get(ADDED_KEYS, "").split(",")):  # keys the source lacked
-            config.pop(k, None)
+        config = restore_source_config(config, raw.metadata)  # without the keys export added for mlx-lm
         super().__init__(raw.path, raw.root, raw.files, infos, {"format": "pt"}, config)
 
     def _check(self, module: str, q: dict, problems: list[str]) -> bool:
@@ -117,6 +116,13 @@ class MLXCheckpoint(Checkpoint):
             n //= shape[0]
             shape, start = shape[1:], start + expert * n
         return to_mx(memoryview(read_bytes(info.file, start, n)), info.st_dtype, shape)
+
+    def quant_params(self, name: str) -> dict | None:
+        """The quantization parameters (group_size, bits, mode) tensor ``name`` was stored with, as resolved
+        per module from the config's block (a module's own entry, else the block's defaults); None when it is
+        stored unquantized (no ``.scales``: say a module a mixed recipe left ``false``)."""
+        recipe = self._recipes.get(name)
+        return dict(recipe[2]) if recipe else None
 
     def read_raw(self, name: str) -> RawTensor:
         """A tensor's bytes without torch: dequantized, or read from its place in the file."""

@@ -12,7 +12,10 @@ computation in that dtype (plus the weights' own rounding when A and B differ in
 quantization error). Any non-finite output fails.
 
 The row is chosen by the coarsest dtype among A and B (float32 < float16 < bfloat16) and, when either
-side is quantized, by the bits of the quantization; with both, the looser of the two rows applies.
+side is quantized, by the bits of the quantization; with both, the looser of the two rows applies. Bits are
+per FFN: the coarsest among its gate/up/down modules on either side, as the quantization block resolves
+them per module (mixed recipes such as mlx_lm's ``mixed_3_6`` give layers different bits and may leave
+some unquantized: those FFNs get their dtype's row).
 
     row         atol    rtol    min cosine   measured (max |b-r|/rms, 1-cos; d_model 64..2048)
     float32     2e-4    2e-4    0.9999999    1e-6..3e-6, 2e-13

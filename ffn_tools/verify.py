@@ -117,7 +117,8 @@ def _find(ckpt, side: str, scheme: Scheme | None, layout: GateUpLayout | None) -
 
 
 def quantization(ckpt) -> dict | None:
-    """The MLX-style ``quantization`` (or ``quantization_config``) block of the config.json on disk.
+    """The MLX-style ``quantization`` (or ``quantization_config``) block of the config.json on disk: global
+    ``bits``/``group_size`` and, from mixed recipes, per-module entries (parameters, or ``false``).
 
     Read from the file, not ``ckpt.config``: readers that dequantize drop the block from the view.
     """
@@ -127,9 +128,41 @@ def quantization(ckpt) -> dict | None:
         config = {}
     for key in ("quantization", "quantization_config"):
         q = config.get(key)
-        if isinstance(q, dict) and isinstance(q.get("bits"), int):
+        if isinstance(q, dict) and (isinstance(q.get("bits"), int)
+                                    or any(isinstance(v, dict) and isinstance(v.get("bits"), int) for v in q.values())):
             return q
     return None
+
+
+QUANT_ROLES = ("gate", "up", "down", "gate_up")
+
+
+def ffn_bits(ckpt, ffn: FFN, default: int | None) -> int | None:
+    """The quantization bits of one FFN: the coarsest among its gate/up/down modules, None when none is
+    quantized.
+
+    Per module where the reader resolved them (the MLX view's ``quant_params``: a module's own entry in the
+    block, else the block's defaults; unquantized modules, ``false`` in a mixed recipe, have none); else the
+    config's global ``default`` for every FFN.
+    """
+    params = getattr(ckpt, "quant_params", None)
+    if params is None:
+        return default
+    bits = [p["bits"] for r in QUANT_ROLES if (n := ffn.names.get(r)) and (p := params(n))]
+    return min(bits, default=None)
+
+
+def describe_quantization(q: dict) -> str:
+    """``4-bit group 64``, plus what per-module entries (mixed recipes, overrides) say, counted."""
+    text = (f"{q['bits']}-bit group {q.get('group_size')}" if isinstance(q.get("bits"), int) else "per module")
+    counts: dict[str, int] = {}
+    for v in q.values():
+        if v is False or isinstance(v, dict):
+            what = "unquantized" if v is False else f"at {v.get('bits', q.get('bits'))}-bit"
+            counts[what] = counts.get(what, 0) + 1
+    if counts:
+        text += " (per-module entries: " + ", ".join(f"{n} {w}" for w, n in sorted(counts.items())) + ")"
+    return text
 
 
 def _side(ckpt, ffns: FFNSet | None) -> dict:
@@ -137,7 +170,7 @@ def _side(ckpt, ffns: FFNSet | None) -> dict:
     dtype = short_name(ckpt.info(ffns.ffns[0].names["down"]).dtype) if ffns and ffns.ffns else None
     return {"path": str(ckpt.path), "format": ckpt.format, "scheme": ffns.scheme.name if ffns else None,
             "dtype": dtype, "activation": ffns.activation.describe() if ffns else None,
-            "quantization": (f"{q.get('bits')}-bit group {q.get('group_size')}" if isinstance(q, dict) else None),
+            "quantization": describe_quantization(q) if q else None,
             "ffns": len(ffns.ffns) if ffns else 0}
 
 
@@ -262,17 +295,28 @@ def _check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, mods, sel
         report.problems.append(f"A and B have no FFN in common (A: {len(ra)} FFNs under scheme {fa.scheme.name}, "
                                f"B: {len(rb)} under {fb.scheme.name}): different models?")
         return
-    qa, qb = ((q or {}).get("bits") for q in (quantization(ca), quantization(cb)))
-    quant = min((q for q in (qa, qb) if q is not None), default=None)
+    ga, gb = ((q or {}).get("bits") for q in (quantization(ca), quantization(cb)))
+    bits = {r: (ffn_bits(ca, x, ga), ffn_bits(cb, y, gb)) for r, x, y in pairs}  # per FFN: mixed recipes
     dtypes = {ca.info(x.names["down"]).dtype for _, x, _ in pairs} | {cb.info(y.names["down"]).dtype for *_, y in pairs}
     odd = sorted(short_name(d) for d in dtypes if d not in KERNEL_DTYPES)
     if odd:
         report.notes.append(f"{', '.join(odd)} weights run as float32 (the kernels take float32, float16, bfloat16)")
-    tol = report.tolerance = tolerance_for(dtypes, quant, atol=atol, rtol=rtol)
-    if quant is not None:
-        sides = " and ".join(s for s, q in (("A", qa), ("B", qb)) if q is not None)
-        report.notes.append(f"{sides} quantized: weights compared after dequantization; no bit-exact check")
-    checker = PairChecker(ca, cb, fa, fb, mods, tol, exact, quant is not None, seed, tokens)
+
+    def coarsest(qa, qb):
+        return min((q for q in (qa, qb) if q is not None), default=None)
+
+    rows = {r: tolerance_for(dtypes, coarsest(*bits[r]), atol=atol, rtol=rtol) for r, *_ in pairs}
+    every = [q for pair in bits.values() for q in pair if q is not None]
+    tol = report.tolerance = tolerance_for(dtypes, min(every, default=None), atol=atol, rtol=rtol)  # the loosest
+    quantized = [r for r in bits if coarsest(*bits[r]) is not None]
+    if quantized:
+        sides = " and ".join(s for s, i in (("A", 0), ("B", 1)) if any(bits[r][i] is not None for r in bits))
+        which = "" if len(quantized) == len(pairs) else f" ({len(quantized)} of {len(pairs)} FFNs)"
+        report.notes.append(f"{sides} quantized{which}: weights compared after dequantization; no bit-exact check")
+    if len({t.row for t in rows.values()}) > 1:
+        report.notes.append("quantization differs between FFNs (a mixed recipe): each FFN has the row of its own "
+                            "coarsest bits")
+    checker = PairChecker(ca, cb, fa, fb, mods, exact, seed, tokens)
     log.info("verifying %d FFN pairs on %s, %d tokens, tolerance %s", len(pairs), ", ".join(mods), tokens,
              tol.describe())
 
@@ -283,7 +327,9 @@ def _check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, mods, sel
     bar = progress.Progress(sum(nbytes(x, y) for _, x, y in pairs), "verifying FFNs")
     try:
         for ref, x, y in pairs:
-            report.results.append(checker.check(ref, x, y))
+            res = checker.check(ref, x, y, rows[ref], coarsest(*bits[ref]) is not None)
+            res.bits_a, res.bits_b = bits[ref]
+            report.results.append(res)
             bar.update(nbytes(x, y))
     finally:
         bar.close()

@@ -1,9 +1,10 @@
 """The checks of one FFN present in both checkpoints: shapes, biases, bit-exactness, the functional run.
 
 ``PairChecker`` holds what every pair shares (the two checkpoints and their FFN sets, the backends, the
-tolerance, the exact-check mode, the input seed) and ``check(ref, a_ffn, b_ffn)`` returns its
-``FFNResult``. ``name_owners`` runs after all pairs, only when some differed, to say which of A's FFNs a
-differing B FFN actually holds.
+exact-check mode, the input seed) and ``check(ref, a_ffn, b_ffn, tol, quantized)`` returns its
+``FFNResult`` (the tolerance row is per FFN: mixed quantization recipes give layers different bits).
+``name_owners`` runs after all pairs, only when some differed, to say which of A's FFNs a differing B FFN
+actually holds.
 """
 
 from __future__ import annotations
@@ -50,20 +51,19 @@ class PairChecker:
     fa: FFNSet
     fb: FFNSet
     backends: dict  # name -> kernels module, "reference" first
-    tol: Tolerance
     exact: bool | None  # True demand, False skip, None where lossless
-    quantized: bool  # A or B is quantized: nothing is bit-exact
     seed: int
     tokens: int
 
     def __post_init__(self) -> None:
         self.cached_a, self.cached_b = Cached(self.ca), Cached(self.cb)
 
-    def check(self, ref: FFNRef, x: FFN, y: FFN) -> FFNResult:
-        """Every check of A's FFN ``x`` against B's FFN ``y``."""
+    def check(self, ref: FFNRef, x: FFN, y: FFN, tol: Tolerance, quantized: bool) -> FFNResult:
+        """Every check of A's FFN ``x`` against B's FFN ``y``, within ``tol`` (this FFN's row); ``quantized``:
+        A's or B's is, so it cannot be bit-exact."""
         res = FFNResult(ref, (x.d_model, x.d_ffn), (y.d_model, y.d_ffn),
                         short_name(self.ca.info(x.names["down"]).st_dtype),
-                        short_name(self.cb.info(y.names["down"]).st_dtype))
+                        short_name(self.cb.info(y.names["down"]).st_dtype), tolerance=tol)
         if res.shape_a != res.shape_b:
             res.problems.append(f"shapes differ: A has d_model {x.d_model}, d_ffn {x.d_ffn}; B has d_model "
                                 f"{y.d_model}, d_ffn {y.d_ffn} (different models?)")
@@ -77,10 +77,10 @@ class PairChecker:
             stored = (self._raw(self.cached_b, y, "gate_up"), y.layout)
             if not ops_b.fused and y.layout.axis == "rows":
                 res.notes.append(f"B's fused layout {y.layout.describe()} ran through ffn() on split weights")
-        self._exact(res, wa, wb, stored)
+        self._exact(res, wa, wb, stored, quantized)
         inputs = make_inputs(self.tokens, x.d_model, self.seed, input_scale(ops_a.gate),
                              [t.dtype for t in (*wa.values(), *wb.values())])
-        res.backends = check_ffn(self.backends, inputs, ops_a, ops_b, self.tol, identical=res.exact == "identical")
+        res.backends = check_ffn(self.backends, inputs, ops_a, ops_b, tol, identical=res.exact == "identical")
         if any(b.nonfinite for b in res.backends):
             _nonfinite(res, wa, wb)
         return res
@@ -90,13 +90,13 @@ class PairChecker:
         t = cached[ffn.names[role]]
         return t[ffn.index] if ffn.index is not None else t
 
-    def _exact(self, res: FFNResult, wa: dict, wb: dict, stored) -> None:
+    def _exact(self, res: FFNResult, wa: dict, wb: dict, stored, quantized: bool) -> None:
         """Bit-for-bit comparison of the canonical tensors, per ``self.exact``."""
         if self.exact is False:
             return
         common = [r for r in ROLES if r in wa and r in wb]
         mixed = [r for r in common if wa[r].dtype != wb[r].dtype]
-        why = "A or B is quantized" if self.quantized else (
+        why = "A or B is quantized" if quantized else (
             f"dtypes differ ({mixed[0]}: A {short_name(wa[mixed[0]].dtype)}, B {short_name(wb[mixed[0]].dtype)})"
             if mixed else None)
         if why:

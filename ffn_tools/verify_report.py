@@ -55,6 +55,9 @@ class FFNResult:
     problems: list[str] = field(default_factory=list)  # failures, one sentence each
     notes: list[str] = field(default_factory=list)  # facts that are not failures
     backends: list[BackendResult] = field(default_factory=list)
+    tolerance: Tolerance | None = None  # this FFN's row (per FFN: mixed quantization recipes)
+    bits_a: int | None = None  # quantization bits of A's FFN (its coarsest module), None: not quantized
+    bits_b: int | None = None
 
     @property
     def passed(self) -> bool:
@@ -72,7 +75,9 @@ class FFNResult:
         return {"ffn": str(self.ref), "layer": self.ref.layer, "kind": self.ref.kind,
                 "expert": self.ref.expert if self.ref.kind == "expert" else None,
                 "d_model": self.shape_a[0], "d_ffn": self.shape_a[1], "shape_b": list(self.shape_b),
-                "dtype_a": self.dtype_a, "dtype_b": self.dtype_b, "exact": self.exact, "passed": self.passed,
+                "dtype_a": self.dtype_a, "dtype_b": self.dtype_b, "bits_a": self.bits_a, "bits_b": self.bits_b,
+                "tolerance": self.tolerance.as_dict() if self.tolerance else None, "exact": self.exact,
+                "passed": self.passed,
                 "problems": self.problems, "notes": self.notes, "backends": [b.as_dict() for b in self.backends]}
 
 
@@ -119,10 +124,17 @@ class VerifyReport:
             bad = [b for b in r.backends if not b.passed]
             if bad:
                 worst = max(bad, key=lambda b: _order(b.ratio, b.cosine))
-                out.append(f"{r.ref}: fails on {', '.join(b.backend for b in bad)}: {_why(worst, self.tolerance)}")
+                out.append(f"{r.ref}: fails on {', '.join(b.backend for b in bad)}: "
+                           f"{_why(worst, r.tolerance or self.tolerance)}")
         if self.logits is not None and not self.logits["passed"]:
             out += [f"logits: {p}" for p in self.logits["problems"]]
         return out
+
+    def rows(self) -> list:
+        """The distinct tolerance rows the FFNs were checked with, loosest first (one unless quantization
+        differs between FFNs)."""
+        rows = {r.tolerance for r in self.results if r.tolerance}
+        return sorted(rows, key=lambda t: (-t.atol, t.row))
 
     def verdict(self) -> str:
         n = len(self.results)
@@ -149,20 +161,24 @@ class VerifyReport:
         """The text report: the two sides, the check, a table worst first, failures, the verdict."""
         out = [f"A: {_side(self.a)}", f"B: {_side(self.b)}"]
         skipped = "".join(f"; {k} skipped ({v})" for k, v in self.skipped_backends.items())
-        tol = self.tolerance.describe() if self.tolerance else "none"
+        rows = self.rows()
+        per_ffn = len(rows) > 1
+        tol = ("per FFN, by its quantization: " + "; ".join(t.describe() for t in rows) if per_ffn
+               else self.tolerance.describe() if self.tolerance else "none")
         out.append(f"check: {self.tokens} tokens, seed {self.seed}, backends {', '.join(self.backends) or 'none'}"
                    f"{skipped}; tolerance {tol}")
         out += [f"note: {n}" for n in self.notes]
         if self.results:
             out.append("")
-            out.append(f"{'FFN':<24} {'worst backend':<14} {'max abs':>9} {'max rel':>9} {'cosine':>12} "
-                       f"{'tol x':>7}  {'exact':<10} result")
+            head = (f"{'FFN':<24} {'worst backend':<14} {'max abs':>9} {'max rel':>9} {'cosine':>12} "
+                    f"{'tol x':>7}  {'exact':<10} result")
+            out.append(head + ("  tolerance row" if per_ffn else ""))
             rows = sorted(self.results, key=FFNResult.sort_key)
             for i, r in enumerate(rows):
                 if i >= max_rows and r.passed:
                     out.append(f"... {len(rows) - i} more FFNs, all pass (--json lists every one)")
                     break
-                out.append(_row(r))
+                out.append(f"{_row(r):<{len(head)}}  {r.tolerance.row}" if per_ffn and r.tolerance else _row(r))
         out += ["", *[f"  - {f}" for f in self.failures()]] if not self.passed else []
         if self.logits is not None:
             lg = self.logits

@@ -331,6 +331,27 @@ def _copy(src: Path, dst: Path, edit_config=None) -> Path:
     return dst
 
 
+def test_config_keys_the_source_had_come_back(model_dir, tmp_path):
+    # Only the keys export added for mlx-lm are dropped on the way back: a top-level rope_theta beside
+    # rope_parameters is the source's own (same value or not), and a null rope_scaling export fills in is null again.
+    src = _copy(model_dir("llama"), tmp_path / "src", lambda c: c.update(
+        rope_theta=c["rope_parameters"]["rope_theta"], rope_scaling=None,
+        rope_parameters={**c["rope_parameters"], "rope_type": "linear", "factor": 2.0}))
+    write_tokenizer(src)
+    convert(src, "mlx", tmp_path / "mlx")
+    mine = config(tmp_path / "mlx")
+    assert mine["rope_theta"] == config(src)["rope_theta"]
+    assert mine["rope_scaling"] == {"type": "linear", "rope_type": "linear", "factor": 2.0}
+    convert(tmp_path / "mlx", "torch", tmp_path / "back")
+    assert config(tmp_path / "back") == config(src)
+    assert_identical(tensors(tmp_path / "back"), tensors(src))
+    # MLX to MLX records the same again.
+    convert(tmp_path / "mlx", "mlx", tmp_path / "again")
+    assert config(tmp_path / "again") == mine
+    convert(tmp_path / "again", "torch", tmp_path / "back2")
+    assert config(tmp_path / "back2") == config(src)
+
+
 def test_bad_mlx_directories_are_refused_in_one_line(exported, mlx_ref, tmp_path):
     no_config = _copy(exported("llama")[0], tmp_path / "no-config")
     (no_config / "config.json").unlink()

@@ -339,6 +339,48 @@ def test_mlx_quantized_with_the_wrong_group_size_fails(model_dir, tmp_path):
     assert "B cannot be read" in out and "model.layers.0" not in out
 
 
+@needs_mlx
+def test_mixed_quantization_gets_a_row_per_ffn(model_dir, tmp_path):
+    # A mixed recipe (as mlx_lm.convert --quant-predicate mixed_3_6 writes): per-module entries in the
+    # quantization block override its global 4 bits. Layer 0: gate/up 3-bit, down 6-bit (coarsest: 3); layer 1
+    # left unquantized (``false``), so it is checked bit for bit at its dtype's row, not the global 4-bit one.
+    import mlx.core as mx
+
+    src = model_dir("llama", torch.bfloat16)
+    out = tmp_path / "mixed"
+    run_cli("convert", src, "--to", "mlx", "-o", out, "--quantize", "4", "--group-size", "32")
+    path, orig = out / "model.safetensors", load_file(src / "model.safetensors")
+    arrays, cfg = mx.load(str(path)), json.loads((out / "config.json").read_text())
+    for layer, proj, bits in [(0, "gate_proj", 3), (0, "up_proj", 3), (0, "down_proj", 6),
+                              (1, "gate_proj", False), (1, "up_proj", False), (1, "down_proj", False)]:
+        module = f"model.layers.{layer}.mlp.{proj}"
+        w = mx.array(orig[f"{module}.weight"].float().numpy()).astype(mx.bfloat16)
+        if bits:
+            q, sc, b = mx.quantize(w, group_size=32, bits=bits)
+            arrays.update({f"{module}.weight": q, f"{module}.scales": sc, f"{module}.biases": b})
+        else:
+            arrays[f"{module}.weight"] = w
+            del arrays[f"{module}.scales"], arrays[f"{module}.biases"]
+        cfg["quantization"][module] = {"group_size": 32, "bits": bits} if bits else False
+    cfg["quantization_config"] = cfg["quantization"]
+    mx.save_safetensors(str(path), arrays, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(cfg))
+
+    rep = assert_passes(src, out)
+    assert rep["tolerance"]["row"] == "bfloat16 3-bit"  # the loosest, for --logits
+    by_layer = {f["layer"]: f for f in rep["ffns"]}
+    l0, l1 = by_layer[0], by_layer[1]
+    assert (l0["bits_a"], l0["bits_b"], l0["tolerance"]["row"]) == (None, 3, "bfloat16 3-bit")
+    assert (l1["bits_b"], l1["tolerance"]["row"], l1["exact"]) == (None, "bfloat16", "identical")
+    assert by_layer[0]["exact"] == "skipped"
+    assert rep["b"]["quantization"] == "4-bit group 32 (per-module entries: 2 at 3-bit, 1 at 6-bit, 3 unquantized)"
+    assert any("(1 of 2 FFNs)" in n for n in rep["notes"])
+    code, text = verify(src, out)
+    assert code == 0 and "tolerance per FFN" in text and "tolerance row" in text, text
+    assert any(line.startswith("layer 0") and line.endswith("bfloat16 3-bit") for line in text.splitlines()), text
+    assert any(line.startswith("layer 1") and line.endswith("bfloat16") for line in text.splitlines()), text
+
+
 def test_activation_mismatch_fails(model_dir, tmp_path):
     src = model_dir("gemma")
     bad = plant(src, tmp_path / "silu", config=lambda c: c.update(hidden_act="silu", hidden_activation="silu"))
