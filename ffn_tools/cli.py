@@ -86,16 +86,20 @@ def layout_options(f):
     @click.option("--tp", type=click.IntRange(min=1), help="Tensor-parallel degree for --layout tp.")
     @functools.wraps(f)
     def wrapper(*args, arrangement, order, tp, **kwargs):
-        layout = None
-        if arrangement or order or tp:
-            if tp and arrangement != "tp":
-                raise click.UsageError("--tp needs --layout tp")
-            if arrangement == "tp" and not tp:
-                raise click.UsageError("--layout tp needs --tp N (the number of ranks)")
-            layout = GateUpLayout(order or "gate-up", arrangement or "concat", tp or 1)
-        return f(*args, layout=layout, **kwargs)
+        return f(*args, layout=resolve_layout(arrangement, order, tp), **kwargs)
 
     return wrapper
+
+
+def resolve_layout(arrangement: str | None, order: str | None, tp: int | None, flag: str = "--") -> GateUpLayout | None:
+    """The layout the options give (None when none is given); usage errors name the flags (``--`` or ``--b-``)."""
+    if not (arrangement or order or tp):
+        return None
+    if tp and arrangement != "tp":
+        raise click.UsageError(f"{flag}tp needs {flag}layout tp")
+    if arrangement == "tp" and not tp:
+        raise click.UsageError(f"{flag}layout tp needs {flag}tp N (the number of ranks)")
+    return GateUpLayout(order or "gate-up", arrangement or "concat", tp or 1)
 
 
 def size_option(f):

@@ -14,7 +14,7 @@ import json
 import click
 
 from .errors import FFNToolsError
-from .layouts import ARRANGEMENTS, ORDERS, GateUpLayout
+from .layouts import ARRANGEMENTS, ORDERS
 from .tolerances import HELP as TOLERANCE_HELP
 
 DEFAULT_TOKENS = 32  # = verify.DEFAULT_TOKENS (not imported: that module imports torch)
@@ -38,14 +38,8 @@ def b_layout_options(f):
     @click.option("--b-tp", type=click.IntRange(min=1), help="B's tensor-parallel degree for --b-layout tp.")
     @functools.wraps(f)
     def wrapper(*args, b_arrangement, b_order, b_tp, **kwargs):
-        b_layout = None
-        if b_arrangement or b_order or b_tp:
-            if b_tp and b_arrangement != "tp":
-                raise click.UsageError("--b-tp needs --b-layout tp")
-            if b_arrangement == "tp" and not b_tp:
-                raise click.UsageError("--b-layout tp needs --b-tp N (the number of ranks)")
-            b_layout = GateUpLayout(b_order or "gate-up", b_arrangement or "concat", b_tp or 1)
-        return f(*args, b_layout=b_layout, **kwargs)
+        resolve = importlib.import_module("ffn_tools.cli").resolve_layout
+        return f(*args, b_layout=resolve(b_arrangement, b_order, b_tp, flag="--b-"), **kwargs)
 
     return wrapper
 
