@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +28,9 @@ class Group(click.Group):
             return super().invoke(ctx)
         except FFNToolsError as e:
             raise click.ClickException(str(e)) from None
+        except BrokenPipeError:  # output piped into `head`: not an error; silence the flush at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise SystemExit(0) from None
         except OSError as e:  # a path the OS refuses (a file where a folder must be, no permission, disk full)
             where = f"{e.filename}: " if e.filename else ""
             raise click.ClickException(f"{where}{e.strerror or e}") from None
@@ -58,7 +62,8 @@ def scheme_options(f):
     @click.option("--gate", help="Template of gate weights, e.g. 'blocks.{layer}.ffn.W_gate.weight'.")
     @click.option("--up", help="Template of up weights.")
     @click.option("--down", help="Template of down weights.")
-    @click.option("--gate-up", help="Template of fused gate_up weights.")
+    @click.option("--gate-up", help="Template of fused gate_up weights. Splitting with templates names the output "
+                  "with --gate/--up as well; fusing names it with --gate-up.")
     @functools.wraps(f)
     def wrapper(*args, scheme_name, scheme_file, gate, up, down, gate_up, **kwargs):
         if sum(bool(x) for x in (scheme_name, scheme_file, gate or up or down or gate_up)) > 1:
@@ -148,8 +153,9 @@ def extract(path, out, layers, experts, force, as_json, max_shard_size, scheme, 
     """Write only the FFNs of PATH, with canonical names layers.{L}.{gate,up,down}.weight.
 
     Experts are layers.{L}.experts.{E}.*, the shared expert layers.{L}.shared_expert.*; biases .bias.
-    Weights are (out, in) and bit-exact with the source. A manifest (ffn_manifest.json) records the source,
-    scheme, activation, dtype, d_model, d_ffn, layers and experts.
+    Weights are (out, in) and bit-exact with the source. A manifest (ffn_manifest.json in a directory
+    output, OUT.json beside a .safetensors output) records the source, scheme, activation, dtype, d_model,
+    d_ffn, layers and experts.
     """
     from converters import open_any
 
@@ -172,9 +178,15 @@ def _gateup_command(name: str, fn, help_text: str, extra=()):
     @scheme_options
     @layout_options
     def command(path, out, dry_run, force, as_json, max_shard_size, scheme, layout, **kw):
+        from converters import detect_format
+
+        fmt = detect_format(path)
+        if fmt != "torch":
+            raise click.ClickException(f"{path}: is a {fmt} checkpoint; {name} works on PyTorch checkpoints: "
+                                       f"ffn-tools convert {path} --to torch -o DIR first")
         r = fn(path, out, scheme=scheme, layout=layout, dry_run=dry_run, force=force, max_shard_size=max_shard_size, **kw)
         verb = "would write" if dry_run else "wrote"
-        lines = (r["plan"] or []) if dry_run else []
+        lines = list(r["plan"] or []) if dry_run else []
         lines += [f"{verb} {r['output']}: {r['ffns_changed']} of {r['ffns_total']} FFNs ({r['layout']}), "
                   f"{r['tensors_out']} tensors", *r["changes"]]
         emit(r, as_json, lines)
@@ -199,7 +211,7 @@ def _fuse(*a, **k):
 
 _gateup_command("split-gateup", _split, """Split fused gate_up projections into gate_proj and up_proj.
 
-    PATH is a .safetensors file, an index or a directory. Phi-3 style mlp.gate_up_proj becomes
+    PATH is a .safetensors file, an index, a weights-only pickle or a directory. Phi-3 style mlp.gate_up_proj becomes
     mlp.gate_proj + mlp.up_proj; transformers-v5 stacked experts mlp.experts.gate_up_proj (E, 2I, H) and
     mlp.experts.down_proj (E, H, I) become per-expert tensors. Everything else is copied byte for byte;
     config.json, tokenizer and generation files are carried over.

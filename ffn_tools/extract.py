@@ -9,6 +9,7 @@ tensors split by row moves, stacked experts indexed). The manifest sits beside i
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from .detect import find_ffns
@@ -16,7 +17,8 @@ from .dtypes import short_name
 from .errors import FFNToolsError
 from .ffn import FFN, canonical_weights
 from .layouts import GateUpLayout
-from .plan import Entry, Plan, copy_entry, execute
+from .output import check_output
+from .plan import Entry, Plan, copy_entry, execute, side_files
 from .registry import Scheme
 from .specs import parse_spec
 
@@ -70,13 +72,7 @@ def extract(ckpt, out: Path, *, layers: str | None = None, experts: str | None =
         FFNToolsError: the selection matches no FFN, or the output exists.
     """
     ffns = find_ffns(ckpt, scheme, layout)
-    keep_layers = parse_spec(layers) if layers else None
-    keep_experts = parse_spec(experts) if experts else None
-    chosen = [f for f in ffns.ffns if (keep_layers is None or f.ref.layer in keep_layers)
-              and (keep_experts is None or f.ref.kind != "expert" or f.ref.expert in keep_experts)]
-    if not chosen:
-        raise FFNToolsError(f"--layers {layers or 'all'} --experts {experts or 'all'} selects no FFN of {ckpt.path} "
-                            f"(layers {ffns.ffns[0].ref.layer}-{ffns.ffns[-1].ref.layer})")
+    chosen = _select(ckpt, ffns.ffns, layers, experts)
     entries = [e for f in chosen for e in _entries(ckpt, f)]
     dtype = ckpt.info(chosen[0].names["down"]).st_dtype
     manifest = {
@@ -92,15 +88,47 @@ def extract(ckpt, out: Path, *, layers: str | None = None, experts: str | None =
     plan = Plan(ckpt, entries, None if out.suffix == ".safetensors" else config)
     metadata = {"format": "pt", "ffn_tools": "extract", "hidden_act": ffns.activation.config_name}
     if out.suffix == ".safetensors":
-        execute(plan, out, force=force, max_shard_size=max_shard_size, metadata=metadata, desc="extracting")
-        Path(str(out)[: -len(".safetensors")] + ".json").write_text(json.dumps(manifest, indent=2) + "\n")
+        _execute_file(plan, out, force, max_shard_size, metadata, manifest)
     else:
-        _execute_dir(plan, out, force, max_shard_size, metadata, manifest)
+        execute(plan, out, force=force, max_shard_size=max_shard_size, metadata=metadata, desc="extracting",
+                extra_files={MANIFEST: json.dumps(manifest, indent=2) + "\n"}, carry=False)
     return manifest
 
 
-def _execute_dir(plan: Plan, out: Path, force: bool, max_shard_size, metadata, manifest) -> None:
-    # The manifest goes in with the shards, inside the atomic rename; side files are not carried:
-    # an FFN-only checkpoint is not loadable as the source model.
-    execute(plan, out, force=force, max_shard_size=max_shard_size, metadata=metadata, desc="extracting",
-            extra_files={MANIFEST: json.dumps(manifest, indent=2) + "\n"}, carry=False)
+def _select(ckpt, ffns, layers: str | None, experts: str | None) -> list[FFN]:
+    """The FFNs ``--layers``/``--experts`` keep; a requested layer or expert the checkpoint lacks is an error."""
+    have_layers = sorted({f.ref.layer for f in ffns})
+    have_experts = sorted({f.ref.expert for f in ffns if f.ref.kind == "expert"})
+    keep_layers = parse_spec(layers) if layers else set(have_layers)
+    keep_experts = parse_spec(experts) if experts else set(have_experts)
+    missing = [f"layers {sorted(keep_layers - set(have_layers))} (it has {have_layers[0]}-{have_layers[-1]})"
+               for _ in [0] if keep_layers - set(have_layers)]
+    missing += [f"experts {sorted(keep_experts - set(have_experts))} (it has "
+                f"{f'{have_experts[0]}-{have_experts[-1]}' if have_experts else 'no routed experts'})"
+                for _ in [0] if keep_experts - set(have_experts)]
+    if missing:
+        raise FFNToolsError(f"{ckpt.path} has no {' and no '.join(missing)}; adjust --layers/--experts")
+    return [f for f in ffns if f.ref.layer in keep_layers and (f.ref.kind != "expert" or f.ref.expert in keep_experts)]
+
+
+def _execute_file(plan: Plan, out: Path, force: bool, max_shard_size, metadata, manifest) -> None:
+    """A .safetensors output and its OUT.json manifest, both checked first and both moved in only on success."""
+    ckpt = plan.source
+    manifest_path = out.with_suffix(".json")
+    check_output(manifest_path, [ckpt.path, *ckpt.files, *side_files(ckpt), ckpt.root / "config.json"], force,
+                 replaceable=_is_manifest)
+    tmp = manifest_path.with_name(f".{manifest_path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    try:
+        execute(plan, out, force=force, max_shard_size=max_shard_size, metadata=metadata, desc="extracting")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, manifest_path)
+
+
+def _is_manifest(p: Path) -> bool:
+    try:
+        return {"source", "scheme", "ffns"} <= set(json.loads(p.read_text()))
+    except (OSError, ValueError, TypeError):
+        return False

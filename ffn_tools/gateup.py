@@ -47,8 +47,10 @@ def _name(template: str, f: FFN) -> str:
 def _target(f: FFN, form_name: str, verb: str) -> Form:
     form = f.group.forms.get(form_name)
     if form is None:
+        want = "--gate and --up" if form_name == "separate" else "--gate-up"
         raise NothingToDoError(f"{f.ref}: the naming scheme has no {form_name} form to {verb} into "
-                               f"(it knows {', '.join(f.group.forms)}); declare one with --scheme-file")
+                               f"(it knows {', '.join(f.group.forms)}); name the output tensors with {want} "
+                               "templates (with the others), or declare the form in a --scheme-file")
     return form
 
 
@@ -249,7 +251,7 @@ def _assemble(ckpt, ffns: FFNSet, replaced: dict[str, list[Entry]], command: str
 
 def default_output(path: Path, tag: str) -> Path:
     """A path beside the input that exists nowhere yet: model.split.safetensors, or DIR-split/."""
-    path = Path(path)
+    path = Path(path).resolve()  # '.' has no name: resolve it first
     if path.is_file() and path.suffix == ".safetensors":
         stem, suffix, parent = f"{path.stem}.{tag}", ".safetensors", path.parent
     else:

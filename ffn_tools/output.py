@@ -17,8 +17,12 @@ from .errors import OutputExistsError
 from .store import WEIGHT_SUFFIXES
 
 
-def check_output(out: Path, inputs: list[Path], force: bool) -> None:
-    """Refuse an output that exists (without force) or overlaps an input.
+def check_output(out: Path, inputs: list[Path], force: bool, replaceable=None) -> None:
+    """Refuse an output that exists (without force, or that --force may not replace) or overlaps an input.
+
+    Args:
+        replaceable: predicate saying whether an existing ``out`` is an earlier output --force may
+            replace (default: a weight file, or a directory holding only a checkpoint).
 
     Raises:
         OutputExistsError: naming the path and the fix.
@@ -30,15 +34,24 @@ def check_output(out: Path, inputs: list[Path], force: bool) -> None:
             raise OutputExistsError(f"{out}: the output would overwrite the input {inp}; choose another -o path")
     if out.exists() and not force:
         raise OutputExistsError(f"{out}: already exists; choose another -o path or pass --force to replace it")
-    if out.is_dir() and not _looks_like_output(out):
-        raise OutputExistsError(f"{out}: is a directory that holds no checkpoint; --force replaces only earlier "
-                                "outputs, so remove it yourself if you mean it")
+    if out.exists() and not (replaceable or _looks_like_output)(out):
+        raise OutputExistsError(f"{out}: does not look like an earlier checkpoint output; --force replaces only "
+                                "those, so remove it yourself if you mean it")
 
 
-def _looks_like_output(d: Path) -> bool:
-    """A directory --force may replace: empty, or an earlier checkpoint output (weights, config or a manifest)."""
-    entries = list(d.iterdir())
-    return not entries or any(p.suffix in WEIGHT_SUFFIXES or p.name in ("config.json", "ffn_manifest.json") for p in entries)
+# Files an earlier output directory may hold besides weights: configs, manifests, tokenizer files, notes.
+SIDE_SUFFIXES = (".json", ".model", ".jinja", ".txt", ".md", ".tiktoken")
+
+
+def _looks_like_output(p: Path) -> bool:
+    """What --force may replace: a weight file; an empty directory; or a directory of plain files, all of
+    them weights or side files, at least one of them weights or config.json. Nothing else is deleted."""
+    if not p.is_dir():
+        return p.suffix in WEIGHT_SUFFIXES
+    entries = list(p.iterdir())
+    if any(e.is_dir() or e.suffix not in (*WEIGHT_SUFFIXES, *SIDE_SUFFIXES) for e in entries):
+        return not entries
+    return not entries or any(e.suffix in WEIGHT_SUFFIXES or e.name == "config.json" for e in entries)
 
 
 def _remove(p: Path) -> None:

@@ -25,6 +25,9 @@ from .layouts import CONCAT, GateUpLayout
 
 KINDS = ("dense", "expert", "shared")
 FORMS = ("separate", "fused", "stacked", "stacked-separate")
+# The roles each form names.
+FORM_ROLES = {"separate": {"gate", "up", "down"}, "fused": {"gate_up", "down"}, "stacked": {"gate_up", "down"},
+              "stacked-separate": {"gate", "up", "down"}}
 ROLES = ("gate", "up", "down", "gate_up")
 PLACEHOLDERS = ("layer", "expert")
 
@@ -171,15 +174,24 @@ def load_scheme_file(path: str | Path) -> Scheme:
     if not isinstance(data, dict):
         raise SchemeError(f"{path}: a scheme file holds a JSON object")
     if "groups" not in data:
+        if not data.get("down") or not ((data.get("gate") and data.get("up")) or data.get("gate_up")):
+            raise SchemeError(f"{path}: a scheme file needs \"down\" and either \"gate\" and \"up\" or "
+                              f"\"gate_up\" (templates with {{layer}}), or \"groups\"; found keys {sorted(data)}")
         return custom_scheme(**{k: data.get(k) for k in ROLES})
     try:
         groups = []
+        if not data["groups"]:
+            raise SchemeError(f"{path}: \"groups\" is empty; declare at least one group of FFN names")
         for g in data["groups"]:
             forms = {name: Form(stacked=name.startswith("stacked"), **spec) for name, spec in g["forms"].items()}
             bad = set(forms) - set(FORMS)
             if g["kind"] not in KINDS or bad:
                 raise SchemeError(f"{path}: kind must be one of {KINDS}, forms among {FORMS}")
-            for f in forms.values():
+            for name, f in forms.items():
+                need = FORM_ROLES[name]
+                if set(f.templates()) != need:
+                    raise SchemeError(f"{path}: form {name!r} of the {g['kind']} group needs exactly "
+                                      f"{', '.join(sorted(need))}; found {', '.join(sorted(f.templates())) or 'none'}")
                 for t in f.templates().values():
                     compile_template(t)
             groups.append(Group(g["kind"], forms, GateUpLayout(**g.get("layout", {}))))

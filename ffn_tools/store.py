@@ -130,7 +130,8 @@ class SafetensorsCheckpoint(Checkpoint):
                 metadata = meta
             for e in entries.values():
                 if e.name in infos:
-                    raise CheckpointError(f"tensor {e.name!r} appears in both {infos[e.name].file} and {f}")
+                    raise CheckpointError(f"tensor {e.name!r} appears in both {infos[e.name].file} and {f}; "
+                                          "point at one file (or an index) instead of the directory")
                 infos[e.name] = TensorInfo(e.name, e.dtype, e.shape, f, e.start)
         super().__init__(path, root, files, infos, metadata)
         self._handles: dict[Path, object] = {}

@@ -65,3 +65,57 @@ def test_gemma_legacy_gelu_is_the_tanh_approximation():
     assert activation_from_config({"model_type": "llama", "hidden_act": "gelu"}).kernel == "gelu"
     assert activation_from_config({"model_type": "gemma2", "hidden_act": "gelu",
                                    "hidden_activation": "gelu_pytorch_tanh"}).kernel == "gelu_tanh"
+
+
+def test_force_never_replaces_a_file_that_is_not_a_checkpoint(model_dir, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    r = run_cli("split-gateup", model_dir("phi3"), "-o", tmp_path / "notes.txt", "--force", ok=False)
+    assert "earlier checkpoint output" in r.output and (tmp_path / "notes.txt").read_text() == "mine"
+    proj = tmp_path / "proj"
+    (proj / "src").mkdir(parents=True)
+    (proj / "config.json").write_text("{}")
+    (proj / "main.py").write_text("print()")
+    run_cli("split-gateup", model_dir("phi3"), "-o", proj, "--force", ok=False)
+    assert (proj / "main.py").is_file() and (proj / "src").is_dir()
+
+
+def test_default_output_of_dot_lands_beside_it(model_dir, tmp_path, monkeypatch):
+    import shutil
+
+    shutil.copytree(model_dir("phi3"), tmp_path / "ps")
+    monkeypatch.chdir(tmp_path / "ps")
+    r = run_cli("split-gateup", ".")
+    assert (tmp_path / "ps-split" / "model.safetensors").is_file() and "ps-split" in r.output
+    assert sorted(p.name for p in (tmp_path / "ps").iterdir()) == ["config.json", "generation_config.json",
+                                                                    "model.safetensors"]
+
+
+def test_dry_run_json_plan_holds_only_tensors(model_dir):
+    j = json.loads(run_cli("split-gateup", model_dir("phi3"), "--dry-run", "--json").output)
+    assert all("\u2190" in line for line in j["plan"]) and j["dry_run"]
+
+
+def test_split_refuses_an_mlx_directory_with_the_way_out(model_dir, tmp_path):
+    run_cli("convert", model_dir("phi3"), "--to", "mlx", "-o", tmp_path / "q", "--quantize", "4", "--group-size", "32")
+    r = run_cli("split-gateup", tmp_path / "q", ok=False)
+    assert "is a mlx checkpoint" in r.output and "--to torch" in r.output
+
+
+def test_scheme_files_are_checked_when_loaded(tmp_path, model_dir):
+    cases = [({"groups": []}, '"groups" is empty'),
+             ({"groups": [{"kind": "dense", "forms": {"fused": {"gate_up": "layers.{layer}.w13.weight"}}}]},
+              "form 'fused' of the dense group needs exactly down, gate_up"),
+             ({"gate": "a.{layer}.g"}, 'needs "down"')]
+    for data, message in cases:
+        (tmp_path / "s.json").write_text(json.dumps(data))
+        r = run_cli("inspect", model_dir("llama"), "--scheme-file", tmp_path / "s.json", ok=False)
+        assert message in r.output
+
+
+def test_split_with_templates_names_its_outputs(model_dir, tmp_path):
+    args = ["--gate-up", "model.layers.{layer}.mlp.gate_up_proj.weight", "--down", "model.layers.{layer}.mlp.down_proj.weight"]
+    r = run_cli("split-gateup", model_dir("phi3"), "-o", tmp_path / "o", *args, ok=False)
+    assert "--gate and --up" in r.output
+    run_cli("split-gateup", model_dir("phi3"), "-o", tmp_path / "o", *args,
+            "--gate", "blocks.{layer}.g.weight", "--up", "blocks.{layer}.u.weight")
+    assert "blocks.1.u.weight" in tensors(tmp_path / "o")

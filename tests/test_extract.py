@@ -73,6 +73,26 @@ def test_specs():
             parse_spec(bad)
 
 
-def test_extract_selection_matching_nothing(model_dir, tmp_path):
+def test_extract_selection_naming_what_is_not_there(model_dir, tmp_path):
     r = run_cli("extract", model_dir("llama"), "-o", tmp_path / "ffn", "--layers", "9", ok=False)
-    assert "selects no FFN" in r.output and not (tmp_path / "ffn").exists()
+    assert "has no layers [9] (it has 0-1)" in r.output and not (tmp_path / "ffn").exists()
+    r = run_cli("extract", model_dir("mixtral"), "-o", tmp_path / "ffn", "--layers", "0-3", "--experts", "0,9", ok=False)
+    assert "no layers [2, 3]" in r.output and "no experts [9] (it has 0-3)" in r.output
+    r = run_cli("extract", model_dir("llama"), "-o", tmp_path / "ffn", "--experts", "0", ok=False)
+    assert "no routed experts" in r.output and not list(tmp_path.iterdir())
+
+
+def test_single_file_manifest_never_clobbers(model_dir, tmp_path):
+    import shutil
+
+    src = tmp_path / "llama"
+    shutil.copytree(model_dir("llama"), src)
+    config = (src / "config.json").read_text()
+    r = run_cli("extract", src, "-o", src / "config.safetensors", ok=False)  # OUT.json would be the input's config
+    assert "config.json" in r.output and (src / "config.json").read_text() == config
+    (tmp_path / "data.json").write_text("{}")
+    r = run_cli("extract", src, "-o", tmp_path / "data.safetensors", "--force", ok=False)
+    assert "does not look like an earlier" in r.output and (tmp_path / "data.json").read_text() == "{}"
+    run_cli("extract", src, "-o", tmp_path / "f.safetensors")
+    run_cli("extract", src, "-o", tmp_path / "f.safetensors", "--layers", "1", "--force")  # an earlier manifest
+    assert json.loads((tmp_path / "f.json").read_text())["layers"] == [1]

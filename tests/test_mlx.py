@@ -397,15 +397,15 @@ def test_checkpoints_mlx_lm_cannot_run_are_refused(hf, model_dir, tmp_path):
 def test_existing_output_needs_force(hf, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "keep").write_text("x")
+    (out / "keep.txt").write_text("x")
     with pytest.raises(OutputExistsError):
         convert(hf("llama"), "mlx", out)
-    with pytest.raises(OutputExistsError, match="holds no checkpoint"):  # --force replaces only outputs
+    with pytest.raises(OutputExistsError, match="earlier checkpoint output"):  # --force replaces only outputs
         convert(hf("llama"), "mlx", out, force=True)
-    assert (out / "keep").exists()
+    assert (out / "keep.txt").exists()
     (out / "config.json").write_text("{}")  # an earlier output
     convert(hf("llama"), "mlx", out, force=True)
-    assert not (out / "keep").exists() and (out / "model.safetensors").is_file()
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
