@@ -77,16 +77,46 @@ def shard_names(n: int, prefix: str = "model") -> list[str]:
 
 
 def write_file(path: Path, items: Sequence[OutTensor], metadata: dict | None, progress: Progress | None = None) -> None:
-    """Write one safetensors file, streaming each tensor's bytes."""
+    """Write one safetensors file, streaming each tensor's bytes.
+
+    Byte ranges that continue one another in the same input file (consecutive untouched tensors, the
+    halves of a split) are merged into one ``copy_file_range`` run.
+    """
     header = build_header([(t.name, t.dtype, t.shape, t.nbytes) for t in items], metadata)
-    with open(path, "wb", buffering=0) as f:
-        _write_all(f, memoryview(header))
-        for t in items:
-            written = _emit(f, t.produce())
-            if written != t.nbytes:
-                raise RuntimeError(f"internal error: {t.name} produced {written} bytes, expected {t.nbytes}")
-            if progress:
-                progress.update(t.nbytes)
+    sources: dict[Path, object] = {}
+    pending: list[ByteRange] = []
+    try:
+        with open(path, "wb", buffering=0) as f:
+            _write_all(f, memoryview(header))
+            for t in items:
+                payload = t.produce()
+                if isinstance(payload, list):
+                    written = sum(r.nbytes for r in payload)
+                    for r in payload:
+                        last = pending[-1] if pending else None
+                        if last and last.file == r.file and last.start + last.nbytes == r.start:
+                            pending[-1] = ByteRange(r.file, last.start, last.nbytes + r.nbytes)
+                        else:
+                            pending.append(r)
+                else:
+                    _flush(f, pending, sources)
+                    written = _emit(f, payload)
+                if written != t.nbytes:
+                    raise RuntimeError(f"internal error: {t.name} produced {written} bytes, expected {t.nbytes}")
+                if progress:
+                    progress.update(t.nbytes)
+            _flush(f, pending, sources)
+    finally:
+        for src in sources.values():
+            src.close()
+
+
+def _flush(f, pending: list[ByteRange], sources: dict) -> None:
+    for r in pending:
+        if r.file not in sources:
+            sources[r.file] = open(r.file, "rb", buffering=0)
+        _copy_range(f, sources[r.file], r)
+    pending.clear()
 
 
 def write_sharded(out_dir: Path, items: Sequence[OutTensor], *, max_shard_size: int | None,
@@ -116,8 +146,6 @@ def _write_all(f, view: memoryview) -> None:
 
 
 def _emit(f, payload: Payload) -> int:
-    if isinstance(payload, list):
-        return sum(_copy_range(f, r) for r in payload)
     torch, np = sys.modules.get("torch"), sys.modules.get("numpy")  # a tensor/array means it is imported
     if torch is not None and isinstance(payload, torch.Tensor):
         t = payload.detach().cpu().contiguous().reshape(-1)
@@ -130,23 +158,21 @@ def _emit(f, payload: Payload) -> int:
     return len(view)
 
 
-def _copy_range(f, r: ByteRange) -> int:
-    """Copy a byte range from an input file with copy_file_range (falling back to read/write)."""
-    with open(r.file, "rb", buffering=0) as src:
-        offset, left = r.start, r.nbytes
-        try:
-            while left:
-                n = os.copy_file_range(src.fileno(), f.fileno(), left, offset)
-                if n == 0:
-                    raise OSError("short copy")
-                offset += n
-                left -= n
-        except (OSError, AttributeError):
-            src.seek(offset)
-            while left:
-                chunk = src.read(min(left, 64 << 20))
-                if not chunk:
-                    raise OSError(f"{r.file}: ended early while copying") from None
-                _write_all(f, memoryview(chunk))
-                left -= len(chunk)
-    return r.nbytes
+def _copy_range(f, src, r: ByteRange) -> None:
+    """Copy a byte range of an open input file with copy_file_range (falling back to read/write)."""
+    offset, left = r.start, r.nbytes
+    try:
+        while left:
+            n = os.copy_file_range(src.fileno(), f.fileno(), left, offset)
+            if n == 0:
+                raise OSError("short copy")
+            offset += n
+            left -= n
+    except (OSError, AttributeError):
+        src.seek(offset)
+        while left:
+            chunk = src.read(min(left, 64 << 20))
+            if not chunk:
+                raise OSError(f"{r.file}: ended early while copying") from None
+            _write_all(f, memoryview(chunk))
+            left -= len(chunk)

@@ -210,24 +210,27 @@ def test_force_replaces_an_earlier_output_but_no_other_directory(model_dir, tmp_
     assert "earlier checkpoint output" in r.output and (home / "notes.txt").read_text() == "mine"
 
 
-def test_failure_midway_leaves_no_partial_output(model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("where, src", [("_copy_range", "safetensors"), ("_emit", "pickle")])
+def test_failure_midway_leaves_no_partial_output(model_dir, tmp_path, monkeypatch, where, src):
+    """A disk filling up while bytes are copied (safetensors input) or written (pickle input)."""
     import ffn_tools.writer as writer
 
     calls = {"n": 0}
-    real = writer._emit
+    real = getattr(writer, where)
 
-    def flaky(f, payload):
+    def flaky(*args):
         calls["n"] += 1
-        if calls["n"] == 5:
-            raise OSError("disk full")
-        return real(f, payload)
+        if calls["n"] == 2:
+            raise OSError(28, "No space left on device")
+        return real(*args)
 
-    monkeypatch.setattr(writer, "_emit", flaky)
+    monkeypatch.setattr(writer, where, flaky)
+    from ffn_tools.gateup import split_gateup
+
+    source = model_dir("phi3") if src == "safetensors" else model_dir("phi3", safe_serialization=False)
     with pytest.raises(OSError):
-        from ffn_tools.gateup import split_gateup
-
-        split_gateup(model_dir("phi3"), tmp_path / "out")
-    assert list(tmp_path.iterdir()) == []
+        split_gateup(source, tmp_path / "out", max_shard_size=60_000)
+    assert calls["n"] == 2 and list(tmp_path.iterdir()) == []
 
 
 def test_pickle_input_is_split_too(model_dir, tmp_path):
