@@ -18,6 +18,7 @@ from .layouts import GateUpLayout, fuse, split
 from .output import check_output
 from .plan import Entry, Plan, check_shardable, copy_entry, execute
 from .registry import Form, Scheme, bias_name
+from .sizes import human
 from .store import open_checkpoint
 
 MAX_PIECES = 256  # above this many byte runs (interleaved, column axis) computing is faster than copying
@@ -269,6 +270,10 @@ def _run(command: str, plan_fn, path, out, *, scheme, layout, dry_run, force, ma
         plan = plan_fn(ckpt, find_ffns(ckpt, scheme, layout), **kw)
         out = Path(out) if out else default_output(path, "split" if command == "split-gateup" else "fused")
         check_shardable(out, max_shard_size)
+        if max_shard_size is None and len(ckpt.files) > 1 and out.suffix != ".safetensors":
+            max_shard_size = max(f.stat().st_size for f in ckpt.files)  # shard like the input
+            plan.changes.append(f"shards of at most {human(max_shard_size)}, like the input's largest "
+                                "(--max-shard-size to change)")
         summary = dict(plan.summary, output=str(out), dry_run=dry_run, changes=plan.changes,
                        plan=plan.describe() if dry_run else None)
         if dry_run:

@@ -254,3 +254,14 @@ def test_split_never_imports_torch(model_dir, tmp_path):
     split = tensors(tmp_path / "o")
     fused = tensors(model_dir("phi3"))["model.layers.1.mlp.gate_up_proj.weight"]
     assert torch.equal(split["model.layers.1.mlp.up_proj.weight"], fused[96:])
+
+
+def test_a_sharded_input_gives_a_sharded_output(model_dir, tmp_path):
+    src = model_dir("phi3", max_shard_size="60KB")
+    largest = max(p.stat().st_size for p in src.glob("*.safetensors"))
+    r = run_cli("split-gateup", src, "-o", tmp_path / "out")
+    assert "like the input's largest" in r.output
+    files = list((tmp_path / "out").glob("model-*.safetensors"))
+    assert len(files) > 1 and max(p.stat().st_size for p in files) <= max(largest, 2 * 96 * 64 * 4 + 500)
+    run_cli("split-gateup", model_dir("phi3"), "-o", tmp_path / "one")
+    assert_identical(tensors(tmp_path / "out"), tensors(tmp_path / "one"))
