@@ -118,7 +118,11 @@ def _out_tensor(e: Entry, ckpt: Checkpoint, cache: dict) -> OutTensor:
                                f"planned {e.dtype}{list(e.shape)}")
         return out
 
-    return OutTensor(e.name, e.st_dtype, tuple(e.shape), e.nbytes, produce)
+    start = None
+    if e.pieces and all(i.start is not None for i in infos):
+        k, off, _ = e.pieces[0]
+        start = infos[k].start + off
+    return OutTensor(e.name, e.st_dtype, tuple(e.shape), e.nbytes, produce, start)
 
 
 def side_files(ckpt: Checkpoint) -> list[Path]:

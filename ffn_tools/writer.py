@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .progress import Progress
-from .safetensors_format import build_header, header_entry_size
+from .safetensors_format import PAGE, build_header, header_entry_size
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class OutTensor:
     shape: tuple[int, ...]
     nbytes: int
     produce: Callable[[], Payload]
+    source_start: int | None = None  # where its bytes begin in their input file, when they are a copy
 
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -55,13 +56,15 @@ def plan_shards(items: Sequence[OutTensor], max_shard_size: int | None, metadata
     cur: list[OutTensor] = []
     data = 0
     head = meta_len
+    aligned = False  # does the current shard copy bytes (then its header may be padded up to a page)?
     for t in items:
         add = header_entry_size(t.name, t.dtype, t.shape, data, t.nbytes)
-        size = 8 + head + add + 8 + data + t.nbytes  # +8: worst-case header padding
-        if cur and size > max_shard_size:
+        pad = 8 + (PAGE if aligned or t.source_start is not None else 0)  # worst-case header padding
+        if cur and 8 + head + add + pad + data + t.nbytes > max_shard_size:
             shards.append(cur)
-            cur, data, head = [], 0, meta_len
+            cur, data, head, aligned = [], 0, meta_len, False
             add = header_entry_size(t.name, t.dtype, t.shape, 0, t.nbytes)
+        aligned = aligned or t.source_start is not None
         cur.append(t)
         data += t.nbytes
         head += add
@@ -82,7 +85,7 @@ def write_file(path: Path, items: Sequence[OutTensor], metadata: dict | None, pr
     Byte ranges that continue one another in the same input file (consecutive untouched tensors, the
     halves of a split) are merged into one ``copy_file_range`` run.
     """
-    header = build_header([(t.name, t.dtype, t.shape, t.nbytes) for t in items], metadata)
+    header = build_header([(t.name, t.dtype, t.shape, t.nbytes) for t in items], metadata, _data_start_mod(items))
     sources: dict[Path, object] = {}
     pending: list[ByteRange] = []
     try:
@@ -109,6 +112,16 @@ def write_file(path: Path, items: Sequence[OutTensor], metadata: dict | None, pr
     finally:
         for src in sources.values():
             src.close()
+
+
+def _data_start_mod(items: Sequence[OutTensor]) -> int | None:
+    """The data start (mod PAGE) that puts the first copied tensor at its input offset's page position."""
+    before = 0
+    for t in items:
+        if t.source_start is not None:
+            return (t.source_start - before) % PAGE
+        before += t.nbytes
+    return None
 
 
 def _flush(f, pending: list[ByteRange], sources: dict) -> None:
