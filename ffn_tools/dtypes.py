@@ -55,8 +55,6 @@ def as_st(dtype) -> str:
     return _BY_NAME[name]
 
 
-st_dtype = as_st
-
 
 def itemsize(dtype) -> int:
     """Bytes per element of a safetensors dtype string or torch dtype."""

@@ -15,6 +15,7 @@ name without ``.weight``, with ``_bias`` appended, as GPT-OSS stores stacked exp
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -119,8 +120,11 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
 )}
 
 
+@functools.lru_cache(maxsize=None)
 def compile_template(template: str) -> re.Pattern:
     """A regex matching the tensor names of a template, with named groups for its placeholders.
+
+    Cached: detection and verify match every template against every tensor name.
 
     Raises:
         SchemeError: the template has no {layer}, or an unknown {placeholder}.

@@ -44,9 +44,6 @@ class OutTensor:
     source_start: int | None = None  # where its bytes begin in their input file, when they are a copy
 
 
-INDEX_NAME = "model.safetensors.index.json"
-
-
 def plan_shards(items: Sequence[OutTensor], max_shard_size: int | None, metadata: dict | None) -> list[list[OutTensor]]:
     """Split ``items`` into consecutive shards whose files are each at most ``max_shard_size`` bytes."""
     if not max_shard_size:
