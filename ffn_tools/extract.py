@@ -101,11 +101,12 @@ def _select(ckpt, ffns, layers: str | None, experts: str | None) -> list[FFN]:
     have_experts = sorted({f.ref.expert for f in ffns if f.ref.kind == "expert"})
     keep_layers = parse_spec(layers) if layers else set(have_layers)
     keep_experts = parse_spec(experts) if experts else set(have_experts)
-    missing = [f"layers {sorted(keep_layers - set(have_layers))} (it has {have_layers[0]}-{have_layers[-1]})"
-               for _ in [0] if keep_layers - set(have_layers)]
-    missing += [f"experts {sorted(keep_experts - set(have_experts))} (it has "
-                f"{f'{have_experts[0]}-{have_experts[-1]}' if have_experts else 'no routed experts'})"
-                for _ in [0] if keep_experts - set(have_experts)]
+    missing = []
+    if keep_layers - set(have_layers):
+        missing.append(f"layers {sorted(keep_layers - set(have_layers))} (it has {have_layers[0]}-{have_layers[-1]})")
+    if keep_experts - set(have_experts):
+        has = f"{have_experts[0]}-{have_experts[-1]}" if have_experts else "no routed experts"
+        missing.append(f"experts {sorted(keep_experts - set(have_experts))} (it has {has})")
     if missing:
         raise FFNToolsError(f"{ckpt.path} has no {' and no '.join(missing)}; adjust --layers/--experts")
     return [f for f in ffns if f.ref.layer in keep_layers and (f.ref.kind != "expert" or f.ref.expert in keep_experts)]
