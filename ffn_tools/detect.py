@@ -6,6 +6,7 @@ separate) is collected and reported in one error, sorted.
 
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 from .errors import SchemeError
 from .ffn import FFN, Activation, FFNRef, activation_from_config
 from .layouts import GateUpLayout
-from .registry import SCHEMES, Form, Group, Scheme, bias_name, compile_template, scheme_for_model_type
+from .registry import (LIBRARY, SCHEMES, Form, Group, Scheme, bias_name, compile_template, scheme_for_model_type,
+                       template_head)
 
 
 @dataclass(frozen=True)
@@ -29,14 +31,35 @@ class FFNSet:
         return {f.ref: f for f in self.ffns}
 
 
-def _matches(names, scheme: Scheme) -> dict[tuple, dict[str, dict[str, str]]]:
+_FIRST_INDEX = re.compile(r"\.\d+(?:\.|$)")
+
+
+def _buckets(names) -> dict[str, list[str]]:
+    """Names by their text up to the first ``.<digits>`` (``model.layers.``): a template can only match the
+    names of its head's bucket, unless its head has digits itself (then every name is tried)."""
+    out: dict[str, list[str]] = defaultdict(list)
+    for n in names:
+        m = _FIRST_INDEX.search(n)
+        out[n[:m.start() + 1] if m else ""].append(n)
+    return out
+
+
+def _candidates(template: str, names, buckets) -> list[str]:
+    head = template_head(template)
+    if head in buckets:
+        return buckets[head]
+    return [n for n in names if n.startswith(head)]
+
+
+def _matches(names, scheme: Scheme, buckets=None) -> dict[tuple, dict[str, dict[str, str]]]:
     """(group index, stacked, layer, expert) -> form name -> role -> tensor name."""
+    buckets = buckets if buckets is not None else _buckets(names)
     hits: dict[tuple, dict[str, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
     for gi, group in enumerate(scheme.groups):
         for form_name, form in group.forms.items():
             for role, template in form.templates().items():
                 rx = compile_template(template)
-                for name in names:
+                for name in _candidates(template, names, buckets):
                     m = rx.fullmatch(name)
                     if m:
                         d = m.groupdict()
@@ -45,34 +68,60 @@ def _matches(names, scheme: Scheme) -> dict[tuple, dict[str, dict[str, str]]]:
     return hits
 
 
-def _mapping(hits) -> frozenset:
-    return frozenset((name, role, *key[1:]) for key, forms in hits.items()
-                     for roles in forms.values() for role, name in roles.items())
+def _claims(group: Group, names, buckets) -> frozenset[str]:
+    """Every tensor name one of the group's templates matches."""
+    return frozenset(n for form in group.forms.values() for t in form.templates().values()
+                     for n in _candidates(t, names, buckets) if compile_template(t).fullmatch(n))
 
 
-def choose_scheme(names, config: Mapping | None) -> Scheme:
-    """Pick the scheme that explains the checkpoint's tensor names.
+def choose_scheme(names, config: Mapping | None, within: Scheme | None = None) -> Scheme:
+    """The groups that explain the checkpoint's tensor names, as one scheme named after its family.
+
+    Every group of the library (or of ``within``) is matched on its own; a group whose tensors are a strict
+    subset of another's is dropped (Hunyuan's ``linear_gate`` MLP also half-matches Llama's); of groups that
+    match the very same tensors (v5 stacked experts and GPT-OSS's transposed ones share names), the one in
+    the family config.json's ``model_type`` selects is kept, else the first in table order. The result is
+    named after the first family holding every kept group (the selected family first).
 
     Raises:
-        SchemeError: no scheme matches, or several match differently and config.json does not decide.
+        SchemeError: no group matches.
     """
-    found = {}
-    for s in SCHEMES.values():
-        hits = _matches(names, s)
-        if hits:
-            found[s.name] = (s, frozenset(n for f in hits.values() for r in f.values() for n in r.values()), hits)
-    if not found:
+    names = list(names)
+    buckets = _buckets(names)
+    claims = {g: c for g in (within.groups if within else LIBRARY) if (c := _claims(g, names, buckets))}
+    if not claims:
+        if within is not None:
+            first = next(iter(within.groups[0].forms.values())).templates()
+            raise SchemeError(f"no tensor matches scheme {within.name!r}; check the templates (e.g. {first})")
         sample = ", ".join(sorted(names)[:3])
         raise SchemeError(f"no FFN tensors found: names like {sample} match no known scheme "
                           f"({', '.join(SCHEMES)}); pass --gate/--up/--down templates or --scheme-file")
-    best = [v for v in found.values() if not any(v[1] < w[1] for w in found.values())]
     preferred = scheme_for_model_type((config or {}).get("model_type"))
-    if preferred and any(s is preferred for s, _, _ in best):
-        return preferred
-    if len({_mapping(h) for _, _, h in best}) == 1:
-        return best[0][0]
-    raise SchemeError("ambiguous FFN naming: the tensor names fit schemes "
-                      f"{', '.join(s.name for s, _, _ in best)}; choose one with --scheme")
+    favoured = set(preferred.groups) if preferred else set()
+    chosen = []
+    for g, c in claims.items():
+        if any(c < d for d in claims.values()):
+            continue
+        equal = [h for h, d in claims.items() if d == c]
+        if next((h for h in equal if h in favoured), equal[0]) is g:
+            chosen.append(g)
+    if within is not None:
+        return Scheme(within.name, within.description, tuple(chosen), within.model_types)
+    prefixes = sorted({g.prefix for g in chosen})
+    if len(prefixes) > 1:  # layers under two roots: two models' names in one file, or a mistake
+        fits = [f"{_name([g for g in chosen if g.prefix == p], preferred).name} ({p})" for p in prefixes]
+        raise SchemeError(f"ambiguous FFN naming: the tensor names fit schemes {' and '.join(fits)}, under "
+                          "different layer prefixes; choose one with --scheme")
+    return _name(chosen, preferred)
+
+
+def _name(groups: list[Group], preferred: Scheme | None) -> Scheme:
+    """``groups`` as a scheme named after the first family holding them all (``preferred`` first)."""
+    for family in ([preferred] if preferred else []) + list(SCHEMES.values()):
+        if set(groups) <= set(family.groups):
+            return Scheme(family.name, family.description, tuple(groups), family.model_types)
+    kinds = sorted({g.name for g in groups})
+    return Scheme("+".join(kinds), "groups " + ", ".join(kinds), tuple(groups))
 
 
 def find_ffns(ckpt, scheme: Scheme | None = None, layout: GateUpLayout | None = None) -> FFNSet:
@@ -87,11 +136,11 @@ def find_ffns(ckpt, scheme: Scheme | None = None, layout: GateUpLayout | None = 
         SchemeError: nothing found, ambiguous, or inconsistent tensors (all problems listed).
     """
     names = list(ckpt)
-    scheme = scheme or choose_scheme(names, ckpt.config)
+    try:
+        scheme = choose_scheme(names, ckpt.config, within=scheme)
+    except SchemeError as e:
+        raise SchemeError(f"{ckpt.path}: {e}") if scheme is not None else e from None
     hits = _matches(names, scheme)
-    if not hits:
-        raise SchemeError(f"{ckpt.path}: no tensor matches scheme {scheme.name!r}; check the templates "
-                          f"(e.g. {next(iter(scheme.groups[0].forms.values())).templates()})")
     ffns: list[FFN] = []
     problems: list[str] = []
     keys = sorted(hits, key=lambda k: (k[2], k[0], k[3] or 0))
@@ -117,6 +166,12 @@ def find_ffns(ckpt, scheme: Scheme | None = None, layout: GateUpLayout | None = 
             continue
         form_name = complete[key][0]
         ffns.extend(_build(ckpt, group, form_name, forms[form_name], layer, expert, layout or group.layout, problems))
+    seen: dict[FFNRef, FFN] = {}
+    for f in ffns:
+        if f.ref in seen:
+            problems.append(f"{f.ref}: found twice, as {seen[f.ref].names['down']} and {f.names['down']}; pass "
+                            "--scheme, or --gate/--up/--down templates naming one of them")
+        seen.setdefault(f.ref, f)
     if problems:
         raise SchemeError(f"{ckpt.path}: inconsistent FFN tensors under scheme {scheme.name!r}: " + "; ".join(sorted(problems)))
     tensors = frozenset(n for f in ffns for n in f.names.values())
@@ -137,14 +192,19 @@ def _build(ckpt, group: Group, form_name: str, roles: dict[str, str], layer: int
     if len(down) != 2 + lead:
         problems.append(f"{names['down']}: expected {2 + lead} dims, found {list(down)}")
         return []
-    h, i = down[lead:]
-    want = {"down": (h, i), "down_bias": (h,)}
+    h, i = down[lead:][::-1] if form.transposed else down[lead:]  # (H, I), or (I, H) stored (in, out)
+    want = {"down": (i, h) if form.transposed else (h, i), "down_bias": (h,)}
     fused_axis = 0 if layout.axis == "rows" else 1
+    if form.transposed and form.fused and fused_axis == 0:
+        problems.append(f"{names['gate_up']}: stored (in, out), so gate and up share its columns; the layout "
+                        f"says rows ({layout.describe()})")
+        return []
     if form.fused:
         want["gate_up"] = (2 * i, h) if fused_axis == 0 else (h, 2 * i)
         want["gate_up_bias"] = (2 * i,)
     else:
-        want.update(gate=(i, h), up=(i, h), gate_bias=(i,), up_bias=(i,))
+        pair = (h, i) if form.transposed else (i, h)
+        want.update(gate=pair, up=pair, gate_bias=(i,), up_bias=(i,))
     n_experts = down[0] if form.stacked else None
     before = len(problems)
     if form.fused and len(shapes["gate_up"]) == 2 + lead and shapes["gate_up"][lead + fused_axis] % 2:

@@ -127,4 +127,7 @@ def canonical_weights(ckpt, ffn: FFN) -> "dict[str, torch.Tensor]":
                 out[f"{r}_bias"] = get(f"{r}_bias")
     if "down_bias" in ffn.names:
         out["down_bias"] = get("down_bias")
+    if ffn.form.transposed:  # stored (in, out): a pure move back to (out, in)
+        for r in ("gate", "up", "down"):
+            out[r] = out[r].T.contiguous()
     return out
