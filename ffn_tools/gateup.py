@@ -78,21 +78,30 @@ def _split_entries(ckpt, f: FFN, src: str, is_bias: bool, names: dict[str, str])
         out_shape = list(shape)
         out_shape[dim] //= 2
 
-        def compute(ts, k=k, index=f.index, b=is_bias, name=src):
-            t = ts[0] if index is None else ts[0][index]
-            return split(t, layout, is_bias=b, name=name)[k]
+        turn = f.form.transposed and not is_bias  # (H, 2I) stored (in, out): each half goes back to (I, H)
 
+        def compute(ts, k=k, index=f.index, b=is_bias, name=src, turn=turn):
+            t = ts[0] if index is None else ts[0][index]
+            part = split(t, layout, is_bias=b, name=name)[k]
+            return part.T.contiguous() if turn else part
+
+        if turn:
+            out_shape, note = out_shape[::-1], note + ", transposed to (out, in)"
         out.append(Entry(names[role], info.st_dtype, tuple(out_shape), (src,), compute,
-                         pieces if len(pieces) <= MAX_PIECES else None, note))
+                         pieces if len(pieces) <= MAX_PIECES and not turn else None, note))
     return out
 
 
-def _index_entry(ckpt, src: str, index: int | None, name: str) -> Entry:
-    """``src`` itself, or its slice ``[index]`` of a stacked tensor, under ``name``."""
+def _index_entry(ckpt, src: str, index: int | None, name: str, transpose: bool = False) -> Entry:
+    """``src`` itself, or its slice ``[index]`` of a stacked tensor, under ``name`` (``transpose``: a slice
+    stored (in, out), turned back to (out, in))."""
     if index is None:
         return copy_entry(ckpt, src, name)
     info = ckpt.info(src)
     n = info.nbytes // info.shape[0]
+    if transpose:
+        return Entry(name, info.st_dtype, info.shape[1:][::-1], (src,), lambda ts, i=index: ts[0][i].T.contiguous(),
+                     None, f"[{index}] of {src}, transposed to (out, in)")
     return Entry(name, info.st_dtype, info.shape[1:], (src,), lambda ts, i=index: ts[0][i].contiguous(),
                  ((0, index * n, n),), f"[{index}] of {src}")
 
@@ -116,9 +125,10 @@ def plan_split(ckpt, ffns: FFNSet) -> Plan:
         if "gate_up_bias" in f.names:
             replaced[f.names["gate_up_bias"]] += _split_entries(
                 ckpt, f, f.names["gate_up_bias"], True, {r: bias_name(new[r]) for r in ("gate", "up")})
-        for src, dst in ((f.names["down"], new["down"]), (f.names.get("down_bias"), bias_name(new["down"]))):
+        for src, dst, turn in ((f.names["down"], new["down"], f.form.transposed),
+                               (f.names.get("down_bias"), bias_name(new["down"]), False)):
             if src and (f.index is not None or src != dst):
-                replaced[src].append(_index_entry(ckpt, src, f.index, dst))
+                replaced[src].append(_index_entry(ckpt, src, f.index, dst, turn))
     return _assemble(ckpt, ffns, replaced, "split-gateup", len(fused), fused[0].layout)
 
 
@@ -136,36 +146,44 @@ def _fuse_pieces(parts: list[tuple[int, tuple[int, ...], int]], layout: GateUpLa
 
 
 def _fuse_entry(ckpt, name: str, srcs: list[tuple[str, str]], layout: GateUpLayout, is_bias: bool,
-                stacked: bool = False) -> Entry:
-    """One fused tensor from (gate, up) name pairs: one pair, or one per expert stacked on dim 0."""
+                stacked: bool = False, transpose: bool = False) -> Entry:
+    """One fused tensor from (gate, up) name pairs: one pair, or one per expert stacked on dim 0
+    (``transpose``: stored (in, out), each (I, H) projection turned to (H, I) before fusing its columns)."""
     infos = [(ckpt.info(g), ckpt.info(u)) for g, u in srcs]
     gi, ui = infos[0]
     for g, u in infos:
         if g.shape != gi.shape or u.shape != g.shape or g.st_dtype != gi.st_dtype or u.st_dtype != g.st_dtype:
             raise LayoutError(f"cannot fuse {g.name} {g.st_dtype}{list(g.shape)} with {u.name} {u.st_dtype}{list(u.shape)}: "
                               "gate and up (and all stacked experts) need one shape and dtype")
-    dim = layout.dim(len(gi.shape), is_bias)
-    shape = list(gi.shape)
+    part = gi.shape[::-1] if transpose else gi.shape
+    dim = layout.dim(len(part), is_bias)
+    shape = list(part)
     shape[dim] *= 2
     layout.segments(shape[dim])  # raises LayoutError for a bad --tp before anything is written
     inputs = tuple(n for pair in srcs for n in pair)
-    pieces = _fuse_pieces([(2 * k, gi.shape, 2 * k + 1) for k in range(len(srcs))], layout, is_bias, itemsize(gi.st_dtype))
+    pieces = None if transpose else _fuse_pieces([(2 * k, gi.shape, 2 * k + 1) for k in range(len(srcs))], layout,
+                                                 is_bias, itemsize(gi.st_dtype))
 
     def compute(ts, n=name):
+        ts = [t.T for t in ts] if transpose else ts
         fused = [fuse(ts[2 * k], ts[2 * k + 1], layout, is_bias=is_bias, name=n) for k in range(len(ts) // 2)]
         return _stack(fused) if stacked else fused[0]
 
     out_shape = (len(srcs), *shape) if stacked else tuple(shape)
     first = f"{srcs[0][0]} + {srcs[0][1]}" + (f" … ({len(srcs)} experts stacked)" if stacked else "")
-    return Entry(name, gi.st_dtype, out_shape, inputs, compute, pieces if len(pieces) <= MAX_PIECES * len(srcs) else None,
+    return Entry(name, gi.st_dtype, out_shape, inputs, compute,
+                 pieces if pieces and len(pieces) <= MAX_PIECES * len(srcs) else None,
                  f"fuse({first}; {layout.describe()})")
 
 
-def _stack_entry(ckpt, name: str, srcs: list[str]) -> Entry:
+def _stack_entry(ckpt, name: str, srcs: list[str], transpose: bool = False) -> Entry:
     info = ckpt.info(srcs[0])
     for s in srcs:
         if ckpt.info(s).shape != info.shape or ckpt.info(s).st_dtype != info.st_dtype:
             raise LayoutError(f"cannot stack {s} {list(ckpt.info(s).shape)} with {srcs[0]} {list(info.shape)}")
+    if transpose:  # stored (in, out)
+        return Entry(name, info.st_dtype, (len(srcs), *info.shape[::-1]), tuple(srcs),
+                     lambda ts: _stack([t.T for t in ts]), None, f"stack({srcs[0]} … {len(srcs)} experts, transposed)")
     return Entry(name, info.st_dtype, (len(srcs), *info.shape), tuple(srcs), _stack,
                  tuple((k, 0, info.nbytes) for k in range(len(srcs))), f"stack({srcs[0]} … {len(srcs)} experts)")
 
@@ -186,8 +204,9 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False) -> Plan:
     replaced: dict[str, list[Entry]] = defaultdict(list)
     by_layer: dict[int, list[FFN]] = defaultdict(list)
     for f in separate:
-        if stack_experts:  # only routed experts: v5 keeps dense MLPs and shared experts separate
-            if f.ref.kind == "expert":
+        only_stacked = "fused" not in f.group.forms and "stacked" in f.group.forms  # GPT-OSS, Llama-4, Granite
+        if stack_experts or (f.ref.kind == "expert" and only_stacked):
+            if f.ref.kind == "expert":  # only routed experts: v5 keeps dense MLPs and shared experts separate
                 by_layer[f.ref.layer].append(f)
             continue
         target = _target(f, "fused", "fuse")
@@ -206,8 +225,10 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False) -> Plan:
         target = _target(f0, "stacked", "stack")
         new = {r: _name(t, f0) for r, t in target.templates().items()}
         replaced[f0.names["gate"]].append(_fuse_entry(
-            ckpt, new["gate_up"], [(f.names["gate"], f.names["up"]) for f in experts], f0.layout, False, True))
-        replaced[f0.names["down"]].append(_stack_entry(ckpt, new["down"], [f.names["down"] for f in experts]))
+            ckpt, new["gate_up"], [(f.names["gate"], f.names["up"]) for f in experts], f0.layout, False, True,
+            target.transposed))
+        replaced[f0.names["down"]].append(_stack_entry(ckpt, new["down"], [f.names["down"] for f in experts],
+                                                       target.transposed))
         _fuse_biases(ckpt, f0, replaced, experts, bias_name(new["gate_up"]), stacked=True)
         if "down_bias" in f0.names:
             replaced[f0.names["down_bias"]].append(_stack_entry(ckpt, bias_name(new["down"]),
@@ -218,6 +239,8 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False) -> Plan:
     if stack_experts and not by_layer:
         raise NothingToDoError(f"{ckpt.path}: --stack-experts: no routed experts with separate gate/up to stack")
     changed = sum(len(v) for v in by_layer.values()) if stack_experts else len(separate)
+    if not changed:
+        raise NothingToDoError(f"{ckpt.path}: nothing to fuse (scheme {ffns.scheme.name})")
     return _assemble(ckpt, ffns, replaced, "fuse-gateup", changed, separate[0].layout)
 
 

@@ -1,0 +1,156 @@
+"""transformers' own model zoo, built tiny: every causal-LM model type it ships, judged gated or not by its
+torch module tree, and saved with ``save_pretrained``.
+
+The oracle is the module tree, not tensor names: a gated FFN is a module holding two (H -> I) projections
+and one (I -> H) projection (separate), one (H -> 2I) and one (I -> H) (fused), or the same as 3-D expert
+parameters (E, ...) in either orientation. Names never enter the count, so the registry is checked against
+something it does not share.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+H, I, I_MOE, I_SHARED = 64, 96, 48, 80
+# Overrides applied where the model type's config has the key (the config's own defaults otherwise).
+TINY = dict(hidden_size=H, intermediate_size=I, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=128, moe_intermediate_size=I_MOE, num_experts=4, num_local_experts=4,
+            n_routed_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=I_SHARED,
+            n_shared_experts=1, max_position_embeddings=128, first_k_dense_replace=1, tie_word_embeddings=False,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, mlp_bias=True, attention_bias=True)
+# Per model type: what its config needs beyond TINY to build at this size (data, found by trying).
+EXTRA: dict[str, dict] = {}
+
+
+@dataclass
+class Counts:
+    """Gated FFNs by kind, as the module tree has them."""
+
+    dense: int = 0
+    expert: int = 0
+    shared: int = 0
+    d_ffn: set = field(default_factory=set)
+
+    def as_tuple(self) -> tuple[int, int, int]:
+        return (self.dense, self.expert, self.shared)
+
+
+def tiny_config(model_type: str):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    defaults = cls().to_dict()
+    kw = {k: v for k, v in TINY.items() if k in defaults}
+    kw.update(EXTRA.get(model_type, {}))
+    return cls(**kw)
+
+
+def causal_lm_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _linear_shape(m) -> tuple[int, int] | None:
+    """(out, in) of a module holding one 2-D ``weight`` (Linear and its look-alikes)."""
+    w = getattr(m, "weight", None)
+    if isinstance(w, torch.Tensor) and w.dim() == 2 and not isinstance(m, torch.nn.Embedding):
+        return tuple(w.shape)
+    return None
+
+
+def _gated(ins: list[tuple[int, int]], outs: list[tuple[int, int]]) -> int | None:
+    """I when some (I, H) pair plus one (H, I) makes a gated FFN (two (I, H), or one (2I, H)), else None."""
+    for h, i in outs:  # down: (H, I); I == H would be attention's square projections
+        if i == h:
+            continue
+        n_up = sum(1 for o, x in ins if (o, x) == (i, h))
+        if n_up >= 2 or any((o, x) == (2 * i, h) for o, x in ins):
+            return i
+    return None
+
+
+def module_tree_counts(model) -> Counts:
+    """Count the gated FFNs of a torch model from its modules' parameter shapes (see module docstring).
+
+    A dense FFN module holds nothing but its projections: a Mamba mixer's in_proj (2I, H) and out_proj
+    (H, I) come with a conv1d and state parameters, so it does not count.
+    """
+    counts = Counts()
+    for path, mod in model.named_modules():
+        shared = "shared" in path.rsplit(".", 1)[-1]
+        lin = [s for _, c in mod.named_children() if (s := _linear_shape(c))]
+        i = _gated(lin, lin) if lin else None
+        if i is not None and sum(p.numel() for p in mod.parameters()) == sum(
+                p.numel() for _, c in mod.named_children() if _linear_shape(c) for p in c.parameters()):
+            counts.shared += shared
+            counts.dense += not shared
+            counts.d_ffn.add(i)
+            continue
+        p3 = [tuple(p.shape) for _, p in mod.named_parameters(recurse=False) if p.dim() == 3]
+        if len(p3) >= 2 and len({s[0] for s in p3}) == 1:
+            e = p3[0][0]
+            mats = [s[1:] for s in p3]
+            i = _gated(mats, mats) or _gated([m[::-1] for m in mats], [m[::-1] for m in mats])
+            if i is not None:
+                counts.shared += e * shared
+                counts.expert += e * (not shared)
+                counts.d_ffn.add(i)
+    return counts
+
+
+def meta_model(model_type: str):
+    """(config, model on the meta device) of the tiny ``model_type``."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config)
+    return config, model
+
+
+def build(model_type: str, path: Path, seed: int = 0) -> Path:
+    """Save the tiny ``model_type`` with random, perturbed weights (norms and biases too) into ``path``."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type)
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+        model.save_pretrained(path)
+    return path
+
+
+def swap_first_gate_up(src: Path, dst: Path) -> str:
+    """Copy a checkpoint whose FFNs are separate, with the first FFN's gate and up tensors swapped.
+
+    Returns:
+        the name of the swapped gate tensor.
+    """
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ffn_tools.detect import find_ffns
+    from ffn_tools.store import open_checkpoint
+
+    shutil.copytree(src, dst)
+    with open_checkpoint(src) as c:
+        f = next(f for f in find_ffns(c).ffns if f.form_name == "separate")
+    gate, up = f.names["gate"], f.names["up"]
+    for file in dst.glob("*.safetensors"):
+        t = load_file(file)
+        if gate in t or up in t:
+            with open_checkpoint(src) as c:
+                t[gate], t[up] = c[up].clone(), c[gate].clone()
+            save_file(t, file, metadata={"format": "pt"})
+    return gate
