@@ -24,11 +24,15 @@ ACTIVATIONS: dict[str, tuple[str, str]] = {
     "gelu_new": ("GeGLU", "gelu_tanh"),
     "gelu_fast": ("GeGLU", "gelu_tanh"),
     "gelu_python": ("GeGLU", "gelu"),
+    "relu2": ("ReGLU²", "relu2"),  # BitNet: relu(x)**2 gating
 }
 ASSUMED_ACTIVATION = "silu"
 # (model_type, hidden_act) -> what transformers actually runs: Gemma's released configs carry a legacy
 # "gelu" that GemmaConfig replaces by the tanh approximation.
 LEGACY_ACTIVATION = {("gemma", "gelu"): "gelu_pytorch_tanh"}
+# model_type -> the activation its modeling code hard-codes where its config has no hidden_act (checked
+# against transformers 5.24's modules).
+HARD_CODED_ACTIVATION = {"lfm2": "silu", "lfm3": "silu", "xlstm": "silu", "cpmant": "gelu"}
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,8 @@ def activation_from_config(config: dict | None) -> Activation:
     """
     name = None
     if config:
-        name = config.get("hidden_activation") or config.get("hidden_act")
+        name = config.get("hidden_activation") or config.get("hidden_act") or \
+            HARD_CODED_ACTIVATION.get(config.get("model_type"))
         name = LEGACY_ACTIVATION.get((config.get("model_type"), name), name)
     if not name:
         return Activation(ASSUMED_ACTIVATION, *ACTIVATIONS[ASSUMED_ACTIVATION], assumed=True)

@@ -137,7 +137,7 @@ GROUP_SPECS: dict[str, tuple[str, dict[str, Form], GateUpLayout]] = {
                                   "fused": _fused("{P}.mlp")}, CONCAT),
     "mlp.Wi": ("dense", {"fused": _fused("{P}.mlp", "Wi", "Wo")}, CONCAT),
     "ffn.proj_up": ("dense", {"separate": _sep("{P}.ffn", "proj_up_gate", "proj_up", "proj_down"),
-                              "fused": _fused("{P}.ffn", "proj_gate_up", "proj_down")}, CONCAT),
+                              "fused": _fused("{P}.ffn", "proj_up_gate_z", "proj_down")}, CONCAT),
     "ffn.ffn.w_in": ("dense", {"separate": _sep("{P}.ffn.ffn", "w_in.w_0", "w_in.w_1", "w_out"),
                                "fused": _fused("{P}.ffn.ffn", "w_in.w_01", "w_out")}, CONCAT),
     "mlp.experts": ("expert", _experts("{P}.mlp.experts"), CONCAT),

@@ -27,6 +27,8 @@ from .specs import parse_spec
 from .store import open_checkpoint, read_config
 from .tolerances import tolerance_for, widened
 from .verify_functional import KERNEL_DTYPES
+
+KERNEL_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu2")  # = kernels.ACTIVATIONS (no kernels import here)
 from .verify_pairs import PairChecker
 from .verify_report import VerifyReport
 
@@ -280,7 +282,7 @@ def _check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, mods, sel
     for f, side in ((fa, "A"), (fb, "B")):
         if f.activation.unit == "unknown":
             raise FFNToolsError(f"activation {f.activation.config_name!r} ({side}) is not one the kernels have "
-                                "(silu, gelu, gelu_tanh); verify cannot run it")
+                                f"({', '.join(KERNEL_ACTIVATIONS)}); verify cannot run it")
     if (fa.activation.kernel, fa.activation.unit) != (fb.activation.kernel, fb.activation.unit):
         report.problems.append(f"activation differs: A {fa.activation.describe()}, B {fb.activation.describe()}")
     _check_selection(fa, fb, sel_layers, sel_experts)

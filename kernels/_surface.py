@@ -10,8 +10,9 @@ from typing import Mapping
 
 import torch
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
-"""Activations of the gated FFN: silu (SwiGLU), exact erf gelu and tanh-approximated gelu (GeGLU)."""
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu2")
+"""Activations of the gated FFN: silu (SwiGLU), exact erf gelu and tanh-approximated gelu (GeGLU), and
+squared ReLU (BitNet's gated `relu(x)**2`)."""
 
 ORDERS = ("gate-up", "up-gate")
 """Which half of a fused gate_up activation comes first (or which comes first in each interleaved pair)."""

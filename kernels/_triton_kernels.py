@@ -5,10 +5,11 @@ columns. Loads are contiguous along the columns (the compiler vectorises them wh
 strides are 16-byte aligned), every load is cast to float32 before any arithmetic (the interpreter's
 bf16/fp16 arithmetic is not IEEE), and masks cover ragged row and column tails.
 
-Numerics (ACT 0 = silu, 1 = gelu, 2 = gelu_tanh) follow PyTorch's CUDA kernels term for term:
+Numerics (ACT 0 = silu, 1 = gelu, 2 = gelu_tanh, 3 = relu2) follow PyTorch's CUDA kernels term for term:
     silu       x / (1 + exp(-x))                                 IEEE division (div_rn)
     gelu       x * 0.5 * (1 + erf(x * float32(1/sqrt 2)))
     gelu_tanh  0.5 * x * (1 + tanh(float32(sqrt 2/pi) * fma(float32(0.044715), x*x*x, x)))
+    relu2      max(x, 0) * max(x, 0)                             exact but for the one rounding of the square
 With NATIVE (compiled for CUDA) exp/erf/tanh are libdevice's __nv_expf/__nv_erff/__nv_tanhf, the same
 functions CUDA's expf/erff/tanhf that PyTorch calls; `tl.exp` would lower to the approximate ex2.approx.
 In the interpreter they are numpy's float32 functions (tanh via exp), and float32 -> bfloat16 rounding
@@ -58,6 +59,9 @@ def _glu(a, b, out_ty: tl.constexpr, ACT: tl.constexpr, SINGLE_ROUNDING: tl.cons
         else:
             erf = tl.erf(a * SQRT1_2)
         h = a * 0.5 * (1.0 + erf)
+    elif ACT == 3:
+        r = tl.maximum(a, 0.0)
+        h = r * r
     else:
         inner = TANH_BETA * tl.fma(TANH_KAPPA, a * a * a, a)
         if NATIVE:

@@ -85,6 +85,9 @@ def _fns():
             return x / (1.0 + jnp.exp(-x))
         if activation == "gelu":
             return x * 0.5 * (1.0 + jax.lax.erf(x * GELU_SQRT1_2))
+        if activation == "relu2":
+            r = jnp.maximum(x, 0.0)
+            return r * r
         return 0.5 * x * (1.0 + jnp.tanh(GELU_TANH_BETA * (x + GELU_TANH_KAPPA * (x * x * x))))
 
     def glu(g, u, activation, single_rounding):
@@ -142,7 +145,7 @@ def silu_mul(
     Args:
         gate: (..., I) float32/float16/bfloat16.
         up: (..., I), same shape and dtype.
-        activation: "silu", "gelu" or "gelu_tanh".
+        activation: "silu", "gelu", "gelu_tanh" or "relu2".
         single_rounding: round once instead of twice.
         out: optional contiguous (..., I) buffer (the result is copied into it).
 
@@ -172,7 +175,7 @@ def silu_mul_fused(
         gate_up: (..., 2I): halves `[gate | up]` / `[up | gate]`, or interleaved pairs with `interleaved=True`.
         order: "gate-up" or "up-gate".
         interleaved: adjacent-column pairs instead of halves.
-        activation: "silu", "gelu" or "gelu_tanh".
+        activation: "silu", "gelu", "gelu_tanh" or "relu2".
         single_rounding: round once instead of twice.
         out: optional contiguous (..., I) buffer.
 
@@ -211,7 +214,7 @@ def ffn(
         gate_w, up_w: (I, H), PyTorch (out, in).
         down_w: (H, I).
         biases: optional dict with any of "gate" (I,), "up" (I,), "down" (H,).
-        activation: "silu", "gelu" or "gelu_tanh".
+        activation: "silu", "gelu", "gelu_tanh" or "relu2".
         single_rounding: see `silu_mul`.
 
     Returns:

@@ -2,7 +2,7 @@
 
 One thread per output element on a (columns, rows) grid; loads are converted to float, the math is float
 (`metal::precise` exp/tanh, an erf with <= 1 ulp error written out below since Metal has none), and the
-output type is the template parameter `T` (float, half or bfloat); ACT (0 silu, 1 gelu, 2 gelu_tanh),
+output type is the template parameter `T` (float, half or bfloat); ACT (0 silu, 1 gelu, 2 gelu_tanh, 3 relu2),
 SINGLE_ROUNDING and GATE_FIRST are int template parameters. Outputs are initialised to NaN
 (`init_value`), so an element the kernel fails to write can never pass verification.
 
@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 HEADER = r"""
-// ffn-tools: float math shared by every gated-activation variant. ACT: 0 silu, 1 gelu (erf), 2 gelu_tanh.
+// ffn-tools: float math shared by every gated-activation variant. ACT: 0 silu, 1 gelu (erf), 2 gelu_tanh, 3 relu2.
 // erf: Norbert Juffa's faithfully rounded erff (max error ~1 ulp), as also used by MLX.
 inline float ffn_erf(float a) {
   float t = metal::abs(a);
@@ -69,6 +69,9 @@ inline float ffn_act(float x) {
     return x / (1.0f + metal::precise::exp(-x));
   } else if (ACT == 1) {
     return x * 0.5f * (1.0f + ffn_erf(x * 0.70710676908493042f));
+  } else if (ACT == 3) {
+    float r = x > 0.0f ? x : 0.0f;
+    return r * r;
   } else {
     float inner = 0.79788458347320557f * metal::fma(0.044714998453855515f, x * x * x, x);
     return 0.5f * x * (1.0f + metal::precise::tanh(inner));
@@ -136,7 +139,7 @@ _SOURCES = {
     "fused_halves": (("gate_up",), FUSED_HALVES_SOURCE),
     "fused_interleaved": (("gate_up",), FUSED_INTERLEAVED_SOURCE),
 }
-_ACT_CODE = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+_ACT_CODE = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu2": 3}
 _THREADGROUP = 256
 
 
@@ -229,7 +232,7 @@ def silu_mul(
     Args:
         gate: (..., I) float32/float16/bfloat16.
         up: (..., I), same shape and dtype.
-        activation: "silu", "gelu" or "gelu_tanh".
+        activation: "silu", "gelu", "gelu_tanh" or "relu2".
         single_rounding: round once instead of twice.
         out: optional contiguous (..., I) buffer (the result is copied into it).
 
@@ -265,7 +268,7 @@ def silu_mul_fused(
         gate_up: (..., 2I): halves `[gate | up]` / `[up | gate]`, or interleaved pairs with `interleaved=True`.
         order: "gate-up" or "up-gate" (template `GATE_FIRST`).
         interleaved: adjacent-column pairs instead of halves.
-        activation: "silu", "gelu" or "gelu_tanh".
+        activation: "silu", "gelu", "gelu_tanh" or "relu2".
         single_rounding: round once instead of twice.
         out: optional contiguous (..., I) buffer.
 
@@ -305,7 +308,7 @@ def ffn(
         gate_w, up_w: (I, H), PyTorch (out, in).
         down_w: (H, I).
         biases: optional dict with any of "gate" (I,), "up" (I,), "down" (H,).
-        activation: "silu", "gelu" or "gelu_tanh".
+        activation: "silu", "gelu", "gelu_tanh" or "relu2".
         single_rounding: see `silu_mul`.
 
     Returns:

@@ -59,6 +59,9 @@ def _act32(x, activation: str):
         return x / (1.0 + mx.exp(-x))
     if activation == "gelu":
         return x * 0.5 * (1.0 + mx.erf(x * GELU_SQRT1_2))
+    if activation == "relu2":
+        r = mx.maximum(x, 0.0)
+        return r * r
     return 0.5 * x * (1.0 + mx.tanh(GELU_TANH_BETA * (x + GELU_TANH_KAPPA * (x * x * x))))
 
 
@@ -117,7 +120,7 @@ def silu_mul(
     Args:
         gate: (..., I) float32/float16/bfloat16.
         up: (..., I), same shape and dtype.
-        activation: "silu", "gelu" or "gelu_tanh".
+        activation: "silu", "gelu", "gelu_tanh" or "relu2".
         single_rounding: round once instead of twice.
         out: optional contiguous (..., I) buffer of the input dtype (the result is copied into it).
 
@@ -147,7 +150,7 @@ def silu_mul_fused(
         gate_up: (..., 2I): halves `[gate | up]` / `[up | gate]`, or interleaved pairs with `interleaved=True`.
         order: "gate-up" or "up-gate".
         interleaved: adjacent-column pairs instead of halves.
-        activation: "silu", "gelu" or "gelu_tanh".
+        activation: "silu", "gelu", "gelu_tanh" or "relu2".
         single_rounding: round once instead of twice.
         out: optional contiguous (..., I) buffer.
 
@@ -180,7 +183,7 @@ def ffn(
         gate_w, up_w: (I, H), PyTorch (out, in).
         down_w: (H, I).
         biases: optional dict with any of "gate" (I,), "up" (I,), "down" (H,).
-        activation: "silu", "gelu" or "gelu_tanh".
+        activation: "silu", "gelu", "gelu_tanh" or "relu2".
         single_rounding: see `silu_mul`.
 
     Returns:

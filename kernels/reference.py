@@ -32,6 +32,8 @@ def _act(x: torch.Tensor, activation: str) -> torch.Tensor:
         return F.silu(x)
     if activation == "gelu":
         return F.gelu(x)
+    if activation == "relu2":
+        return F.relu(x).square()
     return F.gelu(x, approximate="tanh")
 
 
@@ -48,7 +50,7 @@ def silu_mul(
     Args:
         gate: (..., I) activation input, float32/float16/bfloat16.
         up: (..., I) multiplier, same shape and dtype.
-        activation: "silu", "gelu" (erf) or "gelu_tanh".
+        activation: "silu", "gelu" (erf), "gelu_tanh" or "relu2".
         single_rounding: ignored (float64 throughout).
         out: optional float64 (..., I) buffer to write into.
 
@@ -77,7 +79,7 @@ def silu_mul_fused(
             `interleaved=True`, columns alternate g0, u0, g1, u1, ... ("gate-up") or u0, g0, ... ("up-gate").
         order: "gate-up" or "up-gate".
         interleaved: pairs of adjacent columns instead of halves.
-        activation: "silu", "gelu" or "gelu_tanh".
+        activation: "silu", "gelu", "gelu_tanh" or "relu2".
         single_rounding: ignored (float64 throughout).
         out: optional float64 (..., I) buffer.
 
@@ -106,7 +108,7 @@ def ffn(
         up_w: (I, H) up projection.
         down_w: (H, I) down projection.
         biases: optional dict with any of "gate" (I,), "up" (I,), "down" (H,).
-        activation: "silu", "gelu" or "gelu_tanh".
+        activation: "silu", "gelu", "gelu_tanh" or "relu2".
         single_rounding: ignored (float64 throughout).
 
     Returns:

@@ -33,7 +33,7 @@ if not torch.cuda.is_available():
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
 """True when kernels run through Triton's interpreter (decided once, at import)."""
 
-_ACT_CODE = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+_ACT_CODE = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu2": 3}
 
 __all__ = [
     "INTERPRETED",
@@ -187,7 +187,7 @@ def silu_mul(
     Args:
         gate: (..., I) float32/float16/bfloat16.
         up: (..., I) same shape and dtype.
-        activation: "silu", "gelu" (erf) or "gelu_tanh".
+        activation: "silu", "gelu" (erf), "gelu_tanh" or "relu2".
         single_rounding: round once instead of twice.
         out: optional contiguous (..., I) buffer of the input dtype; every element is written.
         config: tiling override (tests and tuning); default `launch_config(rows, I)`.
@@ -231,7 +231,7 @@ def silu_mul_fused(
         gate_up: (..., 2I) float32/float16/bfloat16.
         order: "gate-up" or "up-gate".
         interleaved: adjacent-column pairs instead of halves.
-        activation: "silu", "gelu" or "gelu_tanh".
+        activation: "silu", "gelu", "gelu_tanh" or "relu2".
         single_rounding: round once instead of twice.
         out: optional contiguous (..., I) buffer.
         config: tiling override; BLOCK_N counts output columns.
@@ -283,7 +283,7 @@ def ffn(
         gate_w, up_w: (I, H), PyTorch (out, in).
         down_w: (H, I).
         biases: optional dict with any of "gate" (I,), "up" (I,), "down" (H,).
-        activation: "silu", "gelu" or "gelu_tanh".
+        activation: "silu", "gelu", "gelu_tanh" or "relu2".
         single_rounding: see `silu_mul`.
 
     Returns:

@@ -41,7 +41,8 @@ LAYOUTS = (
 )
 SHAPES = ((1, 7), (33, 129))  # the full dtype x activation x layout product runs on these
 EXTRA_SHAPES = ((1, 1), (5, 1001))  # and silu on these (a jax compile per shape keeps the product small)
-EAGER = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+EAGER = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+         "relu2": lambda x: F.relu(x).square()}
 
 # Max ulp distance from eager `act(g) * u` on the CPU for float32, where |eager| >= 2**-100 (further down,
 # each exp library handles float32 underflow differently; there the absolute difference must stay below
@@ -55,6 +56,7 @@ EAGER_ULPS_FP32 = {
     "silu": {"triton": 5, "mlx": 64, "jax": 4},
     "gelu": {"triton": 6, "mlx": 9, "jax": 7},
     "gelu_tanh": {"triton": 5, "mlx": 4, "jax": 5},
+    "relu2": {"triton": 0, "mlx": 0, "jax": 0},  # max and one multiply: the same float32 ops as eager
 }
 EAGER_ULPS_16BIT = 2
 MAX_DIFFERING_FRACTION_16BIT = 1e-3

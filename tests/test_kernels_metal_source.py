@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 import torch
 
+import kernels
 from kernels import metal, reference
 from kernels.tolerances import compare, tolerance
 
@@ -113,7 +114,7 @@ int run(int variant, int act, int sr, int gf, int rows, int n, int gx, int gy, c
 #define L(A, S, G) launch<T, A, S, G>(variant, rows, n, gx, gy, a, b, out.data())
 #define LG(A, S) if (gf) L(A, S, 1); else L(A, S, 0)
 #define LS(A) if (sr) { LG(A, 1); } else { LG(A, 0); }
-  if (act == 0) { LS(0) } else if (act == 1) { LS(1) } else { LS(2) }
+  if (act == 0) { LS(0) } else if (act == 1) { LS(1) } else if (act == 2) { LS(2) } else { LS(3) }
   f = std::fopen(outp, "wb");
   std::fwrite(out.data(), sizeof(T), out.size(), f);
   std::fclose(f);
@@ -209,7 +210,7 @@ def run_body(harness, tmp_path, layout, gate, up, activation, single_rounding=Fa
         fused = torch.cat([a, b], dim=1) if layout == "halves" else torch.stack([a, b], dim=2).reshape(rows, 2 * n)
         payload = fused.flatten()
     gx, gy = grid or (n + 5, rows + 3)  # padded: threads past the array must write nothing
-    act = {"silu": 0, "gelu": 1, "gelu_tanh": 2}[activation]
+    act = metal._ACT_CODE[activation]
     inp, outp = tmp_path / "in.bin", tmp_path / "out.bin"
     inp.write_bytes(_bits(payload))
     args = [code, DTYPE_CODE[gate.dtype], act, int(single_rounding), int(gate_first), rows, n, gx, gy]
@@ -237,7 +238,7 @@ LAYOUTS = [("pair", "gate-up"), ("halves", "gate-up"), ("halves", "up-gate"), ("
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 7), (7, 129), (5, 1001)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "-".join(l))
-@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", kernels.ACTIVATIONS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_body_matches_reference(harness, tmp_path, dtype, activation, layout, shape):
     gate, up = _inputs(shape, dtype)
@@ -246,7 +247,7 @@ def test_body_matches_reference(harness, tmp_path, dtype, activation, layout, sh
     assert c.ok, c.summary()
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", kernels.ACTIVATIONS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch."))
 def test_body_rounding_structure_is_exact(harness, tmp_path, dtype, activation):
     """Default: T(float(T(act(g))) * u); SINGLE_ROUNDING: T(act(g) * u), from the body's own float act."""

@@ -77,16 +77,16 @@ def _gated(ins: list[tuple[int, int]], outs: list[tuple[int, int]]) -> int | Non
 def module_tree_counts(model) -> Counts:
     """Count the gated FFNs of a torch model from its modules' parameter shapes (see module docstring).
 
-    A dense FFN module holds nothing but its projections: a Mamba mixer's in_proj (2I, H) and out_proj
-    (H, I) come with a conv1d and state parameters, so it does not count.
+    A dense FFN module holds nothing but its projections and vectors (a norm, scales): a Mamba mixer's
+    in_proj (2I, H) and out_proj (H, I) come with a conv1d and a 2-D state matrix, so it does not count.
     """
     counts = Counts()
     for path, mod in model.named_modules():
         shared = "shared" in path.rsplit(".", 1)[-1]
         lin = [s for _, c in mod.named_children() if (s := _linear_shape(c))]
         i = _gated(lin, lin) if lin else None
-        if i is not None and sum(p.numel() for p in mod.parameters()) == sum(
-                p.numel() for _, c in mod.named_children() if _linear_shape(c) for p in c.parameters()):
+        own = {id(p) for _, c in mod.named_children() if _linear_shape(c) for p in c.parameters()}
+        if i is not None and all(p.dim() <= 1 for p in mod.parameters() if id(p) not in own):
             counts.shared += shared
             counts.dense += not shared
             counts.d_ffn.add(i)
