@@ -113,11 +113,15 @@ def size_option(f):
 
 
 def emit(result: dict, as_json: bool, lines: list[str]) -> None:
+    """The result as JSON, or as ``lines``; its ``warnings`` also go to stderr as one line each."""
     if as_json:
         click.echo(json.dumps(result, indent=2, default=str))
     else:
         for line in lines:
             click.echo(line)
+    for w in result.get("warnings") or []:
+        if as_json or not any(w in line for line in lines):
+            click.echo(f"warning: {w}", err=True)
 
 
 @cli.command()

@@ -18,6 +18,29 @@ from .registry import (LIBRARY, SCHEMES, Form, Group, Scheme, bias_name, compile
                        template_head)
 
 
+# A tensor looks like an FFN projection when a module on its path is an MLP / FFN / expert block and its own
+# module is named like a projection (a router, ``mlp.gate``, is not). Nothing that looks like this may be
+# passed over silently: ``find_ffns`` lists the ones no FFN claimed.
+_FFN_BLOCK = re.compile(r"(?:^|\.)(?:mlps?|ffn|feed_forward|experts?|shared_\w+|moe|\w*_moe|mlp_block)(?:\.|$)", re.I)
+_FFN_LEAF = re.compile(r"(?:gate_up|up_gate|gate_proj|up_proj|down_proj|up|down|w[0-9]+|w13|w_in|w_out|fc[0-9]*|"
+                       r"fc_in|fc_out|c_fc\w*|c_proj|wi|wo|input_linear|output_linear|dense_h_to_4h|dense_4h_to_h|"
+                       r"linear_gate|linear_fc[0-9]*|proj_up\w*|proj_down|lin[0-9]+)(?:_proj)?", re.I)
+_SUFFIXES = ("_bias", "_blocks", "_scales", "_scale", "_scale_inv")
+
+
+def looks_like_ffn(name: str) -> bool:
+    """Whether a tensor name looks like an FFN projection (see ``_FFN_BLOCK`` / ``_FFN_LEAF``)."""
+    parts = name.split(".")
+    if parts[-1] in ("weight", "bias", "weight_scale_inv", "weight_scale", "scales", "biases"):
+        parts = parts[:-1]
+    if not parts:
+        return False
+    leaf = parts[-1]
+    for suffix in _SUFFIXES:
+        leaf = leaf.removesuffix(suffix)
+    return bool(_FFN_LEAF.fullmatch(leaf)) and bool(_FFN_BLOCK.search(".".join(parts[:-1])))
+
+
 @dataclass(frozen=True)
 class FFNSet:
     """The FFNs of a checkpoint under one scheme."""
@@ -26,6 +49,17 @@ class FFNSet:
     ffns: tuple[FFN, ...]
     activation: Activation
     tensors: frozenset[str]  # every tensor name that belongs to an FFN (weights and biases)
+    unmatched: tuple[str, ...] = ()  # tensors that look like FFN projections but belong to no FFN found
+
+    def unmatched_warning(self, limit: int = 4) -> str | None:
+        """One line naming the FFN-like tensors no FFN claimed, or None."""
+        if not self.unmatched:
+            return None
+        shown = ", ".join(self.unmatched[:limit]) + (f", ... ({len(self.unmatched) - limit} more)"
+                                                      if len(self.unmatched) > limit else "")
+        return (f"{len(self.unmatched)} FFN-like tensor{'s' * (len(self.unmatched) > 1)} matched no FFN and "
+                f"{'are' if len(self.unmatched) > 1 else 'is'} treated as plain tensors: {shown} (an ungated MLP, or "
+                "a naming no scheme knows: --gate/--up/--down templates or --scheme-file)")
 
     def by_ref(self) -> dict[FFNRef, FFN]:
         return {f.ref: f for f in self.ffns}
@@ -88,15 +122,19 @@ def choose_scheme(names, config: Mapping | None, within: Scheme | None = None) -
     """
     names = list(names)
     buckets = _buckets(names)
-    claims = {g: c for g in (within.groups if within else LIBRARY) if (c := _claims(g, names, buckets))}
+    preferred = scheme_for_model_type((config or {}).get("model_type"))
+    extra = preferred.groups if preferred and preferred.by_model_type_only else ()
+    claims = {g: c for g in (within.groups if within else (*extra, *LIBRARY)) if (c := _claims(g, names, buckets))}
     if not claims:
         if within is not None:
             first = next(iter(within.groups[0].forms.values())).templates()
             raise SchemeError(f"no tensor matches scheme {within.name!r}; check the templates (e.g. {first})")
-        sample = ", ".join(sorted(names)[:3])
-        raise SchemeError(f"no FFN tensors found: names like {sample} match no known scheme "
+        like = sorted(n for n in names if looks_like_ffn(n))
+        sample = ", ".join(like[:3] or sorted(names)[:3])
+        what = (f"{len(like)} FFN-like tensors such as {sample} (an ungated MLP, or a naming no scheme knows)"
+                if like else f"names like {sample}")
+        raise SchemeError(f"no gated FFN tensors found: {what} match no known scheme "
                           f"({', '.join(SCHEMES)}); pass --gate/--up/--down templates or --scheme-file")
-    preferred = scheme_for_model_type((config or {}).get("model_type"))
     favoured = set(preferred.groups) if preferred else set()
     chosen = []
     for g, c in claims.items():
@@ -175,7 +213,9 @@ def find_ffns(ckpt, scheme: Scheme | None = None, layout: GateUpLayout | None = 
     if problems:
         raise SchemeError(f"{ckpt.path}: inconsistent FFN tensors under scheme {scheme.name!r}: " + "; ".join(sorted(problems)))
     tensors = frozenset(n for f in ffns for n in f.names.values())
-    return FFNSet(scheme, tuple(sorted(ffns, key=lambda f: f.ref)), activation_from_config(ckpt.config), tensors)
+    unmatched = tuple(sorted(n for n in names if n not in tensors and looks_like_ffn(n)))
+    return FFNSet(scheme, tuple(sorted(ffns, key=lambda f: f.ref)), activation_from_config(ckpt.config), tensors,
+                  unmatched)
 
 
 def _build(ckpt, group: Group, form_name: str, roles: dict[str, str], layer: int, expert: int | None,

@@ -83,6 +83,7 @@ def extract(ckpt, out: Path, *, layers: str | None = None, experts: str | None =
         "experts": sorted({f.ref.expert for f in chosen if f.ref.kind == "expert"}),
         "shared_expert": any(f.ref.kind == "shared" for f in chosen),
         "ffns": len(chosen), "tensors": len(entries),
+        "warnings": [w] if (w := ffns.unmatched_warning()) else [],
     }
     config = {"hidden_act": ffns.activation.config_name, "ffn_tools_manifest": manifest}
     plan = Plan(ckpt, entries, None if out.suffix == ".safetensors" else config)

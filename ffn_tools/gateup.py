@@ -268,7 +268,8 @@ def _assemble(ckpt, ffns: FFNSet, replaced: dict[str, list[Entry]], command: str
         seen.add(e.name)
     summary = {"command": command, "input": str(ckpt.path), "scheme": ffns.scheme.name, "layout": layout.describe(),
                "ffns_changed": changed, "ffns_total": len(ffns.ffns), "tensors_in": len(ckpt),
-               "tensors_out": len(entries), "bytes": sum(e.nbytes for e in entries)}
+               "tensors_out": len(entries), "bytes": sum(e.nbytes for e in entries),
+               "warnings": [w] if (w := ffns.unmatched_warning()) else []}
     changes = ["config.json: carried over unchanged (no config key records the gate/up layout)"] if ckpt.config else []
     return Plan(ckpt, entries, ckpt.config, changes, summary)
 

@@ -83,6 +83,7 @@ class Scheme:
     description: str
     groups: tuple[Group, ...]
     model_types: tuple[str, ...] = field(default=())
+    by_model_type_only: bool = False  # its names also mean something ungated (fc1/fc2): match only when selected
 
 
 def bias_name(weight_name: str) -> str:
@@ -128,6 +129,7 @@ GROUP_SPECS: dict[str, tuple[str, dict[str, Form], GateUpLayout]] = {
     "mlp": ("dense", _hf("{P}.mlp"), CONCAT),
     "feed_forward": ("dense", _hf("{P}.feed_forward"), CONCAT),
     "mlp_block": ("dense", _hf("{P}.mlp_block"), CONCAT),
+    "shared_transf.feed_forward": ("dense", _hf("{P}.shared_transf.feed_forward"), CONCAT),
     "block_sparse_moe": ("dense", _hf("{P}.block_sparse_moe"), CONCAT),
     "feed_forward.w": ("dense", {"separate": _sep("{P}.feed_forward", "w1", "w3", "w2"),
                                  "fused": _fused("{P}.feed_forward", "w13", "w2")}, CONCAT),
@@ -135,7 +137,9 @@ GROUP_SPECS: dict[str, tuple[str, dict[str, Form], GateUpLayout]] = {
                            "fused": _fused("{P}.mlp", "c_fc_01", "c_proj")}, CONCAT),
     "mlp.linear_gate": ("dense", {"separate": _sep("{P}.mlp", "linear_gate"),
                                   "fused": _fused("{P}.mlp")}, CONCAT),
-    "mlp.Wi": ("dense", {"fused": _fused("{P}.mlp", "Wi", "Wo")}, CONCAT),
+    # Fused-only families split into Llama's names (what separate-projection consumers read).
+    "mlp.Wi": ("dense", {"fused": _fused("{P}.mlp", "Wi", "Wo"), "separate": _sep("{P}.mlp")}, CONCAT),
+    "mlp.fc": ("dense", {"fused": _fused("{P}.mlp", "fc1", "fc2"), "separate": _sep("{P}.mlp")}, CONCAT),
     "ffn.proj_up": ("dense", {"separate": _sep("{P}.ffn", "proj_up_gate", "proj_up", "proj_down"),
                               "fused": _fused("{P}.ffn", "proj_up_gate_z", "proj_down")}, CONCAT),
     "ffn.ffn.w_in": ("dense", {"separate": _sep("{P}.ffn.ffn", "w_in.w_0", "w_in.w_1", "w_out"),
@@ -182,8 +186,9 @@ def _at(name: str, prefix: str) -> Group:
 
 
 def _family(name: str, description: str, groups: tuple[str, ...], model_types: tuple[str, ...] = (),
-            prefixes: tuple[str, ...] = LAYER_PREFIXES) -> Scheme:
-    return Scheme(name, description, tuple(_at(g, p) for g in groups for p in prefixes), model_types)
+            by_model_type_only: bool = False) -> Scheme:
+    return Scheme(name, description, tuple(_at(g, p) for g in groups for p in LAYER_PREFIXES), model_types,
+                  by_model_type_only)
 
 
 # Naming families: which groups a model family has, and the config model_types that select it (with several
@@ -231,9 +236,13 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     _family("meta", "Meta / Mistral native and LFM2: feed_forward.w1/w3/w2 (w1 gate, w3 up, w2 down)",
             ("feed_forward.w",), ("lfm2", "lfm3")),
     _family("exaone", "EXAONE 3: transformer.h.{l}.mlp.c_fc_0/c_fc_1/c_proj", ("mlp.c_fc",), ("exaone",)),
+    _family("zamba", "Zamba: the shared transformer block's shared_transf.feed_forward in hybrid layers",
+            ("shared_transf.feed_forward",), ("zamba", "zamba2")),
     _family("recurrent-gemma", "RecurrentGemma: mlp_block", ("mlp_block",), ("recurrent_gemma",)),
     _family("modernbert", "ModernBERT decoder: mlp.Wi fused (gate first) / mlp.Wo", ("mlp.Wi",),
             ("modernbert-decoder",)),
+    _family("moshi", "Moshi: mlp.fc1 fused (gate first) / mlp.fc2; only by config model_type (fc1/fc2 also name "
+            "ungated MLPs)", ("mlp.fc",), ("moshi",), by_model_type_only=True),
     _family("xlstm", "xLSTM: ffn.proj_up_gate / proj_up / proj_down", ("ffn.proj_up",), ("xlstm",)),
     _family("cpmant", "CPM-Ant: ffn.ffn.w_in.w_0 / w_1 / w_out", ("ffn.ffn.w_in",), ("cpmant",)),
     Scheme("ffn-tools", "ffn-tools extract output: layers.{l}.{gate,up,down}.weight",
@@ -245,7 +254,8 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
 )}
 
 # Every group of every family, once: what detection matches a checkpoint against.
-LIBRARY: tuple[Group, ...] = tuple(dict.fromkeys(g for s in SCHEMES.values() for g in s.groups))
+LIBRARY: tuple[Group, ...] = tuple(dict.fromkeys(g for s in SCHEMES.values() if not s.by_model_type_only
+                                                 for g in s.groups))
 
 
 @functools.lru_cache(maxsize=None)

@@ -67,6 +67,8 @@ def inspect_checkpoint(ckpt: Checkpoint, scheme: Scheme | None = None, layout: G
         "tensors": len(ckpt),
         "ffn_tensors": len(ffns.tensors),
         "outside_ffn": {"count": len(outside), "bytes": sum(ckpt.info(n).nbytes for n in outside)},
+        "unmatched_ffn_like": list(ffns.unmatched),
+        "warnings": [w] if (w := ffns.unmatched_warning()) else [],
     }
 
 
@@ -90,4 +92,5 @@ def format_summary(s: dict) -> list[str]:
                      f"{k['layout']}{', with biases' if k['bias'] else ''}, {k['tensors']} tensors")
     o = s["outside_ffn"]
     lines.append(f"  outside FFNs  {o['count']} tensors, {human(o['bytes'])}")
+    lines += [f"  warning       {w}" for w in s["warnings"]]
     return lines

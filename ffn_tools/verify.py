@@ -185,7 +185,7 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
            layers: str | None = None, experts: str | None = None, atol: float | None = None,
            rtol: float | None = None, exact: bool | None = None, logits: bool = False,
            scheme: Scheme | None = None, layout: GateUpLayout | None = None,
-           b_layout: GateUpLayout | None = None) -> VerifyReport:
+           b_layout: GateUpLayout | None = None, allow_unmatched: bool = False) -> VerifyReport:
     """Verify that checkpoint ``b`` holds the same FFNs as checkpoint ``a``.
 
     Args:
@@ -202,6 +202,8 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
             scheme's by default).
         b_layout: B's fused gate/up layout, when it differs from A's: then ``layout`` applies to A only
             (None: B's is ``layout`` too).
+        allow_unmatched: tensors that look like FFN projections but belong to no FFN found are a note,
+            not a failure (they are never run as FFNs).
 
     Returns:
         The report; ``report.passed`` is the verdict.
@@ -233,6 +235,10 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
         (fa, pa), (fb, pb) = _find(ca, "A", scheme, layout), _find(cb, "B", scheme, b_layout or layout)
         report = VerifyReport(_side(ca, fa), _side(cb, fb), list(mods), skipped, tokens, seed, None)
         report.problems += [p for p in (pa, pb) if p]
+        for side, found in (("A", fa), ("B", fb)):
+            if found and (w := found.unmatched_warning()):
+                (report.notes if allow_unmatched else report.problems).append(
+                    f"{side}: {w}" + ("" if allow_unmatched else "; --allow-unmatched accepts them unchecked"))
         if fa and fb:
             _check_pairs(report, ca, cb, fa, fb, mods, sel_layers, sel_experts, atol, rtol, exact, seed, tokens)
     if logits:

@@ -67,12 +67,15 @@ def _build():
                        "both sides should be lossless copies (same dtype, neither quantized).")
     @click.option("--logits", is_flag=True, help="Also run both whole models on a fixed token batch through their "
                   "real clients (transformers for PyTorch, mlx_lm for MLX directories) and compare the logits.")
+    @click.option("--allow-unmatched", is_flag=True, help="Pass even when tensors that look like FFN projections "
+                  "(mlp/ffn/expert + gate/up/down/w1/fc...) belong to no FFN found; by default they fail the check, "
+                  "since they were never run.")
     @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
     @_cli.scheme_options
     @_cli.layout_options
     @b_layout_options
-    def verify(a, b, backends, tokens, seed, layers, experts, atol, rtol, exact, logits, as_json, scheme, layout,
-               b_layout):
+    def verify(a, b, backends, tokens, seed, layers, experts, atol, rtol, exact, logits, allow_unmatched, as_json,
+               scheme, layout, b_layout):
         """Check that checkpoint B holds the same FFNs as checkpoint A.
 
         A and B are any checkpoints ffn-tools reads (PyTorch safetensors or pickles, split or fused, MLX plain
@@ -96,7 +99,7 @@ def _build():
         try:
             report = run(a, b, backends=list(backends) or None, tokens=tokens, seed=seed, layers=layers,
                          experts=experts, atol=atol, rtol=rtol, exact=exact, logits=logits, scheme=scheme,
-                         layout=layout, b_layout=b_layout)
+                         layout=layout, b_layout=b_layout, allow_unmatched=allow_unmatched)
         except FFNToolsError as e:
             raise VerifyTrouble(str(e)) from None
         if as_json:

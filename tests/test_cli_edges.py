@@ -54,7 +54,7 @@ def test_an_output_path_the_os_refuses_is_one_line(model_dir, tmp_path):
 
 def test_single_file_extract_keeps_its_activation(model_dir, tmp_path):
     run_cli("extract", model_dir("gemma"), "-o", tmp_path / "g.safetensors")
-    s = json.loads(run_cli("inspect", tmp_path / "g.safetensors", "--json").output)
+    s = json.loads(run_cli("inspect", tmp_path / "g.safetensors", "--json").stdout)
     assert s["gated_unit"] == "GeGLU" and "gelu_pytorch_tanh" in s["activation"]
     r = run_cli("verify", model_dir("gemma"), tmp_path / "g.safetensors", "--backend", "reference")
     assert "PASS" in r.output
@@ -91,7 +91,7 @@ def test_default_output_of_dot_lands_beside_it(model_dir, tmp_path, monkeypatch)
 
 
 def test_dry_run_json_plan_holds_only_tensors(model_dir):
-    j = json.loads(run_cli("split-gateup", model_dir("phi3"), "--dry-run", "--json").output)
+    j = json.loads(run_cli("split-gateup", model_dir("phi3"), "--dry-run", "--json").stdout)
     assert all("\u2190" in line for line in j["plan"]) and j["dry_run"]
 
 

@@ -42,7 +42,7 @@ def test_extract_phi3_splits_fused_bit_exact(model_dir, tmp_path):
 def test_extract_moe_experts_and_shared(model_dir, tmp_path):
     src = model_dir("qwen2_moe")
     r = run_cli("extract", src, "-o", tmp_path / "ffn", "--experts", "1,3", "--json")
-    m = json.loads(r.output)
+    m = json.loads(r.stdout)
     out, base = tensors(tmp_path / "ffn"), tensors(src)
     assert m["experts"] == [1, 3] and m["shared_expert"] and m["ffns"] == 2 * 3
     assert torch.equal(out["layers.0.experts.3.up.weight"], base["model.layers.0.mlp.experts.3.up_proj.weight"])

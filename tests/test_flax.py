@@ -251,13 +251,13 @@ def test_cli_convert_and_inspect(model_dir, tmp_path):
     run_cli("convert", src, "--to", "flax", "--flax-layout", "linen", "-o", tmp_path / "linen")
     params = restore(tmp_path / "linen" / "flax_model.msgpack")["params"]
     assert {"layers_0_experts_3", "layers_0_shared_expert", "layers_1_experts_0"} <= set(params)
-    info = json.loads(run_cli("inspect", tmp_path / "linen", "--json").output)
+    info = json.loads(run_cli("inspect", tmp_path / "linen", "--json").stdout)
     assert info["format"] == "flax" and info["scheme"] == "ffn-tools" and info["routed_experts"] == 4
     assert info["shared_experts"] == 1 and info["activation"].startswith("SwiGLU (silu)")
     run_cli("convert", tmp_path / "linen", "--to", "torch", "-o", tmp_path / "torch")
     assert "layers.0.shared_expert.gate.weight" in tensors(tmp_path / "torch")
     run_cli("convert", src, "--to", "flax", "-o", tmp_path / "hf", "--max-shard-size", "100KB")
-    assert json.loads(run_cli("inspect", tmp_path / "hf", "--json").output)["scheme"] == "qwen-moe"
+    assert json.loads(run_cli("inspect", tmp_path / "hf", "--json").stdout)["scheme"] == "qwen-moe"
     for out in ("linen", "hf"):
         assert "PASS: 10 FFNs" in run_cli("verify", src, tmp_path / out, "--backend", "reference").output
 

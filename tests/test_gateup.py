@@ -135,7 +135,7 @@ def test_dry_run_writes_nothing_and_names_every_output(model_dir, tmp_path):
     assert "model.layers.0.mlp.gate_proj.weight  float32[96, 64]  \u2190 rows 0:96 of model.layers.0.mlp.gate_up_proj.weight" in r.output
     assert "model.layers.1.mlp.up_proj.weight  float32[96, 64]  \u2190 rows 96:192 of" in r.output
     assert len([ln for ln in r.output.splitlines() if "\u2190" in ln]) == len(tensors(src)) + 2
-    j = json.loads(run_cli("split-gateup", src, "-o", tmp_path / "out", "--json").output)
+    j = json.loads(run_cli("split-gateup", src, "-o", tmp_path / "out", "--json").stdout)
     assert j["ffns_changed"] == 2 and j["tensors_out"] == len(tensors(src)) + 2 and j["files"] == ["model.safetensors"]
 
 

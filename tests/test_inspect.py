@@ -36,7 +36,7 @@ EXPECTED = {
 def test_inspect_finds_every_ffn(model_dir, arch, dtype):
     scheme, kinds, layout, routed, shared, unit = EXPECTED[arch]
     d = model_dir(arch, dtype)
-    s = json.loads(run_cli("inspect", d, "--json").output)
+    s = json.loads(run_cli("inspect", d, "--json").stdout)
     assert s["scheme"] == scheme and s["layers"] == 2 and s["d_model"] == [64]
     assert s["routed_experts"] == routed and s["shared_experts"] == shared
     assert {k: (v["count"], v["d_ffn"]) for k, v in s["ffn"].items()} == kinds
@@ -58,9 +58,9 @@ def test_inspect_finds_every_ffn(model_dir, arch, dtype):
 
 
 def test_sharded_and_pickle_inputs_inspect_alike(model_dir):
-    a = json.loads(run_cli("inspect", model_dir("mixtral"), "--json").output)
-    b = json.loads(run_cli("inspect", model_dir("mixtral", max_shard_size="100KB"), "--json").output)
-    c = json.loads(run_cli("inspect", model_dir("mixtral", safe_serialization=False), "--json").output)
+    a = json.loads(run_cli("inspect", model_dir("mixtral"), "--json").stdout)
+    b = json.loads(run_cli("inspect", model_dir("mixtral", max_shard_size="100KB"), "--json").stdout)
+    c = json.loads(run_cli("inspect", model_dir("mixtral", safe_serialization=False), "--json").stdout)
     assert len(b["shards"]) > 1 and c["format"] == "pickle"
     for k in ("scheme", "ffn", "routed_experts", "total_bytes", "outside_ffn"):
         assert a[k] == b[k], k
@@ -84,15 +84,15 @@ def _apex(tmp_path):
 def test_custom_templates(tmp_path):
     p = _apex(tmp_path)
     r = run_cli("inspect", p, "--json", ok=False)
-    assert "no FFN tensors found" in r.output and "--gate/--up/--down" in r.output
+    assert "no gated FFN tensors found" in r.output and "--gate/--up/--down" in r.output
     args = ["--gate", "blocks.{layer}.ffn.W_gate.weight", "--up", "blocks.{layer}.ffn.W_up.weight",
             "--down", "blocks.{layer}.ffn.W_down.weight"]
-    s = json.loads(run_cli("inspect", p, "--json", *args).output)
+    s = json.loads(run_cli("inspect", p, "--json", *args).stdout)
     assert s["scheme"] == "custom" and s["layers"] == 3 and s["ffn"]["dense"]["d_ffn"] == [40]
     assert s["outside_ffn"]["count"] == 3
     assert "assumed" in s["activation"]
     (tmp_path / "scheme.json").write_text(json.dumps({"gate": args[1], "up": args[3], "down": args[5]}))
-    s2 = json.loads(run_cli("inspect", p, "--json", "--scheme-file", tmp_path / "scheme.json").output)
+    s2 = json.loads(run_cli("inspect", p, "--json", "--scheme-file", tmp_path / "scheme.json").stdout)
     assert s2["ffn"] == s["ffn"]
     run_cli("fuse-gateup", p, *args, "--gate-up", "blocks.{layer}.ffn.W_gate_up.weight", "-o", tmp_path / "x.safetensors")
     with open_checkpoint(tmp_path / "x.safetensors") as c:
@@ -117,7 +117,7 @@ def test_ambiguous_naming_lists_candidates(tmp_path):
     save_file(t, tmp_path / "m.safetensors")
     r = run_cli("inspect", tmp_path / "m.safetensors", ok=False)
     assert "ambiguous" in r.output and "hf" in r.output and "meta" in r.output
-    assert json.loads(run_cli("inspect", tmp_path / "m.safetensors", "--scheme", "meta", "--json").output)["layers"] == 1
+    assert json.loads(run_cli("inspect", tmp_path / "m.safetensors", "--scheme", "meta", "--json").stdout)["layers"] == 1
 
 
 def test_meta_names(tmp_path):

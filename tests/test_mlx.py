@@ -290,10 +290,10 @@ def test_cli_convert_inspect_and_back(hf, tmp_path):
     out = tmp_path / "mlx"
     r = run_cli("convert", hf("mixtral", torch.bfloat16), "--to", "mlx", "-o", out, "--quantize", "8",
                 "--group-size", "32", "--json")
-    summary = json.loads(r.output)
+    summary = json.loads(r.stdout)
     assert summary["quantization"] == {"group_size": 32, "bits": 8, "mode": "affine"}
     assert summary["unquantized"] == []
-    info = json.loads(run_cli("inspect", out, "--json").output)
+    info = json.loads(run_cli("inspect", out, "--json").stdout)
     assert info["format"] == "mlx" and info["routed_experts"] == 4 and info["scheme"] == "mixtral"
     run_cli("convert", out, "--to", "torch", "-o", tmp_path / "back")
     assert sorted(tensors(tmp_path / "back")) == sorted(tensors(hf("mixtral", torch.bfloat16)))

@@ -422,7 +422,7 @@ def test_different_models_say_which_shapes_differ(model_dir, tmp_path):
     (["--experts", "0"], "--experts 0: expert 0 in neither A nor B (they have no routed experts)"),
     (["--layers", "x"], "cannot read selection"),
     (["--logits", "ffn"], "--logits: B"),
-    (["no-ffns"], "B: no FFN tensors found"),
+    (["no-ffns"], "B: no gated FFN tensors found"),
     (["relu"], "activation 'relu' (B) is not one the kernels have"),
 ])
 def test_bad_input_exits_2_saying_why(model_dir, tmp_path, args, message):

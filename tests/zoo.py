@@ -18,10 +18,16 @@ import torch
 H, I, I_MOE, I_SHARED = 64, 96, 48, 80
 # Overrides applied where the model type's config has the key (the config's own defaults otherwise).
 TINY = dict(hidden_size=H, intermediate_size=I, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, vocab_size=128, moe_intermediate_size=I_MOE, num_experts=4, num_local_experts=4,
+            head_dim=16, vocab_size=160, moe_intermediate_size=I_MOE, num_experts=4, num_local_experts=4,
             n_routed_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=I_SHARED,
             n_shared_experts=1, max_position_embeddings=128, first_k_dense_replace=1, tie_word_embeddings=False,
-            pad_token_id=0, bos_token_id=1, eos_token_id=2, mlp_bias=True, attention_bias=True)
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, mlp_bias=True, attention_bias=True,
+            mlp_only_layers=[0], kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=16, qk_head_dim=16, index_topk=8, index_head_dim=16, index_n_heads=2,
+            vocab_size_per_layer_input=128, hidden_size_per_layer_input=8, shared_intermediate_size=I_SHARED,
+            attention_hidden_size=128, attention_head_dim=16, mamba_dt_rank=8, mamba_headdim=16,
+            moe_num_experts=4, ffn_hidden_size=I)
+LAYERS = 2
 # Per model type: what its config needs beyond TINY to build at this size (data, found by trying).
 EXTRA: dict[str, dict] = {}
 
@@ -45,6 +51,11 @@ def tiny_config(model_type: str):
     cls = CONFIG_MAPPING[model_type]
     defaults = cls().to_dict()
     kw = {k: v for k, v in TINY.items() if k in defaults}
+    n = defaults.get("num_hidden_layers")
+    for k, v in defaults.items():  # per-layer lists: one layer of each kind, the first kinds first
+        if isinstance(v, list) and n and len(v) == n and k not in kw:
+            kinds = list(dict.fromkeys(map(repr, v)))
+            kw[k] = [v[[repr(x) for x in v].index(kinds[min(j, len(kinds) - 1)])] for j in range(LAYERS)]
     kw.update(EXTRA.get(model_type, {}))
     return cls(**kw)
 
@@ -65,8 +76,8 @@ def _linear_shape(m) -> tuple[int, int] | None:
 
 def _gated(ins: list[tuple[int, int]], outs: list[tuple[int, int]]) -> int | None:
     """I when some (I, H) pair plus one (H, I) makes a gated FFN (two (I, H), or one (2I, H)), else None."""
-    for h, i in outs:  # down: (H, I); I == H would be attention's square projections
-        if i == h:
+    for h, i in outs:  # down: (H, I); I or 2I == H would be attention's square projections (tiny I avoids both)
+        if i == h or 2 * i == h:
             continue
         n_up = sum(1 for o, x in ins if (o, x) == (i, h))
         if n_up >= 2 or any((o, x) == (2 * i, h) for o, x in ins):
