@@ -12,10 +12,13 @@ from ffn_tools.cli import cli
 from ffn_tools.store import open_checkpoint
 
 
-def run_cli(*args: str, ok: bool = True):
-    """Invoke ``ffn-tools ARGS`` in-process; assert success (or a clean one-line failure when not ok)."""
+def run_cli(*args: str, ok: bool | None = True):
+    """Invoke ``ffn-tools ARGS`` in-process; assert success (or a clean one-line failure when not ok; None:
+    no assertion but that nothing escaped as a traceback)."""
     result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=True)
-    if ok:
+    if ok is None:
+        assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    elif ok:
         assert result.exit_code == 0, f"exit {result.exit_code}: {result.output}\n{result.exception!r}"
     else:
         assert result.exit_code != 0, result.output

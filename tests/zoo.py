@@ -26,8 +26,9 @@ TINY = dict(hidden_size=H, intermediate_size=I, num_hidden_layers=2, num_attenti
             v_head_dim=16, qk_head_dim=16, index_topk=8, index_head_dim=16, index_n_heads=2,
             vocab_size_per_layer_input=128, hidden_size_per_layer_input=8, shared_intermediate_size=I_SHARED,
             attention_hidden_size=128, attention_head_dim=16, mamba_dt_rank=8, mamba_headdim=16,
-            moe_num_experts=4, ffn_hidden_size=I)
+            moe_num_experts=4, ffn_hidden_size=I, dim_ff=I)
 LAYERS = 2
+TOKENS = torch.arange(3, 19).reshape(2, 8)  # inside every tiny vocabulary
 # Per model type: what its config needs beyond TINY to build at this size (data, found by trying).
 EXTRA: dict[str, dict] = {}
 
@@ -74,15 +75,26 @@ def _linear_shape(m) -> tuple[int, int] | None:
     return None
 
 
-def _gated(ins: list[tuple[int, int]], outs: list[tuple[int, int]]) -> int | None:
-    """I when some (I, H) pair plus one (H, I) makes a gated FFN (two (I, H), or one (2I, H)), else None."""
-    for h, i in outs:  # down: (H, I); I or 2I == H would be attention's square projections (tiny I avoids both)
+def _gated(mats: list[tuple[int, int]]) -> int | None:
+    """I when the (out, in) shapes are exactly a gated FFN's: two (I, H) and one (H, I), or (2I, H) and
+    (H, I); else None. (I or 2I == H would be attention's square projections: tiny I avoids both.)"""
+    for h, i in mats:  # down: (H, I)
         if i == h or 2 * i == h:
             continue
-        n_up = sum(1 for o, x in ins if (o, x) == (i, h))
-        if n_up >= 2 or any((o, x) == (2 * i, h) for o, x in ins):
+        rest = sorted(m for m in mats if m != (h, i)) + [(h, i)] * (mats.count((h, i)) - 1)
+        if rest in ([(i, h), (i, h)], [(2 * i, h)]):
             return i
     return None
+
+
+def _projections(mod) -> list[tuple[int, int]]:
+    """(out, in) of the linear modules among a module's children and grandchildren (CPM-Ant nests its
+    w_in.w_0 / w_in.w_1)."""
+    out = []
+    for path, m in mod.named_modules():
+        if path and path.count(".") <= 1 and (s := _linear_shape(m)):
+            out.append(s)
+    return out
 
 
 def module_tree_counts(model) -> Counts:
@@ -94,9 +106,9 @@ def module_tree_counts(model) -> Counts:
     counts = Counts()
     for path, mod in model.named_modules():
         shared = "shared" in path.rsplit(".", 1)[-1]
-        lin = [s for _, c in mod.named_children() if (s := _linear_shape(c))]
-        i = _gated(lin, lin) if lin else None
-        own = {id(p) for _, c in mod.named_children() if _linear_shape(c) for p in c.parameters()}
+        i = _gated(_projections(mod))
+        own = {id(p) for q, c in mod.named_modules() if q and q.count(".") <= 1 and _linear_shape(c)
+               for p in c.parameters()}
         if i is not None and all(p.dim() <= 1 for p in mod.parameters() if id(p) not in own):
             counts.shared += shared
             counts.dense += not shared
@@ -106,7 +118,7 @@ def module_tree_counts(model) -> Counts:
         if len(p3) >= 2 and len({s[0] for s in p3}) == 1:
             e = p3[0][0]
             mats = [s[1:] for s in p3]
-            i = _gated(mats, mats) or _gated([m[::-1] for m in mats], [m[::-1] for m in mats])
+            i = _gated(mats) or _gated([m[::-1] for m in mats])
             if i is not None:
                 counts.shared += e * shared
                 counts.expert += e * (not shared)
@@ -125,8 +137,19 @@ def meta_model(model_type: str):
     return config, model
 
 
-def build(model_type: str, path: Path, seed: int = 0) -> Path:
-    """Save the tiny ``model_type`` with random, perturbed weights (norms and biases too) into ``path``."""
+def logits(model):
+    """The model's logits on ``TOKENS`` (no cache), or None where its own forward fails at this tiny size
+    (sizes TINY sets that its attention variant does not accept: the load is still checked)."""
+    try:
+        with torch.no_grad():
+            return model(TOKENS, use_cache=False).logits
+    except Exception:  # noqa: BLE001 - transformers' own failure, any type: no logits to compare
+        return None
+
+
+def build(model_type: str, path: Path, seed: int = 0):
+    """Save the tiny ``model_type`` with random, perturbed weights (norms and biases too) into ``path``;
+    returns the model (in eval mode)."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(model_type)
@@ -138,7 +161,7 @@ def build(model_type: str, path: Path, seed: int = 0) -> Path:
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.02)
         model.save_pretrained(path)
-    return path
+    return model
 
 
 def swap_first_gate_up(src: Path, dst: Path) -> str:
