@@ -30,6 +30,7 @@ from .verify_functional import KERNEL_DTYPES
 
 KERNEL_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu2")  # = kernels.ACTIVATIONS (no kernels import here)
 from .verify_pairs import PairChecker
+from .verify_outside import OutsideResult, compare_outside
 from .verify_report import VerifyReport
 
 log = logging.getLogger(__name__)
@@ -185,7 +186,8 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
            layers: str | None = None, experts: str | None = None, atol: float | None = None,
            rtol: float | None = None, exact: bool | None = None, logits: bool = False,
            scheme: Scheme | None = None, layout: GateUpLayout | None = None,
-           b_layout: GateUpLayout | None = None, allow_unmatched: bool = False) -> VerifyReport:
+           b_layout: GateUpLayout | None = None, allow_unmatched: bool = False, ffn_only: bool = False,
+           load_check: bool = True) -> VerifyReport:
     """Verify that checkpoint ``b`` holds the same FFNs as checkpoint ``a``.
 
     Args:
@@ -204,6 +206,10 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
             (None: B's is ``layout`` too).
         allow_unmatched: tensors that look like FFN projections but belong to no FFN found are a note,
             not a failure (they are never run as FFNs).
+        ffn_only: compare the FFNs only; by default every tensor outside them is compared too
+            (``verify_outside``).
+        load_check: check that B would load in its real client (``loadable``): every parameter provided,
+            nothing left over, shapes equal.
 
     Returns:
         The report; ``report.passed`` is the verdict.
@@ -241,12 +247,31 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
                     f"{side}: {w}" + ("" if allow_unmatched else "; --allow-unmatched accepts them unchecked"))
         if fa and fb:
             _check_pairs(report, ca, cb, fa, fb, mods, sel_layers, sel_experts, atol, rtol, exact, seed, tokens)
+            report.outside = _outside(ca, cb, fa, fb, ffn_only or bool(sel_layers or sel_experts), atol, rtol)
+        if load_check:
+            from .loadable import check
+
+            report.load = check(cb)
+            (report.notes if report.load.skipped else report.problems if not report.load.ok else []).append(
+                f"B {report.load.summary()}" if not report.load.skipped else report.load.summary())
     if logits:
         from .verify_logits import compare_logits
 
         tol = widened(report.tolerance or tolerance_for([], None, atol=atol, rtol=rtol))
         report.logits = compare_logits(a, b, clients, tol, seed)
     return report
+
+
+def _outside(ca, cb, fa: FFNSet, fb: FFNSet, ffn_only: bool, atol, rtol) -> OutsideResult:
+    """The tensors outside the FFNs, compared; or why not (--ffn-only or a selection, an extract output)."""
+    if ffn_only:
+        return OutsideResult(skipped="--ffn-only, or --layers/--experts select part of the FFNs")
+    extracts = [s for s, f in (("A", fa), ("B", fb)) if f.scheme.name == "ffn-tools"]
+    if extracts:
+        return OutsideResult(skipped=f"{' and '.join(extracts)} {'is an' if len(extracts) == 1 else 'are'} "
+                                     "FFN-only extract output")
+    log.info("comparing the tensors outside the FFNs")
+    return compare_outside(ca, cb, fa, fb, atol=atol, rtol=rtol)
 
 
 def _spans(ids) -> str:

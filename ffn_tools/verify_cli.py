@@ -70,12 +70,18 @@ def _build():
     @click.option("--allow-unmatched", is_flag=True, help="Pass even when tensors that look like FFN projections "
                   "(mlp/ffn/expert + gate/up/down/w1/fc...) belong to no FFN found; by default they fail the check, "
                   "since they were never run.")
+    @click.option("--ffn-only", is_flag=True, help="Compare the FFNs only. By default every tensor outside them "
+                  "(embeddings, attention, norms) is compared too: bit for bit where lossless, within the tolerance "
+                  "row where not, and a tensor on one side only fails.")
+    @click.option("--load-check/--no-load-check", default=True, show_default=True,
+                  help="Check that B would load in its real client (transformers on the meta device, mlx_lm "
+                       "lazily): every parameter provided, nothing left over, shapes equal.")
     @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
     @_cli.scheme_options
     @_cli.layout_options
     @b_layout_options
-    def verify(a, b, backends, tokens, seed, layers, experts, atol, rtol, exact, logits, allow_unmatched, as_json,
-               scheme, layout, b_layout):
+    def verify(a, b, backends, tokens, seed, layers, experts, atol, rtol, exact, logits, allow_unmatched, ffn_only,
+               load_check, as_json, scheme, layout, b_layout):
         """Check that checkpoint B holds the same FFNs as checkpoint A.
 
         A and B are any checkpoints ffn-tools reads (PyTorch safetensors or pickles, split or fused, MLX plain
@@ -99,7 +105,8 @@ def _build():
         try:
             report = run(a, b, backends=list(backends) or None, tokens=tokens, seed=seed, layers=layers,
                          experts=experts, atol=atol, rtol=rtol, exact=exact, logits=logits, scheme=scheme,
-                         layout=layout, b_layout=b_layout, allow_unmatched=allow_unmatched)
+                         layout=layout, b_layout=b_layout, allow_unmatched=allow_unmatched,
+                         ffn_only=ffn_only, load_check=load_check)
         except FFNToolsError as e:
             raise VerifyTrouble(str(e)) from None
         if as_json:

@@ -5,8 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from .ffn import FFNRef
 from .tolerances import Tolerance
+
+if TYPE_CHECKING:
+    from .loadable import LoadCheck
+    from .verify_outside import OutsideResult
 
 MAX_ROWS = 40  # passing rows beyond this are summarised in one line (--json has them all)
 
@@ -104,11 +110,13 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)  # checkpoint-level failures
     notes: list[str] = field(default_factory=list)
     logits: dict | None = None
+    outside: "OutsideResult | None" = None  # the tensors outside the FFNs (None: not reached)
+    load: "LoadCheck | None" = None  # would B load in its client (its failure is also in ``problems``)
 
     @property
     def passed(self) -> bool:
         return (not self.problems and not self.only_a and not self.only_b and all(r.passed for r in self.results)
-                and (self.logits is None or self.logits["passed"]))
+                and (self.logits is None or self.logits["passed"]) and (self.outside is None or self.outside.passed))
 
     def failures(self) -> list[str]:
         """Every failure as one line naming where, checkpoint-level first, then worst FFN first."""
@@ -126,6 +134,8 @@ class VerifyReport:
                 worst = max(bad, key=lambda b: _order(b.ratio, b.cosine))
                 out.append(f"{r.ref}: fails on {', '.join(b.backend for b in bad)}: "
                            f"{_why(worst, r.tolerance or self.tolerance)}")
+        if self.outside is not None:
+            out += self.outside.failures()
         if self.logits is not None and not self.logits["passed"]:
             out += [f"logits: {p}" for p in self.logits["problems"]]
         return out
@@ -145,7 +155,11 @@ class VerifyReport:
             return (f"PASS: {n} FFN{'s' * (n != 1)} of A and B agree on {', '.join(self.backends)}{bits}{logits}")
         bad = sum(not r.passed for r in self.results)
         unpaired = len(self.only_a) + len(self.only_b)
-        counts = [f"{bad} of {n} FFNs differ"] if n else []
+        counts = [f"{bad} of {n} FFNs differ"] if n and bad else []
+        if self.outside is not None and not self.outside.passed:
+            o = self.outside
+            counts.append(f"{len(o.differ) + len(o.only_a) + len(o.only_b)} tensors outside the FFNs differ or are "
+                          "unpaired")
         counts += [f"{unpaired} unpaired"] if unpaired else []
         return f"FAIL: {', '.join(counts) + '; ' if counts else ''}first: {self.failures()[0]}"
 
@@ -155,7 +169,9 @@ class VerifyReport:
                 "seed": self.seed, "tolerance": self.tolerance.as_dict() if self.tolerance else None,
                 "problems": self.problems, "notes": self.notes, "only_a": self.only_a, "only_b": self.only_b,
                 "failures": self.failures(),
-                "ffns": [r.as_dict() for r in sorted(self.results, key=FFNResult.sort_key)], "logits": self.logits}
+                "ffns": [r.as_dict() for r in sorted(self.results, key=FFNResult.sort_key)], "logits": self.logits,
+                "outside": self.outside.as_dict() if self.outside else None,
+                "load_check": self.load.as_dict() if self.load else None}
 
     def lines(self, max_rows: int = MAX_ROWS) -> list[str]:
         """The text report: the two sides, the check, a table worst first, failures, the verdict."""
@@ -179,6 +195,10 @@ class VerifyReport:
                     out.append(f"... {len(rows) - i} more FFNs, all pass (--json lists every one)")
                     break
                 out.append(f"{_row(r):<{len(head)}}  {r.tolerance.row}" if per_ffn and r.tolerance else _row(r))
+        if self.outside is not None:
+            out += ["", self.outside.line()]
+        if self.load is not None and not self.load.skipped:
+            out.append(f"load check: {self.load.summary()}")
         out += ["", *[f"  - {f}" for f in self.failures()]] if not self.passed else []
         if self.logits is not None:
             lg = self.logits

@@ -56,7 +56,10 @@ def test_unmatched_ffn_like_tensor_is_reported(model_dir, tmp_path):
     r = run_cli("verify", src, odd, "--backend", "reference", "--tokens", "4", ok=None)
     assert r.exit_code == 1 and extra in r.output and "--allow-unmatched" in r.output, r.output
     r = run_cli("verify", src, odd, "--backend", "reference", "--tokens", "4", "--allow-unmatched", ok=None)
-    assert r.exit_code == 0 and "PASS" in r.output, r.output
+    assert r.exit_code == 1 and f"only in B: {extra}" in r.output, r.output  # still an extra tensor
+    r = run_cli("verify", src, odd, "--backend", "reference", "--tokens", "4", "--allow-unmatched", "--ffn-only",
+                "--no-load-check", ok=None)
+    assert r.exit_code == 0 and "PASS" in r.output and "outside FFNs: not compared" in r.output, r.output
 
 
 @pytest.mark.parametrize("name, expected", [

@@ -46,7 +46,14 @@ def verify_json(*args, tokens: int = 4):
     return code, json.loads(out)
 
 
-def assert_passes(*args, tokens: int = 4) -> dict:
+def assert_passes(*args, tokens: int = 4, loads: bool = True) -> dict:
+    """verify passes; ``loads=False``: B is a form transformers would not load (a split Phi-3, a fused Llama),
+    which fails verify's load check alone, and passes with --no-load-check."""
+    if not loads:
+        code, rep = verify_json(*args, tokens=tokens)
+        assert code == 1 and rep["load_check"]["ok"] is False, rep["failures"]
+        assert all(f.startswith("B would load in transformers") for f in rep["failures"]), rep["failures"]
+        args = (*args, "--no-load-check")
     code, rep = verify_json(*args, tokens=tokens)
     assert code == 0, "\n".join(rep["failures"])
     assert rep["passed"] and rep["ffns"]
@@ -99,10 +106,12 @@ def test_split_and_fuse_pass_bit_identical(model_dir, tmp_path, dtype):
     run_cli("split-gateup", phi3, "-o", tmp_path / "split")
     run_cli("fuse-gateup", tmp_path / "split", "-o", tmp_path / "back")
     run_cli("fuse-gateup", llama, "-o", tmp_path / "fused")
-    for a, b in ((phi3, tmp_path / "split"), (tmp_path / "split", tmp_path / "back"), (llama, tmp_path / "fused")):
-        rep = assert_passes(a, b)
+    for a, b, loads in ((phi3, tmp_path / "split", False), (tmp_path / "split", tmp_path / "back", True),
+                        (llama, tmp_path / "fused", False)):
+        rep = assert_passes(a, b, loads=loads)
         assert {f["exact"] for f in rep["ffns"]} == {"identical"}
-    rep = assert_passes(llama, tmp_path / "fused")
+        assert rep["outside"]["identical"] > 0 and rep["outside"]["passed"]
+    rep = assert_passes(llama, tmp_path / "fused", loads=False)
     paths = {b["backend"]: b["path"] for b in rep["ffns"][0]["backends"]}
     assert paths.pop("reference") == SAME_AS_A  # bit-identical weights: the float64 output is A's
     assert set(paths.values()) <= {"fused concat, gate-up"}  # B's fused gate_up ran through silu_mul_fused
@@ -118,7 +127,7 @@ def test_every_layout_passes(model_dir, tmp_path, dtype, layout):
     src = model_dir("llama-bias", dtype)
     run_cli("fuse-gateup", src, "-o", tmp_path / "fused", *opts)
     run_cli("split-gateup", tmp_path / "fused", "-o", tmp_path / "back", *opts)
-    rep = assert_passes(src, tmp_path / "fused", *opts)
+    rep = assert_passes(src, tmp_path / "fused", *opts, loads=False)
     path = {b["backend"]: b["path"] for b in rep["ffns"][0]["backends"]}.get("triton")
     if path:
         assert path == ("ffn" if arrangement == "tp" else f"fused {arrangement}, {order}")
@@ -134,7 +143,7 @@ def test_moe_stacked_per_expert_and_extract_pass(model_dir, tmp_path, dtype):
     run_cli("extract", qwen, "-o", tmp_path / "ffn")
     rep = assert_passes(qwen, tmp_path / "stacked")
     assert len(rep["ffns"]) == 10  # 2 layers x (4 experts + shared)
-    assert_passes(mixtral, tmp_path / "fused")
+    assert_passes(mixtral, tmp_path / "fused", loads=False)
     assert_passes(tmp_path / "ffn", qwen)
 
 
@@ -457,7 +466,7 @@ def test_custom_templates_apply_where_they_match(model_dir, tmp_path):
     apex = plant(src, tmp_path / "apex", rename)
     t = ["--gate", "blocks.{layer}.ffn.W_gate.weight", "--up", "blocks.{layer}.ffn.W_up.weight",
          "--down", "blocks.{layer}.ffn.W_down.weight"]
-    rep = assert_passes(src, apex, *t)
+    rep = assert_passes(src, apex, *t, loads=False)
     assert (rep["a"]["scheme"], rep["b"]["scheme"]) == ("hf", "custom")
     assert verify(src, apex)[0] == 2  # without the templates B's FFNs cannot be found
 

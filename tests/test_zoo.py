@@ -139,12 +139,18 @@ def _round_trips(src, logits, forms, tmp_path):
         model = _load(restored)
         if logits is not None:  # None: the model's own forward fails at this size (the load is still checked)
             assert torch.equal(zoo.logits(model), logits)
-    code = run_cli("verify", src, refused, "--backend", "reference", ok=None).exit_code
-    assert code == 0, run_cli("verify", src, refused, "--backend", "reference", ok=None).output
-    r = run_cli("verify", src, separate, "--backend", "reference", ok=None)
-    assert r.exit_code == 0 and "PASS" in r.output, r.output
-    gate = zoo.swap_first_gate_up(separate, tmp_path / "swapped")
-    r = run_cli("verify", src, tmp_path / "swapped", "--backend", "reference", ok=None)
+    for form in (separate, refused):
+        loads = _load_check_agrees(form)
+        r = run_cli("verify", src, form, "--backend", "reference", "--tokens", "4", ok=None)
+        if loads:
+            assert r.exit_code == 0 and "PASS" in r.output and "outside FFNs: " in r.output, r.output
+        else:  # every FFN and outside tensor agrees; only the load check fails, naming the tensors
+            assert r.exit_code == 1 and "B would load in transformers" in r.output, r.output
+            r = run_cli("verify", src, form, "--backend", "reference", "--tokens", "4", "--no-load-check", ok=None)
+            assert r.exit_code == 0 and "PASS" in r.output, r.output
+    zoo.swap_first_gate_up(separate, tmp_path / "swapped")
+    r = run_cli("verify", src, tmp_path / "swapped", "--backend", "reference", "--tokens", "4", "--no-load-check",
+                ok=None)
     assert r.exit_code == 1 and "FAIL" in r.output, r.output
 
 
@@ -154,6 +160,30 @@ def _identical(a, b):
     for n in ta:
         assert ta[n].dtype == tb[n].dtype and ta[n].shape == tb[n].shape, n
         assert torch.equal(ta[n].reshape(-1).view(torch.uint8), tb[n].reshape(-1).view(torch.uint8)), n
+
+
+def _load_check_agrees(path) -> bool:
+    """verify's load check on ``path`` says what ``from_pretrained`` then does (missing and unexpected keys)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from ffn_tools.loadable import check_transformers
+    from ffn_tools.store import open_checkpoint
+
+    with open_checkpoint(path) as c:
+        lc = check_transformers(c)
+    assert lc.skipped is None, lc.summary()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a form it does not load: transformers warns about every fresh tensor
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    assert lc.missing == sorted(info["missing_keys"]), path
+    assert len(lc.unexpected) == len(info["unexpected_keys"]), path  # theirs renamed, ours as in the file
+    return lc.ok
 
 
 def _load(path):

@@ -1,0 +1,152 @@
+"""Would a checkpoint load in its real client? Tensor names and shapes against what the consumer's own code
+expects, without reading any weight.
+
+transformers: the architecture in config.json is built on the meta device (no memory) and the checkpoint's
+names are mapped the way ``from_pretrained`` maps them (the model's own conversion mapping: renamings and
+converters such as the v5 expert stacking); parameters nobody provides would be newly initialised, names
+nobody takes are dropped, shapes must match. Buffers (rotary tables) and tied weights are recomputed by the
+model and ignored. mlx_lm: ``mlx_lm.utils.load_model(lazy=True)``, whose strict load lists missing and
+unexpected parameters. Flax has no client here (transformers 5 dropped Flax): the check says it did not run.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SHOWN = 4  # names per category in the one-line summary (the JSON has them all)
+
+
+@dataclass
+class LoadCheck:
+    """The outcome: ``skipped`` says why no check ran; otherwise the three lists say what would go wrong."""
+
+    client: str
+    missing: list[str] = field(default_factory=list)  # parameters the model would initialise afresh
+    unexpected: list[str] = field(default_factory=list)  # checkpoint tensors the model would ignore
+    mismatched: list[str] = field(default_factory=list)  # "name: checkpoint [..], model [..]"
+    skipped: str | None = None
+    architecture: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.skipped is None and not (self.missing or self.unexpected or self.mismatched)
+
+    def summary(self) -> str:
+        """One line: what would happen on load."""
+        if self.skipped:
+            return f"load check ({self.client}) did not run: {self.skipped}"
+        if self.ok:
+            return f"loads in {self.client} ({self.architecture}): every parameter provided, nothing left over"
+        parts = []
+        for what, items in (("newly initialized", self.missing), ("unexpected (ignored)", self.unexpected),
+                            ("of the wrong shape", self.mismatched)):
+            if items:
+                shown = ", ".join(items[:SHOWN]) + (f", ... ({len(items) - SHOWN} more)" if len(items) > SHOWN else "")
+                parts.append(f"{len(items)} tensor{'s' * (len(items) > 1)} {what}: {shown}")
+        return f"would load in {self.client} ({self.architecture}) with " + "; ".join(parts)
+
+    def as_dict(self) -> dict:
+        return {"client": self.client, "architecture": self.architecture, "ok": self.ok, "skipped": self.skipped,
+                "missing": self.missing, "unexpected": self.unexpected, "mismatched": self.mismatched}
+
+
+def check(ckpt) -> LoadCheck:
+    """Check ``ckpt`` (an open checkpoint of any format) against its client."""
+    if ckpt.format == "mlx":
+        return check_mlx(ckpt.root)
+    if ckpt.format == "flax":
+        return LoadCheck("flax", skipped="no client loads Flax checkpoints here (transformers 5 has no Flax)")
+    return check_transformers(ckpt)
+
+
+def _model_class(transformers, config: dict):
+    for arch in config.get("architectures") or []:
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls
+    return transformers.AutoModelForCausalLM
+
+
+def check_transformers(ckpt) -> LoadCheck:
+    """Names and shapes of ``ckpt`` against the transformers model its config.json describes."""
+    config = ckpt.config or {}
+    if "model_type" not in config:
+        return LoadCheck("transformers", skipped="no config.json with a model_type beside the weights")
+    try:
+        import torch
+        import transformers
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (WeightConverter, WeightRenaming, dot_natural_key,
+                                                     rename_source_key)
+    except ImportError as e:
+        return LoadCheck("transformers", skipped=f"transformers is not installed here ({e.name})")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            on_disk = Path(ckpt.root) / "config.json"  # transformers' own decoding (Infinity, nested configs)
+            cfg = (transformers.AutoConfig.from_pretrained(ckpt.root) if on_disk.is_file() else
+                   transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "transformers_version"}))
+            cls = _model_class(transformers, config)
+            with torch.device("meta"):
+                model = (cls.from_config(cfg) if cls is transformers.AutoModelForCausalLM else cls(cfg))
+    except Exception as e:  # noqa: BLE001 - any failure of transformers' own config or model code
+        return LoadCheck("transformers", skipped=f"transformers cannot build {config.get('model_type')!r} from this "
+                                                 f"config ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+    arch = type(model).__name__
+    params = dict(model.named_parameters())  # tied weights once; buffers are recomputed, not loaded
+    meta = model.state_dict()
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    produced: dict[str, list[tuple[str, str | None]]] = {}
+    for name in sorted(ckpt, key=dot_natural_key):  # from_pretrained's order (some renamings keep state)
+        target, pattern = rename_source_key(name, renamings, converters, model.base_model_prefix, meta)
+        if target not in meta and name in meta:  # as from_pretrained: a name the model has is not renamed
+            target, pattern = rename_source_key(name, [], [], model.base_model_prefix, meta)
+        produced.setdefault(target, []).append((name, pattern))
+        conv = next((c for c in converters if pattern is not None and pattern in c.source_patterns), None)
+        for other in (conv.target_patterns[1:] if conv else ()):  # one-to-many (a fused qkv split in three)
+            if conv.target_patterns[0] in target:
+                produced.setdefault(target.replace(conv.target_patterns[0], other), []).append((name, pattern))
+    ignore_missing = [re.compile(p) for p in (model._keys_to_ignore_on_load_missing or [])]
+    ignore_unexpected = [re.compile(p) for p in (model._keys_to_ignore_on_load_unexpected or [])]
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    res = LoadCheck("transformers", architecture=arch)
+    res.missing = sorted(k for k in params if k not in produced and k not in tied
+                         and not any(p.search(k) for p in ignore_missing))
+    res.unexpected = sorted(n for t, srcs in produced.items() if t not in meta for n, _ in srcs
+                            if not any(p.search(n) for p in ignore_unexpected))
+    for target, srcs in produced.items():
+        if target in params and len(srcs) == 1 and srcs[0][1] is None:  # a plain rename: shapes must agree
+            have, want = tuple(ckpt.info(srcs[0][0]).shape), tuple(params[target].shape)
+            if have != want:
+                res.mismatched.append(f"{srcs[0][0]}: checkpoint {list(have)}, model {list(want)}")
+    return res
+
+
+def check_mlx(path: Path) -> LoadCheck:
+    """Whether ``mlx_lm.load`` would accept the MLX directory at ``path`` (lazily: no weight is evaluated)."""
+    try:
+        from mlx_lm.utils import load_model
+    except ImportError as e:
+        return LoadCheck("mlx_lm", skipped=f"mlx_lm is not installed here ({e.name})")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, _ = load_model(Path(path), lazy=True, strict=True)
+    except ValueError as e:  # mlx_lm's strict load: "Missing N parameters: ..." / "Received N parameters not in model"
+        text = " ".join(str(e).split())
+        res = LoadCheck("mlx_lm", architecture=None)
+        target = res.missing if "issing" in text else res.unexpected
+        target.append(text[:300])
+        return res
+    except Exception as e:  # noqa: BLE001 - mlx_lm cannot even build the model: say so, do not guess
+        return LoadCheck("mlx_lm", skipped=f"mlx_lm cannot build this model ({type(e).__name__}: "
+                                          f"{' '.join(str(e).split())[:200]})")
+    return LoadCheck("mlx_lm", architecture=type(model).__module__.rsplit(".", 1)[-1])
