@@ -15,6 +15,7 @@ from .dtypes import itemsize
 from .errors import LayoutError, NothingToDoError
 from .ffn import FFN
 from .layouts import GateUpLayout, fuse, split
+from .loadable import form_change_warning
 from .output import check_output
 from .plan import Entry, Plan, check_shardable, copy_entry, execute
 from .registry import Form, Scheme, bias_name
@@ -129,7 +130,7 @@ def plan_split(ckpt, ffns: FFNSet) -> Plan:
                                (f.names.get("down_bias"), bias_name(new["down"]), False)):
             if src and (f.index is not None or src != dst):
                 replaced[src].append(_index_entry(ckpt, src, f.index, dst, turn))
-    return _assemble(ckpt, ffns, replaced, "split-gateup", len(fused), fused[0].layout)
+    return _assemble(ckpt, ffns, replaced, "split-gateup", len(fused), fused[0].layout, (fused, "separate"))
 
 
 def _fuse_pieces(parts: list[tuple[int, tuple[int, ...], int]], layout: GateUpLayout, is_bias: bool,
@@ -238,10 +239,10 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False) -> Plan:
                 replaced[f.names[role]] += []
     if stack_experts and not by_layer:
         raise NothingToDoError(f"{ckpt.path}: --stack-experts: no routed experts with separate gate/up to stack")
-    changed = sum(len(v) for v in by_layer.values()) if stack_experts else len(separate)
-    if not changed:
-        raise NothingToDoError(f"{ckpt.path}: nothing to fuse (scheme {ffns.scheme.name})")
-    return _assemble(ckpt, ffns, replaced, "fuse-gateup", changed, separate[0].layout)
+    stacked = [f for fs in by_layer.values() for f in fs]
+    fused = [f for f in separate if f not in stacked and not stack_experts]
+    return _assemble(ckpt, ffns, replaced, "fuse-gateup", len(stacked) + len(fused), separate[0].layout,
+                     (stacked, "stacked"), (fused, "fused"))
 
 
 def _fuse_biases(ckpt, f0: FFN, replaced, group: list[FFN], name: str, stacked: bool = False) -> None:
@@ -257,7 +258,9 @@ def _fuse_biases(ckpt, f0: FFN, replaced, group: list[FFN], name: str, stacked: 
 
 
 def _assemble(ckpt, ffns: FFNSet, replaced: dict[str, list[Entry]], command: str, changed: int,
-              layout: GateUpLayout) -> Plan:
+              layout: GateUpLayout, *forms: tuple[list[FFN], str]) -> Plan:
+    """The plan: replaced entries in input order, everything else copied; ``forms`` are (FFNs, the form they
+    take), for the warning when the output's form is not the one its carried config.json loads."""
     entries: list[Entry] = []
     for name in ckpt:
         entries += replaced[name] if name in replaced else [copy_entry(ckpt, name)]
@@ -270,6 +273,7 @@ def _assemble(ckpt, ffns: FFNSet, replaced: dict[str, list[Entry]], command: str
                "ffns_changed": changed, "ffns_total": len(ffns.ffns), "tensors_in": len(ckpt),
                "tensors_out": len(entries), "bytes": sum(e.nbytes for e in entries),
                "warnings": [w] if (w := ffns.unmatched_warning()) else []}
+    summary["form_changes"] = [(fs, form) for fs, form in forms if fs]
     changes = ["config.json: carried over unchanged (no config key records the gate/up layout)"] if ckpt.config else []
     return Plan(ckpt, entries, ckpt.config, changes, summary)
 
@@ -300,6 +304,9 @@ def _run(command: str, plan_fn, path, out, *, scheme, layout, dry_run, force, ma
                                 "(--max-shard-size to change)")
         summary = dict(plan.summary, output=str(out), dry_run=dry_run, changes=plan.changes,
                        plan=plan.describe() if dry_run else None)
+        for fs, form in summary.pop("form_changes"):
+            if (w := form_change_warning(ckpt, fs, form, str(out))):
+                summary["warnings"] = [*summary["warnings"], w]
         if dry_run:
             check_output(out, [path, *ckpt.files], force)
             return summary

@@ -150,3 +150,34 @@ def check_mlx(path: Path) -> LoadCheck:
         return LoadCheck("mlx_lm", skipped=f"mlx_lm cannot build this model ({type(e).__name__}: "
                                           f"{' '.join(str(e).split())[:200]})")
     return LoadCheck("mlx_lm", architecture=type(model).__module__.rsplit(".", 1)[-1])
+
+
+def form_change_warning(ckpt, changed, out_form: str, out: str | None = None) -> str | None:
+    """One line when a split or fuse changes the form of FFNs whose config.json is carried unchanged.
+
+    Without importing transformers (split and fuse stay as fast as a copy): a checkpoint's client reads the
+    form the checkpoint was saved in, so changing dense or shared FFNs makes an output it would load with
+    fresh FFN weights; routed experts alone may still load (transformers v5 stacks and unstacks the experts of
+    families with a conversion mapping). ``verify IN OUT`` checks exactly.
+
+    Args:
+        ckpt: the input checkpoint.
+        changed: the FFNs whose form changes.
+        out_form: "separate", "fused" or "stacked".
+        out: the output path, for the message.
+    """
+    config = ckpt.config or {}
+    if not changed or "model_type" not in config:
+        return None
+    arch = (config.get("architectures") or [config["model_type"]])[0]
+    where = f"{out} " if out else "the output "
+    check = f"`ffn-tools verify {ckpt.path} {out or 'OUT'}` checks exactly what would load"
+    if all(f.ref.kind == "expert" for f in changed):
+        return (f"{where}holds routed experts in the {out_form} form under the input's config.json ({arch}): "
+                f"transformers v5 converts expert forms on load only for families with a conversion mapping; {check}")
+    use = {"separate": "tools that read separate gate and up projections (MLX, llama.cpp-style converters)",
+           "fused": "tools that read one fused gate_up tensor (vLLM-style loaders, Phi-3-style code)",
+           "stacked": "transformers v5 MoE code and vLLM-style expert kernels"}[out_form]
+    back = "fuse-gateup" if out_form == "separate" else "split-gateup"
+    return (f"{where}would not load in transformers as {arch}: its config.json is the input's, whose FFNs were "
+            f"in another form; this {out_form} form is for {use}; {back} restores the input's form; {check}")

@@ -180,6 +180,10 @@ def test_mlx_conversions_pass(model_dir, tmp_path, dtype, quant):
     run_cli("convert", src, "--to", "mlx", "-o", tmp_path / "mlx", *q)
     rep = assert_passes(src, tmp_path / "mlx")
     assert {f["exact"] for f in rep["ffns"]} == ({"skipped"} if quant else {"identical"})
+    assert rep["load_check"]["client"] == "mlx_lm" and rep["load_check"]["ok"]
+    o = rep["outside"]
+    assert o["passed"] and not o["only_a"] and not o["only_b"]
+    assert (o["within_tolerance"] > 0) == bool(quant)  # quantized tensors come back dequantized; plain: bits
     if quant:
         assert rep["tolerance"]["row"].endswith(f"{quant[0]}-bit")
 
@@ -195,6 +199,47 @@ def test_flax_conversions_pass(model_dir, tmp_path, dtype, flax_layout):
 
 
 # ---------------------------------------------------------------- planted defects: each must fail
+
+
+_ATTN = "model.layers.0.self_attn.o_proj.weight"
+_NORM = "model.layers.1.input_layernorm.weight"
+
+
+@pytest.mark.parametrize("defect, where", [
+    (lambda sd: sd.__setitem__(_ATTN, torch.zeros_like(sd[_ATTN])), f"outside FFNs: {_ATTN}"),
+    (lambda sd: sd.__setitem__(_NORM, torch.zeros_like(sd[_NORM])), f"outside FFNs: {_NORM}"),
+    (lambda sd: sd.pop(_NORM), f"only in A: {_NORM}"),
+    (lambda sd: sd.__setitem__("model.layers.1.post_norm.weight", sd.pop(_NORM)), "only in B: model.layers.1.post_norm"),
+], ids=["zeroed-attention", "zeroed-norm", "dropped", "renamed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_outside_defects_fail_naming_the_tensor(model_dir, tmp_path, defect, where, dtype):
+    src = model_dir("llama", dtype)
+    bad = plant(src, tmp_path / "bad", defect)
+    code, rep = verify_json(src, bad)
+    assert code == 1 and any(where in f for f in rep["failures"]), rep["failures"]
+    assert all(f["passed"] for f in rep["ffns"])  # the FFNs are intact: the accounting alone catches it
+    assert verify_json(src, bad, "--ffn-only", "--no-load-check")[0] == 0  # today's scope would pass it
+    if "only in" in where:  # the model would also load with a fresh tensor
+        assert rep["load_check"]["ok"] is False and _NORM in rep["load_check"]["missing"]
+
+
+def test_outside_cast_within_tolerance_and_a_zeroed_cast_fails(model_dir, tmp_path):
+    src = model_dir("llama", torch.float32)
+    run_cli("convert", src, "--to", "torch", "--dtype", "bfloat16", "-o", tmp_path / "cast")
+    rep = assert_passes(src, tmp_path / "cast")
+    assert rep["outside"]["within_tolerance"] == rep["outside"]["identical"] + rep["outside"]["within_tolerance"] > 0
+    bad = plant(tmp_path / "cast", tmp_path / "bad", lambda sd: sd.__setitem__(_ATTN, torch.zeros_like(sd[_ATTN])))
+    code, rep = verify_json(src, bad)
+    assert code == 1 and any(f.startswith(f"outside FFNs: {_ATTN}") and "cosine" in f for f in rep["failures"])
+
+
+def test_split_phi3_with_its_config_fails_the_load_check(model_dir, tmp_path):
+    src = model_dir("phi3", torch.float32)
+    r = run_cli("split-gateup", src, "-o", tmp_path / "split")
+    assert "would not load in transformers as Phi3ForCausalLM" in r.output  # split's own warning
+    code, out = verify(src, tmp_path / "split")
+    assert code == 1 and "B would load in transformers (Phi3ForCausalLM) with 2 tensors newly initialized: " \
+        "model.layers.0.mlp.gate_up_proj.weight" in out, out
 
 
 def _swap(a: str, b: str):
