@@ -67,11 +67,36 @@ class _Bin:
     size: int
 
 
+MAX_ARRAY = 4096  # items: a parameter tree's lists are shapes and [shape, dtype, data] triples
+MAX_DEPTH = 64  # nesting of maps and arrays
+
+
 class _Scanner:
-    """Decodes msgpack structure from a buffer, leaving bin and ext payloads in place."""
+    """Decodes msgpack structure from a buffer, leaving bin and ext payloads in place.
+
+    Work is bounded by the file: a count that more items than bytes remain could hold, an array longer than
+    a parameter tree ever holds, or nesting deeper than ``MAX_DEPTH`` is refused before it is walked.
+    """
 
     def __init__(self, buf, pos: int = 0):
-        self.buf, self.pos = buf, pos
+        self.buf, self.pos, self.depth = buf, pos, 0
+
+    def _count(self, n: int, per_item: int, what: str) -> int:
+        left = len(self.buf) - self.pos
+        if n * per_item > left:
+            raise ValueError(f"{what} of {n} items where {left} bytes remain")
+        if what == "an array" and n > MAX_ARRAY:
+            raise ValueError(f"an array of {n} items at byte {self.pos}: no parameter tree holds one this long")
+        return n
+
+    def value(self):
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+            return self._value()
+        finally:
+            self.depth -= 1
 
     def _take(self, fmt: str):
         v = struct.unpack_from(">" + fmt, self.buf, self.pos)[0]
@@ -85,19 +110,19 @@ class _Scanner:
         self.pos += n
         return start
 
-    def value(self):
+    def _value(self):
         b = self._take("B")
         if b <= 0x7F or b >= 0xE0:
             return b if b <= 0x7F else b - 0x100
         if 0x80 <= b <= 0x8F or b in (0xDE, 0xDF):
-            n = b & 0x0F if b <= 0x8F else self._take("H" if b == 0xDE else "I")
+            n = self._count(b & 0x0F if b <= 0x8F else self._take("H" if b == 0xDE else "I"), 2, "a map")
             out = {}
             for _ in range(n):
                 k = self.value()
                 out[k if isinstance(k, str) else ("?", k)] = self.value()
             return out
         if 0x90 <= b <= 0x9F or b in (0xDC, 0xDD):
-            n = b & 0x0F if b <= 0x9F else self._take("H" if b == 0xDC else "I")
+            n = self._count(b & 0x0F if b <= 0x9F else self._take("H" if b == 0xDC else "I"), 1, "an array")
             return [self.value() for _ in range(n)]
         if 0xA0 <= b <= 0xBF or b in (0xD9, 0xDA, 0xDB):
             n = b & 0x1F if b <= 0xBF else self._take({0xD9: "B", 0xDA: "H", 0xDB: "I"}[b])

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from ffn_tools.detect import choose_scheme, find_ffns
 from ffn_tools.errors import CheckpointError, SchemeError
-from ffn_tools.store import Checkpoint, TensorInfo, read_config
+from ffn_tools.store import Checkpoint, TensorInfo, index_shards, read_config
 
 from . import flax_tree as tree
 from .flax_msgpack import DTYPES, Leaf, read_leaf, read_tree
@@ -27,28 +27,13 @@ WEIGHTS_NAME = "flax_model.msgpack"
 INDEX_NAME = "flax_model.msgpack.index.json"
 
 
-def _index_files(index: Path) -> tuple[list[Path], dict[str, str]]:
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError("weight_map is not an object")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{index}: not a valid index (needs a 'weight_map' object: {e})") from None
-    files = [index.parent / n for n in dict.fromkeys(weight_map.values())]
-    missing = sorted(f.name for f in files if not f.is_file())
-    if missing:
-        raise CheckpointError(f"{index}: names shard(s) that do not exist: {', '.join(missing)}; "
-                              "copy them beside the index or point at a complete checkpoint")
-    return files, weight_map
-
-
 def _resolve(path: Path) -> tuple[Path, list[Path], dict[str, str] | None]:
     """(root, weight files, index weight_map or None) of a Flax checkpoint path."""
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     if path.is_dir():
         if (path / INDEX_NAME).is_file():
-            return path, *_index_files(path / INDEX_NAME)
+            return path, *index_shards(path / INDEX_NAME)
         if (path / WEIGHTS_NAME).is_file():
             return path, [path / WEIGHTS_NAME], None
         found = sorted(path.glob("*.msgpack"))
@@ -57,7 +42,7 @@ def _resolve(path: Path) -> tuple[Path, list[Path], dict[str, str] | None]:
                                   "point at one .msgpack file or an index")
         return path, found, None
     if path.name.endswith(".index.json"):
-        return path.parent, *_index_files(path)
+        return path.parent, *index_shards(path)
     return path.parent, [path], None
 
 

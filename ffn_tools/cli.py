@@ -20,20 +20,63 @@ from .sizes import SIZE_HELP, parse_size
 SHARD_HELP = f"Largest output file, header included, e.g. 500MB, 5GB, 2GiB. {SIZE_HELP}"
 
 
+# Optional packages and the extra that installs each (import name -> pip requirement).
+EXTRAS = {"mlx": "ffn-tools[mlx]' (Apple silicon) or 'ffn-tools[mlx-cpu]", "mlx_lm": "ffn-tools[mlx]",
+          "jax": "ffn-tools[flax]", "flax": "ffn-tools[flax]", "msgpack": "ffn-tools[flax]",
+          "ml_dtypes": "ffn-tools[flax]", "triton": "ffn-tools[cuda]", "transformers": "transformers"}
+
+
+class Trouble(click.ClickException):
+    """The command could not run: one line on stderr (and ``{"error": ...}`` on stdout under --json), exit 2."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, as_json: bool = False):
+        super().__init__(message)
+        self.as_json = as_json
+
+    def show(self, file=None) -> None:
+        if self.as_json:
+            click.echo(json.dumps({"error": self.message}))
+        super().show(file)
+
+
+def missing_package(e: ImportError) -> str | None:
+    """One line naming the optional package an ImportError is about and how to install it, or None."""
+    name = (e.name or "").split(".")[0]
+    if name not in EXTRAS:
+        return None
+    return f"this needs {name}, which is not installed here: pip install '{EXTRAS[name]}'"
+
+
 class Group(click.Group):
-    """Turns library errors into one-line messages (exit 1), never a traceback."""
+    """Turns every failure into one line and exit status 2 (never a traceback); see ``cli``'s help."""
 
     def invoke(self, ctx):
+        as_json = "--json" in ctx.args
         try:
             return super().invoke(ctx)
         except FFNToolsError as e:
-            raise click.ClickException(str(e)) from None
+            raise Trouble(str(e), as_json) from None
+        except click.UsageError as e:
+            if as_json:
+                click.echo(json.dumps({"error": e.format_message()}))
+            raise
+        except click.ClickException as e:
+            if as_json and not isinstance(e, Trouble):
+                click.echo(json.dumps({"error": e.format_message()}))
+            raise
         except BrokenPipeError:  # output piped into `head`: not an error; silence the flush at exit
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise SystemExit(0) from None
+        except ImportError as e:
+            why = missing_package(e)
+            if why is None:
+                raise
+            raise Trouble(why, as_json) from None
         except OSError as e:  # a path the OS refuses (a file where a folder must be, no permission, disk full)
             where = f"{e.filename}: " if e.filename else ""
-            raise click.ClickException(f"{where}{e.strerror or e}") from None
+            raise Trouble(f"{where}{e.strerror or e}", as_json) from None
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -41,11 +84,15 @@ class Group(click.Group):
 @click.option("-v", "--verbose", is_flag=True, help="Log what is being done.")
 @click.version_option(package_name="ffn-tools")
 def cli(quiet: bool, verbose: bool) -> None:
-    """Split, fuse, convert and verify the SwiGLU feed-forward weights of LLM checkpoints.
+    """Split, fuse, convert and verify the gated feed-forward weights of LLM checkpoints.
 
-    Reads Llama / Mistral / Qwen / Phi-3 / Mixtral / Qwen-MoE checkpoints (safetensors, sharded or not,
-    weights-only pickles, MLX, Flax), finds every FFN, and writes new checkpoints atomically: outputs go
-    to a temporary path and are moved into place only on success; the input is never modified.
+    Reads the checkpoints of every gated model family transformers ships (Llama, Mistral, Qwen, Phi-3,
+    Gemma, DeepSeek, Mixtral, Qwen-MoE, GPT-OSS, Llama-4, ...; safetensors, sharded or not, weights-only
+    pickles, MLX, Flax), finds every FFN, and writes new checkpoints atomically: outputs go to a temporary
+    path and are moved into place only on success; the input is never modified.
+
+    Exit status, every command: 0 done (verify: everything agrees); 1 verify found a difference; 2 could
+    not run (bad input or option, an I/O error, a missing optional package).
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
     progress.set_enabled(not quiet)
@@ -264,8 +311,18 @@ from .verify_cli import verify as _verify  # noqa: E402
 cli.add_command(_verify)
 
 
+def _terminate(signum, frame):
+    """SIGTERM / SIGHUP end the command like Ctrl-C: temporary outputs are removed on the way out."""
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
     """Console-script entry point."""
+    import signal
+
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None:
+            signal.signal(sig, _terminate)
     cli(prog_name="ffn-tools")
 
 

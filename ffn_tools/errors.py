@@ -21,6 +21,11 @@ class LayoutError(FFNToolsError):
     """A gate/up layout does not fit a tensor (odd rows, TP degree not dividing, mixed layouts)."""
 
 
+class OutputError(FFNToolsError):
+    """The output cannot be written: its parent is a file or read-only, another process writes it, the disk
+    is full."""
+
+
 class OutputExistsError(FFNToolsError):
     """The output path exists and --force was not given, or it is the input path."""
 

@@ -6,14 +6,19 @@ refused always (writing it would destroy what is being read).
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from glob import escape as glob_escape
 from pathlib import Path
 
-from .errors import OutputExistsError
+from .errors import OutputError, OutputExistsError
+from .sizes import human
 from .store import WEIGHT_SUFFIXES
 
 
@@ -61,28 +66,113 @@ def _remove(p: Path) -> None:
         p.unlink()
 
 
+def _parent(out: Path) -> None:
+    """Create ``out``'s parent, or say in terms of ``out`` why it cannot be written there.
+
+    Raises:
+        OutputError: a parent is a file, or the directory cannot be created or written.
+    """
+    for p in (out.parent, *out.parent.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise OutputError(f"{out}: cannot write here: {p} is a file, not a directory; choose another -o path")
+            break
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"{out}: cannot create its directory {out.parent} ({e.strerror}); choose another -o "
+                          "path") from None
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise OutputError(f"{out}: cannot write into {out.parent} (permission denied); choose another -o path")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale(out: Path) -> list[Path]:
+    """Remove temporary outputs for ``out`` left by ffn-tools processes that no longer run (killed with
+    SIGKILL, or by a power cut); those of live processes are kept. Returns what was removed."""
+    removed = []
+    for p in out.parent.glob(f".{glob_escape(out.name)}.*-*"):
+        m = re.fullmatch(rf"\.{re.escape(out.name)}\.(?:tmp|old)-(\d+)-[0-9a-f]{{8}}", p.name)
+        if m and not _alive(int(m.group(1))):
+            _remove(p)
+            removed.append(p)
+    return removed
+
+
 @contextmanager
-def atomic_output(out: Path, *, inputs: list[Path], force: bool) -> Iterator[Path]:
-    """Yield a temporary path beside ``out``; on success it replaces ``out``, on failure it is removed.
+def _lock(out: Path) -> Iterator[None]:
+    """Hold ``.OUT.lock`` beside the output while writing: a second process writing the same output is
+    refused (naming the first) instead of silently replacing its result."""
+    lock = out.parent / f".{out.name}.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise OutputError(f"{out}: another ffn-tools process (PID {other}) is writing this output; wait for "
+                              "it to finish or choose another -o path") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        try:
+            yield
+        finally:
+            lock.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | None = None) -> Iterator[Path]:
+    """Yield a temporary path beside ``out``; on success it replaces ``out``, on failure (an exception,
+    Ctrl-C, SIGTERM) it is removed. Temporaries that killed processes left for ``out`` are removed first.
 
     The caller creates a file or a directory at the yielded path.
 
+    Args:
+        nbytes: what will be written, when known: refused up front if the disk has less free.
+
     Raises:
-        OutputExistsError: before anything is written, see ``check_output``.
+        OutputExistsError / OutputError: before anything is written (see ``check_output``, ``_parent``,
+            ``_lock``), or the disk filled up (naming ``out`` and the space needed).
     """
     check_output(out, inputs, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp = out.parent / f".{out.name}.tmp-{tag}"
-    try:
-        yield tmp
-    except BaseException:
-        _remove(tmp)
-        raise
-    if out.exists() or out.is_symlink():
-        old = out.parent / f".{out.name}.old-{tag}"
-        os.replace(out, old)
-        os.replace(tmp, out)
-        _remove(old)
-    else:
-        os.replace(tmp, out)
+    _parent(out)
+    with _lock(out):
+        remove_stale(out)
+        free = shutil.disk_usage(out.parent).free
+        if nbytes is not None and nbytes > free:
+            raise OutputError(f"{out}: not enough space: the output needs {human(nbytes)}, {out.parent} has "
+                              f"{human(free)} free")
+        tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = out.parent / f".{out.name}.tmp-{tag}"
+        try:
+            yield tmp
+        except OSError as e:
+            _remove(tmp)
+            if e.errno == errno.ENOSPC:
+                need = f"needs {human(nbytes)}; " if nbytes else ""
+                raise OutputError(f"{out}: no space left on the device while writing ({need}{out.parent} had "
+                                  f"{human(free)} free); free some space or choose another -o path") from None
+            if e.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
+                raise OutputError(f"{out}: cannot write ({e.strerror}); choose another -o path") from None
+            raise
+        except BaseException:
+            _remove(tmp)
+            raise
+        if out.exists() or out.is_symlink():
+            old = out.parent / f".{out.name}.old-{tag}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            _remove(old)
+        else:
+            os.replace(tmp, out)

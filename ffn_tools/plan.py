@@ -167,7 +167,7 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
     progress = Progress(plan.total_bytes, desc)
     inputs = [ckpt.path, *ckpt.files]
     try:
-        with atomic_output(out, inputs=inputs, force=force) as tmp:
+        with atomic_output(out, inputs=inputs, force=force, nbytes=plan.total_bytes) as tmp:
             if out.suffix == ".safetensors":
                 write_file(tmp, items, meta, progress)
                 written = [out.name]

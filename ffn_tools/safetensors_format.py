@@ -32,15 +32,33 @@ class HeaderEntry:
     end: int
 
 
+def _no_duplicates(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise CheckpointError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _index(v) -> bool:
+    """A JSON non-negative integer (not a bool, a float or a string), as the Rust reader's usize."""
+    return type(v) is int and v >= 0
+
+
 def read_header(path: Path) -> tuple[dict[str, HeaderEntry], dict[str, str]]:
-    """Read and validate the header of a safetensors file.
+    """Read and validate the header of a safetensors file, as strictly as safetensors' Rust reader.
+
+    Every entry needs a string ``dtype`` the format knows, a ``shape`` of non-negative integers and integer
+    ``data_offsets`` [begin, end] whose size fits dtype and shape; the entries, sorted by offset, must tile
+    the data exactly (no overlap, no gap, nothing after the last one); names are unique; ``__metadata__``
+    maps strings to strings.
 
     Returns:
         (entries by name, ``__metadata__`` dict, empty when absent).
 
     Raises:
-        CheckpointError: the file is too short, the header is not valid JSON, or a tensor lies outside
-            the file (a truncated download).
+        CheckpointError: naming the file (and the tensor) and what is wrong.
     """
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -54,34 +72,60 @@ def read_header(path: Path) -> tuple[dict[str, HeaderEntry], dict[str, str]]:
                 "re-download or re-save it"
             )
         raw = f.read(n)
+    if not raw.startswith(b"{"):
+        raise CheckpointError(f"{path}: not a safetensors file (the header does not start with '{{')")
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        header = json.loads(raw, object_pairs_hook=_no_duplicates)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: corrupted safetensors header: {e}") from None
+    except (UnicodeDecodeError, ValueError) as e:
         raise CheckpointError(f"{path}: corrupted safetensors header ({e}); re-download or re-save it") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupted safetensors header (not a JSON object)")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: corrupted safetensors header: __metadata__ must map strings to strings")
     base = 8 + n
     entries: dict[str, HeaderEntry] = {}
     for name, spec in header.items():
-        try:
-            dtype, shape, (lo, hi) = spec["dtype"], tuple(int(d) for d in spec["shape"]), spec["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise CheckpointError(f"{path}: corrupted safetensors header entry for tensor {name!r}") from None
-        if dtype not in ST_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
-        count = 1
-        for d in shape:
-            count *= d
-        if hi - lo != count * itemsize(dtype) or lo < 0:
-            raise CheckpointError(f"{path}: tensor {name!r}: offsets {lo}:{hi} do not match {dtype}{list(shape)}")
-        if base + hi > size:
-            raise CheckpointError(
-                f"{path}: truncated: tensor {name!r} ends at byte {base + hi} but the file has {size} bytes; "
-                "re-download or re-save it"
-            )
-        entries[name] = HeaderEntry(name, dtype, shape, base + lo, base + hi)
+        entries[name] = _entry(path, name, spec, base, size)
+    end = 0
+    for e in sorted(entries.values(), key=lambda e: (e.start, e.end)):
+        if e.start != base + end:
+            what = "overlaps the previous tensor" if e.start < base + end else "leaves a gap before it"
+            raise CheckpointError(f"{path}: tensor {e.name!r}: data_offsets {e.start - base}:{e.end - base} {what}; "
+                                  "the file is corrupted (re-download or re-save it)")
+        end = e.end - base
+    if base + end != size:
+        raise CheckpointError(f"{path}: {size - base - end} bytes after the last tensor's data (the header accounts "
+                              f"for {end} of {size - base}); the file is corrupted or was appended to")
     return entries, metadata
+
+
+def _entry(path: Path, name: str, spec, base: int, size: int) -> HeaderEntry:
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(spec, dict) or not {"dtype", "shape", "data_offsets"} <= set(spec):
+        raise CheckpointError(f"{where}: a header entry needs dtype, shape and data_offsets")
+    dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in ST_DTYPES:
+        raise CheckpointError(f"{where} has unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_index(d) for d in shape):
+        raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_index(o) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise CheckpointError(f"{where}: data_offsets {offsets!r} are not two increasing non-negative integers")
+    lo, hi = offsets
+    count = 1
+    for d in shape:
+        count *= d
+    if hi - lo != count * itemsize(dtype):
+        raise CheckpointError(f"{where}: offsets {lo}:{hi} do not match {dtype}{list(shape)}")
+    if base + hi > size:
+        raise CheckpointError(f"{where} ends at byte {base + hi} but the file has {size} bytes: truncated; "
+                              "re-download or re-save it")
+    return HeaderEntry(name, dtype, tuple(shape), base + lo, base + hi)
 
 
 PAGE = 4096  # data copied from an input lands at the same offset modulo a page: ~20% faster copy_file_range

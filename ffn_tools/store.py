@@ -137,12 +137,16 @@ class SafetensorsCheckpoint(Checkpoint):
         self._handles: dict[Path, object] = {}
 
     def _read(self, info: TensorInfo) -> "torch.Tensor":
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        handle = self._handles.get(info.file)
-        if handle is None:
-            handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
-        return handle.get_tensor(info.name)
+        try:
+            handle = self._handles.get(info.file)
+            if handle is None:
+                handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
+            return handle.get_tensor(info.name)
+        except (SafetensorError, OSError) as e:  # changed on disk since its header was read, or unreadable
+            raise CheckpointError(f"{info.file}: cannot read tensor {info.name!r} ({' '.join(str(e).split())})") \
+                from None
 
     def close(self) -> None:
         self._handles.clear()
@@ -205,9 +209,12 @@ def read_config(root: Path) -> dict | None:
     if not p.is_file():
         return None
     try:
-        return json.loads(p.read_text())
+        config = json.loads(p.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{p}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{p}: not a JSON object (found {type(config).__name__})")
+    return config
 
 
 def config_dtype(config: dict | None) -> str | None:
@@ -218,16 +225,55 @@ def config_dtype(config: dict | None) -> str | None:
     return str(value).removeprefix("torch.") if value else None
 
 
-def _index_files(index: Path) -> list[Path]:
+def index_shards(index: Path) -> tuple[list[Path], dict[str, str]]:
+    """The shards an index names, in order, and its weight_map.
+
+    A shard is named relative to the index's directory and must stay inside it: an absolute name or one
+    that climbs out (``../other/x.safetensors``) is refused before anything is opened. A name inside that is
+    a symbolic link (a Hugging Face cache snapshot's shards point into ``../../blobs/``) is followed.
+
+    Raises:
+        CheckpointError: not an index, a shard name outside the directory, or a missing shard.
+    """
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{index}: not a valid index (needs a 'weight_map' object: {e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
+                                                   for k, v in weight_map.items()):
+        raise CheckpointError(f"{index}: not a valid index ('weight_map' must map tensor names to shard file names)")
+    for tensor, name in weight_map.items():
+        parts = Path(name).parts
+        if Path(name).is_absolute() or ".." in parts or not parts or "\\" in name:
+            raise CheckpointError(f"{index}: weight_map entry {tensor!r} -> {name!r} points outside the index's "
+                                  "directory; shards must be named relative to it, inside it")
     files = [index.parent / n for n in dict.fromkeys(weight_map.values())]
-    missing = [f.name for f in files if not f.is_file()]
+    missing = [str(f.relative_to(index.parent)) for f in files if not f.is_file()]
     if missing:
         raise CheckpointError(f"{index}: names shard(s) that do not exist: {', '.join(sorted(missing))}")
-    return files
+    return files, weight_map
+
+
+def _check_index(index: Path, infos: dict[str, TensorInfo], weight_map: dict[str, str]) -> None:
+    """The weight_map and the shards' own headers must agree, tensor by tensor (all problems at once).
+
+    Raises:
+        CheckpointError: a mapped tensor its shard lacks, or a shard tensor the map puts elsewhere or omits.
+    """
+    problems = []
+    for tensor, name in sorted(weight_map.items()):
+        info = infos.get(tensor)
+        if info is None:
+            problems.append(f"{tensor!r} is mapped to {name} but no shard holds it")
+        elif info.file != index.parent / name:
+            problems.append(f"{tensor!r} is mapped to {name} but lies in {info.file.name}")
+    extra = sorted(set(infos) - set(weight_map))
+    if extra:
+        problems.append(f"{len(extra)} tensor(s) in the shards are missing from the weight_map "
+                        f"({', '.join(map(repr, extra[:4]))}{', ...' if len(extra) > 4 else ''})")
+    if problems:
+        raise CheckpointError(f"{index}: the index and its shards disagree: " + "; ".join(problems[:8])
+                              + (f"; ... ({len(problems) - 8} more)" if len(problems) > 8 else ""))
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -243,7 +289,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         root = path
         for name in WEIGHT_INDEXES[:2]:
             if (path / name).is_file():
-                return _open_files(path, root, _index_files(path / name))
+                return _open_index(path, root, path / name)
         for main, pattern in (("model.safetensors", "*.safetensors"), ("pytorch_model.bin", "pytorch_model*.bin"),
                               (None, "*.pth"), (None, "*.pt"), (None, "*.bin")):
             if main and (path / main).is_file():  # beside it may lie outputs like model.split.safetensors
@@ -257,10 +303,21 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         )
     root = path.parent
     if path.name.endswith(".index.json"):
-        return _open_files(path, root, _index_files(path))
+        return _open_index(path, root, path)
     if path.suffix in (".safetensors", *PICKLE_SUFFIXES):
         return _open_files(path, root, [path])
     raise CheckpointError(f"{path}: not a checkpoint (expected .safetensors, .index.json, .bin, .pth or .pt)")
+
+
+def _open_index(path: Path, root: Path, index: Path) -> Checkpoint:
+    files, weight_map = index_shards(index)
+    ckpt = _open_files(path, root, files)
+    try:
+        _check_index(index, ckpt._infos, weight_map)
+    except CheckpointError:
+        ckpt.close()
+        raise
+    return ckpt
 
 
 def _open_files(path: Path, root: Path, files: list[Path]) -> Checkpoint:

@@ -21,10 +21,9 @@ DEFAULT_TOKENS = 32  # = verify.DEFAULT_TOKENS (not imported: that module import
 BACKEND_NAMES = "reference, triton, metal, mlx, jax"
 
 
-class VerifyTrouble(click.ClickException):
+def _trouble(message: str, as_json: bool) -> click.ClickException:
     """Verification could not run (unreadable input, no FFNs, a backend that cannot run): exit 2."""
-
-    exit_code = 2
+    return importlib.import_module("ffn_tools.cli").Trouble(message, as_json)
 
 
 def b_layout_options(f):
@@ -108,7 +107,7 @@ def _build():
                          layout=layout, b_layout=b_layout, allow_unmatched=allow_unmatched,
                          ffn_only=ffn_only, load_check=load_check)
         except FFNToolsError as e:
-            raise VerifyTrouble(str(e)) from None
+            raise _trouble(str(e), as_json) from None
         if as_json:
             click.echo(json.dumps(report.as_dict(), indent=2, default=str))
         else:

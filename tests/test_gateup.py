@@ -228,8 +228,11 @@ def test_failure_midway_leaves_no_partial_output(model_dir, tmp_path, monkeypatc
     from ffn_tools.gateup import split_gateup
 
     source = model_dir("phi3") if src == "safetensors" else model_dir("phi3", safe_serialization=False)
-    with pytest.raises(OSError):
+    from ffn_tools.errors import OutputError
+
+    with pytest.raises(OutputError, match="no space left on the device") as e:
         split_gateup(source, tmp_path / "out", max_shard_size=60_000)
+    assert str(e.value).startswith(str(tmp_path / "out")) and "needs" in str(e.value)  # names -o, not a temp
     assert calls["n"] == 2 and list(tmp_path.iterdir()) == []
 
 
