@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -177,12 +178,14 @@ def _load_pickle(path: Path) -> dict[str, "torch.Tensor"]:
     import torch
 
     try:
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):
-                raise
-            obj = torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
+        with warnings.catch_warnings():  # torch's own UserWarnings about the refusal: our one line says it
+            warnings.simplefilter("ignore")
+            try:
+                obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:
+                if "mmap" not in str(e):
+                    raise
+                obj = torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(
@@ -264,7 +267,7 @@ def _check_index(index: Path, infos: dict[str, TensorInfo], weight_map: dict[str
     for tensor, name in sorted(weight_map.items()):
         info = infos.get(tensor)
         if info is None:
-            problems.append(f"{tensor!r} is mapped to {name} but no shard holds it")
+            problems.append(f"{tensor!r} is mapped to {name}, which lacks it")
         elif info.file != index.parent / name:
             problems.append(f"{tensor!r} is mapped to {name} but lies in {info.file.name}")
     extra = sorted(set(infos) - set(weight_map))
