@@ -217,7 +217,18 @@ def read_config(root: Path) -> dict | None:
         raise CheckpointError(f"{p}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{p}: not a JSON object (found {type(config).__name__})")
+    wrong = [k for k in STRING_KEYS if config.get(k) is not None and not isinstance(config[k], str)]
+    arch = config.get("architectures")
+    if arch is not None and not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
+        wrong.append("architectures")
+    if wrong:
+        what = "; ".join(f"{k} must be {'a list of strings' if k == 'architectures' else 'a string'} "
+                         f"(found {json.dumps(config[k])[:40]})" for k in wrong)
+        raise CheckpointError(f"{p}: {what}; fix config.json")
     return config
+
+
+STRING_KEYS = ("model_type", "hidden_act", "hidden_activation")  # config.json keys ffn-tools reads as names
 
 
 def config_dtype(config: dict | None) -> str | None:

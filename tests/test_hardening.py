@@ -357,3 +357,19 @@ def test_fuzzed_headers_agree_with_safetensors(tmp_path, spec):
         theirs = False
     if ours:  # what we accept, safetensors reads in full (we may be stricter, never looser)
         assert theirs, header
+
+
+@pytest.mark.parametrize("key, value", [("model_type", ["llama"]), ("hidden_act", {"a": 1}),
+                                        ("architectures", "LlamaForCausalLM"), ("model_type", 5)])
+def test_config_keys_of_the_wrong_type(model_dir, tmp_path, key, value):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(model_dir("llama"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg[key] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    for args in (["inspect", d], ["split-gateup", d, "-o", tmp_path / "o"], ["verify", model_dir("llama"), d]):
+        r = run_cli(*args, ok=None)
+        _one_line_exit_2(r)
+        assert f"{key} must be" in r.output
