@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .errors import SchemeError
+
+FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E8M0"})
 from .ffn import FFN, Activation, FFNRef, activation_from_config
 from .layouts import GateUpLayout
 from .registry import (LIBRARY, SCHEMES, Form, Group, Scheme, bias_name, compile_template, scheme_for_model_type,
@@ -233,6 +235,14 @@ def _build(ckpt, group: Group, form_name: str, roles: dict[str, str], layer: int
         problems.append(f"{names['down']}: expected {2 + lead} dims, found {list(down)}")
         return []
     h, i = down[lead:][::-1] if form.transposed else down[lead:]  # (H, I), or (I, H) stored (in, out)
+    if not (h and i):
+        problems.append(f"{names['down']}: shape {list(down)} has a zero dimension; an FFN needs d_model and d_ffn")
+        return []
+    ints = sorted({ckpt.info(n).st_dtype for n in names.values()} - FLOAT_DTYPES)
+    if ints:
+        problems.append(f"{names['down']} and its FFN: {', '.join(ints)} weights; FFN weights are floating point "
+                        "(a quantized checkpoint? read it through its own format)")
+        return []
     want = {"down": (i, h) if form.transposed else (h, i), "down_bias": (h,)}
     fused_axis = 0 if layout.axis == "rows" else 1
     if form.transposed and form.fused and fused_axis == 0:

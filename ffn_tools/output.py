@@ -37,6 +37,9 @@ def check_output(out: Path, inputs: list[Path], force: bool, replaceable=None) -
         i = inp.resolve()
         if o == i or i.is_relative_to(o):
             raise OutputExistsError(f"{out}: the output would overwrite the input {inp}; choose another -o path")
+        if inp.is_dir() and o.is_relative_to(i):
+            raise OutputExistsError(f"{out}: lies inside the input directory {inp}, which ffn-tools never modifies; "
+                                    "choose an -o path outside it")
     if out.exists() and not force:
         raise OutputExistsError(f"{out}: already exists; choose another -o path or pass --force to replace it")
     if out.exists() and not (replaceable or _looks_like_output)(out):

@@ -76,7 +76,7 @@ def input_scale(gate: torch.Tensor) -> float:
     The median ignores outlier rows (a huge weight would otherwise shrink every other pre-activation).
     """
     step = max(1, gate.shape[0] // SCALE_ROWS)  # a strided sample of rows is plenty for a median
-    norms = torch.linalg.vector_norm(gate[::step], dim=1, dtype=torch.float32)  # RMS of gate_i . x, x ~ N(0, 1)
+    norms = torch.linalg.vector_norm(gate[::step].float(), dim=1)  # RMS of gate_i . x, x ~ N(0, 1)
     med = float(norms.median()) if norms.numel() else 0.0
     return PREACT_RMS / med if math.isfinite(med) and med > 0 else 1.0
 

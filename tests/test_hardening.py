@@ -373,3 +373,30 @@ def test_config_keys_of_the_wrong_type(model_dir, tmp_path, key, value):
         r = run_cli(*args, ok=None)
         _one_line_exit_2(r)
         assert f"{key} must be" in r.output
+
+
+def test_output_inside_the_input_directory_is_refused(model_dir, tmp_path):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(model_dir("llama"), d)
+    before = tree_digest(d)
+    r = run_cli("fuse-gateup", d, "-o", d / "fused", ok=None)
+    _one_line_exit_2(r)
+    assert "inside the input directory" in r.output and tree_digest(d) == before
+
+
+@pytest.mark.parametrize("case", ["zero-d_ffn", "integer-weights"])
+def test_degenerate_ffn_tensors(tmp_path, case):
+    t = ({G: torch.zeros(0, 4), U: torch.zeros(0, 4), D: torch.zeros(4, 0)} if case == "zero-d_ffn" else
+         {G: torch.ones(8, 4, dtype=torch.int64), U: torch.ones(8, 4, dtype=torch.int64),
+          D: torch.ones(4, 8, dtype=torch.int64)})
+    d = tmp_path / "m"
+    d.mkdir()
+    save_file(t, d / "model.safetensors")
+    words = "zero dimension" if case == "zero-d_ffn" else "floating point"
+    r = run_cli("inspect", d, ok=None)
+    _one_line_exit_2(r)
+    assert words in r.output
+    r = run_cli("verify", d, d, ok=None)  # found, but not an FFN one can run: a failed check naming the tensor
+    assert r.exit_code == 1 and words in r.output and "Traceback" not in r.output
