@@ -8,7 +8,6 @@ Shapes are checked when opening, so a kernel stored (out, in) is reported before
 from __future__ import annotations
 
 import builtins
-import json
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING

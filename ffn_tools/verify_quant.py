@@ -1,0 +1,57 @@
+"""Quantization as verify reads it: the config's block (MLX-style ``quantization`` or ``quantization_config``),
+the bits of each FFN (per module in mixed recipes), and its one-line description."""
+
+from __future__ import annotations
+
+from .errors import CheckpointError
+from .ffn import FFN
+from .store import read_config
+
+
+def quantization(ckpt) -> dict | None:
+    """The MLX-style ``quantization`` (or ``quantization_config``) block of the config.json on disk: global
+    ``bits``/``group_size`` and, from mixed recipes, per-module entries (parameters, or ``false``).
+
+    Read from the file, not ``ckpt.config``: readers that dequantize drop the block from the view.
+    """
+    try:
+        config = read_config(ckpt.root) or {}
+    except CheckpointError:
+        config = {}
+    for key in ("quantization", "quantization_config"):
+        q = config.get(key)
+        if isinstance(q, dict) and (isinstance(q.get("bits"), int)
+                                    or any(isinstance(v, dict) and isinstance(v.get("bits"), int) for v in q.values())):
+            return q
+    return None
+
+
+QUANT_ROLES = ("gate", "up", "down", "gate_up")
+
+
+def ffn_bits(ckpt, ffn: FFN, default: int | None) -> int | None:
+    """The quantization bits of one FFN: the coarsest among its gate/up/down modules, None when none is
+    quantized.
+
+    Per module where the reader resolved them (the MLX view's ``quant_params``: a module's own entry in the
+    block, else the block's defaults; unquantized modules, ``false`` in a mixed recipe, have none); else the
+    config's global ``default`` for every FFN.
+    """
+    params = getattr(ckpt, "quant_params", None)
+    if params is None:
+        return default
+    bits = [p["bits"] for r in QUANT_ROLES if (n := ffn.names.get(r)) and (p := params(n))]
+    return min(bits, default=None)
+
+
+def describe_quantization(q: dict) -> str:
+    """``4-bit group 64``, plus what per-module entries (mixed recipes, overrides) say, counted."""
+    text = (f"{q['bits']}-bit group {q.get('group_size')}" if isinstance(q.get("bits"), int) else "per module")
+    counts: dict[str, int] = {}
+    for v in q.values():
+        if v is False or isinstance(v, dict):
+            what = "unquantized" if v is False else f"at {v.get('bits', q.get('bits'))}-bit"
+            counts[what] = counts.get(what, 0) + 1
+    if counts:
+        text += " (per-module entries: " + ", ".join(f"{n} {w}" for w, n in sorted(counts.items())) + ")"
+    return text
