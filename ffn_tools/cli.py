@@ -17,6 +17,26 @@ from .layouts import ARRANGEMENTS, ORDERS, GateUpLayout
 from .registry import SCHEMES, custom_scheme, load_scheme_file
 from .sizes import SIZE_HELP, parse_size
 
+class CheckpointPath(click.ParamType):
+    """A checkpoint path, or a Hugging Face Hub id (``org/name[@revision]``) resolved through the local
+    cache or the Hub (see ``hub``); the command receives a local path either way."""
+
+    name = "PATH|REPO_ID"
+
+    def convert(self, value, param, ctx):
+        from .hub import looks_like_repo_id, resolve
+
+        if Path(value).exists():
+            return value
+        if not looks_like_repo_id(str(value)):
+            self.fail(f"{value!r}: no such file or directory (nor a Hub repo id like org/name)", param, ctx)
+        try:
+            return str(resolve(str(value)))
+        except FFNToolsError as e:
+            self.fail(str(e), param, ctx)
+
+
+CHECKPOINT = CheckpointPath()
 SHARD_HELP = f"Largest output file, header included, e.g. 500MB, 5GB, 2GiB. {SIZE_HELP}"
 
 
@@ -172,26 +192,28 @@ def emit(result: dict, as_json: bool, lines: list[str]) -> None:
 
 
 @cli.command()
-@click.argument("path", type=click.Path(exists=True))
+@click.argument("path", type=CHECKPOINT)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of text.")
+@click.option("--tensors", is_flag=True, help="Also list every tensor: name, dtype, shape, bytes, and its role "
+              "(which FFN and projection, outside the FFNs, or FFN-like but unmatched).")
 @scheme_options
 @layout_options
-def inspect(path, as_json, scheme, layout):
+def inspect(path, as_json, tensors, scheme, layout):
     """Show the architecture, naming scheme, FFN layout and sizes of the checkpoint at PATH.
 
     PATH is a .safetensors file, an index, a pickle, or a directory (PyTorch, MLX or Flax).
     """
     from converters import open_any
 
-    from .summary import format_summary, inspect_checkpoint
+    from .summary import format_summary, format_tensors, inspect_checkpoint
 
     with open_any(path) as ckpt:
-        s = inspect_checkpoint(ckpt, scheme, layout)
-    emit(s, as_json, format_summary(s))
+        s = inspect_checkpoint(ckpt, scheme, layout, tensors=tensors)
+    emit(s, as_json, format_summary(s) + (["", *format_tensors(s["tensor_table"])] if tensors else []))
 
 
 @cli.command()
-@click.argument("path", type=click.Path(exists=True))
+@click.argument("path", type=CHECKPOINT)
 @click.option("-o", "--out", required=True, type=click.Path(), help="Output directory (or a .safetensors file).")
 @click.option("--layers", help="Layers to keep, e.g. 0-3,7 (default: all).")
 @click.option("--experts", help="Routed experts to keep, e.g. 0,5 (default: all; dense and shared FFNs are kept).")
@@ -219,7 +241,7 @@ def extract(path, out, layers, experts, force, as_json, max_shard_size, scheme, 
 
 
 def _gateup_command(name: str, fn, help_text: str, extra=()):
-    @click.argument("path", type=click.Path(exists=True))
+    @click.argument("path", type=CHECKPOINT)
     @click.option("-o", "--out", type=click.Path(), help="Output file or directory. Default: beside the input, "
                   "under a new name (model.split.safetensors, DIR-split/; .fused / -fused for fuse).")
     @click.option("--dry-run", is_flag=True, help="Print the plan (every output tensor and how it is made); write nothing.")
@@ -278,7 +300,7 @@ _gateup_command("fuse-gateup", _fuse, """Fuse gate_proj and up_proj into one gat
 
 
 @cli.command()
-@click.argument("path", type=click.Path(exists=True))
+@click.argument("path", type=CHECKPOINT)
 @click.option("--to", "to", required=True, type=click.Choice(("torch", "mlx", "flax")), help="Output format.")
 @click.option("-o", "--out", required=True, type=click.Path(), help="Output directory.")
 @click.option("--dtype", type=click.Choice(("float32", "float16", "bfloat16")), help="Cast floating weights to this dtype.")

@@ -11,13 +11,40 @@ from .registry import Scheme
 from .store import Checkpoint, config_dtype
 
 
-def inspect_checkpoint(ckpt: Checkpoint, scheme: Scheme | None = None, layout: GateUpLayout | None = None) -> dict:
+def tensor_table(ckpt: Checkpoint, ffns: FFNSet) -> list[dict]:
+    """Every tensor: name, dtype, shape, bytes, and its role (``layer 3 expert 5: gate_up``, ``outside``, or
+    ``FFN-like, unmatched``)."""
+    roles: dict[str, str] = {}
+    for f in ffns.ffns:
+        for role, name in f.names.items():  # a stacked tensor holds every expert of its layer
+            roles[name] = f"{f.ref}: {role}" if f.index is None else f"layer {f.ref.layer} {f.ref.kind}s, stacked: {role}"
+    unmatched = set(ffns.unmatched)
+    out = []
+    for name in ckpt:
+        info = ckpt.info(name)
+        role = roles.get(name) or ("FFN-like, unmatched" if name in unmatched else "outside")
+        out.append({"name": name, "dtype": short_name(info.st_dtype), "shape": list(info.shape),
+                    "bytes": info.nbytes, "role": role})
+    return out
+
+
+def format_tensors(rows: list[dict]) -> list[str]:
+    """The tensor table as aligned text lines."""
+    width = max((len(r["name"]) for r in rows), default=4)
+    lines = [f"{'tensor':<{width}}  {'dtype':<8} {'shape':<20} {'bytes':>10}  role"]
+    for r in rows:
+        lines.append(f"{r['name']:<{width}}  {r['dtype']:<8} {str(r['shape']):<20} {r['bytes']:>10}  {r['role']}")
+    return lines
+
+
+def inspect_checkpoint(ckpt: Checkpoint, scheme: Scheme | None = None, layout: GateUpLayout | None = None,
+                       tensors: bool = False) -> dict:
     """Describe a checkpoint and its FFNs.
 
     Returns:
         architecture, scheme, layers, routed/shared experts, d_model, d_ffn per kind, layout per kind,
         activation, dtypes, shards, total bytes, FFN tensor counts per kind, and the tensors outside
-        any FFN (count and bytes).
+        any FFN (count and bytes); with ``tensors``, ``tensor_table`` lists every tensor and its role.
 
     Raises:
         SchemeError: no FFN found (see ``find_ffns``).
@@ -69,6 +96,7 @@ def inspect_checkpoint(ckpt: Checkpoint, scheme: Scheme | None = None, layout: G
         "outside_ffn": {"count": len(outside), "bytes": sum(ckpt.info(n).nbytes for n in outside)},
         "unmatched_ffn_like": list(ffns.unmatched),
         "warnings": [w] if (w := ffns.unmatched_warning()) else [],
+        **({"tensor_table": tensor_table(ckpt, ffns)} if tensors else {}),
     }
 
 

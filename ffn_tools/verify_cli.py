@@ -47,8 +47,8 @@ def _build():
     _cli = importlib.import_module("ffn_tools.cli")  # partly initialised when it is importing us: enough
 
     @click.command("verify", epilog=TOLERANCE_HELP)
-    @click.argument("a", type=click.Path(exists=True))
-    @click.argument("b", type=click.Path(exists=True))
+    @click.argument("a", type=_cli.CHECKPOINT)
+    @click.argument("b", type=_cli.CHECKPOINT)
     @click.option("--backend", "backends", multiple=True, metavar="NAME",
                   help=f"Kernel backend to run B's FFNs on, one of {BACKEND_NAMES}; repeat for several. "
                        "Default: every one available on this machine (unavailable ones are listed as skipped).")

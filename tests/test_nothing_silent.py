@@ -77,3 +77,17 @@ def test_looks_like_ffn(name, expected):
     from ffn_tools.detect import looks_like_ffn
 
     assert looks_like_ffn(name) is expected
+
+
+def test_inspect_tensors_gives_every_tensor_its_role(model_dir, tmp_path):
+    src = model_dir("qwen2_moe")
+    run_cli("fuse-gateup", src, "--stack-experts", "-o", tmp_path / "stacked")
+    rows = json.loads(run_cli("inspect", tmp_path / "stacked", "--tensors", "--json").stdout)["tensor_table"]
+    by = {r["name"]: r for r in rows}
+    assert len(rows) == json.loads(run_cli("inspect", tmp_path / "stacked", "--json").stdout)["tensors"]
+    assert by["model.layers.0.mlp.experts.gate_up_proj"]["role"] == "layer 0 experts, stacked: gate_up"
+    assert by["model.layers.1.mlp.shared_expert.down_proj.weight"]["role"] == "layer 1 shared expert: down"
+    assert by["model.embed_tokens.weight"]["role"] == "outside"
+    assert by["model.layers.0.mlp.experts.gate_up_proj"]["shape"] == [4, 96, 64]
+    text = run_cli("inspect", tmp_path / "stacked", "--tensors").output
+    assert "model.layers.0.mlp.experts.down_proj" in text and "stacked: down" in text

@@ -1,0 +1,63 @@
+"""Hub ids wherever a checkpoint path is taken, resolved through a prepared offline Hugging Face cache (the
+layout ``huggingface_hub`` writes: blobs, snapshots of symbolic links, refs), and ``python -m ffn_tools``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REV = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture(scope="module")
+def hf_home(model_dir, tmp_path_factory):
+    home = tmp_path_factory.mktemp("hf-home")
+    repo = home / "hub" / "models--acme--tiny-phi3"
+    snap = repo / "snapshots" / REV
+    snap.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REV)
+    for f in model_dir("phi3", torch.float32).iterdir():
+        shutil.copy(f, repo / "blobs" / f.name)
+        (snap / f.name).symlink_to(Path("../../blobs") / f.name)
+    return home
+
+
+def ffn_tools(home: Path, *args, cwd=None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HOME=str(home), HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "ffn_tools", *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=300)
+
+
+def test_repo_ids_work_where_paths_do(hf_home, model_dir, tmp_path):
+    r = ffn_tools(hf_home, "inspect", "acme/tiny-phi3", "--json")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["scheme"] == "hf" and s["ffn"]["dense"]["count"] == 2 and REV in s["path"]
+    assert ffn_tools(hf_home, "inspect", f"acme/tiny-phi3@{REV}").returncode == 0
+    r = ffn_tools(hf_home, "split-gateup", "acme/tiny-phi3", "-o", tmp_path / "split")
+    assert r.returncode == 0 and (tmp_path / "split" / "model.safetensors").is_file(), r.stderr
+    r = ffn_tools(hf_home, "verify", model_dir("phi3", torch.float32), "acme/tiny-phi3", "--tokens", "2",
+                  "--backend", "reference")
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
+
+
+def test_unknown_repo_id_is_one_line_exit_2(hf_home, tmp_path):
+    r = ffn_tools(hf_home, "inspect", "acme/absent")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "acme/absent: no such path, and not a Hub repo" in r.stderr
+    r = ffn_tools(hf_home, "inspect", "not/a/repo/id", cwd=tmp_path)  # three parts: a path, and absent
+    assert r.returncode == 2 and "no such file or directory" in r.stderr
+
+
+def test_python_dash_m_is_the_cli(hf_home):
+    r = ffn_tools(hf_home, "--help")
+    assert r.returncode == 0 and "Split, fuse, convert and verify" in r.stdout and "Exit status" in r.stdout
