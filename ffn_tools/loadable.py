@@ -56,8 +56,16 @@ class LoadCheck:
                 "missing": self.missing, "unexpected": self.unexpected, "mismatched": self.mismatched}
 
 
+MAIN_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
+              "pytorch_model.bin.index.json")  # what from_pretrained reads in a directory
+
+
 def check(ckpt) -> LoadCheck:
     """Check ``ckpt`` (an open checkpoint of any format) against its client."""
+    path = Path(ckpt.path)
+    if path.is_file() and path.name not in MAIN_FILES:  # model.split.safetensors beside its source
+        return LoadCheck("transformers", skipped=f"{path.name} is a single file, not what a client loads from "
+                                                 f"{path.parent} (that is {', '.join(MAIN_FILES[:2])})")
     if ckpt.format == "mlx":
         return check_mlx(ckpt.root)
     if ckpt.format == "flax":
@@ -167,8 +175,8 @@ def form_change_warning(ckpt, changed, out_form: str, out: str | None = None) ->
         out: the output path, for the message.
     """
     config = ckpt.config or {}
-    if not changed or "model_type" not in config:
-        return None
+    if not changed or "model_type" not in config or (out and Path(out).suffix == ".safetensors"):
+        return None  # a single file beside its source is not what a client loads
     arch = (config.get("architectures") or [config["model_type"]])[0]
     where = f"{out} " if out else "the output "
     check = f"`ffn-tools verify {ckpt.path} {out or 'OUT'}` checks exactly what would load"
