@@ -43,6 +43,8 @@ class LoadCheck:
             return f"load check ({self.client}) did not run: {self.skipped}"
         if self.ok:
             return f"loads in {self.client} ({self.architecture}): every parameter provided, nothing left over"
+        if self.client == "mlx_lm":  # its strict load's own words
+            return f"would not load in mlx_lm: {'; '.join(self.missing + self.unexpected)}"
         parts = []
         for what, items in (("newly initialized", self.missing), ("unexpected (ignored)", self.unexpected),
                             ("of the wrong shape", self.mismatched)):
