@@ -56,7 +56,11 @@ def main() -> None:
         run("convert", str(work / "phi3"), "--to", "mlx", "-o", str(work / "phi3-mlx-q4"), "--quantize", "4",
             "--group-size", "32")
         run("convert", str(work / "phi3-split"), "--to", "flax", "-o", str(work / "phi3-flax"))
-        run("verify", str(work / "phi3"), str(work / "phi3-split"))
+        print("\nThe split Phi-3 keeps Phi-3's config.json: its FFN weights are exact, but transformers would load it "
+              "with fresh FFNs, and verify says so (it is a form for MLX- or llama.cpp-style consumers).")
+        run("verify", str(work / "phi3"), str(work / "phi3-split"), "--backend", "reference", expect=1)
+        run("verify", str(work / "phi3"), str(work / "phi3-split"), "--no-load-check")
+        run("verify", str(work / "phi3"), str(work / "phi3-fused"), "--backend", "reference")
         run("verify", str(work / "phi3"), str(work / "phi3-mlx-q4"), "--backend", "reference", "--backend", "mlx")
         run("verify", str(work / "phi3"), str(work / "phi3-flax"), "--backend", "reference", "--backend", "jax")
         print("\nNow a conversion that silently swaps gate and up: it loads, but verify catches it.")

@@ -82,8 +82,8 @@ def _buckets(names) -> dict[str, list[str]]:
 
 def _candidates(template: str, names, buckets) -> list[str]:
     head = template_head(template)
-    if head in buckets:
-        return buckets[head]
+    if head.endswith(".") and not _FIRST_INDEX.search(head):  # its names all sit in one bucket (maybe none)
+        return buckets.get(head, [])
     return [n for n in names if n.startswith(head)]
 
 

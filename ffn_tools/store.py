@@ -97,6 +97,9 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
     def __iter__(self) -> Iterator[str]:
         return iter(self._infos)
 
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self._infos
+
     def __len__(self) -> int:
         return len(self._infos)
 
