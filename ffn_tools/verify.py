@@ -204,8 +204,8 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
             from .loadable import check
 
             report.load = check(cb)
-            (report.notes if report.load.skipped else report.problems if not report.load.ok else []).append(
-                f"B {report.load.summary()}" if not report.load.skipped else report.load.summary())
+            if report.load.skipped:
+                report.notes.append(report.load.summary())
     if logits:
         from .verify_logits import compare_logits
 

@@ -111,12 +111,17 @@ class VerifyReport:
     notes: list[str] = field(default_factory=list)
     logits: dict | None = None
     outside: "OutsideResult | None" = None  # the tensors outside the FFNs (None: not reached)
-    load: "LoadCheck | None" = None  # would B load in its client (its failure is also in ``problems``)
+    load: "LoadCheck | None" = None  # would B load in its client (a failure is listed last: the weights first)
 
     @property
     def passed(self) -> bool:
         return (not self.problems and not self.only_a and not self.only_b and all(r.passed for r in self.results)
-                and (self.logits is None or self.logits["passed"]) and (self.outside is None or self.outside.passed))
+                and (self.logits is None or self.logits["passed"]) and (self.outside is None or self.outside.passed)
+                and not self._load_fails)
+
+    @property
+    def _load_fails(self) -> bool:
+        return self.load is not None and not self.load.skipped and not self.load.ok
 
     def failures(self) -> list[str]:
         """Every failure as one line naming where, checkpoint-level first, then worst FFN first."""
@@ -138,6 +143,8 @@ class VerifyReport:
             out += self.outside.failures()
         if self.logits is not None and not self.logits["passed"]:
             out += [f"logits: {p}" for p in self.logits["problems"]]
+        if self._load_fails:
+            out.append(f"B {self.load.summary()}")
         return out
 
     def rows(self) -> list:
