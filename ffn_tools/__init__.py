@@ -1,15 +1,15 @@
 """ffn-tools: split, fuse, convert and verify the SwiGLU feed-forward weights of LLM checkpoints.
 
-The library behind the ``ffn-tools`` command; each command is one of these functions. Importing it does
-not import torch (byte-moving commands never need it) nor any other heavy framework.
+The library behind the ``ffn-tools`` command; each command is one of these functions, taking paths or Hub ids
+and returning what its ``--json`` prints (``api``). Importing it does not import torch (byte-moving commands
+never need it) nor any other heavy framework.
 """
 
 from .detect import FFNSet, find_ffns
 from .errors import (CheckpointError, FFNToolsError, LayoutError, NothingToDoError, OutputExistsError,
                      SchemeError)
-from .extract import extract
+from .api import convert, extract, fuse_gateup, inspect, split_gateup, verify
 from .ffn import FFN, FFNRef, canonical_weights
-from .gateup import fuse_gateup, split_gateup
 from .layouts import GateUpLayout, fuse, split
 from .registry import SCHEMES, Scheme, custom_scheme, load_scheme_file
 from .store import Checkpoint, TensorInfo, open_checkpoint
@@ -18,15 +18,8 @@ from .summary import inspect_checkpoint
 __all__ = [
     "FFNSet", "find_ffns",
     "CheckpointError", "FFNToolsError", "LayoutError", "NothingToDoError", "OutputExistsError", "SchemeError",
-    "extract", "FFN", "FFNRef", "canonical_weights", "fuse_gateup", "split_gateup",
+    "inspect", "extract", "convert", "FFN", "FFNRef", "canonical_weights", "fuse_gateup", "split_gateup",
     "GateUpLayout", "fuse", "split", "SCHEMES", "Scheme", "custom_scheme", "load_scheme_file",
     "Checkpoint", "TensorInfo", "open_checkpoint", "inspect_checkpoint", "verify",
 ]
 
-
-def __getattr__(name: str):
-    if name == "verify":  # imports torch: loaded on first use
-        from .verify import verify
-
-        return verify
-    raise AttributeError(f"module 'ffn_tools' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""The ``ffn-tools verify`` command: parse, call ``ffn_tools.verify.verify``, print, exit 0/1/2.
+"""The ``ffn-tools verify`` command: parse, call ``ffn_tools.verification.verify``, print, exit 0/1/2.
 
 The command object is built on first access of ``verify``: its --scheme/--layout options come from
 ``ffn_tools.cli``, which imports this module at its end, so building lazily lets either be imported first.
@@ -99,7 +99,7 @@ def _build():
         Prints a table, worst FFN first, and a verdict. Exit status: 0 all pass, 1 something differs,
         2 verification could not run (bad arguments, unreadable input, no FFNs, backend unavailable).
         """
-        from .verify import verify as run
+        from .verification import verify as run
 
         try:
             report = run(a, b, backends=list(backends) or None, tokens=tokens, seed=seed, layers=layers,

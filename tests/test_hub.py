@@ -61,3 +61,14 @@ def test_unknown_repo_id_is_one_line_exit_2(hf_home, tmp_path):
 def test_python_dash_m_is_the_cli(hf_home):
     r = ffn_tools(hf_home, "--help")
     assert r.returncode == 0 and "Split, fuse, convert and verify" in r.stdout and "Exit status" in r.stdout
+
+
+def test_readme_python_example_runs_as_written(model_dir, tmp_path, monkeypatch):
+    import re
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    code = re.search(r"## Python\n.*?```python\n(.*?)```", readme, re.S).group(1)
+    shutil.copytree(model_dir("phi3", torch.float32), tmp_path / "phi3")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    assert (tmp_path / "phi3-split" / "model.safetensors").is_file() and (tmp_path / "phi3-mlx").is_dir()

@@ -578,7 +578,7 @@ def test_tolerance_rows_and_metrics():
 def test_cli_constants_match_the_library_and_help_shows_the_table():
     """verify_cli repeats two constants so that `ffn-tools --help` does not import torch."""
     import kernels
-    from ffn_tools import verify as lib
+    from ffn_tools import verification as lib
     from ffn_tools import verify_cli
 
     assert verify_cli.BACKEND_NAMES == ", ".join(kernels.BACKENDS)
