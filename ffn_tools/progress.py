@@ -1,4 +1,5 @@
-"""Progress on long work: a byte counter on stderr, shown only on a terminal and not with --quiet."""
+"""Progress on long work: a byte counter with rate and ETA on stderr, shown only on a terminal (not when
+piped) and not with --quiet. Writers update it as bytes are copied or computed, not when they are queued."""
 
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ class Progress:
             self._last = now
             rate = self.done / max(now - self.start, 1e-9)
             pct = 100 * self.done / self.total if self.total else 100
+            eta = (self.total - self.done) / rate if rate > 0 else 0.0
             sys.stderr.write(f"\r{self.desc}: {pct:5.1f}%  {human(self.done)} / {human(self.total)}  "
-                             f"{human(int(rate))}/s ")
+                             f"{human(int(rate))}/s  ETA {int(eta) // 60}:{int(eta) % 60:02d} ")
             sys.stderr.flush()
 
     def close(self) -> None:

@@ -99,13 +99,13 @@ def write_file(path: Path, items: Sequence[OutTensor], metadata: dict | None, pr
                         else:
                             pending.append(r)
                 else:
-                    _flush(f, pending, sources)
+                    _flush(f, pending, sources, progress)
                     written = _emit(f, payload)
+                    if progress:
+                        progress.update(written)
                 if written != t.nbytes:
                     raise RuntimeError(f"internal error: {t.name} produced {written} bytes, expected {t.nbytes}")
-                if progress:
-                    progress.update(t.nbytes)
-            _flush(f, pending, sources)
+            _flush(f, pending, sources, progress)
     finally:
         for src in sources.values():
             src.close()
@@ -121,11 +121,11 @@ def _data_start_mod(items: Sequence[OutTensor]) -> int | None:
     return None
 
 
-def _flush(f, pending: list[ByteRange], sources: dict) -> None:
+def _flush(f, pending: list[ByteRange], sources: dict, progress: Progress | None = None) -> None:
     for r in pending:
         if r.file not in sources:
             sources[r.file] = open(r.file, "rb", buffering=0)
-        _copy_range(f, sources[r.file], r)
+        _copy_range(f, sources[r.file], r, progress)
     pending.clear()
 
 
@@ -168,16 +168,21 @@ def _emit(f, payload: Payload) -> int:
     return len(view)
 
 
-def _copy_range(f, src, r: ByteRange) -> None:
+COPY_STEP = 256 << 20  # bytes per copy_file_range call: progress moves as the copy does (~0.1-0.5 s a step)
+
+
+def _copy_range(f, src, r: ByteRange, progress: Progress | None = None) -> None:
     """Copy a byte range of an open input file with copy_file_range (falling back to read/write)."""
     offset, left = r.start, r.nbytes
     try:
         while left:
-            n = os.copy_file_range(src.fileno(), f.fileno(), left, offset)
+            n = os.copy_file_range(src.fileno(), f.fileno(), min(left, COPY_STEP), offset)
             if n == 0:
                 raise OSError("short copy")
             offset += n
             left -= n
+            if progress:
+                progress.update(n)
     except (OSError, AttributeError):
         src.seek(offset)
         while left:
@@ -186,3 +191,5 @@ def _copy_range(f, src, r: ByteRange) -> None:
                 raise OSError(f"{r.file}: ended early while copying") from None
             _write_all(f, memoryview(chunk))
             left -= len(chunk)
+            if progress:
+                progress.update(len(chunk))

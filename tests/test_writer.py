@@ -75,3 +75,47 @@ def test_copied_bytes_keep_their_page_offset(model_dir, tmp_path):
         assert all(b.info(n).start % 8 == 0 for n in b)
         for n in same:
             assert torch.equal(a[n], b[n])
+
+
+def test_progress_moves_as_bytes_are_copied(model_dir, tmp_path, monkeypatch):
+    """Byte-copied tensors count when copied (step by step), not when queued: no single 100% frame."""
+    import ffn_tools.writer as writer
+    from ffn_tools.gateup import split_gateup
+
+    bars = []
+
+    class Recorder:
+        def __init__(self, total, desc):
+            self.total, self.steps = total, []
+            bars.append(self)
+
+        def update(self, n):
+            self.steps.append(n)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(writer, "COPY_STEP", 4096)
+    monkeypatch.setattr("ffn_tools.plan.Progress", Recorder)
+    split_gateup(model_dir("phi3"), tmp_path / "out")
+    (bar,) = bars
+    assert len(bar.steps) > 20 and max(bar.steps) <= 4096  # one step per copy_file_range call
+    assert sum(bar.steps) == bar.total  # every byte counted once
+
+
+def test_progress_line_has_rate_and_eta(monkeypatch, capsys):
+    import io
+
+    from ffn_tools import progress
+
+    class TTY(io.StringIO):
+        def isatty(self):
+            return True
+
+    err = TTY()
+    monkeypatch.setattr("sys.stderr", err)
+    progress.set_enabled(True)
+    p = progress.Progress(1000, "copying")
+    p.update(1000)
+    p.close()
+    assert "copying: 100.0%" in err.getvalue() and "ETA 0:00" in err.getvalue() and "/s" in err.getvalue()
