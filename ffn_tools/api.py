@@ -1,5 +1,9 @@
 """The library as the command line is: every command a function taking paths (or Hub ids, ``org/name[@rev]``)
-and returning what its ``--json`` prints (``verify`` returns its report; ``.as_dict()`` is that JSON).
+and returning what its ``--json`` prints (``verify`` returns its report; ``json_of(report)`` is that JSON).
+
+Every command's JSON starts with the same keys (``envelope``): ``command``, ``input`` (a list for verify),
+``output`` (None when nothing is written), ``summary`` (the one line the text output ends with) and
+``warnings``; the command's own fields follow.
 
     import ffn_tools
     ffn_tools.inspect("./phi3")["ffn"]                 # what `ffn-tools inspect ./phi3 --json` prints
@@ -14,6 +18,25 @@ from pathlib import Path
 
 from .hub import resolve
 
+ENVELOPE = ("command", "input", "output", "summary", "warnings")
+
+
+def envelope(command: str, inputs, output, summary: str, result: dict) -> dict:
+    """``result`` with the keys every command's JSON starts with (see the module docstring)."""
+    head = {"command": command, "input": inputs, "output": None if output is None else str(output),
+            "summary": summary, "warnings": list(result.get("warnings") or [])}
+    return {**head, **{k: v for k, v in result.items() if k not in ENVELOPE}}
+
+
+def json_of(report) -> dict:
+    """A verify report as ``ffn-tools verify --json`` prints it."""
+    return envelope("verify", [report.a["path"], report.b["path"]], None, report.verdict, report.as_dict())
+
+
+def _inspect_line(s: dict) -> str:
+    kinds = ", ".join(f"{k['count']} {kind}" for kind, k in s["ffn"].items())
+    return f"{s['architecture']}: {kinds} FFNs under scheme {s['scheme']}, {s['tensors']} tensors"
+
 
 def inspect(path, *, scheme=None, layout=None, tensors: bool = False) -> dict:
     """``ffn-tools inspect PATH --json``: architecture, scheme, FFNs, sizes (and every tensor with ``tensors``)."""
@@ -22,7 +45,8 @@ def inspect(path, *, scheme=None, layout=None, tensors: bool = False) -> dict:
     from .summary import inspect_checkpoint
 
     with open_any(resolve(str(path))) as ckpt:
-        return inspect_checkpoint(ckpt, scheme, layout, tensors=tensors)
+        s = inspect_checkpoint(ckpt, scheme, layout, tensors=tensors)
+    return envelope("inspect", str(path), None, _inspect_line(s), s)
 
 
 def extract(path, out, *, layers: str | None = None, experts: str | None = None, scheme=None, layout=None,
@@ -30,32 +54,41 @@ def extract(path, out, *, layers: str | None = None, experts: str | None = None,
     """``ffn-tools extract PATH -o OUT --json``: the FFNs alone, canonical names; returns the manifest."""
     from converters import open_any
 
-    from .extract import extract as run
+    from .extraction import extract as run
 
     with open_any(resolve(str(path))) as ckpt:
-        return run(ckpt, Path(out), layers=layers, experts=experts, scheme=scheme, layout=layout, force=force,
-                   max_shard_size=max_shard_size)
+        m = run(ckpt, Path(out), layers=layers, experts=experts, scheme=scheme, layout=layout, force=force,
+                max_shard_size=max_shard_size)
+    return envelope("extract", str(path), out, f"wrote {out}: {m['ffns']} FFNs, {m['tensors']} tensors ({m['dtype']})", m)
 
 
 def split_gateup(path, out=None, **options) -> dict:
     """``ffn-tools split-gateup PATH [-o OUT] --json`` (options as ``gateup.split_gateup``)."""
     from .gateup import split_gateup as run
 
-    return run(resolve(str(path)), out, **options)
+    return _gateup("split-gateup", path, run(resolve(str(path)), out, **options))
 
 
 def fuse_gateup(path, out=None, **options) -> dict:
     """``ffn-tools fuse-gateup PATH [-o OUT] --json`` (options as ``gateup.fuse_gateup``)."""
     from .gateup import fuse_gateup as run
 
-    return run(resolve(str(path)), out, **options)
+    return _gateup("fuse-gateup", path, run(resolve(str(path)), out, **options))
+
+
+def _gateup(command: str, path, r: dict) -> dict:
+    verb = "would write" if r.get("dry_run") else "wrote"
+    line = (f"{verb} {r['output']}: {r['ffns_changed']} of {r['ffns_total']} FFNs ({r['layout']}), "
+            f"{r['tensors_out']} tensors")
+    return envelope(command, str(path), r["output"], line, r)
 
 
 def convert(path, to: str, out, **options) -> dict:
     """``ffn-tools convert PATH --to FORMAT -o OUT --json`` (options as ``converters.convert``)."""
     from converters import convert as run
 
-    return run(resolve(str(path)), to, Path(out), **options)
+    r = run(resolve(str(path)), to, Path(out), **options)
+    return envelope("convert", str(path), r["output"], f"wrote {r['output']} ({to})", r)
 
 
 def verify(a, b, **options):

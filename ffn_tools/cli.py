@@ -203,12 +203,10 @@ def inspect(path, as_json, tensors, scheme, layout):
 
     PATH is a .safetensors file, an index, a pickle, or a directory (PyTorch, MLX or Flax).
     """
-    from converters import open_any
+    from .api import inspect as run
+    from .summary import format_summary, format_tensors
 
-    from .summary import format_summary, format_tensors, inspect_checkpoint
-
-    with open_any(path) as ckpt:
-        s = inspect_checkpoint(ckpt, scheme, layout, tensors=tensors)
+    s = run(path, scheme=scheme, layout=layout, tensors=tensors)
     emit(s, as_json, format_summary(s) + (["", *format_tensors(s["tensor_table"])] if tensors else []))
 
 
@@ -230,14 +228,11 @@ def extract(path, out, layers, experts, force, as_json, max_shard_size, scheme, 
     output, OUT.json beside a .safetensors output) records the source, scheme, activation, dtype, d_model,
     d_ffn, layers and experts.
     """
-    from converters import open_any
+    from .api import extract as run
 
-    from .extract import extract as run
-
-    with open_any(path) as ckpt:
-        m = run(ckpt, Path(out), layers=layers, experts=experts, scheme=scheme, layout=layout, force=force,
-                max_shard_size=max_shard_size)
-    emit(m, as_json, [f"wrote {out}: {m['ffns']} FFNs, {m['tensors']} tensors ({m['dtype']})"])
+    m = run(path, Path(out), layers=layers, experts=experts, scheme=scheme, layout=layout, force=force,
+            max_shard_size=max_shard_size)
+    emit(m, as_json, [m["summary"]])
 
 
 def _gateup_command(name: str, fn, help_text: str, extra=()):
@@ -258,11 +253,8 @@ def _gateup_command(name: str, fn, help_text: str, extra=()):
             raise click.ClickException(f"{path}: is a {fmt} checkpoint; {name} works on PyTorch checkpoints: "
                                        f"ffn-tools convert {path} --to torch -o DIR first")
         r = fn(path, out, scheme=scheme, layout=layout, dry_run=dry_run, force=force, max_shard_size=max_shard_size, **kw)
-        verb = "would write" if dry_run else "wrote"
         lines = list(r["plan"] or []) if dry_run else []
-        lines += [f"{verb} {r['output']}: {r['ffns_changed']} of {r['ffns_total']} FFNs ({r['layout']}), "
-                  f"{r['tensors_out']} tensors", *r["changes"]]
-        emit(r, as_json, lines)
+        emit(r, as_json, [*lines, r["summary"], *r["changes"]])
 
     command.__doc__ = help_text
     for decorator in extra:
@@ -271,13 +263,13 @@ def _gateup_command(name: str, fn, help_text: str, extra=()):
 
 
 def _split(*a, **k):
-    from .gateup import split_gateup
+    from .api import split_gateup
 
     return split_gateup(*a, **k)
 
 
 def _fuse(*a, **k):
-    from .gateup import fuse_gateup
+    from .api import fuse_gateup
 
     return fuse_gateup(*a, **k)
 
@@ -321,12 +313,12 @@ def convert(path, to, out, dtype, quantize, group_size, flax_layout, force, as_j
     lossless: converting back reproduces every bit. The scheme and layout options say where the FFNs
     are for --flax-layout linen, which writes only the FFNs.
     """
-    from converters import convert as run
+    from .api import convert as run
 
     r = run(path, to, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size,
             quantize=int(quantize) if quantize else None, group_size=int(group_size) if group_size else None,
             flax_layout=flax_layout, scheme=scheme, layout=layout)
-    emit(r, as_json, [f"wrote {r['output']} ({to})", *r.get("changes", [])])
+    emit(r, as_json, [r["summary"], *r.get("changes", [])])
 
 
 from .verify_cli import verify as _verify  # noqa: E402

@@ -99,7 +99,7 @@ def _build():
         Prints a table, worst FFN first, and a verdict. Exit status: 0 all pass, 1 something differs,
         2 verification could not run (bad arguments, unreadable input, no FFNs, backend unavailable).
         """
-        from .verification import verify as run
+        from .api import verify as run
 
         try:
             report = run(a, b, backends=list(backends) or None, tokens=tokens, seed=seed, layers=layers,
@@ -109,7 +109,9 @@ def _build():
         except FFNToolsError as e:
             raise _trouble(str(e), as_json) from None
         if as_json:
-            click.echo(json.dumps(report.as_dict(), indent=2, default=str))
+            from .api import json_of
+
+            click.echo(json.dumps(json_of(report), indent=2, default=str))
         else:
             for line in report.lines():
                 click.echo(line)

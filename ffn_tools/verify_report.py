@@ -153,6 +153,7 @@ class VerifyReport:
         rows = {r.tolerance for r in self.results if r.tolerance}
         return sorted(rows, key=lambda t: (-t.atol, t.row))
 
+    @property
     def verdict(self) -> str:
         n = len(self.results)
         if self.passed:
@@ -171,7 +172,7 @@ class VerifyReport:
         return f"FAIL: {', '.join(counts) + '; ' if counts else ''}first: {self.failures()[0]}"
 
     def as_dict(self) -> dict:
-        return {"passed": self.passed, "verdict": self.verdict(), "a": self.a, "b": self.b,
+        return {"passed": self.passed, "verdict": self.verdict, "a": self.a, "b": self.b,
                 "backends": self.backends, "skipped_backends": self.skipped_backends, "tokens": self.tokens,
                 "seed": self.seed, "tolerance": self.tolerance.as_dict() if self.tolerance else None,
                 "problems": self.problems, "notes": self.notes, "only_a": self.only_a, "only_b": self.only_b,
@@ -212,7 +213,7 @@ class VerifyReport:
             out.append(f"logits ({lg['client_a']} vs {lg['client_b']}, {lg['shape']}): max abs diff "
                        f"{_num(lg['max_abs'])}, cosine {_cos(lg['cosine'])}, top-1 agreement "
                        f"{lg['top1_agreement']:.1%} -> {'ok' if lg['passed'] else 'FAIL'}")
-        out.append(self.verdict())
+        out.append(self.verdict)
         return out
 
 
