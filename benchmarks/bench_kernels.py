@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from kernels import get_backend  # noqa: E402
+from ffn_tools.kernels import get_backend  # noqa: E402
 
 GPU_SHAPES = [(1, 14336), (512, 14336), (8192, 14336), (16384, 28672)]
 TINY_SHAPES = [(1, 1000), (7, 1024)]
@@ -73,7 +73,7 @@ def cpu_bench(shapes) -> list[dict]:
         if kmlx.available():
             import mlx.core as mx
 
-            from kernels._mlx_io import to_mlx
+            from ffn_tools.kernels._mlx_io import to_mlx
 
             gm, um = to_mlx(g), to_mlx(u)
             compiled = kmlx._compiled_pair("silu", False)

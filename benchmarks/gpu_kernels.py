@@ -40,8 +40,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-import kernels  # noqa: E402
-from kernels.tolerances import compare, tolerance  # noqa: E402
+from ffn_tools import kernels  # noqa: E402
+from ffn_tools.kernels.tolerances import compare, tolerance  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ACTS = ("silu", "gelu", "gelu_tanh")

@@ -22,7 +22,7 @@ from pathlib import Path
 from ffn_tools.errors import FFNToolsError
 
 FORMATS = ("torch", "mlx", "flax")
-_MODULES = {"torch": "converters.pytorch", "mlx": "converters.mlx", "flax": "converters.flax"}
+_MODULES = {"torch": "ffn_tools.converters.pytorch", "mlx": "ffn_tools.converters.mlx", "flax": "ffn_tools.converters.flax"}
 # Options whose command-line flags are not simply --the-name.
 _FLAGS = {"scheme": "--scheme/--scheme-file/--gate/--up/--down", "layout": "--layout/--order/--tp"}
 # Order in which formats are tried when reading: the specific ones before plain PyTorch.

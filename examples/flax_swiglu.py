@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from converters import convert
+from ffn_tools.converters import convert
 
 HAND_X = [[1.0, -1.0]]
 HAND_KERNELS = {"gate": [[1, 0, 2], [4, 0, -1]], "up": [[2, 5, -1], [0, 0, 0]], "down": [[1, 0], [0, 1], [1, -1]]}

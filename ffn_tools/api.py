@@ -40,7 +40,7 @@ def _inspect_line(s: dict) -> str:
 
 def inspect(path, *, scheme=None, layout=None, tensors: bool = False) -> dict:
     """``ffn-tools inspect PATH --json``: architecture, scheme, FFNs, sizes (and every tensor with ``tensors``)."""
-    from converters import open_any
+    from ffn_tools.converters import open_any
 
     from .summary import inspect_checkpoint
 
@@ -52,7 +52,7 @@ def inspect(path, *, scheme=None, layout=None, tensors: bool = False) -> dict:
 def extract(path, out, *, layers: str | None = None, experts: str | None = None, scheme=None, layout=None,
             force: bool = False, max_shard_size: int | None = None) -> dict:
     """``ffn-tools extract PATH -o OUT --json``: the FFNs alone, canonical names; returns the manifest."""
-    from converters import open_any
+    from ffn_tools.converters import open_any
 
     from .extraction import extract as run
 
@@ -85,7 +85,7 @@ def _gateup(command: str, path, r: dict) -> dict:
 
 def convert(path, to: str, out, **options) -> dict:
     """``ffn-tools convert PATH --to FORMAT -o OUT --json`` (options as ``converters.convert``)."""
-    from converters import convert as run
+    from ffn_tools.converters import convert as run
 
     r = run(resolve(str(path)), to, Path(out), **options)
     return envelope("convert", str(path), r["output"], f"wrote {r['output']} ({to})", r)

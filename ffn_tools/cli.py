@@ -246,7 +246,7 @@ def _gateup_command(name: str, fn, help_text: str, extra=()):
     @scheme_options
     @layout_options
     def command(path, out, dry_run, force, as_json, max_shard_size, scheme, layout, **kw):
-        from converters import detect_format
+        from ffn_tools.converters import detect_format
 
         fmt = detect_format(path)
         if fmt != "torch":

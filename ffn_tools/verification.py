@@ -52,7 +52,7 @@ def resolve_backends(names: Sequence[str] | None = None) -> tuple[dict, dict[str
     Raises:
         BackendError: a name is unknown, or explicitly requested but unavailable (saying why).
     """
-    import kernels
+    from ffn_tools import kernels
 
     skipped: dict[str, str] = {}
     if names:
@@ -84,7 +84,7 @@ def _open(path, side: str):
     Raises:
         FFNToolsError: there is no checkpoint at ``path`` at all.
     """
-    from converters import open_any
+    from ffn_tools.converters import open_any
 
     try:
         return open_any(path), None

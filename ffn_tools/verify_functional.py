@@ -168,6 +168,6 @@ def check_ffn(backends: dict, x: torch.Tensor, ops_a: Operands, ops_b: Operands,
 
 
 def _reference():
-    from kernels import reference
+    from ffn_tools.kernels import reference
 
     return reference

@@ -107,7 +107,7 @@ def compare_logits(a, b, clients: tuple[str, str], tol: Tolerance, seed: int = 0
     Raises:
         FFNToolsError: the two configs disagree on the vocabulary size.
     """
-    from converters import open_any
+    from ffn_tools.converters import open_any
 
     vocab = []
     for p in (a, b):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from kernels._surface import ACTIVATIONS, DTYPES, ORDERS
+from ffn_tools.kernels._surface import ACTIVATIONS, DTYPES, ORDERS
 
 BACKENDS = ("reference", "triton", "metal", "mlx", "jax")
 """Backend module names, the float64 ground truth first."""
@@ -32,7 +32,7 @@ def get_backend(name: str) -> ModuleType:
     """
     if name not in BACKENDS:
         raise ValueError(f"Unknown kernel backend {name!r}; known backends: {', '.join(BACKENDS)}.")
-    return importlib.import_module(f"kernels.{name}")
+    return importlib.import_module(f"ffn_tools.kernels.{name}")
 
 
 def available_backends() -> list[str]:

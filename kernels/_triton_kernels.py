@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels._surface import GELU_SQRT1_2, GELU_TANH_BETA, GELU_TANH_KAPPA
+from ffn_tools.kernels._surface import GELU_SQRT1_2, GELU_TANH_BETA, GELU_TANH_KAPPA
 
 # float32 constants exactly as PyTorch's gelu kernels round them (opmath_t = float).
 SQRT1_2: tl.constexpr = tl.constexpr(GELU_SQRT1_2)

@@ -15,7 +15,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from kernels._surface import (
+from ffn_tools.kernels._surface import (
     GELU_SQRT1_2,
     GELU_TANH_BETA,
     GELU_TANH_KAPPA,

@@ -18,8 +18,8 @@ from typing import Mapping
 
 import torch
 
-from kernels._mlx_io import mlx_dtype, to_mlx, to_torch
-from kernels._surface import check_activation, check_ffn, check_fused, check_order, check_out, check_pair, emit, one_line
+from ffn_tools.kernels._mlx_io import mlx_dtype, to_mlx, to_torch
+from ffn_tools.kernels._surface import check_activation, check_ffn, check_fused, check_order, check_out, check_pair, emit, one_line
 
 __all__ = [
     "HEADER",

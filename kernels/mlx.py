@@ -14,8 +14,8 @@ from typing import Mapping
 
 import torch
 
-from kernels._mlx_io import to_mlx, to_torch
-from kernels._surface import (
+from ffn_tools.kernels._mlx_io import to_mlx, to_torch
+from ffn_tools.kernels._surface import (
     GELU_SQRT1_2,
     GELU_TANH_BETA,
     GELU_TANH_KAPPA,

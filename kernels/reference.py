@@ -12,7 +12,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from kernels._surface import check_activation, check_ffn, check_out, check_pair, emit, fused_views
+from ffn_tools.kernels._surface import check_activation, check_ffn, check_out, check_pair, emit, fused_views
 
 __all__ = ["available", "why_unavailable", "silu_mul", "silu_mul_fused", "ffn"]
 

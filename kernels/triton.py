@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels._surface import check_activation, check_ffn, check_fused, check_order, check_out, check_pair, one_line
+from ffn_tools.kernels._surface import check_activation, check_ffn, check_fused, check_order, check_out, check_pair, one_line
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -64,7 +64,7 @@ def _load() -> tuple[object | None, str]:
     if not INTERPRETED and not torch.cuda.is_available():
         return None, "no CUDA device and the Triton interpreter is off (TRITON_INTERPRET is not 1)"
     try:
-        from kernels import _triton_kernels
+        from ffn_tools.kernels import _triton_kernels
     except Exception as exc:  # a broken triton install says so instead of failing a whole verify run
         return None, f"the Triton kernels failed to load: {one_line(exc)}"
     return _triton_kernels, ""

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from helpers import assert_identical, raw, run_cli, tensors, tree_digest
 
 import tiny_models
-from converters import convert, detect_format, open_any
+from ffn_tools.converters import convert, detect_format, open_any
 from ffn_tools.detect import find_ffns
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.ffn import canonical_weights
@@ -25,8 +25,8 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 nn = pytest.importorskip("flax.linen")
 serialization = pytest.importorskip("flax.serialization")
-flax_format = pytest.importorskip("converters.flax")
-flax_writer = pytest.importorskip("converters.flax_writer")
+flax_format = pytest.importorskip("ffn_tools.converters.flax")
+flax_writer = pytest.importorskip("ffn_tools.converters.flax_writer")
 
 ARCHS = ["llama", "qwen2", "mixtral", "llama-bias"]
 DTYPES = [torch.float32, torch.bfloat16]

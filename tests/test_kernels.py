@@ -26,9 +26,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import reference
-from kernels.tolerances import compare, tolerance
+from ffn_tools import kernels
+from ffn_tools.kernels import reference
+from ffn_tools.kernels.tolerances import compare, tolerance
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BACKENDS = ("triton", "metal", "mlx", "jax")
@@ -297,7 +297,7 @@ def test_conversion_is_bit_exact(backend):
     """All 65536 bfloat16 and float16 bit patterns (NaN payloads included) survive the trip to and back."""
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     if backend == "mlx":
-        from kernels._mlx_io import to_mlx, to_torch
+        from ffn_tools.kernels._mlx_io import to_mlx, to_torch
 
         there_and_back = lambda t: to_torch(to_mlx(t))  # noqa: E731
     else:
@@ -367,6 +367,6 @@ def test_get_backend_and_available_backends():
 
 
 def test_import_is_cheap_and_lazy():
-    code = "import sys, kernels; print(sorted(m for m in ('triton', 'mlx', 'jax') if m in sys.modules))"
+    code = "import sys; from ffn_tools import kernels; print(sorted(m for m in ('triton', 'mlx', 'jax') if m in sys.modules))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "[]"

@@ -31,9 +31,9 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
-from kernels import metal, reference
-from kernels.tolerances import compare, tolerance
+from ffn_tools import kernels
+from ffn_tools.kernels import metal, reference
+from ffn_tools.kernels.tolerances import compare, tolerance
 
 GXX = shutil.which("g++")
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ is not installed")

@@ -13,13 +13,13 @@ import torch
 from helpers import assert_identical, raw, run_cli, tensors, tree_digest
 
 import tiny_models
-from converters import convert, detect_format, open_any
+from ffn_tools.converters import convert, detect_format, open_any
 from ffn_tools.errors import CheckpointError, FFNToolsError, OutputExistsError
 
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
-mlx_format = pytest.importorskip("converters.mlx")
-mlx_quant = pytest.importorskip("converters.mlx_quant")
+mlx_format = pytest.importorskip("ffn_tools.converters.mlx")
+mlx_quant = pytest.importorskip("ffn_tools.converters.mlx_quant")
 
 ARCHS = ["llama", "qwen2", "mistral", "phi3", "mixtral", "qwen2_moe"]
 TOKENS = torch.arange(3, 19).reshape(2, 8)

@@ -27,8 +27,8 @@ from ffn_tools.verify_functional import SAME_AS_A, compare, input_scale, make_in
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 L1 = "model.layers.1.mlp."
-HAS_MLX = importlib.util.find_spec("converters.mlx") is not None
-HAS_FLAX = importlib.util.find_spec("converters.flax") is not None
+HAS_MLX = importlib.util.find_spec("ffn_tools.converters.mlx") is not None
+HAS_FLAX = importlib.util.find_spec("ffn_tools.converters.flax") is not None
 needs_mlx = pytest.mark.skipif(not HAS_MLX, reason="converters/mlx.py is not there yet")
 needs_flax = pytest.mark.skipif(not HAS_FLAX, reason="converters/flax.py is not there yet")
 
@@ -57,7 +57,7 @@ def assert_passes(*args, tokens: int = 4, loads: bool = True) -> dict:
     code, rep = verify_json(*args, tokens=tokens)
     assert code == 0, "\n".join(rep["failures"])
     assert rep["passed"] and rep["ffns"]
-    import kernels
+    from ffn_tools import kernels
 
     assert rep["backends"] == kernels.available_backends()  # every backend that can run here, ran
     return rep
@@ -483,7 +483,7 @@ def test_different_models_say_which_shapes_differ(model_dir, tmp_path):
     (["relu"], "activation 'relu' (B) is not one the kernels have"),
 ])
 def test_bad_input_exits_2_saying_why(model_dir, tmp_path, args, message):
-    import kernels
+    from ffn_tools import kernels
 
     if args == ["--backend", "metal"] and kernels.get_backend("metal").available():
         pytest.skip("Metal runs here")
@@ -577,7 +577,7 @@ def test_tolerance_rows_and_metrics():
 
 def test_cli_constants_match_the_library_and_help_shows_the_table():
     """verify_cli repeats two constants so that `ffn-tools --help` does not import torch."""
-    import kernels
+    from ffn_tools import kernels
     from ffn_tools import verification as lib
     from ffn_tools import verify_cli
 
