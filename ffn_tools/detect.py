@@ -6,6 +6,7 @@ separate) is collected and reported in one error, sorted.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter, defaultdict
 from collections.abc import Mapping
@@ -16,8 +17,7 @@ from .errors import SchemeError
 FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E8M0"})
 from .ffn import FFN, Activation, FFNRef, activation_from_config
 from .layouts import GateUpLayout
-from .registry import (LIBRARY, SCHEMES, Form, Group, Scheme, bias_name, compile_template, scheme_for_model_type,
-                       template_head)
+from .registry import LIBRARY, SCHEMES, Form, Group, Scheme, bias_name, compile_template, scheme_for_model_type
 
 
 # A tensor looks like an FFN projection when a module on its path is an MLP / FFN / expert block and its own
@@ -67,23 +67,39 @@ class FFNSet:
         return {f.ref: f for f in self.ffns}
 
 
-_FIRST_INDEX = re.compile(r"\.\d+(?:\.|$)")
+def _shape(name: str) -> str:
+    """A name with every all-digit segment as ``#``: ``model.layers.#.mlp.experts.#.w1.weight``."""
+    return ".".join("#" if s.isdigit() else s for s in name.split("."))
 
 
 def _buckets(names) -> dict[str, list[str]]:
-    """Names by their text up to the first ``.<digits>`` (``model.layers.``): a template can only match the
-    names of its head's bucket, unless its head has digits itself (then every name is tried)."""
+    """Names by their shape (see ``_shape``): a checkpoint has thousands of names but a few dozen shapes."""
     out: dict[str, list[str]] = defaultdict(list)
     for n in names:
-        m = _FIRST_INDEX.search(n)
-        out[n[:m.start() + 1] if m else ""].append(n)
+        out[_shape(n)].append(n)
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _template_shape(template: str) -> str | None:
+    """The shape of every name a template can match, when its placeholders fill whole segments and it has no
+    all-digit segment of its own; else None (its names are then found by scanning)."""
+    parts = []
+    for s in template.split("."):
+        if s in ("{layer}", "{expert}"):
+            parts.append("#")
+        elif "{" in s or s.isdigit():
+            return None
+        else:
+            parts.append(s)
+    return ".".join(parts)
+
+
 def _candidates(template: str, names, buckets) -> list[str]:
-    head = template_head(template)
-    if head.endswith(".") and not _FIRST_INDEX.search(head):  # its names all sit in one bucket (maybe none)
-        return buckets.get(head, [])
+    shape = _template_shape(template)
+    if shape is not None:  # its names all sit in one bucket (maybe none)
+        return buckets.get(shape, [])
+    head = template[:template.index("{")]
     return [n for n in names if n.startswith(head)]
 
 
@@ -110,7 +126,7 @@ def _claims(group: Group, names, buckets) -> frozenset[str]:
                      for n in _candidates(t, names, buckets) if compile_template(t).fullmatch(n))
 
 
-def choose_scheme(names, config: Mapping | None, within: Scheme | None = None) -> Scheme:
+def choose_scheme(names, config: Mapping | None, within: Scheme | None = None, buckets=None) -> Scheme:
     """The groups that explain the checkpoint's tensor names, as one scheme named after its family.
 
     Every group of the library (or of ``within``) is matched on its own; a group whose tensors are a strict
@@ -123,7 +139,7 @@ def choose_scheme(names, config: Mapping | None, within: Scheme | None = None) -
         SchemeError: no group matches.
     """
     names = list(names)
-    buckets = _buckets(names)
+    buckets = buckets if buckets is not None else _buckets(names)
     preferred = scheme_for_model_type((config or {}).get("model_type"))
     extra = preferred.groups if preferred and preferred.by_model_type_only else ()
     claims = {g: c for g in (within.groups if within else (*extra, *LIBRARY)) if (c := _claims(g, names, buckets))}
@@ -176,11 +192,12 @@ def find_ffns(ckpt, scheme: Scheme | None = None, layout: GateUpLayout | None = 
         SchemeError: nothing found, ambiguous, or inconsistent tensors (all problems listed).
     """
     names = list(ckpt)
+    buckets = _buckets(names)
     try:
-        scheme = choose_scheme(names, ckpt.config, within=scheme)
+        scheme = choose_scheme(names, ckpt.config, within=scheme, buckets=buckets)
     except SchemeError as e:
         raise SchemeError(f"{ckpt.path}: {e}") if scheme is not None else e from None
-    hits = _matches(names, scheme)
+    hits = _matches(names, scheme, buckets)
     ffns: list[FFN] = []
     problems: list[str] = []
     keys = sorted(hits, key=lambda k: (k[2], k[0], k[3] or 0))

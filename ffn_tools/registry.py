@@ -184,10 +184,6 @@ def scheme_for_model_type(model_type: str | None) -> Scheme | None:
     return None
 
 
-def template_head(template: str) -> str:
-    """The literal text before a template's first placeholder (``model.layers.``): names are bucketed by it."""
-    return template[:template.index("{")]
-
 
 # The data: every group and family (``families``), read by detection through these names.
 from .families import LAYER_PREFIXES, LIBRARY, SCHEMES  # noqa: E402, F401  (re-exported; families needs the classes above)
