@@ -12,9 +12,8 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .dtypes import FLOAT_ST
 from .errors import SchemeError
-
-FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E8M0"})
 from .ffn import FFN, Activation, FFNRef, activation_from_config
 from .layouts import GateUpLayout
 from .registry import LIBRARY, SCHEMES, Form, Group, Scheme, bias_name, compile_template, scheme_for_model_type
@@ -255,7 +254,7 @@ def _build(ckpt, group: Group, form_name: str, roles: dict[str, str], layer: int
     if not (h and i):
         problems.append(f"{names['down']}: shape {list(down)} has a zero dimension; an FFN needs d_model and d_ffn")
         return []
-    ints = sorted({ckpt.info(n).st_dtype for n in names.values()} - FLOAT_DTYPES)
+    ints = sorted({ckpt.info(n).st_dtype for n in names.values()} - FLOAT_ST)
     if ints:
         problems.append(f"{names['down']} and its FFN: {', '.join(ints)} weights; FFN weights are floating point "
                         "(a quantized checkpoint? read it through its own format)")

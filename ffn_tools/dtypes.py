@@ -27,6 +27,7 @@ ST_DTYPES: dict[str, tuple[int, str]] = {
     "F8_E5M2": (1, "float8_e5m2"),
 }
 _BY_NAME = {name: st for st, (_, name) in ST_DTYPES.items()}
+FLOAT_ST = frozenset(st for st, (_, name) in ST_DTYPES.items() if name.startswith(("float", "bfloat")))
 
 # Names accepted on the command line and in config.json ("torch_dtype" / "dtype").
 USER_DTYPES: dict[str, str] = {

@@ -205,6 +205,9 @@ def _load_pickle(path: Path) -> dict[str, "torch.Tensor"]:
     return obj
 
 
+STRING_KEYS = ("model_type", "hidden_act", "hidden_activation")  # config.json keys ffn-tools reads as names
+
+
 def read_config(root: Path) -> dict | None:
     """config.json of a checkpoint directory, or None when there is none.
 
@@ -230,8 +233,6 @@ def read_config(root: Path) -> dict | None:
         raise CheckpointError(f"{p}: {what}; fix config.json")
     return config
 
-
-STRING_KEYS = ("model_type", "hidden_act", "hidden_activation")  # config.json keys ffn-tools reads as names
 
 
 def config_dtype(config: dict | None) -> str | None:

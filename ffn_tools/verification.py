@@ -20,15 +20,13 @@ from . import progress
 from .detect import FFNSet, choose_scheme, find_ffns
 from .dtypes import short_name
 from .errors import CheckpointError, FFNToolsError, SchemeError
-from .ffn import FFN, FFNRef
+from .ffn import ACTIVATIONS, FFN, FFNRef
 from .layouts import GateUpLayout
 from .registry import Scheme, compile_template
 from .specs import parse_spec
 from .store import open_checkpoint
 from .tolerances import tolerance_for, widened
 from .verify_functional import KERNEL_DTYPES
-
-KERNEL_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu2")  # = kernels.ACTIVATIONS (no kernels import here)
 from .verify_pairs import PairChecker
 from .verify_outside import OutsideResult, compare_outside
 from .verify_quant import describe_quantization, ffn_bits, quantization
@@ -265,7 +263,7 @@ def _check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, mods, sel
     for f, side in ((fa, "A"), (fb, "B")):
         if f.activation.unit == "unknown":
             raise FFNToolsError(f"activation {f.activation.config_name!r} ({side}) is not one the kernels have "
-                                f"({', '.join(KERNEL_ACTIVATIONS)}); verify cannot run it")
+                                f"({', '.join(dict.fromkeys(k for _, k in ACTIVATIONS.values()))}); verify cannot run it")
     if (fa.activation.kernel, fa.activation.unit) != (fb.activation.kernel, fb.activation.unit):
         report.problems.append(f"activation differs: A {fa.activation.describe()}, B {fb.activation.describe()}")
     _check_selection(fa, fb, sel_layers, sel_experts)

@@ -582,6 +582,8 @@ def test_cli_constants_match_the_library_and_help_shows_the_table():
     from ffn_tools import verify_cli
 
     assert verify_cli.BACKEND_NAMES == ", ".join(kernels.BACKENDS)
+    from ffn_tools.ffn import ACTIVATIONS  # every activation a config can name runs on every backend
+    assert {k for _, k in ACTIVATIONS.values()} == set(kernels.ACTIVATIONS)
     assert verify_cli.DEFAULT_TOKENS == lib.DEFAULT_TOKENS
     out = CliRunner().invoke(cli, ["verify", "--help"]).output
     assert "bfloat16" in out and "4-bit" in out and "Exit status" in out
