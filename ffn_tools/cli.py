@@ -78,11 +78,7 @@ class Group(click.Group):
             return super().invoke(ctx)
         except FFNToolsError as e:
             raise Trouble(str(e), as_json) from None
-        except click.UsageError as e:
-            if as_json:
-                click.echo(json.dumps({"error": e.format_message()}))
-            raise
-        except click.ClickException as e:
+        except click.ClickException as e:  # usage errors too; Trouble prints its own JSON
             if as_json and not isinstance(e, Trouble):
                 click.echo(json.dumps({"error": e.format_message()}))
             raise

@@ -204,6 +204,7 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False) -> Plan:
                                f"(scheme {ffns.scheme.name}, forms {sorted({f.form_name for f in ffns.ffns})})")
     replaced: dict[str, list[Entry]] = defaultdict(list)
     by_layer: dict[int, list[FFN]] = defaultdict(list)
+    fused: list[FFN] = []
     for f in separate:
         only_stacked = "fused" not in f.group.forms and "stacked" in f.group.forms  # GPT-OSS, Llama-4, Granite
         if stack_experts or (f.ref.kind == "expert" and only_stacked):
@@ -211,6 +212,7 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False) -> Plan:
                 by_layer[f.ref.layer].append(f)
             continue
         target = _target(f, "fused", "fuse")
+        fused.append(f)
         new = {r: _name(t, f) for r, t in target.templates().items()}
         replaced[f.names["gate"]].append(_fuse_entry(ckpt, new["gate_up"], [(f.names["gate"], f.names["up"])], f.layout, False))
         replaced[f.names["up"]] += []
@@ -240,7 +242,6 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False) -> Plan:
     if stack_experts and not by_layer:
         raise NothingToDoError(f"{ckpt.path}: --stack-experts: no routed experts with separate gate/up to stack")
     stacked = [f for fs in by_layer.values() for f in fs]
-    fused = [f for f in separate if f not in stacked and not stack_experts]
     return _assemble(ckpt, ffns, replaced, "fuse-gateup", len(stacked) + len(fused), separate[0].layout,
                      (stacked, "stacked"), (fused, "fused"))
 

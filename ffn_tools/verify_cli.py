@@ -13,17 +13,11 @@ import json
 
 import click
 
-from .errors import FFNToolsError
 from .layouts import ARRANGEMENTS, ORDERS
 from .tolerances import HELP as TOLERANCE_HELP
 
 DEFAULT_TOKENS = 32  # = verify.DEFAULT_TOKENS (not imported: that module imports torch)
 BACKEND_NAMES = "reference, triton, metal, mlx, jax"
-
-
-def _trouble(message: str, as_json: bool) -> click.ClickException:
-    """Verification could not run (unreadable input, no FFNs, a backend that cannot run): exit 2."""
-    return importlib.import_module("ffn_tools.cli").Trouble(message, as_json)
 
 
 def b_layout_options(f):
@@ -101,13 +95,11 @@ def _build():
         """
         from .api import verify as run
 
-        try:
-            report = run(a, b, backends=list(backends) or None, tokens=tokens, seed=seed, layers=layers,
-                         experts=experts, atol=atol, rtol=rtol, exact=exact, logits=logits, scheme=scheme,
-                         layout=layout, b_layout=b_layout, allow_unmatched=allow_unmatched,
-                         ffn_only=ffn_only, load_check=load_check)
-        except FFNToolsError as e:
-            raise _trouble(str(e), as_json) from None
+        # could-not-run (FFNToolsError) becomes exit 2 and one line in cli.Group, as for every command
+        report = run(a, b, backends=list(backends) or None, tokens=tokens, seed=seed, layers=layers,
+                     experts=experts, atol=atol, rtol=rtol, exact=exact, logits=logits, scheme=scheme,
+                     layout=layout, b_layout=b_layout, allow_unmatched=allow_unmatched,
+                     ffn_only=ffn_only, load_check=load_check)
         if as_json:
             from .api import json_of
 
