@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .dtypes import FLOAT_ST
-from .errors import SchemeError
+from .errors import SchemeError, listing
 from .ffn import FFN, Activation, FFNRef, activation_from_config
 from .layouts import GateUpLayout
 from .registry import LIBRARY, SCHEMES, Form, Group, Scheme, bias_name, compile_template, scheme_for_model_type
@@ -56,8 +56,7 @@ class FFNSet:
         """One line naming the FFN-like tensors no FFN claimed, or None."""
         if not self.unmatched:
             return None
-        shown = ", ".join(self.unmatched[:limit]) + (f", ... ({len(self.unmatched) - limit} more)"
-                                                      if len(self.unmatched) > limit else "")
+        shown = listing(self.unmatched, limit)
         return (f"{len(self.unmatched)} FFN-like tensor{'s' * (len(self.unmatched) > 1)} matched no FFN and "
                 f"{'are' if len(self.unmatched) > 1 else 'is'} treated as plain tensors: {shown} (an ungated MLP, or "
                 "a naming no scheme knows: --gate/--up/--down templates or --scheme-file)")

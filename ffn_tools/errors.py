@@ -5,6 +5,12 @@ one-line error with no traceback; anything else escaping is a bug.
 """
 
 
+def listing(items, limit: int = 8) -> str:
+    """``a, b, c, ... (N more)``: the first ``limit`` names of a list in a message."""
+    items = list(items)
+    return ", ".join(items[:limit]) + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+
 class FFNToolsError(Exception):
     """Base class: a problem with the user's input or request, not a bug."""
 

@@ -18,6 +18,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import listing
+
 SHOWN = 4  # names per category in the one-line summary (the JSON has them all)
 
 
@@ -48,8 +50,7 @@ class LoadCheck:
         for what, items in (("newly initialized", self.missing), ("unexpected (ignored)", self.unexpected),
                             ("of the wrong shape", self.mismatched)):
             if items:
-                shown = ", ".join(items[:SHOWN]) + (f", ... ({len(items) - SHOWN} more)" if len(items) > SHOWN else "")
-                parts.append(f"{len(items)} tensor{'s' * (len(items) > 1)} {what}: {shown}")
+                parts.append(f"{len(items)} tensor{'s' * (len(items) > 1)} {what}: {listing(items, SHOWN)}")
         return f"would load in {self.client} ({self.architecture}) with " + "; ".join(parts)
 
     def as_dict(self) -> dict:

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from .dtypes import short_name
+from .errors import listing
 from .tolerances import tolerance_for
 from .verify_diagnose import first_difference
 
@@ -44,9 +45,8 @@ class OutsideResult:
         out = [f"outside FFNs: {d}" for d in self.differ]
         for side, names in (("A", self.only_a), ("B", self.only_b)):
             if names:
-                shown = ", ".join(names[:MAX_LISTED]) + (f", ... ({len(names) - MAX_LISTED} more)"
-                                                         if len(names) > MAX_LISTED else "")
-                out.append(f"outside FFNs: {len(names)} tensor{'s' * (len(names) > 1)} only in {side}: {shown}")
+                out.append(f"outside FFNs: {len(names)} tensor{'s' * (len(names) > 1)} only in {side}: "
+                           f"{listing(names, MAX_LISTED)}")
         return out
 
     def as_dict(self) -> dict:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING
 
+from .errors import listing
 from .ffn import FFNRef
 from .tolerances import Tolerance
 
@@ -127,9 +128,9 @@ class VerifyReport:
         """Every failure as one line naming where, checkpoint-level first, then worst FFN first."""
         out = list(self.problems)
         if self.only_a:
-            out.append(f"only in A ({len(self.only_a)}): {_clip(self.only_a)}")
+            out.append(f"only in A ({len(self.only_a)}): {listing(self.only_a)}")
         if self.only_b:
-            out.append(f"only in B ({len(self.only_b)}): {_clip(self.only_b)}")
+            out.append(f"only in B ({len(self.only_b)}): {listing(self.only_b)}")
         for r in sorted(self.results, key=FFNResult.sort_key):
             if r.passed:
                 break
@@ -238,10 +239,6 @@ def _why(b: BackendResult, tol: Tolerance | None) -> str:
 def _side(s: dict) -> str:
     bits = [s.get("format"), s.get("scheme"), s.get("dtype"), s.get("activation"), s.get("quantization")]
     return f"{s['path']}  ({', '.join(str(b) for b in bits if b)})"
-
-
-def _clip(items: list[str], n: int = 8) -> str:
-    return ", ".join(items[:n]) + (f", ... ({len(items) - n} more)" if len(items) > n else "")
 
 
 def _num(x: float, digits: int = 1) -> str:
