@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_cli, tensors
+from helpers import assert_identical, run_cli, tensors
 
 import zoo
 
@@ -155,11 +155,7 @@ def _round_trips(src, logits, forms, tmp_path):
 
 
 def _identical(a, b):
-    ta, tb = tensors(a), tensors(b)
-    assert sorted(ta) == sorted(tb), sorted(set(ta) ^ set(tb))
-    for n in ta:
-        assert ta[n].dtype == tb[n].dtype and ta[n].shape == tb[n].shape, n
-        assert torch.equal(ta[n].reshape(-1).view(torch.uint8), tb[n].reshape(-1).view(torch.uint8)), n
+    assert_identical(tensors(a), tensors(b))
 
 
 def _load_check_agrees(path) -> bool:

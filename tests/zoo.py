@@ -29,8 +29,6 @@ TINY = dict(hidden_size=H, intermediate_size=I, num_hidden_layers=2, num_attenti
             moe_num_experts=4, ffn_hidden_size=I, dim_ff=I)
 LAYERS = 2
 TOKENS = torch.arange(3, 19).reshape(2, 8)  # inside every tiny vocabulary
-# Per model type: what its config needs beyond TINY to build at this size (data, found by trying).
-EXTRA: dict[str, dict] = {}
 
 
 @dataclass
@@ -57,7 +55,6 @@ def tiny_config(model_type: str):
         if isinstance(v, list) and n and len(v) == n and k not in kw:
             kinds = list(dict.fromkeys(map(repr, v)))
             kw[k] = [v[[repr(x) for x in v].index(kinds[min(j, len(kinds) - 1)])] for j in range(LAYERS)]
-    kw.update(EXTRA.get(model_type, {}))
     return cls(**kw)
 
 
