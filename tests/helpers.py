@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import shutil
 from pathlib import Path
 
 import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
 
 from ffn_tools.cli import cli
 from ffn_tools.store import open_checkpoint
@@ -50,3 +53,18 @@ def tree_digest(path: Path) -> dict[str, str]:
     """sha256 of every file under ``path``: to prove an input was not modified."""
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
     return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def plant(src: Path, dst: Path, edit=None, config=None) -> Path:
+    """A copy of checkpoint ``src`` at ``dst`` with ``edit(state_dict)`` / ``config(dict)`` applied."""
+    shutil.copytree(src, dst)
+    for f in sorted(dst.glob("*.safetensors")):
+        sd = load_file(f)
+        if edit:
+            edit(sd)
+        save_file({k: v.contiguous() for k, v in sd.items()}, f, metadata={"format": "pt"})
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst

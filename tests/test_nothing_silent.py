@@ -4,12 +4,10 @@ and tensors that look like FFN projections but belong to no FFN are reported (in
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
-from helpers import run_cli
-from safetensors.torch import load_file, save_file
+from helpers import plant, run_cli
 
 import zoo
 
@@ -21,15 +19,6 @@ def deepseek(tmp_path_factory):
     return path
 
 
-def _copy_with(src, dst, change):
-    shutil.copytree(src, dst)
-    for f in dst.glob("*.safetensors"):
-        t = load_file(f)
-        change(t)
-        save_file(t, f, metadata={"format": "pt"})
-    return dst
-
-
 def test_deepseek_v3_shared_experts_are_found(deepseek):
     s = json.loads(run_cli("inspect", deepseek, "--json").stdout)
     assert s["scheme"] == "deepseek" and s["shared_experts"] == 1 and s["routed_experts"] == 4
@@ -39,7 +28,7 @@ def test_deepseek_v3_shared_experts_are_found(deepseek):
 
 def test_zeroed_shared_expert_fails_verify(deepseek, tmp_path):
     name = "model.layers.1.mlp.shared_experts.down_proj.weight"
-    bad = _copy_with(deepseek, tmp_path / "bad", lambda t: t.__setitem__(name, torch.zeros_like(t[name])))
+    bad = plant(deepseek, tmp_path / "bad", lambda t: t.__setitem__(name, torch.zeros_like(t[name])))
     r = run_cli("verify", deepseek, bad, "--backend", "reference", "--tokens", "4", ok=None)
     assert r.exit_code == 1 and "layer 1 shared expert" in r.output, r.output
 
@@ -47,7 +36,7 @@ def test_zeroed_shared_expert_fails_verify(deepseek, tmp_path):
 def test_unmatched_ffn_like_tensor_is_reported(model_dir, tmp_path):
     src = model_dir("llama")
     extra = "model.layers.0.mlp.fc1.weight"  # FFN-like, but no scheme's FFN
-    odd = _copy_with(src, tmp_path / "odd", lambda t: t.__setitem__(extra, torch.randn(8, 64)))
+    odd = plant(src, tmp_path / "odd", lambda t: t.__setitem__(extra, torch.randn(8, 64)))
     s = json.loads(run_cli("inspect", odd, "--json").stdout)
     assert s["unmatched_ffn_like"] == [extra] and extra in s["warnings"][0]
     assert extra in run_cli("inspect", odd).output

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import run_cli
+from helpers import plant, run_cli
 from safetensors.torch import load_file, save_file
 from tiny_models import COMMON
 
@@ -68,21 +66,6 @@ def assert_fails(*args, where: str, exit_code: int = 1) -> str:
     assert code == exit_code, out
     assert "FAIL" in out and where in out, out
     return out
-
-
-def plant(src: Path, dst: Path, edit=None, config=None) -> Path:
-    """A copy of checkpoint ``src`` at ``dst`` with ``edit(state_dict)`` / ``config(dict)`` applied."""
-    shutil.copytree(src, dst)
-    for f in sorted(dst.glob("*.safetensors")):
-        sd = load_file(f)
-        if edit:
-            edit(sd)
-        save_file({k: v.contiguous() for k, v in sd.items()}, f, metadata={"format": "pt"})
-    if config:
-        cfg = json.loads((dst / "config.json").read_text())
-        config(cfg)
-        (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 @pytest.fixture(scope="module")
