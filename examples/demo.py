@@ -25,14 +25,14 @@ def run(*args: str, expect: int = 0) -> None:
 
 
 def swap_gate_up(src: Path, dst: Path) -> None:
-    """A broken copy of a split checkpoint: every layer's gate_proj and up_proj trade names."""
+    """A broken copy of a Phi-3: in every layer's fused gate_up_proj the gate and up halves trade places."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst)
     t = load_file(src / "model.safetensors")
-    for name in [n for n in t if n.endswith("mlp.gate_proj.weight")]:
-        up = name.replace("gate_proj", "up_proj")
-        t[name], t[up] = t[up], t[name]
+    for name in [n for n in t if n.endswith("mlp.gate_up_proj.weight")]:
+        gate, up = t[name].chunk(2)
+        t[name] = torch.cat([up, gate]).contiguous()
     save_file(t, dst / "model.safetensors", metadata={"format": "pt"})
 
 
@@ -64,7 +64,7 @@ def main() -> None:
         run("verify", str(work / "phi3"), str(work / "phi3-mlx-q4"), "--backend", "reference", "--backend", "mlx")
         run("verify", str(work / "phi3"), str(work / "phi3-flax"), "--backend", "reference", "--backend", "jax")
         print("\nNow a conversion that silently swaps gate and up: it loads, but verify catches it.")
-        swap_gate_up(work / "phi3-split", work / "phi3-swapped")
+        swap_gate_up(work / "phi3", work / "phi3-swapped")
         run("verify", str(work / "phi3"), str(work / "phi3-swapped"), "--backend", "reference", expect=1)
     finally:
         shutil.rmtree(work, ignore_errors=True)

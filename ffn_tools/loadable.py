@@ -165,10 +165,11 @@ def check_mlx(path: Path) -> LoadCheck:
 def form_change_warning(ckpt, changed, out_form: str, out: str | None = None) -> str | None:
     """One line when a split or fuse changes the form of FFNs whose config.json is carried unchanged.
 
-    Without importing transformers (split and fuse stay as fast as a copy): a checkpoint's client reads the
-    form the checkpoint was saved in, so changing dense or shared FFNs makes an output it would load with
-    fresh FFN weights; routed experts alone may still load (transformers v5 stacks and unstacks the experts of
-    families with a conversion mapping). ``verify IN OUT`` checks exactly.
+    Without importing transformers (split and fuse stay as fast as a copy), so it cannot know which form the
+    architecture loads: it says that if the input loads, the output does not (changing dense or shared FFNs'
+    form; an input that was itself another form, say a split Phi-3 being fused back, is the case it cannot
+    tell); routed experts alone may still load (transformers v5 stacks and unstacks the experts of families
+    with a conversion mapping). ``verify IN OUT`` checks exactly.
 
     Args:
         ckpt: the input checkpoint.
@@ -189,5 +190,6 @@ def form_change_warning(ckpt, changed, out_form: str, out: str | None = None) ->
            "fused": "tools that read one fused gate_up tensor (vLLM-style loaders, Phi-3-style code)",
            "stacked": "transformers v5 MoE code and vLLM-style expert kernels"}[out_form]
     back = "fuse-gateup" if out_form == "separate" else "split-gateup"
-    return (f"{where}would not load in transformers as {arch}: its config.json is the input's, whose FFNs were "
-            f"in another form; this {out_form} form is for {use}; {back} restores the input's form; {check}")
+    return (f"{where}keeps the input's config.json ({arch}) with its FFNs in the {out_form} form: if the input "
+            f"loads in transformers as {arch}, this would not load as {arch} (transformers reads one form per "
+            f"architecture); this form is for {use}; {back} restores the input's form; {check}")

@@ -206,7 +206,7 @@ class VerifyReport:
                 out.append(f"{_row(r):<{len(head)}}  {r.tolerance.row}" if per_ffn and r.tolerance else _row(r))
         if self.outside is not None:
             out += ["", self.outside.line()]
-        if self.load is not None and not self.load.skipped:
+        if self.load is not None and self.load.ok:  # a failure is listed with the others below
             out.append(f"load check: {self.load.summary()}")
         out += ["", *[f"  - {f}" for f in self.failures()]] if not self.passed else []
         if self.logits is not None:
