@@ -14,7 +14,7 @@ from ffn_tools.plan import Entry, Plan, copy_entry, execute
 from ffn_tools.store import Checkpoint, open_checkpoint
 
 FORMAT = "torch"
-OPTIONS: frozenset[str] = frozenset()
+OPTIONS: frozenset[str] = frozenset({"dry_run"})
 
 
 def can_read(path: Path) -> bool:
@@ -51,8 +51,11 @@ def unquantized_config(config: dict | None, target) -> tuple[dict | None, list[s
 
 
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
-           max_shard_size: int | None = None) -> dict:
+           max_shard_size: int | None = None, dry_run: bool = False) -> dict:
     """Write ``ckpt`` as Hugging Face PyTorch safetensors in directory ``out``.
+
+    Args:
+        dry_run: plan only; ``plan`` in the summary lists every output tensor and how it is made.
 
     Returns:
         Summary: output path, files, tensor count, bytes, dtype.
@@ -63,6 +66,9 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     target = parse_user_dtype(dtype) if dtype else None
     config, changes = unquantized_config(ckpt.config, target)
     plan = Plan(ckpt, [cast_entry(ckpt, n, target) for n in ckpt], config, changes)
+    if dry_run:
+        return {"output": str(out), "format": FORMAT, "files": [], "tensors": len(plan.entries),
+                "bytes": plan.total_bytes, "changes": changes, "plan": plan.describe()}
     files = execute(plan, out, force=force, max_shard_size=max_shard_size, metadata={"format": "pt"},
                     desc="converting to torch")
     return {"output": str(out), "format": FORMAT, "files": files, "tensors": len(plan.entries),

@@ -88,7 +88,8 @@ def convert(path, to: str, out, **options) -> dict:
     from ffn_tools.converters import convert as run
 
     r = run(resolve(str(path)), to, Path(out), **options)
-    return envelope("convert", str(path), r["output"], f"wrote {r['output']} ({to})", r)
+    verb = "would write" if options.get("dry_run") else "wrote"
+    return envelope("convert", str(path), r["output"], f"{verb} {r['output']} ({to})", r)
 
 
 def verify(a, b, **options):

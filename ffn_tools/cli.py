@@ -287,34 +287,88 @@ _gateup_command("fuse-gateup", _fuse, """Fuse gate_proj and up_proj into one gat
                                   "stores them; dense MLPs and shared experts are left as they are."),))
 
 
+QUANT_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
+
+
+def _quantize_value(ctx, param, value):
+    """-q/--quantize is mlx_lm's flag; the older ``--quantize 4`` still gives bits."""
+    if value in (None, "flag"):
+        return value and True
+    if value not in ("2", "3", "4", "5", "6", "8"):
+        raise click.BadParameter(f"{value!r}: -q/--quantize takes no value (bits are --q-bits); put PATH before "
+                                 "the options, or give it with --hf-path", ctx, param)
+    return int(value)
+
+
 @cli.command()
-@click.argument("path", type=CHECKPOINT)
-@click.option("--to", "to", required=True, type=click.Choice(("torch", "mlx", "flax")), help="Output format.")
-@click.option("-o", "--out", required=True, type=click.Path(), help="Output directory.")
-@click.option("--dtype", type=click.Choice(("float32", "float16", "bfloat16")), help="Cast floating weights to this dtype.")
-@click.option("--quantize", type=click.Choice(("4", "8")), help="MLX only: quantize with mx.quantize to 4 or 8 bits.")
-@click.option("--group-size", type=click.Choice(("32", "64", "128")), help="MLX only: quantization group size (default 64).")
+@click.argument("path", type=CHECKPOINT, required=False)
+@click.option("--hf-path", "--model", "hf_path", type=CHECKPOINT, help="The input, as mlx_lm.convert names it "
+              "(instead of PATH).")
+@click.option("--to", "to", type=click.Choice(("torch", "mlx", "flax")),
+              help="Output format (mlx when --mlx-path is given).")
+@click.option("-o", "--out", type=click.Path(), help="Output directory.")
+@click.option("--mlx-path", type=click.Path(), help="Output directory of an MLX export, as mlx_lm.convert names it "
+              "(instead of --to mlx -o).")
+@click.option("--dtype", type=click.Choice(("float32", "float16", "bfloat16")), help="Cast floating weights to this "
+              "dtype (MLX: those the model's cast_predicate allows, as mlx_lm.convert).")
+@click.option("-q", "--quantize", is_flag=False, flag_value="flag", default=None, callback=_quantize_value, metavar="",
+              help="MLX only: quantize with mx.quantize, exactly the modules mlx_lm.convert -q would "
+                   "(default 4 bits, group size 64, affine). In this command -q is quantize, as in mlx_lm; "
+                   "quiet is `ffn-tools -q convert ...`.")
+@click.option("--q-bits", type=click.Choice(("2", "3", "4", "5", "6", "8")), help="MLX: bits per weight "
+              "(default: 4; mxfp8 8).")
+@click.option("--q-group-size", "--group-size", "q_group_size", type=click.Choice(("16", "32", "64", "128")),
+              help="MLX: quantization group size (default 64 affine, 32 mxfp4/mxfp8, 16 nvfp4).")
+@click.option("--q-mode", type=click.Choice(QUANT_MODES), help="MLX: quantization mode (default affine; mxfp4, "
+              "nvfp4, mxfp8 are MLX's microscaling float formats).")
+@click.option("--quant-predicate", help="MLX: one of mlx_lm's mixed-bit recipes (mixed_2_6, mixed_3_4, mixed_3_6, "
+              "mixed_4_6): more bits for v_proj/down_proj of some layers and lm_head, as mlx_lm.convert.")
+@click.option("-d", "--dequantize", is_flag=True, help="MLX input: write it dequantized (what ffn-tools does with "
+              "any quantized input unless -q is given); refused with -q, as in mlx_lm.")
 @click.option("--flax-layout", type=click.Choice(("hf", "linen")),
               help="Flax only: hf = the Hugging Face Flax parameter tree (default); linen = FFNs as nn.Dense gate/up/down.")
+@click.option("--dry-run", is_flag=True, help="torch/mlx: print every output tensor and how it is made (and what "
+              "mlx_lm's model expects, checked); write nothing.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 @size_option
 @scheme_options
 @layout_options
-def convert(path, to, out, dtype, quantize, group_size, flax_layout, force, as_json, max_shard_size, scheme, layout):
+def convert(path, hf_path, to, out, mlx_path, dtype, quantize, q_bits, q_group_size, q_mode, quant_predicate,
+            dequantize, flax_layout, dry_run, force, as_json, max_shard_size, scheme, layout):
     """Convert the checkpoint at PATH to PyTorch safetensors, MLX or Flax msgpack.
 
-    The input may be any format ffn-tools reads. MLX output loads with mlx_lm.load; Flax output is
-    flax_model.msgpack (sharded with an index beyond --max-shard-size). Unquantized conversions are
-    lossless: converting back reproduces every bit. The scheme and layout options say where the FFNs
-    are for --flax-layout linen, which writes only the FFNs.
+    The input may be any format ffn-tools reads. MLX output is what mlx_lm.convert writes for the same
+    model: the parameters of mlx_lm's own model class (checked before anything is written), config.json,
+    tokenizer and a model card; mlx_lm.load opens it. mlx_lm.convert's flags work as there:
+
+    \b
+        ffn-tools convert --hf-path ./llama --mlx-path ./llama-4bit -q --q-bits 4
+
+    Flax output is flax_model.msgpack (sharded with an index beyond --max-shard-size). Unquantized
+    conversions are lossless: converting back reproduces every bit. The scheme and layout options say
+    where the FFNs are for --flax-layout linen, which writes only the FFNs.
     """
     from .api import convert as run
 
-    r = run(path, to, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size,
-            quantize=int(quantize) if quantize else None, group_size=int(group_size) if group_size else None,
+    if path and hf_path:
+        raise click.UsageError("give the input once: PATH or --hf-path")
+    path = path or hf_path
+    if path is None:
+        raise click.UsageError("missing the input: PATH (or --hf-path)")
+    if mlx_path is not None:
+        if out is not None or to not in (None, "mlx"):
+            raise click.UsageError("--mlx-path is the output of --to mlx; give either it or --to/-o")
+        to, out = "mlx", mlx_path
+    if to is None or out is None:
+        raise click.UsageError("missing " + " and ".join(n for n, v in (("--to", to), ("-o", out)) if v is None))
+    if dequantize and quantize:
+        raise click.UsageError("choose either -q/--quantize or -d/--dequantize, not both (as mlx_lm.convert)")
+    r = run(path, to, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, quantize=quantize,
+            q_bits=int(q_bits) if q_bits else None, q_group_size=int(q_group_size) if q_group_size else None,
+            q_mode=q_mode, quant_predicate=quant_predicate, dry_run=dry_run or None,
             flax_layout=flax_layout, scheme=scheme, layout=layout)
-    emit(r, as_json, [r["summary"], *r.get("changes", [])])
+    emit(r, as_json, [*(r.get("plan") or []), r["summary"], *r.get("changes", [])])
 
 
 from .verify_cli import verify as _verify  # noqa: E402

@@ -13,7 +13,7 @@ from pathlib import Path
 from .errors import CheckpointError
 
 REPO_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?")
-PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.msgpack",
+PATTERNS = ["README.md", "*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.msgpack",
             "*.msgpack.index.json", "*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja", "params.json"]
 
 

@@ -19,12 +19,12 @@ from ffn_tools.errors import CheckpointError, FFNToolsError, OutputExistsError
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
 mlx_format = pytest.importorskip("ffn_tools.converters.mlx")
-mlx_quant = pytest.importorskip("ffn_tools.converters.mlx_quant")
+mlx_quant = pytest.importorskip("ffn_tools.converters.mlx.quant")
 
 ARCHS = ["llama", "qwen2", "mistral", "phi3", "mixtral", "qwen2_moe"]
 TOKENS = torch.arange(3, 19).reshape(2, 8)
-# Keys the export adds because mlx-lm reads transformers v4 names (see mlx_arch.legacy_config).
-V4_KEYS = {"rope_theta", "rope_scaling", "num_experts"}
+# Keys the export adds because mlx-lm reads transformers v4 names (see converters/mlx/models.py ALIASES).
+V4_KEYS = {*pytest.importorskip("ffn_tools.converters.mlx.models").ALIASES, "rope_scaling"}
 # mlx_lm cannot read transformers v5's Qwen3-MoE config; its reference conversion gets the v4 keys.
 QWEN3_MOE_V4 = {"num_experts": 4, "rope_theta": 10000.0}
 
@@ -306,9 +306,15 @@ def test_bad_options_write_nothing(hf, tmp_path):
     src, out = hf("llama"), tmp_path / "out"
     before = tree_digest(src)
     for kwargs, words in (({"dtype": "float8"}, "unknown dtype 'float8'"),
-                          ({"group_size": 64}, "--group-size applies only with --quantize"),
+                          ({"group_size": 64}, "only apply with -q/--quantize"),
+                          ({"q_mode": "mxfp4"}, "only apply with -q/--quantize"),
                           ({"quantize": 7}, "cannot quantize to 7 bits"),
-                          ({"quantize": 4, "group_size": 48}, "group size 48")):
+                          ({"quantize": True, "q_bits": 7}, "cannot quantize to 7 bits"),
+                          ({"quantize": 4, "group_size": 48}, "group size 48"),
+                          ({"quantize": True, "q_mode": "mxfp4", "q_group_size": 64}, "mode mxfp4 quantizes with"),
+                          ({"quantize": True, "q_mode": "int3"}, "unknown quantization mode 'int3'"),
+                          ({"quantize": True, "quant_predicate": "mixed_9_9"}, "unknown quantization recipe"),
+                          ({"quantize": True, "q_mode": "mxfp4", "quant_predicate": "mixed_3_6"}, "affine only")):
         with pytest.raises(FFNToolsError, match=re.escape(words)):
             convert(src, "mlx", out, **kwargs)
         assert_nothing_written(out)
@@ -371,12 +377,19 @@ def test_bad_mlx_directories_are_refused_in_one_line(exported, mlx_ref, tmp_path
         assert tree_digest(path) == before
 
 
-def test_checkpoints_mlx_lm_cannot_run_are_refused(hf, model_dir, tmp_path):
+def test_a_fused_llama_is_split_in_the_export(hf, exported, tmp_path):
     from ffn_tools.gateup import fuse_gateup
-    from safetensors.torch import load_file, save_file
 
     fused = tmp_path / "fused"
-    fuse_gateup(model_dir("llama"), fused)
+    fuse_gateup(hf("llama"), fused)
+    summary = convert(fused, "mlx", tmp_path / "out")
+    assert any("FFNs gate_up split" in c for c in summary["changes"])
+    assert_identical(tensors(tmp_path / "out"), tensors(exported("llama")[0]))
+
+
+def test_checkpoints_mlx_lm_cannot_run_are_refused(hf, model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
     unknown = _copy(model_dir("llama"), tmp_path / "unknown", lambda c: c.update(model_type="apex1"))
     missing = _copy(model_dir("mixtral"), tmp_path / "missing")
     weights = load_file(missing / "model.safetensors")
@@ -384,9 +397,9 @@ def test_checkpoints_mlx_lm_cannot_run_are_refused(hf, model_dir, tmp_path):
     save_file(weights, missing / "model.safetensors", metadata={"format": "pt"})
     no_config = _copy(model_dir("llama"), tmp_path / "no-config")
     (no_config / "config.json").unlink()
-    cases = ((fused, "run `ffn-tools split-gateup`"), (unknown, "model_type 'apex1' is not supported"),
-             (missing, "missing [3]"), (no_config, "no config.json"),
-             (model_dir("gemma"), "not tied to model.embed_tokens"))
+    cases = ((unknown, "has no model for model_type 'apex1'"),
+             (missing, "does not fit mlx_lm's mixtral model"), (no_config, "no config.json"),
+             (model_dir("gemma"), "lm_head.weight differs from model.embed_tokens.weight"))
     for path, words in cases:
         with pytest.raises(FFNToolsError, match=re.escape(words)) as e:
             convert(path, "mlx", tmp_path / "out", quantize=4)

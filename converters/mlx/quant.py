@@ -63,6 +63,20 @@ def to_mx(data: memoryview, st: str, shape: Sequence[int]) -> mx.array:
     return a if shape else a.reshape(())
 
 
+def torch_bytes(t) -> memoryview:
+    """A torch tensor's bytes (C order)."""
+    import torch
+
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def torch_to_mx(t) -> mx.array:
+    """An mx array with a torch tensor's dtype, shape and bytes (bf16 included, never through float32)."""
+    from ffn_tools.dtypes import as_st
+
+    return to_mx(torch_bytes(t), as_st(t.dtype), tuple(t.shape))
+
+
 def raw_bytes(a: mx.array) -> memoryview:
     """The bytes of an (evaluated, row-contiguous) mx array, through its buffer (bf16 included)."""
     return memoryview(a).cast("B")
@@ -113,9 +127,7 @@ def row_chunks(ckpt, name: str, max_bytes: int | None = None) -> Iterator[tuple[
     if hasattr(ckpt, "read_raw"):  # a view that decodes without torch (MLX, dequantized)
         data = memoryview(ckpt.read_raw(name))
     else:  # a pickle or Flax tensor: decode it with torch
-        import torch
-
-        data = memoryview(ckpt[name].contiguous().reshape(-1).view(torch.uint8).numpy())
+        data = torch_bytes(ckpt[name])
     for r in range(0, rows, step):
         n = min(step, rows - r)
         yield data[r * row_bytes:(r + n) * row_bytes], n
@@ -157,12 +169,31 @@ def cast_fn(target: str | None) -> Callable[[mx.array], list[mx.array]]:
     return lambda a: [a.astype(_MX[target]) if target else a]
 
 
-def quantize_fn(target: str | None, group_size: int, bits: int) -> Callable[[mx.array], list[mx.array]]:
-    """Chunk function: optional cast, then ``mx.quantize`` -> (packed weight, scales, biases)."""
+def quantize_fn(target: str | None, group_size: int, bits: int, mode: str = "affine") -> Callable[[mx.array], list[mx.array]]:
+    """Chunk function: optional cast, then ``mx.quantize`` -> (packed weight, scales[, biases]: affine)."""
     def fn(a: mx.array) -> list[mx.array]:
-        return list(mx.quantize(a.astype(_MX[target]) if target else a, group_size=group_size, bits=bits))
+        a = a.astype(_MX[target]) if target else a
+        return list(mx.quantize(a, group_size=group_size, bits=bits, mode=mode))
 
     return fn
+
+
+def part_specs(shape: tuple[int, ...], dtype: str, group_size: int, bits: int, mode: str) -> list[tuple[str, tuple]]:
+    """(dtype, shape) of the packed weight, the scales and (affine only) the biases of a weight of ``shape``
+    and (after any cast) ``dtype``: the other modes keep 8-bit exponent scales and no biases."""
+    wshape, sshape = quantized_shapes(shape, group_size, bits)
+    if mode == "affine":
+        return [("U32", wshape), (dtype, sshape), (dtype, sshape)]
+    return [("U32", wshape), ("U8", sshape)]
+
+
+def from_mx(a: mx.array) -> RawTensor:
+    """An evaluated mx array's bytes as a ``RawTensor``."""
+    mx.eval(a)
+    raw = RawTensor(_ST[a.dtype], a.shape)
+    if raw:
+        raw[:] = raw_bytes(a if a.ndim else a.reshape(1))
+    return raw
 
 
 def quantized_shapes(shape: tuple[int, ...], group_size: int, bits: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -172,21 +203,21 @@ def quantized_shapes(shape: tuple[int, ...], group_size: int, bits: int) -> tupl
 
 
 class QuantJob:
-    """One weight's quantization, shared by its three entries (weight, scales, biases).
+    """One weight's quantization, shared by its entries (weight, scales and, affine only, biases).
 
     Computed when the first part is asked for (or earlier, by a ``QuantPool`` worker) and forgotten once
     all three are taken, so only one tensor's packed outputs are alive at a time (plus the pool's few).
     """
 
     def __init__(self, ckpt, sources: Sequence[str], shape: tuple[int, ...], dtype: str, target: str | None,
-                 group_size: int, bits: int):
-        self.ckpt, self.sources, self.target = ckpt, tuple(sources), target
-        self.group_size, self.bits = group_size, bits
-        wshape, sshape = quantized_shapes(shape, group_size, bits)
-        st = target or dtype
-        self.specs = [("U32", wshape), (st, sshape), (st, sshape)]
+                 group_size: int, bits: int, mode: str = "affine", array: Callable[[], mx.array] | None = None):
+        """``sources``: input tensors whose rows, in order, are the weight's; or ``array``, a function giving
+        the whole weight (one that ``sanitize`` computed, or a split piece of an input)."""
+        self.ckpt, self.sources, self.target, self.array = ckpt, tuple(sources), target, array
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        self.specs = part_specs(shape, target or dtype, group_size, bits, mode)
         infos = [ckpt.info(n) for n in self.sources]
-        self.infos = infos if all(i.start is not None for i in infos) else None  # what a worker can read
+        self.infos = infos if infos and all(i.start is not None for i in infos) else None  # what a worker can read
         self.nbytes = sum(i.nbytes for i in infos)
         self.pool, self.index, self.future = None, -1, None
         self._parts: list[RawTensor] | None = None
@@ -194,18 +225,23 @@ class QuantJob:
 
     def args(self) -> tuple:
         """Arguments of ``quantize_files`` for this job."""
-        return self.infos, self.specs, self.target, self.group_size, self.bits, CHUNK_BYTES
+        return self.infos, self.specs, self.target, self.group_size, self.bits, self.mode, CHUNK_BYTES
 
     def part(self, k: int) -> RawTensor:
         if self._parts is None or k not in self._left:
             if self.pool is not None and self.future is None and self.index >= self.pool.submitted:
                 self.pool.ahead(self)
+            fn = quantize_fn(self.target, self.group_size, self.bits, self.mode)
             if self.future is not None:
                 self._parts, self.future = self.future.result(), None
+            elif self.array is not None:
+                a = self.array()
+                self._parts = [from_mx(r) for r in fn(a.reshape(-1, a.shape[-1]))]
+                for p, (st, shape) in zip(self._parts, self.specs):
+                    p.shape = tuple(shape)
             else:
-                self._parts = stream(self.ckpt, self.sources, self.specs,
-                                     quantize_fn(self.target, self.group_size, self.bits))
-            self._left = {0, 1, 2}
+                self._parts = stream(self.ckpt, self.sources, self.specs, fn)
+            self._left = set(range(len(self.specs)))
         part = self._parts[k]
         self._left.discard(k)
         if not self._left:
@@ -223,9 +259,10 @@ class _Infos:
         return self._infos[name]
 
 
-def quantize_files(infos, specs, target, group_size, bits, chunk_bytes) -> list[RawTensor]:
+def quantize_files(infos, specs, target, group_size, bits, mode, chunk_bytes) -> list[RawTensor]:
     """A ``QuantJob`` in a worker process: read, cast and quantize tensors at known file offsets."""
-    return stream(_Infos(infos), [i.name for i in infos], specs, quantize_fn(target, group_size, bits), chunk_bytes)
+    return stream(_Infos(infos), [i.name for i in infos], specs, quantize_fn(target, group_size, bits, mode),
+                  chunk_bytes)
 
 
 class QuantPool:
@@ -280,8 +317,4 @@ def start_pool(jobs: Sequence[QuantJob]) -> QuantPool | None:
 def dequantize(w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int,
                mode: str = "affine") -> RawTensor:
     """Unpack one quantized weight with ``mx.dequantize`` (dtype: the scales')."""
-    out = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode)
-    mx.eval(out)
-    raw = RawTensor(_ST[out.dtype], out.shape)
-    raw[:] = raw_bytes(out)
-    return raw
+    return from_mx(mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode))

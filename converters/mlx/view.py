@@ -4,22 +4,31 @@ Names are mlx-lm's with ``sanitize`` undone: ``switch_mlp`` stacks (E, out, in) 
 and quantized modules (``X.weight`` packed uint32 + ``X.scales`` + ``X.biases``) become one ``X.weight``
 dequantized with ``mx.dequantize`` in the scales' dtype. Unquantized tensors, experts included, keep their
 byte offsets, so converting them back copies bytes and is lossless. The config loses its ``quantization``
-blocks and the keys the safetensors metadata says export added for mlx-lm (``mlx_arch.ADDED_KEYS``: the
+blocks and the keys the safetensors metadata says export added for mlx-lm (``config.ADDED_KEYS``: the
 transformers v4 keys, ``tie_word_embeddings``; keys the source had are kept). ``quant_params`` gives each
 tensor's per-module quantization. Nothing is read until a tensor is asked for.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from ffn_tools.errors import CheckpointError
 from ffn_tools.store import Checkpoint, SafetensorsCheckpoint, TensorInfo, open_checkpoint
 
-from .mlx_arch import ARCHS, restore_source_config
-from .mlx_quant import RawTensor, dequantize, read_bytes, to_mx
+from .config import restore_source_config
+from .quant import RawTensor, dequantize, read_bytes, to_mx
 
 QUANT_KEYS = ("quantization", "quantization_config")
+# Stacked experts, (E, ...) on the first axis: ``{box}.switch_mlp.{proj}`` (and ``{box}.experts.{proj}``, where
+# mlx_lm keeps the name) -> ``{box}.experts.{e}.{proj}``.
+STACKED = re.compile(r"(?P<box>.+)\.(?:switch_mlp|experts)\.(?P<proj>[^.]+)\.(?P<part>weight|bias|scales|biases)")
+# model_type -> the checkpoint's expert projection names where they are not mlx_lm's (names.PROJECTION_ALIASES
+# the other way).
+EXPERT_NAMES = {"mixtral": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
+                "phimoe": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
+                "nemotron_h": {"fc1": "up_proj", "fc2": "down_proj"}}
 
 
 def _params(qcfg: dict, module: str) -> dict:
@@ -56,9 +65,7 @@ class MLXCheckpoint(Checkpoint):
         for m in quantized:
             if f"{m}.weight" not in raw:
                 problems.append(f"{m}.scales has no {m}.weight")
-        arch = ARCHS.get(config.get("model_type"))
-        switch = arch.switch if arch else None
-        pattern = switch.switch_pattern() if switch else None
+        rename = EXPERT_NAMES.get(config.get("model_type"), {})
         for name in raw:
             module, _, part = name.rpartition(".")
             if part in ("scales", "biases") and f"{module}.scales" in raw:
@@ -66,14 +73,12 @@ class MLXCheckpoint(Checkpoint):
             q = _params(qcfg, module) if part == "weight" and f"{module}.scales" in raw else None
             if q is not None and not self._check(module, q, problems):
                 continue
-            m = pattern.fullmatch(name) if pattern else None
-            if m is None and ".switch_mlp." in name:
-                problems.append(f"{name}: cannot unstack switch_mlp experts of model_type "
-                                f"{config.get('model_type')!r}; known: {', '.join(a for a in ARCHS if ARCHS[a].switch)}")
-                continue
+            m = STACKED.fullmatch(name)
+            if m and len(raw.info(name).shape) != (2 if part == "bias" else 3):
+                m = None  # a stack is (E, out, in) and its bias (E, out)
             experts = range(raw.info(name).shape[0]) if m else [None]
             for e in experts:
-                hf = switch.expert_name(int(m["layer"]), e, m["proj"]) if m else name
+                hf = f"{m['box']}.experts.{e}.{rename.get(m['proj'], m['proj'])}.{part}" if m else name
                 infos[hf] = self._plan(hf, module, name, e, q)
         if problems:
             raise CheckpointError(f"{raw.root}: cannot read this MLX model: " + "; ".join(sorted(problems)))

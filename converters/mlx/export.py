@@ -1,0 +1,249 @@
+"""MLX export: the model directory ``mlx_lm.convert`` writes, streamed tensor by tensor.
+
+The spec is mlx_lm's own model class for the config (``models.target``), built lazily: its parameter
+names and shapes are what the export must write, checked before anything is written. Names come from
+the model's own ``sanitize`` run on stand-ins (``names``): renamed and stacked inputs are byte copies,
+anything else ``sanitize`` computes is evaluated from the lazily loaded input. A checkpoint whose FFNs are in
+another form than the model's (fused ``gate_up_proj``, transformers v5 stacked experts) is split or fused
+in the same plan. With ``-q`` the modules mlx_lm.convert would quantize (``recipe.decide``) are packed
+with ``mx.quantize`` in row chunks (``quant``): bit for bit what ``mlx_lm.convert`` writes. Without
+``-q``/``--dtype`` export is lossless (``mlx_lm.convert`` would also cast to a legacy ``torch_dtype`` in
+config.json; this only does so when quantizing, where it decides the scales' bits).
+
+Besides weights: safetensors shards with ``{"format": "mlx"}`` metadata and an index, ``config.json`` as
+mlx_lm's ``save_config`` writes it, the tokenizer/generation files, and a model card README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from ffn_tools.dtypes import DTYPE_CHOICES, USER_DTYPES, short_name
+from ffn_tools.errors import FFNToolsError, listing
+from ffn_tools.plan import Entry, Plan, copy_entry, execute
+from ffn_tools.store import Checkpoint
+from ffn_tools.writer import OutTensor, plan_shards
+
+from . import names as mlx_names
+from .card import model_card
+from .config import added_metadata, mlx_config
+from .models import TIE_KEY, Target, target
+from .recipe import Quant, decide, resolve
+
+FORMAT = "mlx"
+MAX_SHARD_SIZE = 5 << 30  # mlx_lm's save_model shards at 5 GiB
+METADATA = {"format": "mlx"}
+_ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+_FLOATS = ("F32", "F16", "BF16", "F64")
+HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def _dtype(dtype: str | None) -> str | None:
+    if dtype is None:
+        return None
+    name = USER_DTYPES.get(str(dtype).lower().removeprefix("torch."))
+    if name not in _ST:
+        raise FFNToolsError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_CHOICES)}")
+    return _ST[name]
+
+
+def collapse(names) -> str:
+    """'model.layers.*.mlp.down_proj.weight (x2)' for model.layers.0/1.mlp.down_proj.weight."""
+    counts: dict[str, int] = {}
+    for n in names:
+        p = re.sub(r"\.\d+(?=\.|$)", ".*", n)
+        counts[p] = counts.get(p, 0) + 1
+    return ", ".join(p + (f" (x{c})" if c > 1 else "") for p, c in counts.items())
+
+
+def _views(ckpt: Checkpoint):
+    """The input as the model may want it: as it is, FFNs split, FFNs fused (name, entries)."""
+    yield "as it is", [copy_entry(ckpt, n) for n in ckpt]
+    from ffn_tools.detect import find_ffns
+    from ffn_tools.errors import NothingToDoError
+    from ffn_tools.gateup import plan_fuse, plan_split
+
+    try:
+        ffns = find_ffns(ckpt)
+    except FFNToolsError:
+        return
+    for label, fn in (("with gate_up split", plan_split), ("with gate/up fused", plan_fuse)):
+        try:
+            yield label, fn(ckpt, ffns).entries
+        except NothingToDoError:
+            continue
+        except FFNToolsError:
+            continue
+
+
+def _problems(tg: Target, outputs, ckpt: Checkpoint) -> tuple[list[str], list[str]]:
+    """(what does not match the model's parameters, changes) for one view's outputs."""
+    got = {o.name: o.shape for o in outputs}
+    missing = sorted(set(tg.params) - set(got))
+    extra = sorted(set(got) - set(tg.params))
+    changes = []
+    if extra == [HEAD] and HEAD not in tg.params and EMBED in ckpt and HEAD in ckpt:
+        same = ckpt.info(HEAD).shape == ckpt.info(EMBED).shape and _bytes(ckpt, HEAD) == _bytes(ckpt, EMBED)
+        if same:
+            extra = []
+            changes.append(f"dropped {HEAD}: it equals {EMBED} byte for byte, and mlx_lm's {tg.module} model ties "
+                           "its output head to the embedding")
+        else:
+            return [f"{HEAD} differs from {EMBED} but mlx_lm's {tg.module} model always ties its output head to the "
+                    "embedding, so it would compute different logits; tie the head or use another format"], []
+    bad = [f"{n}: {list(got[n])}, model wants {list(tg.params[n])}" for n in sorted(got)
+           if n in tg.params and tuple(got[n]) != tuple(tg.params[n])]
+    out = []
+    if missing:
+        out.append(f"missing {len(missing)} parameter(s) mlx_lm's {tg.module} model has: {listing(missing)}")
+    if extra:
+        out.append(f"{len(extra)} tensor(s) mlx_lm's {tg.module} model has no parameter for: {listing(extra)}")
+    if bad:
+        out.append(f"{len(bad)} shape(s) differ: {listing(bad)}")
+    return out, changes
+
+
+def _bytes(ckpt: Checkpoint, name: str) -> bytes:
+    from .quant import read_bytes, torch_bytes
+
+    info = ckpt.info(name)
+    if info.start is not None:
+        return read_bytes(info.file, info.start, info.nbytes)
+    return bytes(ckpt.read_raw(name)) if hasattr(ckpt, "read_raw") else bytes(torch_bytes(ckpt[name]))
+
+
+def _match(ckpt: Checkpoint, where: str) -> tuple[Target, list[Entry], list, list[str], list[str]]:
+    """mlx_lm's model and the first view of the input that gives exactly its parameters.
+
+    Returns:
+        (target, view entries, outputs, unused view names, changes).
+
+    Raises:
+        FFNToolsError: no view fits (what the plain input lacks or has too much, all listed).
+    """
+    tg = target(ckpt.config, where, has_head=HEAD in ckpt)
+    first = None
+    for label, entries in _views(ckpt):
+        shapes = {e.name: (tuple(e.shape), e.st_dtype) for e in entries}
+        try:
+            outputs, unused = mlx_names.map_outputs(tg.model, shapes)
+        except FFNToolsError as e:
+            first = first or [str(e)]
+            continue
+        problems, changes = _problems(tg, outputs, ckpt)
+        if not problems:
+            if label != "as it is":
+                changes.insert(0, f"FFNs {label.removeprefix('with ')} for mlx_lm's {tg.module} model "
+                                  "(byte copies, as split-gateup/fuse-gateup do)")
+            return tg, entries, outputs, unused, changes
+        first = first or problems
+    raise FFNToolsError(f"{where}: does not fit mlx_lm's {tg.module} model (mlx_lm.load would refuse it): "
+                        + "; ".join(first))
+
+
+def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
+           max_shard_size: int | None = None, quantize=None, q_bits: int | None = None,
+           q_group_size: int | None = None, q_mode: str | None = None, quant_predicate: str | None = None,
+           group_size: int | None = None, dry_run: bool = False) -> dict:
+    """Write ``ckpt`` as an MLX model directory ``out`` that ``mlx_lm.load`` opens (see the module doc).
+
+    Args:
+        dtype: cast floating tensors to float32/float16/bfloat16 (MLX's ``astype``, as mlx_lm.convert).
+        quantize: True (``-q``), or bits (the older ``--quantize 4``).
+        q_bits, q_group_size, q_mode: as mlx_lm.convert's flags (defaults per mode: affine 4 bits, group 64).
+        quant_predicate: a mixed recipe of mlx_lm (mixed_3_6, ...).
+        group_size: the older name of ``q_group_size``.
+        dry_run: plan and check only; ``plan`` in the summary lists every output tensor.
+
+    Returns:
+        Summary: output, format, model_type, mlx_model, files, tensors, bytes, dtype, quantization,
+        quantized, unquantized (weights left so), changes (human-readable lines).
+
+    Raises:
+        FFNToolsError: bad options, no config.json or no mlx_lm model for it, an input that does not fit the
+            model (listed), an existing output.
+    """
+    out = Path(out)
+    if out.suffix == ".safetensors":
+        raise FFNToolsError(f"{out}: MLX models are directories (weights, config.json, tokenizer); "
+                            "give a directory path to -o")
+    if group_size is not None and q_group_size is not None and int(group_size) != int(q_group_size):
+        raise FFNToolsError("--group-size and --q-group-size disagree; give one")
+    target_st = _dtype(dtype)
+    quant = resolve(quantize, q_bits, q_group_size if q_group_size is not None else group_size, q_mode,
+                    quant_predicate)
+    tg, view, outputs, unused, changes = _match(ckpt, str(ckpt.path))
+    config = tg.config
+    v5 = [k for k in tg.added if k != TIE_KEY]
+    if v5:
+        changes.append(f"config.json: added {', '.join(v5)} from transformers v5 keys (mlx_lm's {tg.module} ModelArgs "
+                       "reads the old names); reading the MLX model back drops them again")
+    if TIE_KEY in tg.added:
+        changes.append(f"config.json: added {TIE_KEY} {str(config[TIE_KEY]).lower()} (the source has no such key; "
+                       f"transformers ties the head exactly when the checkpoint has no {HEAD}, and mlx_lm's default "
+                       "would differ); reading the MLX model back drops it again")
+    if quant and target_st is None:  # mlx_lm.convert casts to a legacy torch_dtype before quantizing
+        legacy = config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
+        if legacy in _ST:
+            target_st = _ST[legacy]
+            changes.append(f"cast floating tensors to {legacy} (config.json torch_dtype), as mlx_lm.convert does")
+    computed = [o.name for o in outputs if o.computed]
+    if unused:
+        how = (f"dropped by mlx_lm's sanitize: {collapse(unused)}" if not computed else
+               f"not carried over by name: {collapse(unused)} (mlx_lm's sanitize drops them or computes "
+               f"{collapse(computed)} from them)")
+        changes.append(how)
+    stacked = [o for o in outputs if len(o.sources) > 1]
+    if stacked:
+        changes.append(f"stacked {sum(len(o.sources) for o in stacked)} expert tensors into {len(stacked)} "
+                       "tensors (E, out, in), as mlx_lm's sanitize does")
+    if computed:
+        changes.append(f"computed by mlx_lm's sanitize (evaluated from the input): {collapse(computed)}")
+    d = decide(tg.model, quant) if quant else None
+    chosen, block = (d.chosen, d.block) if d else ({}, None)
+    left = [f"{m}.weight" for m in d.skipped] if d else []
+
+    from .tensors import plan_outputs
+
+    entries, jobs = plan_outputs(ckpt, tg, view, outputs, target_st, chosen, d.shapes if d else {})
+    if quant:
+        n = sum(e.name.endswith(".scales") for e in entries)
+        changes.append(f"quantized {n} weights with mx.quantize: {quant.bits} bits, group size {quant.group_size} "
+                       f"({quant.mode}{', recipe ' + quant.recipe if quant.recipe else ''}); config.json gets the "
+                       "quantization block")
+        for module, params in block.items():
+            if isinstance(params, dict) and module not in ("group_size", "bits", "mode"):
+                if not quant.recipe:
+                    changes.append(f"{module}: {params}, the model's quant_predicate (as mlx_lm.convert)")
+        for why in dict.fromkeys(d.skipped.values()):
+            changes.append(f"left unquantized, as mlx_lm.convert does ({why}): "
+                           f"{collapse(m + '.weight' for m, w in d.skipped.items() if w == why)}")
+    if dtype is not None:
+        changes.append(f"floating tensors cast to {short_name(target_st)} with MLX's astype, as mlx_lm.convert "
+                       "--dtype")
+    plan = Plan(ckpt, entries, None, changes)
+    summary = {"output": str(out), "format": FORMAT, "model_type": config.get("model_type"), "mlx_model": tg.module,
+               "tensors": len(entries), "bytes": plan.total_bytes, "dtype": short_name(target_st) if target_st else None,
+               "quantization": block, "quantized": len(chosen), "unquantized": left, "changes": changes}
+    if dry_run:
+        return {**summary, "files": [], "plan": plan.describe()}
+    shard = max_shard_size or MAX_SHARD_SIZE
+    metadata = {**METADATA, **added_metadata(ckpt.config, config)}  # what reading back removes
+    items = [OutTensor(e.name, e.st_dtype, tuple(e.shape), e.nbytes, None) for e in entries]
+    extra = {"config.json": mlx_config(ckpt, config, block), "README.md": model_card(ckpt)}
+    if len(plan_shards(items, shard, metadata)) == 1:  # mlx-lm writes an index even for one shard
+        index = {"metadata": {"total_size": plan.total_bytes},
+                 "weight_map": {e.name: "model.safetensors" for e in sorted(entries, key=lambda e: e.name)}}
+        extra["model.safetensors.index.json"] = json.dumps(index, indent=4)
+    from .quant import start_pool
+
+    pool = start_pool(jobs)
+    try:
+        files = execute(plan, out, force=force, max_shard_size=shard, metadata=metadata, desc="converting to mlx",
+                        extra_files=extra)
+    finally:
+        if pool is not None:
+            pool.close()
+    return {**summary, "files": files}

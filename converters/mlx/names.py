@@ -1,0 +1,138 @@
+"""Which input tensor becomes which mlx_lm parameter: mlx_lm's own ``sanitize``, run on stand-ins.
+
+Every input tensor is stood in for by a lazy ``mx.zeros`` of its shape and dtype (never computed), and the
+model's ``sanitize`` (the function ``mlx_lm.load`` and ``mlx_lm.convert`` run on a checkpoint) maps them.
+An output that *is* one of the stand-ins is that input, renamed or not: a byte copy. Any other output was
+computed by ``sanitize``. The common computation, routed experts stacked on a new first axis, is
+recognized by name (``...experts.{e}.{proj}.weight`` -> ``...switch_mlp.{proj}.weight`` or
+``...experts.{proj}.weight``, with ``PROJECTION_ALIASES``) and shape, and written as byte copies too; every
+other computed output is evaluated by running ``sanitize`` on the real, lazily loaded tensors
+(``SanitizeRun``). Inputs without an output were dropped by ``sanitize`` (rotary buffers, a tied head, an
+MTP layer) or used for a computed output; export reports them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ffn_tools.errors import FFNToolsError
+
+# Expert projection names in checkpoints -> the names mlx_lm's switch layers may give the stack.
+PROJECTION_ALIASES: dict[str, tuple[str, ...]] = {
+    "w1": ("gate_proj",), "w3": ("up_proj",), "w2": ("down_proj",),
+    "up_proj": ("up_proj", "fc1"), "down_proj": ("down_proj", "fc2"),
+}
+_EXPERT = re.compile(r"(?P<pre>.+)\.experts\.(?P<e>\d+)\.(?P<proj>[^.]+)\.(?P<kind>weight|bias)")
+_MX = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "F64": mx.float64, "U32": mx.uint32,
+       "U8": mx.uint8, "U16": mx.uint16, "I32": mx.int32, "I64": mx.int64, "I8": mx.int8, "I16": mx.int16,
+       "U64": mx.uint64, "BOOL": mx.bool_}
+_ST = {v: k for k, v in _MX.items()}
+
+
+@dataclass(frozen=True)
+class Output:
+    """One parameter of the MLX model and where it comes from.
+
+    Attributes:
+        name, shape, dtype: the parameter (dtype as safetensors names it).
+        sources: input names: one (that tensor), E (stacked on a new first axis, in order), or none
+            (computed by ``sanitize``; see ``SanitizeRun``).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    sources: tuple[str, ...]
+
+    @property
+    def computed(self) -> bool:
+        return not self.sources
+
+
+def _stack_keys(name: str) -> list[str]:
+    m = _EXPERT.fullmatch(name)
+    if not m:
+        return []
+    pre, proj, kind = m["pre"], m["proj"], m["kind"]
+    return [f"{pre}.{box}.{alias}.{kind}" for alias in dict.fromkeys((proj, *PROJECTION_ALIASES.get(proj, ())))
+            for box in ("switch_mlp", "experts")]
+
+
+def stand_ins(shapes: Mapping[str, tuple[tuple[int, ...], str]]) -> dict[str, mx.array]:
+    """A lazy zero array per input (name -> (shape, safetensors dtype)); nothing is allocated."""
+    return {n: mx.zeros(shape, _MX.get(st, mx.uint8)) for n, (shape, st) in shapes.items()}
+
+
+def sanitize(model, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The model's ``sanitize`` on ``weights`` (a copy of the dict; models without one keep it).
+
+    Raises:
+        FFNToolsError: sanitize itself failed (a tensor it needs is missing, a shape it cannot reshape).
+    """
+    if not hasattr(model, "sanitize"):
+        return dict(weights)
+    try:
+        return model.sanitize(dict(weights))
+    except KeyError as e:
+        raise FFNToolsError(f"mlx_lm's sanitize needs {e.args[0]}, which the checkpoint lacks") from None
+    except Exception as e:  # noqa: BLE001 - mlx_lm's own failure, any type
+        raise FFNToolsError(f"mlx_lm's sanitize fails on this checkpoint ({type(e).__name__}: {e})") from None
+
+
+def map_outputs(model, shapes: Mapping[str, tuple[tuple[int, ...], str]]) -> tuple[list[Output], list[str]]:
+    """Every tensor ``sanitize`` produces from inputs of ``shapes``, and the inputs without an output of
+    their own (dropped, or used by a computed output).
+
+    Returns:
+        (outputs in sanitize's order, unused input names in input order).
+    """
+    inputs = stand_ins(shapes)
+    ident = {id(a): n for n, a in inputs.items()}
+    result = sanitize(model, inputs)
+    used = {ident[id(a)] for a in result.values() if id(a) in ident}
+    spare: dict[str, list[tuple[int, str]]] = {}
+    for n in inputs:
+        if n not in used:
+            for key in _stack_keys(n):
+                spare.setdefault(key, []).append((int(_EXPERT.fullmatch(n)["e"]), n))
+    outputs = []
+    for name, a in result.items():
+        if id(a) in ident:
+            outputs.append(Output(name, tuple(a.shape), shapes[ident[id(a)]][1], (ident[id(a)],)))
+            continue
+        members = sorted(spare.get(name, ()))
+        srcs = tuple(n for _, n in members)
+        first = shapes[srcs[0]] if srcs else None
+        if srcs and [e for e, _ in members] == list(range(len(srcs))) and tuple(a.shape) == (len(srcs), *first[0]) \
+                and all(shapes[s] == first for s in srcs) and _MX.get(first[1]) == a.dtype:
+            outputs.append(Output(name, tuple(a.shape), first[1], srcs))
+            used.update(srcs)
+        else:
+            outputs.append(Output(name, tuple(a.shape), _ST.get(a.dtype, "U8"), ()))
+    return outputs, [n for n in inputs if n not in used]
+
+
+class SanitizeRun:
+    """Outputs ``sanitize`` computes, evaluated from the real tensors.
+
+    ``load()`` gives every input as an ``mx.array`` (lazily loaded where it can be: ``mx.load`` of the
+    safetensors file reads a tensor only when it is used). Evaluated arrays keep their inputs' data, so a run
+    is started afresh after ``budget`` bytes of outputs: memory stays near that plus one output's inputs.
+    """
+
+    def __init__(self, model, load: Callable[[], dict[str, mx.array]], budget: int = 1 << 30):
+        self.model, self.load, self.budget = model, load, budget
+        self._result: dict[str, mx.array] | None = None
+        self._spent = 0
+
+    def get(self, name: str) -> mx.array:
+        if self._result is None or self._spent > self.budget:
+            self._result, self._spent = sanitize(self.model, self.load()), 0
+        a = self._result.pop(name)
+        mx.eval(a)
+        self._spent += a.nbytes
+        return a
