@@ -44,12 +44,15 @@ class Counts:
         return (self.dense, self.expert, self.shared)
 
 
-def tiny_config(model_type: str):
+def tiny_config(model_type: str, keep: tuple[str, ...] = (), extra: dict | None = None):
+    """The config of ``model_type`` with the TINY sizes it has (``keep``: TINY keys left at the type's default;
+    ``extra``: more settings)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
     defaults = cls().to_dict()
-    kw = {k: v for k, v in TINY.items() if k in defaults}
+    kw = {k: v for k, v in {**{k: v for k, v in TINY.items() if k not in keep}, **(extra or {})}.items()
+          if k in defaults}
     n = defaults.get("num_hidden_layers")
     for k, v in defaults.items():  # per-layer lists: one layer of each kind, the first kinds first
         if isinstance(v, list) and n and len(v) == n and k not in kw:
@@ -123,11 +126,11 @@ def module_tree_counts(model) -> Counts:
     return counts
 
 
-def meta_model(model_type: str):
-    """(config, model on the meta device) of the tiny ``model_type``."""
+def meta_model(model_type: str, keep: tuple[str, ...] = (), extra: dict | None = None):
+    """(config, model on the meta device) of the tiny ``model_type`` (``keep``, ``extra``: as ``tiny_config``)."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(model_type)
+    config = tiny_config(model_type, keep, extra)
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(config)
@@ -144,12 +147,12 @@ def logits(model):
         return None
 
 
-def build(model_type: str, path: Path, seed: int = 0):
+def build(model_type: str, path: Path, seed: int = 0, keep: tuple[str, ...] = (), extra: dict | None = None):
     """Save the tiny ``model_type`` with random, perturbed weights (norms and biases too) into ``path``;
-    returns the model (in eval mode)."""
+    returns the model (in eval mode). ``keep``, ``extra``: as ``tiny_config``."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(model_type)
+    config = tiny_config(model_type, keep, extra)
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

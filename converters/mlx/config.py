@@ -13,14 +13,19 @@ import json
 
 ADDED_KEYS = "ffn_tools_added_config_keys"
 NULLED_KEYS = "ffn_tools_null_config_keys"
+SOURCE_TYPE = "ffn_tools_source_model_type"  # the model_type the source had where mlx_lm loads another
 
 
 def added_metadata(source: dict, config: dict) -> dict[str, str]:
     """The safetensors metadata recording what export added to ``source`` to make ``config``: keys the
-    source lacked, and keys it had as null that were filled in; empty when nothing was."""
+    source lacked, keys it had as null that were filled in, its model_type if mlx_lm needed another; empty
+    when nothing was."""
     added = sorted(k for k in config if k not in source)
     nulled = sorted(k for k in config if k in source and source[k] is None and config[k] is not None)
-    return {k: ",".join(v) for k, v in ((ADDED_KEYS, added), (NULLED_KEYS, nulled)) if v}
+    out = {k: ",".join(v) for k, v in ((ADDED_KEYS, added), (NULLED_KEYS, nulled)) if v}
+    if source.get("model_type") != config.get("model_type") and isinstance(source.get("model_type"), str):
+        out[SOURCE_TYPE] = source["model_type"]
+    return out
 
 
 def restore_source_config(config: dict, metadata: dict) -> dict:
@@ -31,6 +36,8 @@ def restore_source_config(config: dict, metadata: dict) -> dict:
     for k in filter(None, metadata.get(NULLED_KEYS, "").split(",")):
         if k in out:
             out[k] = None
+    if metadata.get(SOURCE_TYPE):
+        out["model_type"] = metadata[SOURCE_TYPE]
     return out
 
 

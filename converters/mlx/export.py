@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import partial
 from pathlib import Path
 
 from ffn_tools.dtypes import DTYPE_CHOICES, USER_DTYPES, short_name
@@ -29,8 +30,8 @@ from ffn_tools.writer import OutTensor, plan_shards
 from . import names as mlx_names
 from .card import model_card
 from .config import added_metadata, mlx_config
-from .models import TIE_KEY, Target, target
-from .recipe import Quant, decide, resolve
+from .models import TIE_KEY, Target, parameters, target
+from .recipe import decide, resolve
 
 FORMAT = "mlx"
 MAX_SHARD_SIZE = 5 << 30  # mlx_lm's save_model shards at 5 GiB
@@ -69,7 +70,9 @@ def _views(ckpt: Checkpoint):
         ffns = find_ffns(ckpt)
     except FFNToolsError:
         return
-    for label, fn in (("with gate_up split", plan_split), ("with gate/up fused", plan_fuse)):
+    stacked = partial(plan_fuse, stack_experts=True)
+    for label, fn in (("with gate_up split", plan_split), ("with gate/up fused", plan_fuse),
+                      ("with gate/up fused and experts stacked", stacked)):
         try:
             yield label, fn(ckpt, ffns).entries
         except NothingToDoError:
@@ -78,8 +81,8 @@ def _views(ckpt: Checkpoint):
             continue
 
 
-def _problems(tg: Target, outputs, ckpt: Checkpoint) -> tuple[list[str], list[str]]:
-    """(what does not match the model's parameters, changes) for one view's outputs."""
+def _problems(tg: Target, outputs, ckpt: Checkpoint) -> tuple[list[str], list[str], int]:
+    """(what does not match the model's parameters, changes, how many tensors that is) for one view's outputs."""
     got = {o.name: o.shape for o in outputs}
     missing = sorted(set(tg.params) - set(got))
     extra = sorted(set(got) - set(tg.params))
@@ -92,7 +95,7 @@ def _problems(tg: Target, outputs, ckpt: Checkpoint) -> tuple[list[str], list[st
                            "its output head to the embedding")
         else:
             return [f"{HEAD} differs from {EMBED} but mlx_lm's {tg.module} model always ties its output head to the "
-                    "embedding, so it would compute different logits; tie the head or use another format"], []
+                    "embedding, so it would compute different logits; tie the head or use another format"], [], 1
     bad = [f"{n}: {list(got[n])}, model wants {list(tg.params[n])}" for n in sorted(got)
            if n in tg.params and tuple(got[n]) != tuple(tg.params[n])]
     out = []
@@ -102,7 +105,7 @@ def _problems(tg: Target, outputs, ckpt: Checkpoint) -> tuple[list[str], list[st
         out.append(f"{len(extra)} tensor(s) mlx_lm's {tg.module} model has no parameter for: {listing(extra)}")
     if bad:
         out.append(f"{len(bad)} shape(s) differ: {listing(bad)}")
-    return out, changes
+    return out, changes, len(missing) + len(extra) + len(bad)
 
 
 def _bytes(ckpt: Checkpoint, name: str) -> bytes:
@@ -115,7 +118,8 @@ def _bytes(ckpt: Checkpoint, name: str) -> bytes:
 
 
 def _match(ckpt: Checkpoint, where: str) -> tuple[Target, list[Entry], list, list[str], list[str]]:
-    """mlx_lm's model and the first view of the input that gives exactly its parameters.
+    """mlx_lm's model and the first view of the input that gives exactly its parameters (else the problems
+    of the view closest to them).
 
     Returns:
         (target, view entries, outputs, unused view names, changes).
@@ -124,23 +128,25 @@ def _match(ckpt: Checkpoint, where: str) -> tuple[Target, list[Entry], list, lis
         FFNToolsError: no view fits (what the plain input lacks or has too much, all listed).
     """
     tg = target(ckpt.config, where, has_head=HEAD in ckpt)
-    first = None
+    closest = (float("inf"), [])
     for label, entries in _views(ckpt):
         shapes = {e.name: (tuple(e.shape), e.st_dtype) for e in entries}
+        tg.model = tg.fresh()
         try:
             outputs, unused = mlx_names.map_outputs(tg.model, shapes)
         except FFNToolsError as e:
-            first = first or [str(e)]
+            closest = min(closest, (float("inf") if closest[1] else 10**9, [str(e)]))
             continue
-        problems, changes = _problems(tg, outputs, ckpt)
+        tg.params = parameters(tg.model)  # sanitize may change the model (Gemma 3 drops its unused lm_head)
+        problems, changes, n = _problems(tg, outputs, ckpt)
         if not problems:
             if label != "as it is":
                 changes.insert(0, f"FFNs {label.removeprefix('with ')} for mlx_lm's {tg.module} model "
                                   "(byte copies, as split-gateup/fuse-gateup do)")
             return tg, entries, outputs, unused, changes
-        first = first or problems
+        closest = min(closest, (n, problems))
     raise FFNToolsError(f"{where}: does not fit mlx_lm's {tg.module} model (mlx_lm.load would refuse it): "
-                        + "; ".join(first))
+                        + "; ".join(closest[1]))
 
 
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
@@ -176,6 +182,9 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
                     quant_predicate)
     tg, view, outputs, unused, changes = _match(ckpt, str(ckpt.path))
     config = tg.config
+    if tg.renamed:
+        changes.append(f"config.json: model_type {config['model_type']} (was {tg.renamed}): mlx_lm has no "
+                       f"{tg.renamed} model and loads this one as {config['model_type']}; reading back restores it")
     v5 = [k for k in tg.added if k != TIE_KEY]
     if v5:
         changes.append(f"config.json: added {', '.join(v5)} from transformers v5 keys (mlx_lm's {tg.module} ModelArgs "

@@ -71,6 +71,14 @@ def _import_model_module(name: str) -> types.ModuleType | None:
     """
     if not (_mlx_lm_dir() / "models" / f"{name}.py").is_file():
         return None
+    try:
+        return _import(name)
+    except (ImportError, SystemExit) as e:  # a model module needing a package that is not installed
+        raise FFNToolsError(f"mlx_lm's {name} model cannot be imported here ({type(e).__name__}: {e}); "
+                            "mlx_lm.load could not run it either") from None
+
+
+def _import(name: str) -> types.ModuleType:
     if "mlx_lm" in sys.modules and not getattr(sys.modules["mlx_lm"], "_ffn_tools_stand_in", False):
         return importlib.import_module(f"mlx_lm.models.{name}")
     before = set(sys.modules)
@@ -101,6 +109,16 @@ def module_name(config: dict) -> str | None:
     return None
 
 
+def loadable_type(config: dict) -> str:
+    """The model_type mlx_lm.load resolves to the module ``module_name`` found: the config's own, or without
+    ``_text`` (mlx_lm has no module for transformers' text-only ``qwen3_5_text``, but loads ``qwen3_5``)."""
+    remap, _ = remappings()
+    model_type = config["model_type"]
+    if (_mlx_lm_dir() / "models" / f"{remap.get(model_type, model_type)}.py").is_file():
+        return model_type
+    return model_type.removesuffix("_text")
+
+
 def _lookup(config: dict, path: str):
     node = config
     for part in path.split("."):
@@ -120,13 +138,35 @@ def complete_config(config: dict, fields) -> tuple[dict, list[str]]:
             if value is not None:
                 config[key] = value
                 added.append(key)
+    types_ = config.get("layer_types")
+    for key, full in (("sliding_window_pattern", "full_attention"), ("full_attention_interval", "full_attention")):
+        if key in fields and key not in config and (period := _period(types_, full)) is not None:
+            config[key] = period  # transformers v5 spells the v4 period out as layer_types
+            added.append(key)
+    if "head_dim" in fields and config.get("head_dim") is None and isinstance(config.get("hidden_size"), int) \
+            and isinstance(config.get("num_attention_heads"), int) and config["num_attention_heads"] > 0:
+        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]  # transformers' own default
+        added.append("head_dim")
     rope = config.get("rope_parameters")
-    if "rope_scaling" in fields and config.get("rope_scaling") is None and isinstance(rope, dict) \
-            and rope.get("rope_type", "default") != "default":
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        config["rope_scaling"] = {"type": scaling["rope_type"], **scaling}
-        added.append("rope_scaling")
+    if "rope_scaling" in fields and config.get("rope_scaling") is None:
+        if isinstance(rope, dict) and rope.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+            config["rope_scaling"] = {"type": scaling["rope_type"], **scaling}
+            added.append("rope_scaling")
+        elif "rope_scaling" not in config and fields["rope_scaling"] is dataclasses.MISSING:
+            config["rope_scaling"] = None  # required by the ModelArgs, and none is what the source means
+            added.append("rope_scaling")
     return config, added
+
+
+def _period(layer_types, kind: str) -> int | None:
+    """p when ``layer_types`` repeats p-1 other layers then one ``kind`` layer (as v4's pattern/interval keys
+    said), else None."""
+    if not isinstance(layer_types, list) or kind not in layer_types:
+        return None
+    p = layer_types.index(kind) + 1
+    ok = all((t == kind) == ((i + 1) % p == 0) for i, t in enumerate(layer_types))
+    return p if ok else None
 
 
 @dataclass
@@ -139,6 +179,7 @@ class Target:
         config: the config it was built from (the source's, completed).
         added: config keys added to the source's (``complete_config``, ``tie_word_embeddings``).
         params: parameter name -> shape, as ``mlx_lm.load`` demands them.
+        build: makes a new lazy model; renamed: the source's model_type when config has mlx_lm's instead.
     """
 
     module: str
@@ -146,13 +187,25 @@ class Target:
     config: dict
     added: list[str]
     params: dict[str, tuple[int, ...]]
+    build: object = None  # () -> a new lazy model: sanitize may change a model, so each run gets its own
+    renamed: str | None = None  # the source's model_type where mlx_lm needs another (see ``loadable_type``)
+
+    def fresh(self):
+        return self.build()
 
 
-def _fields(args_cls) -> dict[str, object]:
-    """ModelArgs field -> default (``dataclasses.MISSING`` when required)."""
+def _fields(mod) -> dict[str, object]:
+    """ModelArgs field -> default (``dataclasses.MISSING`` when required); a composite model's text arguments
+    too (Qwen 3.5's ``TextModelArgs``, built from the same config when it has no ``text_config``), from the
+    module and those of the model class's bases (Qwen 3.5 MoE's model is Qwen 3.5's)."""
     out = {}
-    for f in dataclasses.fields(args_cls):
-        out[f.name] = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+    spaces = [vars(mod)] + [c.__init__.__globals__ for c in mod.Model.__mro__[1:]
+                            if c.__module__.startswith("mlx_lm.") and hasattr(c.__init__, "__globals__")]
+    classes = [c for space in spaces for c in space.values() if isinstance(c, type) and dataclasses.is_dataclass(c)
+               and c.__name__.endswith("ModelArgs")]
+    for cls in sorted(classes, key=lambda c: c is not mod.ModelArgs):
+        for f in dataclasses.fields(cls):
+            out.setdefault(f.name, f.default if f.default_factory is dataclasses.MISSING else f.default_factory())
     return out
 
 
@@ -178,26 +231,45 @@ def target(config: dict | None, where: str, has_head: bool | None = None) -> Tar
                             f"{config['model_type']!r} (no mlx_lm/models/{config['model_type']}.py), so "
                             "mlx_lm.load could not run the export; convert to torch or flax instead")
     mod = _import_model_module(name)
-    fields = _fields(mod.ModelArgs)
+    fields = _fields(mod)
     config, added = complete_config(config, fields)
+    renamed = None
+    if loadable_type(config) != config["model_type"]:
+        renamed, config["model_type"] = config["model_type"], loadable_type(config)
     default = fields.get(TIE_KEY)
     if TIE_KEY not in config and has_head is not None and TIE_KEY in fields and \
             (default is dataclasses.MISSING or bool(default) != (not has_head)):
         config[TIE_KEY] = not has_head
         added.append(TIE_KEY)
-    missing = sorted(k for k, v in fields.items() if v is dataclasses.MISSING and k not in config)
-    if missing:
-        raise FFNToolsError(f"{where}: config.json lacks {', '.join(missing)}, which mlx_lm's {name} model "
-                            "requires (ModelArgs); add them to config.json")
     try:
-        model = mod.Model(mod.ModelArgs.from_dict(config))
+        args = mod.ModelArgs.from_dict(config)
+    except TypeError as e:
+        own = {f.name: f for f in dataclasses.fields(mod.ModelArgs)}
+        missing = sorted(k for k, f in own.items() if f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING and k not in config)
+        if missing:
+            raise FFNToolsError(f"{where}: config.json lacks {', '.join(missing)}, which mlx_lm's {name} model "
+                                "requires (its ModelArgs); mlx_lm.load would fail the same way") from None
+        raise FFNToolsError(f"{where}: mlx_lm's {name} ModelArgs rejects this config.json ({e})") from None
+    try:
+        model = mod.Model(args)
+        model.eval()
     except Exception as e:  # noqa: BLE001 - mlx_lm's own failure on this config, any type
         raise FFNToolsError(f"{where}: mlx_lm's {name} model cannot be built from this config.json "
                             f"({type(e).__name__}: {e}); mlx_lm.load would fail the same way") from None
+    def build():
+        m = mod.Model(mod.ModelArgs.from_dict(config))
+        m.eval()
+        return m
+
+    return Target(name, model, config, added, parameters(model), build, renamed)
+
+
+def parameters(model) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of an mlx model (sanitize may change the model: read it after)."""
     from mlx.utils import tree_flatten
 
-    params = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
-    return Target(name, model, config, added, params)
+    return {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
 
 
 def _version() -> str:

@@ -124,14 +124,15 @@ class SanitizeRun:
     is started afresh after ``budget`` bytes of outputs: memory stays near that plus one output's inputs.
     """
 
-    def __init__(self, model, load: Callable[[], dict[str, mx.array]], budget: int = 1 << 30):
-        self.model, self.load, self.budget = model, load, budget
+    def __init__(self, models: Callable[[], object], load: Callable[[], dict[str, mx.array]], budget: int = 1 << 30):
+        """``models`` gives a new model per run (sanitize may change the model it runs on)."""
+        self.models, self.load, self.budget = models, load, budget
         self._result: dict[str, mx.array] | None = None
         self._spent = 0
 
     def get(self, name: str) -> mx.array:
         if self._result is None or self._spent > self.budget:
-            self._result, self._spent = sanitize(self.model, self.load()), 0
+            self._result, self._spent = sanitize(self.models(), self.load()), 0
         a = self._result.pop(name)
         mx.eval(a)
         self._spent += a.nbytes

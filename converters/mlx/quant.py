@@ -188,7 +188,8 @@ def part_specs(shape: tuple[int, ...], dtype: str, group_size: int, bits: int, m
 
 
 def from_mx(a: mx.array) -> RawTensor:
-    """An evaluated mx array's bytes as a ``RawTensor``."""
+    """An mx array's bytes (evaluated, made row-contiguous) as a ``RawTensor``."""
+    a = mx.contiguous(a)
     mx.eval(a)
     raw = RawTensor(_ST[a.dtype], a.shape)
     if raw:

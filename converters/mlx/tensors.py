@@ -105,7 +105,7 @@ def plan_outputs(ckpt, tg, view: list[Entry], outputs: list[Output], cast: str |
 
     def run() -> SanitizeRun:
         if "run" not in state:
-            state["run"] = SanitizeRun(tg.model, lambda: load_inputs(ckpt, view))
+            state["run"] = SanitizeRun(tg.fresh, lambda: load_inputs(ckpt, view))
         return state["run"]
 
     cast_ok = getattr(tg.model, "cast_predicate", lambda _: True)

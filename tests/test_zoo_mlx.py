@@ -1,0 +1,169 @@
+"""MLX export of transformers' zoo: every gated causal-LM type mlx_lm has a model for, built tiny.
+
+Each type is built with its own attention/MLP bias and head-tying defaults (the zoo's TINY forces biases on
+and heads untied, which mlx_lm's models, written for the real checkpoints, do not all have). For each:
+``convert --to mlx`` succeeds, ``mlx_lm.load`` opens the output, its logits match transformers' within fp32
+tolerance, and ``mlx_lm.convert`` of the same checkpoint (given the config keys the export added, which
+mlx_lm cannot do without on transformers v5 configs) writes bit-identical tensors, plain and with ``-q``.
+Exceptions are listed with their reason and checked, so a fix shows up as a failure here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_identical, tensors
+from test_mlx import write_tokenizer
+from test_zoo import BUDGET, TOO_BIG, UNBUILDABLE
+
+import zoo
+from ffn_tools.converters import convert
+from ffn_tools.errors import FFNToolsError
+
+mx = pytest.importorskip("mlx.core")
+mlx_lm = pytest.importorskip("mlx_lm")
+models = pytest.importorskip("ffn_tools.converters.mlx.models")
+
+KEEP = ("attention_bias", "mlp_bias", "tie_word_embeddings")
+# Settings a type needs at this size, or that its real checkpoints have and transformers' defaults lack.
+EXTRA = {
+    "deepseek_v3": {"n_group": 1, "topk_group": 1},  # 4 experts cannot form the default 8 groups
+    "deepseek_v32": {"n_group": 1, "topk_group": 1},
+    "ernie4_5_moe": {"moe_k": 2},  # the default top-6 of 4 experts
+    "phimoe": {"attention_bias": True, "lm_head_bias": True},  # as Phi-3.5-MoE (mlx_lm's phimoe has both)
+    "recurrent_gemma": {"num_hidden_layers": 3, "num_key_value_heads": 1},  # its first attention layer is the
+    # third; mlx_lm's has one key/value head, as RecurrentGemma-2B
+}
+_V4 = "mlx_lm 0.32's {} reads a transformers v4 config; 5.24's lacks or renamed {}"
+# model_type -> why ffn-tools refuses to export it (asserted: it refuses in one line, and mlx_lm.convert fails).
+REFUSED = {
+    "bailing_hybrid": _V4.format("bailing_hybrid", "n_group, group_norm_size, ..."),
+    "bitnet": "mlx_lm's bitnet loads packed ternary weights with weight_scale; transformers saves them unpacked",
+    "deepseek_v2": "mlx_lm's deepseek_v2 needs a rope_scaling dict; transformers 5.24 writes none",
+    "exaone4": "mlx_lm's exaone4 wants sliding_window_pattern as a string; transformers 5.24 writes a number",
+    "exaone_moe": _V4.format("exaone_moe", "is_moe_layer"),
+    "gemma4_unified_text": "mlx_lm maps gemma4_unified to its multimodal gemma4, which wants language_model.* names",
+    "glm_moe_dsa": _V4.format("glm_moe_dsa", "moe_layer_freq, scoring_func, topk_method"),
+    "gpt_oss": "mlx_lm's gpt_oss sanitize reads OpenAI's layout (gate_up_proj (E, 2I, H), MXFP4 _blocks); "
+               "transformers saves (E, H, 2I) without .weight",
+    "granitemoehybrid": "mlx_lm's granitemoehybrid does not know transformers 5.24's linear_attention layers",
+    "jamba": "mlx_lm's jamba reads layers_block_type; transformers 5.24 writes layer_types",
+    "kimi_linear": _V4.format("kimi_linear", "linear_attn_config"),
+    "lfm2": _V4.format("lfm2", "block_dim"),
+    "llama4_text": "mlx_lm's llama4_text is dense: no routed experts",
+    "mimo_v2_flash": _V4.format("mimo_v2_flash", "hybrid_layer_pattern and 15 more"),
+    "minicpm3": "mlx_lm's minicpm3 needs a rope_scaling dict; transformers 5.24 writes none",
+    "minimax": _V4.format("minimax", "rotary_dim, shared_intermediate_size"),
+    "minimax_m2": _V4.format("minimax", "rotary_dim, shared_intermediate_size"),
+    "minimax_m3_vl_text": "mlx_lm's minimax_m3_vl is the multimodal model and wants text_config",
+    "olmo": "mlx_lm's olmo imports ai2-olmo (hf_olmo), which is not installed",
+    "olmo_hybrid": "mlx_lm's olmo_hybrid wants input_layernorm; transformers 5.24 saves attention_layer_norm",
+    "qwen2_moe": "the zoo's mlp_only_layers=[0] (a dense layer 0): mlx_lm's qwen2_moe has experts in every layer",
+    "solar_open": _V4.format("solar_open", "first_k_dense_replace, intermediate_size"),
+}
+# model_type -> why mlx_lm.convert cannot read the transformers checkpoint that ffn-tools exports (asserted: it
+# still fails); its reference is mlx_lm.convert of `ffn-tools fuse-gateup --stack-experts`' output instead.
+STACKED_REFERENCE = {
+    "qwen3_5_moe_text": "mlx_lm's qwen3_5_moe sanitize stacks only experts.gate_up_proj (E, 2I, H); transformers "
+                        "5.24 saves per-expert gate/up/down, which ffn-tools stacks in the export plan",
+}
+# model_type -> why mlx_lm's own forward differs from transformers' (asserted: it still differs).
+OTHER_LOGITS = {
+    "glm": "mlx_lm's glm ropes the whole head; transformers' GlmConfig ropes half (partial_rotary_factor 0.5)",
+    "ernie4_5_moe": "mlx_lm routes some tokens to other experts than transformers (3 of 16 tokens differ by 0.05; "
+                    "the rest agree to 2e-7)",
+}
+
+
+def _candidates() -> list[str]:
+    out = []
+    for t in zoo.causal_lm_types():
+        if t in UNBUILDABLE or t in TOO_BIG:
+            continue
+        if models.module_name({"model_type": t}) is not None:
+            out.append(t)
+    return out
+
+
+def _built(request, model_type: str):
+    """(path, logits) of the tiny model, kept in the pytest cache per transformers version and recipe."""
+    import transformers
+
+    cache = getattr(request.config, "cache", None)
+    recipe = hashlib.sha256(Path(zoo.__file__).read_bytes() + repr((KEEP, EXTRA)).encode()).hexdigest()[:12]
+    tag = f"zoo-mlx-{transformers.__version__}-{recipe}"
+    root = cache.mkdir(tag) if cache else request.getfixturevalue("tmp_path_factory").mktemp(tag)
+    path, marker = root / model_type, root / f"{model_type}.logits.pt"
+    if not marker.exists():
+        shutil.rmtree(path, ignore_errors=True)
+        _, meta = zoo.meta_model(model_type, KEEP, EXTRA.get(model_type))
+        small = sum(p.numel() for p in meta.parameters()) <= BUDGET
+        gated = zoo.module_tree_counts(meta).as_tuple() != (0, 0, 0)
+        logits = None
+        if small and gated:
+            model = zoo.build(model_type, path, keep=KEEP, extra=EXTRA.get(model_type))
+            write_tokenizer(path, json.loads((path / "config.json").read_text()).get("vocab_size") or 160)
+            logits = zoo.logits(model)
+        torch.save({"logits": logits, "tested": small and gated}, marker)
+    return path, torch.load(marker, weights_only=True)
+
+
+def _mlx_logits(path: Path):
+    model, _ = mlx_lm.load(str(path))
+    out = model(mx.array(zoo.TOKENS.numpy()))
+    return torch.from_numpy(__import__("numpy").array(out.astype(mx.float32)))
+
+
+def _reference(src: Path, exported: Path, dst: Path, **kw) -> None:
+    """mlx_lm.convert of ``src`` given the config export wrote (the keys it added; no quantization block)."""
+    ref_src = dst.parent / f"{dst.name}-src"
+    shutil.copytree(src, ref_src)
+    cfg = json.loads((exported / "config.json").read_text())
+    for k in ("quantization", "quantization_config"):
+        cfg.pop(k, None)
+    (ref_src / "config.json").write_text(json.dumps(cfg))
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mlx_lm.convert(str(ref_src), str(dst), **kw)
+
+
+@pytest.mark.parametrize("model_type", _candidates())
+def test_zoo_mlx(model_type, tmp_path, request):
+    src, built = _built(request, model_type)
+    if not built["tested"]:
+        pytest.skip("not gated, or not tiny (test_zoo covers it)")
+    out = tmp_path / "mlx"
+    if model_type in REFUSED:
+        with pytest.raises(FFNToolsError) as e:
+            convert(src, "mlx", out)
+        assert "\n" not in str(e.value) and not out.exists()
+        with pytest.raises(BaseException), contextlib.redirect_stdout(io.StringIO()):
+            mlx_lm.convert(str(src), str(tmp_path / "theirs"))  # mlx_lm cannot either
+        return
+    convert(src, "mlx", out)
+    got, want = _mlx_logits(out), built["logits"]
+    if want is not None:
+        close = (got - want).abs().max().item() <= 1e-3 * max(1.0, want.abs().max().item())
+        assert close != (model_type in OTHER_LOGITS), model_type
+    quant = tmp_path / "mlx-q"
+    convert(src, "mlx", quant, quantize=True)
+    if model_type in STACKED_REFERENCE:
+        with pytest.raises(ValueError, match="parameters not in model"):
+            _reference(src, out, tmp_path / "theirs")
+        from ffn_tools.gateup import fuse_gateup
+
+        fuse_gateup(src, tmp_path / "stacked", stack_experts=True)
+        src = tmp_path / "stacked"
+    _reference(src, out, tmp_path / "ref")
+    assert_identical(tensors(out), tensors(tmp_path / "ref"))
+    _reference(src, out, tmp_path / "ref-q", quantize=True)
+    assert_identical(tensors(quant), tensors(tmp_path / "ref-q"))
+    assert json.loads((quant / "config.json").read_text()) == json.loads((tmp_path / "ref-q" / "config.json").read_text())
