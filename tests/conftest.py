@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -15,6 +17,7 @@ if not torch.cuda.is_available():  # Triton runs through its interpreter; must b
 sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny_models  # noqa: E402
+from helpers import write_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +33,26 @@ def model_dir(tmp_path_factory):
         if key not in cache:
             tag = "-".join([arch, str(dtype).removeprefix("torch."), *(f"{k}{v}" for k, v in sorted(kwargs.items()))])
             cache[key] = tiny_models.build(arch, tmp_path_factory.mktemp(tag) / "model", dtype, **kwargs)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf(model_dir, tmp_path_factory):
+    """``hf(arch, dtype, **config) -> Path``: a tiny transformers checkpoint plus a tokenizer (cached)."""
+    cache: dict = {}
+
+    def get(arch: str, dtype: torch.dtype = torch.float32, **config) -> Path:
+        key = (arch, dtype, tuple(sorted(config.items())))
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"hf-{arch}") / "model"
+            shutil.copytree(model_dir(arch, dtype), path)
+            write_tokenizer(path)
+            if config:
+                cfg = json.loads((path / "config.json").read_text())
+                (path / "config.json").write_text(json.dumps({**cfg, **config}, indent=2))
+            cache[key] = path
         return cache[key]
 
     return get

@@ -68,3 +68,18 @@ def plant(src: Path, dst: Path, edit=None, config=None) -> Path:
         config(cfg)
         (dst / "config.json").write_text(json.dumps(cfg))
     return dst
+
+
+def write_tokenizer(path: Path, vocab_size: int | None = None) -> None:
+    """A real word-level tokenizer: mlx_lm.load and mlx_lm.convert load one, and there is no hub here."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    import tiny_models
+
+    vocab_size = vocab_size or tiny_models.COMMON["vocab_size"]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            unk_token="<unk>").save_pretrained(path)

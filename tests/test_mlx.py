@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_identical, raw, run_cli, tensors, tree_digest
+from helpers import assert_identical, raw, run_cli, tensors, tree_digest, write_tokenizer
 
 import tiny_models
 from ffn_tools.converters import convert, detect_format, open_any
@@ -27,38 +27,6 @@ TOKENS = torch.arange(3, 19).reshape(2, 8)
 V4_KEYS = {*pytest.importorskip("ffn_tools.converters.mlx.models").ALIASES, "rope_scaling"}
 # mlx_lm cannot read transformers v5's Qwen3-MoE config; its reference conversion gets the v4 keys.
 QWEN3_MOE_V4 = {"num_experts": 4, "rope_theta": 10000.0}
-
-
-def write_tokenizer(path: Path, vocab_size: int = tiny_models.COMMON["vocab_size"]) -> None:
-    """A real word-level tokenizer: mlx_lm.load and mlx_lm.convert load one, and there is no hub here."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, vocab_size)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                            unk_token="<unk>").save_pretrained(path)
-
-
-@pytest.fixture(scope="session")
-def hf(model_dir, tmp_path_factory):
-    """``hf(arch, dtype, **config) -> Path``: a tiny transformers checkpoint plus a tokenizer (cached)."""
-    cache: dict = {}
-
-    def get(arch: str, dtype: torch.dtype = torch.float32, **config) -> Path:
-        key = (arch, dtype, tuple(sorted(config.items())))
-        if key not in cache:
-            path = tmp_path_factory.mktemp(f"hf-{arch}") / "model"
-            shutil.copytree(model_dir(arch, dtype), path)
-            write_tokenizer(path)
-            if config:
-                cfg = json.loads((path / "config.json").read_text())
-                (path / "config.json").write_text(json.dumps({**cfg, **config}, indent=2))
-            cache[key] = path
-        return cache[key]
-
-    return get
 
 
 @pytest.fixture(scope="session")

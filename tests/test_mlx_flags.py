@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from helpers import assert_identical, run_cli, tensors
-from test_mlx import _copy, assert_nothing_written, config, hf, mlx_ref, write_tokenizer  # noqa: F401 - fixtures
+from test_mlx import _copy, assert_nothing_written, config
 
 from ffn_tools.converters import convert
 from ffn_tools.errors import FFNToolsError

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_identical, tensors
-from test_mlx import write_tokenizer
+from helpers import assert_identical, tensors, write_tokenizer
 from test_zoo import BUDGET, TOO_BIG, UNBUILDABLE
 
 import zoo
