@@ -53,8 +53,8 @@ def main() -> None:
         run("split-gateup", str(work / "phi3"), "-o", str(work / "phi3-split"))
         run("fuse-gateup", str(work / "phi3-split"), "-o", str(work / "phi3-fused"))
         run("extract", str(work / "phi3"), "-o", str(work / "phi3-ffn"), "--layers", "1")
-        run("convert", str(work / "phi3"), "--to", "mlx", "-o", str(work / "phi3-mlx-q4"), "--quantize", "4",
-            "--group-size", "32")
+        run("convert", "--hf-path", str(work / "phi3"), "--mlx-path", str(work / "phi3-mlx-q4"), "-q", "--q-bits", "4",
+            "--q-group-size", "32")
         run("convert", str(work / "phi3-split"), "--to", "flax", "-o", str(work / "phi3-flax"))
         print("\nThe split Phi-3 keeps Phi-3's config.json: its FFN weights are exact, but transformers would load it "
               "with fresh FFNs, and verify says so (it is a form for MLX- or llama.cpp-style consumers).")
