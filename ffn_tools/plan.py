@@ -47,6 +47,8 @@ class Entry:
         pieces: (input position, byte offset in that input, nbytes) runs whose concatenation is the
             output's bytes, or None when the output is not such a rearrangement.
         note: how it is made, for --dry-run ("rows 0:96 of X").
+        reads: input bytes it consumes, for progress (None: its own size; a quantized weight reads more
+            than it writes, its scales nothing).
     """
 
     name: str
@@ -56,6 +58,7 @@ class Entry:
     compute: Callable[[list], Any]  # list[torch.Tensor] -> torch.Tensor
     pieces: tuple[tuple[int, int, int], ...] | None
     note: str
+    reads: int | None = None
 
     @property
     def st_dtype(self) -> str:
@@ -102,6 +105,11 @@ class Plan:
     def total_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
+    @property
+    def read_bytes(self) -> int:
+        """Input bytes the plan consumes: what progress counts."""
+        return sum(e.nbytes if e.reads is None else e.reads for e in self.entries)
+
 
 def _out_tensor(e: Entry, ckpt: Checkpoint, cache: dict) -> OutTensor:
     infos = [ckpt.info(n) for n in e.inputs]
@@ -122,7 +130,7 @@ def _out_tensor(e: Entry, ckpt: Checkpoint, cache: dict) -> OutTensor:
     if e.pieces and all(i.start is not None for i in infos):
         k, off, _ = e.pieces[0]
         start = infos[k].start + off
-    return OutTensor(e.name, e.st_dtype, tuple(e.shape), e.nbytes, produce, start)
+    return OutTensor(e.name, e.st_dtype, tuple(e.shape), e.nbytes, produce, start, e.reads)
 
 
 def side_files(ckpt: Checkpoint) -> list[Path]:
@@ -164,7 +172,7 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
     meta.setdefault("format", "pt")
     cache: dict = {}
     items = [_out_tensor(e, ckpt, cache) for e in plan.entries]
-    progress = Progress(plan.total_bytes, desc)
+    progress = Progress(plan.read_bytes, desc)
     inputs = [ckpt.path, *ckpt.files]
     try:
         with atomic_output(out, inputs=inputs, force=force, nbytes=plan.total_bytes) as tmp:

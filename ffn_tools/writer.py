@@ -42,6 +42,11 @@ class OutTensor:
     nbytes: int
     produce: Callable[[], Payload]
     source_start: int | None = None  # where its bytes begin in their input file, when they are a copy
+    reads: int | None = None  # input bytes it consumes, for progress (None: its own size, as for a copy)
+
+    @property
+    def progress_bytes(self) -> int:
+        return self.nbytes if self.reads is None else self.reads
 
 
 def plan_shards(items: Sequence[OutTensor], max_shard_size: int | None, metadata: dict | None) -> list[list[OutTensor]]:
@@ -102,7 +107,7 @@ def write_file(path: Path, items: Sequence[OutTensor], metadata: dict | None, pr
                     _flush(f, pending, sources, progress)
                     written = _emit(f, payload)
                     if progress:
-                        progress.update(written)
+                        progress.update(t.progress_bytes)
                 if written != t.nbytes:
                     raise RuntimeError(f"internal error: {t.name} produced {written} bytes, expected {t.nbytes}")
             _flush(f, pending, sources, progress)

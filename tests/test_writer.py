@@ -119,3 +119,32 @@ def test_progress_line_has_rate_and_eta(monkeypatch, capsys):
     p.update(1000)
     p.close()
     assert "copying: 100.0%" in err.getvalue() and "ETA 0:00" in err.getvalue() and "/s" in err.getvalue()
+
+
+def test_quantized_mlx_progress_counts_input_bytes(hf, tmp_path, monkeypatch):
+    """A 4-bit export writes a quarter of what it reads: the bar counts the input, ending exactly at it."""
+    pytest.importorskip("mlx_lm")
+    from ffn_tools.converters import convert
+    from ffn_tools.store import open_checkpoint
+
+    bars = []
+
+    class Recorder:
+        def __init__(self, total, desc):
+            self.total, self.steps = total, []
+            bars.append(self)
+
+        def update(self, n):
+            self.steps.append(n)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr("ffn_tools.plan.Progress", Recorder)
+    src = hf("mixtral")
+    convert(src, "mlx", tmp_path / "q", quantize=4)
+    (bar,) = bars
+    with open_checkpoint(src) as c:
+        read = sum(c.info(n).nbytes for n in c)  # every tensor is written (mixtral drops none)
+    written = sum(p.stat().st_size for p in (tmp_path / "q").glob("*.safetensors"))
+    assert sum(bar.steps) == bar.total == read and written < read / 2

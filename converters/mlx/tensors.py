@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from ffn_tools.dtypes import short_name
+from ffn_tools.dtypes import itemsize, short_name
 from ffn_tools.plan import Entry, copy_entry
 
 from .names import Output, SanitizeRun
@@ -61,6 +61,14 @@ class _Source:
         self.members = [view[n] for n in o.sources]
         plain = [_plain(ckpt, e) for e in self.members]
         self.inputs = tuple(plain) if self.members and all(plain) else None  # streamable input rows
+
+    @property
+    def nbytes(self) -> int:
+        """The output's size before any cast: the input bytes it reads."""
+        n = itemsize(self.o.dtype)
+        for d in self.o.shape:
+            n *= d
+        return n
 
     def note(self) -> str:
         if self.o.computed:
@@ -126,16 +134,18 @@ def plan_outputs(ckpt, tg, view: list[Entry], outputs: list[Output], cast: str |
                 name = f"{module}.{parts[k]}"
                 if name in qshapes and tuple(qshapes[name]) != tuple(shape):
                     raise RuntimeError(f"internal error: {name} planned {list(shape)}, MLX's model {list(qshapes[name])}")
-                entries.append(Entry(name, st, shape, (), lambda _, j=job, k=k: j.part(k), None, f"{parts[k]} of {how}"))
+                entries.append(Entry(name, st, shape, (), lambda _, j=job, k=k: j.part(k), None, f"{parts[k]} of {how}",
+                                     reads=src.nbytes if k == 0 else 0))
             continue
         if to is None:
             entries.append(src.entry())
         elif src.inputs:
             entries.append(Entry(o.name, to, o.shape, (), lambda _, s=src, t=to: stream(
-                ckpt, s.inputs, [(t, s.o.shape)], cast_fn(t))[0], None, f"cast to {short_name(to)} {src.note()}"))
+                ckpt, s.inputs, [(t, s.o.shape)], cast_fn(t))[0], None, f"cast to {short_name(to)} {src.note()}",
+                reads=src.nbytes))
         else:
             entries.append(Entry(o.name, to, o.shape, (), lambda _, s=src, t=to: from_mx(s.array().astype(_MXT[t])),
-                                 None, f"cast to {short_name(to)} {src.note()}"))
+                                 None, f"cast to {short_name(to)} {src.note()}", reads=src.nbytes))
     return entries, jobs
 
 
