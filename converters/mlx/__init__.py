@@ -7,7 +7,7 @@
     quant     MLX's quantize/cast in row chunks, worker processes; dequantize
     config    config.json as mlx_lm writes it; the keys export added
     card      the model card README.md
-    export    ``export``: the whole directory
+    exporter  ``export``: the whole directory
     view      ``open``: an MLX directory read back with Hugging Face names
 """
 
@@ -17,8 +17,6 @@ from pathlib import Path
 
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.store import Checkpoint, open_checkpoint
-
-from .export import export
 
 FORMAT = "mlx"
 OPTIONS: frozenset[str] = frozenset({"quantize", "group_size", "q_bits", "q_group_size", "q_mode", "quant_predicate",
@@ -43,6 +41,14 @@ def can_read(path: Path) -> bool:
             return any(".switch_mlp." in n for n in raw)
     except (FFNToolsError, OSError, ValueError):
         return False
+
+
+def export(ckpt: Checkpoint, out: Path, **options) -> dict:
+    """Write ``ckpt`` as an MLX model directory (see ``exporter.export``; mlx is imported only now, so an MLX
+    directory is still recognized, and named with its extra, where mlx is not installed)."""
+    from .exporter import export as run
+
+    return run(ckpt, out, **options)
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001 - the converter surface's name
