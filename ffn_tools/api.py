@@ -28,6 +28,27 @@ def envelope(command: str, inputs, output, summary: str, result: dict) -> dict:
     return {**head, **{k: v for k, v in result.items() if k not in ENVELOPE}}
 
 
+def _published(r: dict, upload_repo: str | None) -> dict:
+    """``r`` with ``uploaded`` (the repo URL) once its output is pushed to ``upload_repo`` (see ``upload``)."""
+    if upload_repo is None:
+        return r
+    from .upload import upload
+
+    return {**r, "uploaded": upload(Path(r["output"]), upload_repo, r["command"])}
+
+
+def _upload_first(upload_repo: str | None, dry_run=False) -> None:
+    """Check ``--upload-repo`` before anything is written."""
+    if upload_repo is None:
+        return
+    from .errors import FFNToolsError
+    from .upload import check_repo_id
+
+    if dry_run:
+        raise FFNToolsError("--upload-repo with --dry-run: nothing is written, so nothing can be uploaded")
+    check_repo_id(upload_repo)
+
+
 def json_of(report) -> dict:
     """A verify report as ``ffn-tools verify --json`` prints it."""
     return envelope("verify", [report.a["path"], report.b["path"]], None, report.verdict, report.as_dict())
@@ -50,30 +71,35 @@ def inspect(path, *, scheme=None, layout=None, tensors: bool = False) -> dict:
 
 
 def extract(path, out, *, layers: str | None = None, experts: str | None = None, scheme=None, layout=None,
-            force: bool = False, max_shard_size: int | None = None) -> dict:
-    """``ffn-tools extract PATH -o OUT --json``: the FFNs alone, canonical names; returns the manifest."""
+            force: bool = False, max_shard_size: int | None = None, upload_repo: str | None = None) -> dict:
+    """``ffn-tools extract PATH -o OUT --json``: the FFNs alone, canonical names; returns the manifest.
+    ``upload_repo``: push the output to that Hub repo afterwards (every writing command takes it)."""
     from ffn_tools.converters import open_any
 
     from .extraction import extract as run
 
+    _upload_first(upload_repo)
     with open_any(resolve(str(path))) as ckpt:
         m = run(ckpt, Path(out), layers=layers, experts=experts, scheme=scheme, layout=layout, force=force,
                 max_shard_size=max_shard_size)
-    return envelope("extract", str(path), out, f"wrote {out}: {m['ffns']} FFNs, {m['tensors']} tensors ({m['dtype']})", m)
+    line = f"wrote {out}: {m['ffns']} FFNs, {m['tensors']} tensors ({m['dtype']})"
+    return _published(envelope("extract", str(path), out, line, m), upload_repo)
 
 
-def split_gateup(path, out=None, **options) -> dict:
+def split_gateup(path, out=None, *, upload_repo: str | None = None, **options) -> dict:
     """``ffn-tools split-gateup PATH [-o OUT] --json`` (options as ``gateup.split_gateup``)."""
     from .gateup import split_gateup as run
 
-    return _gateup("split-gateup", path, run(resolve(str(path)), out, **options))
+    _upload_first(upload_repo, options.get("dry_run"))
+    return _published(_gateup("split-gateup", path, run(resolve(str(path)), out, **options)), upload_repo)
 
 
-def fuse_gateup(path, out=None, **options) -> dict:
+def fuse_gateup(path, out=None, *, upload_repo: str | None = None, **options) -> dict:
     """``ffn-tools fuse-gateup PATH [-o OUT] --json`` (options as ``gateup.fuse_gateup``)."""
     from .gateup import fuse_gateup as run
 
-    return _gateup("fuse-gateup", path, run(resolve(str(path)), out, **options))
+    _upload_first(upload_repo, options.get("dry_run"))
+    return _published(_gateup("fuse-gateup", path, run(resolve(str(path)), out, **options)), upload_repo)
 
 
 def _gateup(command: str, path, r: dict) -> dict:
@@ -83,13 +109,14 @@ def _gateup(command: str, path, r: dict) -> dict:
     return envelope(command, str(path), r["output"], line, r)
 
 
-def convert(path, to: str, out, **options) -> dict:
+def convert(path, to: str, out, *, upload_repo: str | None = None, **options) -> dict:
     """``ffn-tools convert PATH --to FORMAT -o OUT --json`` (options as ``converters.convert``)."""
     from ffn_tools.converters import convert as run
 
+    _upload_first(upload_repo, options.get("dry_run"))
     r = run(resolve(str(path)), to, Path(out), **options)
     verb = "would write" if options.get("dry_run") else "wrote"
-    return envelope("convert", str(path), r["output"], f"{verb} {r['output']} ({to})", r)
+    return _published(envelope("convert", str(path), r["output"], f"{verb} {r['output']} ({to})", r), upload_repo)
 
 
 def verify(a, b, **options):

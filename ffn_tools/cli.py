@@ -170,6 +170,16 @@ def resolve_layout(arrangement: str | None, order: str | None, tp: int | None, f
     return GateUpLayout(order or "gate-up", arrangement or "concat", tp or 1)
 
 
+def upload_option(f):
+    return click.option("--upload-repo", metavar="ORG/NAME", help="Then upload the output to this Hugging Face Hub "
+                        "repo (created if missing; huggingface_hub's token), as mlx_lm.convert --upload-repo.")(f)
+
+
+def uploaded(r: dict) -> list[str]:
+    """The line saying where the output was uploaded, if it was."""
+    return [f"uploaded to {r['uploaded']}"] if r.get("uploaded") else []
+
+
 def size_option(f):
     return click.option("--max-shard-size", type=str, default=None, callback=lambda c, p, v: parse_size(v) if v else None,
                         help=SHARD_HELP)(f)
@@ -213,10 +223,11 @@ def inspect(path, as_json, tensors, scheme, layout):
 @click.option("--experts", help="Routed experts to keep, e.g. 0,5 (default: all; dense and shared FFNs are kept).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+@upload_option
 @size_option
 @scheme_options
 @layout_options
-def extract(path, out, layers, experts, force, as_json, max_shard_size, scheme, layout):
+def extract(path, out, layers, experts, force, as_json, upload_repo, max_shard_size, scheme, layout):
     """Write only the FFNs of PATH, with canonical names layers.{L}.{gate,up,down}.weight.
 
     Experts are layers.{L}.experts.{E}.*, the shared expert layers.{L}.shared_expert.*; biases .bias.
@@ -227,8 +238,8 @@ def extract(path, out, layers, experts, force, as_json, max_shard_size, scheme, 
     from .api import extract as run
 
     m = run(path, Path(out), layers=layers, experts=experts, scheme=scheme, layout=layout, force=force,
-            max_shard_size=max_shard_size)
-    emit(m, as_json, [m["summary"]])
+            max_shard_size=max_shard_size, upload_repo=upload_repo)
+    emit(m, as_json, [m["summary"], *uploaded(m)])
 
 
 def _gateup_command(name: str, fn, help_text: str, extra=()):
@@ -238,19 +249,21 @@ def _gateup_command(name: str, fn, help_text: str, extra=()):
     @click.option("--dry-run", is_flag=True, help="Print the plan (every output tensor and how it is made); write nothing.")
     @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
     @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of what was done.")
+    @upload_option
     @size_option
     @scheme_options
     @layout_options
-    def command(path, out, dry_run, force, as_json, max_shard_size, scheme, layout, **kw):
+    def command(path, out, dry_run, force, as_json, upload_repo, max_shard_size, scheme, layout, **kw):
         from ffn_tools.converters import detect_format
 
         fmt = detect_format(path)
         if fmt != "torch":
             raise click.ClickException(f"{path}: is a {fmt} checkpoint; {name} works on PyTorch checkpoints: "
                                        f"ffn-tools convert {path} --to torch -o DIR first")
-        r = fn(path, out, scheme=scheme, layout=layout, dry_run=dry_run, force=force, max_shard_size=max_shard_size, **kw)
+        r = fn(path, out, scheme=scheme, layout=layout, dry_run=dry_run, force=force, max_shard_size=max_shard_size,
+               upload_repo=upload_repo, **kw)
         lines = list(r["plan"] or []) if dry_run else []
-        emit(r, as_json, [*lines, r["summary"], *r["changes"]])
+        emit(r, as_json, [*lines, r["summary"], *r["changes"], *uploaded(r)])
 
     command.__doc__ = help_text
     for decorator in extra:
@@ -331,11 +344,12 @@ def _quantize_value(ctx, param, value):
               "mlx_lm's model expects, checked); write nothing.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+@upload_option
 @size_option
 @scheme_options
 @layout_options
 def convert(path, hf_path, to, out, mlx_path, dtype, quantize, q_bits, q_group_size, q_mode, quant_predicate,
-            dequantize, flax_layout, dry_run, force, as_json, max_shard_size, scheme, layout):
+            dequantize, flax_layout, dry_run, force, as_json, upload_repo, max_shard_size, scheme, layout):
     """Convert the checkpoint at PATH to PyTorch safetensors, MLX or Flax msgpack.
 
     The input may be any format ffn-tools reads. MLX output is what mlx_lm.convert writes for the same
@@ -367,8 +381,8 @@ def convert(path, hf_path, to, out, mlx_path, dtype, quantize, q_bits, q_group_s
     r = run(path, to, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, quantize=quantize,
             q_bits=int(q_bits) if q_bits else None, q_group_size=int(q_group_size) if q_group_size else None,
             q_mode=q_mode, quant_predicate=quant_predicate, dry_run=dry_run or None,
-            flax_layout=flax_layout, scheme=scheme, layout=layout)
-    emit(r, as_json, [*(r.get("plan") or []), r["summary"], *r.get("changes", [])])
+            flax_layout=flax_layout, scheme=scheme, layout=layout, upload_repo=upload_repo)
+    emit(r, as_json, [*(r.get("plan") or []), r["summary"], *r.get("changes", []), *uploaded(r)])
 
 
 from .verify_cli import verify as _verify  # noqa: E402
