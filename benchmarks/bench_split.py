@@ -49,7 +49,7 @@ def build(path: Path, layers: int, d: int = 2048, i: int = 5632, vocab: int = 32
         return path
     import torch
 
-    from ffn_tools.writer import OutTensor, write_sharded
+    from ffn_tools.io.writer import OutTensor, write_sharded
 
     shapes = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,)}
     for n in range(layers):

@@ -132,8 +132,8 @@ def run_config(src: Path, split: Path, backends: list[str], tokens: int, rounds:
     """Time verify(src, split) and the plain matmuls it runs; best of ``rounds``."""
     import torch
 
-    from ffn_tools.verification import verify
-    from ffn_tools.verify_functional import SAME_AS_A
+    from ffn_tools.verification.engine import verify
+    from ffn_tools.verification.functional import SAME_AS_A
 
     verify(src, split, backends=backends, tokens=4, layers="0", load_check=False)  # imports, JIT caches
     walls, gemms, base = [], [], {torch.float64: float("inf"), torch.bfloat16: float("inf")}
@@ -168,7 +168,7 @@ def scope_overhead(src: Path, split: Path, tokens: int, rounds: int) -> tuple[fl
     """Best wall time of verify with the FFNs alone (--ffn-only --no-load-check), with every tensor accounted
     for (the default outside comparison), and with the load check too (B is a split Phi-3: it fails that
     check, which is timed all the same)."""
-    from ffn_tools.verification import verify
+    from ffn_tools.verification.engine import verify
 
     verify(src, split, backends=["reference"], tokens=4, layers="0")  # imports transformers once
     best = [float("inf")] * 3

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ffn_tools.dtypes import parse_user_dtype, short_name
+from ffn_tools.io.dtypes import parse_user_dtype, short_name
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.plan import Entry, Plan, copy_entry, execute
-from ffn_tools.store import Checkpoint, open_checkpoint
+from ffn_tools.io.store import Checkpoint, open_checkpoint
 
 FORMAT = "torch"
 OPTIONS: frozenset[str] = frozenset({"dry_run"})
@@ -23,7 +23,7 @@ def can_read(path: Path) -> bool:
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001 - the converter surface's name
-    """Open a PyTorch checkpoint lazily (see ``ffn_tools.store.open_checkpoint``)."""
+    """Open a PyTorch checkpoint lazily (see ``ffn_tools.io.store.open_checkpoint``)."""
     return open_checkpoint(path)
 
 

@@ -12,7 +12,7 @@ from .api import convert, extract, fuse_gateup, inspect, split_gateup, verify
 from .ffn import FFN, FFNRef, canonical_weights
 from .layouts import GateUpLayout, fuse, split
 from .registry import SCHEMES, Scheme, custom_scheme, load_scheme_file
-from .store import Checkpoint, TensorInfo, open_checkpoint
+from .io.store import Checkpoint, TensorInfo, open_checkpoint
 from .summary import inspect_checkpoint
 
 __all__ = [

@@ -121,6 +121,6 @@ def convert(path, to: str, out, *, upload_repo: str | None = None, **options) ->
 
 def verify(a, b, **options):
     """``ffn-tools verify A B``: the report (``.passed``, ``.lines()``, ``.as_dict()`` = the --json)."""
-    from .verification import verify as run
+    from .verification.engine import verify as run
 
     return run(resolve(str(a)), resolve(str(b)), **options)

@@ -12,7 +12,7 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .dtypes import FLOAT_ST
+from .io.dtypes import FLOAT_ST
 from .errors import SchemeError, listing
 from .ffn import FFN, Activation, FFNRef, activation_from_config
 from .layouts import GateUpLayout

@@ -13,11 +13,11 @@ import os
 from pathlib import Path
 
 from .detect import find_ffns
-from .dtypes import short_name
+from .io.dtypes import short_name
 from .errors import FFNToolsError
 from .ffn import FFN, canonical_weights
 from .layouts import GateUpLayout
-from .output import check_output
+from .io.output import check_output
 from .plan import Entry, Plan, copy_entry, execute, side_files
 from .registry import Scheme
 from .specs import parse_spec

@@ -11,16 +11,16 @@ from collections import defaultdict
 from pathlib import Path
 
 from .detect import FFNSet, find_ffns
-from .dtypes import itemsize
+from .io.dtypes import itemsize
 from .errors import LayoutError, NothingToDoError
 from .ffn import FFN
 from .layouts import GateUpLayout, fuse, split
 from .loadable import form_change_warning
-from .output import check_output
+from .io.output import check_output
 from .plan import Entry, Plan, check_shardable, copy_entry, execute
 from .registry import Form, Scheme, bias_name
 from .sizes import human
-from .store import open_checkpoint
+from .io.store import open_checkpoint
 
 MAX_PIECES = 256  # above this many byte runs (interleaved, column axis) computing is faster than copying
 

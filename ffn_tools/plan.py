@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .dtypes import as_st, itemsize, short_name
+from .io.dtypes import as_st, itemsize, short_name
 from .errors import FFNToolsError
-from .output import atomic_output
+from .io.output import atomic_output
 from .progress import Progress
 from .sizes import human
-from .store import WEIGHT_INDEXES, WEIGHT_SUFFIXES, Checkpoint
-from .writer import ByteRange, OutTensor, write_file, write_sharded
+from .io.store import WEIGHT_INDEXES, WEIGHT_SUFFIXES, Checkpoint
+from .io.writer import ByteRange, OutTensor, write_file, write_sharded
 
 log = logging.getLogger(__name__)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from .detect import FFNSet, find_ffns
-from .dtypes import short_name
+from .io.dtypes import short_name
 from .layouts import GateUpLayout
 from .registry import Scheme
-from .store import Checkpoint, config_dtype
+from .io.store import Checkpoint, config_dtype
 
 
 def tensor_table(ckpt: Checkpoint, ffns: FFNSet) -> list[dict]:

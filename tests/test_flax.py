@@ -26,7 +26,7 @@ jnp = pytest.importorskip("jax.numpy")
 nn = pytest.importorskip("flax.linen")
 serialization = pytest.importorskip("flax.serialization")
 flax_format = pytest.importorskip("ffn_tools.converters.flax")
-flax_writer = pytest.importorskip("ffn_tools.converters.flax_writer")
+flax_writer = pytest.importorskip("ffn_tools.converters.flax.writer")
 
 ARCHS = ["llama", "qwen2", "mixtral", "llama-bias"]
 DTYPES = [torch.float32, torch.bfloat16]

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tiny_models import logits, make_model
 
-from ffn_tools.store import open_checkpoint
+from ffn_tools.io.store import open_checkpoint
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -213,7 +213,7 @@ def test_force_replaces_an_earlier_output_but_no_other_directory(model_dir, tmp_
 @pytest.mark.parametrize("where, src", [("_copy_range", "safetensors"), ("_emit", "pickle")])
 def test_failure_midway_leaves_no_partial_output(model_dir, tmp_path, monkeypatch, where, src):
     """A disk filling up while bytes are copied (safetensors input) or written (pickle input)."""
-    import ffn_tools.writer as writer
+    import ffn_tools.io.writer as writer
 
     calls = {"n": 0}
     real = getattr(writer, where)

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from ffn_tools.errors import CheckpointError
-from ffn_tools.safetensors_format import read_header
+from ffn_tools.io.safetensors_format import read_header
 
 FFN_TOOLS = [sys.executable, "-m", "ffn_tools.cli"]
 
@@ -233,7 +233,7 @@ def test_signals_leave_no_temporary_output(model_dir, tmp_path, sig):
     """The command is stopped mid-write (a copy made to block), then signalled: nothing is left behind."""
     src = model_dir("llama")
     script = (
-        "import sys, time, ffn_tools.writer as w\n"
+        "import sys, time, ffn_tools.io.writer as w\n"
         "def slow(*a, **k):\n"
         "    print('writing', flush=True); time.sleep(60)\n"
         "w._copy_range = slow\n"

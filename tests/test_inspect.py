@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from ffn_tools.detect import find_ffns
 from ffn_tools.errors import SchemeError
 from ffn_tools.registry import custom_scheme
-from ffn_tools.store import open_checkpoint
+from ffn_tools.io.store import open_checkpoint
 
 # arch -> (scheme, {kind: (count, d_ffn)}, layout of dense/expert, routed, shared, gated unit)
 EXPECTED = {

@@ -21,7 +21,7 @@ from tiny_models import COMMON
 from ffn_tools.cli import cli
 from ffn_tools.layouts import GateUpLayout, fuse, split
 from ffn_tools.tolerances import tolerance_for
-from ffn_tools.verify_functional import SAME_AS_A, compare, input_scale, make_inputs
+from ffn_tools.verification.functional import SAME_AS_A, compare, input_scale, make_inputs
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 L1 = "model.layers.1.mlp."
@@ -561,8 +561,8 @@ def test_tolerance_rows_and_metrics():
 def test_cli_constants_match_the_library_and_help_shows_the_table():
     """verify_cli repeats two constants so that `ffn-tools --help` does not import torch."""
     from ffn_tools import kernels
-    from ffn_tools import verification as lib
-    from ffn_tools import verify_cli
+    from ffn_tools.verification import engine as lib
+    from ffn_tools.verification import cli as verify_cli
 
     assert verify_cli.BACKEND_NAMES == ", ".join(kernels.BACKENDS)
     from ffn_tools.ffn import ACTIVATIONS  # every activation a config can name runs on every backend

@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.sizes import parse_size
-from ffn_tools.writer import OutTensor, plan_shards, write_sharded
+from ffn_tools.io.writer import OutTensor, plan_shards, write_sharded
 
 
 def items(sizes):
@@ -65,7 +65,7 @@ def test_bad_sizes(text):
 def test_copied_bytes_keep_their_page_offset(model_dir, tmp_path):
     """Data copied from an input lands at the same offset modulo 4096 (copy_file_range is faster so)."""
     from ffn_tools.gateup import split_gateup
-    from ffn_tools.store import open_checkpoint
+    from ffn_tools.io.store import open_checkpoint
 
     src = model_dir("phi3", torch.bfloat16)
     split_gateup(src, tmp_path / "out")
@@ -79,7 +79,7 @@ def test_copied_bytes_keep_their_page_offset(model_dir, tmp_path):
 
 def test_progress_moves_as_bytes_are_copied(model_dir, tmp_path, monkeypatch):
     """Byte-copied tensors count when copied (step by step), not when queued: no single 100% frame."""
-    import ffn_tools.writer as writer
+    import ffn_tools.io.writer as writer
     from ffn_tools.gateup import split_gateup
 
     bars = []
@@ -125,7 +125,7 @@ def test_quantized_mlx_progress_counts_input_bytes(hf, tmp_path, monkeypatch):
     """A 4-bit export writes a quarter of what it reads: the bar counts the input, ending exactly at it."""
     pytest.importorskip("mlx_lm")
     from ffn_tools.converters import convert
-    from ffn_tools.store import open_checkpoint
+    from ffn_tools.io.store import open_checkpoint
 
     bars = []
 

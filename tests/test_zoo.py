@@ -164,7 +164,7 @@ def _load_check_agrees(path) -> bool:
     from transformers.utils import logging as hf_logging
 
     from ffn_tools.loadable import check_transformers
-    from ffn_tools.store import open_checkpoint
+    from ffn_tools.io.store import open_checkpoint
 
     with open_checkpoint(path) as c:
         lc = check_transformers(c)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ffn_tools.errors import FFNToolsError
-from ffn_tools.store import Checkpoint, open_checkpoint
+from ffn_tools.io.store import Checkpoint, open_checkpoint
 
 FORMAT = "mlx"
 OPTIONS: frozenset[str] = frozenset({"quantize", "group_size", "q_bits", "q_group_size", "q_mode", "quant_predicate",

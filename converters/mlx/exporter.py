@@ -21,11 +21,11 @@ import re
 from functools import partial
 from pathlib import Path
 
-from ffn_tools.dtypes import DTYPE_CHOICES, USER_DTYPES, short_name
+from ffn_tools.io.dtypes import DTYPE_CHOICES, USER_DTYPES, short_name
 from ffn_tools.errors import FFNToolsError, listing
 from ffn_tools.plan import Entry, Plan, copy_entry, execute
-from ffn_tools.store import Checkpoint
-from ffn_tools.writer import OutTensor, plan_shards
+from ffn_tools.io.store import Checkpoint
+from ffn_tools.io.writer import OutTensor, plan_shards
 
 from . import names as mlx_names
 from .card import model_card

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import mlx.core as mx
 
-from ffn_tools.dtypes import itemsize
+from ffn_tools.io.dtypes import itemsize
 
 CHUNK_BYTES = 4 << 20
 PARALLEL_MIN_BYTES = 128 << 20  # less to quantize than this: starting worker processes costs more
@@ -48,7 +48,7 @@ class RawTensor(bytearray):
         """The same bytes as a torch tensor (imports torch)."""
         import torch
 
-        from ffn_tools.dtypes import torch_dtype
+        from ffn_tools.io.dtypes import torch_dtype
 
         if not len(self):
             return torch.empty(self.shape, dtype=torch_dtype(self.dtype))
@@ -72,7 +72,7 @@ def torch_bytes(t) -> memoryview:
 
 def torch_to_mx(t) -> mx.array:
     """An mx array with a torch tensor's dtype, shape and bytes (bf16 included, never through float32)."""
-    from ffn_tools.dtypes import as_st
+    from ffn_tools.io.dtypes import as_st
 
     return to_mx(torch_bytes(t), as_st(t.dtype), tuple(t.shape))
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from ffn_tools.dtypes import itemsize, short_name
+from ffn_tools.io.dtypes import itemsize, short_name
 from ffn_tools.plan import Entry, copy_entry
 
 from .names import Output, SanitizeRun

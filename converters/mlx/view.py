@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 from ffn_tools.errors import CheckpointError
-from ffn_tools.store import Checkpoint, SafetensorsCheckpoint, TensorInfo, open_checkpoint
+from ffn_tools.io.store import Checkpoint, SafetensorsCheckpoint, TensorInfo, open_checkpoint
 
 from .config import restore_source_config
 from .quant import RawTensor, dequantize, read_bytes, to_mx

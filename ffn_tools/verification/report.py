@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING
 
-from .errors import listing
-from .ffn import FFNRef
-from .tolerances import Tolerance
+from ..errors import listing
+from ..ffn import FFNRef
+from ..tolerances import Tolerance
 
 if TYPE_CHECKING:
-    from .loadable import LoadCheck
-    from .verify_outside import OutsideResult
+    from ..loadable import LoadCheck
+    from .outside import OutsideResult
 
 MAX_ROWS = 40  # passing rows beyond this are summarised in one line (--json has them all)
 

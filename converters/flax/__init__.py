@@ -4,8 +4,8 @@ Files are those transformers 4.x's ``FlaxPreTrainedModel.save_pretrained`` wrote
 beyond ``--max-shard-size`` the shards ``flax_model-00001-of-0000N.msgpack`` (each an unflattened subtree)
 and ``flax_model.msgpack.index.json`` (``weight_map``: ``model/layers/0/mlp/gate_proj/kernel`` -> shard, sorted
 keys). Here every file, headers included, is at most ``--max-shard-size`` bytes (a larger array gets a
-file alone). The layouts are described in ``converters.flax_tree``, reading in ``converters.flax_reader``.
-Neither jax nor flax is needed (``converters.flax_msgpack``, ``converters.flax_writer``); bytes are moved,
+file alone). The layouts are described in ``converters.flax.tree``, reading in ``converters.flax.reader``.
+Neither jax nor flax is needed (``converters.flax.msgpack_format``, ``converters.flax.writer``); bytes are moved,
 never converted, so round trips are bit-exact.
 """
 
@@ -17,18 +17,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ffn_tools.detect import find_ffns
-from ffn_tools.dtypes import as_st, parse_user_dtype, short_name
+from ffn_tools.io.dtypes import as_st, parse_user_dtype, short_name
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.ffn import canonical_weights
-from ffn_tools.output import atomic_output
+from ffn_tools.io.output import atomic_output
 from ffn_tools.plan import side_files
 from ffn_tools.progress import Progress
-from ffn_tools.store import Checkpoint
+from ffn_tools.io.store import Checkpoint
 
-from . import flax_tree as tree
-from .flax_reader import INDEX_NAME, WEIGHTS_NAME, FlaxCheckpoint
-from .flax_writer import OutLeaf, nest, shard_cost, write_tree
-from .pytorch import unquantized_config
+from . import tree
+from .reader import INDEX_NAME, WEIGHTS_NAME, FlaxCheckpoint
+from .writer import OutLeaf, nest, shard_cost, write_tree
+from ..pytorch import unquantized_config
 
 if TYPE_CHECKING:
     import torch

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import FFNToolsError
-from .tolerances import Tolerance
-from .verify_functional import compare
+from ..errors import FFNToolsError
+from ..tolerances import Tolerance
+from .functional import compare
 
 log = logging.getLogger(__name__)
 

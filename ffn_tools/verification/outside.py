@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .dtypes import short_name
-from .errors import listing
-from .tolerances import tolerance_for
-from .verify_diagnose import first_difference
+from ..io.dtypes import short_name
+from ..errors import listing
+from ..tolerances import tolerance_for
+from .diagnose import first_difference
 
 MAX_LISTED = 8
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .dtypes import as_st, itemsize, torch_dtype
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .safetensors_format import read_header
 
 PICKLE_SUFFIXES = (".bin", ".pth", ".pt")

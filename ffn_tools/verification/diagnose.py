@@ -12,8 +12,8 @@ import hashlib
 
 import torch
 
-from .ffn import FFNRef
-from .layouts import GateUpLayout, fuse
+from ..ffn import FFNRef
+from ..layouts import GateUpLayout, fuse
 
 ROLES = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

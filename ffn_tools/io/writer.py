@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .progress import Progress
+from ..progress import Progress
 from .safetensors_format import PAGE, build_header, header_entry_size
 
 

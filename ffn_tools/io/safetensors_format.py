@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .dtypes import ST_DTYPES, itemsize
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 

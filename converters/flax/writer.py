@@ -2,7 +2,7 @@
 
 Each leaf is an ``OutLeaf`` whose ``produce()`` returns its torch tensor when its turn comes, so one
 tensor is in memory at a time. Arrays over ``MAX_CHUNK_SIZE`` bytes are written chunked as flax does
-(see ``converters.flax_msgpack``). ``leaf_size`` is exact, so shards can be sized before writing.
+(see ``converters.flax.msgpack_format``). ``leaf_size`` is exact, so shards can be sized before writing.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ffn_tools.dtypes import itemsize, torch_dtype
+from ffn_tools.io.dtypes import itemsize, torch_dtype
 from ffn_tools.errors import CheckpointError
 
-from . import flax_msgpack
-from .flax_msgpack import CHUNKED, DTYPE_NAMES, EXT_NDARRAY
+from . import msgpack_format as flax_msgpack
+from .msgpack_format import CHUNKED, DTYPE_NAMES, EXT_NDARRAY
 
 if TYPE_CHECKING:
     import torch

@@ -1,6 +1,6 @@
 """Reading Flax checkpoints: a msgpack file, a sharded index, or a directory, as a lazy ``Checkpoint``.
 
-The tree's layout (``hf`` or ``linen``, see ``converters.flax_tree``) is recognised from its paths and
+The tree's layout (``hf`` or ``linen``, see ``converters.flax.tree``) is recognised from its paths and
 presented with PyTorch names and (out, in) weights; kernels are transposed back when read (a pure move).
 Shapes are checked when opening, so a kernel stored (out, in) is reported before anything is written.
 """
@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 from ffn_tools.detect import choose_scheme, find_ffns
 from ffn_tools.errors import CheckpointError, SchemeError
-from ffn_tools.store import Checkpoint, TensorInfo, index_shards, read_config
+from ffn_tools.io.store import Checkpoint, TensorInfo, index_shards, read_config
 
-from . import flax_tree as tree
-from .flax_msgpack import DTYPES, Leaf, read_leaf, read_tree
+from . import tree as tree
+from .msgpack_format import DTYPES, Leaf, read_leaf, read_tree
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +46,7 @@ def _resolve(path: Path) -> tuple[Path, list[Path], dict[str, str] | None]:
 
 
 class FlaxCheckpoint(Checkpoint):
-    """A Flax tree presented with PyTorch names and (out, in) weights (see ``converters.flax_tree``).
+    """A Flax tree presented with PyTorch names and (out, in) weights (see ``converters.flax.tree``).
 
     Attributes:
         layout: "hf" or "linen".

@@ -1,13 +1,13 @@
 """``verify A B``: are two checkpoints' FFNs the same, bit for bit and as functions?
 
 FFNs are paired by ``FFNRef`` (layer, kind, expert); one present on one side only is a failure. For each
-pair (``verify_pairs``): shapes and biases must match; the canonical gate/up/down (and biases) are compared
+pair (``pairs``): shapes and biases must match; the canonical gate/up/down (and biases) are compared
 bit for bit when both sides should be lossless copies (same dtype, neither quantized; ``exact``), naming
 the first differing element and, when recognisable, the defect (swapped gate/up, transposed down, a fused
 layout misread, another layer's or expert's weights); and the FFN runs on seeded inputs: A's on the
-float64 reference, B's on every requested backend (``verify_functional``), within the tolerance table of
+float64 reference, B's on every requested backend (``functional``), within the tolerance table of
 ``tolerances``, with finite outputs (else B's inf/nan weights are named). ``logits`` adds a whole-model
-check through the real clients (``verify_logits``).
+check through the real clients (``logits``).
 """
 
 from __future__ import annotations
@@ -16,21 +16,21 @@ import logging
 from collections.abc import Sequence
 from contextlib import ExitStack
 
-from . import progress
-from .detect import FFNSet, choose_scheme, find_ffns
-from .dtypes import short_name
-from .errors import CheckpointError, FFNToolsError, SchemeError
-from .ffn import ACTIVATIONS, FFN, FFNRef
-from .layouts import GateUpLayout
-from .registry import Scheme, compile_template
-from .specs import parse_spec
-from .store import open_checkpoint
-from .tolerances import tolerance_for, widened
-from .verify_functional import KERNEL_DTYPES
-from .verify_pairs import PairChecker
-from .verify_outside import OutsideResult, compare_outside
-from .verify_quant import describe_quantization, ffn_bits, quantization
-from .verify_report import VerifyReport
+from .. import progress
+from ..detect import FFNSet, choose_scheme, find_ffns
+from ..io.dtypes import short_name
+from ..errors import CheckpointError, FFNToolsError, SchemeError
+from ..ffn import ACTIVATIONS, FFN, FFNRef
+from ..layouts import GateUpLayout
+from ..registry import Scheme, compile_template
+from ..specs import parse_spec
+from ..io.store import open_checkpoint
+from ..tolerances import tolerance_for, widened
+from .functional import KERNEL_DTYPES
+from .pairs import PairChecker
+from .outside import OutsideResult, compare_outside
+from .quant import describe_quantization, ffn_bits, quantization
+from .report import VerifyReport
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
         allow_unmatched: tensors that look like FFN projections but belong to no FFN found are a note,
             not a failure (they are never run as FFNs).
         ffn_only: compare the FFNs only; by default every tensor outside them is compared too
-            (``verify_outside``).
+            (``outside``).
         load_check: check that B would load in its real client (``loadable``): every parameter provided,
             nothing left over, shapes equal.
 
@@ -185,7 +185,7 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
             return VerifyReport(*sides, list(mods), skipped, tokens, seed, None, problems=[e for e in (ea, eb) if e])
         clients = None
         if logits:
-            from .verify_logits import client_for
+            from .logits import client_for
 
             clients = (client_for(ca, "A"), client_for(cb, "B"))
         (fa, pa), (fb, pb) = _find(ca, "A", scheme, layout), _find(cb, "B", scheme, b_layout or layout)
@@ -199,13 +199,13 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
             _check_pairs(report, ca, cb, fa, fb, mods, sel_layers, sel_experts, atol, rtol, exact, seed, tokens)
             report.outside = _outside(ca, cb, fa, fb, ffn_only or bool(sel_layers or sel_experts), atol, rtol)
         if load_check:
-            from .loadable import check
+            from ..loadable import check
 
             report.load = check(cb)
             if report.load.skipped:
                 report.notes.append(report.load.summary())
     if logits:
-        from .verify_logits import compare_logits
+        from .logits import compare_logits
 
         tol = widened(report.tolerance or tolerance_for([], None, atol=atol, rtol=rtol))
         report.logits = compare_logits(a, b, clients, tol, seed)

@@ -6,7 +6,7 @@ importing torch costs over a second, more than copying a gigabyte. torch dtypes 
 
 from __future__ import annotations
 
-from .errors import FFNToolsError
+from ..errors import FFNToolsError
 
 # safetensors dtype string -> (bytes per element, torch attribute name = the name printed in reports)
 ST_DTYPES: dict[str, tuple[int, str]] = {

@@ -6,7 +6,7 @@ keys whose leaves are msgpack ext type 1 (ndarray; 3 = numpy scalar) holding the
 ``{"__msgpack_chunked_array__": True, "shape": {"0": d0, ...}, "chunks": {"0": flat ext, ...}}``.
 
 Reading parses only the msgpack headers and records where each array's bytes lie (nothing is decoded
-until a tensor is asked for); ``converters.flax_writer`` writes the same bytes ``to_bytes`` would. Bytes
+until a tensor is asked for); ``converters.flax.writer`` writes the same bytes ``to_bytes`` would. Bytes
 are never converted: bfloat16 stays bfloat16 (the bytes of torch and ml_dtypes agree).
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ffn_tools.dtypes import itemsize, torch_dtype
+from ffn_tools.io.dtypes import itemsize, torch_dtype
 from ffn_tools.errors import CheckpointError
 
 if TYPE_CHECKING:

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .layouts import GateUpLayout
-from .tolerances import Tolerance
-from .verify_report import BackendResult
+from ..layouts import GateUpLayout
+from ..tolerances import Tolerance
+from .report import BackendResult
 
 PREACT_RMS = 2.0
 SCALE_ROWS = 1024

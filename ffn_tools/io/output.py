@@ -17,8 +17,8 @@ from contextlib import contextmanager
 from glob import escape as glob_escape
 from pathlib import Path
 
-from .errors import OutputError, OutputExistsError
-from .sizes import human
+from ..errors import OutputError, OutputExistsError
+from ..sizes import human
 from .store import WEIGHT_SUFFIXES
 
 

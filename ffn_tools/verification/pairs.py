@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .detect import FFNSet
-from .dtypes import short_name
-from .ffn import FFN, FFNRef, canonical_weights
-from .tolerances import Tolerance
-from .verify_diagnose import Fingerprints, explain, first_difference
-from .verify_functional import Operands, check_ffn, input_scale, make_inputs
-from .verify_report import FFNResult, VerifyReport
+from ..detect import FFNSet
+from ..io.dtypes import short_name
+from ..ffn import FFN, FFNRef, canonical_weights
+from ..tolerances import Tolerance
+from .diagnose import Fingerprints, explain, first_difference
+from .functional import Operands, check_ffn, input_scale, make_inputs
+from .report import FFNResult, VerifyReport
 
 KERNEL_LAYOUTS = ("concat", "interleaved")  # what silu_mul_fused reads directly (either order, row axis)
 ROLES = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")

@@ -3,9 +3,9 @@ the bits of each FFN (per module in mixed recipes), and its one-line description
 
 from __future__ import annotations
 
-from .errors import CheckpointError
-from .ffn import FFN
-from .store import read_config
+from ..errors import CheckpointError
+from ..ffn import FFN
+from ..io.store import read_config
 
 
 def quantization(ckpt) -> dict | None:

@@ -1,0 +1,8 @@
+"""Reading and writing checkpoint files.
+
+    store               lazy read-only checkpoints (safetensors, weights-only pickles): name -> tensor
+    safetensors_format  the safetensors header, parsed strictly
+    writer              streaming safetensors writer: byte-range copies and computed tensors, shards
+    output              atomic outputs: temporary path, moved into place only on success; locks, disk space
+    dtypes              dtype names across safetensors, torch and the command line
+"""

@@ -1,0 +1,122 @@
+"""Options and argument types the commands share (``cli`` and ``verification.cli`` both use them, so neither
+imports the other): checkpoint paths or Hub ids, FFN naming scheme and gate_up layout, output sizes and
+uploads, and how a result is printed."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import click
+
+from .errors import FFNToolsError
+from .layouts import ARRANGEMENTS, ORDERS, GateUpLayout
+from .registry import SCHEMES, custom_scheme, load_scheme_file
+from .sizes import SIZE_HELP, parse_size
+
+
+class CheckpointPath(click.ParamType):
+    """A checkpoint path, or a Hugging Face Hub id (``org/name[@revision]``) resolved through the local
+    cache or the Hub (see ``hub``); the command receives a local path either way."""
+
+    name = "PATH|REPO_ID"
+
+    def convert(self, value, param, ctx):
+        from .hub import looks_like_repo_id, resolve
+
+        if Path(value).exists():
+            return value
+        if not looks_like_repo_id(str(value)):
+            self.fail(f"{value!r}: no such file or directory (nor a Hub repo id like org/name)", param, ctx)
+        try:
+            return str(resolve(str(value)))
+        except FFNToolsError as e:
+            self.fail(str(e), param, ctx)
+
+
+CHECKPOINT = CheckpointPath()
+SHARD_HELP = f"Largest output file, header included, e.g. 500MB, 5GB, 2GiB. {SIZE_HELP}"
+
+
+def scheme_options(f):
+    """--scheme, --scheme-file and --gate/--up/--down/--gate-up templates, resolved into ``scheme``."""
+
+    @click.option("--scheme", "scheme_name", type=click.Choice(sorted(SCHEMES)),
+                  help="Naming scheme of the FFN tensors (detected from config.json and tensor names by default).")
+    @click.option("--scheme-file", type=click.Path(exists=True, dir_okay=False),
+                  help="JSON file declaring the FFN tensor names: {\"gate\": T, \"up\": T, \"down\": T} "
+                       "with {layer}/{expert} placeholders, or the full form with groups and forms.")
+    @click.option("--gate", help="Template of gate weights, e.g. 'blocks.{layer}.ffn.W_gate.weight'.")
+    @click.option("--up", help="Template of up weights.")
+    @click.option("--down", help="Template of down weights.")
+    @click.option("--gate-up", help="Template of fused gate_up weights. Splitting with templates names the output "
+                  "with --gate/--up as well; fusing names it with --gate-up.")
+    @functools.wraps(f)
+    def wrapper(*args, scheme_name, scheme_file, gate, up, down, gate_up, **kwargs):
+        if sum(bool(x) for x in (scheme_name, scheme_file, gate or up or down or gate_up)) > 1:
+            raise click.UsageError("use one of --scheme, --scheme-file or --gate/--up/--down templates")
+        scheme = SCHEMES.get(scheme_name) if scheme_name else None
+        try:
+            if scheme_file:
+                scheme = load_scheme_file(scheme_file)
+            elif gate or up or down or gate_up:
+                scheme = custom_scheme(gate, up, down, gate_up)
+        except FFNToolsError as e:
+            raise click.UsageError(str(e)) from None
+        return f(*args, scheme=scheme, **kwargs)
+
+    return wrapper
+
+
+def layout_options(f):
+    """--layout/--order/--tp, resolved into ``layout`` (None when none is given: the scheme's)."""
+
+    @click.option("--layout", "arrangement", type=click.Choice(ARRANGEMENTS),
+                  help="How gate and up share the fused tensor: concat [g; u], interleaved rows g0,u0,g1,u1,... "
+                       "(GPT-OSS), or tp: per tensor-parallel rank [g_r; u_r] (vLLM, Megatron). Default: the scheme's (concat).")
+    @click.option("--order", type=click.Choice(ORDERS), help="Which projection comes first. Default: gate-up.")
+    @click.option("--tp", type=click.IntRange(min=1), help="Tensor-parallel degree for --layout tp.")
+    @functools.wraps(f)
+    def wrapper(*args, arrangement, order, tp, **kwargs):
+        return f(*args, layout=resolve_layout(arrangement, order, tp), **kwargs)
+
+    return wrapper
+
+
+def resolve_layout(arrangement: str | None, order: str | None, tp: int | None, flag: str = "--") -> GateUpLayout | None:
+    """The layout the options give (None when none is given); usage errors name the flags (``--`` or ``--b-``)."""
+    if not (arrangement or order or tp):
+        return None
+    if tp and arrangement != "tp":
+        raise click.UsageError(f"{flag}tp needs {flag}layout tp")
+    if arrangement == "tp" and not tp:
+        raise click.UsageError(f"{flag}layout tp needs {flag}tp N (the number of ranks)")
+    return GateUpLayout(order or "gate-up", arrangement or "concat", tp or 1)
+
+
+def upload_option(f):
+    return click.option("--upload-repo", metavar="ORG/NAME", help="Then upload the output to this Hugging Face Hub "
+                        "repo (created if missing; huggingface_hub's token), as mlx_lm.convert --upload-repo.")(f)
+
+
+def uploaded(r: dict) -> list[str]:
+    """The line saying where the output was uploaded, if it was."""
+    return [f"uploaded to {r['uploaded']}"] if r.get("uploaded") else []
+
+
+def size_option(f):
+    return click.option("--max-shard-size", type=str, default=None, callback=lambda c, p, v: parse_size(v) if v else None,
+                        help=SHARD_HELP)(f)
+
+
+def emit(result: dict, as_json: bool, lines: list[str]) -> None:
+    """The result as JSON, or as ``lines``; its ``warnings`` also go to stderr as one line each."""
+    if as_json:
+        click.echo(json.dumps(result, indent=2, default=str))
+    else:
+        for line in lines:
+            click.echo(line)
+    for w in result.get("warnings") or []:
+        if as_json or not any(w in line for line in lines):
+            click.echo(f"warning: {w}", err=True)

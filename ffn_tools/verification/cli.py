@@ -1,0 +1,105 @@
+"""The ``ffn-tools verify`` command: parse, call ``ffn_tools.verification.engine.verify``, print, exit 0/1/2.
+
+Its shared options come from ``ffn_tools.options``, as the other commands' do. Only click and torch-free core
+modules are imported here; torch and the kernels load when the command runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import click
+
+from ..layouts import ARRANGEMENTS, ORDERS
+from ..options import CHECKPOINT, layout_options, resolve_layout, scheme_options
+from ..tolerances import HELP as TOLERANCE_HELP
+
+DEFAULT_TOKENS = 32  # = verify.DEFAULT_TOKENS (not imported: that module imports torch)
+BACKEND_NAMES = "reference, triton, metal, mlx, jax"
+
+
+def b_layout_options(f):
+    """--b-layout/--b-order/--b-tp: B's fused gate_up layout, resolved into ``b_layout`` (None: none given,
+    B's is A's). Checked like ``options.layout_options``."""
+
+    @click.option("--b-layout", "b_arrangement", type=click.Choice(ARRANGEMENTS),
+                  help="B's fused gate_up layout, when it differs from A's (say A concat-fused like Phi-3, B "
+                       "interleaved): with any --b-* option --layout/--order/--tp apply to A only.")
+    @click.option("--b-order", type=click.Choice(ORDERS), help="B's order of gate and up. Default: gate-up.")
+    @click.option("--b-tp", type=click.IntRange(min=1), help="B's tensor-parallel degree for --b-layout tp.")
+    @functools.wraps(f)
+    def wrapper(*args, b_arrangement, b_order, b_tp, **kwargs):
+        return f(*args, b_layout=resolve_layout(b_arrangement, b_order, b_tp, flag="--b-"), **kwargs)
+
+    return wrapper
+
+
+@click.command("verify", epilog=TOLERANCE_HELP)
+@click.argument("a", type=CHECKPOINT)
+@click.argument("b", type=CHECKPOINT)
+@click.option("--backend", "backends", multiple=True, metavar="NAME",
+              help=f"Kernel backend to run B's FFNs on, one of {BACKEND_NAMES}; repeat for several. "
+                   "Default: every one available on this machine (unavailable ones are listed as skipped).")
+@click.option("--tokens", type=click.IntRange(min=1), default=DEFAULT_TOKENS, show_default=True,
+              help="Rows of the random input each FFN is run on.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs and token batch.")
+@click.option("--layers", help="Layers to verify, e.g. 0-3,7 (default: all).")
+@click.option("--experts", help="Routed experts to verify, e.g. 0,5 (default: all; dense and shared FFNs "
+              "are kept).")
+@click.option("--atol", type=click.FloatRange(min=0), help="Absolute tolerance, in units of the RMS of the "
+              "reference output (default: from the table below).")
+@click.option("--rtol", type=click.FloatRange(min=0), help="Relative tolerance (default: from the table below).")
+@click.option("--exact/--no-exact", default=None,
+              help="Demand (or skip) bit-identical canonical gate/up/down and biases. Default: demanded where "
+                   "both sides should be lossless copies (same dtype, neither quantized).")
+@click.option("--logits", is_flag=True, help="Also run both whole models on a fixed token batch through their "
+              "real clients (transformers for PyTorch, mlx_lm for MLX directories) and compare the logits.")
+@click.option("--allow-unmatched", is_flag=True, help="Pass even when tensors that look like FFN projections "
+              "(mlp/ffn/expert + gate/up/down/w1/fc...) belong to no FFN found; by default they fail the check, "
+              "since they were never run.")
+@click.option("--ffn-only", is_flag=True, help="Compare the FFNs only. By default every tensor outside them "
+              "(embeddings, attention, norms) is compared too: bit for bit where lossless, within the tolerance "
+              "row where not, and a tensor on one side only fails.")
+@click.option("--load-check/--no-load-check", default=True, show_default=True,
+              help="Check that B would load in its real client (transformers on the meta device, mlx_lm "
+                   "lazily): every parameter provided, nothing left over, shapes equal.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
+@scheme_options
+@layout_options
+@b_layout_options
+def verify(a, b, backends, tokens, seed, layers, experts, atol, rtol, exact, logits, allow_unmatched, ffn_only,
+           load_check, as_json, scheme, layout, b_layout):
+    """Check that checkpoint B holds the same FFNs as checkpoint A.
+
+    A and B are any checkpoints ffn-tools reads (PyTorch safetensors or pickles, split or fused, MLX plain
+    or quantized, Flax, an extract output). FFNs are paired by layer and expert; one present on one side
+    only fails. For each pair, the canonical gate/up/down (and biases) must be bit-identical where both
+    sides should be lossless copies, and the FFN is run on seeded random inputs: A's on the float64
+    reference, B's on every backend, in B's dtype, with fused gate_up checkpoints going through the fused
+    kernel. The activation is each checkpoint's own (SwiGLU, or GeGLU where config.json says so).
+
+    A passes when every element is within atol·rms + rtol·|reference| and the cosine similarity is high
+    enough; the tolerances depend on the coarser dtype and on quantization (table below). --layout,
+    --order and --tp say how fused gate_up tensors are laid out, in both checkpoints; when B's layout
+    differs from A's, give B's with --b-layout, --b-order and --b-tp (the plain options then apply to
+    A only). --layers and --experts naming layers or experts neither checkpoint has are refused.
+
+    Prints a table, worst FFN first, and a verdict. Exit status: 0 all pass, 1 something differs,
+    2 verification could not run (bad arguments, unreadable input, no FFNs, backend unavailable).
+    """
+    from ..api import verify as run
+
+    # could-not-run (FFNToolsError) becomes exit 2 and one line in cli.Group, as for every command
+    report = run(a, b, backends=list(backends) or None, tokens=tokens, seed=seed, layers=layers,
+                 experts=experts, atol=atol, rtol=rtol, exact=exact, logits=logits, scheme=scheme,
+                 layout=layout, b_layout=b_layout, allow_unmatched=allow_unmatched,
+                 ffn_only=ffn_only, load_check=load_check)
+    if as_json:
+        from ..api import json_of
+
+        click.echo(json.dumps(json_of(report), indent=2, default=str))
+    else:
+        for line in report.lines():
+            click.echo(line)
+    click.get_current_context().exit(0 if report.passed else 1)
