@@ -69,19 +69,30 @@ def scheme_options(f):
     return wrapper
 
 
-def layout_options(f):
-    """--layout/--order/--tp, resolved into ``layout`` (None when none is given: the scheme's)."""
+def layout_options_for(prefix: str, into: str, layout_help: str, order_help: str, tp_help: str):
+    """A decorator adding --{prefix}layout/--{prefix}order/--{prefix}tp, resolved into the keyword ``into``
+    (None when none is given)."""
+    key = prefix.replace("-", "_")
 
-    @click.option("--layout", "arrangement", type=click.Choice(ARRANGEMENTS),
-                  help="How gate and up share the fused tensor: concat [g; u], interleaved rows g0,u0,g1,u1,... "
-                       "(GPT-OSS), or tp: per tensor-parallel rank [g_r; u_r] (vLLM, Megatron). Default: the scheme's (concat).")
-    @click.option("--order", type=click.Choice(ORDERS), help="Which projection comes first. Default: gate-up.")
-    @click.option("--tp", type=click.IntRange(min=1), help="Tensor-parallel degree for --layout tp.")
-    @functools.wraps(f)
-    def wrapper(*args, arrangement, order, tp, **kwargs):
-        return f(*args, layout=resolve_layout(arrangement, order, tp), **kwargs)
+    def decorator(f):
+        @click.option(f"--{prefix}layout", f"{key}arrangement", type=click.Choice(ARRANGEMENTS), help=layout_help)
+        @click.option(f"--{prefix}order", f"{key}order", type=click.Choice(ORDERS), help=order_help)
+        @click.option(f"--{prefix}tp", f"{key}tp", type=click.IntRange(min=1), help=tp_help)
+        @functools.wraps(f)
+        def wrapper(*args, **kwargs):
+            given = [kwargs.pop(f"{key}{k}") for k in ("arrangement", "order", "tp")]
+            return f(*args, **{into: resolve_layout(*given, flag=f"--{prefix}")}, **kwargs)
 
-    return wrapper
+        return wrapper
+
+    return decorator
+
+
+layout_options = layout_options_for(
+    "", "layout",
+    "How gate and up share the fused tensor: concat [g; u], interleaved rows g0,u0,g1,u1,... (GPT-OSS), or tp: "
+    "per tensor-parallel rank [g_r; u_r] (vLLM, Megatron). Default: the scheme's (concat).",
+    "Which projection comes first. Default: gate-up.", "Tensor-parallel degree for --layout tp.")
 
 
 def resolve_layout(arrangement: str | None, order: str | None, tp: int | None, flag: str = "--") -> GateUpLayout | None:

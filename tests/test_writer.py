@@ -77,11 +77,8 @@ def test_copied_bytes_keep_their_page_offset(model_dir, tmp_path):
             assert torch.equal(a[n], b[n])
 
 
-def test_progress_moves_as_bytes_are_copied(model_dir, tmp_path, monkeypatch):
-    """Byte-copied tensors count when copied (step by step), not when queued: no single 100% frame."""
-    import ffn_tools.io.writer as writer
-    from ffn_tools.gateup import split_gateup
-
+def progress_bars(monkeypatch) -> list:
+    """The progress bars plans open from now on, each recording its total and its updates."""
     bars = []
 
     class Recorder:
@@ -95,8 +92,17 @@ def test_progress_moves_as_bytes_are_copied(model_dir, tmp_path, monkeypatch):
         def close(self):
             pass
 
-    monkeypatch.setattr(writer, "COPY_STEP", 4096)
     monkeypatch.setattr("ffn_tools.plan.Progress", Recorder)
+    return bars
+
+
+def test_progress_moves_as_bytes_are_copied(model_dir, tmp_path, monkeypatch):
+    """Byte-copied tensors count when copied (step by step), not when queued: no single 100% frame."""
+    import ffn_tools.io.writer as writer
+    from ffn_tools.gateup import split_gateup
+
+    monkeypatch.setattr(writer, "COPY_STEP", 4096)
+    bars = progress_bars(monkeypatch)
     split_gateup(model_dir("phi3"), tmp_path / "out")
     (bar,) = bars
     assert len(bar.steps) > 20 and max(bar.steps) <= 4096  # one step per copy_file_range call
@@ -127,20 +133,7 @@ def test_quantized_mlx_progress_counts_input_bytes(hf, tmp_path, monkeypatch):
     from ffn_tools.converters import convert
     from ffn_tools.io.store import open_checkpoint
 
-    bars = []
-
-    class Recorder:
-        def __init__(self, total, desc):
-            self.total, self.steps = total, []
-            bars.append(self)
-
-        def update(self, n):
-            self.steps.append(n)
-
-        def close(self):
-            pass
-
-    monkeypatch.setattr("ffn_tools.plan.Progress", Recorder)
+    bars = progress_bars(monkeypatch)
     src = hf("mixtral")
     convert(src, "mlx", tmp_path / "q", quantize=4)
     (bar,) = bars

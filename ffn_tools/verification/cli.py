@@ -6,33 +6,23 @@ modules are imported here; torch and the kernels load when the command runs.
 
 from __future__ import annotations
 
-import functools
 import json
 
 import click
 
-from ..layouts import ARRANGEMENTS, ORDERS
-from ..options import CHECKPOINT, layout_options, resolve_layout, scheme_options
+from ..options import CHECKPOINT, layout_options, layout_options_for, scheme_options
 from ..tolerances import HELP as TOLERANCE_HELP
 
 DEFAULT_TOKENS = 32  # = verify.DEFAULT_TOKENS (not imported: that module imports torch)
 BACKEND_NAMES = "reference, triton, metal, mlx, jax"
 
 
-def b_layout_options(f):
-    """--b-layout/--b-order/--b-tp: B's fused gate_up layout, resolved into ``b_layout`` (None: none given,
-    B's is A's). Checked like ``options.layout_options``."""
-
-    @click.option("--b-layout", "b_arrangement", type=click.Choice(ARRANGEMENTS),
-                  help="B's fused gate_up layout, when it differs from A's (say A concat-fused like Phi-3, B "
-                       "interleaved): with any --b-* option --layout/--order/--tp apply to A only.")
-    @click.option("--b-order", type=click.Choice(ORDERS), help="B's order of gate and up. Default: gate-up.")
-    @click.option("--b-tp", type=click.IntRange(min=1), help="B's tensor-parallel degree for --b-layout tp.")
-    @functools.wraps(f)
-    def wrapper(*args, b_arrangement, b_order, b_tp, **kwargs):
-        return f(*args, b_layout=resolve_layout(b_arrangement, b_order, b_tp, flag="--b-"), **kwargs)
-
-    return wrapper
+# B's fused gate_up layout, resolved into ``b_layout`` (None: none given, B's is A's).
+b_layout_options = layout_options_for(
+    "b-", "b_layout",
+    "B's fused gate_up layout, when it differs from A's (say A concat-fused like Phi-3, B interleaved): with any "
+    "--b-* option --layout/--order/--tp apply to A only.",
+    "B's order of gate and up. Default: gate-up.", "B's tensor-parallel degree for --b-layout tp.")
 
 
 @click.command("verify", epilog=TOLERANCE_HELP)
