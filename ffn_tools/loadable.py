@@ -72,6 +72,9 @@ def check(ckpt) -> LoadCheck:
         return check_mlx(ckpt.root)
     if ckpt.format == "flax":
         return LoadCheck("flax", skipped="no client loads Flax checkpoints here (transformers 5 has no Flax)")
+    if ckpt.format == "native":
+        return LoadCheck("native", skipped="Meta's and Mistral's own code loads native checkpoints, not a client "
+                                           "here; `ffn-tools convert --to torch` makes one transformers loads")
     return check_transformers(ckpt)
 
 

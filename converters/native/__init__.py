@@ -1,0 +1,42 @@
+"""Native formats: Meta's (``consolidated.NN.pth`` + ``params.json``) and Mistral's (``consolidated.safetensors``
++ ``params.json``), read with Hugging Face names so every command takes them (see ``reader``, ``layout``).
+
+Read only: ``convert --to torch`` turns one into a checkpoint transformers loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ffn_tools.errors import FFNToolsError
+from ffn_tools.io.store import Checkpoint
+
+from .reader import PARAMS, NativeCheckpoint, shard_files
+
+FORMAT = "native"
+OPTIONS: frozenset[str] = frozenset()
+
+__all__ = ["FORMAT", "OPTIONS", "can_read", "open", "export"]
+
+
+def can_read(path: Path) -> bool:
+    """A directory (or a file in one) holding params.json and consolidated weights."""
+    path = Path(path)
+    root = path if path.is_dir() else path.parent
+    if not path.is_dir() and not path.name.startswith(("consolidated", PARAMS)):
+        return False
+    return (root / PARAMS).is_file() and bool(shard_files(root))
+
+
+def open(path: Path) -> Checkpoint:  # noqa: A001 - the converter surface's name
+    """Open a native checkpoint as a lazy Hugging Face-named view.
+
+    Raises:
+        CheckpointError: params.json unreadable, tensors of unknown names, shards that disagree.
+    """
+    return NativeCheckpoint(Path(path))
+
+
+def export(ckpt: Checkpoint, out: Path, **options) -> dict:
+    raise FFNToolsError("ffn-tools reads Meta and Mistral native checkpoints but does not write them; "
+                        "convert to torch, mlx or flax")
