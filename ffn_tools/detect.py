@@ -12,11 +12,12 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .io.dtypes import FLOAT_ST
 from .errors import SchemeError, listing
+from .io.dtypes import FLOAT_ST
 from .ffn import FFN, Activation, FFNRef, activation_from_config
 from .layouts import GateUpLayout
 from .registry import LIBRARY, SCHEMES, Form, Group, Scheme, bias_name, compile_template, scheme_for_model_type
+from .scales import is_companion
 
 
 # A tensor looks like an FFN projection when a module on its path is an MLP / FFN / expert block and its own
@@ -230,7 +231,8 @@ def find_ffns(ckpt, scheme: Scheme | None = None, layout: GateUpLayout | None = 
     if problems:
         raise SchemeError(f"{ckpt.path}: inconsistent FFN tensors under scheme {scheme.name!r}: " + "; ".join(sorted(problems)))
     tensors = frozenset(n for f in ffns for n in f.names.values())
-    unmatched = tuple(sorted(n for n in names if n not in tensors and looks_like_ffn(n)))
+    unmatched = tuple(sorted(n for n in names if n not in tensors and looks_like_ffn(n)
+                             and not is_companion(n, tensors)))
     return FFNSet(scheme, tuple(sorted(ffns, key=lambda f: f.ref)), activation_from_config(ckpt.config), tensors,
                   unmatched)
 

@@ -12,12 +12,13 @@ import json
 import os
 from pathlib import Path
 
+from . import scales
 from .detect import find_ffns
-from .io.dtypes import short_name
 from .errors import FFNToolsError
 from .ffn import FFN, canonical_weights
-from .layouts import GateUpLayout
+from .io.dtypes import short_name
 from .io.output import check_output
+from .layouts import GateUpLayout, split
 from .plan import Entry, Plan, copy_entry, execute, side_files
 from .registry import Scheme
 from .specs import parse_spec
@@ -52,6 +53,35 @@ def _entries(ckpt, f: FFN) -> list[Entry]:
 
         src = f.names.get(role) or f.names["gate_up_bias" if role.endswith("_bias") else "gate_up"]
         out.append(Entry(name, dtype, shapes[role], inputs, compute, None, f"{role} of {f.ref} ({src})"))
+    return out + _scale_entries(ckpt, f, prefix)
+
+
+def _scale_entries(ckpt, f: FFN, prefix: str) -> list[Entry]:
+    """FP8 scales of the FFN's weights under the canonical names + their suffix (``layers.0.gate.weight_scale_inv``):
+    copied, indexed out of a stack, or split out of a fused gate_up's scale with its weight (see ``scales``)."""
+    out = []
+    for role in ("gate", "up", "down"):
+        fused = role not in f.names
+        base = f.names["gate_up"] if fused else f.names[role]
+        for suffix, sc in scales.companions(ckpt, base).items():
+            name = f"{prefix}.{role}.weight{suffix}"
+            if not fused and f.index is None:
+                out.append(copy_entry(ckpt, sc, name))
+                continue
+            if fused or f.form.transposed:
+                scales.check(ckpt, base, sc, f.layout, f.index is not None, transposed=f.form.transposed)
+            info = ckpt.info(sc)
+            shape = list(info.shape[1:] if f.index is not None else info.shape)
+            if fused:
+                shape[0] //= 2
+
+            def compute(ts, role=role, fused=fused, sc=sc):
+                t = ts[0] if f.index is None else ts[0][f.index]
+                if fused:
+                    t = split(t, f.layout, is_bias=t.dim() == 1, name=sc)[0 if role == "gate" else 1]
+                return t.contiguous()
+
+            out.append(Entry(name, info.st_dtype, tuple(shape), (sc,), compute, None, f"{role} scale of {f.ref} ({sc})"))
     return out
 
 

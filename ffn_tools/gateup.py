@@ -18,6 +18,7 @@ from .layouts import GateUpLayout, fuse, split
 from .loadable import form_change_warning
 from .io.output import check_output
 from .plan import Entry, Plan, check_shardable, copy_entry, execute
+from . import scales
 from .registry import Form, Scheme, bias_name
 from .sizes import human
 from .io.store import open_checkpoint
@@ -130,7 +131,20 @@ def plan_split(ckpt, ffns: FFNSet) -> Plan:
                                (f.names.get("down_bias"), bias_name(new["down"]), False)):
             if src and (f.index is not None or src != dst):
                 replaced[src].append(_index_entry(ckpt, src, f.index, dst, turn))
+        _split_scales(ckpt, f, new, replaced)
     return _assemble(ckpt, ffns, replaced, "split-gateup", len(fused), fused[0].layout, (fused, "separate"))
+
+
+def _split_scales(ckpt, f: FFN, new: dict[str, str], replaced) -> None:
+    """A fused weight's FP8 scales split with it (row blocks), the down projection's renamed with it."""
+    gate_up, stacked = f.names["gate_up"], f.index is not None
+    for suffix, sc in scales.companions(ckpt, gate_up).items():
+        scales.check(ckpt, gate_up, sc, f.layout, stacked, transposed=f.form.transposed)
+        vector = len(ckpt.info(sc).shape) == (2 if stacked else 1)
+        replaced[sc] += _split_entries(ckpt, f, sc, vector, {r: new[r] + suffix for r in ("gate", "up")})
+    for suffix, sc in scales.companions(ckpt, f.names["down"]).items():
+        if stacked or sc != new["down"] + suffix:
+            replaced[sc].append(_index_entry(ckpt, sc, f.index, new["down"] + suffix))
 
 
 def _fuse_pieces(parts: list[tuple[int, tuple[int, ...], int]], layout: GateUpLayout, is_bias: bool,
@@ -217,6 +231,7 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False) -> Plan:
         replaced[f.names["gate"]].append(_fuse_entry(ckpt, new["gate_up"], [(f.names["gate"], f.names["up"])], f.layout, False))
         replaced[f.names["up"]] += []
         _fuse_biases(ckpt, f, replaced, [f], bias_name(new["gate_up"]))
+        _fuse_scales(ckpt, [f], new, replaced)
         for src, dst in ((f.names["down"], new["down"]), (f.names.get("down_bias"), bias_name(new["down"]))):
             if src and src != dst:
                 replaced[src].append(copy_entry(ckpt, src, dst))
@@ -233,6 +248,7 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False) -> Plan:
         replaced[f0.names["down"]].append(_stack_entry(ckpt, new["down"], [f.names["down"] for f in experts],
                                                        target.transposed))
         _fuse_biases(ckpt, f0, replaced, experts, bias_name(new["gate_up"]), stacked=True)
+        _fuse_scales(ckpt, experts, new, replaced, stacked=True, transposed=target.transposed)
         if "down_bias" in f0.names:
             replaced[f0.names["down_bias"]].append(_stack_entry(ckpt, bias_name(new["down"]),
                                                                 [f.names["down_bias"] for f in experts]))
@@ -244,6 +260,35 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False) -> Plan:
     stacked = [f for fs in by_layer.values() for f in fs]
     return _assemble(ckpt, ffns, replaced, "fuse-gateup", len(stacked) + len(fused), separate[0].layout,
                      (stacked, "stacked"), (fused, "fused"))
+
+
+def _fuse_scales(ckpt, group: list[FFN], new: dict[str, str], replaced, stacked: bool = False,
+                 transposed: bool = False) -> None:
+    """Gate's and up's FP8 scales fused (and stacked) as their weights are; down's renamed (or stacked)."""
+    f0 = group[0]
+    for suffix in scales.SUFFIXES:
+        pairs = [(f.names["gate"] + suffix, f.names["up"] + suffix) for f in group]
+        present = [n for pair in pairs for n in pair if n in ckpt]
+        if present:
+            if len(present) != 2 * len(pairs):
+                missing = next(n for pair in pairs for n in pair if n not in ckpt)
+                raise LayoutError(f"{missing} is missing: gate and up (and every expert) need the same scales to "
+                                  "be fused")
+            gate = ckpt.info(f0.names["gate"]).shape
+            scales.check(ckpt, f0.names["gate"], pairs[0][0], f0.layout, False, fused_rows=2 * gate[0],
+                         transposed=transposed or f0.form.transposed)
+            vector = len(ckpt.info(pairs[0][0]).shape) == 1
+            replaced[pairs[0][0]].append(_fuse_entry(ckpt, new["gate_up"] + suffix, pairs, f0.layout, vector,
+                                                     stacked))
+            for name in present[1:]:
+                replaced[name] += []
+        downs = [f.names["down"] + suffix for f in group if f.names["down"] + suffix in ckpt]
+        if downs and stacked:
+            replaced[downs[0]].append(_stack_entry(ckpt, new["down"] + suffix, downs))
+            for name in downs[1:]:
+                replaced[name] += []
+        elif downs and downs[0] != new["down"] + suffix:
+            replaced[downs[0]].append(copy_entry(ckpt, downs[0], new["down"] + suffix))
 
 
 def _fuse_biases(ckpt, f0: FFN, replaced, group: list[FFN], name: str, stacked: bool = False) -> None:

@@ -6,6 +6,8 @@ from collections import Counter, defaultdict
 
 from .detect import FFNSet, find_ffns
 from .io.dtypes import short_name
+from .scales import describe as describe_scales
+from .scales import is_companion
 from .layouts import GateUpLayout
 from .registry import Scheme
 from .io.store import Checkpoint, config_dtype
@@ -71,7 +73,7 @@ def inspect_checkpoint(ckpt: Checkpoint, scheme: Scheme | None = None, layout: G
             "tensors": len(tensors),
         }
     experts = per_kind.get("expert", [])
-    outside = [n for n in ckpt if n not in ffns.tensors]
+    outside = [n for n in ckpt if n not in ffns.tensors and not is_companion(n, ffns.tensors)]
     return {
         "path": str(ckpt.path),
         "format": ckpt.format,
@@ -88,6 +90,7 @@ def inspect_checkpoint(ckpt: Checkpoint, scheme: Scheme | None = None, layout: G
         "activation": ffns.activation.describe(),
         "gated_unit": ffns.activation.unit,
         "dtypes": dict(Counter(short_name(ckpt.info(n).st_dtype) for n in ckpt)),
+        "quantized": describe_scales(ckpt),
         "config_dtype": config_dtype(ckpt.config),
         "shards": [str(f.name) for f in ckpt.files],
         "total_bytes": ckpt.total_bytes,
@@ -118,6 +121,9 @@ def format_summary(s: dict) -> list[str]:
     for kind, k in s["ffn"].items():
         lines.append(f"  {kind:<13} {k['count']} FFNs in {k['layers']} layers, d_ffn {', '.join(map(str, k['d_ffn']))}, "
                      f"{k['layout']}{', with biases' if k['bias'] else ''}, {k['tensors']} tensors")
+    for q in s.get("quantized") or []:
+        lines.append(f"  quantized     {q['weights']} weights {q['dtype']}, one _{q['scales']} per {q['block'][0]}x"
+                     f"{q['block'][1]} block (split, fuse and extract move it with its weight)")
     o = s["outside_ffn"]
     lines.append(f"  outside FFNs  {o['count']} tensors, {human(o['bytes'])}")
     lines += [f"  warning       {w}" for w in s["warnings"]]

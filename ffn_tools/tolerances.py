@@ -76,6 +76,10 @@ QUANT_TOLERANCES: dict[int, Tolerance] = {
     2: Tolerance(10.0, 10.0, 0.5, "2-bit"),
 }
 
+# FP8 (E4M3) weights with block scales: 3 mantissa bits, errors like 6-bit affine groups (a DeepSeek-style
+# 32x32-block quantization of a tiny model measures cosine 0.9988, outside the 8-bit row): verify uses the 6-bit row.
+FP8_ROW_BITS = 6
+
 HELP = "\n".join([
     "\b",  # click: keep these lines as they are
     "Tolerances, per the coarser dtype of A and B and per quantization (the looser row when both apply):",
@@ -83,6 +87,7 @@ HELP = "\n".join([
     f"  {'row':<10} {'atol':>6} {'rtol':>6}  min cosine",
     *(f"  {t.row:<10} {t.atol:>6g} {t.rtol:>6g}  {t.min_cosine}"
       for t in (*DTYPE_TOLERANCES.values(), *QUANT_TOLERANCES.values())),
+    f"FP8 (E4M3) block-scaled weights, dequantized: the {FP8_ROW_BITS}-bit row.",
     f"Whole-model logits (--logits): the row widened {LOGITS_WIDEN:g} times.",
 ])
 

@@ -25,6 +25,7 @@ from ..layouts import GateUpLayout
 from ..registry import Scheme, compile_template
 from ..specs import parse_spec
 from ..io.store import open_checkpoint
+from ..scales import Dequantized, is_companion
 from ..tolerances import tolerance_for, widened
 from .functional import KERNEL_DTYPES
 from .pairs import PairChecker
@@ -85,7 +86,8 @@ def _open(path, side: str):
     from ffn_tools.converters import open_any
 
     try:
-        return open_any(path), None
+        ckpt = open_any(path)
+        return (Dequantized(ckpt) if any(is_companion(n, ckpt) for n in ckpt) else ckpt), None
     except CheckpointError as e:
         try:
             open_checkpoint(path).close()  # plain weight files are there: what they hold is wrong
