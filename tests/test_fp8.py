@@ -99,3 +99,47 @@ def test_a_scale_that_cannot_be_split_exactly_is_refused(model_dir, tmp_path):
     q = quantize_fp8(model_dir("phi3"), tmp_path / "q")
     r = run_cli("split-gateup", q, "-o", tmp_path / "out", "--layout", "interleaved", ok=False)
     assert "no exact split of the scale exists" in r.output and not (tmp_path / "out").exists()
+
+
+def test_fp8_to_mlx_dequantizes_where_mlx_lm_has_no_fp8_form(model_dir, tmp_path):
+    pytest.importorskip("mlx_lm")
+    from ffn_tools.converters import convert
+
+    q = quantize_fp8(model_dir("phi3"), tmp_path / "q")
+    summary = convert(q, "mlx", tmp_path / "mlx")
+    assert any(c.startswith("dequantized 8 F8_E4M3 weights") for c in summary["changes"])
+    r = run_cli("verify", q, tmp_path / "mlx", "--backend", "reference", ok=None)  # loads in mlx_lm, same values
+    assert r.exit_code == 0 and "PASS" in r.output and "loads in mlx_lm" in r.output, r.output
+
+
+def test_fp8_deepseek_v3_to_mlx_is_what_mlx_lm_convert_writes(tmp_path):
+    """mlx_lm's DeepSeek-V3 sanitize dequantizes weight_scale_inv (128 x 128 blocks) itself: the export runs it."""
+    mlx_lm = pytest.importorskip("mlx_lm")
+    import contextlib
+    import io
+
+    import zoo
+    from helpers import assert_identical, write_tokenizer
+
+    from ffn_tools.converters import convert
+
+    src = tmp_path / "ds"
+    zoo.build("deepseek_v3", src, keep=("attention_bias", "mlp_bias", "tie_word_embeddings"),
+              extra={"n_group": 1, "topk_group": 1})
+    write_tokenizer(src, 160)
+    out = {}
+    for k, w in load_file(src / "model.safetensors").items():  # one 128 x 128 block covers a tiny weight
+        if k.endswith("proj.weight") and w.dim() == 2 and "kv_b_proj" not in k:
+            scale = w.abs().amax().clamp(min=1e-12).reshape(1, 1) / 448
+            out[k], out[k + "_scale_inv"] = (w / scale).to(torch.float8_e4m3fn), scale.float()
+        else:
+            out[k] = w
+    save_file(out, src / "model.safetensors", metadata={"format": "pt"})
+    convert(src, "mlx", tmp_path / "mine")
+    ref = tmp_path / "ref-src"
+    shutil.copytree(src, ref)
+    (ref / "config.json").write_text((tmp_path / "mine" / "config.json").read_text())  # the keys export added
+    with contextlib.redirect_stdout(io.StringIO()):
+        mlx_lm.convert(str(ref), str(tmp_path / "theirs"))
+    assert_identical(tensors(tmp_path / "mine"), tensors(tmp_path / "theirs"))
+    mlx_lm.load(str(tmp_path / "mine"))

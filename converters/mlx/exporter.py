@@ -149,6 +149,30 @@ def _match(ckpt: Checkpoint, where: str) -> tuple[Target, list[Entry], list, lis
                         + "; ".join(closest[1]))
 
 
+def _match_or_dequantize(ckpt: Checkpoint):
+    """``_match`` on the input as it is (models whose sanitize reads FP8 scales, as DeepSeek-V3's, dequantize
+    it themselves); failing that, on the input with its FP8 weights dequantized (``scales.Dequantized``).
+
+    Returns:
+        ``_match``'s result, then the checkpoint the plan reads.
+    """
+    from ffn_tools.scales import Dequantized, describe
+
+    try:
+        return (*_match(ckpt, str(ckpt.path)), ckpt)
+    except FFNToolsError:
+        scaled = describe(ckpt)
+        if not scaled:
+            raise
+    deq = Dequantized(ckpt)
+    found = _match(deq, str(ckpt.path))
+    n = sum(q["weights"] for q in scaled)
+    found[4].insert(0, f"dequantized {n} {scaled[0]['dtype']} weights (times their _{scaled[0]['scales']}) to "
+                       f"float32: mlx_lm's {found[0].module} model has no FP8 form (pass --dtype to store them "
+                       "smaller, -q to quantize)")
+    return (*found, deq)
+
+
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
            max_shard_size: int | None = None, quantize=None, q_bits: int | None = None,
            q_group_size: int | None = None, q_mode: str | None = None, quant_predicate: str | None = None,
@@ -180,7 +204,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     target_st = _dtype(dtype)
     quant = resolve(quantize, q_bits, q_group_size if q_group_size is not None else group_size, q_mode,
                     quant_predicate)
-    tg, view, outputs, unused, changes = _match(ckpt, str(ckpt.path))
+    tg, view, outputs, unused, changes, ckpt = _match_or_dequantize(ckpt)
     config = tg.config
     if tg.renamed:
         changes.append(f"config.json: model_type {config['model_type']} (was {tg.renamed}): mlx_lm has no "
@@ -199,10 +223,11 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
             target_st = _ST[legacy]
             changes.append(f"cast floating tensors to {legacy} (config.json torch_dtype), as mlx_lm.convert does")
     computed = [o.name for o in outputs if o.computed]
+    unused = [n for n in unused if n not in set(computed)]  # recomputed under their own name: listed below
     if unused:
         how = (f"dropped by mlx_lm's sanitize: {collapse(unused)}" if not computed else
                f"not carried over by name: {collapse(unused)} (mlx_lm's sanitize drops them or computes "
-               f"{collapse(computed)} from them)")
+               "the tensors below from them)")
         changes.append(how)
     stacked = [o for o in outputs if len(o.sources) > 1]
     if stacked:

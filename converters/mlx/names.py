@@ -108,7 +108,7 @@ def map_outputs(model, shapes: Mapping[str, tuple[tuple[int, ...], str]]) -> tup
         srcs = tuple(n for _, n in members)
         first = shapes[srcs[0]] if srcs else None
         if srcs and [e for e, _ in members] == list(range(len(srcs))) and tuple(a.shape) == (len(srcs), *first[0]) \
-                and all(shapes[s] == first for s in srcs) and _MX.get(first[1]) == a.dtype:
+                and all(shapes[s] == first for s in srcs) and _ST.get(a.dtype) == first[1]:
             outputs.append(Output(name, tuple(a.shape), first[1], srcs))
             used.update(srcs)
         else:
