@@ -68,12 +68,14 @@ def params_of(hf_dir) -> dict:
     return params
 
 
-def to_native(hf_dir, out, ranks: int = 1, fmt: str = "pth"):
-    """``hf_dir`` laid out natively in ``out``: ``ranks`` model-parallel shards (pth) or one safetensors file."""
+def to_native(hf_dir, out, ranks: int = 1, fmt: str = "pth", embed_dim: int = 1):
+    """``hf_dir`` laid out natively in ``out``: ``ranks`` model-parallel shards (pth) or one safetensors file;
+    the embedding split along ``embed_dim`` (Llama 2: its width, 1; Llama 3: the vocabulary, 0)."""
     params = params_of(hf_dir)
     shards = [{} for _ in range(ranks)]
     for name, t in tensors(hf_dir).items():
         native, dim, heads = _native_name(name)
+        dim = embed_dim if native == "tok_embeddings.weight" else dim
         if heads:
             t = _meta_rows(t, params[heads])
         pieces = list(torch.chunk(t, ranks, dim=dim)) if dim is not None else [t] * ranks
@@ -98,19 +100,20 @@ def twins(model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("native")
     return {
         "meta": (model_dir("llama"), to_native(model_dir("llama"), root / "meta", ranks=2)),
+        "meta-llama3": (model_dir("llama"), to_native(model_dir("llama"), root / "meta3", ranks=2, embed_dim=0)),
         "mistral": (model_dir("mistral"), to_native(model_dir("mistral"), root / "mistral", fmt="safetensors")),
         "mistral-moe": (model_dir("mixtral"), to_native(model_dir("mixtral"), root / "mixtral", fmt="safetensors")),
     }
 
 
-@pytest.mark.parametrize("kind", ["meta", "mistral", "mistral-moe"])
+@pytest.mark.parametrize("kind", ["meta", "meta-llama3", "mistral", "mistral-moe"])
 def test_native_reads_as_its_twin(kind, twins, tmp_path):
     hf, native = twins[kind]
     mine, theirs = (json.loads(run_cli("inspect", p, "--json").output) for p in (native, hf))
     assert mine["ffn"] == theirs["ffn"] and mine["format"] == "native"
     run_cli("convert", native, "--to", "torch", "-o", tmp_path / "hf")
     assert_identical(tensors(tmp_path / "hf"), tensors(hf))  # every tensor bit for bit, q/k permuted back
-    arch = {"meta": "llama", "mistral": "mistral", "mistral-moe": "mixtral"}[kind]
+    arch = {"meta": "llama", "meta-llama3": "llama", "mistral": "mistral", "mistral-moe": "mixtral"}[kind]
     assert torch.equal(tiny_models.logits(tmp_path / "hf", arch), tiny_models.logits(hf, arch))
     r = run_cli("verify", hf, native, "--backend", "reference", ok=None)
     assert r.exit_code == 0 and "PASS" in r.output and "load check (native) did not run" in r.output, r.output
