@@ -136,6 +136,10 @@ def test_extract_and_mlx_export_take_a_native_checkpoint(twins, tmp_path):
     run_cli("extract", native, "-o", tmp_path / "a")
     run_cli("extract", hf, "-o", tmp_path / "b")
     assert_identical(tensors(tmp_path / "a"), tensors(tmp_path / "b"))
+    pytest.importorskip("mlx_lm")
+    run_cli("convert", native, "--to", "mlx", "-o", tmp_path / "c")
+    run_cli("convert", hf, "--to", "mlx", "-o", tmp_path / "d")
+    assert_identical(tensors(tmp_path / "c"), tensors(tmp_path / "d"))
 
 
 def test_bad_native_checkpoints_are_refused_in_one_line(twins, tmp_path):
