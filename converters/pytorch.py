@@ -23,8 +23,12 @@ def can_read(path: Path) -> bool:
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001 - the converter surface's name
-    """Open a PyTorch checkpoint lazily (see ``ffn_tools.io.store.open_checkpoint``)."""
-    return open_checkpoint(path)
+    """Open a PyTorch checkpoint lazily (see ``ffn_tools.io.store.open_checkpoint``); MXFP4 experts (GPT-OSS as
+    OpenAI ships it) are seen dequantized, exactly (see ``ffn_tools.mxfp4``)."""
+    from ffn_tools import mxfp4
+
+    ckpt = open_checkpoint(path)
+    return mxfp4.Mxfp4View(ckpt) if mxfp4.pairs(ckpt) else ckpt
 
 
 def cast_entry(ckpt: Checkpoint, name: str, dtype) -> Entry:

@@ -12,13 +12,13 @@ from pathlib import Path
 
 from .detect import FFNSet, find_ffns
 from .io.dtypes import itemsize
-from .errors import LayoutError, NothingToDoError
+from .errors import FFNToolsError, LayoutError, NothingToDoError
 from .ffn import FFN
 from .layouts import GateUpLayout, fuse, split
 from .loadable import form_change_warning
 from .io.output import check_output
 from .plan import Entry, Plan, check_shardable, copy_entry, execute
-from . import scales
+from . import mxfp4, scales
 from .registry import Form, Scheme, bias_name
 from .sizes import human
 from .io.store import open_checkpoint
@@ -341,6 +341,10 @@ def default_output(path: Path, tag: str) -> Path:
 def _run(command: str, plan_fn, path, out, *, scheme, layout, dry_run, force, max_shard_size, **kw) -> dict:
     path = Path(path)
     with open_checkpoint(path) as ckpt:
+        if packed := mxfp4.pairs(ckpt):
+            raise FFNToolsError(f"{path}: {len(packed)} MXFP4 tensors ({next(iter(packed))}_blocks/_scales, ...): "
+                                f"{command} rewrites tensors as stored and nothing reads split MXFP4; `ffn-tools "
+                                "convert PATH --to torch -o DIR` dequantizes them exactly (bf16), then split that")
         plan = plan_fn(ckpt, find_ffns(ckpt, scheme, layout), **kw)
         out = Path(out) if out else default_output(path, "split" if command == "split-gateup" else "fused")
         check_shardable(out, max_shard_size)
