@@ -87,3 +87,34 @@ def test_split_and_fuse_refuse_mxfp4_with_the_way_out(gpt_oss, tmp_path):
     for command in ("split-gateup", "fuse-gateup"):
         r = run_cli(command, packed, "-o", tmp_path / command, ok=False)
         assert "MXFP4" in r.output and "--to torch" in r.output and not (tmp_path / command).exists()
+
+
+def test_mxfp4_to_mlx_stays_mxfp4_as_mlx_lm_convert_keeps_it(gpt_oss, tmp_path):
+    """mlx_lm's GPT-OSS reads OpenAI's MXFP4 experts into MLX's own mxfp4: the export keeps the packed bytes."""
+    mlx_lm = pytest.importorskip("mlx_lm")
+    import contextlib
+    import io
+
+    from helpers import assert_identical, write_tokenizer
+
+    from ffn_tools.converters import convert
+
+    _, packed = gpt_oss
+    src = tmp_path / "src"
+    shutil.copytree(packed, src)
+    write_tokenizer(src, 160)
+    summary = convert(src, "mlx", tmp_path / "mine")
+    assert summary["quantization"] == {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    assert any(c.startswith("kept 4 MXFP4 tensors") for c in summary["changes"])
+    ref = tmp_path / "ref-src"
+    shutil.copytree(src, ref)
+    config = json.loads((tmp_path / "mine" / "config.json").read_text())  # the keys export added
+    config.pop("quantization")
+    config["quantization_config"] = json.loads((src / "config.json").read_text())["quantization_config"]
+    (ref / "config.json").write_text(json.dumps(config))
+    with contextlib.redirect_stdout(io.StringIO()):
+        mlx_lm.convert(str(ref), str(tmp_path / "theirs"))
+    assert_identical(tensors(tmp_path / "mine"), tensors(tmp_path / "theirs"))
+    theirs = json.loads((tmp_path / "theirs" / "config.json").read_text())
+    assert json.loads((tmp_path / "mine" / "config.json").read_text())["quantization"] == theirs["quantization"]
+    mlx_lm.load(str(tmp_path / "mine"))

@@ -131,13 +131,14 @@ def _match(ckpt: Checkpoint, where: str) -> tuple[Target, list[Entry], list, lis
     closest = (float("inf"), [])
     for label, entries in _views(ckpt):
         shapes = {e.name: (tuple(e.shape), e.st_dtype) for e in entries}
-        tg.model = tg.fresh()
+        tg.model, tg.prequant = tg.fresh(), None
         try:
             outputs, unused = mlx_names.map_outputs(tg.model, shapes)
         except FFNToolsError as e:
             closest = min(closest, (float("inf") if closest[1] else 10**9, [str(e)]))
             continue
         tg.params = parameters(tg.model)  # sanitize may change the model (Gemma 3 drops its unused lm_head)
+        _prequantized(tg, outputs)
         problems, changes, n = _problems(tg, outputs, ckpt)
         if not problems:
             if label != "as it is":
@@ -149,15 +150,48 @@ def _match(ckpt: Checkpoint, where: str) -> tuple[Target, list[Entry], list, lis
                         + "; ".join(closest[1]))
 
 
-def _match_or_dequantize(ckpt: Checkpoint):
+# quantization_config methods mlx_lm.load keeps quantized, as its load_model maps them (mode, group, bits)
+PREQUANTIZED = {"mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"},
+                "mxfp8": {"group_size": 32, "bits": 8, "mode": "mxfp8"}}
+
+
+def _prequantized(tg: Target, outputs) -> None:
+    """As ``mlx_lm.load`` does for a checkpoint quantized in a form MLX runs (GPT-OSS's MXFP4): quantize the
+    lazy model's modules whose ``.scales`` sanitize produced, so its parameters are the packed ones; the
+    config then carries mlx_lm's ``quantization`` block (``tg.prequant``)."""
+    method = ((tg.config.get("quantization_config") or {}) if isinstance(tg.config.get("quantization_config"), dict)
+              else {}).get("quant_method")
+    names = {o.name for o in outputs}
+    if method not in PREQUANTIZED or not any(n.endswith(".scales") for n in names):
+        return
+    import mlx.nn as nn
+
+    q = PREQUANTIZED[method]
+    nn.quantize(tg.model, q["group_size"], q["bits"], mode=q["mode"],
+                class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in names)
+    tg.params, tg.prequant = parameters(tg.model), dict(q)
+
+
+def _match_or_dequantize(ckpt: Checkpoint, quantizing: bool = False):
     """``_match`` on the input as it is (models whose sanitize reads FP8 scales, as DeepSeek-V3's, dequantize
-    it themselves); failing that, on the input with its FP8 weights dequantized (``scales.Dequantized``).
+    it themselves; MXFP4 experts, read dequantized by default, are tried first as stored, which mlx_lm keeps
+    MXFP4 unless ``quantizing``); failing that, on the input with its FP8 weights dequantized
+    (``scales.Dequantized``).
 
     Returns:
         ``_match``'s result, then the checkpoint the plan reads.
     """
+    from ffn_tools.mxfp4 import Mxfp4View
     from ffn_tools.scales import Dequantized, describe
 
+    if isinstance(ckpt, Mxfp4View) and not quantizing:
+        try:
+            found = _match(ckpt.raw, str(ckpt.path))
+            if found[0].prequant:
+                found[4].insert(0, f"kept {len(ckpt.packed)} MXFP4 tensors as MLX's own mxfp4 (as mlx_lm.load does)")
+                return (*found, ckpt.raw)
+        except FFNToolsError:
+            pass
     try:
         return (*_match(ckpt, str(ckpt.path)), ckpt)
     except FFNToolsError:
@@ -204,7 +238,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     target_st = _dtype(dtype)
     quant = resolve(quantize, q_bits, q_group_size if q_group_size is not None else group_size, q_mode,
                     quant_predicate)
-    tg, view, outputs, unused, changes, ckpt = _match_or_dequantize(ckpt)
+    tg, view, outputs, unused, changes, ckpt = _match_or_dequantize(ckpt, quantizing=bool(quant))
     config = tg.config
     if tg.renamed:
         changes.append(f"config.json: model_type {config['model_type']} (was {tg.renamed}): mlx_lm has no "
@@ -236,7 +270,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     if computed:
         changes.append(f"computed by mlx_lm's sanitize (evaluated from the input): {collapse(computed)}")
     d = decide(tg.model, quant) if quant else None
-    chosen, block = (d.chosen, d.block) if d else ({}, None)
+    chosen, block = (d.chosen, d.block) if d else ({}, tg.prequant)
     left = [f"{m}.weight" for m in d.skipped] if d else []
 
     from .tensors import plan_outputs

@@ -189,6 +189,7 @@ class Target:
     params: dict[str, tuple[int, ...]]
     build: object = None  # () -> a new lazy model: sanitize may change a model, so each run gets its own
     renamed: str | None = None  # the source's model_type where mlx_lm needs another (see ``loadable_type``)
+    prequant: dict | None = None  # the quantization the input keeps (MXFP4), as mlx_lm's config block says it
 
     def fresh(self):
         return self.build()
