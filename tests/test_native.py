@@ -115,6 +115,8 @@ def test_native_reads_as_its_twin(kind, twins, tmp_path):
     assert_identical(tensors(tmp_path / "hf"), tensors(hf))  # every tensor bit for bit, q/k permuted back
     arch = {"meta": "llama", "meta-llama3": "llama", "mistral": "mistral", "mistral-moe": "mixtral"}[kind]
     assert torch.equal(tiny_models.logits(tmp_path / "hf", arch), tiny_models.logits(hf, arch))
+    r = run_cli("verify", hf, tmp_path / "hf", "--backend", "reference", "--logits", ok=None)  # through transformers
+    assert r.exit_code == 0 and "PASS" in r.output and "logits" in r.output, r.output
     r = run_cli("verify", hf, native, "--backend", "reference", ok=None)
     assert r.exit_code == 0 and "PASS" in r.output and "load check (native) did not run" in r.output, r.output
 
