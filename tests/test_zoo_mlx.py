@@ -59,8 +59,6 @@ REFUSED = {
     "gemma4_unified_text": "mlx_lm maps gemma4_unified to its multimodal gemma4, which wants language_model.* names",
     "granitemoehybrid": "mlx_lm's granitemoehybrid does not know transformers 5.24's linear_attention layers",
     "glm_moe_dsa": _V4.format("glm_moe_dsa", "moe_layer_freq, scoring_func, topk_method"),
-    "gpt_oss": "mlx_lm's gpt_oss sanitize reads OpenAI's layout (gate_up_proj (E, 2I, H), MXFP4 _blocks); "
-               "transformers saves (E, H, 2I) without .weight",
     "kimi_linear": _V4.format("kimi_linear", "linear_attn_config"),
     "lfm2": _V4.format("lfm2", "block_dim"),
     "llama4_text": "mlx_lm's llama4_text is dense: no routed experts",
@@ -75,11 +73,33 @@ REFUSED = {
     "solar_open": _V4.format("solar_open", "first_k_dense_replace, intermediate_size"),
 }
 # model_type -> why mlx_lm.convert cannot read the transformers checkpoint that ffn-tools exports (asserted: it
-# still fails); its reference is mlx_lm.convert of `ffn-tools fuse-gateup --stack-experts`' output instead.
-STACKED_REFERENCE = {
+# still fails);
+# its reference is mlx_lm.convert of the checkpoint in the layout mlx_lm reads (OTHER_LAYOUT).
+OTHER_LAYOUT = {
     "qwen3_5_moe_text": "mlx_lm's qwen3_5_moe sanitize stacks only experts.gate_up_proj (E, 2I, H); transformers "
                         "5.24 saves per-expert gate/up/down, which ffn-tools stacks in the export plan",
+    "gpt_oss": "mlx_lm's gpt_oss sanitize reads OpenAI's layout, experts (E, out, in) named .weight; transformers "
+               "saves (E, in, out) without .weight, which ffn-tools turns in the export plan",
 }
+
+
+def _other_layout(model_type: str, src: Path, dst: Path) -> Path:
+    """``src`` in the layout mlx_lm reads: fuse-gateup --stack-experts' output, or (GPT-OSS) the experts turned
+    to (E, out, in) and named .weight, with torch alone."""
+    if model_type == "gpt_oss":
+        from safetensors.torch import load_file, save_file
+
+        shutil.copytree(src, dst)
+        w = load_file(src / "model.safetensors")
+        w = {(k + ".weight" if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else k):
+             (v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v)
+             for k, v in w.items()}
+        save_file(w, dst / "model.safetensors", metadata={"format": "pt"})
+        return dst
+    from ffn_tools.gateup import fuse_gateup
+
+    fuse_gateup(src, dst, stack_experts=True)
+    return dst
 # model_type -> why mlx_lm's own forward differs from transformers' (asserted: it still differs).
 OTHER_LOGITS = {
     "glm": "mlx_lm's glm ropes the whole head; transformers' GlmConfig ropes half (partial_rotary_factor 0.5)",
@@ -162,13 +182,10 @@ def test_zoo_mlx(model_type, tmp_path, request):
         assert close != (model_type in OTHER_LOGITS), model_type
     quant = tmp_path / "mlx-q"
     convert(src, "mlx", quant, quantize=True)
-    if model_type in STACKED_REFERENCE:
+    if model_type in OTHER_LAYOUT:
         with pytest.raises(ValueError, match="parameters not in model"):
             _reference(src, out, tmp_path / "theirs")
-        from ffn_tools.gateup import fuse_gateup
-
-        fuse_gateup(src, tmp_path / "stacked", stack_experts=True)
-        src = tmp_path / "stacked"
+        src = _other_layout(model_type, src, tmp_path / "other")
     _reference(src, out, tmp_path / "ref")
     assert_identical(tensors(out), tensors(tmp_path / "ref"))
     _reference(src, out, tmp_path / "ref-q", quantize=True)

@@ -79,6 +79,24 @@ def _views(ckpt: Checkpoint):
             continue
         except FFNToolsError:
             continue
+    if any(f.form.transposed for f in ffns.ffns):
+        yield "with stacked experts turned to (E, out, in) .weight", _out_in(ckpt, ffns)
+
+
+def _out_in(ckpt: Checkpoint, ffns) -> list[Entry]:
+    """Stacked experts stored (E, in, out) (transformers' GPT-OSS) as OpenAI's layout, (E, out, in) named
+    ``.weight``, which mlx_lm's GPT-OSS sanitize reads; everything else as it is."""
+    turned = {f.names[r] for f in ffns.ffns if f.form.transposed and f.index is not None for r in ("gate_up", "down")
+              if r in f.names}
+    out = []
+    for n in ckpt:
+        if n not in turned:
+            out.append(copy_entry(ckpt, n))
+            continue
+        info = ckpt.info(n)
+        out.append(Entry(f"{n}.weight", info.st_dtype, (info.shape[0], info.shape[2], info.shape[1]), (n,),
+                         lambda ts: ts[0].transpose(1, 2).contiguous(), None, f"{n} turned to (E, out, in)"))
+    return out
 
 
 def _problems(tg: Target, outputs, ckpt: Checkpoint) -> tuple[list[str], list[str], int]:
