@@ -24,5 +24,6 @@ test: install
 bench: install
 	$(BIN)/python benchmarks/bench_split.py
 	$(BIN)/python benchmarks/bench_mlx.py
+	$(BIN)/python benchmarks/bench_native.py
 	$(BIN)/python benchmarks/bench_verify.py
 	$(BIN)/python benchmarks/bench_kernels.py

@@ -210,9 +210,10 @@ def test_force_replaces_an_earlier_output_but_no_other_directory(model_dir, tmp_
     assert "earlier checkpoint output" in r.output and (home / "notes.txt").read_text() == "mine"
 
 
-@pytest.mark.parametrize("where, src", [("_copy_range", "safetensors"), ("_emit", "pickle")])
+@pytest.mark.parametrize("where, src", [("_copy_range", "safetensors"), ("_copy_range", "pickle"),
+                                        ("_emit", "legacy-pickle")])
 def test_failure_midway_leaves_no_partial_output(model_dir, tmp_path, monkeypatch, where, src):
-    """A disk filling up while bytes are copied (safetensors input) or written (pickle input)."""
+    """A disk filling up while bytes are copied (safetensors, zip pickle) or written (legacy pickle: no offsets)."""
     import ffn_tools.io.writer as writer
 
     calls = {"n": 0}
@@ -228,6 +229,16 @@ def test_failure_midway_leaves_no_partial_output(model_dir, tmp_path, monkeypatc
     from ffn_tools.gateup import split_gateup
 
     source = model_dir("phi3") if src == "safetensors" else model_dir("phi3", safe_serialization=False)
+    if src == "legacy-pickle":
+        import shutil
+
+        import torch
+
+        legacy = tmp_path.parent / f"{tmp_path.name}-legacy"
+        shutil.copytree(source, legacy)
+        state = torch.load(legacy / "pytorch_model.bin", weights_only=True)
+        torch.save(state, legacy / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+        source = legacy
     from ffn_tools.errors import OutputError
 
     with pytest.raises(OutputError, match="no space left on the device") as e:

@@ -130,3 +130,19 @@ def test_header_offsets_are_absolute(tmp_path):
             assert data[i.start:i.start + i.nbytes] == t[n].view(torch.uint8).numpy().tobytes()
     (n,) = struct.unpack("<Q", data[:8])
     assert json.loads(data[8:8 + n])["x"]["dtype"] == "F32"
+
+
+def test_zip_pickles_are_read_and_copied_by_offset(model_dir, tmp_path):
+    """torch.save's zip stores each storage uncompressed: tensors get file offsets, are read with pread
+    (equal to torch.load's) and copied byte for byte; a legacy pickle has no offsets and is still read."""
+    src = model_dir("llama", safe_serialization=False)
+    full = torch.load(src / "pytorch_model.bin", weights_only=True)
+    with open_checkpoint(src) as c:
+        assert all(c.info(n).start is not None for n in c)
+        for n in c:
+            assert torch.equal(c[n], full[n]), n
+    legacy = tmp_path / "legacy"
+    shutil.copytree(src, legacy)
+    torch.save(full, legacy / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    with open_checkpoint(legacy) as c:
+        assert all(c.info(n).start is None for n in c) and all(torch.equal(c[n], full[n]) for n in c)

@@ -10,7 +10,9 @@ Hugging Face PyTorch names.
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import sys
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -157,7 +159,13 @@ class SafetensorsCheckpoint(Checkpoint):
 
 
 class PickleCheckpoint(Checkpoint):
-    """PyTorch pickles, loaded with ``weights_only=True`` (memory-mapped where the file allows)."""
+    """PyTorch pickles, loaded with ``weights_only=True`` (memory-mapped where the file allows).
+
+    In torch.save's zip format each storage is an uncompressed zip member, so a contiguous tensor's bytes
+    sit at a known offset of the file (``_zip_starts``): those tensors are read with ``pread`` into memory of
+    their own (pages of the mapping are never touched, so reading a whole checkpoint does not leave it all
+    resident) and copied byte for byte by writers, as from safetensors.
+    """
 
     format = "pickle"
 
@@ -165,16 +173,64 @@ class PickleCheckpoint(Checkpoint):
         self._tensors: dict[str, "torch.Tensor"] = {}
         infos: dict[str, TensorInfo] = {}
         for f in files:
-            for name, t in _load_pickle(f).items():
+            tensors = _load_pickle(f)
+            starts = _zip_starts(f, tensors)
+            for name, t in tensors.items():
                 self._tensors[name] = t
-                infos[name] = TensorInfo(name, t.dtype, tuple(t.shape), f, None)
+                infos[name] = TensorInfo(name, t.dtype, tuple(t.shape), f, starts.get(name))
         super().__init__(path, root, files, infos)
 
     def _read(self, info: TensorInfo) -> "torch.Tensor":
-        return self._tensors[info.name]
+        if info.start is None or not info.nbytes:
+            return self._tensors[info.name]
+        import torch
+
+        data = bytearray(info.nbytes)
+        view, done = memoryview(data), 0
+        with open(info.file, "rb", buffering=0) as f:
+            while done < info.nbytes:
+                n = os.preadv(f.fileno(), [view[done:]], info.start + done)
+                if n <= 0:
+                    raise CheckpointError(f"{info.file}: the file ends inside {info.name}")
+                done += n
+        return torch.frombuffer(data, dtype=info.dtype).reshape(info.shape)
 
     def close(self) -> None:
         self._tensors.clear()
+
+
+def _zip_starts(path: Path, tensors: dict) -> dict[str, int]:
+    """Absolute file offsets of the contiguous tensors' bytes in a zip-format pickle, or {} when the file is
+    not laid out as expected (legacy format, compressed members, storages not mapped from it)."""
+    import zipfile
+
+    try:
+        members = {}
+        with zipfile.ZipFile(path) as zf, open(path, "rb") as f:
+            for zi in zf.infolist():
+                if "/data/" not in zi.filename or zi.compress_type != zipfile.ZIP_STORED:
+                    continue
+                f.seek(zi.header_offset)
+                head = f.read(30)
+                if head[:4] != b"PK\x03\x04":
+                    return {}
+                start = zi.header_offset + 30 + int.from_bytes(head[26:28], "little") + int.from_bytes(head[28:30], "little")
+                members[start] = zi.file_size
+    except (zipfile.BadZipFile, OSError):
+        return {}
+    backed = {n: t for n, t in tensors.items() if t.untyped_storage().nbytes()}
+    if not members or not backed or sys.byteorder != "little":
+        return {}
+    base = min(t.untyped_storage().data_ptr() for t in backed.values()) - min(members)
+    out = {}
+    for name, t in backed.items():
+        storage = t.untyped_storage().data_ptr() - base
+        if storage not in members:
+            return {}  # storages not where the zip says: no offsets at all
+        start = storage + t.storage_offset() * t.element_size()
+        if t.is_contiguous() and start + t.numel() * t.element_size() <= storage + members[storage]:
+            out[name] = start
+    return out
 
 
 def _load_pickle(path: Path) -> dict[str, "torch.Tensor"]:
