@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .io.dtypes import as_st, itemsize, short_name
+from .io.dtypes import as_st, nbytes, short_name
 from .errors import FFNToolsError
 from .io.output import atomic_output
 from .progress import Progress
@@ -66,10 +66,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        n = itemsize(self.dtype)
-        for d in self.shape:
-            n *= d
-        return n
+        return nbytes(self.dtype, self.shape)
 
 
 def copy_entry(ckpt: Checkpoint, name: str, new_name: str | None = None) -> Entry:

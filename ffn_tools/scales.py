@@ -11,6 +11,7 @@ a block boundary (``fits``); otherwise the command refuses, since no exact split
 from __future__ import annotations
 
 from .errors import LayoutError
+from .io.store import Checkpoint, TensorInfo
 from .layouts import GateUpLayout
 from .tolerances import FP8_ROW_BITS
 
@@ -97,49 +98,41 @@ def describe(ckpt) -> list[dict]:
     return [{"dtype": d, "scales": sfx, "block": list(b), "weights": n} for (d, sfx, b), n in sorted(groups.items())]
 
 
-class Dequantized:
+class Dequantized(Checkpoint):
     """A checkpoint seen with its scaled weights dequantized (float32) and their scales gone: what verify
     compares, on either side, against a float or differently stored twin. ``quant_params`` gives each
     dequantized weight ``tolerances.FP8_ROW_BITS`` bits (the tolerance row FP8's 3 mantissa bits need) and the
     block's column count as its group."""
 
-    def __new__(cls, ckpt):
-        from .io.store import Checkpoint, TensorInfo
+    def __init__(self, ckpt):
+        self.raw, self.scale_of = ckpt, {}
+        self.format = ckpt.format
+        infos = {}
+        for name in ckpt:
+            if is_companion(name, ckpt):
+                continue
+            info = ckpt.info(name)
+            found = companions(ckpt, name)
+            if found:
+                self.scale_of[name] = next(iter(found.values()))
+                info = TensorInfo(name, "F32", info.shape, info.file, None)
+            infos[name] = info
+        super().__init__(ckpt.path, ckpt.root, ckpt.files, infos, ckpt.metadata, ckpt.config)
 
-        class View(Checkpoint):
-            format = ckpt.format
+    def _read(self, info):
+        import torch
 
-            def __init__(self):
-                self.raw, self.scale_of = ckpt, {}
-                infos = {}
-                for name in ckpt:
-                    if is_companion(name, ckpt):
-                        continue
-                    info = ckpt.info(name)
-                    found = companions(ckpt, name)
-                    if found:
-                        self.scale_of[name] = next(iter(found.values()))
-                        info = TensorInfo(name, "F32", info.shape, info.file, None)
-                    infos[name] = info
-                super().__init__(ckpt.path, ckpt.root, ckpt.files, infos, ckpt.metadata, ckpt.config)
+        if info.name not in self.scale_of:
+            return self.raw[info.name]
+        return dequantize(self.raw[info.name], self.raw[self.scale_of[info.name]]).to(torch.float32)
 
-            def _read(self, info):
-                import torch
+    def quant_params(self, name: str) -> dict | None:
+        sc = self.scale_of.get(name)
+        if sc is None:
+            return None
+        cols = self.raw.info(name).shape[-1]
+        scols = (self.raw.info(sc).shape[-1:] or (1,))[0]
+        return {"bits": FP8_ROW_BITS, "group_size": -(-cols // scols), "mode": "fp8"}
 
-                name = info.name
-                if name not in self.scale_of:
-                    return self.raw[name]
-                return dequantize(self.raw[name], self.raw[self.scale_of[name]]).to(torch.float32)
-
-            def quant_params(self, name: str) -> dict | None:
-                sc = self.scale_of.get(name)
-                if sc is None:
-                    return None
-                cols = self.raw.info(name).shape[-1]
-                scols = (self.raw.info(sc).shape[-1:] or (1,))[0]
-                return {"bits": FP8_ROW_BITS, "group_size": -(-cols // scols), "mode": "fp8"}
-
-            def close(self):
-                self.raw.close()
-
-        return View()
+    def close(self) -> None:
+        self.raw.close()

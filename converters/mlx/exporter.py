@@ -37,7 +37,6 @@ FORMAT = "mlx"
 MAX_SHARD_SIZE = 5 << 30  # mlx_lm's save_model shards at 5 GiB
 METADATA = {"format": "mlx"}
 _ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
-_FLOATS = ("F32", "F16", "BF16", "F64")
 HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
 
 
@@ -127,7 +126,9 @@ def _problems(tg: Target, outputs, ckpt: Checkpoint) -> tuple[list[str], list[st
 
 
 def _bytes(ckpt: Checkpoint, name: str) -> bytes:
-    from .quant import read_bytes, torch_bytes
+    from ffn_tools.io.store import read_bytes
+
+    from .quant import torch_bytes
 
     info = ckpt.info(name)
     if info.start is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import sys
@@ -50,6 +51,7 @@ def _mlx_lm_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+@functools.cache
 def remappings() -> tuple[dict, dict]:
     """mlx_lm's ``MODEL_REMAPPING`` and ``MODEL_ARCHITECTURE_REMAPPING``, read from its ``utils.py`` source
     (importing that module imports torch)."""

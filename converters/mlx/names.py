@@ -21,16 +21,14 @@ import mlx.core as mx
 
 from ffn_tools.errors import FFNToolsError
 
+from .quant import MX_DTYPES, ST_DTYPES
+
 # Expert projection names in checkpoints -> the names mlx_lm's switch layers may give the stack.
 PROJECTION_ALIASES: dict[str, tuple[str, ...]] = {
     "w1": ("gate_proj",), "w3": ("up_proj",), "w2": ("down_proj",),
     "up_proj": ("up_proj", "fc1"), "down_proj": ("down_proj", "fc2"),
 }
 _EXPERT = re.compile(r"(?P<pre>.+)\.experts\.(?P<e>\d+)\.(?P<proj>[^.]+)\.(?P<kind>weight|bias)")
-_MX = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "F64": mx.float64, "U32": mx.uint32,
-       "U8": mx.uint8, "U16": mx.uint16, "I32": mx.int32, "I64": mx.int64, "I8": mx.int8, "I16": mx.int16,
-       "U64": mx.uint64, "BOOL": mx.bool_}
-_ST = {v: k for k, v in _MX.items()}
 
 
 @dataclass(frozen=True)
@@ -64,7 +62,7 @@ def _stack_keys(name: str) -> list[str]:
 
 def stand_ins(shapes: Mapping[str, tuple[tuple[int, ...], str]]) -> dict[str, mx.array]:
     """A lazy zero array per input (name -> (shape, safetensors dtype)); nothing is allocated."""
-    return {n: mx.zeros(shape, _MX.get(st, mx.uint8)) for n, (shape, st) in shapes.items()}
+    return {n: mx.zeros(shape, MX_DTYPES.get(st, mx.uint8)) for n, (shape, st) in shapes.items()}
 
 
 def sanitize(model, weights: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -108,11 +106,11 @@ def map_outputs(model, shapes: Mapping[str, tuple[tuple[int, ...], str]]) -> tup
         srcs = tuple(n for _, n in members)
         first = shapes[srcs[0]] if srcs else None
         if srcs and [e for e, _ in members] == list(range(len(srcs))) and tuple(a.shape) == (len(srcs), *first[0]) \
-                and all(shapes[s] == first for s in srcs) and _ST.get(a.dtype) == first[1]:
+                and all(shapes[s] == first for s in srcs) and ST_DTYPES.get(a.dtype) == first[1]:
             outputs.append(Output(name, tuple(a.shape), first[1], srcs))
             used.update(srcs)
         else:
-            outputs.append(Output(name, tuple(a.shape), _ST.get(a.dtype, "U8"), ()))
+            outputs.append(Output(name, tuple(a.shape), ST_DTYPES.get(a.dtype, "U8"), ()))
     return outputs, [n for n in inputs if n not in used]
 
 

@@ -17,14 +17,17 @@ from collections.abc import Callable, Iterator, Sequence
 
 import mlx.core as mx
 
-from ffn_tools.io.dtypes import itemsize
+from ffn_tools.io.dtypes import itemsize, nbytes
+from ffn_tools.io.store import read_bytes
 
 CHUNK_BYTES = 4 << 20
 PARALLEL_MIN_BYTES = 128 << 20  # less to quantize than this: starting worker processes costs more
 MAX_WORKERS = 8
-_MX = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "F64": mx.float64, "U32": mx.uint32,
-       "U8": mx.uint8, "U16": mx.uint16, "I32": mx.int32}
-_ST = {v: k for k, v in _MX.items()}
+# safetensors dtype <-> mx dtype
+MX_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "F64": mx.float64, "U32": mx.uint32,
+             "U8": mx.uint8, "U16": mx.uint16, "I32": mx.int32, "I64": mx.int64, "I8": mx.int8, "I16": mx.int16,
+             "U64": mx.uint64, "BOOL": mx.bool_}
+ST_DTYPES = {v: k for k, v in MX_DTYPES.items()}
 _UINT = {1: ("B", mx.uint8), 2: ("H", mx.uint16), 4: ("I", mx.uint32), 8: ("Q", mx.uint64)}
 
 
@@ -36,10 +39,7 @@ class RawTensor(bytearray):
 
     def __init__(self, dtype: str, shape: Sequence[int], data: bytes | None = None):
         self.dtype, self.shape = dtype, tuple(shape)
-        n = itemsize(dtype)
-        for d in self.shape:
-            n *= d
-        super().__init__(n if data is None else data)
+        super().__init__(nbytes(dtype, self.shape) if data is None else data)
 
     def __reduce_ex__(self, protocol):  # to come back from a worker process (bytearray defines its own)
         return RawTensor, (self.dtype, self.shape, bytes(self))
@@ -59,7 +59,7 @@ def to_mx(data: memoryview, st: str, shape: Sequence[int]) -> mx.array:
     """An mx array of dtype ``st`` from raw little-endian bytes (copied)."""
     code, utype = _UINT[itemsize(st)]
     a = mx.array(data.cast(code, shape=list(shape) or [1]))
-    a = a if _MX[st] == utype else a.view(_MX[st])
+    a = a if MX_DTYPES[st] == utype else a.view(MX_DTYPES[st])
     return a if shape else a.reshape(())
 
 
@@ -80,26 +80,6 @@ def torch_to_mx(t) -> mx.array:
 def raw_bytes(a: mx.array) -> memoryview:
     """The bytes of an (evaluated, row-contiguous) mx array, through its buffer (bf16 included)."""
     return memoryview(a).cast("B")
-
-
-def read_bytes(file, start: int, nbytes: int) -> bytes:
-    """``nbytes`` bytes of ``file`` from ``start``.
-
-    Raises:
-        OSError: the file ends early.
-    """
-    fd = os.open(file, os.O_RDONLY)
-    try:
-        parts, left = [], nbytes
-        while left:
-            b = os.pread(fd, left, start + nbytes - left)
-            if not b:
-                raise OSError(f"{file}: ended early at byte {start + nbytes - left}")
-            parts.append(b)
-            left -= len(b)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-    finally:
-        os.close(fd)
 
 
 def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -166,13 +146,13 @@ def stream(ckpt, sources: Sequence[str], outputs: Sequence[tuple[str, tuple[int,
 
 def cast_fn(target: str | None) -> Callable[[mx.array], list[mx.array]]:
     """Chunk function: cast to ``target`` (None: unchanged)."""
-    return lambda a: [a.astype(_MX[target]) if target else a]
+    return lambda a: [a.astype(MX_DTYPES[target]) if target else a]
 
 
 def quantize_fn(target: str | None, group_size: int, bits: int, mode: str = "affine") -> Callable[[mx.array], list[mx.array]]:
     """Chunk function: optional cast, then ``mx.quantize`` -> (packed weight, scales[, biases]: affine)."""
     def fn(a: mx.array) -> list[mx.array]:
-        a = a.astype(_MX[target]) if target else a
+        a = a.astype(MX_DTYPES[target]) if target else a
         return list(mx.quantize(a, group_size=group_size, bits=bits, mode=mode))
 
     return fn
@@ -191,7 +171,7 @@ def from_mx(a: mx.array) -> RawTensor:
     """An mx array's bytes (evaluated, made row-contiguous) as a ``RawTensor``."""
     a = mx.contiguous(a)
     mx.eval(a)
-    raw = RawTensor(_ST[a.dtype], a.shape)
+    raw = RawTensor(ST_DTYPES[a.dtype], a.shape)
     if raw:
         raw[:] = raw_bytes(a if a.ndim else a.reshape(1))
     return raw

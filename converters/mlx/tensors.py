@@ -13,14 +13,13 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from ffn_tools.io.dtypes import itemsize, short_name
+from ffn_tools.io.dtypes import nbytes, short_name
 from ffn_tools.plan import Entry, copy_entry
 
 from .names import Output, SanitizeRun
-from .quant import QuantJob, cast_fn, from_mx, part_specs, stream, to_mx, torch_bytes, torch_to_mx
+from .quant import MX_DTYPES, QuantJob, cast_fn, from_mx, part_specs, stream, to_mx, torch_bytes, torch_to_mx
 
 _FLOATS = ("F32", "F16", "BF16", "F64")
-_MXT = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
 
 
 def _plain(ckpt, e: Entry) -> str | None:
@@ -65,10 +64,7 @@ class _Source:
     @property
     def nbytes(self) -> int:
         """The output's size before any cast: the input bytes it reads."""
-        n = itemsize(self.o.dtype)
-        for d in self.o.shape:
-            n *= d
-        return n
+        return nbytes(self.o.dtype, self.o.shape)
 
     def note(self) -> str:
         if self.o.computed:
@@ -144,7 +140,7 @@ def plan_outputs(ckpt, tg, view: list[Entry], outputs: list[Output], cast: str |
                 ckpt, s.inputs, [(t, s.o.shape)], cast_fn(t))[0], None, f"cast to {short_name(to)} {src.note()}",
                 reads=src.nbytes))
         else:
-            entries.append(Entry(o.name, to, o.shape, (), lambda _, s=src, t=to: from_mx(s.array().astype(_MXT[t])),
+            entries.append(Entry(o.name, to, o.shape, (), lambda _, s=src, t=to: from_mx(s.array().astype(MX_DTYPES[t])),
                                  None, f"cast to {short_name(to)} {src.note()}", reads=src.nbytes))
     return entries, jobs
 

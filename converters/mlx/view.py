@@ -15,10 +15,10 @@ import re
 from pathlib import Path
 
 from ffn_tools.errors import CheckpointError
-from ffn_tools.io.store import Checkpoint, SafetensorsCheckpoint, TensorInfo, open_checkpoint
+from ffn_tools.io.store import Checkpoint, SafetensorsCheckpoint, TensorInfo, open_checkpoint, read_bytes
 
 from .config import restore_source_config
-from .quant import RawTensor, dequantize, read_bytes, to_mx
+from .quant import RawTensor, dequantize, to_mx
 
 QUANT_KEYS = ("quantization", "quantization_config")
 # Stacked experts, (E, ...) on the first axis: ``{box}.switch_mlp.{proj}`` (and ``{box}.experts.{proj}``, where

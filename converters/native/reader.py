@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ffn_tools.errors import CheckpointError, listing
+from ffn_tools.io.dtypes import short_name
 from ffn_tools.io.store import Checkpoint, TensorInfo, open_checkpoint
 
 from .layout import DROPPED, EMBED, TENSORS, Native, hf_config, permute
@@ -74,7 +75,7 @@ class NativeCheckpoint(Checkpoint):
             self.close()
             raise CheckpointError(f"{root}: cannot read this native checkpoint: " + "; ".join(problems))
         shapes = {n: i.shape for n, i in infos.items()}
-        config = hf_config(params, shapes, _dtype_name(next(iter(infos.values())).st_dtype),
+        config = hf_config(params, shapes, short_name(next(iter(infos.values())).st_dtype),
                            any(".experts." in n for n in infos))
         super().__init__(path, root, files, infos, {"format": "pt"}, config)
 
@@ -114,6 +115,3 @@ class NativeCheckpoint(Checkpoint):
         for s in getattr(self, "shards", []):
             s.close()
 
-
-def _dtype_name(st: str) -> str:
-    return {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(st, "float32")

@@ -62,6 +62,14 @@ def itemsize(dtype) -> int:
     return ST_DTYPES[as_st(dtype)][0]
 
 
+def nbytes(dtype, shape) -> int:
+    """Bytes of a tensor of ``dtype`` (torch or safetensors) and ``shape``."""
+    n = itemsize(dtype)
+    for d in shape:
+        n *= d
+    return n
+
+
 def short_name(dtype) -> str:
     """'bfloat16' for torch.bfloat16 or 'BF16': the name printed in reports."""
     return ST_DTYPES[as_st(dtype)][1]

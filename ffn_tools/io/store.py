@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .dtypes import as_st, itemsize, torch_dtype
+from .dtypes import as_st, nbytes, torch_dtype
 from ..errors import CheckpointError
 from .safetensors_format import read_header
 
@@ -55,10 +55,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        n = itemsize(self.st_dtype)
-        for d in self.shape:
-            n *= d
-        return n
+        return nbytes(self.st_dtype, self.shape)
 
     def __repr__(self) -> str:
         return f"TensorInfo({self.name!r}, {self.st_dtype}, {list(self.shape)}, {self.file.name}, start={self.start})"
@@ -185,18 +182,31 @@ class PickleCheckpoint(Checkpoint):
             return self._tensors[info.name]
         import torch
 
-        data = bytearray(info.nbytes)
-        view, done = memoryview(data), 0
-        with open(info.file, "rb", buffering=0) as f:
-            while done < info.nbytes:
-                n = os.preadv(f.fileno(), [view[done:]], info.start + done)
-                if n <= 0:
-                    raise CheckpointError(f"{info.file}: the file ends inside {info.name}")
-                done += n
+        try:
+            data = read_bytes(info.file, info.start, info.nbytes)
+        except OSError as e:
+            raise CheckpointError(f"{info.name}: {e}") from None
         return torch.frombuffer(data, dtype=info.dtype).reshape(info.shape)
 
     def close(self) -> None:
         self._tensors.clear()
+
+
+def read_bytes(file, start: int, size: int) -> bytearray:
+    """``size`` bytes of ``file`` from ``start``, read with ``pread`` into a buffer of their own.
+
+    Raises:
+        OSError: the file ends early.
+    """
+    data = bytearray(size)
+    view, done = memoryview(data), 0
+    with open(file, "rb", buffering=0) as f:
+        while done < size:
+            n = os.preadv(f.fileno(), [view[done:]], start + done)
+            if n <= 0:
+                raise OSError(f"{file}: ended early at byte {start + done}")
+            done += n
+    return data
 
 
 def _zip_starts(path: Path, tensors: dict) -> dict[str, int]:
