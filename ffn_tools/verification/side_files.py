@@ -1,0 +1,306 @@
+"""The side files a client reads beside the weights, in ``verify``: tokenizer, chat template, generation
+defaults. Each file of A must be in B and read the same: byte-identical, or equal as its reader reads it (JSON
+key by key, text line by line, binary byte by byte), so a conversion that drops the tokenizer, exchanges two
+token ids, edits the chat template or loses generation_config.json (eos lost: generation never stops) fails.
+
+transformers' ``save_pretrained`` of a loaded tokenizer (``mlx_lm.convert`` re-saves it so) rewrites
+tokenizer_config.json without changing the tokenizer; measured with transformers 5 on a v4-era file, each read
+as equal here: adds ``is_local``/``local_files_only`` (loader arguments) and ``backend``/``model_max_length``
+(defaults); writes special tokens as strings (their flags are in tokenizer.json); renames
+``additional_special_tokens`` ``extra_special_tokens``; drops ``name_or_path``, ``added_tokens_decoder`` (in
+tokenizer.json's ``added_tokens``), null special tokens, special_tokens_map.json (in tokenizer_config.json)
+and vocab.json/merges.txt (in tokenizer.json); moves ``chat_template`` to chat_template.jinja. Two are notes,
+as transformers 4 reads them: ``add_bos_token`` dropped (transformers 5 ignores it beside tokenizer.json: its
+post_processor decides), ``PreTrainedTokenizerFast`` renamed ``TokenizersBackend``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from ..errors import listing
+
+MAX_LISTED = 8
+CLIP = 60
+MISSING = "is in A and missing in B"
+
+SIDE_FILES = (
+    "tokenizer.json",  # fast tokenizer (transformers, mlx_lm, vLLM): vocab, merges, added tokens, post-processor
+    "tokenizer.model",  # sentencepiece model: slow tokenizers, llama.cpp's converter (bytes)
+    "tokenizer.model.v3",  # mistral_common's sentencepiece tokenizer (vLLM --tokenizer-mode mistral; bytes)
+    "tekken.json",  # mistral_common's tiktoken-style tokenizer: ranked vocab, special tokens
+    "tokenizer_config.json",  # transformers: tokenizer class, special tokens, chat template, max length
+    "special_tokens_map.json",  # legacy special tokens, read when tokenizer_config.json has no added_tokens_decoder
+    "added_tokens.json",  # legacy added tokens of slow tokenizers, {token: id}
+    "vocab.json",  # vocabulary of slow byte-level BPE (GPT-2 style) tokenizers, {token: id}
+    "merges.txt",  # their merges, one a line, in priority order
+    "chat_template.jinja",  # the chat template (transformers >= 4.47 reads it before tokenizer_config.json's)
+    "additional_chat_templates/*.jinja",  # named templates (tool_use, rag), read beside it
+    "chat_template.json",  # a processor's chat template (multimodal models)
+    "generation_config.json",  # generate()'s defaults: eos/bos/pad ids, do_sample, temperature, top_p, ...
+)
+BINARY = ("tokenizer.model", "tokenizer.model.v3")
+TABLE_FILES = ("vocab.json", "added_tokens.json")  # {token: id} at the top: keys print as ['token']
+TABLES = ("vocab", "added_tokens_decoder")  # such tables inside a file
+# Keys that provably change nothing a client does: from_pretrained overwrites the first three with where it
+# loaded from (transformers' tokenization_utils_base); transformers_version records the writer's version.
+IGNORED = {"tokenizer_config.json": ("name_or_path", "is_local", "local_files_only"),
+           "generation_config.json": ("transformers_version",)}
+# What transformers 5 uses for a tokenizer_config.json key it does not find: VERY_LARGE_INTEGER; the backend
+# the tokenizer's class picks.
+LOADER_DEFAULTS = {"model_max_length": (int(1e30),), "backend": ("tokenizers", "sentencepiece")}
+CLASS_ALIASES = ({"PreTrainedTokenizerFast", "TokenizersBackend"},)  # one class in transformers 5
+
+
+@dataclass
+class SideFilesResult:
+    """Every side file of A, found in B and read the same, or why not."""
+
+    name: ClassVar[str] = "side files"
+
+    identical: list[str] = field(default_factory=list)  # byte-identical or equal as their reader reads them
+    problems: list[str] = field(default_factory=list)  # "file: what differs" or "file is in A and missing in B"
+    notes: list[str] = field(default_factory=list)  # facts that are not failures (a file only in B)
+    skipped: str | None = None  # why nothing was compared (--no-side-files, a single weight file)
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    def line(self) -> str:
+        if self.skipped:
+            return f"side files: not compared ({self.skipped})"
+        missing = sum(p.endswith(MISSING) and ": " not in p for p in self.problems)
+        differ = len(self.problems) - missing
+        listed = f" ({listing(self.identical, MAX_LISTED)})" if self.identical else ""
+        notes = f", {len(self.notes)} note{'s' * (len(self.notes) > 1)}" if self.notes else ""
+        return (f"side files: {len(self.identical)} identical{listed}, {differ} differ{'s' * (differ == 1)}, "
+                f"{missing} missing in B{notes}")
+
+    def failures(self) -> list[str]:
+        return [f"side files: {p}" for p in self.problems]
+
+    def as_dict(self) -> dict:
+        return {"identical": self.identical, "problems": self.problems, "notes": self.notes,
+                "skipped": self.skipped, "passed": self.passed}
+
+
+class _Unreadable(ValueError):
+    """A side file its reader cannot read; the message is the problem sentence."""
+
+
+def compare_side_files(root_a: Path | None, root_b: Path | None) -> SideFilesResult:
+    """Compare the side files (``SIDE_FILES``) of checkpoints A and B as their clients read them.
+
+    Args:
+        root_a, root_b: the directories holding each checkpoint's config.json; None for a single weight file.
+
+    Returns:
+        The files equal in both; a problem for each file of A that B lacks or reads differently; notes (files
+        only in B, re-save changes that change nothing); ``skipped`` when A or B is no directory.
+    """
+    for side, root in (("A", root_a), ("B", root_b)):
+        if root is None or not Path(root).is_dir():
+            why = "is a single weight file" if root is None else f"{root} is not a directory"
+            return SideFilesResult(skipped=f"{side} {why}: no side files beside it")
+    ra, rb, res = Path(root_a), Path(root_b), SideFilesResult()
+    names = [n for p in SIDE_FILES for n in (sorted({str(f.relative_to(r)) for r in (ra, rb) for f in r.glob(p)})
+                                            if "*" in p else [p])]
+    for name in names:
+        if not (ra / name).is_file():
+            res.notes += [f"B has {name}, A has none"] if (rb / name).is_file() else []
+        elif not (rb / name).is_file():
+            carried = _carried(name, ra, rb)
+            (res.notes if carried else res.problems).append(carried or f"{name} {MISSING}")
+        else:
+            try:
+                why = _differs(name, ra, rb, res.notes)
+            except OSError as e:
+                why = f"{name} cannot be read ({e})"
+            except _Unreadable as e:
+                why = str(e)
+            (res.problems.append(why) if why else res.identical.append(name))
+    return res
+
+
+def _differs(name: str, ra: Path, rb: Path, notes: list[str]) -> str | None:
+    """None when A's and B's ``name`` read the same, else "name: where they first differ"."""
+    a, b = (ra / name).read_bytes(), (rb / name).read_bytes()
+    if a == b:
+        return None
+    if name in BINARY:
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return f"{name}: bytes differ from offset {at} (A {len(a)} bytes, B {len(b)} bytes)"
+    da, db = _parse(name, a, "A"), _parse(name, b, "B")
+    if isinstance(da, dict) and isinstance(db, dict):
+        for k in IGNORED.get(name, ()):
+            da.pop(k, None)
+            db.pop(k, None)
+        if name == "tokenizer.json" and da != db:  # as tokenizers reads them; named as written unless A is
+            ca, cb = _canonical(da, "A"), _canonical(db, "B")  # in an older writer's form
+            da, db = (ca, cb) if ca == cb or ca != da else (da, db)
+        if name == "tokenizer_config.json":
+            da, db = _tokenizer_views(ra, rb, da, db, notes)
+    why = _diff_text(da, db) if name.endswith((".txt", ".jinja")) else _diff(da, db, "", name in TABLE_FILES)
+    return why and f"{name}: {why}"
+
+
+def _parse(name: str, data: bytes, side: str):
+    kind = "UTF-8 text" if name.endswith((".txt", ".jinja")) else "JSON"
+    try:
+        text = data.decode("utf-8")
+        return text if kind != "JSON" else json.loads(text)
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError both are
+        raise _Unreadable(f"{name} in {side} is not valid {kind} ({e})") from e
+
+
+def _canonical(doc: dict, side: str) -> dict:
+    """tokenizer.json as the tokenizers library reads it: older writers' merges and defaults in today's form."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # without the library, the JSON as written
+        return doc
+    try:
+        return json.loads(Tokenizer.from_str(json.dumps(doc)).to_str())
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot load
+        raise _Unreadable(f"tokenizer.json in {side} cannot be loaded by tokenizers ({e})") from e
+
+
+def _json(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text("utf-8"))
+    except (OSError, ValueError):  # absent or unreadable: its own comparison reports it
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _content(v):
+    """A special token as its string (an AddedToken's flags are in tokenizer.json's added_tokens)."""
+    return [_content(x) for x in v] if isinstance(v, list) else v.get("content", v) if isinstance(v, dict) else v
+
+
+def _carried(name: str, ra: Path, rb: Path) -> str | None:
+    """A note when A's ``name``, absent in B, is read from another file of B (where save_pretrained moves it)."""
+    a, cb = _json(ra / name), _json(rb / "tokenizer_config.json")
+    cb.setdefault("additional_special_tokens", cb.get("extra_special_tokens"))
+    tok = _json(rb / "tokenizer.json")
+    added, model = {(t.get("content"), t.get("id")) for t in tok.get("added_tokens", [])}, tok.get("model", {})
+    if name.endswith(".jinja") and cb.get("chat_template"):
+        where = "B's tokenizer_config.json holds the chat template (compared there)"
+    elif name == "special_tokens_map.json" and a and all(_content(v) == _content(cb.get(k)) for k, v in a.items()):
+        where = "its tokens are in B's tokenizer_config.json"
+    elif name == "added_tokens.json" and a and set(a.items()) <= added:
+        where = "its tokens are in B's tokenizer.json"
+    elif name == "vocab.json" and a and a == model.get("vocab"):
+        where = "B's tokenizer.json holds the same vocabulary"
+    elif name == "merges.txt" and _merges(ra / name) == [m if isinstance(m, str) else " ".join(m)
+                                                         for m in model.get("merges", [])]:
+        where = "B's tokenizer.json holds the same merges"
+    else:
+        return None
+    return f"{name} {MISSING}; {where}"
+
+
+def _merges(path: Path) -> list[str] | None:
+    """merges.txt's merges, without its ``#version`` header; None when unreadable."""
+    try:
+        lines = path.read_text("utf-8").split("\n")
+    except (OSError, ValueError):
+        return None
+    return [m for i, m in enumerate(lines) if m and not (i == 0 and m.startswith("#version"))]
+
+
+def _tokenizer_views(ra: Path, rb: Path, va: dict, vb: dict, notes: list[str]) -> tuple[dict, dict]:
+    """A's and B's tokenizer_config.json as transformers 5 reads them, with what save_pretrained rewrites
+    without changing the tokenizer made equal (the module docstring lists it)."""
+    fast = (ra / "tokenizer.json").is_file() and (rb / "tokenizer.json").is_file()
+    ja, jb = (ra / "chat_template.jinja").is_file(), (rb / "chat_template.jinja").is_file()
+    for v, r, side, jinja, other in ((va, ra, "A", ja, vb), (vb, rb, "B", jb, va)):
+        for k in [k for k in v if k.endswith("_token") and v[k] is None]:  # a null token is no token
+            del v[k]
+        if "additional_special_tokens" in v and not v.get("extra_special_tokens"):
+            v["extra_special_tokens"] = v.pop("additional_special_tokens")  # transformers 5 renames it on load
+        if fast:  # tokenizer.json holds the added tokens and their flags, and is compared in full
+            v.update({k: _content(x) for k, x in v.items() if k.endswith("_token") or k == "extra_special_tokens"})
+            added = {t.get("id"): t for t in _json(r / "tokenizer.json").get("added_tokens", [])}
+            dec = v.get("added_tokens_decoder")
+            if isinstance(dec, dict) and all(str(i).isdigit() and isinstance(t, dict) and added.get(int(i)) ==
+                                             {**t, "id": int(i)} for i, t in dec.items()):
+                del v["added_tokens_decoder"]
+        if jinja and not (ja and jb) and "chat_template" in other:  # in files on one side, the config on the other
+            files = [r / "chat_template.jinja", *sorted((r / "additional_chat_templates").glob("*.jinja"))]
+            named = {f.stem if f.parent != r else "default": _parse(f.name, f.read_bytes(), side) for f in files}
+            v["chat_template"] = named["default"] if len(named) == 1 else named
+        if isinstance(v.get("chat_template"), list):  # [{name, template}]: read by name
+            v["chat_template"] = {t.get("name"): t.get("template") for t in v["chat_template"] if isinstance(t, dict)}
+    for k in ("add_bos_token", "add_eos_token") if fast else ():
+        if k in va and k not in vb:
+            notes.append(f"tokenizer_config.json: {k} is {_clip(va.pop(k))} in A and not in B: transformers 5 "
+                         "ignores it beside tokenizer.json (its post_processor decides), transformers 4 reads it")
+    for k, defaults in LOADER_DEFAULTS.items():
+        for v, w in ((va, vb), (vb, va)):
+            if k not in v and w.get(k) in defaults:
+                v[k] = w[k]
+    cls = va.get("tokenizer_class"), vb.get("tokenizer_class")
+    if cls[0] != cls[1] and set(cls) in CLASS_ALIASES:
+        notes.append(f"tokenizer_config.json: tokenizer_class is {cls[0]!r} in A, {cls[1]!r} in B: one class in "
+                     f"transformers 5; transformers 4 cannot load {cls[1]!r}")
+        vb["tokenizer_class"] = cls[0]
+    return va, vb
+
+
+def _diff(a, b, path: str, table: bool = False) -> str | None:
+    """Where JSON values ``a`` (A) and ``b`` (B) first differ: "path is X in A, Y in B"; None when equal."""
+    if isinstance(a, list) and isinstance(b, list) and _by_id(a) and _by_id(b):  # added_tokens: named by id
+        a, b, table = {f"id={t['id']}": t for t in a}, {f"id={t['id']}": t for t in b}, True
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in [*a, *(k for k in b if k not in a)]:
+            p = (f"{path}[{k}]" if table and k.startswith("id=") else f"{path}[{k!r}]" if table or not
+                 k.isidentifier() else f"{path}.{k}" if path else k)
+            if k not in b or k not in a:
+                return f"{p} is {_clip(a[k])} in A and missing in B" if k in a else f"{p} is only in B ({_clip(b[k])})"
+            why = _diff(a[k], b[k], p, k in TABLES)
+            if why:
+                return why
+        return None
+    if isinstance(a, list) and isinstance(b, list) and not _leaf(a) | _leaf(b):
+        why = next((w for i, (x, y) in enumerate(zip(a, b)) if (w := _diff(x, y, f"{path}[{i}]"))), None)
+        return why or (None if len(a) == len(b) else f"{path or 'the list'} has {len(a)} items in A, {len(b)} in B")
+    if _same(a, b):
+        return None
+    if isinstance(a, str) and isinstance(b, str) and max(len(a), len(b)) > CLIP:
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return f"{path or 'the text'} differs from character {i}: {_clip(a[i:])} in A, {_clip(b[i:])} in B"
+    return f"{path or 'the value'} is {_clip(a)} in A, {_clip(b)} in B"
+
+
+def _leaf(items: list) -> bool:
+    """A short list of scalars (a merge pair, eos ids) reads as one value."""
+    return len(items) <= 8 and not any(isinstance(t, (dict, list)) for t in items)
+
+
+def _by_id(items: list) -> bool:
+    ids = [t.get("id") if isinstance(t, dict) else None for t in items]
+    return all(isinstance(i, int) for i in ids) and len(set(ids)) == len(ids)
+
+
+def _same(a, b) -> bool:
+    """Equal as JSON values: 1 == 1.0, but true is not 1."""
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(map(_same, a, b))
+    return (isinstance(a, bool), a) == (isinstance(b, bool), b)
+
+
+def _diff_text(a: str, b: str) -> str | None:
+    la, lb = a.split("\n"), b.split("\n")
+    i = next((i for i, (x, y) in enumerate(zip(la, lb)) if x != y), None)
+    return (f"line {i + 1} is {_clip(la[i])} in A, {_clip(lb[i])} in B" if i is not None
+            else f"A has {len(la)} lines, B {len(lb)}" if la != lb else None)
+
+
+def _clip(v) -> str:
+    s = repr(v) if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+    return s if len(s) <= CLIP else s[:CLIP - 3] + "..."
