@@ -18,14 +18,16 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import listing
+from .errors import FFNToolsError, listing
 
 SHOWN = 4  # names per category in the one-line summary (the JSON has them all)
 
 
 @dataclass
 class LoadCheck:
-    """The outcome: ``skipped`` says why no check ran; otherwise the three lists say what would go wrong."""
+    """The outcome: ``skipped`` says why no check applies (no client loads this kind of checkpoint here);
+    ``refused`` that the client refuses to build B's model at all (a failure); otherwise the three lists say
+    what would go wrong."""
 
     client: str
     missing: list[str] = field(default_factory=list)  # parameters the model would initialise afresh
@@ -33,15 +35,18 @@ class LoadCheck:
     mismatched: list[str] = field(default_factory=list)  # "name: checkpoint [..], model [..]"
     skipped: str | None = None
     architecture: str | None = None
+    refused: str | None = None
 
     @property
     def ok(self) -> bool:
-        return self.skipped is None and not (self.missing or self.unexpected or self.mismatched)
+        return self.skipped is None and not (self.refused or self.missing or self.unexpected or self.mismatched)
 
     def summary(self) -> str:
         """One line: what would happen on load."""
         if self.skipped:
             return f"load check ({self.client}) did not run: {self.skipped}"
+        if self.refused:
+            return f"would not load: {self.client} cannot build the model from its config ({self.refused})"
         if self.ok:
             return f"loads in {self.client} ({self.architecture}): every parameter provided, nothing left over"
         if self.client == "mlx_lm":  # its strict load's own words
@@ -55,6 +60,7 @@ class LoadCheck:
 
     def as_dict(self) -> dict:
         return {"client": self.client, "architecture": self.architecture, "ok": self.ok, "skipped": self.skipped,
+                "refused": self.refused,
                 "missing": self.missing, "unexpected": self.unexpected, "mismatched": self.mismatched}
 
 
@@ -62,8 +68,16 @@ MAIN_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index
               "pytorch_model.bin.index.json")  # what from_pretrained reads in a directory
 
 
+class MissingClient(FFNToolsError):
+    """The client that loads this checkpoint is not installed, so the load check cannot run (exit 2)."""
+
+
 def check(ckpt) -> LoadCheck:
-    """Check ``ckpt`` (an open checkpoint of any format) against its client."""
+    """Check ``ckpt`` (an open checkpoint of any format, as stored) against its client.
+
+    Raises:
+        MissingClient: the client is not installed here (``verify --no-load-check`` skips the check).
+    """
     path = Path(ckpt.path)
     if path.is_file() and path.name not in MAIN_FILES:  # model.split.safetensors beside its source
         return LoadCheck("transformers", skipped=f"{path.name} is a single file, not what a client loads from "
@@ -98,7 +112,8 @@ def check_transformers(ckpt) -> LoadCheck:
         from transformers.core_model_loading import (WeightConverter, WeightRenaming, dot_natural_key,
                                                      rename_source_key)
     except ImportError as e:
-        return LoadCheck("transformers", skipped=f"transformers is not installed here ({e.name})")
+        raise MissingClient(f"verify's load check needs transformers, which is not installed here ({e.name}): "
+                            "pip install transformers, or pass --no-load-check") from None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -109,8 +124,8 @@ def check_transformers(ckpt) -> LoadCheck:
             with torch.device("meta"):
                 model = (cls.from_config(cfg) if cls is transformers.AutoModelForCausalLM else cls(cfg))
     except Exception as e:  # noqa: BLE001 - any failure of transformers' own config or model code
-        return LoadCheck("transformers", skipped=f"transformers cannot build {config.get('model_type')!r} from this "
-                                                 f"config ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+        return LoadCheck("transformers", refused=f"{config.get('model_type')!r}: {type(e).__name__}: "
+                                                 f"{' '.join(str(e).split())[:200]}")
     arch = type(model).__name__
     params = dict(model.named_parameters())  # tied weights once; buffers are recomputed, not loaded
     meta = model.state_dict()
@@ -148,7 +163,9 @@ def check_mlx(path: Path) -> LoadCheck:
     try:
         from mlx_lm.utils import load_model
     except ImportError as e:
-        return LoadCheck("mlx_lm", skipped=f"mlx_lm is not installed here ({e.name})")
+        raise MissingClient(f"verify's load check needs mlx_lm for an MLX checkpoint, and it is not installed here "
+                            f"({e.name}): pip install 'ffn-tools[mlx-cpu]' (Linux) or 'ffn-tools[mlx]', or pass "
+                            "--no-load-check") from None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -160,8 +177,7 @@ def check_mlx(path: Path) -> LoadCheck:
         target.append(text[:300])
         return res
     except Exception as e:  # noqa: BLE001 - mlx_lm cannot even build the model: say so, do not guess
-        return LoadCheck("mlx_lm", skipped=f"mlx_lm cannot build this model ({type(e).__name__}: "
-                                          f"{' '.join(str(e).split())[:200]})")
+        return LoadCheck("mlx_lm", refused=f"{type(e).__name__}: {' '.join(str(e).split())[:200]}")
     return LoadCheck("mlx_lm", architecture=type(model).__module__.rsplit(".", 1)[-1])
 
 

@@ -41,6 +41,9 @@ def quantize_fp8(src, dst, block: int | None = BLOCK):
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      **({"weight_block_size": [block, block]} if block else {})}
     (dst / "config.json").write_text(json.dumps(config))
+    for side in src.iterdir():  # tokenizer, generation_config: a quantizer keeps them
+        if side.suffix not in (".safetensors", ".json") or side.name == "generation_config.json":
+            shutil.copy(side, dst / side.name)
     return dst
 
 

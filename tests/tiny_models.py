@@ -57,7 +57,9 @@ def build(arch: str, path: Path, dtype: torch.dtype = torch.float32, max_shard_s
     if not safe_serialization:
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
         path.mkdir(parents=True, exist_ok=True)
+        model.config.architectures = [type(model).__name__]  # as save_pretrained records it
         model.config.save_pretrained(path)
+        model.generation_config.save_pretrained(path)
         torch.save(state, path / "pytorch_model.bin")
         return path
     model.save_pretrained(path, **kwargs)

@@ -54,12 +54,20 @@ b_layout_options = layout_options_for(
 @click.option("--load-check/--no-load-check", default=True, show_default=True,
               help="Check that B would load in its real client (transformers on the meta device, mlx_lm "
                    "lazily): every parameter provided, nothing left over, shapes equal.")
+@click.option("--allow-config", "allow_config", multiple=True, metavar="KEY",
+              help="Accept a difference in this config key on purpose (a dotted key such as "
+                   "rope_parameters.rope_theta, or its top-level key); repeat for several. By default every key "
+                   "the clients read that differs fails.")
+@click.option("--side-files/--no-side-files", default=True, show_default=True,
+              help="Compare the files a client reads beside the weights: tokenizer (vocabulary, merges, added "
+                   "and special tokens), tokenizer_config (chat template), special_tokens_map, "
+                   "generation_config. Present in A and missing or different in B fails.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
 @scheme_options
 @layout_options
 @b_layout_options
 def verify(a, b, backends, tokens, seed, layers, experts, atol, rtol, exact, logits, allow_unmatched, ffn_only,
-           load_check, as_json, scheme, layout, b_layout):
+           load_check, allow_config, side_files, as_json, scheme, layout, b_layout):
     """Check that checkpoint B holds the same FFNs as checkpoint A.
 
     A and B are any checkpoints ffn-tools reads (PyTorch safetensors or pickles, split or fused, MLX plain
@@ -75,6 +83,13 @@ def verify(a, b, backends, tokens, seed, layers, experts, atol, rtol, exact, log
     differs from A's, give B's with --b-layout, --b-order and --b-tp (the plain options then apply to
     A only). --layers and --experts naming layers or experts neither checkpoint has are refused.
 
+    Beyond the tensors, B must be the same model: both config.json files are read by their clients' own
+    readers (transformers' config class; for MLX also mlx_lm's ModelArgs, against what an export of A gives
+    mlx_lm) and compared key by key (--allow-config KEY accepts one difference); B's config dtype must not
+    cast its stored weights lossily; the tokenizer and generation files must match (--no-side-files skips
+    them); and B must load in its client (a client that refuses B's config fails; a missing client is exit
+    2). The report names every check that did not run.
+
     Prints a table, worst FFN first, and a verdict. Exit status: 0 all pass, 1 something differs,
     2 verification could not run (bad arguments, unreadable input, no FFNs, backend unavailable).
     """
@@ -84,7 +99,7 @@ def verify(a, b, backends, tokens, seed, layers, experts, atol, rtol, exact, log
     report = run(a, b, backends=list(backends) or None, tokens=tokens, seed=seed, layers=layers,
                  experts=experts, atol=atol, rtol=rtol, exact=exact, logits=logits, scheme=scheme,
                  layout=layout, b_layout=b_layout, allow_unmatched=allow_unmatched,
-                 ffn_only=ffn_only, load_check=load_check)
+                 ffn_only=ffn_only, load_check=load_check, allow_config=allow_config, side_files=side_files)
     if as_json:
         from ..api import json_of
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from contextlib import ExitStack
+from pathlib import Path
 
 from .. import progress
 from ..detect import FFNSet, choose_scheme, find_ffns
@@ -26,8 +27,11 @@ from ..registry import Scheme, compile_template
 from ..specs import parse_spec
 from ..io.store import open_checkpoint
 from ..scales import Dequantized, is_companion
-from ..tolerances import tolerance_for, widened
+from ..tolerances import Tolerance, tolerance_for, widened
 from .functional import KERNEL_DTYPES
+from . import tied
+from .model_config import ConfigResult, compare_configs
+from .side_files import SideFilesResult, compare_side_files
 from .pairs import PairChecker
 from .outside import OutsideResult, compare_outside
 from .quant import describe_quantization, ffn_bits, quantization
@@ -139,7 +143,7 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
            rtol: float | None = None, exact: bool | None = None, logits: bool = False,
            scheme: Scheme | None = None, layout: GateUpLayout | None = None,
            b_layout: GateUpLayout | None = None, allow_unmatched: bool = False, ffn_only: bool = False,
-           load_check: bool = True) -> VerifyReport:
+           load_check: bool = True, allow_config: Sequence[str] = (), side_files: bool = True) -> VerifyReport:
     """Verify that checkpoint ``b`` holds the same FFNs as checkpoint ``a``.
 
     Args:
@@ -162,6 +166,9 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
             (``outside``).
         load_check: check that B would load in its real client (``loadable``): every parameter provided,
             nothing left over, shapes equal.
+        allow_config: config keys whose difference is accepted on purpose (``model_config``); every other
+            difference in what the clients read fails.
+        side_files: compare tokenizer, generation_config and the other side files (``side_files``).
 
     Returns:
         The report; ``report.passed`` is the verdict.
@@ -169,7 +176,8 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
     Raises:
         FFNToolsError: unreadable checkpoints, no FFNs, an unknown or unavailable backend, an empty
             selection or one naming layers or experts neither checkpoint has, an activation the kernels
-            do not have, --logits on a checkpoint without a client.
+            do not have, --logits on a checkpoint without a client, a load check whose client is not
+            installed.
     """
     if tokens < 1:
         raise FFNToolsError(f"--tokens {tokens}: need at least 1 token")
@@ -190,9 +198,19 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
             from .logits import client_for
 
             clients = (client_for(ca, "A"), client_for(cb, "B"))
+        load = None
+        if load_check:
+            from ..loadable import check
+
+            load = check(stored(cb))  # first: a missing client is could-not-run (exit 2) before any work
         (fa, pa), (fb, pb) = _find(ca, "A", scheme, layout), _find(cb, "B", scheme, b_layout or layout)
-        report = VerifyReport(_side(ca, fa), _side(cb, fb), list(mods), skipped, tokens, seed, None)
+        report = VerifyReport(_side(ca, fa), _side(cb, fb), list(mods), skipped, tokens, seed, None, load=load)
         report.problems += [p for p in (pa, pb) if p]
+        extract = _extracts(fa, fb)  # an FFN-only output has no model around its FFNs to compare
+        report.config = ConfigResult(skipped=extract) if extract else compare_configs(ca, cb, allow_config)
+        report.side_files = (SideFilesResult(skipped="--no-side-files") if not side_files else
+                             SideFilesResult(skipped=extract) if extract else
+                             compare_side_files(Path(ca.root), Path(cb.root)))
         for side, found in (("A", fa), ("B", fb)):
             if found and (w := found.unmatched_warning()):
                 (report.notes if allow_unmatched else report.problems).append(
@@ -200,28 +218,70 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
         if fa and fb:
             _check_pairs(report, ca, cb, fa, fb, mods, sel_layers, sel_experts, atol, rtol, exact, seed, tokens)
             report.outside = _outside(ca, cb, fa, fb, ffn_only or bool(sel_layers or sel_experts), atol, rtol)
-        if load_check:
-            from ..loadable import check
-
-            report.load = check(cb)
-            if report.load.skipped:
-                report.notes.append(report.load.summary())
-    if logits:
+            if not report.outside.skipped:
+                report.notes += tied.reconcile(report.outside, ca, cb, report.config.ties)
+        vocab = [(c.config or {}).get("vocab_size") for c in (ca, cb)]
+        probe = probe_length(ca.config or {}, ca.total_bytes)
+    refused = report.load is not None and report.load.refused
+    if logits and refused:
+        report.logits_skipped = "B's client cannot build B (the load check's failure)"
+    elif logits:
         from .logits import compare_logits
 
-        tol = widened(report.tolerance or tolerance_for([], None, atol=atol, rtol=rtol))
-        report.logits = compare_logits(a, b, clients, tol, seed)
+        same = clients[0] == clients[1] and bit_identical(report)
+        tol = EXACT if same else widened(report.tolerance or tolerance_for([], None, atol=atol, rtol=rtol))
+        report.logits = compare_logits(a, b, clients, tol, seed, vocab, probe)
+    else:
+        report.logits_skipped = "--logits runs both whole models through their clients"
     return report
+
+
+EXACT = Tolerance(0.0, 0.0, 0.0, "exact: bit-identical weights under the same client")  # atol 0: every logit equal
+PROBE_MAX = 512  # longest token batch run to reach a config's window (tiny models only)
+PROBE_BYTES = 1 << 30
+
+
+def stored(ckpt):
+    """The checkpoint as stored (an FP8 one with its scale tensors), not the dequantized view verify compares."""
+    return ckpt.raw if isinstance(ckpt, Dequantized) else ckpt
+
+
+def bit_identical(report: VerifyReport) -> bool:
+    """Every FFN and every other tensor of B is bit-identical to A's (and the configs agree): then the same
+    client computes the same logits, exactly."""
+    o = report.outside
+    return (bool(report.results) and all(r.exact == "identical" for r in report.results) and o is not None
+            and not o.skipped and o.passed and o.within == 0)
+
+
+def probe_length(config: dict, nbytes: int) -> int | None:
+    """Tokens per sequence for --logits: past the sliding window or the original context of a scaled rope
+    (where the config's settings act) when the model is small enough; None: the default batch."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    reach = [v for v in (config.get("sliding_window"), config.get("attention_chunk_size"),
+                         rope.get("original_max_position_embeddings") if isinstance(rope, dict) else None)
+             if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    if not reach or nbytes > PROBE_BYTES:
+        return None
+    length = min(reach) + 16
+    return length if length <= PROBE_MAX else None
+
+
+def _extracts(fa: FFNSet | None, fb: FFNSet | None) -> str | None:
+    """Which side is an FFN-only extract output, said as a reason; None when neither is."""
+    extracts = [s for s, f in (("A", fa), ("B", fb)) if f and f.scheme.name == "ffn-tools"]
+    if not extracts:
+        return None
+    return f"{' and '.join(extracts)} {'is an' if len(extracts) == 1 else 'are'} FFN-only extract output"
 
 
 def _outside(ca, cb, fa: FFNSet, fb: FFNSet, ffn_only: bool, atol, rtol) -> OutsideResult:
     """The tensors outside the FFNs, compared; or why not (--ffn-only or a selection, an extract output)."""
     if ffn_only:
         return OutsideResult(skipped="--ffn-only, or --layers/--experts select part of the FFNs")
-    extracts = [s for s, f in (("A", fa), ("B", fb)) if f.scheme.name == "ffn-tools"]
-    if extracts:
-        return OutsideResult(skipped=f"{' and '.join(extracts)} {'is an' if len(extracts) == 1 else 'are'} "
-                                     "FFN-only extract output")
+    extract = _extracts(fa, fb)
+    if extract:
+        return OutsideResult(skipped=extract)
     log.info("comparing the tensors outside the FFNs")
     return compare_outside(ca, cb, fa, fb, atol=atol, rtol=rtol)
 

@@ -49,10 +49,10 @@ def client_for(ckpt, side: str) -> str:
                         "whole model (transformers reads PyTorch, mlx_lm reads MLX)")
 
 
-def token_batch(vocab_size: int, seed: int) -> torch.Tensor:
-    """The fixed (2, 16) batch of token ids, seeded."""
+def token_batch(vocab_size: int, seed: int, length: int | None = None) -> torch.Tensor:
+    """The fixed (2, 16) batch of token ids, seeded (``length`` tokens per sequence instead of 16)."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, BATCH, generator=gen)
+    return torch.randint(0, vocab_size, (BATCH[0], length or BATCH[1]), generator=gen)
 
 
 def _transformers_logits(path: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
@@ -98,28 +98,31 @@ def _clip(items, n: int = 4) -> str:
     return ", ".join(items[:n]) + (f" ... ({len(items)} in all)" if len(items) > n else "")
 
 
-def compare_logits(a, b, clients: tuple[str, str], tol: Tolerance, seed: int = 0) -> dict:
+def compare_logits(a, b, clients: tuple[str, str], tol: Tolerance, seed: int, vocab: list,
+                   length: int | None = None) -> dict:
     """Logits of A and B on the same token batch, compared.
 
+    Args:
+        a, b: the checkpoints' paths.
+        clients: the client of each (``client_for``).
+        tol: the row; ``engine.EXACT`` where the same client runs bit-identical weights.
+        seed: seed of the token batch.
+        vocab: A's and B's vocabulary sizes (their configs').
+        length: tokens per sequence (None: 16), to reach past a sliding window or a rope's original context.
+
     Returns:
-        {client_a, client_b, shape, max_abs, cosine, ratio, top1_agreement, passed, problems}.
+        {client_a, client_b, shape, max_abs, cosine, ratio, top1_agreement, tolerance, passed, problems}.
 
     Raises:
         FFNToolsError: the two configs disagree on the vocabulary size.
     """
-    from ffn_tools.converters import open_any
-
-    vocab = []
-    for p in (a, b):
-        with open_any(p) as c:
-            vocab.append((c.config or {}).get("vocab_size"))
     if vocab[0] != vocab[1] or not isinstance(vocab[0], int):
         raise FFNToolsError(f"--logits: vocabulary sizes differ or are unknown (A {vocab[0]}, B {vocab[1]})")
-    tokens = token_batch(vocab[0], seed)
+    tokens = token_batch(vocab[0], seed, length)
     run = {"transformers": _transformers_logits, "mlx_lm": _mlx_logits}
     (la, pa), (lb, pb) = (_run(run[c], c, Path(p), side, tokens) for c, p, side in zip(clients, (a, b), "AB"))
     problems = [f"A: {p}" for p in pa] + [f"B: {p}" for p in pb]
-    out = {"client_a": clients[0], "client_b": clients[1], "shape": list(BATCH) + [vocab[0]],
+    out = {"client_a": clients[0], "client_b": clients[1], "shape": list(tokens.shape) + [vocab[0]],
            "max_abs": math.nan, "cosine": math.nan, "ratio": math.nan, "top1_agreement": 0.0,
            "tolerance": tol.as_dict(), "problems": problems, "passed": False}
     if la.shape != lb.shape or la.numel() == 0:
@@ -128,7 +131,11 @@ def compare_logits(a, b, clients: tuple[str, str], tol: Tolerance, seed: int = 0
     m = compare("logits", "", lb, la, tol)
     out.update(max_abs=m.max_abs, cosine=m.cosine, ratio=m.ratio,
                top1_agreement=float((la.argmax(-1) == lb.argmax(-1)).double().mean()))
-    if not m.passed:
+    if not m.passed and tol.atol == 0:
+        problems.append(f"the same client on bit-identical weights gives different logits (max abs difference "
+                        f"{m.max_abs:.3g}, cosine {m.cosine:.7f}, top-1 agreement {out['top1_agreement']:.1%}): "
+                        "what differs is the model its config describes")
+    elif not m.passed:
         problems.append(f"max abs difference {m.max_abs:.3g} ({m.ratio:.2f}x the tolerance), cosine {m.cosine:.7f} "
                         f"(min {tol.min_cosine:.10g}); top-1 agreement {out['top1_agreement']:.1%}")
     out["passed"] = not problems

@@ -13,7 +13,9 @@ from ..tolerances import Tolerance
 
 if TYPE_CHECKING:
     from ..loadable import LoadCheck
+    from .model_config import ConfigResult
     from .outside import OutsideResult
+    from .side_files import SideFilesResult
 
 MAX_ROWS = 40  # passing rows beyond this are summarised in one line (--json has them all)
 
@@ -113,12 +115,15 @@ class VerifyReport:
     logits: dict | None = None
     outside: "OutsideResult | None" = None  # the tensors outside the FFNs (None: not reached)
     load: "LoadCheck | None" = None  # would B load in its client (a failure is listed last: the weights first)
+    config: "ConfigResult | None" = None  # the configs as their clients read them
+    side_files: "SideFilesResult | None" = None  # tokenizer, generation_config, ...
+    logits_skipped: str | None = None  # why whole-model logits did not run
 
     @property
     def passed(self) -> bool:
         return (not self.problems and not self.only_a and not self.only_b and all(r.passed for r in self.results)
                 and (self.logits is None or self.logits["passed"]) and (self.outside is None or self.outside.passed)
-                and not self._load_fails)
+                and not self._load_fails and all(c is None or c.passed for c in (self.config, self.side_files)))
 
     @property
     def _load_fails(self) -> bool:
@@ -127,6 +132,8 @@ class VerifyReport:
     def failures(self) -> list[str]:
         """Every failure as one line naming where, checkpoint-level first, then worst FFN first."""
         out = list(self.problems)
+        for check in (self.config, self.side_files):
+            out += check.failures() if check is not None else []
         if self.only_a:
             out.append(f"only in A ({len(self.only_a)}): {listing(self.only_a)}")
         if self.only_b:
@@ -148,6 +155,19 @@ class VerifyReport:
             out.append(f"B {self.load.summary()}")
         return out
 
+    def not_run(self) -> list[str]:
+        """The checks that did not run, each saying why (a PASS names them: nothing reads as checked that
+        was not)."""
+        out = []
+        if self.load is not None and self.load.skipped:
+            out.append(f"load check not run ({self.load.skipped})")
+        for check in (self.config, self.side_files):
+            if check is not None and check.skipped:
+                out.append(f"{check.name} not compared ({check.skipped})")
+        if self.logits is None and self.logits_skipped:
+            out.append(f"logits not run ({self.logits_skipped})")
+        return out
+
     def rows(self) -> list:
         """The distinct tolerance rows the FFNs were checked with, loosest first (one unless quantization
         differs between FFNs)."""
@@ -161,7 +181,8 @@ class VerifyReport:
             exact = sum(r.exact == "identical" for r in self.results)
             bits = f", {exact} bit-identical" if exact else ""
             logits = ", logits agree" if self.logits else ""
-            return (f"PASS: {n} FFN{'s' * (n != 1)} of A and B agree on {', '.join(self.backends)}{bits}{logits}")
+            return (f"PASS: {n} FFN{'s' * (n != 1)} of A and B agree on {', '.join(self.backends)}{bits}{logits}"
+                    + "".join(f"; {s}" for s in self.not_run()))
         bad = sum(not r.passed for r in self.results)
         unpaired = len(self.only_a) + len(self.only_b)
         counts = [f"{bad} of {n} FFNs differ"] if n and bad else []
@@ -170,6 +191,8 @@ class VerifyReport:
             counts.append(f"{len(o.differ) + len(o.only_a) + len(o.only_b)} tensors outside the FFNs differ or are "
                           "unpaired")
         counts += [f"{unpaired} unpaired"] if unpaired else []
+        counts += [f"{c.name} {'differs' if c.name == 'config' else 'differ'}" for c in (self.config, self.side_files)
+                   if c is not None and not c.passed]
         return f"FAIL: {', '.join(counts) + '; ' if counts else ''}first: {self.failures()[0]}"
 
     def as_dict(self) -> dict:
@@ -180,7 +203,10 @@ class VerifyReport:
                 "failures": self.failures(),
                 "ffns": [r.as_dict() for r in sorted(self.results, key=FFNResult.sort_key)], "logits": self.logits,
                 "outside": self.outside.as_dict() if self.outside else None,
-                "load_check": self.load.as_dict() if self.load else None}
+                "load_check": self.load.as_dict() if self.load else None,
+                "config": self.config.as_dict() if self.config else None,
+                "side_files": self.side_files.as_dict() if self.side_files else None,
+                "logits_skipped": self.logits_skipped, "not_run": self.not_run()}
 
     def lines(self, max_rows: int = MAX_ROWS) -> list[str]:
         """The text report: the two sides, the check, a table worst first, failures, the verdict."""
@@ -206,6 +232,7 @@ class VerifyReport:
                 out.append(f"{_row(r):<{len(head)}}  {r.tolerance.row}" if per_ffn and r.tolerance else _row(r))
         if self.outside is not None:
             out += ["", self.outside.line()]
+        out += [c.line() for c in (self.config, self.side_files) if c is not None]
         if self.load is not None and self.load.ok:  # a failure is listed with the others below
             out.append(f"load check: {self.load.summary()}")
         out += ["", *[f"  - {f}" for f in self.failures()]] if not self.passed else []
@@ -213,7 +240,8 @@ class VerifyReport:
             lg = self.logits
             out.append(f"logits ({lg['client_a']} vs {lg['client_b']}, {lg['shape']}): max abs diff "
                        f"{_num(lg['max_abs'])}, cosine {_cos(lg['cosine'])}, top-1 agreement "
-                       f"{lg['top1_agreement']:.1%} -> {'ok' if lg['passed'] else 'FAIL'}")
+                       f"{lg['top1_agreement']:.1%}, tolerance {lg['tolerance']['row']} -> "
+                       f"{'ok' if lg['passed'] else 'FAIL'}")
         out.append(self.verdict)
         return out
 

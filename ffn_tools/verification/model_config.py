@@ -1,0 +1,282 @@
+"""A's and B's configs as their clients read them, compared key by key (``verify``'s config check).
+
+A conversion can keep every weight bit for bit and still change the model: ``rope_theta``, ``rms_norm_eps``,
+the head split, ``sliding_window``, softcapping, MoE routing keys all live in config.json. Each side's config
+is normalized by its client's own reader, so spellings that mean the same thing compare equal and every
+default is filled in:
+
+- transformers' config class for the model_type (``CONFIG_MAPPING[type].from_dict``): v4/v5 renames
+  (``rope_theta`` <-> ``rope_parameters``, ``torch_dtype`` <-> ``dtype``) and defaults come out the same;
+- for an MLX side, also mlx_lm's ``ModelArgs`` of its model: B's config.json as mlx_lm reads it against A's
+  config as an MLX export of A would hand it to mlx_lm (the exporter's own completion of the config).
+
+Every key that differs fails, naming the key and both values, except the keys of ``NO_EFFECT`` (they provably
+do not change what the model computes) and those the user accepts (``--allow-config KEY``). B's config dtype is
+checked against the dtype B's weights are stored in: a narrower or different float dtype means the client loads
+the weights with a lossy cast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from ..errors import listing
+from ..io.store import config_dtype, read_config
+
+log = logging.getLogger(__name__)
+
+# Keys that do not change the function a client computes from the weights.
+NO_EFFECT = {
+    "transformers_version": "the writer's version",
+    "_name_or_path": "where the config was loaded from",
+    "_commit_hash": "the Hub revision it came from",
+    "use_cache": "caching of keys and values during generation, not their values",
+    "output_hidden_states": "what a forward returns beside the logits",
+    "output_attentions": "what a forward returns beside the logits",
+    "return_dict": "the container of the outputs",
+    "torchscript": "export mode",
+    "chunk_size_feed_forward": "the FFN computed in chunks: the same result",
+    "id2label": "labels of classification heads (no causal-LM head reads them)",
+    "label2id": "labels of classification heads",
+    "problem_type": "the loss of classification heads",
+    "initializer_range": "initialisation of weights the checkpoint does not hold (the load check fails those)",
+    "pad_token_id": "the id batches are padded with (the embedding's padding_idx acts in training only); "
+                    "generation_config.json's is compared with the side files",
+    "attention_dropout": "dropout, off in inference",
+    "hidden_dropout": "dropout, off in inference",
+    "embd_pdrop": "dropout, off in inference",
+    "resid_pdrop": "dropout, off in inference",
+    "attn_pdrop": "dropout, off in inference",
+    "dtype": "checked against the dtype of the stored weights instead",
+    "torch_dtype": "checked against the dtype of the stored weights instead",
+    "quantization": "checked with the quantized tensors",
+    "quantization_config": "checked with the quantized tensors",
+}
+# Only under the default rope (no scaling that reads it): the longest context a model is meant for.
+DEFAULT_ROPE_ONLY = ("max_position_embeddings",)
+FLOATS = ("F64", "F32", "F16", "BF16")
+WIDER = {("F16", "F32"), ("BF16", "F32"), ("F16", "F64"), ("BF16", "F64"), ("F32", "F64")}  # stored -> config
+NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "float": "F32", "half": "F16"}
+
+
+@dataclass
+class ConfigResult:
+    """What the config check found. ``readers`` says how each side was read."""
+
+    name: ClassVar[str] = "config"
+
+    readers: list[str] = field(default_factory=list)
+    compared: int = 0  # keys compared
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    allowed: list[str] = field(default_factory=list)  # "key: A x, B y" accepted by --allow-config
+    skipped: str | None = None
+    ties: tuple = (None, None)  # each side's tie_word_embeddings as its client reads it (None: unknown)
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    def line(self) -> str:
+        if self.skipped:
+            return f"config: not compared ({self.skipped})"
+        allowed = f", {len(self.allowed)} allowed by --allow-config" if self.allowed else ""
+        return (f"config: {self.compared} keys compared as {' and '.join(self.readers)} read them, "
+                f"{len(self.problems)} differ{allowed}")
+
+    def failures(self) -> list[str]:
+        return [f"config: {p}" for p in self.problems]
+
+    def as_dict(self) -> dict:
+        return {"readers": self.readers, "compared": self.compared, "problems": self.problems, "notes": self.notes,
+                "allowed": self.allowed, "skipped": self.skipped, "passed": self.passed}
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def differences(a, b, path: str = "") -> list[tuple[str, object, object]]:
+    """(dotted key, A's value, B's value) for every leaf where ``a`` and ``b`` differ (a missing key is
+    ``<absent>``)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b), key=str):
+            key = f"{path}.{k}" if path else str(k)
+            out += differences(a.get(k, _ABSENT), b.get(k, _ABSENT), key)
+        return out
+    if type(a) is bool or type(b) is bool:  # True == 1 in Python, not in a config
+        return [] if type(a) is type(b) and a == b else [(path, a, b)]
+    return [] if a == b else [(path, a, b)]
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+_ABSENT = _Absent()
+
+
+def transformers_view(config: dict) -> tuple[dict | None, str | None]:
+    """``config`` through transformers' config class for its model_type: (normalized dict, None), or
+    (None, why not) when transformers is missing, does not know the type, or refuses the config."""
+    try:
+        from transformers import CONFIG_MAPPING
+        from transformers.utils import logging as hf_logging
+    except ImportError as e:
+        return None, f"transformers is not installed ({e.name})"
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        return None, f"transformers has no config class for model_type {model_type!r}"
+    try:
+        hf_logging.set_verbosity_error()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = CONFIG_MAPPING[model_type].from_dict(dict(config)).to_dict()
+    except Exception as e:  # noqa: BLE001 - the config class's own refusal, any type
+        return None, (f"transformers' {CONFIG_MAPPING[model_type].__name__} refuses it ({type(e).__name__}: "
+                      f"{' '.join(str(e).split())[:200]})")
+    heads, width = out.get("num_attention_heads"), out.get("hidden_size")
+    if "head_dim" in out and out["head_dim"] is None and isinstance(heads, int) and heads and isinstance(width, int):
+        out["head_dim"] = width // heads  # what the modeling code takes for a head_dim of None
+    return out, None
+
+
+def _rope_is_default(cfg: dict) -> bool:
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    if isinstance(rope, dict) and any(isinstance(v, dict) for v in rope.values()):  # per layer type
+        return all(not isinstance(v, dict) or v.get("rope_type", "default") == "default" for v in rope.values())
+    return not isinstance(rope, dict) or rope.get("rope_type", rope.get("type", "default")) == "default"
+
+
+def _generation_eos(ckpt):
+    """generation_config.json's eos_token_id beside ``ckpt``, or None."""
+    try:
+        gen = json.loads((Path(ckpt.root) / "generation_config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    return gen.get("eos_token_id") if isinstance(gen, dict) else None
+
+
+def _compare(res: ConfigResult, a: dict, b: dict, allow, eos_a) -> None:
+    """Add every difference between normalized ``a`` and ``b`` to ``res``."""
+    default_rope = _rope_is_default(a) and _rope_is_default(b)
+    seen = {p.split(":")[0] for p in res.problems} | {x.split(":")[0] for x in res.allowed}
+    for key, va, vb in differences(a, b):
+        top = key.split(".")[0]
+        if top in NO_EFFECT or (top in DEFAULT_ROPE_ONLY and default_rope) or key in seen:
+            continue
+        if top == "eos_token_id" and vb == eos_a:  # mlx_lm.convert merges generation_config's eos into config.json
+            continue
+        seen.add(key)
+        line = f"{key}: A {_short(va)}, B {_short(vb)}"
+        (res.allowed if key in allow or top in allow else res.problems).append(line)
+    res.compared += len(set(a) | set(b))
+
+
+def compare_configs(ca, cb, allow=()) -> ConfigResult:
+    """Compare the configs of open checkpoints ``ca`` (A) and ``cb`` (B) as their clients read them."""
+    allow = set(allow)
+    res = ConfigResult()
+    a, b = ca.config, cb.config
+    if not a or "model_type" not in a:
+        if b and "model_type" in b:
+            res.notes.append("A has no config.json naming a model_type; B's is not compared")
+        res.skipped = "A has no config.json naming a model_type"
+        return res
+    if not b or "model_type" not in b:
+        res.problems.append("A has a config.json and B has none naming a model_type: B's client cannot build "
+                            "the model")
+        return res
+    (na, why_a), (nb, why_b) = transformers_view(a), transformers_view(b)
+    if nb is None and why_b and "refuses" in why_b:
+        res.problems.append(f"B's config.json: {why_b}")
+        return res
+    if na is None or nb is None:
+        res.notes.append(f"compared as written: {why_a or why_b}")
+        na, nb = dict(a), dict(b)
+        res.readers.append("config.json")
+    else:
+        res.readers.append(f"transformers' {type_name(a)}")
+    _compare(res, na, nb, allow, _generation_eos(ca))
+    res.ties = tuple(n.get("tie_word_embeddings") for n in (na, nb))
+    if cb.format == "mlx":
+        _compare_mlx(res, ca, cb, allow)
+    _check_dtype(res, cb)
+    unused = sorted(allow - {x.split(":")[0] for x in res.allowed} - {x.split(":")[0].split(".")[0] for x in res.allowed})
+    if unused:
+        res.notes.append(f"--allow-config {listing(unused)}: no such difference")
+    return res
+
+
+def type_name(config: dict) -> str:
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[config["model_type"]].__name__
+
+
+def _model_args(config: dict, has_head: bool | None):
+    """mlx_lm's ``ModelArgs`` fields for ``config`` as the MLX export completes it (``models.target``)."""
+    from ffn_tools.converters.mlx import models
+
+    t = models.target(config, "config", has_head)
+    args = models._import_model_module(t.module).ModelArgs.from_dict(t.config)
+    return t.module, {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+
+
+def _compare_mlx(res: ConfigResult, ca, cb, allow) -> None:
+    """B's config.json as mlx_lm reads it against A's as an MLX export of A gives it to mlx_lm."""
+    from ..errors import FFNToolsError
+
+    raw_b = read_config(cb.root) or {}
+    try:
+        module, b_args = _model_args(raw_b, None)
+    except FFNToolsError as e:
+        res.problems.append(f"mlx_lm cannot read B's config.json: {e}")
+        return
+    try:
+        source = dict(ca.config)
+        eos = _generation_eos(ca)
+        if eos:
+            source["eos_token_id"] = eos
+        _, a_args = _model_args(source, "lm_head.weight" in ca)
+    except FFNToolsError as e:
+        res.notes.append(f"A's config is not one mlx_lm reads, so it is not compared as mlx_lm's ModelArgs ({e})")
+        return
+    res.readers.append(f"mlx_lm's {module} ModelArgs")
+    _compare(res, a_args, b_args, allow, None)
+
+
+def _check_dtype(res: ConfigResult, cb) -> None:
+    """B's config dtype against the float dtype most of B's weight bytes are stored in (PyTorch formats:
+    transformers and vLLM load with the config's dtype; mlx_lm and Flax keep the stored one)."""
+    if cb.format not in ("safetensors", "pickle"):
+        return
+    raw = read_config(Path(cb.root)) if cb.root else None
+    said = NAMES.get(config_dtype(raw) or "")
+    sizes: dict[str, int] = {}
+    for n in cb:
+        info = cb.info(n)
+        if info.st_dtype in FLOATS:
+            sizes[info.st_dtype] = sizes.get(info.st_dtype, 0) + info.nbytes
+    if not said or not sizes:
+        return
+    stored = max(sizes, key=sizes.get)
+    if stored == said:
+        return
+    names = {v: k for k, v in NAMES.items() if k not in ("float", "half")}
+    if (stored, said) in WIDER:
+        res.notes.append(f"B's config.json says dtype {names[said]} over {names[stored]} weights: they load "
+                         "widened, exactly")
+    else:
+        res.problems.append(f"dtype: B's config.json says {names[said]}, but its weights are stored in "
+                            f"{names[stored]}: transformers (dtype='auto') and vLLM load them cast to {names[said]}, "
+                            "losing precision")
