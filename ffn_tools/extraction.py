@@ -15,7 +15,7 @@ from pathlib import Path
 from . import scales
 from .detect import find_ffns
 from .errors import FFNToolsError
-from .ffn import FFN, canonical_weights
+from .ffn import CLAMPED_RECORD, FFN, canonical_weights, clamped_record
 from .io.dtypes import short_name
 from .io.output import check_output
 from .layouts import GateUpLayout, split
@@ -115,9 +115,12 @@ def extract(ckpt, out: Path, *, layers: str | None = None, experts: str | None =
         "ffns": len(chosen), "tensors": len(entries),
         "warnings": [w] if (w := ffns.unmatched_warning()) else [],
     }
-    config = {"hidden_act": ffns.activation.config_name, "ffn_tools_manifest": manifest}
+    clamped = clamped_record(ffns.activation)  # GPT-OSS's limit and alpha: the extract runs the same unit
+    config = {"hidden_act": ffns.activation.config_name, **({CLAMPED_RECORD: clamped} if clamped else {}),
+              "ffn_tools_manifest": manifest}
     plan = Plan(ckpt, entries, None if out.suffix == ".safetensors" else config)
-    metadata = {"format": "pt", "ffn_tools": "extract", "hidden_act": ffns.activation.config_name}
+    metadata = {"format": "pt", "ffn_tools": "extract", "hidden_act": ffns.activation.config_name,
+                **({CLAMPED_RECORD: json.dumps(clamped)} if clamped else {})}
     if out.suffix == ".safetensors":
         _execute_file(plan, out, force, max_shard_size, metadata, manifest)
     else:

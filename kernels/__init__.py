@@ -7,7 +7,8 @@ Every backend module (`kernels.reference`, `.triton`, `.metal`, `.mlx`, `.jax`) 
     silu_mul_fused(gate_up, *, order="gate-up", interleaved=False, activation="silu", single_rounding=False, out=None)
     ffn(x, gate_w, up_w, down_w, biases=None, *, activation="silu", single_rounding=False)
 
-taking and returning torch tensors (the output dtype is the input dtype, except the float64 reference).
+where `activation` is one of ACTIVATIONS or a `GLU` (the function with its clamp limit, silu slope alpha
+and up offset, e.g. GPT-OSS's), taking and returning torch tensors (the output dtype is the input dtype, except the float64 reference).
 Importing this package imports no heavy framework; `get_backend` imports one backend module on demand.
 """
 
@@ -16,12 +17,12 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from ffn_tools.kernels._surface import ACTIVATIONS, DTYPES, ORDERS
+from ffn_tools.kernels._surface import ACTIVATIONS, DTYPES, GLU, ORDERS
 
 BACKENDS = ("reference", "triton", "metal", "mlx", "jax")
 """Backend module names, the float64 ground truth first."""
 
-__all__ = ["ACTIVATIONS", "BACKENDS", "DTYPES", "ORDERS", "available_backends", "get_backend"]
+__all__ = ["ACTIVATIONS", "BACKENDS", "DTYPES", "GLU", "ORDERS", "available_backends", "get_backend"]
 
 
 def get_backend(name: str) -> ModuleType:

@@ -5,14 +5,39 @@ Nothing here imports a heavy framework; each backend imports it lazily.
 
 from __future__ import annotations
 
+import math
 import struct
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import torch
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu2")
 """Activations of the gated FFN: silu (SwiGLU), exact erf gelu and tanh-approximated gelu (GeGLU), and
 squared ReLU (BitNet's gated `relu(x)**2`)."""
+
+
+class GLU(NamedTuple):
+    """A gated unit's function as data: `act(min(g, limit)) * (clamp(u, -limit, limit) + up_offset)`.
+
+    `activation=` of every kernel takes a GLU, or one of ACTIVATIONS for `GLU(name)` (plain `act(g) * u`).
+
+    Attributes:
+        function: one of ACTIVATIONS.
+        alpha: silu's sigmoid slope, `silu_alpha(g) = g * sigmoid(alpha * g)`; 1 is plain silu (GPT-OSS: 1.702).
+            Only silu takes another value.
+        limit: None (no clamp), or the clamp limit: the gate is clamped from above only, `up` on both sides.
+            The clamps keep NaN a NaN (as torch.clamp does; `min`/`fmin` would turn it into the limit).
+        up_offset: added to the clamped `up` before the product (GPT-OSS: 1, its `(up + 1) * glu`).
+
+    Backends clamp and add in float32 (the clamps are exact; `up + up_offset` is one float32 rounding and is
+    not rounded to the dtype), then round `act` and the product as they do for a plain activation.
+    """
+
+    function: str = "silu"
+    alpha: float = 1.0
+    limit: float | None = None
+    up_offset: float = 0.0
+
 
 ORDERS = ("gate-up", "up-gate")
 """Which half of a fused gate_up activation comes first (or which comes first in each interleaved pair)."""
@@ -39,10 +64,22 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: " + " ".join(str(exc).split())
 
 
-def check_activation(activation: str) -> str:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"Unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}.")
-    return activation
+def check_activation(activation: str | GLU) -> GLU:
+    """Validate an activation name or GLU and return it as a GLU."""
+    glu = activation if isinstance(activation, GLU) else GLU(activation)
+    if not isinstance(glu.function, str) or glu.function not in ACTIVATIONS:
+        raise ValueError(f"Unknown activation {glu.function!r}; expected one of {', '.join(ACTIVATIONS)} "
+                         f"(or a GLU of one of them).")
+    numbers = {"alpha": glu.alpha, "up_offset": glu.up_offset, **({} if glu.limit is None else {"limit": glu.limit})}
+    for name, v in numbers.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"GLU {name} must be a finite number, got {v!r}.")
+    if glu.alpha <= 0 or (glu.alpha != 1 and glu.function != "silu"):
+        raise ValueError(f"GLU alpha {glu.alpha!r} is not allowed for {glu.function}: alpha is silu's sigmoid "
+                         f"slope (> 0); every other activation takes 1.")
+    if glu.limit is not None and glu.limit < 0:
+        raise ValueError(f"GLU limit {glu.limit!r} must be >= 0 (the gate is clamped to <= limit, up to +-limit).")
+    return glu
 
 
 def check_order(order: str) -> bool:
@@ -101,7 +138,7 @@ def check_ffn(
     up_w: torch.Tensor,
     down_w: torch.Tensor,
     biases: Mapping[str, torch.Tensor] | None,
-    activation: str,
+    activation: str | GLU,
 ) -> dict[str, torch.Tensor]:
     """Validate FFN operands (PyTorch (out, in) weights) and return the biases as a plain dict."""
     check_activation(activation)

@@ -10,6 +10,9 @@ Numerics (ACT 0 = silu, 1 = gelu, 2 = gelu_tanh, 3 = relu2) follow PyTorch's CUD
     gelu       x * 0.5 * (1 + erf(x * float32(1/sqrt 2)))
     gelu_tanh  0.5 * x * (1 + tanh(float32(sqrt 2/pi) * fma(float32(0.044715), x*x*x, x)))
     relu2      max(x, 0) * max(x, 0)                             exact but for the one rounding of the square
+The GLU's data (kernels._surface.GLU) arrive as constexprs: silu's slope ALPHA (x / (1 + exp(-(ALPHA * x))), ALPHA
+1.0 is exactly plain silu), CLAMP with LIMIT (gate clamped to <= LIMIT, up to [-LIMIT, LIMIT], by comparisons
+that keep NaN), UP_OFFSET added to the clamped up (0.0: no add).
 With NATIVE (compiled for CUDA) exp/erf/tanh are libdevice's __nv_expf/__nv_erff/__nv_tanhf, the same
 functions CUDA's expf/erff/tanhf that PyTorch calls; `tl.exp` would lower to the approximate ex2.approx.
 In the interpreter they are numpy's float32 functions (tanh via exp), and float32 -> bfloat16 rounding
@@ -45,13 +48,19 @@ def _round(y, out_ty: tl.constexpr, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def _glu(a, b, out_ty: tl.constexpr, ACT: tl.constexpr, SINGLE_ROUNDING: tl.constexpr, NATIVE: tl.constexpr):
+def _glu(a, b, out_ty: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, CLAMP: tl.constexpr,
+         LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, SINGLE_ROUNDING: tl.constexpr, NATIVE: tl.constexpr):
     """act(a) * b from float32 a, b, rounded to out_ty once or twice (see kernels.triton.silu_mul)."""
+    if CLAMP:  # where, not minimum: NaN > LIMIT is False, so NaN stays NaN (as torch.clamp)
+        a = tl.where(a > LIMIT, LIMIT, a)
+        b = tl.where(b > LIMIT, LIMIT, tl.where(b < -LIMIT, -LIMIT, b))
+    if UP_OFFSET != 0.0:
+        b = b + UP_OFFSET
     if ACT == 0:
         if NATIVE:
-            e = libdevice.exp(-a)
+            e = libdevice.exp(-(a * ALPHA))
         else:
-            e = tl.exp(-a)
+            e = tl.exp(-(a * ALPHA))
         h = tl.math.div_rn(a, 1.0 + e)
     elif ACT == 1:
         if NATIVE:
@@ -90,6 +99,10 @@ def glu_pair_kernel(
     stride_b,
     stride_out,
     ACT: tl.constexpr,
+    ALPHA: tl.constexpr,
+    CLAMP: tl.constexpr,
+    LIMIT: tl.constexpr,
+    UP_OFFSET: tl.constexpr,
     SINGLE_ROUNDING: tl.constexpr,
     NATIVE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -105,7 +118,7 @@ def glu_pair_kernel(
     r64 = rows.to(tl.int64)[:, None]  # row * stride can pass 2**31 for large activations
     a = tl.load(a_ptr + r64 * stride_a + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + r64 * stride_b + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = _glu(a, b, out_ptr.dtype.element_ty, ACT, SINGLE_ROUNDING, NATIVE)
+    y = _glu(a, b, out_ptr.dtype.element_ty, ACT, ALPHA, CLAMP, LIMIT, UP_OFFSET, SINGLE_ROUNDING, NATIVE)
     tl.store(out_ptr + r64 * stride_out + cols[None, :], y, mask=mask)
 
 
@@ -119,6 +132,10 @@ def glu_interleaved_kernel(
     stride_out,
     GATE_FIRST: tl.constexpr,
     ACT: tl.constexpr,
+    ALPHA: tl.constexpr,
+    CLAMP: tl.constexpr,
+    LIMIT: tl.constexpr,
+    UP_OFFSET: tl.constexpr,
     SINGLE_ROUNDING: tl.constexpr,
     NATIVE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -144,5 +161,5 @@ def glu_interleaved_kernel(
         a = second
         b = first
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    y = _glu(a, b, out_ptr.dtype.element_ty, ACT, SINGLE_ROUNDING, NATIVE)
+    y = _glu(a, b, out_ptr.dtype.element_ty, ACT, ALPHA, CLAMP, LIMIT, UP_OFFSET, SINGLE_ROUNDING, NATIVE)
     tl.store(out_ptr + r64 * stride_out + cols[None, :], y, mask=row_mask & (cols < n_cols)[None, :])

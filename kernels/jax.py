@@ -19,6 +19,7 @@ from ffn_tools.kernels._surface import (
     GELU_SQRT1_2,
     GELU_TANH_BETA,
     GELU_TANH_KAPPA,
+    GLU,
     check_activation,
     check_ffn,
     check_fused,
@@ -80,21 +81,29 @@ def _fns():
 
     f32 = jnp.float32
 
-    def act32(x, activation):
-        if activation == "silu":
-            return x / (1.0 + jnp.exp(-x))
-        if activation == "gelu":
+    def act32(x, function, alpha):
+        if function == "silu":
+            return x / (1.0 + jnp.exp(-(x * alpha)))
+        if function == "gelu":
             return x * 0.5 * (1.0 + jax.lax.erf(x * GELU_SQRT1_2))
-        if activation == "relu2":
+        if function == "relu2":
             r = jnp.maximum(x, 0.0)
             return r * r
         return 0.5 * x * (1.0 + jnp.tanh(GELU_TANH_BETA * (x + GELU_TANH_KAPPA * (x * x * x))))
 
-    def glu(g, u, activation, single_rounding):
-        h = act32(g.astype(f32), activation)
+    def glu(g, u, activation: GLU, single_rounding):
+        dtype = g.dtype
+        g, u = g.astype(f32), u.astype(f32)
+        if activation.limit is not None:  # where, not jnp.minimum/clip: NaN stays NaN (as torch.clamp)
+            lim = activation.limit
+            g = jnp.where(g > lim, f32(lim), g)
+            u = jnp.where(u > lim, f32(lim), jnp.where(u < -lim, f32(-lim), u))
+        if activation.up_offset:
+            u = u + f32(activation.up_offset)
+        h = act32(g, activation.function, f32(activation.alpha))
         if not single_rounding:
-            h = h.astype(g.dtype).astype(f32)  # eager's first rounding
-        return (h * u.astype(f32)).astype(g.dtype)
+            h = h.astype(dtype).astype(f32)  # eager's first rounding
+        return (h * u).astype(dtype)
 
     def fused(gate_up, activation, single_rounding, gate_first, interleaved):
         n = gate_up.shape[-1] // 2
@@ -133,7 +142,7 @@ def silu_mul(
     gate: torch.Tensor,
     up: torch.Tensor,
     *,
-    activation: str = "silu",
+    activation: str | GLU = "silu",
     single_rounding: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -145,7 +154,7 @@ def silu_mul(
     Args:
         gate: (..., I) float32/float16/bfloat16.
         up: (..., I), same shape and dtype.
-        activation: "silu", "gelu", "gelu_tanh" or "relu2".
+        activation: "silu", "gelu", "gelu_tanh", "relu2" or a GLU (clamp limit, alpha, up offset).
         single_rounding: round once instead of twice.
         out: optional contiguous (..., I) buffer (the result is copied into it).
 
@@ -153,10 +162,10 @@ def silu_mul(
         (..., I) tensor of the input dtype on the input's device.
     """
     check_pair(gate, up)
-    check_activation(activation)
+    glu = check_activation(activation)
     check_out(out, tuple(gate.shape), gate.dtype, gate.device)
     _require()
-    res = _fns()[0](_to_jax(gate), _to_jax(up), activation=activation, single_rounding=bool(single_rounding))
+    res = _fns()[0](_to_jax(gate), _to_jax(up), activation=glu, single_rounding=bool(single_rounding))
     return emit(_to_torch(res, gate.device), out)
 
 
@@ -165,7 +174,7 @@ def silu_mul_fused(
     *,
     order: str = "gate-up",
     interleaved: bool = False,
-    activation: str = "silu",
+    activation: str | GLU = "silu",
     single_rounding: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -175,7 +184,7 @@ def silu_mul_fused(
         gate_up: (..., 2I): halves `[gate | up]` / `[up | gate]`, or interleaved pairs with `interleaved=True`.
         order: "gate-up" or "up-gate".
         interleaved: adjacent-column pairs instead of halves.
-        activation: "silu", "gelu", "gelu_tanh" or "relu2".
+        activation: "silu", "gelu", "gelu_tanh", "relu2" or a GLU (clamp limit, alpha, up offset).
         single_rounding: round once instead of twice.
         out: optional contiguous (..., I) buffer.
 
@@ -184,12 +193,12 @@ def silu_mul_fused(
     """
     gate_first = check_order(order)
     n = check_fused(gate_up)
-    check_activation(activation)
+    glu = check_activation(activation)
     check_out(out, (*gate_up.shape[:-1], n), gate_up.dtype, gate_up.device)
     _require()
     res = _fns()[1](
         _to_jax(gate_up),
-        activation=activation,
+        activation=glu,
         single_rounding=bool(single_rounding),
         gate_first=gate_first,
         interleaved=bool(interleaved),
@@ -204,7 +213,7 @@ def ffn(
     down_w: torch.Tensor,
     biases: Mapping[str, torch.Tensor] | None = None,
     *,
-    activation: str = "silu",
+    activation: str | GLU = "silu",
     single_rounding: bool = False,
 ) -> torch.Tensor:
     """`down(act(gate(x)) * up(x))` as one jit'd function.
@@ -214,7 +223,7 @@ def ffn(
         gate_w, up_w: (I, H), PyTorch (out, in).
         down_w: (H, I).
         biases: optional dict with any of "gate" (I,), "up" (I,), "down" (H,).
-        activation: "silu", "gelu", "gelu_tanh" or "relu2".
+        activation: "silu", "gelu", "gelu_tanh", "relu2" or a GLU (clamp limit, alpha, up offset).
         single_rounding: see `silu_mul`.
 
     Returns:
@@ -228,7 +237,7 @@ def ffn(
         _to_jax(up_w),
         _to_jax(down_w),
         b,
-        activation=activation,
+        activation=check_activation(activation),
         single_rounding=bool(single_rounding),
     )
     return _to_torch(res, x.device)

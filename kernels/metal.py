@@ -3,8 +3,11 @@
 One thread per output element on a (columns, rows) grid; loads are converted to float, the math is float
 (`metal::precise` exp/tanh, an erf with <= 1 ulp error written out below since Metal has none), and the
 output type is the template parameter `T` (float, half or bfloat); ACT (0 silu, 1 gelu, 2 gelu_tanh, 3 relu2),
-SINGLE_ROUNDING and GATE_FIRST are int template parameters. Outputs are initialised to NaN
-(`init_value`), so an element the kernel fails to write can never pass verification.
+SINGLE_ROUNDING and GATE_FIRST are int template parameters. The GLU's numbers (kernels._surface.GLU) are a
+float input `glu` = {alpha, limit, up_offset}, with the identities of each step where the GLU has none: alpha 1
+(silu's `-(1 * x)` is exactly `-x`), limit +inf (the NaN-keeping comparisons then change nothing) and up_offset
+-0.0 (`u + -0.0` is `u` for every u, -0.0 included). Outputs are initialised to NaN (`init_value`), so an
+element the kernel fails to write can never pass verification.
 
 Numerics (default): act in float rounded to `T`, then the product in float rounded to `T` (eager
 `F.silu(g) * u`); template `SINGLE_ROUNDING=1` rounds once. The kernel bodies are module constants so
@@ -19,10 +22,11 @@ from typing import Mapping
 import torch
 
 from ffn_tools.kernels._mlx_io import mlx_dtype, to_mlx, to_torch
-from ffn_tools.kernels._surface import check_activation, check_ffn, check_fused, check_order, check_out, check_pair, emit, one_line
+from ffn_tools.kernels._surface import GLU, check_activation, check_ffn, check_fused, check_order, check_out, check_pair, emit, one_line
 
 __all__ = [
     "HEADER",
+    "glu_numbers",
     "SILU_MUL_SOURCE",
     "FUSED_HALVES_SOURCE",
     "FUSED_INTERLEAVED_SOURCE",
@@ -64,9 +68,9 @@ inline float ffn_erf(float a) {
 }
 
 template <int ACT>
-inline float ffn_act(float x) {
+inline float ffn_act(float x, float alpha) {
   if (ACT == 0) {
-    return x / (1.0f + metal::precise::exp(-x));
+    return x / (1.0f + metal::precise::exp(-(alpha * x)));
   } else if (ACT == 1) {
     return x * 0.5f * (1.0f + ffn_erf(x * 0.70710676908493042f));
   } else if (ACT == 3) {
@@ -78,10 +82,15 @@ inline float ffn_act(float x) {
   }
 }
 
-// act(g) * u rounded to T: twice (act to T, then the product) unless SINGLE_ROUNDING.
+// act(min(g, limit)) * (clamp(u, -limit, limit) + up_offset) rounded to T: twice (act to T, then the product)
+// unless SINGLE_ROUNDING; the body passes its `glu` input {alpha, limit, up_offset}. Comparisons, not
+// metal::min/max, clamp: NaN stays NaN (as torch.clamp).
 template <typename T, int ACT, int SINGLE_ROUNDING>
-inline T ffn_glu(float g, float u) {
-  float h = ffn_act<ACT>(g);
+inline T ffn_glu(float g, float u, float alpha, float limit, float up_offset) {
+  g = g > limit ? limit : g;
+  u = u > limit ? limit : (u < -limit ? -limit : u);
+  u = u + up_offset;
+  float h = ffn_act<ACT>(g, alpha);
   if (!SINGLE_ROUNDING) {
     h = static_cast<float>(static_cast<T>(h));
   }
@@ -99,7 +108,7 @@ SILU_MUL_SOURCE = r"""
     return;
   }
   size_t i = size_t(row) * n + col;
-  out[i] = ffn_glu<T, ACT, SINGLE_ROUNDING>(static_cast<float>(gate[i]), static_cast<float>(up[i]));
+  out[i] = ffn_glu<T, ACT, SINGLE_ROUNDING>(static_cast<float>(gate[i]), static_cast<float>(up[i]), glu[0], glu[1], glu[2]);
 """
 
 FUSED_HALVES_SOURCE = r"""
@@ -115,7 +124,8 @@ FUSED_HALVES_SOURCE = r"""
   size_t gi = base + (GATE_FIRST ? col : n + col);
   size_t ui = base + (GATE_FIRST ? n + col : col);
   out[size_t(row) * n + col] =
-      ffn_glu<T, ACT, SINGLE_ROUNDING>(static_cast<float>(gate_up[gi]), static_cast<float>(gate_up[ui]));
+      ffn_glu<T, ACT, SINGLE_ROUNDING>(static_cast<float>(gate_up[gi]), static_cast<float>(gate_up[ui]), glu[0],
+                                       glu[1], glu[2]);
 """
 
 FUSED_INTERLEAVED_SOURCE = r"""
@@ -131,13 +141,14 @@ FUSED_INTERLEAVED_SOURCE = r"""
   size_t gi = pair + (GATE_FIRST ? 0 : 1);
   size_t ui = pair + (GATE_FIRST ? 1 : 0);
   out[size_t(row) * n + col] =
-      ffn_glu<T, ACT, SINGLE_ROUNDING>(static_cast<float>(gate_up[gi]), static_cast<float>(gate_up[ui]));
+      ffn_glu<T, ACT, SINGLE_ROUNDING>(static_cast<float>(gate_up[gi]), static_cast<float>(gate_up[ui]), glu[0],
+                                       glu[1], glu[2]);
 """
 
 _SOURCES = {
-    "silu_mul": (("gate", "up"), SILU_MUL_SOURCE),
-    "fused_halves": (("gate_up",), FUSED_HALVES_SOURCE),
-    "fused_interleaved": (("gate_up",), FUSED_INTERLEAVED_SOURCE),
+    "silu_mul": (("gate", "up", "glu"), SILU_MUL_SOURCE),
+    "fused_halves": (("gate_up", "glu"), FUSED_HALVES_SOURCE),
+    "fused_interleaved": (("gate_up", "glu"), FUSED_INTERLEAVED_SOURCE),
 }
 _ACT_CODE = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu2": 3}
 _THREADGROUP = 256
@@ -192,14 +203,21 @@ def _require() -> None:
         raise RuntimeError(f"The Metal backend is unavailable: {why}")
 
 
-def _run(variant: str, arrays: list, n_rows: int, n: int, dtype: torch.dtype, activation, single, **tmpl):
+def glu_numbers(glu: GLU) -> list[float]:
+    """The kernels' float input `glu`: {alpha, limit, up_offset}, each step's identity where the GLU has none."""
+    return [float(glu.alpha), float("inf") if glu.limit is None else float(glu.limit), float(glu.up_offset) or -0.0]
+
+
+def _run(variant: str, arrays: list, n_rows: int, n: int, dtype: torch.dtype, glu: GLU, single, **tmpl):
     """Launch one variant over the (n, n_rows) grid and return the (n_rows, n) mlx output."""
+    import mlx.core as mx
+
     mdt = mlx_dtype(dtype)
     # Flags are int template parameters (0/1): MLX prints template values as integers.
-    template = [("T", mdt), ("ACT", _ACT_CODE[activation]), ("SINGLE_ROUNDING", int(bool(single)))]
+    template = [("T", mdt), ("ACT", _ACT_CODE[glu.function]), ("SINGLE_ROUNDING", int(bool(single)))]
     template += [(k, int(v)) for k, v in tmpl.items()]
     (res,) = _kernel(variant)(
-        inputs=arrays,
+        inputs=[*arrays, mx.array(glu_numbers(glu), dtype=mx.float32)],
         template=template,
         grid=(n, n_rows, 1),
         threadgroup=(min(_THREADGROUP, n), 1, 1),
@@ -220,7 +238,7 @@ def silu_mul(
     gate: torch.Tensor,
     up: torch.Tensor,
     *,
-    activation: str = "silu",
+    activation: str | GLU = "silu",
     single_rounding: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -232,7 +250,7 @@ def silu_mul(
     Args:
         gate: (..., I) float32/float16/bfloat16.
         up: (..., I), same shape and dtype.
-        activation: "silu", "gelu", "gelu_tanh" or "relu2".
+        activation: "silu", "gelu", "gelu_tanh", "relu2" or a GLU (clamp limit, alpha, up offset).
         single_rounding: round once instead of twice.
         out: optional contiguous (..., I) buffer (the result is copied into it).
 
@@ -240,14 +258,14 @@ def silu_mul(
         (..., I) tensor of the input dtype on the input's device.
     """
     check_pair(gate, up)
-    check_activation(activation)
+    glu = check_activation(activation)
     check_out(out, tuple(gate.shape), gate.dtype, gate.device)
     _require()
     n = gate.shape[-1]
 
     def run():
         g2, u2 = to_mlx(gate).reshape(-1, n), to_mlx(up).reshape(-1, n)
-        res = _run("silu_mul", [g2, u2], g2.shape[0], n, gate.dtype, activation, single_rounding)
+        res = _run("silu_mul", [g2, u2], g2.shape[0], n, gate.dtype, glu, single_rounding)
         return to_torch(res, gate.device).view(gate.shape)
 
     return emit(_empty_or(tuple(gate.shape), gate.dtype, gate.device, run), out)
@@ -258,7 +276,7 @@ def silu_mul_fused(
     *,
     order: str = "gate-up",
     interleaved: bool = False,
-    activation: str = "silu",
+    activation: str | GLU = "silu",
     single_rounding: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -268,7 +286,7 @@ def silu_mul_fused(
         gate_up: (..., 2I): halves `[gate | up]` / `[up | gate]`, or interleaved pairs with `interleaved=True`.
         order: "gate-up" or "up-gate" (template `GATE_FIRST`).
         interleaved: adjacent-column pairs instead of halves.
-        activation: "silu", "gelu", "gelu_tanh" or "relu2".
+        activation: "silu", "gelu", "gelu_tanh", "relu2" or a GLU (clamp limit, alpha, up offset).
         single_rounding: round once instead of twice.
         out: optional contiguous (..., I) buffer.
 
@@ -277,7 +295,7 @@ def silu_mul_fused(
     """
     gate_first = check_order(order)
     n = check_fused(gate_up)
-    check_activation(activation)
+    glu = check_activation(activation)
     shape = (*gate_up.shape[:-1], n)
     check_out(out, shape, gate_up.dtype, gate_up.device)
     _require()
@@ -285,7 +303,7 @@ def silu_mul_fused(
 
     def run():
         x2 = to_mlx(gate_up).reshape(-1, 2 * n)
-        res = _run(variant, [x2], x2.shape[0], n, gate_up.dtype, activation, single_rounding, GATE_FIRST=gate_first)
+        res = _run(variant, [x2], x2.shape[0], n, gate_up.dtype, glu, single_rounding, GATE_FIRST=gate_first)
         return to_torch(res, gate_up.device).view(shape)
 
     return emit(_empty_or(shape, gate_up.dtype, gate_up.device, run), out)
@@ -298,7 +316,7 @@ def ffn(
     down_w: torch.Tensor,
     biases: Mapping[str, torch.Tensor] | None = None,
     *,
-    activation: str = "silu",
+    activation: str | GLU = "silu",
     single_rounding: bool = False,
 ) -> torch.Tensor:
     """`down(act(gate(x)) * up(x))`: MLX matmuls on the GPU, the Metal activation kernel between them.
@@ -308,7 +326,7 @@ def ffn(
         gate_w, up_w: (I, H), PyTorch (out, in).
         down_w: (H, I).
         biases: optional dict with any of "gate" (I,), "up" (I,), "down" (H,).
-        activation: "silu", "gelu", "gelu_tanh" or "relu2".
+        activation: "silu", "gelu", "gelu_tanh", "relu2" or a GLU (clamp limit, alpha, up offset).
         single_rounding: see `silu_mul`.
 
     Returns:
@@ -327,5 +345,6 @@ def ffn(
     g = linear(x2, gate_w, b.get("gate"))
     u = linear(x2, up_w, b.get("up"))
     rows = x2.shape[0]
-    h = _run("silu_mul", [g, u], rows, inter, x.dtype, activation, single_rounding) if rows and inter else g * 0
+    glu = check_activation(activation)
+    h = _run("silu_mul", [g, u], rows, inter, x.dtype, glu, single_rounding) if rows and inter else g * 0
     return to_torch(linear(h, down_w, b.get("down")), x.device).view(*x.shape[:-1], hidden)

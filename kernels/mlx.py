@@ -19,6 +19,7 @@ from ffn_tools.kernels._surface import (
     GELU_SQRT1_2,
     GELU_TANH_BETA,
     GELU_TANH_KAPPA,
+    GLU,
     check_activation,
     check_ffn,
     check_fused,
@@ -52,38 +53,44 @@ def available() -> bool:
     return why_unavailable() == ""
 
 
-def _act32(x, activation: str):
+def _act32(x, function: str, alpha: float):
     import mlx.core as mx
 
-    if activation == "silu":
-        return x / (1.0 + mx.exp(-x))
-    if activation == "gelu":
+    if function == "silu":
+        return x / (1.0 + mx.exp(-(x * alpha)))
+    if function == "gelu":
         return x * 0.5 * (1.0 + mx.erf(x * GELU_SQRT1_2))
-    if activation == "relu2":
+    if function == "relu2":
         r = mx.maximum(x, 0.0)
         return r * r
     return 0.5 * x * (1.0 + mx.tanh(GELU_TANH_BETA * (x + GELU_TANH_KAPPA * (x * x * x))))
 
 
-def _glu(g, u, activation: str, single_rounding: bool):
+def _glu(g, u, glu: GLU, single_rounding: bool):
     import mlx.core as mx
 
     dtype = g.dtype
-    h = _act32(g.astype(mx.float32), activation)
+    g, u = g.astype(mx.float32), u.astype(mx.float32)
+    if glu.limit is not None:  # where, not mx.minimum/mx.clip: NaN stays NaN (as torch.clamp)
+        g = mx.where(g > glu.limit, glu.limit, g)
+        u = mx.where(u > glu.limit, glu.limit, mx.where(u < -glu.limit, -glu.limit, u))
+    if glu.up_offset:
+        u = u + glu.up_offset
+    h = _act32(g, glu.function, glu.alpha)
     if not single_rounding:
         h = h.astype(dtype).astype(mx.float32)  # eager's first rounding
-    return (h * u.astype(mx.float32)).astype(dtype)
+    return (h * u).astype(dtype)
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_pair(activation: str, single_rounding: bool):
+def _compiled_pair(glu: GLU, single_rounding: bool):
     import mlx.core as mx
 
-    return mx.compile(lambda g, u: _glu(g, u, activation, single_rounding))
+    return mx.compile(lambda g, u: _glu(g, u, glu, single_rounding))
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_fused(activation: str, single_rounding: bool, gate_first: bool, interleaved: bool):
+def _compiled_fused(glu: GLU, single_rounding: bool, gate_first: bool, interleaved: bool):
     import mlx.core as mx
 
     def fn(gate_up):
@@ -93,7 +100,7 @@ def _compiled_fused(activation: str, single_rounding: bool, gate_first: bool, in
         else:
             first, second = gate_up[..., :n], gate_up[..., n:]
         g, u = (first, second) if gate_first else (second, first)
-        return _glu(g, u, activation, single_rounding)
+        return _glu(g, u, glu, single_rounding)
 
     return mx.compile(fn)
 
@@ -108,7 +115,7 @@ def silu_mul(
     gate: torch.Tensor,
     up: torch.Tensor,
     *,
-    activation: str = "silu",
+    activation: str | GLU = "silu",
     single_rounding: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -120,7 +127,7 @@ def silu_mul(
     Args:
         gate: (..., I) float32/float16/bfloat16.
         up: (..., I), same shape and dtype.
-        activation: "silu", "gelu", "gelu_tanh" or "relu2".
+        activation: "silu", "gelu", "gelu_tanh", "relu2" or a GLU (clamp limit, alpha, up offset).
         single_rounding: round once instead of twice.
         out: optional contiguous (..., I) buffer of the input dtype (the result is copied into it).
 
@@ -128,10 +135,10 @@ def silu_mul(
         (..., I) tensor of the input dtype on the input's device.
     """
     check_pair(gate, up)
-    check_activation(activation)
+    glu = check_activation(activation)
     check_out(out, tuple(gate.shape), gate.dtype, gate.device)
     _require()
-    res = _compiled_pair(activation, bool(single_rounding))(to_mlx(gate), to_mlx(up))
+    res = _compiled_pair(glu, bool(single_rounding))(to_mlx(gate), to_mlx(up))
     return emit(to_torch(res, gate.device), out)
 
 
@@ -140,7 +147,7 @@ def silu_mul_fused(
     *,
     order: str = "gate-up",
     interleaved: bool = False,
-    activation: str = "silu",
+    activation: str | GLU = "silu",
     single_rounding: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -150,7 +157,7 @@ def silu_mul_fused(
         gate_up: (..., 2I): halves `[gate | up]` / `[up | gate]`, or interleaved pairs with `interleaved=True`.
         order: "gate-up" or "up-gate".
         interleaved: adjacent-column pairs instead of halves.
-        activation: "silu", "gelu", "gelu_tanh" or "relu2".
+        activation: "silu", "gelu", "gelu_tanh", "relu2" or a GLU (clamp limit, alpha, up offset).
         single_rounding: round once instead of twice.
         out: optional contiguous (..., I) buffer.
 
@@ -159,10 +166,10 @@ def silu_mul_fused(
     """
     gate_first = check_order(order)
     n = check_fused(gate_up)
-    check_activation(activation)
+    glu = check_activation(activation)
     check_out(out, (*gate_up.shape[:-1], n), gate_up.dtype, gate_up.device)
     _require()
-    fn = _compiled_fused(activation, bool(single_rounding), gate_first, bool(interleaved))
+    fn = _compiled_fused(glu, bool(single_rounding), gate_first, bool(interleaved))
     return emit(to_torch(fn(to_mlx(gate_up)), gate_up.device), out)
 
 
@@ -173,7 +180,7 @@ def ffn(
     down_w: torch.Tensor,
     biases: Mapping[str, torch.Tensor] | None = None,
     *,
-    activation: str = "silu",
+    activation: str | GLU = "silu",
     single_rounding: bool = False,
 ) -> torch.Tensor:
     """`down(act(gate(x)) * up(x))`: MLX matmuls in the input dtype around the compiled activation.
@@ -183,7 +190,7 @@ def ffn(
         gate_w, up_w: (I, H), PyTorch (out, in).
         down_w: (H, I).
         biases: optional dict with any of "gate" (I,), "up" (I,), "down" (H,).
-        activation: "silu", "gelu", "gelu_tanh" or "relu2".
+        activation: "silu", "gelu", "gelu_tanh", "relu2" or a GLU (clamp limit, alpha, up offset).
         single_rounding: see `silu_mul`.
 
     Returns:
@@ -199,5 +206,5 @@ def ffn(
 
     g = linear(xm, gate_w, b.get("gate"))
     u = linear(xm, up_w, b.get("up"))
-    h = _compiled_pair(activation, bool(single_rounding))(g, u)
+    h = _compiled_pair(check_activation(activation), bool(single_rounding))(g, u)
     return to_torch(linear(h, down_w, b.get("down")), x.device)

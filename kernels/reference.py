@@ -12,7 +12,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from ffn_tools.kernels._surface import check_activation, check_ffn, check_out, check_pair, emit, fused_views
+from ffn_tools.kernels._surface import GLU, check_activation, check_ffn, check_out, check_pair, emit, fused_views
 
 __all__ = ["available", "why_unavailable", "silu_mul", "silu_mul_fused", "ffn"]
 
@@ -27,21 +27,30 @@ def why_unavailable() -> str:
     return ""
 
 
-def _act(x: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "silu":
-        return F.silu(x)
-    if activation == "gelu":
+def _act(x: torch.Tensor, function: str, alpha: float) -> torch.Tensor:
+    if function == "silu":
+        return F.silu(x * alpha) / alpha  # x * sigmoid(alpha * x); alpha 1: exactly F.silu(x)
+    if function == "gelu":
         return F.gelu(x)
-    if activation == "relu2":
+    if function == "relu2":
         return F.relu(x).square()
     return F.gelu(x, approximate="tanh")
+
+
+def _glu(g: torch.Tensor, u: torch.Tensor, glu: GLU) -> torch.Tensor:
+    """`act(min(g, limit)) * (clamp(u, -limit, limit) + up_offset)` in float64 (torch.clamp keeps NaN)."""
+    if glu.limit is not None:
+        g, u = g.clamp(max=glu.limit), u.clamp(-glu.limit, glu.limit)
+    if glu.up_offset:
+        u = u + glu.up_offset
+    return _act(g, glu.function, glu.alpha) * u
 
 
 def silu_mul(
     gate: torch.Tensor,
     up: torch.Tensor,
     *,
-    activation: str = "silu",
+    activation: str | GLU = "silu",
     single_rounding: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -50,7 +59,7 @@ def silu_mul(
     Args:
         gate: (..., I) activation input, float32/float16/bfloat16.
         up: (..., I) multiplier, same shape and dtype.
-        activation: "silu", "gelu" (erf), "gelu_tanh" or "relu2".
+        activation: "silu", "gelu" (erf), "gelu_tanh", "relu2", or a GLU (clamp limit, alpha, up offset).
         single_rounding: ignored (float64 throughout).
         out: optional float64 (..., I) buffer to write into.
 
@@ -58,9 +67,9 @@ def silu_mul(
         float64 tensor (..., I).
     """
     check_pair(gate, up)
-    check_activation(activation)
+    glu = check_activation(activation)
     check_out(out, tuple(gate.shape), torch.float64, gate.device)
-    return emit(_act(gate.double(), activation) * up.double(), out)
+    return emit(_glu(gate.double(), up.double(), glu), out)
 
 
 def silu_mul_fused(
@@ -68,7 +77,7 @@ def silu_mul_fused(
     *,
     order: str = "gate-up",
     interleaved: bool = False,
-    activation: str = "silu",
+    activation: str | GLU = "silu",
     single_rounding: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -79,7 +88,7 @@ def silu_mul_fused(
             `interleaved=True`, columns alternate g0, u0, g1, u1, ... ("gate-up") or u0, g0, ... ("up-gate").
         order: "gate-up" or "up-gate".
         interleaved: pairs of adjacent columns instead of halves.
-        activation: "silu", "gelu", "gelu_tanh" or "relu2".
+        activation: "silu", "gelu", "gelu_tanh", "relu2" or a GLU.
         single_rounding: ignored (float64 throughout).
         out: optional float64 (..., I) buffer.
 
@@ -97,7 +106,7 @@ def ffn(
     down_w: torch.Tensor,
     biases: Mapping[str, torch.Tensor] | None = None,
     *,
-    activation: str = "silu",
+    activation: str | GLU = "silu",
     single_rounding: bool = False,
 ) -> torch.Tensor:
     """`down(act(gate(x)) * up(x))` in float64.
@@ -108,7 +117,7 @@ def ffn(
         up_w: (I, H) up projection.
         down_w: (H, I) down projection.
         biases: optional dict with any of "gate" (I,), "up" (I,), "down" (H,).
-        activation: "silu", "gelu", "gelu_tanh" or "relu2".
+        activation: "silu", "gelu", "gelu_tanh", "relu2" or a GLU.
         single_rounding: ignored (float64 throughout).
 
     Returns:
@@ -121,4 +130,4 @@ def ffn(
     x64 = x.double()
     g = F.linear(x64, gate_w.double(), b.get("gate"))
     u = F.linear(x64, up_w.double(), b.get("up"))
-    return F.linear(_act(g, activation) * u, down_w.double(), b.get("down"))
+    return F.linear(_glu(g, u, check_activation(activation)), down_w.double(), b.get("down"))

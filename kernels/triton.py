@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ffn_tools.kernels._surface import check_activation, check_ffn, check_fused, check_order, check_out, check_pair, one_line
+from ffn_tools.kernels._surface import GLU, check_activation, check_ffn, check_fused, check_order, check_out, check_pair, one_line
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -128,7 +128,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _launch(kind, args, n_rows, n_cols, activation, single_rounding, config, **extra):
+def _launch(kind, args, n_rows, n_cols, glu: GLU, single_rounding, config, **extra):
     if n_rows == 0 or n_cols == 0:
         return
     kern = _kernels()
@@ -147,7 +147,11 @@ def _launch(kind, args, n_rows, n_cols, activation, single_rounding, config, **e
         fn[grid](
             *args,
             **extra,
-            ACT=_ACT_CODE[activation],
+            ACT=_ACT_CODE[glu.function],
+            ALPHA=float(glu.alpha),
+            CLAMP=glu.limit is not None,
+            LIMIT=float(glu.limit or 0.0),
+            UP_OFFSET=float(glu.up_offset),
             SINGLE_ROUNDING=bool(single_rounding),
             NATIVE=not INTERPRETED,
             BLOCK_M=cfg.block_m,
@@ -174,7 +178,7 @@ def silu_mul(
     gate: torch.Tensor,
     up: torch.Tensor,
     *,
-    activation: str = "silu",
+    activation: str | GLU = "silu",
     single_rounding: bool = False,
     out: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
@@ -187,7 +191,7 @@ def silu_mul(
     Args:
         gate: (..., I) float32/float16/bfloat16.
         up: (..., I) same shape and dtype.
-        activation: "silu", "gelu" (erf), "gelu_tanh" or "relu2".
+        activation: "silu", "gelu" (erf), "gelu_tanh", "relu2", or a GLU (clamp limit, alpha, up offset).
         single_rounding: round once instead of twice.
         out: optional contiguous (..., I) buffer of the input dtype; every element is written.
         config: tiling override (tests and tuning); default `launch_config(rows, I)`.
@@ -196,7 +200,7 @@ def silu_mul(
         (..., I) tensor of the input dtype on the input's device.
     """
     check_pair(gate, up)
-    check_activation(activation)
+    glu = check_activation(activation)
     check_out(out, tuple(gate.shape), gate.dtype, gate.device)
     n = gate.shape[-1]
     dev = _exec_device(gate)
@@ -206,7 +210,7 @@ def silu_mul(
     _launch(
         "pair",
         (g2, u2, o2, g2.shape[0], n, g2.stride(0), u2.stride(0), o2.stride(0)),
-        g2.shape[0], n, activation, single_rounding, config,
+        g2.shape[0], n, glu, single_rounding, config,
     )
     return _finish(res, out, gate.device)
 
@@ -216,7 +220,7 @@ def silu_mul_fused(
     *,
     order: str = "gate-up",
     interleaved: bool = False,
-    activation: str = "silu",
+    activation: str | GLU = "silu",
     single_rounding: bool = False,
     out: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
@@ -231,7 +235,7 @@ def silu_mul_fused(
         gate_up: (..., 2I) float32/float16/bfloat16.
         order: "gate-up" or "up-gate".
         interleaved: adjacent-column pairs instead of halves.
-        activation: "silu", "gelu", "gelu_tanh" or "relu2".
+        activation: "silu", "gelu", "gelu_tanh", "relu2" or a GLU.
         single_rounding: round once instead of twice.
         out: optional contiguous (..., I) buffer.
         config: tiling override; BLOCK_N counts output columns.
@@ -241,7 +245,7 @@ def silu_mul_fused(
     """
     gate_first = check_order(order)
     n = check_fused(gate_up)
-    check_activation(activation)
+    glu = check_activation(activation)
     shape = (*gate_up.shape[:-1], n)
     check_out(out, shape, gate_up.dtype, gate_up.device)
     dev = _exec_device(gate_up)
@@ -253,7 +257,7 @@ def silu_mul_fused(
         _launch(
             "interleaved",
             (x2, o2, rows, n, x2.stride(0), o2.stride(0)),
-            rows, n, activation, single_rounding, config, GATE_FIRST=gate_first,
+            rows, n, glu, single_rounding, config, GATE_FIRST=gate_first,
         )
     else:
         first, second = x2[:, :n], x2[:, n:]
@@ -261,7 +265,7 @@ def silu_mul_fused(
         _launch(
             "pair",
             (g2, u2, o2, rows, n, g2.stride(0), u2.stride(0), o2.stride(0)),
-            rows, n, activation, single_rounding, config,
+            rows, n, glu, single_rounding, config,
         )
     return _finish(res, out, gate_up.device)
 
@@ -273,7 +277,7 @@ def ffn(
     down_w: torch.Tensor,
     biases: Mapping[str, torch.Tensor] | None = None,
     *,
-    activation: str = "silu",
+    activation: str | GLU = "silu",
     single_rounding: bool = False,
 ) -> torch.Tensor:
     """`down(act(gate(x)) * up(x))`: torch matmuls in the input dtype, the Triton activation between them.
@@ -283,7 +287,7 @@ def ffn(
         gate_w, up_w: (I, H), PyTorch (out, in).
         down_w: (H, I).
         biases: optional dict with any of "gate" (I,), "up" (I,), "down" (H,).
-        activation: "silu", "gelu", "gelu_tanh" or "relu2".
+        activation: "silu", "gelu", "gelu_tanh", "relu2" or a GLU.
         single_rounding: see `silu_mul`.
 
     Returns:

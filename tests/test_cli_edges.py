@@ -61,10 +61,10 @@ def test_single_file_extract_keeps_its_activation(model_dir, tmp_path):
 
 
 def test_gemma_legacy_gelu_is_the_tanh_approximation():
-    assert activation_from_config({"model_type": "gemma", "hidden_act": "gelu"}).kernel == "gelu_tanh"
-    assert activation_from_config({"model_type": "llama", "hidden_act": "gelu"}).kernel == "gelu"
+    assert activation_from_config({"model_type": "gemma", "hidden_act": "gelu"}).function == "gelu_tanh"
+    assert activation_from_config({"model_type": "llama", "hidden_act": "gelu"}).function == "gelu"
     assert activation_from_config({"model_type": "gemma2", "hidden_act": "gelu",
-                                   "hidden_activation": "gelu_pytorch_tanh"}).kernel == "gelu_tanh"
+                                   "hidden_activation": "gelu_pytorch_tanh"}).function == "gelu_tanh"
 
 
 def test_force_never_replaces_a_file_that_is_not_a_checkpoint(model_dir, tmp_path):

@@ -197,6 +197,55 @@ def test_ffn_matches_reference(backend, dtype, activation, shape, bias):
     assert not compare(res, swapped, *tolerance(dtype, "ffn")).ok
 
 
+# GPT-OSS's GLU (transformers' GptOssExperts: gate clamped <= 7, up to +-7, gate * sigmoid(1.702 gate) * (up + 1)),
+# DeepSeek-V4's (the same clamps at 10 around silu) and a clamped, offset GeGLU: few cases, each on every layout
+# and dtype, rather than a factor on the product above.
+GLUS = {"gpt_oss": kernels.GLU("silu", 1.702, 7.0, 1.0), "deepseek_v4": kernels.GLU("silu", limit=10.0),
+        "gelu_tanh_clamped": kernels.GLU("gelu_tanh", limit=2.5, up_offset=0.5)}
+
+
+@pytest.mark.parametrize("glu", GLUS.values(), ids=GLUS)
+@pytest.mark.parametrize("backend", backend_params())
+def test_glu_variants_match_reference(backend, glu):
+    """Each layout and dtype against the reference; a NaN gate or up stays NaN through the clamps."""
+    mod = kernels.get_backend(backend)
+    for dtype in DTYPES:
+        g, u = make_inputs((33, 129), dtype, seed=8)
+        u = u * 8  # up beyond +-limit too (the gate already is: 3 N(0, 1) and the planted +-30, +-100)
+        g[1, :2], u[1, 2] = float("nan"), float("nan")
+        ref = reference.silu_mul(g, u, activation=glu)
+        ref[1, :3] = 0
+        for layout in LAYOUTS:
+            out = torch.full(g.shape, float("nan"), dtype=dtype)
+            run_layout(mod, layout, g, u, out, activation=glu)
+            assert out[1, :3].isnan().all(), f"{_layout_id(layout)} {dtype}: a NaN gate/up must stay NaN"
+            out[1, :3] = 0
+            c = compare(out, ref, *tolerance(dtype))
+            assert c.ok, f"{_layout_id(layout)} {dtype}: {c.summary()}"
+
+
+@pytest.mark.parametrize("glu", GLUS.values(), ids=GLUS)
+@pytest.mark.parametrize("backend", backend_params())
+def test_ffn_glu_variants_match_reference(backend, glu):
+    """ffn() with each GLU on every dtype, with biases; the tolerance tells the GLU from its plain activation."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(17, 48, generator=gen) * 2
+    gate_w, up_w = torch.randn(2, 65, 48, generator=gen).div(48**0.5).mul(2).unbind()  # pre-activations ~ 4 N(0, 1)
+    down_w = torch.randn(48, 65, generator=gen) / 65**0.5
+    biases = {"gate": torch.randn(65, generator=gen), "up": torch.randn(65, generator=gen),
+              "down": torch.randn(48, generator=gen) * 0.1}
+    for dtype in DTYPES:
+        args = [t.to(dtype) for t in (x, gate_w, up_w, down_w)] + [{k: v.to(dtype) for k, v in biases.items()}]
+        res = kernels.get_backend(backend).ffn(*args, activation=glu)
+        assert res.dtype == dtype and res.shape == (17, 48)
+        ref = reference.ffn(*args, activation=glu)
+        atol, rtol = tolerance(dtype, "ffn")
+        atol *= float(ref.pow(2).mean().sqrt())  # outputs are O(10) here, not O(1): atol relative to RMS, as verify's
+        c = compare(res, ref, atol, rtol)
+        assert c.ok, f"{dtype}: {c.summary()}"
+        assert not compare(res, reference.ffn(*args, activation=glu.function), atol, rtol).ok
+
+
 @pytest.mark.parametrize("backend", backend_params())
 def test_ffn_keeps_leading_dims(backend):
     gen = torch.Generator().manual_seed(7)
@@ -346,6 +395,11 @@ def test_bad_arguments_are_rejected_with_a_reason(backend):
         (lambda: mod.silu_mul(g, g.half()), TypeError, "cast"),
         (lambda: mod.silu_mul(g.long(), g.long()), TypeError, "supported dtypes"),
         (lambda: mod.silu_mul(g, g, activation="relu"), ValueError, "gelu_tanh"),
+        (lambda: mod.silu_mul(g, g, activation=kernels.GLU("relu")), ValueError, "gelu_tanh"),
+        (lambda: mod.silu_mul(g, g, activation=kernels.GLU("gelu", alpha=1.702)), ValueError, "silu's sigmoid slope"),
+        (lambda: mod.silu_mul(g, g, activation=kernels.GLU(limit=float("nan"))), ValueError, "finite"),
+        (lambda: mod.ffn(torch.randn(3, 4), torch.randn(6, 4), torch.randn(6, 4), torch.randn(4, 6),
+                         activation=kernels.GLU(limit=-1.0)), ValueError, ">= 0"),
         (lambda: mod.silu_mul_fused(torch.randn(2, 7)), ValueError, "even"),
         (lambda: mod.silu_mul_fused(g, order="gate-first"), ValueError, "up-gate"),
         (lambda: mod.silu_mul(g, g, out=torch.empty(2, 5)), ValueError, "expected"),

@@ -3,9 +3,9 @@
 Metal cannot run off Apple silicon, so the real Metal tests in tests/test_kernels.py are skipped here. This
 file takes the *same* strings (`HEADER`, `SILU_MUL_SOURCE`, `FUSED_HALVES_SOURCE`,
 `FUSED_INTERLEAVED_SOURCE`), wraps each body in a function whose signature is generated the way MLX's
-`metal_kernel` generates it (inputs in order, `<name>_shape` only when the body mentions it,
-`thread_position_in_grid` as a uint3, template parameters T/ACT/SINGLE_ROUNDING/GATE_FIRST instantiated
-with integers as MLX prints them), and compiles that with a small shim header: `metal::` math mapped to
+`metal_kernel` generates it (inputs in order, the float32 `glu` numbers {alpha, limit, up_offset} last,
+`<name>_shape` only when the body mentions it, `thread_position_in_grid` as a uint3, template parameters
+T/ACT/SINGLE_ROUNDING/GATE_FIRST instantiated with integers as MLX prints them), and compiles that with a small shim header: `metal::` math mapped to
 <cmath> float functions, `float16_t` = `_Float16`, and a `bfloat16_t` emulated on 16 bits whose conversion
 from float rounds to nearest even like Metal's `bfloat`. A driver runs the body once per thread over a grid
 padded beyond the array in both directions, into an output poisoned with NaN.
@@ -13,12 +13,14 @@ padded beyond the array in both directions, into an output poisoned with NaN.
 What this proves: the bodies' indexing (row/column arithmetic, the halves offsets, the interleaved pair
 addressing for both orders), the bounds masks (padded threads write nothing), that every output element is
 written, the float math (activation formulas, erf polynomial and constants, two-rounding vs single-rounding
-structure through `T`), for float, half and bfloat on odd sizes, one row and many rows.
+structure through `T`, the GLU's clamps, silu slope and up offset, NaN kept through the clamps), for float,
+half and bfloat on odd sizes, one row and many rows.
 
 What it does not prove: that Apple's Metal compiler accepts the source (MSL-only syntax, address spaces,
 availability of `metal::precise::*` and `bfloat` on old OS versions), that MLX's generated header and
 template instantiation match this emulation exactly, anything about GPU execution (threadgroup sizes,
-dispatch, memory), or Metal's own exp/tanh accuracy (here they are glibc's). Those need a Mac: the
+dispatch, memory), Metal's own exp/tanh accuracy (here they are glibc's), or that Metal's compiler keeps the
+clamps' NaN behaviour (this compiles without fast-math). Those need a Mac: the
 capability-skipped tests in tests/test_kernels.py run the real kernels there.
 """
 
@@ -32,7 +34,8 @@ import pytest
 import torch
 
 from ffn_tools import kernels
-from ffn_tools.kernels import metal, reference
+from ffn_tools.kernels import GLU, metal, reference
+from ffn_tools.kernels._surface import check_activation
 from ffn_tools.kernels.tolerances import compare, tolerance
 
 GXX = shutil.which("g++")
@@ -87,21 +90,22 @@ template <typename T> T poison() {
 }
 
 template <typename T, int ACT, int SR, int GF>
-void launch(int variant, int rows, int n, int gx, int gy, const T* a, const T* b, T* out) {
+void launch(int variant, int rows, int n, int gx, int gy, const T* a, const T* b, const float* glu, T* out) {
   int shape_pair[2] = {rows, n};
   int shape_fused[2] = {rows, 2 * n};
   // Last thread first: a masked thread that writes into a neighbour's element is not silently repaired.
   for (int y = gy - 1; y >= 0; --y)
     for (int x = gx - 1; x >= 0; --x) {
       uint3 tid = {uint(x), uint(y), 0u};
-      if (variant == 0) silu_mul<T, ACT, SR>(a, shape_pair, b, out, tid);
-      else if (variant == 1) fused_halves<T, ACT, SR, GF>(a, shape_fused, out, tid);
-      else fused_interleaved<T, ACT, SR, GF>(a, shape_fused, out, tid);
+      if (variant == 0) silu_mul<T, ACT, SR>(a, shape_pair, b, glu, out, tid);
+      else if (variant == 1) fused_halves<T, ACT, SR, GF>(a, shape_fused, glu, out, tid);
+      else fused_interleaved<T, ACT, SR, GF>(a, shape_fused, glu, out, tid);
     }
 }
 
 template <typename T>
-int run(int variant, int act, int sr, int gf, int rows, int n, int gx, int gy, const char* in, const char* outp) {
+int run(int variant, int act, int sr, int gf, int rows, int n, int gx, int gy, const float* glu, const char* in,
+        const char* outp) {
   size_t n_in = size_t(rows) * n * 2;  // gate and up, or gate_up
   // Both buffers end in GUARD poisoned elements: an out-of-bounds read yields NaN in the output and an
   // out-of-bounds write shows as a changed guard (the output file includes the guard).
@@ -111,7 +115,7 @@ int run(int variant, int act, int sr, int gf, int rows, int n, int gx, int gy, c
   std::fclose(f);
   const T* a = buf.data();
   const T* b = buf.data() + size_t(rows) * n;
-#define L(A, S, G) launch<T, A, S, G>(variant, rows, n, gx, gy, a, b, out.data())
+#define L(A, S, G) launch<T, A, S, G>(variant, rows, n, gx, gy, a, b, glu, out.data())
 #define LG(A, S) if (gf) L(A, S, 1); else L(A, S, 0)
 #define LS(A) if (sr) { LG(A, 1); } else { LG(A, 0); }
   if (act == 0) { LS(0) } else if (act == 1) { LS(1) } else if (act == 2) { LS(2) } else { LS(3) }
@@ -134,14 +138,19 @@ int main(int argc, char** argv) {
     std::fclose(f);
     return 0;
   }
-  if (argc != 12) return 1;
+  if (argc != 15) return 1;
   int v[9];
   for (int i = 0; i < 9; ++i) v[i] = std::atoi(argv[i + 1]);
-  // variant dtype act single gate_first rows n grid_x grid_y in out
+  float glu[3];  // the kernels' `glu` input {alpha, limit, up_offset}, as float32 bit patterns (hex)
+  for (int i = 0; i < 3; ++i) {
+    uint32_t bits = uint32_t(std::strtoul(argv[i + 10], nullptr, 16));
+    std::memcpy(&glu[i], &bits, 4);
+  }
+  // variant dtype act single gate_first rows n grid_x grid_y alpha limit up_offset in out
   switch (v[1]) {
-    case 0: return run<float>(v[0], v[2], v[3], v[4], v[5], v[6], v[7], v[8], argv[10], argv[11]);
-    case 1: return run<float16_t>(v[0], v[2], v[3], v[4], v[5], v[6], v[7], v[8], argv[10], argv[11]);
-    default: return run<bfloat16_t>(v[0], v[2], v[3], v[4], v[5], v[6], v[7], v[8], argv[10], argv[11]);
+    case 0: return run<float>(v[0], v[2], v[3], v[4], v[5], v[6], v[7], v[8], glu, argv[13], argv[14]);
+    case 1: return run<float16_t>(v[0], v[2], v[3], v[4], v[5], v[6], v[7], v[8], glu, argv[13], argv[14]);
+    default: return run<bfloat16_t>(v[0], v[2], v[3], v[4], v[5], v[6], v[7], v[8], glu, argv[13], argv[14]);
   }
 }
 """
@@ -149,9 +158,9 @@ int main(int argc, char** argv) {
 GUARD = 64  # poisoned elements after each buffer, as in the driver
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 VARIANTS = {  # (variant code, input names, body, gate_first template parameter?)
-    "pair": (0, "silu_mul", ("gate", "up"), metal.SILU_MUL_SOURCE),
-    "halves": (1, "fused_halves", ("gate_up",), metal.FUSED_HALVES_SOURCE),
-    "interleaved": (2, "fused_interleaved", ("gate_up",), metal.FUSED_INTERLEAVED_SOURCE),
+    "pair": (0, "silu_mul", ("gate", "up", "glu"), metal.SILU_MUL_SOURCE),
+    "halves": (1, "fused_halves", ("gate_up", "glu"), metal.FUSED_HALVES_SOURCE),
+    "interleaved": (2, "fused_interleaved", ("gate_up", "glu"), metal.FUSED_INTERLEAVED_SOURCE),
 }
 
 
@@ -159,7 +168,7 @@ def mlx_like_function(name: str, inputs: tuple[str, ...], body: str, gate_first:
     """A C++ function around `body`, with the parameters MLX's metal_kernel would generate for it."""
     params = []
     for inp in inputs:
-        params.append(f"const T* {inp}")
+        params.append(f"const {'float' if inp == 'glu' else 'T'}* {inp}")  # glu: a float32 array
         if f"{inp}_shape" in body:  # MLX passes <name>_shape only when the source mentions it
             params.append(f"const int* {inp}_shape")
         assert f"{inp}_strides" not in body and f"{inp}_ndim" not in body, "extend the emulation"
@@ -199,7 +208,7 @@ def _from_bits(raw: bytes, dtype: torch.dtype, shape) -> torch.Tensor:
 
 
 def run_body(harness, tmp_path, layout, gate, up, activation, single_rounding=False, order="gate-up", grid=None):
-    """Run one kernel body over a padded grid; returns the (rows, n) output."""
+    """Run one kernel body over a padded grid; returns the (rows, n) output. ``activation``: a name or a GLU."""
     rows, n = gate.shape
     code, _, _, _ = VARIANTS[layout]
     gate_first = order == "gate-up"
@@ -210,10 +219,13 @@ def run_body(harness, tmp_path, layout, gate, up, activation, single_rounding=Fa
         fused = torch.cat([a, b], dim=1) if layout == "halves" else torch.stack([a, b], dim=2).reshape(rows, 2 * n)
         payload = fused.flatten()
     gx, gy = grid or (n + 5, rows + 3)  # padded: threads past the array must write nothing
-    act = metal._ACT_CODE[activation]
+    glu = check_activation(activation)
+    act = metal._ACT_CODE[glu.function]
     inp, outp = tmp_path / "in.bin", tmp_path / "out.bin"
     inp.write_bytes(_bits(payload))
-    args = [code, DTYPE_CODE[gate.dtype], act, int(single_rounding), int(gate_first), rows, n, gx, gy]
+    numbers = torch.tensor(metal.glu_numbers(glu), dtype=torch.float32).view(torch.int32).tolist()
+    args = [code, DTYPE_CODE[gate.dtype], act, int(single_rounding), int(gate_first), rows, n, gx, gy,
+            *(f"{b & 0xFFFFFFFF:x}" for b in numbers)]
     proc = subprocess.run([harness, *map(str, args), str(inp), str(outp)], capture_output=True)
     assert proc.returncode == 0, proc.stderr
     res = _from_bits(outp.read_bytes(), gate.dtype, (rows * n + GUARD,))
@@ -287,3 +299,25 @@ def test_swapped_order_is_caught(harness, tmp_path):
     gate, up = _inputs((4, 65), torch.float32)
     res = run_body(harness, tmp_path, "interleaved", up, gate, "silu", order="gate-up")
     assert not compare(res, reference.silu_mul(gate, up), *tolerance(torch.float32)).ok
+
+
+# GPT-OSS's GLU (transformers' GptOssExperts: alpha 1.702, limit 7, (up + 1)), DeepSeek-V4's (clamps only), and a
+# clamped GeGLU: each on every layout and dtype, one shape; inputs spread wide enough to cross the limits.
+GLUS = {"gpt_oss": GLU("silu", 1.702, 7.0, 1.0), "deepseek_v4": GLU("silu", limit=10.0),
+        "gelu_tanh_clamped": GLU("gelu_tanh", limit=2.5, up_offset=0.5)}
+
+
+@pytest.mark.parametrize("glu", GLUS.values(), ids=GLUS)
+def test_body_runs_the_glu_variants(harness, tmp_path, glu):
+    for dtype in DTYPES:
+        gate, up = _inputs((3, 129), dtype, seed=7)
+        gate, up = gate * 3, up * 8  # |up| beyond the limits too
+        gate[1, :2], up[1, 2] = float("nan"), float("nan")
+        ref = reference.silu_mul(gate, up, activation=glu)
+        for layout, order in LAYOUTS:
+            res = run_body(harness, tmp_path, layout, gate, up, glu, order=order)
+            assert res[1, :3].isnan().all(), f"{layout}-{order} {dtype}: a NaN gate/up must stay NaN"
+            res[1, :3], want = 0, ref.clone()
+            want[1, :3] = 0
+            c = compare(res, want, *tolerance(dtype))
+            assert c.ok, f"{layout}-{order} {dtype}: {c.summary()}"

@@ -17,13 +17,18 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from ..io.dtypes import short_name
 from ..layouts import GateUpLayout
 from ..tolerances import Tolerance
 from .report import BackendResult
+
+if TYPE_CHECKING:
+    from ..kernels import GLU
 
 PREACT_RMS = 2.0
 SCALE_ROWS = 1024
@@ -35,14 +40,16 @@ class Operands:
     """One side's FFN, ready to run: canonical (out, in) weights, biases by kernel key, maybe the fused form.
 
     ``fused`` is (gate_up weight (2I, H), gate_up bias or None, layout) when the checkpoint stores gate
-    and up in one tensor in a layout ``silu_mul_fused`` can read.
+    and up in one tensor in a layout ``silu_mul_fused`` can read. ``activation`` is what every backend takes
+    as ``activation=``: a ``kernels.GLU`` (``Activation.kernel``: the function with the model's clamp limit,
+    silu slope and up offset, e.g. GPT-OSS's) or a plain activation name.
     """
 
     gate: torch.Tensor
     up: torch.Tensor
     down: torch.Tensor
     biases: dict[str, torch.Tensor]
-    activation: str
+    activation: GLU | str
     fused: tuple[torch.Tensor, torch.Tensor | None, GateUpLayout] | None = None
 
     @property
@@ -136,6 +143,19 @@ def compare(name: str, path: str, out: torch.Tensor, ref: torch.Tensor, tol: Tol
         ratio, cosine = math.nan, math.nan
     passed = nonfinite == 0 and ratio <= 1.0 and cosine >= tol.min_cosine
     return BackendResult(name, path, max_abs, max_rel, cosine, ratio, nonfinite, passed, seconds)
+
+
+def nonfinite_values(t: torch.Tensor) -> str:
+    """What non-finite values ``t`` holds, each kind by its name: "2 NaN", "1 inf (overflow in a cast to
+    float16?)", "2 NaN and 1 inf (...)", or "" when every value is finite. Only an inf can come from an
+    overflowing cast; a NaN never does, so it is not given that cause.
+    """
+    if not t.is_floating_point():
+        return ""
+    nan, inf = int(t.isnan().sum()), int(t.isinf().sum())
+    parts = [f"{nan} NaN"] if nan else []
+    parts += [f"{inf} inf (overflow in a cast to {short_name(t.dtype)}?)"] if inf else []
+    return " and ".join(parts)
 
 
 SAME_AS_A = "ffn (float64) = A's output: bit-identical weights"
