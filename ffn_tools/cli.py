@@ -37,11 +37,36 @@ class Trouble(click.ClickException):
 
 
 def missing_package(e: ImportError) -> str | None:
-    """One line naming the optional package an ImportError is about and how to install it, or None."""
+    """One line naming the optional package an ImportError is about and how to install it, or None.
+
+    The package is the ImportError's ``name``; without one (a shared library that does not load, as
+    ``libmlx.so`` when mlx is installed without a backend), the optional package whose module was importing
+    when it failed (the innermost frame of the traceback that belongs to one).
+    """
     name = (e.name or "").split(".")[0]
+    broken = False
+    if name not in EXTRAS:
+        frames = []
+        tb = e.__traceback__
+        while tb is not None:
+            frames.append(str(tb.tb_frame.f_globals.get("__name__", "")).split(".")[0])
+            tb = tb.tb_next
+        name = next((f for f in reversed(frames) if f in EXTRAS), "")
+        broken = True
     if name not in EXTRAS:
         return None
+    if broken:
+        return (f"this needs {name}, which does not load here ({' '.join(str(e).split())[:160]}): "
+                f"pip install '{EXTRAS[name]}'")
     return f"this needs {name}, which is not installed here: pip install '{EXTRAS[name]}'"
+
+
+class Interrupted(BaseException):
+    """The command was stopped by a signal (SIGINT is KeyboardInterrupt); exit status 128 + its number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 class Group(click.Group):
@@ -57,6 +82,14 @@ class Group(click.Group):
             if as_json and not isinstance(e, Trouble):
                 click.echo(json.dumps({"error": e.format_message()}))
             raise
+        except (KeyboardInterrupt, Interrupted) as e:  # temporary outputs are already removed on the way here
+            import signal
+
+            signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+            if as_json:
+                click.echo(json.dumps({"error": "interrupted", "signal": signal.Signals(signum).name}))
+            click.echo(f"Interrupted ({signal.Signals(signum).name})", err=True)
+            ctx.exit(128 + signum)
         except BrokenPipeError:  # output piped into `head`: not an error; silence the flush at exit
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise SystemExit(0) from None
@@ -83,7 +116,9 @@ def cli(quiet: bool, verbose: bool) -> None:
     path and are moved into place only on success; the input is never modified.
 
     Exit status, every command: 0 done (verify: everything agrees); 1 verify found a difference; 2 could
-    not run (bad input or option, an I/O error, a missing optional package).
+    not run (bad input or option, an I/O error, a missing optional package); 130 interrupted (Ctrl-C),
+    143 terminated (SIGTERM), 129 hung up (SIGHUP): the temporary output is removed, and under --json
+    stdout says {"error": "interrupted"}.
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
     progress.set_enabled(not quiet)
@@ -281,8 +316,9 @@ cli.add_command(verify_command)
 
 
 def _terminate(signum, frame):
-    """SIGTERM / SIGHUP end the command like Ctrl-C: temporary outputs are removed on the way out."""
-    raise SystemExit(128 + signum)
+    """SIGTERM / SIGHUP end the command like Ctrl-C: temporary outputs are removed on the way out, and the
+    exit status is 128 + the signal's number (143, 129)."""
+    raise Interrupted(signum)
 
 
 def main() -> None:

@@ -239,7 +239,7 @@ def test_signals_leave_no_temporary_output(model_dir, tmp_path, sig):
         "w._copy_range = slow\n"
         "w.write_tensor = slow if hasattr(w, 'write_tensor') else None\n"
         "from ffn_tools.cli import main\n"
-        f"sys.argv = ['ffn-tools', 'fuse-gateup', {str(src)!r}, '-o', {str(tmp_path / 'out')!r}]\n"
+        f"sys.argv = ['ffn-tools', 'fuse-gateup', {str(src)!r}, '-o', {str(tmp_path / 'out')!r}, '--json']\n"
         "main()\n")
     before = tree_digest(src)
     p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -249,7 +249,8 @@ def test_signals_leave_no_temporary_output(model_dir, tmp_path, sig):
     time.sleep(0.3)
     p.send_signal(sig)
     out, err = p.communicate(timeout=30)
-    assert p.returncode != 0 and "Traceback" not in err, err
+    assert p.returncode == 128 + sig and "Traceback" not in err, (p.returncode, err)  # 130, 143, 129
+    assert json.loads(out.splitlines()[-1]) == {"error": "interrupted", "signal": signal.Signals(sig).name}
     assert sorted(n.name for n in tmp_path.iterdir()) == [], sorted(n.name for n in tmp_path.iterdir())
     assert tree_digest(src) == before
 
@@ -290,6 +291,23 @@ def test_mlx_directory_without_mlx_names_the_extra(model_dir, tmp_path):
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert "pip install 'ffn-tools[mlx]" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_an_mlx_that_does_not_load_names_the_extra(model_dir, tmp_path):
+    """mlx installed without its backend (``pip install mlx`` on Linux): importing mlx.core raises an ImportError
+    without a name, from the shared library; the error names the package and the Linux extra."""
+    out = tmp_path / "mlx"
+    run_cli("convert", model_dir("llama"), "--to", "mlx", "-o", out)
+    broken = tmp_path / "site" / "mlx"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("")
+    (broken / "core.py").write_text("raise ImportError('libmlx.so: cannot open shared object file: No such file')\n")
+    code = (f"import sys\nsys.path.insert(0, {str(tmp_path / 'site')!r})\n"
+            f"from ffn_tools.cli import main\nsys.argv = ['ffn-tools', 'inspect', {str(out)!r}]\nmain()\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "this needs mlx, which does not load here (libmlx.so: cannot open" in p.stderr, p.stderr
+    assert "ffn-tools[mlx-cpu]" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
 def test_json_errors_go_to_stdout_too(tmp_path):

@@ -334,3 +334,18 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         if pool is not None:
             pool.close()
     return {**summary, "files": files}
+
+
+def mlx_entries(ckpt: Checkpoint) -> tuple[Checkpoint, dict[str, Entry], set[str]]:
+    """``ckpt``'s tensors as mlx_lm's model holds them, unquantized and uncast (what ``verify`` pairs an MLX B
+    with): the checkpoint the entries read, output name -> entry, and the input names the model's sanitize
+    does not carry over by name (dropped, or used for a computed tensor).
+
+    Raises:
+        FFNToolsError: ``ckpt`` does not export to MLX (no mlx_lm model for its config, a misfit).
+    """
+    tg, view, outputs, unused, _, source = _match_or_dequantize(ckpt)
+    from .tensors import plan_outputs
+
+    entries, _ = plan_outputs(source, tg, view, outputs, None, {}, {})
+    return source, {e.name: e for e in entries}, set(unused)

@@ -296,6 +296,8 @@ def start_pool(jobs: Sequence[QuantJob]) -> QuantPool | None:
 
 
 def dequantize(w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int,
-               mode: str = "affine") -> RawTensor:
-    """Unpack one quantized weight with ``mx.dequantize`` (dtype: the scales')."""
-    return from_mx(mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode))
+               mode: str = "affine", dtype: str | None = None) -> RawTensor:
+    """Unpack one quantized weight with ``mx.dequantize``, in safetensors dtype ``dtype`` (None: the scales',
+    which only affine scales have: the other modes' are 8-bit floats)."""
+    return from_mx(mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode,
+                                 dtype=MX_DTYPES[dtype] if dtype else None))

@@ -85,6 +85,11 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
         self.config = config if config is not None else read_config(root)
         if self.config is None and "hidden_act" in self.metadata:  # a single-file extract output
             self.config = {"hidden_act": self.metadata["hidden_act"]}
+            if "ffn_tools_clamped" in self.metadata:  # ffn.CLAMPED_RECORD: its source's clamped unit
+                try:
+                    self.config["ffn_tools_clamped"] = json.loads(self.metadata["ffn_tools_clamped"])
+                except ValueError:
+                    pass  # not ours: the unit reads as plain, and verify against the source says so
 
     def info(self, name: str) -> TensorInfo:
         """Shape, dtype and location of a tensor, without reading it."""
@@ -104,6 +109,14 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
 
     def _read(self, info: TensorInfo) -> "torch.Tensor":
         raise NotImplementedError
+
+    def quantized_parts(self, name: str):
+        """Tensor ``name`` as stored quantized by MLX: (packed weight, scales, biases or None, parameters
+        with ``group_size``, ``bits``, ``mode`` and ``dtype``, the dtype it was quantized in), as ``mx.array``s;
+        None when it is stored unquantized. Readers of MLX-quantized files override this (the MLX view);
+        here nothing is, so verify checks ``ckpt[name]`` as it reads.
+        """
+        return None
 
     @property
     def total_bytes(self) -> int:

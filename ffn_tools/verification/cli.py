@@ -73,7 +73,8 @@ def verify(a, b, backends, tokens, seed, layers, experts, atol, rtol, exact, log
     A and B are any checkpoints ffn-tools reads (PyTorch safetensors or pickles, split or fused, MLX plain
     or quantized, Flax, an extract output). FFNs are paired by layer and expert; one present on one side
     only fails. For each pair, the canonical gate/up/down (and biases) must be bit-identical where both
-    sides should be lossless copies, and the FFN is run on seeded random inputs: A's on the float64
+    sides should be lossless copies (where B is MLX-quantized and A is not: A's tensors quantized with B's
+    parameters must give B's stored bytes), and the FFN is run on seeded random inputs: A's on the float64
     reference, B's on every backend, in B's dtype, with fused gate_up checkpoints going through the fused
     kernel. The activation is each checkpoint's own (SwiGLU, or GeGLU where config.json says so).
 

@@ -29,11 +29,11 @@ from ..io.store import open_checkpoint
 from ..scales import Dequantized, is_companion
 from ..tolerances import Tolerance, tolerance_for, widened
 from .functional import KERNEL_DTYPES
-from . import tied
+from . import consumer, tied
 from .model_config import ConfigResult, compare_configs
 from .side_files import SideFilesResult, compare_side_files
 from .pairs import PairChecker
-from .outside import OutsideResult, compare_outside
+from .outside import OutsideResult, compare_outside, outside_tolerance
 from .quant import describe_quantization, ffn_bits, quantization
 from .report import VerifyReport
 
@@ -219,6 +219,7 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
             _check_pairs(report, ca, cb, fa, fb, mods, sel_layers, sel_experts, atol, rtol, exact, seed, tokens)
             report.outside = _outside(ca, cb, fa, fb, ffn_only or bool(sel_layers or sel_experts), atol, rtol)
             if not report.outside.skipped:
+                report.notes += consumer.reconcile(report.outside, ca, cb, _tolerance_check(atol, rtol))
                 report.notes += tied.reconcile(report.outside, ca, cb, report.config.ties)
         vocab = [(c.config or {}).get("vocab_size") for c in (ca, cb)]
         probe = probe_length(ca.config or {}, ca.total_bytes)
@@ -265,6 +266,13 @@ def probe_length(config: dict, nbytes: int) -> int | None:
         return None
     length = min(reach) + 16
     return length if length <= PROBE_MAX else None
+
+
+def _tolerance_check(atol, rtol):
+    """``(name, a, b, bits) -> why or None``: a tensor pair within its row (the outside check's criterion)."""
+    def check(name, a, b, bits):
+        return outside_tolerance(name, a, b, tolerance_for([a.dtype, b.dtype], bits, atol=atol, rtol=rtol))
+    return check
 
 
 def _extracts(fa: FFNSet | None, fb: FFNSet | None) -> str | None:
@@ -353,11 +361,6 @@ def _check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, mods, sel
     rows = {r: tolerance_for(dtypes, coarsest(*bits[r]), atol=atol, rtol=rtol) for r, *_ in pairs}
     every = [q for pair in bits.values() for q in pair if q is not None]
     tol = report.tolerance = tolerance_for(dtypes, min(every, default=None), atol=atol, rtol=rtol)  # the loosest
-    quantized = [r for r in bits if coarsest(*bits[r]) is not None]
-    if quantized:
-        sides = " and ".join(s for s, i in (("A", 0), ("B", 1)) if any(bits[r][i] is not None for r in bits))
-        which = "" if len(quantized) == len(pairs) else f" ({len(quantized)} of {len(pairs)} FFNs)"
-        report.notes.append(f"{sides} quantized{which}: weights compared after dequantization; no bit-exact check")
     if len({t.row for t in rows.values()}) > 1:
         report.notes.append("quantization differs between FFNs (a mixed recipe): each FFN has the row of its own "
                             "coarsest bits")
@@ -378,6 +381,14 @@ def _check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, mods, sel
             bar.update(nbytes(x, y))
     finally:
         bar.close()
+    quantized = [r for r in report.results if coarsest(*bits[r.ref]) is not None]
+    if quantized:
+        sides = " and ".join(s for s, i in (("A", 0), ("B", 1)) if any(bits[r][i] is not None for r in bits))
+        which = "" if len(quantized) == len(pairs) else f" ({len(quantized)} of {len(pairs)} FFNs)"
+        requantized = sum(r.exact == "identical" for r in quantized)
+        report.notes.append(f"{sides} quantized{which}: " + (
+            f"{requantized} FFNs are A's weights re-quantized with B's parameters, bit for bit; run dequantized"
+            if requantized else "weights compared after dequantization; no bit-exact check"))
     differing = [r.ref for r in report.results if r.exact == "differs"]
     if differing:
         checker.name_owners(report, differing, rb)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,7 @@ NO_EFFECT = {
     "quantization": "checked with the quantized tensors",
     "quantization_config": "checked with the quantized tensors",
 }
+QUANT_KEYS = {"quantization", "quantization_config"}  # at any depth (mlx_lm.convert copies it into text_config)
 # Only under the default rope (no scaling that reads it): the longest context a model is meant for.
 DEFAULT_ROPE_ONLY = ("max_position_embeddings",)
 FLOATS = ("F64", "F32", "F16", "BF16")
@@ -114,6 +116,8 @@ def differences(a, b, path: str = "") -> list[tuple[str, object, object]]:
         return out
     if type(a) is bool or type(b) is bool:  # True == 1 in Python, not in a config
         return [] if type(a) is type(b) and a == b else [(path, a, b)]
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return []
     return [] if a == b else [(path, a, b)]
 
 
@@ -140,14 +144,37 @@ def transformers_view(config: dict) -> tuple[dict | None, str | None]:
         hf_logging.set_verbosity_error()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = CONFIG_MAPPING[model_type].from_dict(dict(config)).to_dict()
+            out = CONFIG_MAPPING[model_type].from_dict(decoded(dict(config))).to_dict()
     except Exception as e:  # noqa: BLE001 - the config class's own refusal, any type
         return None, (f"transformers' {CONFIG_MAPPING[model_type].__name__} refuses it ({type(e).__name__}: "
                       f"{' '.join(str(e).split())[:200]})")
+    _drop_rope_aliases(out)
     heads, width = out.get("num_attention_heads"), out.get("hidden_size")
     if "head_dim" in out and out["head_dim"] is None and isinstance(heads, int) and heads and isinstance(width, int):
         out["head_dim"] = width // heads  # what the modeling code takes for a head_dim of None
     return out, None
+
+
+SPECIAL_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def decoded(node):
+    """``node`` with transformers' JSON spelling of non-finite floats (``{"__float__": "Infinity"}``, as its
+    ``save_pretrained`` writes them) turned into floats, as its ``from_pretrained`` reads them."""
+    if isinstance(node, dict):
+        if set(node) == {"__float__"} and node["__float__"] in SPECIAL_FLOATS:
+            return SPECIAL_FLOATS[node["__float__"]]
+        return {k: decoded(v) for k, v in node.items()}
+    return [decoded(v) for v in node] if isinstance(node, list) else node
+
+
+def _drop_rope_aliases(node) -> None:
+    """Drop v4's ``type`` beside an equal ``rope_type`` (the exporter spells both for mlx_lm; one meaning)."""
+    if isinstance(node, dict):
+        if "rope_type" in node and node.get("type") == node["rope_type"]:
+            del node["type"]
+        for v in node.values():
+            _drop_rope_aliases(v)
 
 
 def _rope_is_default(cfg: dict) -> bool:
@@ -172,7 +199,8 @@ def _compare(res: ConfigResult, a: dict, b: dict, allow, eos_a) -> None:
     seen = {p.split(":")[0] for p in res.problems} | {x.split(":")[0] for x in res.allowed}
     for key, va, vb in differences(a, b):
         top = key.split(".")[0]
-        if top in NO_EFFECT or (top in DEFAULT_ROPE_ONLY and default_rope) or key in seen:
+        if top in NO_EFFECT or QUANT_KEYS & set(key.split(".")) or (top in DEFAULT_ROPE_ONLY and default_rope) \
+                or key in seen:
             continue
         if top == "eos_token_id" and vb == eos_a:  # mlx_lm.convert merges generation_config's eos into config.json
             continue

@@ -1,6 +1,7 @@
 """The tensors outside the FFNs, in ``verify``: paired by name (each reader presents Hugging Face names),
 compared bit for bit where the copy should be lossless, within the tolerance row where it cannot be (a cast,
-a quantized tensor read back dequantized), and listed when present on one side only.
+a quantized tensor read back dequantized), and listed when present on one side only. A tensor B stores
+MLX-quantized where A's is not must be A's re-quantized with B's parameters, bit for bit (``requant``).
 
 Within tolerance means, for weights ``a`` (A) and ``b`` (B): every ``|b - a| <= atol * rms(a) + rtol * |a|``
 and ``cosine(a, b) >= min_cosine``, with the row of the coarser dtype and the tensor's quantization bits (the
@@ -9,6 +10,7 @@ table ``verify --help`` prints). The cosine is what catches a zeroed or replaced
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -16,6 +18,9 @@ from ..io.dtypes import short_name
 from ..errors import listing
 from ..tolerances import tolerance_for
 from .diagnose import first_difference
+from .quant import row_bits
+
+log = logging.getLogger(__name__)
 
 MAX_LISTED = 8
 
@@ -25,6 +30,7 @@ class OutsideResult:
     """Every non-FFN tensor of A and B, accounted for."""
 
     identical: int = 0
+    requantized: int = 0  # of the identical: B's MLX-quantized bytes are A's re-quantized (``requant``)
     within: int = 0
     differ: list[str] = field(default_factory=list)  # "name: first difference", one per tensor
     only_a: list[str] = field(default_factory=list)
@@ -38,8 +44,9 @@ class OutsideResult:
     def line(self) -> str:
         if self.skipped:
             return f"outside FFNs: not compared ({self.skipped})"
-        return (f"outside FFNs: {self.identical} identical, {self.within} within tolerance, {len(self.differ)} "
-                f"differ, {len(self.only_a)} only in A, {len(self.only_b)} only in B")
+        requant = f" ({self.requantized} re-quantized bit for bit)" if self.requantized else ""
+        return (f"outside FFNs: {self.identical} identical{requant}, {self.within} within tolerance, "
+                f"{len(self.differ)} differ, {len(self.only_a)} only in A, {len(self.only_b)} only in B")
 
     def failures(self) -> list[str]:
         out = [f"outside FFNs: {d}" for d in self.differ]
@@ -50,14 +57,36 @@ class OutsideResult:
         return out
 
     def as_dict(self) -> dict:
-        return {"identical": self.identical, "within_tolerance": self.within, "differ": self.differ,
-                "only_a": self.only_a, "only_b": self.only_b, "skipped": self.skipped, "passed": self.passed}
+        return {"identical": self.identical, "requantized": self.requantized, "within_tolerance": self.within,
+                "differ": self.differ, "only_a": self.only_a, "only_b": self.only_b, "skipped": self.skipped,
+                "passed": self.passed}
 
 
 def _bits(ckpt, name: str) -> int | None:
     params = getattr(ckpt, "quant_params", None)
     p = params(name) if params else None
-    return p["bits"] if p else None
+    return row_bits(p) if p else None
+
+
+def _requantized(res: OutsideResult, name: str, ca, cb) -> bool:
+    """B's MLX-quantized ``name`` against A's re-quantized with B's parameters (A's stored unquantized):
+    identical (counted), or a difference (listed); False where it does not apply or cannot decide (A's bits
+    not reproducible, every row above the floor: the tolerance row decides, as for any dequantized tensor)."""
+    parts = cb.quantized_parts(name)
+    if parts is None:
+        return False
+    from .requant import check_requantized
+
+    outcome, why = check_requantized(name, ca[name], parts)
+    if outcome == "within":
+        log.info("%s", why)
+        return False
+    if outcome == "identical":
+        res.identical += 1
+        res.requantized += 1
+    else:
+        res.differ.append(why)
+    return True
 
 
 def compare_outside(ca, cb, fa, fb, *, atol: float | None = None, rtol: float | None = None) -> OutsideResult:
@@ -74,6 +103,8 @@ def compare_outside(ca, cb, fa, fb, *, atol: float | None = None, rtol: float | 
                               f"B is {short_name(ib.st_dtype)}{list(ib.shape)}")
             continue
         qa, qb = _bits(ca, name), _bits(cb, name)
+        if qa is None and qb is not None and _requantized(res, name, ca, cb):
+            continue
         a, b = ca[name], cb[name]
         if qa is None and qb is None and a.dtype == b.dtype:
             diff = first_difference(name, a, b)
@@ -82,7 +113,7 @@ def compare_outside(ca, cb, fa, fb, *, atol: float | None = None, rtol: float | 
             else:
                 res.identical += 1
             continue
-        why = _outside_tolerance(name, a, b, tolerance_for([a.dtype, b.dtype], min(
+        why = outside_tolerance(name, a, b, tolerance_for([a.dtype, b.dtype], min(
             (q for q in (qa, qb) if q is not None), default=None), atol=atol, rtol=rtol))
         if why:
             res.differ.append(why)
@@ -91,7 +122,7 @@ def compare_outside(ca, cb, fa, fb, *, atol: float | None = None, rtol: float | 
     return res
 
 
-def _outside_tolerance(name: str, a, b, tol) -> str | None:
+def outside_tolerance(name: str, a, b, tol) -> str | None:
     """None when B's ``b`` is within ``tol`` of A's ``a``, else one sentence saying where and by how much."""
     import torch
 

@@ -16,13 +16,16 @@ import torch
 from ..detect import FFNSet
 from ..io.dtypes import short_name
 from ..ffn import FFN, FFNRef, canonical_weights
+from ..layouts import fuse
 from ..tolerances import Tolerance
 from .diagnose import Fingerprints, explain, first_difference
-from .functional import Operands, check_ffn, input_scale, make_inputs
+from .functional import Operands, check_ffn, input_scale, make_inputs, nonfinite_values
+from .quant import ffn_bits, quantization
 from .report import FFNResult, VerifyReport
 
 KERNEL_LAYOUTS = ("concat", "interleaved")  # what silu_mul_fused reads directly (either order, row axis)
 ROLES = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
+STORED = ("gate", "up", "gate_up", "down")  # weight roles as an FFN stores them
 
 
 class Cached:
@@ -57,6 +60,7 @@ class PairChecker:
 
     def __post_init__(self) -> None:
         self.cached_a, self.cached_b = Cached(self.ca), Cached(self.cb)
+        self._bits_a = (quantization(self.ca) or {}).get("bits")  # A's global bits, as the engine reads them
 
     def check(self, ref: FFNRef, x: FFN, y: FFN, tol: Tolerance, quantized: bool) -> FFNResult:
         """Every check of A's FFN ``x`` against B's FFN ``y``, within ``tol`` (this FFN's row); ``quantized``:
@@ -77,10 +81,13 @@ class PairChecker:
             stored = (self._raw(self.cached_b, y, "gate_up"), y.layout)
             if not ops_b.fused and y.layout.axis == "rows":
                 res.notes.append(f"B's fused layout {y.layout.describe()} ran through ffn() on split weights")
-        self._exact(res, wa, wb, stored, quantized)
+        requantized = quantized and self.exact is None and self._requantized(res, wa, x, y)
+        if not requantized:
+            self._exact(res, wa, wb, stored, quantized)
         inputs = make_inputs(self.tokens, x.d_model, self.seed, input_scale(ops_a.gate),
                              [t.dtype for t in (*wa.values(), *wb.values())])
-        res.backends = check_ffn(self.backends, inputs, ops_a, ops_b, tol, identical=res.exact == "identical")
+        res.backends = check_ffn(self.backends, inputs, ops_a, ops_b, tol,
+                                 identical=res.exact == "identical" and not requantized)
         if any(b.nonfinite for b in res.backends):
             _nonfinite(res, wa, wb)
         return res
@@ -112,6 +119,58 @@ class PairChecker:
                                 + (f" ({more} more tensor{'s' * (more > 1)} differ{'s' * (more == 1)})" if more else "")
                                 + "".join(f"; {h}" for h in explain(wa, wb, stored)))
 
+    def _requantized(self, res: FFNResult, wa: dict, x: FFN, y: FFN) -> bool:
+        """Where B's FFN is MLX-quantized and A's is not: each tensor B stores, against A's re-quantized
+        with B's parameters (``requant``), or cast (bits compared where B left it unquantized). ``exact`` is
+        "identical" only when every one is. False where this does not apply (A's FFN quantized, or none of
+        B's tensors)."""
+        if ffn_bits(self.ca, x, self._bits_a) is not None:
+            return False
+        roles = [r for r in (*STORED, *(r for r in y.names if r.endswith("_bias"))) if r in y.names]
+        parts = {r: self._parts(y, r) for r in roles}
+        if not any(parts.values()):
+            return False
+        from .requant import check_requantized, recast_difference
+
+        diffs, unsure, swapped, which = [], [], [], []
+        for r in roles:
+            a = _as_stored(wa, r, y)
+            if a is None:  # a bias A lacks: _biases says so
+                continue
+            if parts[r] is None:
+                b = self._raw(self.cached_b, y, r)
+                d = first_difference(r, a, b) if a.dtype == b.dtype else recast_difference(r, a, b)
+                diffs += [f"not bit-identical: {d}"] if d else []
+                which += [r] if d else []
+                continue
+            outcome, why = check_requantized(f"{r} ({y.names[r]})", a, parts[r])
+            (diffs if outcome == "differs" else unsure).extend([why] if why else [])
+            which += [r] if outcome == "differs" else []
+        for r, other in (("gate", "up"), ("up", "gate")):
+            if diffs and parts.get(r) and check_requantized(r, _as_stored(wa, other, y), parts[r])[0] == "identical":
+                swapped.append(f"B's {r} is A's {other} re-quantized")
+        p = next(v[3] for v in parts.values() if v)
+        if diffs:
+            res.exact = "differs"
+            also = f" ({', '.join(which[1:])} differ{'s' * (len(which) == 2)} too)" if len(which) > 1 else ""
+            res.problems.append(diffs[0] + also + "".join(f"; {h}" for h in swapped))
+        elif unsure:
+            res.notes += unsure
+        else:
+            res.exact = "identical"
+            res.notes.append(f"re-quantized: A's {', '.join(r for r in roles if parts[r])} quantized with B's "
+                             f"parameters ({p['bits']}-bit {p['mode']} group {p['group_size']} in "
+                             f"{short_name(p['dtype'])}) give B's stored bytes; the rest is bit-identical")
+        return True
+
+    def _parts(self, y: FFN, role: str):
+        """B's stored quantized parts of ``role`` (this expert's slice of a stack), None: stored unquantized."""
+        parts = self.cb.quantized_parts(y.names[role])
+        if parts is None or y.index is None:
+            return parts
+        w, s, b, q = parts
+        return w[y.index], s[y.index], (b[y.index] if b is not None else None), q
+
     def name_owners(self, report: VerifyReport, differing: list[FFNRef], rb: dict[FFNRef, FFN]) -> None:
         """For each differing B FFN that holds another A FFN's weights, say whose (layers shifted, experts
         permuted). Reads A's FFNs once more: it runs only when something differed."""
@@ -123,6 +182,17 @@ class PairChecker:
             owner = prints.whose(canonical_weights(self.cb, rb[ref]))
             if owner is not None and owner != ref:
                 by_ref[ref].problems.append(f"B's {ref} holds A's {owner} weights")
+
+
+def _as_stored(w: dict, role: str, ffn: FFN):
+    """A's canonical weights ``w`` arranged as ``ffn`` stores ``role`` (fused, transposed: the inverse of
+    ``canonical_weights``, exact); None where A lacks them (a bias)."""
+    bias = role.endswith("_bias")
+    names = ("gate" + role[7:], "up" + role[7:]) if role.startswith("gate_up") else (role,)
+    if any(n not in w for n in names):
+        return None
+    ts = [w[n].T if ffn.form.transposed and not bias else w[n] for n in names]
+    return (fuse(*ts, ffn.layout, is_bias=bias) if len(ts) == 2 else ts[0]).contiguous()
 
 
 def _operands(cached, ffn: FFN, w: dict[str, torch.Tensor], activation: str) -> Operands:
@@ -149,8 +219,5 @@ def _nonfinite(res: FFNResult, wa: dict, wb: dict) -> None:
     """Which of B's weights hold inf/nan where A's are finite. Run only when B's outputs are non-finite
     (a scan of every weight costs as much as the reference's GEMMs; any inf/nan weight shows in the output)."""
     for role, t in wb.items():
-        if t.is_floating_point():
-            bad = int((~torch.isfinite(t)).sum())
-            if bad and (role not in wa or torch.isfinite(wa[role]).all()):
-                res.problems.append(f"B's {role} has {bad} inf/nan values where A's are finite "
-                                    f"(overflow in a cast to {short_name(t.dtype)}?)")
+        if t.is_floating_point() and (bad := nonfinite_values(t)) and (role not in wa or torch.isfinite(wa[role]).all()):
+            res.problems.append(f"B's {role} has {bad} where A's are finite")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..errors import CheckpointError
 from ..ffn import FFN
 from ..io.store import read_config
+from ..tolerances import FP8_ROW_BITS
 
 
 def quantization(ckpt) -> dict | None:
@@ -40,13 +41,21 @@ def ffn_bits(ckpt, ffn: FFN, default: int | None) -> int | None:
     params = getattr(ckpt, "quant_params", None)
     if params is None:
         return default
-    bits = [p["bits"] for r in QUANT_ROLES if (n := ffn.names.get(r)) and (p := params(n))]
+    bits = [row_bits(p) for r in QUANT_ROLES if (n := ffn.names.get(r)) and (p := params(n))]
     return min(bits, default=None)
+
+
+def row_bits(params: dict) -> int:
+    """The bits whose tolerance row a quantized tensor gets: its own, but ``tolerances.FP8_ROW_BITS`` for
+    MLX's mxfp8 (E4M3 values, 3 mantissa bits: the error of FP8 checkpoints, not of 8-bit affine groups; a
+    tiny model's FFNs measure cosine 0.9989, below the 8-bit row's 0.999)."""
+    return FP8_ROW_BITS if params.get("mode") == "mxfp8" else params["bits"]
 
 
 def describe_quantization(q: dict) -> str:
     """``4-bit group 64``, plus what per-module entries (mixed recipes, overrides) say, counted."""
     text = (f"{q['bits']}-bit group {q.get('group_size')}" if isinstance(q.get("bits"), int) else "per module")
+    text += f" {q['mode']}" if q.get("mode", "affine") != "affine" else ""
     counts: dict[str, int] = {}
     for v in q.values():
         if v is False or isinstance(v, dict):
