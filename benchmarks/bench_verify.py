@@ -180,6 +180,22 @@ def scope_overhead(src: Path, split: Path, tokens: int, rounds: int) -> tuple[fl
     return tuple(best)
 
 
+def model_checks(src: Path, split: Path, rounds: int) -> float:
+    """Best time of the checks of the model around the weights that verify runs beside them: both configs
+    through transformers' config class, and the side files (tokenizer, generation_config)."""
+    from ffn_tools.converters import open_any
+    from ffn_tools.verification.model_config import compare_configs
+    from ffn_tools.verification.side_files import compare_side_files
+
+    best = float("inf")
+    with open_any(src) as ca, open_any(split) as cb:
+        for _ in range(rounds + 1):
+            t0 = time.perf_counter()
+            compare_configs(ca, cb), compare_side_files(ca.root, cb.root)
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", action="append", dest="configs", metavar="BACKENDS:TOKENS",
@@ -223,6 +239,9 @@ def main() -> None:
     ffn, outside, loads = scope_overhead(src, split, 256, args.rounds)
     print(f"\nscope (reference:256): FFNs only {ffn:.2f} s; + every tensor outside the FFNs {outside:.2f} s "
           f"({outside / ffn:.2f}x); + the load check {loads:.2f} s ({loads / ffn:.2f}x); target <= 1.2x")
+    model = model_checks(src, split, args.rounds)
+    print(f"model checks (config, side files): {model:.3f} s of verify's {loads:.2f} s: verify with them / "
+          f"without {loads / (loads - model):.3f}x; target <= 1.2x")
 
 if __name__ == "__main__":
     main()

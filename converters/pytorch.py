@@ -6,12 +6,14 @@ optionally casting floating tensors to ``dtype``.
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 from ffn_tools.io.dtypes import parse_user_dtype, short_name
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.plan import Entry, Plan, copy_entry, execute
-from ffn_tools.io.store import Checkpoint, open_checkpoint
+from ffn_tools.io.store import Checkpoint, Format, config_dtype, open_checkpoint
 
 FORMAT = "torch"
 OPTIONS: frozenset[str] = frozenset({"dry_run"})
@@ -54,6 +56,45 @@ def unquantized_config(config: dict | None, target) -> tuple[dict | None, list[s
     return config, changes
 
 
+DEQUANTIZED = "ffn_tools_dequantized_from"  # safetensors metadata: the quantization the weights were read from
+FLOATS = ("F64", "F32", "F16", "BF16")
+
+
+def _config_dtype(config: dict | None, entries: list[Entry]) -> list[str]:
+    """Set ``config``'s dtype to the one most of the written float bytes have, where it says another (an f16
+    MLX model's config keeps its source's bfloat16: transformers would load the f16 weights cast)."""
+    sizes: dict[str, int] = {}
+    for e in entries:
+        if e.st_dtype in FLOATS:
+            sizes[e.st_dtype] = sizes.get(e.st_dtype, 0) + e.nbytes
+    if config is None or not sizes:
+        return []
+    stored = short_name(max(sizes, key=sizes.get))
+    said = config_dtype(config)
+    if said in (None, stored):
+        return []
+    config["dtype"] = stored
+    config.pop("torch_dtype", None)
+    return [f"config.json: dtype {stored}, the weights' (the input's config said {said})"]
+
+
+def _card(ckpt: Checkpoint) -> str | None:
+    """The input's model card with MLX's labels replaced by transformers' (``library_name: mlx`` and the
+    ``mlx`` tag, as mlx_lm writes them), so an uploaded PyTorch repo is not labelled MLX; None: nothing to
+    change."""
+    readme = Path(ckpt.root) / "README.md"
+    if ckpt.format is not Format.MLX or not readme.is_file():
+        return None
+    text = readme.read_text()
+    head = re.match(r"---\n(.*?\n)---\n", text, re.S)
+    if head is None:
+        return None
+    front = re.sub(r"(?m)^library_name:\s*mlx\s*$", "library_name: transformers", head[1])
+    front = re.sub(r"(?m)^\s*-\s*mlx\s*\n", "", front)
+    front = re.sub(r"(?m)^tags:\s*\n(?!\s*-)", "", front)  # a tags list left empty
+    return None if front == head[1] else f"---\n{front}---\n{text[head.end():]}"
+
+
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
            max_shard_size: int | None = None, dry_run: bool = False) -> dict:
     """Write ``ckpt`` as Hugging Face PyTorch safetensors in directory ``out``.
@@ -69,11 +110,26 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
                             "weights); give a directory path")
     target = parse_user_dtype(dtype) if dtype else None
     config, changes = unquantized_config(ckpt.config, target)
-    plan = Plan(ckpt, [cast_entry(ckpt, n, target) for n in ckpt], config, changes)
+    entries = [cast_entry(ckpt, n, target) for n in ckpt]
+    metadata = {"format": "pt"}
+    dequantized = [n for n in ckpt if ckpt.quant_params(n)]
+    if dequantized:  # recorded, so verify against the quantized model's source knows B carries its error
+        q = ckpt.quant_params(dequantized[0])
+        record = {"format": str(ckpt.format), **{k: q.get(k) for k in ("bits", "group_size", "mode")},
+                  "weights": len(dequantized)}
+        metadata[DEQUANTIZED] = json.dumps(record)
+        changes.append(f"dequantized {len(dequantized)} {ckpt.format}-quantized weights ({q.get('bits')}-bit "
+                       f"{q.get('mode', 'affine')}, group {q.get('group_size')}): recorded in the safetensors "
+                       f"metadata as {DEQUANTIZED}")
+    changes += _config_dtype(config, entries)
+    plan = Plan(ckpt, entries, config, changes)
     if dry_run:
         return {"output": str(out), "format": FORMAT, "files": [], "tensors": len(plan.entries),
                 "bytes": plan.total_bytes, "changes": changes, "plan": plan.describe()}
-    files = execute(plan, out, force=force, max_shard_size=max_shard_size, metadata={"format": "pt"},
-                    desc="converting to torch")
+    card = _card(ckpt)
+    files = execute(plan, out, force=force, max_shard_size=max_shard_size, metadata=metadata,
+                    desc="converting to torch", extra_files={"README.md": card} if card else None)
+    if card:
+        changes.append("README.md: the model card names transformers, not mlx, as its library")
     return {"output": str(out), "format": FORMAT, "files": files, "tensors": len(plan.entries),
             "bytes": plan.total_bytes, "changes": changes}

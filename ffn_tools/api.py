@@ -88,18 +88,26 @@ def extract(path, out, *, layers: str | None = None, experts: str | None = None,
 
 def split_gateup(path, out=None, *, upload_repo: str | None = None, **options) -> dict:
     """``ffn-tools split-gateup PATH [-o OUT] --json`` (options as ``gateup.split_gateup``)."""
+    from ffn_tools.converters import open_any
+
     from .gateup import split_gateup as run
 
     _upload_first(upload_repo, options.get("dry_run"))
-    return _published(_gateup("split-gateup", path, run(resolve(str(path)), out, **options)), upload_repo)
+    with open_any(resolve(str(path))) as ckpt:  # any format: the command's rule refuses what it cannot rewrite
+        r = run(ckpt, out, **options)
+    return _published(_gateup("split-gateup", path, r), upload_repo)
 
 
 def fuse_gateup(path, out=None, *, upload_repo: str | None = None, **options) -> dict:
     """``ffn-tools fuse-gateup PATH [-o OUT] --json`` (options as ``gateup.fuse_gateup``)."""
+    from ffn_tools.converters import open_any
+
     from .gateup import fuse_gateup as run
 
     _upload_first(upload_repo, options.get("dry_run"))
-    return _published(_gateup("fuse-gateup", path, run(resolve(str(path)), out, **options)), upload_repo)
+    with open_any(resolve(str(path))) as ckpt:
+        r = run(ckpt, out, **options)
+    return _published(_gateup("fuse-gateup", path, r), upload_repo)
 
 
 def _gateup(command: str, path, r: dict) -> dict:

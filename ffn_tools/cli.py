@@ -181,12 +181,6 @@ def _gateup_command(name: str, fn, help_text: str, extra=()):
     @scheme_options
     @layout_options
     def command(path, out, dry_run, force, as_json, upload_repo, max_shard_size, scheme, layout, **kw):
-        from ffn_tools.converters import detect_format
-
-        fmt = detect_format(path)
-        if fmt != "torch":
-            raise click.ClickException(f"{path}: is a {fmt} checkpoint; {name} works on PyTorch checkpoints: "
-                                       f"ffn-tools convert {path} --to torch -o DIR first")
         r = fn(path, out, scheme=scheme, layout=layout, dry_run=dry_run, force=force, max_shard_size=max_shard_size,
                upload_repo=upload_repo, **kw)
         lines = list(r["plan"] or []) if dry_run else []
@@ -263,8 +257,8 @@ def _quantize_value(ctx, param, value):
               "nvfp4, mxfp8 are MLX's microscaling float formats).")
 @click.option("--quant-predicate", help="MLX: one of mlx_lm's mixed-bit recipes (mixed_2_6, mixed_3_4, mixed_3_6, "
               "mixed_4_6): more bits for v_proj/down_proj of some layers and lm_head, as mlx_lm.convert.")
-@click.option("-d", "--dequantize", is_flag=True, help="MLX input: write it dequantized (what ffn-tools does with "
-              "any quantized input unless -q is given); refused with -q, as in mlx_lm.")
+@click.option("-d", "--dequantize", is_flag=True, help="MLX: write a quantized MLX input dequantized. Without -d "
+              "or -q it stays quantized, copied as it is, as mlx_lm.convert keeps it; refused with -q, as in mlx_lm.")
 @click.option("--flax-layout", type=click.Choice(("hf", "linen")),
               help="Flax only: hf = the Hugging Face Flax parameter tree (default); linen = FFNs as nn.Dense gate/up/down.")
 @click.option("--dry-run", is_flag=True, help="torch/mlx: print every output tensor and how it is made (and what "
@@ -307,7 +301,7 @@ def convert(path, hf_path, to, out, mlx_path, dtype, quantize, q_bits, q_group_s
         raise click.UsageError("choose either -q/--quantize or -d/--dequantize, not both (as mlx_lm.convert)")
     r = run(path, to, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, quantize=quantize,
             q_bits=int(q_bits) if q_bits else None, q_group_size=int(q_group_size) if q_group_size else None,
-            q_mode=q_mode, quant_predicate=quant_predicate, dry_run=dry_run or None,
+            q_mode=q_mode, quant_predicate=quant_predicate, dequantize=dequantize or None, dry_run=dry_run or None,
             flax_layout=flax_layout, scheme=scheme, layout=layout, upload_repo=upload_repo)
     emit(r, as_json, [*(r.get("plan") or []), r["summary"], *r.get("changes", []), *uploaded(r)])
 

@@ -8,6 +8,7 @@ Every output is a pure row rearrangement, so each entry carries byte pieces as w
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import ExitStack
 from pathlib import Path
 
 from .detect import FFNSet, find_ffns
@@ -21,7 +22,7 @@ from .plan import Entry, Plan, check_shardable, copy_entry, execute
 from . import mxfp4, scales
 from .registry import Form, Scheme, bias_name
 from .sizes import human
-from .io.store import open_checkpoint
+from .io.store import Checkpoint, open_checkpoint
 
 MAX_PIECES = 256  # above this many byte runs (interleaved, column axis) computing is faster than copying
 
@@ -338,13 +339,28 @@ def default_output(path: Path, tag: str) -> Path:
     return candidate
 
 
-def _run(command: str, plan_fn, path, out, *, scheme, layout, dry_run, force, max_shard_size, **kw) -> dict:
-    path = Path(path)
-    with open_checkpoint(path) as ckpt:
-        if packed := mxfp4.pairs(ckpt):
-            raise FFNToolsError(f"{path}: {len(packed)} MXFP4 tensors ({next(iter(packed))}_blocks/_scales, ...): "
-                                f"{command} rewrites tensors as stored and nothing reads split MXFP4; `ffn-tools "
-                                "convert PATH --to torch -o DIR` dequantizes them exactly (bf16), then split that")
+def check_rewritable(ckpt: Checkpoint, command: str) -> None:
+    """The rule of split-gateup and fuse-gateup, for the CLI and the Python API alike: they rewrite the tensors
+    of a PyTorch checkpoint as stored, so other formats and MXFP4 experts are refused (exit 2).
+
+    Raises:
+        FFNToolsError: naming the format and the conversion to run first.
+    """
+    if not ckpt.format.pytorch:
+        raise FFNToolsError(f"{ckpt.path}: is a {ckpt.format} checkpoint; {command} works on PyTorch checkpoints: "
+                            f"ffn-tools convert {ckpt.path} --to torch -o DIR first")
+    if packed := mxfp4.pairs(ckpt.stored):
+        raise FFNToolsError(f"{ckpt.path}: {len(packed)} MXFP4 tensors ({next(iter(packed))}_blocks/_scales, ...): "
+                            f"{command} rewrites tensors as stored and nothing reads split MXFP4; `ffn-tools "
+                            "convert PATH --to torch -o DIR` dequantizes them exactly (bf16), then split that")
+
+
+def _run(command: str, plan_fn, source, out, *, scheme, layout, dry_run, force, max_shard_size, **kw) -> dict:
+    """``source``: a path (opened here as PyTorch weights) or a checkpoint already open (the API's, any format)."""
+    with ExitStack() as stack:
+        ckpt = source if isinstance(source, Checkpoint) else stack.enter_context(open_checkpoint(Path(source)))
+        path = Path(ckpt.path)
+        check_rewritable(ckpt, command)
         plan = plan_fn(ckpt, find_ffns(ckpt, scheme, layout), **kw)
         out = Path(out) if out else default_output(path, "split" if command == "split-gateup" else "fused")
         check_shardable(out, max_shard_size)

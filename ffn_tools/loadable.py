@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import FFNToolsError, listing
+from .io.store import Format
 
 SHOWN = 4  # names per category in the one-line summary (the JSON has them all)
 
@@ -82,11 +83,11 @@ def check(ckpt) -> LoadCheck:
     if path.is_file() and path.name not in MAIN_FILES:  # model.split.safetensors beside its source
         return LoadCheck("transformers", skipped=f"{path.name} is a single file, not what a client loads from "
                                                  f"{path.parent} (that is {', '.join(MAIN_FILES[:2])})")
-    if ckpt.format == "mlx":
+    if ckpt.format is Format.MLX:
         return check_mlx(ckpt.root)
-    if ckpt.format == "flax":
+    if ckpt.format is Format.FLAX:
         return LoadCheck("flax", skipped="no client loads Flax checkpoints here (transformers 5 has no Flax)")
-    if ckpt.format == "native":
+    if ckpt.format is Format.NATIVE:
         return LoadCheck("native", skipped="Meta's and Mistral's own code loads native checkpoints, not a client "
                                            "here; `ffn-tools convert --to torch` makes one transformers loads")
     return check_transformers(ckpt)

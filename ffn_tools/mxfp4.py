@@ -41,9 +41,11 @@ def dequantize(blocks, scales, dtype=None):
 class Mxfp4View(Checkpoint):
     """``ckpt`` with every MXFP4 pair seen as its dequantized bf16 tensor (see the module doc)."""
 
+    resolves_quantization = True
+
     def __init__(self, ckpt):
         self.raw, self.packed = ckpt, pairs(ckpt)
-        self.format = f"{ckpt.format}, MXFP4 read dequantized"
+        self.format = ckpt.format
         hidden = {n for p in self.packed.values() for n in p}
         infos = {}
         for name in ckpt:
@@ -65,6 +67,19 @@ class Mxfp4View(Checkpoint):
     def quant_params(self, name: str) -> dict | None:
         """MXFP4's 4 bits per value in groups of 32 (verify's 4-bit tolerance row against an unquantized twin)."""
         return {"bits": 4, "group_size": GROUP, "mode": "mxfp4"} if name in self.packed else None
+
+    @property
+    def stored(self):
+        """The checkpoint with its ``_blocks``/``_scales`` as stored (what transformers and mlx_lm load)."""
+        return self.raw
+
+    @property
+    def label(self) -> str:
+        return f"{self.raw.label}, MXFP4 read dequantized"
+
+    def decoded(self) -> list[dict]:
+        return [{"dtype": "MXFP4", "scales": "scales", "block": [1, GROUP], "weights": len(self.packed),
+                 "how": "read dequantized, exactly (bf16)"}]
 
     def close(self) -> None:
         self.raw.close()

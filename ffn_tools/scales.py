@@ -104,6 +104,8 @@ class Dequantized(Checkpoint):
     dequantized weight ``tolerances.FP8_ROW_BITS`` bits (the tolerance row FP8's 3 mantissa bits need) and the
     block's column count as its group."""
 
+    resolves_quantization = True
+
     def __init__(self, ckpt):
         self.raw, self.scale_of = ckpt, {}
         self.format = ckpt.format
@@ -133,6 +135,11 @@ class Dequantized(Checkpoint):
         cols = self.raw.info(name).shape[-1]
         scols = (self.raw.info(sc).shape[-1:] or (1,))[0]
         return {"bits": FP8_ROW_BITS, "group_size": -(-cols // scols), "mode": "fp8"}
+
+    @property
+    def stored(self):
+        """The FP8 checkpoint as stored, scale tensors included (what a client loads)."""
+        return self.raw.stored
 
     def close(self) -> None:
         self.raw.close()

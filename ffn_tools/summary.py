@@ -6,7 +6,6 @@ from collections import Counter, defaultdict
 
 from .detect import FFNSet, find_ffns
 from .io.dtypes import short_name
-from .mxfp4 import GROUP, Mxfp4View
 from .scales import describe as describe_scales
 from .scales import is_companion
 from .layouts import GateUpLayout
@@ -77,7 +76,7 @@ def inspect_checkpoint(ckpt: Checkpoint, scheme: Scheme | None = None, layout: G
     outside = [n for n in ckpt if n not in ffns.tensors and not is_companion(n, ffns.tensors)]
     return {
         "path": str(ckpt.path),
-        "format": ckpt.format,
+        "format": ckpt.label,
         "architecture": (config.get("architectures") or [config.get("model_type", "unknown")])[0],
         "model_type": config.get("model_type"),
         "scheme": ffns.scheme.name,
@@ -91,8 +90,7 @@ def inspect_checkpoint(ckpt: Checkpoint, scheme: Scheme | None = None, layout: G
         "activation": ffns.activation.describe(),
         "gated_unit": ffns.activation.unit,
         "dtypes": dict(Counter(short_name(ckpt.info(n).st_dtype) for n in ckpt)),
-        "quantized": describe_scales(ckpt) + ([{"dtype": "MXFP4", "scales": "scales", "block": [1, GROUP],
-                                                 "weights": len(ckpt.packed)}] if isinstance(ckpt, Mxfp4View) else []),
+        "quantized": describe_scales(ckpt) + ckpt.decoded(),
         "config_dtype": config_dtype(ckpt.config),
         "shards": [str(f.name) for f in ckpt.files],
         "total_bytes": ckpt.total_bytes,
@@ -124,8 +122,7 @@ def format_summary(s: dict) -> list[str]:
         lines.append(f"  {kind:<13} {k['count']} FFNs in {k['layers']} layers, d_ffn {', '.join(map(str, k['d_ffn']))}, "
                      f"{k['layout']}{', with biases' if k['bias'] else ''}, {k['tensors']} tensors")
     for q in s.get("quantized") or []:
-        how = ("read dequantized, exactly (bf16)" if q["dtype"] == "MXFP4" else
-               "split, fuse and extract move it with its weight")
+        how = q.get("how", "split, fuse and extract move it with its weight")
         lines.append(f"  quantized     {q['weights']} weights {q['dtype']}, one _{q['scales']} per {q['block'][0]}x"
                      f"{q['block'][1]} block ({how})")
     o = s["outside_ffn"]

@@ -16,15 +16,16 @@ from ffn_tools.io.store import open_checkpoint
 
 
 def run_cli(*args: str, ok: bool | None = True):
-    """Invoke ``ffn-tools ARGS`` in-process; assert success (or a clean one-line failure when not ok; None:
-    no assertion but that nothing escaped as a traceback)."""
+    """Invoke ``ffn-tools ARGS`` in-process; assert success, or with ``ok=False`` a could-not-run failure:
+    exit status 2 and one clean line saying what is wrong (None: no assertion but that nothing escaped as a
+    traceback)."""
     result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=True)
     if ok is None:
         assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
     elif ok:
         assert result.exit_code == 0, f"exit {result.exit_code}: {result.output}\n{result.exception!r}"
     else:
-        assert result.exit_code != 0, result.output
+        assert result.exit_code == 2, f"exit {result.exit_code}: {result.output}"
         assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
         assert "Traceback" not in result.output
         errors = [ln for ln in result.output.splitlines() if ln.startswith("Error:")]

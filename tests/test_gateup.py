@@ -279,3 +279,21 @@ def test_a_sharded_input_gives_a_sharded_output(model_dir, tmp_path):
     assert len(files) > 1 and max(p.stat().st_size for p in files) <= max(largest, 2 * 96 * 64 * 4 + 500)
     run_cli("split-gateup", model_dir("phi3"), "-o", tmp_path / "one")
     assert_identical(tensors(tmp_path / "out"), tensors(tmp_path / "one"))
+
+
+@pytest.mark.parametrize("fmt", ["mlx", "flax"])
+def test_other_formats_are_refused_by_the_cli_and_the_api_alike(model_dir, tmp_path, fmt):
+    pytest.importorskip("mlx.core" if fmt == "mlx" else "flax")
+    import ffn_tools
+    from ffn_tools.errors import FFNToolsError
+
+    src = tmp_path / fmt
+    run_cli("convert", model_dir("llama"), "--to", fmt, "-o", src)
+    for command in ("split-gateup", "fuse-gateup"):
+        r = run_cli(command, src, "-o", tmp_path / "out", ok=None)
+        assert r.exit_code == 2, r.output  # could not run: the rule lives in the core, not the CLI
+        assert f"is a {fmt} checkpoint; {command} works on PyTorch checkpoints: ffn-tools convert" in r.output
+    for fn in (ffn_tools.split_gateup, ffn_tools.fuse_gateup):
+        with pytest.raises(FFNToolsError, match=f"is a {fmt} checkpoint"):
+            fn(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

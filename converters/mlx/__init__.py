@@ -20,6 +20,7 @@ from ffn_tools.io.store import Checkpoint, open_checkpoint
 
 FORMAT = "mlx"
 OPTIONS: frozenset[str] = frozenset({"quantize", "group_size", "q_bits", "q_group_size", "q_mode", "quant_predicate",
+                                     "dequantize",
                                      "dry_run"})
 
 __all__ = ["FORMAT", "OPTIONS", "can_read", "open", "export"]

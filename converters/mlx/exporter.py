@@ -24,7 +24,7 @@ from pathlib import Path
 from ffn_tools.io.dtypes import DTYPE_CHOICES, USER_DTYPES, short_name
 from ffn_tools.errors import FFNToolsError, listing
 from ffn_tools.plan import Entry, Plan, copy_entry, execute
-from ffn_tools.io.store import Checkpoint
+from ffn_tools.io.store import Checkpoint, Format
 from ffn_tools.io.writer import OutTensor, plan_shards
 
 from . import names as mlx_names
@@ -126,14 +126,7 @@ def _problems(tg: Target, outputs, ckpt: Checkpoint) -> tuple[list[str], list[st
 
 
 def _bytes(ckpt: Checkpoint, name: str) -> bytes:
-    from ffn_tools.io.store import read_bytes
-
-    from .quant import torch_bytes
-
-    info = ckpt.info(name)
-    if info.start is not None:
-        return read_bytes(info.file, info.start, info.nbytes)
-    return bytes(ckpt.read_raw(name)) if hasattr(ckpt, "read_raw") else bytes(torch_bytes(ckpt[name]))
+    return bytes(ckpt.read_raw(name))
 
 
 def _match(ckpt: Checkpoint, where: str) -> tuple[Target, list[Entry], list, list[str], list[str]]:
@@ -200,15 +193,15 @@ def _match_or_dequantize(ckpt: Checkpoint, quantizing: bool = False):
     Returns:
         ``_match``'s result, then the checkpoint the plan reads.
     """
-    from ffn_tools.mxfp4 import Mxfp4View
     from ffn_tools.scales import Dequantized, describe
 
-    if isinstance(ckpt, Mxfp4View) and not quantizing:
+    mxfp4 = [d["weights"] for d in ckpt.decoded() if d["dtype"] == "MXFP4"]
+    if mxfp4 and not quantizing:
         try:
-            found = _match(ckpt.raw, str(ckpt.path))
+            found = _match(ckpt.stored, str(ckpt.path))
             if found[0].prequant:
-                found[4].insert(0, f"kept {len(ckpt.packed)} MXFP4 tensors as MLX's own mxfp4 (as mlx_lm.load does)")
-                return (*found, ckpt.raw)
+                found[4].insert(0, f"kept {mxfp4[0]} MXFP4 tensors as MLX's own mxfp4 (as mlx_lm.load does)")
+                return (*found, ckpt.stored)
         except FFNToolsError:
             pass
     try:
@@ -229,7 +222,7 @@ def _match_or_dequantize(ckpt: Checkpoint, quantizing: bool = False):
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
            max_shard_size: int | None = None, quantize=None, q_bits: int | None = None,
            q_group_size: int | None = None, q_mode: str | None = None, quant_predicate: str | None = None,
-           group_size: int | None = None, dry_run: bool = False) -> dict:
+           group_size: int | None = None, dequantize: bool = False, dry_run: bool = False) -> dict:
     """Write ``ckpt`` as an MLX model directory ``out`` that ``mlx_lm.load`` opens (see the module doc).
 
     Args:
@@ -238,6 +231,8 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         q_bits, q_group_size, q_mode: as mlx_lm.convert's flags (defaults per mode: affine 4 bits, group 64).
         quant_predicate: a mixed recipe of mlx_lm (mixed_3_6, ...).
         group_size: the older name of ``q_group_size``.
+        dequantize: an MLX-quantized input is written dequantized (``-d``); without it (and without ``-q``)
+            it stays quantized as it is, as ``mlx_lm.convert`` keeps it.
         dry_run: plan and check only; ``plan`` in the summary lists every output tensor.
 
     Returns:
@@ -257,6 +252,9 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     target_st = _dtype(dtype)
     quant = resolve(quantize, q_bits, q_group_size if q_group_size is not None else group_size, q_mode,
                     quant_predicate)
+    kept = [q for q in ckpt.decoded() if ckpt.format is Format.MLX]
+    if kept and not quant and not dequantize:
+        return _keep_quantized(ckpt, out, kept, target_st, force, max_shard_size, dry_run)
     tg, view, outputs, unused, changes, ckpt = _match_or_dequantize(ckpt, quantizing=bool(quant))
     config = tg.config
     if tg.renamed:
@@ -349,3 +347,30 @@ def mlx_entries(ckpt: Checkpoint) -> tuple[Checkpoint, dict[str, Entry], set[str
 
     entries, _ = plan_outputs(source, tg, view, outputs, None, {}, {})
     return source, {e.name: e for e in entries}, set(unused)
+
+
+def _keep_quantized(ckpt: Checkpoint, out: Path, kept: list[dict], target_st, force, max_shard_size,
+                    dry_run) -> dict:
+    """An MLX-quantized input exported without -q or -d: kept as it is stored, every tensor copied byte for
+    byte with its config.json (``mlx_lm.convert`` keeps a quantized model quantized), not silently
+    dequantized."""
+    if target_st is not None:
+        raise FFNToolsError(f"{ckpt.path}: is MLX-quantized; --dtype would cast its scales: pass -d/--dequantize to "
+                            "write it dequantized in that dtype, or -q to re-quantize")
+    from .view import MLXCheckpoint
+
+    raw = ckpt.raw if isinstance(ckpt, MLXCheckpoint) else ckpt  # the files as stored, packed weights included
+    entries = [copy_entry(raw, n) for n in raw]
+    what = ", ".join(f"{q['weights']} weights {q['dtype']}" for q in kept)
+    changes = [f"kept the input's quantization ({what}): every tensor copied byte for byte, as mlx_lm.convert keeps "
+               "a quantized model quantized (-d/--dequantize writes it dequantized, -q re-quantizes)"]
+    plan = Plan(raw, entries, dict(raw.config or {}), changes)
+    summary = {"output": str(out), "format": FORMAT, "model_type": (raw.config or {}).get("model_type"),
+               "mlx_model": None, "tensors": len(entries), "bytes": plan.total_bytes, "dtype": None,
+               "quantization": (raw.config or {}).get("quantization"), "quantized": sum(q["weights"] for q in kept),
+               "unquantized": [], "changes": changes}
+    if dry_run:
+        return {**summary, "files": [], "plan": plan.describe()}
+    files = execute(plan, out, force=force, max_shard_size=max_shard_size or MAX_SHARD_SIZE,
+                    metadata={**METADATA, **raw.metadata}, desc="copying mlx")
+    return {**summary, "files": files}

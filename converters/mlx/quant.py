@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 import mlx.core as mx
 
 from ffn_tools.io.dtypes import itemsize, nbytes
+from ffn_tools.io.raw import RawTensor  # noqa: F401 - re-exported: the MLX modules' tensors
 from ffn_tools.io.store import read_bytes
 
 CHUNK_BYTES = 4 << 20
@@ -29,30 +30,6 @@ MX_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "F64": m
              "U64": mx.uint64, "BOOL": mx.bool_}
 ST_DTYPES = {v: k for k, v in MX_DTYPES.items()}
 _UINT = {1: ("B", mx.uint8), 2: ("H", mx.uint16), 4: ("I", mx.uint32), 8: ("Q", mx.uint64)}
-
-
-class RawTensor(bytearray):
-    """A tensor's bytes with its safetensors dtype and shape: what ``plan.execute`` checks and writes.
-
-    Lets entries produce MLX results without importing torch (importing it costs over a second).
-    """
-
-    def __init__(self, dtype: str, shape: Sequence[int], data: bytes | None = None):
-        self.dtype, self.shape = dtype, tuple(shape)
-        super().__init__(nbytes(dtype, self.shape) if data is None else data)
-
-    def __reduce_ex__(self, protocol):  # to come back from a worker process (bytearray defines its own)
-        return RawTensor, (self.dtype, self.shape, bytes(self))
-
-    def to_torch(self):
-        """The same bytes as a torch tensor (imports torch)."""
-        import torch
-
-        from ffn_tools.io.dtypes import torch_dtype
-
-        if not len(self):
-            return torch.empty(self.shape, dtype=torch_dtype(self.dtype))
-        return torch.frombuffer(self, dtype=torch_dtype(self.dtype)).reshape(self.shape)
 
 
 def to_mx(data: memoryview, st: str, shape: Sequence[int]) -> mx.array:
@@ -104,10 +81,7 @@ def row_chunks(ckpt, name: str, max_bytes: int | None = None) -> Iterator[tuple[
             n = min(step, rows - r)
             yield memoryview(read_bytes(info.file, info.start + r * row_bytes, n * row_bytes)), n
         return
-    if hasattr(ckpt, "read_raw"):  # a view that decodes without torch (MLX, dequantized)
-        data = memoryview(ckpt.read_raw(name))
-    else:  # a pickle or Flax tensor: decode it with torch
-        data = torch_bytes(ckpt[name])
+    data = memoryview(ckpt.read_raw(name))  # decoded by the reader (torch only where it needs it)
     for r in range(0, rows, step):
         n = min(step, rows - r)
         yield data[r * row_bytes:(r + n) * row_bytes], n

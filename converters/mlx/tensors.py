@@ -158,7 +158,7 @@ def load_inputs(ckpt, view: list[Entry]) -> dict[str, mx.array]:
             if name in lazy:
                 out[e.name] = lazy[name]
                 continue
-        if name is not None and hasattr(ckpt, "read_raw"):
+        if name is not None:
             raw = ckpt.read_raw(name)
             out[e.name] = to_mx(memoryview(raw), raw.dtype, raw.shape)
         else:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ffn_tools.errors import CheckpointError
-from ffn_tools.io.store import Checkpoint, SafetensorsCheckpoint, TensorInfo, open_checkpoint, read_bytes
+from ffn_tools.io.store import Checkpoint, Format, SafetensorsCheckpoint, TensorInfo, open_checkpoint, read_bytes
 
 from .config import restore_source_config
 from .quant import RawTensor, dequantize, to_mx
@@ -72,7 +72,8 @@ def _float_dtype(raw: Checkpoint, packed: set[str]) -> str:
 class MLXCheckpoint(Checkpoint):
     """A lazy, read-only view of an MLX model directory with Hugging Face names (see the module doc)."""
 
-    format = "mlx"
+    format = Format.MLX
+    resolves_quantization = True
 
     def __init__(self, path: Path):
         raw = open_checkpoint(path)
@@ -161,6 +162,17 @@ class MLXCheckpoint(Checkpoint):
             n //= shape[0]
             shape, start = shape[1:], start + expert * n
         return to_mx(memoryview(read_bytes(info.file, start, n)), info.st_dtype, shape)
+
+    def decoded(self) -> list[dict]:
+        """The quantized modules, grouped by mode, bits and group size (``inspect``)."""
+        groups: dict[tuple, int] = {}
+        for q in (recipe[2] for recipe in self._recipes.values()):
+            key = (q["mode"], q["bits"], q["group_size"])
+            groups[key] = groups.get(key, 0) + 1
+        return [{"dtype": f"MLX {mode} {bits}-bit" + (" (with .biases)" if mode == "affine" else ""), "scales": "scales",
+                 "block": [1, group], "weights": n,
+                 "how": "read dequantized; verify re-quantizes A with these parameters to compare the codes"}
+                for (mode, bits, group), n in sorted(groups.items())]
 
     def quant_params(self, name: str) -> dict | None:
         """The quantization parameters (group_size, bits, mode) tensor ``name`` was stored with, as resolved

@@ -9,6 +9,7 @@ Hugging Face PyTorch names.
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import pickle
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .dtypes import as_st, nbytes, torch_dtype
+from .raw import RawTensor
 from ..errors import CheckpointError
 from .safetensors_format import read_header
 
@@ -61,8 +63,36 @@ class TensorInfo:
         return f"TensorInfo({self.name!r}, {self.st_dtype}, {list(self.shape)}, {self.file.name}, start={self.start})"
 
 
+class Format(str, enum.Enum):
+    """What a checkpoint is stored as: the dispatch key of clients and rules (a label is ``Checkpoint.label``).
+
+    A ``str`` enum, so it reads and serializes as its value ("mlx").
+    """
+
+    SAFETENSORS = "safetensors"
+    PICKLE = "pickle"
+    MLX = "mlx"
+    FLAX = "flax"
+    NATIVE = "native"  # Meta's consolidated.NN.pth / Mistral's consolidated.safetensors + params.json
+
+    @property
+    def pytorch(self) -> bool:
+        """Hugging Face PyTorch weights: what transformers loads and split/fuse rewrite."""
+        return self in (Format.SAFETENSORS, Format.PICKLE)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
 class Checkpoint(Mapping[str, "torch.Tensor"]):
     """A read-only, lazy mapping of tensor names to tensors, with the checkpoint's config and metadata.
+
+    Every reader implements this one interface; what a reader can do beyond the mapping is a method here
+    with a default (``read_raw``, ``quant_params``, ``quantized_parts``, ``stored``, ``decoded``), so core code
+    never probes a checkpoint for attributes.
 
     Attributes:
         path: the path the user gave.
@@ -70,10 +100,11 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
         files: the weight files, in order.
         config: config.json as a dict, or None.
         metadata: safetensors ``__metadata__`` (of the first shard), empty if none.
-        format: "safetensors", "pickle", or a converter's format name ("mlx", "flax", ...).
+        format: what it is stored as (``Format``).
     """
 
-    format = "?"
+    format: Format = Format.SAFETENSORS
+    resolves_quantization = False  # True: ``quant_params`` says per tensor how it is stored (views that decode)
 
     def __init__(self, path: Path, root: Path, files: list[Path], infos: dict[str, TensorInfo],
                  metadata: dict[str, str] | None = None, config: dict | None = None):
@@ -110,6 +141,38 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
     def _read(self, info: TensorInfo) -> "torch.Tensor":
         raise NotImplementedError
 
+    def read_raw(self, name: str) -> RawTensor:
+        """Tensor ``name``'s bytes as a ``RawTensor``: read from their place in the file where they lie there
+        as stored (no torch), else decoded by the reader (views that decode without torch override this)."""
+        info = self._infos[name]
+        if info.start is not None:
+            try:
+                return RawTensor(info.st_dtype, info.shape, read_bytes(info.file, info.start, info.nbytes))
+            except OSError as e:
+                raise CheckpointError(f"{info.file}: cannot read tensor {name!r} ({e})") from None
+        return RawTensor.of(self[name])
+
+    def quant_params(self, name: str) -> dict | None:
+        """How tensor ``name`` is stored quantized (``bits``, ``group_size``, ``mode``) while this view reads it
+        dequantized; None for a tensor stored as it reads (every tensor, here)."""
+        return None
+
+    @property
+    def stored(self) -> "Checkpoint":
+        """The checkpoint as stored: views that decode tensors (MXFP4, FP8 dequantized) give the one they
+        decode, which is what a client loads; every other checkpoint is itself."""
+        return self
+
+    @property
+    def label(self) -> str:
+        """The format as reports name it ("safetensors, MXFP4 read dequantized")."""
+        return str(self.format)
+
+    def decoded(self) -> list[dict]:
+        """What this view decodes, for ``inspect``: one {dtype, scales, block, weights} per kind; [] when
+        nothing is."""
+        return []
+
     def quantized_parts(self, name: str):
         """Tensor ``name`` as stored quantized by MLX: (packed weight, scales, biases or None, parameters
         with ``group_size``, ``bits``, ``mode`` and ``dtype``, the dtype it was quantized in), as ``mx.array``s;
@@ -135,7 +198,7 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
 class SafetensorsCheckpoint(Checkpoint):
     """One or more safetensors files."""
 
-    format = "safetensors"
+    format = Format.SAFETENSORS
 
     def __init__(self, path: Path, root: Path, files: list[Path]):
         infos: dict[str, TensorInfo] = {}
@@ -177,7 +240,7 @@ class PickleCheckpoint(Checkpoint):
     resident) and copied byte for byte by writers, as from safetensors.
     """
 
-    format = "pickle"
+    format = Format.PICKLE
 
     def __init__(self, path: Path, root: Path, files: list[Path]):
         self._tensors: dict[str, "torch.Tensor"] = {}

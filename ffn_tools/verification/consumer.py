@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 from ..errors import FFNToolsError, listing
+from ..io.store import Format
 from .diagnose import first_difference
 from .quant import row_bits
 from .requant import check_requantized
@@ -36,7 +37,7 @@ def reconcile(outside, ca, cb, compare) -> list[str]:
         compare: ``(name, a_tensor, b_tensor, bits_b) -> str | None``, the outside check's own comparison (None:
             within tolerance or identical).
     """
-    if cb.format != "mlx" or ca.format == "mlx" or outside.skipped or outside.passed:
+    if cb.format is not Format.MLX or ca.format is Format.MLX or outside.skipped or outside.passed:
         return []
     from ffn_tools.converters.mlx.exporter import mlx_entries
     from ffn_tools.converters.mlx.quant import RawTensor

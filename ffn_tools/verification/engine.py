@@ -127,7 +127,7 @@ def _find(ckpt, side: str, scheme: Scheme | None, layout: GateUpLayout | None) -
 def _side(ckpt, ffns: FFNSet | None) -> dict:
     q = quantization(ckpt)
     dtype = short_name(ckpt.info(ffns.ffns[0].names["down"]).dtype) if ffns and ffns.ffns else None
-    return {"path": str(ckpt.path), "format": ckpt.format, "scheme": ffns.scheme.name if ffns else None,
+    return {"path": str(ckpt.path), "format": ckpt.label, "scheme": ffns.scheme.name if ffns else None,
             "dtype": dtype, "activation": ffns.activation.describe() if ffns else None,
             "quantization": describe_quantization(q) if q else None,
             "ffns": len(ffns.ffns) if ffns else 0}
@@ -202,7 +202,7 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
         if load_check:
             from ..loadable import check
 
-            load = check(stored(cb))  # first: a missing client is could-not-run (exit 2) before any work
+            load = check(cb.stored)  # first: a missing client is could-not-run (exit 2) before any work
         (fa, pa), (fb, pb) = _find(ca, "A", scheme, layout), _find(cb, "B", scheme, b_layout or layout)
         report = VerifyReport(_side(ca, fa), _side(cb, fb), list(mods), skipped, tokens, seed, None, load=load)
         report.problems += [p for p in (pa, pb) if p]
@@ -240,11 +240,6 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
 EXACT = Tolerance(0.0, 0.0, 0.0, "exact: bit-identical weights under the same client")  # atol 0: every logit equal
 PROBE_MAX = 512  # longest token batch run to reach a config's window (tiny models only)
 PROBE_BYTES = 1 << 30
-
-
-def stored(ckpt):
-    """The checkpoint as stored (an FP8 one with its scale tensors), not the dequantized view verify compares."""
-    return ckpt.raw if isinstance(ckpt, Dequantized) else ckpt
 
 
 def bit_identical(report: VerifyReport) -> bool:

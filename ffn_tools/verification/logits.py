@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..errors import FFNToolsError
+from ..io.store import Format
 from ..tolerances import Tolerance
 from .functional import compare
 
@@ -37,13 +38,13 @@ def client_for(ckpt, side: str) -> str:
     if not path.is_dir() or "model_type" not in cfg:
         raise FFNToolsError(f"--logits: {side} ({path}) is not a model directory with a config.json naming its "
                             "model_type; whole-model logits need a directory transformers or mlx_lm can load")
-    if ckpt.format == "mlx":
+    if ckpt.format is Format.MLX:
         try:
             import mlx_lm  # noqa: F401
         except ImportError as e:
             raise FFNToolsError(f"--logits: {side} is an MLX checkpoint and mlx_lm is not installed ({e})") from None
         return "mlx_lm"
-    if ckpt.format in ("safetensors", "pickle"):
+    if ckpt.format.pytorch:
         return "transformers"
     raise FFNToolsError(f"--logits: {side} ({path}) is a {ckpt.format} checkpoint; no client here runs it as a "
                         "whole model (transformers reads PyTorch, mlx_lm reads MLX)")

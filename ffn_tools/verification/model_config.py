@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from ..errors import listing
-from ..io.store import config_dtype, read_config
+from ..io.store import Format, config_dtype, read_config
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ def compare_configs(ca, cb, allow=()) -> ConfigResult:
         res.readers.append(f"transformers' {type_name(a)}")
     _compare(res, na, nb, allow, _generation_eos(ca))
     res.ties = tuple(n.get("tie_word_embeddings") for n in (na, nb))
-    if cb.format == "mlx":
+    if cb.format is Format.MLX:
         _compare_mlx(res, ca, cb, allow)
     _check_dtype(res, cb)
     unused = sorted(allow - {x.split(":")[0] for x in res.allowed} - {x.split(":")[0].split(".")[0] for x in res.allowed})
@@ -286,7 +286,7 @@ def _compare_mlx(res: ConfigResult, ca, cb, allow) -> None:
 def _check_dtype(res: ConfigResult, cb) -> None:
     """B's config dtype against the float dtype most of B's weight bytes are stored in (PyTorch formats:
     transformers and vLLM load with the config's dtype; mlx_lm and Flax keep the stored one)."""
-    if cb.format not in ("safetensors", "pickle"):
+    if not cb.format.pytorch:
         return
     raw = read_config(Path(cb.root)) if cb.root else None
     said = NAMES.get(config_dtype(raw) or "")

@@ -18,7 +18,7 @@ from ..io.dtypes import short_name
 from ..errors import listing
 from ..tolerances import tolerance_for
 from .diagnose import first_difference
-from .quant import row_bits
+from .quant import quantization, row_bits
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +62,13 @@ class OutsideResult:
                 "passed": self.passed}
 
 
-def _bits(ckpt, name: str) -> int | None:
-    params = getattr(ckpt, "quant_params", None)
-    p = params(name) if params else None
-    return row_bits(p) if p else None
+def _bits(ckpt, name: str, default: int | None) -> int | None:
+    """The tolerance bits of one tensor: as its reader resolves them, else the checkpoint's recorded
+    quantization (weights written dequantized from a quantized model: every tensor may carry its error)."""
+    if ckpt.resolves_quantization:
+        p = ckpt.quant_params(name)
+        return row_bits(p) if p else None
+    return default
 
 
 def _requantized(res: OutsideResult, name: str, ca, cb) -> bool:
@@ -92,6 +95,8 @@ def _requantized(res: OutsideResult, name: str, ca, cb) -> bool:
 def compare_outside(ca, cb, fa, fb, *, atol: float | None = None, rtol: float | None = None) -> OutsideResult:
     """Compare the tensors of ``ca`` and ``cb`` that belong to no FFN of ``fa`` / ``fb``."""
     res = OutsideResult()
+    ga, gb = ((q or {}).get("bits") if not c.resolves_quantization else None
+              for c, q in ((ca, quantization(ca)), (cb, quantization(cb))))
     a_names = [n for n in ca if n not in fa.tensors]
     b_set = {n for n in cb if n not in fb.tensors}
     res.only_a = sorted(n for n in a_names if n not in b_set)
@@ -102,7 +107,7 @@ def compare_outside(ca, cb, fa, fb, *, atol: float | None = None, rtol: float | 
             res.differ.append(f"{name}: A is {short_name(ia.st_dtype)}{list(ia.shape)}, "
                               f"B is {short_name(ib.st_dtype)}{list(ib.shape)}")
             continue
-        qa, qb = _bits(ca, name), _bits(cb, name)
+        qa, qb = _bits(ca, name, ga), _bits(cb, name, gb)
         if qa is None and qb is not None and _requantized(res, name, ca, cb):
             continue
         a, b = ca[name], cb[name]

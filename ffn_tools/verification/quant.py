@@ -3,6 +3,8 @@ the bits of each FFN (per module in mixed recipes), and its one-line description
 
 from __future__ import annotations
 
+import json
+
 from ..errors import CheckpointError
 from ..ffn import FFN
 from ..io.store import read_config
@@ -24,10 +26,15 @@ def quantization(ckpt) -> dict | None:
         if isinstance(q, dict) and (isinstance(q.get("bits"), int)
                                     or any(isinstance(v, dict) and isinstance(v.get("bits"), int) for v in q.values())):
             return q
-    return None
+    try:  # weights written dequantized from a quantized model (convert --to torch of a 4-bit MLX model)
+        q = json.loads(ckpt.metadata.get(DEQUANTIZED_KEY, "null"))
+    except ValueError:
+        q = None
+    return q if isinstance(q, dict) and isinstance(q.get("bits"), int) else None
 
 
 QUANT_ROLES = ("gate", "up", "down", "gate_up")
+DEQUANTIZED_KEY = "ffn_tools_dequantized_from"  # = converters.pytorch.DEQUANTIZED (not imported: core)
 
 
 def ffn_bits(ckpt, ffn: FFN, default: int | None) -> int | None:
@@ -38,10 +45,9 @@ def ffn_bits(ckpt, ffn: FFN, default: int | None) -> int | None:
     block, else the block's defaults; unquantized modules, ``false`` in a mixed recipe, have none); else the
     config's global ``default`` for every FFN.
     """
-    params = getattr(ckpt, "quant_params", None)
-    if params is None:
+    if not ckpt.resolves_quantization:
         return default
-    bits = [row_bits(p) for r in QUANT_ROLES if (n := ffn.names.get(r)) and (p := params(n))]
+    bits = [row_bits(p) for r in QUANT_ROLES if (n := ffn.names.get(r)) and (p := ckpt.quant_params(n))]
     return min(bits, default=None)
 
 
