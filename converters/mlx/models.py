@@ -1,13 +1,15 @@
 """mlx_lm's own model class for a config: the spec an MLX export must meet.
 
-``target(config)`` imports ``mlx_lm.models.<type>`` (mlx_lm's remapping tables read from its source, then
-the type with ``_text`` dropped: transformers' text-only ``qwen3_5_text`` is mlx_lm's ``qwen3_5``) and builds
+``target(config)`` imports ``mlx_lm.models.<type>`` (the type as mlx_lm's ``MODEL_REMAPPING`` and
+``MODEL_ARCHITECTURE_REMAPPING`` map it, which is what ``mlx_lm.load`` does; else the type with ``_text``
+dropped: transformers' text-only ``qwen3_5_text`` is mlx_lm's ``qwen3_5``) and builds
 ``Model(ModelArgs.from_dict(config))``. MLX is lazy: the model's random initial weights are never computed,
 so building even a large model costs only its Python objects. Its parameter tree (names, shapes) is what
 ``mlx_lm.load`` will demand, strictly.
 
-Importing ``mlx_lm`` itself imports transformers and torch (its tokenizer code), over a second and a half;
-the model modules need only mlx, so they are imported without running ``mlx_lm/__init__``.
+mlx_lm is imported the ordinary way, on first use: its package imports its tokenizer code, hence
+transformers, hence torch, about 2.5 s on a two-core machine (1.2 s of it torch; ``mlx.nn`` alone is 20 ms).
+Nothing else of the MLX export needs torch.
 
 What transformers v5 moved out of the place mlx_lm's ``ModelArgs`` read it is declared in ``ALIASES`` and
 filled in (only keys the config lacks, only fields the ``ModelArgs`` has); ``complete_config`` says what.
@@ -15,15 +17,11 @@ filled in (only keys the config lacks, only fields the ``ModelArgs`` has); ``com
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
 import importlib
 import importlib.util
-import sys
 import types
 from dataclasses import dataclass
-from pathlib import Path
 
 from ffn_tools.errors import FFNToolsError
 
@@ -44,56 +42,47 @@ ALIASES: dict[str, tuple[str, ...]] = {
 TIE_KEY = "tie_word_embeddings"
 
 
-def _mlx_lm_dir() -> Path:
-    spec = importlib.util.find_spec("mlx_lm")
-    if spec is None or not spec.submodule_search_locations:
-        raise FFNToolsError("MLX export needs mlx-lm; install with: pip install 'ffn-tools[mlx]'")
-    return Path(list(spec.submodule_search_locations)[0])
+def mlx_lm_module(name: str) -> types.ModuleType:
+    """``mlx_lm.<name>`` (``utils``, ``convert``), imported as usual (see the module doc for its cost).
+
+    Raises:
+        FFNToolsError: mlx-lm (or mlx) is not installed, or does not import here.
+    """
+    try:
+        return importlib.import_module(f"mlx_lm.{name}")
+    except ImportError as e:
+        raise FFNToolsError(f"MLX export needs mlx-lm, which does not import here ({type(e).__name__}: {e}); "
+                            "install with: pip install 'ffn-tools[mlx]'") from None
 
 
-@functools.cache
 def remappings() -> tuple[dict, dict]:
-    """mlx_lm's ``MODEL_REMAPPING`` and ``MODEL_ARCHITECTURE_REMAPPING``, read from its ``utils.py`` source
-    (importing that module imports torch)."""
-    tree = ast.parse((_mlx_lm_dir() / "utils.py").read_text())
-    found = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            if node.targets[0].id in ("MODEL_REMAPPING", "MODEL_ARCHITECTURE_REMAPPING"):
-                found[node.targets[0].id] = ast.literal_eval(node.value)
-    return found.get("MODEL_REMAPPING", {}), found.get("MODEL_ARCHITECTURE_REMAPPING", {})
+    """mlx_lm's ``MODEL_REMAPPING`` and ``MODEL_ARCHITECTURE_REMAPPING`` (model_type -> module, and
+    (model_type, architecture) -> module), as ``mlx_lm.load`` applies them."""
+    utils = mlx_lm_module("utils")
+    return utils.MODEL_REMAPPING, utils.MODEL_ARCHITECTURE_REMAPPING
+
+
+def _has_module(name: str) -> bool:
+    """Whether mlx_lm has a module ``mlx_lm.models.<name>`` (found, not imported)."""
+    mlx_lm_module("utils")
+    if not name.isidentifier():
+        return False
+    return importlib.util.find_spec(f"mlx_lm.models.{name}") is not None
 
 
 def _import_model_module(name: str) -> types.ModuleType | None:
-    """``mlx_lm.models.<name>`` without running ``mlx_lm/__init__`` (which imports torch); None if absent.
+    """``mlx_lm.models.<name>``; None if mlx_lm has no such module.
 
-    When mlx_lm is already imported, the usual import. Otherwise the package is stood in for while the model
-    module imports, and every ``mlx_lm`` module is taken out of ``sys.modules`` afterwards, so a later
-    ``import mlx_lm`` runs as if this had not happened.
+    Raises:
+        FFNToolsError: the module exists but does not import (a package it needs is not installed).
     """
-    if not (_mlx_lm_dir() / "models" / f"{name}.py").is_file():
+    if not _has_module(name):
         return None
     try:
-        return _import(name)
+        return importlib.import_module(f"mlx_lm.models.{name}")
     except (ImportError, SystemExit) as e:  # a model module needing a package that is not installed
         raise FFNToolsError(f"mlx_lm's {name} model cannot be imported here ({type(e).__name__}: {e}); "
                             "mlx_lm.load could not run it either") from None
-
-
-def _import(name: str) -> types.ModuleType:
-    if "mlx_lm" in sys.modules and not getattr(sys.modules["mlx_lm"], "_ffn_tools_stand_in", False):
-        return importlib.import_module(f"mlx_lm.models.{name}")
-    before = set(sys.modules)
-    stand_in = types.ModuleType("mlx_lm")
-    stand_in.__path__ = [str(_mlx_lm_dir())]
-    stand_in._ffn_tools_stand_in = True
-    sys.modules["mlx_lm"] = stand_in
-    try:
-        return importlib.import_module(f"mlx_lm.models.{name}")
-    finally:
-        for k in set(sys.modules) - before:
-            if k == "mlx_lm" or k.startswith("mlx_lm."):
-                del sys.modules[k]
 
 
 def module_name(config: dict) -> str | None:
@@ -106,7 +95,7 @@ def module_name(config: dict) -> str | None:
     first = next((arch_remap[(model_type, a)] for a in archs if (model_type, a) in arch_remap),
                  remap.get(model_type, model_type))
     for name in dict.fromkeys((first, remap.get(model_type.removesuffix("_text"), model_type.removesuffix("_text")))):
-        if (_mlx_lm_dir() / "models" / f"{name}.py").is_file():
+        if _has_module(name):
             return name
     return None
 
@@ -116,7 +105,7 @@ def loadable_type(config: dict) -> str:
     ``_text`` (mlx_lm has no module for transformers' text-only ``qwen3_5_text``, but loads ``qwen3_5``)."""
     remap, _ = remappings()
     model_type = config["model_type"]
-    if (_mlx_lm_dir() / "models" / f"{remap.get(model_type, model_type)}.py").is_file():
+    if _has_module(remap.get(model_type, model_type)):
         return model_type
     return model_type.removesuffix("_text")
 
@@ -182,6 +171,8 @@ class Target:
         added: config keys added to the source's (``complete_config``, ``tie_word_embeddings``).
         params: parameter name -> shape, as ``mlx_lm.load`` demands them.
         build: makes a new lazy model; renamed: the source's model_type when config has mlx_lm's instead.
+        args: the module's ``ModelArgs.from_dict(config)``, as ``mlx_lm.load`` reads the config (an instance
+            of its own: the model may change the one it was built with).
     """
 
     module: str
@@ -192,6 +183,7 @@ class Target:
     build: object = None  # () -> a new lazy model: sanitize may change a model, so each run gets its own
     renamed: str | None = None  # the source's model_type where mlx_lm needs another (see ``loadable_type``)
     prequant: dict | None = None  # the quantization the input keeps (MXFP4), as mlx_lm's config block says it
+    args: object = None
 
     def fresh(self):
         return self.build()
@@ -265,7 +257,8 @@ def target(config: dict | None, where: str, has_head: bool | None = None) -> Tar
         m.eval()
         return m
 
-    return Target(name, model, config, added, parameters(model), build, renamed)
+    return Target(name, model, config, added, parameters(model), build, renamed,
+                  args=mod.ModelArgs.from_dict(config))
 
 
 def parameters(model) -> dict[str, tuple[int, ...]]:

@@ -1,22 +1,24 @@
-"""What ``mlx_lm.convert -q`` quantizes, decided by mlx_lm's own rules on the lazily built model.
+"""What ``mlx_lm.convert -q`` quantizes, decided by mlx_lm itself on the lazily built model.
 
-``decide`` replays ``mlx_lm.utils.quantize_model``: a module is quantized when it has ``to_quantized`` and
-its weight's last dimension is a multiple of the group size, and the predicate (a ``--quant-predicate``
-recipe, else the model's own ``quant_predicate``) does not say no; a dict from the predicate is that
-module's own parameters and goes into the config's ``quantization`` block. The recipes are mlx_lm's
-``mixed_quant_predicate_builder`` (read from ``mlx_lm/convert.py``, which imports torch, by loading just
-that function). ``nn.quantize`` is then run on the lazy model, so the packed shapes the export must write
-come from MLX itself.
+``decide`` calls ``mlx_lm.utils.quantize_model`` as ``mlx_lm.convert`` does: with the predicate of a
+``--quant-predicate`` recipe (mlx_lm.convert's ``mixed_quant_predicate_builder``), else none, so the model's
+own ``quant_predicate`` applies. It quantizes the lazy model in place (nothing is computed), and what it did
+is read off the result: the modules it replaced are the quantized ones, the packed shapes the export must
+write are MLX's own, and the config's ``quantization`` block is the one it returns.
 """
 
 from __future__ import annotations
 
-import ast
+import contextlib
+import io
+import logging
 from dataclasses import dataclass
 
 from ffn_tools.errors import FFNToolsError
 
-from .models import _mlx_lm_dir
+from .models import mlx_lm_module
+
+logger = logging.getLogger(__name__)
 
 # mode -> (default group size, default bits, allowed (group size, bits) pairs or None for any listed below)
 MODES = {"affine": (64, 4, None), "mxfp4": (32, 4, {(32, 4)}), "nvfp4": (16, 4, {(16, 4)}),
@@ -41,27 +43,8 @@ class Quant:
 
 
 def recipes() -> list[str]:
-    """mlx_lm's ``QUANT_RECIPES`` (read from its convert.py source)."""
-    return list(_convert_source()[1])
-
-
-def _convert_source() -> tuple[ast.FunctionDef, list[str]]:
-    tree = ast.parse((_mlx_lm_dir() / "convert.py").read_text())
-    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "mixed_quant_predicate_builder")
-    names = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
-                 and getattr(n.targets[0], "id", "") == "QUANT_RECIPES")
-    return fn, names
-
-
-def _recipe_builder():
-    """mlx_lm's ``mixed_quant_predicate_builder``, compiled from its source alone."""
-    import mlx.nn as nn
-
-    fn, _ = _convert_source()
-    module = ast.Module(body=[fn], type_ignores=[])
-    scope = {"nn": nn, "Callable": object, "Union": object, "__name__": "mlx_lm_convert_recipes"}
-    exec(compile(ast.fix_missing_locations(module), str(_mlx_lm_dir() / "convert.py"), "exec"), scope)  # noqa: S102
-    return scope["mixed_quant_predicate_builder"]
+    """mlx_lm.convert's ``QUANT_RECIPES``."""
+    return list(mlx_lm_module("convert").QUANT_RECIPES)
 
 
 def resolve(quantize, bits: int | None, group_size: int | None, mode: str | None, recipe: str | None) -> Quant | None:
@@ -120,8 +103,8 @@ class Decision:
     Attributes:
         chosen: module path -> its quantization parameters.
         skipped: module path -> why a quantizable module was left as it is.
-        shapes: parameter name -> shape of the quantized model (from ``nn.quantize`` on the lazy model).
-        block: the config's ``quantization`` block.
+        shapes: parameter name -> shape of the quantized lazy model.
+        block: the config's ``quantization`` block, as ``quantize_model`` returns it.
     """
 
     chosen: dict[str, dict]
@@ -131,33 +114,38 @@ class Decision:
 
 
 def decide(model, quant: Quant) -> Decision:
-    """Which modules mlx_lm.convert quantizes and how, by its own rules (see the module doc)."""
+    """Which modules mlx_lm.convert quantizes and how, by mlx_lm's own ``quantize_model`` (see the module doc).
+
+    Raises:
+        FFNToolsError: the recipe does not apply to this model (mlx_lm's own ValueError).
+    """
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    predicate = getattr(model, "quant_predicate", None)
+    predicate = None  # quantize_model then takes the model's own quant_predicate, as mlx_lm.convert
     if quant.recipe is not None:
         try:
-            predicate = _recipe_builder()(quant.recipe, model, quant.given_group_size)
+            predicate = mlx_lm_module("convert").mixed_quant_predicate_builder(quant.recipe, model,
+                                                                                 quant.given_group_size)
         except ValueError as e:
             raise FFNToolsError(f"--quant-predicate {quant.recipe}: {e}") from None
-    block, chosen, skipped = dict(quant.params), {}, {}
-
-    def wrapped(path, module):
-        if not hasattr(module, "to_quantized"):
-            return False
-        if module.weight.shape[-1] % quant.group_size:
-            skipped[path] = f"last dimension {module.weight.shape[-1]} is not a multiple of group size {quant.group_size}"
-            return False
-        verdict = predicate(path, module) if predicate is not None else True
-        if not verdict:
-            skipped[path] = "the model's quant_predicate keeps it" if quant.recipe is None else "the recipe keeps it"
-        if isinstance(verdict, dict):
-            block[path] = verdict
-        if verdict:
+    before = dict(tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module))
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):  # it prints the bits per weight; {}: a source with no quantization block
+        model, config = mlx_lm_module("utils").quantize_model(model, {}, quant.group_size, quant.bits,
+                                                              mode=quant.mode, quant_predicate=predicate)
+    logger.debug("mlx_lm: %s", said.getvalue().strip())
+    after = dict(tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module))
+    block, chosen, skipped = config["quantization"], {}, {}
+    for path, module in before.items():
+        if not hasattr(module, "to_quantized"):  # what nn.quantize can quantize at all
+            continue
+        if after.get(path) is not module:  # replaced by its quantized form
+            verdict = block.get(path)
             chosen[path] = _own(verdict) if isinstance(verdict, dict) else quant.params
-        return verdict
-
-    nn.quantize(model, quant.group_size, quant.bits, mode=quant.mode, class_predicate=wrapped)
+        elif (last := module.weight.shape[-1]) % quant.group_size:
+            skipped[path] = f"last dimension {last} is not a multiple of group size {quant.group_size}"
+        else:
+            skipped[path] = "the model's quant_predicate keeps it" if quant.recipe is None else "the recipe keeps it"
     shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
     return Decision(chosen, skipped, shapes, block)

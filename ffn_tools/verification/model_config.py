@@ -256,8 +256,7 @@ def _model_args(config: dict, has_head: bool | None):
     from ffn_tools.converters.mlx import models
 
     t = models.target(config, "config", has_head)
-    args = models._import_model_module(t.module).ModelArgs.from_dict(t.config)
-    return t.module, {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+    return t.module, {f.name: getattr(t.args, f.name) for f in dataclasses.fields(t.args)}
 
 
 def _compare_mlx(res: ConfigResult, ca, cb, allow) -> None:
