@@ -1,180 +1,384 @@
-"""The naming families ffn-tools knows, as data: groups of FFN tensors relative to a layer, placed under every
-layer prefix, and the families (sets of groups) model types select.
+"""The one reader of scheme JSON: the built-in families (``schemes/families.json``), a user's ``--scheme-file``
+and ``--gate/--up/--down`` templates are the same form, checked by the same code; this module only interprets.
 
-A group says where one kind of FFN lives (``mlp``, ``mlp.experts``, ``mlp.shared_experts``, ...) and in which
-forms; ``{P}`` stands for the layer prefix. A family lists the groups a model family has and the config
-``model_type`` values that select it. Detection (``detect``) matches every group of ``LIBRARY`` and names
-the union after the family holding it. Adding a family is adding rows here.
+A scheme (what ``--scheme-file`` holds; each entry of ``schemes`` in the built-in file)::
+
+    {"name": "mine", "description": "...", "model_types": ["my_llama"],
+     "layer_prefixes": ["model.layers.{layer}", "blocks.{layer}"],
+     "groups": [
+       "mlp.experts",
+       {"name": "ffn", "kind": "dense",
+        "forms": {"separate": {"gate": "{prefix}.ffn.W_gate.weight", "up": ..., "down": ...},
+                  "fused": {"gate_up": "{prefix}.ffn.W_gate_up.weight", "down": ...}},
+        "layout": {"order": "gate-up", "arrangement": "concat", "tp": 1, "axis": "rows"}}]}
+
+or, short, ``{"gate": T, "up": T, "down": T}`` (or ``"gate_up"`` and ``"down"``, and any key above but
+``groups``, plus a ``layout``): one group of the separate (fused) form, expert when its templates use
+``{expert}``, named "custom"; ``--gate/--up/--down`` templates are this form. Only ``groups`` (or the short
+form's templates) is required. A group is an object, or the name of a built-in group (a key of the built-in
+file's ``groups``), placed under the scheme's layer prefixes.
+
+    kind                dense | expert | shared
+    forms               separate, fused, stacked, stacked-separate: role -> template (``registry.FORM_ROLES``);
+                        ``"transposed": true`` when the weights are stored (in, out) (GPT-OSS, Llama-4 experts;
+                        their layout then needs ``"axis": "columns"``)
+    layout              how a fused gate_up holds gate and up (``GateUpLayout``); default concat, gate first
+    templates           ``{layer}``, ``{expert}`` (every template of an expert group's unstacked forms, and
+                        none other) and a leading ``{prefix}``: the group is then placed under every one of
+                        ``layer_prefixes`` (default: the built-in file's, plain and multimodal layer roots)
+    model_types         config.json ``model_type`` values that select the scheme (ties between groups
+                        reading the same tensors go to the selected family's)
+    by_model_type_only  match the scheme's groups only when a model_type selects it (names that also mean
+                        something ungated, fc1/fc2)
+
+The built-in file is ``{"layer_prefixes": [...], "groups": {name: group}, "schemes": [scheme, ...]}``: groups
+are declared once and named by the schemes; the schemes' order is the table order detection falls back on.
+Every problem of a file is reported at once, each under the key it is at (``groups[1].forms.fused``).
 """
 
 from __future__ import annotations
 
-from .layouts import CONCAT, GateUpLayout
-from .registry import Form, Group, Scheme
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+from .errors import SchemeError
+from .layouts import CONCAT, GateUpLayout, LayoutError
+from .registry import FORM_ROLES, FORMS, KINDS, ROLES, Form, Group, Scheme
+
+BUILTIN = Path(__file__).with_name("schemes") / "families.json"
+SCHEME_KEYS = ("name", "description", "model_types", "by_model_type_only", "layer_prefixes", "groups")
+GROUP_KEYS = ("name", "description", "kind", "forms", "layout")
+FORM_KEYS = (*ROLES, "transposed")
+LAYOUT_KEYS = tuple(f.name for f in dataclasses.fields(GateUpLayout))
+LIBRARY_KEYS = ("layer_prefixes", "groups", "schemes")
+_PLACEHOLDER = re.compile(r"\{(\w*)\}")
 
 
-def _sep(prefix: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj", w: str = ".weight",
-         stacked: bool = False) -> Form:
-    return Form(gate=f"{prefix}.{gate}{w}", up=f"{prefix}.{up}{w}", down=f"{prefix}.{down}{w}", stacked=stacked)
+class _Problems:
+    """Every problem of one source, each under the key path it is at; raised together by ``check``."""
+
+    def __init__(self, source: str | None):
+        self.source, self.found = source, []
+
+    def __call__(self, where: str, message: str) -> None:
+        self.found.append(f"{where}: {message}" if where else message)
+
+    def check(self) -> None:
+        if self.found:
+            head = f"{self.source}: " if self.source else ""
+            many = f"{len(self.found)} problems: " if len(self.found) > 1 else ""
+            raise SchemeError(head + many + "; ".join(self.found))
 
 
-def _fused(prefix: str, gate_up: str = "gate_up_proj", down: str = "down_proj", w: str = ".weight",
-           stacked: bool = False, transposed: bool = False) -> Form:
-    return Form(gate_up=f"{prefix}.{gate_up}{w}", down=f"{prefix}.{down}{w}", stacked=stacked, transposed=transposed)
+def _at(where: str, key) -> str:
+    """The key path of ``key`` under ``where``: ``groups[1].forms.fused``, ``groups["mlp.experts"]``."""
+    if isinstance(key, int) or "." in str(key):
+        return f"{where}[{key if isinstance(key, int) else json.dumps(key)}]"
+    return f"{where}.{key}" if where else str(key)
 
 
-# Where a layer lives in a checkpoint. Every group below is declared relative to one ("{P}") and exists
-# under each: the language model of a multimodal checkpoint is found like a plain one.
-LAYER_PREFIXES = ("model.layers.{layer}", "layers.{layer}", "model.language_model.layers.{layer}",
-                  "language_model.model.layers.{layer}", "model.model.layers.{layer}", "transformer.h.{layer}",
-                  "backbone.layers.{layer}", "backbone.blocks.{layer}", "cpmant.encoder.layers.{layer}")
-_E = "{expert}"
-_COLS = GateUpLayout(axis="columns")
-_V5 = "{P}.mlp.experts"  # where transformers v5 keeps stacked routed experts in memory
+def _unknown_keys(data: dict, known: tuple[str, ...], where: str, problems: _Problems) -> None:
+    for k in data:
+        if k not in known:
+            near = _close(str(k), known)
+            problems(_at(where, k), "unknown key" + (f"; did you mean {near[0]!r}?" if near else
+                                                     f"; known keys: {', '.join(known)}"))
 
 
-def _hf(block: str) -> dict[str, Form]:
-    """gate_proj/up_proj/down_proj (or fused gate_up_proj) under ``block``."""
-    return {"separate": _sep(block), "fused": _fused(block)}
+def _close(word: str, known) -> list[str]:
+    import difflib  # only when a file has a mistake
+
+    return difflib.get_close_matches(word, list(known), n=1)
 
 
-def _experts(block: str, names=("gate_proj", "up_proj", "down_proj"), fused_name="gate_up_proj",
-             stacked_at: str | None = None) -> dict[str, Form]:
-    """Routed experts ``block.{e}.*`` with the v5 stacked form at ``stacked_at.{gate_up_proj,down_proj}``."""
-    g, u, d = names
-    return {"separate": _sep(f"{block}.{_E}", g, u, d), "fused": _fused(f"{block}.{_E}", fused_name, d),
-            "stacked": _fused(stacked_at or block, w="", stacked=True)}
+def _read(path: Path):
+    def pairs(items):
+        seen = [k for k, _ in items]
+        twice = sorted({k for k in seen if seen.count(k) > 1})
+        if twice:
+            raise SchemeError(f"{path}: key {twice[0]!r} appears twice in one object")
+        return dict(items)
+
+    try:
+        return json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=pairs)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SchemeError(f"{path}: cannot read scheme file ({e})") from None
 
 
-# Groups relative to a layer: name -> (kind, forms with "{P}" for the layer prefix, layout).
-GROUP_SPECS: dict[str, tuple[str, dict[str, Form], GateUpLayout]] = {
-    "mlp": ("dense", _hf("{P}.mlp"), CONCAT),
-    "feed_forward": ("dense", _hf("{P}.feed_forward"), CONCAT),
-    "mlp_block": ("dense", _hf("{P}.mlp_block"), CONCAT),
-    "shared_transf.feed_forward": ("dense", _hf("{P}.shared_transf.feed_forward"), CONCAT),
-    "block_sparse_moe": ("dense", _hf("{P}.block_sparse_moe"), CONCAT),
-    "feed_forward.w": ("dense", {"separate": _sep("{P}.feed_forward", "w1", "w3", "w2"),
-                                 "fused": _fused("{P}.feed_forward", "w13", "w2")}, CONCAT),
-    "mlp.c_fc": ("dense", {"separate": _sep("{P}.mlp", "c_fc_0", "c_fc_1", "c_proj"),
-                           "fused": _fused("{P}.mlp", "c_fc_01", "c_proj")}, CONCAT),
-    "mlp.linear_gate": ("dense", {"separate": _sep("{P}.mlp", "linear_gate"),
-                                  "fused": _fused("{P}.mlp")}, CONCAT),
-    # Fused-only families split into Llama's names (what separate-projection consumers read).
-    "mlp.Wi": ("dense", {"fused": _fused("{P}.mlp", "Wi", "Wo"), "separate": _sep("{P}.mlp")}, CONCAT),
-    "mlp.fc": ("dense", {"fused": _fused("{P}.mlp", "fc1", "fc2"), "separate": _sep("{P}.mlp")}, CONCAT),
-    "ffn.proj_up": ("dense", {"separate": _sep("{P}.ffn", "proj_up_gate", "proj_up", "proj_down"),
-                              "fused": _fused("{P}.ffn", "proj_up_gate_z", "proj_down")}, CONCAT),
-    "ffn.ffn.w_in": ("dense", {"separate": _sep("{P}.ffn.ffn", "w_in.w_0", "w_in.w_1", "w_out"),
-                               "fused": _fused("{P}.ffn.ffn", "w_in.w_01", "w_out")}, CONCAT),
-    "mlp.experts": ("expert", _experts("{P}.mlp.experts"), CONCAT),
-    "feed_forward.experts": ("expert", _experts("{P}.feed_forward.experts"), CONCAT),
-    "block_sparse_moe.experts": ("expert", _experts("{P}.block_sparse_moe.experts"), CONCAT),
-    "block_sparse_moe.experts.w": ("expert", _experts("{P}.block_sparse_moe.experts", ("w1", "w3", "w2"), "w13",
-                                                      _V5), CONCAT),
-    "ffn.experts.w": ("expert", _experts("{P}.ffn.experts", ("w1", "w3", "w2"), "w13", _V5), CONCAT),
-    "block_sparse_moe.input_linear": ("expert", {
-        "stacked": _fused("{P}.block_sparse_moe", "input_linear", "output_linear", stacked=True),
-        "separate": _sep(f"{{P}}.block_sparse_moe.experts.{_E}")}, CONCAT),
-    # Stacked (in, out): GPT-OSS interleaves gate and up columns, Llama-4 concatenates them, Aria too (fc1/fc2).
-    "mlp.experts.T-interleaved": ("expert", {
-        "stacked": _fused("{P}.mlp.experts", w="", stacked=True, transposed=True),
-        "separate": _sep(f"{{P}}.mlp.experts.{_E}")}, GateUpLayout(arrangement="interleaved", axis="columns")),
-    "feed_forward.experts.T": ("expert", {
-        "stacked": _fused("{P}.feed_forward.experts", w="", stacked=True, transposed=True),
-        "separate": _sep(f"{{P}}.feed_forward.experts.{_E}")}, _COLS),
-    "mlp.experts.fc": ("expert", {
-        "stacked": _fused("{P}.mlp.experts", "fc1", "fc2", stacked=True, transposed=True),
-        "separate": _sep(f"{{P}}.mlp.experts.{_E}")}, _COLS),
-    "mlp.shared_expert": ("shared", _hf("{P}.mlp.shared_expert"), CONCAT),
-    "mlp.shared_experts": ("shared", {**_hf("{P}.mlp.shared_experts"),
-                                      "stacked-separate": _sep("{P}.mlp.shared_experts", w="", stacked=True)}, CONCAT),
-    "mlp.shared_mlp": ("shared", _hf("{P}.mlp.shared_mlp"), CONCAT),
-    "feed_forward.shared_expert": ("shared", _hf("{P}.feed_forward.shared_expert"), CONCAT),
-    "block_sparse_moe.shared_experts": ("shared", _hf("{P}.block_sparse_moe.shared_experts"), CONCAT),
-    "ffn.shared_experts.w": ("shared", {"separate": _sep("{P}.ffn.shared_experts", "w1", "w3", "w2"),
-                                        "fused": _fused("{P}.ffn.shared_experts", "w13", "w2")}, CONCAT),
-    "mlp.shared_experts.linear_gate": ("shared", {"separate": _sep("{P}.mlp.shared_experts", "linear_gate"),
-                                                  "fused": _fused("{P}.mlp.shared_experts")}, CONCAT),
-    "shared_mlp": ("shared", {"fused": _fused("{P}.shared_mlp", "input_linear", "output_linear"),
-                              "separate": _sep("{P}.shared_mlp")}, CONCAT),
-}
+def _template(t, where: str, problems: _Problems) -> str | None:
+    if not isinstance(t, str) or not t:
+        problems(where, f"a template is a tensor name with {{layer}}; found {t!r}")
+        return None
+    found = _PLACEHOLDER.findall(t)
+    unknown = sorted(set(found) - {"layer", "expert", "prefix"})
+    if unknown:
+        problems(where, f"template {t!r}: unknown placeholder {', '.join('{' + u + '}' for u in unknown)}; "
+                        "templates use {layer}, {expert} and {prefix}")
+    elif found.count("layer") + found.count("prefix") != 1 or found.count("expert") > 1:
+        problems(where, f"template {t!r}: needs {{layer}} (or a leading {{prefix}}, which holds it) once, and may "
+                        "use {expert} once")
+    elif "prefix" in found and not t.startswith("{prefix}"):
+        problems(where, f"template {t!r}: {{prefix}} stands for the start of the name (a layer prefix)")
+    else:
+        return t
+    return None
 
 
-def _at(name: str, prefix: str) -> Group:
-    kind, forms, layout = GROUP_SPECS[name]
-    placed = {f: Form(**{**{r: t.replace("{P}", prefix) for r, t in form.templates().items()},
-                         "stacked": form.stacked, "transposed": form.transposed}) for f, form in forms.items()}
-    return Group(kind, placed, layout, name, prefix)
+def _layout(data, where: str, problems: _Problems) -> GateUpLayout:
+    if not isinstance(data, dict):
+        problems(where, f"a layout is an object with keys among {', '.join(LAYOUT_KEYS)}; found {data!r}")
+        return CONCAT
+    _unknown_keys(data, LAYOUT_KEYS, where, problems)
+    given = {k: v for k, v in data.items() if k in LAYOUT_KEYS}
+    if "tp" in given and (not isinstance(given["tp"], int) or isinstance(given["tp"], bool)):
+        problems(_at(where, "tp"), f"the number of tensor-parallel ranks, a whole number; found {given['tp']!r}")
+        return CONCAT
+    if given.get("tp", 1) != 1 and given.get("arrangement") != "tp":
+        problems(where, f'"tp": {given["tp"]} needs "arrangement": "tp"')
+        return CONCAT
+    try:
+        return GateUpLayout(**given)
+    except LayoutError as e:
+        problems(where, str(e))
+        return CONCAT
 
 
-def _family(name: str, description: str, groups: tuple[str, ...], model_types: tuple[str, ...] = (),
-            by_model_type_only: bool = False) -> Scheme:
-    return Scheme(name, description, tuple(_at(g, p) for g in groups for p in LAYER_PREFIXES), model_types,
-                  by_model_type_only)
+def _form(name: str, data, kind: str, where: str, problems: _Problems) -> Form | None:
+    if not isinstance(data, dict):
+        problems(where, f"a form is an object of role templates ({', '.join(FORM_ROLES[name])}); found {data!r}")
+        return None
+    _unknown_keys(data, FORM_KEYS, where, problems)
+    need, roles = FORM_ROLES[name], {r: data[r] for r in ROLES if r in data}
+    if set(roles) != set(need):
+        problems(where, f"form {name!r} of the {kind} group needs exactly {', '.join(sorted(need))}; "
+                        f"found {', '.join(sorted(roles)) or 'none'}")
+    templates = {r: t for r, t in roles.items() if _template(t, _at(where, r), problems)}
+    stacked, transposed = name.startswith("stacked"), data.get("transposed", False)
+    if not isinstance(transposed, bool):
+        problems(_at(where, "transposed"), f"true or false; found {transposed!r}")
+    uses = [r for r, t in templates.items() if "{expert}" in t]
+    if uses and (stacked or kind == "dense"):  # stacked experts are dim 0 of one tensor; a dense FFN has none
+        problems(where, f"{'a stacked form' if stacked else 'a dense group'} has no {{expert}}; found it in "
+                        f"{', '.join(uses)}")
+    elif (uses or kind == "expert") and not stacked and len(uses) != len(templates):  # one tensor per expert
+        problems(where, f"every template of this {kind} form names its {{expert}}; missing from "
+                        f"{', '.join(r for r in templates if r not in uses)}")
+    if set(templates) != set(need) or not isinstance(transposed, bool):
+        return None
+    return Form(**templates, stacked=stacked, transposed=transposed)
 
 
-# Naming families: which groups a model family has, and the config model_types that select it (with several
-# families matching the same tensors, the config's decides; then table order). Families that share a
-# layout share an entry.
-SCHEMES: dict[str, Scheme] = {s.name: s for s in (
-    _family("hf", "Hugging Face Llama-style MLP (Llama, Mistral, Qwen2/3, Gemma, ...; Phi-3 fused gate_up_proj)",
-            ("mlp",),
-            ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite", "olmo",
-             "olmo2", "cohere", "starcoder2", "glm", "helium", "smollm3")),
-    _family("v5-experts", "transformers v5 stacked experts mlp.experts.gate_up_proj (E, 2I, H)",
-            ("mlp.experts", "mlp"),
-            ("olmoe", "cohere2_moe", "flex_olmo", "mellum", "minimax", "minimax_m2", "phimoe",
-             "mimo_v2_flash")),
-    _family("qwen-moe", "Qwen2-MoE / Qwen3-MoE: mlp.experts.{e}.*_proj and mlp.shared_expert",
-            ("mlp.experts", "mlp.shared_expert", "mlp"),
-            ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "qwen4_exp_text", "laguna", "lara_mini")),
-    _family("deepseek", "DeepSeek V2/V3 style: mlp.experts, mlp.shared_experts, dense mlp (GLM4-MoE, dots1, "
-            "Ernie4.5-MoE, Exaone-MoE, AFMoE, Solar-Open, Sarvam, ...)",
-            ("mlp.experts", "mlp.shared_experts", "mlp"),
-            ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "dots1",
-             "ernie4_5_moe", "exaone_moe", "afmoe", "solar_open", "sarvam_mla", "sarvam_moe", "kolibri1", "axk1",
-             "axk2", "bailing_hybrid", "inkling_text", "minimax_m3_vl_text")),
-    _family("hunyuan-moe", "Hunyuan MoE: mlp.experts and mlp.shared_mlp", ("mlp.experts", "mlp.shared_mlp", "mlp"),
-            ("hunyuan_v1_moe", "hy_v3")),
-    _family("hunyuan-v4", "Hunyuan V4: linear_gate in dense and shared MLPs",
-            ("mlp.linear_gate", "mlp.experts", "mlp.shared_experts.linear_gate"), ("hy_v4",)),
-    _family("mixtral", "Mixtral: block_sparse_moe.experts.{e}.w1/w3/w2 (w1 gate, w3 up, w2 down)",
-            ("block_sparse_moe.experts.w",), ("mixtral",)),
-    _family("kimi", "Kimi-Linear: block_sparse_moe dense, experts w1/w3/w2, shared_experts",
-            ("block_sparse_moe", "block_sparse_moe.experts.w", "block_sparse_moe.shared_experts"), ("kimi_linear",)),
-    _family("jamba", "Jamba / Bamba / Falcon-H1: feed_forward and feed_forward.experts",
-            ("feed_forward", "feed_forward.experts"), ("jamba", "bamba", "falcon_h1")),
-    _family("llama4", "Llama-4: feed_forward.experts stacked (E, H, 2I) and feed_forward.shared_expert",
-            ("feed_forward.experts.T", "feed_forward.shared_expert", "feed_forward"), ("llama4_text", "llama4")),
-    _family("gpt-oss", "GPT-OSS: mlp.experts stacked (E, H, 2I), gate/up interleaved, with biases",
-            ("mlp.experts.T-interleaved",), ("gpt_oss",)),
-    _family("aria", "Aria: mlp.experts.fc1/fc2 stacked (E, H, 2I) and mlp.shared_experts",
-            ("mlp.experts.fc", "mlp.shared_experts"), ("aria_text", "aria")),
-    _family("granite-moe", "Granite-MoE: block_sparse_moe.input_linear (E, 2I, H) / output_linear, shared_mlp",
-            ("block_sparse_moe.input_linear", "block_sparse_moe.experts", "shared_mlp"),
-            ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")),
-    _family("deepseek-v4", "DeepSeek-V4: ffn.experts.{e}.w1/w3/w2 and ffn.shared_experts",
-            ("ffn.experts.w", "ffn.shared_experts.w"), ("deepseek_v4",)),
-    _family("meta", "Meta / Mistral native and LFM2: feed_forward.w1/w3/w2 (w1 gate, w3 up, w2 down)",
-            ("feed_forward.w",), ("lfm2", "lfm3")),
-    _family("exaone", "EXAONE 3: transformer.h.{l}.mlp.c_fc_0/c_fc_1/c_proj", ("mlp.c_fc",), ("exaone",)),
-    _family("zamba", "Zamba: the shared transformer block's shared_transf.feed_forward in hybrid layers",
-            ("shared_transf.feed_forward",), ("zamba", "zamba2")),
-    _family("recurrent-gemma", "RecurrentGemma: mlp_block", ("mlp_block",), ("recurrent_gemma",)),
-    _family("modernbert", "ModernBERT decoder: mlp.Wi fused (gate first) / mlp.Wo", ("mlp.Wi",),
-            ("modernbert-decoder",)),
-    _family("moshi", "Moshi: mlp.fc1 fused (gate first) / mlp.fc2; only by config model_type (fc1/fc2 also name "
-            "ungated MLPs)", ("mlp.fc",), ("moshi",), by_model_type_only=True),
-    _family("xlstm", "xLSTM: ffn.proj_up_gate / proj_up / proj_down", ("ffn.proj_up",), ("xlstm",)),
-    _family("cpmant", "CPM-Ant: ffn.ffn.w_in.w_0 / w_1 / w_out", ("ffn.ffn.w_in",), ("cpmant",)),
-    Scheme("ffn-tools", "ffn-tools extract output: layers.{l}.{gate,up,down}.weight",
-           (Group("dense", {"separate": _sep("layers.{layer}", "gate", "up", "down")}, CONCAT, "ffn-tools"),
-            Group("expert", {"separate": _sep("layers.{layer}.experts.{expert}", "gate", "up", "down")}, CONCAT,
-                  "ffn-tools.experts"),
-            Group("shared", {"separate": _sep("layers.{layer}.shared_expert", "gate", "up", "down")}, CONCAT,
-                  "ffn-tools.shared"))),
-)}
+def _group(data, where: str, problems: _Problems, name: str = "") -> Group | None:
+    """A group as declared: templates may still start with ``{prefix}`` (see ``_place``)."""
+    if not isinstance(data, dict):
+        problems(where, f'a group is an object with "kind" and "forms", or the name of a built-in group; found '
+                        f"{data!r}")
+        return None
+    _unknown_keys(data, GROUP_KEYS, where, problems)
+    if name and data.get("name", name) != name:
+        problems(_at(where, "name"), f"a built-in group is named by its key ({name!r})")
+    name = name or data.get("name", "")
+    kind, forms_data = data.get("kind"), data.get("forms")
+    if kind not in KINDS:
+        problems(_at(where, "kind"), f"one of {', '.join(KINDS)}; found {kind!r}")
+    if not isinstance(forms_data, dict) or not forms_data:
+        problems(_at(where, "forms"), f"an object of at least one form among {', '.join(FORMS)}; found "
+                                      f"{forms_data!r}")
+        forms_data = {}
+    for k in ("name", "description"):
+        if not isinstance(data.get(k, ""), str):
+            problems(_at(where, k), f"a string; found {data[k]!r}")
+    layout = _layout(data.get("layout", {}), _at(where, "layout"), problems)
+    forms = {}
+    for form_name, spec in forms_data.items():
+        at = _at(_at(where, "forms"), form_name)
+        if form_name not in FORMS:
+            problems(at, f"unknown form; forms are {', '.join(FORMS)}")
+        elif (form := _form(form_name, spec, kind, at, problems)) is not None:
+            forms[form_name] = form
+            if form.transposed and form.fused and layout.axis != "columns":
+                problems(at, 'stored (in, out), gate and up share the columns of gate_up: the group needs '
+                             '"layout": {"axis": "columns"}')
+    prefixed = {t.startswith("{prefix}") for f in forms.values() for t in f.templates().values()}
+    if len(prefixed) > 1:
+        problems(where, "start every template of the group with {prefix}, or none")
+    if kind not in KINDS or len(forms) != len(forms_data) or len(prefixed) > 1:
+        return None
+    return Group(kind, forms, layout, name)
 
-# Every group of every family, once: what detection matches a checkpoint against.
+
+def _place(group: Group, prefixes: tuple[str, ...]) -> list[Group]:
+    """``group`` under each layer prefix (itself, when its templates name the whole tensor)."""
+    if not any(t.startswith("{prefix}") for f in group.forms.values() for t in f.templates().values()):
+        return [group]
+    if (group, prefixes) not in _PLACED:  # families share groups: each is placed once
+        _PLACED[group, prefixes] = [
+            Group(group.kind, {n: Form(**{r: t.replace("{prefix}", p) for r, t in f.templates().items()},
+                                       stacked=f.stacked, transposed=f.transposed) for n, f in group.forms.items()},
+                  group.layout, group.name, p) for p in prefixes]
+    return _PLACED[group, prefixes]
+
+
+_PLACED: dict[tuple[Group, tuple[str, ...]], list[Group]] = {}
+
+
+def _prefixes(data, where: str, problems: _Problems) -> tuple[str, ...] | None:
+    if not isinstance(data, list) or not data or not all(isinstance(p, str) for p in data):
+        problems(where, f'a list of layer prefixes such as "model.layers.{{layer}}"; found {data!r}')
+        return None
+    bad = [p for p in data if _PLACEHOLDER.findall(p) != ["layer"]]
+    if bad:
+        problems(where, f"a layer prefix holds {{layer}} once and no other placeholder: {', '.join(map(repr, bad))}")
+    if len(set(data)) != len(data):
+        problems(where, "a layer prefix is listed twice")
+    return None if bad else tuple(dict.fromkeys(data))
+
+
+def _short_form(data: dict, where: str, problems: _Problems) -> dict | None:
+    """``{"gate", "up", "down"}`` (or ``"gate_up"``) as the full form: one group."""
+    if not data.get("down") or not ((data.get("gate") and data.get("up")) or data.get("gate_up")):
+        problems(where, 'a scheme file needs "down" and either "gate" and "up" or "gate_up" (templates with '
+                        f'{{layer}}), or "groups"; found keys {sorted(data)}')
+        return None
+    roles = {r: data.pop(r) for r in ROLES if r in data}
+    if ("gate" in roles) != ("up" in roles):
+        problems(where, '"gate" and "up" go together (or use "gate_up")')
+    checked = [_template(t, _at(where, r), problems) for r, t in roles.items()]
+    if not all(checked) or ("gate" in roles) != ("up" in roles):
+        return None
+    forms = {}
+    if "gate" in roles:
+        forms["separate"] = {r: roles.get(r) for r in FORM_ROLES["separate"]}
+    if "gate_up" in roles:
+        forms["fused"] = {r: roles.get(r) for r in FORM_ROLES["fused"]}
+    lead = str(roles.get("gate") or roles.get("gate_up"))
+    group = {"kind": "expert" if "{expert}" in lead else "dense", "forms": forms}
+    if "layout" in data:
+        group["layout"] = data.pop("layout")
+    return {"name": "custom", **data, "groups": [group]}
+
+
+def _scheme(data, where: str, problems: _Problems, named: dict[str, Group], prefixes: tuple[str, ...],
+            name: str, description: str, used: set[str] | None = None) -> Scheme | None:
+    before = len(problems.found)
+    if not isinstance(data, dict):
+        problems(where, f"a scheme is a JSON object; found {type(data).__name__}")
+        return None
+    if "groups" not in data:
+        data = _short_form(dict(data), where, problems)
+        if data is None:
+            return None
+    _unknown_keys(data, SCHEME_KEYS, where, problems)
+    name, description = data.get("name", name), data.get("description", description)
+    model_types, only = data.get("model_types", []), data.get("by_model_type_only", False)
+    for key, value in (("name", name), ("description", description)):
+        if not isinstance(value, str) or not value:
+            problems(_at(where, key), f"a non-empty string; found {value!r}")
+    if not isinstance(model_types, list) or not all(isinstance(m, str) and m for m in model_types):
+        problems(_at(where, "model_types"), f"a list of config.json model_type values; found {model_types!r}")
+        model_types = []
+    if not isinstance(only, bool) or (only and not model_types):
+        problems(_at(where, "by_model_type_only"), 'true or false; true needs "model_types" (what selects the scheme)')
+    if "layer_prefixes" in data:
+        prefixes = _prefixes(data["layer_prefixes"], _at(where, "layer_prefixes"), problems) or prefixes
+    entries = data["groups"]
+    if not isinstance(entries, list) or not entries:
+        problems(where, '"groups" is empty; declare at least one group of FFN names' if entries == [] else
+                 f'"groups" is a list of groups; found {entries!r}')
+        return None
+    groups = []
+    for i, entry in enumerate(entries):
+        at = _at(_at(where, "groups"), i)
+        if isinstance(entry, str):
+            group = named.get(entry)
+            if group is None:
+                near = _close(entry, named)
+                problems(at, f"no built-in group {entry!r}" + (f"; did you mean {near[0]!r}?" if near else ""))
+            elif used is not None:
+                used.add(entry)
+        else:
+            group = _group(entry, at, problems)
+        if group is not None:
+            groups.extend(_place(group, prefixes))
+    if len(problems.found) > before:
+        return None
+    return Scheme(name, description, tuple(groups), tuple(model_types), only)
+
+
+def load_scheme_file(path: str | Path) -> Scheme:
+    """Read a user's scheme (``--scheme-file``), in the form of the built-in ones (see the module docstring).
+
+    Raises:
+        SchemeError: the file is missing, not JSON, or does not describe a scheme (every problem, by key).
+    """
+    path = Path(path)
+    data = _read(path)
+    if not isinstance(data, dict):
+        raise SchemeError(f"{path}: a scheme file holds a JSON object")
+    problems = _Problems(str(path))
+    scheme = _scheme(data, "", problems, GROUPS, LAYER_PREFIXES, path.stem, f"from {path}")
+    problems.check()
+    return scheme
+
+
+def custom_scheme(gate: str | None = None, up: str | None = None, down: str | None = None,
+                  gate_up: str | None = None, layout: GateUpLayout = CONCAT) -> Scheme:
+    """A one-group scheme from ``--gate/--up/--down`` (or ``--gate-up``) templates: the short form.
+
+    Raises:
+        SchemeError: a template is missing or malformed.
+    """
+    if not down or not ((gate and up) or gate_up) or bool(gate) != bool(up):
+        raise SchemeError("custom templates need --down and either both --gate and --up or --gate-up")
+    problems = _Problems(None)
+    given = {r: t for r, t in zip(ROLES, (gate, up, down, gate_up)) if t}
+    scheme = _scheme({**given, "layout": dataclasses.asdict(layout)}, "", problems, GROUPS, LAYER_PREFIXES,
+                     "custom", "templates given on the command line")
+    problems.check()
+    return scheme
+
+
+def load_library(path: Path = BUILTIN) -> tuple[tuple[str, ...], dict[str, Group], dict[str, Scheme]]:
+    """The built-in file: its layer prefixes, its groups (as declared) and its schemes, in table order.
+
+    Raises:
+        SchemeError: the file does not describe a library (every problem, by key).
+    """
+    problems = _Problems(str(path))
+    data = _read(path)
+    if not (isinstance(data, dict) and set(data) == set(LIBRARY_KEYS) and isinstance(data["groups"], dict)
+            and isinstance(data["schemes"], list)):
+        raise SchemeError(f"{path}: a library is an object of layer_prefixes (a list), groups (an object of named "
+                          "groups) and schemes (a list)")
+    prefixes = _prefixes(data["layer_prefixes"], "layer_prefixes", problems) or ()
+    groups = {n: g for n, spec in data["groups"].items() if (g := _group(spec, _at("groups", n), problems, n))}
+    schemes: dict[str, Scheme] = {}
+    selected: dict[str, str] = {}
+    used: set[str] = set()
+    for i, spec in enumerate(data["schemes"]):
+        at = f"schemes[{i}]" + (f" ({spec['name']})" if isinstance(spec, dict) and "name" in spec else "")
+        s = _scheme(spec, at, problems, groups, prefixes, "", "", used)
+        if s is None:
+            continue
+        if s.name in schemes:
+            problems(at, f"a second scheme named {s.name!r}")
+        for m in s.model_types:
+            if m in selected:
+                problems(at, f"model_type {m!r} already selects {selected[m]!r}")
+            selected.setdefault(m, s.name)
+        schemes.setdefault(s.name, s)
+    for n in groups:
+        if n not in used:
+            problems(_at("groups", n), "no scheme names this group")
+    problems.check()
+    return prefixes, groups, schemes
+
+
+# Where a layer lives in a checkpoint (plain and multimodal roots), the built-in groups as declared (a scheme
+# file may name them), the families in table order, and every group of every family once: what detection
+# matches a checkpoint against.
+LAYER_PREFIXES, GROUPS, SCHEMES = load_library()
 LIBRARY: tuple[Group, ...] = tuple(dict.fromkeys(g for s in SCHEMES.values() if not s.by_model_type_only
                                                  for g in s.groups))

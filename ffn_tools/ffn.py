@@ -33,7 +33,7 @@ ASSUMED_ACTIVATION = "silu"
 LEGACY_ACTIVATION = {("gemma", "gelu"): "gelu_pytorch_tanh"}
 # model_type -> the activation its modeling code hard-codes where its config has no hidden_act (checked
 # against transformers 5.24's modules).
-HARD_CODED_ACTIVATION = {"lfm2": "silu", "lfm3": "silu", "xlstm": "silu", "cpmant": "gelu"}
+HARD_CODED_ACTIVATION = {"lfm2": "silu", "lfm3": "silu", "lfm2_moe": "silu", "xlstm": "silu", "cpmant": "gelu"}
 
 
 @dataclass(frozen=True)

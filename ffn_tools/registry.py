@@ -11,25 +11,32 @@ the *forms* its tensors can take, so that splitting and fusing move between form
 
 Weights are PyTorch (out, in). A bias is named like its weight with ``.weight`` -> ``.bias`` (or, for a
 name without ``.weight``, with ``_bias`` appended, as GPT-OSS stores stacked expert biases).
+
+The schemes themselves are data: ``schemes/families.json``, in the form a user's ``--scheme-file`` takes,
+read by ``families`` (the one reader of scheme JSON); this module holds the classes they are read into.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .errors import SchemeError
 from .layouts import CONCAT, GateUpLayout
 
 KINDS = ("dense", "expert", "shared")
 FORMS = ("separate", "fused", "stacked", "stacked-separate")
-# The roles each form names.
-FORM_ROLES = {"separate": {"gate", "up", "down"}, "fused": {"gate_up", "down"}, "stacked": {"gate_up", "down"},
-              "stacked-separate": {"gate", "up", "down"}}
-ROLES = ("gate", "up", "down", "gate_up")
+
+# The roles of an FFN's tensors: one table, for every module that names them.
+PROJECTIONS = ("gate", "up", "down")  # canonical weights, PyTorch (out, in): gate, up (I, H), down (H, I)
+FUSED = "gate_up"  # gate and up stored in one tensor, arranged as the group's GateUpLayout says
+ROLES = (*PROJECTIONS, FUSED)  # what a form's templates name: the stored weights
+# Canonical weights and their biases (``FFN.names`` keys a weight's bias "<role>_bias"; see ``bias_name``).
+CANONICAL_ROLES = (*PROJECTIONS, *(f"{r}_bias" for r in PROJECTIONS))
+# The roles each form names, in the order scheme files write them.
+FORM_ROLES = {"separate": PROJECTIONS, "fused": (FUSED, "down"), "stacked": (FUSED, "down"),
+              "stacked-separate": PROJECTIONS}
 PLACEHOLDERS = ("layer", "expert")
 
 
@@ -110,72 +117,6 @@ def compile_template(template: str) -> re.Pattern:
     return re.compile(pattern)
 
 
-def custom_scheme(gate: str | None = None, up: str | None = None, down: str | None = None,
-                  gate_up: str | None = None, layout: GateUpLayout = CONCAT) -> Scheme:
-    """A one-group scheme from ``--gate/--up/--down`` (or ``--gate-up``) templates.
-
-    Raises:
-        SchemeError: a template is missing or malformed.
-    """
-    if not down or not ((gate and up) or gate_up):
-        raise SchemeError("custom templates need --down and either both --gate and --up or --gate-up")
-    kind = "expert" if "{expert}" in (gate or gate_up or "") else "dense"
-    forms = {}
-    if gate and up:
-        forms["separate"] = Form(gate=gate, up=up, down=down)
-    if gate_up:
-        forms["fused"] = Form(gate_up=gate_up, down=down)
-    for f in forms.values():
-        for t in f.templates().values():
-            compile_template(t)
-    return Scheme("custom", "templates given on the command line", (Group(kind, forms, layout),))
-
-
-def load_scheme_file(path: str | Path) -> Scheme:
-    """Read a scheme from JSON.
-
-    Either the short form ``{"gate": T, "up": T, "down": T}`` (or ``"gate_up"``), or the full form
-    ``{"name": ..., "groups": [{"kind": "dense", "forms": {"separate": {"gate": T, ...}},
-    "layout": {"order": "gate-up", "arrangement": "concat", "tp": 1}}]}``.
-
-    Raises:
-        SchemeError: the file is missing, not JSON, or does not describe a scheme.
-    """
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SchemeError(f"{path}: cannot read scheme file ({e})") from None
-    if not isinstance(data, dict):
-        raise SchemeError(f"{path}: a scheme file holds a JSON object")
-    if "groups" not in data:
-        if not data.get("down") or not ((data.get("gate") and data.get("up")) or data.get("gate_up")):
-            raise SchemeError(f"{path}: a scheme file needs \"down\" and either \"gate\" and \"up\" or "
-                              f"\"gate_up\" (templates with {{layer}}), or \"groups\"; found keys {sorted(data)}")
-        return custom_scheme(**{k: data.get(k) for k in ROLES})
-    try:
-        groups = []
-        if not data["groups"]:
-            raise SchemeError(f"{path}: \"groups\" is empty; declare at least one group of FFN names")
-        for g in data["groups"]:
-            forms = {name: Form(stacked=name.startswith("stacked"), **spec) for name, spec in g["forms"].items()}
-            bad = set(forms) - set(FORMS)
-            if g["kind"] not in KINDS or bad:
-                raise SchemeError(f"{path}: kind must be one of {KINDS}, forms among {FORMS}")
-            for name, f in forms.items():
-                need = FORM_ROLES[name]
-                if set(f.templates()) != need:
-                    raise SchemeError(f"{path}: form {name!r} of the {g['kind']} group needs exactly "
-                                      f"{', '.join(sorted(need))}; found {', '.join(sorted(f.templates())) or 'none'}")
-                for t in f.templates().values():
-                    compile_template(t)
-            groups.append(Group(g["kind"], forms, GateUpLayout(**g.get("layout", {}))))
-        return Scheme(str(data.get("name", path.stem)), f"from {path}", tuple(groups),
-                      tuple(data.get("model_types", ())))
-    except (KeyError, TypeError) as e:
-        raise SchemeError(f"{path}: malformed scheme ({type(e).__name__}: {e}); see --help for the format") from None
-
-
 def scheme_for_model_type(model_type: str | None) -> Scheme | None:
     """The family a config's ``model_type`` selects, if any."""
     for s in SCHEMES.values():
@@ -184,6 +125,6 @@ def scheme_for_model_type(model_type: str | None) -> Scheme | None:
     return None
 
 
-
-# The data: every group and family (``families``), read by detection through these names.
-from .families import LAYER_PREFIXES, LIBRARY, SCHEMES  # noqa: E402, F401  (re-exported; families needs the classes above)
+# The data, read from ``schemes/families.json`` by ``families`` (which needs the classes above): every family,
+# every group detection matches, the layer prefixes, and the readers of a user's templates and --scheme-file.
+from .families import LAYER_PREFIXES, LIBRARY, SCHEMES, custom_scheme, load_scheme_file  # noqa: E402, F401

@@ -23,13 +23,14 @@ import re
 from dataclasses import dataclass
 
 from ffn_tools.errors import CheckpointError, FFNToolsError
+from ffn_tools.registry import PROJECTIONS
 
 # Modules whose 2-D ``weight`` is an embedding table (stored as ``embedding``, not transposed).
 EMBEDDING_MODULES = frozenset({"embed_tokens", "embed_in", "tok_embeddings", "wte", "wpe", "word_embeddings",
                                "position_embeddings", "token_type_embeddings", "embed_positions", "shared"})
 RESERVED = ("kernel", "embedding")  # leaf names the hf layout derives; a PyTorch name cannot end in them
 
-ROLES = ("gate", "up", "down")
+ROLES = PROJECTIONS  # gate, up, down
 LINEN_ROOT = "params"
 LINEN_SUBTREE = {"dense": "layers_{layer}", "expert": "layers_{layer}_experts_{expert}",
                  "shared": "layers_{layer}_shared_expert"}

@@ -40,6 +40,7 @@ STACKED = re.compile(r"(?P<box>.+)\.(?:switch_mlp|experts)\.(?P<proj>[^.]+)\.(?P
 # the other way).
 EXPERT_NAMES = {"mixtral": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
                 "phimoe": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
+                "lfm2_moe": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
                 "nemotron_h": {"fc1": "up_proj", "fc2": "down_proj"}}
 
 

@@ -14,8 +14,9 @@ import torch
 
 from ..ffn import FFNRef
 from ..layouts import GateUpLayout, fuse
+from ..registry import CANONICAL_ROLES
 
-ROLES = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
+ROLES = CANONICAL_ROLES  # gate, up, down and their biases
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

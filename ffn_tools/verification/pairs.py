@@ -17,6 +17,7 @@ from ..detect import FFNSet
 from ..io.dtypes import short_name
 from ..ffn import FFN, FFNRef, canonical_weights
 from ..layouts import fuse
+from ..registry import CANONICAL_ROLES
 from ..tolerances import Tolerance
 from .diagnose import Fingerprints, explain, first_difference
 from .functional import Operands, check_ffn, input_scale, make_inputs, nonfinite_values
@@ -24,7 +25,7 @@ from .quant import ffn_bits, quantization
 from .report import FFNResult, VerifyReport
 
 KERNEL_LAYOUTS = ("concat", "interleaved")  # what silu_mul_fused reads directly (either order, row axis)
-ROLES = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
+ROLES = CANONICAL_ROLES  # gate, up, down and their biases
 STORED = ("gate", "up", "gate_up", "down")  # weight roles as an FFN stores them
 
 

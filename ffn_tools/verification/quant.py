@@ -8,6 +8,7 @@ import json
 from ..errors import CheckpointError
 from ..ffn import FFN
 from ..io.store import read_config
+from ..registry import ROLES
 from ..tolerances import FP8_ROW_BITS
 
 
@@ -33,7 +34,7 @@ def quantization(ckpt) -> dict | None:
     return q if isinstance(q, dict) and isinstance(q.get("bits"), int) else None
 
 
-QUANT_ROLES = ("gate", "up", "down", "gate_up")
+QUANT_ROLES = ROLES  # the weights a form stores: gate, up, down, gate_up
 DEQUANTIZED_KEY = "ffn_tools_dequantized_from"  # = converters.pytorch.DEQUANTIZED (not imported: core)
 
 
