@@ -1,8 +1,10 @@
 """Every command is a plan, then a stream.
 
 A ``Plan`` has one ``Entry`` per output tensor saying how it is made from input tensors. ``--dry-run``
-prints it; ``execute`` streams it into safetensors shards in a temporary path renamed into place only
-when everything succeeded, then carries config.json and the tokenizer/generation files over.
+prints it; ``execute`` streams it into shards in a temporary path renamed into place only when everything
+succeeded, then carries config.json and the tokenizer/generation files over. Shards are safetensors unless
+the caller passes another ``io.writer.Writer`` (the Flax export's msgpack trees): every format's output goes
+through this one executor.
 
 An entry has two equivalent recipes: ``compute`` (a pure function of the input tensors, always present)
 and, when the output is a pure rearrangement of contiguous byte runs of its inputs, ``pieces`` (byte
@@ -26,7 +28,7 @@ from .io.output import atomic_output
 from .progress import Progress
 from .sizes import human
 from .io.store import WEIGHT_INDEXES, WEIGHT_SUFFIXES, Checkpoint
-from .io.writer import ByteRange, OutTensor, write_file, write_sharded
+from .io.writer import SAFETENSORS, ByteRange, OutTensor, Writer
 
 log = logging.getLogger(__name__)
 
@@ -138,24 +140,26 @@ def side_files(ckpt: Checkpoint) -> list[Path]:
     return [ckpt.root / n for n in KNOWN_SIDE_FILES if (ckpt.root / n).is_file()]
 
 
-def check_shardable(out: Path, max_shard_size: int | None) -> None:
-    """Refuse --max-shard-size for a single-file output.
+def check_shardable(out: Path, max_shard_size: int | None, suffix: str = SAFETENSORS.suffix) -> None:
+    """Refuse --max-shard-size for a single-file output (a path ending in ``suffix``, the writer's).
 
     Raises:
         FFNToolsError: naming the path and the fix.
     """
-    if out.suffix == ".safetensors" and max_shard_size:
-        raise FFNToolsError(f"{out}: --max-shard-size needs a directory output, not a .safetensors file")
+    if out.suffix == suffix and max_shard_size:
+        raise FFNToolsError(f"{out}: --max-shard-size needs a directory output, not a {suffix} file")
 
 
 def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int | None = None,
             metadata: dict | None = None, desc: str = "writing", carry: bool = True,
-            extra_files: dict[str, str] | None = None) -> list[str]:
-    """Stream a plan to ``out``: a ``.safetensors`` file, or a directory of shards plus side files.
+            extra_files: dict[str, str] | None = None, writer: Writer = SAFETENSORS) -> list[str]:
+    """Stream a plan to ``out``: one weight file (a path ending in ``writer.suffix``), or a directory of shards
+    plus side files.
 
     Args:
         carry: copy the input's non-weight files (tokenizer, generation config, ...) into a directory output.
         extra_files: more text files (name -> content) to write into a directory output.
+        writer: the weight file format (default safetensors; ``metadata`` goes to it).
 
     Returns:
         The weight files written (names relative to ``out`` for a directory).
@@ -164,7 +168,7 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
         OutputExistsError: ``out`` exists without ``force``, or overlaps the input.
     """
     ckpt = plan.source
-    check_shardable(out, max_shard_size)
+    check_shardable(out, max_shard_size, writer.suffix)
     meta = dict(ckpt.metadata if metadata is None else metadata)
     meta.setdefault("format", "pt")
     cache: dict = {}
@@ -173,12 +177,13 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
     inputs = [ckpt.path, *ckpt.files]
     try:
         with atomic_output(out, inputs=inputs, force=force, nbytes=plan.total_bytes) as tmp:
-            if out.suffix == ".safetensors":
-                write_file(tmp, items, meta, progress)
+            if out.suffix == writer.suffix:
+                writer.write_file(tmp, items, meta, progress)
                 written = [out.name]
             else:
                 tmp.mkdir()
-                written = write_sharded(tmp, items, max_shard_size=max_shard_size, metadata=meta, progress=progress)
+                written = writer.write_sharded(tmp, items, max_shard_size=max_shard_size, metadata=meta,
+                                               progress=progress)
                 for p in side_files(ckpt) if carry else []:
                     if p.name != "config.json":
                         shutil.copy2(p, tmp / p.name)

@@ -99,7 +99,12 @@ def test_hf_tree_keys_and_shapes(model_dir, exported, arch):
     assert ("model", "layers", "0", "input_layernorm", "weight") in tree  # FlaxLlamaRMSNorm's name
     assert tree[("model", "embed_tokens", "embedding")].shape == (96, 64)
     assert tree[("lm_head", "kernel")].shape == (64, 96)
-    assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    source = json.loads((src / "config.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    v4 = {"rope_theta": source["rope_parameters"]["rope_theta"], "torch_dtype": source["dtype"]}  # transformers 4 reads
+    assert config == {**source, **v4, "ffn_tools_added_config_keys": ["rope_theta", "torch_dtype"]}
+    with open_any(out) as ckpt:
+        assert ckpt.config == source  # the Flax view: the source's config, without what export added
     assert (out / "generation_config.json").read_bytes() == (src / "generation_config.json").read_bytes()
 
 
@@ -160,6 +165,135 @@ def test_round_trip_bit_exact(model_dir, exported, tmp_path, arch, dtype):
 def test_transformers_loads_round_trip(model_dir, exported, tmp_path, arch, dtype):
     convert(exported(arch, dtype), "torch", tmp_path / "back")
     assert torch.equal(tiny_models.logits(tmp_path / "back", arch), tiny_models.logits(model_dir(arch, dtype), arch))
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_config_holds_what_transformers_4_reads(model_dir, tmp_path, dtype):
+    """transformers 4 (the Flax models' client) reads rope_theta / rope_scaling / torch_dtype, not v5's
+    rope_parameters / dtype: without them a Llama 3 runs with rope_theta 10000. Read back, the keys go again."""
+    import transformers
+
+    src = tmp_path / "llama3"
+    shutil.copytree(model_dir("llama", dtype), src)
+    source = {**json.loads((src / "config.json").read_text()), "rope_parameters": LLAMA3_ROPE}
+    (src / "config.json").write_text(json.dumps(source, indent=2))
+    r = convert(src, "flax", tmp_path / "flax")
+    config = json.loads((tmp_path / "flax" / "config.json").read_text())
+    assert config["rope_theta"] == 500000.0
+    assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    assert config["torch_dtype"] == config["dtype"] == str(dtype).removeprefix("torch.")
+    assert config["ffn_tools_added_config_keys"] == ["rope_scaling", "rope_theta", "torch_dtype"]
+    assert {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype",
+                                                          "ffn_tools_added_config_keys")} == source
+    assert any("rope_scaling" in c and "rope_theta 500000.0" in c and "added" in c for c in r["changes"])
+    # transformers 5 reading the Flax config.json (rope_scaling before rope_parameters) gets the same RoPE
+    v5 = transformers.LlamaConfig.from_dict(config).rope_parameters
+    assert v5 == transformers.LlamaConfig.from_dict(source).rope_parameters
+    with open_any(tmp_path / "flax") as ckpt:
+        assert ckpt.config == source
+    convert(tmp_path / "flax", "torch", tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == source
+    assert "ffn_tools_added_config_keys" not in (tmp_path / "back" / "config.json").read_text()
+    # a Flax export of the Flax export: the same config.json again, the same tree
+    convert(tmp_path / "flax", "flax", tmp_path / "again")
+    for name in ("config.json", "flax_model.msgpack"):
+        assert (tmp_path / "again" / name).read_bytes() == (tmp_path / "flax" / name).read_bytes()
+
+
+V4_CASES = {
+    "v5 default rope": ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "dtype": "bfloat16"},
+                        {"rope_theta": 1e6, "torch_dtype": "bfloat16"}),
+    "partial rotary": ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+                       {"rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+    "already v4": ({"rope_theta": 5e5, "rope_scaling": None, "torch_dtype": "float16"}, {}),
+    "both spellings": ({"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+                        "dtype": "float32", "torch_dtype": "float32"}, {}),
+    "nested per layer type": ({"layer_types": ["full_attention"], "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6}}}, {}),
+    "no config keys": ({"model_type": "llama"}, {}),
+}
+
+
+@pytest.mark.parametrize("case", V4_CASES)
+def test_v4_keys_and_their_record_are_exact_inverses(case):
+    from ffn_tools.converters.flax.config import restore_source_config, v4_config
+
+    source, added = V4_CASES[case]
+    out = v4_config(source)
+    assert {k: out[k] for k in added} == added
+    assert out.get("ffn_tools_added_config_keys", []) == sorted(added)
+    assert "ffn_tools_null_config_keys" not in out and restore_source_config(out) == source
+
+
+def test_v4_keys_fill_nulls_and_read_back_null(tmp_path, model_dir):
+    from ffn_tools.converters.flax.config import restore_source_config, v4_config
+
+    source = {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}, "rope_scaling": None,
+              "rope_theta": None, "dtype": "float32"}
+    out = v4_config(source)
+    assert out["rope_scaling"] == {"rope_type": "linear", "factor": 2.0} and out["rope_theta"] == 1e4
+    assert out["ffn_tools_null_config_keys"] == ["rope_scaling", "rope_theta"]
+    assert out["ffn_tools_added_config_keys"] == ["torch_dtype"]
+    assert restore_source_config(out) == source
+    # a hand-edited record is refused by name, not half-applied
+    src = tmp_path / "m"
+    shutil.copytree(model_dir("llama"), src)
+    convert(src, "flax", tmp_path / "flax")
+    config = json.loads((tmp_path / "flax" / "config.json").read_text())
+    (tmp_path / "flax" / "config.json").write_text(json.dumps({**config, "ffn_tools_added_config_keys": "rope_theta"}))
+    r = run_cli("inspect", tmp_path / "flax", ok=False)
+    assert "ffn_tools_added_config_keys must be a list of config keys" in r.output and "config.json" in r.output
+
+
+def test_runs_through_the_one_executor(model_dir, tmp_path, monkeypatch):
+    """The plan is what is written: --dry-run lists it, progress counts it, a failure leaves nothing behind."""
+    import ffn_tools.plan as plan_mod
+
+    src = model_dir("llama")
+    dry = convert(src, "flax", tmp_path / "dry", dry_run=True, flax_layout="linen")
+    assert not (tmp_path / "dry").exists() and dry["files"] == []
+    assert "params/layers_1/down/kernel  float32[96, 64]  \u2190 down of layer 1 (model.layers.1.mlp.down_proj.weight), " \
+           "transposed (kernel = W.T)" in dry["plan"]
+    dry = convert(src, "flax", tmp_path / "dry", dry_run=True)
+    assert "model/norm/weight  float32[64]  \u2190 copy of model.norm.weight" in dry["plan"]
+    assert "lm_head/kernel  float32[64, 96]  \u2190 lm_head.weight, transposed (kernel = W.T)" in dry["plan"]
+    with pytest.raises(FFNToolsError, match=re.escape("one.msgpack: --max-shard-size needs a directory output, not a "
+                                                      ".msgpack file")):
+        convert(src, "flax", tmp_path / "one.msgpack", max_shard_size=10_000, dry_run=True)
+    calls = []
+    real = plan_mod.execute
+    monkeypatch.setattr(flax_format, "execute", lambda *a, **k: calls.append(k["writer"]) or real(*a, **k))
+    bars = []
+
+    class Recorder:
+        def __init__(self, total, desc):
+            self.total, self.desc, self.steps = total, desc, []
+            bars.append(self)
+
+        def update(self, n):
+            self.steps.append(n)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr("ffn_tools.plan.Progress", Recorder)
+    r = convert(src, "flax", tmp_path / "out", dtype="bfloat16")
+    assert r["tensors"] == len(dry["plan"]) and r["bytes"] == dry["bytes"] // 2 and r["changes"][-1] == \
+        "floating tensors cast to bfloat16"
+    (bar,) = bars
+    assert type(calls[0]).__name__ == "MsgpackWriter" and bar.desc == "converting to flax (hf)"
+    assert sum(bar.steps) == bar.total == r["bytes"]
+    # a failure mid-stream: no output, no temporary left, the input untouched
+    monkeypatch.setattr(flax_writer, "_write_leaf", lambda sink, leaf: (_ for _ in ()).throw(OSError(5, "disk died")))
+    before = tree_digest(src)
+    with pytest.raises(OSError, match="disk died"):
+        convert(src, "flax", tmp_path / "failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and tree_digest(src) == before
 
 
 def test_sharded_as_transformers_4(model_dir, exported, tmp_path):

@@ -3,6 +3,8 @@
 The tree's layout (``hf`` or ``linen``, see ``converters.flax.tree``) is recognised from its paths and
 presented with PyTorch names and (out, in) weights; kernels are transposed back when read (a pure move).
 Shapes are checked when opening, so a kernel stored (out, in) is reported before anything is written.
+config.json reads as the config the export was made from: the transformers-4 keys export added are removed
+(``converters.flax.config``).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from typing import TYPE_CHECKING
 
 from ffn_tools.detect import choose_scheme, find_ffns
 from ffn_tools.errors import CheckpointError, SchemeError
-from ffn_tools.io.store import Checkpoint, TensorInfo, index_shards, read_config
+from ffn_tools.io.store import Checkpoint, Format, TensorInfo, index_shards, read_config
 
 from . import tree as tree
+from .config import restore_source_config
 from .msgpack_format import DTYPES, Leaf, read_leaf, read_tree
 
 if TYPE_CHECKING:
@@ -52,7 +55,7 @@ class FlaxCheckpoint(Checkpoint):
         layout: "hf" or "linen".
     """
 
-    format = "flax"
+    format = Format.FLAX
 
     def __init__(self, path: Path):
         root, files, weight_map = _resolve(path)
@@ -64,7 +67,7 @@ class FlaxCheckpoint(Checkpoint):
                 leaves[leaf.path] = leaf
         if weight_map is not None:
             _check_index(path, weight_map, leaves)
-        config = read_config(root)
+        config = restore_source_config(read_config(root), str(root / "config.json"))  # without the v4 keys export added
         if config and isinstance(config.get("architectures"), list):  # transformers 4.x wrote FlaxLlamaForCausalLM
             config["architectures"] = [a.removeprefix("Flax") if isinstance(a, str) else a for a in config["architectures"]]
         self._leaves: dict[str, tuple[Leaf, bool]] = {}

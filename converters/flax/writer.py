@@ -1,37 +1,47 @@
 """Streaming writer of Flax msgpack parameter trees: the bytes ``flax.serialization.to_bytes`` writes.
 
-Each leaf is an ``OutLeaf`` whose ``produce()`` returns its torch tensor when its turn comes, so one
-tensor is in memory at a time. Arrays over ``MAX_CHUNK_SIZE`` bytes are written chunked as flax does
-(see ``converters.flax.msgpack_format``). ``leaf_size`` is exact, so shards can be sized before writing.
+``MsgpackWriter`` is the ``io.writer.Writer`` that ``plan.execute`` streams a Flax export into: one tree,
+``flax_model.msgpack``, or beyond ``--max-shard-size`` shards (each an unflattened subtree) and
+``flax_model.msgpack.index.json``, as transformers 4.x's ``FlaxPreTrainedModel.save_pretrained`` wrote them.
+Plan entries are named by their tree path joined with ``/`` (the index's keys); the writer maps each name
+back to its path. Each leaf's bytes come when its turn comes, as a torch tensor or, for bytes the plan copies
+untouched, as input byte ranges moved with ``copy_file_range``: one array in memory at a time. Arrays over
+``MAX_CHUNK_SIZE`` bytes are written chunked as flax does (see ``converters.flax.msgpack_format``).
+``leaf_size`` is exact, so shards are sized before writing. A msgpack tree holds no metadata.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ffn_tools.io.dtypes import itemsize, torch_dtype
 from ffn_tools.errors import CheckpointError
+from ffn_tools.io.writer import ByteRange, OutTensor, Writer, copy_ranges
 
 from . import msgpack_format as flax_msgpack
 from .msgpack_format import CHUNKED, DTYPE_NAMES, EXT_NDARRAY
+from .reader import INDEX_NAME, WEIGHTS_NAME
 
 if TYPE_CHECKING:
-    import torch
+    from ffn_tools.progress import Progress
+
 
 @dataclass(frozen=True)
 class OutLeaf:
     """An array to write: where in the tree, its dtype (a safetensors string), its shape, and how to get
-    it (a torch tensor) when its turn comes."""
+    its bytes (a torch tensor, or a list of ``ByteRange``) when its turn comes."""
 
     path: tuple[str, ...]
     dtype: str
     shape: tuple[int, ...]
-    produce: Callable[[], torch.Tensor]
+    produce: Callable[[], Any] | None
+    reads: int | None = None  # input bytes it consumes, for progress (None: its own size)
 
     @property
     def itemsize(self) -> int:
@@ -40,6 +50,72 @@ class OutLeaf:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.itemsize
+
+
+def tree_name(path: tuple[str, ...]) -> str:
+    """A leaf's name in plans and the index: its path joined with ``/``."""
+    return "/".join(path)
+
+
+class MsgpackWriter(Writer):
+    """``plan.execute``'s writer for Flax trees (see the module doc).
+
+    Args:
+        paths: the tree path of every leaf the plan writes, in plan order.
+
+    Raises:
+        CheckpointError: a path is both an array and a subtree, appears twice, or two paths have one name.
+    """
+
+    suffix = ".msgpack"
+
+    def __init__(self, paths: Sequence[tuple[str, ...]]):
+        nest([OutLeaf(p, "U8", (), None) for p in paths])  # every path an array or a subtree, never both
+        self.paths: dict[str, tuple[str, ...]] = {}
+        for p in paths:
+            other = self.paths.setdefault(tree_name(p), p)
+            if other != p:
+                raise CheckpointError(f"{tree_name(p)} would name two arrays ({list(other)} and {list(p)}); "
+                                      "rename one of the tensors")
+
+    def _leaves(self, items: Sequence[OutTensor]) -> list[OutLeaf]:
+        return [OutLeaf(self.paths[t.name], t.dtype, t.shape, t.produce, t.reads) for t in items]
+
+    def write_file(self, path: Path, items: Sequence[OutTensor], metadata: dict | None,
+                   progress: Progress | None = None) -> None:
+        """Write ``items`` as one tree (``metadata``: ignored, a tree holds arrays only)."""
+        write_tree(path, self._leaves(items), progress)
+
+    def write_sharded(self, out_dir: Path, items: Sequence[OutTensor], *, max_shard_size: int | None,
+                      metadata: dict | None, progress: Progress | None = None) -> list[str]:
+        """``flax_model.msgpack``, or shards of at most ``max_shard_size`` bytes each plus the index."""
+        leaves = self._leaves(items)
+        shards = shard_leaves(leaves, max_shard_size)
+        names = [WEIGHTS_NAME] if len(shards) == 1 else [
+            WEIGHTS_NAME.replace(".msgpack", f"-{k:05d}-of-{len(shards):05d}.msgpack") for k in range(1, len(shards) + 1)]
+        for name, shard in zip(names, shards):
+            write_tree(out_dir / name, shard, progress)
+        if len(shards) > 1:
+            weight_map = {tree_name(leaf.path): name for name, shard in zip(names, shards) for leaf in shard}
+            index = {"metadata": {"total_size": sum(leaf.nbytes for leaf in leaves)}, "weight_map": weight_map}
+            (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        return names
+
+
+def shard_leaves(leaves: list[OutLeaf], max_shard_size: int | None) -> list[list[OutLeaf]]:
+    """Consecutive runs of ``leaves`` whose files are each at most ``max_shard_size`` bytes (a larger leaf
+    gets a file alone)."""
+    if not max_shard_size:
+        return [leaves]
+    shards, cur, size = [], [], 5  # 5: the root map header, at most
+    for leaf in leaves:
+        cost = shard_cost(leaf)
+        if cur and size + cost > max_shard_size:
+            shards.append(cur)
+            cur, size = [], 5
+        cur.append(leaf)
+        size += cost
+    return [*shards, cur]
 
 
 def _uint(n: int) -> bytes:
@@ -129,40 +205,94 @@ def nest(leaves: Sequence[OutLeaf]) -> dict:
     return root
 
 
-def write_tree(path: Path, leaves: Sequence[OutLeaf], on_leaf: Callable[[int], None] | None = None) -> None:
+def write_tree(path: Path, leaves: Sequence[OutLeaf], progress: Progress | None = None) -> None:
     """Write ``leaves`` as one msgpack tree, streaming each array's bytes."""
-    with open(path, "wb") as f:
-        _write_node(f, nest(leaves), on_leaf)
+    with open(path, "wb", buffering=0) as f:
+        sink = _Sink(f, progress)
+        try:
+            _write_node(sink, nest(leaves))
+            sink.flush()
+        finally:
+            sink.close()
 
 
-def _write_node(f, node: dict, on_leaf) -> None:
-    f.write(_map(len(node)))
-    for key, v in node.items():
-        f.write(_str(key))
-        if isinstance(v, dict):
-            _write_node(f, v, on_leaf)
+class _Sink:
+    """The output file: msgpack headers gathered in memory, array bytes written (or copied) straight through."""
+
+    def __init__(self, f, progress: Progress | None):
+        self.f, self.progress, self.head, self.sources = f, progress, bytearray(), {}
+
+    def put(self, b: bytes) -> None:
+        self.head += b
+
+    def flush(self) -> None:
+        _write_all(self.f, memoryview(self.head))
+        self.head = bytearray()
+
+    def data(self, payload: memoryview | list[ByteRange], start: int, n: int) -> None:
+        """Bytes ``start:start+n`` of an array's C-order bytes (a buffer, or input ranges to copy)."""
+        self.flush()
+        if isinstance(payload, list):
+            copy_ranges(self.f, _cut(payload, start, n), self.sources, self.progress)
         else:
-            _write_leaf(f, v)
-            if on_leaf:
-                on_leaf(v.nbytes)
+            _write_all(self.f, payload[start: start + n])
+
+    def close(self) -> None:
+        for src in self.sources.values():
+            src.close()
 
 
-def _write_leaf(f, leaf: OutLeaf) -> None:
-    import torch
+def _write_all(f, view: memoryview) -> None:
+    while view:
+        view = view[f.write(view):]
 
-    t = leaf.produce()
-    if t.dtype != torch_dtype(leaf.dtype) or tuple(t.shape) != leaf.shape:
-        raise RuntimeError(f"internal error: {'/'.join(leaf.path)} produced {t.dtype}{list(t.shape)}, "
-                           f"planned {leaf.dtype}{list(leaf.shape)}")
-    flat = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-    data = memoryview(flat.numpy())
+
+def _cut(ranges: list[ByteRange], start: int, n: int) -> list[ByteRange]:
+    """Bytes ``start:start+n`` of the concatenation of ``ranges``, as ranges (a chunk of a copied array)."""
+    out, at = [], 0
+    for r in ranges:
+        lo, hi = max(start, at), min(start + n, at + r.nbytes)
+        if lo < hi:
+            out.append(ByteRange(r.file, r.start + lo - at, hi - lo))
+        at += r.nbytes
+    return out
+
+
+def _write_node(sink: _Sink, node: dict) -> None:
+    sink.put(_map(len(node)))
+    for key, v in node.items():
+        sink.put(_str(key))
+        if isinstance(v, dict):
+            _write_node(sink, v)
+        else:
+            _write_leaf(sink, v)
+
+
+def _write_leaf(sink: _Sink, leaf: OutLeaf) -> None:
+    payload = leaf.produce()
+    if isinstance(payload, list):  # input byte ranges: copied, never entering Python; progress moves as they do
+        if sum(r.nbytes for r in payload) != leaf.nbytes:
+            raise RuntimeError(f"internal error: {tree_name(leaf.path)} produced {sum(r.nbytes for r in payload)} "
+                               f"bytes, expected {leaf.nbytes}")
+        data = payload
+    else:
+        import torch
+
+        t = payload
+        if t.dtype != torch_dtype(leaf.dtype) or tuple(t.shape) != leaf.shape:
+            raise RuntimeError(f"internal error: {tree_name(leaf.path)} produced {t.dtype}{list(t.shape)}, "
+                               f"planned {leaf.dtype}{list(leaf.shape)}")
+        flat = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        data = memoryview(flat.numpy())
     name, item = DTYPE_NAMES[leaf.dtype], leaf.itemsize
     chunks = _chunks(leaf)
     if chunks is None:
-        f.write(_array_record_head(leaf.shape, name, leaf.nbytes))
-        f.write(data)
-        return
-    f.write(_chunked_head(leaf, len(chunks)))
-    for i, (first, n) in enumerate(chunks):
-        f.write(_str(str(i)) + _array_record_head((n,), name, n * item))
-        f.write(data[first * item: (first + n) * item])
+        sink.put(_array_record_head(leaf.shape, name, leaf.nbytes))
+        sink.data(data, 0, leaf.nbytes)
+    else:
+        sink.put(_chunked_head(leaf, len(chunks)))
+        for i, (first, n) in enumerate(chunks):
+            sink.put(_str(str(i)) + _array_record_head((n,), name, n * item))
+            sink.data(data, first * item, n * item)
+    if sink.progress and not isinstance(payload, list):
+        sink.progress.update(leaf.nbytes if leaf.reads is None else leaf.reads)

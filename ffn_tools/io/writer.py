@@ -4,6 +4,9 @@ Each output tensor is an ``OutTensor`` whose ``produce()`` returns its bytes as 
 array, a bytes-like object, or a list of ``ByteRange`` (pieces of input files copied verbatim with
 ``copy_file_range``, never entering Python). Shards are filled greedily in the given order so that every
 file, header included, is at most ``max_shard_size`` bytes (a tensor larger than that gets a shard alone).
+
+``Writer`` is the file format ``plan.execute`` streams into: ``SAFETENSORS`` (these functions) by default; a
+format module gives its own (``converters.flax.writer.MsgpackWriter``) to reuse the executor unchanged.
 """
 
 from __future__ import annotations
@@ -152,6 +155,39 @@ def write_sharded(out_dir: Path, items: Sequence[OutTensor], *, max_shard_size: 
                  "weight_map": dict(sorted(weight_map.items()))}
         (out_dir / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return names
+
+
+class Writer:
+    """How ``plan.execute`` lays the tensor stream out on disk: one file, or shards (+ an index) in a directory.
+
+    The executor owns everything around it (the atomic temporary output, --force, the lock, progress, side
+    files, config.json, cleanup on errors and signals); a writer only turns ``OutTensor`` items, in plan order,
+    into files. This one writes safetensors; a subclass overrides the three members for another format.
+
+    Attributes:
+        suffix: a single-file output ends in it (any other path is a directory of shards).
+    """
+
+    suffix = ".safetensors"
+
+    def write_file(self, path: Path, items: Sequence[OutTensor], metadata: dict | None,
+                   progress: Progress | None = None) -> None:
+        """Write ``items`` as the one file ``path``."""
+        write_file(path, items, metadata, progress)
+
+    def write_sharded(self, out_dir: Path, items: Sequence[OutTensor], *, max_shard_size: int | None,
+                      metadata: dict | None, progress: Progress | None = None) -> list[str]:
+        """Write ``items`` into the existing directory ``out_dir``; returns the weight file names written."""
+        return write_sharded(out_dir, items, max_shard_size=max_shard_size, metadata=metadata, progress=progress)
+
+
+SAFETENSORS = Writer()
+
+
+def copy_ranges(f, ranges: Sequence[ByteRange], sources: dict, progress: Progress | None = None) -> None:
+    """Append ``ranges`` of input files to the unbuffered binary file ``f`` (``copy_file_range`` where the system
+    has it): for writers of other formats. ``sources`` caches the inputs it opens; the caller closes them."""
+    _flush(f, list(ranges), sources, progress)
 
 
 def _write_all(f, view: memoryview) -> None:
