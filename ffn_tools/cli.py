@@ -172,17 +172,22 @@ def extract(path, out, layers, experts, force, as_json, upload_repo, max_shard_s
 def _gateup_command(name: str, fn, help_text: str, extra=()):
     @click.argument("path", type=CHECKPOINT)
     @click.option("-o", "--out", type=click.Path(), help="Output file or directory. Default: beside the input, "
-                  "under a new name (model.split.safetensors, DIR-split/; .fused / -fused for fuse).")
+                  "under a new name: DIR-split/ for a directory or a file inside a checkpoint directory, "
+                  "model.split.safetensors for a lone file (-fused / .fused for fuse).")
     @click.option("--dry-run", is_flag=True, help="Print the plan (every output tensor and how it is made); write nothing.")
     @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
     @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of what was done.")
+    @click.option("--load-check", is_flag=True, help="Check that transformers would load the output under the "
+                  "config.json it carries (the load check of verify, on the planned names and shapes) and warn "
+                  "where it would not. Off by default: it imports transformers, and split/fuse run at the speed of "
+                  "a copy without it; `ffn-tools verify IN OUT` checks everything.")
     @upload_option
     @size_option
     @scheme_options
     @layout_options
-    def command(path, out, dry_run, force, as_json, upload_repo, max_shard_size, scheme, layout, **kw):
+    def command(path, out, dry_run, force, as_json, load_check, upload_repo, max_shard_size, scheme, layout, **kw):
         r = fn(path, out, scheme=scheme, layout=layout, dry_run=dry_run, force=force, max_shard_size=max_shard_size,
-               upload_repo=upload_repo, **kw)
+               upload_repo=upload_repo, load_check=load_check, **kw)
         lines = list(r["plan"] or []) if dry_run else []
         emit(r, as_json, [*lines, r["summary"], *r["changes"], *uploaded(r)])
 
@@ -261,8 +266,8 @@ def _quantize_value(ctx, param, value):
               "or -q it stays quantized, copied as it is, as mlx_lm.convert keeps it; refused with -q, as in mlx_lm.")
 @click.option("--flax-layout", type=click.Choice(("hf", "linen")),
               help="Flax only: hf = the Hugging Face Flax parameter tree (default); linen = FFNs as nn.Dense gate/up/down.")
-@click.option("--dry-run", is_flag=True, help="torch/mlx: print every output tensor and how it is made (and what "
-              "mlx_lm's model expects, checked); write nothing.")
+@click.option("--dry-run", is_flag=True, help="Print every output tensor and how it is made (for mlx, what mlx_lm's "
+              "model expects, checked); write nothing.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 @upload_option

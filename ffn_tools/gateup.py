@@ -8,6 +8,7 @@ Every output is a pure row rearrangement, so each entry carries byte pieces as w
 from __future__ import annotations
 
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -326,9 +327,11 @@ def _assemble(ckpt, ffns: FFNSet, replaced: dict[str, list[Entry]], command: str
 
 
 def default_output(path: Path, tag: str) -> Path:
-    """A path beside the input that exists nowhere yet: model.split.safetensors, or DIR-split/."""
+    """A path that exists nowhere yet: model.split.safetensors beside a lone file; DIR-split/ beside a directory
+    and beside a file that sits in a checkpoint directory (a config.json beside it): loaders read every
+    *.safetensors of a directory, so a second weight file there would break the input for them."""
     path = Path(path).resolve()  # '.' has no name: resolve it first
-    if path.is_file() and path.suffix == ".safetensors":
+    if path.is_file() and path.suffix == ".safetensors" and not (path.parent / "config.json").is_file():
         stem, suffix, parent = f"{path.stem}.{tag}", ".safetensors", path.parent
     else:
         d = path if path.is_dir() else path.parent
@@ -355,7 +358,8 @@ def check_rewritable(ckpt: Checkpoint, command: str) -> None:
                             "convert PATH --to torch -o DIR` dequantizes them exactly (bf16), then split that")
 
 
-def _run(command: str, plan_fn, source, out, *, scheme, layout, dry_run, force, max_shard_size, **kw) -> dict:
+def _run(command: str, plan_fn, source, out, *, scheme, layout, dry_run, force, max_shard_size, load_check,
+         **kw) -> dict:
     """``source``: a path (opened here as PyTorch weights) or a checkpoint already open (the API's, any format)."""
     with ExitStack() as stack:
         ckpt = source if isinstance(source, Checkpoint) else stack.enter_context(open_checkpoint(Path(source)))
@@ -370,18 +374,21 @@ def _run(command: str, plan_fn, source, out, *, scheme, layout, dry_run, force, 
                                 "(--max-shard-size to change)")
         summary = dict(plan.summary, output=str(out), dry_run=dry_run, changes=plan.changes,
                        plan=plan.describe() if dry_run else None)
-        for fs, form in summary.pop("form_changes"):
-            if (w := form_change_warning(ckpt, fs, form, str(out))):
+        with ThreadPoolExecutor(1) as pool:  # the load check (importing transformers) overlaps the copy
+            changed = summary.pop("form_changes")
+            warning = pool.submit(form_change_warning, ckpt, plan, str(out)) if changed and load_check else None
+            if dry_run:
+                check_output(out, [path, *ckpt.files], force)
+            else:
+                summary["files"] = execute(plan, out, force=force, max_shard_size=max_shard_size, desc=command)
+            if warning is not None and (w := warning.result()):
                 summary["warnings"] = [*summary["warnings"], w]
-        if dry_run:
-            check_output(out, [path, *ckpt.files], force)
-            return summary
-        summary["files"] = execute(plan, out, force=force, max_shard_size=max_shard_size, desc=command)
         return summary
 
 
 def split_gateup(path, out=None, *, scheme: Scheme | None = None, layout: GateUpLayout | None = None,
-                 dry_run: bool = False, force: bool = False, max_shard_size: int | None = None) -> dict:
+                 dry_run: bool = False, force: bool = False, max_shard_size: int | None = None,
+                 load_check: bool = False) -> dict:
     """Split every fused gate_up tensor of a checkpoint into gate and up projections.
 
     Args:
@@ -392,21 +399,24 @@ def split_gateup(path, out=None, *, scheme: Scheme | None = None, layout: GateUp
         dry_run: plan only; nothing is written.
         force: replace an existing output.
         max_shard_size: bytes per output shard (directory outputs).
+        load_check: check that transformers loads the planned output under the config.json it carries, and
+            warn, naming what it would not load, where it does not (imports transformers: off by default,
+            since split and fuse otherwise run at the speed of a copy without it).
 
     Returns:
         A summary: scheme, layout, counts, output path, files (and the plan lines when ``dry_run``).
     """
     return _run("split-gateup", plan_split, path, out, scheme=scheme, layout=layout, dry_run=dry_run,
-                force=force, max_shard_size=max_shard_size)
+                force=force, max_shard_size=max_shard_size, load_check=load_check)
 
 
 def fuse_gateup(path, out=None, *, scheme: Scheme | None = None, layout: GateUpLayout | None = None,
                 stack_experts: bool = False, dry_run: bool = False, force: bool = False,
-                max_shard_size: int | None = None) -> dict:
+                max_shard_size: int | None = None, load_check: bool = False) -> dict:
     """Fuse gate and up projections into one gate_up tensor per FFN (the inverse of ``split_gateup``).
 
     Args are as for ``split_gateup``, plus ``stack_experts``: stack routed experts into transformers-v5
     tensors ``mlp.experts.gate_up_proj`` (E, 2I, H) and ``mlp.experts.down_proj`` (E, H, I).
     """
     return _run("fuse-gateup", plan_fuse, path, out, scheme=scheme, layout=layout, dry_run=dry_run,
-                force=force, max_shard_size=max_shard_size, stack_experts=stack_experts)
+                force=force, max_shard_size=max_shard_size, load_check=load_check, stack_experts=stack_experts)

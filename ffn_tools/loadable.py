@@ -182,34 +182,49 @@ def check_mlx(path: Path) -> LoadCheck:
     return LoadCheck("mlx_lm", architecture=type(model).__module__.rsplit(".", 1)[-1])
 
 
-def form_change_warning(ckpt, changed, out_form: str, out: str | None = None) -> str | None:
-    """One line when a split or fuse changes the form of FFNs whose config.json is carried unchanged.
-
-    Without importing transformers (split and fuse stay as fast as a copy), so it cannot know which form the
-    architecture loads: it says that if the input loads, the output does not (changing dense or shared FFNs'
-    form; an input that was itself another form, say a split Phi-3 being fused back, is the case it cannot
-    tell); routed experts alone may still load (transformers v5 stacks and unstacks the experts of families
-    with a conversion mapping). ``verify IN OUT`` checks exactly.
+def form_change_warning(ckpt, plan, out: str | None = None) -> str | None:
+    """One line when the output of a split or fuse would not load in transformers under the config.json it
+    carries, checked by the load check itself on the planned names and shapes (nothing is written or read);
+    None when it loads, when there is nothing to check (no model_type, a single file beside its source) or
+    no transformers to check with (the warning would be a guess).
 
     Args:
         ckpt: the input checkpoint.
-        changed: the FFNs whose form changes.
-        out_form: "separate", "fused" or "stacked".
+        plan: the command's plan (its entries are the output tensors).
         out: the output path, for the message.
     """
     config = ckpt.config or {}
-    if not changed or "model_type" not in config or (out and Path(out).suffix == ".safetensors"):
+    if "model_type" not in config or (out and Path(out).suffix == ".safetensors"):
         return None  # a single file beside its source is not what a client loads
-    arch = (config.get("architectures") or [config["model_type"]])[0]
-    where = f"{out} " if out else "the output "
-    check = f"`ffn-tools verify {ckpt.path} {out or 'OUT'}` checks exactly what would load"
-    if all(f.ref.kind == "expert" for f in changed):
-        return (f"{where}holds routed experts in the {out_form} form under the input's config.json ({arch}): "
-                f"transformers v5 converts expert forms on load only for families with a conversion mapping; {check}")
-    use = {"separate": "tools that read separate gate and up projections (MLX, llama.cpp-style converters)",
-           "fused": "tools that read one fused gate_up tensor (vLLM-style loaders, Phi-3-style code)",
-           "stacked": "transformers v5 MoE code and vLLM-style expert kernels"}[out_form]
-    back = "fuse-gateup" if out_form == "separate" else "split-gateup"
-    return (f"{where}keeps the input's config.json ({arch}) with its FFNs in the {out_form} form: if the input "
-            f"loads in transformers as {arch}, this would not load as {arch} (transformers reads one form per "
-            f"architecture); this form is for {use}; {back} restores the input's form; {check}")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return None
+    res = check_transformers(_Planned(ckpt, plan))
+    if res.ok or res.skipped:
+        return None
+    back = "`ffn-tools fuse-gateup` or `split-gateup` restores the input's form"
+    return (f"{out or 'the output'} {res.summary()} under the config.json it carries; this form is for other "
+            f"tools (MLX, llama.cpp-style converters, vLLM-style loaders); {back}")
+
+
+class _Planned:
+    """The output of a plan as the load check reads a checkpoint: names, shapes, the input's config."""
+
+    def __init__(self, ckpt, plan):
+        self.config, self.root, self.path = ckpt.config, ckpt.root, ckpt.path
+        self._shapes = {e.name: tuple(e.shape) for e in plan.entries}
+
+    def __iter__(self):
+        return iter(self._shapes)
+
+    def __contains__(self, name) -> bool:
+        return name in self._shapes
+
+    def info(self, name: str):
+        return _Shape(self._shapes[name])
+
+
+@dataclass(frozen=True)
+class _Shape:
+    shape: tuple

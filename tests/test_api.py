@@ -43,7 +43,7 @@ def test_python_api_returns_what_json_prints(model_dir, tmp_path):
     report = ffn_tools.verify(src, src, backends=["reference"], tokens=2)
     assert report.passed and report.verdict.startswith("PASS")  # a property, like the JSON's string
     assert ffn_tools.api.json_of(report)["verdict"] == report.verdict
-    r = ffn_tools.fuse_gateup(src, tmp_path / "fused")
+    r = ffn_tools.fuse_gateup(src, tmp_path / "fused", load_check=True)
     assert r["command"] == "fuse-gateup" and r["output"] == str(tmp_path / "fused") and r["warnings"]
 
 

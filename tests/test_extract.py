@@ -96,3 +96,14 @@ def test_single_file_manifest_never_clobbers(model_dir, tmp_path):
     run_cli("extract", src, "-o", tmp_path / "f.safetensors")
     run_cli("extract", src, "-o", tmp_path / "f.safetensors", "--layers", "1", "--force")  # an earlier manifest
     assert json.loads((tmp_path / "f.json").read_text())["layers"] == [1]
+
+
+@pytest.mark.parametrize("out", ["ffn", "ffn.safetensors"])
+def test_verify_of_a_partial_extract_applies_its_manifest(model_dir, tmp_path, out):
+    src = model_dir("mixtral")
+    run_cli("extract", src, "-o", tmp_path / out, "--layers", "1", "--experts", "0,2")
+    r = run_cli("verify", src, tmp_path / out, "--backend", "reference", "--tokens", "4", ok=None)
+    assert r.exit_code == 0, r.output
+    assert "B is an extract of layers 1; experts 0,2 (its manifest): only those FFNs are compared" in r.output
+    r = run_cli("verify", tmp_path / out, src, "--backend", "reference", "--tokens", "4", ok=None)
+    assert r.exit_code == 0 and "A is an extract of layers 1" in r.output, r.output

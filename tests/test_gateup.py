@@ -113,19 +113,31 @@ def test_byte_copy_path_equals_compute_path(model_dir, tmp_path):
     assert_identical(tensors(tmp_path / "st-fused"), tensors(tmp_path / "pk-fused"))
 
 
-def test_single_file_form_writes_beside_the_input(model_dir, tmp_path):
-    shutil.copytree(model_dir("phi3"), tmp_path / "phi3")
-    f = tmp_path / "phi3" / "model.safetensors"
+def test_single_file_form_writes_beside_a_lone_file(model_dir, tmp_path):
+    shutil.copy(model_dir("phi3") / "model.safetensors", tmp_path / "model.safetensors")
+    f = tmp_path / "model.safetensors"
     before = tree_digest(f)
     r = run_cli("split-gateup", f)
-    assert (tmp_path / "phi3" / "model.split.safetensors").is_file()
+    assert (tmp_path / "model.split.safetensors").is_file()
     assert "model.split.safetensors" in r.output
     run_cli("split-gateup", f)  # a second run overwrites nothing
-    assert (tmp_path / "phi3" / "model.split-2.safetensors").is_file()
+    assert (tmp_path / "model.split-2.safetensors").is_file()
     assert tree_digest(f) == before
-    with safe_open(tmp_path / "phi3" / "model.split.safetensors", "pt") as s:
+    with safe_open(tmp_path / "model.split.safetensors", "pt") as s:
         assert s.metadata() == {"format": "pt"}
         assert "model.layers.1.mlp.up_proj.weight" in s.keys()
+
+
+def test_a_file_in_a_checkpoint_directory_gets_a_sibling_directory(model_dir, tmp_path):
+    """Loaders read every *.safetensors of a directory (mlx_lm.convert, from_pretrained of a single-file
+    checkpoint): a split file beside the input would break it, so the default output is a sibling directory."""
+    shutil.copytree(model_dir("phi3"), tmp_path / "phi3")
+    before = tree_digest(tmp_path / "phi3")
+    r = run_cli("split-gateup", tmp_path / "phi3" / "model.safetensors")
+    out = tmp_path / "phi3-split"
+    assert str(out) in r.output and tree_digest(tmp_path / "phi3") == before
+    assert len(list((tmp_path / "phi3").iterdir())) == len(before)  # nothing added beside the input
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
 
 
 def test_dry_run_writes_nothing_and_names_every_output(model_dir, tmp_path):
@@ -297,3 +309,19 @@ def test_other_formats_are_refused_by_the_cli_and_the_api_alike(model_dir, tmp_p
         with pytest.raises(FFNToolsError, match=f"is a {fmt} checkpoint"):
             fn(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_form_warning_is_the_load_check_on_the_planned_output(model_dir, tmp_path):
+    """With --load-check a warning says what transformers does with the output, checked on the planned names and
+    shapes; without it nothing is claimed (split and fuse do not import transformers)."""
+    def fuse(src, out, *extra):
+        return json.loads(run_cli("fuse-gateup", src, "-o", tmp_path / out, "--json", *extra).stdout)
+
+    r = fuse(model_dir("llama"), "fused", "--load-check")
+    assert len(r["warnings"]) == 1 and "would load in transformers (LlamaForCausalLM) with" in r["warnings"][0]
+    assert "newly initialized" in r["warnings"][0] and "gate_up_proj" in r["warnings"][0]
+    assert fuse(model_dir("llama"), "unchecked")["warnings"] == []
+    run_cli("split-gateup", model_dir("phi3"), "-o", tmp_path / "split")
+    assert fuse(tmp_path / "split", "back", "--load-check")["warnings"] == []  # Phi-3's own form: it loads
+    assert_identical(tensors(tmp_path / "back"), tensors(model_dir("phi3")))
+    assert fuse(model_dir("mixtral"), "stacked", "--stack-experts", "--load-check")["warnings"] == []  # v5 loads it

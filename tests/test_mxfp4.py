@@ -54,7 +54,8 @@ def test_mxfp4_reads_as_transformers_dequantizes_it(gpt_oss, tmp_path):
 
     bf16, packed = gpt_oss
     s = json.loads(run_cli("inspect", packed, "--json").output)
-    assert s["quantized"] == [{"dtype": "MXFP4", "scales": "scales", "block": [1, 32], "weights": 4}]
+    assert s["quantized"] == [{"dtype": "MXFP4", "scales": "scales", "block": [1, 32], "weights": 4,
+                               "how": "read dequantized, exactly (bf16)"}]
     assert s["ffn"] == json.loads(run_cli("inspect", bf16, "--json").output)["ffn"] and not s["unmatched_ffn_like"]
     run_cli("convert", packed, "--to", "torch", "-o", tmp_path / "deq")
     raw, deq = load_file(packed / "model.safetensors"), tensors(tmp_path / "deq")

@@ -218,8 +218,8 @@ def test_outside_cast_within_tolerance_and_a_zeroed_cast_fails(model_dir, tmp_pa
 
 def test_split_phi3_with_its_config_fails_the_load_check(model_dir, tmp_path):
     src = model_dir("phi3", torch.float32)
-    r = run_cli("split-gateup", src, "-o", tmp_path / "split")
-    assert "if the input loads in transformers as Phi3ForCausalLM, this would not load" in r.output  # split's
+    r = run_cli("split-gateup", src, "-o", tmp_path / "split", "--load-check")
+    assert "would load in transformers (Phi3ForCausalLM) with 2 tensors newly initialized" in r.output  # split's
     code, out = verify(src, tmp_path / "split")
     assert code == 1 and "B would load in transformers (Phi3ForCausalLM) with 2 tensors newly initialized: " \
         "model.layers.0.mlp.gate_up_proj.weight" in out, out

@@ -12,6 +12,7 @@ check through the real clients (``logits``).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -215,6 +216,8 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
             if found and (w := found.unmatched_warning()):
                 (report.notes if allow_unmatched else report.problems).append(
                     f"{side}: {w}" + ("" if allow_unmatched else "; --allow-unmatched accepts them unchecked"))
+        if fa and fb and sel_layers is None and sel_experts is None:
+            sel_layers, sel_experts = _extract_selection(report, ca, cb, fa, fb)
         if fa and fb:
             _check_pairs(report, ca, cb, fa, fb, mods, sel_layers, sel_experts, atol, rtol, exact, seed, tokens)
             report.outside = _outside(ca, cb, fa, fb, ffn_only or bool(sel_layers or sel_experts), atol, rtol)
@@ -268,6 +271,36 @@ def _tolerance_check(atol, rtol):
     def check(name, a, b, bits):
         return outside_tolerance(name, a, b, tolerance_for([a.dtype, b.dtype], bits, atol=atol, rtol=rtol))
     return check
+
+
+def _extract_selection(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet) -> tuple[set | None, set | None]:
+    """The selection an extract output's manifest records (``extract --layers 1``), applied to the other side:
+    what was not extracted is not missing. None, None where neither side is a partial extract."""
+    for side, ckpt, found, other in (("A", ca, fa, fb), ("B", cb, fb, fa)):
+        manifest = _manifest(ckpt) if found.scheme.name == "ffn-tools" else None
+        if not isinstance(manifest, dict):
+            continue
+        layers, experts = set(manifest.get("layers") or ()), set(manifest.get("experts") or ())
+        refs = [f.ref for f in other.ffns]
+        sel_layers = layers if {r.layer for r in refs} - layers else None
+        sel_experts = experts if {r.expert for r in refs if r.kind == "expert"} - experts else None
+        if sel_layers is None and sel_experts is None:
+            return None, None
+        what = "; ".join(f"{k} {_spans(v)}" for k, v in (("layers", sel_layers), ("experts", sel_experts)) if v)
+        report.notes.append(f"{side} is an extract of {what} (its manifest): only those FFNs are compared")
+        return sel_layers, sel_experts
+    return None, None
+
+
+def _manifest(ckpt) -> dict | None:
+    """An extract's manifest: in its config.json (a directory), or OUT.json beside a single file."""
+    if "ffn_tools_manifest" in (ckpt.config or {}):
+        return ckpt.config["ffn_tools_manifest"]
+    beside = Path(ckpt.path).with_suffix(".json")
+    try:
+        return json.loads(beside.read_text()) if Path(ckpt.path).suffix == ".safetensors" else None
+    except (OSError, ValueError):
+        return None
 
 
 def _extracts(fa: FFNSet | None, fb: FFNSet | None) -> str | None:
