@@ -69,7 +69,7 @@ def _config_dtype(config: dict | None, entries: list[Entry]) -> list[str]:
             sizes[e.st_dtype] = sizes.get(e.st_dtype, 0) + e.nbytes
     if config is None or not sizes:
         return []
-    stored = short_name(max(sizes, key=sizes.get))
+    stored = short_name(max(sizes, key=lambda st: sizes[st]))
     said = config_dtype(config)
     if said in (None, stored):
         return []
@@ -112,9 +112,9 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     config, changes = unquantized_config(ckpt.config, target)
     entries = [cast_entry(ckpt, n, target) for n in ckpt]
     metadata = {"format": "pt"}
-    dequantized = [n for n in ckpt if ckpt.quant_params(n)]
+    dequantized = [q for n in ckpt if (q := ckpt.quant_params(n))]
     if dequantized:  # recorded, so verify against the quantized model's source knows B carries its error
-        q = ckpt.quant_params(dequantized[0])
+        q = dequantized[0]
         record = {"format": str(ckpt.format), **{k: q.get(k) for k in ("bits", "group_size", "mode")},
                   "weights": len(dequantized)}
         metadata[DEQUANTIZED] = json.dumps(record)

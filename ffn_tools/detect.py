@@ -223,11 +223,11 @@ def find_ffns(ckpt, scheme: Scheme | None = None, layout: GateUpLayout | None = 
         form_name = complete[key][0]
         ffns.extend(_build(ckpt, group, form_name, forms[form_name], layer, expert, layout or group.layout, problems))
     seen: dict[FFNRef, FFN] = {}
-    for f in ffns:
-        if f.ref in seen:
-            problems.append(f"{f.ref}: found twice, as {seen[f.ref].names['down']} and {f.names['down']}; pass "
-                            "--scheme, or --gate/--up/--down templates naming one of them")
-        seen.setdefault(f.ref, f)
+    for ffn in ffns:
+        if ffn.ref in seen:
+            problems.append(f"{ffn.ref}: found twice, as {seen[ffn.ref].names['down']} and {ffn.names['down']}; "
+                            "pass --scheme, or --gate/--up/--down templates naming one of them")
+        seen.setdefault(ffn.ref, ffn)
     if problems:
         raise SchemeError(f"{ckpt.path}: inconsistent FFN tensors under scheme {scheme.name!r}: " + "; ".join(sorted(problems)))
     tensors = frozenset(n for f in ffns for n in f.names.values())
@@ -272,7 +272,7 @@ def _build(ckpt, group: Group, form_name: str, roles: dict[str, str], layer: int
     else:
         pair = (h, i) if form.transposed else (i, h)
         want.update(gate=pair, up=pair, gate_bias=(i,), up_bias=(i,))
-    n_experts = down[0] if form.stacked else None
+    n_experts: int | None = down[0] if form.stacked else None
     before = len(problems)
     if form.fused and len(shapes["gate_up"]) == 2 + lead and shapes["gate_up"][lead + fused_axis] % 2:
         problems.append(f"{names['gate_up']}: odd number of gate/up rows ({shapes['gate_up'][lead + fused_axis]}); "
@@ -286,6 +286,6 @@ def _build(ckpt, group: Group, form_name: str, roles: dict[str, str], layer: int
     if len(problems) > before:
         return []
     kind = group.kind
-    if form.stacked:
+    if n_experts is not None:  # stacked: one FFN per index along dim 0
         return [FFN(FFNRef(layer, kind, e), form_name, form, layout, names, e, h, i, group) for e in range(n_experts)]
     return [FFN(FFNRef(layer, kind, expert if expert is not None else -1), form_name, form, layout, names, None, h, i, group)]

@@ -106,7 +106,7 @@ def extract(ckpt, out: Path, *, layers: str | None = None, experts: str | None =
     entries = [e for f in chosen for e in _entries(ckpt, f)]
     dtype = ckpt.info(chosen[0].names["down"]).st_dtype
     manifest = {
-        "source": str(ckpt.path), "scheme": ffns.scheme.name, "activation": ffns.activation.config_name,
+        "source": str(Path(ckpt.path).resolve()), "scheme": ffns.scheme.name, "activation": ffns.activation.config_name,
         "gated_unit": ffns.activation.unit, "dtype": short_name(dtype),
         "d_model": chosen[0].d_model, "d_ffn": sorted({f.d_ffn for f in chosen}),
         "layers": sorted({f.ref.layer for f in chosen}),

@@ -60,7 +60,8 @@ class _Problems:
     """Every problem of one source, each under the key path it is at; raised together by ``check``."""
 
     def __init__(self, source: str | None):
-        self.source, self.found = source, []
+        self.source = source
+        self.found: list[str] = []
 
     def __call__(self, where: str, message: str) -> None:
         self.found.append(f"{where}: {message}" if where else message)
@@ -70,6 +71,18 @@ class _Problems:
             head = f"{self.source}: " if self.source else ""
             many = f"{len(self.found)} problems: " if len(self.found) > 1 else ""
             raise SchemeError(head + many + "; ".join(self.found))
+
+    def checked(self, scheme: Scheme | None) -> Scheme:
+        """``scheme`` once ``check`` found no problem (``_scheme`` returns None only after reporting one).
+
+        Raises:
+            SchemeError: every problem found; or, should a reader return None without reporting why, that
+                the input does not describe a scheme.
+        """
+        self.check()
+        if scheme is None:
+            raise SchemeError(f"{self.source or 'the templates'}: does not describe a scheme")
+        return scheme
 
 
 def _at(where: str, key) -> str:
@@ -145,7 +158,8 @@ def _layout(data, where: str, problems: _Problems) -> GateUpLayout:
         return CONCAT
 
 
-def _form(name: str, data, kind: str, where: str, problems: _Problems) -> Form | None:
+def _form(name: str, data, kind: object, where: str, problems: _Problems) -> Form | None:
+    # ``kind`` as the file gives it: ``_group`` reports it when it is not one of KINDS, and still reads the forms
     if not isinstance(data, dict):
         problems(where, f"a form is an object of role templates ({', '.join(FORM_ROLES[name])}); found {data!r}")
         return None
@@ -318,9 +332,7 @@ def load_scheme_file(path: str | Path) -> Scheme:
     if not isinstance(data, dict):
         raise SchemeError(f"{path}: a scheme file holds a JSON object")
     problems = _Problems(str(path))
-    scheme = _scheme(data, "", problems, GROUPS, LAYER_PREFIXES, path.stem, f"from {path}")
-    problems.check()
-    return scheme
+    return problems.checked(_scheme(data, "", problems, GROUPS, LAYER_PREFIXES, path.stem, f"from {path}"))
 
 
 def custom_scheme(gate: str | None = None, up: str | None = None, down: str | None = None,
@@ -334,10 +346,8 @@ def custom_scheme(gate: str | None = None, up: str | None = None, down: str | No
         raise SchemeError("custom templates need --down and either both --gate and --up or --gate-up")
     problems = _Problems(None)
     given = {r: t for r, t in zip(ROLES, (gate, up, down, gate_up)) if t}
-    scheme = _scheme({**given, "layout": dataclasses.asdict(layout)}, "", problems, GROUPS, LAYER_PREFIXES,
-                     "custom", "templates given on the command line")
-    problems.check()
-    return scheme
+    return problems.checked(_scheme({**given, "layout": dataclasses.asdict(layout)}, "", problems, GROUPS,
+                                    LAYER_PREFIXES, "custom", "templates given on the command line"))
 
 
 def load_library(path: Path = BUILTIN) -> tuple[tuple[str, ...], dict[str, Group], dict[str, Scheme]]:

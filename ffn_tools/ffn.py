@@ -30,10 +30,11 @@ ACTIVATIONS: dict[str, tuple[str, str]] = {
 ASSUMED_ACTIVATION = "silu"
 # (model_type, hidden_act) -> what transformers actually runs: Gemma's released configs carry a legacy
 # "gelu" that GemmaConfig replaces by the tanh approximation.
-LEGACY_ACTIVATION = {("gemma", "gelu"): "gelu_pytorch_tanh"}
+LEGACY_ACTIVATION: dict[tuple[str, str], str] = {("gemma", "gelu"): "gelu_pytorch_tanh"}
 # model_type -> the activation its modeling code hard-codes where its config has no hidden_act (checked
 # against transformers 5.24's modules).
-HARD_CODED_ACTIVATION = {"lfm2": "silu", "lfm3": "silu", "lfm2_moe": "silu", "xlstm": "silu", "cpmant": "gelu"}
+HARD_CODED_ACTIVATION: dict[str, str] = {"lfm2": "silu", "lfm3": "silu", "lfm2_moe": "silu", "xlstm": "silu",
+                                         "cpmant": "gelu"}
 
 
 @dataclass(frozen=True)
@@ -125,14 +126,15 @@ def activation_from_config(config: dict | None) -> Activation:
     Unknown activations, and clamp parameters that are not numbers, are reported under their own name with
     unit "unknown" so nothing mislabels them (and verify refuses to run them).
     """
-    name = None
-    if config and isinstance(config.get(CLAMPED_RECORD), dict):  # an FFN-only output (extract)
+    config = config or {}  # no config: no name, no model_type, as an empty one
+    if isinstance(config.get(CLAMPED_RECORD), dict):  # an FFN-only output (extract)
         config = {**config, **config[CLAMPED_RECORD]}
-    if config:
-        name = config.get("hidden_activation") or config.get("hidden_act") or \
-            HARD_CODED_ACTIVATION.get(config.get("model_type"))
-        name = LEGACY_ACTIVATION.get((config.get("model_type"), name), name)
-    clamped = CLAMPED.get(config.get("model_type")) if config else None
+    model_type: str | None = config.get("model_type")  # a string or absent (``read_config`` checks config.json)
+    name: str | None = config.get("hidden_activation") or config.get("hidden_act") or \
+        (HARD_CODED_ACTIVATION.get(model_type) if model_type is not None else None)
+    if model_type is not None and name is not None:
+        name = LEGACY_ACTIVATION.get((model_type, name), name)
+    clamped = CLAMPED.get(model_type) if model_type is not None else None
     if clamped and clamped.function:  # the modeling code ignores hidden_act
         name = name or clamped.function
     if not name:
@@ -143,12 +145,11 @@ def activation_from_config(config: dict | None) -> Activation:
         return Activation(name, unit, function)
     limit = _number(config, clamped.limit_key, clamped.limit_default)
     alpha = _number(config, clamped.alpha_key, clamped.alpha_default)
-    if clamped.only_positive and limit <= 0:
-        limit = None
-    elif not limit >= 0 or not alpha > 0:  # NaN: not a number
+    unclamped = clamped.only_positive and limit <= 0
+    if not unclamped and (not limit >= 0 or not alpha > 0):  # NaN: not a number
         bad = clamped.limit_key if not limit >= 0 else clamped.alpha_key
         return Activation(f"{name} with {bad}={config.get(bad)!r}", "unknown", function, family=clamped.label)
-    return Activation(name, unit, function, family=clamped.label, alpha=alpha, limit=limit,
+    return Activation(name, unit, function, family=clamped.label, alpha=alpha, limit=None if unclamped else limit,
                       up_offset=clamped.up_offset)
 
 

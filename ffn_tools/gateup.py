@@ -104,9 +104,9 @@ def _index_entry(ckpt, src: str, index: int | None, name: str, transpose: bool =
     info = ckpt.info(src)
     n = info.nbytes // info.shape[0]
     if transpose:
-        return Entry(name, info.st_dtype, info.shape[1:][::-1], (src,), lambda ts, i=index: ts[0][i].T.contiguous(),
+        return Entry(name, info.st_dtype, info.shape[1:][::-1], (src,), lambda ts: ts[0][index].T.contiguous(),
                      None, f"[{index}] of {src}, transposed to (out, in)")
-    return Entry(name, info.st_dtype, info.shape[1:], (src,), lambda ts, i=index: ts[0][i].contiguous(),
+    return Entry(name, info.st_dtype, info.shape[1:], (src,), lambda ts: ts[0][index].contiguous(),
                  ((0, index * n, n),), f"[{index}] of {src}")
 
 
@@ -350,7 +350,7 @@ def check_rewritable(ckpt: Checkpoint, command: str) -> None:
         FFNToolsError: naming the format and the conversion to run first.
     """
     if not ckpt.format.pytorch:
-        raise FFNToolsError(f"{ckpt.path}: is a {ckpt.format} checkpoint; {command} works on PyTorch checkpoints: "
+        raise FFNToolsError(f"{ckpt.path}: is {ckpt.format.described} checkpoint; {command} works on PyTorch checkpoints: "
                             f"ffn-tools convert {ckpt.path} --to torch -o DIR first")
     if packed := mxfp4.pairs(ckpt.stored):
         raise FFNToolsError(f"{ckpt.path}: {len(packed)} MXFP4 tensors ({next(iter(packed))}_blocks/_scales, ...): "

@@ -8,6 +8,7 @@ only what ffn-tools reads: weights, their index, config and generation config, t
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 
 from .errors import CheckpointError
@@ -29,9 +30,9 @@ def resolve(text: str) -> Path:
         CheckpointError: neither a path nor a repo id the Hub (or the offline cache) has.
     """
     path = Path(text)
-    if path.exists() or not looks_like_repo_id(text):
+    m = None if path.exists() else REPO_ID.fullmatch(text)  # an existing path is a path (``looks_like_repo_id``)
+    if m is None:
         return path
-    m = REPO_ID.fullmatch(text)
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
@@ -40,6 +41,6 @@ def resolve(text: str) -> Path:
     try:
         return Path(snapshot_download(m.group("repo"), revision=m.group("rev"), allow_patterns=PATTERNS))
     except Exception as e:  # noqa: BLE001 - the hub client's own errors: not found, offline, gated, network
-        reason = " ".join(str(e).split())[:240]
+        reason = textwrap.shorten(" ".join(str(e).split()), 300, placeholder=" ...")  # whole words
         raise CheckpointError(f"{text}: no such path, and not a Hub repo the cache or the Hub has "
                               f"({type(e).__name__}: {reason})") from None

@@ -140,7 +140,9 @@ def check_transformers(ckpt) -> LoadCheck:
             target, pattern = rename_source_key(name, [], [], model.base_model_prefix, meta)
         produced.setdefault(target, []).append((name, pattern))
         conv = next((c for c in converters if pattern is not None and pattern in c.source_patterns), None)
-        for other in (conv.target_patterns[1:] if conv else ()):  # one-to-many (a fused qkv split in three)
+        if conv is None:
+            continue
+        for other in conv.target_patterns[1:]:  # one-to-many (a fused qkv split in three)
             if conv.target_patterns[0] in target:
                 produced.setdefault(target.replace(conv.target_patterns[0], other), []).append((name, pattern))
     ignore_missing = [re.compile(p) for p in (model._keys_to_ignore_on_load_missing or [])]

@@ -22,6 +22,10 @@ class CheckpointPath(click.ParamType):
 
     name = "PATH|REPO_ID"
 
+    def shell_complete(self, ctx, param, incomplete):
+        """Complete file and directory names (the README's completion line), as click.Path does."""
+        return [click.shell_completion.CompletionItem(incomplete, type="file")]
+
     def convert(self, value, param, ctx):
         from .hub import looks_like_repo_id, resolve
 

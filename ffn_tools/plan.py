@@ -126,9 +126,10 @@ def _out_tensor(e: Entry, ckpt: Checkpoint, cache: dict) -> OutTensor:
         return out
 
     start = None
-    if e.pieces and all(i.start is not None for i in infos):
+    starts = [i.start for i in infos if i.start is not None]
+    if e.pieces and len(starts) == len(infos):  # every input's bytes lie in its file: starts[k] is infos[k]'s
         k, off, _ = e.pieces[0]
-        start = infos[k].start + off
+        start = starts[k] + off
     return OutTensor(e.name, e.st_dtype, tuple(e.shape), e.nbytes, produce, start, e.reads)
 
 

@@ -31,7 +31,7 @@ FORMS = ("separate", "fused", "stacked", "stacked-separate")
 # The roles of an FFN's tensors: one table, for every module that names them.
 PROJECTIONS = ("gate", "up", "down")  # canonical weights, PyTorch (out, in): gate, up (I, H), down (H, I)
 FUSED = "gate_up"  # gate and up stored in one tensor, arranged as the group's GateUpLayout says
-ROLES = (*PROJECTIONS, FUSED)  # what a form's templates name: the stored weights
+ROLES: tuple[str, ...] = (*PROJECTIONS, FUSED)  # what a form's templates name: the stored weights
 # Canonical weights and their biases (``FFN.names`` keys a weight's bias "<role>_bias"; see ``bias_name``).
 CANONICAL_ROLES = (*PROJECTIONS, *(f"{r}_bias" for r in PROJECTIONS))
 # The roles each form names, in the order scheme files write them.

@@ -60,7 +60,7 @@ def inspect_checkpoint(ckpt: Checkpoint, scheme: Scheme | None = None, layout: G
     for kind, fs in per_kind.items():
         forms = Counter(f.form_name for f in fs)
         layouts = sorted({f.layout.describe() for f in fs if f.form.fused})
-        tensors = {n for f in fs for n in f.names.values()}
+        names = {n for f in fs for n in f.names.values()}
         kinds[kind] = {
             "count": len(fs),
             "layers": len({f.ref.layer for f in fs}),
@@ -70,7 +70,7 @@ def inspect_checkpoint(ckpt: Checkpoint, scheme: Scheme | None = None, layout: G
                       + ("separate" if not layouts else "fused (" + "; ".join(layouts) + ")"
                          + (" and separate" if forms.get("separate") else "")),
             "bias": any(f.has_bias for f in fs),
-            "tensors": len(tensors),
+            "tensors": len(names),
         }
     experts = per_kind.get("expert", [])
     outside = [n for n in ckpt if n not in ffns.tensors and not is_companion(n, ffns.tensors)]
@@ -108,7 +108,7 @@ def format_summary(s: dict) -> list[str]:
     from .sizes import human
 
     lines = [
-        f"{s['path']}  ({s['format']}, {len(s['shards'])} shard(s), {human(s['total_bytes'])}, {s['tensors']} tensors)",
+        f"{s['path']}  ({s['format']}, {len(s['shards'])} shard{'s' * (len(s['shards']) != 1)}, {human(s['total_bytes'])}, {s['tensors']} tensors)",
         f"  architecture  {s['architecture']}  (model_type {s['model_type']})",
         f"  scheme        {s['scheme']}: {s['scheme_description']}",
         f"  layers        {s['layers']}" + (f" (config: {s['config_layers']})" if s["config_layers"] not in (None, s["layers"]) else ""),

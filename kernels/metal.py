@@ -17,12 +17,15 @@ tests/test_kernels_metal_source.py can compile them as C++ on machines without M
 from __future__ import annotations
 
 import functools
-from typing import Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, cast
 
 import torch
 
 from ffn_tools.kernels._mlx_io import mlx_dtype, to_mlx, to_torch
 from ffn_tools.kernels._surface import GLU, check_activation, check_ffn, check_fused, check_order, check_out, check_pair, emit, one_line
+
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 __all__ = [
     "HEADER",
@@ -154,6 +157,12 @@ _ACT_CODE = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu2": 3}
 _THREADGROUP = 256
 
 
+class _MetalKernel(Protocol):
+    """What ``mx.fast.metal_kernel`` returns (mlx's stub says ``object``): called with keywords, gives the outputs."""
+
+    def __call__(self, **kwargs: Any) -> list[mx.array]: ...
+
+
 @functools.lru_cache(maxsize=None)
 def why_unavailable() -> str:
     """"" when a Metal kernel runs here, otherwise a one-line reason (found by actually running one)."""
@@ -162,12 +171,12 @@ def why_unavailable() -> str:
     except ImportError as exc:
         return f"mlx is not installed ({one_line(exc)}); Metal kernels need ffn-tools[mlx] on Apple silicon"
     try:
-        probe = mx.fast.metal_kernel(
+        probe = cast(_MetalKernel, mx.fast.metal_kernel(
             name="ffn_tools_probe",
             input_names=["a"],
             output_names=["b"],
             source="b[thread_position_in_grid.x] = a[thread_position_in_grid.x] + 1;",
-        )
+        ))
         (res,) = probe(
             inputs=[mx.array([1.0])],
             output_shapes=[(1,)],
@@ -188,13 +197,13 @@ def available() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(variant: str):
+def _kernel(variant: str) -> _MetalKernel:
     import mlx.core as mx
 
     inputs, source = _SOURCES[variant]
-    return mx.fast.metal_kernel(
+    return cast(_MetalKernel, mx.fast.metal_kernel(
         name=f"ffn_tools_{variant}", input_names=list(inputs), output_names=["out"], source=source, header=HEADER
-    )
+    ))
 
 
 def _require() -> None:

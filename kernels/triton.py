@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from typing import Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -136,6 +136,7 @@ def _launch(kind, args, n_rows, n_cols, glu: GLU, single_rounding, config, **ext
     grid = (_cdiv(n_rows, cfg.block_m), _cdiv(n_cols, cfg.block_n))
     fn = kern.glu_pair_kernel if kind == "pair" else kern.glu_interleaved_kernel
     device = args[0].device
+    ctx: contextlib.AbstractContextManager[Any]
     if INTERPRETED:
         # exp(-x) overflowing to inf for x < -88 is intended (x / inf = -0, as in eager); numpy would warn.
         ctx = np.errstate(over="ignore")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from helpers import run_cli, tensors
 from safetensors.torch import save_file
@@ -98,7 +99,7 @@ def test_dry_run_json_plan_holds_only_tensors(model_dir):
 def test_split_refuses_an_mlx_directory_with_the_way_out(model_dir, tmp_path):
     run_cli("convert", model_dir("phi3"), "--to", "mlx", "-o", tmp_path / "q", "--quantize", "4", "--group-size", "32")
     r = run_cli("split-gateup", tmp_path / "q", ok=False)
-    assert "is a mlx checkpoint" in r.output and "--to torch" in r.output
+    assert "is an MLX checkpoint" in r.output and "--to torch" in r.output
 
 
 def test_scheme_files_are_checked_when_loaded(tmp_path, model_dir):
@@ -119,3 +120,27 @@ def test_split_with_templates_names_its_outputs(model_dir, tmp_path):
     run_cli("split-gateup", model_dir("phi3"), "-o", tmp_path / "o", *args,
             "--gate", "blocks.{layer}.g.weight", "--up", "blocks.{layer}.u.weight")
     assert "blocks.1.u.weight" in tensors(tmp_path / "o")
+
+
+def test_an_output_the_os_refuses_is_named_as_o(model_dir):
+    r = run_cli("fuse-gateup", model_dir("llama"), "-o", "/proc/forbidden", ok=False)
+    assert "Error: /proc/forbidden: cannot write in /proc" in r.output and ".lock" not in r.output
+
+
+def test_checkpoint_paths_complete_as_files():
+    from click.shell_completion import ShellComplete
+
+    from ffn_tools.cli import cli
+
+    for args in (["inspect"], ["verify"], ["convert"], ["split-gateup"]):
+        items = ShellComplete(cli, {}, "ffn-tools", "_FFN_TOOLS_COMPLETE").get_completions(args, "./")
+        assert [i.type for i in items] == ["file"], args  # the shell lists files and directories
+
+
+def test_python_api_errors_name_the_api_spelling_too(model_dir, tmp_path):
+    import ffn_tools
+    from ffn_tools.errors import FFNToolsError
+
+    ffn_tools.fuse_gateup(model_dir("llama"), tmp_path / "out")
+    with pytest.raises(FFNToolsError, match=r"choose another output path \(-o, out=\) or pass --force \(force=True\)"):
+        ffn_tools.fuse_gateup(model_dir("llama"), tmp_path / "out")

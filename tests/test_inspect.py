@@ -149,3 +149,10 @@ def test_help_is_fast_and_imports_no_heavy_framework():
             "print(heavy); assert not heavy")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_tensor_table_is_there_only_when_asked_for(model_dir):
+    s = json.loads(run_cli("inspect", model_dir("llama"), "--json").stdout)
+    assert "tensor_table" not in s
+    s = json.loads(run_cli("inspect", model_dir("llama"), "--json", "--tensors").stdout)
+    assert len(s["tensor_table"]) == s["tensors"]

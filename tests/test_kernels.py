@@ -114,21 +114,32 @@ def _layout_id(layout) -> str:
 # --- every backend against the float64 reference ---------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "activation, shape",
-    [(a, s) for s in SHAPES for a in kernels.ACTIVATIONS] + [("silu", s) for s in EXTRA_SHAPES],
-    ids=lambda v: v if isinstance(v, str) else f"{v[0]}x{v[1]}",
-)
-@pytest.mark.parametrize("layout", LAYOUTS, ids=_layout_id)
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
-@pytest.mark.parametrize("backend", backend_params())
-def test_activation_matches_reference(backend, dtype, layout, activation, shape):
+def _check_against_reference(mod, layout, shape, dtype, activation) -> None:
     g, u = make_inputs(shape, dtype)
     out = torch.full(shape, float("nan"), dtype=dtype)
-    res = run_layout(kernels.get_backend(backend), layout, g, u, out, activation=activation)
+    res = run_layout(mod, layout, g, u, out, activation=activation)
     assert res is out and res.dtype == dtype
     c = compare(out, reference.silu_mul(g, u, activation=activation), *tolerance(dtype))
-    assert c.ok, c.summary()
+    assert c.ok, f"{_layout_id(layout)} {shape}: {c.summary()}"
+
+
+@pytest.mark.parametrize("activation", kernels.ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("backend", backend_params())
+def test_activation_matches_reference(backend, dtype, activation):
+    """Numerics: every activation in every dtype, through the separate and the fused kernel."""
+    for layout in (LAYOUTS[0], LAYOUTS[4]):
+        _check_against_reference(kernels.get_backend(backend), layout, SHAPES[1], dtype, activation)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_layout_id)
+@pytest.mark.parametrize("backend", backend_params())
+def test_every_layout_and_shape_indexes_exactly_where_it_should(backend, layout):
+    """Indexing: every layout on every shape (one row, one column, ragged tiles), in a float and a 16-bit
+    dtype; a misplaced element fails the same comparison as a wrong value."""
+    for shape in (*SHAPES, *EXTRA_SHAPES):
+        for dtype in (torch.float32, torch.bfloat16):
+            _check_against_reference(kernels.get_backend(backend), layout, shape, dtype, "silu")
 
 
 @pytest.mark.parametrize("single_rounding", [False, True], ids=["two-roundings", "single-rounding"])

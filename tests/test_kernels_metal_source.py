@@ -248,15 +248,27 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 LAYOUTS = [("pair", "gate-up"), ("halves", "gate-up"), ("halves", "up-gate"), ("interleaved", "gate-up"), ("interleaved", "up-gate")]
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (7, 129), (5, 1001)], ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "-".join(l))
-@pytest.mark.parametrize("activation", kernels.ACTIVATIONS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_body_matches_reference(harness, tmp_path, dtype, activation, layout, shape):
+def _body_against_reference(harness, tmp_path, layout, shape, dtype, activation) -> None:
     gate, up = _inputs(shape, dtype)
     res = run_body(harness, tmp_path, layout[0], gate, up, activation, order=layout[1])
     c = compare(res, reference.silu_mul(gate, up, activation=activation), *tolerance(dtype))
-    assert c.ok, c.summary()
+    assert c.ok, f"{'-'.join(layout)} {shape}: {c.summary()}"
+
+
+@pytest.mark.parametrize("activation", kernels.ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_body_matches_reference(harness, tmp_path, dtype, activation):
+    """Numerics: every activation in every dtype, through the pair and an interleaved body."""
+    for layout in (LAYOUTS[0], LAYOUTS[4]):
+        _body_against_reference(harness, tmp_path, layout, (7, 129), dtype, activation)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "-".join(l))
+def test_every_body_layout_indexes_exactly_where_it_should(harness, tmp_path, layout):
+    """Indexing: every layout and order on one row, one column and ragged shapes, in float32 and bfloat16."""
+    for shape in ((1, 1), (1, 7), (7, 129), (5, 1001)):
+        for dtype in (torch.float32, torch.bfloat16):
+            _body_against_reference(harness, tmp_path, layout, shape, dtype, "silu")
 
 
 @pytest.mark.parametrize("activation", kernels.ACTIVATIONS)

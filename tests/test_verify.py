@@ -587,3 +587,21 @@ def test_cli_constants_match_the_library_and_help_shows_the_table():
     assert verify_cli.DEFAULT_TOKENS == lib.DEFAULT_TOKENS
     out = CliRunner().invoke(cli, ["verify", "--help"]).output
     assert "bfloat16" in out and "4-bit" in out and "Exit status" in out
+
+
+def test_kernel_backends_run_one_ffn_of_each_kind_and_the_report_says_so(model_dir, tmp_path):
+    from ffn_tools import kernels
+
+    others = [b for b in kernels.available_backends() if b != "reference"]
+    if not others:
+        pytest.skip("no kernel backend besides the reference here")
+    src = model_dir("llama")
+    code, rep = verify_json(src, src)
+    assert code == 0 and rep["coverage"] == {"reference": 2, **dict.fromkeys(others, 1)}
+    code, out = verify(src, src)
+    assert f"ran: reference on all 2 FFNs; {others[0]} on 1" in out and "--all-ffns-on-every-backend" in out
+    code, rep = verify_json(src, src, "--all-ffns-on-every-backend")
+    assert code == 0 and set(rep["coverage"].values()) == {2}
+    bad = plant(src, tmp_path / "bad", _swap(L1 + "gate_proj.weight", L1 + "up_proj.weight"))  # the 2nd FFN
+    code, rep = verify_json(src, bad)
+    assert code == 1 and any(f.startswith("layer 1") for f in rep["failures"])  # the reference catches it

@@ -17,6 +17,8 @@ too, and a sidecar would be carried into every later conversion as an unknown si
 
 from __future__ import annotations
 
+from typing import overload
+
 from ffn_tools.errors import CheckpointError
 
 ADDED_KEYS = "ffn_tools_added_config_keys"  # the same names as the MLX export's record (in its metadata)
@@ -43,6 +45,10 @@ def v4_keys(config: dict) -> dict:
     return out
 
 
+@overload
+def v4_config(config: dict) -> dict: ...
+@overload
+def v4_config(config: None) -> None: ...
 def v4_config(config: dict | None) -> dict | None:
     """``config`` with the v4 keys it lacks (or holds as null) added, and the record of them (see the module
     doc); ``config`` itself when none is missing."""
@@ -59,6 +65,10 @@ def v4_config(config: dict | None) -> dict | None:
     return out
 
 
+@overload
+def restore_source_config(config: dict, where: str = ...) -> dict: ...
+@overload
+def restore_source_config(config: None, where: str = ...) -> None: ...
 def restore_source_config(config: dict | None, where: str = "config.json") -> dict | None:
     """The inverse of ``v4_config``: ``config`` without the keys export added and the record, filled nulls nulled.
 

@@ -11,7 +11,8 @@ pure move; a cast is torch's ``.to``.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+import operator
+from typing import TYPE_CHECKING, Any
 
 from ffn_tools.detect import find_ffns
 from ffn_tools.errors import FFNToolsError
@@ -82,7 +83,7 @@ def _linen_entries(ckpt: Checkpoint, f: FFN, dtype: torch.dtype | None, canonica
             path = (*prefix, role, leaf)
             src = f.names.get(key) or f.names["gate_up_bias" if leaf == "bias" else "gate_up"]
             if leaf == "bias" and key in f.names and f.index is None and ckpt.info(src).st_dtype == out_st:
-                yield Entry(tree_name(path), out_st, shape, inputs, lambda ts, k=inputs.index(src): ts[k],
+                yield Entry(tree_name(path), out_st, shape, inputs, operator.itemgetter(inputs.index(src)),
                             ((inputs.index(src), 0, ckpt.info(src).nbytes),), f"{key} of {f.ref}: copy of {src}"), path
                 continue
 
@@ -117,7 +118,7 @@ def _linen(ckpt: Checkpoint, dtype: torch.dtype | None, scheme, layout) -> tuple
         "experts": sorted({f.ref.expert for f in chosen if f.ref.kind == "expert"}),
         "shared_expert": any(f.ref.kind == "shared" for f in chosen), "ffns": len(chosen), "tensors": len(entries),
     }
-    config = {"ffn_tools_manifest": manifest}
+    config: dict[str, Any] = {"ffn_tools_manifest": manifest}
     if not ffns.activation.assumed:
         config["hidden_act"] = ffns.activation.config_name
     return entries, paths, config
@@ -136,16 +137,17 @@ def build_plan(ckpt: Checkpoint, flax_layout: str, dtype: torch.dtype | None, sc
     """
     if flax_layout not in LAYOUTS:
         raise FFNToolsError(f"unknown Flax layout {flax_layout!r}; use one of {', '.join(LAYOUTS)}")
+    facts: dict[str, object] = {"layout": flax_layout}
+    config: dict | None
     if flax_layout == "hf":
         pairs = [_hf_entry(ckpt, n, dtype) for n in ckpt]
         entries, paths = [e for e, _ in pairs], [p for _, p in pairs]
         config = v4_config(unquantized_config(ckpt.config, dtype)[0])
     else:
-        entries, paths, config = _linen(ckpt, dtype, scheme, layout)
+        entries, paths, linen_config = _linen(ckpt, dtype, scheme, layout)
+        facts["ffns"] = linen_config["ffn_tools_manifest"]["ffns"]
+        config = linen_config
     writer = MsgpackWriter(paths)  # checked before anything is written
-    facts = {"layout": flax_layout}
-    if flax_layout == "linen":
-        facts["ffns"] = config["ffn_tools_manifest"]["ffns"]
     plan = Plan(ckpt, entries, config if with_config else None, summary=facts)
     plan.changes = changes(plan)
     return plan, writer

@@ -12,6 +12,7 @@ are never converted: bfloat16 stays bfloat16 (the bytes of torch and ml_dtypes a
 
 from __future__ import annotations
 
+import io
 import math
 import mmap
 import struct
@@ -223,7 +224,7 @@ def _unchunk(buf, file: Path, path: tuple, node: dict) -> Leaf:
     return Leaf(path, parts[0][0], shape, file, tuple(p for _, _, p in parts))
 
 
-def read_leaf(handle, leaf: Leaf) -> torch.Tensor:
+def read_leaf(handle: io.BufferedIOBase, leaf: Leaf) -> torch.Tensor:
     """The tensor of ``leaf``, read from the open binary file ``handle`` (bytes reinterpreted, not converted)."""
     import torch
 

@@ -10,6 +10,7 @@ config.json reads as the config the export was made from: the transformers-4 key
 from __future__ import annotations
 
 import builtins
+import io
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -89,7 +90,7 @@ class FlaxCheckpoint(Checkpoint):
             start = leaf.pieces[0][0] if len(leaf.pieces) == 1 and not transpose else None
             infos[name] = TensorInfo(name, DTYPES[leaf.dtype], leaf.shape[::-1] if transpose else leaf.shape, leaf.file, start)
         super().__init__(path, root, files, infos, {}, config)
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, io.BufferedReader] = {}
         if linen is None:
             self._check_ffns()
 

@@ -100,15 +100,15 @@ def linen_ffns(paths: list[tuple[str, ...]]) -> dict[tuple[str, ...], LinenFFN] 
     rest = [p[strip:] for p in paths]
     if rest and all(len(r) == 2 and r[0] in ROLES for r in rest):
         return {tuple(paths[0][:strip]): LinenFFN(tuple(paths[0][:strip]), 0, "dense")}
-    if not rest or not all(len(r) == 3 and r[1] in ROLES and _LINEN_RX.fullmatch(r[0]) for r in rest):
+    if not rest or not all(len(r) == 3 and r[1] in ROLES for r in rest):
         return None
-    out = {}
-    for p in paths:
-        prefix = p[: strip + 1]
-        if prefix not in out:
-            m = _LINEN_RX.fullmatch(prefix[-1])
-            kind = "expert" if m["expert"] else "shared" if m["shared"] else "dense"
-            out[prefix] = LinenFFN(prefix, int(m["layer"]), kind, int(m["expert"]) if m["expert"] else -1)
+    subtrees = {p[: strip + 1]: _LINEN_RX.fullmatch(p[strip]) for p in paths}  # each module once, in tree order
+    out: dict[tuple[str, ...], LinenFFN] = {}
+    for prefix, m in subtrees.items():
+        if m is None:
+            return None
+        kind = "expert" if m["expert"] else "shared" if m["shared"] else "dense"
+        out[prefix] = LinenFFN(prefix, int(m["layer"]), kind, int(m["expert"]) if m["expert"] else -1)
     return out
 
 

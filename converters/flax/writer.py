@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ffn_tools.io.dtypes import itemsize, torch_dtype
 from ffn_tools.errors import CheckpointError
-from ffn_tools.io.writer import ByteRange, OutTensor, Writer, copy_ranges
+from ffn_tools.io.writer import ByteRange, OutTensor, Sources, Writer, copy_ranges
 
 from . import msgpack_format as flax_msgpack
 from .msgpack_format import CHUNKED, DTYPE_NAMES, EXT_NDARRAY
@@ -107,7 +107,9 @@ def shard_leaves(leaves: list[OutLeaf], max_shard_size: int | None) -> list[list
     gets a file alone)."""
     if not max_shard_size:
         return [leaves]
-    shards, cur, size = [], [], 5  # 5: the root map header, at most
+    shards: list[list[OutLeaf]] = []
+    cur: list[OutLeaf] = []
+    size = 5  # 5: the root map header, at most
     for leaf in leaves:
         cost = shard_cost(leaf)
         if cur and size + cost > max_shard_size:
@@ -220,7 +222,8 @@ class _Sink:
     """The output file: msgpack headers gathered in memory, array bytes written (or copied) straight through."""
 
     def __init__(self, f, progress: Progress | None):
-        self.f, self.progress, self.head, self.sources = f, progress, bytearray(), {}
+        self.f, self.progress, self.head = f, progress, bytearray()
+        self.sources: Sources = {}
 
     def put(self, b: bytes) -> None:
         self.head += b
@@ -269,7 +272,10 @@ def _write_node(sink: _Sink, node: dict) -> None:
 
 
 def _write_leaf(sink: _Sink, leaf: OutLeaf) -> None:
+    if leaf.produce is None:
+        raise RuntimeError(f"internal error: {tree_name(leaf.path)} has no bytes (a structure-only leaf)")
     payload = leaf.produce()
+    data: memoryview | list[ByteRange]
     if isinstance(payload, list):  # input byte ranges: copied, never entering Python; progress moves as they do
         if sum(r.nbytes for r in payload) != leaf.nbytes:
             raise RuntimeError(f"internal error: {tree_name(leaf.path)} produced {sum(r.nbytes for r in payload)} "
@@ -283,7 +289,7 @@ def _write_leaf(sink: _Sink, leaf: OutLeaf) -> None:
             raise RuntimeError(f"internal error: {tree_name(leaf.path)} produced {t.dtype}{list(t.shape)}, "
                                f"planned {leaf.dtype}{list(leaf.shape)}")
         flat = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        data = memoryview(flat.numpy())
+        data = flat.numpy().data  # the array's buffer, as memoryview(array) gives it
     name, item = DTYPE_NAMES[leaf.dtype], leaf.itemsize
     chunks = _chunks(leaf)
     if chunks is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import cast
 
 TEMPLATE = "---\nlanguage: en\nlibrary_name: mlx\npipeline_tag: text-generation\ntags:\n- mlx\n---\n"
 _SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/[^/]+")
@@ -30,12 +31,13 @@ def model_card(ckpt) -> str:
 
     readme = Path(ckpt.root) / "README.md"
     card = ModelCard(readme.read_text()) if readme.is_file() else ModelCard.from_template(ModelCardData(language="en"))
-    card.data.library_name = "mlx"
-    card.data.pipeline_tag = "text-generation"
-    if card.data.tags is None:
-        card.data.tags = ["mlx"]
-    elif "mlx" not in card.data.tags:
-        card.data.tags += ["mlx"]
-    card.data.base_model = repo
+    data = cast(ModelCardData, card.data)  # a ModelCard's data class; huggingface_hub types it as RepoCard's CardData
+    data.library_name = "mlx"
+    data.pipeline_tag = "text-generation"
+    if data.tags is None:
+        data.tags = ["mlx"]
+    elif "mlx" not in data.tags:
+        data.tags += ["mlx"]
+    data.base_model = repo
     card.text = ""
     return str(card)

@@ -20,6 +20,7 @@ import json
 import re
 from functools import partial
 from pathlib import Path
+from typing import NoReturn, TypedDict
 
 from ffn_tools.io.dtypes import DTYPE_CHOICES, USER_DTYPES, short_name
 from ffn_tools.errors import FFNToolsError, listing
@@ -140,7 +141,7 @@ def _match(ckpt: Checkpoint, where: str) -> tuple[Target, list[Entry], list, lis
         FFNToolsError: no view fits (what the plain input lacks or has too much, all listed).
     """
     tg = target(ckpt.config, where, has_head=HEAD in ckpt)
-    closest = (float("inf"), [])
+    closest: tuple[float, list[str]] = (float("inf"), [])
     for label, entries in _views(ckpt):
         shapes = {e.name: (tuple(e.shape), e.st_dtype) for e in entries}
         tg.model, tg.prequant = tg.fresh(), None
@@ -162,8 +163,14 @@ def _match(ckpt: Checkpoint, where: str) -> tuple[Target, list[Entry], list, lis
                         + "; ".join(closest[1]))
 
 
+class _Prequant(TypedDict):
+    group_size: int
+    bits: int
+    mode: str
+
+
 # quantization_config methods mlx_lm.load keeps quantized, as its load_model maps them (mode, group, bits)
-PREQUANTIZED = {"mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"},
+PREQUANTIZED: dict[str, _Prequant] = {"mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"},
                 "mxfp8": {"group_size": 32, "bits": 8, "mode": "mxfp8"}}
 
 
@@ -217,6 +224,11 @@ def _match_or_dequantize(ckpt: Checkpoint, quantizing: bool = False):
                        f"float32: mlx_lm's {found[0].module} model has no FP8 form (pass --dtype to store them "
                        "smaller, -q to quantize)")
     return (*found, deq)
+
+
+def _sizing_only() -> NoReturn:
+    """The ``produce`` of the ``OutTensor``s ``plan_shards`` sizes the shards with: never written."""
+    raise RuntimeError("internal error: a tensor made only to size the shards was written")
 
 
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
@@ -293,7 +305,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     from .tensors import plan_outputs
 
     entries, jobs = plan_outputs(ckpt, tg, view, outputs, target_st, chosen, d.shapes if d else {})
-    if quant:
+    if quant and d:
         n = sum(e.name.endswith(".scales") for e in entries)
         changes.append(f"quantized {n} weights with mx.quantize: {quant.bits} bits, group size {quant.group_size} "
                        f"({quant.mode}{', recipe ' + quant.recipe if quant.recipe else ''}); config.json gets the "
@@ -315,8 +327,10 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     if dry_run:
         return {**summary, "files": [], "plan": plan.describe()}
     shard = max_shard_size or MAX_SHARD_SIZE
+    if ckpt.config is None:  # target() refused it already
+        raise FFNToolsError(f"{ckpt.path}: no config.json; MLX export needs it")
     metadata = {**METADATA, **added_metadata(ckpt.config, config)}  # what reading back removes
-    items = [OutTensor(e.name, e.st_dtype, tuple(e.shape), e.nbytes, None) for e in entries]
+    items = [OutTensor(e.name, e.st_dtype, tuple(e.shape), e.nbytes, _sizing_only) for e in entries]
     extra = {"config.json": mlx_config(ckpt, config, block), "README.md": model_card(ckpt)}
     if len(plan_shards(items, shard, metadata)) == 1:  # mlx-lm writes an index even for one shard
         index = {"metadata": {"total_size": plan.total_bytes},

@@ -22,8 +22,12 @@ import importlib
 import importlib.util
 import types
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 from ffn_tools.errors import FFNToolsError
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
 
 # ModelArgs field -> where a transformers v5 config keeps it (dotted paths, first present wins).
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -70,14 +74,14 @@ def _has_module(name: str) -> bool:
     return importlib.util.find_spec(f"mlx_lm.models.{name}") is not None
 
 
-def _import_model_module(name: str) -> types.ModuleType | None:
-    """``mlx_lm.models.<name>``; None if mlx_lm has no such module.
+def _import_model_module(name: str) -> types.ModuleType:
+    """``mlx_lm.models.<name>``, a module ``module_name`` found.
 
     Raises:
-        FFNToolsError: the module exists but does not import (a package it needs is not installed).
+        FFNToolsError: mlx_lm has no such module, or it does not import (a package it needs is not installed).
     """
     if not _has_module(name):
-        return None
+        raise FFNToolsError(f"mlx_lm {_version()} has no module mlx_lm.models.{name}")
     try:
         return importlib.import_module(f"mlx_lm.models.{name}")
     except (ImportError, SystemExit) as e:  # a model module needing a package that is not installed
@@ -87,9 +91,15 @@ def _import_model_module(name: str) -> types.ModuleType | None:
 
 def module_name(config: dict) -> str | None:
     """The ``mlx_lm.models`` module mlx_lm would build ``config`` with (its remapping), else the model_type
-    without ``_text``; None when mlx_lm has neither."""
+    without ``_text``; None when mlx_lm has neither.
+
+    Raises:
+        FFNToolsError: the config has no model_type.
+    """
     remap, arch_remap = remappings()
     model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        raise FFNToolsError("config.json has no model_type; mlx_lm picks its model class by it")
     archs = config.get("architectures") or ()
     archs = (archs,) if isinstance(archs, str) else archs
     first = next((arch_remap[(model_type, a)] for a in archs if (model_type, a) in arch_remap),
@@ -176,7 +186,7 @@ class Target:
     """
 
     module: str
-    model: object
+    model: nn.Module
     config: dict
     added: list[str]
     params: dict[str, tuple[int, ...]]
@@ -193,7 +203,7 @@ def _fields(mod) -> dict[str, object]:
     """ModelArgs field -> default (``dataclasses.MISSING`` when required); a composite model's text arguments
     too (Qwen 3.5's ``TextModelArgs``, built from the same config when it has no ``text_config``), from the
     module and those of the model class's bases (Qwen 3.5 MoE's model is Qwen 3.5's)."""
-    out = {}
+    out: dict[str, object] = {}
     spaces = [vars(mod)] + [c.__init__.__globals__ for c in mod.Model.__mro__[1:]
                             if c.__module__.startswith("mlx_lm.") and hasattr(c.__init__, "__globals__")]
     classes = [c for space in spaces for c in space.values() if isinstance(c, type) and dataclasses.is_dataclass(c)
@@ -265,7 +275,8 @@ def parameters(model) -> dict[str, tuple[int, ...]]:
     """Parameter name -> shape of an mlx model (sanitize may change the model: read it after)."""
     from mlx.utils import tree_flatten
 
-    return {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    flat = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))  # no destination: mlx returns a list
+    return {k: tuple(v.shape) for k, v in flat}
 
 
 def _version() -> str:

@@ -94,9 +94,9 @@ def map_outputs(model, shapes: Mapping[str, tuple[tuple[int, ...], str]]) -> tup
     used = {ident[id(a)] for a in result.values() if id(a) in ident}
     spare: dict[str, list[tuple[int, str]]] = {}
     for n in inputs:
-        if n not in used:
+        if n not in used and (m := _EXPERT.fullmatch(n)):  # only an expert's tensor has stack keys
             for key in _stack_keys(n):
-                spare.setdefault(key, []).append((int(_EXPERT.fullmatch(n)["e"]), n))
+                spare.setdefault(key, []).append((int(m["e"]), n))
     outputs = []
     for name, a in result.items():
         if id(a) in ident:
@@ -105,7 +105,7 @@ def map_outputs(model, shapes: Mapping[str, tuple[tuple[int, ...], str]]) -> tup
         members = sorted(spare.get(name, ()))
         srcs = tuple(n for _, n in members)
         first = shapes[srcs[0]] if srcs else None
-        if srcs and [e for e, _ in members] == list(range(len(srcs))) and tuple(a.shape) == (len(srcs), *first[0]) \
+        if first is not None and [e for e, _ in members] == list(range(len(srcs))) and tuple(a.shape) == (len(srcs), *first[0]) \
                 and all(shapes[s] == first for s in srcs) and ST_DTYPES.get(a.dtype) == first[1]:
             outputs.append(Output(name, tuple(a.shape), first[1], srcs))
             used.update(srcs)

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Literal
 
 import mlx.core as mx
 
 from ffn_tools.io.dtypes import itemsize, nbytes
 from ffn_tools.io.raw import RawTensor  # noqa: F401 - re-exported: the MLX modules' tensors
 from ffn_tools.io.store import read_bytes
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future, ProcessPoolExecutor
 
 CHUNK_BYTES = 4 << 20
 PARALLEL_MIN_BYTES = 128 << 20  # less to quantize than this: starting worker processes costs more
@@ -29,13 +33,14 @@ MX_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "F64": m
              "U8": mx.uint8, "U16": mx.uint16, "I32": mx.int32, "I64": mx.int64, "I8": mx.int8, "I16": mx.int16,
              "U64": mx.uint64, "BOOL": mx.bool_}
 ST_DTYPES = {v: k for k, v in MX_DTYPES.items()}
-_UINT = {1: ("B", mx.uint8), 2: ("H", mx.uint16), 4: ("I", mx.uint32), 8: ("Q", mx.uint64)}
+_UINT: dict[int, tuple[Literal["B", "H", "I", "Q"], mx.Dtype]] = {
+    1: ("B", mx.uint8), 2: ("H", mx.uint16), 4: ("I", mx.uint32), 8: ("Q", mx.uint64)}
 
 
 def to_mx(data: memoryview, st: str, shape: Sequence[int]) -> mx.array:
     """An mx array of dtype ``st`` from raw little-endian bytes (copied)."""
     code, utype = _UINT[itemsize(st)]
-    a = mx.array(data.cast(code, shape=list(shape) or [1]))
+    a = mx.array(data.cast(code, shape=list(shape) or [1]))  # type: ignore[arg-type]  # mlx's stub omits buffers
     a = a if MX_DTYPES[st] == utype else a.view(MX_DTYPES[st])
     return a if shape else a.reshape(())
 
@@ -56,7 +61,7 @@ def torch_to_mx(t) -> mx.array:
 
 def raw_bytes(a: mx.array) -> memoryview:
     """The bytes of an (evaluated, row-contiguous) mx array, through its buffer (bf16 included)."""
-    return memoryview(a).cast("B")
+    return memoryview(a).cast("B")  # type: ignore[arg-type]  # mlx's stub omits array.__buffer__
 
 
 def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -174,7 +179,9 @@ class QuantJob:
         infos = [ckpt.info(n) for n in self.sources]
         self.infos = infos if infos and all(i.start is not None for i in infos) else None  # what a worker can read
         self.nbytes = sum(i.nbytes for i in infos)
-        self.pool, self.index, self.future = None, -1, None
+        self.pool: QuantPool | None = None
+        self.index = -1
+        self.future: Future[list[RawTensor]] | None = None
         self._parts: list[RawTensor] | None = None
         self._left: set[int] = set()
 
@@ -229,7 +236,7 @@ class QuantPool:
         for i, j in enumerate(self.jobs):
             j.pool, j.index = self, i
         self.workers, self.submitted = workers, 0
-        self._executor = None
+        self._executor: ProcessPoolExecutor | None = None
 
     def ahead(self, job: QuantJob) -> None:
         """Submit ``job`` and the next few, starting the workers on first use."""

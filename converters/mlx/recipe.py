@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ffn_tools.errors import FFNToolsError
 
-from .models import mlx_lm_module
+from .models import mlx_lm_module, parameters
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def resolve(quantize, bits: int | None, group_size: int | None, mode: str | None
     if mode not in MODES:
         raise FFNToolsError(f"unknown quantization mode {mode!r}; use one of {', '.join(MODES)}")
     g0, b0, pairs = MODES[mode]
-    given = int(group_size) if group_size is not None else None
+    given_group_size = int(group_size) if group_size is not None else None
     group_size, bits = int(group_size or g0), int(bits or b0)
     if pairs is not None and (group_size, bits) not in pairs:
         ok = " or ".join(f"--q-group-size {g} --q-bits {b}" for g, b in sorted(pairs))
@@ -85,7 +85,7 @@ def resolve(quantize, bits: int | None, group_size: int | None, mode: str | None
             raise FFNToolsError(f"unknown quantization recipe {recipe!r}; mlx_lm has {', '.join(recipes())}")
         if mode != "affine":
             raise FFNToolsError("--quant-predicate recipes quantize with mode affine only (as mlx_lm.convert)")
-    return Quant(group_size, bits, mode, recipe, given)
+    return Quant(group_size, bits, mode, recipe, given_group_size)
 
 
 def _own(params: dict) -> dict:
@@ -129,13 +129,13 @@ def decide(model, quant: Quant) -> Decision:
                                                                                  quant.given_group_size)
         except ValueError as e:
             raise FFNToolsError(f"--quant-predicate {quant.recipe}: {e}") from None
-    before = dict(tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module))
+    before: dict[str, nn.Module] = dict(tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module))
     said = io.StringIO()
     with contextlib.redirect_stdout(said):  # it prints the bits per weight; {}: a source with no quantization block
         model, config = mlx_lm_module("utils").quantize_model(model, {}, quant.group_size, quant.bits,
                                                               mode=quant.mode, quant_predicate=predicate)
     logger.debug("mlx_lm: %s", said.getvalue().strip())
-    after = dict(tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module))
+    after: dict[str, nn.Module] = dict(tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module))
     block, chosen, skipped = config["quantization"], {}, {}
     for path, module in before.items():
         if not hasattr(module, "to_quantized"):  # what nn.quantize can quantize at all
@@ -147,5 +147,4 @@ def decide(model, quant: Quant) -> Decision:
             skipped[path] = f"last dimension {last} is not a multiple of group size {quant.group_size}"
         else:
             skipped[path] = "the model's quant_predicate keeps it" if quant.recipe is None else "the recipe keeps it"
-    shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
-    return Decision(chosen, skipped, shapes, block)
+    return Decision(chosen, skipped, parameters(model), block)

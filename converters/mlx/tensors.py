@@ -14,6 +14,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from ffn_tools.io.dtypes import nbytes, short_name
+from ffn_tools.io.raw import RawTensor
 from ffn_tools.plan import Entry, copy_entry
 
 from .names import Output, SanitizeRun
@@ -39,7 +40,9 @@ def _torch_stack(ts):
 
 def _combined(name: str, members: list[Entry], dtype: str, shape: tuple[int, ...], note: str) -> Entry:
     """Entries stacked on a new first axis: their inputs concatenated, their pieces too where all have them."""
-    inputs, pieces, spans = [], [], []
+    inputs: list[str] = []
+    pieces: list[tuple[int, int, int]] | None = []
+    spans: list[tuple[int, int]] = []
     for e in members:
         spans.append((len(inputs), len(e.inputs)))
         base = len(inputs)
@@ -58,8 +61,9 @@ class _Source:
     def __init__(self, ckpt, o: Output, view: dict[str, Entry], run: Callable[[], SanitizeRun]):
         self.ckpt, self.o, self.run = ckpt, o, run
         self.members = [view[n] for n in o.sources]
-        plain = [_plain(ckpt, e) for e in self.members]
-        self.inputs = tuple(plain) if self.members and all(plain) else None  # streamable input rows
+        plain = [p for e in self.members if (p := _plain(ckpt, e))]
+        self.inputs: tuple[str, ...] | None = (tuple(plain) if self.members and len(plain) == len(self.members)
+                                               else None)  # streamable input rows
 
     @property
     def nbytes(self) -> int:
@@ -94,6 +98,20 @@ class _Source:
                 return copy_entry(self.ckpt, self.inputs[0], o.name)
             return Entry(o.name, e.dtype, e.shape, e.inputs, e.compute, e.pieces, e.note)
         return _combined(o.name, self.members, o.dtype, o.shape, self.note())
+
+    def cast_entry(self, to: str) -> Entry:
+        """The output cast to ``to``: input rows streamed through MLX where it has them, else the whole array."""
+        o, inputs, note = self.o, self.inputs, f"cast to {short_name(to)} {self.note()}"
+        if inputs:
+            return Entry(o.name, to, o.shape, (), lambda _: stream(self.ckpt, inputs, [(to, o.shape)], cast_fn(to))[0],
+                         None, note, reads=self.nbytes)
+        return Entry(o.name, to, o.shape, (), lambda _: from_mx(self.array().astype(MX_DTYPES[to])), None, note,
+                     reads=self.nbytes)
+
+
+def _part(job: QuantJob, k: int) -> Callable[[list], RawTensor]:
+    """The compute of a quantized weight's part ``k``: taken from its job (the entry reads no inputs itself)."""
+    return lambda _: job.part(k)
 
 
 def plan_outputs(ckpt, tg, view: list[Entry], outputs: list[Output], cast: str | None, chosen: dict[str, dict],
@@ -130,18 +148,10 @@ def plan_outputs(ckpt, tg, view: list[Entry], outputs: list[Output], cast: str |
                 name = f"{module}.{parts[k]}"
                 if name in qshapes and tuple(qshapes[name]) != tuple(shape):
                     raise RuntimeError(f"internal error: {name} planned {list(shape)}, MLX's model {list(qshapes[name])}")
-                entries.append(Entry(name, st, shape, (), lambda _, j=job, k=k: j.part(k), None, f"{parts[k]} of {how}",
+                entries.append(Entry(name, st, shape, (), _part(job, k), None, f"{parts[k]} of {how}",
                                      reads=src.nbytes if k == 0 else 0))
             continue
-        if to is None:
-            entries.append(src.entry())
-        elif src.inputs:
-            entries.append(Entry(o.name, to, o.shape, (), lambda _, s=src, t=to: stream(
-                ckpt, s.inputs, [(t, s.o.shape)], cast_fn(t))[0], None, f"cast to {short_name(to)} {src.note()}",
-                reads=src.nbytes))
-        else:
-            entries.append(Entry(o.name, to, o.shape, (), lambda _, s=src, t=to: from_mx(s.array().astype(MX_DTYPES[t])),
-                                 None, f"cast to {short_name(to)} {src.note()}", reads=src.nbytes))
+        entries.append(src.entry() if to is None else src.cast_entry(to))
     return entries, jobs
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Final, Literal
 
-EMBED = "embed"  # Llama 2 splits the embedding along its width (dim 1), Llama 3 along the vocabulary (dim 0)
+EMBED: Final = "embed"  # Llama 2 splits the embedding along its width (dim 1), Llama 3 along the vocabulary (dim 0)
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Native:
 
     native: str
     hf: str
-    dim: int | str | None
+    dim: int | Literal["embed"] | None
     rotary: str | None = None
 
     def pattern(self) -> re.Pattern:
@@ -100,7 +101,7 @@ def hf_config(params: dict, shapes: dict[str, tuple[int, ...]], dtype: str, moe:
         config["sliding_window"] = params["sliding_window"]
     if moe:
         m = params.get("moe") or {}
-        config["num_local_experts"] = m.get("num_experts") or 1 + max(
-            int(re.search(r"experts\.(\d+)\.", n)[1]) for n in shapes if ".experts." in n)
+        config["num_local_experts"] = m.get("num_experts") or 1 + max(  # every expert name is TENSORS' experts.{E}.
+            int(e[1]) for n in shapes if ".experts." in n and (e := re.search(r"experts\.(\d+)\.", n)))
         config["num_experts_per_tok"] = m.get("num_experts_per_tok", 2)
     return config

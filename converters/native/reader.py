@@ -61,7 +61,7 @@ class NativeCheckpoint(Checkpoint):
             if name in DROPPED:
                 continue
             spec, m = next(((t, m) for t in TENSORS if (m := t.pattern().fullmatch(name))), (None, None))
-            if spec is None:
+            if spec is None or m is None:  # both or neither
                 unknown.append(name)
                 continue
             hf = spec.hf.format(**m.groupdict())

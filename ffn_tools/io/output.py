@@ -41,7 +41,7 @@ def check_output(out: Path, inputs: list[Path], force: bool, replaceable=None) -
             raise OutputExistsError(f"{out}: lies inside the input directory {inp}, which ffn-tools never modifies; "
                                     "choose an -o path outside it")
     if out.exists() and not force:
-        raise OutputExistsError(f"{out}: already exists; choose another -o path or pass --force to replace it")
+        raise OutputExistsError(f"{out}: already exists; choose another output path (-o, out=) or pass --force (force=True) to replace it")
     if out.exists() and not (replaceable or _looks_like_output)(out):
         raise OutputExistsError(f"{out}: does not look like an earlier checkpoint output; --force replaces only "
                                 "those, so remove it yourself if you mean it")
@@ -116,7 +116,10 @@ def _lock(out: Path) -> Iterator[None]:
     """Hold ``.OUT.lock`` beside the output while writing: a second process writing the same output is
     refused (naming the first) instead of silently replacing its result."""
     lock = out.parent / f".{out.name}.lock"
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # a place the OS refuses (/proc, read-only): said of -o, not of the lock file
+        raise OutputError(f"{out}: cannot write in {out.parent} ({e.strerror}); choose another -o path") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -14,7 +14,7 @@ from .dtypes import nbytes
 class RawTensor(bytearray):
     """A tensor's bytes (C order, little-endian) with its safetensors dtype and shape."""
 
-    def __init__(self, dtype: str, shape: Sequence[int], data: bytes | None = None):
+    def __init__(self, dtype: str, shape: Sequence[int], data: bytes | bytearray | None = None):
         self.dtype, self.shape = dtype, tuple(shape)
         super().__init__(nbytes(dtype, self.shape) if data is None else data)
 

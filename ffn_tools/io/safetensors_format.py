@@ -92,12 +92,12 @@ def read_header(path: Path) -> tuple[dict[str, HeaderEntry], dict[str, str]]:
     for name, spec in header.items():
         entries[name] = _entry(path, name, spec, base, size)
     end = 0
-    for e in sorted(entries.values(), key=lambda e: (e.start, e.end)):
-        if e.start != base + end:
-            what = "overlaps the previous tensor" if e.start < base + end else "leaves a gap before it"
-            raise CheckpointError(f"{path}: tensor {e.name!r}: data_offsets {e.start - base}:{e.end - base} {what}; "
-                                  "the file is corrupted (re-download or re-save it)")
-        end = e.end - base
+    for entry in sorted(entries.values(), key=lambda h: (h.start, h.end)):
+        if entry.start != base + end:
+            what = "overlaps the previous tensor" if entry.start < base + end else "leaves a gap before it"
+            raise CheckpointError(f"{path}: tensor {entry.name!r}: data_offsets {entry.start - base}:"
+                                  f"{entry.end - base} {what}; the file is corrupted (re-download or re-save it)")
+        end = entry.end - base
     if base + end != size:
         raise CheckpointError(f"{path}: {size - base - end} bytes after the last tensor's data (the header accounts "
                               f"for {end} of {size - base}); the file is corrupted or was appended to")

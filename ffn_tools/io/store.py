@@ -31,6 +31,7 @@ WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json"
 
 if TYPE_CHECKING:
     import torch
+    from safetensors import safe_open
 
 
 class TensorInfo:
@@ -74,6 +75,12 @@ class Format(str, enum.Enum):
     MLX = "mlx"
     FLAX = "flax"
     NATIVE = "native"  # Meta's consolidated.NN.pth / Mistral's consolidated.safetensors + params.json
+
+    @property
+    def described(self) -> str:
+        """With its article, as a sentence names it: "an MLX", "a Flax"."""
+        return {"mlx": "an MLX", "flax": "a Flax", "native": "a native (Meta/Mistral)", "pickle": "a pickle",
+                "safetensors": "a safetensors"}[self.value]
 
     @property
     def pytorch(self) -> bool:
@@ -213,9 +220,21 @@ class SafetensorsCheckpoint(Checkpoint):
                                           "point at one file (or an index) instead of the directory")
                 infos[e.name] = TensorInfo(e.name, e.dtype, e.shape, f, e.start)
         super().__init__(path, root, files, infos, metadata)
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, safe_open] = {}
 
     def _read(self, info: TensorInfo) -> "torch.Tensor":
+        """The tensor read with ``pread`` into memory of its own (so reading a whole checkpoint keeps one
+        tensor resident, not every page of a mapping); safetensors' reader where its bytes have no offset."""
+        if info.start is not None:
+            import torch
+
+            if not info.nbytes:
+                return torch.empty(info.shape, dtype=info.dtype)
+            try:
+                data = read_bytes(info.file, info.start, info.nbytes)
+            except OSError as e:
+                raise CheckpointError(f"{info.file}: cannot read tensor {info.name!r} ({e})") from None
+            return torch.frombuffer(data, dtype=info.dtype).reshape(info.shape)
         from safetensors import SafetensorError, safe_open
 
         try:

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..progress import Progress
 from .safetensors_format import PAGE, build_header, header_entry_size
@@ -33,6 +33,7 @@ class ByteRange:
 
 
 Payload = Any  # torch.Tensor | numpy.ndarray | bytes | memoryview | list[ByteRange]
+Sources = dict[Path, BinaryIO]  # the input files byte ranges are copied from, opened once each
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def write_file(path: Path, items: Sequence[OutTensor], metadata: dict | None, pr
     halves of a split) are merged into one ``copy_file_range`` run.
     """
     header = build_header([(t.name, t.dtype, t.shape, t.nbytes) for t in items], metadata, _data_start_mod(items))
-    sources: dict[Path, object] = {}
+    sources: Sources = {}
     pending: list[ByteRange] = []
     try:
         with open(path, "wb", buffering=0) as f:
@@ -129,7 +130,7 @@ def _data_start_mod(items: Sequence[OutTensor]) -> int | None:
     return None
 
 
-def _flush(f, pending: list[ByteRange], sources: dict, progress: Progress | None = None) -> None:
+def _flush(f, pending: list[ByteRange], sources: Sources, progress: Progress | None = None) -> None:
     for r in pending:
         if r.file not in sources:
             sources[r.file] = open(r.file, "rb", buffering=0)
@@ -184,7 +185,7 @@ class Writer:
 SAFETENSORS = Writer()
 
 
-def copy_ranges(f, ranges: Sequence[ByteRange], sources: dict, progress: Progress | None = None) -> None:
+def copy_ranges(f, ranges: Sequence[ByteRange], sources: Sources, progress: Progress | None = None) -> None:
     """Append ``ranges`` of input files to the unbuffered binary file ``f`` (``copy_file_range`` where the system
     has it): for writers of other formats. ``sources`` caches the inputs it opens; the caller closes them."""
     _flush(f, list(ranges), sources, progress)

@@ -62,12 +62,16 @@ b_layout_options = layout_options_for(
               help="Compare the files a client reads beside the weights: tokenizer (vocabulary, merges, added "
                    "and special tokens), tokenizer_config (chat template), special_tokens_map, "
                    "generation_config. Present in A and missing or different in B fails.")
+@click.option("--all-ffns-on-every-backend", is_flag=True,
+              help="Run every FFN on every backend. By default every FFN runs on the float64 reference (which "
+                   "proves the weights) and each other backend runs the first FFN of each kind (shape, form, "
+                   "layout, dtype, quantization), which proves its kernels; the report says what ran where.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
 @scheme_options
 @layout_options
 @b_layout_options
 def verify(a, b, backends, tokens, seed, layers, experts, atol, rtol, exact, logits, allow_unmatched, ffn_only,
-           load_check, allow_config, side_files, as_json, scheme, layout, b_layout):
+           load_check, allow_config, side_files, all_ffns_on_every_backend, as_json, scheme, layout, b_layout):
     """Check that checkpoint B holds the same FFNs as checkpoint A.
 
     A and B are any checkpoints ffn-tools reads (PyTorch safetensors or pickles, split or fused, MLX plain
@@ -100,7 +104,8 @@ def verify(a, b, backends, tokens, seed, layers, experts, atol, rtol, exact, log
     report = run(a, b, backends=list(backends) or None, tokens=tokens, seed=seed, layers=layers,
                  experts=experts, atol=atol, rtol=rtol, exact=exact, logits=logits, scheme=scheme,
                  layout=layout, b_layout=b_layout, allow_unmatched=allow_unmatched,
-                 ffn_only=ffn_only, load_check=load_check, allow_config=allow_config, side_files=side_files)
+                 ffn_only=ffn_only, load_check=load_check, allow_config=allow_config, side_files=side_files,
+                 all_ffns_on_every_backend=all_ffns_on_every_backend)
     if as_json:
         from ..api import json_of
 

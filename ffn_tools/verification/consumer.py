@@ -48,12 +48,14 @@ def reconcile(outside, ca, cb, compare) -> list[str]:
         log.info("A is not exported to MLX here (%s): B's tensors are paired by name only", e)
         return []
     bad = {_name(d): d for d in outside.differ}
-    settled, consumed, exact = [], set(), 0
+    settled: list[str] = []
+    consumed: set[str] = set()
+    exact = 0
     for name in [*outside.only_b, *bad]:
-        e = entries.get(name)
-        if e is None or name not in cb:
+        entry = entries.get(name)
+        if entry is None or name not in cb:
             continue
-        made = e.compute([source[n] for n in e.inputs])
+        made = entry.compute([source[n] for n in entry.inputs])
         a = made.to_torch() if isinstance(made, RawTensor) else made
         parts = cb.quantized_parts(name)
         outcome, why = check_requantized(name, a, parts) if parts is not None else ("within", None)
@@ -68,7 +70,7 @@ def reconcile(outside, ca, cb, compare) -> list[str]:
             continue
         exact += outcome == "identical"
         settled.append(name)
-        consumed.update(e.inputs)
+        consumed.update(entry.inputs)
     outside.only_b[:] = [n for n in outside.only_b if n not in settled]
     outside.differ[:] = [why for n, why in bad.items() if n not in settled]
     gone = [n for n in outside.only_a if n in consumed or n in dropped]

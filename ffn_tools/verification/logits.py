@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -62,7 +63,8 @@ def _transformers_logits(path: Path, tokens: torch.Tensor) -> tuple[torch.Tensor
 
     hf_logging.set_verbosity_error()  # loading problems are reported below, as failures
     hf_logging.disable_progress_bar()
-    model, info = AutoModelForCausalLM.from_pretrained(path, dtype="auto", output_loading_info=True)
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype="auto", output_loading_info=True)
+    model, info = cast("tuple[Any, dict]", loaded)  # transformers types the model alone; the flag adds the dict
     problems = [f"transformers: {what} {_clip(info.get(key) or [])}"
                 for key, what in (("missing_keys", "initialised weights the checkpoint lacks:"),
                                   ("unexpected_keys", "ignored weights it does not know:"),
@@ -91,7 +93,9 @@ def _run(fn, client: str, path: Path, side: str, tokens: torch.Tensor) -> tuple[
         return fn(path, tokens)
     except Exception as e:  # the client's own errors: unknown model_type, ops missing on this device, ...
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        raise FFNToolsError(f"--logits: {client} could not run {side} ({path}) here: {first}") from None
+        hint = ("; MLX's CPU backend runs these ops in float32 only: an export with --dtype float32 runs here"
+                if client == "mlx_lm" and "float32" in first else "")
+        raise FFNToolsError(f"--logits: {client} could not run {side} ({path}) here: {first}{hint}") from None
 
 
 def _clip(items, n: int = 4) -> str:
@@ -123,7 +127,7 @@ def compare_logits(a, b, clients: tuple[str, str], tol: Tolerance, seed: int, vo
     run = {"transformers": _transformers_logits, "mlx_lm": _mlx_logits}
     (la, pa), (lb, pb) = (_run(run[c], c, Path(p), side, tokens) for c, p, side in zip(clients, (a, b), "AB"))
     problems = [f"A: {p}" for p in pa] + [f"B: {p}" for p in pb]
-    out = {"client_a": clients[0], "client_b": clients[1], "shape": list(tokens.shape) + [vocab[0]],
+    out: dict = {"client_a": clients[0], "client_b": clients[1], "shape": list(tokens.shape) + [vocab[0]],
            "max_abs": math.nan, "cosine": math.nan, "ratio": math.nan, "top1_agreement": 0.0,
            "tolerance": tol.as_dict(), "problems": problems, "passed": False}
     if la.shape != lb.shape or la.numel() == 0:

@@ -296,7 +296,7 @@ def _check_dtype(res: ConfigResult, cb) -> None:
             sizes[info.st_dtype] = sizes.get(info.st_dtype, 0) + info.nbytes
     if not said or not sizes:
         return
-    stored = max(sizes, key=sizes.get)
+    stored = max(sizes, key=lambda d: sizes[d])
     if stored == said:
         return
     names = {v: k for k, v in NAMES.items() if k not in ("float", "half")}

@@ -88,7 +88,7 @@ def _requantized(res: OutsideResult, name: str, ca, cb) -> bool:
         res.identical += 1
         res.requantized += 1
     else:
-        res.differ.append(why)
+        res.differ.append(why or f"{name}: differs from A re-quantized")
     return True
 
 

@@ -17,6 +17,7 @@ from ..detect import FFNSet
 from ..io.dtypes import short_name
 from ..ffn import FFN, FFNRef, canonical_weights
 from ..layouts import fuse
+from ..io.store import Checkpoint
 from ..registry import CANONICAL_ROLES
 from ..tolerances import Tolerance
 from .diagnose import Fingerprints, explain, first_difference
@@ -33,7 +34,8 @@ class Cached:
     """A checkpoint mapping that keeps the last few tensors read (stacked experts share one tensor)."""
 
     def __init__(self, ckpt, size: int = 4):
-        self.ckpt, self.size, self._cache = ckpt, size, {}
+        self.ckpt, self.size = ckpt, size
+        self._cache: dict[str, torch.Tensor] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._cache:
@@ -50,8 +52,8 @@ class Cached:
 class PairChecker:
     """Checks pairs of FFNs, A's against B's (see the module docstring)."""
 
-    ca: object  # Checkpoint A
-    cb: object  # Checkpoint B
+    ca: Checkpoint
+    cb: Checkpoint
     fa: FFNSet
     fb: FFNSet
     backends: dict  # name -> kernels module, "reference" first
@@ -63,9 +65,10 @@ class PairChecker:
         self.cached_a, self.cached_b = Cached(self.ca), Cached(self.cb)
         self._bits_a = (quantization(self.ca) or {}).get("bits")  # A's global bits, as the engine reads them
 
-    def check(self, ref: FFNRef, x: FFN, y: FFN, tol: Tolerance, quantized: bool) -> FFNResult:
+    def check(self, ref: FFNRef, x: FFN, y: FFN, tol: Tolerance, quantized: bool,
+              backends: dict | None = None) -> FFNResult:
         """Every check of A's FFN ``x`` against B's FFN ``y``, within ``tol`` (this FFN's row); ``quantized``:
-        A's or B's is, so it cannot be bit-exact."""
+        A's or B's is, so it cannot be bit-exact; ``backends``: the ones this FFN runs on (default: all)."""
         res = FFNResult(ref, (x.d_model, x.d_ffn), (y.d_model, y.d_ffn),
                         short_name(self.ca.info(x.names["down"]).st_dtype),
                         short_name(self.cb.info(y.names["down"]).st_dtype), tolerance=tol)
@@ -87,7 +90,7 @@ class PairChecker:
             self._exact(res, wa, wb, stored, quantized)
         inputs = make_inputs(self.tokens, x.d_model, self.seed, input_scale(ops_a.gate),
                              [t.dtype for t in (*wa.values(), *wb.values())])
-        res.backends = check_ffn(self.backends, inputs, ops_a, ops_b, tol,
+        res.backends = check_ffn(self.backends if backends is None else backends, inputs, ops_a, ops_b, tol,
                                  identical=res.exact == "identical" and not requantized)
         if any(b.nonfinite for b in res.backends):
             _nonfinite(res, wa, wb)
@@ -133,7 +136,10 @@ class PairChecker:
             return False
         from .requant import check_requantized, recast_difference
 
-        diffs, unsure, swapped, which = [], [], [], []
+        diffs: list[str] = []
+        unsure: list[str] = []
+        swapped: list[str] = []
+        which: list[str] = []
         for r in roles:
             a = _as_stored(wa, r, y)
             if a is None:  # a bias A lacks: _biases says so
@@ -193,7 +199,7 @@ def _as_stored(w: dict, role: str, ffn: FFN):
     if any(n not in w for n in names):
         return None
     ts = [w[n].T if ffn.form.transposed and not bias else w[n] for n in names]
-    return (fuse(*ts, ffn.layout, is_bias=bias) if len(ts) == 2 else ts[0]).contiguous()
+    return (fuse(ts[0], ts[1], ffn.layout, is_bias=bias) if len(ts) == 2 else ts[0]).contiguous()
 
 
 def _operands(cached, ffn: FFN, w: dict[str, torch.Tensor], activation: str) -> Operands:

@@ -151,9 +151,29 @@ class VerifyReport:
             out += self.outside.failures()
         if self.logits is not None and not self.logits["passed"]:
             out += [f"logits: {p}" for p in self.logits["problems"]]
-        if self._load_fails:
+        if self.load is not None and self._load_fails:
             out.append(f"B {self.load.summary()}")
         return out
+
+    def coverage(self) -> dict[str, int]:
+        """How many FFNs each backend ran on."""
+        counts = dict.fromkeys(self.backends, 0)
+        for r in self.results:
+            for b in r.backends:
+                counts[b.backend] = counts.get(b.backend, 0) + 1
+        return counts
+
+    def coverage_line(self) -> str | None:
+        """What ran where, when not every backend ran every FFN; None when they all did."""
+        n, counts = len(self.results), self.coverage()
+        partial = {b: k for b, k in counts.items() if k < n}
+        if not n or not partial:
+            return None
+        full = [b for b in counts if b not in partial]
+        return (f"ran: {', '.join(full) or 'no backend'} on all {n} FFNs; "
+                + "; ".join(f"{b} on {k}" for b, k in partial.items())
+                + " (the first FFN of each kind: shape, form, layout, dtype, quantization; "
+                  "--all-ffns-on-every-backend runs every one)")
 
     def not_run(self) -> list[str]:
         """The checks that did not run, each saying why (a PASS names them: nothing reads as checked that
@@ -196,7 +216,10 @@ class VerifyReport:
         return f"FAIL: {', '.join(counts) + '; ' if counts else ''}first: {self.failures()[0]}"
 
     def as_dict(self) -> dict:
-        return {"passed": self.passed, "verdict": self.verdict, "a": self.a, "b": self.b,
+        """What ``ffn-tools verify --json`` prints: the keys every command's JSON starts with, then the report."""
+        return {"command": "verify", "input": [self.a.get("path"), self.b.get("path")], "output": None,
+                "summary": self.verdict, "warnings": [],
+                "passed": self.passed, "verdict": self.verdict, "a": self.a, "b": self.b,
                 "backends": self.backends, "skipped_backends": self.skipped_backends, "tokens": self.tokens,
                 "seed": self.seed, "tolerance": self.tolerance.as_dict() if self.tolerance else None,
                 "problems": self.problems, "notes": self.notes, "only_a": self.only_a, "only_b": self.only_b,
@@ -206,7 +229,7 @@ class VerifyReport:
                 "load_check": self.load.as_dict() if self.load else None,
                 "config": self.config.as_dict() if self.config else None,
                 "side_files": self.side_files.as_dict() if self.side_files else None,
-                "logits_skipped": self.logits_skipped, "not_run": self.not_run()}
+                "logits_skipped": self.logits_skipped, "not_run": self.not_run(), "coverage": self.coverage()}
 
     def lines(self, max_rows: int = MAX_ROWS) -> list[str]:
         """The text report: the two sides, the check, a table worst first, failures, the verdict."""
@@ -219,6 +242,8 @@ class VerifyReport:
         out.append(f"check: {self.tokens} tokens, seed {self.seed}, backends {', '.join(self.backends) or 'none'}"
                    f"{skipped}; tolerance {tol}")
         out += [f"note: {n}" for n in self.notes]
+        if (ran := self.coverage_line()):
+            out.append(ran)
         if self.results:
             out.append("")
             head = (f"{'FFN':<24} {'worst backend':<14} {'max abs':>9} {'max rel':>9} {'cosine':>12} "

@@ -95,14 +95,16 @@ def check_requantized(name: str, a: "torch.Tensor", parts: tuple) -> tuple[str, 
         ne = [_codes(ours[0], bits, mode) != _codes(got[0], bits, mode)] + \
              [_bits(m) != _bits(g) for m, g in zip(ours[1:], got[1:])]
         for k, n in enumerate(ne):
-            differ[k] += int(n.sum().item())
+            differ[k] += _count(n)
         bad = mx.any(mx.concatenate([n.reshape(r1 - r0, -1) for n in ne], 1), axis=1)
-        bad_rows += int(bad.sum().item())
+        bad_rows += _count(bad)
+        w, s, *b = got
         cos = _row_cosines(_to_mx(a2[r0:r1], exact).astype(mx.float32),
-                           mx.dequantize(*got, group_size=gs, bits=bits, mode=mode, dtype=mx.float32))
+                           mx.dequantize(w, s, b[0] if b else None, group_size=gs, bits=bits, mode=mode,
+                                         dtype=mx.float32))
         cos = mx.where(bad, cos, math.inf)  # the rows that differ: the others are A's, re-quantized
-        k = int(mx.argmin(cos).item())
-        worst = min(worst, (float(cos[k].item()), r0 + k))
+        k = int(mx.argmin(cos))
+        worst = min(worst, (float(cos[k]), r0 + k))
     floor = row_floor(bits)
     row = f"row {_index(worst[1], tuple(a.shape[:-1]))}: cosine {worst[0]:.4f}"
     count = ", ".join(f"{n} of {p.size if k else rows * cols} {what}" for k, (n, p, what) in
@@ -181,3 +183,9 @@ def _row_cosines(a, b):
     both = (na == 0) & (nb == 0)
     return mx.where(both, 1.0, dot / mx.maximum(mx.sqrt(na) * mx.sqrt(nb), 1e-30))
 
+
+def _count(a) -> int:
+    """How many elements of a boolean mx array are true."""
+    import mlx.core as mx
+
+    return int(mx.sum(a))

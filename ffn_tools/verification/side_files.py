@@ -102,11 +102,12 @@ def compare_side_files(root_a: Path | None, root_b: Path | None) -> SideFilesRes
         The files equal in both; a problem for each file of A that B lacks or reads differently; notes (files
         only in B, re-save changes that change nothing); ``skipped`` when A or B is no directory.
     """
-    for side, root in (("A", root_a), ("B", root_b)):
-        if root is None or not Path(root).is_dir():
-            why = "is a single weight file" if root is None else f"{root} is not a directory"
-            return SideFilesResult(skipped=f"{side} {why}: no side files beside it")
-    ra, rb, res = Path(root_a), Path(root_b), SideFilesResult()
+    if root_a is None or root_b is None or not (Path(root_a).is_dir() and Path(root_b).is_dir()):
+        for side, root in (("A", root_a), ("B", root_b)):
+            if root is None or not Path(root).is_dir():
+                reason = "is a single weight file" if root is None else f"{root} is not a directory"
+                return SideFilesResult(skipped=f"{side} {reason}: no side files beside it")
+    ra, rb, res = Path(str(root_a)), Path(str(root_b)), SideFilesResult()
     names = [n for p in SIDE_FILES for n in (sorted({str(f.relative_to(r)) for r in (ra, rb) for f in r.glob(p)})
                                             if "*" in p else [p])]
     for name in names:
