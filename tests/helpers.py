@@ -84,3 +84,22 @@ def write_tokenizer(path: Path, vocab_size: int | None = None) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                             unk_token="<unk>").save_pretrained(path)
+
+
+def progress_bars(monkeypatch) -> list:
+    """The progress bars plans open from now on, each recording its total and its updates."""
+    bars = []
+
+    class Recorder:
+        def __init__(self, total, desc):
+            self.total, self.desc, self.steps = total, desc, []
+            bars.append(self)
+
+        def update(self, n):
+            self.steps.append(n)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr("ffn_tools.plan.Progress", Recorder)
+    return bars

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_identical, raw, run_cli, tensors, tree_digest
+from helpers import assert_identical, progress_bars, raw, run_cli, tensors, tree_digest
 
 import tiny_models
 from ffn_tools.converters import convert, detect_format, open_any
@@ -268,20 +268,7 @@ def test_runs_through_the_one_executor(model_dir, tmp_path, monkeypatch):
     calls = []
     real = plan_mod.execute
     monkeypatch.setattr(flax_format, "execute", lambda *a, **k: calls.append(k["writer"]) or real(*a, **k))
-    bars = []
-
-    class Recorder:
-        def __init__(self, total, desc):
-            self.total, self.desc, self.steps = total, desc, []
-            bars.append(self)
-
-        def update(self, n):
-            self.steps.append(n)
-
-        def close(self):
-            pass
-
-    monkeypatch.setattr("ffn_tools.plan.Progress", Recorder)
+    bars = progress_bars(monkeypatch)
     r = convert(src, "flax", tmp_path / "out", dtype="bfloat16")
     assert r["tensors"] == len(dry["plan"]) and r["bytes"] == dry["bytes"] // 2 and r["changes"][-1] == \
         "floating tensors cast to bfloat16"

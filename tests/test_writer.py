@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from helpers import progress_bars
 from safetensors import safe_open
 
 from ffn_tools.errors import FFNToolsError
@@ -75,25 +76,6 @@ def test_copied_bytes_keep_their_page_offset(model_dir, tmp_path):
         assert all(b.info(n).start % 8 == 0 for n in b)
         for n in same:
             assert torch.equal(a[n], b[n])
-
-
-def progress_bars(monkeypatch) -> list:
-    """The progress bars plans open from now on, each recording its total and its updates."""
-    bars = []
-
-    class Recorder:
-        def __init__(self, total, desc):
-            self.total, self.steps = total, []
-            bars.append(self)
-
-        def update(self, n):
-            self.steps.append(n)
-
-        def close(self):
-            pass
-
-    monkeypatch.setattr("ffn_tools.plan.Progress", Recorder)
-    return bars
 
 
 def test_progress_moves_as_bytes_are_copied(model_dir, tmp_path, monkeypatch):
