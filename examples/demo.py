@@ -49,9 +49,10 @@ def main() -> None:
         print(f"built a tiny bf16 Phi-3 in {work / 'phi3'} with transformers")
         run("inspect", str(work / "phi3"))
         run("split-gateup", str(work / "phi3" / "model.safetensors"), "--dry-run")
-        run("split-gateup", str(work / "phi3" / "model.safetensors"))
-        run("split-gateup", str(work / "phi3"), "-o", str(work / "phi3-split"))
-        run("fuse-gateup", str(work / "phi3-split"), "-o", str(work / "phi3-fused"))
+        print("\nA file inside a checkpoint directory is split into a sibling directory (phi3-split/), with the "
+              "config and tokenizer: a second weight file beside the input would break it for loaders.")
+        run("split-gateup", str(work / "phi3" / "model.safetensors"), "--load-check")
+        run("fuse-gateup", str(work / "phi3-split"), "-o", str(work / "phi3-fused"), "--load-check")
         run("extract", str(work / "phi3"), "-o", str(work / "phi3-ffn"), "--layers", "1")
         run("convert", "--hf-path", str(work / "phi3"), "--mlx-path", str(work / "phi3-mlx-q4"), "-q", "--q-bits", "4",
             "--q-group-size", "32")
