@@ -64,7 +64,7 @@ def _load() -> tuple[object | None, str]:
     if not INTERPRETED and not torch.cuda.is_available():
         return None, "no CUDA device and the Triton interpreter is off (TRITON_INTERPRET is not 1)"
     try:
-        from ffn_tools.kernels import _triton_kernels
+        import ffn_tools.kernels._triton_kernels as _triton_kernels
     except Exception as exc:  # a broken triton install says so instead of failing a whole verify run
         return None, f"the Triton kernels failed to load: {one_line(exc)}"
     return _triton_kernels, ""

@@ -21,6 +21,7 @@ import dataclasses
 import importlib
 import importlib.util
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -190,10 +191,10 @@ class Target:
     config: dict
     added: list[str]
     params: dict[str, tuple[int, ...]]
-    build: object = None  # () -> a new lazy model: sanitize may change a model, so each run gets its own
+    build: Callable[[], nn.Module] | None = None  # a new lazy model: sanitize may change one, so each run gets its own
     renamed: str | None = None  # the source's model_type where mlx_lm needs another (see ``loadable_type``)
     prequant: dict | None = None  # the quantization the input keeps (MXFP4), as mlx_lm's config block says it
-    args: object = None
+    args: Any = None  # the module's ModelArgs dataclass: a class known only once the module is imported
 
     def fresh(self):
         return self.build()
