@@ -33,7 +33,7 @@ from pathlib import Path
 from ffn_tools.errors import CheckpointError, FFNToolsError
 from ffn_tools.io.store import Checkpoint, TensorInfo
 
-from .probe import NotRearranged, Probe, Trace, plain
+from .probe import Probe, Trace, plain
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def plan(stored: Mapping[str, tuple[tuple[int, ...], str]], config: dict, root: 
         log.info("%s: MLX names kept (%s)", root, e)
         return Inverse(skipped=str(e))
     inv = Inverse(shapes=shapes)
-    entries = {e.name: e for e in view}
+    entries = {entry.name: entry for entry in view}
     probed: list[str] = []
     for o in outputs:
         if o.name not in stored or tuple(stored[o.name][0]) != tuple(o.shape):
@@ -150,11 +150,11 @@ def plan(stored: Mapping[str, tuple[tuple[int, ...], str]], config: dict, root: 
                 inv.refused[o.name] = f"stored {list(stored[o.name][0])}, the export makes {list(o.shape)}"
             continue
         members = [entries[s] for s in o.sources]
-        if not members or not all(plain(e, shapes) for e in members):
+        if not members or not all(plain(m, shapes) for m in members):
             probed.append(o.name)
             continue
-        for i, e in enumerate(members):
-            src = e.inputs[0]
+        for i, m in enumerate(members):
+            src = m.inputs[0]
             if src not in inv.sources:
                 inv.sources[src] = Source(src, "stack" if len(members) > 1 else "rename", (o.name,),
                                           i if len(members) > 1 else None)
@@ -178,7 +178,7 @@ def _gathered(inv: Inverse, probed: list[str], stored: Mapping[str, tuple[tuple[
     for name in probed:
         try:
             traces[name] = probe.trace(name)
-        except NotRearranged as e:
+        except FFNToolsError as e:  # NotRearranged, or sanitize itself failing on the probes
             inv.refused[name] = str(e)
             continue
         owners[name] = probe.owners(traces[name])

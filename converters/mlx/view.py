@@ -1,20 +1,32 @@
 """An MLX model directory seen as a Hugging Face PyTorch checkpoint (the converter surface's ``open``).
 
-Names are mlx-lm's with ``sanitize`` undone: ``switch_mlp`` stacks (E, out, in) become per-expert tensors,
-and quantized modules (``X.weight`` packed uint32 + ``X.scales`` [+ ``X.biases``: affine]) become one
-``X.weight`` dequantized with ``mx.dequantize``, in the dtype they were quantized in: affine scales are in
-that dtype; mxfp4/nvfp4/mxfp8 scales are 8-bit floats, so those come back in the dtype of the model's
-unquantized floating tensors (``float_dtype``: export and mlx_lm.convert cast everything to one dtype before
-quantizing). Unquantized tensors, experts included, keep their byte offsets, so converting them back copies
-bytes and is lossless. The config loses its ``quantization``
-blocks and the keys the safetensors metadata says export added for mlx-lm (``config.ADDED_KEYS``: the
-transformers v4 keys, ``tie_word_embeddings``; keys the source had are kept). ``quant_params`` gives each
-tensor's per-module quantization, ``quantized_parts`` its stored parts (for verify's re-quantization
-check). Nothing is read until a tensor is asked for.
-"""
+Names and tensors are the source's, as transformers saves and loads them: the export's own function (mlx_lm's
+model class and ``sanitize``, run on the tensors transformers' model for the source's config has) is traced back
+(``inverse``). Renamed tensors (a ``language_model.`` prefix, LFM2's ``w1``) and expert stacks (``switch_mlp``,
+(E, out, in)) are read back byte for byte; tensors sanitize computed by moving data (DeepSeek-V3's ``embed_q``/
+``unembed_out`` from ``kv_b_proj``, conv weights turned, DBRX's flat experts, GPT-OSS's interleaved
+``gate_up_proj``) are gathered back from them, exactly; constants it added (Qwen3-Next's norms ``+ 1.0``) are
+taken off in the stored dtype, exact where the add was, else named in ``rounded`` (the value the MLX model
+computes with; the source's low bits are gone). What sanitize dropped (a tied head, a router bias) is not there;
+what cannot be traced keeps its MLX name (``inverse.refused``; every name where transformers cannot build the
+model: ``inverse.skipped``), stacks unstacked per expert. ``made_from`` names the MLX tensors a tensor is read
+from and ``read_stored`` reads them as mlx_lm loads them (what verify compares against A through sanitize).
 
+Quantized modules (``X.weight`` packed uint32 + ``X.scales`` [+ ``X.biases``: affine]) are read dequantized
+with ``mx.dequantize``, in the dtype they were quantized in: affine scales are in that dtype; mxfp4/nvfp4/mxfp8
+scales are 8-bit floats, so those come back in the dtype of the model's unquantized floating tensors
+(``float_dtype``: export and mlx_lm.convert cast everything to one dtype before quantizing). Unquantized renamed
+and stacked tensors keep their byte offsets, so converting them back copies bytes. The config loses its
+``quantization`` blocks and the keys the safetensors metadata says export added for mlx-lm
+(``config.ADDED_KEYS``: the transformers v4 keys, ``tie_word_embeddings``; keys the source had are kept).
+``quant_params`` gives each tensor's per-module quantization (a gathered tensor: its MLX tensors'),
+``quantized_parts`` its stored parts (for verify's re-quantization check). Nothing is read until a tensor is
+asked for, but for opening: mlx_lm's and transformers' models are built lazily (meta device) and computed
+tensors traced on float64 probes (``probe``).
+"""
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,11 +35,13 @@ from ffn_tools.errors import CheckpointError
 from ffn_tools.io.store import Checkpoint, Format, SafetensorsCheckpoint, TensorInfo, open_checkpoint, read_bytes
 
 from .config import restore_source_config
+from .inverse import Inverse, Source
 from .quant import RawTensor, dequantize, to_mx
 
 if TYPE_CHECKING:
     import mlx.core as mx
 
+log = logging.getLogger(__name__)
 QUANT_KEYS = ("quantization", "quantization_config")
 # what mx.dequantize reads (affine alone has biases) -> MLX's default (group size, bits)
 MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
@@ -71,7 +85,13 @@ def _float_dtype(raw: Checkpoint, packed: set[str]) -> str:
 
 
 class MLXCheckpoint(Checkpoint):
-    """A lazy, read-only view of an MLX model directory with Hugging Face names (see the module doc)."""
+    """A lazy, read-only view of an MLX model directory with Hugging Face names (see the module doc).
+
+    Attributes:
+        inverse: how the MLX tensors trace back to the source's (``inverse.Inverse``: sources, refused, dropped).
+        rounded: Hugging Face tensors read back inexactly, and why (an offset sanitize added rounded); filled as
+            they are read.
+    """
 
     format = Format.MLX
     resolves_quantization = True
@@ -86,8 +106,9 @@ class MLXCheckpoint(Checkpoint):
                                   "(model_type, quantization) beside its weights")
         config = dict(raw.config)
         qcfg = config.get("quantization")
-        self._recipes: dict[str, tuple] = {}
-        infos: dict[str, TensorInfo] = {}
+        self._recipes: dict[str, tuple[str, int | None, dict, str]] = {}  # name -> (module, expert, params, dtype)
+        self._derived: dict[str, dict] = {}  # gathered tensor -> the quantization of MLX tensors it is read from
+        self.rounded: dict[str, str] = {}
         problems: list[str] = []
         quantized = sorted(n[: -len(".scales")] for n in raw if n.endswith(".scales"))
         if quantized and not isinstance(qcfg, dict):
@@ -99,27 +120,58 @@ class MLXCheckpoint(Checkpoint):
             if f"{m}.weight" not in raw:
                 problems.append(f"{m}.scales has no {m}.weight")
         self.float_dtype = _float_dtype(raw, {f"{m}.{p}" for m in quantized for p in ("weight", "scales", "biases")})
-        rename = EXPERT_NAMES.get(config.get("model_type"), {})
+        self._stored: dict[str, dict | None] = {}  # MLX tensor (a quantized one by its .weight) -> its quantization
         for name in raw:
             module, _, part = name.rpartition(".")
             if part in ("scales", "biases") and f"{module}.scales" in raw:
                 continue
-            q = _params(qcfg, module) if part == "weight" and f"{module}.scales" in raw else None
-            if q is not None and not self._check(module, q, problems):
-                continue
-            m = STACKED.fullmatch(name)
-            if m and len(raw.info(name).shape) != (2 if part == "bias" else 3):
-                m = None  # a stack is (E, out, in) and its bias (E, out)
-            experts = range(raw.info(name).shape[0]) if m else [None]
-            for e in experts:
-                hf = f"{m['box']}.experts.{e}.{rename.get(m['proj'], m['proj'])}.{part}" if m else name
-                infos[hf] = self._plan(hf, module, name, e, q)
+            q = _params(qcfg, module) if isinstance(qcfg, dict) and part == "weight" and f"{module}.scales" in raw \
+                else None
+            if q is None or self._check(module, q, problems):
+                self._stored[name] = q
         if problems:
             raise CheckpointError(f"{raw.root}: cannot read this MLX model: " + "; ".join(sorted(problems)))
         for k in QUANT_KEYS:
             config.pop(k, None)
         config = restore_source_config(config, raw.metadata)  # without the keys export added for mlx-lm
+        from .inverse import plan
+
+        self.inverse = plan({n: self._read_as(n) for n in self._stored}, config, raw.root)
+        try:
+            infos = self._infos_from(config)
+        except CheckpointError as e:  # a name traced back collides with one kept: read it all by MLX names
+            log.info("%s: MLX names kept (%s)", raw.root, e)
+            self.inverse, self._recipes, self._derived = Inverse(skipped=str(e)), {}, {}
+            infos = self._infos_from(config)
         super().__init__(raw.path, raw.root, raw.files, infos, {"format": "pt"}, config)
+
+    def _infos_from(self, config: dict) -> dict[str, TensorInfo]:
+        """Every tensor of the view: the source's tensors ``inverse`` traced, then the MLX tensors left, by their
+        MLX names (experts unstacked).
+
+        Raises:
+            CheckpointError: an MLX tensor left would be read under a name a traced tensor has.
+        """
+        infos = {hf: self._source(src) for hf, src in self.inverse.sources.items()}
+        self._made_from = {hf: src.outputs for hf, src in self.inverse.sources.items()}
+        for name in self._stored:
+            if name not in self.inverse.covered:
+                for hf, expert in self._fallback(name, config):
+                    if hf in infos:
+                        raise CheckpointError(f"{name} would be read as {hf}, which "
+                                              f"{', '.join(self._made_from[hf])} give already")
+                    infos[hf], self._made_from[hf] = self._plan(hf, name, expert), (name,)
+        return infos
+
+    def _fallback(self, name: str, config: dict) -> list[tuple[str, int | None]]:
+        """The names an MLX tensor no source tensor was traced to is read under: its own, or per expert
+        (``STACKED``, ``EXPERT_NAMES``)."""
+        m = STACKED.fullmatch(name)
+        shape = self.raw.info(name).shape
+        if not m or len(shape) != (2 if m["part"] == "bias" else 3):  # a stack is (E, out, in), its bias (E, out)
+            return [(name, None)]
+        proj = EXPERT_NAMES.get(config.get("model_type", ""), {}).get(m["proj"], m["proj"])
+        return [(f"{m['box']}.experts.{e}.{proj}.{m['part']}", e) for e in range(shape[0])]
 
     def _check(self, module: str, q: dict, problems: list[str]) -> bool:
         w, s = self.raw.info(f"{module}.weight"), self.raw.info(f"{module}.scales")
@@ -143,22 +195,75 @@ class MLXCheckpoint(Checkpoint):
             return False
         return True
 
-    def _plan(self, hf: str, module: str, name: str, expert: int | None, q: dict | None) -> TensorInfo:
-        info = self.raw.info(name)
-        if q is None:  # bytes as they are: the whole tensor, or one expert's slice of the stack
-            if expert is None:
-                return TensorInfo(hf, info.st_dtype, info.shape, info.file, info.start)
-            per = info.nbytes // info.shape[0]
-            return TensorInfo(hf, info.st_dtype, info.shape[1:], info.file, info.start + expert * per)
-        s = self.raw.info(f"{module}.scales")
-        dtype = s.st_dtype if q["mode"] == "affine" else self.float_dtype  # the dtype it was quantized in
-        self._recipes[hf] = (module, expert, q, dtype)
-        shape = info.shape[1:] if expert is not None else info.shape
-        return TensorInfo(hf, dtype, (*shape[:-1], shape[-1] * 32 // q["bits"]), info.file, None)
+    def _read_as(self, name: str) -> tuple[tuple[int, ...], str]:
+        """(shape, dtype) of MLX tensor ``name`` as read: dequantized in the dtype it was quantized in."""
+        info, q = self.raw.info(name), self._stored[name]
+        if q is None:
+            return tuple(info.shape), info.st_dtype
+        module = name.rpartition(".")[0]
+        dtype = self.raw.info(f"{module}.scales").st_dtype if q["mode"] == "affine" else self.float_dtype
+        return (*info.shape[:-1], info.shape[-1] * 32 // q["bits"]), dtype
 
-    def _part(self, name: str, expert: int | None):
+    def _plan(self, hf: str, name: str, expert: int | None) -> TensorInfo:
+        """Hugging Face tensor ``hf`` as MLX tensor ``name`` (or its slice ``expert`` on the first axis)."""
+        info, q = self.raw.info(name), self._stored[name]
+        shape, dtype = self._read_as(name)
+        shape = shape[1:] if expert is not None else shape
+        if q is None:  # bytes as they are: the whole tensor, or one expert's slice of the stack
+            skip = 0 if expert is None else expert * (info.nbytes // info.shape[0])
+            return TensorInfo(hf, dtype, shape, info.file, _start(info) + skip)
+        self._recipes[hf] = (name.rpartition(".")[0], expert, q, dtype)
+        return TensorInfo(hf, dtype, shape, info.file, None)
+
+    def _source(self, src: Source) -> TensorInfo:
+        """Where Hugging Face tensor ``src.name`` is read from (``inverse.Source``)."""
+        first = src.outputs[0]
+        if src.kind != "gathered":
+            return self._plan(src.name, first, src.expert)
+        q = next((q for o in src.outputs if (q := self._stored[o]) is not None), None)
+        if q is not None:
+            self._derived[src.name] = q
+        return TensorInfo(src.name, self._read_as(first)[1], self.inverse.shapes[src.name], self.raw.info(first).file)
+
+    def made_from(self, name: str) -> tuple[str, ...]:
+        """The MLX tensors (mlx_lm's names, a quantized one by its ``.weight``) tensor ``name`` is read from: the
+        one it is renamed from or an expert of, those sanitize computed from it (``inverse``), or itself where it
+        keeps its MLX name."""
+        return self._made_from[name]
+
+    def read_stored(self, name: str) -> RawTensor:
+        """MLX tensor ``name`` (one of ``made_from``'s) as mlx_lm loads it, dequantized where it is quantized."""
+        parts = self.stored_parts(name)
+        if parts is None:
+            info = self.raw.info(name)
+            return RawTensor(info.st_dtype, info.shape, read_bytes(info.file, _start(info), info.nbytes))
+        w, s, b, q = parts
+        return dequantize(w, s, b, q["group_size"], q["bits"], q["mode"], q["dtype"])
+
+    def stored_parts(self, name: str) -> tuple[mx.array, mx.array, mx.array | None, dict] | None:
+        """``quantized_parts`` of MLX tensor ``name`` (one of ``made_from``'s); None where it is unquantized."""
+        q = self._stored[name]
+        return None if q is None else self._parts(name.rpartition(".")[0], None, q, self._read_as(name)[1])
+
+    def _gather(self, name: str) -> RawTensor:
+        from .probe import gather
+
+        info, inv = self._infos[name], self.inverse
+        if inv.probe is None:
+            raise CheckpointError(f"{name}: not traced")  # a gathered source always is
+        outputs = inv.sources[name].outputs
+        raw, exact = gather(name, info.shape, info.st_dtype, inv.probe, [inv.trace(o) for o in outputs],
+                            self.read_stored)
+        if not exact and name not in self.rounded:
+            self.rounded[name] = (f"mlx_lm's sanitize added a constant to it in {info.st_dtype}, which rounded: read "
+                                  f"back from {', '.join(outputs)} it is what the MLX model computes with, and may "
+                                  "differ from the source's in the low bits")
+            (log.warning if len(self.rounded) == 1 else log.info)("%s: %s", name, self.rounded[name])
+        return raw
+
+    def _part(self, name: str, expert: int | None) -> mx.array:
         info = self.raw.info(name)
-        shape, start, n = info.shape, info.start, info.nbytes
+        shape, start, n = info.shape, _start(info), info.nbytes
         if expert is not None:
             n //= shape[0]
             shape, start = shape[1:], start + expert * n
@@ -167,7 +272,7 @@ class MLXCheckpoint(Checkpoint):
     def decoded(self) -> list[dict]:
         """The quantized modules, grouped by mode, bits and group size (``inspect``)."""
         groups: dict[tuple, int] = {}
-        for q in (recipe[2] for recipe in self._recipes.values()):
+        for q in [*(recipe[2] for recipe in self._recipes.values()), *self._derived.values()]:
             key = (q["mode"], q["bits"], q["group_size"])
             groups[key] = groups.get(key, 0) + 1
         return [{"dtype": f"MLX {mode} {bits}-bit" + (" (with .biases)" if mode == "affine" else ""), "scales": "scales",
@@ -178,31 +283,38 @@ class MLXCheckpoint(Checkpoint):
     def quant_params(self, name: str) -> dict | None:
         """The quantization parameters (group_size, bits, mode) tensor ``name`` was stored with, as resolved
         per module from the config's block (a module's own entry, else the block's defaults); None when it is
-        stored unquantized (no ``.scales``: say a module a mixed recipe left ``false``)."""
+        stored unquantized (no ``.scales``: say a module a mixed recipe left ``false``). A tensor gathered from
+        quantized MLX tensors has theirs (it carries their error)."""
         recipe = self._recipes.get(name)
-        return dict(recipe[2]) if recipe else None
+        if recipe is None:
+            return dict(self._derived[name]) if name in self._derived else None
+        return dict(recipe[2])
 
     def quantized_parts(self, name: str) -> tuple[mx.array, mx.array, mx.array | None, dict] | None:
         """The stored parts of quantized tensor ``name`` (a Hugging Face name; one expert's slice of a
         stack): (packed uint32 weight, scales, biases or None outside affine, parameters). The parameters
         are ``quant_params``' plus ``dtype``, the safetensors dtype it was quantized in (see the module doc).
-        None when ``name`` is stored unquantized."""
+        None when ``name`` is stored unquantized, or gathered (its elements are in other tensors' groups)."""
         recipe = self._recipes.get(name)
         if recipe is None:
             return None
-        module, expert, q, dtype = recipe
+        return self._parts(*recipe)
+
+    def _parts(self, module: str, expert: int | None, q: dict, dtype: str) -> tuple[mx.array, mx.array,
+                                                                                      mx.array | None, dict]:
         w, s = (self._part(f"{module}.{p}", expert) for p in ("weight", "scales"))
         b = self._part(f"{module}.biases", expert) if q["mode"] == "affine" else None
         return w, s, b, {**q, "dtype": dtype}
 
     def read_raw(self, name: str) -> RawTensor:
-        """A tensor's bytes without torch: dequantized, or read from its place in the file."""
+        """A tensor's bytes without torch: dequantized, gathered, or read from its place in the file."""
         info = self._infos[name]
-        if name not in self._recipes:
-            raw = RawTensor(info.st_dtype, info.shape)
-            raw[:] = read_bytes(info.file, info.start, info.nbytes)
-            return raw
-        w, s, b, q = self.quantized_parts(name)
+        if name in self.inverse.sources and self.inverse.sources[name].kind == "gathered":
+            return self._gather(name)
+        parts = self.quantized_parts(name)
+        if parts is None:
+            return RawTensor(info.st_dtype, info.shape, read_bytes(info.file, _start(info), info.nbytes))
+        w, s, b, q = parts
         return dequantize(w, s, b, q["group_size"], q["bits"], q["mode"], q["dtype"])
 
     def _read(self, info: TensorInfo):
@@ -210,3 +322,10 @@ class MLXCheckpoint(Checkpoint):
 
     def close(self) -> None:
         self.raw.close()
+
+
+def _start(info: TensorInfo) -> int:
+    """Where a stored tensor's bytes begin (safetensors always says)."""
+    if info.start is None:
+        raise CheckpointError(f"{info.file}: {info.name} has no byte offset")
+    return info.start

@@ -52,25 +52,31 @@ def reconcile(outside, ca, cb, compare) -> list[str]:
     consumed: set[str] = set()
     exact = 0
     for name in [*outside.only_b, *bad]:
-        entry = entries.get(name)
-        if entry is None or name not in cb:
+        stored = cb.made_from(name) if name in cb else ()  # B's MLX tensors it is read from, as mlx_lm names them
+        if not stored or any(m not in entries for m in stored):
             continue
-        made = entry.compute([source[n] for n in entry.inputs])
-        a = made.to_torch() if isinstance(made, RawTensor) else made
-        parts = cb.quantized_parts(name)
-        outcome, why = check_requantized(name, a, parts) if parts is not None else ("within", None)
-        if outcome == "within":  # not quantized, or its bits cannot be reproduced: bits or the tolerance row
-            b = cb[name]
-            params = cb.quant_params(name)
-            lossless = params is None and a.dtype == b.dtype
-            why = first_difference(name, a, b) if lossless else compare(name, a, b, row_bits(params) if params else None)
-            outcome = "identical" if lossless else "within"
-        if why:
-            bad[name] = why  # the failure against what sanitize makes of A is the one that counts
+        whys, same, used = [], True, set()
+        for m in stored:  # as B stores them: the view may have undone sanitize (taken 1.0 off a norm, rounding)
+            e = entries[m]
+            made = e.compute([source[n] for n in e.inputs])
+            a = made.to_torch() if isinstance(made, RawTensor) else made
+            b, parts = cb.read_stored(m).to_torch(), cb.stored_parts(m)
+            outcome, why = check_requantized(m, a, parts) if parts is not None else ("within", None)
+            if outcome == "within":  # not quantized, or its bits cannot be reproduced: bits or the tolerance row
+                params = parts[3] if parts is not None else None
+                lossless = params is None and a.dtype == b.dtype
+                why = first_difference(m, a, b) if lossless else compare(m, a, b, row_bits(params) if params else None)
+                outcome = "identical" if lossless else "within"
+            if why:
+                whys.append(why)
+            same &= outcome == "identical"
+            used.update(e.inputs)
+        if whys:
+            bad[name] = "; ".join(whys)  # the failure against what sanitize makes of A is the one that counts
             continue
-        exact += outcome == "identical"
+        exact += same
         settled.append(name)
-        consumed.update(entry.inputs)
+        consumed |= used
     outside.only_b[:] = [n for n in outside.only_b if n not in settled]
     outside.differ[:] = [why for n, why in bad.items() if n not in settled]
     gone = [n for n in outside.only_a if n in consumed or n in dropped]

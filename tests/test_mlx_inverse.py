@@ -1,0 +1,220 @@
+"""MLX -> Hugging Face: the tensors mlx_lm's ``sanitize`` computed, traced back (``converters/mlx/inverse.py``).
+
+torch -> MLX -> torch gives the source's names and bytes wherever sanitize only moved data (DeepSeek-V3's
+``embed_q``/``unembed_out`` from ``kv_b_proj``, conv weights turned, ``language_model.`` prefixes, flat or fused
+experts), and transformers loads it. Where sanitize added a constant that rounded (Qwen3-Next's norms ``+ 1.0``)
+the view says so by name, and the tensors read back are what the MLX model computes with: exporting them again
+gives the same MLX bytes. What sanitize drops stays dropped, listed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_identical, tensors, write_tokenizer
+
+import zoo
+from ffn_tools.converters import convert, open_any
+from ffn_tools.errors import FFNToolsError
+from ffn_tools.io.store import open_checkpoint
+from ffn_tools.loadable import check_transformers
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+from ffn_tools.converters.mlx import inverse  # noqa: E402
+from ffn_tools.converters.mlx.probe import NotRearranged, Probe  # noqa: E402
+from ffn_tools.converters.mlx.view import MLXCheckpoint  # noqa: E402
+from ffn_tools.plan import Entry  # noqa: E402
+from test_zoo_mlx import EXTRA, KEEP, REFUSED, _built, _candidates  # noqa: E402
+
+# model_type -> the source tensors mlx_lm's sanitize drops (asserted: they are exactly the ones missing).
+DROPPED = {"ernie4_5_moe": ["model.layers.1.mlp.moe_statics.e_score_correction_bias"]}
+# model_types whose sanitize adds 1.0 to the norms (asserted: exactly those tensors are read back rounded).
+NORMS_PLUS_ONE = {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"}
+NORM = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight", ".q_norm.weight",
+        ".k_norm.weight")
+# what sanitize computes, by type (asserted: read back from the MLX tensors named so)
+GATHERED = {"deepseek_v3": ("embed_q", "unembed_out"), "glm4_moe_lite": ("embed_q", "unembed_out"),
+            "lfm2_moe": ("conv.conv",), "falcon_h1": ("conv1d",), "jamba": ("conv1d",), "qwen3_next": ("conv1d",),
+            "qwen3_5_text": ("conv1d",)}
+KEY_TYPES = ["deepseek_v3", "glm4_moe_lite", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2_moe",
+             "falcon_h1", "jamba"]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """``sources(type, dtype) -> Path``: the tiny zoo checkpoint of ``type``, in float32 or cast to bfloat16."""
+    built: dict = {}
+
+    def get(model_type: str, dtype: str = "float32") -> Path:
+        if (model_type, dtype) not in built:
+            root = tmp_path_factory.mktemp(f"inv-{model_type}-{dtype}")
+            src = root / "f32"
+            zoo.build(model_type, src, keep=KEEP, extra=EXTRA.get(model_type))
+            write_tokenizer(src, json.loads((src / "config.json").read_text()).get("vocab_size") or 160)
+            if dtype != "float32":
+                convert(src, "torch", root / dtype, dtype=dtype)
+                src = root / dtype
+            built[model_type, dtype] = src
+        return built[model_type, dtype]
+
+    return get
+
+
+def _rounded_ok(model_type: str, names: set[str], src: dict, back: dict, mlx: Path, again: Path) -> None:
+    """The tensors read back rounded are the norms sanitize adds 1.0 to; MLX of the read-back model is the
+    MLX model it was read from, bit for bit (what mlx_lm computes with is kept exactly)."""
+    want = {n for n in src if n.endswith(NORM) and src[n].dim() == 1} if model_type in NORMS_PLUS_ONE else set()
+    assert names <= want, sorted(names - want)
+    for n in want:
+        x, y = src[n], back[n]
+        assert x.dtype == y.dtype and torch.equal(x + 1.0, y + 1.0), n  # the same value plus one: x + 1 rounded
+    assert_identical(tensors(again), tensors(mlx))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("model_type", KEY_TYPES)
+def test_torch_mlx_torch_gives_the_source(model_type, dtype, sources, tmp_path):
+    src = sources(model_type, dtype)
+    convert(src, "mlx", tmp_path / "mlx")
+    convert(tmp_path / "mlx", "torch", tmp_path / "back")
+    with open_any(tmp_path / "mlx") as view:
+        assert view.inverse.skipped is None and not view.inverse.refused
+        for n in view:
+            view.read_raw(n)
+        rounded = set(view.rounded)
+        gathered = {o for s in view.inverse.sources.values() if s.kind == "gathered" for o in s.outputs}
+    assert all(any(g in o for o in gathered) for g in GATHERED.get(model_type, ())), sorted(gathered)
+    a, b = tensors(src), tensors(tmp_path / "back")
+    exact = {n: t for n, t in a.items() if n not in rounded}
+    assert sorted(a) == sorted(b)
+    assert_identical({n: b[n] for n in exact}, exact)
+    convert(tmp_path / "back", "mlx", tmp_path / "again")
+    _rounded_ok(model_type, rounded, a, b, tmp_path / "mlx", tmp_path / "again")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == model_type
+    assert check_transformers(open_checkpoint(tmp_path / "back")).ok
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "back", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+
+
+def test_deepseek_v3_round_trip_is_bit_exact_and_verifies(sources, tmp_path):
+    """The bar: kv_b_proj comes back from embed_q and unembed_out byte for byte, and verify pairs it."""
+    import ffn_tools
+
+    src = sources("deepseek_v3")
+    convert(src, "mlx", tmp_path / "mlx")
+    raw = tensors(tmp_path / "mlx")
+    assert "model.layers.0.self_attn.embed_q.weight" in raw and "model.layers.0.self_attn.kv_b_proj.weight" not in raw
+    with open_any(tmp_path / "mlx") as view:
+        name = "model.layers.0.self_attn.kv_b_proj.weight"
+        assert view.made_from(name) == ("model.layers.0.self_attn.embed_q.weight",
+                                        "model.layers.0.self_attn.unembed_out.weight")
+        assert view.info(name).start is None and view.quant_params(name) is None
+    convert(tmp_path / "mlx", "torch", tmp_path / "back")
+    assert_identical(tensors(tmp_path / "back"), tensors(src))
+    report = ffn_tools.verify(src, tmp_path / "mlx", backends=["reference"], tokens=4)
+    assert report.passed, report.failures()
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_5_moe_text", "mixtral"])
+def test_quantized_mlx_reads_back_with_the_source_names(model_type, sources, tmp_path):
+    src = sources(model_type)
+    convert(src, "mlx", tmp_path / "q", quantize=True, q_group_size=32)
+    convert(tmp_path / "q", "torch", tmp_path / "back")
+    a, b = tensors(src), tensors(tmp_path / "back")
+    assert sorted(a) == sorted(b)
+    for n, t in a.items():
+        err = (b[n].double() - t.double()).abs().max().item()
+        assert b[n].shape == t.shape and err < 0.1 * max(1.0, t.abs().max().item()), (n, err)
+    with open_any(tmp_path / "q") as view:
+        q = [n for n in view if view.quant_params(n)]
+        assert q and all(view.quantized_parts(n) is not None for n in q if view.inverse.sources[n].kind != "gathered")
+    meta = json.loads(open_checkpoint(tmp_path / "back").metadata["ffn_tools_dequantized_from"])
+    assert meta["format"] == "mlx" and meta["weights"] == len(q)
+
+
+def _zoo_types() -> list[str]:
+    return [t for t in _candidates() if t not in REFUSED]
+
+
+@pytest.mark.parametrize("model_type", _zoo_types())
+def test_every_zoo_export_reads_back(model_type, request, tmp_path):
+    """Every zoo type the MLX zoo test exports: the source's names and bytes come back, but for what
+    ``DROPPED`` and ``NORMS_PLUS_ONE`` say, and transformers' load check passes."""
+    src, built = _built(request, model_type)
+    if not built["tested"]:
+        pytest.skip("not gated, or not tiny (test_zoo covers it)")
+    convert(src, "mlx", tmp_path / "mlx")
+    with open_any(tmp_path / "mlx") as view:
+        assert view.inverse.skipped is None and not view.inverse.refused, view.inverse.refused
+        assert view.inverse.dropped == DROPPED.get(model_type, [])
+        back = {n: view[n].clone() for n in view}
+        rounded = set(view.rounded)
+    a = tensors(src)
+    assert sorted(a) == sorted([*back, *view.inverse.dropped])
+    assert_identical({n: back[n] for n in back if n not in rounded}, {n: a[n] for n in back if n not in rounded})
+    if rounded:
+        convert(tmp_path / "mlx", "torch", tmp_path / "back")
+        convert(tmp_path / "back", "mlx", tmp_path / "again")
+        _rounded_ok(model_type, rounded, a, back, tmp_path / "mlx", tmp_path / "again")
+    else:
+        assert model_type not in NORMS_PLUS_ONE
+
+
+def test_without_transformers_model_the_mlx_names_stay(sources, tmp_path, monkeypatch, caplog):
+    """Where transformers cannot build the source's model, nothing is traced: MLX names, experts unstacked."""
+    convert(sources("deepseek_v3"), "mlx", tmp_path / "mlx")
+
+    def refuse(config):
+        raise FFNToolsError("transformers cannot build 'deepseek_v3' (test)")
+
+    monkeypatch.setattr(inverse, "source_layout", refuse)
+    with caplog.at_level(logging.INFO), open_any(tmp_path / "mlx") as view:
+        assert view.inverse.skipped == "transformers cannot build 'deepseek_v3' (test)"
+        assert "model.layers.0.self_attn.embed_q.weight" in view
+        assert "model.layers.1.mlp.experts.0.gate_proj.weight" in view  # the stack unstacked by name
+    assert "MLX names kept" in caplog.text
+
+
+class _Model:
+    """A stand-in mlx_lm model whose sanitize is ``fn``."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def sanitize(self, weights):
+        return self.fn(dict(weights))
+
+
+def _probe(fn, shapes):
+    view = [Entry(n, "F32", s, (n,), lambda ts: ts[0], ((0, 0, 4 * int(torch.tensor(s).prod())),), "")
+            for n, s in shapes.items()]
+    return Probe(lambda: _Model(fn), shapes, view, "F32")
+
+
+def test_probe_inverts_data_movement_and_offsets():
+    probe = _probe(lambda w: {"t": w["a"].reshape(2, 3, 4).swapaxes(1, 2), "n": w["b"] + 1.0}, {"a": (6, 4), "b": (5,)})
+    t = probe.trace("t")
+    assert t.offsets is None and probe.owners(t) == ["a"] and probe.covered("a", [t]) == 24
+    assert sorted(t.sources.tolist()) == list(range(24))
+    n = probe.trace("n")
+    assert n.offsets.tolist() == [1.0] * 5 and probe.owners(n) == ["b"]
+
+
+@pytest.mark.parametrize("fn,why", [
+    (lambda w: {"t": w["a"] * 2.0}, "not moved from the input"),  # a folded multiplier
+    (lambda w: {"t": (w["a"] + w["a"][::-1]) / 2}, "combines input values"),  # a mean that can look like a move
+    (lambda w: {"t": w["a"].astype(mx.float16)}, "sanitize"),  # a cast that rounds the probe
+])
+def test_probe_refuses_what_is_not_a_rearrangement(fn, why):
+    with pytest.raises(NotRearranged, match=why):
+        _probe(fn, {"a": (64, 64)}).trace("t")
