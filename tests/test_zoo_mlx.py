@@ -48,8 +48,8 @@ EXTRA = {
     # third; mlx_lm's has one key/value head, as RecurrentGemma-2B
 }
 _V4 = "mlx_lm 0.32's {} reads a transformers v4 config; 5.24's lacks or renamed {}"
-# Gated types the module-tree oracle does not count: DBRX stores its experts flat, (E * I, H) 2-D parameters.
-ALSO_GATED = {"dbrx"}
+# Gated types the module-tree oracle does not count (it counts DBRX's flat (E * I, H) expert stacks now).
+ALSO_GATED: set[str] = set()
 # model_type -> why ffn-tools refuses to export it (asserted: it refuses in one line, and mlx_lm.convert fails).
 REFUSED = {
     "bailing_hybrid": _V4.format("bailing_hybrid", "n_group, group_norm_size, ..."),
@@ -112,7 +112,7 @@ OTHER_LOGITS = {
 
 
 # model_type -> why verify cannot run on a correct export (asserted: it still cannot).
-UNVERIFIED = {"dbrx": "DBRX stores its experts as flat (E * I, H) stacks, which no scheme reads yet"}
+UNVERIFIED: dict[str, str] = {}
 
 
 def _candidates() -> list[str]:
