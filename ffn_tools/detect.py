@@ -163,7 +163,7 @@ def choose_scheme(names, config: Mapping | None, within: Scheme | None = None, b
         if next((h for h in equal if h in favoured), equal[0]) is g:
             chosen.append(g)
     if within is not None:
-        return Scheme(within.name, within.description, tuple(chosen), within.model_types)
+        return dataclasses.replace(within, groups=tuple(chosen), by_model_type_only=False)
     roots = {(g.prefix, g.first_layer) for g in chosen}
     prefixes = sorted({p for p, _ in roots})
     if len({first for _, first in roots}) < len(roots):  # layers under two roots numbered alike: two models' names
@@ -178,7 +178,7 @@ def _name(groups: list[Group], preferred: Scheme | None) -> Scheme:
     """``groups`` as a scheme named after the first family holding them all (``preferred`` first)."""
     for family in ([preferred] if preferred else []) + list(SCHEMES.values()):
         if set(groups) <= set(family.groups):
-            return Scheme(family.name, family.description, tuple(groups), family.model_types)
+            return Scheme(family.name, family.description, tuple(groups), family.model_types, ungated=family.ungated)
     kinds = sorted({g.name for g in groups})
     return Scheme("+".join(kinds), "groups " + ", ".join(kinds), tuple(groups))
 
@@ -238,8 +238,9 @@ def find_ffns(ckpt, scheme: Scheme | None = None, layout: GateUpLayout | None = 
     if problems:
         raise SchemeError(f"{ckpt.path}: inconsistent FFN tensors under scheme {scheme.name!r}: " + "; ".join(sorted(problems)))
     tensors = frozenset(n for f in ffns for n in f.names.values())
+    ungated = [compile_template(t) for t in scheme.ungated]  # declared by the family: no gated FFN
     unmatched = tuple(sorted(n for n in names if n not in tensors and looks_like_ffn(n)
-                             and not is_companion(n, tensors)))
+                             and not is_companion(n, tensors) and not any(p.fullmatch(n) for p in ungated)))
     return FFNSet(scheme, tuple(sorted(ffns, key=lambda f: f.ref)), activation_from_config(ckpt.config), tensors,
                   unmatched)
 

@@ -40,6 +40,9 @@ file's ``groups``), placed under the scheme's layer prefixes.
                         reading the same tensors go to the selected family's)
     by_model_type_only  match the scheme's groups only when a model_type selects it (names that also mean
                         something ungated, fc1/fc2)
+    ungated             templates of tensors the family's modeling code holds that look like FFN projections
+                        but are no gated FFN (Zaya's router MLP, AXK2's gated norms' low-rank MLP): carried and
+                        compared as outside the FFNs, not reported as unmatched
 
 The built-in file is ``{"layer_prefixes": [...], "groups": {name: group}, "schemes": [scheme, ...]}``: groups
 are declared once and named by the schemes; the schemes' order is the table order detection falls back on.
@@ -60,7 +63,7 @@ from .registry import FORM_ROLES, FORMS, KINDS, ROLES, Form, Group, Scheme
 Prefix = tuple[str, "str | None"]  # a layer prefix and the config key its layers are numbered from (or None)
 
 BUILTIN = Path(__file__).with_name("schemes") / "families.json"
-SCHEME_KEYS = ("name", "description", "model_types", "by_model_type_only", "layer_prefixes", "groups")
+SCHEME_KEYS = ("name", "description", "model_types", "by_model_type_only", "layer_prefixes", "groups", "ungated")
 GROUP_KEYS = ("name", "description", "kind", "forms", "layout", "first_expert")
 FORM_KEYS = (*ROLES, "transposed", "experts")
 PREFIX_KEYS = ("prefix", "first_layer")
@@ -359,9 +362,16 @@ def _scheme(data, where: str, problems: _Problems, named: dict[str, Group], pref
             group = _group(entry, at, problems)
         if group is not None:
             groups.extend(_place(group, prefixes))
+    ungated = data.get("ungated", [])
+    if not isinstance(ungated, list):
+        problems(_at(where, "ungated"), f"a list of templates of tensors that are no gated FFN; found {ungated!r}")
+        ungated = []
+    ungated = [t for k, t in enumerate(ungated) if _template(t, _at(_at(where, "ungated"), k), problems)]
     if len(problems.found) > before:
         return None
-    return Scheme(name, description, tuple(groups), tuple(model_types), only)
+    placed = tuple(dict.fromkeys(t.replace("{prefix}", p) if t.startswith("{prefix}") else t
+                                 for t in ungated for p, _ in (prefixes if t.startswith("{prefix}") else [("", None)])))
+    return Scheme(name, description, tuple(groups), tuple(model_types), only, placed)
 
 
 def load_scheme_file(path: str | Path) -> Scheme:

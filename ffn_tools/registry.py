@@ -150,6 +150,8 @@ class Scheme:
     groups: tuple[Group, ...]
     model_types: tuple[str, ...] = field(default=())
     by_model_type_only: bool = False  # its names also mean something ungated (fc1/fc2): match only when selected
+    ungated: tuple[str, ...] = ()  # templates of tensors its modeling code holds that look like FFN projections
+    # but are no gated FFN (a router's MLP, a gated norm's low-rank MLP): outside the FFNs, not "unmatched"
 
 
 def config_int(config, key: str, who: str) -> int:

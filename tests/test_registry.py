@@ -154,6 +154,11 @@ def test_command_line_templates_are_the_short_form():
     ({"layer_prefixes": [{"prefix": "h.{layer}"}], "groups": ["mlp"]},
      'layer_prefixes[0]: {"prefix": "model.H.layers.{layer}", "first_layer": "<config key>"} names a second stack '
      "of layers; found {'prefix': 'h.{layer}'}"),
+    ({"groups": ["mlp"], "ungated": "x.{layer}.fc1.weight"},
+     "ungated: a list of templates of tensors that are no gated FFN; found 'x.{layer}.fc1.weight'"),
+    ({"groups": ["mlp"], "ungated": ["router.fc1.weight"]},
+     "ungated[0]: template 'router.fc1.weight': needs {layer} (or a leading {prefix}, which holds it) once, and may "
+     "use {expert} once"),
 ])
 def test_scheme_file_errors_name_the_key(tmp_path, data, message):
     path = _scheme_file(tmp_path, data)
@@ -262,3 +267,23 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return torch.equal(a, b)
+
+
+def test_a_family_declares_its_ungated_look_alikes(tmp_path):
+    """Tensors a scheme declares ungated (a router's MLP) are outside the FFNs, not unmatched; undeclared, they are."""
+    import torch
+    from safetensors.torch import save_file
+
+    p = "model.layers.0.mlp"
+    w = {f"{p}.gate_proj.weight": torch.ones(6, 4), f"{p}.up_proj.weight": torch.ones(6, 4),
+         f"{p}.down_proj.weight": torch.ones(4, 6), f"{p}.gate.router_mlp.fc1.weight": torch.ones(4, 4)}
+    tmp_path.mkdir(exist_ok=True)
+    save_file(w, tmp_path / "model.safetensors")
+    with open_checkpoint(tmp_path) as c:
+        assert find_ffns(c).unmatched == (f"{p}.gate.router_mlp.fc1.weight",)
+        (tmp_path / "s").mkdir()
+        mine = load_scheme_file(_scheme_file(tmp_path / "s", {"groups": ["mlp"],
+                                                              "ungated": ["{prefix}.mlp.gate.router_mlp.fc1.weight"]}))
+        found = find_ffns(c, mine)
+    assert found.unmatched == () and len(found.ffns) == 1 and f"{p}.gate.router_mlp.fc1.weight" not in found.tensors
+    assert "model.layers.{layer}.mlp.gate.router_mlp.fc1.weight" in mine.ungated

@@ -3,7 +3,8 @@ forms: as ``save_pretrained`` writes it and as the model's own state dict (trans
 two hold the same tensors, the second is the first and is not run again).
 
 For each gated type: inspect's FFN counts (dense, routed, shared) and each kind's d_ffn equal the torch module
-tree's; no FFN-like tensor is left unmatched unless ``NOT_FFN`` says what it is; split and fuse round trips are
+tree's; no FFN-like tensor is left unmatched (a family's ungated look-alikes, a router's MLP, its scheme
+declares); split and fuse round trips are
 bit-exact, and the restored checkpoint (whose FFNs are the source's, or its other form's) loads in transformers
 with identical logits; the Flax round trip is bit-exact; verify passes the split copy and fails (exit 1) on a
 gate/up swap. An ungated type must be reported as having no gated FFN. Types that cannot be built tiny are
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import shutil
 import warnings
 from pathlib import Path
@@ -65,16 +65,6 @@ TOO_BIG = {
 }
 # Gated types ffn-tools does not cover, with the reason: strict xfail, so a fix shows up as a failure here.
 GAPS: dict[str, str] = {}
-# model_type -> (pattern, what they are): FFN-like tensors that are no gated FFN (read from transformers 5.24's
-# modeling code), asserted to be all that inspect leaves unmatched, in one of the type's two forms at least.
-NOT_FFN = {
-    "axk2": (r"\.(input|post_attention)_layernorm\.mlp\.fc[12]\.weight",
-             "its gated norms' low-rank gate, a CLIPMLP fc1 -> act -> fc2 (H -> 16 -> H): ungated (AXK2's "
-             "conversion mapping names the checkpoint's W_down / W_up so in memory)"),
-    "zaya": (r"\.mlp\.gate\.(down_proj|router_mlp\.(fc1|fc2|out_proj))\.(weight|bias)",
-             "the router (ZayaRouter): down_proj to the router width, then router_mlp's fc1 -> act -> fc2 -> act "
-             "-> out_proj logits: ungated"),
-}
 FORMS = ("saved", "state-dict")
 
 
@@ -109,14 +99,6 @@ def _shapes(path) -> dict:
         return {n: (c.info(n).st_dtype, tuple(c.info(n).shape)) for n in c}
 
 
-def _unmatched(path) -> tuple[str, ...]:
-    from ffn_tools.detect import find_ffns
-    from ffn_tools.io.store import open_checkpoint
-
-    with open_checkpoint(path) as c:
-        return find_ffns(c).unmatched
-
-
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("case", _types())
 def test_zoo(case, form, tmp_path, request):
@@ -146,28 +128,19 @@ def test_zoo(case, form, tmp_path, request):
     assert found == counts.as_tuple(), f"{case}: ffn-tools finds {found}, the module tree has {counts}"
     assert {k: sorted(v["d_ffn"]) for k, v in s["ffn"].items()} == \
         {k: sorted(v) for k, v in counts.by_kind.items()}, (s["ffn"], counts)
-    _check_unmatched(model_type, s["unmatched_ffn_like"], form == "saved" and _unmatched(twin))
+    assert not s["unmatched_ffn_like"], (case, s["unmatched_ffn_like"])
     forms = {f for k in s["ffn"].values() for f, n in k["forms"].items() if n}
-    _round_trips(src, twin, logits, forms, tmp_path, ["--allow-unmatched"] if model_type in NOT_FFN else [])
+    _round_trips(src, twin, logits, forms, tmp_path)
     flax = tmp_path / "flax"
     run_cli("convert", src, "--to", "flax", "-o", flax)
     run_cli("convert", flax, "--to", "torch", "-o", tmp_path / "flax-back")
     _identical(src, tmp_path / "flax-back")
 
 
-def _check_unmatched(model_type: str, unmatched: list[str], twins) -> None:
-    """No FFN-like tensor is left unmatched but those ``NOT_FFN`` names (and those it names are, in one of the
-    type's forms: ``twins`` is the other form's unmatched, or False where this is not the saved form)."""
-    pattern = NOT_FFN.get(model_type, (None, ""))[0]
-    assert all(pattern and re.search(pattern, n) for n in unmatched), (model_type, unmatched)
-    if pattern and twins is not False:
-        assert unmatched or twins, f"{model_type}: NOT_FFN lists tensors neither form has"
-
-
-def _round_trips(src, twin, logits, forms, tmp_path, allow):
+def _round_trips(src, twin, logits, forms, tmp_path):
     """split -> fuse -> split, bit-exact; the fused result (its FFN tensors those of ``src`` or of its other form
     ``twin``, the rest ``src``'s) loads in transformers with the saved logits; verify passes the split copy and
-    catches a gate/up swap in it (``allow``: verify's flags for the tensors ``NOT_FFN`` lists)."""
+    catches a gate/up swap in it."""
     fused = bool(forms & {"fused", "stacked"})
     separate = src
     if fused:
@@ -185,17 +158,16 @@ def _round_trips(src, twin, logits, forms, tmp_path, allow):
         assert torch.equal(zoo.logits(model), logits)
     for form in (separate, refused):
         loads = _load_check_agrees(form)
-        r = run_cli("verify", src, form, "--backend", "reference", "--tokens", "4", *allow, ok=None)
+        r = run_cli("verify", src, form, "--backend", "reference", "--tokens", "4", ok=None)
         if loads:
             assert r.exit_code == 0 and "PASS" in r.output and "outside FFNs: " in r.output, r.output
         else:  # every FFN and outside tensor agrees; only the load check fails, naming the tensors
             assert r.exit_code == 1 and "B would load in transformers" in r.output, r.output
-            r = run_cli("verify", src, form, "--backend", "reference", "--tokens", "4", "--no-load-check", *allow,
-                        ok=None)
+            r = run_cli("verify", src, form, "--backend", "reference", "--tokens", "4", "--no-load-check", ok=None)
             assert r.exit_code == 0 and "PASS" in r.output, r.output
     zoo.swap_first_gate_up(separate, tmp_path / "swapped")
     r = run_cli("verify", src, tmp_path / "swapped", "--backend", "reference", "--tokens", "4", "--no-load-check",
-                *allow, ok=None)
+                ok=None)
     assert r.exit_code == 1 and "FAIL" in r.output, r.output
 
 
@@ -269,5 +241,4 @@ def test_zoo_coverage():
     assert len(gated) >= 80, gated  # the zoo is the measure: a broken oracle would shrink it
     covered = [t for t in gated if t not in GAPS]
     assert len(covered) / len(gated) >= 0.95, (len(covered), len(gated), sorted(GAPS))
-    assert all(r.strip() for r in (*UNBUILDABLE.values(), *TOO_BIG.values(), *GAPS.values(),
-                                   *(why for _, why in NOT_FFN.values())))
+    assert all(r.strip() for r in (*UNBUILDABLE.values(), *TOO_BIG.values(), *GAPS.values()))
