@@ -253,6 +253,7 @@ def _build(ckpt, group: Group, form_name: str, roles: dict[str, str], layer: int
         b = bias_name(name)
         if b in ckpt:
             names[f"{role}_bias"] = b
+    names.update({r: b for r, b in group.bias_names(form, layer, expert).items() if b in ckpt})
     shapes = {r: ckpt.info(n).shape for r, n in names.items()}
     try:
         first_layer, first_expert = group.offsets(ckpt.config)
@@ -292,6 +293,7 @@ def _build(ckpt, group: Group, form_name: str, roles: dict[str, str], layer: int
     if form.fused:
         want["gate_up"] = (2 * i, h) if fused_axis == 0 else (h, 2 * i)
         want["gate_up_bias"] = (2 * i,)
+        want.update(gate_bias=(i,), up_bias=(i,))  # stored apart (``Form.separate_biases``)
     else:
         for r in ("gate", "up"):
             want[r] = (h, i) if form.turns(r) else (i, h)

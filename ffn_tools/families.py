@@ -65,7 +65,7 @@ Prefix = tuple[str, "str | None"]  # a layer prefix and the config key its layer
 BUILTIN = Path(__file__).with_name("schemes") / "families.json"
 SCHEME_KEYS = ("name", "description", "model_types", "by_model_type_only", "layer_prefixes", "groups", "ungated")
 GROUP_KEYS = ("name", "description", "kind", "forms", "layout", "first_expert")
-FORM_KEYS = (*ROLES, "transposed", "experts")
+FORM_KEYS = (*ROLES, "transposed", "experts", "separate_biases")
 PREFIX_KEYS = ("prefix", "first_layer")
 LAYOUT_KEYS = tuple(f.name for f in dataclasses.fields(GateUpLayout))
 LIBRARY_KEYS = ("layer_prefixes", "groups", "schemes")
@@ -207,10 +207,15 @@ def _form(name: str, data, kind: object, where: str, problems: _Problems) -> For
     elif (uses or kind == "expert") and not stacked and len(uses) != len(templates):  # one tensor per expert
         problems(where, f"every template of this {kind} form names its {{expert}}; missing from "
                         f"{', '.join(r for r in templates if r not in uses)}")
-    if set(templates) != set(need) or not isinstance(transposed, bool) or (flat and not isinstance(experts, str)):
+    apart = data.get("separate_biases", False)
+    if apart is not False and (apart is not True or name != "fused"):
+        problems(_at(where, "separate_biases"), "true on a fused form whose gate and up biases are stored apart "
+                                                f"(named as the group's separate form names them); found {apart!r}")
+    if set(templates) != set(need) or not isinstance(transposed, bool) or (flat and not isinstance(experts, str)) \
+            or apart not in (False, True):
         return None
     return Form(**templates, stacked=stacked, transposed=transposed, turned=turned, flat=flat,
-                experts=experts if flat else None)
+                experts=experts if flat else None, separate_biases=apart is True and name == "fused")
 
 
 def _group(data, where: str, problems: _Problems, name: str = "") -> Group | None:
@@ -247,10 +252,14 @@ def _group(data, where: str, problems: _Problems, name: str = "") -> Group | Non
             if form.turns("gate_up") and form.fused and layout.axis != "columns":
                 problems(at, 'stored (in, out), gate and up share the columns of gate_up: the group needs '
                              '"layout": {"axis": "columns"}')
+    if any(f.separate_biases for f in forms.values()) and "separate" not in forms:
+        problems(_at(where, "forms"), "a fused form with separate_biases names its biases as the separate form "
+                                      "does: declare that form too")
     prefixed = {t.startswith("{prefix}") for f in forms.values() for t in f.templates().values()}
     if len(prefixed) > 1:
         problems(where, "start every template of the group with {prefix}, or none")
     if kind not in KINDS or len(forms) != len(forms_data) or len(prefixed) > 1 or \
+            (any(f.separate_biases for f in forms.values()) and "separate" not in forms) or \
             (first_expert is not None and (not isinstance(first_expert, str) or kind != "expert")):
         return None
     return Group(kind, forms, layout, name, first_expert=first_expert)

@@ -228,9 +228,9 @@ def canonical_weights(ckpt, ffn: FFN) -> "dict[str, torch.Tensor]":
                                                      name=ffn.names["gate_up_bias"])
     else:
         out["gate"], out["up"] = get("gate"), get("up")
-        for r in ("gate", "up"):
-            if f"{r}_bias" in ffn.names:
-                out[f"{r}_bias"] = get(f"{r}_bias")
+    for r in ("gate", "up"):
+        if f"{r}_bias" in ffn.names:  # separate, or a fused form's biases stored apart (``separate_biases``)
+            out[f"{r}_bias"] = get(f"{r}_bias")
     if "down_bias" in ffn.names:
         out["down_bias"] = get("down_bias")
     for r in ("gate", "up", "down"):

@@ -142,6 +142,10 @@ def plan_split(ckpt, ffns: FFNSet) -> Plan:
         if "gate_up_bias" in f.names:
             replaced[f.names["gate_up_bias"]] += _split_entries(
                 ckpt, f, f.names["gate_up_bias"], True, {r: bias_name(new[r]) for r in ("gate", "up")}, target)
+        for r in ("gate", "up") if f.form.separate_biases else ():  # biases stored apart: renamed at most
+            src = f.names.get(f"{r}_bias")
+            if src and src != bias_name(new[r]):
+                replaced[src].append(_index_entry(ckpt, src, None, bias_name(new[r])))
         for src, dst, turn in ((f.names["down"], new["down"], f.form.turns("down") != target.turns("down")),
                                (f.names.get("down_bias"), bias_name(new["down"]), False)):
             if src and (f.index is not None or src != dst):
@@ -269,7 +273,14 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False) -> Plan:
         new = {r: _name(t, f, ckpt.config) for r, t in target.templates().items()}
         replaced[f.names["gate"]].append(_fuse_entry(ckpt, new["gate_up"], [(f.names["gate"], f.names["up"])], f.layout, False))
         replaced[f.names["up"]] += []
-        _fuse_biases(ckpt, f, replaced, [f], bias_name(new["gate_up"]))
+        if target.separate_biases:  # gate and up biases stay apart, named as the separate form names them
+            for r in ("gate", "up"):
+                src, dst = f.names.get(f"{r}_bias"), bias_name(_name(f.group.forms["separate"].templates()[r], f,
+                                                                     ckpt.config))
+                if src and src != dst:
+                    replaced[src].append(copy_entry(ckpt, src, dst))
+        else:
+            _fuse_biases(ckpt, f, replaced, [f], bias_name(new["gate_up"]))
         _fuse_scales(ckpt, [f], new, replaced)
         for src, dst in ((f.names["down"], new["down"]), (f.names.get("down_bias"), bias_name(new["down"]))):
             if src and src != dst:

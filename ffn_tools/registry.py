@@ -53,6 +53,8 @@ class Form:
     ``turned``: only these roles are stored (in, out) (DBRX's flattened ``w2``); ``transposed`` is all of them.
     ``flat``: the experts are flattened into dim 0 (``flat-separate``), expert e's stored matrix being rows
     ``e * n : (e + 1) * n``; ``experts`` is the config.json key (dotted for a nested one) holding E.
+    ``separate_biases``: a fused form whose gate and up biases stay apart, named as its group's separate form
+    names them (transformers' HRM converter fuses ``gate_up_proj.weight`` only): ``Group.bias_names``.
     """
 
     gate: str | None = None
@@ -64,6 +66,7 @@ class Form:
     turned: tuple[str, ...] = ()
     flat: bool = False
     experts: str | None = None
+    separate_biases: bool = False
 
     @property
     def fused(self) -> bool:
@@ -124,6 +127,14 @@ class Group:
     def __hash__(self) -> int:
         return hash((self.kind, self.name, self.prefix, tuple(sorted(self.forms.items())), self.layout,
                      self.first_expert, self.first_layer))
+
+    def bias_names(self, form: Form, layer: int, expert: int | None) -> dict[str, str]:
+        """Bias role -> tensor name of the FFN at (``layer``, ``expert``) as numbered in the tensor names, where
+        ``form`` names them apart from its weights' (``Form.separate_biases``); empty otherwise."""
+        if not form.separate_biases:
+            return {}
+        own = self.forms["separate"].templates()
+        return {f"{r}_bias": bias_name(own[r].format(layer=layer, expert=expert)) for r in ("gate", "up")}
 
     @property
     def unfused(self) -> str | None:

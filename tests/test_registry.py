@@ -154,6 +154,14 @@ def test_command_line_templates_are_the_short_form():
     ({"layer_prefixes": [{"prefix": "h.{layer}"}], "groups": ["mlp"]},
      'layer_prefixes[0]: {"prefix": "model.H.layers.{layer}", "first_layer": "<config key>"} names a second stack '
      "of layers; found {'prefix': 'h.{layer}'}"),
+    ({"groups": [{"kind": "dense", "forms": {"fused": {"gate_up": "x.{layer}.gu", "down": "x.{layer}.d",
+                                                       "separate_biases": True}}}]},
+     "groups[0].forms: a fused form with separate_biases names its biases as the separate form does: declare that "
+     "form too"),
+    ({"groups": [{"kind": "dense", "forms": {"separate": {"gate": "x.{layer}.g", "up": "x.{layer}.u",
+                                                          "down": "x.{layer}.d", "separate_biases": True}}}]},
+     "groups[0].forms.separate.separate_biases: true on a fused form whose gate and up biases are stored apart "
+     "(named as the group's separate form names them); found True"),
     ({"groups": ["mlp"], "ungated": "x.{layer}.fc1.weight"},
      "ungated: a list of templates of tensors that are no gated FFN; found 'x.{layer}.fc1.weight'"),
     ({"groups": ["mlp"], "ungated": ["router.fc1.weight"]},

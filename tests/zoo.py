@@ -38,9 +38,6 @@ EXTRA: dict[str, dict] = {
              "ffn_config": {"ffn_hidden_size": I, "moe_num_experts": 4, "moe_top_k": 2}},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # its default leaves None
     "zaya": {"num_experts_per_tok": 1},  # "ZAYA currently supports num_experts_per_tok=1 only"
-    # HRM's own default (and its checkpoints'): with MLP biases, save_pretrained fuses gate_up_proj.weight but
-    # leaves gate_proj.bias / up_proj.bias apart, a form whose gate/up biases are not named after its weight
-    "hrm_text": {"mlp_bias": False},
 }
 # case -> (model_type, settings): configurations of a type whose FFNs are another kind than at TINY's settings.
 VARIANTS: dict[str, tuple[str, dict]] = {
