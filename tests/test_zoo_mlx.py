@@ -44,6 +44,7 @@ EXTRA = {
              "ffn_config": {"ffn_hidden_size": 96, "moe_num_experts": 4, "moe_top_k": 2}},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},  # an attention layer among 2 (mlx_lm needs one)
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # its default leaves None
+    "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},  # both kinds, as LFM2's checkpoints
     "recurrent_gemma": {"num_hidden_layers": 3, "num_key_value_heads": 1},  # its first attention layer is the
     # third; mlx_lm's has one key/value head, as RecurrentGemma-2B
 }
@@ -61,7 +62,6 @@ REFUSED = {
     "granitemoehybrid": "mlx_lm's granitemoehybrid does not know transformers 5.24's linear_attention layers",
     "glm_moe_dsa": _V4.format("glm_moe_dsa", "moe_layer_freq, scoring_func, topk_method"),
     "kimi_linear": _V4.format("kimi_linear", "linear_attn_config"),
-    "lfm2": _V4.format("lfm2", "block_dim"),
     "llama4_text": "mlx_lm's llama4_text is dense: no routed experts",
     "mimo_v2_flash": _V4.format("mimo_v2_flash", "hybrid_layer_pattern and 15 more"),
     "minicpm3": "mlx_lm's minicpm3 needs a rope_scaling dict; transformers 5.24 writes none",

@@ -43,6 +43,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "num_layers": ("num_hidden_layers",),
     "layer_norm_epsilon": ("layer_norm_eps", "rms_norm_eps"),
     "layer_norm_eps": ("layer_norm_epsilon", "rms_norm_eps"),
+    "block_dim": ("hidden_size",),  # LFM2's v4 name of its width
 }
 TIE_KEY = "tie_word_embeddings"
 
