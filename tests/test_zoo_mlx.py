@@ -44,6 +44,7 @@ EXTRA = {
              "ffn_config": {"ffn_hidden_size": 96, "moe_num_experts": 4, "moe_top_k": 2}},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},  # an attention layer among 2 (mlx_lm needs one)
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # its default leaves None
+    "qwen2_moe": {"mlp_only_layers": []},  # experts in every layer, as Qwen1.5-MoE (mlx_lm's qwen2_moe has them so)
     "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},  # both kinds, as LFM2's checkpoints
     "recurrent_gemma": {"num_hidden_layers": 3, "num_key_value_heads": 1},  # its first attention layer is the
     # third; mlx_lm's has one key/value head, as RecurrentGemma-2B
@@ -70,7 +71,6 @@ REFUSED = {
     "minimax_m3_vl_text": "mlx_lm's minimax_m3_vl is the multimodal model and wants text_config",
     "olmo": "mlx_lm's olmo imports ai2-olmo (hf_olmo), which is not installed",
     "olmo_hybrid": "mlx_lm's olmo_hybrid wants input_layernorm; transformers 5.24 saves attention_layer_norm",
-    "qwen2_moe": "the zoo's mlp_only_layers=[0] (a dense layer 0): mlx_lm's qwen2_moe has experts in every layer",
     "solar_open": _V4.format("solar_open", "first_k_dense_replace, intermediate_size"),
 }
 # model_type -> why mlx_lm.convert cannot read the transformers checkpoint that ffn-tools exports (asserted: it
