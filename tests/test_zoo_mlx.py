@@ -44,6 +44,9 @@ EXTRA = {
              "ffn_config": {"ffn_hidden_size": 96, "moe_num_experts": 4, "moe_top_k": 2}},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},  # an attention layer among 2 (mlx_lm needs one)
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # its default leaves None
+    "deepseek_v2": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,  # DeepSeek-V2's
+                                        "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                                        "mscale": 0.707, "mscale_all_dim": 0.707}},  # (mlx_lm's reads it)
     "qwen2_moe": {"mlp_only_layers": []},  # experts in every layer, as Qwen1.5-MoE (mlx_lm's qwen2_moe has them so)
     "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},  # both kinds, as LFM2's checkpoints
     "recurrent_gemma": {"num_hidden_layers": 3, "num_key_value_heads": 1},  # its first attention layer is the
@@ -56,7 +59,6 @@ ALSO_GATED: set[str] = set()
 REFUSED = {
     "bailing_hybrid": _V4.format("bailing_hybrid", "n_group, group_norm_size, ..."),
     "bitnet": "mlx_lm's bitnet loads packed ternary weights with weight_scale; transformers saves them unpacked",
-    "deepseek_v2": "mlx_lm's deepseek_v2 needs a rope_scaling dict; transformers 5.24 writes none",
     "exaone4": "mlx_lm's exaone4 wants sliding_window_pattern as a string; transformers 5.24 writes a number",
     "exaone_moe": _V4.format("exaone_moe", "is_moe_layer"),
     "gemma4_unified_text": "mlx_lm maps gemma4_unified to its multimodal gemma4, which wants language_model.* names",
