@@ -260,7 +260,8 @@ def test_flat_experts_round_trip_through_the_stacked_form(tmp_path):
 
 
 def test_a_second_stack_of_layers_is_numbered_after_the_first(tmp_path):
-    names = _names(*(f"model.{s}_module.layers.{{l}}.mlp.{r}_proj.weight" for s in "LH" for r in ("gate", "up", "down")))
+    names = _names(*(f"model.{s}_module.layers.{{l}}.mlp.{r}_proj.weight" for s in "LH"
+                     for r in ("gate", "up", "down")))
     with pytest.raises(SchemeError, match="ambiguous FFN naming"):  # two roots numbered alike
         choose_scheme(_names(f"{P}.mlp.gate_proj.weight", f"{P}.mlp.up_proj.weight", f"{P}.mlp.down_proj.weight")
                       + [n.replace("model.layers", "model.model.layers") for n in _names(

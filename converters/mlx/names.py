@@ -4,8 +4,8 @@ Every input tensor is stood in for by a lazy ``mx.zeros`` of its shape and dtype
 model's ``sanitize`` (the function ``mlx_lm.load`` and ``mlx_lm.convert`` run on a checkpoint) maps them.
 An output that *is* one of the stand-ins, its graph untouched, is that input, renamed or not: a byte copy. One
 that is a stand-in changed in place (Falcon-H1's ``param *= multiplier``: the same array object, a new graph)
-and any other output were computed by ``sanitize``. The common computation, routed experts stacked on a new first axis, is
-recognized by name (``...experts.{e}.{proj}.weight`` -> ``...switch_mlp.{proj}.weight`` or
+and any other output were computed by ``sanitize``. The common computation, routed experts stacked on a new
+first axis, is recognized by name (``...experts.{e}.{proj}.weight`` -> ``...switch_mlp.{proj}.weight`` or
 ``...experts.{proj}.weight``, with ``PROJECTION_ALIASES``) and shape, and written as byte copies too; every
 other computed output is evaluated by running ``sanitize`` on the real, lazily loaded tensors
 (``SanitizeRun``). Inputs without an output were dropped by ``sanitize`` (rotary buffers, a tied head, an
