@@ -60,7 +60,6 @@ REFUSED = {
     "bailing_hybrid": _V4.format("bailing_hybrid", "n_group, group_norm_size, ..."),
     "bitnet": "mlx_lm's bitnet loads packed ternary weights with weight_scale; transformers saves them unpacked",
     "exaone4": "mlx_lm's exaone4 wants sliding_window_pattern as a string; transformers 5.24 writes a number",
-    "exaone_moe": _V4.format("exaone_moe", "is_moe_layer"),
     "gemma4_unified_text": "mlx_lm maps gemma4_unified to its multimodal gemma4, which wants language_model.* names",
     "granitemoehybrid": "mlx_lm's granitemoehybrid does not know transformers 5.24's linear_attention layers",
     "glm_moe_dsa": _V4.format("glm_moe_dsa", "moe_layer_freq, scoring_func, topk_method"),
