@@ -6,6 +6,7 @@ separate) is collected and reported in one error, sorted.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from collections import Counter, defaultdict
@@ -16,7 +17,8 @@ from .errors import SchemeError, listing
 from .io.dtypes import FLOAT_ST
 from .ffn import FFN, Activation, FFNRef, activation_from_config
 from .layouts import GateUpLayout
-from .registry import LIBRARY, SCHEMES, Form, Group, Scheme, bias_name, compile_template, scheme_for_model_type
+from .registry import (LIBRARY, SCHEMES, Form, Group, Scheme, bias_name, compile_template, config_int,
+                       scheme_for_model_type)
 from .scales import is_companion
 
 
@@ -161,9 +163,11 @@ def choose_scheme(names, config: Mapping | None, within: Scheme | None = None, b
         if next((h for h in equal if h in favoured), equal[0]) is g:
             chosen.append(g)
     if within is not None:
-        return Scheme(within.name, within.description, tuple(chosen), within.model_types)
-    prefixes = sorted({g.prefix for g in chosen})
-    if len(prefixes) > 1:  # layers under two roots: two models' names in one file, or a mistake
+        return dataclasses.replace(within, groups=tuple(chosen), by_model_type_only=False)
+    roots = {(g.prefix, g.first_layer) for g in chosen}
+    prefixes = sorted({p for p, _ in roots})
+    if len({first for _, first in roots}) < len(roots):  # layers under two roots numbered alike: two models' names
+        # in one file, or a mistake (a family's second stack of layers is numbered after the first: HRM's)
         fits = [f"{_name([g for g in chosen if g.prefix == p], preferred).name} ({p})" for p in prefixes]
         raise SchemeError(f"ambiguous FFN naming: the tensor names fit schemes {' and '.join(fits)}, under "
                           "different layer prefixes; choose one with --scheme")
@@ -174,7 +178,7 @@ def _name(groups: list[Group], preferred: Scheme | None) -> Scheme:
     """``groups`` as a scheme named after the first family holding them all (``preferred`` first)."""
     for family in ([preferred] if preferred else []) + list(SCHEMES.values()):
         if set(groups) <= set(family.groups):
-            return Scheme(family.name, family.description, tuple(groups), family.model_types)
+            return Scheme(family.name, family.description, tuple(groups), family.model_types, ungated=family.ungated)
     kinds = sorted({g.name for g in groups})
     return Scheme("+".join(kinds), "groups " + ", ".join(kinds), tuple(groups))
 
@@ -222,6 +226,9 @@ def find_ffns(ckpt, scheme: Scheme | None = None, layout: GateUpLayout | None = 
             continue
         form_name = complete[key][0]
         ffns.extend(_build(ckpt, group, form_name, forms[form_name], layer, expert, layout or group.layout, problems))
+    routed = {f.ref.layer for f in ffns if f.ref.kind == "expert"}
+    ffns = [dataclasses.replace(f, ref=FFNRef(f.ref.layer, "dense", f.ref.expert))  # "shared" with no routed ones
+            if f.ref.kind == "shared" and f.ref.layer not in routed else f for f in ffns]
     seen: dict[FFNRef, FFN] = {}
     for ffn in ffns:
         if ffn.ref in seen:
@@ -231,8 +238,9 @@ def find_ffns(ckpt, scheme: Scheme | None = None, layout: GateUpLayout | None = 
     if problems:
         raise SchemeError(f"{ckpt.path}: inconsistent FFN tensors under scheme {scheme.name!r}: " + "; ".join(sorted(problems)))
     tensors = frozenset(n for f in ffns for n in f.names.values())
+    ungated = [compile_template(t) for t in scheme.ungated]  # declared by the family: no gated FFN
     unmatched = tuple(sorted(n for n in names if n not in tensors and looks_like_ffn(n)
-                             and not is_companion(n, tensors)))
+                             and not is_companion(n, tensors) and not any(p.fullmatch(n) for p in ungated)))
     return FFNSet(scheme, tuple(sorted(ffns, key=lambda f: f.ref)), activation_from_config(ckpt.config), tensors,
                   unmatched)
 
@@ -245,33 +253,51 @@ def _build(ckpt, group: Group, form_name: str, roles: dict[str, str], layer: int
         b = bias_name(name)
         if b in ckpt:
             names[f"{role}_bias"] = b
+    names.update({r: b for r, b in group.bias_names(form, layer, expert).items() if b in ckpt})
     shapes = {r: ckpt.info(n).shape for r, n in names.items()}
-    lead = 1 if form.stacked else 0
+    try:
+        first_layer, first_expert = group.offsets(ckpt.config)
+        n_flat = config_int(ckpt.config, form.experts, f"the {form_name} form of {group.name!r}") \
+            if form.flat and form.experts else None
+    except SchemeError as e:
+        problems.append(f"{names['down']}: {e}")
+        return []
+    lead = 1 if form.stacked and not form.flat else 0
     down = shapes["down"]
     if len(down) != 2 + lead:
         problems.append(f"{names['down']}: expected {2 + lead} dims, found {list(down)}")
         return []
-    h, i = down[lead:][::-1] if form.transposed else down[lead:]  # (H, I), or (I, H) stored (in, out)
+    if n_flat is not None:  # (E * n, m): one expert's block of rows, then as a stack
+        if not n_flat or down[0] % n_flat:
+            problems.append(f"{names['down']}: {down[0]} rows do not divide into {n_flat} experts "
+                            f"(config.json {form.experts})")
+            return []
+        down = (n_flat, down[0] // n_flat, down[1])
+        lead = 1
+    h, i = down[lead:][::-1] if form.turns("down") else down[lead:]  # (H, I), or (I, H) stored (in, out)
     if not (h and i):
-        problems.append(f"{names['down']}: shape {list(down)} has a zero dimension; an FFN needs d_model and d_ffn")
+        problems.append(f"{names['down']}: shape {list(shapes['down'])} has a zero dimension; an FFN needs d_model "
+                        "and d_ffn")
         return []
     ints = sorted({ckpt.info(n).st_dtype for n in names.values()} - FLOAT_ST)
     if ints:
         problems.append(f"{names['down']} and its FFN: {', '.join(ints)} weights; FFN weights are floating point "
                         "(a quantized checkpoint? read it through its own format)")
         return []
-    want = {"down": (i, h) if form.transposed else (h, i), "down_bias": (h,)}
+    want = {"down": (i, h) if form.turns("down") else (h, i), "down_bias": (h,)}
     fused_axis = 0 if layout.axis == "rows" else 1
-    if form.transposed and form.fused and fused_axis == 0:
+    if form.turns("gate_up") and form.fused and fused_axis == 0:
         problems.append(f"{names['gate_up']}: stored (in, out), so gate and up share its columns; the layout "
                         f"says rows ({layout.describe()})")
         return []
     if form.fused:
         want["gate_up"] = (2 * i, h) if fused_axis == 0 else (h, 2 * i)
         want["gate_up_bias"] = (2 * i,)
+        want.update(gate_bias=(i,), up_bias=(i,))  # stored apart (``Form.separate_biases``)
     else:
-        pair = (h, i) if form.transposed else (i, h)
-        want.update(gate=pair, up=pair, gate_bias=(i,), up_bias=(i,))
+        for r in ("gate", "up"):
+            want[r] = (h, i) if form.turns(r) else (i, h)
+            want[f"{r}_bias"] = (i,)
     n_experts: int | None = down[0] if form.stacked else None
     before = len(problems)
     if form.fused and len(shapes["gate_up"]) == 2 + lead and shapes["gate_up"][lead + fused_axis] % 2:
@@ -280,12 +306,17 @@ def _build(ckpt, group: Group, form_name: str, roles: dict[str, str], layer: int
         return []
     for role, shape in shapes.items():
         expect = ((n_experts,) if form.stacked else ()) + want[role]
+        if form.flat:  # the experts' blocks one after the other along dim 0
+            expect = (expect[0] * expect[1], *expect[2:])
         if tuple(shape) != expect:
             problems.append(f"{names[role]}: shape {list(shape)}, expected {list(expect)} "
-                            f"(from {names['down']} {list(down)})")
+                            f"(from {names['down']} {list(shapes['down'])}"
+                            + (f" and {n_experts} experts" if form.flat else "") + ")")
     if len(problems) > before:
         return []
     kind = group.kind
-    if n_experts is not None:  # stacked: one FFN per index along dim 0
-        return [FFN(FFNRef(layer, kind, e), form_name, form, layout, names, e, h, i, group) for e in range(n_experts)]
-    return [FFN(FFNRef(layer, kind, expert if expert is not None else -1), form_name, form, layout, names, None, h, i, group)]
+    if n_experts is not None:  # stacked: one FFN per index along dim 0 (a block of rows when flat)
+        return [FFN(FFNRef(layer + first_layer, kind, first_expert + e), form_name, form, layout, names, e, h, i,
+                    group) for e in range(n_experts)]
+    number = expert + first_expert if expert is not None else -1
+    return [FFN(FFNRef(layer + first_layer, kind, number), form_name, form, layout, names, None, h, i, group)]

@@ -18,18 +18,31 @@ or, short, ``{"gate": T, "up": T, "down": T}`` (or ``"gate_up"`` and ``"down"``,
 form's templates) is required. A group is an object, or the name of a built-in group (a key of the built-in
 file's ``groups``), placed under the scheme's layer prefixes.
 
-    kind                dense | expert | shared
-    forms               separate, fused, stacked, stacked-separate: role -> template (``registry.FORM_ROLES``);
-                        ``"transposed": true`` when the weights are stored (in, out) (GPT-OSS, Llama-4 experts;
-                        their layout then needs ``"axis": "columns"``)
+    kind                dense | expert | shared (an FFN beside its layer's routed experts; in a layer without
+                        routed experts, as Granite-4.0's dense models have it, it is that layer's dense FFN)
+    forms               separate, fused, stacked, stacked-separate, flat-separate: role -> template
+                        (``registry.FORM_ROLES``); ``"transposed": true`` when the weights are stored (in, out)
+                        (GPT-OSS, Llama-4 experts; their layout then needs ``"axis": "columns"``), or a list of
+                        the roles that are (DBRX's ``["down"]``); a flat-separate form (experts flattened into
+                        dim 0, (E * I, H)) names the config key holding E: ``"experts": "ffn_config.moe_num_experts"``
+                        A group's first form is its family's own: fuse-gateup --stack-experts fuses a dense or
+                        shared FFN whose own form is fused (Granite's shared_mlp), split-gateup writes the first
+                        of separate / flat-separate it declares (DBRX's flat w1/v1/w2)
     layout              how a fused gate_up holds gate and up (``GateUpLayout``); default concat, gate first
+    first_expert        a config key: the group's experts are numbered from its value (Inkling's shared experts,
+                        which its router scores after the routed ones: ``"n_routed_experts"``)
     templates           ``{layer}``, ``{expert}`` (every template of an expert group's unstacked forms, and
                         none other) and a leading ``{prefix}``: the group is then placed under every one of
                         ``layer_prefixes`` (default: the built-in file's, plain and multimodal layer roots)
+    layer_prefixes      strings, or ``{"prefix": P, "first_layer": KEY}`` for a second stack of layers numbered
+                        from config key KEY (HRM's ``model.H_module.layers.{layer}`` after its L_module's)
     model_types         config.json ``model_type`` values that select the scheme (ties between groups
                         reading the same tensors go to the selected family's)
     by_model_type_only  match the scheme's groups only when a model_type selects it (names that also mean
                         something ungated, fc1/fc2)
+    ungated             templates of tensors the family's modeling code holds that look like FFN projections
+                        but are no gated FFN (Zaya's router MLP, AXK2's gated norms' low-rank MLP): carried and
+                        compared as outside the FFNs, not reported as unmatched
 
 The built-in file is ``{"layer_prefixes": [...], "groups": {name: group}, "schemes": [scheme, ...]}``: groups
 are declared once and named by the schemes; the schemes' order is the table order detection falls back on.
@@ -47,10 +60,13 @@ from .errors import SchemeError
 from .layouts import CONCAT, GateUpLayout, LayoutError
 from .registry import FORM_ROLES, FORMS, KINDS, ROLES, Form, Group, Scheme
 
+Prefix = tuple[str, "str | None"]  # a layer prefix and the config key its layers are numbered from (or None)
+
 BUILTIN = Path(__file__).with_name("schemes") / "families.json"
-SCHEME_KEYS = ("name", "description", "model_types", "by_model_type_only", "layer_prefixes", "groups")
-GROUP_KEYS = ("name", "description", "kind", "forms", "layout")
-FORM_KEYS = (*ROLES, "transposed")
+SCHEME_KEYS = ("name", "description", "model_types", "by_model_type_only", "layer_prefixes", "groups", "ungated")
+GROUP_KEYS = ("name", "description", "kind", "forms", "layout", "first_expert")
+FORM_KEYS = (*ROLES, "transposed", "experts", "separate_biases")
+PREFIX_KEYS = ("prefix", "first_layer")
 LAYOUT_KEYS = tuple(f.name for f in dataclasses.fields(GateUpLayout))
 LIBRARY_KEYS = ("layer_prefixes", "groups", "schemes")
 _PLACEHOLDER = re.compile(r"\{(\w*)\}")
@@ -169,9 +185,21 @@ def _form(name: str, data, kind: object, where: str, problems: _Problems) -> For
         problems(where, f"form {name!r} of the {kind} group needs exactly {', '.join(sorted(need))}; "
                         f"found {', '.join(sorted(roles)) or 'none'}")
     templates = {r: t for r, t in roles.items() if _template(t, _at(where, r), problems)}
-    stacked, transposed = name.startswith("stacked"), data.get("transposed", False)
-    if not isinstance(transposed, bool):
-        problems(_at(where, "transposed"), f"true or false; found {transposed!r}")
+    flat = name.startswith("flat")
+    stacked, transposed, experts = name.startswith("stacked") or flat, data.get("transposed", False), \
+        data.get("experts")
+    turned: tuple[str, ...] = ()
+    if isinstance(transposed, list) and transposed and all(r in need for r in transposed):
+        turned, transposed = tuple(r for r in need if r in transposed), False
+    elif not isinstance(transposed, bool):
+        problems(_at(where, "transposed"), f"true, false, or a list of the roles stored (in, out) among "
+                                           f"{', '.join(need)}; found {transposed!r}")
+    if flat and (not isinstance(experts, str) or not experts):
+        problems(where, 'a flat form names the config.json key holding the number of experts: "experts": '
+                        f'"num_experts"; found {experts!r}')
+    elif not flat and experts is not None:
+        problems(_at(where, "experts"), "only a flat form (experts flattened into dim 0) reads the number of "
+                                        "experts from config.json")
     uses = [r for r, t in templates.items() if "{expert}" in t]
     if uses and (stacked or kind == "dense"):  # stacked experts are dim 0 of one tensor; a dense FFN has none
         problems(where, f"{'a stacked form' if stacked else 'a dense group'} has no {{expert}}; found it in "
@@ -179,9 +207,15 @@ def _form(name: str, data, kind: object, where: str, problems: _Problems) -> For
     elif (uses or kind == "expert") and not stacked and len(uses) != len(templates):  # one tensor per expert
         problems(where, f"every template of this {kind} form names its {{expert}}; missing from "
                         f"{', '.join(r for r in templates if r not in uses)}")
-    if set(templates) != set(need) or not isinstance(transposed, bool):
+    apart = data.get("separate_biases", False)
+    if apart is not False and (apart is not True or name != "fused"):
+        problems(_at(where, "separate_biases"), "true on a fused form whose gate and up biases are stored apart "
+                                                f"(named as the group's separate form names them); found {apart!r}")
+    if set(templates) != set(need) or not isinstance(transposed, bool) or (flat and not isinstance(experts, str)) \
+            or apart not in (False, True):
         return None
-    return Form(**templates, stacked=stacked, transposed=transposed)
+    return Form(**templates, stacked=stacked, transposed=transposed, turned=turned, flat=flat,
+                experts=experts if flat else None, separate_biases=apart is True and name == "fused")
 
 
 def _group(data, where: str, problems: _Problems, name: str = "") -> Group | None:
@@ -201,9 +235,12 @@ def _group(data, where: str, problems: _Problems, name: str = "") -> Group | Non
         problems(_at(where, "forms"), f"an object of at least one form among {', '.join(FORMS)}; found "
                                       f"{forms_data!r}")
         forms_data = {}
-    for k in ("name", "description"):
-        if not isinstance(data.get(k, ""), str):
-            problems(_at(where, k), f"a string; found {data[k]!r}")
+    for k in ("name", "description", "first_expert"):
+        if not isinstance(data.get(k, ""), str) or (k == "first_expert" and k in data and not data[k]):
+            problems(_at(where, k), f"a {'config.json key' if k == 'first_expert' else 'string'}; found {data[k]!r}")
+    first_expert = data.get("first_expert")
+    if first_expert is not None and kind != "expert":
+        problems(_at(where, "first_expert"), f"numbers experts; the group is {kind}")
     layout = _layout(data.get("layout", {}), _at(where, "layout"), problems)
     forms = {}
     for form_name, spec in forms_data.items():
@@ -212,42 +249,60 @@ def _group(data, where: str, problems: _Problems, name: str = "") -> Group | Non
             problems(at, f"unknown form; forms are {', '.join(FORMS)}")
         elif (form := _form(form_name, spec, kind, at, problems)) is not None:
             forms[form_name] = form
-            if form.transposed and form.fused and layout.axis != "columns":
+            if form.turns("gate_up") and form.fused and layout.axis != "columns":
                 problems(at, 'stored (in, out), gate and up share the columns of gate_up: the group needs '
                              '"layout": {"axis": "columns"}')
+    if any(f.separate_biases for f in forms.values()) and "separate" not in forms:
+        problems(_at(where, "forms"), "a fused form with separate_biases names its biases as the separate form "
+                                      "does: declare that form too")
     prefixed = {t.startswith("{prefix}") for f in forms.values() for t in f.templates().values()}
     if len(prefixed) > 1:
         problems(where, "start every template of the group with {prefix}, or none")
-    if kind not in KINDS or len(forms) != len(forms_data) or len(prefixed) > 1:
+    if kind not in KINDS or len(forms) != len(forms_data) or len(prefixed) > 1 or \
+            (any(f.separate_biases for f in forms.values()) and "separate" not in forms) or \
+            (first_expert is not None and (not isinstance(first_expert, str) or kind != "expert")):
         return None
-    return Group(kind, forms, layout, name)
+    return Group(kind, forms, layout, name, first_expert=first_expert)
 
 
-def _place(group: Group, prefixes: tuple[str, ...]) -> list[Group]:
+def _place(group: Group, prefixes: tuple[Prefix, ...]) -> list[Group]:
     """``group`` under each layer prefix (itself, when its templates name the whole tensor)."""
     if not any(t.startswith("{prefix}") for f in group.forms.values() for t in f.templates().values()):
         return [group]
     if (group, prefixes) not in _PLACED:  # families share groups: each is placed once
         _PLACED[group, prefixes] = [
-            Group(group.kind, {n: Form(**{r: t.replace("{prefix}", p) for r, t in f.templates().items()},
-                                       stacked=f.stacked, transposed=f.transposed) for n, f in group.forms.items()},
-                  group.layout, group.name, p) for p in prefixes]
+            dataclasses.replace(group, forms={n: f.placed(p) for n, f in group.forms.items()}, prefix=p,
+                                first_layer=first)
+            for p, first in prefixes]
     return _PLACED[group, prefixes]
 
 
-_PLACED: dict[tuple[Group, tuple[str, ...]], list[Group]] = {}
+_PLACED: dict[tuple[Group, tuple[Prefix, ...]], list[Group]] = {}
 
 
-def _prefixes(data, where: str, problems: _Problems) -> tuple[str, ...] | None:
-    if not isinstance(data, list) or not data or not all(isinstance(p, str) for p in data):
+def _prefixes(data, where: str, problems: _Problems) -> tuple[Prefix, ...] | None:
+    """Layer prefixes, each with the config key its layers are numbered from (None: from 0)."""
+    if not isinstance(data, list) or not data or not all(isinstance(p, (str, dict)) for p in data):
         problems(where, f'a list of layer prefixes such as "model.layers.{{layer}}"; found {data!r}')
         return None
-    bad = [p for p in data if _PLACEHOLDER.findall(p) != ["layer"]]
+    out: list[Prefix] = []
+    for k, p in enumerate(data):
+        if isinstance(p, dict):
+            _unknown_keys(p, PREFIX_KEYS, _at(where, k), problems)
+            first = p.get("first_layer")
+            if not isinstance(first, str) or not first or not isinstance(p.get("prefix"), str):
+                problems(_at(where, k), '{"prefix": "model.H.layers.{layer}", "first_layer": "<config key>"} names '
+                                        f"a second stack of layers; found {p!r}")
+                return None
+            out.append((p["prefix"], first))
+        else:
+            out.append((p, None))
+    bad = [p for p, _ in out if _PLACEHOLDER.findall(p) != ["layer"]]
     if bad:
         problems(where, f"a layer prefix holds {{layer}} once and no other placeholder: {', '.join(map(repr, bad))}")
-    if len(set(data)) != len(data):
+    if len({p for p, _ in out}) != len(out):
         problems(where, "a layer prefix is listed twice")
-    return None if bad else tuple(dict.fromkeys(data))
+    return None if bad else tuple(dict.fromkeys(out))
 
 
 def _short_form(data: dict, where: str, problems: _Problems) -> dict | None:
@@ -274,7 +329,7 @@ def _short_form(data: dict, where: str, problems: _Problems) -> dict | None:
     return {"name": "custom", **data, "groups": [group]}
 
 
-def _scheme(data, where: str, problems: _Problems, named: dict[str, Group], prefixes: tuple[str, ...],
+def _scheme(data, where: str, problems: _Problems, named: dict[str, Group], prefixes: tuple[Prefix, ...],
             name: str, description: str, used: set[str] | None = None) -> Scheme | None:
     before = len(problems.found)
     if not isinstance(data, dict):
@@ -316,9 +371,16 @@ def _scheme(data, where: str, problems: _Problems, named: dict[str, Group], pref
             group = _group(entry, at, problems)
         if group is not None:
             groups.extend(_place(group, prefixes))
+    ungated = data.get("ungated", [])
+    if not isinstance(ungated, list):
+        problems(_at(where, "ungated"), f"a list of templates of tensors that are no gated FFN; found {ungated!r}")
+        ungated = []
+    ungated = [t for k, t in enumerate(ungated) if _template(t, _at(_at(where, "ungated"), k), problems)]
     if len(problems.found) > before:
         return None
-    return Scheme(name, description, tuple(groups), tuple(model_types), only)
+    placed = tuple(dict.fromkeys(t.replace("{prefix}", p) if t.startswith("{prefix}") else t
+                                 for t in ungated for p, _ in (prefixes if t.startswith("{prefix}") else [("", None)])))
+    return Scheme(name, description, tuple(groups), tuple(model_types), only, placed)
 
 
 def load_scheme_file(path: str | Path) -> Scheme:
@@ -332,7 +394,7 @@ def load_scheme_file(path: str | Path) -> Scheme:
     if not isinstance(data, dict):
         raise SchemeError(f"{path}: a scheme file holds a JSON object")
     problems = _Problems(str(path))
-    return problems.checked(_scheme(data, "", problems, GROUPS, LAYER_PREFIXES, path.stem, f"from {path}"))
+    return problems.checked(_scheme(data, "", problems, GROUPS, _LIBRARY_PREFIXES, path.stem, f"from {path}"))
 
 
 def custom_scheme(gate: str | None = None, up: str | None = None, down: str | None = None,
@@ -347,10 +409,10 @@ def custom_scheme(gate: str | None = None, up: str | None = None, down: str | No
     problems = _Problems(None)
     given = {r: t for r, t in zip(ROLES, (gate, up, down, gate_up)) if t}
     return problems.checked(_scheme({**given, "layout": dataclasses.asdict(layout)}, "", problems, GROUPS,
-                                    LAYER_PREFIXES, "custom", "templates given on the command line"))
+                                    _LIBRARY_PREFIXES, "custom", "templates given on the command line"))
 
 
-def load_library(path: Path = BUILTIN) -> tuple[tuple[str, ...], dict[str, Group], dict[str, Scheme]]:
+def load_library(path: Path = BUILTIN) -> tuple[tuple[Prefix, ...], dict[str, Group], dict[str, Scheme]]:
     """The built-in file: its layer prefixes, its groups (as declared) and its schemes, in table order.
 
     Raises:
@@ -389,6 +451,7 @@ def load_library(path: Path = BUILTIN) -> tuple[tuple[str, ...], dict[str, Group
 # Where a layer lives in a checkpoint (plain and multimodal roots), the built-in groups as declared (a scheme
 # file may name them), the families in table order, and every group of every family once: what detection
 # matches a checkpoint against.
-LAYER_PREFIXES, GROUPS, SCHEMES = load_library()
+_LIBRARY_PREFIXES, GROUPS, SCHEMES = load_library()
+LAYER_PREFIXES: tuple[str, ...] = tuple(p for p, _ in _LIBRARY_PREFIXES)
 LIBRARY: tuple[Group, ...] = tuple(dict.fromkeys(g for s in SCHEMES.values() if not s.by_model_type_only
                                                  for g in s.groups))

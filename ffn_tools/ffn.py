@@ -215,11 +215,10 @@ class FFN:
 def canonical_weights(ckpt, ffn: FFN) -> "dict[str, torch.Tensor]":
     """Read an FFN's canonical weights (gate, up, down and any biases) from a checkpoint.
 
-    Fused tensors are split with the FFN's layout; stacked experts are indexed; both are exact.
+    Fused tensors are split with the FFN's layout; stacked experts are indexed (flattened ones sliced); all exact.
     """
     def get(role: str) -> "torch.Tensor":
-        t = ckpt[ffn.names[role]]
-        return t[ffn.index] if ffn.index is not None else t
+        return ffn.form.expert_part(ckpt[ffn.names[role]], role, ffn.index, ffn.d_model, ffn.d_ffn)
 
     out = {"down": get("down")}
     if "gate_up" in ffn.names:
@@ -229,12 +228,12 @@ def canonical_weights(ckpt, ffn: FFN) -> "dict[str, torch.Tensor]":
                                                      name=ffn.names["gate_up_bias"])
     else:
         out["gate"], out["up"] = get("gate"), get("up")
-        for r in ("gate", "up"):
-            if f"{r}_bias" in ffn.names:
-                out[f"{r}_bias"] = get(f"{r}_bias")
+    for r in ("gate", "up"):
+        if f"{r}_bias" in ffn.names:  # separate, or a fused form's biases stored apart (``separate_biases``)
+            out[f"{r}_bias"] = get(f"{r}_bias")
     if "down_bias" in ffn.names:
         out["down_bias"] = get("down_bias")
-    if ffn.form.transposed:  # stored (in, out): a pure move back to (out, in)
-        for r in ("gate", "up", "down"):
+    for r in ("gate", "up", "down"):
+        if ffn.form.turns(r):  # stored (in, out): a pure move back to (out, in)
             out[r] = out[r].T.contiguous()
     return out

@@ -1,8 +1,10 @@
 """Plans for ``split-gateup`` and ``fuse-gateup``: move FFNs between the forms of their scheme.
 
-Split: fused ``gate_up`` (per FFN, or experts stacked (E, 2I, H)) -> separate gate/up (per expert).
-Fuse: separate gate/up -> fused per FFN, or with ``stack_experts`` routed experts -> stacked (E, 2I, H).
-Every output is a pure row rearrangement, so each entry carries byte pieces as well as ``compute``.
+Split: fused ``gate_up`` (per FFN, or experts stacked (E, 2I, H)) -> separate gate/up (per expert), or the
+group's flat form (``stacks``) where it declares that before a separate one (DBRX).
+Fuse: separate gate/up -> fused per FFN, or with ``stack_experts`` routed experts -> stacked (E, 2I, H); flat
+experts always stack. Every output is a pure row rearrangement, so most entries carry byte pieces as well as
+``compute``.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from .loadable import form_change_warning
 from .io.output import check_output
 from .plan import Entry, Plan, check_shardable, copy_entry, execute
 from . import mxfp4, scales
-from .registry import Form, Scheme, bias_name
+from .registry import UNFUSED, Form, Group, Scheme, bias_name
 from .sizes import human
+from .stacks import restack_entries
 from .io.store import Checkpoint, open_checkpoint
 
 MAX_PIECES = 256  # above this many byte runs (interleaved, column axis) computing is faster than copying
@@ -45,8 +48,10 @@ def _stack(tensors):
     return torch.stack(tensors)
 
 
-def _name(template: str, f: FFN) -> str:
-    return template.format(layer=f.ref.layer, expert=f.ref.expert)
+def _name(template: str, f: FFN, config) -> str:
+    """``template`` filled with the numbers in ``f``'s tensor names (its ref's, less the group's offsets)."""
+    first_layer, first_expert = f.group.offsets(config)
+    return template.format(layer=f.ref.layer - first_layer, expert=f.ref.expert - first_expert)
 
 
 def _target(f: FFN, form_name: str, verb: str) -> Form:
@@ -59,8 +64,9 @@ def _target(f: FFN, form_name: str, verb: str) -> Form:
     return form
 
 
-def _split_entries(ckpt, f: FFN, src: str, is_bias: bool, names: dict[str, str]) -> list[Entry]:
-    """gate and up entries cut from the fused tensor ``src`` (expert ``f.index`` when stacked)."""
+def _split_entries(ckpt, f: FFN, src: str, is_bias: bool, names: dict[str, str], target: Form) -> list[Entry]:
+    """gate and up entries cut from the fused tensor ``src`` (expert ``f.index`` when stacked), as ``target``
+    stores them."""
     info = ckpt.info(src)
     shape, base = info.shape, 0
     if f.index is not None:  # (E, 2I, ...) -> expert f.index
@@ -82,7 +88,8 @@ def _split_entries(ckpt, f: FFN, src: str, is_bias: bool, names: dict[str, str])
         out_shape = list(shape)
         out_shape[dim] //= 2
 
-        turn = f.form.transposed and not is_bias  # (H, 2I) stored (in, out): each half goes back to (I, H)
+        turn = f.form.turns("gate_up") != target.turns(role) and not is_bias  # (H, 2I) stored (in, out): each
+        # half goes back to (I, H), unless the target is stored (in, out) too
 
         def compute(ts, k=k, index=f.index, b=is_bias, name=src, turn=turn):
             t = ts[0] if index is None else ts[0][index]
@@ -90,7 +97,8 @@ def _split_entries(ckpt, f: FFN, src: str, is_bias: bool, names: dict[str, str])
             return part.T.contiguous() if turn else part
 
         if turn:
-            out_shape, note = out_shape[::-1], note + ", transposed to (out, in)"
+            out_shape, note = out_shape[::-1], note + (", transposed to (in, out)" if target.turns(role) else
+                                                       ", transposed to (out, in)")
         out.append(Entry(names[role], info.st_dtype, tuple(out_shape), (src,), compute,
                          pieces if len(pieces) <= MAX_PIECES and not turn else None, note))
     return out
@@ -111,7 +119,8 @@ def _index_entry(ckpt, src: str, index: int | None, name: str, transpose: bool =
 
 
 def plan_split(ckpt, ffns: FFNSet) -> Plan:
-    """Plan splitting every fused FFN of ``ckpt`` into separate gate/up projections.
+    """Plan splitting every fused FFN of ``ckpt`` into separate gate/up projections (the group's ``unfused``
+    form: per FFN, or a flat stack per layer).
 
     Raises:
         NothingToDoError: no FFN is fused.
@@ -122,28 +131,56 @@ def plan_split(ckpt, ffns: FFNSet) -> Plan:
         raise NothingToDoError(f"{ckpt.path}: nothing to split: all {len(ffns.ffns)} FFNs already have separate "
                                f"gate and up projections (scheme {ffns.scheme.name})")
     replaced: dict[str, list[Entry]] = defaultdict(list)
+    flat: dict[str, list[FFN]] = defaultdict(list)  # a stack -> its experts, split into a flat stack
     for f in fused:
-        target = _target(f, "separate", "split")
-        new = {r: _name(t, f) for r, t in target.templates().items()}
-        replaced[f.names["gate_up"]] += _split_entries(ckpt, f, f.names["gate_up"], False, new)
+        target = _target(f, f.group.unfused or "separate", "split")
+        new = {r: _name(t, f, ckpt.config) for r, t in target.templates().items()}
+        if target.flat:
+            flat[f.names["gate_up"]].append(f)
+            continue
+        replaced[f.names["gate_up"]] += _split_entries(ckpt, f, f.names["gate_up"], False, new, target)
         if "gate_up_bias" in f.names:
             replaced[f.names["gate_up_bias"]] += _split_entries(
-                ckpt, f, f.names["gate_up_bias"], True, {r: bias_name(new[r]) for r in ("gate", "up")})
-        for src, dst, turn in ((f.names["down"], new["down"], f.form.transposed),
+                ckpt, f, f.names["gate_up_bias"], True, {r: bias_name(new[r]) for r in ("gate", "up")}, target)
+        for r in ("gate", "up") if f.form.separate_biases else ():  # biases stored apart: renamed at most
+            src = f.names.get(f"{r}_bias")
+            if src and src != bias_name(new[r]):
+                replaced[src].append(_index_entry(ckpt, src, None, bias_name(new[r])))
+        for src, dst, turn in ((f.names["down"], new["down"], f.form.turns("down") != target.turns("down")),
                                (f.names.get("down_bias"), bias_name(new["down"]), False)):
             if src and (f.index is not None or src != dst):
                 replaced[src].append(_index_entry(ckpt, src, f.index, dst, turn))
-        _split_scales(ckpt, f, new, replaced)
+        _split_scales(ckpt, f, new, replaced, target)
+    for experts in flat.values():
+        _restack(ckpt, experts, experts[0].group.forms[experts[0].group.unfused or "separate"], replaced)
     return _assemble(ckpt, ffns, replaced, "split-gateup", len(fused), fused[0].layout, (fused, "separate"))
 
 
-def _split_scales(ckpt, f: FFN, new: dict[str, str], replaced) -> None:
+def _restack(ckpt, experts: list[FFN], target: Form, replaced) -> None:
+    """One layer's whole stack of experts written as ``target`` (a flat form, or from one): ``stacks``."""
+    experts = sorted(experts, key=lambda f: f.index if f.index is not None else -1)
+    f0 = experts[0]
+    if [f.index for f in experts] != list(range(len(experts))):
+        raise LayoutError(f"layer {f0.ref.layer}: a flat stack moves whole, but only experts "
+                          f"{[f.index for f in experts]} of {f0.names['down']} are there")
+    for name in f0.names.values():
+        if scales.companions(ckpt, name):
+            raise LayoutError(f"{name}: has FP8 scales, which a flat stack of experts does not carry; dequantize "
+                              "it first (ffn-tools convert --to torch --dtype bfloat16)")
+    entries = restack_entries(ckpt, experts, target, {r: _name(t, f0, ckpt.config)
+                                                      for r, t in target.templates().items()})
+    replaced[f0.names["down"]] += entries
+    for name in f0.names.values():
+        replaced[name] += []
+
+
+def _split_scales(ckpt, f: FFN, new: dict[str, str], replaced, target: Form) -> None:
     """A fused weight's FP8 scales split with it (row blocks), the down projection's renamed with it."""
     gate_up, stacked = f.names["gate_up"], f.index is not None
     for suffix, sc in scales.companions(ckpt, gate_up).items():
         scales.check(ckpt, gate_up, sc, f.layout, stacked, transposed=f.form.transposed)
         vector = len(ckpt.info(sc).shape) == (2 if stacked else 1)
-        replaced[sc] += _split_entries(ckpt, f, sc, vector, {r: new[r] + suffix for r in ("gate", "up")})
+        replaced[sc] += _split_entries(ckpt, f, sc, vector, {r: new[r] + suffix for r in ("gate", "up")}, target)
     for suffix, sc in scales.companions(ckpt, f.names["down"]).items():
         if stacked or sc != new["down"] + suffix:
             replaced[sc].append(_index_entry(ckpt, sc, f.index, new["down"] + suffix))
@@ -208,49 +245,65 @@ def _stack_entry(ckpt, name: str, srcs: list[str], transpose: bool = False) -> E
 def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False) -> Plan:
     """Plan fusing every separate FFN of ``ckpt``; with ``stack_experts``, stack the routed experts instead.
 
-    With ``stack_experts`` dense MLPs and shared experts keep their form, as transformers v5 stores them.
+    With ``stack_experts`` dense MLPs and shared experts keep their form, as transformers v5 stores them, but
+    for those whose group's own (first declared) form is fused: those are fused, as their family stores them.
 
     Raises:
         NothingToDoError: no FFN is separate, or the scheme has no fused form.
         LayoutError: shapes that cannot be fused in the layout.
     """
-    separate = [f for f in ffns.ffns if f.form_name == "separate"]
+    separate = [f for f in ffns.ffns if f.form_name in UNFUSED]
     if not separate:
         raise NothingToDoError(f"{ckpt.path}: nothing to fuse: no FFN has separate gate and up projections "
                                f"(scheme {ffns.scheme.name}, forms {sorted({f.form_name for f in ffns.ffns})})")
     replaced: dict[str, list[Entry]] = defaultdict(list)
-    by_layer: dict[int, list[FFN]] = defaultdict(list)
+    by_layer: dict[tuple[int, Group], list[FFN]] = defaultdict(list)
     fused: list[FFN] = []
     for f in separate:
         only_stacked = "fused" not in f.group.forms and "stacked" in f.group.forms  # GPT-OSS, Llama-4, Granite
-        if stack_experts or (f.ref.kind == "expert" and only_stacked):
-            if f.ref.kind == "expert":  # only routed experts: v5 keeps dense MLPs and shared experts separate
-                by_layer[f.ref.layer].append(f)
-            continue
+        home = next(iter(f.group.forms))  # a group's first form is its family's own
+        if stack_experts or f.form.flat or (f.ref.kind == "expert" and only_stacked):
+            if f.ref.kind == "expert":  # only routed experts: v5 keeps dense MLPs and shared experts as they are
+                by_layer[f.ref.layer, f.group].append(f)
+                continue
+            if home != "fused":  # ... unless fused is their own form (Granite's shared_mlp.input_linear)
+                continue
         target = _target(f, "fused", "fuse")
         fused.append(f)
-        new = {r: _name(t, f) for r, t in target.templates().items()}
+        new = {r: _name(t, f, ckpt.config) for r, t in target.templates().items()}
         replaced[f.names["gate"]].append(_fuse_entry(ckpt, new["gate_up"], [(f.names["gate"], f.names["up"])], f.layout, False))
         replaced[f.names["up"]] += []
-        _fuse_biases(ckpt, f, replaced, [f], bias_name(new["gate_up"]))
+        if target.separate_biases:  # gate and up biases stay apart, named as the separate form names them
+            for r in ("gate", "up"):
+                src, dst = f.names.get(f"{r}_bias"), bias_name(_name(f.group.forms["separate"].templates()[r], f,
+                                                                     ckpt.config))
+                if src and src != dst:
+                    replaced[src].append(copy_entry(ckpt, src, dst))
+        else:
+            _fuse_biases(ckpt, f, replaced, [f], bias_name(new["gate_up"]))
         _fuse_scales(ckpt, [f], new, replaced)
         for src, dst in ((f.names["down"], new["down"]), (f.names.get("down_bias"), bias_name(new["down"]))):
             if src and src != dst:
                 replaced[src].append(copy_entry(ckpt, src, dst))
-    for layer, experts in by_layer.items():
-        experts.sort(key=lambda f: f.ref.expert)
-        if [f.ref.expert for f in experts] != list(range(len(experts))):
-            raise LayoutError(f"layer {layer}: experts {[f.ref.expert for f in experts]} are not 0..E-1; cannot stack")
+    for (layer, _), experts in by_layer.items():
         f0 = experts[0]
         target = _target(f0, "stacked", "stack")
-        new = {r: _name(t, f0) for r, t in target.templates().items()}
+        if f0.form.flat:
+            _restack(ckpt, experts, target, replaced)
+            continue
+        first = f0.group.offsets(ckpt.config)[1]
+        experts.sort(key=lambda f: f.ref.expert)
+        if [f.ref.expert - first for f in experts] != list(range(len(experts))):
+            raise LayoutError(f"layer {layer}: experts {[f.ref.expert for f in experts]} are not "
+                              f"{first}..{first + len(experts) - 1}; cannot stack")
+        new = {r: _name(t, f0, ckpt.config) for r, t in target.templates().items()}
         replaced[f0.names["gate"]].append(_fuse_entry(
             ckpt, new["gate_up"], [(f.names["gate"], f.names["up"]) for f in experts], f0.layout, False, True,
-            target.transposed))
+            target.turns("gate_up")))
         replaced[f0.names["down"]].append(_stack_entry(ckpt, new["down"], [f.names["down"] for f in experts],
-                                                       target.transposed))
+                                                       target.turns("down")))
         _fuse_biases(ckpt, f0, replaced, experts, bias_name(new["gate_up"]), stacked=True)
-        _fuse_scales(ckpt, experts, new, replaced, stacked=True, transposed=target.transposed)
+        _fuse_scales(ckpt, experts, new, replaced, stacked=True, transposed=target.turns("gate_up"))
         if "down_bias" in f0.names:
             replaced[f0.names["down_bias"]].append(_stack_entry(ckpt, bias_name(new["down"]),
                                                                 [f.names["down_bias"] for f in experts]))

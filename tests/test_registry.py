@@ -30,12 +30,13 @@ def _scheme_file(tmp_path, data) -> str:
 
 def test_the_registry_serves_the_builtin_file():
     prefixes, groups, schemes = families.load_library(families.BUILTIN)
-    assert prefixes == LAYER_PREFIXES == tuple(BUILTIN["layer_prefixes"]) and schemes == SCHEMES
+    assert tuple(p for p, _ in prefixes) == LAYER_PREFIXES == tuple(BUILTIN["layer_prefixes"]) and schemes == SCHEMES
     assert list(SCHEMES) == [s["name"] for s in BUILTIN["schemes"]] and set(groups) == set(BUILTIN["groups"])
     for entry in BUILTIN["schemes"]:  # named groups expand under every layer prefix, groups outer, in file order
+        own = [p if isinstance(p, str) else p["prefix"] for p in entry.get("layer_prefixes", LAYER_PREFIXES)]
         if all(isinstance(g, str) for g in entry["groups"]):
             assert [(g.name, g.prefix) for g in SCHEMES[entry["name"]].groups] == \
-                [(n, p) for n in entry["groups"] for p in LAYER_PREFIXES]
+                [(n, p) for n in entry["groups"] for p in own]
     assert [g.prefix for g in SCHEMES["ffn-tools"].groups] == ["", "", ""]  # whole names: placed once
     assert len(set(LIBRARY)) == len(LIBRARY) and not set(SCHEMES["moshi"].groups) & set(LIBRARY)
     selected = [m for s in SCHEMES.values() for m in s.model_types]
@@ -135,6 +136,37 @@ def test_command_line_templates_are_the_short_form():
      "layer_prefixes: a layer prefix holds {layer} once and no other placeholder: 'blocks'"),
     ({"groups": [{"kind": "dense", "forms": {"fused": {"gate_up": "x.{layer}.w13", "down": "x.{layer}.w2"}},
                   "layout": {"tp": 2}}]}, 'groups[0].layout: "tp": 2 needs "arrangement": "tp"'),
+    ({"groups": [{"kind": "expert", "forms": {"flat-separate": {"gate": "x.{layer}.w1", "up": "x.{layer}.v1",
+                                                                "down": "x.{layer}.w2"}}}]},
+     'groups[0].forms.flat-separate: a flat form names the config.json key holding the number of experts: '
+     '"experts": "num_experts"; found None'),
+    ({"groups": [{"kind": "expert", "forms": {"stacked": {"gate_up": "x.{layer}.gu", "down": "x.{layer}.d",
+                                                          "experts": "n"}}}]},
+     "groups[0].forms.stacked.experts: only a flat form (experts flattened into dim 0) reads the number of experts "
+     "from config.json"),
+    ({"groups": [{"kind": "expert", "forms": {"stacked": {"gate_up": "x.{layer}.gu", "down": "x.{layer}.d",
+                                                          "transposed": ["gate"]}}}]},
+     "groups[0].forms.stacked.transposed: true, false, or a list of the roles stored (in, out) among gate_up, "
+     "down; found ['gate']"),
+    ({"groups": [{"kind": "shared", "first_expert": "n", "forms": {"separate": {
+        "gate": "x.{layer}.g", "up": "x.{layer}.u", "down": "x.{layer}.d"}}}]},
+     "groups[0].first_expert: numbers experts; the group is shared"),
+    ({"layer_prefixes": [{"prefix": "h.{layer}"}], "groups": ["mlp"]},
+     'layer_prefixes[0]: {"prefix": "model.H.layers.{layer}", "first_layer": "<config key>"} names a second stack '
+     "of layers; found {'prefix': 'h.{layer}'}"),
+    ({"groups": [{"kind": "dense", "forms": {"fused": {"gate_up": "x.{layer}.gu", "down": "x.{layer}.d",
+                                                       "separate_biases": True}}}]},
+     "groups[0].forms: a fused form with separate_biases names its biases as the separate form does: declare that "
+     "form too"),
+    ({"groups": [{"kind": "dense", "forms": {"separate": {"gate": "x.{layer}.g", "up": "x.{layer}.u",
+                                                          "down": "x.{layer}.d", "separate_biases": True}}}]},
+     "groups[0].forms.separate.separate_biases: true on a fused form whose gate and up biases are stored apart "
+     "(named as the group's separate form names them); found True"),
+    ({"groups": ["mlp"], "ungated": "x.{layer}.fc1.weight"},
+     "ungated: a list of templates of tensors that are no gated FFN; found 'x.{layer}.fc1.weight'"),
+    ({"groups": ["mlp"], "ungated": ["router.fc1.weight"]},
+     "ungated[0]: template 'router.fc1.weight': needs {layer} (or a leading {prefix}, which holds it) once, and may "
+     "use {expert} once"),
 ])
 def test_scheme_file_errors_name_the_key(tmp_path, data, message):
     path = _scheme_file(tmp_path, data)
@@ -174,3 +206,93 @@ def test_the_library_is_checked_as_a_whole(tmp_path):
         f"{path}: 3 problems: schemes[1] (v5-experts): model_type 'llama' already selects 'hf'; "
         "schemes[2] (qwen-moe).groups[0]: no built-in group 'mlp.expert'; did you mean 'mlp.experts'?; "
         'groups.unused: no scheme names this group')
+
+
+def _flat_checkpoint(tmp_path, experts=4, h=8, i=6, config=True):
+    """DBRX's naming: w1, v1 (E * I, H) and w2 stored (in, out), (E * I, H); and the torch tensors per expert."""
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    g, u, d = torch.randn(experts, i, h), torch.randn(experts, i, h), torch.randn(experts, h, i)
+    p = "transformer.blocks.0.ffn.experts.mlp"
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    save_file({f"{p}.w1": g.flatten(0, 1), f"{p}.v1": u.flatten(0, 1), f"{p}.w2": d.transpose(1, 2).flatten(0, 1)},
+              tmp_path / "model.safetensors")
+    if config:
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "dbrx",
+                                                          "ffn_config": {"moe_num_experts": experts}}))
+    return tmp_path, (g, u, d)
+
+
+def test_flat_experts_read_as_their_modeling_code_views_them(tmp_path):
+    from ffn_tools.ffn import canonical_weights
+
+    path, (g, u, d) = _flat_checkpoint(tmp_path)
+    with open_checkpoint(path) as c:
+        found = find_ffns(c)
+        assert found.scheme.name == "dbrx" and len(found.ffns) == 4
+        for f in found.ffns:
+            w = canonical_weights(c, f)
+            e = f.ref.expert
+            assert torch_equal(w["gate"], g[e]) and torch_equal(w["up"], u[e]) and torch_equal(w["down"], d[e])
+
+
+def test_flat_experts_need_their_count(tmp_path):
+    path, _ = _flat_checkpoint(tmp_path, config=False)
+    (path / "config.json").write_text(json.dumps({"model_type": "dbrx"}))
+    with open_checkpoint(path) as c, pytest.raises(SchemeError) as e:
+        find_ffns(c)
+    assert "the flat-separate form of 'ffn.experts.mlp' reads config.json key 'ffn_config.moe_num_experts'" \
+        in str(e.value)
+
+
+def test_flat_experts_round_trip_through_the_stacked_form(tmp_path):
+    from ffn_tools.gateup import fuse_gateup, split_gateup
+    from helpers import assert_identical, tensors
+
+    path, _ = _flat_checkpoint(tmp_path / "src")
+    fuse_gateup(path, tmp_path / "fused")
+    assert sorted(tensors(tmp_path / "fused")) == ["transformer.blocks.0.ffn.experts.down_proj",
+                                                   "transformer.blocks.0.ffn.experts.gate_up_proj"]
+    split_gateup(tmp_path / "fused", tmp_path / "back")
+    assert_identical(tensors(path), tensors(tmp_path / "back"))
+
+
+def test_a_second_stack_of_layers_is_numbered_after_the_first(tmp_path):
+    names = _names(*(f"model.{s}_module.layers.{{l}}.mlp.{r}_proj.weight" for s in "LH"
+                     for r in ("gate", "up", "down")))
+    with pytest.raises(SchemeError, match="ambiguous FFN naming"):  # two roots numbered alike
+        choose_scheme(_names(f"{P}.mlp.gate_proj.weight", f"{P}.mlp.up_proj.weight", f"{P}.mlp.down_proj.weight")
+                      + [n.replace("model.layers", "model.model.layers") for n in _names(
+                          f"{P}.mlp.gate_proj.weight", f"{P}.mlp.up_proj.weight", f"{P}.mlp.down_proj.weight")],
+                      None)
+    chosen = choose_scheme(names, {"model_type": "hrm_text"})
+    assert chosen.name == "hrm" and [g.first_layer for g in chosen.groups] == [None, "num_layers_per_stack"]
+    assert [g.offsets({"num_layers_per_stack": 2}) for g in chosen.groups] == [(0, 0), (2, 0)]
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
+
+
+def test_a_family_declares_its_ungated_look_alikes(tmp_path):
+    """Tensors a scheme declares ungated (a router's MLP) are outside the FFNs, not unmatched; undeclared, they are."""
+    import torch
+    from safetensors.torch import save_file
+
+    p = "model.layers.0.mlp"
+    w = {f"{p}.gate_proj.weight": torch.ones(6, 4), f"{p}.up_proj.weight": torch.ones(6, 4),
+         f"{p}.down_proj.weight": torch.ones(4, 6), f"{p}.gate.router_mlp.fc1.weight": torch.ones(4, 4)}
+    tmp_path.mkdir(exist_ok=True)
+    save_file(w, tmp_path / "model.safetensors")
+    with open_checkpoint(tmp_path) as c:
+        assert find_ffns(c).unmatched == (f"{p}.gate.router_mlp.fc1.weight",)
+        (tmp_path / "s").mkdir()
+        mine = load_scheme_file(_scheme_file(tmp_path / "s", {"groups": ["mlp"],
+                                                              "ungated": ["{prefix}.mlp.gate.router_mlp.fc1.weight"]}))
+        found = find_ffns(c, mine)
+    assert found.unmatched == () and len(found.ffns) == 1 and f"{p}.gate.router_mlp.fc1.weight" not in found.tensors
+    assert "model.layers.{layer}.mlp.gate.router_mlp.fc1.weight" in mine.ungated

@@ -1,10 +1,15 @@
-"""Every causal-LM model type transformers ships, built tiny, against ffn-tools (see ``zoo``).
+"""Every causal-LM model type transformers ships, built tiny, against ffn-tools (see ``zoo``), in both of its
+forms: as ``save_pretrained`` writes it and as the model's own state dict (transformers v5's names; where the
+two hold the same tensors, the second is the first and is not run again).
 
-For each gated type: inspect's FFN counts (dense, routed, shared) equal the torch module tree's; split and
-fuse round trips are bit-exact, and the restored checkpoint loads in transformers with identical logits;
-the Flax round trip is bit-exact; verify passes the split copy and fails (exit 1) on a gate/up swap. An
-ungated type must be reported as having no gated FFN. Types that cannot be built tiny are listed below with
-the reason, and each listing is checked (a type that starts to build fails the test until it is moved).
+For each gated type: inspect's FFN counts (dense, routed, shared) and each kind's d_ffn equal the torch module
+tree's; no FFN-like tensor is left unmatched (a family's ungated look-alikes, a router's MLP, its scheme
+declares); split and fuse round trips are
+bit-exact, and the restored checkpoint (whose FFNs are the source's, or its other form's) loads in transformers
+with identical logits; the Flax round trip is bit-exact; verify passes the split copy and fails (exit 1) on a
+gate/up swap. An ungated type must be reported as having no gated FFN. Types that cannot be built tiny are
+listed below with the reason, and each listing is checked (a type that starts to build fails the test until it
+is moved).
 """
 
 from __future__ import annotations
@@ -26,21 +31,18 @@ BUDGET = 20_000_000  # parameters: past this a "tiny" build did not shrink (a co
 # model_type -> why it cannot be instantiated tiny here (asserted: building it still fails).
 UNBUILDABLE = {
     "cohere_compass_text": "its config needs rope parameters per layer type that the defaults lack",
-    "dbrx": "DbrxAttentionConfig has no rope_theta at transformers 5.24 (its own default config fails)",
     "inkling2_loop_text": "save_pretrained pads the embedding to its fixed 200058-entry vocabulary: negative size",
     "inkling2_text": "save_pretrained pads the embedding to its fixed 200058-entry vocabulary: negative size",
     "dots3_note_text": "its validator wants num_key_value_heads == num_attention_heads with per-layer overrides",
     "gemma3n": "needs pillow (TimmWrapperModel) for its vision tower",
     "gemma3n_text": "its per-layer KV sharing does not fit 2 layers",
     "gemma4_assistant": "its validator wants hidden_size_per_layer_input 0 with settings that need it",
-    "lfm2_moe": "its default config leaves layer_types None and fails to build",
     "mamba2": "hidden_size * expand must equal num_heads * head_dim: not at this size",
     "musicgen": "a composite audio config; its default has no dropout",
     "musicgen_melody": "a composite audio config; its default has no dropout",
     "qwen4_exp": "its default config lacks the indexer sizes its attention divides by",
     "qwen4_exp_text": "its default config lacks the indexer sizes its attention divides by",
     "reformer": "ReformerModelWithLMHead needs is_decoder and chunked attention settings",
-    "zaya": "supports num_experts_per_tok=1 only",
 }
 # Gated types over BUDGET: composite (multimodal) configs whose language model is the *_text type tested here,
 # or configs whose sizes live in sub-configs TINY does not reach. Asserted: still over budget.
@@ -62,67 +64,83 @@ TOO_BIG = {
     "blt": "byte-level patcher and encoders with fixed sizes",
 }
 # Gated types ffn-tools does not cover, with the reason: strict xfail, so a fix shows up as a failure here.
-GAPS = {
-    "hrm_text": "two stacks of layers (H_module, L_module) share layer numbers; an FFN is named by (layer, "
-                "expert) only, so they collide: name one stack with --gate/--up/--down templates",
-}
+GAPS: dict[str, str] = {}
+FORMS = ("saved", "state-dict")
 
 
 def _types():
     return [pytest.param(t, marks=pytest.mark.xfail(strict=True, reason=GAPS[t])) if t in GAPS else t
-            for t in zoo.causal_lm_types()]
+            for t in zoo.cases()]
 
 
-def _built(request, model_type: str):
-    """(path of the saved tiny model, logits of the model that was saved), built once and kept in the pytest
-    cache directory (per transformers version) for the next run."""
+def _built(request, case: str):
+    """(path saved with save_pretrained, path of the model's state dict, logits of the model that was saved),
+    built once and kept in the pytest cache directory (per transformers version) for the next run."""
     import transformers
 
     cache = getattr(request.config, "cache", None)
     recipe = hashlib.sha256(Path(zoo.__file__).read_bytes()).hexdigest()[:12]  # TINY changes: build anew
     tag = f"zoo-{transformers.__version__}-{recipe}"
     root = cache.mkdir(tag) if cache else request.getfixturevalue("tmp_path_factory").mktemp(tag)
-    path, marker = root / model_type, root / f"{model_type}.logits.pt"
+    path, state, marker = root / case, root / f"{case}.state-dict", root / f"{case}.logits.pt"
     if not marker.exists():
         shutil.rmtree(path, ignore_errors=True)
-        model = zoo.build(model_type, path)
+        shutil.rmtree(state, ignore_errors=True)
+        model_type, extra = zoo.case(case)
+        model = zoo.build(model_type, path, extra=extra, state_dict=state)
         torch.save({"logits": zoo.logits(model)}, marker)
-    return path, torch.load(marker, weights_only=True)["logits"]
+    return path, state, torch.load(marker, weights_only=True)["logits"]
 
 
-@pytest.mark.parametrize("model_type", _types())
-def test_zoo(model_type, tmp_path, request):
-    if model_type in UNBUILDABLE:
-        with pytest.raises(Exception):
-            zoo.build(model_type, tmp_path / "m")
+def _shapes(path) -> dict:
+    from ffn_tools.io.store import open_checkpoint
+
+    with open_checkpoint(path) as c:
+        return {n: (c.info(n).st_dtype, tuple(c.info(n).shape)) for n in c}
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("case", _types())
+def test_zoo(case, form, tmp_path, request):
+    model_type, extra = zoo.case(case)
+    if case in UNBUILDABLE:
+        if form == "saved":
+            with pytest.raises(Exception):
+                zoo.build(model_type, tmp_path / "m", extra=extra)
         return
-    _, model = zoo.meta_model(model_type)
+    _, model = zoo.meta_model(model_type, extra=extra)
     counts = zoo.module_tree_counts(model)
     params = sum(p.numel() for p in model.parameters())
     if params > BUDGET:
-        assert model_type in TOO_BIG or counts.as_tuple() == (0, 0, 0), f"{model_type}: {params} parameters"
+        assert case in TOO_BIG or counts.as_tuple() == (0, 0, 0), f"{case}: {params} parameters"
         return
-    assert model_type not in TOO_BIG, f"{model_type} now builds tiny ({params} parameters): test it"
-    src, logits = _built(request, model_type)
+    assert case not in TOO_BIG, f"{case} now builds tiny ({params} parameters): test it"
+    saved, state, logits = _built(request, case)
+    src, twin = (saved, state) if form == "saved" else (state, saved)
+    if form != "saved" and _shapes(saved) == _shapes(state):
+        return  # the state dict is what save_pretrained wrote: tested as "saved"
     if counts.as_tuple() == (0, 0, 0):  # ungated: no FFN found, or up/down found lacking their gate
         r = run_cli("inspect", src, ok=False)
         assert "no gated FFN tensors found" in r.output or "lacks" in r.output, r.output
         return
     s = json.loads(run_cli("inspect", src, "--json").stdout)
     found = tuple(s["ffn"].get(k, {}).get("count", 0) for k in ("dense", "expert", "shared"))
-    assert found == counts.as_tuple(), f"{model_type}: ffn-tools finds {found}, the module tree has {counts}"
-    assert sorted({d for k in s["ffn"].values() for d in k["d_ffn"]}) == sorted(counts.d_ffn)
+    assert found == counts.as_tuple(), f"{case}: ffn-tools finds {found}, the module tree has {counts}"
+    assert {k: sorted(v["d_ffn"]) for k, v in s["ffn"].items()} == \
+        {k: sorted(v) for k, v in counts.by_kind.items()}, (s["ffn"], counts)
+    assert not s["unmatched_ffn_like"], (case, s["unmatched_ffn_like"])
     forms = {f for k in s["ffn"].values() for f, n in k["forms"].items() if n}
-    _round_trips(src, logits, forms, tmp_path)
+    _round_trips(src, twin, logits, forms, tmp_path)
     flax = tmp_path / "flax"
     run_cli("convert", src, "--to", "flax", "-o", flax)
     run_cli("convert", flax, "--to", "torch", "-o", tmp_path / "flax-back")
     _identical(src, tmp_path / "flax-back")
 
 
-def _round_trips(src, logits, forms, tmp_path):
-    """split -> fuse -> split, bit-exact; the fused result loads in transformers with the saved logits; verify
-    passes the split copy and catches a gate/up swap in it."""
+def _round_trips(src, twin, logits, forms, tmp_path):
+    """split -> fuse -> split, bit-exact; the fused result (its FFN tensors those of ``src`` or of its other form
+    ``twin``, the rest ``src``'s) loads in transformers with the saved logits; verify passes the split copy and
+    catches a gate/up swap in it."""
     fused = bool(forms & {"fused", "stacked"})
     separate = src
     if fused:
@@ -134,11 +152,10 @@ def _round_trips(src, logits, forms, tmp_path):
     run_cli("split-gateup", refused, "-o", tmp_path / "split-again")
     _identical(separate, tmp_path / "split-again")
     restored = refused if fused else tmp_path / "split-again"
-    if sorted(tensors(restored)) == sorted(tensors(src)):  # the form transformers loads
-        _identical(src, restored)
-        model = _load(restored)
-        if logits is not None:  # None: the model's own forward fails at this size (the load is still checked)
-            assert torch.equal(zoo.logits(model), logits)
+    _restores(restored, src, twin)
+    model = _load(restored)
+    if logits is not None:  # None: the model's own forward fails at this size (the load is still checked)
+        assert torch.equal(zoo.logits(model), logits)
     for form in (separate, refused):
         loads = _load_check_agrees(form)
         r = run_cli("verify", src, form, "--backend", "reference", "--tokens", "4", ok=None)
@@ -152,6 +169,24 @@ def _round_trips(src, logits, forms, tmp_path):
     r = run_cli("verify", src, tmp_path / "swapped", "--backend", "reference", "--tokens", "4", "--no-load-check",
                 ok=None)
     assert r.exit_code == 1 and "FAIL" in r.output, r.output
+
+
+def _restores(restored, src, twin) -> None:
+    """``restored``'s FFN tensors are ``src``'s or ``twin``'s, bit for bit, and its other tensors ``src``'s."""
+    from ffn_tools.detect import find_ffns
+    from ffn_tools.io.store import open_checkpoint
+
+    def split(path):
+        with open_checkpoint(path) as c:
+            ffn = find_ffns(c).tensors
+        t = tensors(path)
+        return {n: v for n, v in t.items() if n in ffn}, {n: v for n, v in t.items() if n not in ffn}
+
+    got, rest = split(restored)
+    assert_identical(rest, split(src)[1])
+    ffn_src, ffn_twin = split(src)[0], split(twin)[0]
+    assert sorted(got) in (sorted(ffn_src), sorted(ffn_twin)), f"{restored}: FFN tensors of neither form"
+    assert_identical(got, ffn_src if sorted(got) == sorted(ffn_src) else ffn_twin)
 
 
 def _identical(a, b):
@@ -196,10 +231,11 @@ def _load(path):
 def test_zoo_coverage():
     """At least 95% of the gated types that build tiny are covered; every exception above has a reason."""
     gated = []
-    for t in zoo.causal_lm_types():
+    for t in zoo.cases():
         if t in UNBUILDABLE:
             continue
-        _, model = zoo.meta_model(t)
+        model_type, extra = zoo.case(t)
+        _, model = zoo.meta_model(model_type, extra=extra)
         if zoo.module_tree_counts(model).as_tuple() != (0, 0, 0) and t not in TOO_BIG:
             gated.append(t)
     assert len(gated) >= 80, gated  # the zoo is the measure: a broken oracle would shrink it

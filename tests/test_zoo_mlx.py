@@ -44,24 +44,26 @@ EXTRA = {
              "ffn_config": {"ffn_hidden_size": 96, "moe_num_experts": 4, "moe_top_k": 2}},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},  # an attention layer among 2 (mlx_lm needs one)
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # its default leaves None
+    "deepseek_v2": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,  # DeepSeek-V2's
+                                        "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                                        "mscale": 0.707, "mscale_all_dim": 0.707}},  # (mlx_lm's reads it)
+    "qwen2_moe": {"mlp_only_layers": []},  # experts in every layer, as Qwen1.5-MoE (mlx_lm's qwen2_moe has them so)
+    "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},  # both kinds, as LFM2's checkpoints
     "recurrent_gemma": {"num_hidden_layers": 3, "num_key_value_heads": 1},  # its first attention layer is the
     # third; mlx_lm's has one key/value head, as RecurrentGemma-2B
 }
 _V4 = "mlx_lm 0.32's {} reads a transformers v4 config; 5.24's lacks or renamed {}"
-# Gated types the module-tree oracle does not count: DBRX stores its experts flat, (E * I, H) 2-D parameters.
-ALSO_GATED = {"dbrx"}
+# Gated types the module-tree oracle does not count (it counts DBRX's flat (E * I, H) expert stacks now).
+ALSO_GATED: set[str] = set()
 # model_type -> why ffn-tools refuses to export it (asserted: it refuses in one line, and mlx_lm.convert fails).
 REFUSED = {
     "bailing_hybrid": _V4.format("bailing_hybrid", "n_group, group_norm_size, ..."),
     "bitnet": "mlx_lm's bitnet loads packed ternary weights with weight_scale; transformers saves them unpacked",
-    "deepseek_v2": "mlx_lm's deepseek_v2 needs a rope_scaling dict; transformers 5.24 writes none",
     "exaone4": "mlx_lm's exaone4 wants sliding_window_pattern as a string; transformers 5.24 writes a number",
-    "exaone_moe": _V4.format("exaone_moe", "is_moe_layer"),
     "gemma4_unified_text": "mlx_lm maps gemma4_unified to its multimodal gemma4, which wants language_model.* names",
     "granitemoehybrid": "mlx_lm's granitemoehybrid does not know transformers 5.24's linear_attention layers",
     "glm_moe_dsa": _V4.format("glm_moe_dsa", "moe_layer_freq, scoring_func, topk_method"),
     "kimi_linear": _V4.format("kimi_linear", "linear_attn_config"),
-    "lfm2": _V4.format("lfm2", "block_dim"),
     "llama4_text": "mlx_lm's llama4_text is dense: no routed experts",
     "mimo_v2_flash": _V4.format("mimo_v2_flash", "hybrid_layer_pattern and 15 more"),
     "minicpm3": "mlx_lm's minicpm3 needs a rope_scaling dict; transformers 5.24 writes none",
@@ -70,7 +72,6 @@ REFUSED = {
     "minimax_m3_vl_text": "mlx_lm's minimax_m3_vl is the multimodal model and wants text_config",
     "olmo": "mlx_lm's olmo imports ai2-olmo (hf_olmo), which is not installed",
     "olmo_hybrid": "mlx_lm's olmo_hybrid wants input_layernorm; transformers 5.24 saves attention_layer_norm",
-    "qwen2_moe": "the zoo's mlp_only_layers=[0] (a dense layer 0): mlx_lm's qwen2_moe has experts in every layer",
     "solar_open": _V4.format("solar_open", "first_k_dense_replace, intermediate_size"),
 }
 # model_type -> why mlx_lm.convert cannot read the transformers checkpoint that ffn-tools exports (asserted: it
@@ -112,7 +113,7 @@ OTHER_LOGITS = {
 
 
 # model_type -> why verify cannot run on a correct export (asserted: it still cannot).
-UNVERIFIED = {"dbrx": "DBRX stores its experts as flat (E * I, H) stacks, which no scheme reads yet"}
+UNVERIFIED: dict[str, str] = {}
 
 
 def _candidates() -> list[str]:
@@ -203,3 +204,31 @@ def test_zoo_mlx(model_type, tmp_path, request):
     _reference(src, out, tmp_path / "ref-q", quantize=True)
     assert_identical(tensors(quant), tensors(tmp_path / "ref-q"))
     assert json.loads((quant / "config.json").read_text()) == json.loads((tmp_path / "ref-q" / "config.json").read_text())
+
+
+# Falcon-H1 with the multipliers its real checkpoints have (mlx_lm's defaults; the zoo's are 1.0): mlx_lm's sanitize
+# folds them into the tensors in place (``param *= m``), so they are computed outputs, not renames.
+FALCON_H1_MULTIPLIERS = {"mlp_multipliers": [0.8838834764831844, 0.5859375], "embedding_multiplier": 5.656854249492381,
+                         "lm_head_multiplier": 0.0390625}
+# why verify cannot pass the export (asserted: it still fails, naming the FFN it compares bit for bit)
+FOLDED_UNVERIFIED = "verify compares B's FFN with A's tensors; mlx_lm folds mlp_multipliers into gate and down"
+
+
+def test_folded_multipliers_are_exported_as_mlx_lm_folds_them(tmp_path):
+    src = tmp_path / "src"
+    model = zoo.build("falcon_h1", src, keep=KEEP, extra=FALCON_H1_MULTIPLIERS)
+    write_tokenizer(src, 160)
+    out = tmp_path / "mlx"
+    convert(src, "mlx", out)
+    got, want = _mlx_logits(out), zoo.logits(model)
+    assert (got - want).abs().max().item() <= 1e-3 * max(1.0, want.abs().max().item())
+    _reference(src, out, tmp_path / "ref")
+    mine, ref, a = tensors(out), tensors(tmp_path / "ref"), tensors(src)
+    assert_identical(mine, ref)
+    gate = "model.layers.0.feed_forward.gate_proj.weight"
+    assert torch.equal(mine[gate], a[gate] * FALCON_H1_MULTIPLIERS["mlp_multipliers"][0])  # folded, not copied
+    convert(src, "mlx", tmp_path / "mlx-q", quantize=True)
+    _reference(src, out, tmp_path / "ref-q", quantize=True)
+    assert_identical(tensors(tmp_path / "mlx-q"), tensors(tmp_path / "ref-q"))
+    report = ffn_tools.verify(src, out, backends=["reference"], tokens=4)
+    assert not report.passed and "gate" in " ".join(report.failures()), FOLDED_UNVERIFIED

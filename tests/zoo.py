@@ -1,10 +1,12 @@
 """transformers' own model zoo, built tiny: every causal-LM model type it ships, judged gated or not by its
-torch module tree, and saved with ``save_pretrained``.
+torch module tree, and saved twice: with ``save_pretrained`` (which writes some families' legacy names back)
+and as the model's own state dict (transformers v5's names, as the model holds them in memory).
 
 The oracle is the module tree, not tensor names: a gated FFN is a module holding two (H -> I) projections
 and one (I -> H) projection (separate), one (H -> 2I) and one (I -> H) (fused), or the same as 3-D expert
-parameters (E, ...) in either orientation. Names never enter the count, so the registry is checked against
-something it does not share.
+parameters (E, ...) in either orientation, or flattened to 2-D (E * I, H). Its kind comes from where it sits
+(``module_tree_counts``). Names never enter the count, so the registry is checked against something it does
+not share.
 """
 
 from __future__ import annotations
@@ -29,19 +31,38 @@ TINY = dict(hidden_size=H, intermediate_size=I, num_hidden_layers=2, num_attenti
             moe_num_experts=4, ffn_hidden_size=I, dim_ff=I)
 LAYERS = 2
 TOKENS = torch.arange(3, 19).reshape(2, 8)  # inside every tiny vocabulary
+# model_type -> settings it needs to build at this size (its defaults fail, or its validator wants them).
+EXTRA: dict[str, dict] = {
+    "dbrx": {"d_model": H, "n_heads": 4, "n_layers": LAYERS, "max_seq_len": 128,  # DbrxConfig's own names
+             "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+             "ffn_config": {"ffn_hidden_size": I, "moe_num_experts": 4, "moe_top_k": 2}},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # its default leaves None
+    "zaya": {"num_experts_per_tok": 1},  # "ZAYA currently supports num_experts_per_tok=1 only"
+}
+# case -> (model_type, settings): configurations of a type whose FFNs are another kind than at TINY's settings.
+VARIANTS: dict[str, tuple[str, dict]] = {
+    # Granite-4.0's dense models (granite-4.0-micro, -h-1b): no routed experts, shared_mlp is the layer's FFN
+    "granitemoehybrid+dense": ("granitemoehybrid", {"num_local_experts": 0}),
+}
 
 
 @dataclass
 class Counts:
-    """Gated FFNs by kind, as the module tree has them."""
+    """Gated FFNs by kind, as the module tree has them, and each kind's d_ffn."""
 
     dense: int = 0
     expert: int = 0
     shared: int = 0
     d_ffn: set = field(default_factory=set)
+    by_kind: dict = field(default_factory=dict)  # kind -> its d_ffn values
 
     def as_tuple(self) -> tuple[int, int, int]:
         return (self.dense, self.expert, self.shared)
+
+    def add(self, kind: str, n: int, i: int) -> None:
+        setattr(self, kind, getattr(self, kind) + n)
+        self.d_ffn.add(i)
+        self.by_kind.setdefault(kind, set()).add(i)
 
 
 def tiny_config(model_type: str, keep: tuple[str, ...] = (), extra: dict | None = None):
@@ -67,6 +88,18 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def cases() -> list[str]:
+    """Every causal-LM type, and the variants ``VARIANTS`` adds (``type+variant``)."""
+    return sorted([*causal_lm_types(), *VARIANTS])
+
+
+def case(name: str) -> tuple[str, dict | None]:
+    """(model_type, the settings it is built with) of a case of ``cases``."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    return name, EXTRA.get(name)
+
+
 def _linear_shape(m) -> tuple[int, int] | None:
     """(out, in) of a module holding one 2-D ``weight`` (Linear and its look-alikes)."""
     w = getattr(m, "weight", None)
@@ -87,6 +120,14 @@ def _gated(mats: list[tuple[int, int]]) -> int | None:
     return None
 
 
+def _gated_any(mats: list[tuple[int, int]]) -> int | None:
+    """``_gated`` with the experts' matrices stored (out, in), (in, out), or (in, out) for one of them alone (a
+    down projection kept transposed, as DBRX's w2)."""
+    tries = [mats, [m[::-1] for m in mats]] + [[m[::-1] if k == j else m for k, m in enumerate(mats)]
+                                                for j in range(len(mats))]
+    return next((i for t in tries if (i := _gated(t)) is not None), None)
+
+
 def _projections(mod) -> list[tuple[int, int]]:
     """(out, in) of the linear modules among a module's children and grandchildren (CPM-Ant nests its
     w_in.w_0 / w_in.w_1)."""
@@ -97,32 +138,71 @@ def _projections(mod) -> list[tuple[int, int]]:
     return out
 
 
+def _layer(model, path: str) -> str | None:
+    """The path of the layer holding module ``path``: its outermost ancestor (or itself) that is an item of a
+    ``ModuleList``; None outside every list."""
+    parts = path.split(".")
+    for k in range(1, len(parts) + 1):
+        if isinstance(model.get_submodule(".".join(parts[:k - 1])), torch.nn.ModuleList):
+            return ".".join(parts[:k])
+    return None
+
+
+def _router_width(model, path: str, rows: int) -> int | None:
+    """E of a flat expert stack at ``path`` ((E * I, H) parameters): the out size of the linear module nearest
+    to it (in its ancestors' other descendants) whose out size divides ``rows``: the router scoring the experts."""
+    parts = path.split(".")
+    for k in range(len(parts) - 1, -1, -1):
+        anc = ".".join(parts[:k])
+        for q, m in model.get_submodule(anc).named_modules():
+            full = f"{anc}.{q}" if anc else q
+            s = _linear_shape(m)
+            if s and not (full + ".").startswith(path + ".") and 1 < s[0] < rows and rows % s[0] == 0:
+                return s[0]
+    return None
+
+
 def module_tree_counts(model) -> Counts:
-    """Count the gated FFNs of a torch model from its modules' parameter shapes (see module docstring).
+    """Count the gated FFNs of a torch model from its modules' parameter shapes (see module docstring), by kind
+    from where they sit in the tree:
+
+        expert  an expert of a stack: 3-D parameters (E, ...), 2-D ones flattened (E * I, H) (E: the router
+                beside them), or one of a ``ModuleList`` of FFN modules inside a layer
+        shared  an FFN module in a layer that also holds experts
+        dense   an FFN module in a layer without experts
 
     A dense FFN module holds nothing but its projections and vectors (a norm, scales): a Mamba mixer's
     in_proj (2I, H) and out_proj (H, I) come with a conv1d and a 2-D state matrix, so it does not count.
     """
-    counts = Counts()
+    units = []  # (layer, routed, number of FFNs, I)
     for path, mod in model.named_modules():
-        shared = "shared" in path.rsplit(".", 1)[-1]
         i = _gated(_projections(mod))
         own = {id(p) for q, c in mod.named_modules() if q and q.count(".") <= 1 and _linear_shape(c)
                for p in c.parameters()}
         if i is not None and all(p.dim() <= 1 for p in mod.parameters() if id(p) not in own):
-            counts.shared += shared
-            counts.dense += not shared
-            counts.d_ffn.add(i)
+            layer = _layer(model, path)
+            listed = path and layer != path and isinstance(model.get_submodule(path.rpartition(".")[0]),
+                                                           torch.nn.ModuleList)
+            units.append((layer, bool(listed), 1, i))
             continue
-        p3 = [tuple(p.shape) for _, p in mod.named_parameters(recurse=False) if p.dim() == 3]
+        params = [tuple(p.shape) for _, p in mod.named_parameters(recurse=False)]
+        p3 = [s for s in params if len(s) == 3]
         if len(p3) >= 2 and len({s[0] for s in p3}) == 1:
-            e = p3[0][0]
             mats = [s[1:] for s in p3]
             i = _gated(mats) or _gated([m[::-1] for m in mats])
             if i is not None:
-                counts.shared += e * shared
-                counts.expert += e * (not shared)
-                counts.d_ffn.add(i)
+                units.append((_layer(model, path), True, p3[0][0], i))
+                continue
+        p2 = [s for s in params if len(s) == 2]
+        if len(p2) == 3 == len(params) and len(set(p2)) == 1 and _linear_shape(mod) is None:
+            e = _router_width(model, path, p2[0][0])
+            i = _gated_any([(p2[0][0] // e, p2[0][1])] * 3) if e else None
+            if e and i is not None:
+                units.append((_layer(model, path), True, e, i))
+    with_experts = {layer for layer, routed, _, _ in units if routed}
+    counts = Counts()
+    for layer, routed, n, i in units:
+        counts.add("expert" if routed else "shared" if layer in with_experts else "dense", n, i)
     return counts
 
 
@@ -147,9 +227,11 @@ def logits(model):
         return None
 
 
-def build(model_type: str, path: Path, seed: int = 0, keep: tuple[str, ...] = (), extra: dict | None = None):
+def build(model_type: str, path: Path, seed: int = 0, keep: tuple[str, ...] = (), extra: dict | None = None,
+          state_dict: Path | None = None):
     """Save the tiny ``model_type`` with random, perturbed weights (norms and biases too) into ``path``;
-    returns the model (in eval mode). ``keep``, ``extra``: as ``tiny_config``."""
+    returns the model (in eval mode). ``keep``, ``extra``: as ``tiny_config``; ``state_dict``: a directory to
+    save the model's own state dict into as well (``pytorch_model.bin`` with the same config.json)."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(model_type, keep, extra)
@@ -161,11 +243,20 @@ def build(model_type: str, path: Path, seed: int = 0, keep: tuple[str, ...] = ()
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.02)
         model.save_pretrained(path)
+    if state_dict is not None:
+        import shutil
+
+        state_dict.mkdir(parents=True, exist_ok=True)
+        for side in ("config.json", "generation_config.json"):
+            if (path / side).exists():
+                shutil.copy(path / side, state_dict / side)
+        torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, state_dict / "pytorch_model.bin")
     return model
 
 
 def swap_first_gate_up(src: Path, dst: Path) -> str:
-    """Copy a checkpoint whose FFNs are separate, with the first FFN's gate and up tensors swapped.
+    """Copy a checkpoint whose FFNs have gate and up apart, with the first such FFN's gate and up tensors
+    swapped (a stack's: every expert of it).
 
     Returns:
         the name of the swapped gate tensor.
@@ -179,12 +270,15 @@ def swap_first_gate_up(src: Path, dst: Path) -> str:
 
     shutil.copytree(src, dst)
     with open_checkpoint(src) as c:
-        f = next(f for f in find_ffns(c).ffns if f.form_name == "separate")
+        f = next(f for f in find_ffns(c).ffns if not f.form.fused)
     gate, up = f.names["gate"], f.names["up"]
-    for file in dst.glob("*.safetensors"):
-        t = load_file(file)
+    for file in [*dst.glob("*.safetensors"), *dst.glob("*.bin")]:
+        t = load_file(file) if file.suffix == ".safetensors" else torch.load(file, weights_only=True)
         if gate in t or up in t:
             with open_checkpoint(src) as c:
                 t[gate], t[up] = c[up].clone(), c[gate].clone()
-            save_file(t, file, metadata={"format": "pt"})
+            if file.suffix == ".safetensors":
+                save_file(t, file, metadata={"format": "pt"})
+            else:
+                torch.save(t, file)
     return gate

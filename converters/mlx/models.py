@@ -43,7 +43,10 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "num_layers": ("num_hidden_layers",),
     "layer_norm_epsilon": ("layer_norm_eps", "rms_norm_eps"),
     "layer_norm_eps": ("layer_norm_epsilon", "rms_norm_eps"),
+    "block_dim": ("hidden_size",),  # LFM2's v4 name of its width
 }
+# v4 per-layer flags that transformers v5 spells out as a list of layer kinds: key -> (list key, the kind flagged)
+LAYER_FLAGS: dict[str, tuple[str, str]] = {"is_moe_layer": ("mlp_layer_types", "sparse")}
 TIE_KEY = "tie_word_embeddings"
 
 
@@ -140,6 +143,10 @@ def complete_config(config: dict, fields) -> tuple[dict, list[str]]:
             if value is not None:
                 config[key] = value
                 added.append(key)
+    for key, (kinds, flagged) in LAYER_FLAGS.items():
+        if key in fields and key not in config and isinstance(config.get(kinds), list):
+            config[key] = [k == flagged for k in config[kinds]]
+            added.append(key)
     types_ = config.get("layer_types")
     for key, full in (("sliding_window_pattern", "full_attention"), ("full_attention_interval", "full_attention")):
         if key in fields and key not in config and (period := _period(types_, full)) is not None:

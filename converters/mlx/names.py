@@ -2,9 +2,10 @@
 
 Every input tensor is stood in for by a lazy ``mx.zeros`` of its shape and dtype (never computed), and the
 model's ``sanitize`` (the function ``mlx_lm.load`` and ``mlx_lm.convert`` run on a checkpoint) maps them.
-An output that *is* one of the stand-ins is that input, renamed or not: a byte copy. Any other output was
-computed by ``sanitize``. The common computation, routed experts stacked on a new first axis, is
-recognized by name (``...experts.{e}.{proj}.weight`` -> ``...switch_mlp.{proj}.weight`` or
+An output that *is* one of the stand-ins, its graph untouched, is that input, renamed or not: a byte copy. One
+that is a stand-in changed in place (Falcon-H1's ``param *= multiplier``: the same array object, a new graph)
+and any other output were computed by ``sanitize``. The common computation, routed experts stacked on a new
+first axis, is recognized by name (``...experts.{e}.{proj}.weight`` -> ``...switch_mlp.{proj}.weight`` or
 ``...experts.{proj}.weight``, with ``PROJECTION_ALIASES``) and shape, and written as byte copies too; every
 other computed output is evaluated by running ``sanitize`` on the real, lazily loaded tensors
 (``SanitizeRun``). Inputs without an output were dropped by ``sanitize`` (rotary buffers, a tied head, an
@@ -13,6 +14,7 @@ MTP layer) or used for a computed output; export reports them.
 
 from __future__ import annotations
 
+import io
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -65,6 +67,13 @@ def stand_ins(shapes: Mapping[str, tuple[tuple[int, ...], str]]) -> dict[str, mx
     return {n: mx.zeros(shape, MX_DTYPES.get(st, mx.uint8)) for n, (shape, st) in shapes.items()}
 
 
+def _graph(a: mx.array) -> str:
+    """``a``'s lazy graph as text: it changes when an operation rebinds ``a`` in place (``a *= m``)."""
+    out = io.StringIO()
+    mx.export_to_dot(out, a)
+    return out.getvalue()
+
+
 def sanitize(model, weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """The model's ``sanitize`` on ``weights`` (a copy of the dict; models without one keep it).
 
@@ -89,8 +98,10 @@ def map_outputs(model, shapes: Mapping[str, tuple[tuple[int, ...], str]]) -> tup
         (outputs in sanitize's order, unused input names in input order).
     """
     inputs = stand_ins(shapes)
-    ident = {id(a): n for n, a in inputs.items()}
+    graphs = {n: _graph(a) for n, a in inputs.items()}
     result = sanitize(model, inputs)
+    # a stand-in sanitize scaled in place is computed: the same object, another graph
+    ident = {id(a): n for n, a in inputs.items() if _graph(a) == graphs[n]}
     used = {ident[id(a)] for a in result.values() if id(a) in ident}
     spare: dict[str, list[tuple[int, str]]] = {}
     for n in inputs:
