@@ -55,10 +55,11 @@ def reconcile(outside, ca, cb, compare) -> list[str]:
         stored = cb.made_from(name) if name in cb else ()  # B's MLX tensors it is read from, as mlx_lm names them
         if not stored or any(m not in entries for m in stored):
             continue
-        whys, same, used = [], True, set()
+        whys: list[str] = []
+        same, used = True, set[str]()
         for m in stored:  # as B stores them: the view may have undone sanitize (taken 1.0 off a norm, rounding)
-            e = entries[m]
-            made = e.compute([source[n] for n in e.inputs])
+            entry = entries[m]
+            made = entry.compute([source[n] for n in entry.inputs])
             a = made.to_torch() if isinstance(made, RawTensor) else made
             b, parts = cb.read_stored(m).to_torch(), cb.stored_parts(m)
             outcome, why = check_requantized(m, a, parts) if parts is not None else ("within", None)
@@ -70,7 +71,7 @@ def reconcile(outside, ca, cb, compare) -> list[str]:
             if why:
                 whys.append(why)
             same &= outcome == "identical"
-            used.update(e.inputs)
+            used.update(entry.inputs)
         if whys:
             bad[name] = "; ".join(whys)  # the failure against what sanitize makes of A is the one that counts
             continue
