@@ -1,0 +1,330 @@
+"""compressed-tensors checkpoints (llm-compressor's output): ``pack-quantized`` int weights read dequantized.
+
+A module ``X`` quantized by compressed-tensors' ``pack-quantized`` format stores, instead of ``X.weight``:
+
+    X.weight_packed      int32 (rows, ceil(cols * bits / 32))   codes + 2^(bits-1), densely packed along a row:
+                                                                 code i at bit i * bits of the row (across words)
+    X.weight_scale       (rows, groups) in the model's dtype     groups = cols / group_size (1: per channel;
+                                                                 shape (1,): per tensor)
+    X.weight_zero_point  int32 (ceil(rows * bits / 32), groups)  asymmetric group/channel only: zero points
+                                                                 packed the same way, but down the rows
+    X.weight_shape       int64 (2,)                              the weight's (rows, cols)
+
+and it reads back as ``w = (q - z) * s`` computed in the scale's dtype (compressed-tensors'
+``PackedQuantizationCompressor.decompress`` and ``forward._dequantize``; this module replays that definition,
+and the tests hold it against compressed-tensors' own decompression bit for bit). Which modules are quantized
+and how is the config's ``quantization_config``: ``config_groups`` (each a scheme with ``targets``: a module
+name, ``re:`` a regex matched from the start, or a class name such as ``Linear``) and ``ignore``. The tensors
+say the rest; where they and the config disagree the checkpoint is refused, naming the module.
+
+``CompressedView`` is the checkpoint seen with those modules' ``X.weight`` dequantized and their parts gone:
+what verify, inspect and ``convert`` read. split and fuse move the stored parts themselves (``ctrows``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .errors import CheckpointError
+from .io.store import Checkpoint, TensorInfo
+
+if TYPE_CHECKING:
+    import torch
+
+METHOD = "compressed-tensors"
+PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")  # X.<part>
+PACKED = "pack-quantized"
+FORMATS = (PACKED,)  # the formats read here (float-quantized FP8 is ``scales.Dequantized``'s)
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How one module's weight is quantized: the config group's ``weights`` arguments and the format."""
+
+    format: str
+    bits: int
+    strategy: str  # "group", "channel" or "tensor"
+    group_size: int | None
+    symmetric: bool
+    group: str  # the config group's name
+
+    @property
+    def name(self) -> str:
+        """``int4 group 32 asymmetric`` ..., as inspect and reports name it."""
+        how = f"group {self.group_size}" if self.strategy == "group" else f"per {self.strategy}"
+        return f"int{self.bits} {how} {'symmetric' if self.symmetric else 'asymmetric'} ({self.format})"
+
+    @property
+    def packs_zero_points(self) -> bool:
+        """Zero points stored packed down the rows (compressed-tensors' ``PACK_ZP_STRATS``)."""
+        return not self.symmetric and self.strategy in ("group", "channel")
+
+    @property
+    def rows_per_word(self) -> int:
+        """Rows one int32 of packed zero points holds (they straddle words unless bits divide 32)."""
+        return 32 // self.bits
+
+
+@dataclass(frozen=True)
+class Module:
+    """One quantized weight: its name as read (``X.weight``), scheme, and stored part names by suffix."""
+
+    weight: str
+    scheme: Scheme
+    parts: dict[str, str]
+    shape: tuple[int, int]
+
+    @property
+    def base(self) -> str:
+        return self.weight[: -len(".weight")]
+
+
+def quant_config(ckpt) -> dict | None:
+    """The compressed-tensors ``quantization_config`` of ``ckpt``'s config.json, or None."""
+    q = (ckpt.config or {}).get("quantization_config")
+    return q if isinstance(q, dict) and q.get("quant_method") == METHOD else None
+
+
+def _matches(name: str, target: str) -> bool:
+    """compressed-tensors' ``match_name`` (``re:`` regex from the start, else the exact name) or a class name:
+    the modules it packs are Linear (``COMPRESSIBLE_MODULE_TYPES``), so ``Linear`` names every one."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name or target == "Linear"
+
+
+def scheme_for(config: dict, base: str) -> Scheme | None:
+    """The scheme of module ``base`` under ``config`` (None: ignored, or in no group).
+
+    Raises:
+        CheckpointError: its group's arguments are not ones this reader knows.
+    """
+    if any(_matches(base, t) for t in config.get("ignore") or []):
+        return None
+    for gname, group in (config.get("config_groups") or {}).items():
+        if not any(_matches(base, t) for t in group.get("targets") or []):
+            continue
+        w = group.get("weights") or {}
+        fmt = group.get("format") or config.get("format")
+        if w.get("type", "int") != "int" or fmt not in FORMATS:
+            raise CheckpointError(f"{base}: compressed-tensors group {gname!r} is {fmt} {w.get('type')} "
+                                  f"{w.get('num_bits')}-bit; this reader knows {', '.join(FORMATS)} int weights")
+        strategy = w.get("strategy") or "tensor"
+        if strategy not in ("group", "channel", "tensor") or w.get("actorder") == "group":
+            raise CheckpointError(f"{base}: compressed-tensors group {gname!r}: strategy {strategy!r}"
+                                  f"{' with actorder group (g_idx)' if w.get('actorder') == 'group' else ''} is not "
+                                  "read here (group, channel and tensor are)")
+        return Scheme(fmt, int(w.get("num_bits", 8)), strategy, w.get("group_size") if strategy == "group" else None,
+                      bool(w.get("symmetric", True)), gname)
+    return None
+
+
+def modules(ckpt) -> dict[str, Module]:
+    """``X.weight`` -> Module for every module of ``ckpt`` stored ``pack-quantized``; {} when it is no
+    compressed-tensors checkpoint.
+
+    Raises:
+        CheckpointError: all problems at once: parts without a config, a module the config ignores or
+            does not name, shapes that do not fit its scheme, a zero point missing or extra.
+    """
+    bases = sorted(n[: -len(".weight_packed")] for n in ckpt if n.endswith(".weight_packed"))
+    if not bases:
+        return {}
+    config = quant_config(ckpt)
+    if config is None:
+        raise CheckpointError(f"{ckpt.path}: {len(bases)} compressed-tensors packed weights ({bases[0]}.weight_packed, "
+                              "...) but config.json has no quantization_config with quant_method "
+                              "'compressed-tensors': their bits and groups are unknown")
+    out, problems = {}, []
+    for base in bases:
+        try:
+            scheme = scheme_for(config, base)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        if scheme is None:
+            problems.append(f"{base}: stored packed, but the quantization_config ignores it or names it in no group")
+            continue
+        parts = {p: f"{base}.{p}" for p in PARTS if f"{base}.{p}" in ckpt}
+        problem = _check(ckpt, base, scheme, parts)
+        if problem:
+            problems.append(problem)
+            continue
+        shape = tuple(int(v) for v in ckpt[parts["weight_shape"]].tolist())
+        out[f"{base}.weight"] = Module(f"{base}.weight", scheme, parts, (shape[0], shape[1]))
+    if problems:
+        raise CheckpointError(f"{ckpt.path}: compressed-tensors tensors that do not fit their config: "
+                              + "; ".join(problems[:6]) + (f"; ... ({len(problems) - 6} more)" if len(problems) > 6 else ""))
+    return out
+
+
+def _check(ckpt, base: str, s: Scheme, parts: dict[str, str]) -> str | None:
+    """Why ``base``'s parts do not fit scheme ``s``, or None."""
+    for p in ("weight_scale", "weight_shape"):
+        if p not in parts:
+            return f"{base}.{p} is missing"
+    if s.packs_zero_points != ("weight_zero_point" in parts):
+        return (f"{base}: the config says {s.name}, which stores zero points, but {base}.weight_zero_point is missing"
+                if s.packs_zero_points else f"{base}: the config says {s.name}, but a weight_zero_point is stored")
+    if ckpt.info(parts["weight_shape"]).shape != (2,):
+        return f"{base}.weight_shape: {list(ckpt.info(parts['weight_shape']).shape)}, expected [2] (rows, cols)"
+    rows, cols = (int(v) for v in ckpt[parts["weight_shape"]].tolist())
+    want: dict[str, tuple[int, ...]] = {"weight_packed": (rows, -(-cols * s.bits // 32))}
+    groups = cols // s.group_size if s.strategy == "group" and s.group_size else 1
+    if s.strategy == "group" and (not s.group_size or cols % s.group_size):
+        return f"{base}: {cols} columns do not fall into groups of {s.group_size}"
+    want["weight_scale"] = (1,) if s.strategy == "tensor" else (rows, groups)
+    if s.packs_zero_points:
+        want["weight_zero_point"] = (-(-rows * s.bits // 32), groups)
+    for p, shape in want.items():
+        got = ckpt.info(parts[p]).shape
+        if got != shape:
+            return f"{parts[p]}: shape {list(got)}, expected {list(shape)} for {s.name} of ({rows}, {cols})"
+    if ckpt.info(parts["weight_packed"]).st_dtype != "I32":
+        return f"{parts['weight_packed']}: {ckpt.info(parts['weight_packed']).st_dtype}, expected I32"
+    return None
+
+
+def unpack(packed: "torch.Tensor", bits: int, n: int) -> "torch.Tensor":
+    """The first ``n`` codes of each row of int32 ``packed``: element i at bit i * bits of the row's words
+    (across word boundaries), minus 2^(bits-1), as int8 (compressed-tensors' ``unpack_from_int32``)."""
+    import torch
+
+    words = packed.to(torch.int64) & 0xFFFFFFFF  # unsigned 32-bit words
+    start = torch.arange(n, dtype=torch.int64) * bits
+    word, off = start // 32, start % 32
+    low = words[..., word] >> off
+    nxt = torch.clamp(word + 1, max=packed.shape[-1] - 1)
+    high = torch.where(off + bits > 32, words[..., nxt] << (32 - off), torch.zeros_like(low))
+    codes = (low | high) & ((1 << bits) - 1)
+    return (codes - (1 << (bits - 1))).to(torch.int8)
+
+
+def pack(codes: "torch.Tensor", bits: int) -> "torch.Tensor":
+    """The inverse of ``unpack``: int8 codes (rows, n) -> int32 (rows, ceil(n * bits / 32))."""
+    import torch
+
+    n = codes.shape[-1]
+    values = (codes.to(torch.int64) + (1 << (bits - 1))) & ((1 << bits) - 1)
+    width = -(-n * bits // 32)
+    out = torch.zeros((*codes.shape[:-1], width + 1), dtype=torch.int64)
+    start = torch.arange(n, dtype=torch.int64) * bits
+    word, off = start // 32, start % 32
+    out.index_add_(-1, word, values << off)  # bits of distinct codes never overlap: the sum is their union
+    spill = off + bits > 32
+    out.index_add_(-1, word[spill] + 1, values[..., spill] >> (32 - off[spill]))
+    out = out[..., :width] & 0xFFFFFFFF
+    return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)
+
+
+def zero_points(m: Module, stored: "torch.Tensor") -> "torch.Tensor":
+    """Packed zero points (words down the rows) -> int8 (rows, groups)."""
+    return unpack(stored.T.contiguous(), m.scheme.bits, m.shape[0]).T
+
+
+def dequantize(m: Module, parts: dict[str, "torch.Tensor"]) -> "torch.Tensor":
+    """``w = (q - z) * s`` in the scale's dtype, group by group (compressed-tensors' definition).
+
+    Args:
+        parts: the module's stored tensors by suffix.
+    """
+    rows, cols = m.shape
+    scale = parts["weight_scale"]
+    q = unpack(parts["weight_packed"], m.scheme.bits, cols)
+    g = scale.shape[-1] if scale.dim() == 2 else 1
+    x = q.reshape(rows, g, cols // g).to(scale.dtype)  # (rows, groups, group_size)
+    s = scale.reshape(-1, g, 1) if scale.dim() == 2 else scale.reshape(1, 1, 1)
+    if "weight_zero_point" in parts:
+        x = x - zero_points(m, parts["weight_zero_point"]).to(scale.dtype).reshape(rows, g, 1)
+    return (x * s).reshape(rows, cols)
+
+
+def quantize(m: Module, weight: "torch.Tensor", parts: dict[str, "torch.Tensor"]) -> "torch.Tensor":
+    """``weight`` quantized with the module's stored scale and zero point: ``round(clamp(w / s + z))``, in the
+    weight's dtype, as compressed-tensors' ``forward._quantize`` computes it; int8 codes (rows, cols)."""
+    import torch
+
+    rows, cols = m.shape
+    scale = parts["weight_scale"]
+    g = scale.shape[-1] if scale.dim() == 2 else 1
+    x = weight.reshape(rows, g, cols // g) / (scale.reshape(-1, g, 1) if scale.dim() == 2 else scale.reshape(1, 1, 1))
+    if "weight_zero_point" in parts:
+        x = x + zero_points(m, parts["weight_zero_point"]).to(x.dtype).reshape(rows, g, 1)
+    lo, hi = -(1 << (m.scheme.bits - 1)), (1 << (m.scheme.bits - 1)) - 1
+    return torch.round(torch.clamp(x, lo, hi)).reshape(rows, cols).to(torch.int8)
+
+
+def codes(m: Module, parts: dict[str, "torch.Tensor"]) -> "torch.Tensor":
+    """The module's stored codes, int8 (rows, cols)."""
+    return unpack(parts["weight_packed"], m.scheme.bits, m.shape[1])
+
+
+class CompressedView(Checkpoint):
+    """``ckpt`` with each pack-quantized module's ``X.weight`` read dequantized (see the module doc)."""
+
+    resolves_quantization = True
+
+    def __init__(self, ckpt, found: dict[str, Module]):
+        self.raw, self.modules = ckpt, found
+        self.format = ckpt.format
+        hidden = {p for m in found.values() for p in m.parts.values()}
+        infos = {}
+        for name in ckpt:
+            if name in hidden:
+                m = found.get(name.rsplit(".", 1)[0] + ".weight")
+                if m is not None and name == m.parts["weight_packed"]:
+                    scale = ckpt.info(m.parts["weight_scale"])
+                    infos[m.weight] = TensorInfo(m.weight, scale.st_dtype, m.shape, ckpt.info(name).file, None)
+            else:
+                infos[name] = ckpt.info(name)
+        super().__init__(ckpt.path, ckpt.root, ckpt.files, infos, ckpt.metadata, ckpt.config)
+
+    def _read(self, info: TensorInfo):
+        m = self.modules.get(info.name)
+        if m is None:
+            return self.raw[info.name]
+        return dequantize(m, {p: self.raw[n] for p, n in m.parts.items()})
+
+    def parts(self, name: str) -> dict[str, "torch.Tensor"]:
+        """Module ``name``'s stored tensors by suffix."""
+        return {p: self.raw[n] for p, n in self.modules[name].parts.items()}
+
+    def quant_params(self, name: str) -> dict | None:
+        """The module's bits and group (a channel's columns), for verify's tolerance row."""
+        m = self.modules.get(name)
+        if m is None:
+            return None
+        return {"bits": m.scheme.bits, "group_size": m.scheme.group_size or m.shape[1], "mode": m.scheme.name}
+
+    @property
+    def stored(self):
+        """The checkpoint with its packed parts as stored (what compressed-tensors and vLLM load)."""
+        return self.raw.stored
+
+    @property
+    def label(self) -> str:
+        return f"{self.raw.label}, compressed-tensors read dequantized"
+
+    def decoded(self) -> list[dict]:
+        counts: dict[Scheme, int] = {}
+        for m in self.modules.values():
+            counts[m.scheme] = counts.get(m.scheme, 0) + 1
+        return [{"dtype": s.name, "scales": "weight_scale", "block": [1, s.group_size or 0], "weights": n,
+                 "scheme": s.name, "group": s.group,
+                 "how": "read dequantized as compressed-tensors defines it, (q - z) * s in the scale's dtype"}
+                for s, n in sorted(counts.items(), key=lambda kv: kv[0].name)]
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+def view(ckpt) -> Checkpoint:
+    """``ckpt`` seen dequantized where compressed-tensors packed it, else ``ckpt`` itself.
+
+    Raises:
+        CheckpointError: see ``modules``.
+    """
+    found = modules(ckpt)
+    return CompressedView(ckpt, found) if found else ckpt
