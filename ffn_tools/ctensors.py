@@ -165,6 +165,8 @@ def _check(ckpt, base: str, s: Scheme, parts: dict[str, str]) -> str | None:
     for p in ("weight_scale", "weight_shape"):
         if p not in parts:
             return f"{base}.{p} is missing"
+    if not s.symmetric and not s.packs_zero_points:
+        return f"{base}: {s.name}: per-tensor zero points are not read here (symmetric per-tensor scales are)"
     if s.packs_zero_points != ("weight_zero_point" in parts):
         return (f"{base}: the config says {s.name}, which stores zero points, but {base}.weight_zero_point is missing"
                 if s.packs_zero_points else f"{base}: the config says {s.name}, but a weight_zero_point is stored")
@@ -296,7 +298,8 @@ class CompressedView(Checkpoint):
         m = self.modules.get(name)
         if m is None:
             return None
-        return {"bits": m.scheme.bits, "group_size": m.scheme.group_size or m.shape[1], "mode": m.scheme.name}
+        return {"bits": m.scheme.bits, "group_size": m.scheme.group_size or m.shape[1],
+                "mode": f"compressed-tensors {'symmetric' if m.scheme.symmetric else 'asymmetric'}"}
 
     @property
     def stored(self):

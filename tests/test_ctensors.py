@@ -186,3 +186,175 @@ def test_refuses_shapes_that_do_not_fit(ct, tmp_path):
     raw = open_checkpoint(path)
     raw.close()
     shutil.rmtree(bad)
+
+
+# --- split and fuse: the stored parts move with the rows (ffn_tools/ctrows.py) ---
+
+def test_split_and_fuse_are_exact(ct, tmp_path):
+    from helpers import assert_identical, tensors
+
+    twin, path = ct("int4-g32-asym", "phi3")
+    split = tmp_path / "split"
+    r = run_cli("split-gateup", path, "-o", split)
+    assert "2 of 2 FFNs" in r.output
+    names = set(tensors(split))
+    assert {f"model.layers.0.mlp.{p}.weight_{s}" for p in ("gate_proj", "up_proj")
+            for s in ("packed", "scale", "zero_point", "shape")} <= names
+    assert not any("gate_up_proj" in n for n in names)
+    with open_any(path) as fused, open_any(split) as halves:
+        gu = fused["model.layers.0.mlp.gate_up_proj.weight"]
+        for k, role in enumerate(("gate_proj", "up_proj")):  # compressed-tensors' own decompression of each half
+            oracle = ct_models.decompressed(split, f"model.layers.0.mlp.{role}")
+            assert torch.equal(oracle.view(torch.int16), gu.chunk(2)[k].view(torch.int16))
+            assert torch.equal(halves[f"model.layers.0.mlp.{role}.weight"].view(torch.int16), oracle.view(torch.int16))
+    r = run_cli("verify", twin, split, "--backend", "reference", "--no-load-check", "--json")
+    assert [f["exact"] for f in json.loads(r.output)["ffns"]] == ["identical", "identical"]
+    back = tmp_path / "back"
+    run_cli("fuse-gateup", split, "-o", back)
+    assert_identical(tensors(path), tensors(back))  # every part, bit for bit
+
+
+def test_fuse_llama(ct, tmp_path):
+    twin, path = ct("int8-g32-asym")
+    out = tmp_path / "fused"
+    run_cli("fuse-gateup", path, "-o", out)
+    with open_any(out) as ckpt:
+        m = ckpt.modules["model.layers.1.mlp.gate_up_proj.weight"]
+        assert m.shape == (192, 64) and m.scheme.bits == 8
+        oracle = ct_models.decompressed(out, "model.layers.1.mlp.gate_up_proj")
+        assert torch.equal(ckpt[m.weight].view(torch.int16), oracle.view(torch.int16))
+    with open_any(path) as src:
+        assert torch.equal(oracle, torch.cat([src["model.layers.1.mlp.gate_proj.weight"],
+                                              src["model.layers.1.mlp.up_proj.weight"]]))
+
+
+def test_split_refuses_zero_point_words_straddling(tmp_path):
+    groups = {"g": (["Linear"], ct_models.args(4, "channel", symmetric=False))}
+    _, path = ct_models.build("phi3", tmp_path, groups, intermediate_size=92)
+    r = run_cli("split-gateup", path, "-o", tmp_path / "out", ok=False)
+    assert ("model.layers.0.mlp.gate_up_proj.weight_zero_point: int4 per channel asymmetric (pack-quantized) packs 8 "
+            "rows of zero points per int32 word, and the concat, gate-up gate/up boundaries of 184 rows (92 each, 11.5 "
+            "words) do not fall on word boundaries: no exact split of the packed zero points exists") in r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_split_symmetric_needs_no_word_boundary(tmp_path):
+    groups = {"g": (["Linear"], ct_models.args(4, "channel", symmetric=True))}
+    twin, path = ct_models.build("phi3", tmp_path, groups, intermediate_size=92)
+    run_cli("split-gateup", path, "-o", tmp_path / "out")
+    r = run_cli("verify", twin, tmp_path / "out", "--backend", "reference", "--no-load-check")
+    assert "PASS" in r.output
+
+
+def test_fuse_refuses_different_tensor_scales(tmp_path):
+    groups = {"g": (["Linear"], ct_models.args(8, "tensor", symmetric=True))}
+    _, path = ct_models.build("llama", tmp_path, groups)
+    with open_checkpoint(path) as c:
+        scales = [(c[f"model.layers.{k}.mlp.gate_proj.weight_scale"].item(), c[f"model.layers.{k}.mlp.up_proj.weight_scale"].item())
+                  for k in range(2)]
+    k = next(k for k, (g, u) in enumerate(scales) if g != u)  # gate and up of a layer with different ranges
+    r = run_cli("fuse-gateup", path, "-o", tmp_path / "out", ok=False)
+    assert (f"model.layers.{k}.mlp.gate_proj.weight_scale = {scales[k][0]} and model.layers.{k}.mlp.up_proj.weight_scale = "
+            f"{scales[k][1]}: per-tensor scales that differ; the fused tensor would need one scale for two") in r.output
+
+
+def test_fuse_refuses_names_the_config_does_not_quantize(ct, tmp_path):
+    _, path = ct("int4-g32-sym")
+    bad = plant(path, tmp_path / "bad", config=lambda c: c["quantization_config"]["config_groups"]["group_0"]
+                .update(targets=[r"re:.*\.(q|k|v|o|gate|up|down)_proj$"]))
+    r = run_cli("fuse-gateup", bad, "-o", tmp_path / "out", ok=False)
+    assert ("model.layers.0.mlp.gate_up_proj: the output module's parts would be stored int4 group 32 symmetric "
+            "(pack-quantized), but the quantization_config carried over reads it as unquantized") in r.output
+
+
+# --- export: --to torch dequantized, --to mlx affine with the codes kept (converters/mlx/from_ct.py) ---
+
+def test_to_torch_dequantizes(ct, tmp_path):
+    from safetensors import safe_open
+
+    twin, path = ct("int4-g32-asym")
+    out = tmp_path / "torch"
+    r = run_cli("convert", path, "--to", "torch", "-o", out)
+    assert "dequantized 14 safetensors-quantized weights (4-bit compressed-tensors asymmetric, group 32)" in r.output
+    cfg = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in cfg
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert not any(k.endswith(("weight_packed", "weight_scale", "weight_zero_point")) for k in f.keys())
+        for k in ("model.layers.0.mlp.gate_proj", "model.layers.1.self_attn.o_proj"):
+            assert torch.equal(f.get_tensor(k + ".weight").view(torch.int16),
+                               ct_models.decompressed(path, k).view(torch.int16))
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(out)  # plain bf16 weights: transformers loads them
+    assert torch.equal(model.model.layers[0].mlp.up_proj.weight.data.view(torch.int16),
+                       ct_models.decompressed(path, "model.layers.0.mlp.up_proj").view(torch.int16))
+    r = run_cli("verify", twin, out, "--backend", "reference")
+    assert "PASS" in r.output and "4-bit" in r.output  # the dequantized record keeps the 4-bit row
+
+
+def _mlx_module(model, name: str):
+    mod = model
+    for part in name.split("."):
+        mod = mod[int(part)] if part.isdigit() else getattr(mod, part)
+    return mod
+
+
+@pytest.mark.parametrize("variant", ["int4-g32-asym", "int4-g32-sym", "int8-g32-asym"])
+def test_to_mlx_keeps_the_codes(ct, tmp_path, variant):
+    mx = pytest.importorskip("mlx.core")
+    import mlx_lm
+    import numpy as np
+
+    from helpers import write_tokenizer
+
+    _, path = ct(variant)
+    src = tmp_path / "src"
+    shutil.copytree(path, src)
+    write_tokenizer(src)
+    out = tmp_path / "mlx"
+    r = run_cli("convert", src, "--to", "mlx", "-o", out)
+    assert "kept the codes of 14 compressed-tensors weights" in r.output and "not re-quantized" in r.output
+    bits = VARIANTS[variant]["bits"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization"] == {"group_size": 32, "bits": bits, "mode": "affine"}
+    model, _ = mlx_lm.load(str(out))
+    with open_any(src) as ckpt:
+        for name, m in ckpt.modules.items():
+            q = _mlx_module(model, name[: -len(".weight")])
+            assert type(q).__name__ == "QuantizedLinear" and (q.group_size, q.bits) == (32, bits)
+            parts = ckpt.parts(name)
+            # the codes, as stored: compressed-tensors' packed words are MLX's uint32 words
+            assert np.array_equal(np.array(q.weight).view(np.int32), parts["weight_packed"].numpy())
+            w = torch.from_numpy(np.array(mx.dequantize(q.weight, q.scales, q.biases, group_size=32, bits=bits)
+                                          .astype(mx.float32)))
+            ref = ct_models.decompressed(src, name[: -len(".weight")]).float()
+            # one rounding of the bias to bf16, and MLX's of s*c and of the sum: half an ulp each
+            s = parts["weight_scale"].float().repeat_interleave(32, 1)
+            c = ctensors.codes(m, parts).float() + (1 << (bits - 1))
+            bias = torch.from_numpy(np.array(q.biases.astype(mx.float32))).repeat_interleave(32, 1)
+            bound = 2.0 ** -8 * (bias.abs() + (s * c).abs() + ref.abs())
+            assert bool(((w - ref).abs() <= bound).all()), name
+    r = run_cli("verify", src, out, "--backend", "reference")
+    assert "PASS" in r.output and "loads in mlx_lm" in r.output
+
+
+def test_to_mlx_per_channel_dequantizes_and_says_so(ct, tmp_path):
+    pytest.importorskip("mlx.core")
+    import mlx_lm
+
+    from helpers import write_tokenizer
+
+    _, path = ct("int8-channel-sym")
+    src = tmp_path / "src"
+    shutil.copytree(path, src)
+    write_tokenizer(src)
+    out = tmp_path / "mlx"
+    r = run_cli("convert", src, "--to", "mlx", "-o", out)
+    assert ("dequantized 14 compressed-tensors weights (int8 per channel symmetric (pack-quantized): MLX affine groups "
+            "are 32, 64, 128 columns; -q quantizes them with mx.quantize instead)") in r.output
+    cfg = json.loads((out / "config.json").read_text())
+    assert "quantization" not in cfg and "quantization_config" not in cfg
+    model, _ = mlx_lm.load(str(out))
+    assert type(model.model.layers[0].mlp.gate_proj).__name__ == "Linear"
+    r = run_cli("convert", src, "--to", "mlx", "-o", tmp_path / "q", "-q")
+    assert "read 14 compressed-tensors weights dequantized, then quantized as asked" in r.output
