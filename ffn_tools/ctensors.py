@@ -28,15 +28,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .errors import CheckpointError
+from . import nvfp4
 from .io.store import Checkpoint, TensorInfo
 
 if TYPE_CHECKING:
     import torch
 
 METHOD = "compressed-tensors"
-PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")  # X.<part>
+PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_global_scale",
+         "input_global_scale")  # X.<part>
+MODELOPT_PARTS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+PER_TENSOR = ("weight_global_scale", "weight_scale_2", "input_global_scale", "input_scale")  # one number each
 PACKED = "pack-quantized"
-FORMATS = (PACKED,)  # the formats read here (float-quantized FP8 is ``scales.Dequantized``'s)
+FLOAT8 = "float-quantized"  # FP8 weights with their scales, dequantized by ``scales.dequantize``
+FORMATS = (PACKED, nvfp4.CT_FORMAT, FLOAT8)
 
 
 @dataclass(frozen=True)
@@ -51,8 +56,21 @@ class Scheme:
     group: str  # the config group's name
 
     @property
+    def nvfp4(self) -> bool:
+        return self.format in (nvfp4.CT_FORMAT, nvfp4.MODELOPT)
+
+    @property
+    def float8(self) -> bool:
+        return self.format == FLOAT8
+
+    @property
     def name(self) -> str:
         """``int4 group 32 asymmetric`` ..., as inspect and reports name it."""
+        if self.nvfp4:
+            scale = "weight_scale_2" if self.format == nvfp4.MODELOPT else "weight_global_scale"
+            return f"nvfp4 group 16 with a {scale} ({self.format})"
+        if self.float8:
+            return f"fp8 {f'group {self.group_size}' if self.strategy == 'group' else 'per ' + self.strategy} ({self.format})"
         how = f"group {self.group_size}" if self.strategy == "group" else f"per {self.strategy}"
         return f"int{self.bits} {how} {'symmetric' if self.symmetric else 'asymmetric'} ({self.format})"
 
@@ -79,6 +97,17 @@ class Module:
     @property
     def base(self) -> str:
         return self.weight[: -len(".weight")]
+
+    @property
+    def packed(self) -> str:
+        """The stored part holding the codes (ModelOpt keeps them under ``X.weight``)."""
+        return self.parts.get("weight_packed") or self.parts["weight"]
+
+    @property
+    def per_tensor(self) -> str | None:
+        """The suffix of the weight's one per-tensor number (NVFP4), else None."""
+        return ("weight_scale_2" if self.scheme.format == nvfp4.MODELOPT else "weight_global_scale") \
+            if self.scheme.nvfp4 else None
 
 
 def quant_config(ckpt) -> dict | None:
@@ -108,7 +137,12 @@ def scheme_for(config: dict, base: str) -> Scheme | None:
             continue
         w = group.get("weights") or {}
         fmt = group.get("format") or config.get("format")
-        if w.get("type", "int") != "int" or fmt not in FORMATS:
+        if fmt == nvfp4.CT_FORMAT and w.get("type") == "float" and w.get("num_bits") == 4 \
+                and w.get("strategy") == "tensor_group" and w.get("group_size") == nvfp4.GROUP:
+            return Scheme(fmt, 4, "tensor_group", nvfp4.GROUP, True, gname)
+        if fmt == FLOAT8 and w.get("type") == "float" and w.get("num_bits") == 8 and w.get("symmetric", True):
+            return Scheme(fmt, 8, w.get("strategy") or "tensor", w.get("group_size"), True, gname)
+        if w.get("type", "int") != "int" or fmt != PACKED:
             raise CheckpointError(f"{base}: compressed-tensors group {gname!r} is {fmt} {w.get('type')} "
                                   f"{w.get('num_bits')}-bit; this reader knows {', '.join(FORMATS)} int weights")
         strategy = w.get("strategy") or "tensor"
@@ -131,7 +165,7 @@ def modules(ckpt) -> dict[str, Module]:
     """
     bases = sorted(n[: -len(".weight_packed")] for n in ckpt if n.endswith(".weight_packed"))
     if not bases:
-        return {}
+        return _modelopt(ckpt) or _float8(ckpt)
     config = quant_config(ckpt)
     if config is None:
         raise CheckpointError(f"{ckpt.path}: {len(bases)} compressed-tensors packed weights ({bases[0]}.weight_packed, "
@@ -148,15 +182,74 @@ def modules(ckpt) -> dict[str, Module]:
             problems.append(f"{base}: stored packed, but the quantization_config ignores it or names it in no group")
             continue
         parts = {p: f"{base}.{p}" for p in PARTS if f"{base}.{p}" in ckpt}
-        problem = _check(ckpt, base, scheme, parts)
+        shape: tuple[int, ...]
+        if scheme.nvfp4:
+            problem, shape = nvfp4.check(ckpt, base, parts, "weight_packed", "weight_global_scale")
+        else:
+            problem = _check(ckpt, base, scheme, parts)
+            shape = tuple(int(v) for v in ckpt[parts["weight_shape"]].tolist()) if not problem else (0, 0)
         if problem:
             problems.append(problem)
             continue
-        shape = tuple(int(v) for v in ckpt[parts["weight_shape"]].tolist())
         out[f"{base}.weight"] = Module(f"{base}.weight", scheme, parts, (shape[0], shape[1]))
     if problems:
         raise CheckpointError(f"{ckpt.path}: compressed-tensors tensors that do not fit their config: "
                               + "; ".join(problems[:6]) + (f"; ... ({len(problems) - 6} more)" if len(problems) > 6 else ""))
+    return out
+
+
+def _modelopt(ckpt) -> dict[str, Module]:
+    """ModelOpt NVFP4 modules (``nvfp4``), all problems at once."""
+    bases = nvfp4.modelopt_bases(ckpt)
+    if not bases:
+        return {}
+    settings = nvfp4.modelopt_config(ckpt)
+    if settings is None or settings.get("quant_algo") != "NVFP4":
+        raise CheckpointError(f"{ckpt.path}: {len(bases)} uint8 weights with weight_scale_2 ({bases[0]}.weight, ...), "
+                              "ModelOpt NVFP4's layout, but no ModelOpt quantization_config or hf_quant_config.json "
+                              f"says NVFP4 (it says {settings.get('quant_algo') if settings else 'nothing'})")
+    scheme = Scheme(nvfp4.MODELOPT, 4, "tensor_group", nvfp4.GROUP, True, "NVFP4")
+    out, problems = {}, []
+    for base in bases:
+        parts = {p: f"{base}.{p}" for p in MODELOPT_PARTS if f"{base}.{p}" in ckpt}
+        problem, shape = nvfp4.check(ckpt, base, parts, "weight", "weight_scale_2")
+        if problem is None and nvfp4.excluded(settings, base):
+            problem = f"{base}: stored NVFP4, but exclude_modules names it"
+        if problem:
+            problems.append(problem)
+        else:
+            out[f"{base}.weight"] = Module(f"{base}.weight", scheme, parts, shape)
+    if problems:
+        raise CheckpointError(f"{ckpt.path}: ModelOpt NVFP4 tensors that do not fit: " + "; ".join(problems[:6]))
+    return out
+
+
+def _float8(ckpt) -> dict[str, Module]:
+    """compressed-tensors ``float-quantized`` modules: FP8 ``X.weight`` beside ``X.weight_scale``, where the config
+    says compressed-tensors (other FP8 checkpoints are ``scales.Dequantized``'s)."""
+    config = quant_config(ckpt)
+    if config is None:
+        return {}
+    out, problems = {}, []
+    for name in ckpt:
+        info = ckpt.info(name)
+        if not (name.endswith(".weight") and info.st_dtype in ("F8_E4M3", "F8_E5M2") and name + "_scale" in ckpt):
+            continue
+        base = name[: -len(".weight")]
+        try:
+            scheme = scheme_for(config, base)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        if scheme is None or not scheme.float8 or len(info.shape) != 2:
+            problems.append(f"{base}: stored FP8 with a weight_scale, but the quantization_config reads it as "
+                            f"{scheme.name if scheme else 'unquantized'}")
+            continue
+        out[name] = Module(name, scheme, {"weight": name, "weight_scale": name + "_scale"},
+                           (info.shape[0], info.shape[1]))
+    if problems:
+        raise CheckpointError(f"{ckpt.path}: compressed-tensors FP8 tensors that do not fit their config: "
+                              + "; ".join(problems[:6]))
     return out
 
 
@@ -232,6 +325,14 @@ def dequantize(m: Module, parts: dict[str, "torch.Tensor"]) -> "torch.Tensor":
     Args:
         parts: the module's stored tensors by suffix.
     """
+    if m.scheme.float8:  # today's FP8 definition (float64 products), rounded to the scale's dtype as
+        from .scales import dequantize as scaled  # compressed-tensors' x.to(scale.dtype) * scale rounds them
+
+        return scaled(parts["weight"], parts["weight_scale"]).to(parts["weight_scale"].dtype)
+    if m.scheme.nvfp4:
+        per = m.per_tensor or ""
+        return nvfp4.dequantize(nvfp4.unpack(parts["weight_packed" if "weight_packed" in parts else "weight"]),
+                                parts["weight_scale"], parts[per], m.scheme.format == nvfp4.MODELOPT)
     rows, cols = m.shape
     scale = parts["weight_scale"]
     q = unpack(parts["weight_packed"], m.scheme.bits, cols)
@@ -276,9 +377,9 @@ class CompressedView(Checkpoint):
         for name in ckpt:
             if name in hidden:
                 m = found.get(name.rsplit(".", 1)[0] + ".weight")
-                if m is not None and name == m.parts["weight_packed"]:
-                    scale = ckpt.info(m.parts["weight_scale"])
-                    infos[m.weight] = TensorInfo(m.weight, scale.st_dtype, m.shape, ckpt.info(name).file, None)
+                if m is not None and name == m.packed:
+                    dtype = "BF16" if m.scheme.nvfp4 else ckpt.info(m.parts["weight_scale"]).st_dtype
+                    infos[m.weight] = TensorInfo(m.weight, dtype, m.shape, ckpt.info(name).file, None)
             else:
                 infos[name] = ckpt.info(name)
         super().__init__(ckpt.path, ckpt.root, ckpt.files, infos, ckpt.metadata, ckpt.config)
@@ -298,8 +399,13 @@ class CompressedView(Checkpoint):
         m = self.modules.get(name)
         if m is None:
             return None
+        if m.scheme.float8:
+            from .tolerances import FP8_ROW_BITS
+
+            return {"bits": FP8_ROW_BITS, "group_size": m.scheme.group_size or m.shape[1], "mode": "fp8"}
         return {"bits": m.scheme.bits, "group_size": m.scheme.group_size or m.shape[1],
-                "mode": f"compressed-tensors {'symmetric' if m.scheme.symmetric else 'asymmetric'}"}
+                "mode": m.scheme.format if m.scheme.nvfp4 else
+                f"compressed-tensors {'symmetric' if m.scheme.symmetric else 'asymmetric'}"}
 
     @property
     def stored(self):
@@ -311,13 +417,22 @@ class CompressedView(Checkpoint):
         return f"{self.raw.label}, compressed-tensors read dequantized"
 
     def decoded(self) -> list[dict]:
+        first: dict[Scheme, Module] = {}
         counts: dict[Scheme, int] = {}
         for m in self.modules.values():
+            first.setdefault(m.scheme, m)
             counts[m.scheme] = counts.get(m.scheme, 0) + 1
-        return [{"dtype": s.name, "scales": "weight_scale", "block": [1, s.group_size or 0], "weights": n,
-                 "scheme": s.name, "group": s.group,
-                 "how": "read dequantized as compressed-tensors defines it, (q - z) * s in the scale's dtype"}
-                for s, n in sorted(counts.items(), key=lambda kv: kv[0].name)]
+        how = {PACKED: "(q - z) * s in the scale's dtype", FLOAT8: "fp8 times its scale, in the scale's dtype",
+               nvfp4.CT_FORMAT: "e2m1 * scale / global scale, to bfloat16",
+               nvfp4.MODELOPT: "e2m1 * scale * scale_2, to bfloat16"}
+        out = []
+        for s, n in sorted(counts.items(), key=lambda kv: kv[0].name):
+            m = first[s]
+            cols = s.group_size or (m.shape[1] if s.strategy != "tensor" else m.shape[1])
+            rows = m.shape[0] if s.strategy == "tensor" else 1
+            out.append({"dtype": s.name, "scales": "weight_scale", "block": [rows, cols], "weights": n, "scheme": s.name,
+                        "group": s.group, "how": f"read dequantized as {s.format} defines it: {how[s.format]}"})
+        return out
 
     def close(self) -> None:
         self.raw.close()

@@ -13,7 +13,8 @@ fused, gate's and up's must be the same number, else the fused tensor would need
 
 from __future__ import annotations
 
-from .ctensors import Module, scheme_for
+from . import nvfp4
+from .ctensors import PER_TENSOR, Module, quant_config, scheme_for
 from .errors import LayoutError
 from .layouts import GateUpLayout, fuse, split
 from .plan import Entry
@@ -38,8 +39,13 @@ def _shape_entry(name: str, rows: int, cols: int, src: str) -> Entry:
                  f"[{rows}, {cols}] (the new rows)")
 
 
-def _scheme_of(config: dict, base: str, m: Module) -> None:
-    s = scheme_for(config, base)
+def _scheme_of(ckpt, base: str, m: Module) -> None:
+    if m.scheme.format == nvfp4.MODELOPT:
+        if nvfp4.excluded(nvfp4.modelopt_config(ckpt) or {}, base):
+            raise LayoutError(f"{base}: the output module would be stored NVFP4, but ModelOpt's exclude_modules "
+                              "names it; edit exclude_modules first")
+        return
+    s = scheme_for(quant_config(ckpt) or {}, base)
     if s is None or (s.bits, s.strategy, s.group_size, s.symmetric) != \
             (m.scheme.bits, m.scheme.strategy, m.scheme.group_size, m.scheme.symmetric):
         raise LayoutError(f"{base}: the output module's parts would be stored {m.scheme.name}, but the "
@@ -47,7 +53,7 @@ def _scheme_of(config: dict, base: str, m: Module) -> None:
                           "targets and ignore name modules); add a target for it first")
 
 
-def split_entries(config: dict, m: Module, layout: GateUpLayout, new: dict[str, str], ckpt) -> dict[str, list[Entry]]:
+def split_entries(m: Module, layout: GateUpLayout, new: dict[str, str], ckpt) -> dict[str, list[Entry]]:
     """Input part name -> entries writing gate's and up's parts (``new``: role -> output ``X.weight``).
 
     Raises:
@@ -56,7 +62,7 @@ def split_entries(config: dict, m: Module, layout: GateUpLayout, new: dict[str, 
     rows, cols = m.shape
     layout.segments(rows)  # odd rows, a --tp not dividing: LayoutError
     for role in ("gate", "up"):
-        _scheme_of(config, new[role][: -len(".weight")], m)
+        _scheme_of(ckpt, new[role][: -len(".weight")], m)
     if "weight_zero_point" in m.parts:
         _zero_point_check(m, rows, layout, "split")
     out: dict[str, list[Entry]] = {}
@@ -66,9 +72,10 @@ def split_entries(config: dict, m: Module, layout: GateUpLayout, new: dict[str, 
             name = new[role][: -len("weight")] + suffix
             if suffix == "weight_shape":
                 out[src].append(_shape_entry(name, rows // 2, cols, src))
-            elif suffix == "weight_scale" and m.scheme.strategy == "tensor":
-                out[src].append(Entry(name, ckpt.info(src).st_dtype, (1,), (src,), lambda ts: ts[0].clone(), None,
-                                      f"{src} (one scale: each half keeps it)"))
+            elif suffix in PER_TENSOR or (suffix == "weight_scale" and m.scheme.strategy == "tensor"):
+                info = ckpt.info(src)
+                out[src].append(Entry(name, info.st_dtype, info.shape, (src,), lambda ts: ts[0].clone(), None,
+                                      f"{src} (one number: each half keeps it)"))
             else:
                 out[src].append(_rows_entry(name, src, k, layout))
         out[src] = finish(out[src], ckpt)
@@ -96,7 +103,7 @@ def finish(entries: list[Entry], ckpt) -> list[Entry]:
     return out
 
 
-def fuse_entries(config: dict, g: Module, u: Module, layout: GateUpLayout, name: str, ckpt) -> list[Entry]:
+def fuse_entries(g: Module, u: Module, layout: GateUpLayout, name: str, ckpt) -> list[Entry]:
     """Entries writing the fused module ``name`` (``X.weight``) from gate's and up's parts.
 
     Raises:
@@ -109,7 +116,7 @@ def fuse_entries(config: dict, g: Module, u: Module, layout: GateUpLayout, name:
         raise LayoutError(f"cannot fuse {g.weight} ({g.scheme.name}, {list(g.shape)}) with {u.weight} "
                           f"({u.scheme.name}, {list(u.shape)}): gate and up need one scheme and shape")
     rows, cols = g.shape
-    _scheme_of(config, name[: -len(".weight")], g)
+    _scheme_of(ckpt, name[: -len(".weight")], g)
     layout.segments(2 * rows)
     if "weight_zero_point" in g.parts:
         _zero_point_check(g, 2 * rows, layout, "fuse")
@@ -119,13 +126,16 @@ def fuse_entries(config: dict, g: Module, u: Module, layout: GateUpLayout, name:
         a, b = g.parts[suffix], u.parts[suffix]
         if suffix == "weight_shape":
             out.append(_shape_entry(base + suffix, 2 * rows, cols, a))
-        elif suffix == "weight_scale" and g.scheme.strategy == "tensor":
+        elif suffix in PER_TENSOR or (suffix == "weight_scale" and g.scheme.strategy == "tensor"):
             sa, sb = ckpt[a], ckpt[b]
             if sa.dtype != sb.dtype or not torch.equal(sa.reshape(-1).view(torch.uint8), sb.reshape(-1).view(torch.uint8)):
-                raise LayoutError(f"{a} = {sa.item()} and {b} = {sb.item()}: per-tensor scales that differ; the "
-                                  "fused tensor would need one scale for two, so no exact fuse exists")
-            out.append(Entry(base + suffix, ckpt.info(a).st_dtype, (1,), (a,), lambda ts: ts[0].clone(), None,
-                             f"{a} (gate's and up's, equal)"))
+                what = "global scales" if suffix in PER_TENSOR else "per-tensor scales"
+                raise LayoutError(f"{a} = {sa.item()} and {b} = {sb.item()}: {what} that differ (ratio "
+                                  f"{sb.item() / sa.item():.6g}); the fused tensor would need one {what[:-1]} for two, "
+                                  "and taking either (or their max) changes the other half's values, so no exact fuse "
+                                  "exists (re-quantizing one half is not done here)")
+            out.append(Entry(base + suffix, ckpt.info(a).st_dtype, ckpt.info(a).shape, (a,), lambda ts: ts[0].clone(),
+                             None, f"{a} (gate's and up's, equal)"))
         else:
             out.append(Entry(base + suffix, None, (), (a, b), lambda ts: fuse(ts[0], ts[1], layout, name=name), None,
                              f"fuse({a} + {b}; {layout.describe()})"))

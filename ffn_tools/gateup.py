@@ -145,14 +145,13 @@ def plan_split(ckpt, ffns: FFNSet, packed: dict | None = None) -> Plan:
 def _packed_split(ckpt, f: FFN, new: dict[str, str], replaced, packed: dict) -> bool:
     """A fused compressed-tensors gate_up split part by part, down's parts renamed; False: not one."""
     from . import ctrows
-    from .ctensors import quant_config
 
     m = packed.get(f.names["gate_up"])
     if m is None:
         return False
     if f.index is not None or "gate_up_bias" in f.names:
         raise LayoutError(f"{f.names['gate_up']}: compressed-tensors experts stacked or with biases are not split here")
-    for src, entries in ctrows.split_entries(quant_config(ckpt) or {}, m, f.layout, new, ckpt).items():
+    for src, entries in ctrows.split_entries(m, f.layout, new, ckpt).items():
         replaced[src] += entries
     _packed_rename(ckpt, packed, f.names["down"], new["down"], replaced)
     return True
@@ -169,7 +168,6 @@ def _packed_rename(ckpt, packed: dict, src: str, dst: str, replaced) -> None:
 def _packed_fuse(ckpt, f: FFN, new: dict[str, str], replaced, packed: dict) -> bool:
     """Separate compressed-tensors gate and up fused part by part, down's parts renamed; False: neither is one."""
     from . import ctrows
-    from .ctensors import quant_config
 
     g, u = packed.get(f.names["gate"]), packed.get(f.names["up"])
     if g is None and u is None:
@@ -178,8 +176,8 @@ def _packed_fuse(ckpt, f: FFN, new: dict[str, str], replaced, packed: dict) -> b
         raise LayoutError(f"{f.ref}: {f.names['gate' if g is None else 'up']} is stored unquantized and "
                           f"{f.names['up' if g is None else 'gate']} compressed (or they have biases): they cannot "
                           "be fused as stored")
-    entries = ctrows.fuse_entries(quant_config(ckpt) or {}, g, u, f.layout, new["gate_up"], ckpt)
-    replaced[g.parts["weight_packed"]] += entries
+    entries = ctrows.fuse_entries(g, u, f.layout, new["gate_up"], ckpt)
+    replaced[g.packed] += entries
     for name in (*g.parts.values(), *u.parts.values()):
         replaced[name] += []
     _packed_rename(ckpt, packed, f.names["down"], new["down"], replaced)
@@ -419,7 +417,8 @@ def _run(command: str, plan_fn, source, out, *, scheme, layout, dry_run, force, 
         path = Path(ckpt.path)
         check_rewritable(ckpt, command)
         ckpt = ckpt.stored if ckpt.resolves_quantization and isinstance(ckpt, CompressedView) else ckpt
-        packed = ctensors.modules(ckpt)  # compressed-tensors: FFNs found as read, parts moved as stored
+        packed = {n: m for n, m in ctensors.modules(ckpt).items()  # compressed-tensors: FFNs found as read,
+                  if not m.scheme.float8}  # parts moved as stored (FP8 weights and scales: as scales.py moves them)
         seen = CompressedView(ckpt, packed) if packed else ckpt
         plan = plan_fn(ckpt, find_ffns(seen, scheme, layout), **kw, **({"packed": packed} if packed else {}))
         out = Path(out) if out else default_output(path, "split" if command == "split-gateup" else "fused")

@@ -255,7 +255,8 @@ def test_fuse_refuses_different_tensor_scales(tmp_path):
     k = next(k for k, (g, u) in enumerate(scales) if g != u)  # gate and up of a layer with different ranges
     r = run_cli("fuse-gateup", path, "-o", tmp_path / "out", ok=False)
     assert (f"model.layers.{k}.mlp.gate_proj.weight_scale = {scales[k][0]} and model.layers.{k}.mlp.up_proj.weight_scale = "
-            f"{scales[k][1]}: per-tensor scales that differ; the fused tensor would need one scale for two") in r.output
+            f"{scales[k][1]}: per-tensor scales that differ (ratio {scales[k][1] / scales[k][0]:.6g}); the fused tensor "
+            "would need one per-tensor scale for two") in r.output
 
 
 def test_fuse_refuses_names_the_config_does_not_quantize(ct, tmp_path):
@@ -358,3 +359,126 @@ def test_to_mlx_per_channel_dequantizes_and_says_so(ct, tmp_path):
     assert type(model.model.layers[0].mlp.gate_proj).__name__ == "Linear"
     r = run_cli("convert", src, "--to", "mlx", "-o", tmp_path / "q", "-q")
     assert "read 14 compressed-tensors weights dequantized, then quantized as asked" in r.output
+
+
+# --- NVFP4: compressed-tensors nvfp4-pack-quantized and ModelOpt (ffn_tools/nvfp4.py) ---
+
+NVFP4_CT = "nvfp4 group 16 with a weight_global_scale (nvfp4-pack-quantized)"
+
+
+@pytest.fixture(scope="module")
+def nv(tmp_path_factory):
+    """``nv(arch) -> (twin, compressed-tensors NVFP4, ModelOpt NVFP4)``, cached."""
+    cache: dict = {}
+
+    def get(arch: str = "llama"):
+        if arch not in cache:
+            path = tmp_path_factory.mktemp(f"nvfp4-{arch}")
+            twin, ct = ct_models.build(arch, path, {"g": (["Linear"], ct_models.nvfp4_args())}, fmt="nvfp4-pack-quantized")
+            cache[arch] = twin, ct, ct_models.to_modelopt(ct, path / "modelopt")
+        return cache[arch]
+
+    return get
+
+
+def test_nvfp4_reads_as_compressed_tensors_decompresses(nv):
+    _, ct, mo = nv()
+    with open_any(ct) as a, open_any(mo) as b:
+        assert sorted(a.modules) == sorted(b.modules) and len(a.modules) == 14
+        assert {m.scheme.name for m in b.modules.values()} == {"nvfp4 group 16 with a weight_scale_2 (modelopt NVFP4)"}
+        for name in a.modules:
+            base = name[: -len(".weight")]
+            oracle = ct_models.decompressed(ct, base)
+            assert torch.equal(a[name].view(torch.int16), oracle.view(torch.int16)), name
+            # ModelOpt's own definition (times scale_2) against compressed-tensors' reading of it (its converter:
+            # divided by 1 / scale_2): float32 roundings apart at most, then one bf16 rounding
+            mo_oracle = ct_models.modelopt_decompressed(mo, base)
+            assert torch.allclose(b[name].float(), mo_oracle.float(), rtol=2 ** -7, atol=0), name
+            assert torch.allclose(b[name].float(), oracle.float(), rtol=2 ** -7, atol=0), name
+
+
+def test_nvfp4_inspect_and_verify(nv, tmp_path):
+    twin, ct, mo = nv()
+    out = run_cli("inspect", ct).output
+    assert f"quantized     14 weights {NVFP4_CT}" in out
+    for path in (ct, mo):
+        r = run_cli("verify", twin, path, "--backend", "reference")
+        assert "PASS" in r.output and "4-bit" in r.output
+
+    def invert(sd):  # the global scale as the other convention stores it
+        k = "model.layers.1.mlp.up_proj.weight_global_scale"
+        sd[k] = 1 / sd[k]
+
+    bad = plant(ct, tmp_path / "inverted", invert)
+    r = run_cli("verify", twin, bad, "--backend", "reference", ok=None)
+    assert r.exit_code == 1 and "FAIL" in r.output
+    mixed = ct_models.to_modelopt(ct, tmp_path / "mixed-up", inverted=True)  # ModelOpt files, ct's convention
+    r = run_cli("verify", twin, mixed, "--backend", "reference", ok=None)
+    assert r.exit_code == 1 and "FAIL" in r.output
+
+
+def test_nvfp4_split_fuse_and_global_scale_refusal(nv, tmp_path):
+    from helpers import assert_identical, tensors
+
+    twin, ct, mo = nv("phi3")
+    for src, tag in ((ct, "ct"), (mo, "mo")):
+        split, back = tmp_path / f"{tag}-split", tmp_path / f"{tag}-back"
+        run_cli("split-gateup", src, "-o", split)
+        r = run_cli("verify", twin, split, "--backend", "reference", "--no-load-check")
+        assert "PASS" in r.output
+        run_cli("fuse-gateup", split, "-o", back)
+        assert_identical(tensors(src), tensors(back))
+    def wider_up(model):  # up's range 1.5 times gate's: their global scales differ (vllm#47515's case)
+        for layer in model.model.layers:
+            layer.mlp.up_proj.weight.mul_(1.5)
+
+    _, ct = ct_models.build("llama", tmp_path / "wide", {"g": (["Linear"], ct_models.nvfp4_args())},
+                            fmt="nvfp4-pack-quantized", prepare=wider_up)
+    mo = ct_models.to_modelopt(ct, tmp_path / "wide-mo")
+    with open_checkpoint(ct) as c:
+        g, u = (c[f"model.layers.0.mlp.{p}.weight_global_scale"].item() for p in ("gate_proj", "up_proj"))
+    assert g != u
+    r = run_cli("fuse-gateup", ct, "-o", tmp_path / "fused", ok=False)
+    assert (f"model.layers.0.mlp.gate_proj.weight_global_scale = {g} and model.layers.0.mlp.up_proj.weight_global_scale "
+            f"= {u}: global scales that differ (ratio {u / g:.6g}); the fused tensor would need one global scale for "
+            "two") in r.output
+    r = run_cli("fuse-gateup", mo, "-o", tmp_path / "fused-mo", ok=False)
+    assert "weight_scale_2" in r.output and "global scales that differ" in r.output
+
+
+def test_nvfp4_to_mlx_dequantizes_and_says_why(nv, tmp_path):
+    pytest.importorskip("mlx.core")
+    import mlx_lm
+
+    from helpers import write_tokenizer
+
+    _, ct, _ = nv()
+    src = tmp_path / "src"
+    shutil.copytree(ct, src)
+    write_tokenizer(src)
+    r = run_cli("convert", src, "--to", "mlx", "-o", tmp_path / "mlx")
+    assert f"dequantized 14 compressed-tensors weights ({NVFP4_CT}: MLX's nvfp4 QuantizedLinear has no per-tensor" \
+           in r.output
+    model, _ = mlx_lm.load(str(tmp_path / "mlx"))
+    assert type(model.model.layers[0].mlp.gate_proj).__name__ == "Linear"
+
+
+# --- FP8: compressed-tensors float-quantized, read by ffn_tools/scales.py ---
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_fp8_float_quantized(tmp_path, strategy):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    a = QuantizationArgs(num_bits=8, type="float", strategy=strategy, symmetric=True)
+    twin, path = ct_models.build("llama", tmp_path, {"g": (["Linear"], a)}, fmt="float-quantized")
+    out = run_cli("inspect", path).output
+    assert f"quantized     14 weights fp8 per {strategy} (float-quantized), one _weight_scale per" in out
+    from ffn_tools.scales import Dequantized
+
+    with Dequantized(open_checkpoint(path)) as ckpt:
+        for base in ("model.layers.0.mlp.gate_proj", "model.layers.1.self_attn.v_proj"):
+            oracle = ct_models.decompressed(path, base)  # compressed-tensors' float-quantized decompression
+            ours = ckpt[base + ".weight"].to(oracle.dtype)
+            assert torch.equal(ours.view(torch.int16), oracle.view(torch.int16)), base
+    r = run_cli("verify", twin, path, "--backend", "reference")
+    assert "PASS" in r.output

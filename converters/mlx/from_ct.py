@@ -27,6 +27,11 @@ MLX_BITS = (2, 4, 8)
 def why_not(m: Module) -> str | None:
     """Why module ``m``'s codes cannot be kept in MLX affine, or None."""
     s = m.scheme
+    if s.nvfp4:
+        return (f"{s.name}: MLX's nvfp4 QuantizedLinear has no per-tensor scale to hold it, and folding it into "
+                "the F8_E4M3 group scales would round them")
+    if s.float8:
+        return f"{s.name}: MLX's mxfp8 takes power-of-two scales per 32 values, not these"
     if s.strategy != "group" or s.group_size not in MLX_GROUPS:
         return f"{s.name}: MLX affine groups are {', '.join(map(str, MLX_GROUPS))} columns"
     if s.bits not in MLX_BITS:

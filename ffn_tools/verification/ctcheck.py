@@ -52,7 +52,8 @@ def check_ffn(res, ca, cb, x, y, wa, as_stored) -> None:
     and adds problems or notes. Nothing where B has no such module or A's FFN is quantized itself."""
     if not isinstance(cb, CompressedView) or any(ca.quant_params(n) for n in x.names.values()):
         return
-    roles = [r for r in ("gate_up", "gate", "up", "down") if y.names.get(r) in cb.modules and y.index is None]
+    roles = [r for r in ("gate_up", "gate", "up", "down") if y.names.get(r) in cb.modules and y.index is None
+             and cb.modules[y.names[r]].scheme.format == "pack-quantized"]  # int codes; NVFP4, FP8: the row
     if not roles:
         return
     outcomes = {}
