@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .errors import CheckpointError
-from . import nvfp4
+from . import gptq, nvfp4
 from .io.store import Checkpoint, TensorInfo
 
 if TYPE_CHECKING:
@@ -69,6 +69,9 @@ class Scheme:
         if self.nvfp4:
             scale = "weight_scale_2" if self.format == nvfp4.MODELOPT else "weight_global_scale"
             return f"nvfp4 group 16 with a {scale} ({self.format})"
+        if self.format in gptq.METHODS:
+            order = " desc_act (g_idx out of order)" if self.strategy == "g_idx" else ""
+            return f"{self.format} int4 group {self.group_size}{order} {'symmetric' if self.symmetric else 'with zero points'}"
         if self.float8:
             return f"fp8 {f'group {self.group_size}' if self.strategy == 'group' else 'per ' + self.strategy} ({self.format})"
         how = f"group {self.group_size}" if self.strategy == "group" else f"per {self.strategy}"
@@ -101,7 +104,7 @@ class Module:
     @property
     def packed(self) -> str:
         """The stored part holding the codes (ModelOpt keeps them under ``X.weight``)."""
-        return self.parts.get("weight_packed") or self.parts["weight"]
+        return self.parts.get("weight_packed") or self.parts.get("qweight") or self.parts["weight"]
 
     @property
     def per_tensor(self) -> str | None:
@@ -165,7 +168,7 @@ def modules(ckpt) -> dict[str, Module]:
     """
     bases = sorted(n[: -len(".weight_packed")] for n in ckpt if n.endswith(".weight_packed"))
     if not bases:
-        return _modelopt(ckpt) or _float8(ckpt)
+        return _modelopt(ckpt) or _float8(ckpt) or gptq.modules(ckpt)
     config = quant_config(ckpt)
     if config is None:
         raise CheckpointError(f"{ckpt.path}: {len(bases)} compressed-tensors packed weights ({bases[0]}.weight_packed, "
@@ -325,6 +328,8 @@ def dequantize(m: Module, parts: dict[str, "torch.Tensor"]) -> "torch.Tensor":
     Args:
         parts: the module's stored tensors by suffix.
     """
+    if m.scheme.format in gptq.METHODS:
+        return gptq.dequantize(m, parts)
     if m.scheme.float8:  # today's FP8 definition (float64 products), rounded to the scale's dtype as
         from .scales import dequantize as scaled  # compressed-tensors' x.to(scale.dtype) * scale rounds them
 
@@ -378,7 +383,7 @@ class CompressedView(Checkpoint):
             if name in hidden:
                 m = found.get(name.rsplit(".", 1)[0] + ".weight")
                 if m is not None and name == m.packed:
-                    dtype = "BF16" if m.scheme.nvfp4 else ckpt.info(m.parts["weight_scale"]).st_dtype
+                    dtype = "BF16" if m.scheme.nvfp4 else ckpt.info(m.parts.get("weight_scale") or m.parts["scales"]).st_dtype
                     infos[m.weight] = TensorInfo(m.weight, dtype, m.shape, ckpt.info(name).file, None)
             else:
                 infos[name] = ckpt.info(name)
@@ -414,7 +419,9 @@ class CompressedView(Checkpoint):
 
     @property
     def label(self) -> str:
-        return f"{self.raw.label}, compressed-tensors read dequantized"
+        family = {nvfp4.MODELOPT: "ModelOpt NVFP4", "gptq": "GPTQ", "awq": "AWQ"}
+        names = sorted({family.get(m.scheme.format, "compressed-tensors") for m in self.modules.values()})
+        return f"{self.raw.label}, {' + '.join(names)} read dequantized"
 
     def decoded(self) -> list[dict]:
         first: dict[Scheme, Module] = {}
@@ -424,7 +431,8 @@ class CompressedView(Checkpoint):
             counts[m.scheme] = counts.get(m.scheme, 0) + 1
         how = {PACKED: "(q - z) * s in the scale's dtype", FLOAT8: "fp8 times its scale, in the scale's dtype",
                nvfp4.CT_FORMAT: "e2m1 * scale / global scale, to bfloat16",
-               nvfp4.MODELOPT: "e2m1 * scale * scale_2, to bfloat16"}
+               nvfp4.MODELOPT: "e2m1 * scale * scale_2, to bfloat16", "gptq": "scales * (q - (qzeros + 1)) by g_idx",
+               "awq": "scales * (q - qzeros), GEMM packing order"}
         out = []
         for s, n in sorted(counts.items(), key=lambda kv: kv[0].name):
             m = first[s]

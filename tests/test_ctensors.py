@@ -314,7 +314,7 @@ def test_to_mlx_keeps_the_codes(ct, tmp_path, variant):
     write_tokenizer(src)
     out = tmp_path / "mlx"
     r = run_cli("convert", src, "--to", "mlx", "-o", out)
-    assert "kept the codes of 14 compressed-tensors weights" in r.output and "not re-quantized" in r.output
+    assert "kept the codes of 14 quantized weights" in r.output and "not re-quantized" in r.output
     bits = VARIANTS[variant]["bits"]
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization"] == {"group_size": 32, "bits": bits, "mode": "affine"}
@@ -351,14 +351,14 @@ def test_to_mlx_per_channel_dequantizes_and_says_so(ct, tmp_path):
     write_tokenizer(src)
     out = tmp_path / "mlx"
     r = run_cli("convert", src, "--to", "mlx", "-o", out)
-    assert ("dequantized 14 compressed-tensors weights (int8 per channel symmetric (pack-quantized): MLX affine groups "
+    assert ("dequantized 14 quantized weights (int8 per channel symmetric (pack-quantized): MLX affine groups "
             "are 32, 64, 128 columns; -q quantizes them with mx.quantize instead)") in r.output
     cfg = json.loads((out / "config.json").read_text())
     assert "quantization" not in cfg and "quantization_config" not in cfg
     model, _ = mlx_lm.load(str(out))
     assert type(model.model.layers[0].mlp.gate_proj).__name__ == "Linear"
     r = run_cli("convert", src, "--to", "mlx", "-o", tmp_path / "q", "-q")
-    assert "read 14 compressed-tensors weights dequantized, then quantized as asked" in r.output
+    assert "read 14 quantized weights dequantized, then quantized as asked" in r.output
 
 
 # --- NVFP4: compressed-tensors nvfp4-pack-quantized and ModelOpt (ffn_tools/nvfp4.py) ---
@@ -457,7 +457,7 @@ def test_nvfp4_to_mlx_dequantizes_and_says_why(nv, tmp_path):
     shutil.copytree(ct, src)
     write_tokenizer(src)
     r = run_cli("convert", src, "--to", "mlx", "-o", tmp_path / "mlx")
-    assert f"dequantized 14 compressed-tensors weights ({NVFP4_CT}: MLX's nvfp4 QuantizedLinear has no per-tensor" \
+    assert f"dequantized 14 quantized weights ({NVFP4_CT}: MLX's nvfp4 QuantizedLinear has no per-tensor" \
            in r.output
     model, _ = mlx_lm.load(str(tmp_path / "mlx"))
     assert type(model.model.layers[0].mlp.gate_proj).__name__ == "Linear"

@@ -314,7 +314,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
             block = from_ct.block(ct_kept) or block
             changes += from_ct.changes(ct_kept, refused)
         else:
-            changes.append(f"read {len(ckpt.modules)} compressed-tensors weights dequantized"
+            changes.append(f"read {len(ckpt.modules)} quantized weights dequantized"
                            + (" (-d)" if dequantize else ", then quantized as asked"))
 
     from .tensors import plan_outputs

@@ -30,6 +30,9 @@ def why_not(m: Module) -> str | None:
     if s.nvfp4:
         return (f"{s.name}: MLX's nvfp4 QuantizedLinear has no per-tensor scale to hold it, and folding it into "
                 "the F8_E4M3 group scales would round them")
+    if s.format in ("gptq", "awq"):
+        return (f"{s.name}: its groups are not runs of consecutive columns, as MLX's are" if s.strategy == "g_idx"
+                else None if s.group_size in MLX_GROUPS else f"{s.name}: MLX affine groups are 32, 64, 128 columns")
     if s.float8:
         return f"{s.name}: MLX's mxfp8 takes power-of-two scales per 32 values, not these"
     if s.strategy != "group" or s.group_size not in MLX_GROUPS:
@@ -76,6 +79,8 @@ def block(modules: dict[str, Module]) -> dict | None:
 def entries(ckpt: CompressedView, path: str, m: Module) -> list[Entry]:
     """``path``'s weight (the packed words as uint32), scales and biases, from ``m``'s stored parts."""
     raw = ckpt.raw
+    if m.scheme.format in ("gptq", "awq"):
+        return _gptq_entries(ckpt, path, m)
     packed, scale = m.parts["weight_packed"], m.parts["weight_scale"]
     pinfo, sinfo = raw.info(packed), raw.info(scale)
 
@@ -100,19 +105,44 @@ def entries(ckpt: CompressedView, path: str, m: Module) -> list[Entry]:
                   f"-{scale} * (zero point + {1 << (m.scheme.bits - 1)}) ({how})", reads=0)]
 
 
+def _gptq_entries(ckpt: CompressedView, path: str, m: Module) -> list[Entry]:
+    """GPTQ/AWQ codes laid out again as MLX's (the same codes, one row of words per output row)."""
+    from ffn_tools import gptq
+
+    rows, cols = m.shape
+    groups = cols // (m.scheme.group_size or cols)
+    sdt = ckpt.raw.info(m.parts["scales"]).st_dtype
+
+    def part(k: int):
+        def make(_ts):
+            import torch
+
+            t = gptq.mlx_affine(m, ckpt.parts(m.weight))[k]
+            if k == 0:  # int64 words below 2^32 -> their uint32 bytes
+                return RawTensor("U32", (rows, cols // 8), t.to(torch.int64).numpy().astype("<u4").tobytes())
+            return t
+        return make
+
+    how = f"{m.scheme.name} codes kept as MLX affine"
+    return [Entry(f"{path}.weight", "U32", (rows, cols // 8), (), part(0), None, f"{m.packed} re-laid out ({how})"),
+            Entry(f"{path}.scales", sdt, (rows, groups), (), part(1), None, f"{m.parts['scales']} transposed ({how})",
+                  reads=0),
+            Entry(f"{path}.biases", sdt, (rows, groups), (), part(2), None, f"-scales * zero points ({how})", reads=0)]
+
+
 def changes(modules: dict[str, Module], refused: dict[str, str]) -> list[str]:
     """What the summary says: codes kept, and the weights written dequantized with why (grouped)."""
     out = []
     if modules:
         schemes = sorted({m.scheme.name for m in modules.values()})
-        out.append(f"kept the codes of {len(modules)} compressed-tensors weights ({', '.join(schemes)}) as MLX affine "
+        out.append(f"kept the codes of {len(modules)} quantized weights ({', '.join(schemes)}) as MLX affine "
                    "quantization, not re-quantized: packed words as uint32, scales as stored, biases -s * (z + "
                    "2^(bits-1)) rounded once to the scale dtype; config.json gets the quantization block")
     whys: dict[str, list[str]] = {}
     for name, why in refused.items():
         whys.setdefault(why, []).append(name)
     for why, names in whys.items():
-        out.append(f"dequantized {len(names)} compressed-tensors weights ({why}; -q quantizes them with "
+        out.append(f"dequantized {len(names)} quantized weights ({why}; -q quantizes them with "
                    f"mx.quantize instead): {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}")
     return out
 

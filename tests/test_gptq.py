@@ -1,0 +1,129 @@
+"""GPTQ (with desc_act's g_idx) and AWQ GEMM checkpoints (``ffn_tools/gptq.py``): read dequantized exactly as
+the packed codes say (test files packed by the formats' published packing loops, ``gptq_models.py``), AWQ
+against mlx_lm's own unpacking (``mlx_lm.load`` of the AWQ checkpoint), inspect, verify, split/fuse refused,
+and MLX export keeping the codes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import gptq_models
+from helpers import plant, run_cli, write_tokenizer
+
+from ffn_tools.converters import open_any
+
+CASES = {"gptq": dict(method="gptq"), "gptq-desc-act": dict(method="gptq", desc_act=True), "awq": dict(method="awq")}
+NAMES = {"gptq": "gptq int4 group 32 with zero points",
+         "gptq-desc-act": "gptq int4 group 32 desc_act (g_idx out of order) with zero points",
+         "awq": "awq int4 group 32 with zero points"}
+
+
+@pytest.fixture(scope="module")
+def q(tmp_path_factory):
+    cache: dict = {}
+
+    def get(case: str):
+        if case not in cache:
+            path = tmp_path_factory.mktemp(case)
+            twin, out, expected = gptq_models.build(path=path, **CASES[case])
+            write_tokenizer(out)
+            cache[case] = twin, out, expected
+        return cache[case]
+
+    return get
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_reads_the_codes_as_packed(q, case):
+    _, path, expected = q(case)
+    with open_any(path) as ckpt:
+        assert {m.scheme.name for m in ckpt.modules.values()} == {NAMES[case]} and len(ckpt.modules) == 14
+        for name, ref in expected.items():
+            got = ckpt[name]
+            assert got.dtype == torch.float16
+            assert torch.equal(got, ref.to(torch.float16)), name  # computed in float32, rounded once
+    out = run_cli("inspect", path).output
+    assert f"quantized     14 weights {NAMES[case]}" in out
+
+
+def test_awq_matches_mlx_lm_unpacking(q):
+    mx = pytest.importorskip("mlx.core")
+    import mlx_lm
+    import numpy as np
+
+    from ffn_tools import gptq
+
+    _, path, _ = q("awq")
+    model, _ = mlx_lm.load(str(path))  # mlx_lm's own AWQ transform (_transform_awq_weights)
+    with open_any(path) as ckpt:
+        for name, m in ckpt.modules.items():
+            mod = model
+            for part in name[: -len(".weight")].split("."):
+                mod = mod[int(part)] if part.isdigit() else getattr(mod, part)
+            words, scales, biases = gptq.mlx_affine(m, ckpt.parts(name))
+            assert np.array_equal(np.array(mod.weight).astype(np.int64), words.numpy()), name  # the same codes
+            assert np.array_equal(np.array(mod.scales.astype(mx.float32)), scales.float().numpy()), name
+            assert np.array_equal(np.array(mod.biases.astype(mx.float32)), biases.float().numpy()), name
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_verify_passes_and_catches_a_swap(q, tmp_path, case):
+    twin, path, _ = q(case)
+    r = run_cli("verify", twin, path, "--backend", "reference")
+    assert "PASS" in r.output and "4-bit" in r.output
+
+    def swap(sd):
+        for k in [k for k in sd if ".layers.1.mlp.gate_proj." in k]:
+            other = k.replace("gate_proj", "up_proj")
+            sd[k], sd[other] = sd[other], sd[k]
+
+    bad = plant(path, tmp_path / "bad", swap)
+    r = run_cli("verify", twin, bad, "--backend", "reference", ok=None)
+    assert r.exit_code == 1 and "FAIL" in r.output
+
+
+def test_split_and_fuse_are_refused(q, tmp_path):
+    _, path, _ = q("awq")
+    r = run_cli("fuse-gateup", path, "-o", tmp_path / "out", ok=False)
+    assert ("model.layers.0.mlp.gate_proj.qweight: awq int4 group 32 with zero points stores the weight (in, out) with "
+            "8 output columns per qweight/qzeros word; split and fuse of GPTQ/AWQ modules are not done here") in r.output
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["gptq", "awq"])
+def test_to_mlx_keeps_the_codes(q, tmp_path, case):
+    mx = pytest.importorskip("mlx.core")
+    import mlx_lm
+    import numpy as np
+
+    _, path, expected = q(case)
+    out = tmp_path / "mlx"
+    r = run_cli("convert", path, "--to", "mlx", "-o", out)
+    assert f"kept the codes of 14 quantized weights ({NAMES[case]})" in r.output
+    assert json.loads((out / "config.json").read_text())["quantization"] == {"group_size": 32, "bits": 4, "mode": "affine"}
+    model, _ = mlx_lm.load(str(out))
+    for name, ref in expected.items():
+        mod = model
+        for part in name[: -len(".weight")].split("."):
+            mod = mod[int(part)] if part.isdigit() else getattr(mod, part)
+        w = torch.from_numpy(np.array(mx.dequantize(mod.weight, mod.scales, mod.biases, group_size=32, bits=4)
+                                      .astype(mx.float32)))
+        s = torch.from_numpy(np.array(mod.scales.astype(mx.float32))).repeat_interleave(32, 1)
+        b = torch.from_numpy(np.array(mod.biases.astype(mx.float32))).repeat_interleave(32, 1)
+        codes = torch.round((ref - b) / s)  # each value is s * c + b for an integer code c
+        bound = 2.0 ** -11 * (b.abs() + (s * codes).abs() + ref.abs())  # fp16: half an ulp each
+        assert bool(((w - ref).abs() <= bound).all()), name
+    r = run_cli("verify", path, out, "--backend", "reference")
+    assert "PASS" in r.output
+
+
+def test_desc_act_to_mlx_is_dequantized_by_name(q, tmp_path):
+    _, path, _ = q("gptq-desc-act")
+    r = run_cli("convert", path, "--to", "mlx", "-o", tmp_path / "mlx")
+    assert (f"dequantized 14 quantized weights ({NAMES['gptq-desc-act']}: its groups are not runs of "
+            "consecutive columns, as MLX's are; -q quantizes them with mx.quantize instead)") in r.output
+    shutil.rmtree(tmp_path / "mlx")
