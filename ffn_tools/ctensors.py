@@ -288,8 +288,17 @@ def _check(ckpt, base: str, s: Scheme, parts: dict[str, str]) -> str | None:
 def unpack(packed: "torch.Tensor", bits: int, n: int) -> "torch.Tensor":
     """The first ``n`` codes of each row of int32 ``packed``: element i at bit i * bits of the row's words
     (across word boundaries), minus 2^(bits-1), as int8 (compressed-tensors' ``unpack_from_int32``)."""
+    import sys
+
     import torch
 
+    if bits in (4, 8) and sys.byteorder == "little":  # codes never straddle a byte: read the bytes
+        b = packed.contiguous().view(torch.uint8).reshape(*packed.shape[:-1], -1)
+        c = torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(*b.shape[:-1], -1) if bits == 4 else b
+        c = c if c.shape[-1] == n else c[..., :n]
+        if bits == 4:  # 0..15 read as int8 are themselves: the offset in int8
+            return c.view(torch.int8) - 8
+        return (c.to(torch.int16) - 128).to(torch.int8)
     words = packed.to(torch.int64) & 0xFFFFFFFF  # unsigned 32-bit words
     start = torch.arange(n, dtype=torch.int64) * bits
     word, off = start // 32, start % 32

@@ -482,3 +482,28 @@ def test_fp8_float_quantized(tmp_path, strategy):
             assert torch.equal(ours.view(torch.int16), oracle.view(torch.int16)), base
     r = run_cli("verify", twin, path, "--backend", "reference")
     assert "PASS" in r.output
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_group_128(tmp_path, symmetric):
+    """The common llm-compressor recipe (W4A16, group 128), with and without zero points, on a model wide
+    enough for it: read as compressed-tensors decompresses, verified, and kept as MLX affine group 128."""
+    pytest.importorskip("mlx.core")
+    import mlx_lm
+
+    from helpers import write_tokenizer
+
+    groups = {"g": (["Linear"], ct_models.args(4, group_size=128, symmetric=symmetric))}
+    twin, path = ct_models.build("llama", tmp_path, groups, hidden_size=128, intermediate_size=256)
+    write_tokenizer(path)
+    with open_any(path) as ckpt:
+        assert {m.scheme.name for m in ckpt.modules.values()} == \
+            {f"int4 group 128 {'symmetric' if symmetric else 'asymmetric'} (pack-quantized)"}
+        for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.gate_proj.weight"):
+            assert torch.equal(ckpt[name].view(torch.int16),
+                               ct_models.decompressed(path, name[: -len(".weight")]).view(torch.int16))
+    r = run_cli("verify", twin, path, "--backend", "reference", "--json")
+    assert [f["exact"] for f in json.loads(r.output)["ffns"]] == ["identical", "identical"]
+    run_cli("convert", path, "--to", "mlx", "-o", tmp_path / "mlx")
+    model, _ = mlx_lm.load(str(tmp_path / "mlx"))
+    assert model.model.layers[0].mlp.down_proj.group_size == 128
