@@ -507,3 +507,15 @@ def test_int4_group_128(tmp_path, symmetric):
     run_cli("convert", path, "--to", "mlx", "-o", tmp_path / "mlx")
     model, _ = mlx_lm.load(str(tmp_path / "mlx"))
     assert model.model.layers[0].mlp.down_proj.group_size == 128
+
+
+def test_extract_says_it_dequantized(ct, tmp_path):
+    twin, path = ct("int4-g32-asym")
+    out = tmp_path / "ffns.safetensors"
+    r = run_cli("extract", path, "-o", out)
+    assert "6 quantized weights written dequantized, as read (4-bit compressed-tensors asymmetric, group 32)" in r.output
+    with open_checkpoint(out) as ex, open_any(path) as src:
+        assert torch.equal(ex["layers.0.gate.weight"].view(torch.int16),
+                           src["model.layers.0.mlp.gate_proj.weight"].view(torch.int16))
+    r = run_cli("verify", twin, out, "--backend", "reference")
+    assert "4-bit" in r.output and "PASS" in r.output
