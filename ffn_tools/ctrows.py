@@ -32,13 +32,6 @@ def _zero_point_check(m: Module, fused_rows: int, layout: GateUpLayout, verb: st
             "zero points exists")
 
 
-def _refuse_transposed(m: Module) -> None:
-    if m.scheme.format in ("gptq", "awq"):
-        raise LayoutError(f"{m.packed}: {m.scheme.name} stores the weight (in, out) with 8 output columns per "
-                          "qweight/qzeros word; split and fuse of GPTQ/AWQ modules are not done here: `ffn-tools convert "
-                          "PATH --to torch -o DIR` dequantizes them, then split that")
-
-
 def _shape_entry(name: str, rows: int, cols: int, src: str) -> Entry:
     import torch
 
@@ -66,7 +59,10 @@ def split_entries(m: Module, layout: GateUpLayout, new: dict[str, str], ckpt) ->
     Raises:
         LayoutError: zero point words straddling the boundary, or output names the config does not quantize.
     """
-    _refuse_transposed(m)
+    if m.scheme.format in ("gptq", "awq"):  # stored (in, out): columns move (gptq_rows)
+        from . import gptq_rows
+
+        return gptq_rows.split_entries(m, layout, new, ckpt)
     rows, cols = m.shape
     layout.segments(rows)  # odd rows, a --tp not dividing: LayoutError
     for role in ("gate", "up"):
@@ -120,10 +116,13 @@ def fuse_entries(g: Module, u: Module, layout: GateUpLayout, name: str, ckpt) ->
     """
     import torch
 
-    _refuse_transposed(g)
     if g.scheme.name != u.scheme.name or g.shape != u.shape or set(g.parts) != set(u.parts):
         raise LayoutError(f"cannot fuse {g.weight} ({g.scheme.name}, {list(g.shape)}) with {u.weight} "
                           f"({u.scheme.name}, {list(u.shape)}): gate and up need one scheme and shape")
+    if g.scheme.format in ("gptq", "awq"):
+        from . import gptq_rows
+
+        return gptq_rows.fuse_entries(g, u, layout, name, ckpt)
     rows, cols = g.shape
     _scheme_of(ckpt, name[: -len(".weight")], g)
     layout.segments(2 * rows)

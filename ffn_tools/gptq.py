@@ -15,7 +15,7 @@ packing code (AutoGPTQ ``QuantLinear.pack``, AutoAWQ ``WQLinear_GEMM.from_linear
 against ``mlx_lm.load`` of AWQ checkpoints.) The config is ``quantization_config`` with ``quant_method``
 ``gptq`` or ``awq`` (``bits``, ``group_size``; AWQ ``version`` must be ``gemm``). Values are computed in
 float32 and rounded once to the scales' dtype (what an fp16 kernel returns up to its own rounding).
-split and fuse refuse these modules (their words run along the output columns: not done here).
+split and fuse move their parts along the output columns (``gptq_rows``).
 """
 
 from __future__ import annotations

@@ -86,12 +86,38 @@ def test_verify_passes_and_catches_a_swap(q, tmp_path, case):
     assert r.exit_code == 1 and "FAIL" in r.output
 
 
-def test_split_and_fuse_are_refused(q, tmp_path):
-    _, path, _ = q("awq")
-    r = run_cli("fuse-gateup", path, "-o", tmp_path / "out", ok=False)
-    assert ("model.layers.0.mlp.gate_proj.qweight: awq int4 group 32 with zero points stores the weight (in, out) with "
-            "8 output columns per qweight/qzeros word; split and fuse of GPTQ/AWQ modules are not done here") in r.output
+@pytest.mark.parametrize("method,desc_act", [("gptq", True), ("awq", False)])
+def test_split_and_fuse_move_the_columns(tmp_path, method, desc_act):
+    from helpers import assert_identical, tensors
+
+    twin, path, expected = gptq_models.build(method, tmp_path, arch="phi3", desc_act=desc_act)
+    split, back = tmp_path / "split", tmp_path / "back"
+    run_cli("split-gateup", path, "-o", split)
+    with open_any(split) as ckpt:
+        for k, role in enumerate(("gate_proj", "up_proj")):
+            name = f"model.layers.1.mlp.{role}.weight"
+            ref = expected["model.layers.1.mlp.gate_up_proj.weight"].chunk(2)[k]
+            assert torch.equal(ckpt[name], ref.to(torch.float16)), name  # the half's own codes, scales, zeros
+    r = run_cli("verify", twin, split, "--backend", "reference", "--no-load-check")
+    assert "PASS" in r.output
+    run_cli("fuse-gateup", split, "-o", back)
+    assert_identical(tensors(path), tensors(back))  # qweight, qzeros, scales, g_idx: bit for bit
+
+
+def test_split_refuses_words_straddling(tmp_path):
+    _, path, _ = gptq_models.build("awq", tmp_path, arch="phi3", group_size=4, intermediate_size=100)
+    r = run_cli("split-gateup", path, "-o", tmp_path / "out", ok=False)
+    assert ("awq int4 group 4 with zero points packs 8 output columns per int32 word, and the concat, gate-up gate/up "
+            "boundaries of 200 output rows (100 each, 12.5 words) do not fall on word boundaries: no exact split of the "
+            "words exists") in r.output
     assert not (tmp_path / "out").exists()
+
+
+def test_fuse_refuses_different_g_idx(q, tmp_path):
+    _, path, _ = q("gptq-desc-act")  # each module its own random act order here
+    r = run_cli("fuse-gateup", path, "-o", tmp_path / "out", ok=False)
+    assert "model.layers.0.mlp.gate_proj.g_idx and model.layers.0.mlp.up_proj.g_idx differ in" in r.output
+    assert "one fused tensor has one g_idx, so no exact fuse exists" in r.output
 
 
 @pytest.mark.parametrize("case", ["gptq", "awq"])
