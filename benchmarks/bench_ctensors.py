@@ -33,7 +33,7 @@ def main() -> None:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    from ffn_tools import ctensors
+    from ffn_tools import ctdecode, ctensors
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="small shapes (a smoke run)")
@@ -54,10 +54,10 @@ def main() -> None:
             packed = PackedQuantizationCompressor.compress(sd, scheme)
             m = ctensors.Module("x.weight", ctensors.Scheme("pack-quantized", bits, "group", 128, sym, "g"),
                                 {p: p for p in packed}, (rows_, cols))
-            ours = ctensors.dequantize(m, packed)
+            ours = ctdecode.dequantize(m, packed)
             theirs = PackedQuantizationCompressor.decompress(packed, scheme)["weight"]
             same = torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
-            t_ours = _time(lambda: ctensors.dequantize(m, packed), a.repeat)
+            t_ours = _time(lambda: ctdecode.dequantize(m, packed), a.repeat)
             t_ct = _time(lambda: PackedQuantizationCompressor.decompress(packed, scheme), a.repeat)
             row = {"shape": [rows_, cols], "scheme": m.scheme.name, "ffn_tools_ms": round(t_ours, 2),
                    "compressed_tensors_ms": round(t_ct, 2), "ratio": round(t_ours / t_ct, 3), "bit_identical": same}

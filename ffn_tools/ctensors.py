@@ -17,22 +17,17 @@ and how is the config's ``quantization_config``: ``config_groups`` (each a schem
 name, ``re:`` a regex matched from the start, or a class name such as ``Linear``) and ``ignore``. The tensors
 say the rest; where they and the config disagree the checkpoint is refused, naming the module.
 
-``CompressedView`` is the checkpoint seen with those modules' ``X.weight`` dequantized and their parts gone:
-what verify, inspect and ``convert`` read. split and fuse move the stored parts themselves (``ctrows``).
+The decoders are ``ctdecode``; ``ctview.CompressedView`` is the checkpoint seen with those modules' ``X.weight``
+dequantized and their parts gone: what verify, inspect and ``convert`` read. split and fuse move the stored
+parts themselves (``ctrows``, ``gptq_rows``).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from .errors import CheckpointError
 from . import gptq, nvfp4
-from .io.store import Checkpoint, TensorInfo
-
-if TYPE_CHECKING:
-    import torch
 
 METHOD = "compressed-tensors"
 PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_global_scale",
@@ -283,183 +278,3 @@ def _check(ckpt, base: str, s: Scheme, parts: dict[str, str]) -> str | None:
     if ckpt.info(parts["weight_packed"]).st_dtype != "I32":
         return f"{parts['weight_packed']}: {ckpt.info(parts['weight_packed']).st_dtype}, expected I32"
     return None
-
-
-def unpack(packed: "torch.Tensor", bits: int, n: int) -> "torch.Tensor":
-    """The first ``n`` codes of each row of int32 ``packed``: element i at bit i * bits of the row's words
-    (across word boundaries), minus 2^(bits-1), as int8 (compressed-tensors' ``unpack_from_int32``)."""
-    import sys
-
-    import torch
-
-    if bits in (4, 8) and sys.byteorder == "little":  # codes never straddle a byte: read the bytes
-        b = packed.contiguous().view(torch.uint8).reshape(*packed.shape[:-1], -1)
-        c = torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(*b.shape[:-1], -1) if bits == 4 else b
-        c = c if c.shape[-1] == n else c[..., :n]
-        if bits == 4:  # 0..15 read as int8 are themselves: the offset in int8
-            return c.view(torch.int8) - 8
-        return (c.to(torch.int16) - 128).to(torch.int8)
-    words = packed.to(torch.int64) & 0xFFFFFFFF  # unsigned 32-bit words
-    start = torch.arange(n, dtype=torch.int64) * bits
-    word, off = start // 32, start % 32
-    low = words[..., word] >> off
-    nxt = torch.clamp(word + 1, max=packed.shape[-1] - 1)
-    high = torch.where(off + bits > 32, words[..., nxt] << (32 - off), torch.zeros_like(low))
-    codes = (low | high) & ((1 << bits) - 1)
-    return (codes - (1 << (bits - 1))).to(torch.int8)
-
-
-def pack(codes: "torch.Tensor", bits: int) -> "torch.Tensor":
-    """The inverse of ``unpack``: int8 codes (rows, n) -> int32 (rows, ceil(n * bits / 32))."""
-    import torch
-
-    n = codes.shape[-1]
-    values = (codes.to(torch.int64) + (1 << (bits - 1))) & ((1 << bits) - 1)
-    width = -(-n * bits // 32)
-    out = torch.zeros((*codes.shape[:-1], width + 1), dtype=torch.int64)
-    start = torch.arange(n, dtype=torch.int64) * bits
-    word, off = start // 32, start % 32
-    out.index_add_(-1, word, values << off)  # bits of distinct codes never overlap: the sum is their union
-    spill = off + bits > 32
-    out.index_add_(-1, word[spill] + 1, values[..., spill] >> (32 - off[spill]))
-    out = out[..., :width] & 0xFFFFFFFF
-    return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)
-
-
-def zero_points(m: Module, stored: "torch.Tensor") -> "torch.Tensor":
-    """Packed zero points (words down the rows) -> int8 (rows, groups)."""
-    return unpack(stored.T.contiguous(), m.scheme.bits, m.shape[0]).T
-
-
-def dequantize(m: Module, parts: dict[str, "torch.Tensor"]) -> "torch.Tensor":
-    """``w = (q - z) * s`` in the scale's dtype, group by group (compressed-tensors' definition).
-
-    Args:
-        parts: the module's stored tensors by suffix.
-    """
-    if m.scheme.format in gptq.METHODS:
-        return gptq.dequantize(m, parts)
-    if m.scheme.float8:  # today's FP8 definition (float64 products), rounded to the scale's dtype as
-        from .scales import dequantize as scaled  # compressed-tensors' x.to(scale.dtype) * scale rounds them
-
-        return scaled(parts["weight"], parts["weight_scale"]).to(parts["weight_scale"].dtype)
-    if m.scheme.nvfp4:
-        per = m.per_tensor or ""
-        return nvfp4.dequantize(nvfp4.unpack(parts["weight_packed" if "weight_packed" in parts else "weight"]),
-                                parts["weight_scale"], parts[per], m.scheme.format == nvfp4.MODELOPT)
-    rows, cols = m.shape
-    scale = parts["weight_scale"]
-    q = unpack(parts["weight_packed"], m.scheme.bits, cols)
-    g = scale.shape[-1] if scale.dim() == 2 else 1
-    x = q.reshape(rows, g, cols // g).to(scale.dtype)  # (rows, groups, group_size)
-    s = scale.reshape(-1, g, 1) if scale.dim() == 2 else scale.reshape(1, 1, 1)
-    if "weight_zero_point" in parts:
-        x = x - zero_points(m, parts["weight_zero_point"]).to(scale.dtype).reshape(rows, g, 1)
-    return (x * s).reshape(rows, cols)
-
-
-def quantize(m: Module, weight: "torch.Tensor", parts: dict[str, "torch.Tensor"]) -> "torch.Tensor":
-    """``weight`` quantized with the module's stored scale and zero point: ``round(clamp(w / s + z))``, in the
-    weight's dtype, as compressed-tensors' ``forward._quantize`` computes it; int8 codes (rows, cols)."""
-    import torch
-
-    rows, cols = m.shape
-    scale = parts["weight_scale"]
-    g = scale.shape[-1] if scale.dim() == 2 else 1
-    x = weight.reshape(rows, g, cols // g) / (scale.reshape(-1, g, 1) if scale.dim() == 2 else scale.reshape(1, 1, 1))
-    if "weight_zero_point" in parts:
-        x = x + zero_points(m, parts["weight_zero_point"]).to(x.dtype).reshape(rows, g, 1)
-    lo, hi = -(1 << (m.scheme.bits - 1)), (1 << (m.scheme.bits - 1)) - 1
-    return torch.round(torch.clamp(x, lo, hi)).reshape(rows, cols).to(torch.int8)
-
-
-def codes(m: Module, parts: dict[str, "torch.Tensor"]) -> "torch.Tensor":
-    """The module's stored codes, int8 (rows, cols)."""
-    return unpack(parts["weight_packed"], m.scheme.bits, m.shape[1])
-
-
-class CompressedView(Checkpoint):
-    """``ckpt`` with each pack-quantized module's ``X.weight`` read dequantized (see the module doc)."""
-
-    resolves_quantization = True
-
-    def __init__(self, ckpt, found: dict[str, Module]):
-        self.raw, self.modules = ckpt, found
-        self.format = ckpt.format
-        hidden = {p for m in found.values() for p in m.parts.values()}
-        infos = {}
-        for name in ckpt:
-            if name in hidden:
-                m = found.get(name.rsplit(".", 1)[0] + ".weight")
-                if m is not None and name == m.packed:
-                    dtype = "BF16" if m.scheme.nvfp4 else ckpt.info(m.parts.get("weight_scale") or m.parts["scales"]).st_dtype
-                    infos[m.weight] = TensorInfo(m.weight, dtype, m.shape, ckpt.info(name).file, None)
-            else:
-                infos[name] = ckpt.info(name)
-        super().__init__(ckpt.path, ckpt.root, ckpt.files, infos, ckpt.metadata, ckpt.config)
-
-    def _read(self, info: TensorInfo):
-        m = self.modules.get(info.name)
-        if m is None:
-            return self.raw[info.name]
-        return dequantize(m, {p: self.raw[n] for p, n in m.parts.items()})
-
-    def parts(self, name: str) -> dict[str, "torch.Tensor"]:
-        """Module ``name``'s stored tensors by suffix."""
-        return {p: self.raw[n] for p, n in self.modules[name].parts.items()}
-
-    def quant_params(self, name: str) -> dict | None:
-        """The module's bits and group (a channel's columns), for verify's tolerance row."""
-        m = self.modules.get(name)
-        if m is None:
-            return None
-        if m.scheme.float8:
-            from .tolerances import FP8_ROW_BITS
-
-            return {"bits": FP8_ROW_BITS, "group_size": m.scheme.group_size or m.shape[1], "mode": "fp8"}
-        return {"bits": m.scheme.bits, "group_size": m.scheme.group_size or m.shape[1],
-                "mode": m.scheme.format if m.scheme.nvfp4 else
-                f"compressed-tensors {'symmetric' if m.scheme.symmetric else 'asymmetric'}"}
-
-    @property
-    def stored(self):
-        """The checkpoint with its packed parts as stored (what compressed-tensors and vLLM load)."""
-        return self.raw.stored
-
-    @property
-    def label(self) -> str:
-        family = {nvfp4.MODELOPT: "ModelOpt NVFP4", "gptq": "GPTQ", "awq": "AWQ"}
-        names = sorted({family.get(m.scheme.format, "compressed-tensors") for m in self.modules.values()})
-        return f"{self.raw.label}, {' + '.join(names)} read dequantized"
-
-    def decoded(self) -> list[dict]:
-        first: dict[Scheme, Module] = {}
-        counts: dict[Scheme, int] = {}
-        for m in self.modules.values():
-            first.setdefault(m.scheme, m)
-            counts[m.scheme] = counts.get(m.scheme, 0) + 1
-        how = {PACKED: "(q - z) * s in the scale's dtype", FLOAT8: "fp8 times its scale, in the scale's dtype",
-               nvfp4.CT_FORMAT: "e2m1 * scale / global scale, to bfloat16",
-               nvfp4.MODELOPT: "e2m1 * scale * scale_2, to bfloat16", "gptq": "scales * (q - (qzeros + 1)) by g_idx",
-               "awq": "scales * (q - qzeros), GEMM packing order"}
-        out = []
-        for s, n in sorted(counts.items(), key=lambda kv: kv[0].name):
-            m = first[s]
-            cols = s.group_size or (m.shape[1] if s.strategy != "tensor" else m.shape[1])
-            rows = m.shape[0] if s.strategy == "tensor" else 1
-            out.append({"dtype": s.name, "scales": "weight_scale", "block": [rows, cols], "weights": n, "scheme": s.name,
-                        "group": s.group, "how": f"read dequantized as {s.format} defines it: {how[s.format]}"})
-        return out
-
-    def close(self) -> None:
-        self.raw.close()
-
-
-def view(ckpt) -> Checkpoint:
-    """``ckpt`` seen dequantized where compressed-tensors packed it, else ``ckpt`` itself.
-
-    Raises:
-        CheckpointError: see ``modules``.
-    """
-    found = modules(ckpt)
-    return CompressedView(ckpt, found) if found else ckpt

@@ -21,7 +21,7 @@ from .loadable import form_change_warning
 from .io.output import check_output
 from .plan import Entry, Plan, check_shardable, copy_entry, execute
 from . import ctensors, mxfp4, scales
-from .ctensors import CompressedView
+from .ctview import CompressedView
 from .registry import Form, Scheme, bias_name
 from .sizes import human
 from .io.store import Checkpoint, open_checkpoint

@@ -90,7 +90,7 @@ def check(ckpt) -> LoadCheck:
     if ckpt.format is Format.NATIVE:
         return LoadCheck("native", skipped="Meta's and Mistral's own code loads native checkpoints, not a client "
                                            "here; `ffn-tools convert --to torch` makes one transformers loads")
-    from .ctensors import CompressedView, view
+    from .ctview import CompressedView, view
 
     if not isinstance(ckpt, CompressedView) and isinstance(seen := view(ckpt), CompressedView):
         res = check_transformers(seen)  # compressed-tensors modules as its decompression gives them (X.weight)

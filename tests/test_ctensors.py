@@ -15,7 +15,7 @@ pytest.importorskip("compressed_tensors")
 import ct_models  # noqa: E402
 from helpers import plant, run_cli  # noqa: E402
 
-from ffn_tools import ctensors  # noqa: E402
+from ffn_tools import ctdecode, ctview  # noqa: E402
 from ffn_tools.converters import open_any  # noqa: E402
 from ffn_tools.errors import CheckpointError  # noqa: E402
 from ffn_tools.io.store import open_checkpoint  # noqa: E402
@@ -49,7 +49,7 @@ def ct(tmp_path_factory):
 def test_reads_as_compressed_tensors_decompresses(ct, variant):
     _, path = ct(variant)
     with open_any(path) as ckpt:
-        assert isinstance(ckpt, ctensors.CompressedView)
+        assert isinstance(ckpt, ctview.CompressedView)
         assert "model.layers.0.mlp.gate_proj.weight" in ckpt and "model.layers.0.mlp.gate_proj.weight_packed" not in ckpt
         assert len(ckpt.modules) == 14  # 7 Linear modules per layer; lm_head ignored
         for name in ckpt.modules:
@@ -64,8 +64,8 @@ def test_pack_matches_compressed_tensors(bits):
 
     codes = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (5, 37), dtype=torch.int8)
     packed = pack_to_int32(codes, bits)
-    assert torch.equal(ctensors.pack(codes, bits), packed)
-    assert torch.equal(ctensors.unpack(packed, bits, 37), unpack_from_int32(packed, bits, torch.Size([5, 37])))
+    assert torch.equal(ctdecode.pack(codes, bits), packed)
+    assert torch.equal(ctdecode.unpack(packed, bits, 37), unpack_from_int32(packed, bits, torch.Size([5, 37])))
 
 
 def test_inspect_names_the_scheme(ct):
@@ -331,7 +331,7 @@ def test_to_mlx_keeps_the_codes(ct, tmp_path, variant):
             ref = ct_models.decompressed(src, name[: -len(".weight")]).float()
             # one rounding of the bias to bf16, and MLX's of s*c and of the sum: half an ulp each
             s = parts["weight_scale"].float().repeat_interleave(32, 1)
-            c = ctensors.codes(m, parts).float() + (1 << (bits - 1))
+            c = ctdecode.codes(m, parts).float() + (1 << (bits - 1))
             bias = torch.from_numpy(np.array(q.biases.astype(mx.float32))).repeat_interleave(32, 1)
             bound = 2.0 ** -8 * (bias.abs() + (s * c).abs() + ref.abs())
             assert bool(((w - ref).abs() <= bound).all()), name
@@ -519,3 +519,10 @@ def test_extract_says_it_dequantized(ct, tmp_path):
                            src["model.layers.0.mlp.gate_proj.weight"].view(torch.int16))
     r = run_cli("verify", twin, out, "--backend", "reference")
     assert "4-bit" in r.output and "PASS" in r.output
+
+
+def test_to_flax_says_it_dequantized(ct, tmp_path):
+    pytest.importorskip("flax")
+    _, path = ct("int4-g32-sym")
+    r = run_cli("convert", path, "--to", "flax", "-o", tmp_path / "flax")
+    assert "dequantized 14 quantized weights, as read (safetensors, compressed-tensors read dequantized)" in r.output

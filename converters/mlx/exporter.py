@@ -25,7 +25,7 @@ from typing import NoReturn, TypedDict
 from ffn_tools.io.dtypes import DTYPE_CHOICES, USER_DTYPES, short_name
 from ffn_tools.errors import FFNToolsError, listing
 from ffn_tools.plan import Entry, Plan, copy_entry, execute
-from ffn_tools.ctensors import CompressedView
+from ffn_tools.ctview import CompressedView
 from ffn_tools.io.store import Checkpoint, Format
 from ffn_tools.io.writer import OutTensor, plan_shards
 

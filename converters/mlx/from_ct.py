@@ -16,7 +16,9 @@ and says so (``-q`` quantizes them with mx.quantize instead, as asked).
 
 from __future__ import annotations
 
-from ffn_tools.ctensors import CompressedView, Module, zero_points
+from ffn_tools.ctdecode import zero_points
+from ffn_tools.ctensors import Module
+from ffn_tools.ctview import CompressedView
 from ffn_tools.io.raw import RawTensor
 from ffn_tools.plan import Entry
 

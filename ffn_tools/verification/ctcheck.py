@@ -2,7 +2,7 @@
 
 compressed-tensors' round-to-nearest (``forward._quantize``: ``round(clamp(w / s + z))``) is deterministic, so
 where A is the unquantized source of B, A's weight quantized with the scale and zero point B stores gives
-B's codes, every one (``ctensors.quantize``; measured on tiny Llama and Qwen2-MoE twins: 0 of all codes
+B's codes, every one (``ctdecode.quantize``; measured on tiny Llama and Qwen2-MoE twins: 0 of all codes
 differ). That binds B's scales and zero points to A's values, which the output tolerance cannot: a scale row
 shifted by one (cosine 0.955 on a tiny model, inside the 4-bit row's 0.95) moves codes by 2 or more steps in
 most of the row's groups.
@@ -15,7 +15,8 @@ fails, naming the tensor, the counts and the worst row.
 
 from __future__ import annotations
 
-from ..ctensors import CompressedView, codes, quantize
+from ..ctdecode import codes, quantize
+from ..ctview import CompressedView
 
 
 def check_codes(role: str, a, view: CompressedView, name: str) -> tuple[str, str | None]:
