@@ -526,3 +526,14 @@ def test_to_flax_says_it_dequantized(ct, tmp_path):
     _, path = ct("int4-g32-sym")
     r = run_cli("convert", path, "--to", "flax", "-o", tmp_path / "flax")
     assert "dequantized 14 quantized weights, as read (safetensors, compressed-tensors read dequantized)" in r.output
+
+
+def test_verify_the_other_way_round(ct, tmp_path):
+    """A quantized, B its unquantized twin: the same code check, the sides named as they are."""
+    twin, path = ct("int4-g32-asym")
+    r = run_cli("verify", path, twin, "--backend", "reference", "--json")
+    assert [f["exact"] for f in json.loads(r.output)["ffns"]] == ["identical", "identical"]
+    bad = plant(path, tmp_path / "bad", _shift_scale)
+    r = run_cli("verify", bad, twin, "--backend", "reference", ok=None)
+    assert r.exit_code == 1
+    assert "gate (model.layers.1.mlp.gate_proj.weight): A's codes are not B's weight quantized with A's" in r.output
