@@ -54,7 +54,7 @@ class CompressedView(Checkpoint):
 
             return {"bits": FP8_ROW_BITS, "group_size": m.scheme.group_size or m.shape[1], "mode": "fp8"}
         return {"bits": m.scheme.bits, "group_size": m.scheme.group_size or m.shape[1],
-                "mode": m.scheme.format if m.scheme.nvfp4 else
+                "mode": m.scheme.format if m.scheme.format != PACKED else
                 f"compressed-tensors {'symmetric' if m.scheme.symmetric else 'asymmetric'}"}
 
     @property

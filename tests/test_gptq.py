@@ -153,3 +153,20 @@ def test_desc_act_to_mlx_is_dequantized_by_name(q, tmp_path):
     assert (f"dequantized 14 quantized weights ({NAMES['gptq-desc-act']}: its groups are not runs of "
             "consecutive columns, as MLX's are; -q quantizes them with mx.quantize instead)") in r.output
     shutil.rmtree(tmp_path / "mlx")
+
+
+@pytest.mark.parametrize("case", ["gptq-desc-act", "awq"])
+def test_to_torch_dequantizes(q, tmp_path, case):
+    import transformers
+
+    twin, path, expected = q(case)
+    out = tmp_path / "torch"
+    r = run_cli("convert", path, "--to", "torch", "-o", out)
+    assert "dequantized 14 safetensors-quantized weights (4-bit gptq" in r.output or \
+        "dequantized 14 safetensors-quantized weights (4-bit awq" in r.output
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    model = transformers.LlamaForCausalLM.from_pretrained(out)
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(model.state_dict()[name], expected[name].to(torch.float16))
+    r = run_cli("verify", twin, out, "--backend", "reference")
+    assert "PASS" in r.output and "4-bit" in r.output
