@@ -93,8 +93,8 @@ def check(ckpt) -> LoadCheck:
     from .ctview import CompressedView, view
 
     if not isinstance(ckpt, CompressedView) and isinstance(seen := view(ckpt), CompressedView):
-        res = check_transformers(seen)  # compressed-tensors modules as its decompression gives them (X.weight)
-        res.architecture = f"{res.architecture}, compressed-tensors modules as decompressed"
+        res = check_transformers(seen)  # quantized modules as their decompression gives them (X.weight)
+        res.architecture = f"{res.architecture}; quantized modules checked as dequantized"
         return res
     return check_transformers(ckpt)
 
