@@ -289,6 +289,11 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False, packed: dict | No
             if src and src != dst:
                 replaced[src].append(copy_entry(ckpt, src, dst))
     for layer, experts in by_layer.items():
+        held = [packed[n] for f in experts for r in ("gate", "up", "down") if packed and (n := f.names[r]) in packed]
+        if held:  # compressed-tensors / GPTQ / AWQ experts (ctrows moves single modules, not stacks)
+            raise LayoutError(f"layer {layer}: {len(held)} expert weights are stored quantized ({held[0].scheme.name}); "
+                              "stacking quantized experts is not done here: `ffn-tools convert PATH --to torch -o DIR` "
+                              "dequantizes them, then stack that")
         experts.sort(key=lambda f: f.ref.expert)
         if [f.ref.expert for f in experts] != list(range(len(experts))):
             raise LayoutError(f"layer {layer}: experts {[f.ref.expert for f in experts]} are not 0..E-1; cannot stack")
