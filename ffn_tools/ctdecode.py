@@ -98,6 +98,10 @@ def quantize(m: "Module", weight: "torch.Tensor", parts: dict[str, "torch.Tensor
     weight's dtype, as compressed-tensors' ``forward._quantize`` computes it; int8 codes (rows, cols)."""
     import torch
 
+    if m.scheme.format in gptq.METHODS:  # round-to-nearest as AutoGPTQ/AutoAWQ: clamp(round(w / s) + z, 0, 15)
+        _, z, gi = gptq.codes(m, parts)
+        s = parts["scales"].T.to(torch.float32)
+        return torch.clamp(torch.round(weight.to(torch.float32) / s[:, gi]) + z[:, gi], 0, 15).to(torch.int16)
     rows, cols = m.shape
     scale = parts["weight_scale"]
     g = scale.shape[-1] if scale.dim() == 2 else 1
@@ -109,5 +113,9 @@ def quantize(m: "Module", weight: "torch.Tensor", parts: dict[str, "torch.Tensor
 
 
 def codes(m: "Module", parts: dict[str, "torch.Tensor"]) -> "torch.Tensor":
-    """The module's stored codes, int8 (rows, cols)."""
+    """The module's stored codes (rows, cols): int8, GPTQ's and AWQ's unsigned (int16)."""
+    if m.scheme.format in gptq.METHODS:
+        import torch
+
+        return gptq.codes(m, parts)[0].to(torch.int16)
     return unpack(parts["weight_packed"], m.scheme.bits, m.shape[1])

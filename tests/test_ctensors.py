@@ -140,7 +140,8 @@ def test_verify_names_the_code_check(ct):
     r = run_cli("verify", twin, path, "--backend", "reference", "--json")
     data = json.loads(r.output)
     assert [f["exact"] for f in data["ffns"]] == ["identical", "identical"]
-    assert any("give B's codes, every one" in n for f in data["ffns"] for n in f["notes"])
+    assert any("quantized with B's stored scales and zero points give B's codes, every one" in n
+               for f in data["ffns"] for n in f["notes"])
 
 
 def test_zero_points_dropped(ct, tmp_path):

@@ -75,6 +75,17 @@ def test_verify_passes_and_catches_a_swap(q, tmp_path, case):
     twin, path, _ = q(case)
     r = run_cli("verify", twin, path, "--backend", "reference")
     assert "PASS" in r.output and "4-bit" in r.output
+    data = json.loads(run_cli("verify", twin, path, "--backend", "reference", "--json").output)
+    assert [f["exact"] for f in data["ffns"]] == ["identical", "identical"]  # B's codes: A's, re-quantized
+
+    def shift(sd):  # one output row's scales taken from its neighbour's
+        k = "model.layers.1.mlp.gate_proj.scales"
+        sd[k] = torch.roll(sd[k], 1, dims=1)
+
+    r = run_cli("verify", twin, plant(path, tmp_path / "shifted", shift), "--backend", "reference", ok=None)
+    assert r.exit_code == 1
+    assert f"gate (model.layers.1.mlp.gate_proj.weight): B's codes are not A's weight quantized with B's {NAMES[case]}" \
+        in r.output
 
     def swap(sd):
         for k in [k for k in sd if ".layers.1.mlp.gate_proj." in k]:

@@ -1,9 +1,10 @@
-"""Is one side's compressed-tensors module the other side's weight quantized with its own scales and zero points?
+"""Is one side's integer-quantized module (compressed-tensors pack-quantized, GPTQ, AWQ) the other side's
+weight quantized with its own scales and zero points?
 
 compressed-tensors' round-to-nearest (``forward._quantize``: ``round(clamp(w / s + z))``) is deterministic, so
 where one side is the unquantized source of the other, the source's weight quantized with the scale and zero
 point the quantized side stores gives its codes, every one (``ctdecode.quantize``; measured on tiny Llama and
-Qwen2-MoE twins: 0 of all codes differ). That binds the stored scales and zero points to the source's values,
+Qwen2-MoE twins: 0 of all codes differ); GPTQ's and AWQ's round-to-nearest is ``clamp(round(w / s) + z)``. That binds the stored scales and zero points to the source's values,
 which the output tolerance cannot: a scale row shifted by one (cosine 0.955 on a tiny model, inside the 4-bit
 row's 0.95) moves codes by 2 or more steps in most of the row's groups. Either side may be the quantized one
 (B quantized from A, or A quantized and B its dequantized or original twin).
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 from ..ctdecode import codes, quantize
 from ..ctview import CompressedView
+
+CODED = ("pack-quantized", "gptq", "awq")  # integer codes a round-to-nearest replay reproduces
 
 
 def check_codes(role: str, a, view: CompressedView, name: str, src: str = "A", q: str = "B") -> tuple[str, str | None]:
@@ -38,7 +41,7 @@ def check_codes(role: str, a, view: CompressedView, name: str, src: str = "A", q
     far = (d > 1).sum(1)
     rows, n = m.shape[0], int((d > 0).sum())
     bad = int((far > 0).sum())
-    zp = " and zero points" if "weight_zero_point" in parts else ""
+    zp = " and zero points" if "weight_zero_point" in parts or "qzeros" in parts else ""
     what = f"{n} of {d.numel()} codes differ from {src}'s quantized with {q}'s scales{zp}"
     if not bad:
         return "within", (f"{role} ({name}): {what}, each by one step (an error-compensating quantizer such as "
@@ -61,7 +64,7 @@ def check_ffn(res, ca, cb, x, y, wa, wb, as_stored) -> None:
     else:
         return
     roles = [r for r in ("gate_up", "gate", "up", "down") if f.names.get(r) in view.modules and f.index is None
-             and view.modules[f.names[r]].scheme.format == "pack-quantized"]  # int codes; NVFP4, FP8: the row
+             and view.modules[f.names[r]].scheme.format in CODED]  # int codes; NVFP4, FP8: the tolerance row
     outcomes = {}
     for r in roles:
         a = as_stored(w, r, f)
@@ -79,7 +82,7 @@ def check_ffn(res, ca, cb, x, y, wa, wb, as_stored) -> None:
         res.problems.append("; ".join(differs))
     elif all(o == "identical" for o, _ in outcomes.values()):
         res.exact = "identical"
-        res.notes.append(f"re-quantized: {src}'s {', '.join(outcomes)} quantized with {q}'s compressed-tensors scales "
-                         f"and zero points give {q}'s codes, every one")
+        res.notes.append(f"re-quantized: {src}'s {', '.join(outcomes)} quantized with {q}'s stored scales and zero "
+                         f"points give {q}'s codes, every one")
     else:
         res.notes += [why for o, why in outcomes.values() if why]
