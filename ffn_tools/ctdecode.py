@@ -98,6 +98,8 @@ def quantize(m: "Module", weight: "torch.Tensor", parts: dict[str, "torch.Tensor
     weight's dtype, as compressed-tensors' ``forward._quantize`` computes it; int8 codes (rows, cols)."""
     import torch
 
+    if m.scheme.nvfp4:
+        return nvfp4.quantize(weight, parts["weight_scale"], parts[m.per_tensor or ""], m.scheme.format == nvfp4.MODELOPT)
     if m.scheme.format in gptq.METHODS:  # round-to-nearest as AutoGPTQ/AutoAWQ: clamp(round(w / s) + z, 0, 15)
         _, z, gi = gptq.codes(m, parts)
         s = parts["scales"].T.to(torch.float32)
@@ -114,6 +116,8 @@ def quantize(m: "Module", weight: "torch.Tensor", parts: dict[str, "torch.Tensor
 
 def codes(m: "Module", parts: dict[str, "torch.Tensor"]) -> "torch.Tensor":
     """The module's stored codes (rows, cols): int8, GPTQ's and AWQ's unsigned (int16)."""
+    if m.scheme.nvfp4:  # signed places on the E2M1 grid
+        return nvfp4.steps(parts["weight_packed" if "weight_packed" in parts else "weight"])
     if m.scheme.format in gptq.METHODS:
         import torch
 

@@ -55,6 +55,35 @@ def dequantize(values: "torch.Tensor", scale: "torch.Tensor", per_tensor: "torch
     return x.reshape(rows, cols).to(torch.bfloat16)
 
 
+def steps(packed: "torch.Tensor") -> "torch.Tensor":
+    """Each stored value's signed place on the E2M1 grid (-7..7: 0, 0.5, 1, ... 6 are 0..7), int16."""
+    import torch
+
+    b = packed.to(torch.uint8)
+    nib = torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(*b.shape[:-1], -1).to(torch.int16)
+    return torch.where(nib >= 8, -(nib - 8), nib)
+
+
+def quantize(weight: "torch.Tensor", scale: "torch.Tensor", per_tensor: "torch.Tensor", modelopt: bool) -> "torch.Tensor":
+    """``weight`` quantized with the stored scales, as ``steps`` gives them: compressed-tensors' ``_quantize``
+    (``x / (scale / global_scale)`` in float32, clamped to +-6) and ``cast_to_fp4``'s thresholds (ties to even
+    on the grid); ModelOpt's scale is ``scale * scale_2``."""
+    import torch
+
+    rows, cols = weight.shape
+    s = scale.to(torch.bfloat16).float()
+    s = s * per_tensor.float() if modelopt else s / per_tensor
+    x = torch.clamp(weight.float().reshape(rows, -1, GROUP) / s.reshape(rows, -1, 1), -6.0, 6.0).reshape(rows, cols)
+    a = x.abs()
+    place = torch.zeros_like(a, dtype=torch.int16)  # compressed-tensors' cast_to_fp4, bucket by bucket
+    for lo, hi, k, closed in ((0.25, 0.75, 1, False), (0.75, 1.25, 2, True), (1.25, 1.75, 3, False),
+                              (1.75, 2.5, 4, True), (2.5, 3.5, 5, False), (3.5, 5.0, 6, True)):
+        inside = ((a >= lo) & (a <= hi)) if closed else ((a > lo) & (a < hi))
+        place = torch.where(inside, torch.tensor(k, dtype=torch.int16), place)
+    place = torch.where(a > 5.0, torch.tensor(7, dtype=torch.int16), place)
+    return torch.where(x < 0, -place, place)
+
+
 def modelopt_config(ckpt) -> dict | None:
     """ModelOpt's quantization settings (flat), from config.json or hf_quant_config.json; None: not ModelOpt."""
     q = (ckpt.config or {}).get("quantization_config")

@@ -538,3 +538,22 @@ def test_verify_the_other_way_round(ct, tmp_path):
     r = run_cli("verify", bad, twin, "--backend", "reference", ok=None)
     assert r.exit_code == 1
     assert "gate (model.layers.1.mlp.gate_proj.weight): A's codes are not B's weight quantized with A's" in r.output
+
+
+def test_nvfp4_codes_checked(nv, tmp_path):
+    """NVFP4's round-to-nearest (cast_to_fp4 of x / (scale / global_scale)) is replayed: the twin's codes come
+    back every one, and a scale row shifted by one fails by its codes."""
+    twin, ct, mo = nv()
+    data = json.loads(run_cli("verify", twin, ct, "--backend", "reference", "--json").output)
+    assert [f["exact"] for f in data["ffns"]] == ["identical", "identical"]
+    r = run_cli("verify", twin, mo, "--backend", "reference")  # ModelOpt's scale_2 = 1 / global scale: rounded
+    assert "PASS" in r.output
+
+    def shift(sd):
+        k = "model.layers.1.mlp.gate_proj.weight_scale"
+        sd[k] = torch.roll(sd[k], 1, dims=0)
+
+    r = run_cli("verify", twin, plant(ct, tmp_path / "shifted", shift), "--backend", "reference", ok=None)
+    assert r.exit_code == 1
+    assert f"gate (model.layers.1.mlp.gate_proj.weight): B's codes are not A's weight quantized with B's {NVFP4_CT}" \
+        in r.output

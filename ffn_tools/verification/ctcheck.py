@@ -1,10 +1,12 @@
-"""Is one side's integer-quantized module (compressed-tensors pack-quantized, GPTQ, AWQ) the other side's
+"""Is one side's quantized module (compressed-tensors pack-quantized, GPTQ, AWQ, NVFP4) the other side's
 weight quantized with its own scales and zero points?
 
 compressed-tensors' round-to-nearest (``forward._quantize``: ``round(clamp(w / s + z))``) is deterministic, so
 where one side is the unquantized source of the other, the source's weight quantized with the scale and zero
 point the quantized side stores gives its codes, every one (``ctdecode.quantize``; measured on tiny Llama and
-Qwen2-MoE twins: 0 of all codes differ); GPTQ's and AWQ's round-to-nearest is ``clamp(round(w / s) + z)``. That binds the stored scales and zero points to the source's values,
+Qwen2-MoE twins: 0 of all codes differ); GPTQ's and AWQ's round-to-nearest is ``clamp(round(w / s) + z)``,
+NVFP4's compressed-tensors' ``cast_to_fp4`` of ``w / (scale / global_scale)`` (codes compared as signed places
+on the E2M1 grid, so one step is one representable value). FP8 is compared by its tolerance row only. That binds the stored scales and zero points to the source's values,
 which the output tolerance cannot: a scale row shifted by one (cosine 0.955 on a tiny model, inside the 4-bit
 row's 0.95) moves codes by 2 or more steps in most of the row's groups. Either side may be the quantized one
 (B quantized from A, or A quantized and B its dequantized or original twin).
@@ -20,7 +22,7 @@ from __future__ import annotations
 from ..ctdecode import codes, quantize
 from ..ctview import CompressedView
 
-CODED = ("pack-quantized", "gptq", "awq")  # integer codes a round-to-nearest replay reproduces
+CODED = ("pack-quantized", "gptq", "awq", "nvfp4-pack-quantized", "modelopt NVFP4")  # codes a replay reproduces
 
 
 def check_codes(role: str, a, view: CompressedView, name: str, src: str = "A", q: str = "B") -> tuple[str, str | None]:
