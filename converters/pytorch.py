@@ -26,11 +26,18 @@ def can_read(path: Path) -> bool:
 
 def open(path: Path) -> Checkpoint:  # noqa: A001 - the converter surface's name
     """Open a PyTorch checkpoint lazily (see ``ffn_tools.io.store.open_checkpoint``); MXFP4 experts (GPT-OSS as
-    OpenAI ships it) are seen dequantized, exactly (see ``ffn_tools.mxfp4``)."""
-    from ffn_tools import mxfp4
+    OpenAI ships it) are seen dequantized, exactly (see ``ffn_tools.mxfp4``), and compressed-tensors packed
+    weights as compressed-tensors dequantizes them (``ffn_tools.ctview``)."""
+    from ffn_tools import ctview, mxfp4
 
     ckpt = open_checkpoint(path)
-    return mxfp4.Mxfp4View(ckpt) if mxfp4.pairs(ckpt) else ckpt
+    if mxfp4.pairs(ckpt):
+        return mxfp4.Mxfp4View(ckpt)
+    try:
+        return ctview.view(ckpt)
+    except Exception:
+        ckpt.close()
+        raise
 
 
 def cast_entry(ckpt: Checkpoint, name: str, dtype) -> Entry:

@@ -82,7 +82,8 @@ def extract(path, out, *, layers: str | None = None, experts: str | None = None,
     with open_any(resolve(str(path))) as ckpt:
         m = run(ckpt, Path(out), layers=layers, experts=experts, scheme=scheme, layout=layout, force=force,
                 max_shard_size=max_shard_size)
-    line = f"wrote {out}: {m['ffns']} FFNs, {m['tensors']} tensors ({m['dtype']})"
+    line = f"wrote {out}: {m['ffns']} FFNs, {m['tensors']} tensors ({m['dtype']})" + (
+        f"; {m['dequantized']}" if m.get("dequantized") else "")
     return _published(envelope("extract", str(path), out, line, m), upload_repo)
 
 

@@ -115,12 +115,20 @@ def extract(ckpt, out: Path, *, layers: str | None = None, experts: str | None =
         "ffns": len(chosen), "tensors": len(entries),
         "warnings": [w] if (w := ffns.unmatched_warning()) else [],
     }
+    quantized = [q for f in chosen for n in f.names.values() if (q := ckpt.quant_params(n))]
+    if quantized:  # read dequantized (compressed-tensors, GPTQ/AWQ, MXFP4, FP8 views): said, and recorded for verify
+        q = quantized[0]
+        manifest["dequantized"] = (f"{len(quantized)} quantized weights written dequantized, as read ({q['bits']}-bit "
+                                   f"{q.get('mode')}, group {q.get('group_size')})")
     clamped = clamped_record(ffns.activation)  # GPT-OSS's limit and alpha: the extract runs the same unit
     config = {"hidden_act": ffns.activation.config_name, **({CLAMPED_RECORD: clamped} if clamped else {}),
               "ffn_tools_manifest": manifest}
     plan = Plan(ckpt, entries, None if out.suffix == ".safetensors" else config)
     metadata = {"format": "pt", "ffn_tools": "extract", "hidden_act": ffns.activation.config_name,
                 **({CLAMPED_RECORD: json.dumps(clamped)} if clamped else {})}
+    if quantized:  # = converters.pytorch.DEQUANTIZED: verify against the source gives B its bits' row
+        metadata["ffn_tools_dequantized_from"] = json.dumps({k: quantized[0].get(k) for k in ("bits", "group_size", "mode")}
+                                                            | {"weights": len(quantized)})
     if out.suffix == ".safetensors":
         _execute_file(plan, out, force, max_shard_size, metadata, manifest)
     else:

@@ -22,7 +22,8 @@ from .layouts import GateUpLayout, fuse, split
 from .loadable import form_change_warning
 from .io.output import check_output
 from .plan import Entry, Plan, check_shardable, copy_entry, execute
-from . import mxfp4, scales
+from . import ctensors, mxfp4, scales
+from .ctview import CompressedView
 from .registry import UNFUSED, Form, Group, Scheme, bias_name
 from .sizes import human
 from .stacks import restack_entries
@@ -118,9 +119,10 @@ def _index_entry(ckpt, src: str, index: int | None, name: str, transpose: bool =
                  ((0, index * n, n),), f"[{index}] of {src}")
 
 
-def plan_split(ckpt, ffns: FFNSet) -> Plan:
+def plan_split(ckpt, ffns: FFNSet, packed: dict | None = None) -> Plan:
     """Plan splitting every fused FFN of ``ckpt`` into separate gate/up projections (the group's ``unfused``
-    form: per FFN, or a flat stack per layer).
+    form: per FFN, or a flat stack per layer; ``packed``: its compressed-tensors modules, ``ctensors.modules``,
+    moved as stored by ``ctrows``).
 
     Raises:
         NothingToDoError: no FFN is fused.
@@ -137,6 +139,8 @@ def plan_split(ckpt, ffns: FFNSet) -> Plan:
         new = {r: _name(t, f, ckpt.config) for r, t in target.templates().items()}
         if target.flat:
             flat[f.names["gate_up"]].append(f)
+            continue
+        if packed and _packed_split(ckpt, f, new, replaced, packed):
             continue
         replaced[f.names["gate_up"]] += _split_entries(ckpt, f, f.names["gate_up"], False, new, target)
         if "gate_up_bias" in f.names:
@@ -172,6 +176,52 @@ def _restack(ckpt, experts: list[FFN], target: Form, replaced) -> None:
     replaced[f0.names["down"]] += entries
     for name in f0.names.values():
         replaced[name] += []
+
+
+# --- compressed-tensors modules (ffn_tools/ctrows.py): their stored parts move with the rows ---
+def _packed_split(ckpt, f: FFN, new: dict[str, str], replaced, packed: dict) -> bool:
+    """A fused compressed-tensors gate_up split part by part, down's parts renamed; False: not one."""
+    from . import ctrows
+
+    m = packed.get(f.names["gate_up"])
+    if m is None:
+        return False
+    if f.index is not None or "gate_up_bias" in f.names:
+        raise LayoutError(f"{f.names['gate_up']}: compressed-tensors experts stacked or with biases are not split here")
+    for src, entries in ctrows.split_entries(m, f.layout, new, ckpt).items():
+        replaced[src] += entries
+    _packed_rename(ckpt, packed, f.names["down"], new["down"], replaced)
+    return True
+
+
+def _packed_rename(ckpt, packed: dict, src: str, dst: str, replaced) -> None:
+    """``src`` (a module's ``X.weight``, every stored part of it) copied under ``dst``'s names."""
+    parts = packed[src].parts if src in packed else {"weight": src}
+    if src != dst:
+        for suffix, name in parts.items():
+            replaced[name].append(copy_entry(ckpt, name, dst[: -len("weight")] + suffix))
+
+
+def _packed_fuse(ckpt, f: FFN, new: dict[str, str], replaced, packed: dict) -> bool:
+    """Separate compressed-tensors gate and up fused part by part, down's parts renamed; False: neither is one."""
+    from . import ctrows
+
+    g, u = packed.get(f.names["gate"]), packed.get(f.names["up"])
+    if g is None and u is None:
+        return False
+    if g is None or u is None or "gate_bias" in f.names:
+        raise LayoutError(f"{f.ref}: {f.names['gate' if g is None else 'up']} is stored unquantized and "
+                          f"{f.names['up' if g is None else 'gate']} compressed (or they have biases): they cannot "
+                          "be fused as stored")
+    entries = ctrows.fuse_entries(g, u, f.layout, new["gate_up"], ckpt)
+    replaced[g.packed] += entries
+    for name in (*g.parts.values(), *u.parts.values()):
+        replaced[name] += []
+    _packed_rename(ckpt, packed, f.names["down"], new["down"], replaced)
+    return True
+# --- end compressed-tensors ---
+
+
 
 
 def _split_scales(ckpt, f: FFN, new: dict[str, str], replaced, target: Form) -> None:
@@ -242,8 +292,9 @@ def _stack_entry(ckpt, name: str, srcs: list[str], transpose: bool = False) -> E
                  tuple((k, 0, info.nbytes) for k in range(len(srcs))), f"stack({srcs[0]} … {len(srcs)} experts)")
 
 
-def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False) -> Plan:
-    """Plan fusing every separate FFN of ``ckpt``; with ``stack_experts``, stack the routed experts instead.
+def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False, packed: dict | None = None) -> Plan:
+    """Plan fusing every separate FFN of ``ckpt``; with ``stack_experts``, stack the routed experts instead
+    (``packed``: compressed-tensors modules, as for ``plan_split``).
 
     With ``stack_experts`` dense MLPs and shared experts keep their form, as transformers v5 stores them, but
     for those whose group's own (first declared) form is fused: those are fused, as their family stores them.
@@ -271,6 +322,8 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False) -> Plan:
         target = _target(f, "fused", "fuse")
         fused.append(f)
         new = {r: _name(t, f, ckpt.config) for r, t in target.templates().items()}
+        if packed and _packed_fuse(ckpt, f, new, replaced, packed):
+            continue
         replaced[f.names["gate"]].append(_fuse_entry(ckpt, new["gate_up"], [(f.names["gate"], f.names["up"])], f.layout, False))
         replaced[f.names["up"]] += []
         if target.separate_biases:  # gate and up biases stay apart, named as the separate form names them
@@ -286,6 +339,11 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False) -> Plan:
             if src and src != dst:
                 replaced[src].append(copy_entry(ckpt, src, dst))
     for (layer, _), experts in by_layer.items():
+        held = [packed[n] for f in experts for r in ("gate", "up", "down") if packed and (n := f.names[r]) in packed]
+        if held:  # compressed-tensors / GPTQ / AWQ experts (ctrows moves single modules, not stacks)
+            raise LayoutError(f"layer {layer}: {len(held)} expert weights are stored quantized ({held[0].scheme.name}); "
+                              "stacking quantized experts is not done here: `ffn-tools convert PATH --to torch -o DIR` "
+                              "dequantizes them, then stack that")
         f0 = experts[0]
         target = _target(f0, "stacked", "stack")
         if f0.form.flat:
@@ -418,7 +476,11 @@ def _run(command: str, plan_fn, source, out, *, scheme, layout, dry_run, force, 
         ckpt = source if isinstance(source, Checkpoint) else stack.enter_context(open_checkpoint(Path(source)))
         path = Path(ckpt.path)
         check_rewritable(ckpt, command)
-        plan = plan_fn(ckpt, find_ffns(ckpt, scheme, layout), **kw)
+        ckpt = ckpt.stored if ckpt.resolves_quantization and isinstance(ckpt, CompressedView) else ckpt
+        packed = {n: m for n, m in ctensors.modules(ckpt).items()  # compressed-tensors: FFNs found as read,
+                  if not m.scheme.float8}  # parts moved as stored (FP8 weights and scales: as scales.py moves them)
+        seen = CompressedView(ckpt, packed) if packed else ckpt
+        plan = plan_fn(ckpt, find_ffns(seen, scheme, layout), **kw, **({"packed": packed} if packed else {}))
         out = Path(out) if out else default_output(path, "split" if command == "split-gateup" else "fused")
         check_shardable(out, max_shard_size)
         if max_shard_size is None and len(ckpt.files) > 1 and out.suffix != ".safetensors":

@@ -90,6 +90,12 @@ def check(ckpt) -> LoadCheck:
     if ckpt.format is Format.NATIVE:
         return LoadCheck("native", skipped="Meta's and Mistral's own code loads native checkpoints, not a client "
                                            "here; `ffn-tools convert --to torch` makes one transformers loads")
+    from .ctview import CompressedView, view
+
+    if not isinstance(ckpt, CompressedView) and isinstance(seen := view(ckpt), CompressedView):
+        res = check_transformers(seen)  # quantized modules as their decompression gives them (X.weight)
+        res.architecture = f"{res.architecture}; quantized modules checked as dequantized"
+        return res
     return check_transformers(ckpt)
 
 

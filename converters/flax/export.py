@@ -183,4 +183,8 @@ def changes(plan: Plan) -> list[str]:
     cast = {e.st_dtype for e in plan.entries if any(ckpt.info(n).st_dtype != e.st_dtype for n in e.inputs)}
     if cast:
         lines.append(f"floating tensors cast to {'/'.join(sorted(short_name(d) for d in cast))}")
+    quantized = [q for e in plan.entries for n in e.inputs if (q := ckpt.quant_params(n))]
+    if quantized:  # a view that reads quantized weights dequantized (compressed-tensors, GPTQ/AWQ, MXFP4, FP8)
+        lines.append(f"dequantized {len(quantized)} quantized weights, as read ({ckpt.label}): Flax has no "
+                     "quantized form here")
     return lines

@@ -25,6 +25,7 @@ from typing import NoReturn, TypedDict
 from ffn_tools.io.dtypes import DTYPE_CHOICES, USER_DTYPES, short_name
 from ffn_tools.errors import FFNToolsError, listing
 from ffn_tools.plan import Entry, Plan, copy_entry, execute
+from ffn_tools.ctview import CompressedView
 from ffn_tools.io.store import Checkpoint, Format
 from ffn_tools.io.writer import OutTensor, plan_shards
 
@@ -301,10 +302,28 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     d = decide(tg.model, quant) if quant else None
     chosen, block = (d.chosen, d.block) if d else ({}, tg.prequant)
     left = [f"{m}.weight" for m in d.skipped] if d else []
+    ct_kept: dict = {}  # --- compressed-tensors input: group-wise int codes kept as MLX affine (from_ct) ---
+    if isinstance(ckpt, CompressedView):
+        config.pop("quantization_config", None)  # compressed-tensors' own: mlx_lm reads only its block
+        if not quant and not dequantize:
+            from . import from_ct
+
+            ct_kept, refused = from_ct.kept(ckpt, outputs, view)
+            if target_st is not None:  # scales and biases would be cast: the codes' values change
+                ct_kept, refused = {}, {n: "--dtype given" for n in ckpt.modules}
+            block = from_ct.block(ct_kept) or block
+            changes += from_ct.changes(ct_kept, refused)
+        else:
+            changes.append(f"read {len(ckpt.modules)} quantized weights dequantized"
+                           + (" (-d)" if dequantize else ", then quantized as asked"))
 
     from .tensors import plan_outputs
 
     entries, jobs = plan_outputs(ckpt, tg, view, outputs, target_st, chosen, d.shapes if d else {})
+    if ct_kept and isinstance(ckpt, CompressedView):
+        from .from_ct import replace
+
+        entries = replace(ckpt, entries, ct_kept)
     if quant and d:
         n = sum(e.name.endswith(".scales") for e in entries)
         changes.append(f"quantized {n} weights with mx.quantize: {quant.bits} bits, group size {quant.group_size} "

@@ -92,6 +92,10 @@ class PairChecker:
                              [t.dtype for t in (*wa.values(), *wb.values())])
         res.backends = check_ffn(self.backends if backends is None else backends, inputs, ops_a, ops_b, tol,
                                  identical=res.exact == "identical" and not requantized)
+        if quantized and not requantized:  # compressed-tensors codes against the other side re-quantized (ctcheck)
+            from .ctcheck import check_ffn as check_codes
+
+            check_codes(res, self.ca, self.cb, x, y, wa, wb, _as_stored)
         if any(b.nonfinite for b in res.backends):
             _nonfinite(res, wa, wb)
         return res

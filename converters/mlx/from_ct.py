@@ -1,0 +1,158 @@
+"""compressed-tensors int weights exported as MLX affine quantization, codes kept (no re-quantization).
+
+compressed-tensors stores a code ``c = q + 2^(bits-1)`` (q signed) densely packed along the row, element i at
+bit ``i * bits``, and reads ``w = (q - z) * s``. MLX affine packs its unsigned codes the same way into uint32
+(for 2, 4 and 8 bits, which divide a word: element i at bit ``i * bits``, low bits first) and reads
+``w = s * c + b``. So with the same group size the packed words are MLX's codes as they are (int32 bytes read
+as uint32), the scales are ``s`` and the biases ``b = -s * (z + 2^(bits-1))``, computed in float32 and
+rounded once to the scale's dtype. Dequantized, MLX's values equal compressed-tensors' within that rounding
+(and MLX's own rounding of ``s * c + b``): the tests hold ``mlx_lm.load``'s weights against compressed-tensors'
+decompression.
+
+MLX affine takes groups of 32, 64 and 128: per-channel and per-tensor schemes, other group sizes and 3, 5,
+6, 7 bits (packed across words) cannot keep their codes; the export then writes those weights dequantized
+and says so (``-q`` quantizes them with mx.quantize instead, as asked).
+"""
+
+from __future__ import annotations
+
+from ffn_tools.ctdecode import zero_points
+from ffn_tools.ctensors import Module
+from ffn_tools.ctview import CompressedView
+from ffn_tools.io.raw import RawTensor
+from ffn_tools.plan import Entry
+
+MLX_GROUPS = (32, 64, 128)
+MLX_BITS = (2, 4, 8)
+
+
+def why_not(m: Module) -> str | None:
+    """Why module ``m``'s codes cannot be kept in MLX affine, or None."""
+    s = m.scheme
+    if s.nvfp4:
+        return (f"{s.name}: MLX's nvfp4 QuantizedLinear has no per-tensor scale to hold it, and folding it into "
+                "the F8_E4M3 group scales would round them")
+    if s.format in ("gptq", "awq"):
+        return (f"{s.name}: its groups are not runs of consecutive columns, as MLX's are" if s.strategy == "g_idx"
+                else None if s.group_size in MLX_GROUPS else f"{s.name}: MLX affine groups are 32, 64, 128 columns")
+    if s.float8:
+        return f"{s.name}: MLX's mxfp8 takes power-of-two scales per 32 values, not these"
+    if s.strategy != "group" or s.group_size not in MLX_GROUPS:
+        return f"{s.name}: MLX affine groups are {', '.join(map(str, MLX_GROUPS))} columns"
+    if s.bits not in MLX_BITS:
+        return f"{s.name}: {s.bits}-bit codes packed across words are not MLX's {s.bits}-bit packing"
+    return None
+
+
+def kept(ckpt: CompressedView, outputs, view: list[Entry]) -> tuple[dict[str, Module], dict[str, str]]:
+    """Output module path -> the compressed-tensors module whose codes it keeps (its weight an unchanged copy
+    of the module's), and ``X.weight`` -> why not for the modules that are written dequantized."""
+    by_name = {e.name: e for e in view}
+    out, refused = {}, {}
+    for o in outputs:
+        if not o.name.endswith(".weight") or len(o.sources) != 1:
+            continue
+        e = by_name.get(o.sources[0])
+        m = ckpt.modules.get(e.inputs[0]) if e is not None and len(e.inputs) == 1 else None
+        if m is None:
+            continue
+        why = why_not(m) or (None if tuple(o.shape) == m.shape and e is not None and e.pieces is not None
+                             else f"{m.weight} is rearranged on its way to {o.name}")
+        if why:
+            refused[m.weight] = why
+        else:
+            out[o.name[: -len(".weight")]] = m
+    return out, refused
+
+
+def block(modules: dict[str, Module]) -> dict | None:
+    """mlx_lm's ``quantization`` block: the most common parameters, other modules' own."""
+    if not modules:
+        return None
+    params = [(m.scheme.group_size, m.scheme.bits) for m in modules.values()]
+    g, b = max(set(params), key=params.count)
+    out: dict = {"group_size": g, "bits": b, "mode": "affine"}
+    for path, m in modules.items():
+        if (m.scheme.group_size, m.scheme.bits) != (g, b):
+            out[path] = {"group_size": m.scheme.group_size, "bits": m.scheme.bits, "mode": "affine"}
+    return out
+
+
+def entries(ckpt: CompressedView, path: str, m: Module) -> list[Entry]:
+    """``path``'s weight (the packed words as uint32), scales and biases, from ``m``'s stored parts."""
+    raw = ckpt.raw
+    if m.scheme.format in ("gptq", "awq"):
+        return _gptq_entries(ckpt, path, m)
+    packed, scale = m.parts["weight_packed"], m.parts["weight_scale"]
+    pinfo, sinfo = raw.info(packed), raw.info(scale)
+
+    def weight(_ts) -> RawTensor:
+        return RawTensor("U32", pinfo.shape, raw.read_raw(packed))
+
+    def scales(_ts) -> RawTensor:
+        return raw.read_raw(scale)
+
+    def biases(_ts):
+        import torch
+
+        s = raw[scale]
+        z = zero_points(m, raw[m.parts["weight_zero_point"]]) if "weight_zero_point" in m.parts else torch.zeros_like(s)
+        return (-(s.float() * (z.float() + (1 << (m.scheme.bits - 1))))).to(s.dtype)
+
+    how = f"{m.scheme.name} codes kept as MLX affine"
+    return [Entry(f"{path}.weight", "U32", pinfo.shape, (), weight, None, f"{packed} as uint32 ({how})",
+                  reads=pinfo.nbytes),
+            Entry(f"{path}.scales", sinfo.st_dtype, sinfo.shape, (), scales, None, f"{scale} ({how})", reads=0),
+            Entry(f"{path}.biases", sinfo.st_dtype, sinfo.shape, (), biases, None,
+                  f"-{scale} * (zero point + {1 << (m.scheme.bits - 1)}) ({how})", reads=0)]
+
+
+def _gptq_entries(ckpt: CompressedView, path: str, m: Module) -> list[Entry]:
+    """GPTQ/AWQ codes laid out again as MLX's (the same codes, one row of words per output row)."""
+    from ffn_tools import gptq
+
+    rows, cols = m.shape
+    groups = cols // (m.scheme.group_size or cols)
+    sdt = ckpt.raw.info(m.parts["scales"]).st_dtype
+
+    def part(k: int):
+        def make(_ts):
+            import torch
+
+            t = gptq.mlx_affine(m, ckpt.parts(m.weight))[k]
+            if k == 0:  # int64 words below 2^32 -> their uint32 bytes
+                return RawTensor("U32", (rows, cols // 8), t.to(torch.int64).numpy().astype("<u4").tobytes())
+            return t
+        return make
+
+    how = f"{m.scheme.name} codes kept as MLX affine"
+    return [Entry(f"{path}.weight", "U32", (rows, cols // 8), (), part(0), None, f"{m.packed} re-laid out ({how})"),
+            Entry(f"{path}.scales", sdt, (rows, groups), (), part(1), None, f"{m.parts['scales']} transposed ({how})",
+                  reads=0),
+            Entry(f"{path}.biases", sdt, (rows, groups), (), part(2), None, f"-scales * zero points ({how})", reads=0)]
+
+
+def changes(modules: dict[str, Module], refused: dict[str, str]) -> list[str]:
+    """What the summary says: codes kept, and the weights written dequantized with why (grouped)."""
+    out = []
+    if modules:
+        schemes = sorted({m.scheme.name for m in modules.values()})
+        out.append(f"kept the codes of {len(modules)} quantized weights ({', '.join(schemes)}) as MLX affine "
+                   "quantization, not re-quantized: packed words as uint32, scales as stored, biases -s * (z + "
+                   "2^(bits-1)) rounded once to the scale dtype; config.json gets the quantization block")
+    whys: dict[str, list[str]] = {}
+    for name, why in refused.items():
+        whys.setdefault(why, []).append(name)
+    for why, names in whys.items():
+        out.append(f"dequantized {len(names)} quantized weights ({why}; -q quantizes them with "
+                   f"mx.quantize instead): {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}")
+    return out
+
+
+def replace(ckpt: CompressedView, planned: list[Entry], modules: dict[str, Module]) -> list[Entry]:
+    """``planned`` with each kept module's dequantized weight entry replaced by its three MLX parts."""
+    out = []
+    for e in planned:
+        path = e.name[: -len(".weight")] if e.name.endswith(".weight") else None
+        out += entries(ckpt, path, modules[path]) if path in modules else [e]
+    return out

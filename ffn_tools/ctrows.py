@@ -1,0 +1,150 @@
+"""split-gateup and fuse-gateup of compressed-tensors modules: the stored parts move with the weight's rows.
+
+A pack-quantized weight packs its codes along each row (``weight_packed``), and its scales are per row
+(``weight_scale`` (rows, groups)), so gate and up rows of a fused ``gate_up`` move exactly as rows, with
+their scales: a scale group never spans two rows. Zero points are packed *down* the rows, ``32 / bits`` rows
+to an int32 word (3, 5, 6 and 7 bits straddle words), so a gate/up boundary must fall on a word boundary of
+the zero points; where it does not (I = 92 rows at 4 bits: 11.5 words), no exact split of the words exists
+and the command refuses, with the numbers. A per-tensor scale is one number: split, each half keeps it;
+fused, gate's and up's must be the same number, else the fused tensor would need one scale for two.
+``weight_shape`` is written for the new rows. The output's module names must resolve, under the config's
+``quantization_config`` (carried unchanged), to the scheme their parts are stored in.
+"""
+
+from __future__ import annotations
+
+from . import nvfp4
+from .ctensors import PER_TENSOR, Module, quant_config, scheme_for
+from .errors import LayoutError
+from .layouts import GateUpLayout, fuse, split
+from .plan import Entry
+from .scales import fits
+
+
+def _zero_point_check(m: Module, fused_rows: int, layout: GateUpLayout, verb: str) -> None:
+    words = -(-fused_rows * m.scheme.bits // 32)
+    if not fits(layout, fused_rows, words) or fused_rows * m.scheme.bits % 32:
+        half = fused_rows // 2
+        raise LayoutError(
+            f"{m.base}.weight_zero_point: {m.scheme.name} packs {32 / m.scheme.bits:g} rows of zero points per "
+            f"int32 word, and the {layout.describe()} gate/up boundaries of {fused_rows} rows ({half} each, "
+            f"{half * m.scheme.bits / 32:g} words) do not fall on word boundaries: no exact {verb} of the packed "
+            "zero points exists")
+
+
+def _shape_entry(name: str, rows: int, cols: int, src: str) -> Entry:
+    import torch
+
+    return Entry(name, "I64", (2,), (src,), lambda ts: torch.tensor([rows, cols], dtype=torch.int64), None,
+                 f"[{rows}, {cols}] (the new rows)")
+
+
+def _scheme_of(ckpt, base: str, m: Module) -> None:
+    if m.scheme.format == nvfp4.MODELOPT:
+        if nvfp4.excluded(nvfp4.modelopt_config(ckpt) or {}, base):
+            raise LayoutError(f"{base}: the output module would be stored NVFP4, but ModelOpt's exclude_modules "
+                              "names it; edit exclude_modules first")
+        return
+    s = scheme_for(quant_config(ckpt) or {}, base)
+    if s is None or (s.bits, s.strategy, s.group_size, s.symmetric) != \
+            (m.scheme.bits, m.scheme.strategy, m.scheme.group_size, m.scheme.symmetric):
+        raise LayoutError(f"{base}: the output module's parts would be stored {m.scheme.name}, but the "
+                          f"quantization_config carried over reads it as {s.name if s else 'unquantized'} (its "
+                          "targets and ignore name modules); add a target for it first")
+
+
+def split_entries(m: Module, layout: GateUpLayout, new: dict[str, str], ckpt) -> dict[str, list[Entry]]:
+    """Input part name -> entries writing gate's and up's parts (``new``: role -> output ``X.weight``).
+
+    Raises:
+        LayoutError: zero point words straddling the boundary, or output names the config does not quantize.
+    """
+    if m.scheme.format in ("gptq", "awq"):  # stored (in, out): columns move (gptq_rows)
+        from . import gptq_rows
+
+        return gptq_rows.split_entries(m, layout, new, ckpt)
+    rows, cols = m.shape
+    layout.segments(rows)  # odd rows, a --tp not dividing: LayoutError
+    for role in ("gate", "up"):
+        _scheme_of(ckpt, new[role][: -len(".weight")], m)
+    if "weight_zero_point" in m.parts:
+        _zero_point_check(m, rows, layout, "split")
+    out: dict[str, list[Entry]] = {}
+    for suffix, src in m.parts.items():
+        out[src] = []
+        for k, role in enumerate(("gate", "up")):
+            name = new[role][: -len("weight")] + suffix
+            if suffix == "weight_shape":
+                out[src].append(_shape_entry(name, rows // 2, cols, src))
+            elif suffix in PER_TENSOR or (suffix == "weight_scale" and m.scheme.strategy == "tensor"):
+                info = ckpt.info(src)
+                out[src].append(Entry(name, info.st_dtype, info.shape, (src,), lambda ts: ts[0].clone(), None,
+                                      f"{src} (one number: each half keeps it)"))
+            else:
+                out[src].append(_rows_entry(name, src, k, layout))
+        out[src] = finish(out[src], ckpt)
+    return out
+
+
+def _rows_entry(name: str, src: str, k: int, layout: GateUpLayout) -> Entry:
+    """Half ``k`` of ``src``'s rows per ``layout``; shape and dtype filled in by ``finish``."""
+    def compute(ts):
+        return split(ts[0], layout, name=src)[k].contiguous()
+
+    return Entry(name, None, (), (src,), compute, None, f"{'gate' if k == 0 else 'up'} rows of {src} ({layout.describe()})")
+
+
+def finish(entries: list[Entry], ckpt) -> list[Entry]:
+    """Dtypes and shapes of the row entries, from the inputs' headers (without reading them)."""
+    out = []
+    for e in entries:
+        if e.dtype is None:
+            infos = [ckpt.info(n) for n in e.inputs]
+            shape = list(infos[0].shape)
+            shape[0] = shape[0] // 2 if len(infos) == 1 else shape[0] * 2
+            e = Entry(e.name, infos[0].st_dtype, tuple(shape), e.inputs, e.compute, None, e.note)
+        out.append(e)
+    return out
+
+
+def fuse_entries(g: Module, u: Module, layout: GateUpLayout, name: str, ckpt) -> list[Entry]:
+    """Entries writing the fused module ``name`` (``X.weight``) from gate's and up's parts.
+
+    Raises:
+        LayoutError: different schemes or shapes, a per-tensor scale that differs, zero point words that
+            would straddle the boundary, an output name the config does not quantize.
+    """
+    import torch
+
+    if g.scheme.name != u.scheme.name or g.shape != u.shape or set(g.parts) != set(u.parts):
+        raise LayoutError(f"cannot fuse {g.weight} ({g.scheme.name}, {list(g.shape)}) with {u.weight} "
+                          f"({u.scheme.name}, {list(u.shape)}): gate and up need one scheme and shape")
+    if g.scheme.format in ("gptq", "awq"):
+        from . import gptq_rows
+
+        return gptq_rows.fuse_entries(g, u, layout, name, ckpt)
+    rows, cols = g.shape
+    _scheme_of(ckpt, name[: -len(".weight")], g)
+    layout.segments(2 * rows)
+    if "weight_zero_point" in g.parts:
+        _zero_point_check(g, 2 * rows, layout, "fuse")
+    out = []
+    base = name[: -len("weight")]
+    for suffix in g.parts:
+        a, b = g.parts[suffix], u.parts[suffix]
+        if suffix == "weight_shape":
+            out.append(_shape_entry(base + suffix, 2 * rows, cols, a))
+        elif suffix in PER_TENSOR or (suffix == "weight_scale" and g.scheme.strategy == "tensor"):
+            sa, sb = ckpt[a], ckpt[b]
+            if sa.dtype != sb.dtype or not torch.equal(sa.reshape(-1).view(torch.uint8), sb.reshape(-1).view(torch.uint8)):
+                what = "global scales" if suffix in PER_TENSOR else "per-tensor scales"
+                raise LayoutError(f"{a} = {sa.item()} and {b} = {sb.item()}: {what} that differ (ratio "
+                                  f"{sb.item() / sa.item():.6g}); the fused tensor would need one {what[:-1]} for two, "
+                                  "and taking either (or their max) changes the other half's values, so no exact fuse "
+                                  "exists (re-quantizing one half is not done here)")
+            out.append(Entry(base + suffix, ckpt.info(a).st_dtype, ckpt.info(a).shape, (a,), lambda ts: ts[0].clone(),
+                             None, f"{a} (gate's and up's, equal)"))
+        else:
+            out.append(Entry(base + suffix, None, (), (a, b), lambda ts: fuse(ts[0], ts[1], layout, name=name), None,
+                             f"fuse({a} + {b}; {layout.describe()})"))
+    return finish(out, ckpt)

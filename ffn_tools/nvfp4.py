@@ -1,0 +1,129 @@
+"""NVFP4 weights as compressed-tensors and NVIDIA ModelOpt store them: one layout, two global-scale conventions.
+
+Both store 4-bit E2M1 values two to a byte, low nibble first (``X.weight_packed`` in compressed-tensors'
+``nvfp4-pack-quantized``, ``X.weight`` in ModelOpt; uint8 (rows, cols / 2)), one F8_E4M3 scale per 16 values
+of a row (``X.weight_scale`` (rows, cols / 16)) and one float32 per tensor. They differ in that number:
+
+    compressed-tensors  X.weight_global_scale  w = e2m1 * (scale / global_scale)   (forward._dequantize)
+    ModelOpt            X.weight_scale_2       w = e2m1 * scale * scale_2
+
+compressed-tensors' own ModelOpt converter (``entrypoints/convert/converters/modelopt_nvfp4.py``) maps one to
+the other as ``weight_global_scale = 1 / weight_scale_2`` with the packed bytes and scales unchanged: the
+inversion that makes a checkpoint load and run wrong when one convention is read as the other.
+compressed-tensors computes in float32 and rounds the result to bfloat16 (``NVFP4PackedCompressor.decompress``);
+ModelOpt's definition is read the same way, in float32, rounded to bfloat16.
+
+ModelOpt's modules are those with a uint8 ``X.weight`` beside ``X.weight_scale`` and ``X.weight_scale_2``,
+its config ``quantization_config`` (``quant_method: modelopt``) in config.json or ``hf_quant_config.json``
+(``quantization: {quant_algo: NVFP4, group_size, exclude_modules}``), as mlx_lm reads it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from typing import TYPE_CHECKING
+
+from .errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+GROUP = 16
+CT_FORMAT = "nvfp4-pack-quantized"
+MODELOPT = "modelopt NVFP4"
+
+
+def unpack(packed: "torch.Tensor") -> "torch.Tensor":
+    """uint8 (rows, cols / 2) -> float32 E2M1 values (rows, cols), low nibble first."""
+    import torch
+
+    lut = torch.tensor([*E2M1, *(-v for v in E2M1)], dtype=torch.float32)
+    b = packed.to(torch.uint8)
+    return torch.stack((lut[(b & 0x0F).long()], lut[(b >> 4).long()]), dim=-1).reshape(*b.shape[:-1], -1)
+
+
+def dequantize(values: "torch.Tensor", scale: "torch.Tensor", per_tensor: "torch.Tensor", modelopt: bool) -> "torch.Tensor":
+    """``values`` (rows, cols) times the group scales and the per-tensor number, bfloat16 (see the module doc)."""
+    import torch
+
+    rows, cols = values.shape
+    s = scale.to(torch.bfloat16)  # compressed-tensors' _decompress_scale: to the unpacked dtype first
+    s = s.float() * per_tensor.float() if modelopt else s / per_tensor  # bf16 / f32: float32
+    x = values.to(torch.bfloat16).float().reshape(rows, -1, GROUP) * s.reshape(rows, -1, 1)
+    return x.reshape(rows, cols).to(torch.bfloat16)
+
+
+def steps(packed: "torch.Tensor") -> "torch.Tensor":
+    """Each stored value's signed place on the E2M1 grid (-7..7: 0, 0.5, 1, ... 6 are 0..7), int16."""
+    import torch
+
+    b = packed.to(torch.uint8)
+    nib = torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(*b.shape[:-1], -1).to(torch.int16)
+    return torch.where(nib >= 8, -(nib - 8), nib)
+
+
+def quantize(weight: "torch.Tensor", scale: "torch.Tensor", per_tensor: "torch.Tensor", modelopt: bool) -> "torch.Tensor":
+    """``weight`` quantized with the stored scales, as ``steps`` gives them: compressed-tensors' ``_quantize``
+    (``x / (scale / global_scale)`` in float32, clamped to +-6) and ``cast_to_fp4``'s thresholds (ties to even
+    on the grid); ModelOpt's scale is ``scale * scale_2``."""
+    import torch
+
+    rows, cols = weight.shape
+    s = scale.to(torch.bfloat16).float()
+    s = s * per_tensor.float() if modelopt else s / per_tensor
+    x = torch.clamp(weight.float().reshape(rows, -1, GROUP) / s.reshape(rows, -1, 1), -6.0, 6.0).reshape(rows, cols)
+    a = x.abs()
+    place = torch.zeros_like(a, dtype=torch.int16)  # compressed-tensors' cast_to_fp4, bucket by bucket
+    for lo, hi, k, closed in ((0.25, 0.75, 1, False), (0.75, 1.25, 2, True), (1.25, 1.75, 3, False),
+                              (1.75, 2.5, 4, True), (2.5, 3.5, 5, False), (3.5, 5.0, 6, True)):
+        inside = ((a >= lo) & (a <= hi)) if closed else ((a > lo) & (a < hi))
+        place = torch.where(inside, torch.tensor(k, dtype=torch.int16), place)
+    place = torch.where(a > 5.0, torch.tensor(7, dtype=torch.int16), place)
+    return torch.where(x < 0, -place, place)
+
+
+def modelopt_config(ckpt) -> dict | None:
+    """ModelOpt's quantization settings (flat), from config.json or hf_quant_config.json; None: not ModelOpt."""
+    q = (ckpt.config or {}).get("quantization_config")
+    if not (isinstance(q, dict) and q.get("quant_method") == "modelopt"):
+        f = ckpt.root / "hf_quant_config.json"
+        try:
+            q = json.loads(f.read_text()) if f.is_file() else None
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{f}: unreadable ({e})") from None
+    if not isinstance(q, dict):
+        return None
+    settings = q.get("quantization", q)
+    return settings if isinstance(settings, dict) and "quant_algo" in settings else None
+
+
+def modelopt_bases(ckpt) -> list[str]:
+    """Modules stored as ModelOpt NVFP4: a uint8 ``X.weight`` beside ``X.weight_scale`` and ``X.weight_scale_2``."""
+    return sorted(n[: -len(".weight_scale_2")] for n in ckpt if n.endswith(".weight_scale_2")
+                  and n[: -len("_scale_2")] in ckpt and ckpt.info(n[: -len("_scale_2")]).st_dtype == "U8")
+
+
+def excluded(settings: dict, base: str) -> bool:
+    """Whether ModelOpt's ``exclude_modules`` (names or shell patterns) names module ``base``."""
+    return any(fnmatch.fnmatchcase(base, p) for p in settings.get("exclude_modules") or [])
+
+
+def check(ckpt, base: str, parts: dict[str, str], packed: str, per_tensor: str) -> tuple[str | None, tuple[int, int]]:
+    """(why the NVFP4 parts of ``base`` do not fit, or None; the weight's (rows, cols))."""
+    p, s = ckpt.info(parts[packed]), ckpt.info(parts["weight_scale"]) if "weight_scale" in parts else None
+    if s is None:
+        return f"{base}.weight_scale is missing", (0, 0)
+    if per_tensor not in parts:
+        return f"{base}.{per_tensor} is missing", (0, 0)
+    rows, cols = p.shape[0], p.shape[-1] * 2
+    if p.st_dtype != "U8" or len(p.shape) != 2:
+        return f"{parts[packed]}: {p.st_dtype} {list(p.shape)}, expected uint8 (rows, cols / 2)", (rows, cols)
+    if s.shape != (rows, cols // GROUP) or s.st_dtype != "F8_E4M3" or cols % GROUP:
+        return (f"{parts['weight_scale']}: {s.st_dtype} {list(s.shape)}, expected F8_E4M3 {[rows, cols // GROUP]} "
+                f"(one per {GROUP} values)"), (rows, cols)
+    g = ckpt.info(parts[per_tensor])
+    if g.st_dtype != "F32" or max(g.shape or (1,)) != 1 or len(g.shape) > 1:
+        return f"{parts[per_tensor]}: {g.st_dtype} {list(g.shape)}, expected one float32", (rows, cols)
+    return None, (rows, cols)
