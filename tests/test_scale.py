@@ -251,6 +251,7 @@ def test_128_experts_verify_in_batches_and_say_what_ran(moe, monkeypatch):
     monkeypatch.setattr(PairChecker, "check", lambda self, *args, **kw: calls.append(args[0]) or check(self, *args, **kw))
     rep = verify(a, b, backends=["reference"], load_check=False)
     assert rep.passed, rep.failures()
+    assert not _ours()  # the stream's readers and the background worker ended with verify
     assert len(rep.results) == 256 and len(calls) == 1  # the first expert alone; 255 in batches
     paths = [r.backends[0].path for r in rep.results]
     assert paths[0] == SAME_AS_A and set(paths[1:]) == {NOT_COMPUTED}
