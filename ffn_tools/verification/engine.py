@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -29,11 +30,13 @@ from ..specs import parse_spec
 from ..io.store import open_checkpoint
 from ..scales import Dequantized, is_companion
 from ..tolerances import Tolerance, tolerance_for, widened
-from .functional import KERNEL_DTYPES
+from .experts import BATCH_BYTES, batch_key, check_batch, pair_bytes
+from .functional import KERNEL_DTYPES, NOT_COMPUTED, reference_backend
 from . import consumer, tied
 from .model_config import ConfigResult, compare_configs
 from .side_files import SideFilesResult, compare_side_files
 from .pairs import PairChecker
+from .stream import BACKGROUND_FORMATS, Job, Streamed, TensorStream, Worker
 from .outside import OutsideResult, compare_outside, outside_tolerance
 from .quant import describe_quantization, ffn_bits, quantization
 from .report import VerifyReport
@@ -186,10 +189,17 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
     """
     if tokens < 1:
         raise FFNToolsError(f"--tokens {tokens}: need at least 1 token")
-    mods, skipped = resolve_backends(backends)
     sel_layers = parse_spec(layers) if layers else None
     sel_experts = parse_spec(experts) if experts else None
+    on_reference = not backends or "reference" in backends
     with ExitStack() as stack:
+        # Backends the user named resolve now, so that one that cannot run here is refused before any work;
+        # every available one (the default) is found in the background, beside the weight checks (importing
+        # jax, mlx and triton takes seconds), after the load check's own imports.
+        worker = stack.enter_context(Worker())
+        kernels = worker.submit(resolve_backends, backends, now=True) if backends else None
+        if kernels:
+            kernels.result()
         opened = []
         for path, side in ((a, "A"), (b, "B")):
             c, e = _open(path, side)
@@ -197,6 +207,7 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
         (ca, ea), (cb, eb) = opened
         if ea or eb:
             side_a, side_b = (_side(c, None) if c else {"path": str(p)} for c, p in ((ca, a), (cb, b)))
+            mods, skipped = kernels.result() if kernels else resolve_backends()
             return VerifyReport(side_a, side_b, list(mods), skipped, tokens, seed, None,
                                 problems=[e for e in (ea, eb) if e])
         clients = None
@@ -209,14 +220,14 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
             from ..loadable import check
 
             load = check(cb.stored)  # first: a missing client is could-not-run (exit 2) before any work
+        if kernels is None:
+            reference_backend()  # imported here, not beside the background's imports
+            kernels = worker.submit(resolve_backends, None)
         (fa, pa), (fb, pb) = _find(ca, "A", scheme, layout), _find(cb, "B", scheme, b_layout or layout)
-        report = VerifyReport(_side(ca, fa), _side(cb, fb), list(mods), skipped, tokens, seed, None, load=load)
+        report = VerifyReport(_side(ca, fa), _side(cb, fb), [], {}, tokens, seed, None, load=load)
         report.problems += [p for p in (pa, pb) if p]
         extract = _extracts(fa, fb)  # an FFN-only output has no model around its FFNs to compare
-        report.config = ConfigResult(skipped=extract) if extract else compare_configs(ca, cb, allow_config)
-        report.side_files = (SideFilesResult(skipped="--no-side-files") if not side_files else
-                             SideFilesResult(skipped=extract) if extract else
-                             compare_side_files(Path(ca.root), Path(cb.root)))
+        model = worker.submit(_model_checks, ca, cb, extract, allow_config, side_files)  # beside the FFN checks
         for side, found in (("A", fa), ("B", fb)):
             if found and (w := found.unmatched_warning()):
                 (report.notes if allow_unmatched else report.problems).append(
@@ -224,12 +235,16 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
         if fa and fb and sel_layers is None and sel_experts is None:
             sel_layers, sel_experts = _extract_selection(report, ca, cb, fa, fb)
         if fa and fb:
-            _check_pairs(report, ca, cb, fa, fb, mods, sel_layers, sel_experts, atol, rtol, exact, seed, tokens,
-                         all_ffns_on_every_backend)
+            run_kernels = _check_pairs(report, ca, cb, fa, fb, kernels, on_reference, sel_layers, sel_experts, atol,
+                                       rtol, exact, seed, tokens, all_ffns_on_every_backend)
             report.outside = _outside(ca, cb, fa, fb, ffn_only or bool(sel_layers or sel_experts), atol, rtol)
-            if not report.outside.skipped:
-                report.notes += consumer.reconcile(report.outside, ca, cb, _tolerance_check(atol, rtol))
-                report.notes += tied.reconcile(report.outside, ca, cb, report.config.ties)
+            run_kernels()  # after the outside comparison: its tensors and theirs are not held at once
+        report.config, report.side_files = model.result()
+        mods, report.skipped_backends = kernels.result()
+        report.backends = list(mods)
+        if report.outside is not None and not report.outside.skipped:
+            report.notes += consumer.reconcile(report.outside, ca, cb, _tolerance_check(atol, rtol))
+            report.notes += tied.reconcile(report.outside, ca, cb, report.config.ties)
         vocab = [(c.config or {}).get("vocab_size") for c in (ca, cb)]
         probe = probe_length(ca.config or {}, ca.total_bytes)
     refused = report.load is not None and report.load.refused
@@ -246,9 +261,19 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
     return report
 
 
+def _model_checks(ca, cb, extract: str | None, allow_config: Sequence[str],
+                  side_files: bool) -> tuple[ConfigResult, SideFilesResult]:
+    """The configs as their clients read them, and the side files (what is not weights)."""
+    config = ConfigResult(skipped=extract) if extract else compare_configs(ca, cb, allow_config)
+    side = (SideFilesResult(skipped="--no-side-files") if not side_files else SideFilesResult(skipped=extract)
+            if extract else compare_side_files(Path(ca.root), Path(cb.root)))
+    return config, side
+
+
 EXACT = Tolerance(0.0, 0.0, 0.0, "exact: bit-identical weights under the same client")  # atol 0: every logit equal
 PROBE_MAX = 512  # longest token batch run to reach a config's window (tiny models only)
 PROBE_BYTES = 1 << 30
+OUTSIDE_READ_AHEAD = 256 << 20  # the outside comparison holds the pair it compares while it reads the next
 
 
 def bit_identical(report: VerifyReport) -> bool:
@@ -325,7 +350,14 @@ def _outside(ca, cb, fa: FFNSet, fb: FFNSet, ffn_only: bool, atol, rtol) -> Outs
     if extract:
         return OutsideResult(skipped=extract)
     log.info("comparing the tensors outside the FFNs")
-    return compare_outside(ca, cb, fa, fb, atol=atol, rtol=rtol)
+    if not all(c.format in BACKGROUND_FORMATS for c in (ca, cb)):
+        return compare_outside(ca, cb, fa, fb, atol=atol, rtol=rtol)
+    b_names = {n for n in cb if n not in fb.tensors}
+    steps = [[(0, n), (1, n)] for n in sorted(n for n in ca if n not in fa.tensors and n in b_names)
+             if tuple(ca.info(n).shape) == tuple(cb.info(n).shape)]  # the order compare_outside reads them in
+    with TensorStream((ca, cb), steps, budget=OUTSIDE_READ_AHEAD, advance=True) as stream:
+        return compare_outside(Streamed(ca, stream.side(0)), Streamed(cb, stream.side(1)), fa, fb, atol=atol,
+                               rtol=rtol)
 
 
 def _spans(ids) -> str:
@@ -370,8 +402,67 @@ def _kernel_kind(cb, y: FFN, bits) -> tuple:
             cb.info(y.names["down"]).st_dtype, bits, any(n.endswith("_bias") for n in y.names))
 
 
-def _check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, mods, sel_layers, sel_experts,
-                 atol, rtol, exact, seed, tokens, every_backend: bool = False) -> None:
+class Step(NamedTuple):
+    """One unit of the weight checks: a pair, or a batch of routed experts (``batched``). ``on_all``: the first
+    FFN of its kind (or --all-ffns-on-every-backend): its float64 reference is computed even where B is A's
+    bit for bit, and the kernel backends run it afterwards."""
+
+    items: list
+    on_all: bool
+    batched: bool = False
+
+
+def _nothing() -> None:
+    pass
+
+
+def _steps(checker: PairChecker, pairs: list, bits: dict, rows: dict, every_backend: bool) -> list[Step]:
+    """The pairs as steps, in order: the first FFN of each kind (``_kernel_kind``) alone on every backend; the
+    other routed experts of a layer in batches (``experts.batch_key``, at most ``BATCH_BYTES`` each); the rest
+    one by one on the reference."""
+    steps: list[Step] = []
+    batch: list = []
+    key, size = None, 0
+    kernel_runs: set[tuple] = set()
+
+    def flush() -> None:
+        if batch:
+            steps.append(Step(list(batch), False, batched=len(batch) > 1))
+            batch.clear()
+
+    for ref, x, y in pairs:
+        kind = _kernel_kind(checker.cb, y, bits[ref])
+        if every_backend or kind not in kernel_runs:
+            kernel_runs.add(kind)
+            flush()
+            steps.append(Step([(ref, x, y)], True))
+            continue
+        bk = batch_key(checker, x, y, any(q is not None for q in bits[ref]))
+        if bk is None:
+            flush()
+            steps.append(Step([(ref, x, y)], False))
+            continue
+        pb = pair_bytes(checker, x, y)
+        if (bk, rows[ref]) != key or size + pb > BATCH_BYTES:
+            flush()
+            key, size = (bk, rows[ref]), 0
+        batch.append((ref, x, y))
+        size += pb
+    flush()
+    return steps
+
+
+def _reads(items: list) -> list[tuple[int, str]]:
+    """The (side, name) of every tensor a step's pairs read, A's first, in the order they read them."""
+    keys = [(0, n) for _, x, _ in items for n in x.names.values()] + [(1, n) for *_, y in items for n in y.names.values()]
+    return list(dict.fromkeys(keys))
+
+
+def _check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: Job, on_reference: bool, sel_layers,
+                 sel_experts, atol, rtol, exact, seed, tokens, every_backend: bool = False) -> Callable[[], None]:
+    """Every FFN pair's checks (``PairChecker``), the weights streamed (``TensorStream``); ``on_reference``: the
+    reference is one of the backends asked for. Returns what runs the kernel backends (``kernels``: the job
+    resolving them) on the first FFN of each kind, which ``verify`` calls after the outside comparison."""
     for f, side in ((fa, "A"), (fb, "B")):
         if f.activation.unit == "unknown":
             raise FFNToolsError(f"activation {f.activation.config_name!r} ({side}) is not one the kernels have "
@@ -389,7 +480,7 @@ def _check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, mods, sel
     if not pairs:
         report.problems.append(f"A and B have no FFN in common (A: {len(ra)} FFNs under scheme {fa.scheme.name}, "
                                f"B: {len(rb)} under {fb.scheme.name}): different models?")
-        return
+        return _nothing
     ga, gb = ((q or {}).get("bits") for q in (quantization(ca), quantization(cb)))
     bits = {r: (ffn_bits(ca, x, ga), ffn_bits(cb, y, gb)) for r, x, y in pairs}  # per FFN: mixed recipes
     dtypes = {ca.info(x.names["down"]).dtype for _, x, _ in pairs} | {cb.info(y.names["down"]).dtype for *_, y in pairs}
@@ -406,28 +497,42 @@ def _check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, mods, sel
     if len({t.row for t in rows.values()}) > 1:
         report.notes.append("quantization differs between FFNs (a mixed recipe): each FFN has the row of its own "
                             "coarsest bits")
-    checker = PairChecker(ca, cb, fa, fb, mods, exact, seed, tokens)
-    log.info("verifying %d FFN pairs on %s, %d tokens, tolerance %s", len(pairs), ", ".join(mods), tokens,
-             tol.describe())
+    reference = {"reference": reference_backend()} if on_reference else {}
+    checker = PairChecker(ca, cb, fa, fb, reference, exact, seed, tokens)
+    log.info("verifying %d FFN pairs, %d tokens, tolerance %s", len(pairs), tokens, tol.describe())
 
     def nbytes(x, y):
         return x.d_model * x.d_ffn * 3 * (ca.info(x.names["down"]).nbytes // (x.d_model * x.d_ffn)
                                           + cb.info(y.names["down"]).nbytes // (y.d_model * y.d_ffn))
 
+    steps = _steps(checker, pairs, bits, rows, every_backend)
+    ran: dict = {}  # the first FFN of each kind: its inputs and A's float64 output, for the kernel backends
     bar = progress.Progress(sum(nbytes(x, y) for _, x, y in pairs), "verifying FFNs")
     try:
-        kernel_runs: set[tuple] = set()  # one FFN of each kind runs on every backend (see ``_kernel_kind``)
-        for ref, x, y in pairs:
-            kind = _kernel_kind(cb, y, bits[ref])
-            on_all = every_backend or kind not in kernel_runs
-            kernel_runs.add(kind)
-            use = mods if on_all else {n: m for n, m in mods.items() if n == "reference"}
-            res = checker.check(ref, x, y, rows[ref], coarsest(*bits[ref]) is not None, use)
-            res.bits_a, res.bits_b = bits[ref]
-            report.results.append(res)
-            bar.update(nbytes(x, y))
+        with TensorStream((ca, cb), [_reads(s.items) for s in steps]) as stream:
+            checker.read_a, checker.read_b = stream.side(0), stream.side(1)
+            for k, step in enumerate(steps):
+                if step.batched:
+                    results = check_batch(checker, step.items, rows[step.items[0][0]], reference)
+                else:
+                    ref, x, y = step.items[0]
+                    results = [checker.check(ref, x, y, rows[ref], coarsest(*bits[ref]) is not None, reference,
+                                             compute_identical=step.on_all, ran=ran if step.on_all else None)]
+                for (ref, x, y), res in zip(step.items, results):
+                    res.bits_a, res.bits_b = bits[ref]
+                    report.results.append(res)
+                    bar.update(nbytes(x, y))
+                stream.done(k)
     finally:
+        checker.read_a, checker.read_b = ca, cb
         bar.close()
+    skipped = sum(any(b.path == NOT_COMPUTED for b in r.backends) for r in report.results)
+    if skipped:
+        report.notes.append(
+            f"{skipped} of {len(pairs)} FFNs are bit-identical to A's, finite, and on no kernel backend: their float64 "
+            "reference was not computed (the same bits through the same computation give A's output, so it "
+            "could only agree); their weights were checked finite instead, the one thing that run could add "
+            "(--all-ffns-on-every-backend computes it)")
     quantized = [r for r in report.results if coarsest(*bits[r.ref]) is not None]
     if quantized:
         sides = " and ".join(s for s, i in (("A", 0), ("B", 1)) if any(bits[r][i] is not None for r in bits))
@@ -439,3 +544,15 @@ def _check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, mods, sel
     differing = [r.ref for r in report.results if r.exact == "differs"]
     if differing:
         checker.name_owners(report, differing, rb)
+
+    def run_kernels() -> None:
+        """The first FFN of each kind on the kernel backends, read again: run last, their frameworks imported
+        meanwhile, and with nothing else held (they copy the weights they run)."""
+        mods, _ = kernels.result()
+        others = {n: m for n, m in mods.items() if n != "reference"}
+        by_ref = {r.ref: r for r in report.results}
+        for ref, x, y in pairs:
+            if others and ref in ran:
+                checker.run_kernels(by_ref[ref], x, y, rows[ref], ran[ref], others)
+
+    return run_kernels

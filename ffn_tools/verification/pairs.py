@@ -3,12 +3,22 @@
 ``PairChecker`` holds what every pair shares (the two checkpoints and their FFN sets, the backends, the
 exact-check mode, the input seed) and ``check(ref, a_ffn, b_ffn, tol, quantized)`` returns its
 ``FFNResult`` (the tolerance row is per FFN: mixed quantization recipes give layers different bits).
+It reads tensors through ``read_a`` / ``read_b``: the checkpoints themselves, or the ``stream`` that reads the
+next pairs ahead and holds each tensor only while a pair needs it (``verify`` sets them).
 ``name_owners`` runs after all pairs, only when some differed, to say which of A's FFNs a differing B FFN
 actually holds.
+
+Where B's FFN is A's bit for bit and no kernel backend runs it (``compute_identical=False``: all but the first
+FFN of each kind), its float64 reference is not computed: the same bits through the same float64 computation
+give A's output, so the comparison could only find B equal to A. What that run could still show, a non-finite
+output, comes only from a non-finite weight, so the weights are checked finite instead (a pass over their
+bytes, not the four GEMM-sized conversions and products of the reference); a non-finite one runs the reference
+as before, which reports it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -21,31 +31,14 @@ from ..io.store import Checkpoint
 from ..registry import CANONICAL_ROLES
 from ..tolerances import Tolerance
 from .diagnose import Fingerprints, explain, first_difference
-from .functional import Operands, check_ffn, input_scale, make_inputs, nonfinite_values
+from .functional import (Operands, all_finite, check_ffn, input_scale, make_inputs, nonfinite_values,
+                         not_computed, reference_backend, run_reference)
 from .quant import ffn_bits, quantization
 from .report import FFNResult, VerifyReport
 
 KERNEL_LAYOUTS = ("concat", "interleaved")  # what silu_mul_fused reads directly (either order, row axis)
 ROLES = CANONICAL_ROLES  # gate, up, down and their biases
 STORED = ("gate", "up", "gate_up", "down")  # weight roles as an FFN stores them
-
-
-class Cached:
-    """A checkpoint mapping that keeps the last few tensors read (stacked experts share one tensor)."""
-
-    def __init__(self, ckpt, size: int = 4):
-        self.ckpt, self.size = ckpt, size
-        self._cache: dict[str, torch.Tensor] = {}
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._cache:
-            if len(self._cache) >= self.size:
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[name] = self.ckpt[name]
-        return self._cache[name]
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.ckpt
 
 
 @dataclass
@@ -62,13 +55,18 @@ class PairChecker:
     tokens: int
 
     def __post_init__(self) -> None:
-        self.cached_a, self.cached_b = Cached(self.ca), Cached(self.cb)
+        self.read_a: Mapping = self.ca  # what tensors are read through (``verify``: its read-ahead stream)
+        self.read_b: Mapping = self.cb
         self._bits_a = (quantization(self.ca) or {}).get("bits")  # A's global bits, as the engine reads them
 
     def check(self, ref: FFNRef, x: FFN, y: FFN, tol: Tolerance, quantized: bool,
-              backends: dict | None = None) -> FFNResult:
+              backends: dict | None = None, compute_identical: bool = True,
+              ran: dict[FFNRef, tuple[torch.Tensor, torch.Tensor]] | None = None) -> FFNResult:
         """Every check of A's FFN ``x`` against B's FFN ``y``, within ``tol`` (this FFN's row); ``quantized``:
-        A's or B's is, so it cannot be bit-exact; ``backends``: the ones this FFN runs on (default: all)."""
+        A's or B's is, so it cannot be bit-exact; ``backends``: the ones this FFN runs on (default: all);
+        ``compute_identical``: run the float64 reference even where B's weights are A's bit for bit (False:
+        not, when they are all finite; see the module docstring); ``ran``: where to keep the inputs and A's
+        float64 output (``ran[ref]``) for ``run_kernels``."""
         res = FFNResult(ref, (x.d_model, x.d_ffn), (y.d_model, y.d_ffn),
                         short_name(self.ca.info(x.names["down"]).st_dtype),
                         short_name(self.cb.info(y.names["down"]).st_dtype), tolerance=tol)
@@ -76,22 +74,31 @@ class PairChecker:
             res.problems.append(f"shapes differ: A has d_model {x.d_model}, d_ffn {x.d_ffn}; B has d_model "
                                 f"{y.d_model}, d_ffn {y.d_ffn} (different models?)")
             return res
-        wa, wb = canonical_weights(self.cached_a, x), canonical_weights(self.cached_b, y)
+        wa, wb = canonical_weights(self.read_a, x), canonical_weights(self.read_b, y)
         _biases(res, wa, wb)
-        ops_a = _operands(self.cached_a, x, wa, self.fa.activation.kernel)
-        ops_b = _operands(self.cached_b, y, wb, self.fb.activation.kernel)
+        ops_b = _operands(self.read_b, y, wb, self.fb.activation.kernel)
         stored = None
         if y.form.fused:  # B's gate_up as stored, for naming a misread layout
-            stored = (self._raw(self.cached_b, y, "gate_up"), y.layout)
+            stored = (self._raw(self.read_b, y, "gate_up"), y.layout)
             if not ops_b.fused and y.layout.axis == "rows":
                 res.notes.append(f"B's fused layout {y.layout.describe()} ran through ffn() on split weights")
         requantized = quantized and self.exact is None and self._requantized(res, wa, x, y)
         if not requantized:
             self._exact(res, wa, wb, stored, quantized)
-        inputs = make_inputs(self.tokens, x.d_model, self.seed, input_scale(ops_a.gate),
+        same_as_a = res.exact == "identical" and not requantized and self.fa.activation.kernel == ops_b.activation
+        backends = self.backends if backends is None else backends
+        if same_as_a and not compute_identical and all_finite(wa.values()):
+            res.backends = [not_computed()] if "reference" in backends else []
+            return res
+        if not backends and ran is None:  # nothing runs it (--backend names no reference, not its kind's first)
+            return res
+        inputs = make_inputs(self.tokens, x.d_model, self.seed, input_scale(wa["gate"]),
                              [t.dtype for t in (*wa.values(), *wb.values())])
-        res.backends = check_ffn(self.backends if backends is None else backends, inputs, ops_a, ops_b, tol,
-                                 identical=res.exact == "identical" and not requantized)
+        r = run_reference(backends.get("reference") or reference_backend(), inputs,
+                          _operands(self.read_a, x, wa, self.fa.activation.kernel))
+        if ran is not None:
+            ran[ref] = (inputs, r)
+        res.backends = check_ffn(backends, inputs, r, ops_b, tol, same_as_a=same_as_a)
         if quantized and not requantized:  # compressed-tensors codes against the other side re-quantized (ctcheck)
             from .ctcheck import check_ffn as check_codes
 
@@ -99,6 +106,19 @@ class PairChecker:
         if any(b.nonfinite for b in res.backends):
             _nonfinite(res, wa, wb)
         return res
+
+    def run_kernels(self, res: FFNResult, x: FFN, y: FFN, tol: Tolerance, ran: tuple[torch.Tensor, torch.Tensor],
+                    backends: dict) -> None:
+        """B's FFN ``y`` on the kernel ``backends`` against A's float64 output, on the inputs ``check`` kept
+        (``ran``), within ``tol``, appended to ``res``. ``verify`` runs them after every pair's weights are checked: their
+        frameworks copy the weights, so nothing else is held then, and their imports overlap the checks."""
+        inputs, r = ran
+        wb = canonical_weights(self.read_b, y)
+        ops_b = _operands(self.read_b, y, wb, self.fb.activation.kernel)
+        flagged = any(b.nonfinite for b in res.backends)  # the reference's run has named B's non-finite weights
+        res.backends += check_ffn(backends, inputs, r, ops_b, tol)
+        if not flagged and any(b.nonfinite for b in res.backends):
+            _nonfinite(res, canonical_weights(self.read_a, x), wb)
 
     @staticmethod
     def _raw(cached, ffn: FFN, role: str) -> torch.Tensor:
@@ -154,7 +174,7 @@ class PairChecker:
                               "compared within the quantized tolerance, not bit for bit")
                 continue
             if parts[r] is None:
-                b = self._raw(self.cached_b, y, r)
+                b = self._raw(self.read_b, y, r)
                 d = first_difference(r, a, b) if a.dtype == b.dtype else recast_difference(r, a, b)
                 diffs += [f"not bit-identical: {d}"] if d else []
                 which += [r] if d else []
