@@ -32,7 +32,7 @@ from ..io.dtypes import itemsize, short_name
 from ..layouts import split
 from ..tolerances import Tolerance
 from .diagnose import bits
-from .functional import (KERNEL_DTYPES, PREACT_RMS, REF_BLOCK_BYTES, SCALE_ROWS, all_finite, not_computed)
+from .functional import PREACT_RMS, REF_BLOCK_BYTES, SCALE_ROWS, all_finite, held_by_all, not_computed
 from .pairs import KERNEL_LAYOUTS, PairChecker
 from .report import BackendResult, FFNResult
 
@@ -174,15 +174,7 @@ def batch_inputs(tokens: int, d_model: int, seed: int, gate: torch.Tensor, dtype
     med = norms.median(dim=1).values.tolist() if norms.shape[1] else [0.0] * gate.shape[0]
     scales = torch.tensor([PREACT_RMS / m if math.isfinite(m) and m > 0 else 1.0 for m in med], dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + d_model)
-    x = torch.randn(tokens, d_model, generator=gen) * scales[:, None, None]
-    kinds = [d for d in dict.fromkeys(dtypes) if d in KERNEL_DTYPES and d != torch.float32]
-    for _ in range(4):  # as make_inputs: each rounding only drops bits, experts already settled stay put
-        before = x
-        for d in kinds:
-            x = x.to(d).to(torch.float32)
-        if torch.equal(x, before):
-            break
-    return x
+    return held_by_all(torch.randn(tokens, d_model, generator=gen) * scales[:, None, None], dtypes)
 
 
 def _act(x: torch.Tensor, function: str, alpha: float) -> torch.Tensor:

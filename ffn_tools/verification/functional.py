@@ -92,7 +92,11 @@ def input_scale(gate: torch.Tensor) -> float:
 def make_inputs(tokens: int, d_model: int, seed: int, scale: float, dtypes) -> torch.Tensor:
     """(tokens, d_model) float32 inputs, seeded per d_model, that every dtype in ``dtypes`` holds exactly."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + d_model)
-    x = torch.randn(tokens, d_model, generator=gen) * scale
+    return held_by_all(torch.randn(tokens, d_model, generator=gen) * scale, dtypes)
+
+
+def held_by_all(x: torch.Tensor, dtypes) -> torch.Tensor:
+    """float32 ``x`` rounded until every kernel dtype in ``dtypes`` holds it exactly."""
     kinds = [d for d in dict.fromkeys(dtypes) if d in KERNEL_DTYPES and d != torch.float32]
     for _ in range(4):  # bf16 -> fp16 -> bf16 -> fp16 settles: each rounding only drops bits
         before = x
