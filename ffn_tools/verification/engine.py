@@ -26,11 +26,12 @@ from ..ffn import ACTIVATIONS, FFN, FFNRef
 from ..layouts import GateUpLayout
 from ..registry import Scheme, compile_template
 from ..specs import parse_spec
-from ..io.store import open_checkpoint
+from ..io.store import Format, open_checkpoint
 from ..scales import Dequantized, is_companion
 from ..tolerances import Tolerance, tolerance_for, widened
 from .functional import KERNEL_DTYPES
 from . import consumer, tied
+from .gguf_checks import compare_metadata, compare_tokenizer
 from .model_config import ConfigResult, compare_configs
 from .side_files import SideFilesResult, compare_side_files
 from .pairs import PairChecker
@@ -213,9 +214,12 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
         report = VerifyReport(_side(ca, fa), _side(cb, fb), list(mods), skipped, tokens, seed, None, load=load)
         report.problems += [p for p in (pa, pb) if p]
         extract = _extracts(fa, fb)  # an FFN-only output has no model around its FFNs to compare
-        report.config = ConfigResult(skipped=extract) if extract else compare_configs(ca, cb, allow_config)
+        gguf = cb.format is Format.GGUF  # the model llama.cpp builds: metadata and tokenizer.ggml.* (gguf_checks)
+        report.config = (ConfigResult(skipped=extract) if extract else compare_metadata(ca, cb, allow_config)
+                         if gguf else compare_configs(ca, cb, allow_config))
         report.side_files = (SideFilesResult(skipped="--no-side-files") if not side_files else
                              SideFilesResult(skipped=extract) if extract else
+                             compare_tokenizer(Path(ca.root), cb) if gguf else
                              compare_side_files(Path(ca.root), Path(cb.root)))
         for side, found in (("A", fa), ("B", fb)):
             if found and (w := found.unmatched_warning()):

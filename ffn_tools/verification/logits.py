@@ -25,7 +25,7 @@ from .functional import compare
 log = logging.getLogger(__name__)
 
 BATCH = (2, 16)  # (sequences, tokens)
-CLIENTS = {"transformers": "transformers AutoModelForCausalLM", "mlx_lm": "mlx_lm"}
+CLIENTS = {"transformers": "transformers AutoModelForCausalLM", "mlx_lm": "mlx_lm", "llama.cpp": "llama-cpp-python"}
 
 
 def client_for(ckpt, side: str) -> str:
@@ -36,6 +36,13 @@ def client_for(ckpt, side: str) -> str:
     """
     path = Path(ckpt.path)
     cfg = ckpt.config or {}
+    if ckpt.format is Format.GGUF:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError as e:
+            raise FFNToolsError(f"--logits: {side} is a GGUF and llama-cpp-python is not installed ({e}): "
+                                "pip install 'ffn-tools[gguf]'") from None
+        return "llama.cpp"
     if not path.is_dir() or "model_type" not in cfg:
         raise FFNToolsError(f"--logits: {side} ({path}) is not a model directory with a config.json naming its "
                             "model_type; whole-model logits need a directory transformers or mlx_lm can load")
@@ -87,6 +94,29 @@ def _mlx_logits(path: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, list[st
     return torch.from_numpy(np.array(out.astype(mx.float32))).to(torch.float64), []
 
 
+def _llama_cpp_logits(path: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+    """llama.cpp's logits of every position, one sequence at a time, its KV cache in float32 (its default f16
+    cache would add its own rounding to what is compared)."""
+    import llama_cpp
+    import numpy as np
+
+    from ..loadable import _quiet_stderr
+
+    out = []
+    with _quiet_stderr():
+        model = llama_cpp.Llama(model_path=str(path), n_ctx=max(32, tokens.shape[1]), n_batch=tokens.shape[1],
+                                logits_all=True, verbose=False, type_k=llama_cpp.GGML_TYPE_F32,
+                                type_v=llama_cpp.GGML_TYPE_F32)
+        try:
+            for seq in tokens.tolist():
+                model.reset()
+                model.eval(seq)
+                out.append(torch.from_numpy(np.array(model.scores[:model.n_tokens], dtype=np.float64)))
+        finally:
+            model.close()
+    return torch.stack(out), []
+
+
 def _run(fn, client: str, path: Path, side: str, tokens: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
     """One client's logits; a client that cannot run the model here is trouble, not a difference."""
     try:
@@ -124,7 +154,7 @@ def compare_logits(a, b, clients: tuple[str, str], tol: Tolerance, seed: int, vo
     if vocab[0] != vocab[1] or not isinstance(vocab[0], int):
         raise FFNToolsError(f"--logits: vocabulary sizes differ or are unknown (A {vocab[0]}, B {vocab[1]})")
     tokens = token_batch(vocab[0], seed, length)
-    run = {"transformers": _transformers_logits, "mlx_lm": _mlx_logits}
+    run = {"transformers": _transformers_logits, "mlx_lm": _mlx_logits, "llama.cpp": _llama_cpp_logits}
     (la, pa), (lb, pb) = (_run(run[c], c, Path(p), side, tokens) for c, p, side in zip(clients, (a, b), "AB"))
     problems = [f"A: {p}" for p in pa] + [f"B: {p}" for p in pb]
     out: dict = {"client_a": clients[0], "client_b": clients[1], "shape": list(tokens.shape) + [vocab[0]],
