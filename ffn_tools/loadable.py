@@ -185,11 +185,16 @@ def check_llama_cpp(path: Path) -> LoadCheck:
 
 
 class _quiet_stderr:
-    """llama.cpp's C code logs to file descriptor 2 while loading; silenced (its refusal is the exception)."""
+    """llama.cpp logs while loading, from C to file descriptor 2 and through llama-cpp-python's callback to
+    ``sys.stderr``; both silenced (its refusal is the exception)."""
 
     def __enter__(self):
+        import contextlib
+        import io
         import os
 
+        self._python = contextlib.redirect_stderr(io.StringIO())
+        self._python.__enter__()
         self._saved = os.dup(2)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
@@ -200,6 +205,7 @@ class _quiet_stderr:
 
         os.dup2(self._saved, 2)
         os.close(self._saved)
+        self._python.__exit__(*exc)
 
 
 def check_mlx(path: Path) -> LoadCheck:
