@@ -96,6 +96,16 @@ def test_verify_passes_the_converter_output(gguf_model, gguf_ref, outtype):
     assert exact == ({"identical"} if outtype == "f32" else {"skipped"} if outtype == "q8_0" else exact)
 
 
+@pytest.mark.parametrize("arch", ["mistral", "qwen3"])
+def test_verify_dense_families_with_load_check(gguf_model, gguf_ref, arch):
+    """Mistral (llama.cpp's llama architecture, q/k permuted) and Qwen3 (q/k norms, no permutation) in bf16:
+    everything agrees and llama.cpp builds both."""
+    r = verify(gguf_model(arch), gguf_ref(arch, "bf16"), backends=["reference"])
+    assert r.passed, r.failures()
+    assert r.load.client == "llama.cpp" and r.load.ok
+    assert r.outside.passed and not r.outside.only_a and not r.outside.only_b
+
+
 def test_verify_moe(gguf_model, gguf_ref):
     r = verify(gguf_model("qwen3_moe"), gguf_ref("qwen3_moe", "q8_0"), backends=["reference"], load_check=False)
     assert r.passed
@@ -168,3 +178,24 @@ def test_load_check_and_logits_through_llama_cpp(gguf_model, gguf_ref, tmp_path)
     r = run_cli("verify", src, tmp_path / "short.gguf", "--backend", "reference", ok=None)
     assert r.exit_code == 1
     assert "would not load: llama.cpp cannot build the model" in r.output
+
+
+@pytest.mark.parametrize("ftype,types,row", [("Q4_0", {"Q4_0", "Q8_0"}, "4-bit"), ("Q4_K_M", {"Q5_0", "Q8_0"}, "5-bit")])
+def test_llama_quantize_outputs_read_and_verify(gguf_model, gguf_ref, tmp_path, ftype, types, row):
+    """llama-quantize's own code (llama-cpp-python's llama_model_quantize) quantizes the converter's f32 file;
+    every type it writes reads dequantized and verify passes each FFN in its type's row. (Q4_K_M on a
+    64-wide model: llama-quantize falls back to Q5_0/Q8_0 where rows are not multiples of 256.)"""
+    import ctypes
+
+    import llama_cpp
+
+    out = tmp_path / f"{ftype}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    assert llama_cpp.llama_model_quantize(str(gguf_ref("llama", "f32")).encode(), str(out).encode(),
+                                          ctypes.byref(params)) == 0
+    with open_any(out) as g:
+        assert {p["mode"] for n in g if (p := g.quant_params(n))} == types
+    r = verify(gguf_model("llama"), out, backends=["reference"], load_check=False)
+    assert r.passed, r.failures()
+    assert r.tolerance.row.endswith(row)
