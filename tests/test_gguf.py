@@ -199,3 +199,35 @@ def test_llama_quantize_outputs_read_and_verify(gguf_model, gguf_ref, tmp_path, 
     r = verify(gguf_model("llama"), out, backends=["reference"], load_check=False)
     assert r.passed, r.failures()
     assert r.tolerance.row.endswith(row)
+
+
+def test_extract_from_gguf_is_bit_exact(gguf_model, gguf_ref, tmp_path):
+    run_cli("-q", "extract", gguf_ref("qwen3_moe", "f32"), "-o", tmp_path / "ffn")
+    r = verify(gguf_model("qwen3_moe"), tmp_path / "ffn", backends=["reference"])
+    assert r.passed and len(r.results) == 8 and all(x.exact == "identical" for x in r.results)
+
+
+def test_unreadable_ggufs_are_refused_by_name(gguf_ref, tmp_path):
+    """A tensor no Hugging Face name is known for, and an architecture ffn-tools does not read, are refused
+    (exit 2, one line naming them), never read as something else."""
+    from gguf import GGUFReader, GGUFWriter
+
+    def rewrite(dst, arch, extra=None):
+        reader = GGUFReader(gguf_ref("llama", "f32"))
+        w = GGUFWriter(dst, arch)
+        for key, f in reader.fields.items():
+            if not key.startswith("GGUF.") and key != "general.architecture":
+                w.add_key_value(key.replace("llama.", f"{arch}."), f.contents(), f.types[0],
+                                f.types[-1] if f.types[0].name == "ARRAY" else None)
+        for t in reader.tensors:
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+        for name, data in (extra or {}).items():
+            w.add_tensor(name, data)
+        w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+        return dst
+
+    odd = rewrite(tmp_path / "odd.gguf", "llama", {"blk.0.mystery.weight": np.ones((4, 4), np.float32)})
+    r = run_cli("inspect", odd, ok=False)
+    assert "1 tensor(s) of no Hugging Face name known for llama: blk.0.mystery.weight" in r.output
+    r = run_cli("inspect", rewrite(tmp_path / "g.gguf", "gemma2"), ok=False)
+    assert "general.architecture 'gemma2' is not one ffn-tools reads" in r.output
