@@ -45,6 +45,8 @@ def test_refusals(gguf_model, tmp_path):
     out.write_bytes(b"keep")
     r = run_cli("convert", src, "--to", "gguf", "-o", out, "--outtype", "f16", ok=False)
     assert "already exists" in r.output and out.read_bytes() == b"keep"
+    run_cli("-q", "convert", src, "--to", "gguf", "-o", out, "--outtype", "f16", "--force")
+    assert out.read_bytes()[:4] == b"GGUF" and [p.name for p in tmp_path.iterdir()] == ["x.gguf"]
     r = run_cli("convert", src, "--to", "gguf", "-o", tmp_path / "y.gguf", "--dtype", "float16", ok=False)
     assert "--dtype does not apply to --to gguf" in r.output
     r = run_cli("convert", src, "--to", "gguf", "-o", tmp_path / "y", "--outtype", "f16", ok=False)
