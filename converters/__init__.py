@@ -1,6 +1,6 @@
 """One module per checkpoint format, each with the same surface.
 
-Every format module (``pytorch``, ``mlx``, ``flax``; ``native``, Meta's and Mistral's own layouts, read only)
+Every format module (``pytorch``, ``mlx``, ``flax``, ``gguf``; ``native``, Meta's and Mistral's own layouts, read only)
 defines:
 
     FORMAT: str                        the --to / detected name
@@ -22,13 +22,13 @@ from pathlib import Path
 
 from ffn_tools.errors import FFNToolsError
 
-FORMATS = ("torch", "mlx", "flax")
+FORMATS = ("torch", "mlx", "flax", "gguf")
 _MODULES = {"torch": "ffn_tools.converters.pytorch", "mlx": "ffn_tools.converters.mlx", "flax": "ffn_tools.converters.flax",
-            "native": "ffn_tools.converters.native"}
+            "native": "ffn_tools.converters.native", "gguf": "ffn_tools.converters.gguf"}
 # Options whose command-line flags are not simply --the-name.
 _FLAGS = {"scheme": "--scheme/--scheme-file/--gate/--up/--down", "layout": "--layout/--order/--tp"}
 # Order in which formats are tried when reading: the specific ones before plain PyTorch.
-_READ_ORDER = ("native", "mlx", "flax", "torch")
+_READ_ORDER = ("gguf", "native", "mlx", "flax", "torch")
 
 __all__ = ["FORMATS", "get", "detect_format", "open_any", "convert"]
 

@@ -134,8 +134,15 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         return {"output": str(out), "format": FORMAT, "files": [], "tensors": len(plan.entries),
                 "bytes": plan.total_bytes, "changes": changes, "plan": plan.describe()}
     card = _card(ckpt)
+    extra = {"README.md": card} if card else {}
+    if ckpt.format is Format.GGUF:  # config.json comes from the metadata, the tokenizer from tokenizer.ggml.*
+        from .gguf import tokenizer_files
+
+        extra.update(tokenizer_files(ckpt))
+        if extra:
+            changes.append("tokenizer files written from the GGUF's tokenizer.ggml.* by transformers' GGUF reader")
     files = execute(plan, out, force=force, max_shard_size=max_shard_size, metadata=metadata,
-                    desc="converting to torch", extra_files={"README.md": card} if card else None)
+                    desc="converting to torch", extra_files=extra or None)
     if card:
         changes.append("README.md: the model card names transformers, not mlx, as its library")
     return {"output": str(out), "format": FORMAT, "files": files, "tensors": len(plan.entries),

@@ -18,7 +18,8 @@ from .verification.cli import verify as verify_command
 # Optional packages and the extra that installs each (import name -> pip requirement).
 EXTRAS = {"mlx": "ffn-tools[mlx]' (Apple silicon) or 'ffn-tools[mlx-cpu]", "mlx_lm": "ffn-tools[mlx]",
           "jax": "ffn-tools[flax]", "flax": "ffn-tools[flax]", "msgpack": "ffn-tools[flax]",
-          "ml_dtypes": "ffn-tools[flax]", "triton": "ffn-tools[cuda]", "transformers": "transformers"}
+          "ml_dtypes": "ffn-tools[flax]", "triton": "ffn-tools[cuda]", "transformers": "transformers",
+          "gguf": "ffn-tools[gguf]", "llama_cpp": "ffn-tools[gguf]"}
 
 
 class Trouble(click.ClickException):
@@ -243,9 +244,13 @@ def _quantize_value(ctx, param, value):
 @click.argument("path", type=CHECKPOINT, required=False)
 @click.option("--hf-path", "--model", "hf_path", type=CHECKPOINT, help="The input, as mlx_lm.convert names it "
               "(instead of PATH).")
-@click.option("--to", "to", type=click.Choice(("torch", "mlx", "flax")),
+@click.option("--to", "to", type=click.Choice(("torch", "mlx", "flax", "gguf")),
               help="Output format (mlx when --mlx-path is given).")
-@click.option("-o", "--out", type=click.Path(), help="Output directory.")
+@click.option("-o", "--out", type=click.Path(), help="Output directory (a .gguf file for --to gguf).")
+@click.option("--outtype", type=click.Choice(("f32", "f16", "bf16", "q8_0", "auto")), help="GGUF only, as "
+              "convert_hf_to_gguf.py's flag: the type of the weights (norms and other 1-D tensors stay f32); auto, "
+              "the default, is bf16 for a bf16 model, else f16. K-quants (Q4_K_M, ...) are llama.cpp's "
+              "llama-quantize's job, run on an f16 or bf16 GGUF.")
 @click.option("--mlx-path", type=click.Path(), help="Output directory of an MLX export, as mlx_lm.convert names it "
               "(instead of --to mlx -o).")
 @click.option("--dtype", type=click.Choice(("float32", "float16", "bfloat16")), help="Cast floating weights to this "
@@ -274,9 +279,9 @@ def _quantize_value(ctx, param, value):
 @size_option
 @scheme_options
 @layout_options
-def convert(path, hf_path, to, out, mlx_path, dtype, quantize, q_bits, q_group_size, q_mode, quant_predicate,
+def convert(path, hf_path, to, out, outtype, mlx_path, dtype, quantize, q_bits, q_group_size, q_mode, quant_predicate,
             dequantize, flax_layout, dry_run, force, as_json, upload_repo, max_shard_size, scheme, layout):
-    """Convert the checkpoint at PATH to PyTorch safetensors, MLX or Flax msgpack.
+    """Convert the checkpoint at PATH to PyTorch safetensors, MLX, Flax msgpack or GGUF.
 
     The input may be any format ffn-tools reads. MLX output is what mlx_lm.convert writes for the same
     model: the parameters of mlx_lm's own model class (checked before anything is written), config.json,
@@ -286,8 +291,13 @@ def convert(path, hf_path, to, out, mlx_path, dtype, quantize, q_bits, q_group_s
         ffn-tools convert --hf-path ./llama --mlx-path ./llama-4bit -q --q-bits 4
 
     Flax output is flax_model.msgpack (sharded with an index beyond --max-shard-size). Unquantized
-    conversions are lossless: converting back reproduces every bit. The scheme and layout options say
-    where the FFNs are for --flax-layout linen, which writes only the FFNs.
+    conversions are lossless: converting back reproduces every bit.
+
+    GGUF output is what llama.cpp's convert_hf_to_gguf.py writes for the same model and --outtype, bit for
+    bit: its own model class runs, fed from ffn-tools' reader (so MLX and native inputs convert too). A GGUF
+    input converts to torch (config.json and tokenizer from its metadata). K-quants (Q4_K_M, ...) are
+    llama.cpp's llama-quantize's job, run on the f16/bf16 GGUF. The scheme and layout options say where the
+    FFNs are for --flax-layout linen, which writes only the FFNs.
     """
     from .api import convert as run
 
@@ -307,7 +317,7 @@ def convert(path, hf_path, to, out, mlx_path, dtype, quantize, q_bits, q_group_s
     r = run(path, to, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, quantize=quantize,
             q_bits=int(q_bits) if q_bits else None, q_group_size=int(q_group_size) if q_group_size else None,
             q_mode=q_mode, quant_predicate=quant_predicate, dequantize=dequantize or None, dry_run=dry_run or None,
-            flax_layout=flax_layout, scheme=scheme, layout=layout, upload_repo=upload_repo)
+            flax_layout=flax_layout, outtype=outtype, scheme=scheme, layout=layout, upload_repo=upload_repo)
     emit(r, as_json, [*(r.get("plan") or []), r["summary"], *r.get("changes", []), *uploaded(r)])
 
 

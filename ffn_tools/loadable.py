@@ -80,6 +80,8 @@ def check(ckpt) -> LoadCheck:
         MissingClient: the client is not installed here (``verify --no-load-check`` skips the check).
     """
     path = Path(ckpt.path)
+    if ckpt.format is Format.GGUF:
+        return check_llama_cpp(path)
     if path.is_file() and path.name not in MAIN_FILES:  # model.split.safetensors beside its source
         return LoadCheck("transformers", skipped=f"{path.name} is a single file, not what a client loads from "
                                                  f"{path.parent} (that is {', '.join(MAIN_FILES[:2])})")
@@ -165,6 +167,51 @@ def check_transformers(ckpt) -> LoadCheck:
             if have != want:
                 res.mismatched.append(f"{srcs[0][0]}: checkpoint {list(have)}, model {list(want)}")
     return res
+
+
+LLAMA_CPP_CONTEXT = 32  # tokens of context the load check asks llama.cpp for: building the model is the check
+
+
+def check_llama_cpp(path: Path) -> LoadCheck:
+    """llama.cpp itself (llama-cpp-python's ``Llama``) builds the model of a GGUF: every tensor its
+    architecture needs, of the shape and type it needs, with the metadata it reads; it refuses otherwise."""
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise MissingClient(f"verify's load check of a GGUF needs llama-cpp-python, which is not installed here "
+                            f"({e.name}): pip install 'ffn-tools[gguf]', or pass --no-load-check") from None
+    try:
+        with _quiet_stderr():
+            model = llama_cpp.Llama(model_path=str(path), n_ctx=LLAMA_CPP_CONTEXT, vocab_only=False, verbose=False)
+        arch = model.metadata.get("general.architecture")
+        model.close()
+    except Exception as e:  # noqa: BLE001 - llama.cpp's refusal (a ValueError naming the file, or worse)
+        return LoadCheck("llama.cpp", refused=f"{type(e).__name__}: {' '.join(str(e).split())[:200]}")
+    return LoadCheck("llama.cpp", architecture=arch)
+
+
+class _quiet_stderr:
+    """llama.cpp logs while loading, from C to file descriptor 2 and through llama-cpp-python's callback to
+    ``sys.stderr``; both silenced (its refusal is the exception)."""
+
+    def __enter__(self):
+        import contextlib
+        import io
+        import os
+
+        self._python = contextlib.redirect_stderr(io.StringIO())
+        self._python.__enter__()
+        self._saved = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+
+    def __exit__(self, *exc):
+        import os
+
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._python.__exit__(*exc)
 
 
 def check_mlx(path: Path) -> LoadCheck:

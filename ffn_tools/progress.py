@@ -17,13 +17,18 @@ def set_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
+def visible() -> bool:
+    """Whether progress is shown: enabled (no --quiet) and stderr is a terminal."""
+    return _enabled and sys.stderr.isatty()
+
+
 class Progress:
     """Counts bytes done out of a total and redraws one line at most 10 times a second."""
 
     def __init__(self, total: int, desc: str):
         self.total, self.desc, self.done = total, desc, 0
         self.start = self._last = time.monotonic()
-        self.shown = _enabled and sys.stderr.isatty()
+        self.shown = visible()
 
     def update(self, n: int) -> None:
         self.done += n

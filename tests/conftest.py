@@ -56,3 +56,37 @@ def hf(model_dir, tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def gguf_model(tmp_path_factory):
+    """``gguf_model(arch, dtype=torch.float32) -> Path``: a tiny checkpoint with a llama.cpp vocabulary (cached)."""
+    import gguf_models
+
+    cache: dict = {}
+
+    def get(arch: str, dtype: torch.dtype = torch.float32) -> Path:
+        if (arch, dtype) not in cache:
+            path = tmp_path_factory.mktemp(f"gguf-{arch}") / "model"
+            cache[arch, dtype] = gguf_models.build(arch, path, dtype)
+        return cache[arch, dtype]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def gguf_ref(gguf_model, tmp_path_factory):
+    """``gguf_ref(arch, outtype, dtype=torch.float32) -> Path``: llama.cpp's convert_hf_to_gguf.py output of
+    ``gguf_model(arch, dtype)`` (cached)."""
+    import gguf_models
+
+    cache: dict = {}
+
+    def get(arch: str, outtype: str = "f32", dtype: torch.dtype = torch.float32) -> Path:
+        key = (arch, outtype, dtype)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"ref-{arch}-{outtype}") / f"{arch}-{outtype}.gguf"
+            cache[key] = gguf_models.convert_reference(gguf_model(arch, dtype), out, outtype)
+        return cache[key]
+
+    return get

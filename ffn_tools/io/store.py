@@ -26,7 +26,7 @@ from .safetensors_format import read_header
 
 PICKLE_SUFFIXES = (".bin", ".pth", ".pt")
 # Files that hold weights; everything else in a checkpoint directory is carried over by writers.
-WEIGHT_SUFFIXES = (".safetensors", ".msgpack", *PICKLE_SUFFIXES)
+WEIGHT_SUFFIXES = (".safetensors", ".msgpack", ".gguf", *PICKLE_SUFFIXES)
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json", "flax_model.msgpack.index.json")
 
 if TYPE_CHECKING:
@@ -75,12 +75,13 @@ class Format(str, enum.Enum):
     MLX = "mlx"
     FLAX = "flax"
     NATIVE = "native"  # Meta's consolidated.NN.pth / Mistral's consolidated.safetensors + params.json
+    GGUF = "gguf"  # llama.cpp's single-file format
 
     @property
     def described(self) -> str:
         """With its article, as a sentence names it: "an MLX", "a Flax"."""
         return {"mlx": "an MLX", "flax": "a Flax", "native": "a native (Meta/Mistral)", "pickle": "a pickle",
-                "safetensors": "a safetensors"}[self.value]
+                "safetensors": "a safetensors", "gguf": "a GGUF"}[self.value]
 
     @property
     def pytorch(self) -> bool:

@@ -27,12 +27,13 @@ from ..ffn import ACTIVATIONS, FFN, FFNRef
 from ..layouts import GateUpLayout
 from ..registry import Scheme, compile_template
 from ..specs import parse_spec
-from ..io.store import open_checkpoint
+from ..io.store import Format, open_checkpoint
 from ..scales import Dequantized, is_companion
 from ..tolerances import Tolerance, tolerance_for, widened
 from .experts import BATCH_BYTES, batch_key, check_batch, pair_bytes
 from .functional import KERNEL_DTYPES, NOT_COMPUTED, reference_backend
 from . import consumer, tied
+from .gguf_checks import compare_metadata, compare_tokenizer
 from .model_config import ConfigResult, compare_configs
 from .side_files import SideFilesResult, compare_side_files
 from .pairs import PairChecker
@@ -263,10 +264,14 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
 
 def _model_checks(ca, cb, extract: str | None, allow_config: Sequence[str],
                   side_files: bool) -> tuple[ConfigResult, SideFilesResult]:
-    """The configs as their clients read them, and the side files (what is not weights)."""
-    config = ConfigResult(skipped=extract) if extract else compare_configs(ca, cb, allow_config)
+    """The configs as their clients read them, and the side files (what is not weights); for a GGUF B, the
+    model llama.cpp builds: its metadata and tokenizer.ggml.* (``gguf_checks``)."""
+    gguf = cb.format is Format.GGUF
+    config = (ConfigResult(skipped=extract) if extract else compare_metadata(ca, cb, allow_config) if gguf
+              else compare_configs(ca, cb, allow_config))
     side = (SideFilesResult(skipped="--no-side-files") if not side_files else SideFilesResult(skipped=extract)
-            if extract else compare_side_files(Path(ca.root), Path(cb.root)))
+            if extract else compare_tokenizer(Path(ca.root), cb) if gguf
+            else compare_side_files(Path(ca.root), Path(cb.root)))
     return config, side
 
 

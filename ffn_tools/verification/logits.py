@@ -25,7 +25,7 @@ from .functional import compare
 log = logging.getLogger(__name__)
 
 BATCH = (2, 16)  # (sequences, tokens)
-CLIENTS = {"transformers": "transformers AutoModelForCausalLM", "mlx_lm": "mlx_lm"}
+CLIENTS = {"transformers": "transformers AutoModelForCausalLM", "mlx_lm": "mlx_lm", "llama.cpp": "llama-cpp-python"}
 
 
 def client_for(ckpt, side: str) -> str:
@@ -36,6 +36,13 @@ def client_for(ckpt, side: str) -> str:
     """
     path = Path(ckpt.path)
     cfg = ckpt.config or {}
+    if ckpt.format is Format.GGUF:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError as e:
+            raise FFNToolsError(f"--logits: {side} is a GGUF and llama-cpp-python is not installed ({e}): "
+                                "pip install 'ffn-tools[gguf]'") from None
+        return "llama.cpp"
     if not path.is_dir() or "model_type" not in cfg:
         raise FFNToolsError(f"--logits: {side} ({path}) is not a model directory with a config.json naming its "
                             "model_type; whole-model logits need a directory transformers or mlx_lm can load")
@@ -87,6 +94,34 @@ def _mlx_logits(path: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, list[st
     return torch.from_numpy(np.array(out.astype(mx.float32))).to(torch.float64), []
 
 
+def _llama_cpp_logits(path: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+    """llama.cpp's logits of every position, one sequence at a time, its KV cache in float32 (its default f16
+    cache would add its own rounding to what is compared); in a process of its own (``llama_cpp_run``)."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "tokens.json").write_text(json.dumps(tokens.tolist()))
+        proc = subprocess.run([sys.executable, "-m", "ffn_tools.verification.llama_cpp_run", str(path),
+                               str(Path(d) / "tokens.json"), str(Path(d) / "logits.npy")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if proc.returncode != 0:
+            if proc.returncode < 0:
+                name = signal.Signals(-proc.returncode).name
+                raise RuntimeError(f"llama.cpp died of {name}" + (
+                    " (an instruction this CPU or its kernel refuses: a llama-cpp-python built for another CPU, "
+                    "or with AMX where the kernel grants no AMX tiles; rebuild it with CMAKE_ARGS=-DGGML_NATIVE=OFF)"
+                    if name == "SIGILL" else ""))
+            lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+            raise RuntimeError(lines[-1] if lines else f"exit status {proc.returncode}")
+        return torch.from_numpy(np.load(Path(d) / "logits.npy")), []
+
+
 def _run(fn, client: str, path: Path, side: str, tokens: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
     """One client's logits; a client that cannot run the model here is trouble, not a difference."""
     try:
@@ -124,7 +159,7 @@ def compare_logits(a, b, clients: tuple[str, str], tol: Tolerance, seed: int, vo
     if vocab[0] != vocab[1] or not isinstance(vocab[0], int):
         raise FFNToolsError(f"--logits: vocabulary sizes differ or are unknown (A {vocab[0]}, B {vocab[1]})")
     tokens = token_batch(vocab[0], seed, length)
-    run = {"transformers": _transformers_logits, "mlx_lm": _mlx_logits}
+    run = {"transformers": _transformers_logits, "mlx_lm": _mlx_logits, "llama.cpp": _llama_cpp_logits}
     (la, pa), (lb, pb) = (_run(run[c], c, Path(p), side, tokens) for c, p, side in zip(clients, (a, b), "AB"))
     problems = [f"A: {p}" for p in pa] + [f"B: {p}" for p in pb]
     out: dict = {"client_a": clients[0], "client_b": clients[1], "shape": list(tokens.shape) + [vocab[0]],

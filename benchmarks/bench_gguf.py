@@ -1,0 +1,98 @@
+"""``convert --to gguf`` against llama.cpp's own convert_hf_to_gguf.py on the same checkpoint, in one run.
+
+Builds a Llama-shaped bf16 checkpoint with llama.cpp's llama-spm vocabulary under bench-data/ once (``--size``:
+``small``, ~0.2 GB, runs in about a minute on 2 cores; ``1g``, the 1.3 GB benchmark model), runs each tool in
+its own process for each outtype (alternating, best time and largest RSS kept), checks the two outputs are the
+same file, and prints wall time and peak RSS (the process and its children), and the ratios
+ffn-tools / convert_hf_to_gguf.py against the targets (time <= 0.5x, peak RSS <= 0.2x).
+
+    .venv/bin/python benchmarks/bench_gguf.py [--size small|1g] [--outtype bf16 q8_0] [--repeat 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_mlx import DATA, measure  # noqa: E402
+
+LLAMA_CPP = Path(sys.prefix) / "llama.cpp"
+SIZES = {"small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                       num_key_value_heads=4),
+         "1g": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=12, num_attention_heads=32,
+                    num_key_value_heads=4)}
+TARGETS = {"time": 0.5, "rss": 0.2}  # ffn-tools / convert_hf_to_gguf.py
+
+
+def build(path: Path, shape: dict) -> None:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    vocab = LLAMA_CPP / "models" / "ggml-vocab-llama-spm.gguf"
+    tok = AutoTokenizer.from_pretrained(vocab.parent, gguf_file=vocab.name)
+    config = LlamaConfig(**shape, vocab_size=len(tok), max_position_embeddings=4096, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, path)
+
+
+def commands(src: Path, outtype: str, out: Path) -> dict[str, list[str]]:
+    py = sys.executable
+    return {"ffn": [str(Path(py).parent / "ffn-tools"), "-q", "convert", str(src), "--to", "gguf", "-o",
+                    str(out / "ffn.gguf"), "--outtype", outtype],
+            "llama.cpp": ["/usr/bin/env", f"PYTHONPATH={LLAMA_CPP}", py, str(LLAMA_CPP / "convert_hf_to_gguf.py"),
+                          str(src), "--outfile", str(out / "ref.gguf"), "--outtype", outtype]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=tuple(SIZES), default="small")
+    ap.add_argument("--outtype", nargs="+", default=["bf16", "q8_0"])
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--json", type=Path, help="Also write the figures here.")
+    args = ap.parse_args()
+    src = DATA / f"llama-{args.size}-bf16-spm"
+    if not src.exists():
+        print(f"building {src} ...", flush=True)
+        build(src, SIZES[args.size])
+    size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; input {src} ({size / 1e9:.2f} GB bf16)")
+    results, ok = {}, True
+    for outtype in args.outtype:
+        out = DATA / "gguf-out"
+        out.mkdir(parents=True, exist_ok=True)
+        cmds = commands(src, outtype, out)
+        runs: dict[str, list] = {t: [] for t in cmds}
+        for _ in range(args.repeat):
+            for tool, cmd in cmds.items():
+                for f in out.glob("*.gguf"):
+                    f.unlink() if tool == "ffn" and f.name == "ffn.gguf" or tool != "ffn" and f.name == "ref.gguf" else None
+                runs[tool].append(measure(cmd, out / "unused"))
+        same = filecmp.cmp(out / "ffn.gguf", out / "ref.gguf", shallow=False)
+        best = {t: (min(r[0] for r in rs), max(r[1] for r in rs)) for t, rs in runs.items()}
+        ratio = {"time": best["ffn"][0] / best["llama.cpp"][0], "rss": best["ffn"][1] / best["llama.cpp"][1]}
+        met = {k: ratio[k] <= TARGETS[k] for k in TARGETS}
+        ok = ok and same and all(met.values())
+        results[outtype] = {"ffn": best["ffn"], "llama.cpp": best["llama.cpp"], "ratio": ratio, "same_file": same}
+        print(f"{outtype:<5} ffn-tools {best['ffn'][0]:6.1f} s {best['ffn'][1] / 2**20:7.0f} MiB | convert_hf_to_gguf.py "
+              f"{best['llama.cpp'][0]:6.1f} s {best['llama.cpp'][1] / 2**20:7.0f} MiB | time {ratio['time']:.2f}x "
+              f"(target <= {TARGETS['time']}x{'' if met['time'] else ', MISSED'}), RSS {ratio['rss']:.2f}x "
+              f"(target <= {TARGETS['rss']}x{'' if met['rss'] else ', MISSED'}); same file: {same}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

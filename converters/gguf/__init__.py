@@ -1,0 +1,63 @@
+"""GGUF, llama.cpp's format: read (``reader``) with Hugging Face names, and written as llama.cpp's own
+converter writes it (``writer``).
+
+Reading needs ``gguf`` (llama.cpp's gguf-py); writing also needs llama.cpp's ``convert_hf_to_gguf.py`` with
+its ``conversion/`` package and vendored ``gguf-py`` (``writer.LLAMA_CPP``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ffn_tools.io.store import Checkpoint
+
+from .reader import GGUFCheckpoint, split_files
+
+FORMAT = "gguf"
+OPTIONS: frozenset[str] = frozenset({"outtype", "dry_run"})
+from .writer import OUTTYPES  # noqa: E402 - convert_hf_to_gguf.py's --outtype; K-quants: llama-quantize
+
+__all__ = ["FORMAT", "OPTIONS", "OUTTYPES", "can_read", "open", "export", "tokenizer_files", "GGUFCheckpoint",
+           "split_files"]
+
+
+def can_read(path: Path) -> bool:
+    """A file whose name ends in .gguf and whose first bytes are GGUF's magic."""
+    path = Path(path)
+    if path.suffix != ".gguf" or not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def open(path: Path) -> Checkpoint:  # noqa: A001 - the converter surface's name
+    """Open a GGUF (any part of a split one) as a lazy Hugging Face-named view.
+
+    Raises:
+        CheckpointError: not a GGUF, an architecture or tensor ffn-tools has no Hugging Face name for.
+    """
+    return GGUFCheckpoint(Path(path))
+
+
+def export(ckpt: Checkpoint, out: Path, **options) -> dict:
+    """Write ``ckpt`` as a GGUF, as llama.cpp's convert_hf_to_gguf.py does (see ``writer.export``)."""
+    from .writer import export as write
+
+    return write(ckpt, out, **options)
+
+
+def tokenizer_files(ckpt: Checkpoint) -> dict[str, str]:
+    """The GGUF's tokenizer (``tokenizer.ggml.*``) as the files transformers saves, name -> text: transformers'
+    own GGUF tokenizer reader (``from_pretrained(..., gguf_file=...)``) builds it, ``save_pretrained`` writes
+    it. Empty when the GGUF has no tokenizer."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    if "tokenizer.ggml.tokens" not in getattr(ckpt, "fields", {}):
+        return {}
+    path = Path(ckpt.files[0])
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with tempfile.TemporaryDirectory() as d:
+        tok.save_pretrained(d)
+        return {p.name: p.read_text() for p in Path(d).iterdir() if p.is_file()}

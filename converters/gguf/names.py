@@ -1,0 +1,113 @@
+"""Which Hugging Face names a GGUF's tensors had, per model type, declared as data.
+
+llama.cpp's converter (``convert_hf_to_gguf.py``) names a tensor with gguf's ``TensorNameMap``; this module
+runs that same map over the names transformers' ``save_pretrained`` writes for each model type (``FAMILIES``)
+and inverts it, so ``blk.3.attn_q.weight`` reads as ``model.layers.3.self_attn.q_proj.weight``. Stacked
+experts (``blk.L.ffn_gate_exps.weight``, (E, I, H)) read as one tensor per expert under the family's
+``experts`` template. ``rotary``: the converter permutes q and k rows into llama.cpp's rotary order (its
+``LlamaModel.permute``); the reader puts them back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_L = "model.layers.{L}"
+# What save_pretrained writes for a Llama-like decoder layer (biases where the family has them).
+_DECODER = (
+    "model.embed_tokens", "model.norm", "lm_head",
+    f"{_L}.self_attn.q_proj", f"{_L}.self_attn.k_proj", f"{_L}.self_attn.v_proj", f"{_L}.self_attn.o_proj",
+    f"{_L}.input_layernorm", f"{_L}.post_attention_layernorm",
+)
+_MLP = (f"{_L}.mlp.gate_proj", f"{_L}.mlp.up_proj", f"{_L}.mlp.down_proj")
+_QK_NORM = (f"{_L}.self_attn.q_norm", f"{_L}.self_attn.k_norm")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model type as llama.cpp's converter writes it.
+
+    Attributes:
+        model_type: transformers' ``model_type``.
+        architecture: the class name config.json's ``architectures`` lists.
+        arch: gguf's ``general.architecture``.
+        modules: Hugging Face module names (``{L}`` the layer) whose ``.weight``/``.bias`` the GGUF holds.
+        experts: per-expert template of the stacked ``ffn_{gate,up,down}_exps`` (``{E}`` the expert, ``{P}``
+            the projection name), None for dense models.
+        projections: the names ``{P}`` takes for gate, up, down.
+        rotary: q and k rows are in llama.cpp's rotary order (the converter permuted them).
+        moe_key: the config key of the expert count.
+    """
+
+    model_type: str
+    architecture: str
+    arch: str
+    modules: tuple[str, ...]
+    experts: str | None = None
+    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    rotary: bool = False
+    moe_key: str = "num_experts"
+    extra: dict = field(default_factory=dict)
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("llama", "LlamaForCausalLM", "llama", (*_DECODER, *_MLP), rotary=True),
+    Family("mistral", "MistralForCausalLM", "llama", (*_DECODER, *_MLP), rotary=True),
+    Family("mixtral", "MixtralForCausalLM", "llama", (*_DECODER, f"{_L}.block_sparse_moe.gate"),
+           experts=_L + ".block_sparse_moe.experts.{E}.{P}.weight", projections=("w1", "w3", "w2"), rotary=True,
+           moe_key="num_local_experts"),
+    Family("qwen2", "Qwen2ForCausalLM", "qwen2", (*_DECODER, *_MLP)),
+    Family("qwen3", "Qwen3ForCausalLM", "qwen3", (*_DECODER, *_MLP, *_QK_NORM)),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3moe", (*_DECODER, *_QK_NORM, f"{_L}.mlp.gate"),
+           experts=_L + ".mlp.experts.{E}.{P}.weight"),
+    Family("phi3", "Phi3ForCausalLM", "phi3", ("model.embed_tokens", "model.norm", "lm_head",
+                                                f"{_L}.self_attn.qkv_proj", f"{_L}.self_attn.o_proj",
+                                                f"{_L}.input_layernorm", f"{_L}.post_attention_layernorm",
+                                                f"{_L}.mlp.gate_up_proj", f"{_L}.mlp.down_proj")),
+)
+# Not here: Gemma 2/3, whose norms the converter stores plus one (reading them back needs that undone, and a
+# tolerance: not bit-exact), and whose converter needs a sentencepiece tokenizer.model the tests cannot make.
+BY_TYPE = {f.model_type: f for f in FAMILIES}
+EXPERT_KINDS = ("gate", "up", "down")  # ffn_{kind}_exps, in the order of ``Family.projections``
+# GGUF tensors with no Hugging Face counterpart, and why they are not read.
+DROPPED = {"rope_freqs.weight": "the rotary frequency factors (Llama 3.1 rope scaling), which transformers "
+                                "recomputes from config.json's rope_scaling"}
+
+
+def family_of(arch: str, has_experts: bool, name: str | None = None) -> Family:
+    """The family of a GGUF's ``general.architecture`` (llama with experts is Mixtral's layout).
+
+    Raises:
+        KeyError: no family writes this architecture.
+    """
+    if arch == "llama":
+        return BY_TYPE["mixtral" if has_experts else "llama"]
+    for f in FAMILIES:
+        if f.arch == arch:
+            return f
+    raise KeyError(arch)
+
+
+def hf_names(family: Family, n_layers: int) -> dict[str, str]:
+    """GGUF name -> Hugging Face name for every module the family holds, through gguf's ``TensorNameMap``
+    (the converter's own naming), both ``.weight`` and ``.bias``."""
+    import gguf
+
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == family.arch)
+    tmap = gguf.TensorNameMap(arch, n_layers)
+    out: dict[str, str] = {}
+    for module in family.modules:
+        for layer in range(n_layers) if "{L}" in module else (None,):
+            hf = module.format(L=layer) if layer is not None else module
+            for suffix in (".weight", ".bias"):
+                g = tmap.get_name(hf + suffix, try_suffixes=(".weight", ".bias"))
+                if g is not None:
+                    out[g] = hf + suffix
+    return out
+
+
+def expert_names(family: Family, layer: int, kind: str, n_experts: int) -> list[str]:
+    """The Hugging Face names of layer ``layer``'s experts' ``kind`` ("gate", "up", "down") projection."""
+    assert family.experts is not None  # callers ask only for families with experts
+    proj = family.projections[EXPERT_KINDS.index(kind)]
+    return [family.experts.format(L=layer, E=e, P=proj) for e in range(n_experts)]

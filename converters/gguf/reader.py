@@ -1,0 +1,215 @@
+"""A GGUF file (or a split GGUF, ``-00001-of-0000N.gguf``) seen with Hugging Face names (the converter
+surface's ``open``).
+
+Each file opens with gguf's memory-mapped ``GGUFReader``; nothing is read until a tensor is asked for. A
+tensor is made then: its bytes are copied out of the mapping (so reading a whole model keeps one tensor
+resident), F32/F16/BF16 kept as they are (bit-exact), every other type dequantized to float32 by
+``gguf.quants`` (``quant_params`` says which type it was stored as). q and k rows llama.cpp's converter
+permuted are put back in transformers' rotary order; the stacked experts ``ffn_{gate,up,down}_exps`` read as
+one tensor per expert (the names ``save_pretrained`` writes, which the converter stacked). The config is
+derived from the metadata (``config``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ffn_tools.errors import CheckpointError, listing
+from ffn_tools.io.store import Checkpoint, Format, TensorInfo
+
+from .config import hf_config
+from .names import DROPPED, EXPERT_KINDS, Family, expert_names, family_of, hf_names
+
+SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
+# The bits whose tolerance row a GGUF type gets (``tolerances.QUANT_TOLERANCES``): its bits per weight,
+# rounded down; ternary and 1-bit types the coarsest row.
+TYPE_BITS = {"Q8_0": 8, "Q8_1": 8, "Q8_K": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q4_0": 4, "Q4_1": 4,
+             "Q4_K": 4, "IQ4_NL": 4, "IQ4_XS": 4, "MXFP4": 4, "NVFP4": 4, "Q3_K": 3, "IQ3_XXS": 3, "IQ3_S": 3,
+             "Q2_K": 2, "IQ2_XXS": 2, "IQ2_XS": 2, "IQ2_S": 2, "IQ1_S": 2, "IQ1_M": 2, "TQ1_0": 2, "TQ2_0": 2}
+LOSSLESS = {"F32": "F32", "F16": "F16", "BF16": "BF16", "F64": "F64"}
+
+
+def split_files(path: Path) -> list[Path]:
+    """All the files of a split GGUF, in order, given any of them; ``[path]`` for a single file.
+
+    Raises:
+        CheckpointError: a part is missing.
+    """
+    m = SPLIT.match(path.name)
+    if not m:
+        return [path]
+    n = int(m["n"])
+    files = [path.with_name(f"{m['stem']}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{path}: a split GGUF of {n} files, but {', '.join(missing)} missing")
+    return files
+
+
+def field_values(reader) -> dict:
+    """The metadata of a ``GGUFReader``: key -> value (arrays of strings and numbers as lists)."""
+    out = {}
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            out[key] = f.contents()
+        except (ValueError, IndexError):  # a value type gguf-py cannot decode: not one the config needs
+            continue
+    return out
+
+
+@dataclass(frozen=True)
+class _Source:
+    tensor: Any  # gguf's ReaderTensor
+    expert: int | None  # slice of a stacked expert tensor
+    heads: int | None  # rotary rows to put back in transformers' order, over this many heads
+
+
+class GGUFCheckpoint(Checkpoint):
+    """A lazy, read-only Hugging Face-named view of a GGUF (see the module doc)."""
+
+    format = Format.GGUF
+    resolves_quantization = True
+
+    def __init__(self, path: Path):
+        from gguf import GGUFReader
+
+        files = split_files(path)
+        try:
+            self.readers = [GGUFReader(f, "r") for f in files]
+        except (ValueError, OSError) as e:
+            raise CheckpointError(f"{path}: not a GGUF file gguf can read ({e})") from None
+        self.fields = field_values(self.readers[0])
+        arch = self.fields.get("general.architecture")
+        tensors = {t.name: t for r in self.readers for t in r.tensors}
+        self._files = {t.name: f for f, r in zip(files, self.readers) for t in r.tensors}
+        experts = any(n.endswith("_exps.weight") for n in tensors)
+        try:
+            self.family = family_of(str(arch), experts)
+        except KeyError:
+            raise CheckpointError(f"{path}: general.architecture {arch!r} is not one ffn-tools reads (it reads "
+                                  "llama (Llama, Mistral, Mixtral), qwen2, qwen3, qwen3moe, phi3)") from None
+        layers = int(self.fields.get(f"{self.family.arch}.block_count", 0))
+        names = hf_names(self.family, layers)
+        self._sources: dict[str, _Source] = {}
+        self.types: dict[str, str] = {}  # HF name -> the GGUF type it is stored as
+        infos: dict[str, TensorInfo] = {}
+        unknown: list[str] = []
+        heads = {"q": self.fields.get(f"{self.family.arch}.attention.head_count"),
+                 "k": self.fields.get(f"{self.family.arch}.attention.head_count_kv")}
+        heads["k"] = heads["k"] or heads["q"]
+        for gname, t in tensors.items():
+            if gname in DROPPED:
+                continue
+            m = re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight", gname)
+            if m and self.family.experts:
+                n_exp = int(t.shape[-1])  # gguf shapes are ggml's (innermost first): experts last
+                for expert, name in enumerate(expert_names(self.family, int(m[1]), m[2], n_exp)):
+                    infos[name] = self._info(name, t, expert, None)
+                continue
+            mapped = names.get(gname)
+            if mapped is None:
+                unknown.append(gname)
+                continue
+            hf = mapped
+            rot = None
+            if self.family.rotary and re.search(r"self_attn\.[qk]_proj\.", hf):
+                rot = heads[hf.split("self_attn.")[1][0]]
+            infos[hf] = self._info(hf, t, None, rot)
+        if unknown:
+            self.close()
+            raise CheckpointError(f"{path}: {len(unknown)} tensor(s) of no Hugging Face name known for "
+                                  f"{self.family.model_type}: {listing(sorted(unknown))}")
+        vocab = len(self.fields.get("tokenizer.ggml.tokens") or []) or int(infos["model.embed_tokens.weight"].shape[0])
+        stored = [self.types[n] for n in infos if self.types[n] in LOSSLESS]
+        dtype = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(max(set(stored), key=stored.count)
+                                                                             if stored else "F32", "float32")
+        config = hf_config(self.fields, self.family, vocab, "lm_head.weight" not in infos, dtype)
+        super().__init__(path, path.parent, files, infos, {"format": "gguf"}, config)
+
+    def _info(self, hf: str, t, expert: int | None, heads: int | None) -> TensorInfo:
+        qtype = t.tensor_type.name
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # numpy order (outermost first)
+        if expert is not None:
+            shape = shape[1:]
+        self._sources[hf] = _Source(t, expert, heads)
+        self.types[hf] = qtype
+        st = LOSSLESS.get(qtype, "F32")
+        start = None
+        if qtype in LOSSLESS and heads is None:  # the bytes lie in the file as a safetensors reader has them
+            size = int(t.n_bytes) // (int(t.shape[-1]) if expert is not None else 1)
+            start = int(t.data_offset) + (expert or 0) * size
+        return TensorInfo(hf, st, shape, self._files[t.name], start)
+
+    def _read(self, info: TensorInfo):
+        import torch
+        from gguf import GGMLQuantizationType, quants
+
+        src = self._sources[info.name]
+        t = src.tensor
+        data = t.data if src.expert is None else t.data[src.expert]
+        qtype = t.tensor_type
+        if qtype == GGMLQuantizationType.BF16:
+            arr = np.array(data).view(np.uint16).reshape(info.shape)
+            out = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+        elif qtype.name in LOSSLESS:
+            out = torch.from_numpy(np.array(data).reshape(info.shape))
+        else:
+            out = torch.from_numpy(np.ascontiguousarray(quants.dequantize(np.asarray(data), qtype),
+                                                        dtype=np.float32).reshape(info.shape))
+        if src.heads:
+            out = rotary_to_hf(out, src.heads)
+        return out
+
+    def read_raw(self, name: str):
+        from ffn_tools.io.raw import RawTensor
+
+        info = self.info(name)
+        if info.start is None:
+            return RawTensor.of(self[name])
+        src = self._sources[name]
+        data = src.tensor.data if src.expert is None else src.tensor.data[src.expert]
+        return RawTensor(info.st_dtype, info.shape, np.ascontiguousarray(data).tobytes())
+
+    def quant_params(self, name: str) -> dict | None:
+        """How tensor ``name`` is stored when not as it reads: {bits, group_size, mode: the GGUF type}."""
+        qtype = self.types[name]
+        if qtype in LOSSLESS:
+            return None
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        block = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][0]
+        return {"bits": TYPE_BITS.get(qtype, 2), "group_size": block, "mode": qtype}
+
+    @property
+    def label(self) -> str:
+        kinds = sorted({q for q in self.types.values() if q not in LOSSLESS})
+        return "gguf" + (f", {'/'.join(kinds)} read dequantized" if kinds else "")
+
+    def decoded(self) -> list[dict]:
+        counts: dict[str, int] = {}
+        for q in self.types.values():
+            if q not in LOSSLESS:
+                counts[q] = counts.get(q, 0) + 1
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        return [{"dtype": q, "scales": "scale", "block": [1, GGML_QUANT_SIZES[GGMLQuantizationType[q]][0]], "weights": n,
+                 "how": "read dequantized by gguf.quants; split, fuse and extract write it dequantized"}
+                for q, n in counts.items()]
+
+    def close(self) -> None:
+        self.readers = []
+
+
+def rotary_to_hf(w, heads: int):
+    """q/k rows from llama.cpp's rotary order back to transformers' (the inverse of the converter's
+    ``LlamaModel.permute``): a pure reordering of rows; 1-D biases likewise."""
+    rows = w.shape[0]
+    rest = tuple(w.shape[1:])
+    return w.reshape(heads, rows // heads // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)

@@ -1,0 +1,132 @@
+"""``convert SRC --to gguf -o OUT.gguf --outtype f32|f16|bf16|q8_0``: a GGUF exactly as llama.cpp's
+convert_hf_to_gguf.py writes it, from any checkpoint ffn-tools reads.
+
+llama.cpp's converter decides everything about a GGUF (tensor names, q/k permutation, expert stacking, which
+tensors stay F32, Q8_0 blocks, metadata keys, the tokenizer and its pre-tokenizer); a second implementation of
+those rules would drift from it with every release. So the writer runs the converter's own model class
+(``worker``) with its tensors read from ffn-tools' view of the input: the output is bit-identical to the
+converter's for a Hugging Face input, and an MLX, Meta/Mistral native or Flax input converts the same way
+(quantized MLX weights are read dequantized, and the summary says so). The file is written to a temporary
+path beside OUT and moved into place only when complete. K-quants (Q4_K_M, ...) are llama.cpp's
+``llama-quantize``'s job, run on the f16/bf16 output.
+
+llama.cpp's converter is found at ``$FFN_TOOLS_LLAMA_CPP``, else ``sys.prefix/llama.cpp`` (where the dev
+install puts it): ``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py/`` from llama.cpp's source tree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ffn_tools import progress
+from ffn_tools.errors import FFNToolsError
+from ffn_tools.io.output import atomic_output
+from ffn_tools.io.store import Checkpoint
+from ffn_tools.sizes import human
+
+OUTTYPES = ("f32", "f16", "bf16", "q8_0", "auto")
+ENV = "FFN_TOOLS_LLAMA_CPP"
+
+
+def llama_cpp_dir() -> Path:
+    """Where llama.cpp's converter lies.
+
+    Raises:
+        FFNToolsError: not there, saying where it looked and how to provide it.
+    """
+    root = Path(os.environ.get(ENV) or Path(sys.prefix) / "llama.cpp")
+    missing = [p for p in ("convert_hf_to_gguf.py", "conversion", "gguf-py") if not (root / p).exists()]
+    if missing:
+        raise FFNToolsError(f"--to gguf runs llama.cpp's own converter, which is not at {root} (missing "
+                            f"{', '.join(missing)}): put convert_hf_to_gguf.py, conversion/ and gguf-py/ from "
+                            f"llama.cpp's source there, or set {ENV} to a llama.cpp checkout")
+    return root
+
+
+def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
+           max_shard_size: int | None = None, outtype: str | None = None, dry_run: bool = False) -> dict:
+    """Write ``ckpt`` as the GGUF file ``out``.
+
+    Args:
+        outtype: f32, f16, bf16, q8_0 (convert_hf_to_gguf.py's), or auto (its default: bf16 for a bf16
+            model, else f16).
+        dry_run: run the converter's plan (every tensor's name, type and shape) and write nothing.
+
+    Returns:
+        Summary: output, outtype, tensors, bytes, per-type counts, changes; ``plan`` with ``dry_run``.
+
+    Raises:
+        FFNToolsError: an option GGUF does not take, an architecture the converter does not know, an existing
+            output (without force), llama.cpp's converter not installed.
+    """
+    out = Path(out)
+    if dtype is not None:
+        raise FFNToolsError("--dtype does not apply to --to gguf; the GGUF's type is --outtype (f32, f16, bf16, q8_0)")
+    if max_shard_size is not None:
+        raise FFNToolsError("--max-shard-size does not apply to --to gguf: a GGUF is one file (llama.cpp's "
+                            "gguf-split splits one)")
+    outtype = outtype or "auto"
+    if outtype not in OUTTYPES:
+        raise FFNToolsError(f"--outtype {outtype!r}: use one of {', '.join(OUTTYPES)}; K-quants (Q4_K_M, Q5_K_M, "
+                            "...) are made from an f16/bf16 GGUF by llama.cpp's llama-quantize")
+    if out.suffix != ".gguf":
+        raise FFNToolsError(f"{out}: a GGUF output is one file named *.gguf")
+    changes = []
+    dequantized = sum(1 for n in ckpt if ckpt.quant_params(n))
+    if dequantized:
+        changes.append(f"read {dequantized} {ckpt.format}-quantized weights dequantized: the GGUF holds them "
+                       f"as {outtype}, with the quantization's error")
+    request = {"source": str(ckpt.path), "dir_model": str(ckpt.root), "outtype": outtype, "dry_run": dry_run,
+               "progress": progress.visible()}
+    if dry_run:
+        result = _run({**request, "out": str(out)})  # the converter's writer in its dry-run mode writes nothing
+        return _summary(out, outtype, result, changes, plan=True)
+    with atomic_output(out, inputs=[Path(ckpt.path)], force=force) as tmp:
+        result = _run({**request, "out": str(tmp)})
+    return _summary(out, outtype, result, changes, plan=False)
+
+
+def _run(request: dict) -> dict:
+    """The worker's result; its failure as an FFNToolsError."""
+    root = llama_cpp_dir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "gguf-py"), *sys.path])}
+    env.pop("NO_LOCAL_GGUF", None)
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(request, f)
+        f.flush()
+        proc = subprocess.run([sys.executable, "-m", "ffn_tools.converters.gguf.worker", f.name], env=env,
+                              stdout=subprocess.PIPE, stderr=None if request["progress"] else subprocess.PIPE,
+                              text=True)
+    lines = proc.stdout.strip().splitlines()
+    try:
+        result = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        result = {}
+    if proc.returncode != 0 or "error" in result or "tensors" not in result:
+        why = result.get("error") or (proc.stderr or "").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        if proc.returncode < 0 or proc.returncode in (130, 143):
+            raise KeyboardInterrupt
+        raise FFNToolsError(f"llama.cpp's converter could not convert this checkpoint: "
+                            f"{why if isinstance(why, str) else why[0]}")
+    return result
+
+
+def _summary(out: Path, outtype: str, result: dict, changes: list[str], plan: bool) -> dict:
+    types: dict[str, int] = {}
+    for t in result["tensors"]:
+        types[t["type"]] = types.get(t["type"], 0) + 1
+    nbytes = sum(t["bytes"] for t in result["tensors"])
+    r = {"output": str(out), "format": "gguf", "outtype": outtype, "converter": result["class"],
+         "architecture": result["architecture"], "tensors": len(result["tensors"]), "bytes": nbytes,
+         "types": types, "changes": changes,
+         "summary": f"{'would write' if plan else 'wrote'} {out}: {len(result['tensors'])} tensors "
+                    f"({', '.join(f'{k} x{v}' for k, v in sorted(types.items()))}), {human(nbytes)}, as llama.cpp's "
+                    f"{result['class']} writes {result['architecture']}"}
+    if plan:
+        r["plan"] = [f"{t['name']:<32} {t['type']:<6} {t['shape']}" for t in result["tensors"]]
+    return r

@@ -1,0 +1,116 @@
+"""What verify compares when B is a GGUF: its metadata against A's config, its tokenizer against A's.
+
+llama.cpp builds the model from the GGUF's metadata (``{arch}.rope.freq_base``, ``.attention.layer_norm_rms_
+epsilon``, head counts, context, experts; ``converters.gguf.config.METADATA``), not from a config.json; so
+each key the converter writes is compared with A's config as transformers reads it (GGUF floats are float32:
+A's value is rounded to float32 first), and the architecture with the one the converter writes for A's
+model type. The tokenizer is ``tokenizer.ggml.*``: its tokens against A's tokenizer's vocabulary, id by id
+(the converter pads the vocabulary to the embedding's rows with ``[PAD…]`` tokens), and the special token
+ids against A's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import listing
+from .model_config import ConfigResult, transformers_view
+from .side_files import SideFilesResult
+
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # as transformers' config classes name it
+REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "rms_norm_eps")  # llama.cpp needs them
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        try:
+            return np.float32(a) == np.float32(b)
+        except (TypeError, ValueError):
+            return False
+    return a == b
+
+
+def compare_metadata(ca, cb, allow=()) -> ConfigResult:
+    """A's config (transformers' reading) against GGUF B's metadata, key by key."""
+    from ffn_tools.converters.gguf.config import METADATA, metadata_values, rope_theta
+    from ffn_tools.converters.gguf.names import BY_TYPE
+
+    res = ConfigResult(readers=["transformers (A)", "llama.cpp's GGUF metadata (B)"])
+    a = ca.config
+    if not a or "model_type" not in a:
+        res.skipped = "A has no config.json naming a model_type"
+        return res
+    na, why = transformers_view(a)
+    na = na or dict(a)
+    if why:
+        res.notes.append(f"A's config compared as written: {why}")
+    family = cb.family
+    want = BY_TYPE.get(str(a.get("model_type")))
+    arch_key = "general.architecture"
+    if want is not None and want.arch != family.arch:
+        res.problems.append(f"{arch_key}: A is a {a['model_type']} model, which llama.cpp's converter writes as "
+                            f"{want.arch!r}; B says {family.arch!r}")
+    values = metadata_values(cb.fields, family)
+    experts = next((na[k] for k in EXPERT_KEYS if na.get(k) is not None), None)
+    a_values = {**na, "rope_theta": rope_theta(na), family.moe_key: experts}
+    for key, gkey in (*METADATA.items(), (family.moe_key, "{arch}.expert_count")):
+        gkey = gkey.format(arch=family.arch)
+        va, vb = a_values.get(key), values.get(key)
+        if va is None and vb is None:
+            continue
+        res.compared += 1
+        if vb is None:
+            if key in REQUIRED:
+                res.problems.append(f"{key}: A {va!r}, B has no {gkey}")
+            continue
+        if va is None or not _same(va, vb):
+            line = f"{key}: A {va!r}, B {vb!r} ({gkey})"
+            (res.allowed if key in allow else res.problems).append(line)
+    tied = "lm_head.weight" not in cb
+    res.compared += 1
+    if bool(na.get("tie_word_embeddings")) != tied:
+        res.problems.append(f"tie_word_embeddings: A {na.get('tie_word_embeddings')!r}, B "
+                            f"{'has no' if tied else 'has an'} output.weight")
+    res.ties = (na.get("tie_word_embeddings"), tied)
+    return res
+
+
+def compare_tokenizer(root_a: Path, cb) -> SideFilesResult:
+    """A's tokenizer (its files, as transformers loads them) against B's ``tokenizer.ggml.*``."""
+    res = SideFilesResult()
+    tokens = cb.fields.get("tokenizer.ggml.tokens")
+    try:
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        tok = AutoTokenizer.from_pretrained(root_a)
+    except Exception as e:  # noqa: BLE001 - no tokenizer files, or ones transformers cannot read
+        if tokens:
+            res.notes.append(f"A's tokenizer was not compared with B's tokenizer.ggml.tokens: transformers cannot "
+                             f"load one from {root_a} ({type(e).__name__})")
+        res.skipped = "A has no tokenizer transformers loads"
+        return res
+    if not tokens:
+        res.problems.append("tokenizer: A has one, B has no tokenizer.ggml.tokens (llama.cpp cannot tokenize)")
+        return res
+    vocab = {i: t for t, i in tok.get_vocab().items()}
+    wrong = [f"{i}: A {vocab[i]!r}, B {tokens[i]!r}" for i in sorted(vocab) if i < len(tokens) and tokens[i] != vocab[i]]
+    beyond = [i for i in vocab if i >= len(tokens)]
+    padding = [t for i, t in enumerate(tokens) if i not in vocab and not str(t).startswith("[PAD")]
+    if wrong:
+        res.problems.append(f"tokenizer: {len(wrong)} of {len(vocab)} tokens differ: {listing(wrong)}")
+    if beyond:
+        res.problems.append(f"tokenizer: {len(beyond)} of A's token ids are beyond B's {len(tokens)} tokens")
+    if padding:
+        res.problems.append(f"tokenizer: B has {len(padding)} tokens A lacks: {listing(padding)}")
+    for what, key in (("bos", "tokenizer.ggml.bos_token_id"), ("eos", "tokenizer.ggml.eos_token_id")):
+        va = getattr(tok, f"{what}_token_id", None)
+        vb = cb.fields.get(key)
+        if va is not None and vb is not None and int(va) != int(vb):
+            res.problems.append(f"tokenizer: {what} token id A {va}, B {vb} ({key})")
+    if not res.problems:
+        res.identical.append(f"tokenizer ({len(vocab)} tokens as tokenizer.ggml.tokens, special ids)")
+    return res

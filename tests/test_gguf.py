@@ -1,0 +1,233 @@
+"""GGUF read through the checkpoint surface, and verify against the Hugging Face checkpoint it came from.
+
+The GGUFs are llama.cpp's own: ``convert_hf_to_gguf.py`` run on tiny transformers checkpoints with real
+llama.cpp vocabularies (``gguf_models``). Defects are planted by editing a copy of a GGUF in place through
+gguf's own reader (``GGUFReader(path, "r+")``: tensor data and metadata values are writable views).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ffn_tools.converters import detect_format, open_any
+from ffn_tools.verification.engine import verify
+from gguf_models import convert_reference
+from helpers import run_cli
+
+
+def hf_tensors(model):
+    return load_file(str(model / "model.safetensors"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "mixtral"])
+def test_f32_reads_bit_exact_with_hf_names(gguf_model, gguf_ref, arch):
+    """Every tensor of the converter's f32 GGUF reads back as the source's, under its name: q/k rows back in
+    transformers' order, stacked experts as per-expert tensors."""
+    src = hf_tensors(gguf_model(arch))
+    path = gguf_ref(arch, "f32")
+    assert detect_format(path) == "gguf"
+    with open_any(path) as g:
+        assert set(g) == set(src)
+        differ = [n for n in src if not torch.equal(g[n], src[n])]
+        assert differ == []
+        assert g.config["model_type"] == arch
+        assert g.config["num_hidden_layers"] == 2 and g.config["hidden_size"] == 64
+        assert all(g.quant_params(n) is None for n in g)
+        lone = next(n for n in src if n.endswith("down_proj.weight") or n.endswith("w2.weight"))
+        assert bytes(g.read_raw(lone)) == src[lone].numpy().tobytes()
+
+
+@pytest.mark.parametrize("outtype,dtype", [("f16", torch.float16), ("bf16", torch.bfloat16)])
+def test_f16_bf16_read_as_stored(gguf_model, gguf_ref, outtype, dtype):
+    """The converter casts 2-D weights to the outtype and keeps norms f32; they read back exactly so."""
+    src = hf_tensors(gguf_model("llama"))
+    with open_any(gguf_ref("llama", outtype)) as g:
+        for n, t in src.items():
+            want = t if t.dim() == 1 else t.to(dtype)
+            assert g[n].dtype == want.dtype and torch.equal(g[n], want), n
+
+
+def test_q8_0_reads_dequantized_with_its_type(gguf_model, gguf_ref):
+    src = hf_tensors(gguf_model("llama"))
+    with open_any(gguf_ref("llama", "q8_0")) as g:
+        name = "model.layers.0.mlp.gate_proj.weight"
+        assert g.quant_params(name) == {"bits": 8, "group_size": 32, "mode": "Q8_0"}
+        assert g.quant_params("model.norm.weight") is None
+        err = (g[name] - src[name]).abs().max() / src[name].abs().max()
+        assert 0 < err < 1 / 127  # Q8_0: one int8 step of each 32-weight block's absmax
+        assert "Q8_0 read dequantized" in g.label
+
+
+def test_split_gguf_opens_from_any_part(gguf_model, tmp_path):
+    out = convert_reference(gguf_model("llama"), tmp_path / "llama.gguf", "f32", "--split-max-tensors", "8")
+    parts = sorted(tmp_path.glob("llama-*-of-*.gguf"))
+    assert len(parts) == 3 and not out.exists()
+    src = hf_tensors(gguf_model("llama"))
+    with open_any(parts[1]) as g:
+        assert len(g.files) == 3 and set(g) == set(src)
+        assert all(torch.equal(g[n], src[n]) for n in src)
+    parts[2].unlink()
+    r = run_cli("inspect", parts[0], ok=False)
+    assert "llama-00003-of-00003.gguf missing" in r.output
+
+
+@pytest.mark.parametrize("arch,ffns", [("llama", 2), ("qwen3_moe", 8), ("mixtral", 8)])
+def test_inspect_counts_every_ffn(gguf_ref, arch, ffns):
+    for outtype in ("f32", "q8_0"):
+        s = json.loads(run_cli("inspect", gguf_ref(arch, outtype), "--json").output)
+        assert s["format"].startswith("gguf")
+        assert sum(g["count"] for g in s["ffn"].values()) == ffns, s["ffn"]
+        assert s["unmatched_ffn_like"] == []
+
+
+@pytest.mark.parametrize("outtype", ["f32", "f16", "bf16", "q8_0"])
+def test_verify_passes_the_converter_output(gguf_model, gguf_ref, outtype):
+    r = verify(gguf_model("llama"), gguf_ref("llama", outtype), backends=["reference"], load_check=False)
+    assert r.passed, r.failures()
+    assert r.config.compared >= 8 and not r.config.problems
+    assert r.side_files.identical and "32000 tokens" in r.side_files.identical[0]
+    exact = {x.exact for x in r.results}
+    assert exact == ({"identical"} if outtype == "f32" else {"skipped"} if outtype == "q8_0" else exact)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen3"])
+def test_verify_dense_families_with_load_check(gguf_model, gguf_ref, arch):
+    """Mistral (llama.cpp's llama architecture, q/k permuted) and Qwen3 (q/k norms, no permutation) in bf16:
+    everything agrees and llama.cpp builds both."""
+    r = verify(gguf_model(arch), gguf_ref(arch, "bf16"), backends=["reference"])
+    assert r.passed, r.failures()
+    assert r.load.client == "llama.cpp" and r.load.ok
+    assert r.outside.passed and not r.outside.only_a and not r.outside.only_b
+
+
+def test_verify_moe(gguf_model, gguf_ref):
+    r = verify(gguf_model("qwen3_moe"), gguf_ref("qwen3_moe", "q8_0"), backends=["reference"], load_check=False)
+    assert r.passed
+    assert len(r.results) == 8 and r.tolerance.row.endswith("8-bit")
+
+
+def _edit(path, dst, tensors=None, fields=None):
+    """A copy of GGUF ``path`` at ``dst`` with tensors (gguf name -> f(array) -> array) and metadata values
+    (key -> value) replaced in place, through gguf's reader."""
+    from gguf import GGUFReader
+
+    shutil.copy(path, dst)
+    r = GGUFReader(dst, "r+")
+    by_name = {t.name: t for t in r.tensors}
+    for name, fn in (tensors or {}).items():
+        t = by_name[name]
+        t.data[...] = fn(np.array(t.data))
+    for key, value in (fields or {}).items():
+        r.fields[key].parts[-1][0] = value
+    r.data.flush()
+    del r
+    return dst
+
+
+@pytest.mark.parametrize("defect", ["swap", "q unpermuted", "rope base", "eps", "down scaled", "norm zeroed"])
+def test_verify_fails_planted_defects(gguf_model, gguf_ref, tmp_path, defect):
+    from gguf import GGUFReader
+
+    src, ref = gguf_model("llama"), gguf_ref("llama", "f32")
+    t = {x.name: np.array(x.data) for x in GGUFReader(ref).tensors}
+    hf = hf_tensors(src)
+    edits = {
+        "swap": dict(tensors={"blk.1.ffn_gate.weight": lambda a: t["blk.1.ffn_up.weight"],
+                              "blk.1.ffn_up.weight": lambda a: t["blk.1.ffn_gate.weight"]}),
+        "q unpermuted": dict(tensors={"blk.0.attn_q.weight": lambda a: hf["model.layers.0.self_attn.q_proj.weight"].numpy()}),
+        "rope base": dict(fields={"llama.rope.freq_base": 20000.0}),
+        "eps": dict(fields={"llama.attention.layer_norm_rms_epsilon": 1e-5}),
+        "down scaled": dict(tensors={"blk.0.ffn_down.weight": lambda a: a * 1.01}),
+        "norm zeroed": dict(tensors={"blk.1.attn_norm.weight": lambda a: a * 0}),
+    }[defect]
+    bad = _edit(ref, tmp_path / "bad.gguf", **edits)
+    r = run_cli("verify", src, bad, "--backend", "reference", "--no-load-check", ok=None)
+    assert r.exit_code == 1, r.output
+    expect = {"swap": "layer 1", "q unpermuted": "q_proj", "rope base": "rope_theta: A 10000.0, B 20000.0",
+              "eps": "rms_norm_eps", "down scaled": "layer 0", "norm zeroed": "input_layernorm"}[defect]
+    assert expect in r.output
+
+
+def test_load_check_and_logits_through_llama_cpp(gguf_model, gguf_ref, tmp_path):
+    """llama.cpp itself builds the GGUF (the load check) and its logits agree with transformers' (f32: within
+    5e-6 of logits of size ~1e-2, far inside the widened float32 row); a GGUF lacking a tensor it needs is
+    refused by llama.cpp, which verify reports as a failure."""
+    src, ref = gguf_model("llama"), gguf_ref("llama", "f32")
+    r = verify(src, ref, backends=["reference"], logits=True)
+    assert r.passed, r.failures()
+    assert r.load.client == "llama.cpp" and r.load.ok and r.load.architecture == "llama"
+    assert r.logits["client_b"] == "llama.cpp" and r.logits["max_abs"] < 5e-6
+    assert r.logits["top1_agreement"] == 1.0
+    from gguf import GGUFReader, GGUFWriter
+
+    reader = GGUFReader(ref)  # the same file less blk.1.ffn_down.weight, written by gguf's own writer
+    w = GGUFWriter(tmp_path / "short.gguf", "llama")
+    for key, f in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            w.add_key_value(key, f.contents(), f.types[0], f.types[-1] if f.types[0].name == "ARRAY" else None)
+    for t in reader.tensors:
+        if t.name != "blk.1.ffn_down.weight":
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    r = run_cli("verify", src, tmp_path / "short.gguf", "--backend", "reference", ok=None)
+    assert r.exit_code == 1
+    assert "would not load: llama.cpp cannot build the model" in r.output
+
+
+@pytest.mark.parametrize("ftype,types,row", [("Q4_0", {"Q4_0", "Q8_0"}, "4-bit"), ("Q4_K_M", {"Q5_0", "Q8_0"}, "5-bit")])
+def test_llama_quantize_outputs_read_and_verify(gguf_model, gguf_ref, tmp_path, ftype, types, row):
+    """llama-quantize's own code (llama-cpp-python's llama_model_quantize) quantizes the converter's f32 file;
+    every type it writes reads dequantized and verify passes each FFN in its type's row. (Q4_K_M on a
+    64-wide model: llama-quantize falls back to Q5_0/Q8_0 where rows are not multiples of 256.)"""
+    import ctypes
+
+    import llama_cpp
+
+    out = tmp_path / f"{ftype}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    assert llama_cpp.llama_model_quantize(str(gguf_ref("llama", "f32")).encode(), str(out).encode(),
+                                          ctypes.byref(params)) == 0
+    with open_any(out) as g:
+        assert {p["mode"] for n in g if (p := g.quant_params(n))} == types
+    r = verify(gguf_model("llama"), out, backends=["reference"], load_check=False)
+    assert r.passed, r.failures()
+    assert r.tolerance.row.endswith(row)
+
+
+def test_extract_from_gguf_is_bit_exact(gguf_model, gguf_ref, tmp_path):
+    run_cli("-q", "extract", gguf_ref("qwen3_moe", "f32"), "-o", tmp_path / "ffn")
+    r = verify(gguf_model("qwen3_moe"), tmp_path / "ffn", backends=["reference"])
+    assert r.passed and len(r.results) == 8 and all(x.exact == "identical" for x in r.results)
+
+
+def test_unreadable_ggufs_are_refused_by_name(gguf_ref, tmp_path):
+    """A tensor no Hugging Face name is known for, and an architecture ffn-tools does not read, are refused
+    (exit 2, one line naming them), never read as something else."""
+    from gguf import GGUFReader, GGUFWriter
+
+    def rewrite(dst, arch, extra=None):
+        reader = GGUFReader(gguf_ref("llama", "f32"))
+        w = GGUFWriter(dst, arch)
+        for key, f in reader.fields.items():
+            if not key.startswith("GGUF.") and key != "general.architecture":
+                w.add_key_value(key.replace("llama.", f"{arch}."), f.contents(), f.types[0],
+                                f.types[-1] if f.types[0].name == "ARRAY" else None)
+        for t in reader.tensors:
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+        for name, data in (extra or {}).items():
+            w.add_tensor(name, data)
+        w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+        return dst
+
+    odd = rewrite(tmp_path / "odd.gguf", "llama", {"blk.0.mystery.weight": np.ones((4, 4), np.float32)})
+    r = run_cli("inspect", odd, ok=False)
+    assert "1 tensor(s) of no Hugging Face name known for llama: blk.0.mystery.weight" in r.output
+    r = run_cli("inspect", rewrite(tmp_path / "g.gguf", "gemma2"), ok=False)
+    assert "general.architecture 'gemma2' is not one ffn-tools reads" in r.output

@@ -1,0 +1,138 @@
+"""``convert --to gguf`` against llama.cpp's own convert_hf_to_gguf.py, and ``convert x.gguf --to torch``.
+
+The reference is the converter run on the same tiny checkpoint (``gguf_ref``); ours must be the same file,
+byte for byte (tensors, metadata and tokenizer), for every outtype. The GGUF -> torch direction must give a
+checkpoint transformers loads whose tensors are the source's, bit for bit, from an f32 GGUF.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import run_cli, tree_digest
+
+
+@pytest.mark.parametrize("arch,outtype", [("llama", "f32"), ("llama", "f16"), ("llama", "bf16"), ("llama", "q8_0"),
+                                          ("mixtral", "bf16"), ("qwen3_moe", "q8_0"), ("mistral", "bf16"),
+                                          ("qwen3", "bf16")])
+def test_same_file_as_convert_hf_to_gguf(gguf_model, gguf_ref, tmp_path, arch, outtype):
+    src = gguf_model(arch)
+    before = tree_digest(src)
+    out = tmp_path / "ours.gguf"
+    r = json.loads(run_cli("-q", "convert", src, "--to", "gguf", "-o", out, "--outtype", outtype, "--json").output)
+    assert out.read_bytes() == gguf_ref(arch, outtype).read_bytes()
+    assert tree_digest(src) == before  # the input is never modified
+    assert [p.name for p in tmp_path.iterdir()] == ["ours.gguf"]  # no temporary left behind
+    assert r["tensors"] > 0 and r["format"] == "gguf"
+
+
+def test_dry_run_plans_without_writing(gguf_model, tmp_path):
+    out = tmp_path / "plan.gguf"
+    r = run_cli("convert", gguf_model("llama"), "--to", "gguf", "-o", out, "--outtype", "q8_0", "--dry-run")
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    lines = r.output.splitlines()
+    assert any(ln.split()[:2] == ["blk.0.ffn_gate.weight", "Q8_0"] for ln in lines), r.output
+    assert any(ln.split()[:2] == ["blk.0.attn_norm.weight", "F32"] for ln in lines)
+
+
+def test_refusals(gguf_model, tmp_path):
+    src = gguf_model("llama")
+    out = tmp_path / "x.gguf"
+    out.write_bytes(b"keep")
+    r = run_cli("convert", src, "--to", "gguf", "-o", out, "--outtype", "f16", ok=False)
+    assert "already exists" in r.output and out.read_bytes() == b"keep"
+    run_cli("-q", "convert", src, "--to", "gguf", "-o", out, "--outtype", "f16", "--force")
+    assert out.read_bytes()[:4] == b"GGUF" and [p.name for p in tmp_path.iterdir()] == ["x.gguf"]
+    r = run_cli("convert", src, "--to", "gguf", "-o", tmp_path / "y.gguf", "--dtype", "float16", ok=False)
+    assert "--dtype does not apply to --to gguf" in r.output
+    r = run_cli("convert", src, "--to", "gguf", "-o", tmp_path / "y", "--outtype", "f16", ok=False)
+    assert "one file named *.gguf" in r.output
+    r = run_cli("convert", src, "--to", "mlx", "-o", tmp_path / "m", "--outtype", "f16", ok=False)
+    assert "--outtype does not apply to --to mlx" in r.output
+    r = run_cli("convert", "--help")
+    assert "llama-quantize" in r.output
+
+
+def test_llama_cpp_runs_ours_like_transformers(gguf_model, tmp_path):
+    """Our bf16 GGUF, run by llama.cpp, against transformers on the source: verify --logits passes (bf16
+    weights: within the widened bf16 row)."""
+    src = gguf_model("llama")
+    out = tmp_path / "bf16.gguf"
+    run_cli("-q", "convert", src, "--to", "gguf", "-o", out, "--outtype", "bf16")
+    r = json.loads(run_cli("verify", src, out, "--backend", "reference", "--logits", "--json").output)
+    assert r["passed"] and r["load_check"]["ok"] and r["logits"]["client_b"] == "llama.cpp"
+    assert r["logits"]["top1_agreement"] >= 0.9
+
+
+def test_q8_0_logits_through_llama_cpp(gguf_model, gguf_ref):
+    """Q8_0 runs through llama.cpp's int8 kernels: its logits agree with transformers' on the source. (The
+    Makefile builds llama.cpp for x86-64-v3: a -march=native build here uses AMX, whose tiles the sandbox does
+    not grant, and dies of SIGILL; verify would then say so in one line and exit 2.)"""
+    r = run_cli("verify", gguf_model("llama"), gguf_ref("llama", "q8_0"), "--backend", "reference", "--logits",
+                ok=None)
+    assert r.exit_code == 0 and "logits agree" in r.output, r.output
+
+
+def test_gguf_to_torch(gguf_model, gguf_ref, tmp_path):
+    """f32 GGUF -> torch: every tensor the source's, bit for bit; transformers loads it with its tokenizer;
+    a q8_0 GGUF -> torch says it dequantized."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = gguf_model("llama")
+    out = tmp_path / "back"
+    run_cli("-q", "convert", gguf_ref("llama", "f32"), "--to", "torch", "-o", out)
+    a, b = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    tok, ref = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(src)
+    text = "The quick brown fox"
+    assert tok(text)["input_ids"] == ref(text)["input_ids"]
+    r = run_cli("verify", src, out, "--backend", "reference", "--no-side-files")
+    assert "PASS" in r.output
+    r = json.loads(run_cli("-q", "convert", gguf_ref("llama", "q8_0"), "--to", "torch", "-o", tmp_path / "q",
+                           "--json").output)
+    assert any("dequantized 16 gguf-quantized weights" in c and "Q8_0" in c for c in r["changes"])
+
+
+def test_mlx_input_converts_to_the_same_tensors(gguf_model, gguf_ref, tmp_path):
+    """An MLX export of the model converts to a GGUF whose tensors and model metadata are those of
+    convert_hf_to_gguf.py's file from the Hugging Face source; only the name and the model card's tags (the
+    converter reads them from the directory: mlx_lm's card) differ."""
+    from gguf import GGUFReader
+
+    mlx = tmp_path / "model"  # the same directory name as the source: general.name is the converter's from it
+    run_cli("-q", "convert", gguf_model("llama"), "--to", "mlx", "-o", mlx)
+    out = run_cli("-q", "convert", mlx, "--to", "gguf", "-o", tmp_path / "m.gguf", "--outtype", "f32")
+    assert out.exit_code == 0
+    a, b = GGUFReader(tmp_path / "m.gguf"), GGUFReader(gguf_ref("llama", "f32"))
+    ta, tb = ({t.name: t for t in r.tensors} for r in (a, b))
+    assert set(ta) == set(tb)
+    assert all(ta[n].tensor_type == tb[n].tensor_type and bytes(ta[n].data) == bytes(tb[n].data) for n in ta)
+    fa, fb = ({k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")} for r in (a, b))
+    assert {k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k)} <= {"general.tags", "general.languages"}
+    from ffn_tools.verification.engine import verify
+
+    r = verify(mlx, tmp_path / "m.gguf", backends=["reference"])  # MLX <-> GGUF
+    assert r.passed and r.load.ok and all(x.exact == "identical" for x in r.results), r.failures()
+
+
+def test_gguf_to_mlx(gguf_model, gguf_ref, tmp_path):
+    """f32 GGUF -> MLX: mlx_lm loads it (with the tokenizer transformers rebuilds from tokenizer.ggml.*) and
+    its logits agree with transformers' on the source; the weights are the source's, bit for bit. (The
+    rebuilt tokenizer.json lists its merges in another order than the original: side files are not compared.)"""
+    from mlx_lm import load
+
+    src, out = gguf_model("llama"), tmp_path / "mlx"
+    run_cli("-q", "convert", gguf_ref("llama", "f32"), "--to", "mlx", "-o", out)
+    _, tok = load(str(out))
+    assert tok.encode("The quick brown fox") == __import__("transformers").AutoTokenizer.from_pretrained(src).encode(
+        "The quick brown fox")
+    r = json.loads(run_cli("verify", src, out, "--backend", "reference", "--logits", "--no-side-files",
+                           "--json").output)
+    assert r["passed"] and r["logits"]["client_b"] == "mlx_lm"
+    assert all(f["exact"] == "identical" for f in r["ffns"])
