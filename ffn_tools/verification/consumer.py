@@ -39,7 +39,8 @@ def ffn_as_loaded(ca, cb, names) -> tuple[Checkpoint, dict]:
     """A's tensors among ``names`` (its FFNs') that the MLX plan computes through mlx_lm's sanitize and B's view
     reads back by plain rename (same shape): (the checkpoint the plan reads, name -> plan ``Entry``). Empty
     where B is not MLX, A is, or A does not export to MLX."""
-    if cb.format is not Format.MLX or ca.format is Format.MLX:
+    inverse = getattr(cb, "inverse", None)  # the MLX view's trace back (``converters.mlx.inverse``)
+    if cb.format is not Format.MLX or ca.format is Format.MLX or inverse is None:
         return ca, {}
     from ffn_tools.converters.mlx.exporter import mlx_entries
 
@@ -48,10 +49,10 @@ def ffn_as_loaded(ca, cb, names) -> tuple[Checkpoint, dict]:
     except FFNToolsError as e:
         log.info("A is not exported to MLX here (%s): B's FFNs are paired with A's tensors as stored", e)
         return ca, {}
-    sources = cb.inverse.sources  # what the view traced back; the rest keeps its MLX name (or an expert's slice)
+    sources = inverse.sources  # what the view traced back; the rest keeps its MLX name (or an expert's slice)
     computed = {}
     for n in names:
-        stored = cb.made_from(n) if n in cb else ()
+        stored: tuple[str, ...] = cb.made_from(n) if n in cb else ()
         moved = n in sources and sources[n].kind != "rename"  # a stack's slice, or gathered back: not as stored
         entry = entries.get(stored[0]) if len(stored) == 1 and not moved else None
         # no inputs by name: computed by sanitize, not a byte copy, rename or stack of A's tensor
