@@ -25,8 +25,9 @@ from test_zoo import BUDGET, TOO_BIG, UNBUILDABLE
 
 import zoo
 import ffn_tools
-from ffn_tools.converters import convert
+from ffn_tools.converters import convert, open_any
 from ffn_tools.errors import FFNToolsError
+from ffn_tools.verification.consumer import AsLoaded, ffn_as_loaded
 
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
@@ -210,8 +211,21 @@ def test_zoo_mlx(model_type, tmp_path, request):
 # folds them into the tensors in place (``param *= m``), so they are computed outputs, not renames.
 FALCON_H1_MULTIPLIERS = {"mlp_multipliers": [0.8838834764831844, 0.5859375], "embedding_multiplier": 5.656854249492381,
                          "lm_head_multiplier": 0.0390625}
-# why verify cannot pass the export (asserted: it still fails, naming the FFN it compares bit for bit)
-FOLDED_UNVERIFIED = "verify compares B's FFN with A's tensors; mlx_lm folds mlp_multipliers into gate and down"
+
+
+def _edited_mlx(src: Path, dst: Path, edit) -> Path:
+    """A copy of MLX model ``src`` with ``edit(tensors)`` applied, its safetensors metadata kept (the view reads it)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for f in sorted(dst.glob("*.safetensors")):
+        with safe_open(f, "pt") as fh:
+            metadata = fh.metadata()
+        w = load_file(f)
+        edit(w)
+        save_file({k: v.contiguous() for k, v in w.items()}, f, metadata=metadata)
+    return dst
 
 
 def test_folded_multipliers_are_exported_as_mlx_lm_folds_them(tmp_path):
@@ -230,5 +244,32 @@ def test_folded_multipliers_are_exported_as_mlx_lm_folds_them(tmp_path):
     convert(src, "mlx", tmp_path / "mlx-q", quantize=True)
     _reference(src, out, tmp_path / "ref-q", quantize=True)
     assert_identical(tensors(tmp_path / "mlx-q"), tensors(tmp_path / "ref-q"))
-    report = ffn_tools.verify(src, out, backends=["reference"], tokens=4)
-    assert not report.passed and "gate" in " ".join(report.failures()), FOLDED_UNVERIFIED
+    # verify pairs B's FFN with A as mlx_lm loads it (the plan's folded gate and down), and says so
+    for exported, how in ((out, "bit for bit"), (tmp_path / "mlx-q", "re-quantized")):
+        report = ffn_tools.verify(src, exported, backends=["reference"], tokens=4)
+        assert report.passed, report.failures()
+        assert all(r.exact == "identical" for r in report.results), [r.problems for r in report.results]
+        folded = next(n for n in report.notes if "as mlx_lm's sanitize computes them" in n)
+        assert gate in folded and "down_proj" in folded and "up_proj" not in folded, folded
+        assert how != "re-quantized" or any("re-quantized with B's parameters, bit for bit" in n for n in report.notes)
+    up = gate.replace("gate_proj", "up_proj")
+    with open_any(src) as ca, open_any(out) as cb:  # what verify reads A through: the folded gate, as often as asked
+        source, computed = ffn_as_loaded(ca, cb, [gate, up])
+        assert list(computed) == [gate]
+        as_loaded = AsLoaded(ca, source, computed)
+        assert all(torch.equal(as_loaded[gate], mine[gate]) for _ in range(2)) and torch.equal(as_loaded[up], a[up])
+
+    def rescale(w):  # another factor than the config's: what a wrong multiplier folds
+        w[gate] = w[gate] * 2
+
+    def swap(w):  # gate and up exchanged in the 4-bit export, codes, scales and biases alike
+        for part in ("weight", "scales", "biases"):
+            g, u = gate.replace("weight", part), up.replace("weight", part)
+            w[g], w[u] = w[u], w[g]
+
+    for planted, base, edit in (("scaled", out, rescale), ("swapped", tmp_path / "mlx-q", swap)):
+        bad = _edited_mlx(base, tmp_path / planted, edit)
+        report = ffn_tools.verify(src, bad, backends=["reference"], tokens=4)
+        failures = " ".join(report.failures())
+        assert not report.passed and "layer 0" in failures and "gate" in failures, (planted, failures)
+        assert "layer 1" not in failures, failures  # only the planted layer

@@ -8,14 +8,21 @@ that pairing fails, the failing tensors are compared again against A exported by
 runs (``converters.mlx.exporter.mlx_entries``: mlx_lm's own model class and sanitize): a B tensor equal to what
 sanitize makes of A passes, exactly where B stores it unquantized in the same dtype; A's tensors that sanitize
 consumed or dropped are then not missing from B. What still differs stays a failure.
+
+The FFNs are paired the same way, before their checks (``ffn_as_loaded``): where B is MLX and A is not, each
+of A's FFN tensors that the plan computes through sanitize (Falcon-H1's ``mlp_multipliers`` folded into gate
+and down, ``param *= m``) and that B's view reads back by plain rename is taken as the plan computes it, bit
+for bit: A as mlx_lm loads it. The engine's note names them. B's FFN must then equal that (or re-quantize from
+it), so a different factor, or gate and up swapped, still fails.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from ..errors import FFNToolsError, listing
-from ..io.store import Format
+from ..io.store import Checkpoint, Format
 from .diagnose import first_difference
 from .quant import row_bits
 from .requant import check_requantized
@@ -26,6 +33,58 @@ log = logging.getLogger(__name__)
 def _name(line: str) -> str:
     """The tensor a failure line of ``OutsideResult.differ`` names (the text before ``[`` or ``:``)."""
     return line.split(":", 1)[0].split("[", 1)[0]
+
+
+def ffn_as_loaded(ca, cb, names) -> tuple[Checkpoint, dict]:
+    """A's tensors among ``names`` (its FFNs') that the MLX plan computes through mlx_lm's sanitize and B's view
+    reads back by plain rename (same shape): (the checkpoint the plan reads, name -> plan ``Entry``). Empty
+    where B is not MLX, A is, or A does not export to MLX."""
+    inverse = getattr(cb, "inverse", None)  # the MLX view's trace back (``converters.mlx.inverse``)
+    if cb.format is not Format.MLX or ca.format is Format.MLX or inverse is None:
+        return ca, {}
+    from ffn_tools.converters.mlx.exporter import mlx_entries
+
+    try:
+        source, entries, _ = mlx_entries(ca)
+    except FFNToolsError as e:
+        log.info("A is not exported to MLX here (%s): B's FFNs are paired with A's tensors as stored", e)
+        return ca, {}
+    sources = inverse.sources  # what the view traced back; the rest keeps its MLX name (or an expert's slice)
+    computed = {}
+    for n in names:
+        stored: tuple[str, ...] = cb.made_from(n) if n in cb else ()
+        moved = n in sources and sources[n].kind != "rename"  # a stack's slice, or gathered back: not as stored
+        entry = entries.get(stored[0]) if len(stored) == 1 and not moved else None
+        # no inputs by name: computed by sanitize, not a byte copy, rename or stack of A's tensor
+        if entry is not None and not entry.inputs and tuple(entry.shape) == tuple(ca.info(n).shape):
+            computed[n] = entry
+    return source, computed
+
+
+class AsLoaded(Mapping):
+    """A's tensors read through ``through`` (its checkpoint, or the read-ahead stream), except ``computed``
+    (``ffn_as_loaded``): those as the MLX plan computes them from ``source``."""
+
+    def __init__(self, through: Mapping, source: Checkpoint, computed: dict):
+        self.through, self.source, self.computed = through, source, computed
+
+    def __getitem__(self, name: str):
+        from ffn_tools.converters.mlx.quant import RawTensor
+
+        entry = self.computed.get(name)
+        if entry is None:
+            return self.through[name]
+        made = entry.compute([self.source[n] for n in entry.inputs])
+        return made.to_torch() if isinstance(made, RawTensor) else made
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self.through
+
+    def __iter__(self):
+        return iter(self.through)
+
+    def __len__(self) -> int:
+        return len(self.through)
 
 
 def reconcile(outside, ca, cb, compare) -> list[str]:

@@ -7,7 +7,8 @@ the first differing element and, when recognisable, the defect (swapped gate/up,
 layout misread, another layer's or expert's weights); and the FFN runs on seeded inputs: A's on the
 float64 reference, B's on every requested backend (``functional``), within the tolerance table of
 ``tolerances``, with finite outputs (else B's inf/nan weights are named). ``logits`` adds a whole-model
-check through the real clients (``logits``).
+check through the real clients (``logits``). Where B is MLX and A is not, A's FFN tensors that mlx_lm's
+sanitize computes (Falcon-H1's folded multipliers) are read as the MLX plan computes them (``consumer``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 from .. import progress
 from ..detect import FFNSet, choose_scheme, find_ffns
 from ..io.dtypes import short_name
-from ..errors import CheckpointError, FFNToolsError, SchemeError
+from ..errors import CheckpointError, FFNToolsError, SchemeError, listing
 from ..ffn import ACTIVATIONS, FFN, FFNRef
 from ..layouts import GateUpLayout
 from ..registry import Scheme, compile_template
@@ -457,9 +458,11 @@ def _steps(checker: PairChecker, pairs: list, bits: dict, rows: dict, every_back
     return steps
 
 
-def _reads(items: list) -> list[tuple[int, str]]:
-    """The (side, name) of every tensor a step's pairs read, A's first, in the order they read them."""
-    keys = [(0, n) for _, x, _ in items for n in x.names.values()] + [(1, n) for *_, y in items for n in y.names.values()]
+def _reads(items: list, computed=()) -> list[tuple[int, str]]:
+    """The (side, name) of every tensor a step's pairs read, A's first, in the order they read them; not A's
+    ``computed`` (``consumer.ffn_as_loaded``: read through the MLX plan, not as stored)."""
+    keys = [(0, n) for _, x, _ in items for n in x.names.values() if n not in computed]
+    keys += [(1, n) for *_, y in items for n in y.names.values()]
     return list(dict.fromkeys(keys))
 
 
@@ -504,6 +507,12 @@ def _check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: 
                             "coarsest bits")
     reference = {"reference": reference_backend()} if on_reference else {}
     checker = PairChecker(ca, cb, fa, fb, reference, exact, seed, tokens)
+    source, computed = consumer.ffn_as_loaded(ca, cb, [n for _, x, _ in pairs for n in x.names.values()])
+    if computed:
+        checker.read_a = consumer.AsLoaded(ca, source, computed)
+        report.notes.append(f"B is MLX: {len(computed)} of A's FFN tensors compared as mlx_lm's sanitize computes "
+                            "them from A (the MLX export's own computation, bit for bit), not as A stores them (A "
+                            f"as mlx_lm loads it): {listing(sorted(computed), 4)}")
     log.info("verifying %d FFN pairs, %d tokens, tolerance %s", len(pairs), tokens, tol.describe())
 
     def nbytes(x, y):
@@ -514,8 +523,10 @@ def _check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: 
     ran: dict = {}  # the first FFN of each kind: its inputs and A's float64 output, for the kernel backends
     bar = progress.Progress(sum(nbytes(x, y) for _, x, y in pairs), "verifying FFNs")
     try:
-        with TensorStream((ca, cb), [_reads(s.items) for s in steps]) as stream:
+        with TensorStream((ca, cb), [_reads(s.items, computed) for s in steps]) as stream:
             checker.read_a, checker.read_b = stream.side(0), stream.side(1)
+            if computed:
+                checker.read_a = consumer.AsLoaded(checker.read_a, source, computed)
             for k, step in enumerate(steps):
                 if step.batched:
                     results = check_batch(checker, step.items, rows[step.items[0][0]], reference)
@@ -529,7 +540,7 @@ def _check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: 
                     bar.update(nbytes(x, y))
                 stream.done(k)
     finally:
-        checker.read_a, checker.read_b = ca, cb
+        checker.read_a, checker.read_b = (consumer.AsLoaded(ca, source, computed) if computed else ca), cb
         bar.close()
     skipped = sum(any(b.path == NOT_COMPUTED for b in r.backends) for r in report.results)
     if skipped:
