@@ -11,11 +11,10 @@ from pathlib import Path
 
 from ffn_tools.io.store import Checkpoint
 
-from .reader import GGUFCheckpoint, split_files
+from .writer import OUTTYPES  # convert_hf_to_gguf.py's --outtype; K-quants: llama-quantize
 
 FORMAT = "gguf"
 OPTIONS: frozenset[str] = frozenset({"outtype", "dry_run"})
-from .writer import OUTTYPES  # noqa: E402 - convert_hf_to_gguf.py's --outtype; K-quants: llama-quantize
 
 __all__ = ["FORMAT", "OPTIONS", "OUTTYPES", "can_read", "open", "export", "tokenizer_files", "GGUFCheckpoint",
            "split_files"]
@@ -36,7 +35,19 @@ def open(path: Path) -> Checkpoint:  # noqa: A001 - the converter surface's name
     Raises:
         CheckpointError: not a GGUF, an architecture or tensor ffn-tools has no Hugging Face name for.
     """
+    from .reader import GGUFCheckpoint  # gguf and numpy: imported only when a GGUF is read
+
     return GGUFCheckpoint(Path(path))
+
+
+def __getattr__(name: str):
+    """``GGUFCheckpoint`` and ``split_files`` from ``reader``, imported on first use: detecting formats (every
+    command does) must not import gguf and numpy (split and fuse never import them)."""
+    if name in ("GGUFCheckpoint", "split_files"):
+        from . import reader
+
+        return getattr(reader, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def export(ckpt: Checkpoint, out: Path, **options) -> dict:
