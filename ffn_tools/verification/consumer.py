@@ -35,20 +35,37 @@ def _name(line: str) -> str:
     return line.split(":", 1)[0].split("[", 1)[0]
 
 
-def ffn_as_loaded(ca, cb, names) -> tuple[Checkpoint, dict]:
-    """A's tensors among ``names`` (its FFNs') that the MLX plan computes through mlx_lm's sanitize and B's view
-    reads back by plain rename (same shape): (the checkpoint the plan reads, name -> plan ``Entry``). Empty
-    where B is not MLX, A is, or A does not export to MLX."""
-    inverse = getattr(cb, "inverse", None)  # the MLX view's trace back (``converters.mlx.inverse``)
-    if cb.format is not Format.MLX or ca.format is Format.MLX or inverse is None:
-        return ca, {}
+def export_plan(ca, cb) -> tuple | None:
+    """A's MLX export plan, ``mlx_entries(ca)``: (the checkpoint it reads, MLX name -> ``Entry``, A's names
+    sanitize drops). Built once per verify, for the FFNs (``ffn_as_loaded``) and the outside tensors
+    (``reconcile``). None where B is not MLX, A is, or A does not export to MLX (logged)."""
+    if cb.format is not Format.MLX or ca.format is Format.MLX:
+        return None
     from ffn_tools.converters.mlx.exporter import mlx_entries
 
     try:
-        source, entries, _ = mlx_entries(ca)
+        return mlx_entries(ca)
     except FFNToolsError as e:
-        log.info("A is not exported to MLX here (%s): B's FFNs are paired with A's tensors as stored", e)
+        log.info("A is not exported to MLX here (%s): B is paired with A's tensors as stored, by name", e)
+        return None
+
+
+def as_exported(entry, source: Checkpoint):
+    """The torch tensor the MLX plan's ``entry`` computes from A (``source``)."""
+    from ffn_tools.converters.mlx.quant import RawTensor
+
+    made = entry.compute([source[n] for n in entry.inputs])
+    return made.to_torch() if isinstance(made, RawTensor) else made
+
+
+def ffn_as_loaded(ca, cb, names, plan: tuple | None) -> tuple[Checkpoint, dict]:
+    """A's tensors among ``names`` (its FFNs') that the MLX ``plan`` (``export_plan``) computes through mlx_lm's
+    sanitize and B's view reads back by plain rename (same shape): (the checkpoint the plan reads, name -> plan
+    ``Entry``). Empty where there is no plan."""
+    inverse = getattr(cb, "inverse", None)  # the MLX view's trace back (``converters.mlx.inverse``)
+    if plan is None or inverse is None:
         return ca, {}
+    source, entries, _ = plan
     sources = inverse.sources  # what the view traced back; the rest keeps its MLX name (or an expert's slice)
     computed = {}
     for n in names:
@@ -69,13 +86,8 @@ class AsLoaded(Mapping):
         self.through, self.source, self.computed = through, source, computed
 
     def __getitem__(self, name: str):
-        from ffn_tools.converters.mlx.quant import RawTensor
-
         entry = self.computed.get(name)
-        if entry is None:
-            return self.through[name]
-        made = entry.compute([self.source[n] for n in entry.inputs])
-        return made.to_torch() if isinstance(made, RawTensor) else made
+        return self.through[name] if entry is None else as_exported(entry, self.source)
 
     def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
         return name in self.through
@@ -87,25 +99,19 @@ class AsLoaded(Mapping):
         return len(self.through)
 
 
-def reconcile(outside, ca, cb, compare) -> list[str]:
+def reconcile(outside, cb, compare, plan: tuple | None) -> list[str]:
     """Settle ``outside``'s failures for an MLX B through A's MLX export; returns notes.
 
     Args:
         outside: the ``OutsideResult`` of the plain pairing (its lists are updated in place).
-        ca, cb: the checkpoints (B an MLX model, A of another format).
+        cb: B's checkpoint (an MLX model).
         compare: ``(name, a_tensor, b_tensor, bits_b) -> str | None``, the outside check's own comparison (None:
             within tolerance or identical).
+        plan: A's MLX export plan (``export_plan``; None: B is not MLX, A is, or A does not export to MLX).
     """
-    if cb.format is not Format.MLX or ca.format is Format.MLX or outside.skipped or outside.passed:
+    if plan is None or outside.skipped or outside.passed:
         return []
-    from ffn_tools.converters.mlx.exporter import mlx_entries
-    from ffn_tools.converters.mlx.quant import RawTensor
-
-    try:
-        source, entries, dropped = mlx_entries(ca)
-    except FFNToolsError as e:
-        log.info("A is not exported to MLX here (%s): B's tensors are paired by name only", e)
-        return []
+    source, entries, dropped = plan
     bad = {_name(d): d for d in outside.differ}
     settled: list[str] = []
     consumed: set[str] = set()
@@ -118,8 +124,7 @@ def reconcile(outside, ca, cb, compare) -> list[str]:
         same, used = True, set[str]()
         for m in stored:  # as B stores them: the view may have undone sanitize (taken 1.0 off a norm, rounding)
             entry = entries[m]
-            made = entry.compute([source[n] for n in entry.inputs])
-            a = made.to_torch() if isinstance(made, RawTensor) else made
+            a = as_exported(entry, source)
             b, parts = cb.read_stored(m).to_torch(), cb.stored_parts(m)
             outcome, why = check_requantized(m, a, parts) if parts is not None else ("within", None)
             if outcome == "within":  # not quantized, or its bits cannot be reproduced: bits or the tolerance row

@@ -236,16 +236,17 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
                     f"{side}: {w}" + ("" if allow_unmatched else "; --allow-unmatched accepts them unchecked"))
         if fa and fb and sel_layers is None and sel_experts is None:
             sel_layers, sel_experts = _extract_selection(report, ca, cb, fa, fb)
+        plan = consumer.export_plan(ca, cb) if fa and fb else None  # A as mlx_lm loads it: FFNs and outside
         if fa and fb:
             run_kernels = _check_pairs(report, ca, cb, fa, fb, kernels, on_reference, sel_layers, sel_experts, atol,
-                                       rtol, exact, seed, tokens, all_ffns_on_every_backend)
+                                       rtol, exact, seed, tokens, plan, all_ffns_on_every_backend)
             report.outside = _outside(ca, cb, fa, fb, ffn_only or bool(sel_layers or sel_experts), atol, rtol)
             run_kernels()  # after the outside comparison: its tensors and theirs are not held at once
         report.config, report.side_files = model.result()
         mods, report.skipped_backends = kernels.result()
         report.backends = list(mods)
         if report.outside is not None and not report.outside.skipped:
-            report.notes += consumer.reconcile(report.outside, ca, cb, _tolerance_check(atol, rtol))
+            report.notes += consumer.reconcile(report.outside, cb, _tolerance_check(atol, rtol), plan)
             report.notes += tied.reconcile(report.outside, ca, cb, report.config.ties)
         vocab = [(c.config or {}).get("vocab_size") for c in (ca, cb)]
         probe = probe_length(ca.config or {}, ca.total_bytes)
@@ -467,9 +468,10 @@ def _reads(items: list, computed=()) -> list[tuple[int, str]]:
 
 
 def _check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: Job, on_reference: bool, sel_layers,
-                 sel_experts, atol, rtol, exact, seed, tokens, every_backend: bool = False) -> Callable[[], None]:
+                 sel_experts, atol, rtol, exact, seed, tokens, plan: tuple | None,
+                 every_backend: bool = False) -> Callable[[], None]:
     """Every FFN pair's checks (``PairChecker``), the weights streamed (``TensorStream``); ``on_reference``: the
-    reference is one of the backends asked for. Returns what runs the kernel backends (``kernels``: the job
+    reference is one of the backends asked for; ``plan``: A's MLX export plan (``consumer.export_plan``). Returns what runs the kernel backends (``kernels``: the job
     resolving them) on the first FFN of each kind, which ``verify`` calls after the outside comparison."""
     for f, side in ((fa, "A"), (fb, "B")):
         if f.activation.unit == "unknown":
@@ -507,7 +509,7 @@ def _check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: 
                             "coarsest bits")
     reference = {"reference": reference_backend()} if on_reference else {}
     checker = PairChecker(ca, cb, fa, fb, reference, exact, seed, tokens)
-    source, computed = consumer.ffn_as_loaded(ca, cb, [n for _, x, _ in pairs for n in x.names.values()])
+    source, computed = consumer.ffn_as_loaded(ca, cb, [n for _, x, _ in pairs for n in x.names.values()], plan)
     if computed:
         checker.read_a = consumer.AsLoaded(ca, source, computed)
         report.notes.append(f"B is MLX: {len(computed)} of A's FFN tensors compared as mlx_lm's sanitize computes "
