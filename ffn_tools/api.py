@@ -125,7 +125,8 @@ def convert(path, to: str, out, *, upload_repo: str | None = None, **options) ->
     _upload_first(upload_repo, options.get("dry_run"))
     r = run(resolve(str(path)), to, Path(out), **options)
     verb = "would write" if options.get("dry_run") else "wrote"
-    return _published(envelope("convert", str(path), r["output"], f"{verb} {r['output']} ({to})", r), upload_repo)
+    line = r.get("summary") or f"{verb} {r['output']} ({to})"  # a converter's own line says more (GGUF's does)
+    return _published(envelope("convert", str(path), r["output"], line, r), upload_repo)
 
 
 def verify(a, b, **options):

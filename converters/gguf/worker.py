@@ -13,6 +13,7 @@ converts, and memory stays about one tensor. Prints one JSON line: the tensors w
 from __future__ import annotations
 
 import json
+import os
 import logging
 import sys
 from pathlib import Path
@@ -36,7 +37,8 @@ def model_class(ckpt):
 
         def index_tensors(self, remote_hf_model_id=None):
             tensors = {}
-            for name in ckpt:
+            # the converter's order: its parts by file name, each part's tensors by name (SafetensorsLocal)
+            for name in sorted(ckpt, key=lambda n: (ckpt.info(n).file.name, n)):
                 info = ckpt.info(name)
                 meta = LazyTorchTensor.meta_with_dtype_and_shape(info.dtype, tuple(info.shape))
                 gen = (lambda n=name, m=meta: LazyTorchTensor(meta=m, args=(n,), func=lambda x: ckpt[x]))
@@ -63,13 +65,77 @@ def run(request: dict) -> dict:
         model.prepare_tensors()
         tensors = [{"name": n, "type": t.dtype.name, "shape": [int(d) for d in reversed(t.shape)], "bytes": t.nbytes}
                    for n, t in model.gguf_writer.tensors[0].items()]
+        result = {"architecture": arch, "class": cls.__mro__[1].__name__, "tensors": tensors}
         if not request["dry_run"]:
             model.prepare_metadata(vocab_only=False)
-            model.gguf_writer.write_header_to_file(path=out)
-            model.gguf_writer.write_kv_data_to_file()
-            model.gguf_writer.write_tensors_to_file(progress=request["progress"])
-            model.gguf_writer.close()
-        return {"architecture": arch, "class": cls.__mro__[1].__name__, "tensors": tensors}
+            writer = model.gguf_writer
+            writer.write_header_to_file(path=out)
+            writer.write_kv_data_to_file()
+            if request.get("native") and len(writer.tensors) == 1:
+                result.update(write_split(ckpt, writer))
+            else:
+                writer.write_tensors_to_file(progress=request["progress"])
+            writer.close()
+        return result
+
+
+CHECK_LIMIT = 64 << 20  # the largest tensor whose converter bytes the worker builds to prove a recipe
+
+
+def write_split(ckpt, writer) -> dict:
+    """Write the header and every tensor no proven recipe makes; return the rest for ``native`` to write.
+
+    A recipe is proven per tensor class (``native.tensor_class``): the converter's own bytes of the class's
+    first tensor (one no larger than ``CHECK_LIMIT``) against the recipe's; a class whose bytes differ is
+    written by the converter, whole. A class with no tensor that small (a large embedding) is not proven here
+    and is listed as such (the tests prove those families byte for byte against convert_hf_to_gguf.py)."""
+    import numpy as np
+    from gguf.lazy import LazyNumpyTensor
+
+    from . import native
+    from .names import BY_TYPE, hf_names
+
+    config = dict(ckpt.config or {})
+    family = BY_TYPE.get(config.get("model_type", ""))
+    names = hf_names(family, int(config.get("num_hidden_layers") or 0)) if family else {}
+    writer.write_ti_data_to_file()
+    fout = writer.fout[0]
+    pos = writer.ggml_pad(fout.tell(), writer.data_alignment)
+    layout = []
+    for name, ti in writer.tensors[0].items():
+        rec = native.recipe(name, [int(d) for d in ti.shape], family, config, names, ckpt.info) if family else None
+        if rec is not None and (native.shape_of(rec) != [int(d) for d in ti.shape]  # element shape, numpy order
+                                or ti.dtype.name not in native.QTYPES
+                                or native.out_bytes(rec, ti.dtype.name) != ti.nbytes):
+            rec = None
+        layout.append((name, ti, pos, rec))
+        pos += writer.ggml_pad(ti.nbytes, writer.data_alignment)
+    end = pos
+    proven: dict[str, bool] = {}
+    for name, ti, _, rec in layout:
+        cls = native.tensor_class(name)
+        if rec is not None and cls not in proven and ti.nbytes <= int(os.environ.get("FFN_TOOLS_GGUF_CHECK_LIMIT", CHECK_LIMIT)):
+            theirs = np.asarray(LazyNumpyTensor.to_eager(ti.tensor)).tobytes()
+            proven[cls] = theirs == native.tensor_bytes(rec, ti.dtype.name)
+    native_tensors, by_converter, unproven = [], [], set()
+    for name, ti, offset, rec in layout:
+        cls = native.tensor_class(name)
+        if rec is not None and proven.get(cls, True):
+            unproven.update([] if cls in proven else [cls])
+            native_tensors.append({"name": name, "offset": offset, "type": ti.dtype.name, "bytes": ti.nbytes,
+                                   "recipe": rec})
+        else:
+            fout.seek(offset)
+            ti.tensor.tofile(fout)
+            if fout.tell() - offset != ti.nbytes:
+                raise ValueError(f"tensor {name!r} wrote {fout.tell() - offset} bytes, expected {ti.nbytes}")
+            by_converter.append(name)
+        ti.tensor = None
+    fout.truncate(end)
+    fout.flush()
+    return {"native": native_tensors, "by_converter": by_converter,
+            "proven": sorted(c for c, ok in proven.items() if ok), "unproven": sorted(unproven),
+            "disproven": sorted(c for c, ok in proven.items() if not ok)}
 
 
 def main() -> None:

@@ -6,7 +6,9 @@ tensors stay F32, Q8_0 blocks, metadata keys, the tokenizer and its pre-tokenize
 those rules would drift from it with every release. So the writer runs the converter's own model class
 (``worker``) with its tensors read from ffn-tools' view of the input: the output is bit-identical to the
 converter's for a Hugging Face input, and an MLX, Meta/Mistral native or Flax input converts the same way
-(quantized MLX weights are read dequantized, and the summary says so). The file is written to a temporary
+(quantized MLX weights are read dequantized, and the summary says so). The converter writes the header and
+what no recipe makes; ``native`` writes the rest in chunks on every core, from a second process that imports
+neither torch nor transformers (recipes proven against the converter's bytes first, in ``worker``). The file is written to a temporary
 path beside OUT and moved into place only when complete. K-quants (Q4_K_M, ...) are llama.cpp's
 ``llama-quantize``'s job, run on the f16/bf16 output.
 
@@ -49,13 +51,16 @@ def llama_cpp_dir() -> Path:
 
 
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
-           max_shard_size: int | None = None, outtype: str | None = None, dry_run: bool = False) -> dict:
+           max_shard_size: int | None = None, outtype: str | None = None, dry_run: bool = False,
+           native: bool = True) -> dict:
     """Write ``ckpt`` as the GGUF file ``out``.
 
     Args:
         outtype: f32, f16, bf16, q8_0 (convert_hf_to_gguf.py's), or auto (its default: bf16 for a bf16
             model, else f16).
         dry_run: run the converter's plan (every tensor's name, type and shape) and write nothing.
+        native: write the tensors a proven recipe makes in chunks (``native``), the converter the rest; False:
+            the converter writes every tensor (its memory: a tensor whole, in torch and numpy).
 
     Returns:
         Summary: output, outtype, tensors, bytes, per-type counts, changes; ``plan`` with ``dry_run``.
@@ -82,24 +87,27 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         changes.append(f"read {dequantized} {ckpt.format}-quantized weights dequantized: the GGUF holds them "
                        f"as {outtype}, with the quantization's error")
     request = {"source": str(ckpt.path), "dir_model": str(ckpt.root), "outtype": outtype, "dry_run": dry_run,
-               "progress": progress.visible()}
+               "progress": progress.visible(), "native": native}
     if dry_run:
         result = _run({**request, "out": str(out)})  # the converter's writer in its dry-run mode writes nothing
         return _summary(out, outtype, result, changes, plan=True)
     with atomic_output(out, inputs=[Path(ckpt.path)], force=force) as tmp:
         result = _run({**request, "out": str(tmp)})
+        if result.get("native"):
+            _run({"out": str(tmp), "tensors": result["native"], "progress": request["progress"]}, "native")
     return _summary(out, outtype, result, changes, plan=False)
 
 
-def _run(request: dict) -> dict:
-    """The worker's result; its failure as an FFNToolsError."""
+def _run(request: dict, module: str = "worker") -> dict:
+    """The result of ``module`` (``worker``: the converter; ``native``: the chunked tensor writer) run on
+    ``request`` in a process with llama.cpp's gguf-py; its failure as an FFNToolsError."""
     root = llama_cpp_dir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "gguf-py"), *sys.path])}
     env.pop("NO_LOCAL_GGUF", None)
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(request, f)
         f.flush()
-        proc = subprocess.run([sys.executable, "-m", "ffn_tools.converters.gguf.worker", f.name], env=env,
+        proc = subprocess.run([sys.executable, "-m", f"ffn_tools.converters.gguf.{module}", f.name], env=env,
                               stdout=subprocess.PIPE, stderr=None if request["progress"] else subprocess.PIPE,
                               text=True)
     lines = proc.stdout.strip().splitlines()
@@ -107,11 +115,12 @@ def _run(request: dict) -> dict:
         result = json.loads(lines[-1]) if lines else {}
     except ValueError:
         result = {}
-    if proc.returncode != 0 or "error" in result or "tensors" not in result:
+    if proc.returncode != 0 or "error" in result or ("tensors" if module == "worker" else "written") not in result:
         why = result.get("error") or (proc.stderr or "").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
         if proc.returncode < 0 or proc.returncode in (130, 143):
             raise KeyboardInterrupt
-        raise FFNToolsError(f"llama.cpp's converter could not convert this checkpoint: "
+        raise FFNToolsError(f"{'llama.cpp' + chr(39) + 's converter' if module == 'worker' else 'the GGUF tensor writer'}"
+                            f" could not convert this checkpoint: "
                             f"{why if isinstance(why, str) else why[0]}")
     return result
 
@@ -129,4 +138,16 @@ def _summary(out: Path, outtype: str, result: dict, changes: list[str], plan: bo
                     f"{result['class']} writes {result['architecture']}"}
     if plan:
         r["plan"] = [f"{t['name']:<32} {t['type']:<6} {t['shape']}" for t in result["tensors"]]
+    if "native" in result:  # who wrote which tensor, and how each recipe was proven
+        r["written"] = {"in_chunks": len(result["native"]), "by_converter": result["by_converter"],
+                        "recipes_proven": result["proven"], "recipes_not_proven": result["unproven"],
+                        "recipes_disproven": result["disproven"]}
+        r["summary"] += (f"; {len(result['native'])} tensors written in chunks by ffn-tools' recipes, "
+                         f"{len(result['by_converter'])} by the converter")
+        if result["unproven"]:
+            r["summary"] += (f" (recipes not checked against the converter's bytes here, too large to build whole:"
+                             f" {', '.join(result['unproven'])})")
+        if result["disproven"]:
+            changes.append(f"ffn-tools' recipe differs from the converter's bytes for {', '.join(result['disproven'])}:"
+                           " the converter wrote those tensors")
     return r

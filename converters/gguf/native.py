@@ -1,0 +1,243 @@
+"""A GGUF's tensor data written by ffn-tools in chunks, where llama.cpp's converter would build each tensor whole.
+
+The converter (run in ``worker``) still decides the file: tensor names, order, types, metadata, tokenizer, and
+it writes the header. What it does to each tensor's values is, for the families ffn-tools declares
+(``names.FAMILIES``), one of three things, each a recipe here:
+
+- ``copy``: the tensor as it is (a rename);
+- ``rotary``: q/k rows permuted into llama.cpp's rotary order, head by head (its ``LlamaModel.permute``);
+- ``stack``: a layer's experts stacked into one (E, rows, cols) tensor (``ffn_{gate,up,down}_exps``);
+
+then the cast every tensor goes through (to float32, then gguf-py's ``quants.quantize`` to F32, F16, BF16 or
+Q8_0). All of them work on whole rows, so a tensor is written a few megabytes at a time, by a pool of threads
+(numpy releases the GIL), each chunk read with ``pread`` from its place in the source file and written with
+``pwrite`` at its place in the output: memory stays a few chunks whatever the model's size, and no torch is
+imported. ``worker`` proves each recipe against the converter's own bytes before using it (``check_classes``).
+
+Run by ``writer`` as ``python -m ffn_tools.converters.gguf.native REQUEST.json`` with llama.cpp's vendored
+gguf-py on the path (the quantizer the converter uses); prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+
+CHUNK = 8 << 20  # source bytes per chunk: large enough for numpy, small enough to keep memory flat
+SOURCE_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}  # what the cast reads; anything else the converter writes
+QTYPES = ("F32", "F16", "BF16", "Q8_0")  # what the cast writes
+Q8_0_BLOCK, Q8_0_BYTES = 32, 34  # 32 values -> one float16 scale + 32 int8
+
+
+def tensor_class(name: str) -> str:
+    """The tensor's name with its layer number as ``{L}``: one recipe check covers a class."""
+    return re.sub(r"^blk\.\d+\.", "blk.{L}.", name)
+
+
+def recipe(gguf_name: str, shape: list[int], family, config: dict, names: dict[str, str], info_of) -> dict | None:
+    """How ``gguf_name``'s values come from the checkpoint, or None when no recipe here makes it.
+
+    Args:
+        shape: the tensor's shape as the converter declares it (numpy order; its experts first).
+        family: the ``names.Family`` of the checkpoint.
+        names: GGUF name -> Hugging Face name (``names.hf_names``).
+        info_of: Hugging Face name -> ``TensorInfo`` (or KeyError).
+
+    Returns:
+        ``{"op", "sources": [{"file", "start", "dtype", "shape"}], "heads"}``; sources lie as stored (their
+        bytes can be read in place) in a dtype the cast reads.
+    """
+    from .names import expert_names
+
+    if m := re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight", gguf_name):
+        if family.experts is None:
+            return None
+        hf = expert_names(family, int(m.group(1)), m.group(2), shape[0])  # (E, rows, cols)
+        op, heads = "stack", None
+    elif gguf_name in names:
+        hf, op, heads = [names[gguf_name]], "copy", None
+        if family.rotary and re.search(r"\.(q|k)_proj\.(weight|bias)$", hf[0]):
+            heads = int(config["num_attention_heads"])
+            if ".k_proj." in hf[0]:
+                heads = int(config.get("num_key_value_heads") or heads)
+            op = "rotary"
+    else:
+        return None
+    sources = []
+    for n in hf:
+        try:
+            info = info_of(n)
+        except KeyError:
+            return None
+        if info.start is None or info.st_dtype not in SOURCE_DTYPES:
+            return None
+        sources.append({"file": str(info.file), "start": info.start, "dtype": info.st_dtype,
+                        "shape": list(info.shape)})
+    if len({tuple(s["shape"]) for s in sources}) != 1:
+        return None
+    if op == "rotary" and sources[0]["shape"][0] % (2 * heads):
+        return None  # rows that do not split into heads of two halves: the converter would fail too
+    return {"op": op, "sources": sources, "heads": heads}
+
+
+def shape_of(rec: dict) -> list[int]:
+    """The shape the recipe makes (numpy order)."""
+    shape = rec["sources"][0]["shape"]
+    return [len(rec["sources"]), *shape] if rec["op"] == "stack" else list(shape)
+
+
+def pieces(rec: dict) -> Iterator[tuple[dict, int, int, int | None]]:
+    """The recipe's chunks in output order: (source, first row, end row, head size to permute or None).
+
+    A tensor is taken as rows of its last dimension (a 1-D tensor as rows of one value); a rotary chunk is
+    whole heads."""
+    for src in rec["sources"]:
+        shape = src["shape"]
+        rows = shape[0]
+        row_bytes = _count(shape[1:]) * SOURCE_DTYPES[src["dtype"]]
+        step = max(1, CHUNK // max(row_bytes, 1))
+        head = None
+        if rec["op"] == "rotary":
+            head = rows // rec["heads"]
+            step = max(head, step // head * head)
+        for r0 in range(0, rows, step):
+            yield src, r0, min(rows, r0 + step), head
+
+
+def encode(src: dict, r0: int, r1: int, head: int | None, qtype: str) -> bytes:
+    """Rows [r0, r1) of ``src`` as the converter writes them in ``qtype``."""
+    import numpy as np
+
+    from ffn_tools.io.store import read_bytes
+
+    cols = _count(src["shape"][1:])
+    size = SOURCE_DTYPES[src["dtype"]]
+    raw = read_bytes(src["file"], src["start"] + r0 * cols * size, (r1 - r0) * cols * size)
+    if head is not None:  # (heads, 2, head/2, cols) -> (heads, head/2, 2, cols): LlamaModel.permute
+        raw = np.frombuffer(raw, np.uint8).reshape((r1 - r0) // head, 2, head // 2, cols * size)
+        raw = raw.swapaxes(1, 2).tobytes()
+    if qtype == src["dtype"] and qtype in ("F32", "F16"):
+        return bytes(raw)  # the converter keeps a float32 or float16 tensor as it is
+    if qtype == "BF16" and src["dtype"] == "BF16":
+        return _bf16_as_bf16(raw)
+    if src["dtype"] == "BF16":  # bfloat16 -> float32 is exact: the bits, shifted
+        x = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        x = np.frombuffer(raw, np.float16 if src["dtype"] == "F16" else np.float32).astype(np.float32)
+    from gguf import GGMLQuantizationType, quants
+
+    out = quants.quantize(x.reshape(r1 - r0, cols), getattr(GGMLQuantizationType, qtype))
+    return out.tobytes()
+
+
+def _bf16_as_bf16(raw) -> bytes:
+    """bfloat16 through float32 and gguf-py's BF16 rounding, bit for bit: every value comes back unchanged
+    (its low 16 float32 bits are zero, so the round-to-nearest-even adds nothing) except NaNs, which the
+    rounding makes quiet (bit 6 of the bfloat16 set). ``test_gguf_native`` proves it on all 65536 patterns."""
+    import numpy as np
+
+    u = np.frombuffer(raw, np.uint16)
+    nan = (u & 0x7FFF) > 0x7F80
+    if not nan.any():
+        return bytes(raw)
+    u = u.copy()
+    u[nan] |= 0x0040
+    return u.tobytes()
+
+
+def out_bytes(rec: dict, qtype: str) -> int:
+    """The bytes the recipe writes in ``qtype``."""
+    shape = shape_of(rec)
+    n = _count(shape)
+    if qtype == "Q8_0":
+        return n // Q8_0_BLOCK * Q8_0_BYTES
+    return n * {"F32": 4, "F16": 2, "BF16": 2}[qtype]
+
+
+def tensor_bytes(rec: dict, qtype: str) -> bytes:
+    """The whole tensor as the recipe writes it (for the worker's check against the converter)."""
+    return b"".join(encode(src, r0, r1, head, qtype) for src, r0, r1, head in pieces(rec))
+
+
+def write(tensors: list[dict], out: Path, *, threads: int | None = None, progress: bool = False) -> int:
+    """Write each ``{"offset", "type", "recipe"}`` at its offset in ``out`` (which exists, at its full size).
+
+    Chunks are encoded by a pool of threads (one per core), a bounded number in flight, each written where it
+    belongs as it completes. Returns the bytes written.
+
+    Raises:
+        OSError: reading a source or writing the output failed; ValueError: a chunk of the wrong size.
+    """
+    from ffn_tools.progress import Progress
+
+    jobs = []
+    for t in tensors:
+        pos = t["offset"]
+        for src, r0, r1, head in pieces(t["recipe"]):
+            n = (r1 - r0) * _count(src["shape"][1:])
+            size = n // Q8_0_BLOCK * Q8_0_BYTES if t["type"] == "Q8_0" else n * {"F32": 4, "F16": 2, "BF16": 2}[t["type"]]
+            jobs.append((src, r0, r1, head, t["type"], pos, size))
+            pos += size
+        if pos - t["offset"] != t["bytes"]:
+            raise ValueError(f"{t['name']}: the recipe makes {pos - t['offset']} bytes, the header says {t['bytes']}")
+    total = sum(j[-1] for j in jobs)
+    bar = Progress(total, "Writing") if progress else None
+    lock = threading.Lock()
+    fd = os.open(out, os.O_WRONLY)
+    try:
+        def one(job) -> int:
+            src, r0, r1, head, qtype, pos, size = job
+            data = encode(src, r0, r1, head, qtype)
+            if len(data) != size:
+                raise ValueError(f"a chunk of {len(data)} bytes where {size} belong")
+            view, done = memoryview(data), 0
+            while done < size:
+                done += os.pwrite(fd, view[done:], pos + done)
+            if bar is not None:
+                with lock:
+                    bar.update(size)
+            return size
+
+        workers = threads or os.cpu_count() or 1
+        written = 0
+        with ThreadPoolExecutor(workers) as pool:
+            pending: set[Future] = set()
+            for job in jobs:
+                if len(pending) >= 2 * workers:
+                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    written += sum(f.result() for f in done)
+                pending.add(pool.submit(one, job))
+            written += sum(f.result() for f in pending)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        if bar is not None:
+            bar.close()
+    return written
+
+
+def _count(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def main() -> None:
+    request = json.loads(Path(sys.argv[1]).read_text())
+    try:
+        n = write(request["tensors"], Path(request["out"]), progress=request.get("progress", False))
+    except (OSError, ValueError) as e:
+        print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        sys.exit(1)
+    print(json.dumps({"written": n}))
+
+
+if __name__ == "__main__":
+    main()
