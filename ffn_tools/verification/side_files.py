@@ -12,6 +12,10 @@ tokenizer.json's ``added_tokens``), null special tokens, special_tokens_map.json
 and vocab.json/merges.txt (in tokenizer.json); moves ``chat_template`` to chat_template.jinja. Two are notes,
 as transformers 4 reads them: ``add_bos_token`` dropped (transformers 5 ignores it beside tokenizer.json: its
 post_processor decides), ``PreTrainedTokenizerFast`` renamed ``TokenizersBackend``.
+
+tokenizer.json is compared in full, BPE merges in order (a merge's position is its rank): merges that are one set
+in another order fail with how many moved. One key may be only in B's tokenizer_config.json, a note: ``pad_token``
+(``ONLY_IN_B``; a GGUF names one where its source's tokenizer had none).
 """
 
 from __future__ import annotations
