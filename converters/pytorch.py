@@ -135,12 +135,12 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
                 "bytes": plan.total_bytes, "changes": changes, "plan": plan.describe()}
     card = _card(ckpt)
     extra = {"README.md": card} if card else {}
-    if ckpt.format is Format.GGUF:  # config.json comes from the metadata, the tokenizer from tokenizer.ggml.*
-        from .gguf import tokenizer_files
+    if ckpt.format is Format.GGUF:  # config.json comes from the metadata, tokenizer and generation config too
+        from .gguf import side_files
 
-        extra.update(tokenizer_files(ckpt))
-        if extra:
-            changes.append("tokenizer files written from the GGUF's tokenizer.ggml.* by transformers' GGUF reader")
+        rebuilt, said = side_files(ckpt)
+        extra.update(rebuilt)
+        changes += said
     files = execute(plan, out, force=force, max_shard_size=max_shard_size, metadata=metadata,
                     desc="converting to torch", extra_files=extra or None)
     if card:

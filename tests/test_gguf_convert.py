@@ -77,26 +77,82 @@ def test_q8_0_logits_through_llama_cpp(gguf_model, gguf_ref):
     assert r.exit_code == 0 and "logits agree" in r.output, r.output
 
 
+PROSE = ("The quick brown fox jumps over the lazy dog.", "Grüße aus München, ça va? Привет мир!",
+         "Tokenizers rank their merges: the first merge that applies wins, so order is meaning.")
+
+
 def test_gguf_to_torch(gguf_model, gguf_ref, tmp_path):
-    """f32 GGUF -> torch: every tensor the source's, bit for bit; transformers loads it with its tokenizer;
-    a q8_0 GGUF -> torch says it dequantized."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """f32 GGUF -> torch: every tensor the source's, bit for bit; transformers loads it with its tokenizer and
+    generation config; a q8_0 GGUF -> torch says it dequantized. The llama-spm GGUF holds no merge ranks
+    (convert_hf_to_gguf.py wrote score -1000 for every token: the source has tokenizer.json, no
+    tokenizer.model), so the rebuilt merges are ranked by token position, as the summary says: prose encodes
+    as the source, but the source ranks its whitespace merges last, and verify's side-file check says so,
+    exit 1, with nothing else differing."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     src = gguf_model("llama")
     out = tmp_path / "back"
-    run_cli("-q", "convert", gguf_ref("llama", "f32"), "--to", "torch", "-o", out)
+    said = json.loads(run_cli("-q", "convert", gguf_ref("llama", "f32"), "--to", "torch", "-o", out, "--json").output)
+    assert any("ranked by token position" in c and "all 32000 tokenizer.ggml.scores are -1000" in c
+               for c in said["changes"]), said["changes"]
     a, b = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
     model = AutoModelForCausalLM.from_pretrained(out)
     assert type(model).__name__ == "LlamaForCausalLM"
+    assert GenerationConfig.from_pretrained(out).eos_token_id == GenerationConfig.from_pretrained(src).eos_token_id == 2
     tok, ref = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(src)
-    text = "The quick brown fox"
-    assert tok(text)["input_ids"] == ref(text)["input_ids"]
-    r = run_cli("verify", src, out, "--backend", "reference", "--no-side-files")
-    assert "PASS" in r.output
+    assert [tok(t)["input_ids"] for t in PROSE] == [ref(t)["input_ids"] for t in PROSE]
+    assert tok("a    b")["input_ids"] != ref("a    b")["input_ids"]  # a run of spaces: the ranks the GGUF lost
+    r = run_cli("verify", src, out, "--backend", "reference", "--json", ok=None)
+    v = json.loads(r.output)
+    assert r.exit_code == 1 and v["failures"] == [
+        "side files: tokenizer.json: model.merges: the same 61249 merges in another order (120 moved against the "
+        "rest; first at rank 0: '▁ t' in A, '▁ ▁' in B): BPE applies merges by rank, so text tokenizes differently"]
+    assert v["side_files"]["identical"] == ["tokenizer_config.json", "generation_config.json"]
+    assert any(n.startswith("tokenizer_config.json: pad_token is '<unk>' in B and not set in A")
+               for n in v["side_files"]["notes"])
     r = json.loads(run_cli("-q", "convert", gguf_ref("llama", "q8_0"), "--to", "torch", "-o", tmp_path / "q",
                            "--json").output)
     assert any("dequantized 16 gguf-quantized weights" in c and "Q8_0" in c for c in r["changes"])
+
+
+def test_gguf_to_torch_side_files_round_trip(gguf_model, gguf_ref, tmp_path):
+    """A byte-level BPE GGUF (the qwen2 vocabulary) stores its merges in rank order: GGUF -> torch gives the
+    source's tokenizer.json, tokenizer_config.json, chat template and generation_config.json, and verify
+    passes comparing them. Planted tokenizer and generation defects in that output each fail it, exit 1."""
+    import shutil
+
+    src, out = gguf_model("qwen3"), tmp_path / "back"
+    said = json.loads(run_cli("-q", "convert", gguf_ref("qwen3", "f32"), "--to", "torch", "-o", out, "--json").output)
+    assert not any("ranked by token position" in c for c in said["changes"])
+    r = json.loads(run_cli("verify", src, out, "--backend", "reference", "--json").output)
+    assert r["passed"] and r["side_files"]["problems"] == [] and set(r["side_files"]["identical"]) == {
+        "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"}
+
+    def planted(name: str, edit) -> str:
+        bad = tmp_path / f"bad-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(out, bad)
+        doc = json.loads((bad / name).read_text())
+        edit(doc)
+        (bad / name).write_text(json.dumps(doc, ensure_ascii=False, indent=2))
+        r = run_cli("verify", src, bad, "--backend", "reference", ok=None)
+        assert r.exit_code == 1, r.output
+        return next(ln for ln in r.output.splitlines() if ln.startswith("  - side files: "))
+
+    def swap_merges(doc):
+        m = doc["model"]["merges"]
+        m[10], m[11] = m[11], m[10]
+
+    def exchange_ids(doc):  # two tokens' ids exchanged: still a loadable tokenizer, another one
+        v = doc["model"]["vocab"]
+        a, b = (next(t for t, i in v.items() if i == n) for n in (500, 501))
+        v[a], v[b] = 501, 500
+
+    line = planted("tokenizer.json", swap_merges)
+    assert "the same 151387 merges in another order (1 moved against the rest; first at rank 10" in line, line
+    assert planted("tokenizer.json", exchange_ids).startswith("  - side files: tokenizer.json: model.vocab[")
+    line = planted("generation_config.json", lambda d: d.update(eos_token_id=0))
+    assert line == "  - side files: generation_config.json: eos_token_id is 151643 in A, 0 in B", line
 
 
 def test_mlx_input_converts_to_the_same_tensors(gguf_model, gguf_ref, tmp_path):
@@ -121,18 +177,27 @@ def test_mlx_input_converts_to_the_same_tensors(gguf_model, gguf_ref, tmp_path):
     assert r.passed and r.load.ok and all(x.exact == "identical" for x in r.results), r.failures()
 
 
-def test_gguf_to_mlx(gguf_model, gguf_ref, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_gguf_to_mlx(gguf_model, gguf_ref, tmp_path, arch):
     """f32 GGUF -> MLX: mlx_lm loads it (with the tokenizer transformers rebuilds from tokenizer.ggml.*) and
-    its logits agree with transformers' on the source; the weights are the source's, bit for bit. (The
-    rebuilt tokenizer.json lists its merges in another order than the original: side files are not compared.)"""
+    its logits agree with transformers' on the source; the weights are the source's, bit for bit; the side
+    files are compared: the qwen2 vocabulary's are the source's, the llama-spm GGUF's merge ranks are lost
+    (test_gguf_to_torch) and that is the one failure."""
     from mlx_lm import load
+    from transformers import AutoTokenizer
 
-    src, out = gguf_model("llama"), tmp_path / "mlx"
-    run_cli("-q", "convert", gguf_ref("llama", "f32"), "--to", "mlx", "-o", out)
+    src, out = gguf_model(arch), tmp_path / "mlx"
+    run_cli("-q", "convert", gguf_ref(arch, "f32"), "--to", "mlx", "-o", out)
     _, tok = load(str(out))
-    assert tok.encode("The quick brown fox") == __import__("transformers").AutoTokenizer.from_pretrained(src).encode(
-        "The quick brown fox")
-    r = json.loads(run_cli("verify", src, out, "--backend", "reference", "--logits", "--no-side-files",
-                           "--json").output)
-    assert r["passed"] and r["logits"]["client_b"] == "mlx_lm"
-    assert all(f["exact"] == "identical" for f in r["ffns"])
+    ref = AutoTokenizer.from_pretrained(src)
+    assert [tok.encode(t) for t in PROSE] == [ref.encode(t) for t in PROSE]
+    r = run_cli("verify", src, out, "--backend", "reference", "--logits", "--json", ok=None)
+    v = json.loads(r.output)
+    assert v["logits"]["passed"] and v["logits"]["client_b"] == "mlx_lm"
+    assert all(f["exact"] == "identical" for f in v["ffns"])
+    assert "generation_config.json" in v["side_files"]["identical"]
+    if arch == "qwen3":
+        assert r.exit_code == 0 and v["passed"], v["failures"]
+    else:
+        assert r.exit_code == 1 and [f.split(" (")[0] for f in v["failures"]] == [
+            "side files: tokenizer.json: model.merges: the same 61249 merges in another order"], v["failures"]

@@ -122,12 +122,16 @@ def bpe(root, old: bool, merges=(("a", "b"), ("ab", "c"))):
     return root
 
 
+MERGES_SWAPPED = ("tokenizer.json: model.merges: the same 2 merges in another order (1 moved against the rest; first "
+                  "at rank 0: 'a b' in A, 'ab c' in B): BPE applies merges by rank, so text tokenizes differently")
+
+
 def test_an_older_tokenizers_format_reads_the_same(tmp_path):
     a = bpe(tmp_path / "a", old=True)
     res = compare_side_files(a, bpe(tmp_path / "b", old=False))
     assert res.passed and res.identical == ["tokenizer.json"]
     res = compare_side_files(a, bpe(tmp_path / "c", old=False, merges=(("ab", "c"), ("a", "b"))))
-    assert res.problems == ['tokenizer.json: model.merges[0] is ["a", "b"] in A, ["ab", "c"] in B']
+    assert res.problems == [MERGES_SWAPPED]
 
 
 def test_vocab_and_merges_dropped_beside_the_same_tokenizer_json_pass(tmp_path):
@@ -141,7 +145,7 @@ def test_vocab_and_merges_dropped_beside_the_same_tokenizer_json_pass(tmp_path):
         "vocab.json is in A and missing in B; B's tokenizer.json holds the same vocabulary",
         "merges.txt is in A and missing in B; B's tokenizer.json holds the same merges"]
     res = compare_side_files(a, bpe(tmp_path / "c", old=False, merges=(("ab", "c"), ("a", "b"))))
-    assert res.problems == ['tokenizer.json: model.merges[0] is ["a", "b"] in A, ["ab", "c"] in B',
+    assert res.problems == [MERGES_SWAPPED,
                             "merges.txt is in A and missing in B"]
 
 
@@ -297,3 +301,17 @@ def test_skipped_without_a_directory(a, tmp_path):
 
 def test_the_table_has_each_file_once():
     assert len(set(SIDE_FILES)) == len(SIDE_FILES) and "tokenizer.json" in SIDE_FILES
+
+
+def test_a_pad_token_only_in_b_is_a_note_an_eos_token_is_not(tmp_path):
+    """A GGUF names a padding token its source's tokenizer lacked: A cannot pad, so B's pad token changes no
+    call A answers (a note); an eos token only in B changes where generation stops (a problem)."""
+    a, b = bpe(tmp_path / "a", old=False), bpe(tmp_path / "b", old=False)
+    (a / "tokenizer_config.json").write_text(json.dumps({"pad_token": None, "unk_token": "c"}))
+    (b / "tokenizer_config.json").write_text(json.dumps({"pad_token": "c", "unk_token": "c"}))
+    res = compare_side_files(a, b)
+    assert res.passed and res.notes == ["tokenizer_config.json: pad_token is 'c' in B and not set in A: A's "
+                                        "tokenizer cannot pad (padding raises), so every call it answers reads the "
+                                        "same in B"]
+    (b / "tokenizer_config.json").write_text(json.dumps({"eos_token": "c", "unk_token": "c"}))
+    assert compare_side_files(a, b).problems == ["tokenizer_config.json: eos_token is only in B ('c')"]

@@ -16,7 +16,7 @@ from .writer import OUTTYPES  # convert_hf_to_gguf.py's --outtype; K-quants: lla
 FORMAT = "gguf"
 OPTIONS: frozenset[str] = frozenset({"outtype", "dry_run"})
 
-__all__ = ["FORMAT", "OPTIONS", "OUTTYPES", "can_read", "open", "export", "tokenizer_files", "GGUFCheckpoint",
+__all__ = ["FORMAT", "OPTIONS", "OUTTYPES", "can_read", "open", "export", "side_files", "GGUFCheckpoint",
            "split_files"]
 
 
@@ -57,18 +57,9 @@ def export(ckpt: Checkpoint, out: Path, **options) -> dict:
     return write(ckpt, out, **options)
 
 
-def tokenizer_files(ckpt: Checkpoint) -> dict[str, str]:
-    """The GGUF's tokenizer (``tokenizer.ggml.*``) as the files transformers saves, name -> text: transformers'
-    own GGUF tokenizer reader (``from_pretrained(..., gguf_file=...)``) builds it, ``save_pretrained`` writes
-    it. Empty when the GGUF has no tokenizer."""
-    import tempfile
+def side_files(ckpt: Checkpoint) -> tuple[dict[str, str], list[str]]:
+    """The tokenizer files and generation_config.json rebuilt from the GGUF's metadata, name -> text, and what
+    the summary says about them (see ``sidefiles``)."""
+    from .sidefiles import side_files as rebuild  # transformers: imported only when a GGUF is converted
 
-    from transformers import AutoTokenizer
-
-    if "tokenizer.ggml.tokens" not in getattr(ckpt, "fields", {}):
-        return {}
-    path = Path(ckpt.files[0])
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    with tempfile.TemporaryDirectory() as d:
-        tok.save_pretrained(d)
-        return {p.name: p.read_text() for p in Path(d).iterdir() if p.is_file()}
+    return rebuild(ckpt)

@@ -352,9 +352,11 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     items = [OutTensor(e.name, e.st_dtype, tuple(e.shape), e.nbytes, _sizing_only) for e in entries]
     extra = {"config.json": mlx_config(ckpt, config, block), "README.md": model_card(ckpt)}
     if ckpt.format is Format.GGUF:  # its tokenizer is tokenizer.ggml.*: as transformers writes it from there
-        from ffn_tools.converters.gguf import tokenizer_files
+        from ffn_tools.converters.gguf import side_files
 
-        extra = {**tokenizer_files(ckpt), **extra}
+        rebuilt, said = side_files(ckpt)
+        extra = {**rebuilt, **extra}
+        changes += said
     if len(plan_shards(items, shard, metadata)) == 1:  # mlx-lm writes an index even for one shard
         index = {"metadata": {"total_size": plan.total_bytes},
                  "weight_map": {e.name: "model.safetensors" for e in sorted(entries, key=lambda e: e.name)}}

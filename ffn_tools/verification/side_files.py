@@ -12,10 +12,15 @@ tokenizer.json's ``added_tokens``), null special tokens, special_tokens_map.json
 and vocab.json/merges.txt (in tokenizer.json); moves ``chat_template`` to chat_template.jinja. Two are notes,
 as transformers 4 reads them: ``add_bos_token`` dropped (transformers 5 ignores it beside tokenizer.json: its
 post_processor decides), ``PreTrainedTokenizerFast`` renamed ``TokenizersBackend``.
+
+tokenizer.json is compared in full, BPE merges in order (a merge's position is its rank): merges that are one set
+in another order fail with how many moved. One key may be only in B's tokenizer_config.json, a note: ``pad_token``
+(``ONLY_IN_B``; a GGUF names one where its source's tokenizer had none).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +58,10 @@ IGNORED = {"tokenizer_config.json": ("name_or_path", "is_local", "local_files_on
 # the tokenizer's class picks.
 LOADER_DEFAULTS = {"model_max_length": (int(1e30),), "backend": ("tokenizers", "sentencepiece")}
 CLASS_ALIASES = ({"PreTrainedTokenizerFast", "TokenizersBackend"},)  # one class in transformers 5
+# tokenizer_config.json keys that may be set in B only: without a pad token A's tokenizer refuses to pad
+# (padding=True raises), so every call A's tokenizer answers, B's answers the same; the other special tokens
+# change what a client does (eos stops generation, chat templates write bos), and are compared.
+ONLY_IN_B = {"pad_token": "A's tokenizer cannot pad (padding raises), so every call it answers reads the same in B"}
 
 
 @dataclass
@@ -146,7 +155,26 @@ def _differs(name: str, ra: Path, rb: Path, notes: list[str]) -> str | None:
         if name == "tokenizer_config.json":
             da, db = _tokenizer_views(ra, rb, da, db, notes)
     why = _diff_text(da, db) if name.endswith((".txt", ".jinja")) else _diff(da, db, "", name in TABLE_FILES)
+    if why and why.startswith("model.merges[") and name == "tokenizer.json":
+        why = _merge_order(da["model"]["merges"], db["model"]["merges"]) or why
     return why and f"{name}: {why}"
+
+
+def _merge_order(a: list, b: list) -> str | None:
+    """When A's and B's BPE merges are one set in another order, where: a merge's position is its rank (BPE
+    applies the first applicable merge of the list), so the order is compared, not only the set."""
+    pa, pb = ([m if isinstance(m, str) else " ".join(m) for m in x] for x in (a, b))
+    if sorted(pa) != sorted(pb):
+        return None
+    i = next(i for i, (x, y) in enumerate(zip(pa, pb)) if x != y)
+    rank = {m: r for r, m in enumerate(pb)}
+    kept: list[int] = []  # the longest run of A's merges in B's order (patience sorting): the rest moved
+    for r in (rank[m] for m in pa):
+        at = bisect.bisect_left(kept, r)
+        kept[at:at + 1] = [r]
+    return (f"model.merges: the same {len(pa)} merges in another order ({len(pa) - len(kept)} moved against the "
+            f"rest; first at rank {i}: {_clip(pa[i])} in A, {_clip(pb[i])} in B): BPE applies merges by rank, so "
+            "text tokenizes differently")
 
 
 def _parse(name: str, data: bytes, side: str):
@@ -241,6 +269,9 @@ def _tokenizer_views(ra: Path, rb: Path, va: dict, vb: dict, notes: list[str]) -
         if k in va and k not in vb:
             notes.append(f"tokenizer_config.json: {k} is {_clip(va.pop(k))} in A and not in B: transformers 5 "
                          "ignores it beside tokenizer.json (its post_processor decides), transformers 4 reads it")
+    for k, why in ONLY_IN_B.items():
+        if k in vb and k not in va:
+            notes.append(f"tokenizer_config.json: {k} is {_clip(vb.pop(k))} in B and not set in A: {why}")
     for k, defaults in LOADER_DEFAULTS.items():
         for v, w in ((va, vb), (vb, va)):
             if k not in v and w.get(k) in defaults:

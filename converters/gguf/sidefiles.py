@@ -1,0 +1,109 @@
+"""The files transformers and mlx_lm read beside the weights, rebuilt from a GGUF's metadata for ``convert x.gguf
+--to torch|mlx``: the tokenizer from ``tokenizer.ggml.*`` and generation_config.json from its token ids.
+
+The tokenizer is transformers' own GGUF tokenizer reader (``from_pretrained(..., gguf_file=...)``) saved by
+``save_pretrained``, with one repair. A sentencepiece vocabulary (``tokenizer.ggml.model`` "llama") stores no
+merges: transformers derives them, ranked by ``tokenizer.ggml.scores``. llama.cpp's convert_hf_to_gguf.py,
+given a checkpoint with tokenizer.json and no tokenizer.model, writes LlamaHfVocab's placeholder score -1000
+for every token, so every merge ties and transformers ranks them by piece length: measured on a tiny Llama with
+llama.cpp's llama-spm vocabulary, 241 of 244 single-spaced prose snippets then tokenize differently from the
+source. A BPE vocabulary lists each merged token after its parts, in merge order (tokenizers' trainer appends
+them so; sentencepiece's BPE scores fall with the id), so when the scores carry no rank the merges are ranked by
+token position instead: 0 of the 244 differ, only runs of spaces can (the source may rank its whitespace pieces
+apart, which the GGUF no longer says). The summary says when this was done.
+
+generation_config.json is what transformers writes for a model built from the config (``GenerationConfig.
+from_model_config``): bos/eos/pad ids from ``tokenizer.ggml.*_token_id``, so generate() stops at the GGUF's eos.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from ffn_tools.errors import FFNToolsError
+from ffn_tools.io.store import Checkpoint
+
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # what generation_config.json takes from the config
+RERANKED = ("tokenizer.json: the GGUF stores no merge ranks ({why}), so its {n} merges are ranked by token "
+            "position (a BPE vocabulary lists merged tokens in merge order); runs of spaces may tokenize "
+            "differently from the model the GGUF was made from")
+
+
+def side_files(ckpt: Checkpoint) -> tuple[dict[str, str], list[str]]:
+    """The tokenizer files and generation_config.json for ``ckpt`` (a GGUF), name -> text, and what the
+    summary says about them."""
+    files, changes = tokenizer_files(ckpt)
+    gen = generation_config(ckpt.config or {})
+    if gen is not None:
+        files["generation_config.json"] = gen
+        changes.append("generation_config.json written from the GGUF's token ids "
+                       f"({', '.join(k for k in TOKEN_IDS if k in (ckpt.config or {}))}) as transformers does")
+    else:
+        changes.append("no generation_config.json: the GGUF names no bos, eos or padding token")
+    return files, changes
+
+
+def tokenizer_files(ckpt: Checkpoint) -> tuple[dict[str, str], list[str]]:
+    """The GGUF's tokenizer as the files transformers saves, name -> text (empty when it has none), and what
+    the summary says about them."""
+    from transformers import AutoTokenizer
+
+    fields = getattr(ckpt, "fields", {})
+    if "tokenizer.ggml.tokens" not in fields:
+        return {}, ["no tokenizer files: the GGUF has no tokenizer.ggml.tokens"]
+    path = Path(ckpt.files[0])
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with tempfile.TemporaryDirectory() as d:
+        tok.save_pretrained(d)
+        files = {p.name: p.read_text("utf-8") for p in Path(d).iterdir() if p.is_file()}
+    changes = ["tokenizer files written from the GGUF's tokenizer.ggml.* by transformers' GGUF reader"]
+    why = ranks_lost(fields)
+    if why and "tokenizer.json" in files:
+        files["tokenizer.json"], n = rank_by_position(files["tokenizer.json"])
+        changes.append(RERANKED.format(why=why, n=n))
+    return files, changes
+
+
+def ranks_lost(fields: dict) -> str | None:
+    """Why the GGUF's sentencepiece vocabulary holds no merge ranks, or None when it does (or is no such
+    vocabulary: byte-level BPE stores its merges in order, unigram has none)."""
+    scores = fields.get("tokenizer.ggml.scores")
+    if fields.get("tokenizer.ggml.model") != "llama" or "tokenizer.ggml.merges" in fields or not scores:
+        return None
+    if len(set(scores)) > 1:
+        return None
+    return f"no tokenizer.ggml.merges, and all {len(scores)} tokenizer.ggml.scores are {scores[0]:g}"
+
+
+def rank_by_position(text: str) -> tuple[str, int]:
+    """tokenizer.json ``text`` with its BPE merges ranked by the position of the token each makes; several
+    merges making one token keep transformers' order for them (longer left piece first). Returns the text as
+    tokenizers writes it, and the number of merges."""
+    from tokenizers import Tokenizer
+
+    doc = json.loads(text)
+    model = doc["model"]
+    vocab, merges = model["vocab"], model["merges"]
+    pairs = [m.split(" ", 1) if isinstance(m, str) else m for m in merges]  # older writers: "a b"
+    made = [vocab.get(left + right) for left, right in pairs]
+    if None in made:  # transformers derives each merge from a token it splits: one that makes none is not its
+        i = made.index(None)
+        raise FFNToolsError(f"tokenizer.json rebuilt from the GGUF: merge {pairs[i]} makes no token of the vocabulary")
+    order = sorted(range(len(pairs)), key=lambda i: (made[i], -len(pairs[i][0])))
+    model["merges"] = [merges[i] for i in order]
+    return Tokenizer.from_str(json.dumps(doc)).to_str(pretty=True), len(merges)
+
+
+def generation_config(config: dict) -> str | None:
+    """generation_config.json as transformers' ``save_pretrained`` writes it for a model of ``config``, or None
+    when the config has no token ids to put in it."""
+    if not any(config.get(k) is not None for k in TOKEN_IDS):
+        return None
+    from transformers import AutoConfig, GenerationConfig
+
+    gen = GenerationConfig.from_model_config(AutoConfig.for_model(**config))
+    with tempfile.TemporaryDirectory() as d:
+        gen.save_pretrained(d)
+        return (Path(d) / "generation_config.json").read_text("utf-8")
