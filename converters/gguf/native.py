@@ -110,7 +110,7 @@ def pieces(rec: dict) -> Iterator[tuple[dict, int, int, int | None]]:
             yield src, r0, min(rows, r0 + step), head
 
 
-def encode(src: dict, r0: int, r1: int, head: int | None, qtype: str) -> bytes:
+def encode(src: dict, r0: int, r1: int, head: int | None, qtype: str) -> bytes | bytearray:
     """Rows [r0, r1) of ``src`` as the converter writes them in ``qtype``."""
     import numpy as np
 
@@ -123,7 +123,7 @@ def encode(src: dict, r0: int, r1: int, head: int | None, qtype: str) -> bytes:
         raw = np.frombuffer(raw, np.uint8).reshape((r1 - r0) // head, 2, head // 2, cols * size)
         raw = raw.swapaxes(1, 2).tobytes()
     if qtype == src["dtype"] and qtype in ("F32", "F16"):
-        return bytes(raw)  # the converter keeps a float32 or float16 tensor as it is
+        return raw  # the converter keeps a float32 or float16 tensor as it is
     if qtype == "BF16" and src["dtype"] == "BF16":
         return _bf16_as_bf16(raw)
     if src["dtype"] == "BF16":  # bfloat16 -> float32 is exact: the bits, shifted
@@ -136,7 +136,7 @@ def encode(src: dict, r0: int, r1: int, head: int | None, qtype: str) -> bytes:
     return out.tobytes()
 
 
-def _bf16_as_bf16(raw) -> bytes:
+def _bf16_as_bf16(raw):
     """bfloat16 through float32 and gguf-py's BF16 rounding, bit for bit: every value comes back unchanged
     (its low 16 float32 bits are zero, so the round-to-nearest-even adds nothing) except NaNs, which the
     rounding makes quiet (bit 6 of the bfloat16 set). ``test_gguf_native`` proves it on all 65536 patterns."""
@@ -145,7 +145,7 @@ def _bf16_as_bf16(raw) -> bytes:
     u = np.frombuffer(raw, np.uint16)
     nan = (u & 0x7FFF) > 0x7F80
     if not nan.any():
-        return bytes(raw)
+        return raw
     u = u.copy()
     u[nan] |= 0x0040
     return u.tobytes()
@@ -214,7 +214,6 @@ def write(tensors: list[dict], out: Path, *, threads: int | None = None, progres
                     written += sum(f.result() for f in done)
                 pending.add(pool.submit(one, job))
             written += sum(f.result() for f in pending)
-        os.fsync(fd)
     finally:
         os.close(fd)
         if bar is not None:
