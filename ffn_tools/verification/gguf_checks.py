@@ -34,7 +34,7 @@ def _same(a, b) -> bool:
 
 def compare_metadata(ca, cb, allow=()) -> ConfigResult:
     """A's config (transformers' reading) against GGUF B's metadata, key by key."""
-    from ffn_tools.converters.gguf.config import METADATA, metadata_values, rope_theta
+    from ffn_tools.converters.gguf.config import METADATA, metadata_values, original_context, rope_theta
     from ffn_tools.converters.gguf.names import BY_TYPE
 
     res = ConfigResult(readers=["transformers (A)", "llama.cpp's GGUF metadata (B)"])
@@ -54,7 +54,8 @@ def compare_metadata(ca, cb, allow=()) -> ConfigResult:
                             f"{want.arch!r}; B says {family.arch!r}")
     values = metadata_values(cb.fields, family)
     experts = next((na[k] for k in EXPERT_KEYS if na.get(k) is not None), None)
-    a_values = {**na, "rope_theta": rope_theta(na), family.moe_key: experts}
+    a_values = {**na, "rope_theta": rope_theta(na), "sliding_rope_theta": rope_theta(na, "sliding_attention"),
+                "original_max_position_embeddings": original_context(na), family.moe_key: experts}
     for key, gkey in (*METADATA.items(), (family.moe_key, "{arch}.expert_count")):
         gkey = gkey.format(arch=family.arch)
         va, vb = a_values.get(key), values.get(key)
@@ -114,3 +115,44 @@ def compare_tokenizer(root_a: Path, cb) -> SideFilesResult:
     if not res.problems:
         res.identical.append(f"tokenizer ({len(vocab)} tokens as tokenizer.ggml.tokens, special ids)")
     return res
+
+
+def compare_plus_one(outside, ca, cb, atol=None, rtol=None) -> list[str]:
+    """B's weights the converter stored plus one (Gemma's norms, ``cb.shifts``) against A's plus one, computed
+    in the converter's own operations (``reader.as_converted``): stored F32 (as this converter writes them),
+    the bits must be equal; stored otherwise (a GGUF some other tool quantized), within the tolerance row.
+    The outcome is added to ``outside`` (which left these tensors out: ``compare_outside``'s ``elsewhere``);
+    returns a note saying how they were compared.
+    """
+    from ffn_tools.converters.gguf.reader import LOSSLESS, as_converted
+
+    from ..tolerances import tolerance_for
+    from .diagnose import first_difference
+    from .outside import outside_tolerance
+
+    names = sorted(cb.shifts)
+    if not names or outside.skipped:
+        return []
+    exact = 0
+    for name in names:
+        if name not in ca:
+            outside.only_b.append(name)
+            continue
+        a, b = ca[name], cb.read_stored(name)
+        if tuple(a.shape) != tuple(b.shape):
+            outside.differ.append(f"{name}: A is {list(a.shape)}, B is {list(b.shape)}")
+            continue
+        want = as_converted(a, cb.shifts[name])
+        lossless = cb.types[name] in LOSSLESS and b.dtype == want.dtype
+        why = (first_difference(name, want, b) if lossless else
+               outside_tolerance(name, want, b, tolerance_for([b.dtype], None, atol=atol, rtol=rtol)))
+        if why:
+            outside.differ.append(f"{why} (B stores it plus one: compared with A's plus one)")
+        elif lossless:
+            exact += 1
+        else:
+            outside.within += 1
+    outside.identical += exact
+    outside.only_b.sort()
+    return [f"{len(names)} of B's tensors are stored plus one by llama.cpp's converter (Gemma's norms: "
+            f"{listing(names, 3)}): compared with A's plus one as the converter computes it, {exact} bit for bit"]
