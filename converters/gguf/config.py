@@ -36,6 +36,31 @@ EXPERTS_KEY = "{arch}.expert_count"
 # ``sliding_window: null`` is written 0: no sliding window).
 UNSET = {"sliding_window": 0}
 
+# What llama.cpp takes a config value to be where the GGUF has no key for it (its llama-model.cpp), per
+# ``general.architecture``. Gemma's query scale, 1/sqrt(query_pre_attn_scalar) in transformers, is
+# 1/sqrt(head_dim) in llama.cpp, or 1/sqrt(hidden_size / num_attention_heads) for the 27B model, which it knows
+# by its layer count: key -> (the key llama.cpp uses, the 27B's layer count).
+QUERY_SCALE = {"gemma2": ("query_pre_attn_scalar", 46), "gemma3": ("query_pre_attn_scalar", 62)}
+# The layers llama.cpp runs with the sliding window: all but every n-th (its ``set_swa_pattern(n)``).
+SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+
+
+def implied_values(arch: str, config: dict) -> dict:
+    """The values of ``config``'s keys that llama.cpp assumes for ``arch`` (``QUERY_SCALE``,
+    ``SLIDING_PATTERN``) rather than reads from the GGUF, given the rest of ``config``; only where ``config``
+    has what they derive from."""
+    out: dict = {}
+    layers = config.get("num_hidden_layers")
+    if arch in QUERY_SCALE and isinstance(layers, int):
+        key, big = QUERY_SCALE[arch]
+        heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+        head_dim = config.get("head_dim") or (hidden // heads if hidden and heads else None)
+        out[key] = hidden // heads if layers == big and hidden and heads else head_dim
+    if arch in SLIDING_PATTERN and isinstance(layers, int):
+        n = SLIDING_PATTERN[arch]
+        out["layer_types"] = ["sliding_attention" if i % n < n - 1 else "full_attention" for i in range(layers)]
+    return out
+
 
 def metadata_values(fields: dict, family: Family) -> dict:
     """The Hugging Face config values the metadata holds (only those present), experts under the family's key."""
@@ -72,7 +97,8 @@ def original_context(config: dict):
 
 
 def hf_config(fields: dict, family: Family, vocab_size: int, tied: bool, dtype: str) -> dict:
-    """config.json for transformers from the metadata ``fields`` (name -> value)."""
+    """config.json for transformers from the metadata ``fields`` (name -> value), with the values llama.cpp
+    assumes where the metadata has no key (``implied_values``): the model llama.cpp runs."""
     values = metadata_values(fields, family)
     config: dict = {"architectures": [family.architecture], "model_type": family.model_type,
                     "hidden_act": family.hidden_act, "vocab_size": vocab_size,
@@ -81,6 +107,7 @@ def hf_config(fields: dict, family: Family, vocab_size: int, tied: bool, dtype: 
                        ("pad_token_id", "tokenizer.ggml.padding_token_id")):
         if field in fields:
             config[key] = fields[field]
+    config.update(implied_values(family.arch, config))  # what llama.cpp runs where the metadata is silent
     local = config.pop("sliding_rope_theta", None)
     if "rope_theta" in config:  # transformers 5 keeps it under rope_parameters (per layer type where two)
         full = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}

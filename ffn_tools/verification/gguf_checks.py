@@ -4,7 +4,8 @@ llama.cpp builds the model from the GGUF's metadata (``{arch}.rope.freq_base``, 
 epsilon``, head counts, context, experts; ``converters.gguf.config.METADATA``), not from a config.json; so
 each key the converter writes is compared with A's config as transformers reads it (GGUF floats are float32:
 A's value is rounded to float32 first), and the architecture with the one the converter writes for A's
-model type. The tokenizer is ``tokenizer.ggml.*``: its tokens against A's tokenizer's vocabulary, id by id
+model type. Values llama.cpp assumes for an architecture rather than reads (Gemma's query scale and which
+layers slide: ``config.implied_values``) are compared with A's likewise. The tokenizer is ``tokenizer.ggml.*``: its tokens against A's tokenizer's vocabulary, id by id
 (the converter pads the vocabulary to the embedding's rows with ``[PAD…]`` tokens), and the special token
 ids against A's.
 """
@@ -34,7 +35,8 @@ def _same(a, b) -> bool:
 
 def compare_metadata(ca, cb, allow=()) -> ConfigResult:
     """A's config (transformers' reading) against GGUF B's metadata, key by key."""
-    from ffn_tools.converters.gguf.config import METADATA, metadata_values, original_context, rope_theta
+    from ffn_tools.converters.gguf.config import (METADATA, implied_values, metadata_values, original_context,
+                                                  rope_theta)
     from ffn_tools.converters.gguf.names import BY_TYPE
 
     res = ConfigResult(readers=["transformers (A)", "llama.cpp's GGUF metadata (B)"])
@@ -68,6 +70,15 @@ def compare_metadata(ca, cb, allow=()) -> ConfigResult:
             continue
         if va is None or not _same(va, vb):
             line = f"{key}: A {va!r}, B {vb!r} ({gkey})"
+            (res.allowed if key in allow else res.problems).append(line)
+    for key, assumed in implied_values(family.arch, na).items():  # what llama.cpp assumes: no GGUF key holds it
+        if na.get(key) is None:
+            continue
+        res.compared += 1
+        if na[key] != assumed:
+            shown = assumed if not isinstance(assumed, list) else f"{listing(assumed, 3)}"
+            line = (f"{key}: A {listing(na[key], 3) if isinstance(na[key], list) else repr(na[key])}, but llama.cpp "
+                    f"assumes {shown} for {family.arch} (the GGUF has no key for it)")
             (res.allowed if key in allow else res.problems).append(line)
     tied = "lm_head.weight" not in cb
     res.compared += 1
