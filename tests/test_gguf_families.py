@@ -175,3 +175,12 @@ def test_split_gemma_gguf(gguf_model, tmp_path):
     with open_any(parts[0]) as g:
         assert len(g.files) == len(parts) == 3
         assert len(g.shifts) == 9 and np.isfinite(g["model.norm.weight"].numpy()).all()
+
+
+def test_gemma_gguf_against_gguf(gguf_ref):
+    """Two GGUFs of one Gemma (f32 and q8_0): the norms both store plus one compare by their stored bits."""
+    r = verify(gguf_ref("gemma2", "f32"), gguf_ref("gemma2", "q8_0"), backends=["reference"], load_check=False)
+    assert r.passed, r.failures()
+    assert any("9 bit for bit" in n for n in r.notes), r.notes
+    bad = verify(gguf_ref("gemma2", "f32"), gguf_ref("gemma3", "f32"), backends=["reference"], load_check=False)
+    assert not bad.passed
