@@ -126,8 +126,9 @@ def test_verify_fails_planted_gemma_defects(gguf_model, gguf_ref, tmp_path, arch
 
 
 @pytest.mark.parametrize("arch,key,value,expect", [
-    ("gemma2", "query_pre_attn_scalar", 32, "query_pre_attn_scalar: A 32, but llama.cpp assumes 16 for gemma2"),
-    ("gemma3", "layer_types", ["full_attention"] * 6, "layer_types: A full_attention, full_attention, full_attention"),
+    ("gemma2", "query_pre_attn_scalar", 32, "query_pre_attn_scalar: A 32, but llama.cpp assumes 16"),
+    ("gemma3", "layer_types", ["full_attention"] * 6,
+     "layer_types: 5 of 6 layers differ (0: A full_attention, llama.cpp sliding_attention, 1: A full_attention"),
 ])
 def test_what_llama_cpp_assumes_is_compared(gguf_model, gguf_ref, tmp_path, arch, key, value, expect):
     """llama.cpp takes Gemma's query scale from head_dim and which layers slide from a fixed pattern, not
@@ -140,7 +141,7 @@ def test_what_llama_cpp_assumes_is_compared(gguf_model, gguf_ref, tmp_path, arch
     (src / "config.json").write_text(json.dumps(config))
     r = run_cli("verify", src, gguf_ref(arch, "f32"), "--backend", "reference", "--no-load-check", ok=None)
     assert r.exit_code == 1, r.output
-    assert expect in r.output and "(the GGUF has no key for it)" in r.output, r.output
+    assert expect in r.output and f"(the GGUF has no key for it: llama.cpp assumes it for {arch})" in r.output, r.output
 
 
 def test_phi3_qkv_and_gate_up_fused_read_back(gguf_model, gguf_ref):

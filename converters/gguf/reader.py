@@ -151,7 +151,7 @@ class GGUFCheckpoint(Checkpoint):
             self.shifts[hf] = shift
         st = "F32" if shift else LOSSLESS.get(qtype, "F32")  # a shifted weight reads as float32 (``_read``)
         start = None
-        if qtype in LOSSLESS and heads is None and not shift:  # the bytes lie in the file as a safetensors reader has them
+        if qtype in LOSSLESS and heads is None and not shift:  # the bytes lie in the file as safetensors' would
             size = int(t.n_bytes) // (int(t.shape[-1]) if expert is not None else 1)
             start = int(t.data_offset) + (expert or 0) * size
         return TensorInfo(hf, st, shape, self._files[t.name], start)

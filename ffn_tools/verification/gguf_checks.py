@@ -5,8 +5,8 @@ epsilon``, head counts, context, experts; ``converters.gguf.config.METADATA``), 
 each key the converter writes is compared with A's config as transformers reads it (GGUF floats are float32:
 A's value is rounded to float32 first), and the architecture with the one the converter writes for A's
 model type. Values llama.cpp assumes for an architecture rather than reads (Gemma's query scale and which
-layers slide: ``config.implied_values``) are compared with A's likewise. The tokenizer is ``tokenizer.ggml.*``: its tokens against A's tokenizer's vocabulary, id by id
-(the converter pads the vocabulary to the embedding's rows with ``[PAD…]`` tokens), and the special token
+layers slide: ``config.implied_values``) are compared with A's likewise. The tokenizer is
+``tokenizer.ggml.*``: its tokens against A's tokenizer's vocabulary, id by id (the converter pads the vocabulary to the embedding's rows with ``[PAD…]`` tokens), and the special token
 ids against A's.
 """
 
@@ -77,10 +77,7 @@ def compare_metadata(ca, cb, allow=()) -> ConfigResult:
             continue
         res.compared += 1
         if na[key] != assumed:
-            shown = assumed if not isinstance(assumed, list) else f"{listing(assumed, 3)}"
-            line = (f"{key}: A {listing(na[key], 3) if isinstance(na[key], list) else repr(na[key])}, but llama.cpp "
-                    f"assumes {shown} for {family.arch} (the GGUF has no key for it)")
-            (res.allowed if key in allow else res.problems).append(line)
+            (res.allowed if key in allow else res.problems).append(_assumed_line(key, na[key], assumed, family.arch))
     tied = "lm_head.weight" not in cb
     res.compared += 1
     if bool(na.get("tie_word_embeddings")) != tied:
@@ -88,6 +85,15 @@ def compare_metadata(ca, cb, allow=()) -> ConfigResult:
                             f"{'has no' if tied else 'has an'} output.weight")
     res.ties = (na.get("tie_word_embeddings"), tied)
     return res
+
+
+def _assumed_line(key: str, a, assumed, arch: str) -> str:
+    """One line: A's ``key`` is not what llama.cpp assumes for ``arch`` (per layer, for a per-layer list)."""
+    why = f"(the GGUF has no key for it: llama.cpp assumes it for {arch})"
+    if isinstance(a, list) and isinstance(assumed, list) and len(a) == len(assumed):
+        wrong = [f"{i}: A {x}, llama.cpp {y}" for i, (x, y) in enumerate(zip(a, assumed)) if x != y]
+        return f"{key}: {len(wrong)} of {len(a)} layers differ ({listing(wrong, 3)}) {why}"
+    return f"{key}: A {a!r}, but llama.cpp assumes {assumed!r} {why}"
 
 
 def compare_tokenizer(root_a: Path, cb) -> SideFilesResult:

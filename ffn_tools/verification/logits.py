@@ -42,8 +42,9 @@ def client_floor(tol: Tolerance, clients: tuple[str, str], function: str | None)
         dtype = CLIENT_PRECISION.get((client, function or ""))
         floor = DTYPE_TOLERANCES.get(dtype or "")
         if floor is not None and floor.atol > tol.atol:
-            return (Tolerance(max(tol.atol, floor.atol), max(tol.rtol, floor.rtol), min(tol.min_cosine, floor.min_cosine),
-                              f"{tol.row}, {client}'s {function} in {dtype}"),
+            row = Tolerance(max(tol.atol, floor.atol), max(tol.rtol, floor.rtol),
+                            min(tol.min_cosine, floor.min_cosine), f"{tol.row}, {client}'s {function} in {dtype}")
+            return (row,
                     f"logits: {client} computes the FFN's {function} in {dtype} (a lookup table), so the logits are "
                     f"compared within the {dtype} row")
     return tol, None
