@@ -4,11 +4,14 @@ llama.cpp's converter, its ``conversion/`` package, vendored ``gguf-py`` and voc
 (``models/ggml-vocab-*.gguf``) are installed with the dev extra at ``sys.prefix/llama.cpp`` (``LLAMA_CPP``);
 a test that needs them fails loudly when they are not there. A tiny model gets a real tokenizer offline from
 one of those vocabularies (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``, then ``save_pretrained``),
-which the converter recognises; its vocabulary size is the tokenizer's.
+which the converter recognises; its vocabulary size is the tokenizer's. Families whose converter reads a
+sentencepiece ``tokenizer.model`` (Phi-3, Gemma 2/3) get one trained here on a few lines of text
+(``sentencepiece_tokenizer``), with the family's special pieces, loaded by the family's transformers tokenizer.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import subprocess
@@ -23,7 +26,18 @@ LLAMA_CPP = Path(sys.prefix) / "llama.cpp"
 CONVERTER = LLAMA_CPP / "convert_hf_to_gguf.py"
 # tiny_models arch -> the vocabulary llama.cpp ships for its family
 VOCABS = {"llama": "llama-spm", "mistral": "llama-spm", "mixtral": "llama-spm", "qwen2": "qwen2", "qwen3": "qwen2",
-          "qwen3_moe": "qwen2", "phi3": "phi-3"}
+          "qwen3_moe": "qwen2"}
+# tiny_models arch -> (transformers tokenizer class, sentencepiece special pieces: the family's ids; Gemma's
+# tokenizer also wants a <mask>, which the converter takes only from the sentencepiece model)
+SENTENCEPIECE = {
+    "phi3": ("LlamaTokenizer", dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1)),
+    "gemma2": ("GemmaTokenizer", dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",
+                                      bos_piece="<bos>", unk_piece="<unk>", user_defined_symbols=["<mask>"])),
+}
+SENTENCEPIECE["gemma3"] = SENTENCEPIECE["gemma2"]
+TEXT = ("The quick brown fox jumps over the lazy dog. A checkpoint holds tensors and a tokenizer.",
+        "Feed-forward layers compute down(silu(gate(x)) * up(x)). Numbers 0123456789 and , . ; : ! ?",
+        "llama.cpp reads GGUF files; transformers reads safetensors. Gemma, Phi and Qwen are families.")
 
 
 def require_llama_cpp() -> Path:
@@ -34,11 +48,15 @@ def require_llama_cpp() -> Path:
 
 
 def build(arch: str, path: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """A tiny ``arch`` checkpoint in ``path`` whose tokenizer is llama.cpp's vocabulary for its family."""
+    """A tiny ``arch`` checkpoint in ``path`` whose tokenizer is llama.cpp's vocabulary for its family, or a
+    sentencepiece model trained for it (``SENTENCEPIECE``)."""
     from transformers import AutoTokenizer
 
-    vocab = require_llama_cpp() / "models" / f"ggml-vocab-{VOCABS[arch]}.gguf"
-    tok = AutoTokenizer.from_pretrained(vocab.parent, gguf_file=vocab.name)
+    if arch in SENTENCEPIECE:
+        tok = sentencepiece_tokenizer(arch, path)
+    else:
+        vocab = require_llama_cpp() / "models" / f"ggml-vocab-{VOCABS[arch]}.gguf"
+        tok = AutoTokenizer.from_pretrained(vocab.parent, gguf_file=vocab.name)
     cfg_name, model_name, extra = tiny_models.ARCHS[arch]
     import transformers
 
@@ -54,6 +72,23 @@ def build(arch: str, path: Path, dtype: torch.dtype = torch.float32) -> Path:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def sentencepiece_tokenizer(arch: str, path: Path):
+    """A real sentencepiece BPE model (384 pieces, 256 of them byte fallback) trained on ``TEXT`` with the
+    special ids of ``arch``'s family, as ``path/tokenizer.model``, loaded by the family's transformers tokenizer
+    (which ``build`` saves beside it: tokenizer.json, tokenizer_config.json)."""
+    import sentencepiece
+    import transformers
+
+    cls, ids = SENTENCEPIECE[arch]
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(TEXT * 20), model_writer=model, vocab_size=384,
+                                             model_type="bpe", byte_fallback=True, character_coverage=1.0,
+                                             num_threads=1, minloglevel=2, **ids)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokenizer.model").write_bytes(model.getvalue())
+    return getattr(transformers, cls).from_pretrained(path)
 
 
 def convert_reference(model: Path, out: Path, outtype: str, *extra: str) -> Path:

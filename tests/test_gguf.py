@@ -229,5 +229,5 @@ def test_unreadable_ggufs_are_refused_by_name(gguf_ref, tmp_path):
     odd = rewrite(tmp_path / "odd.gguf", "llama", {"blk.0.mystery.weight": np.ones((4, 4), np.float32)})
     r = run_cli("inspect", odd, ok=False)
     assert "1 tensor(s) of no Hugging Face name known for llama: blk.0.mystery.weight" in r.output
-    r = run_cli("inspect", rewrite(tmp_path / "g.gguf", "gemma2"), ok=False)
-    assert "general.architecture 'gemma2' is not one ffn-tools reads" in r.output
+    r = run_cli("inspect", rewrite(tmp_path / "g.gguf", "gptneox"), ok=False)
+    assert "general.architecture 'gptneox' is not one ffn-tools reads" in r.output

@@ -32,6 +32,14 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
                    "decoder_sparse_step": 1}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16, "hidden_act": "gelu_pytorch_tanh",
                                                    "hidden_activation": "gelu_pytorch_tanh"}),
+    # Gemma 2/3: tied head; a window of 6 (a longer batch reaches past it); llama.cpp scales queries by
+    # 1/sqrt(head_dim), so query_pre_attn_scalar is head_dim; Gemma 3's every 6th layer is global: 6 layers.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 6,
+                                                     "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+                                                     "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 6,
+                                                         "hidden_activation": "gelu_pytorch_tanh", "num_hidden_layers": 6,
+                                                         "tie_word_embeddings": True, "final_logit_softcapping": 30.0}),
 }
 
 

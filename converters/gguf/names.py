@@ -5,7 +5,9 @@ runs that same map over the names transformers' ``save_pretrained`` writes for e
 and inverts it, so ``blk.3.attn_q.weight`` reads as ``model.layers.3.self_attn.q_proj.weight``. Stacked
 experts (``blk.L.ffn_gate_exps.weight``, (E, I, H)) read as one tensor per expert under the family's
 ``experts`` template. ``rotary``: the converter permutes q and k rows into llama.cpp's rotary order (its
-``LlamaModel.permute``); the reader puts them back.
+``LlamaModel.permute``); the reader puts them back. ``plus_one``: the converter stores those weights plus one
+(Gemma's RMSNorm scales by ``1 + weight``, llama.cpp's by the weight); the reader takes the one off again, and
+verify compares A's weight plus one, computed as the converter computes it, with the stored bits.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ _DECODER = (
 )
 _MLP = (f"{_L}.mlp.gate_proj", f"{_L}.mlp.up_proj", f"{_L}.mlp.down_proj")
 _QK_NORM = (f"{_L}.self_attn.q_norm", f"{_L}.self_attn.k_norm")
+# Gemma 2/3: a norm before and after both the attention and the MLP; the output head is the embedding (tied).
+_GEMMA = (*_DECODER, *_MLP, f"{_L}.pre_feedforward_layernorm", f"{_L}.post_feedforward_layernorm")
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,11 @@ class Family:
         projections: the names ``{P}`` takes for gate, up, down.
         rotary: q and k rows are in llama.cpp's rotary order (the converter permuted them).
         moe_key: the config key of the expert count.
+        hidden_act: the FFN's activation (transformers' name), which the GGUF does not record: llama.cpp's
+            graph for the architecture fixes it.
+        plus_one: name endings (of Hugging Face names) of the weights the converter stores plus one (its
+            ``modify_tensors``: ``if name.endswith("norm.weight"): data_torch = data_torch + 1``).
+        extra: config.json keys for transformers that the metadata does not hold, fixed by the family.
     """
 
     model_type: str
@@ -47,6 +56,8 @@ class Family:
     projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     rotary: bool = False
     moe_key: str = "num_experts"
+    hidden_act: str = "silu"
+    plus_one: tuple[str, ...] = ()
     extra: dict = field(default_factory=dict)
 
 
@@ -64,9 +75,11 @@ FAMILIES: tuple[Family, ...] = (
                                                 f"{_L}.self_attn.qkv_proj", f"{_L}.self_attn.o_proj",
                                                 f"{_L}.input_layernorm", f"{_L}.post_attention_layernorm",
                                                 f"{_L}.mlp.gate_up_proj", f"{_L}.mlp.down_proj")),
+    Family("gemma2", "Gemma2ForCausalLM", "gemma2", _GEMMA, hidden_act="gelu_pytorch_tanh",
+           plus_one=("norm.weight",)),
+    Family("gemma3_text", "Gemma3ForCausalLM", "gemma3", (*_GEMMA, *_QK_NORM), hidden_act="gelu_pytorch_tanh",
+           plus_one=("norm.weight",)),
 )
-# Not here: Gemma 2/3, whose norms the converter stores plus one (reading them back needs that undone, and a
-# tolerance: not bit-exact), and whose converter needs a sentencepiece tokenizer.model the tests cannot make.
 BY_TYPE = {f.model_type: f for f in FAMILIES}
 EXPERT_KINDS = ("gate", "up", "down")  # ffn_{kind}_exps, in the order of ``Family.projections``
 # GGUF tensors with no Hugging Face counterpart, and why they are not read.
@@ -111,3 +124,8 @@ def expert_names(family: Family, layer: int, kind: str, n_experts: int) -> list[
     assert family.experts is not None  # callers ask only for families with experts
     proj = family.projections[EXPERT_KINDS.index(kind)]
     return [family.experts.format(L=layer, E=e, P=proj) for e in range(n_experts)]
+
+
+def plus_one(family: Family, name: str) -> bool:
+    """Whether the converter stores Hugging Face tensor ``name`` of ``family`` plus one."""
+    return name.endswith(family.plus_one) if family.plus_one else False

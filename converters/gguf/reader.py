@@ -6,8 +6,11 @@ tensor is made then: its bytes are copied out of the mapping (so reading a whole
 resident), F32/F16/BF16 kept as they are (bit-exact), every other type dequantized to float32 by
 ``gguf.quants`` (``quant_params`` says which type it was stored as). q and k rows llama.cpp's converter
 permuted are put back in transformers' rotary order; the stacked experts ``ffn_{gate,up,down}_exps`` read as
-one tensor per expert (the names ``save_pretrained`` writes, which the converter stacked). The config is
-derived from the metadata (``config``).
+one tensor per expert (the names ``save_pretrained`` writes, which the converter stacked). Weights the
+converter stored plus one (Gemma's norms, ``Family.plus_one``) read with the one taken off in float32:
+``fl(fl(w + 1) - 1)``, which is ``w`` up to the rounding of ``w + 1`` (at most half a float32 ulp of ``w + 1``,
+2**-24 for ``|w + 1| < 1``), not bit for bit; ``read_stored`` gives the stored bits, which verify compares with
+``as_converted`` of A's weight, bit for bit. The config is derived from the metadata (``config``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from ffn_tools.errors import CheckpointError, listing
 from ffn_tools.io.store import Checkpoint, Format, TensorInfo
 
 from .config import hf_config
-from .names import DROPPED, EXPERT_KINDS, Family, expert_names, family_of, hf_names
+from .names import DROPPED, EXPERT_KINDS, FAMILIES, Family, expert_names, family_of, hf_names, plus_one
 
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 # The bits whose tolerance row a GGUF type gets (``tolerances.QUANT_TOLERANCES``): its bits per weight,
@@ -69,6 +72,7 @@ class _Source:
     tensor: Any  # gguf's ReaderTensor
     expert: int | None  # slice of a stacked expert tensor
     heads: int | None  # rotary rows to put back in transformers' order, over this many heads
+    shift: float = 0.0  # the converter stored the weight plus this
 
 
 class GGUFCheckpoint(Checkpoint):
@@ -93,12 +97,14 @@ class GGUFCheckpoint(Checkpoint):
         try:
             self.family = family_of(str(arch), experts)
         except KeyError:
+            archs = ", ".join(dict.fromkeys(f.arch for f in FAMILIES))
             raise CheckpointError(f"{path}: general.architecture {arch!r} is not one ffn-tools reads (it reads "
-                                  "llama (Llama, Mistral, Mixtral), qwen2, qwen3, qwen3moe, phi3)") from None
+                                  f"{archs}; llama also for Mistral and Mixtral)") from None
         layers = int(self.fields.get(f"{self.family.arch}.block_count", 0))
         names = hf_names(self.family, layers)
         self._sources: dict[str, _Source] = {}
         self.types: dict[str, str] = {}  # HF name -> the GGUF type it is stored as
+        self.shifts: dict[str, float] = {}  # HF name -> what the converter added to it (Gemma's norms: 1.0)
         infos: dict[str, TensorInfo] = {}
         unknown: list[str] = []
         heads = {"q": self.fields.get(f"{self.family.arch}.attention.head_count"),
@@ -138,20 +144,35 @@ class GGUFCheckpoint(Checkpoint):
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # numpy order (outermost first)
         if expert is not None:
             shape = shape[1:]
-        self._sources[hf] = _Source(t, expert, heads)
+        shift = 1.0 if plus_one(self.family, hf) else 0.0
+        self._sources[hf] = _Source(t, expert, heads, shift)
         self.types[hf] = qtype
-        st = LOSSLESS.get(qtype, "F32")
+        if shift:
+            self.shifts[hf] = shift
+        st = "F32" if shift else LOSSLESS.get(qtype, "F32")  # a shifted weight reads as float32 (``_read``)
         start = None
-        if qtype in LOSSLESS and heads is None:  # the bytes lie in the file as a safetensors reader has them
+        if qtype in LOSSLESS and heads is None and not shift:  # the bytes lie in the file as safetensors' would
             size = int(t.n_bytes) // (int(t.shape[-1]) if expert is not None else 1)
             start = int(t.data_offset) + (expert or 0) * size
         return TensorInfo(hf, st, shape, self._files[t.name], start)
 
     def _read(self, info: TensorInfo):
+        src = self._sources[info.name]
+        out = self._stored(info, src)
+        if src.shift:  # float32 (the converter stores such weights F32): fl(stored - shift), see the module doc
+            out = out.float() - src.shift
+        return out
+
+    def read_stored(self, name: str):
+        """Tensor ``name`` as the GGUF stores it (dequantized where quantized): for a weight the converter
+        stored plus one (``shifts``), with the one; else what ``self[name]`` reads."""
+        info = self.info(name)
+        return self._stored(info, self._sources[name])
+
+    def _stored(self, info: TensorInfo, src: _Source):
         import torch
         from gguf import GGMLQuantizationType, quants
 
-        src = self._sources[info.name]
         t = src.tensor
         data = t.data if src.expert is None else t.data[src.expert]
         qtype = t.tensor_type
@@ -205,6 +226,16 @@ class GGUFCheckpoint(Checkpoint):
 
     def close(self) -> None:
         self.readers = []
+
+
+def as_converted(w, shift: float):
+    """A Hugging Face weight ``w`` as llama.cpp's converter stores it plus ``shift``, in its operations: cast to
+    float32 unless float16 or float32 (``prepare_tensors``), ``+ shift`` in that dtype (the family's
+    ``modify_tensors``), then float32 (1-D and norm tensors are stored F32)."""
+    import torch
+
+    x = w if w.dtype in (torch.float16, torch.float32) else w.float()
+    return (x + shift).float()
 
 
 def rotary_to_hf(w, heads: int):

@@ -34,7 +34,7 @@ from ..tolerances import Tolerance, tolerance_for, widened
 from .experts import BATCH_BYTES, batch_key, check_batch, pair_bytes
 from .functional import KERNEL_DTYPES, NOT_COMPUTED, reference_backend
 from . import consumer, tied
-from .gguf_checks import compare_metadata, compare_tokenizer
+from .gguf_checks import compare_metadata, compare_plus_one, compare_tokenizer
 from .model_config import ConfigResult, compare_configs
 from .side_files import SideFilesResult, compare_side_files
 from .pairs import PairChecker
@@ -241,6 +241,8 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
             run_kernels = _check_pairs(report, ca, cb, fa, fb, kernels, on_reference, sel_layers, sel_experts, atol,
                                        rtol, exact, seed, tokens, plan, all_ffns_on_every_backend)
             report.outside = _outside(ca, cb, fa, fb, ffn_only or bool(sel_layers or sel_experts), atol, rtol)
+            if cb.format is Format.GGUF:  # its weights stored plus one, which _outside left out
+                report.notes += compare_plus_one(report.outside, ca, cb, atol, rtol)
             run_kernels()  # after the outside comparison: its tensors and theirs are not held at once
         report.config, report.side_files = model.result()
         mods, report.skipped_backends = kernels.result()
@@ -254,10 +256,14 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
     if logits and refused:
         report.logits_skipped = "B's client cannot build B (the load check's failure)"
     elif logits and clients is not None:
-        from .logits import compare_logits
+        from .logits import client_floor, compare_logits
 
         same = clients[0] == clients[1] and bit_identical(report)
-        tol = EXACT if same else widened(report.tolerance or tolerance_for([], None, atol=atol, rtol=rtol))
+        row, why = client_floor(report.tolerance or tolerance_for([], None, atol=atol, rtol=rtol), clients,
+                                fa.activation.function if fa else None)
+        if why and not same:
+            report.notes.append(why)
+        tol = EXACT if same else widened(row)
         report.logits = compare_logits(a, b, clients, tol, seed, vocab, probe)
     else:
         report.logits_skipped = "--logits runs both whole models through their clients"
@@ -357,14 +363,15 @@ def _outside(ca, cb, fa: FFNSet, fb: FFNSet, ffn_only: bool, atol, rtol) -> Outs
     if extract:
         return OutsideResult(skipped=extract)
     log.info("comparing the tensors outside the FFNs")
+    elsewhere = frozenset(cb.shifts) if cb.format is Format.GGUF else frozenset()  # gguf_checks.compare_plus_one
     if not all(c.format in BACKGROUND_FORMATS for c in (ca, cb)):
-        return compare_outside(ca, cb, fa, fb, atol=atol, rtol=rtol)
-    b_names = {n for n in cb if n not in fb.tensors}
+        return compare_outside(ca, cb, fa, fb, atol=atol, rtol=rtol, elsewhere=elsewhere)
+    b_names = {n for n in cb if n not in fb.tensors and n not in elsewhere}
     steps = [[(0, n), (1, n)] for n in sorted(n for n in ca if n not in fa.tensors and n in b_names)
              if tuple(ca.info(n).shape) == tuple(cb.info(n).shape)]  # the order compare_outside reads them in
     with TensorStream((ca, cb), steps, budget=OUTSIDE_READ_AHEAD, advance=True) as stream:
         return compare_outside(Streamed(ca, stream.side(0)), Streamed(cb, stream.side(1)), fa, fb, atol=atol,
-                               rtol=rtol)
+                               rtol=rtol, elsewhere=elsewhere)
 
 
 def _spans(ids) -> str:

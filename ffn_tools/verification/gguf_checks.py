@@ -4,8 +4,9 @@ llama.cpp builds the model from the GGUF's metadata (``{arch}.rope.freq_base``, 
 epsilon``, head counts, context, experts; ``converters.gguf.config.METADATA``), not from a config.json; so
 each key the converter writes is compared with A's config as transformers reads it (GGUF floats are float32:
 A's value is rounded to float32 first), and the architecture with the one the converter writes for A's
-model type. The tokenizer is ``tokenizer.ggml.*``: its tokens against A's tokenizer's vocabulary, id by id
-(the converter pads the vocabulary to the embedding's rows with ``[PAD…]`` tokens), and the special token
+model type. Values llama.cpp assumes for an architecture rather than reads (Gemma's query scale and which
+layers slide: ``config.implied_values``) are compared with A's likewise. The tokenizer is
+``tokenizer.ggml.*``: its tokens against A's tokenizer's vocabulary, id by id (the converter pads the vocabulary to the embedding's rows with ``[PAD…]`` tokens), and the special token
 ids against A's.
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import listing
+from ..io.store import Format
 from .model_config import ConfigResult, transformers_view
 from .side_files import SideFilesResult
 
@@ -34,7 +36,8 @@ def _same(a, b) -> bool:
 
 def compare_metadata(ca, cb, allow=()) -> ConfigResult:
     """A's config (transformers' reading) against GGUF B's metadata, key by key."""
-    from ffn_tools.converters.gguf.config import METADATA, metadata_values, rope_theta
+    from ffn_tools.converters.gguf.config import (METADATA, implied_values, metadata_values, original_context,
+                                                  rope_theta)
     from ffn_tools.converters.gguf.names import BY_TYPE
 
     res = ConfigResult(readers=["transformers (A)", "llama.cpp's GGUF metadata (B)"])
@@ -54,7 +57,8 @@ def compare_metadata(ca, cb, allow=()) -> ConfigResult:
                             f"{want.arch!r}; B says {family.arch!r}")
     values = metadata_values(cb.fields, family)
     experts = next((na[k] for k in EXPERT_KEYS if na.get(k) is not None), None)
-    a_values = {**na, "rope_theta": rope_theta(na), family.moe_key: experts}
+    a_values = {**na, "rope_theta": rope_theta(na), "sliding_rope_theta": rope_theta(na, "sliding_attention"),
+                "original_max_position_embeddings": original_context(na), family.moe_key: experts}
     for key, gkey in (*METADATA.items(), (family.moe_key, "{arch}.expert_count")):
         gkey = gkey.format(arch=family.arch)
         va, vb = a_values.get(key), values.get(key)
@@ -68,6 +72,12 @@ def compare_metadata(ca, cb, allow=()) -> ConfigResult:
         if va is None or not _same(va, vb):
             line = f"{key}: A {va!r}, B {vb!r} ({gkey})"
             (res.allowed if key in allow else res.problems).append(line)
+    for key, assumed in implied_values(family.arch, na).items():  # what llama.cpp assumes: no GGUF key holds it
+        if na.get(key) is None:
+            continue
+        res.compared += 1
+        if na[key] != assumed:
+            (res.allowed if key in allow else res.problems).append(_assumed_line(key, na[key], assumed, family.arch))
     tied = "lm_head.weight" not in cb
     res.compared += 1
     if bool(na.get("tie_word_embeddings")) != tied:
@@ -75,6 +85,15 @@ def compare_metadata(ca, cb, allow=()) -> ConfigResult:
                             f"{'has no' if tied else 'has an'} output.weight")
     res.ties = (na.get("tie_word_embeddings"), tied)
     return res
+
+
+def _assumed_line(key: str, a, assumed, arch: str) -> str:
+    """One line: A's ``key`` is not what llama.cpp assumes for ``arch`` (per layer, for a per-layer list)."""
+    why = f"(the GGUF has no key for it: llama.cpp assumes it for {arch})"
+    if isinstance(a, list) and isinstance(assumed, list) and len(a) == len(assumed):
+        wrong = [f"{i}: A {x}, llama.cpp {y}" for i, (x, y) in enumerate(zip(a, assumed)) if x != y]
+        return f"{key}: {len(wrong)} of {len(a)} layers differ ({listing(wrong, 3)}) {why}"
+    return f"{key}: A {a!r}, but llama.cpp assumes {assumed!r} {why}"
 
 
 def compare_tokenizer(root_a: Path, cb) -> SideFilesResult:
@@ -114,3 +133,46 @@ def compare_tokenizer(root_a: Path, cb) -> SideFilesResult:
     if not res.problems:
         res.identical.append(f"tokenizer ({len(vocab)} tokens as tokenizer.ggml.tokens, special ids)")
     return res
+
+
+def compare_plus_one(outside, ca, cb, atol=None, rtol=None) -> list[str]:
+    """B's weights the converter stored plus one (Gemma's norms, ``cb.shifts``) against A's plus one, computed
+    in the converter's own operations (``reader.as_converted``): stored F32 (as this converter writes them),
+    the bits must be equal; stored otherwise (a GGUF some other tool quantized), within the tolerance row.
+    The outcome is added to ``outside`` (which left these tensors out: ``compare_outside``'s ``elsewhere``);
+    returns a note saying how they were compared.
+    """
+    from ffn_tools.converters.gguf.reader import LOSSLESS, as_converted
+
+    from ..tolerances import tolerance_for
+    from .diagnose import first_difference
+    from .outside import outside_tolerance
+
+    names = sorted(cb.shifts)
+    if not names or outside.skipped:
+        return []
+    exact = 0
+    for name in names:
+        if name not in ca:
+            outside.only_b.append(name)
+            continue
+        a, b = ca[name], cb.read_stored(name)
+        if tuple(a.shape) != tuple(b.shape):
+            outside.differ.append(f"{name}: A is {list(a.shape)}, B is {list(b.shape)}")
+            continue
+        # A a GGUF storing it plus one as well: its stored bits (its reading, minus one, rounded)
+        same_kind = ca.format is Format.GGUF and name in ca.shifts
+        want = ca.read_stored(name) if same_kind else as_converted(a, cb.shifts[name])
+        lossless = cb.types[name] in LOSSLESS and b.dtype == want.dtype
+        why = (first_difference(name, want, b) if lossless else
+               outside_tolerance(name, want, b, tolerance_for([b.dtype], None, atol=atol, rtol=rtol)))
+        if why:
+            outside.differ.append(f"{why} (B stores it plus one: compared with A's plus one)")
+        elif lossless:
+            exact += 1
+        else:
+            outside.within += 1
+    outside.identical += exact
+    outside.only_b.sort()
+    return [f"{len(names)} of B's tensors are stored plus one by llama.cpp's converter (Gemma's norms: "
+            f"{listing(names, 3)}): compared with A's plus one as the converter computes it, {exact} bit for bit"]

@@ -5,7 +5,8 @@ from config.json); MLX directories with mlx_lm (``mlx_lm.utils.load_model``: the
 tokenizer files). A checkpoint a client loads only partly (weights missing, unused or of the wrong shape,
 which transformers would fill with random values) fails rather than being compared. The metrics are those
 of the FFN check (max |b - a|, cosine, the tolerance ratio) plus top-1 agreement, which is reported; the
-verdict uses the tolerance row widened for whole models (``tolerances.widened``).
+verdict uses the tolerance row widened for whole models (``tolerances.widened``), and no finer than the
+precision a client computes in where it computes below the weights' (``CLIENT_PRECISION``).
 """
 
 from __future__ import annotations
@@ -19,13 +20,34 @@ import torch
 
 from ..errors import FFNToolsError
 from ..io.store import Format
-from ..tolerances import Tolerance
+from ..tolerances import DTYPE_TOLERANCES, Tolerance
 from .functional import compare
 
 log = logging.getLogger(__name__)
 
 BATCH = (2, 16)  # (sequences, tokens)
 CLIENTS = {"transformers": "transformers AutoModelForCausalLM", "mlx_lm": "mlx_lm", "llama.cpp": "llama-cpp-python"}
+# (client, the FFN's activation as the kernels name it) -> the dtype the client computes it in, where coarser
+# than float32: llama.cpp's CPU backend computes GELU (erf and tanh) through a float16 table (ggml-cpu's
+# GGML_GELU_FP16: input and output rounded to float16), so its logits of a float32 Gemma differ from
+# transformers' by float16 roundings (measured: 2.8e-4 on the tiny Gemma 2, 1.7e-5 with transformers' GELU
+# rounded so too).
+CLIENT_PRECISION = {("llama.cpp", "gelu"): "float16", ("llama.cpp", "gelu_tanh"): "float16"}
+
+
+def client_floor(tol: Tolerance, clients: tuple[str, str], function: str | None) -> tuple[Tolerance, str | None]:
+    """``tol``, or the row of the dtype a client computes the FFN's activation ``function`` in where that is
+    coarser (``CLIENT_PRECISION``), with a note saying why."""
+    for client in dict.fromkeys(clients):
+        dtype = CLIENT_PRECISION.get((client, function or ""))
+        floor = DTYPE_TOLERANCES.get(dtype or "")
+        if floor is not None and floor.atol > tol.atol:
+            row = Tolerance(max(tol.atol, floor.atol), max(tol.rtol, floor.rtol),
+                            min(tol.min_cosine, floor.min_cosine), f"{tol.row}, {client}'s {function} in {dtype}")
+            return (row,
+                    f"logits: {client} computes the FFN's {function} in {dtype} (a lookup table), so the logits are "
+                    f"compared within the {dtype} row")
+    return tol, None
 
 
 def client_for(ckpt, side: str) -> str:

@@ -92,13 +92,15 @@ def _requantized(res: OutsideResult, name: str, ca, cb) -> bool:
     return True
 
 
-def compare_outside(ca, cb, fa, fb, *, atol: float | None = None, rtol: float | None = None) -> OutsideResult:
-    """Compare the tensors of ``ca`` and ``cb`` that belong to no FFN of ``fa`` / ``fb``."""
+def compare_outside(ca, cb, fa, fb, *, atol: float | None = None, rtol: float | None = None,
+                    elsewhere: frozenset[str] = frozenset()) -> OutsideResult:
+    """Compare the tensors of ``ca`` and ``cb`` that belong to no FFN of ``fa`` / ``fb``, except B's
+    ``elsewhere``, which another check compares (a GGUF's weights stored plus one: ``gguf_checks``)."""
     res = OutsideResult()
     ga, gb = ((q or {}).get("bits") if not c.resolves_quantization else None
               for c, q in ((ca, quantization(ca)), (cb, quantization(cb))))
-    a_names = [n for n in ca if n not in fa.tensors]
-    b_set = {n for n in cb if n not in fb.tensors}
+    a_names = [n for n in ca if n not in fa.tensors and n not in elsewhere]
+    b_set = {n for n in cb if n not in fb.tensors and n not in elsewhere}
     res.only_a = sorted(n for n in a_names if n not in b_set)
     res.only_b = sorted(b_set.difference(a_names))
     for name in sorted(n for n in a_names if n in b_set):
