@@ -1,7 +1,8 @@
 """``convert --to gguf`` against llama.cpp's own convert_hf_to_gguf.py on the same checkpoint, in one run.
 
-Builds a Llama-shaped bf16 checkpoint with llama.cpp's llama-spm vocabulary under bench-data/ once (``--size``:
-``small``, ~0.2 GB, runs in about a minute on 2 cores; ``1g``, the 1.3 GB benchmark model), runs each tool in
+Builds a Llama-shaped bf16 checkpoint with one of llama.cpp's vocabularies under bench-data/ once (``--size``:
+``small``, ~0.2 GB, runs in about a minute on 2 cores; ``1g``, the 1.3 GB benchmark model (32000 tokens);
+``llama3-1b``, Llama-3.2-1B's shape, 2.5 GB, its 128256-token vocabulary, embedding tied), runs each tool in
 its own process for each outtype (alternating, best time and largest RSS kept), checks the two outputs are the
 same file, and prints wall time and peak RSS (the process and its children), and the ratios
 ffn-tools / convert_hf_to_gguf.py against the targets (time <= 0.5x, peak RSS <= 0.2x).
@@ -26,17 +27,20 @@ LLAMA_CPP = Path(sys.prefix) / "llama.cpp"
 SIZES = {"small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
                        num_key_value_heads=4),
          "1g": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=12, num_attention_heads=32,
-                    num_key_value_heads=4)}
+                    num_key_value_heads=4),
+         "llama3-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                           num_key_value_heads=8, tie_word_embeddings=True)}
+VOCABS = {"llama3-1b": "llama-bpe"}  # else llama-spm
 TARGETS = {"time": 0.5, "rss": 0.2}  # ffn-tools / convert_hf_to_gguf.py
 
 
-def build(path: Path, shape: dict) -> None:
+def build(path: Path, shape: dict, vocab_name: str) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    vocab = LLAMA_CPP / "models" / "ggml-vocab-llama-spm.gguf"
+    vocab = LLAMA_CPP / "models" / f"ggml-vocab-{vocab_name}.gguf"
     tok = AutoTokenizer.from_pretrained(vocab.parent, gguf_file=vocab.name)
-    config = LlamaConfig(**shape, vocab_size=len(tok), max_position_embeddings=4096, tie_word_embeddings=False)
+    config = LlamaConfig(**{"tie_word_embeddings": False, **shape}, vocab_size=len(tok), max_position_embeddings=4096)
     torch.manual_seed(0)
     with torch.device("cpu"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
@@ -62,10 +66,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--json", type=Path, help="Also write the figures here.")
     args = ap.parse_args()
-    src = DATA / f"llama-{args.size}-bf16-spm"
+    vocab = VOCABS.get(args.size, "llama-spm")
+    src = DATA / (f"llama-{args.size}-bf16-spm" if vocab == "llama-spm" else f"llama-{args.size}-bf16")
     if not src.exists():
         print(f"building {src} ...", flush=True)
-        build(src, SIZES[args.size])
+        build(src, SIZES[args.size], vocab)
     size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; input {src} ({size / 1e9:.2f} GB bf16)")
     results, ok = {}, True

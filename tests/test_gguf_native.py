@@ -62,14 +62,16 @@ def test_bf16_source_same_file(bf16_llama, tmp_path, outtype):
 
 @pytest.mark.parametrize("arch,dtype,outtype", [("mixtral", torch.bfloat16, "q8_0"),
                                                 ("qwen3_moe", torch.float16, "bf16"),
-                                                ("qwen3", torch.float16, "f16")])
+                                                ("qwen3", torch.float16, "f16"),
+                                                ("gemma2", torch.bfloat16, "bf16"),  # plus-one norms
+                                                ("gemma2", torch.float16, "q8_0")])  # plus one in float16
 def test_experts_and_f16_sources_same_file(gguf_model, tmp_path, arch, dtype, outtype):
     src = gguf_model(arch, dtype)
     ref = gguf_models.convert_reference(src, tmp_path / "ref.gguf", outtype)
     out = tmp_path / "ours.gguf"
     r = json.loads(run_cli("-q", "convert", src, "--to", "gguf", "-o", out, "--outtype", outtype, "--json").output)
     assert out.read_bytes() == ref.read_bytes()
-    assert r["written"]["in_chunks"] == r["tensors"]
+    assert r["written"]["in_chunks"] == r["tensors"] and not r["written"]["recipes_disproven"]
 
 
 def test_chunks_span_rows_heads_and_experts(bf16_llama, tmp_path, monkeypatch):

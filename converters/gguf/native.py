@@ -2,11 +2,13 @@
 
 The converter (run in ``worker``) still decides the file: tensor names, order, types, metadata, tokenizer, and
 it writes the header. What it does to each tensor's values is, for the families ffn-tools declares
-(``names.FAMILIES``), one of three things, each a recipe here:
+(``names.FAMILIES``), one of four things, each a recipe here:
 
 - ``copy``: the tensor as it is (a rename);
 - ``rotary``: q/k rows permuted into llama.cpp's rotary order, head by head (its ``LlamaModel.permute``);
 - ``stack``: a layer's experts stacked into one (E, rows, cols) tensor (``ffn_{gate,up,down}_exps``);
+- ``plus_one``: the weight plus one, added in its dtype after the cast to float32 unless float16 (Gemma's
+  norms, ``Family.plus_one``);
 
 then the cast every tensor goes through (to float32, then gguf-py's ``quants.quantize`` to F32, F16, BF16 or
 Q8_0). All of them work on whole rows, so a tensor is written a few megabytes at a time, by a pool of threads
@@ -53,7 +55,7 @@ def recipe(gguf_name: str, shape: list[int], family, config: dict, names: dict[s
         ``{"op", "sources": [{"file", "start", "dtype", "shape"}], "heads"}``; sources lie as stored (their
         bytes can be read in place) in a dtype the cast reads.
     """
-    from .names import expert_names
+    from .names import expert_names, plus_one
 
     if m := re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight", gguf_name):
         if family.experts is None:
@@ -62,7 +64,9 @@ def recipe(gguf_name: str, shape: list[int], family, config: dict, names: dict[s
         op, heads = "stack", None
     elif gguf_name in names:
         hf, op, heads = [names[gguf_name]], "copy", None
-        if family.rotary and re.search(r"\.(q|k)_proj\.(weight|bias)$", hf[0]):
+        if plus_one(family, hf[0]):
+            op = "plus_one"
+        elif family.rotary and re.search(r"\.(q|k)_proj\.(weight|bias)$", hf[0]):
             heads = int(config["num_attention_heads"])
             if ".k_proj." in hf[0]:
                 heads = int(config.get("num_key_value_heads") or heads)
@@ -110,8 +114,8 @@ def pieces(rec: dict) -> Iterator[tuple[dict, int, int, int | None]]:
             yield src, r0, min(rows, r0 + step), head
 
 
-def encode(src: dict, r0: int, r1: int, head: int | None, qtype: str) -> bytes | bytearray:
-    """Rows [r0, r1) of ``src`` as the converter writes them in ``qtype``."""
+def encode(src: dict, r0: int, r1: int, head: int | None, qtype: str, one: bool = False) -> bytes | bytearray:
+    """Rows [r0, r1) of ``src`` as the converter writes them in ``qtype`` (``one``: plus one, as ``plus_one``)."""
     import numpy as np
 
     from ffn_tools.io.store import read_bytes
@@ -122,14 +126,19 @@ def encode(src: dict, r0: int, r1: int, head: int | None, qtype: str) -> bytes |
     if head is not None:  # (heads, 2, head/2, cols) -> (heads, head/2, 2, cols): LlamaModel.permute
         raw = np.frombuffer(raw, np.uint8).reshape((r1 - r0) // head, 2, head // 2, cols * size)
         raw = raw.swapaxes(1, 2).tobytes()
-    if qtype == src["dtype"] and qtype in ("F32", "F16"):
+    if qtype == src["dtype"] and qtype in ("F32", "F16") and not one:
         return raw  # the converter keeps a float32 or float16 tensor as it is
-    if qtype == "BF16" and src["dtype"] == "BF16":
+    if qtype == "BF16" and src["dtype"] == "BF16" and not one:
         return _bf16_as_bf16(raw)
     if src["dtype"] == "BF16":  # bfloat16 -> float32 is exact: the bits, shifted
         x = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    elif src["dtype"] == "F16":
+        x = np.frombuffer(raw, np.float16)
     else:
-        x = np.frombuffer(raw, np.float16 if src["dtype"] == "F16" else np.float32).astype(np.float32)
+        x = np.frombuffer(raw, np.float32)
+    if one:
+        x = x + x.dtype.type(1)  # in the tensor's dtype, as the converter adds it (float16 stays float16)
+    x = x.astype(np.float32)
     from gguf import GGMLQuantizationType, quants
 
     out = quants.quantize(x.reshape(r1 - r0, cols), getattr(GGMLQuantizationType, qtype))
@@ -162,7 +171,8 @@ def out_bytes(rec: dict, qtype: str) -> int:
 
 def tensor_bytes(rec: dict, qtype: str) -> bytes:
     """The whole tensor as the recipe writes it (for the worker's check against the converter)."""
-    return b"".join(encode(src, r0, r1, head, qtype) for src, r0, r1, head in pieces(rec))
+    one = rec["op"] == "plus_one"
+    return b"".join(encode(src, r0, r1, head, qtype, one) for src, r0, r1, head in pieces(rec))
 
 
 def write(tensors: list[dict], out: Path, *, threads: int | None = None, progress: bool = False) -> int:
@@ -182,7 +192,7 @@ def write(tensors: list[dict], out: Path, *, threads: int | None = None, progres
         for src, r0, r1, head in pieces(t["recipe"]):
             n = (r1 - r0) * _count(src["shape"][1:])
             size = n // Q8_0_BLOCK * Q8_0_BYTES if t["type"] == "Q8_0" else n * {"F32": 4, "F16": 2, "BF16": 2}[t["type"]]
-            jobs.append((src, r0, r1, head, t["type"], pos, size))
+            jobs.append((src, r0, r1, head, t["type"], t["recipe"]["op"] == "plus_one", pos, size))
             pos += size
         if pos - t["offset"] != t["bytes"]:
             raise ValueError(f"{t['name']}: the recipe makes {pos - t['offset']} bytes, the header says {t['bytes']}")
@@ -192,8 +202,8 @@ def write(tensors: list[dict], out: Path, *, threads: int | None = None, progres
     fd = os.open(out, os.O_WRONLY)
     try:
         def one(job) -> int:
-            src, r0, r1, head, qtype, pos, size = job
-            data = encode(src, r0, r1, head, qtype)
+            src, r0, r1, head, qtype, one, pos, size = job
+            data = encode(src, r0, r1, head, qtype, one)
             if len(data) != size:
                 raise ValueError(f"a chunk of {len(data)} bytes where {size} belong")
             view, done = memoryview(data), 0
