@@ -67,12 +67,13 @@ def run(request: dict) -> dict:
                    for n, t in model.gguf_writer.tensors[0].items()]
         result = {"architecture": arch, "class": cls.__mro__[1].__name__, "tensors": tensors}
         if not request["dry_run"]:
-            model.prepare_metadata(vocab_only=False)
             writer = model.gguf_writer
+            plan = prove(ckpt, writer) if request.get("native") and len(writer.tensors) == 1 else None
+            model.prepare_metadata(vocab_only=False)  # the tokenizer: after the proofs, so their memory is given back
             writer.write_header_to_file(path=out)
             writer.write_kv_data_to_file()
-            if request.get("native") and len(writer.tensors) == 1:
-                result.update(write_split(ckpt, writer))
+            if plan is not None:
+                result.update(write_split(writer, *plan))
             else:
                 writer.write_tensors_to_file(progress=request["progress"])
             writer.close()
@@ -82,13 +83,15 @@ def run(request: dict) -> dict:
 CHECK_LIMIT = 64 << 20  # the largest tensor whose converter bytes the worker builds to prove a recipe
 
 
-def write_split(ckpt, writer) -> dict:
-    """Write the header and every tensor no proven recipe makes; return the rest for ``native`` to write.
+def prove(ckpt, writer) -> tuple[dict, dict]:
+    """Each tensor's recipe (``native.recipe``, None where none makes it) and, per tensor class
+    (``native.tensor_class``), whether the recipe gives the converter's own bytes on the class's first tensor
+    (one no larger than ``CHECK_LIMIT``, ``$FFN_TOOLS_GGUF_CHECK_LIMIT``); a class with no tensor that small (a
+    large embedding) is not proven here (the tests prove those families byte for byte against
+    convert_hf_to_gguf.py). Run before the tokenizer is read, and the memory given back to the system after,
+    so the proofs do not add to the worker's peak."""
+    import ctypes
 
-    A recipe is proven per tensor class (``native.tensor_class``): the converter's own bytes of the class's
-    first tensor (one no larger than ``CHECK_LIMIT``) against the recipe's; a class whose bytes differ is
-    written by the converter, whole. A class with no tensor that small (a large embedding) is not proven here
-    and is listed as such (the tests prove those families byte for byte against convert_hf_to_gguf.py)."""
     import numpy as np
     from gguf.lazy import LazyNumpyTensor
 
@@ -98,28 +101,41 @@ def write_split(ckpt, writer) -> dict:
     config = dict(ckpt.config or {})
     family = BY_TYPE.get(config.get("model_type", ""))
     names = hf_names(family, int(config.get("num_hidden_layers") or 0)) if family else {}
-    writer.write_ti_data_to_file()
-    fout = writer.fout[0]
-    pos = writer.ggml_pad(fout.tell(), writer.data_alignment)
-    layout = []
+    limit = int(os.environ.get("FFN_TOOLS_GGUF_CHECK_LIMIT", CHECK_LIMIT))
+    recipes: dict[str, dict | None] = {}
+    proven: dict[str, bool] = {}
     for name, ti in writer.tensors[0].items():
-        rec = native.recipe(name, [int(d) for d in ti.shape], family, config, names, ckpt.info) if family else None
-        if rec is not None and (native.shape_of(rec) != [int(d) for d in ti.shape]  # element shape, numpy order
-                                or ti.dtype.name not in native.QTYPES
+        shape = [int(d) for d in ti.shape]  # the element shape, numpy order
+        rec = native.recipe(name, shape, family, config, names, ckpt.info) if family else None
+        if rec is not None and (native.shape_of(rec) != shape or ti.dtype.name not in native.QTYPES
                                 or native.out_bytes(rec, ti.dtype.name) != ti.nbytes):
             rec = None
-        layout.append((name, ti, pos, rec))
-        pos += writer.ggml_pad(ti.nbytes, writer.data_alignment)
-    end = pos
-    proven: dict[str, bool] = {}
-    for name, ti, _, rec in layout:
+        recipes[name] = rec
         cls = native.tensor_class(name)
-        if rec is not None and cls not in proven and ti.nbytes <= int(os.environ.get("FFN_TOOLS_GGUF_CHECK_LIMIT", CHECK_LIMIT)):
+        if rec is not None and cls not in proven and ti.nbytes <= limit:
             theirs = np.asarray(LazyNumpyTensor.to_eager(ti.tensor)).tobytes()
             proven[cls] = theirs == native.tensor_bytes(rec, ti.dtype.name)
+            del theirs
+            if proven[cls]:
+                ti.tensor = None  # evaluating cached every step's result in the lazy graph: let it all go
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: the memory stays with the process, nothing else changes
+    return recipes, proven
+
+
+def write_split(writer, recipes: dict, proven: dict) -> dict:
+    """Write the tensor infos and every tensor no proven recipe makes (the converter's own evaluation, at its
+    offset); return the rest, with their offsets, for ``native`` to write."""
+    from . import native
+
+    writer.write_ti_data_to_file()
+    fout = writer.fout[0]
+    offset = writer.ggml_pad(fout.tell(), writer.data_alignment)
     native_tensors, by_converter, unproven = [], [], set()
-    for name, ti, offset, rec in layout:
-        cls = native.tensor_class(name)
+    for name, ti in writer.tensors[0].items():
+        cls, rec = native.tensor_class(name), recipes[name]
         if rec is not None and proven.get(cls, True):
             unproven.update([] if cls in proven else [cls])
             native_tensors.append({"name": name, "offset": offset, "type": ti.dtype.name, "bytes": ti.nbytes,
@@ -131,7 +147,8 @@ def write_split(ckpt, writer) -> dict:
                 raise ValueError(f"tensor {name!r} wrote {fout.tell() - offset} bytes, expected {ti.nbytes}")
             by_converter.append(name)
         ti.tensor = None
-    fout.truncate(end)
+        offset += writer.ggml_pad(ti.nbytes, writer.data_alignment)
+    fout.truncate(offset)
     fout.flush()
     return {"native": native_tensors, "by_converter": by_converter,
             "proven": sorted(c for c, ok in proven.items() if ok), "unproven": sorted(unproven),
