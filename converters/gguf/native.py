@@ -85,7 +85,7 @@ def recipe(gguf_name: str, shape: list[int], family, config: dict, names: dict[s
                         "shape": list(info.shape)})
     if len({tuple(s["shape"]) for s in sources}) != 1:
         return None
-    if op == "rotary" and sources[0]["shape"][0] % (2 * heads):
+    if heads is not None and sources[0]["shape"][0] % (2 * heads):
         return None  # rows that do not split into heads of two halves: the converter would fail too
     return {"op": op, "sources": sources, "heads": heads}
 
@@ -122,10 +122,10 @@ def encode(src: dict, r0: int, r1: int, head: int | None, qtype: str, one: bool 
 
     cols = _count(src["shape"][1:])
     size = SOURCE_DTYPES[src["dtype"]]
-    raw = read_bytes(src["file"], src["start"] + r0 * cols * size, (r1 - r0) * cols * size)
+    raw: bytes | bytearray = read_bytes(src["file"], src["start"] + r0 * cols * size, (r1 - r0) * cols * size)
     if head is not None:  # (heads, 2, head/2, cols) -> (heads, head/2, 2, cols): LlamaModel.permute
-        raw = np.frombuffer(raw, np.uint8).reshape((r1 - r0) // head, 2, head // 2, cols * size)
-        raw = raw.swapaxes(1, 2).tobytes()
+        rows = np.frombuffer(raw, np.uint8).reshape((r1 - r0) // head, 2, head // 2, cols * size)
+        raw = rows.swapaxes(1, 2).tobytes()
     if qtype == src["dtype"] and qtype in ("F32", "F16") and not one:
         return raw  # the converter keeps a float32 or float16 tensor as it is
     if qtype == "BF16" and src["dtype"] == "BF16" and not one:
