@@ -47,9 +47,9 @@ def require_llama_cpp() -> Path:
     return LLAMA_CPP
 
 
-def build(arch: str, path: Path, dtype: torch.dtype = torch.float32) -> Path:
+def build(arch: str, path: Path, dtype: torch.dtype = torch.float32, **shape) -> Path:
     """A tiny ``arch`` checkpoint in ``path`` whose tokenizer is llama.cpp's vocabulary for its family, or a
-    sentencepiece model trained for it (``SENTENCEPIECE``)."""
+    sentencepiece model trained for it (``SENTENCEPIECE``); ``shape``: config values over the tiny ones."""
     from transformers import AutoTokenizer
 
     if arch in SENTENCEPIECE:
@@ -62,7 +62,7 @@ def build(arch: str, path: Path, dtype: torch.dtype = torch.float32) -> Path:
 
     n = len(tok)
     ids = {k: getattr(tok, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    config = getattr(transformers, cfg_name)(**{**tiny_models.COMMON, **extra, "vocab_size": n,
+    config = getattr(transformers, cfg_name)(**{**tiny_models.COMMON, **extra, **shape, "vocab_size": n,
                                                 **{k: v for k, v in ids.items() if v is not None}})
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config).to(dtype).eval()

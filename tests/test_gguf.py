@@ -201,6 +201,38 @@ def test_llama_quantize_outputs_read_and_verify(gguf_model, gguf_ref, tmp_path, 
     assert r.tolerance.row.endswith(row)
 
 
+@pytest.mark.parametrize("ftype,types", [("Q4_K_M", {"Q4_K", "Q6_K"}), ("Q5_K_S", {"Q5_K"}), ("Q6_K", {"Q6_K"}),
+                                         ("Q3_K_M", {"Q3_K"}), ("Q2_K", {"Q2_K"}), ("IQ4_XS", {"IQ4_XS"})])
+def test_k_quants_of_a_256_wide_model_read_and_verify(wide_llama, tmp_path, ftype, types):
+    """Rows of 256 (K-quant super-blocks): llama-quantize writes the real K and IQ types, not their 64-wide
+    fallbacks; each reads dequantized by gguf-py and verify passes every FFN in the row of its bits."""
+    import ctypes
+
+    import llama_cpp
+
+    src, f32 = wide_llama
+    out = tmp_path / f"{ftype}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), ctypes.byref(params)) == 0
+    with open_any(out) as g:
+        modes = {p["mode"] for n in g if (p := g.quant_params(n))}
+    assert types <= modes, modes
+    r = verify(src, out, backends=["reference"], load_check=False)
+    assert r.passed, r.failures()
+    assert len(r.results) == 2
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
+    """A Llama with 256-wide rows (hidden 256, intermediate 512) and its converter f32 GGUF."""
+    import gguf_models
+
+    d = tmp_path_factory.mktemp("wide")
+    src = gguf_models.build("llama", d / "model", hidden_size=256, intermediate_size=512, head_dim=64)
+    return src, gguf_models.convert_reference(src, d / "f32.gguf", "f32")
+
+
 def test_extract_from_gguf_is_bit_exact(gguf_model, gguf_ref, tmp_path):
     run_cli("-q", "extract", gguf_ref("qwen3_moe", "f32"), "-o", tmp_path / "ffn")
     r = verify(gguf_model("qwen3_moe"), tmp_path / "ffn", backends=["reference"])
