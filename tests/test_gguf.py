@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from ffn_tools.converters import detect_format, open_any
 from ffn_tools.verification.engine import verify
+import gguf_models
 from gguf_models import convert_reference
 from helpers import run_cli
 
@@ -104,6 +105,7 @@ def test_verify_dense_families_with_load_check(gguf_model, gguf_ref, arch):
     assert r.passed, r.failures()
     assert r.load.client == "llama.cpp" and r.load.ok
     assert r.outside.passed and not r.outside.only_a and not r.outside.only_b
+    assert r.tokenization.compared == 37 and not r.tokenization.differ  # llama.cpp tokenizes as transformers
 
 
 def test_verify_moe(gguf_model, gguf_ref):
@@ -263,3 +265,96 @@ def test_unreadable_ggufs_are_refused_by_name(gguf_ref, tmp_path):
     assert "1 tensor(s) of no Hugging Face name known for llama: blk.0.mystery.weight" in r.output
     r = run_cli("inspect", rewrite(tmp_path / "g.gguf", "gptneox"), ok=False)
     assert "general.architecture 'gptneox' is not one ffn-tools reads" in r.output
+
+
+def _rewrite(src, dst, fields=None, drop=()):
+    """A copy of GGUF ``src`` at ``dst`` through gguf's own writer, with metadata values replaced (key -> value)
+    and keys dropped (by prefix)."""
+    from gguf import GGUFReader, GGUFWriter
+
+    reader = GGUFReader(src)
+    w = GGUFWriter(dst, "llama")
+    for key, f in reader.fields.items():
+        if key.startswith(("GGUF.", "general.architecture", *drop)):
+            continue
+        value = (fields or {}).get(key, f.contents())
+        w.add_key_value(key, value, f.types[0], f.types[-1] if f.types[0].name == "ARRAY" else None)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return dst
+
+
+def test_tokenization_through_llama_cpp(gguf_model, gguf_ref):
+    """llama.cpp tokenizes the built-in corpus from each converter output's vocabulary as transformers does
+    from the source: the sentencepiece Llama (tokenizer.model read by the converter: real scores) and the
+    byte-level BPE Qwen2 vocabulary."""
+    from gguf import GGUFReader
+
+    from ffn_tools.verification.corpus import CORPUS
+
+    scores = GGUFReader(gguf_ref("llama", "f32")).fields["tokenizer.ggml.scores"].contents()
+    assert len(set(scores)) > 30000  # the converter read tokenizer.model, not tokenizer.json's placeholders
+    for arch in ("llama", "qwen3"):
+        r = verify(gguf_model(arch), gguf_ref(arch, "f32"), backends=["reference"], load_check=False)
+        assert r.passed, r.failures()
+        assert r.tokenization.compared == len(CORPUS) and r.tokenization.differ == []
+        assert "all 37 texts of the built-in corpus tokenize the same" in r.tokenization.line()
+
+
+def test_tokenizer_json_only_llama_fails_tokenization(gguf_model, tmp_path):
+    """A sentencepiece Llama with tokenizer.json and no tokenizer.model: convert_hf_to_gguf.py writes score
+    -1000 for every token and no merges. Its tokens are the source's (the token-by-token comparison passes)
+    but llama.cpp tokenizes many texts otherwise: verify fails on tokenization, exit 1, naming the first text."""
+    from gguf import GGUFReader
+
+    src = gguf_models.copy_model(gguf_model("llama"), tmp_path / "model")
+    (src / "tokenizer.model").unlink()
+    out = convert_reference(src, tmp_path / "json-only.gguf", "f32")
+    fields = GGUFReader(out).fields
+    assert set(fields["tokenizer.ggml.scores"].contents()) == {-1000.0} and "tokenizer.ggml.merges" not in fields
+    r = run_cli("verify", src, out, "--backend", "reference", "--no-load-check", "--json", ok=None)
+    v = json.loads(r.output)
+    assert r.exit_code == 1 and v["side_files"]["passed"]  # the tokens alone: the same
+    t = v["tokenization"]
+    assert t["compared"] == 37 and len(t["differ"]) == 16, [d["text"] for d in t["differ"]]
+    assert v["failures"] == [
+        "tokenization: 16 of 37 texts tokenize differently in llama.cpp (B) than in A's transformers tokenizer; "
+        "first: 'The quick brown fox jumps over the lazy dog.': A [1, 450, 4996, 17354, 1701, 29916, 432, 17204, "
+        "975, 278, 17366, 11203, 29889] (13 tokens), B [1, 450, 4996, 17354, 1701, 29916, 12500, 29879, 975, 278, "
+        "17366, 11203, 29889] (13 tokens)"]
+    r = run_cli("verify", src, out, "--backend", "reference", "--no-load-check", ok=None)
+    assert r.exit_code == 1
+    assert ("tokenization (A's transformers tokenizer vs llama.cpp on B's vocabulary): 16 of 37 texts of the "
+            "built-in corpus tokenize differently") in r.output
+    assert r.output.splitlines()[-1].startswith("FAIL: tokenization differs; first: tokenization: 16 of 37 texts")
+
+
+def test_tokenization_fails_swapped_tokens_and_says_when_it_did_not_run(gguf_model, gguf_ref, tmp_path):
+    """Two tokens of the GGUF's vocabulary exchanged (written by gguf's writer): llama.cpp tokenizes the first
+    text otherwise, which the tokenization check names. Without A's tokenizer, or B's, the check says it did not
+    run (never a pass of it)."""
+    from gguf import GGUFReader
+
+    src, ref = gguf_model("llama"), gguf_ref("llama", "f32")
+    tokens = GGUFReader(ref).fields["tokenizer.ggml.tokens"].contents()
+    assert tokens[450] == "▁The" and tokens[4996] == "▁quick"
+    tokens[450], tokens[4996] = tokens[4996], tokens[450]
+    bad = _rewrite(ref, tmp_path / "swapped.gguf", {"tokenizer.ggml.tokens": tokens})
+    r = run_cli("verify", src, bad, "--backend", "reference", "--no-load-check", ok=None)
+    assert r.exit_code == 1, r.output
+    assert ("  - tokenization: 1 of 37 texts tokenize differently in llama.cpp (B) than in A's transformers "
+            "tokenizer; first: 'The quick brown fox jumps over the lazy dog.': A [1, 450, 4996, 17354") in r.output
+    assert "B [1, 4996, 450, 17354" in r.output
+
+    bare = tmp_path / "bare"  # A without tokenizer files
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(src / name, bare / name)
+    r = verify(bare, ref, backends=["reference"], load_check=False)
+    assert r.passed and r.tokenization.skipped.startswith("A has no tokenizer transformers loads")
+    assert "tokenization not compared (A has no tokenizer transformers loads" in r.verdict
+    no_vocab = _rewrite(ref, tmp_path / "no-vocab.gguf", drop=("tokenizer.",))
+    r = verify(src, no_vocab, backends=["reference"], load_check=False)
+    assert r.tokenization.skipped == "B has no tokenizer.ggml.tokens" and not r.passed
+    assert "tokenization: not compared (B has no tokenizer.ggml.tokens)" in r.lines()

@@ -83,18 +83,17 @@ PROSE = ("The quick brown fox jumps over the lazy dog.", "Grüße aus München, 
 
 def test_gguf_to_torch(gguf_model, gguf_ref, tmp_path):
     """f32 GGUF -> torch: every tensor the source's, bit for bit; transformers loads it with its tokenizer and
-    generation config; a q8_0 GGUF -> torch says it dequantized. The llama-spm GGUF holds no merge ranks
-    (convert_hf_to_gguf.py wrote score -1000 for every token: the source has tokenizer.json, no
-    tokenizer.model), so the rebuilt merges are ranked by token position, as the summary says: prose encodes
-    as the source, but the source ranks its whitespace merges last, and verify's side-file check says so,
-    exit 1, with nothing else differing."""
+    generation config; a q8_0 GGUF -> torch says it dequantized. The llama-spm GGUF holds its sentencepiece scores
+    (convert_hf_to_gguf.py read the source's tokenizer.model), so transformers' GGUF reader rebuilds the source's
+    merges, in the source's order; what it does not rebuild is Llama 2's normalizer (it writes a Metaspace
+    pre-tokenizer, which prepends ▁ only where the text does not start with a space: a leading space tokenizes
+    otherwise) nor tokenizer.model, and verify's side-file check says both, exit 1, with nothing else differing."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     src = gguf_model("llama")
     out = tmp_path / "back"
     said = json.loads(run_cli("-q", "convert", gguf_ref("llama", "f32"), "--to", "torch", "-o", out, "--json").output)
-    assert any("ranked by token position" in c and "all 32000 tokenizer.ggml.scores are -1000" in c
-               for c in said["changes"]), said["changes"]
+    assert not any("ranked by token position" in c for c in said["changes"]), said["changes"]
     a, b = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -102,12 +101,13 @@ def test_gguf_to_torch(gguf_model, gguf_ref, tmp_path):
     assert GenerationConfig.from_pretrained(out).eos_token_id == GenerationConfig.from_pretrained(src).eos_token_id == 2
     tok, ref = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(src)
     assert [tok(t)["input_ids"] for t in PROSE] == [ref(t)["input_ids"] for t in PROSE]
-    assert tok("a    b")["input_ids"] != ref("a    b")["input_ids"]  # a run of spaces: the ranks the GGUF lost
+    assert tok("a    b")["input_ids"] == ref("a    b")["input_ids"]  # the merge ranks survive
+    assert tok(" Hello")["input_ids"] != ref(" Hello")["input_ids"]  # the normalizer does not
     r = run_cli("verify", src, out, "--backend", "reference", "--json", ok=None)
     v = json.loads(r.output)
     assert r.exit_code == 1 and v["failures"] == [
-        "side files: tokenizer.json: model.merges: the same 61249 merges in another order (120 moved against the "
-        "rest; first at rank 0: '▁ t' in A, '▁ ▁' in B): BPE applies merges by rank, so text tokenizes differently"]
+        'side files: tokenizer.json: normalizer is {"type": "Sequence", "normalizers": [{"type": "Prepend", ... in A, '
+        'null in B', "side files: tokenizer.model is in A and missing in B"], v["failures"]
     assert v["side_files"]["identical"] == ["tokenizer_config.json", "generation_config.json"]
     assert any(n.startswith("tokenizer_config.json: pad_token is '<unk>' in B and not set in A")
                for n in v["side_files"]["notes"])
@@ -175,14 +175,15 @@ def test_mlx_input_converts_to_the_same_tensors(gguf_model, gguf_ref, tmp_path):
 
     r = verify(mlx, tmp_path / "m.gguf", backends=["reference"])  # MLX <-> GGUF
     assert r.passed and r.load.ok and all(x.exact == "identical" for x in r.results), r.failures()
+    assert r.tokenization.compared == 37 and not r.tokenization.differ  # mlx_lm's tokenizer files, llama.cpp
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_gguf_to_mlx(gguf_model, gguf_ref, tmp_path, arch):
     """f32 GGUF -> MLX: mlx_lm loads it (with the tokenizer transformers rebuilds from tokenizer.ggml.*) and
     its logits agree with transformers' on the source; the weights are the source's, bit for bit; the side
-    files are compared: the qwen2 vocabulary's are the source's, the llama-spm GGUF's merge ranks are lost
-    (test_gguf_to_torch) and that is the one failure."""
+    files are compared: the qwen2 vocabulary's are the source's; the llama-spm GGUF's lack Llama 2's normalizer
+    and tokenizer.model (test_gguf_to_torch), and those are the failures."""
     from mlx_lm import load
     from transformers import AutoTokenizer
 
@@ -199,5 +200,5 @@ def test_gguf_to_mlx(gguf_model, gguf_ref, tmp_path, arch):
     if arch == "qwen3":
         assert r.exit_code == 0 and v["passed"], v["failures"]
     else:
-        assert r.exit_code == 1 and [f.split(" (")[0] for f in v["failures"]] == [
-            "side files: tokenizer.json: model.merges: the same 61249 merges in another order"], v["failures"]
+        assert r.exit_code == 1 and [f.split(" is ")[0] for f in v["failures"]] == [
+            "side files: tokenizer.json: normalizer", "side files: tokenizer.model"], v["failures"]

@@ -37,6 +37,7 @@ from . import consumer, tied
 from .gguf_checks import compare_metadata, compare_plus_one, compare_tokenizer
 from .model_config import ConfigResult, compare_configs
 from .side_files import SideFilesResult, compare_side_files
+from .tokenization import TokenizationResult, compare_tokenization
 from .pairs import PairChecker
 from .stream import BACKGROUND_FORMATS, Job, Streamed, TensorStream, Worker
 from .outside import OutsideResult, compare_outside, outside_tolerance
@@ -244,7 +245,7 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
             if cb.format is Format.GGUF:  # its weights stored plus one, which _outside left out
                 report.notes += compare_plus_one(report.outside, ca, cb, atol, rtol)
             run_kernels()  # after the outside comparison: its tensors and theirs are not held at once
-        report.config, report.side_files = model.result()
+        report.config, report.side_files, report.tokenization = model.result()
         mods, report.skipped_backends = kernels.result()
         report.backends = list(mods)
         if report.outside is not None and not report.outside.skipped:
@@ -271,16 +272,22 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
 
 
 def _model_checks(ca, cb, extract: str | None, allow_config: Sequence[str],
-                  side_files: bool) -> tuple[ConfigResult, SideFilesResult]:
+                  side_files: bool) -> tuple[ConfigResult, SideFilesResult, TokenizationResult | None]:
     """The configs as their clients read them, and the side files (what is not weights); for a GGUF B, the
-    model llama.cpp builds: its metadata and tokenizer.ggml.* (``gguf_checks``)."""
+    model llama.cpp builds: its metadata and tokenizer.ggml.* (``gguf_checks``), and the texts llama.cpp
+    tokenizes with it against A's tokenizer (``tokenization``; None for other formats)."""
     gguf = cb.format is Format.GGUF
     config = (ConfigResult(skipped=extract) if extract else compare_metadata(ca, cb, allow_config) if gguf
               else compare_configs(ca, cb, allow_config))
     side = (SideFilesResult(skipped="--no-side-files") if not side_files else SideFilesResult(skipped=extract)
             if extract else compare_tokenizer(Path(ca.root), cb) if gguf
             else compare_side_files(Path(ca.root), Path(cb.root)))
-    return config, side
+    tokens = None
+    if gguf:
+        tokens = (TokenizationResult(skipped="--no-side-files") if not side_files else
+                  TokenizationResult(skipped=extract) if extract else
+                  compare_tokenization(Path(ca.root), Path(cb.stored.path), cb.fields))
+    return config, side, tokens
 
 
 EXACT = Tolerance(0.0, 0.0, 0.0, "exact: bit-identical weights under the same client")  # atol 0: every logit equal

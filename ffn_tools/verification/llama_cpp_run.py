@@ -1,10 +1,12 @@
-"""llama.cpp's logits of a GGUF, in a process of its own (``logits._llama_cpp_logits`` runs it).
+"""llama.cpp run in a process of its own: a GGUF's logits (``logits._llama_cpp_logits``), and its tokenization of
+texts from its vocabulary alone (``tokenization``).
 
 llama.cpp is C: a failed assertion aborts, and a build for another CPU dies of an illegal instruction (a
 llama-cpp-python built with ``-march=native`` where the kernel does not grant AMX tiles, say); in its own
 process that is a line in verify's report, not the end of verify.
 
     python -m ffn_tools.verification.llama_cpp_run MODEL.gguf TOKENS.json OUT.npy
+    python -m ffn_tools.verification.llama_cpp_run --tokenize MODEL.gguf TEXTS.json OUT.json
 """
 
 from __future__ import annotations
@@ -12,12 +14,35 @@ from __future__ import annotations
 import json
 import sys
 
+SIGILL_HINT = (" (an instruction this CPU or its kernel refuses: a llama-cpp-python built for another CPU, or with AMX "
+               "where the kernel grants no AMX tiles; rebuild it with CMAKE_ARGS=-DGGML_NATIVE=OFF)")
 
-def main() -> None:
+
+def run(*args: str) -> None:
+    """``python -m ffn_tools.verification.llama_cpp_run ARGS`` in a child process.
+
+    Raises:
+        RuntimeError: the child failed; the message is the signal it died of (with what SIGILL means here) or
+            the last line it wrote to stderr.
+    """
+    import signal
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "ffn_tools.verification.llama_cpp_run", *args],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if proc.returncode < 0:
+        name = signal.Signals(-proc.returncode).name
+        raise RuntimeError(f"llama.cpp died of {name}" + (SIGILL_HINT if name == "SIGILL" else ""))
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+        raise RuntimeError(lines[-1] if lines else f"exit status {proc.returncode}")
+
+
+def logits(path: str, tokens_file: str, out: str) -> None:
+    """Every position's logits of each token sequence, KV cache in float32, as one .npy array."""
     import llama_cpp
     import numpy as np
 
-    path, tokens_file, out = sys.argv[1:4]
     tokens = json.loads(open(tokens_file).read())
     length = max(len(s) for s in tokens)
     model = llama_cpp.Llama(model_path=path, n_ctx=max(32, length), n_batch=length, logits_all=True, verbose=False,
@@ -29,6 +54,27 @@ def main() -> None:
         rows.append(np.array(model.scores[:model.n_tokens], dtype=np.float64))
     model.close()
     np.save(out, np.stack(rows))
+
+
+def tokenize(path: str, texts_file: str, out: str) -> None:
+    """Each text's token ids as llama.cpp's tokenizer gives them, from the vocabulary alone (no weights read):
+    the special tokens the GGUF says to add added (``add_bos`` is llama_tokenize's ``add_special``), special
+    tokens written in the text parsed as such (as transformers does), as a JSON list of lists."""
+    import llama_cpp
+
+    texts = json.loads(open(texts_file, encoding="utf-8").read())
+    model = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
+    ids = [model.tokenize(t.encode("utf-8"), add_bos=True, special=True) for t in texts]
+    model.close()
+    with open(out, "w") as f:
+        json.dump(ids, f)
+
+
+def main() -> None:
+    if sys.argv[1] == "--tokenize":
+        tokenize(*sys.argv[2:5])
+    else:
+        logits(*sys.argv[1:4])
 
 
 if __name__ == "__main__":

@@ -120,27 +120,15 @@ def _llama_cpp_logits(path: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, l
     """llama.cpp's logits of every position, one sequence at a time, its KV cache in float32 (its default f16
     cache would add its own rounding to what is compared); in a process of its own (``llama_cpp_run``)."""
     import json
-    import signal
-    import subprocess
-    import sys
     import tempfile
 
     import numpy as np
 
+    from .llama_cpp_run import run
+
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "tokens.json").write_text(json.dumps(tokens.tolist()))
-        proc = subprocess.run([sys.executable, "-m", "ffn_tools.verification.llama_cpp_run", str(path),
-                               str(Path(d) / "tokens.json"), str(Path(d) / "logits.npy")],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if proc.returncode != 0:
-            if proc.returncode < 0:
-                name = signal.Signals(-proc.returncode).name
-                raise RuntimeError(f"llama.cpp died of {name}" + (
-                    " (an instruction this CPU or its kernel refuses: a llama-cpp-python built for another CPU, "
-                    "or with AMX where the kernel grants no AMX tiles; rebuild it with CMAKE_ARGS=-DGGML_NATIVE=OFF)"
-                    if name == "SIGILL" else ""))
-            lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-            raise RuntimeError(lines[-1] if lines else f"exit status {proc.returncode}")
+        run(str(path), str(Path(d) / "tokens.json"), str(Path(d) / "logits.npy"))
         return torch.from_numpy(np.load(Path(d) / "logits.npy")), []
 
 

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from .model_config import ConfigResult
     from .outside import OutsideResult
     from .side_files import SideFilesResult
+    from .tokenization import TokenizationResult
 
 MAX_ROWS = 40  # passing rows beyond this are summarised in one line (--json has them all)
 
@@ -117,13 +118,20 @@ class VerifyReport:
     load: "LoadCheck | None" = None  # would B load in its client (a failure is listed last: the weights first)
     config: "ConfigResult | None" = None  # the configs as their clients read them
     side_files: "SideFilesResult | None" = None  # tokenizer, generation_config, ...
+    tokenization: "TokenizationResult | None" = None  # texts through both tokenizers (a GGUF B only)
     logits_skipped: str | None = None  # why whole-model logits did not run
 
     @property
     def passed(self) -> bool:
         return (not self.problems and not self.only_a and not self.only_b and all(r.passed for r in self.results)
                 and (self.logits is None or self.logits["passed"]) and (self.outside is None or self.outside.passed)
-                and not self._load_fails and all(c is None or c.passed for c in (self.config, self.side_files)))
+                and not self._load_fails and all(c is None or c.passed for c in self._model_checks))
+
+    @property
+    def _model_checks(self) -> tuple:
+        """The checks of what is not weights: the configs, the side files, the tokenization (each None where
+        it does not apply)."""
+        return (self.config, self.side_files, self.tokenization)
 
     @property
     def _load_fails(self) -> bool:
@@ -132,7 +140,7 @@ class VerifyReport:
     def failures(self) -> list[str]:
         """Every failure as one line naming where, checkpoint-level first, then worst FFN first."""
         out = list(self.problems)
-        for check in (self.config, self.side_files):
+        for check in self._model_checks:
             out += check.failures() if check is not None else []
         if self.only_a:
             out.append(f"only in A ({len(self.only_a)}): {listing(self.only_a)}")
@@ -181,7 +189,7 @@ class VerifyReport:
         out = []
         if self.load is not None and self.load.skipped:
             out.append(f"load check not run ({self.load.skipped})")
-        for check in (self.config, self.side_files):
+        for check in self._model_checks:
             if check is not None and check.skipped:
                 out.append(f"{check.name} not compared ({check.skipped})")
         if self.logits is None and self.logits_skipped:
@@ -211,7 +219,7 @@ class VerifyReport:
             counts.append(f"{len(o.differ) + len(o.only_a) + len(o.only_b)} tensors outside the FFNs differ or are "
                           "unpaired")
         counts += [f"{unpaired} unpaired"] if unpaired else []
-        counts += [f"{c.name} {'differs' if c.name == 'config' else 'differ'}" for c in (self.config, self.side_files)
+        counts += [f"{c.name} {'differ' if c.name == 'side files' else 'differs'}" for c in self._model_checks
                    if c is not None and not c.passed]
         return f"FAIL: {', '.join(counts) + '; ' if counts else ''}first: {self.failures()[0]}"
 
@@ -229,6 +237,7 @@ class VerifyReport:
                 "load_check": self.load.as_dict() if self.load else None,
                 "config": self.config.as_dict() if self.config else None,
                 "side_files": self.side_files.as_dict() if self.side_files else None,
+                "tokenization": self.tokenization.as_dict() if self.tokenization else None,
                 "logits_skipped": self.logits_skipped, "not_run": self.not_run(), "coverage": self.coverage()}
 
     def lines(self, max_rows: int = MAX_ROWS) -> list[str]:
@@ -257,7 +266,7 @@ class VerifyReport:
                 out.append(f"{_row(r):<{len(head)}}  {r.tolerance.row}" if per_ffn and r.tolerance else _row(r))
         if self.outside is not None:
             out += ["", self.outside.line()]
-        out += [c.line() for c in (self.config, self.side_files) if c is not None]
+        out += [c.line() for c in self._model_checks if c is not None]
         if self.load is not None and self.load.ok:  # a failure is listed with the others below
             out.append(f"load check: {self.load.summary()}")
         out += ["", *[f"  - {f}" for f in self.failures()]] if not self.passed else []
