@@ -29,10 +29,11 @@ VOCABS = {"llama": "llama-spm", "mistral": "llama-spm", "mixtral": "llama-spm", 
           "qwen3_moe": "qwen2"}
 # tiny_models arch -> (transformers tokenizer class, sentencepiece special pieces: the family's ids; Gemma's
 # tokenizer also wants a <mask>, which the converter takes only from the sentencepiece model)
-SENTENCEPIECE = {
-    "phi3": ("LlamaTokenizer", dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1)),
+SENTENCEPIECE = {  # arch -> (transformers tokenizer, trainer's special pieces, the tokenizer's settings)
+    "phi3": ("LlamaTokenizer", dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1), {}),
     "gemma2": ("GemmaTokenizer", dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",
-                                      bos_piece="<bos>", unk_piece="<unk>", user_defined_symbols=["<mask>"])),
+                                      bos_piece="<bos>", unk_piece="<unk>", user_defined_symbols=["<mask>"]),
+               {"add_bos_token": True}),  # as Gemma's own tokenizer_config.json (llama.cpp adds it too)
 }
 SENTENCEPIECE["gemma3"] = SENTENCEPIECE["gemma2"]
 TEXT = ("The quick brown fox jumps over the lazy dog. A checkpoint holds tensors and a tokenizer.",
@@ -83,14 +84,14 @@ def sentencepiece_tokenizer(arch: str, path: Path):
     import sentencepiece
     import transformers
 
-    cls, ids = SENTENCEPIECE[arch]
+    cls, ids, settings = SENTENCEPIECE[arch]
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(TEXT * 20), model_writer=model, vocab_size=384,
                                              model_type="bpe", byte_fallback=True, character_coverage=1.0,
                                              num_threads=1, minloglevel=2, **ids)
     path.mkdir(parents=True, exist_ok=True)
     (path / "tokenizer.model").write_bytes(model.getvalue())
-    return getattr(transformers, cls).from_pretrained(path)
+    return getattr(transformers, cls).from_pretrained(path, **settings)
 
 
 def convert_reference(model: Path, out: Path, outtype: str, *extra: str) -> Path:
