@@ -61,8 +61,7 @@ def test_bf16_source_same_file(bf16_llama, tmp_path, outtype):
 
 
 @pytest.mark.parametrize("arch,dtype,outtype", [("mixtral", torch.bfloat16, "q8_0"),
-                                                ("qwen3_moe", torch.float16, "bf16"),
-                                                ("qwen3", torch.float16, "f16"),
+                                                ("llama", torch.float16, "bf16"),
                                                 ("gemma2", torch.bfloat16, "bf16"),  # plus-one norms
                                                 ("gemma2", torch.float16, "q8_0")])  # plus one in float16
 def test_experts_and_f16_sources_same_file(gguf_model, tmp_path, arch, dtype, outtype):
