@@ -72,7 +72,7 @@ def build(arch: str, path: Path, dtype: torch.dtype = torch.float32, **shape) ->
             p.add_(torch.randn_like(p) * 0.02)
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    if VOCABS[arch] == "llama-spm":
+    if VOCABS.get(arch) == "llama-spm":  # the sentencepiece-trained families have none
         llama2_sentencepiece(tok, vocab, path)
     return path
 
