@@ -24,6 +24,7 @@ CONVERTER = LLAMA_CPP / "convert_hf_to_gguf.py"
 # tiny_models arch -> the vocabulary llama.cpp ships for its family
 VOCABS = {"llama": "llama-spm", "mistral": "llama-spm", "mixtral": "llama-spm", "qwen2": "qwen2", "qwen3": "qwen2",
           "qwen3_moe": "qwen2", "phi3": "phi-3"}
+VOCABS.update({"deepseek_v3": "llama-bpe", "deepseek_v2": "llama-bpe"})  # its pre-tokenizer the converter knows
 
 
 def require_llama_cpp() -> Path:
