@@ -42,7 +42,7 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
 # q_lora_rank only where it has 27 (V2-Lite) or 26 layers (llama-model.cpp's is_lite).
 _MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
             n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=48,
-            first_k_dense_replace=1)
+            first_k_dense_replace=1, pad_token_id=None)  # llama-bpe has no pad token
 ARCHS.update({
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     {**_MLA, "q_lora_rank": 24, "n_group": 2, "topk_group": 1, "scoring_func": "sigmoid",

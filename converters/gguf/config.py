@@ -58,8 +58,10 @@ def hf_config(fields: dict, family: Family, vocab_size: int, tied: bool, dtype: 
                        ("pad_token_id", "tokenizer.ggml.padding_token_id")):
         if field in fields:
             config[key] = fields[field]
+    fixed = IMPLIED.get(family.model_type, {})  # what transformers' model code fixes needs no key
     for key, value in ABSENT.get(family.model_type, {}).items():  # what llama.cpp takes a missing key to mean
-        config.setdefault(key, value)
+        if key not in fixed:
+            config.setdefault(key, value)
     for key, fn in DERIVED.get(family.model_type, {}).items():
         config[key] = fn(config)
     if "rope_theta" in config:  # transformers 5 keeps it under rope_parameters
@@ -95,14 +97,15 @@ _DEEPSEEK_ABSENT = {"q_lora_rank": None, "norm_topk_prob": False, "routed_scalin
 ABSENT: dict[str, dict] = {"deepseek_v3": _DEEPSEEK_ABSENT, "deepseek_v2": _DEEPSEEK_ABSENT}
 # What transformers' own model code fixes, whatever config.json says: the value A's side runs with.
 IMPLIED: dict[str, dict] = {"deepseek_v3": {"scoring_func": "sigmoid"}, "deepseek_v2": {"scoring_func": "softmax"}}
-# config.json keys computed from others: MLA's head sizes; MLA keeps one k/v head per query head; V2's router
-# groups only with topk_method group_limited_greedy (V3's always groups, as llama.cpp does where n_group > 1).
+# config.json keys computed from others: MLA's head sizes; MLA keeps one k/v head per query head; the router's
+# topk_method: V3's is noaux_tc (the one transformers' V3 runs), V2's groups only with group_limited_greedy (as
+# llama.cpp groups where n_group > 1).
 _DEEPSEEK_DERIVED = {
     "qk_nope_head_dim": lambda c: c["qk_head_dim"] - c["qk_rope_head_dim"],
     "num_key_value_heads": lambda c: c["num_attention_heads"],
 }
 DERIVED: dict[str, dict] = {
-    "deepseek_v3": _DEEPSEEK_DERIVED,
+    "deepseek_v3": {**_DEEPSEEK_DERIVED, "topk_method": lambda c: "noaux_tc"},  # sigmoid + bias + groups: V3's only router
     "deepseek_v2": {**_DEEPSEEK_DERIVED,
                     "topk_method": lambda c: "group_limited_greedy" if (c.get("n_group") or 1) > 1 else "greedy"},
 }

@@ -145,9 +145,9 @@ class GGUFCheckpoint(Checkpoint):
         used: set[str] = set()
         for split in self.family.splits:
             for layer in range(layers):
-                pieces = [tensors.get(p.format(L=layer)) for p in split.parts]
-                if any(p is None for p in pieces):
-                    continue  # none (a layer without it) or some: the rest are reported as unknown
+                pieces = [tensors[p] for p in (q.format(L=layer) for q in split.parts) if p in tensors]
+                if len(pieces) < len(split.parts):
+                    continue  # none (a layer without it) or some: those are reported as unknown
                 hf = split.hf.format(L=layer)
                 shapes = [tuple(int(d) for d in reversed(p.shape.tolist())) for p in pieces]
                 shape = JOINS[split.rule][0](*shapes)
