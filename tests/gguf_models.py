@@ -39,6 +39,7 @@ SENTENCEPIECE["gemma3"] = SENTENCEPIECE["gemma2"]
 TEXT = ("The quick brown fox jumps over the lazy dog. A checkpoint holds tensors and a tokenizer.",
         "Feed-forward layers compute down(silu(gate(x)) * up(x)). Numbers 0123456789 and , . ; : ! ?",
         "llama.cpp reads GGUF files; transformers reads safetensors. Gemma, Phi and Qwen are families.")
+VOCABS.update({"deepseek_v3": "llama-bpe", "deepseek_v2": "llama-bpe"})  # its pre-tokenizer the converter knows
 
 
 def require_llama_cpp() -> Path:

@@ -43,6 +43,24 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
 }
 
 
+# DeepSeek V3 / V2 (MLA attention, a dense first layer, routed + shared experts). One k/v head per query head
+# (MLA has no GQA: llama.cpp's converter splits kv_b_proj by num_key_value_heads). V3 as its config.json
+# says: sigmoid routing with a learned bias, grouped (noaux_tc), q through a LoRA pair. V2 as V2-Lite: no q
+# LoRA (q_proj), softmax routing, greedy top-k, and 27 layers: llama.cpp reads a deepseek2 GGUF without
+# q_lora_rank only where it has 27 (V2-Lite) or 26 layers (llama-model.cpp's is_lite).
+_MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=48,
+            first_k_dense_replace=1, pad_token_id=None)  # llama-bpe has no pad token
+ARCHS.update({
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    {**_MLA, "q_lora_rank": 24, "n_group": 2, "topk_group": 1, "scoring_func": "sigmoid",
+                     "topk_method": "noaux_tc"}),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                    {**_MLA, "q_lora_rank": None, "n_group": 1, "topk_group": 1, "topk_method": "greedy",
+                     "routed_scaling_factor": 1.0, "num_hidden_layers": 27}),
+})
+
+
 def make_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0):
     """An initialised transformers model of ``arch`` (random weights, seeded, in ``dtype``)."""
     import transformers

@@ -59,6 +59,7 @@ class Family:
     hidden_act: str = "silu"
     plus_one: tuple[str, ...] = ()
     extra: dict = field(default_factory=dict)
+    splits: tuple[Split, ...] = ()  # Hugging Face tensors the converter wrote as several GGUF tensors
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -115,7 +116,7 @@ def hf_names(family: Family, n_layers: int) -> dict[str, str]:
             for suffix in (".weight", ".bias"):
                 g = tmap.get_name(hf + suffix, try_suffixes=(".weight", ".bias"))
                 if g is not None:
-                    out[g] = hf + suffix
+                    out[g] = renamed(hf + suffix)
     return out
 
 
@@ -129,3 +130,73 @@ def expert_names(family: Family, layer: int, kind: str, n_experts: int) -> list[
 def plus_one(family: Family, name: str) -> bool:
     """Whether the converter stores Hugging Face tensor ``name`` of ``family`` plus one."""
     return name.endswith(family.plus_one) if family.plus_one else False
+
+
+# DeepSeek V2/V3: llama.cpp's deepseek2 (MLA attention, routed + shared experts, first_k_dense_replace dense
+# layers). MLA: q through a low-rank q_a/q_b pair (or one q_proj where q_lora_rank is None, V2-Lite), k and v
+# from one compressed kv_a.
+_DEEPSEEK = (
+    "model.embed_tokens", "model.norm", "lm_head", f"{_L}.input_layernorm", f"{_L}.post_attention_layernorm",
+    f"{_L}.self_attn.q_proj", f"{_L}.self_attn.q_a_proj", f"{_L}.self_attn.q_a_layernorm", f"{_L}.self_attn.q_b_proj",
+    f"{_L}.self_attn.kv_a_proj_with_mqa", f"{_L}.self_attn.kv_a_layernorm", f"{_L}.self_attn.o_proj",
+    f"{_L}.mlp.gate", *_MLP, f"{_L}.mlp.shared_experts.gate_proj", f"{_L}.mlp.shared_experts.up_proj",
+    f"{_L}.mlp.shared_experts.down_proj",
+)
+# kv_b_proj, (H*(nope+v), kv_lora), the converter splits per head into k_b, transposed ((H, kv_lora, nope)), and
+# v_b ((H, v, kv_lora)), for llama.cpp's absorbed attention (its DeepseekV2Model.modify_tensors).
+@dataclass(frozen=True)
+class Split:
+    """A Hugging Face tensor (one per layer) the converter wrote as several GGUF tensors, and the rule that
+    joins them back (a name in ``reader.JOINS``).
+
+    Attributes:
+        hf: the Hugging Face name, ``{L}`` the layer.
+        parts: the GGUF names of the pieces (``{L}`` the layer), in the order the rule takes them.
+        rule: the join's name.
+    """
+
+    hf: str
+    parts: tuple[str, ...]
+    rule: str
+
+
+_KV_B = Split(f"{_L}.self_attn.kv_b_proj.weight", ("blk.{L}.attn_k_b.weight", "blk.{L}.attn_v_b.weight"), "mla_kv_b")
+DEEPSEEK: tuple[Family, ...] = (
+    # V3 routes by sigmoid scores plus a learned bias (e_score_correction_bias, llama.cpp's exp_probs_b)
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek2", (*_DEEPSEEK, f"{_L}.mlp.gate.e_score_correction"),
+           experts=_L + ".mlp.experts.{E}.{P}.weight", moe_key="n_routed_experts", splits=(_KV_B,)),
+    Family("deepseek_v2", "DeepseekV2ForCausalLM", "deepseek2", _DEEPSEEK,
+           experts=_L + ".mlp.experts.{E}.{P}.weight", moe_key="n_routed_experts", splits=(_KV_B,)),
+)
+FAMILIES += DEEPSEEK
+BY_TYPE.update({f.model_type: f for f in DEEPSEEK})
+# One GGUF architecture, several model types: the first whose marker tensor (a name ending so) the GGUF holds;
+# "" marks the default. DeepSeek-V3's router bias exists in V3 only (transformers' V2 has no such parameter).
+VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "deepseek2": ((".exp_probs_b.bias", "deepseek_v3"), ("", "deepseek_v2")),
+}
+# Names the converter changes before gguf's TensorNameMap sees them (its ModelBase.modify_tensors), changed back:
+# TensorNameMap's name -> the one save_pretrained writes.
+RENAMED = {".mlp.gate.e_score_correction.bias": ".mlp.gate.e_score_correction_bias"}  # name endings
+
+
+def renamed(name: str) -> str:
+    """``name`` as save_pretrained writes it (``RENAMED``)."""
+    for theirs, ours in RENAMED.items():
+        if name.endswith(theirs):
+            return name[: -len(theirs)] + ours
+    return name
+
+
+def family_for(arch: str, tensor_names) -> Family:
+    """The family of a GGUF from its architecture and tensor names (``VARIANTS`` where one architecture is
+    several model types, else ``family_of``).
+
+    Raises:
+        KeyError: no family writes this architecture.
+    """
+    names = list(tensor_names)
+    for marker, model_type in VARIANTS.get(arch, ()):
+        if not marker or any(n.endswith(marker) for n in names):
+            return BY_TYPE[model_type]
+    return family_of(arch, any(n.endswith("_exps.weight") for n in names))

@@ -26,7 +26,7 @@ from ffn_tools.errors import CheckpointError, listing
 from ffn_tools.io.store import Checkpoint, Format, TensorInfo
 
 from .config import hf_config
-from .names import DROPPED, EXPERT_KINDS, FAMILIES, Family, expert_names, family_of, hf_names, plus_one
+from .names import DROPPED, EXPERT_KINDS, FAMILIES, Family, expert_names, family_for, hf_names, plus_one
 
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 # The bits whose tolerance row a GGUF type gets (``tolerances.QUANT_TOLERANCES``): its bits per weight,
@@ -73,6 +73,7 @@ class _Source:
     expert: int | None  # slice of a stacked expert tensor
     heads: int | None  # rotary rows to put back in transformers' order, over this many heads
     shift: float = 0.0  # the converter stored the weight plus this
+    parts: tuple = ()  # (rule, ReaderTensors): pieces ``JOINS[rule]`` puts back into one tensor (``names.Split``)
 
 
 class GGUFCheckpoint(Checkpoint):
@@ -93,9 +94,8 @@ class GGUFCheckpoint(Checkpoint):
         arch = self.fields.get("general.architecture")
         tensors = {t.name: t for r in self.readers for t in r.tensors}
         self._files = {t.name: f for f, r in zip(files, self.readers) for t in r.tensors}
-        experts = any(n.endswith("_exps.weight") for n in tensors)
         try:
-            self.family = family_of(str(arch), experts)
+            self.family = family_for(str(arch), tensors)
         except KeyError:
             archs = ", ".join(dict.fromkeys(f.arch for f in FAMILIES))
             raise CheckpointError(f"{path}: general.architecture {arch!r} is not one ffn-tools reads (it reads "
@@ -110,7 +110,10 @@ class GGUFCheckpoint(Checkpoint):
         heads = {"q": self.fields.get(f"{self.family.arch}.attention.head_count"),
                  "k": self.fields.get(f"{self.family.arch}.attention.head_count_kv")}
         heads["k"] = heads["k"] or heads["q"]
+        joined = self._joined(path, tensors, layers, infos)
         for gname, t in tensors.items():
+            if gname in joined:
+                continue
             if gname in DROPPED:
                 continue
             m = re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight", gname)
@@ -124,6 +127,9 @@ class GGUFCheckpoint(Checkpoint):
                 unknown.append(gname)
                 continue
             hf = mapped
+            if hf in infos:
+                unknown.append(f"{gname} (a second {hf})")
+                continue
             rot = None
             if self.family.rotary and re.search(r"self_attn\.[qk]_proj\.", hf):
                 rot = heads[hf.split("self_attn.")[1][0]]
@@ -138,6 +144,30 @@ class GGUFCheckpoint(Checkpoint):
                                                                              if stored else "F32", "float32")
         config = hf_config(self.fields, self.family, vocab, "lm_head.weight" not in infos, dtype)
         super().__init__(path, path.parent, files, infos, {"format": "gguf"}, config)
+
+    def _joined(self, path: Path, tensors: dict, layers: int, infos: dict) -> set[str]:
+        """Infos for the family's ``splits`` found whole in the GGUF (``names.Split``); the GGUF names they use."""
+        used: set[str] = set()
+        for split in self.family.splits:
+            for layer in range(layers):
+                pieces = [tensors[p] for p in (q.format(L=layer) for q in split.parts) if p in tensors]
+                if len(pieces) < len(split.parts):
+                    continue  # none (a layer without it) or some: those are reported as unknown
+                hf = split.hf.format(L=layer)
+                shapes = [tuple(int(d) for d in reversed(p.shape.tolist())) for p in pieces]
+                shape = JOINS[split.rule][0](*shapes)
+                if shape is None:
+                    raise CheckpointError(f"{path}: {', '.join(p.name for p in pieces)} of shapes {shapes} "
+                                          f"do not join into {hf} ({split.rule})")
+                qtypes = [p.tensor_type.name for p in pieces]
+                lossy = [q for q in qtypes if q not in LOSSLESS]
+                qtype = min(lossy, key=lambda q: TYPE_BITS.get(q, 2)) if lossy else (
+                    qtypes[0] if len(set(qtypes)) == 1 else "F32")  # mixed F16/BF16/F32: read as float32
+                self._sources[hf] = _Source(pieces[0], None, None, parts=(split.rule, tuple(pieces)))
+                self.types[hf] = qtype
+                infos[hf] = TensorInfo(hf, LOSSLESS.get(qtype, "F32"), shape, self._files[pieces[0].name], None)
+                used.update(p.name for p in pieces)
+        return used
 
     def _info(self, hf: str, t, expert: int | None, heads: int | None) -> TensorInfo:
         qtype = t.tensor_type.name
@@ -170,23 +200,32 @@ class GGUFCheckpoint(Checkpoint):
         return self._stored(info, self._sources[name])
 
     def _stored(self, info: TensorInfo, src: _Source):
-        import torch
-        from gguf import GGMLQuantizationType, quants
-
-        t = src.tensor
-        data = t.data if src.expert is None else t.data[src.expert]
-        qtype = t.tensor_type
-        if qtype == GGMLQuantizationType.BF16:
-            arr = np.array(data).view(np.uint16).reshape(info.shape)
-            out = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
-        elif qtype.name in LOSSLESS:
-            out = torch.from_numpy(np.array(data).reshape(info.shape))
-        else:
-            out = torch.from_numpy(np.ascontiguousarray(quants.dequantize(np.asarray(data), qtype),
-                                                        dtype=np.float32).reshape(info.shape))
+        if src.parts:
+            rule, pieces = src.parts
+            out = JOINS[rule][1](*(self._tensor(p, None) for p in pieces))
+            if tuple(out.shape) != tuple(info.shape):
+                raise CheckpointError(f"{info.name}: joined as {list(out.shape)}, expected {list(info.shape)}")
+            return out
+        out = self._tensor(src.tensor, src.expert)
         if src.heads:
             out = rotary_to_hf(out, src.heads)
         return out
+
+    def _tensor(self, t, expert: int | None):
+        """A GGUF tensor (one expert of a stacked one) in numpy order: F32/F16/BF16 as stored, else dequantized."""
+        import torch
+        from gguf import GGMLQuantizationType, quants
+
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))[1 if expert is not None else 0:]
+        data = t.data if expert is None else t.data[expert]
+        qtype = t.tensor_type
+        if qtype == GGMLQuantizationType.BF16:
+            arr = np.array(data).view(np.uint16).reshape(shape)
+            return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+        if qtype.name in LOSSLESS:
+            return torch.from_numpy(np.array(data).reshape(shape))
+        return torch.from_numpy(np.ascontiguousarray(quants.dequantize(np.asarray(data), qtype),
+                                                     dtype=np.float32).reshape(shape))
 
     def read_raw(self, name: str):
         from ffn_tools.io.raw import RawTensor
@@ -244,3 +283,28 @@ def rotary_to_hf(w, heads: int):
     rows = w.shape[0]
     rest = tuple(w.shape[1:])
     return w.reshape(heads, rows // heads // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
+
+
+def mla_kv_b_shape(k_b: tuple, v_b: tuple) -> tuple | None:
+    """kv_b_proj's shape (H*(nope+v), kv_lora) from k_b's (H, kv_lora, nope) and v_b's (H, v, kv_lora), or None
+    when they are not two halves of one kv_b_proj."""
+    if len(k_b) != 3 or len(v_b) != 3 or k_b[0] != v_b[0] or k_b[1] != v_b[2]:
+        return None
+    return (k_b[0] * (k_b[2] + v_b[1]), k_b[1])
+
+
+def mla_kv_b(k_b, v_b):
+    """kv_b_proj from llama.cpp's k_b and v_b: the converter viewed kv_b_proj as (H, nope+v, kv_lora), split
+    each head's rows into k (nope) and v, and transposed k (MLA absorption); undone here, a pure reordering
+    (bit-exact)."""
+    import torch
+
+    heads, rank, nope = k_b.shape  # (H, kv_lora, nope)
+    if k_b.dtype != v_b.dtype:  # one piece quantized (read as float32), the other not: both float32
+        k_b, v_b = k_b.float(), v_b.float()
+    kv = torch.cat([k_b.transpose(1, 2), v_b], dim=1)  # (H, nope+v, kv_lora)
+    return kv.reshape(heads * kv.shape[1], rank).contiguous()
+
+
+# names.Split.rule -> (the joined shape from the pieces' shapes, the join of the pieces' tensors)
+JOINS = {"mla_kv_b": (mla_kv_b_shape, mla_kv_b)}

@@ -25,6 +25,9 @@ from pathlib import Path
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.io.store import Checkpoint
 
+# GGUF architectures transformers' GGUF model loader refuses ("not supported yet"), which AutoTokenizer asks
+# first: their tokenizer is read by the fast tokenizer itself (the class AutoTokenizer gives DeepSeek's models).
+GENERIC_TOKENIZER = frozenset({"deepseek2"})
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # what generation_config.json takes from the config
 RERANKED = ("tokenizer.json: the GGUF stores no merge ranks ({why}), so its {n} merges are ranked by token "
             "position (a BPE vocabulary lists merged tokens in merge order); runs of spaces may tokenize "
@@ -48,13 +51,14 @@ def side_files(ckpt: Checkpoint) -> tuple[dict[str, str], list[str]]:
 def tokenizer_files(ckpt: Checkpoint) -> tuple[dict[str, str], list[str]]:
     """The GGUF's tokenizer as the files transformers saves, name -> text (empty when it has none), and what
     the summary says about them."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     fields = getattr(ckpt, "fields", {})
     if "tokenizer.ggml.tokens" not in fields:
         return {}, ["no tokenizer files: the GGUF has no tokenizer.ggml.tokens"]
     path = Path(ckpt.files[0])
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    reader = PreTrainedTokenizerFast if fields.get("general.architecture") in GENERIC_TOKENIZER else AutoTokenizer
+    tok = reader.from_pretrained(path.parent, gguf_file=path.name)
     with tempfile.TemporaryDirectory() as d:
         tok.save_pretrained(d)
         files = {p.name: p.read_text("utf-8") for p in Path(d).iterdir() if p.is_file()}

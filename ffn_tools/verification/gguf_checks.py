@@ -36,8 +36,8 @@ def _same(a, b) -> bool:
 
 def compare_metadata(ca, cb, allow=()) -> ConfigResult:
     """A's config (transformers' reading) against GGUF B's metadata, key by key."""
-    from ffn_tools.converters.gguf.config import (METADATA, implied_values, metadata_values, original_context,
-                                                  rope_theta)
+    from ffn_tools.converters.gguf.config import (ABSENT, IMPLIED, implied_values, metadata_keys, metadata_values,
+                                                  original_context, rope_theta)
     from ffn_tools.converters.gguf.names import BY_TYPE
 
     res = ConfigResult(readers=["transformers (A)", "llama.cpp's GGUF metadata (B)"])
@@ -58,10 +58,14 @@ def compare_metadata(ca, cb, allow=()) -> ConfigResult:
     values = metadata_values(cb.fields, family)
     experts = next((na[k] for k in EXPERT_KEYS if na.get(k) is not None), None)
     a_values = {**na, "rope_theta": rope_theta(na), "sliding_rope_theta": rope_theta(na, "sliding_attention"),
-                "original_max_position_embeddings": original_context(na), family.moe_key: experts}
-    for key, gkey in (*METADATA.items(), (family.moe_key, "{arch}.expert_count")):
+                "original_max_position_embeddings": original_context(na), family.moe_key: experts,
+                **IMPLIED.get(str(a.get("model_type")), {})}  # what A's client runs whatever its config says
+    absent = ABSENT.get(family.model_type, {})  # what llama.cpp runs where B's metadata has no key
+    for key, gkey in metadata_keys(family).items():
         gkey = gkey.format(arch=family.arch)
-        va, vb = a_values.get(key), values.get(key)
+        va, vb = a_values.get(key), values.get(key, absent.get(key))
+        if key not in values and key in absent:
+            gkey = f"no {gkey}: llama.cpp's default"
         if va is None and vb is None:
             continue
         res.compared += 1
