@@ -26,8 +26,8 @@ from test_gguf import _edit
 ARCHS = ("deepseek_v3", "deepseek_v2")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("outtype", ["f32", "bf16"])
+# f32 for both, bf16 for V3: the suite's time (the V2-Lite-like fixture has 27 layers, llama.cpp's minimum)
+@pytest.mark.parametrize("arch,outtype", [("deepseek_v3", "f32"), ("deepseek_v2", "f32"), ("deepseek_v3", "bf16")])
 def test_reads_bit_exact_with_hf_names(gguf_model, gguf_ref, arch, outtype):
     """Every tensor reads back under the source's name as the converter stored it: kv_b_proj joined from k_b and
     v_b, routed experts one by one, shared experts, the router and its bias; f32 the source's bits, bf16 its
@@ -54,8 +54,7 @@ def test_q8_0_reads_kv_b_within_its_coarser_half(gguf_model, gguf_ref):
         assert 0 < err < 1 / 127
 
 
-@pytest.mark.parametrize("arch,outtype", [("deepseek_v3", "bf16"), ("deepseek_v3", "q8_0"), ("deepseek_v2", "bf16"),
-                                          ("deepseek_v2", "q8_0")])
+@pytest.mark.parametrize("arch,outtype", [("deepseek_v3", "bf16"), ("deepseek_v3", "q8_0"), ("deepseek_v2", "bf16")])
 def test_same_file_as_convert_hf_to_gguf(gguf_model, gguf_ref, tmp_path, arch, outtype):
     """Byte for byte the converter's file; k_b and v_b (no recipe) written by the converter itself."""
     out = tmp_path / "ours.gguf"
@@ -88,7 +87,7 @@ def test_verify_q8_0(gguf_model, gguf_ref):
     assert len(r.results) == 6 and r.tolerance.row.endswith("8-bit") and r.load.ok
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS[:1])
 def test_gguf_to_torch_gives_the_source_logits(gguf_model, gguf_ref, tmp_path, arch):
     """f32 GGUF -> torch: config.json rebuilt from the metadata (MLA sizes, routing) builds the source's model in
     transformers: the same tensors, bit for bit, and the same logits, exactly. The rebuilt tokenizer encodes as
