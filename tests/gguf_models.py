@@ -30,7 +30,7 @@ VOCABS = {"llama": "llama-spm", "mistral": "llama-spm", "mixtral": "llama-spm", 
 # tiny_models arch -> (transformers tokenizer class, sentencepiece special pieces: the family's ids; Gemma's
 # tokenizer also wants a <mask>, which the converter takes only from the sentencepiece model)
 SENTENCEPIECE = {  # arch -> (transformers tokenizer, trainer's special pieces, the tokenizer's settings)
-    "phi3": ("LlamaTokenizer", dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1), {}),
+    "phi3": ("LlamaTokenizer", dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1), {"add_bos_token": True}),
     "gemma2": ("GemmaTokenizer", dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",
                                       bos_piece="<bos>", unk_piece="<unk>", user_defined_symbols=["<mask>"]),
                {"add_bos_token": True}),  # as Gemma's own tokenizer_config.json (llama.cpp adds it too)
