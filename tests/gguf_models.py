@@ -56,6 +56,8 @@ def build(arch: str, path: Path, dtype: torch.dtype = torch.float32, **shape) ->
 
     if arch in SENTENCEPIECE:
         tok = sentencepiece_tokenizer(arch, path)
+        if arch == "phi3":  # Phi-3 ships Llama 2's tokenizer.json
+            llama2_normalizer(tok)
     else:
         vocab = require_llama_cpp() / "models" / f"ggml-vocab-{VOCABS[arch]}.gguf"
         tok = AutoTokenizer.from_pretrained(vocab.parent, gguf_file=vocab.name)
@@ -121,7 +123,6 @@ def llama2_sentencepiece(tok, vocab: Path, path: Path) -> None:
     Metaspace prepends only where the text does not start with a space, unlike sentencepiece and llama.cpp)."""
     from gguf import GGUFReader
     from sentencepiece import sentencepiece_model_pb2 as pb
-    from tokenizers import decoders, normalizers
 
     fields = GGUFReader(vocab).fields
     tokens, scores, types = (fields[f"tokenizer.ggml.{k}"].contents() for k in ("tokens", "scores", "token_type"))
@@ -135,9 +136,18 @@ def llama2_sentencepiece(tok, vocab: Path, path: Path) -> None:
     proto.normalizer_spec.MergeFrom(pb.NormalizerSpec(name="identity", add_dummy_prefix=True,
                                                       remove_extra_whitespaces=False, escape_whitespaces=True))
     (path / "tokenizer.model").write_bytes(proto.SerializeToString())
+    llama2_normalizer(tok)
+    tok.save_pretrained(path)
+
+
+def llama2_normalizer(tok) -> None:
+    """Llama 2's tokenizer.json normalizer on ``tok`` (▁ always prepended, spaces replaced, no pre-tokenizer), as
+    sentencepiece and llama.cpp tokenize; transformers' own Metaspace prepends ▁ only where the text does not
+    start with a space."""
+    from tokenizers import decoders, normalizers
+
     backend = tok.backend_tokenizer
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     backend.pre_tokenizer = None
     backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                          decoders.Strip(" ", 1, 0)])
-    tok.save_pretrained(path)
