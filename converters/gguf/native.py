@@ -162,8 +162,11 @@ def _bf16_as_bf16(raw):
 
 def out_bytes(rec: dict, qtype: str) -> int:
     """The bytes the recipe writes in ``qtype``."""
-    shape = shape_of(rec)
-    n = _count(shape)
+    return _encoded_bytes(_count(shape_of(rec)), qtype)
+
+
+def _encoded_bytes(n: int, qtype: str) -> int:
+    """The bytes ``n`` values take in ``qtype`` (whole Q8_0 blocks: rows are multiples of 32)."""
     if qtype == "Q8_0":
         return n // Q8_0_BLOCK * Q8_0_BYTES
     return n * {"F32": 4, "F16": 2, "BF16": 2}[qtype]
@@ -190,8 +193,7 @@ def write(tensors: list[dict], out: Path, *, threads: int | None = None, progres
     for t in tensors:
         pos = t["offset"]
         for src, r0, r1, head in pieces(t["recipe"]):
-            n = (r1 - r0) * _count(src["shape"][1:])
-            size = n // Q8_0_BLOCK * Q8_0_BYTES if t["type"] == "Q8_0" else n * {"F32": 4, "F16": 2, "BF16": 2}[t["type"]]
+            size = _encoded_bytes((r1 - r0) * _count(src["shape"][1:]), t["type"])
             jobs.append((src, r0, r1, head, t["type"], t["recipe"]["op"] == "plus_one", pos, size))
             pos += size
         if pos - t["offset"] != t["bytes"]:

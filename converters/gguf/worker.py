@@ -13,8 +13,8 @@ converts, and memory stays about one tensor. Prints one JSON line: the tensors w
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -137,7 +137,8 @@ def write_split(writer, recipes: dict, proven: dict) -> dict:
     for name, ti in writer.tensors[0].items():
         cls, rec = native.tensor_class(name), recipes[name]
         if rec is not None and proven.get(cls, True):
-            unproven.update([] if cls in proven else [cls])
+            if cls not in proven:
+                unproven.add(cls)
             native_tensors.append({"name": name, "offset": offset, "type": ti.dtype.name, "bytes": ti.nbytes,
                                    "recipe": rec})
         else:

@@ -98,6 +98,10 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     return _summary(out, outtype, result, changes, plan=False)
 
 
+# module -> (what it is, in an error; the key its result always has)
+MODULES = {"worker": ("llama.cpp's converter", "tensors"), "native": ("the GGUF tensor writer", "written")}
+
+
 def _run(request: dict, module: str = "worker") -> dict:
     """The result of ``module`` (``worker``: the converter; ``native``: the chunked tensor writer) run on
     ``request`` in a process with llama.cpp's gguf-py; its failure as an FFNToolsError."""
@@ -115,13 +119,12 @@ def _run(request: dict, module: str = "worker") -> dict:
         result = json.loads(lines[-1]) if lines else {}
     except ValueError:
         result = {}
-    if proc.returncode != 0 or "error" in result or ("tensors" if module == "worker" else "written") not in result:
+    who, key = MODULES[module]
+    if proc.returncode != 0 or "error" in result or key not in result:
         why = result.get("error") or (proc.stderr or "").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
         if proc.returncode < 0 or proc.returncode in (130, 143):
             raise KeyboardInterrupt
-        raise FFNToolsError(f"{'llama.cpp' + chr(39) + 's converter' if module == 'worker' else 'the GGUF tensor writer'}"
-                            f" could not convert this checkpoint: "
-                            f"{why if isinstance(why, str) else why[0]}")
+        raise FFNToolsError(f"{who} could not convert this checkpoint: {why if isinstance(why, str) else why[0]}")
     return result
 
 
