@@ -17,7 +17,7 @@ if not torch.cuda.is_available():  # Triton runs through its interpreter; must b
 sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny_models  # noqa: E402
-from helpers import write_tokenizer  # noqa: E402
+from helpers import once, write_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -58,35 +58,43 @@ def hf(model_dir, tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_dir(tmp_path_factory) -> Path:
+    """A directory all xdist workers of this run share (the run's own temporary directory without xdist), for
+    fixtures that are slow to build and the same on every worker: one worker builds each, under a file lock,
+    and the others wait for it and reuse it (``once``). It also holds the vocabulary tokenizers
+    (``gguf_models.vocab_files``)."""
+    root = tmp_path_factory.getbasetemp()
+    shared = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "shared"
+    shared.mkdir(exist_ok=True)
+    os.environ["FFN_TOOLS_TEST_SHARED"] = str(shared)
+    return shared
+
+
 @pytest.fixture(scope="session")
-def gguf_model(tmp_path_factory):
-    """``gguf_model(arch, dtype=torch.float32) -> Path``: a tiny checkpoint with a llama.cpp vocabulary (cached)."""
+def gguf_model(shared_dir):
+    """``gguf_model(arch, dtype=torch.float32) -> Path``: a tiny checkpoint with a llama.cpp vocabulary, built
+    once per run (``shared_dir``): treat it as read-only, copy it before changing anything."""
     import gguf_models
 
-    cache: dict = {}
-
     def get(arch: str, dtype: torch.dtype = torch.float32) -> Path:
-        if (arch, dtype) not in cache:
-            path = tmp_path_factory.mktemp(f"gguf-{arch}") / "model"
-            cache[arch, dtype] = gguf_models.build(arch, path, dtype)
-        return cache[arch, dtype]
+        tag = f"gguf-{arch}-{str(dtype).removeprefix('torch.')}"
+        return once(shared_dir / tag, lambda tmp: gguf_models.build(arch, tmp / "model", dtype)) / "model"
 
     return get
 
 
 @pytest.fixture(scope="session")
-def gguf_ref(gguf_model, tmp_path_factory):
+def gguf_ref(gguf_model, shared_dir):
     """``gguf_ref(arch, outtype, dtype=torch.float32) -> Path``: llama.cpp's convert_hf_to_gguf.py output of
-    ``gguf_model(arch, dtype)`` (cached)."""
+    ``gguf_model(arch, dtype)``, made once per run (``shared_dir``)."""
     import gguf_models
 
-    cache: dict = {}
-
     def get(arch: str, outtype: str = "f32", dtype: torch.dtype = torch.float32) -> Path:
-        key = (arch, outtype, dtype)
-        if key not in cache:
-            out = tmp_path_factory.mktemp(f"ref-{arch}-{outtype}") / f"{arch}-{outtype}.gguf"
-            cache[key] = gguf_models.convert_reference(gguf_model(arch, dtype), out, outtype)
-        return cache[key]
+        src, name = gguf_model(arch, dtype), f"{arch}-{outtype}.gguf"
+        tag = f"ref-{arch}-{outtype}-{str(dtype).removeprefix('torch.')}"
+        made = once(shared_dir / tag, lambda tmp: gguf_models.convert_reference(src, tmp.mkdir() or tmp / name,
+                                                                                outtype))
+        return made / name
 
     return get

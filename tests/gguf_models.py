@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -60,7 +61,8 @@ def build(arch: str, path: Path, dtype: torch.dtype = torch.float32, **shape) ->
             llama2_normalizer(tok)
     else:
         vocab = require_llama_cpp() / "models" / f"ggml-vocab-{VOCABS[arch]}.gguf"
-        tok = AutoTokenizer.from_pretrained(vocab.parent, gguf_file=vocab.name)
+        tok_files = vocab_files(vocab)
+        tok = AutoTokenizer.from_pretrained(tok_files)
     cfg_name, model_name, extra = tiny_models.ARCHS[arch]
     import transformers
 
@@ -74,10 +76,34 @@ def build(arch: str, path: Path, dtype: torch.dtype = torch.float32, **shape) ->
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     model.save_pretrained(path)
-    tok.save_pretrained(path)
+    if arch in SENTENCEPIECE:
+        tok.save_pretrained(path)
+    else:  # the files as the GGUF-read tokenizer saved them (reloaded, Qwen's gains an NFC normalizer)
+        for f in tok_files.iterdir():
+            shutil.copy(f, path / f.name)
     if VOCABS.get(arch) == "llama-spm":  # the sentencepiece-trained families have none
         llama2_sentencepiece(tok, vocab, path)
     return path
+
+
+def vocab_files(vocab: Path) -> Path:
+    """A directory with the tokenizer files (``save_pretrained``) of the transformers tokenizer that llama.cpp's
+    vocabulary ``vocab`` makes: read from the GGUF once per test run (15 s for Qwen's 151,936 tokens, 3 s for
+    Llama's) into the run's shared directory (``$FFN_TOOLS_TEST_SHARED``, set by conftest), reused after (the
+    same files; loading them takes under a second)."""
+    from transformers import AutoTokenizer
+
+    def make(tmp: Path) -> None:
+        AutoTokenizer.from_pretrained(vocab.parent, gguf_file=vocab.name).save_pretrained(tmp)
+
+    shared = os.environ.get("FFN_TOOLS_TEST_SHARED")
+    if not shared:  # outside pytest (a benchmark, a script): no cache
+        out = Path(tempfile.mkdtemp(prefix=f"{vocab.stem}-"))
+        make(out / "tok")
+        return out / "tok"
+    from helpers import once
+
+    return once(Path(shared) / f"tokenizer-{vocab.stem}", make)
 
 
 def sentencepiece_tokenizer(arch: str, path: Path):

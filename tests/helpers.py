@@ -1,9 +1,10 @@
-"""Small test helpers: run the CLI in-process, compare checkpoints tensor by tensor."""
+"""Small test helpers: run the CLI in-process, compare checkpoints tensor by tensor, build a fixture once per run."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -103,3 +104,17 @@ def progress_bars(monkeypatch) -> list:
 
     monkeypatch.setattr("ffn_tools.plan.Progress", Recorder)
     return bars
+
+
+def once(path: Path, make) -> Path:
+    """``path``, made by ``make(tmp)`` into a temporary sibling and moved into place, unless this run made it
+    already (another xdist worker, or an earlier test); concurrent callers wait on its lock."""
+    from filelock import FileLock
+
+    with FileLock(f"{path}.lock"):
+        if not path.exists():
+            tmp = path.with_name(path.name + ".partial")
+            shutil.rmtree(tmp, ignore_errors=True)
+            make(tmp)
+            os.replace(tmp, path)
+    return path
