@@ -216,6 +216,52 @@ def test_outside_cast_within_tolerance_and_a_zeroed_cast_fails(model_dir, tmp_pa
     assert code == 1 and any(f.startswith(f"outside FFNs: {_ATTN}") and "cosine" in f for f in rep["failures"])
 
 
+_EMBED = "model.embed_tokens.weight"
+
+
+def _perturb_rows(sd):
+    """Two elements of the embedding changed far apart (the second and the last blocks) and one row scaled."""
+    e = sd[_EMBED]
+    e[7, 3] += 1.0  # in the second block (five rows a block)
+    e[-2, 5] = -e[-2, 5] + 0.5
+    e[e.shape[0] // 2] *= 3.0
+
+
+@pytest.mark.parametrize("cast", [False, True], ids=["same-dtype", "cast"])
+def test_outside_tensors_compared_in_row_blocks_say_what_whole_ones_say(model_dir, tmp_path, monkeypatch, cast):
+    """A large tensor outside the FFNs (an embedding) is compared in row blocks read from the files, not held
+    whole (with a cast, not as float64 copies of both): the same verdicts, counts, first indices and values
+    as the comparison of the whole tensors, for a lossless pair, a cast pair, and each with planted defects."""
+    from ffn_tools.io.store import open_checkpoint
+    from ffn_tools.verification import outside
+
+    src = model_dir("llama", torch.float32)
+    b = src
+    if cast:
+        b = tmp_path / "cast"
+        run_cli("convert", src, "--to", "torch", "--dtype", "bfloat16", "-o", b)
+    bad = plant(b, tmp_path / "bad", _perturb_rows)
+    with open_checkpoint(src) as ca, open_checkpoint(b) as cb:
+        ia, ib = ca.info(_EMBED), cb.info(_EMBED)
+        monkeypatch.setattr(outside, "BLOCK_BYTES", 4 * ia.shape[1] * 5)  # five rows of A a block
+        assert outside.in_blocks(ia, ib) and len(list(outside.row_blocks(ia, ib))) > 4
+    reports = {}
+    for mode, block in (("blocks", outside.BLOCK_BYTES), ("whole", 1 << 40)):
+        monkeypatch.setattr(outside, "BLOCK_BYTES", block)
+        ok, good = verify_json(src, b, "--no-load-check")
+        code, rep = verify_json(src, bad, "--no-load-check")
+        assert ok == 0 and code == 1, (good["failures"], rep["failures"])
+        reports[mode] = good["outside"], rep["outside"], [f for f in rep["failures"] if _EMBED in f]
+    assert reports["blocks"] == reports["whole"]
+    (line,) = reports["blocks"][2]
+    counts = reports["blocks"][0]
+    assert counts["within_tolerance" if cast else "identical"] > 0
+    if cast:
+        assert f"{_EMBED}[7, 3]" in line and "elements out of tolerance" in line, line
+    else:
+        assert f"{_EMBED}[7, 3]" in line and f"of {ia.shape[0] * ia.shape[1]} elements differ" in line, line
+
+
 def test_split_phi3_with_its_config_fails_the_load_check(model_dir, tmp_path):
     src = model_dir("phi3", torch.float32)
     r = run_cli("split-gateup", src, "-o", tmp_path / "split", "--load-check")

@@ -9,6 +9,7 @@ shifted, experts permuted). All of it runs only on checkpoints expected to be bi
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 
 import torch
 
@@ -33,16 +34,31 @@ def first_difference(role: str, a: torch.Tensor, b: torch.Tensor) -> str | None:
     """None when ``a`` and ``b`` are bit-identical, else one sentence locating the first difference."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return f"{role}: A is {_dt(a)}{list(a.shape)}, B is {_dt(b)}{list(b.shape)}"
-    ba, bb = bits(a), bits(b)
-    if torch.equal(ba, bb):
-        return None
-    ne = ba != bb
-    idx = tuple(int(i) for i in ne.nonzero()[0])
-    va, vb = a[idx].item(), b[idx].item()
-    hex_w = 2 * a.element_size()
-    return (f"{role}{list(idx)}: A {va:.8g} (0x{int(ba[idx]) & ((1 << 4 * hex_w) - 1):0{hex_w}x}) vs "
-            f"B {vb:.8g} (0x{int(bb[idx]) & ((1 << 4 * hex_w) - 1):0{hex_w}x}); "
-            f"{int(ne.sum())} of {a.numel()} elements differ")
+    return first_difference_in_blocks(role, [(0, a, b)])
+
+
+Blocks = Iterable[tuple[int, torch.Tensor, torch.Tensor]]  # (first row, A's rows, B's rows), same dtype and shape
+
+
+def first_difference_in_blocks(role: str, blocks: Blocks) -> str | None:
+    """``first_difference`` of two tensors given as blocks of rows (read one block at a time, so a tensor
+    larger than memory compares in the memory of a block): the first differing element, with its index in
+    the whole tensor, and how many differ in all."""
+    first, differ, total = None, 0, 0
+    for row, a, b in blocks:
+        total += a.numel()
+        ba, bb = bits(a), bits(b)
+        if torch.equal(ba, bb):
+            continue
+        ne = ba != bb
+        differ += int(ne.sum())
+        if first is None:
+            idx = tuple(int(i) for i in ne.nonzero()[0])
+            hex_w = 2 * a.element_size()
+            mask = (1 << 4 * hex_w) - 1
+            first = (f"{role}{[idx[0] + row, *idx[1:]] if idx else []}: A {a[idx].item():.8g} "
+                     f"(0x{int(ba[idx]) & mask:0{hex_w}x}) vs B {b[idx].item():.8g} (0x{int(bb[idx]) & mask:0{hex_w}x})")
+    return None if first is None else f"{first}; {differ} of {total} elements differ"
 
 
 def _dt(t: torch.Tensor) -> str:

@@ -40,7 +40,7 @@ from .side_files import SideFilesResult, compare_side_files
 from .tokenization import TokenizationResult, compare_tokenization
 from .pairs import PairChecker
 from .stream import BACKGROUND_FORMATS, Job, Streamed, TensorStream, Worker
-from .outside import OutsideResult, compare_outside, outside_tolerance
+from .outside import OutsideResult, compare_outside, in_blocks, outside_tolerance
 from .quant import describe_quantization, ffn_bits, quantization
 from .report import VerifyReport
 
@@ -375,7 +375,8 @@ def _outside(ca, cb, fa: FFNSet, fb: FFNSet, ffn_only: bool, atol, rtol) -> Outs
         return compare_outside(ca, cb, fa, fb, atol=atol, rtol=rtol, elsewhere=elsewhere)
     b_names = {n for n in cb if n not in fb.tensors and n not in elsewhere}
     steps = [[(0, n), (1, n)] for n in sorted(n for n in ca if n not in fa.tensors and n in b_names)
-             if tuple(ca.info(n).shape) == tuple(cb.info(n).shape)]  # the order compare_outside reads them in
+             if tuple(ca.info(n).shape) == tuple(cb.info(n).shape)  # the order compare_outside reads them in,
+             and not in_blocks(ca.info(n), cb.info(n))]  # but those it reads from the files a block at a time
     with TensorStream((ca, cb), steps, budget=OUTSIDE_READ_AHEAD, advance=True) as stream:
         return compare_outside(Streamed(ca, stream.side(0)), Streamed(cb, stream.side(1)), fa, fb, atol=atol,
                                rtol=rtol, elsewhere=elsewhere)

@@ -10,14 +10,17 @@ table ``verify --help`` prints). The cosine is what catches a zeroed or replaced
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..errors import CheckpointError, listing
 from ..io.dtypes import short_name
-from ..errors import listing
+from ..io.store import TensorInfo, read_bytes
 from ..tolerances import tolerance_for
-from .diagnose import first_difference
+from .diagnose import Blocks, first_difference, first_difference_in_blocks
 from .quant import quantization, row_bits
 
 log = logging.getLogger(__name__)
@@ -112,42 +115,103 @@ def compare_outside(ca, cb, fa, fb, *, atol: float | None = None, rtol: float | 
         qa, qb = _bits(ca, name, ga), _bits(cb, name, gb)
         if qa is None and qb is not None and _requantized(res, name, ca, cb):
             continue
-        a, b = ca[name], cb[name]
-        if qa is None and qb is None and a.dtype == b.dtype:
-            diff = first_difference(name, a, b)
-            if diff:
-                res.differ.append(diff)
-            else:
-                res.identical += 1
-            continue
-        why = outside_tolerance(name, a, b, tolerance_for([a.dtype, b.dtype], min(
-            (q for q in (qa, qb) if q is not None), default=None), atol=atol, rtol=rtol))
+        if qa is None and qb is None and in_blocks(ia, ib):  # from the files, a block of rows at a time
+            dtypes, exact = [ia.dtype, ib.dtype], ia.st_dtype == ib.st_dtype
+            blocks = functools.partial(row_blocks, ia, ib)
+            why = (first_difference_in_blocks(name, blocks()) if exact else tolerance_in_blocks(
+                name, blocks, tuple(ia.shape), tolerance_for(dtypes, None, atol=atol, rtol=rtol)))
+        else:
+            a, b = ca[name], cb[name]
+            exact = qa is None and qb is None and a.dtype == b.dtype
+            why = first_difference(name, a, b) if exact else outside_tolerance(name, a, b, tolerance_for(
+                [a.dtype, b.dtype], min((q for q in (qa, qb) if q is not None), default=None), atol=atol, rtol=rtol))
+            del a, b
         if why:
             res.differ.append(why)
+        elif exact:
+            res.identical += 1
         else:
             res.within += 1
     return res
 
 
-def outside_tolerance(name: str, a, b, tol) -> str | None:
-    """None when B's ``b`` is within ``tol`` of A's ``a``, else one sentence saying where and by how much."""
+BLOCK_BYTES = 32 << 20  # a larger tensor stored as plain bytes is compared in row blocks of about this size
+PLAIN = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "I64", "I32", "I16", "I8", "U8"})
+
+
+def in_blocks(ia: TensorInfo, ib: TensorInfo) -> bool:
+    """Whether a pair is compared in row blocks read from the files (``row_blocks``) rather than whole:
+    both stored as their bytes (``start``), in a dtype of whole bytes, with rows to divide, and larger than
+    ``BLOCK_BYTES`` (an embedding: a Llama-3-70B's is 2 GB, and a cast pair's float64 copies eight times that)."""
+    return (ia.start is not None and ib.start is not None and ia.st_dtype in PLAIN and ib.st_dtype in PLAIN
+            and len(ia.shape) > 1 and ia.shape[0] > 1 and max(ia.nbytes, ib.nbytes) > BLOCK_BYTES)
+
+
+def row_blocks(ia: TensorInfo, ib: TensorInfo) -> Blocks:
+    """(first row, A's rows, B's rows) of two tensors of the same shape, about ``BLOCK_BYTES`` a block, each
+    read with ``pread`` when it is compared and dropped after."""
+    rows = ia.shape[0]
+    step = max(1, BLOCK_BYTES // max(ia.nbytes // rows, ib.nbytes // rows))
+    for row in range(0, rows, step):
+        end = min(rows, row + step)
+        yield row, _rows(ia, row, end), _rows(ib, row, end)
+
+
+def _rows(info: TensorInfo, start: int, end: int):
     import torch
 
-    if not (a.is_floating_point() and b.is_floating_point()):
-        return first_difference(name, a, b.to(a.dtype))
-    a64, b64 = a.double().reshape(-1), b.double().reshape(-1)
-    if not torch.isfinite(b64).all():
-        return f"{name}: B has {int((~torch.isfinite(b64)).sum())} inf/nan values"
-    err = (b64 - a64).abs()
-    rms = float(a64.square().mean().sqrt()) if a64.numel() else 0.0
-    bound = tol.atol * rms + tol.rtol * a64.abs()
-    na, nb = float(a64.norm()), float(b64.norm())
-    cos = float(a64 @ b64) / (na * nb) if na and nb else (1.0 if na == nb else 0.0)
-    bad = err > bound
-    if not bad.any() and cos >= tol.min_cosine:
+    size = info.nbytes // info.shape[0]
+    assert info.start is not None
+    try:
+        data = read_bytes(info.file, info.start + start * size, (end - start) * size)
+    except OSError as e:
+        raise CheckpointError(f"{info.file}: cannot read tensor {info.name!r} ({e})") from None
+    return torch.frombuffer(data, dtype=info.dtype).reshape((end - start, *info.shape[1:]))
+
+
+def outside_tolerance(name: str, a, b, tol) -> str | None:
+    """None when B's ``b`` is within ``tol`` of A's ``a``, else one sentence saying where and by how much."""
+    return tolerance_in_blocks(name, lambda: [(0, a, b)], tuple(a.shape), tol)
+
+
+def tolerance_in_blocks(name: str, blocks: Callable[[], Blocks], shape: tuple[int, ...], tol) -> str | None:
+    """``outside_tolerance`` of two tensors of ``shape`` given as row blocks (``blocks()`` gives them, once
+    for the sums (rms, norms, cosine) and once for the bounds): float64 copies of one block at a time, not of
+    the whole tensor (eight times a bfloat16 tensor's bytes, twice)."""
+    import torch
+
+    total = sq_a = sq_b = dot = 0.0
+    bad_values = 0
+    for _, a, b in blocks():
+        if not (a.is_floating_point() and b.is_floating_point()):
+            return first_difference_in_blocks(name, ((r, x, y.to(x.dtype)) for r, x, y in blocks()))
+        a64, b64 = a.double().reshape(-1), b.double().reshape(-1)
+        bad_values += int((~torch.isfinite(b64)).sum())
+        total += a64.numel()
+        sq_a, sq_b, dot = sq_a + float(a64.square().sum()), sq_b + float(b64.square().sum()), dot + float(a64 @ b64)
+    if bad_values:
+        return f"{name}: B has {bad_values} inf/nan values"
+    rms = math.sqrt(sq_a / total) if total else 0.0
+    na, nb = math.sqrt(sq_a), math.sqrt(sq_b)
+    cos = dot / (na * nb) if na and nb else (1.0 if na == nb else 0.0)
+    row_size = math.prod(shape[1:]) if shape else 1
+    n_bad, first, worst = 0, None, None  # first: (flat index, a, b) out of bounds; worst: (err, index, a, b)
+    for row, a, b in blocks():
+        a64, b64 = a.double().reshape(-1), b.double().reshape(-1)
+        err = (b64 - a64).abs()
+        bad = err > tol.atol * rms + tol.rtol * a64.abs()
+        if a64.numel() and (worst is None or float(err.max()) > worst[0]):
+            k = int(err.argmax())
+            worst = (float(err[k]), row * row_size + k, float(a64[k]), float(b64[k]))
+        if bad.any():
+            n_bad += int(bad.sum())
+            if first is None:
+                k = int(bad.nonzero()[0])
+                first = (row * row_size + k, float(a64[k]), float(b64[k]))
+    if not n_bad and cos >= tol.min_cosine:
         return None
-    k = int(bad.nonzero()[0]) if bad.any() else int(err.argmax())
-    idx = list(map(int, torch.unravel_index(torch.tensor(k), tuple(a.shape)))) if a.dim() else []
-    return (f"{name}{idx}: A {float(a64[k]):.6g} vs B {float(b64[k]):.6g}; {int(bad.sum())} of {a64.numel()} "
+    k, va, vb = first if first is not None else worst[1:] if worst is not None else (0, 0.0, 0.0)
+    idx = list(map(int, torch.unravel_index(torch.tensor(k), shape))) if shape else []
+    return (f"{name}{idx}: A {va:.6g} vs B {vb:.6g}; {n_bad} of {int(total)} "
             f"elements out of tolerance ({tol.row}), cosine {cos:.6f}"
             + ("" if math.isfinite(cos) and cos >= tol.min_cosine else f" < {tol.min_cosine}"))
