@@ -55,10 +55,18 @@ def available() -> bool:
 
 
 def _to_jax(t: torch.Tensor):
+    """``t`` as a JAX array: its memory shared through DLPack where JAX takes it (a CPU tensor: a weight is
+    not copied, which for a large FFN is its size again; JAX does not write to its inputs and the tensor
+    outlives the call), else a copy."""
+    import jax
     import jax.numpy as jnp
     import ml_dtypes
 
     t = t.detach().cpu().contiguous()
+    try:
+        return jax.dlpack.from_dlpack(t)
+    except Exception:  # noqa: BLE001 - a dtype or alignment DLPack does not carry: copy instead
+        pass
     if t.dtype == torch.bfloat16:
         return jnp.asarray(t.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
     return jnp.asarray(t.numpy())
