@@ -9,6 +9,7 @@ defect planted in the range still fails.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shutil
@@ -135,3 +136,15 @@ def test_a_defect_planted_in_the_range_still_fails(pair, tmp_path):
     code, out = verify(a_part, bad, "--layers", "2-3")
     assert code == 1 and "FAIL" in out and "layer 3: not bit-identical" in out, out
     assert "gate and up are swapped" in out and "layer 2 " not in out.split("\n\n")[-1]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="mlx is not installed")
+def test_an_mlx_export_holding_only_the_range_passes(pair, tmp_path):
+    a, _, a_part, *_ = pair
+    run_cli("convert", a, "--to", "mlx", "-o", tmp_path / "mlx", "--max-shard-size", "100KB")
+    gone = _keep_only(tmp_path / "mlx", tmp_path / "mlx-part", _ffn_shards(tmp_path / "mlx", RANGE))
+    code, out = verify(a_part, tmp_path / "mlx-part", "--layers", "2-3", "--json")
+    rep = json.loads(out)
+    assert code == 0 and sorted(f["layer"] for f in rep["ffns"]) == [2, 3], rep["failures"]
+    assert gone and rep["b"]["absent_shards"] == gone and rep["load_check"]["client"] == "mlx_lm"
+    assert rep["load_check"]["skipped"].startswith(f"{len(gone)} of ")

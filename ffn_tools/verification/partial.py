@@ -103,7 +103,7 @@ def shards_needed(path: str | Path, layers: set[int] | None, experts: set[int] |
     members = ffn_members(names, _scheme(names, read_config(index.parent), scheme, index))
     wanted = {weight_map[n] for n, where in members.items() if selected(where, layers, experts)}
     order = list(dict.fromkeys(weight_map.values()))
-    needed = [s for s in order if s in wanted]
+    needed = sorted(wanted)
     return ShardNeeds(str(path), index.name, needed, len(order),
                       [s for s in needed if not (index.parent / s).is_file()])
 
