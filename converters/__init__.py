@@ -7,7 +7,9 @@ defines:
     OPTIONS: frozenset[str]            format-specific keyword options ``export`` accepts
     can_read(path) -> bool             whether ``path`` looks like this format (cheap: names and headers)
     open(path) -> Checkpoint           a lazy read-only view with Hugging Face PyTorch names, (out, in)
-                                       weights and per-expert tensors, so the FFN registry finds its FFNs
+                                       weights and per-expert tensors, so the FFN registry finds its FFNs;
+                                       the formats of ``ABSENT_SHARDS`` also take ``absent_shards=True``
+                                       (an index naming shards not on disk: ``Checkpoint.absent``)
     export(ckpt, out, *, dtype=None, force=False, max_shard_size=None, **options) -> dict
                                        write ``ckpt`` (any format's view) in this format; returns a summary
 
@@ -29,6 +31,9 @@ _MODULES = {"torch": "ffn_tools.converters.pytorch", "mlx": "ffn_tools.converter
 _FLAGS = {"scheme": "--scheme/--scheme-file/--gate/--up/--down", "layout": "--layout/--order/--tp"}
 # Order in which formats are tried when reading: the specific ones before plain PyTorch.
 _READ_ORDER = ("gguf", "native", "mlx", "flax", "torch")
+# Formats whose sharded index may name shards that are not on disk (``open(path, absent_shards=True)``):
+# safetensors indexes, which ``verify --layers`` reads part of.
+ABSENT_SHARDS = ("torch", "mlx")
 
 __all__ = ["FORMATS", "get", "detect_format", "open_any", "convert"]
 
@@ -61,13 +66,19 @@ def detect_format(path: str | Path) -> str:
     return "torch"
 
 
-def open_any(path: str | Path, fmt: str | None = None):
+def open_any(path: str | Path, fmt: str | None = None, absent_shards: bool = False):
     """Open a checkpoint of any supported format as a Hugging Face PyTorch-named view.
+
+    ``absent_shards``: a sharded index may name shards that are not on disk (``Checkpoint.absent`` lists
+    them), in the formats of ``ABSENT_SHARDS``; the others refuse a missing shard as always.
 
     Raises:
         CheckpointError: the path cannot be read.
     """
-    return get(fmt or detect_format(path)).open(Path(path))
+    fmt = fmt or detect_format(path)
+    if absent_shards and fmt in ABSENT_SHARDS:
+        return get(fmt).open(Path(path), absent_shards=True)
+    return get(fmt).open(Path(path))
 
 
 def convert(path: str | Path, to: str, out: str | Path, *, dtype: str | None = None, force: bool = False,

@@ -24,13 +24,13 @@ def can_read(path: Path) -> bool:
     return True
 
 
-def open(path: Path) -> Checkpoint:  # noqa: A001 - the converter surface's name
-    """Open a PyTorch checkpoint lazily (see ``ffn_tools.io.store.open_checkpoint``); MXFP4 experts (GPT-OSS as
+def open(path: Path, absent_shards: bool = False) -> Checkpoint:  # noqa: A001 - the converter surface's name
+    """Open a PyTorch checkpoint lazily (see ``ffn_tools.io.store.open_checkpoint``, ``absent_shards`` too); MXFP4 experts (GPT-OSS as
     OpenAI ships it) are seen dequantized, exactly (see ``ffn_tools.mxfp4``), and compressed-tensors packed
     weights as compressed-tensors dequantizes them (``ffn_tools.ctview``)."""
     from ffn_tools import ctview, mxfp4
 
-    ckpt = open_checkpoint(path)
+    ckpt = open_checkpoint(path, absent_shards)
     if mxfp4.pairs(ckpt):
         return mxfp4.Mxfp4View(ckpt)
     try:

@@ -129,6 +129,23 @@ def convert(path, to: str, out, *, upload_repo: str | None = None, **options) ->
     return _published(envelope("convert", str(path), r["output"], line, r), upload_repo)
 
 
+def shards_needed(a, b, *, layers: str, experts: str | None = None, scheme=None) -> dict:
+    """``ffn-tools verify A B --layers R --shards-needed --json``: the shard files of A and of B that hold the
+    FFNs of the range, read from their indexes alone (``verification.partial``): what a machine verifying
+    that range must hold, beside the index and the non-weight files (config.json, tokenizer)."""
+    from .specs import parse_spec
+    from .verification.partial import shards_needed as needs
+
+    sel_layers, sel_experts = parse_spec(layers), parse_spec(experts) if experts else None
+    sides = {s: needs(resolve(str(p)), sel_layers, sel_experts, scheme) for s, p in (("A", a), ("B", b))}
+    summary = (f"--layers {layers} needs " + " and ".join(f"{len(n.needed)} of {n.total} weight files of {s}"
+                                                         for s, n in sides.items())
+               + " (and each side's index, config.json and tokenizer files)")
+    return envelope("verify", [str(a), str(b)], None, summary,
+                    {"layers": layers, "experts": experts, "lines": [n.line(s) for s, n in sides.items()],
+                     **{s.lower(): n.as_dict() for s, n in sides.items()}})
+
+
 def verify(a, b, **options):
     """``ffn-tools verify A B``: the report (``.passed``, ``.lines()``, ``.as_dict()`` = the --json)."""
     from .verification.engine import verify as run

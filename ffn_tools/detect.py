@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import re
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import SchemeError, listing
@@ -183,18 +183,33 @@ def _name(groups: list[Group], preferred: Scheme | None) -> Scheme:
     return Scheme("+".join(kinds), "groups " + ", ".join(kinds), tuple(groups))
 
 
-def find_ffns(ckpt, scheme: Scheme | None = None, layout: GateUpLayout | None = None) -> FFNSet:
+def ffn_members(names, scheme: Scheme) -> dict[str, tuple[int, int | None]]:
+    """Each of ``names`` that belongs to an FFN of ``scheme`` -> its (layer, expert), from the names alone:
+    the tensors its templates match and those of the same module (``x.gate_proj.bias`` or ``.scales`` beside
+    ``x.gate_proj.weight``). No shapes are needed: it reads what a shard not on disk holds from its index."""
+    names = list(names)
+    matched = {n: (layer, expert) for (_, _, layer, expert), forms in _matches(names, scheme).items()
+               for roles in forms.values() for n in roles.values()}
+    modules = {n.rpartition(".")[0]: where for n, where in matched.items()}
+    return {n: where for n in names if (where := matched.get(n) or modules.get(n.rpartition(".")[0]))}
+
+
+def find_ffns(ckpt, scheme: Scheme | None = None, layout: GateUpLayout | None = None,
+              names: Sequence[str] | None = None) -> FFNSet:
     """Find every FFN in ``ckpt`` (a ``Checkpoint``).
 
     Args:
         ckpt: the checkpoint.
         scheme: the naming scheme; detected from names and config.json when None.
         layout: the gate/up layout of fused tensors, overriding the scheme's.
+        names: the tensors to look among (default: all of ``ckpt``'s); ``verify --layers`` on part of the
+            shards passes those of its layers, so a layer split across a shard that is here and one that
+            is not is not found incomplete.
 
     Raises:
         SchemeError: nothing found, ambiguous, or inconsistent tensors (all problems listed).
     """
-    names = list(ckpt)
+    names = list(ckpt) if names is None else list(names)
     buckets = _buckets(names)
     try:
         scheme = choose_scheme(names, ckpt.config, within=scheme, buckets=buckets)

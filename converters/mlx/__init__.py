@@ -36,7 +36,7 @@ def can_read(path: Path) -> bool:
                 return False
         elif not path.name.endswith((".safetensors", ".safetensors.index.json")):
             return False
-        with open_checkpoint(path) as raw:
+        with open_checkpoint(path, absent_shards=True) as raw:  # what it is, from the shards that are here
             if raw.metadata.get("format") == "mlx" or isinstance((raw.config or {}).get("quantization"), dict):
                 return True
             return any(".switch_mlp." in n for n in raw)
@@ -52,8 +52,9 @@ def export(ckpt: Checkpoint, out: Path, **options) -> dict:
     return run(ckpt, out, **options)
 
 
-def open(path: Path) -> Checkpoint:  # noqa: A001 - the converter surface's name
-    """Open an MLX model directory as a lazy Hugging Face-named view (see ``view``).
+def open(path: Path, absent_shards: bool = False) -> Checkpoint:  # noqa: A001 - the converter surface's name
+    """Open an MLX model directory as a lazy Hugging Face-named view (see ``view``); ``absent_shards``: its
+    index may name shards not on disk (``Checkpoint.absent``).
 
     Raises:
         CheckpointError: no config.json, quantized weights without a ``quantization`` block, or
@@ -61,4 +62,4 @@ def open(path: Path) -> Checkpoint:  # noqa: A001 - the converter surface's name
     """
     from .view import MLXCheckpoint
 
-    return MLXCheckpoint(Path(path))
+    return MLXCheckpoint(Path(path), absent_shards)

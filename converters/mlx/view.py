@@ -96,8 +96,8 @@ class MLXCheckpoint(Checkpoint):
     format = Format.MLX
     resolves_quantization = True
 
-    def __init__(self, path: Path):
-        raw = open_checkpoint(path)
+    def __init__(self, path: Path, absent_shards: bool = False):
+        raw = open_checkpoint(path, absent_shards)
         if not isinstance(raw, SafetensorsCheckpoint):
             raise CheckpointError(f"{path}: MLX weights are safetensors files; found {raw.format} files")
         self.raw = raw
@@ -144,6 +144,7 @@ class MLXCheckpoint(Checkpoint):
             self.inverse, self._recipes, self._derived = Inverse(skipped=str(e)), {}, {}
             infos = self._infos_from(config)
         super().__init__(raw.path, raw.root, raw.files, infos, {"format": "pt"}, config)
+        self.absent = raw.absent
 
     def _infos_from(self, config: dict) -> dict[str, TensorInfo]:
         """Every tensor of the view: the source's tensors ``inverse`` traced, then the MLX tensors left, by their

@@ -17,6 +17,7 @@ import sys
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from .dtypes import as_st, nbytes, torch_dtype
@@ -109,9 +110,14 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
         config: config.json as a dict, or None.
         metadata: safetensors ``__metadata__`` (of the first shard), empty if none.
         format: what it is stored as (``Format``).
+        absent: shard file name -> the tensors the index maps to it, for the shards of an index that are not
+            on disk (opened with ``absent_shards=True``: ``verify --layers`` on a machine holding only the
+            shards its range needs); empty for a whole checkpoint. Views that read another checkpoint report
+            it through ``stored``.
     """
 
     format: Format = Format.SAFETENSORS
+    absent: Mapping[str, tuple[str, ...]] = MappingProxyType({})
     resolves_quantization = False  # True: ``quant_params`` says per tensor how it is stored (views that decode)
 
     def __init__(self, path: Path, root: Path, files: list[Path], infos: dict[str, TensorInfo],
@@ -405,10 +411,11 @@ def config_dtype(config: dict | None) -> str | None:
     return str(value).removeprefix("torch.") if value else None
 
 
-def index_shards(index: Path) -> tuple[list[Path], dict[str, str]]:
+def index_shards(index: Path, absent_ok: bool = False) -> tuple[list[Path], dict[str, str]]:
     """The shards an index names, in order, and its weight_map.
 
-    A shard is named relative to the index's directory and must stay inside it: an absolute name or one
+    ``absent_ok``: the shards not on disk are left out of the list instead of refused (the caller says which
+    are absent, from the weight_map). A shard is named relative to the index's directory and must stay inside it: an absolute name or one
     that climbs out (``../other/x.safetensors``) is refused before anything is opened. A name inside that is
     a symbolic link (a Hugging Face cache snapshot's shards point into ``../../blobs/``) is followed.
 
@@ -429,13 +436,17 @@ def index_shards(index: Path) -> tuple[list[Path], dict[str, str]]:
                                   "directory; shards must be named relative to it, inside it")
     files = [index.parent / n for n in dict.fromkeys(weight_map.values())]
     missing = [str(f.relative_to(index.parent)) for f in files if not f.is_file()]
+    if missing and absent_ok:
+        return [f for f in files if f.is_file()], weight_map
     if missing:
         raise CheckpointError(f"{index}: names shard(s) that do not exist: {', '.join(sorted(missing))}")
     return files, weight_map
 
 
-def _check_index(index: Path, infos: dict[str, TensorInfo], weight_map: dict[str, str]) -> None:
-    """The weight_map and the shards' own headers must agree, tensor by tensor (all problems at once).
+def _check_index(index: Path, infos: dict[str, TensorInfo], weight_map: dict[str, str],
+                 absent: Mapping[str, object] = MappingProxyType({})) -> None:
+    """The weight_map and the shards' own headers must agree, tensor by tensor (all problems at once); the
+    tensors mapped to ``absent`` shards are not on disk to check.
 
     Raises:
         CheckpointError: a mapped tensor its shard lacks, or a shard tensor the map puts elsewhere or omits.
@@ -443,6 +454,8 @@ def _check_index(index: Path, infos: dict[str, TensorInfo], weight_map: dict[str
     problems = []
     for tensor, name in sorted(weight_map.items()):
         info = infos.get(tensor)
+        if name in absent:
+            continue
         if info is None:
             problems.append(f"{tensor!r} is mapped to {name}, which lacks it")
         elif info.file != index.parent / name:
@@ -456,8 +469,14 @@ def _check_index(index: Path, infos: dict[str, TensorInfo], weight_map: dict[str
                               + (f"; ... ({len(problems) - 8} more)" if len(problems) > 8 else ""))
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
+def open_checkpoint(path: str | Path, absent_shards: bool = False) -> Checkpoint:
     """Open a PyTorch checkpoint lazily: a .safetensors file, an index, a pickle, or a directory.
+
+    Args:
+        path: the checkpoint.
+        absent_shards: an index may name shards that are not on disk: the checkpoint holds the tensors of
+            those that are, and ``absent`` says which are not (``verify --layers`` on part of a model's
+            shards). By default a missing shard is refused: a user who lost one must hear it.
 
     Raises:
         CheckpointError: the path is missing or holds no checkpoint, or a file is unreadable or unsafe.
@@ -469,7 +488,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         root = path
         for name in WEIGHT_INDEXES[:2]:
             if (path / name).is_file():
-                return _open_index(path, root, path / name)
+                return _open_index(path, root, path / name, absent_shards)
         for main, pattern in (("model.safetensors", "*.safetensors"), ("pytorch_model.bin", "pytorch_model*.bin"),
                               (None, "*.pth"), (None, "*.pt"), (None, "*.bin")):
             if main and (path / main).is_file():  # beside it may lie outputs like model.split.safetensors
@@ -483,25 +502,32 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         )
     root = path.parent
     if path.name.endswith(".index.json"):
-        return _open_index(path, root, path)
+        return _open_index(path, root, path, absent_shards)
     if path.suffix in (".safetensors", *PICKLE_SUFFIXES):
         return _open_files(path, root, [path])
     raise CheckpointError(f"{path}: not a checkpoint (expected .safetensors, .index.json, .bin, .pth or .pt)")
 
 
-def _open_index(path: Path, root: Path, index: Path) -> Checkpoint:
-    files, weight_map = index_shards(index)
-    ckpt = _open_files(path, root, files)
+def _open_index(path: Path, root: Path, index: Path, absent_shards: bool = False) -> Checkpoint:
+    files, weight_map = index_shards(index, absent_ok=absent_shards)
+    ckpt = _open_files(path, root, files, index)
+    absent: dict[str, list[str]] = {}
+    for tensor, name in weight_map.items():
+        if index.parent / name not in files:
+            absent.setdefault(name, []).append(tensor)
+    if absent:
+        ckpt.absent = MappingProxyType({k: tuple(v) for k, v in sorted(absent.items())})
     try:
-        _check_index(index, ckpt._infos, weight_map)
+        _check_index(index, ckpt._infos, weight_map, ckpt.absent)
     except CheckpointError:
         ckpt.close()
         raise
     return ckpt
 
 
-def _open_files(path: Path, root: Path, files: list[Path]) -> Checkpoint:
-    if all(f.suffix == ".safetensors" for f in files):
+def _open_files(path: Path, root: Path, files: list[Path], index: Path | None = None) -> Checkpoint:
+    # no file at all (every shard of an index absent): the reader the index's name says
+    if all(f.suffix == ".safetensors" for f in files) and (files or index is None or "safetensors" in index.name):
         return SafetensorsCheckpoint(path, root, files)
     if all(f.suffix in PICKLE_SUFFIXES for f in files):
         return PickleCheckpoint(path, root, files)

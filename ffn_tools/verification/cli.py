@@ -10,7 +10,7 @@ import json
 
 import click
 
-from ..options import CHECKPOINT, layout_options, layout_options_for, scheme_options
+from ..options import CHECKPOINT, emit, layout_options, layout_options_for, scheme_options
 from ..tolerances import HELP as TOLERANCE_HELP
 
 DEFAULT_TOKENS = 32  # = verify.DEFAULT_TOKENS (not imported: that module imports torch)
@@ -34,7 +34,12 @@ b_layout_options = layout_options_for(
 @click.option("--tokens", type=click.IntRange(min=1), default=DEFAULT_TOKENS, show_default=True,
               help="Rows of the random input each FFN is run on.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs and token batch.")
-@click.option("--layers", help="Layers to verify, e.g. 0-3,7 (default: all).")
+@click.option("--layers", help="Layers to verify, e.g. 0-3,7 (default: all). A sharded A or B may then lack the "
+              "shards that hold none of these layers' FFNs (verify a large pair by range on several machines); "
+              "the load check and logits need every shard and say they did not run.")
+@click.option("--shards-needed", is_flag=True, help="Print the shard files of A and of B that hold the FFNs of "
+              "--layers (and --experts), read from their indexes alone, and verify nothing: what a machine "
+              "verifying that range must hold, besides each side's index, config.json and tokenizer files.")
 @click.option("--experts", help="Routed experts to verify, e.g. 0,5 (default: all; dense and shared FFNs "
               "are kept).")
 @click.option("--atol", type=click.FloatRange(min=0), help="Absolute tolerance, in units of the RMS of the "
@@ -70,8 +75,9 @@ b_layout_options = layout_options_for(
 @scheme_options
 @layout_options
 @b_layout_options
-def verify(a, b, backends, tokens, seed, layers, experts, atol, rtol, exact, logits, allow_unmatched, ffn_only,
-           load_check, allow_config, side_files, all_ffns_on_every_backend, as_json, scheme, layout, b_layout):
+def verify(a, b, backends, tokens, seed, layers, shards_needed, experts, atol, rtol, exact, logits, allow_unmatched,
+           ffn_only, load_check, allow_config, side_files, all_ffns_on_every_backend, as_json, scheme, layout,
+           b_layout):
     """Check that checkpoint B holds the same FFNs as checkpoint A.
 
     A and B are any checkpoints ffn-tools reads (PyTorch safetensors or pickles, split or fused, MLX plain
@@ -97,7 +103,20 @@ def verify(a, b, backends, tokens, seed, layers, experts, atol, rtol, exact, log
 
     Prints a table, worst FFN first, and a verdict. Exit status: 0 all pass, 1 something differs,
     2 verification could not run (bad arguments, unreadable input, no FFNs, backend unavailable).
+
+    With --layers, A and B may each hold only some of their shards: the shards holding the selected layers'
+    FFNs must be there (else exit 2 names the missing ones; --shards-needed lists them before any
+    download), the others may be absent, and the report names them. Without --layers every shard an
+    index names must be there.
     """
+    if shards_needed:
+        if not layers:
+            raise click.UsageError("--shards-needed lists the shards a --layers range needs; give --layers")
+        from ..api import shards_needed as needs
+
+        r = needs(a, b, layers=layers, experts=experts, scheme=scheme)
+        emit(r, as_json, [*r["lines"], r["summary"]])
+        return
     from ..api import verify as run
 
     # could-not-run (FFNToolsError) becomes exit 2 and one line in cli.Group, as for every command

@@ -33,7 +33,7 @@ from ..scales import Dequantized, is_companion
 from ..tolerances import Tolerance, tolerance_for, widened
 from .experts import BATCH_BYTES, batch_key, check_batch, pair_bytes
 from .functional import KERNEL_DTYPES, NOT_COMPUTED, reference_backend
-from . import consumer, tied
+from . import consumer, partial, tied
 from .gguf_checks import compare_metadata, compare_plus_one, compare_tokenizer
 from .model_config import ConfigResult, compare_configs
 from .side_files import SideFilesResult, compare_side_files
@@ -87,9 +87,10 @@ def resolve_backends(names: Sequence[str] | None = None) -> tuple[dict, dict[str
     return {n: kernels.get_backend(n) for n in chosen}, skipped
 
 
-def _open(path, side: str):
+def _open(path, side: str, absent_shards: bool = False):
     """(checkpoint, None), or (None, problem) when the files are there but their content cannot be read
-    (a failed conversion: say an MLX config whose group size does not fit its scales).
+    (a failed conversion: say an MLX config whose group size does not fit its scales). ``absent_shards``
+    (--layers): an index may name shards that are not here (``partial``).
 
     Raises:
         FFNToolsError: there is no checkpoint at ``path`` at all.
@@ -97,21 +98,23 @@ def _open(path, side: str):
     from ffn_tools.converters import open_any
 
     try:
-        ckpt = open_any(path)
+        ckpt = open_any(path, absent_shards=absent_shards)
         return (Dequantized(ckpt) if any(is_companion(n, ckpt) for n in ckpt) else ckpt), None
     except CheckpointError as e:
         try:
-            open_checkpoint(path).close()  # plain weight files are there: what they hold is wrong
+            open_checkpoint(path, absent_shards).close()  # plain weight files are there: what they hold is wrong
         except FFNToolsError:
             raise e from None
         return None, f"{side} cannot be read: {e}"
 
 
-def _find(ckpt, side: str, scheme: Scheme | None, layout: GateUpLayout | None) -> tuple[FFNSet | None, str | None]:
+def _find(ckpt, side: str, scheme: Scheme | None, layout: GateUpLayout | None,
+          selection: tuple[set | None, set | None] = (None, None)) -> tuple[FFNSet | None, str | None]:
     """A's (or B's) FFNs, or (None, problem) when its FFN tensors exist but are inconsistent.
 
     A given ``scheme`` applies where it matches: a checkpoint none of whose tensor names fit it (say an
-    extract output compared with a custom-named original) is detected as usual.
+    extract output compared with a custom-named original) is detected as usual. On a checkpoint with shards
+    absent only the ``selection``'s (layers, experts) FFN tensors are searched (``partial.search_names``).
 
     Raises:
         SchemeError: no FFN tensors at all (nothing to verify: a usage problem, not a difference).
@@ -125,8 +128,9 @@ def _find(ckpt, side: str, scheme: Scheme | None, layout: GateUpLayout | None) -
         scheme = scheme or choose_scheme(names, ckpt.config)
     except SchemeError as e:
         raise SchemeError(f"{side}: {e}") from None
+    search = partial.search_names(ckpt, scheme, *selection) if ckpt.stored.absent else None
     try:
-        return find_ffns(ckpt, scheme, layout), None
+        return find_ffns(ckpt, scheme, layout, search), None
     except SchemeError as e:
         return None, f"{side}'s FFN tensors are inconsistent: {e}"
 
@@ -137,7 +141,7 @@ def _side(ckpt, ffns: FFNSet | None) -> dict:
     return {"path": str(ckpt.path), "format": ckpt.label, "scheme": ffns.scheme.name if ffns else None,
             "dtype": dtype, "activation": ffns.activation.describe() if ffns else None,
             "quantization": describe_quantization(q) if q else None,
-            "ffns": len(ffns.ffns) if ffns else 0}
+            "ffns": len(ffns.ffns) if ffns else 0, "absent_shards": list(ckpt.stored.absent)}
 
 
 def _select(ffns: FFNSet, layers: set[int] | None, experts: set[int] | None) -> dict[FFNRef, FFN]:
@@ -204,8 +208,8 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
         if kernels:
             kernels.result()
         opened = []
-        for path, side in ((a, "A"), (b, "B")):
-            c, e = _open(path, side)
+        for path, side in ((a, "A"), (b, "B")):  # under --layers a sharded side may hold only some shards
+            c, e = _open(path, side, absent_shards=sel_layers is not None)
             opened.append((c and stack.enter_context(c), e))
         (ca, ea), (cb, eb) = opened
         if ea or eb:
@@ -213,8 +217,13 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
             mods, skipped = kernels.result() if kernels else resolve_backends()
             return VerifyReport(side_a, side_b, list(mods), skipped, tokens, seed, None,
                                 problems=[e for e in (ea, eb) if e])
+        partial_sides = [(side, c) for side, c in (("A", ca), ("B", cb)) if c.stored.absent]
+        if partial_sides and (needs := partial.refusal(partial_sides, layers or "", experts, scheme)):
+            raise needs  # a selected FFN's tensor lies in a shard not here: before any work
         clients = None
-        if logits:
+        no_logits = (f"{' and '.join(s for s, _ in partial_sides)} {'have' if len(partial_sides) > 1 else 'has'} "
+                     "shards absent: the clients load every shard") if logits and partial_sides else None
+        if logits and not no_logits:
             from .logits import client_for
 
             clients = (client_for(ca, "A"), client_for(cb, "B"))
@@ -226,8 +235,12 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
         if kernels is None:
             reference_backend()  # imported here, not beside the background's imports
             kernels = worker.submit(resolve_backends, None)
-        (fa, pa), (fb, pb) = _find(ca, "A", scheme, layout), _find(cb, "B", scheme, b_layout or layout)
+        selection = (sel_layers, sel_experts)
+        (fa, pa), (fb, pb) = (_find(ca, "A", scheme, layout, selection),
+                              _find(cb, "B", scheme, b_layout or layout, selection))
         report = VerifyReport(_side(ca, fa), _side(cb, fb), [], {}, tokens, seed, None, load=load)
+        report.notes += [f"{side}: {partial.absent_line(c)}: only the FFNs of --layers {layers} are read from it; "
+                         "what needs every shard (the load check, logits) does not run" for side, c in partial_sides]
         report.problems += [p for p in (pa, pb) if p]
         extract = _extracts(fa, fb)  # an FFN-only output has no model around its FFNs to compare
         model = worker.submit(_model_checks, ca, cb, extract, allow_config, side_files)  # beside the FFN checks
@@ -254,7 +267,9 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
         vocab = [(c.config or {}).get("vocab_size") for c in (ca, cb)]
         probe = probe_length(ca.config or {}, ca.total_bytes)
     refused = report.load is not None and report.load.refused
-    if logits and refused:
+    if no_logits:
+        report.logits_skipped = no_logits
+    elif logits and refused:
         report.logits_skipped = "B's client cannot build B (the load check's failure)"
     elif logits and clients is not None:
         from .logits import client_floor, compare_logits
