@@ -651,3 +651,34 @@ def test_kernel_backends_run_one_ffn_of_each_kind_and_the_report_says_so(model_d
     bad = plant(src, tmp_path / "bad", _swap(L1 + "gate_proj.weight", L1 + "up_proj.weight"))  # the 2nd FFN
     code, rep = verify_json(src, bad)
     assert code == 1 and any(f.startswith("layer 1") for f in rep["failures"])  # the reference catches it
+
+
+def test_large_ffns_run_on_the_kernel_backends_in_row_blocks(monkeypatch):
+    """An FFN larger than KERNEL_BLOCK_BYTES runs on each whole-FFN kernel backend in blocks of rows (its
+    framework's copies and intermediates stay a block's): the path says so, the output agrees with the
+    unblocked run's and the float64 reference's (biases counted once), and gate and up swapped still fail."""
+    from ffn_tools import kernels
+    from ffn_tools.verification import functional
+
+    torch.manual_seed(0)
+    hidden, inter = 64, 256
+    gate, up, down = (torch.randn(*s).bfloat16() * 0.1 for s in ((inter, hidden), (inter, hidden), (hidden, inter)))
+    biases = {"gate": torch.randn(inter).bfloat16(), "down": torch.randn(hidden).bfloat16()}
+    ops = functional.Operands(gate, up, down, biases, "silu")
+    x = functional.make_inputs(8, hidden, 0, 1.0, [torch.bfloat16])
+    ref = functional.run_reference(kernels.get_backend("reference"), x, ops)
+    tol = tolerance_for([torch.bfloat16], None)
+    backends = [n for n in kernels.available_backends() if n not in ("reference", "metal")]
+    assert backends, "no kernel backend runs here: triton (interpreter), mlx and jax are in the dev install"
+    for name in backends:
+        mod = kernels.get_backend(name)
+        whole, path = functional.run_backend(mod, x, ops)
+        monkeypatch.setattr(functional, "KERNEL_BLOCK_BYTES", ops.nbytes // 4)
+        blocked, bpath = functional.run_backend(mod, x, ops)
+        swapped, _ = functional.run_backend(mod, x, functional.Operands(up, gate, down, biases, "silu"))
+        monkeypatch.undo()
+        assert (path, bpath) == ("ffn", "ffn, 4 blocks of 64 rows"), name
+        res = functional.compare(name, bpath, blocked, ref, tol)
+        assert res.passed and res.ratio < 0.2, (name, res)
+        assert torch.allclose(blocked.float(), whole.float(), atol=0.02 * float(ref.square().mean().sqrt()))
+        assert not functional.compare(name, bpath, swapped, ref, tol).passed, name

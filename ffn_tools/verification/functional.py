@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 PREACT_RMS = 2.0
 SCALE_ROWS = 1024
 REF_BLOCK_BYTES = 32 << 20  # float64 weights the reference converts at once (``run_reference``; 3x faster than whole)
+KERNEL_BLOCK_BYTES = 64 << 20  # B's weights a whole-FFN kernel backend runs at once (``run_backend``)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -133,7 +134,13 @@ def run_reference(ref_backend, x: torch.Tensor, ops: Operands) -> torch.Tensor:
 
 
 def run_backend(backend, x: torch.Tensor, ops: Operands) -> tuple[torch.Tensor, str]:
-    """B's FFN on a non-reference backend in B's dtype. Returns (output, path)."""
+    """B's FFN on a non-reference backend in B's dtype. Returns (output, path).
+
+    A whole-FFN kernel (``backend.ffn``: JAX's jit'd function, MLX's) copies its weights into its framework and
+    holds its own intermediates, two to three times the FFN's bytes: an FFN larger than ``KERNEL_BLOCK_BYTES``
+    runs in blocks of rows of gate and up (with down's columns), each a whole kernel call, their outputs summed
+    in float32 (the path says so; each block's output is rounded to B's dtype once, as the whole one is).
+    """
     ops = ops.uniform(ops.dtype if ops.dtype in KERNEL_DTYPES else torch.float32)
     xb = x.to(ops.dtype)
     if ops.fused is not None:
@@ -142,7 +149,19 @@ def run_backend(backend, x: torch.Tensor, ops: Operands) -> tuple[torch.Tensor, 
         h = backend.silu_mul_fused(gu, order=layout.order, interleaved=layout.arrangement == "interleaved",
                                    activation=ops.activation)
         return F.linear(h, ops.down, ops.biases.get("down")), f"fused {layout.describe()}"
-    return backend.ffn(xb, ops.gate, ops.up, ops.down, ops.biases or None, activation=ops.activation), "ffn"
+    inter = ops.gate.shape[0]
+    rows = max(1, inter * KERNEL_BLOCK_BYTES // max(1, ops.nbytes))
+    if rows >= inter:
+        return backend.ffn(xb, ops.gate, ops.up, ops.down, ops.biases or None, activation=ops.activation), "ffn"
+    out = torch.zeros((*x.shape[:-1], ops.down.shape[0]), dtype=torch.float32)
+    for start in range(0, inter, rows):
+        blk = slice(start, min(start + rows, inter))
+        biases = {k: v[blk] for k, v in ops.biases.items() if k != "down"}
+        if start == 0 and "down" in ops.biases:
+            biases["down"] = ops.biases["down"]
+        out += backend.ffn(xb, ops.gate[blk].contiguous(), ops.up[blk].contiguous(), ops.down[:, blk].contiguous(),
+                           biases or None, activation=ops.activation).float()
+    return out, f"ffn, {-(-inter // rows)} blocks of {rows} rows"
 
 
 def compare(name: str, path: str, out: torch.Tensor, ref: torch.Tensor, tol: Tolerance,
