@@ -136,10 +136,10 @@ DEFECTS = {
 
 @pytest.mark.parametrize("defect", DEFECTS)
 def test_verify_fails_planted_defects(gguf_model, gguf_ref, tmp_path, defect):
-    from gguf import GGUFReader
+    from ffn_tools.converters.gguf.header import Reader
 
     ref = gguf_ref("deepseek_v3", "f32")
-    t = {x.name: np.array(x.data) for x in GGUFReader(ref).tensors}
+    t = {x.name: np.array(x.data) for x in Reader(ref).tensors}
     edits, expect = DEFECTS[defect]
     bad = _edit(ref, tmp_path / "bad.gguf", **edits(t))
     r = run_cli("verify", gguf_model("deepseek_v3"), bad, "--backend", "reference", "--no-load-check", ok=None)
