@@ -1,13 +1,14 @@
-"""ffn-tools `convert --to mlx` against `mlx_lm.convert` on the same ~1 GB bf16 Llama-shaped checkpoint.
+"""ffn-tools `convert --to mlx` against `mlx_lm.convert` on the same bf16 Llama-shaped checkpoint.
 
-Builds the checkpoint once under bench-data/ (d_model 2048, d_ffn 5632, 12 layers, written with safetensors
-directly plus a LlamaConfig config.json and a tiny word-level tokenizer, which mlx_lm.convert needs), then
+Builds the checkpoint once under bench-data/ (``--size 1g``: d_model 2048, d_ffn 5632, 12 layers, 1.1 GB;
+``--size 8b``: Llama-3-8B's shape, 16 GB in 4 shards; written with safetensors directly plus a LlamaConfig
+config.json and a tiny word-level tokenizer, which mlx_lm.convert needs), then
 runs each tool in its own subprocess, plain and with 4-bit quantization, and prints wall time and peak RSS
 (the child's ru_maxrss: the largest process of its tree, so with ffn-tools' quantize workers, on an idle
 multi-core machine, each worker is at most that size) of each, and ffn-tools / mlx_lm as ratios against the
 targets. CPU time (user + sys) is printed too: on a busy machine it is the steadier comparison.
 
-    .venv/bin/python benchmarks/bench_mlx.py [--repeat N]
+    .venv/bin/python benchmarks/bench_mlx.py [--repeat N] [--size 1g|8b] [--kinds plain q4]
 """
 
 from __future__ import annotations
@@ -23,9 +24,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "bench-data"
+SIZES = {"1g": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=12, num_attention_heads=32,
+                    num_key_value_heads=4, vocab_size=8192),
+         "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=8, vocab_size=128256)}
+SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size
 SRC = DATA / "llama-1g-bf16"
-SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=12, num_attention_heads=32,
-             num_key_value_heads=4, vocab_size=8192)
+SHAPE = SIZES["1g"]
 # (time ratio, RSS ratio) targets: ffn-tools / mlx_lm.convert.
 TARGETS = {"plain": (0.25, 0.20), "q4": (0.50, 0.30)}
 
@@ -43,7 +48,8 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
 
 
 def build(path: Path) -> None:
-    """Write the checkpoint shard by shard (5 GB HF default is one shard: ~1.1 GB) with safetensors."""
+    """Write the checkpoint shard by shard (at most ``SHARD_BYTES`` each, with an index when more than one),
+    with safetensors, as transformers' save_pretrained lays it out."""
     import torch
     from safetensors.torch import save_file
     from transformers import LlamaConfig
@@ -55,22 +61,39 @@ def build(path: Path) -> None:
     def w(*shape):
         return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
 
-    tensors = {"model.embed_tokens.weight": w(v, h)}
-    for layer in range(SHAPE["num_hidden_layers"]):
-        p = f"model.layers.{layer}"
-        tensors.update({
-            f"{p}.input_layernorm.weight": 1 + w(h), f"{p}.post_attention_layernorm.weight": 1 + w(h),
-            f"{p}.self_attn.q_proj.weight": w(h, h), f"{p}.self_attn.k_proj.weight": w(kv, h),
-            f"{p}.self_attn.v_proj.weight": w(kv, h), f"{p}.self_attn.o_proj.weight": w(h, h),
-            f"{p}.mlp.gate_proj.weight": w(i, h), f"{p}.mlp.up_proj.weight": w(i, h),
-            f"{p}.mlp.down_proj.weight": w(h, i),
-        })
-    tensors["model.norm.weight"] = 1 + w(h)
-    tensors["lm_head.weight"] = w(v, h)
+    def layer(n):
+        p = f"model.layers.{n}"
+        return {f"{p}.input_layernorm.weight": 1 + w(h), f"{p}.post_attention_layernorm.weight": 1 + w(h),
+                f"{p}.self_attn.q_proj.weight": w(h, h), f"{p}.self_attn.k_proj.weight": w(kv, h),
+                f"{p}.self_attn.v_proj.weight": w(kv, h), f"{p}.self_attn.o_proj.weight": w(h, h),
+                f"{p}.mlp.gate_proj.weight": w(i, h), f"{p}.mlp.up_proj.weight": w(i, h),
+                f"{p}.mlp.down_proj.weight": w(h, i)}
+
+    parts = [lambda: {"model.embed_tokens.weight": w(v, h)}, *(lambda n=n: layer(n) for n in
+                                                             range(SHAPE["num_hidden_layers"])),
+             lambda: {"model.norm.weight": 1 + w(h), "lm_head.weight": w(v, h)}]
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    shards: list[dict] = [{}]
+    for part in parts:  # a shard is written once the next part would overflow it
+        tensors = part()
+        size = sum(t.numel() * 2 for t in tensors.values())
+        if shards[-1] and sum(t.numel() * 2 for t in shards[-1].values()) + size > SHARD_BYTES:
+            save_file(shards[-1], str(tmp / f"shard-{len(shards)}.tmp"), metadata={"format": "pt"})
+            shards[-1] = {k: None for k in shards[-1]}
+            shards.append({})
+        shards[-1].update(tensors)
+    save_file(shards[-1], str(tmp / f"shard-{len(shards)}.tmp"), metadata={"format": "pt"})
+    shards[-1] = {k: None for k in shards[-1]}
+    if len(shards) == 1:
+        (tmp / "shard-1.tmp").rename(tmp / "model.safetensors")
+    else:
+        names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+        for k, name in enumerate(names):
+            (tmp / f"shard-{k + 1}.tmp").rename(tmp / name)
+        weight_map = {t: names[k] for k, shard in enumerate(shards) for t in shard}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     LlamaConfig(**SHAPE, tie_word_embeddings=False, dtype="bfloat16", bos_token_id=1, eos_token_id=2,
                 pad_token_id=0).save_pretrained(tmp)
     write_tokenizer(tmp, v)
@@ -106,7 +129,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3,
                     help="Runs per tool and setting, alternating tools; the best time and the largest RSS are kept.")
+    ap.add_argument("--size", choices=tuple(SIZES), default="1g")
+    ap.add_argument("--kinds", nargs="+", choices=tuple(TARGETS), default=list(TARGETS))
     args = ap.parse_args()
+    global SRC, SHAPE
+    SHAPE = SIZES[args.size]
+    SRC = DATA / f"llama-{args.size}-bf16"
     if not SRC.exists():
         print(f"building {SRC} ...", flush=True)
         build(SRC)
@@ -121,7 +149,7 @@ def main() -> None:
     out = DATA / "mlx-out"
     ok = True
     results = {}
-    for kind in ("plain", "q4"):
+    for kind in args.kinds:
         cmds = commands(kind, out)
         runs: dict[str, list] = {tool: [] for tool in cmds}
         for _ in range(args.repeat):  # alternate, so that both see the same machine load

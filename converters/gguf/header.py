@@ -32,7 +32,7 @@ class Reader(GGUFReader):
     def data(self, mapped: np.memmap) -> None:  # GGUFReader.__init__ assigns its memory map here
         self.mapped = mapped  # ``mapped.flush()`` writes back what an "r+" reader changed
         self._plain = mapped.view(np.ndarray)
-        self._bytes = memoryview(self._plain)
+        self._bytes = memoryview(self._plain)  # type: ignore[arg-type]  # an ndarray is a buffer
 
     def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
         count = int(count)
