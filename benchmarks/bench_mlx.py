@@ -100,6 +100,28 @@ def build(path: Path) -> None:
     tmp.rename(path)
 
 
+def same_tensors(a: Path, b: Path) -> str | None:
+    """None when the two MLX outputs hold the same tensors, byte for byte (read from their safetensors
+    headers with pread, a tensor at a time; shard names and order may differ), else the first difference."""
+    from ffn_tools.io.safetensors_format import read_header
+    from ffn_tools.io.store import read_bytes
+
+    def entries(d: Path) -> dict:
+        return {n: (f, e) for f in sorted(d.glob("*.safetensors")) for n, e in read_header(f)[0].items()}
+
+    ea, eb = entries(a), entries(b)
+    if set(ea) != set(eb):
+        return f"tensor names differ: {sorted(set(ea) ^ set(eb))[:5]}"
+    for name, (fa, x) in ea.items():
+        fb, y = eb[name]
+        if (x.dtype, tuple(x.shape)) != (y.dtype, tuple(y.shape)):
+            return f"{name}: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}"
+        n = x.end - x.start
+        if read_bytes(fa, x.start, n) != read_bytes(fb, y.start, n):
+            return f"{name}: bytes differ"
+    return None
+
+
 def measure(cmd: list[str], out: Path) -> tuple[float, int, float]:
     """Wall seconds, peak RSS (bytes) and CPU seconds of ``cmd`` run in a child process; ``out`` is removed first."""
     shutil.rmtree(out, ignore_errors=True)
@@ -157,6 +179,9 @@ def main() -> None:
                 runs[tool].append(measure(cmd, out / tool))
         best = {tool: (min(t for t, _, _ in r), max(m for _, m, _ in r), min(c for _, _, c in r))
                 for tool, r in runs.items()}
+        diff = same_tensors(out / "ffn", out / "mlx")
+        ok &= diff is None
+        print(f"{kind:>5}: same tensors as mlx_lm.convert: {'yes' if diff is None else 'NO: ' + diff}")
         (ft, fr, fc), (mt, mr, mc) = best["ffn"], best["mlx"]
         tt, tr = TARGETS[kind]
         t_ratio, r_ratio = ft / mt, fr / mr

@@ -4,6 +4,7 @@ same model to the same bits, and transformers reloads what comes back."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -183,6 +184,28 @@ def test_chunked_quantization_equals_whole_tensor(workers, hf, mlx_ref, tmp_path
     convert(hf("mixtral", torch.bfloat16), "mlx", tmp_path / "out", quantize=4)
     assert bool(started) == workers
     assert_identical(tensors(tmp_path / "out"), tensors(mlx_ref("mixtral", 4, 64, torch.bfloat16)))
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="busy_cores reads Linux's /proc/stat")
+def test_idle_cores_see_a_busy_core_now_not_a_minute_ago():
+    """The pool's worker count comes from the CPU time of the last quarter second, not the 1-minute load
+    average (which kept an export on one core of an idle machine for a minute after a build): a process
+    spinning on one core is seen at once, and is gone from the count once it stops."""
+    import subprocess
+    import sys
+
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        import time
+
+        time.sleep(0.3)
+        busy = mlx_quant.busy_cores()
+    finally:
+        spin.kill()
+        spin.wait()
+    assert busy is not None and 0.8 <= busy <= (os.cpu_count() or 1) + 0.01, busy
+    cores = len(os.sched_getaffinity(0))
+    assert 1 <= mlx_quant.idle_cores() <= cores
 
 
 @pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("llama", torch.bfloat16), ("mixtral", torch.bfloat16),
