@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent / "ffn-tools"
 SHARD_BYTES = 2 * 10**9
 TOKENS = 32  # verify's default
+TIME_BAR_GB = 7.5  # the time target applies from about 8 GB (the bar: 8-16 GB)
 
 # name -> model_type, d_model, d_ffn (per expert for MoE), vocab, heads, kv heads, experts (0: dense)
 SHAPES = {
@@ -266,9 +267,14 @@ def main() -> None:
         lo, hi = results[0], results[-1]
         print(f"flatness: verify peak RSS {lo['verify'][1]:.0f} MB at {lo['gb']:.2f} GB -> {hi['verify'][1]:.0f} MB "
               f"at {hi['gb']:.2f} GB ({hi['verify'][1] / lo['verify'][1]:.2f}x for {hi['gb'] / lo['gb']:.1f}x the size)")
-    worst = max(r["verify"][0] / r["plain"][0] for r in results)
+    # the time bar is for real sizes (8-16 GB): below, verify's fixed cost (imports, the first FFN on every
+    # backend, ~7 s here) dominates a floor of a few seconds
+    large = [r for r in results if r["gb"] >= TIME_BAR_GB]
+    worst = max((r["verify"][0] / r["plain"][0] for r in large), default=None)
     above = max(r["verify"][1] - r["largest"] for r in results)
-    print(f"targets: verify <= 1.5x plain: {'met' if worst <= 1.5 else 'NOT met'} (worst {worst:.2f}x); "
+    time_line = (f"{'met' if worst <= 1.5 else 'NOT met'} (worst {worst:.2f}x at >= {TIME_BAR_GB:g} GB)" if worst
+                 else f"not measured (no size >= {TIME_BAR_GB:g} GB)")
+    print(f"targets: verify <= 1.5x plain at 8-16 GB: {time_line}; "
           f"peak RSS <= 1024 MB above the largest tensor: {'met' if above <= 1024 else 'NOT met'} ({above:.0f} MB)")
 
 
