@@ -12,14 +12,13 @@ it did not run (``absent_line``); without ``--layers`` a missing shard is refuse
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..detect import choose_scheme, ffn_members
 from ..errors import CheckpointError, FFNToolsError, SchemeError, listing
-from ..io.store import WEIGHT_INDEXES, WEIGHT_SUFFIXES, Checkpoint, read_config
+from ..io.store import WEIGHT_INDEXES, WEIGHT_SUFFIXES, Checkpoint, index_shards, read_config
 from ..registry import Scheme, compile_template
 
 SHOWN = 4  # shard names in a one-line summary (the JSON lists them all)
@@ -57,16 +56,6 @@ def find_index(path: str | Path) -> Path | None:
     return None
 
 
-def _weight_map(index: Path) -> dict[str, str]:
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{index}: not a valid index (needs a 'weight_map' object: {e})") from None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError(f"{index}: not a valid index ('weight_map' must map tensor names to shard file names)")
-    return weight_map
-
-
 def _scheme(names: list[str], config: dict | None, scheme: Scheme | None, where: Path) -> Scheme:
     """A given scheme where its templates match the names (as ``verify`` applies one), else the detected."""
     if scheme is not None and any(compile_template(t).fullmatch(n) for g in scheme.groups
@@ -98,7 +87,7 @@ def shards_needed(path: str | Path, layers: set[int] | None, experts: set[int] |
         files = [path.name] if path.is_file() else sorted(p.name for p in path.iterdir()
                                                           if p.suffix in WEIGHT_SUFFIXES)
         return ShardNeeds(str(path), None, files, len(files), [])
-    weight_map = _weight_map(index)
+    _, weight_map = index_shards(index, absent_ok=True)  # validated as when it is opened
     names = list(weight_map)
     members = ffn_members(names, _scheme(names, read_config(index.parent), scheme, index))
     wanted = {weight_map[n] for n, where in members.items() if selected(where, layers, experts)}
