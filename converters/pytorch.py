@@ -134,7 +134,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         return {"output": str(out), "format": FORMAT, "files": [], "tensors": len(plan.entries),
                 "bytes": plan.total_bytes, "changes": changes, "plan": plan.describe()}
     card = _card(ckpt)
-    extra = {"README.md": card} if card else {}
+    extra: dict[str, str | bytes] = {"README.md": card} if card else {}
     if ckpt.format is Format.GGUF:  # config.json comes from the metadata, tokenizer and generation config too
         from .gguf import side_files
 

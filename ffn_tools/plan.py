@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,13 +153,14 @@ def check_shardable(out: Path, max_shard_size: int | None, suffix: str = SAFETEN
 
 def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int | None = None,
             metadata: dict | None = None, desc: str = "writing", carry: bool = True,
-            extra_files: dict[str, str] | None = None, writer: Writer = SAFETENSORS) -> list[str]:
+            extra_files: Mapping[str, str | bytes] | None = None, writer: Writer = SAFETENSORS) -> list[str]:
     """Stream a plan to ``out``: one weight file (a path ending in ``writer.suffix``), or a directory of shards
     plus side files.
 
     Args:
         carry: copy the input's non-weight files (tokenizer, generation config, ...) into a directory output.
-        extra_files: more text files (name -> content) to write into a directory output.
+        extra_files: more files (name -> text, or bytes: a sentencepiece tokenizer.model) to write into a
+            directory output.
         writer: the weight file format (default safetensors; ``metadata`` goes to it).
 
     Returns:
@@ -190,8 +191,11 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
                         shutil.copy2(p, tmp / p.name)
                 if plan.config is not None:
                     (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
-                for name, text in (extra_files or {}).items():
-                    (tmp / name).write_text(text)
+                for name, content in (extra_files or {}).items():
+                    if isinstance(content, bytes):
+                        (tmp / name).write_bytes(content)
+                    else:
+                        (tmp / name).write_text(content)
     finally:
         progress.close()
     log.info("wrote %s (%s in %d file(s))", out, human(plan.total_bytes), len(written))

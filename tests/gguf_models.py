@@ -141,27 +141,17 @@ def copy_model(src: Path, dst: Path) -> Path:
 
 def llama2_sentencepiece(tok, vocab: Path, path: Path) -> None:
     """Give the model in ``path`` the two tokenizer files a Llama 2 checkpoint ships, built from the sentencepiece
-    vocabulary ``vocab`` (llama.cpp's ``ggml-vocab-llama-spm.gguf``): ``tokenizer.model``, a sentencepiece
-    ``ModelProto`` of its tokens, scores and token types (numbered alike in both) with Llama 2's specs (BPE,
-    byte fallback, a dummy prefix space, spaces as ▁), which convert_hf_to_gguf.py reads
-    (``_set_vocab_sentencepiece``), and ``tokenizer.json`` as Llama 2's tokenizes (``tok``, transformers' GGUF
-    reading, with Llama 2's normalizer: ▁ always prepended, spaces replaced, no pre-tokenizer; the reader's
-    Metaspace prepends only where the text does not start with a space, unlike sentencepiece and llama.cpp)."""
-    from gguf import GGUFReader
-    from sentencepiece import sentencepiece_model_pb2 as pb
+    vocabulary ``vocab`` (llama.cpp's ``ggml-vocab-llama-spm.gguf``) by the code GGUF -> torch writes them with
+    (``converters.gguf.sidefiles``): ``tokenizer.model``, a sentencepiece ``ModelProto`` of its tokens, scores and
+    token types with Llama 2's specs, which convert_hf_to_gguf.py reads (``_set_vocab_sentencepiece``), and
+    ``tokenizer.json`` as Llama 2's tokenizes (``tok``, transformers' GGUF reading, with sentencepiece's
+    normalizer: ▁ always prepended, spaces replaced, no pre-tokenizer; the reader's Metaspace prepends only
+    where the text does not start with a space, unlike sentencepiece and llama.cpp)."""
+    from ffn_tools.converters.gguf.header import Reader
+    from ffn_tools.converters.gguf.reader import field_values
+    from ffn_tools.converters.gguf.sidefiles import sentencepiece_model
 
-    fields = GGUFReader(vocab).fields
-    tokens, scores, types = (fields[f"tokenizer.ggml.{k}"].contents() for k in ("tokens", "scores", "token_type"))
-    ids = {k: fields[f"tokenizer.ggml.{k}_token_id"].contents() for k in ("unknown", "bos", "eos")}
-    proto = pb.ModelProto()
-    for piece, score, kind in zip(tokens, scores, types):
-        proto.pieces.add(piece=piece, score=score, type=kind)
-    proto.trainer_spec.MergeFrom(pb.TrainerSpec(
-        model_type=pb.TrainerSpec.BPE, vocab_size=len(tokens), byte_fallback=True, split_digits=True,
-        allow_whitespace_only_pieces=True, unk_id=ids["unknown"], bos_id=ids["bos"], eos_id=ids["eos"], pad_id=-1))
-    proto.normalizer_spec.MergeFrom(pb.NormalizerSpec(name="identity", add_dummy_prefix=True,
-                                                      remove_extra_whitespaces=False, escape_whitespaces=True))
-    (path / "tokenizer.model").write_bytes(proto.SerializeToString())
+    (path / "tokenizer.model").write_bytes(sentencepiece_model(field_values(Reader(vocab))))
     llama2_normalizer(tok)
     tok.save_pretrained(path)
 
@@ -170,10 +160,6 @@ def llama2_normalizer(tok) -> None:
     """Llama 2's tokenizer.json normalizer on ``tok`` (▁ always prepended, spaces replaced, no pre-tokenizer), as
     sentencepiece and llama.cpp tokenize; transformers' own Metaspace prepends ▁ only where the text does not
     start with a space."""
-    from tokenizers import decoders, normalizers
+    from ffn_tools.converters.gguf.sidefiles import spm_normalizer
 
-    backend = tok.backend_tokenizer
-    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    backend.pre_tokenizer = None
-    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(" ", 1, 0)])
+    spm_normalizer(tok.backend_tokenizer)

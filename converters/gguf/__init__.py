@@ -57,8 +57,9 @@ def export(ckpt: Checkpoint, out: Path, **options) -> dict:
     return write(ckpt, out, **options)
 
 
-def side_files(ckpt: Checkpoint) -> tuple[dict[str, str], list[str]]:
-    """The tokenizer files and generation_config.json rebuilt from the GGUF's metadata, name -> text, and what
+def side_files(ckpt: Checkpoint) -> tuple[dict[str, str | bytes], list[str]]:
+    """The tokenizer files and generation_config.json rebuilt from the GGUF's metadata, name -> text (bytes for
+    tokenizer.model), and what
     the summary says about them (see ``sidefiles``)."""
     from .sidefiles import side_files as rebuild  # transformers: imported only when a GGUF is converted
 

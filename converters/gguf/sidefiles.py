@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.io.store import Checkpoint
@@ -34,7 +35,7 @@ RERANKED = ("tokenizer.json: the GGUF stores no merge ranks ({why}), so its {n} 
             "differently from the model the GGUF was made from")
 
 
-def side_files(ckpt: Checkpoint) -> tuple[dict[str, str], list[str]]:
+def side_files(ckpt: Checkpoint) -> tuple[dict[str, str | bytes], list[str]]:
     """The tokenizer files and generation_config.json for ``ckpt`` (a GGUF), name -> text, and what the
     summary says about them."""
     files, changes = tokenizer_files(ckpt)
@@ -48,7 +49,7 @@ def side_files(ckpt: Checkpoint) -> tuple[dict[str, str], list[str]]:
     return files, changes
 
 
-def tokenizer_files(ckpt: Checkpoint) -> tuple[dict[str, str], list[str]]:
+def tokenizer_files(ckpt: Checkpoint) -> tuple[dict[str, str | bytes], list[str]]:
     """The GGUF's tokenizer as the files transformers saves, name -> text (empty when it has none), and what
     the summary says about them."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -61,13 +62,77 @@ def tokenizer_files(ckpt: Checkpoint) -> tuple[dict[str, str], list[str]]:
     tok = reader.from_pretrained(path.parent, gguf_file=path.name)
     with tempfile.TemporaryDirectory() as d:
         tok.save_pretrained(d)
-        files = {p.name: p.read_text("utf-8") for p in Path(d).iterdir() if p.is_file()}
+        files: dict[str, str | bytes] = {p.name: p.read_text("utf-8") for p in Path(d).iterdir() if p.is_file()}
     changes = ["tokenizer files written from the GGUF's tokenizer.ggml.* by transformers' GGUF reader"]
     why = ranks_lost(fields)
     if why and "tokenizer.json" in files:
-        files["tokenizer.json"], n = rank_by_position(files["tokenizer.json"])
+        files["tokenizer.json"], n = rank_by_position(str(files["tokenizer.json"]))
         changes.append(RERANKED.format(why=why, n=n))
+    if fields.get("tokenizer.ggml.model") == "llama" and "tokenizer.json" in files:
+        changes += sentencepiece_files(fields, files)
     return files, changes
+
+
+def sentencepiece_files(fields: dict, files: dict[str, str | bytes]) -> list[str]:
+    """A sentencepiece vocabulary's two files as a Llama 2 checkpoint ships them, into ``files``:
+    tokenizer.json with sentencepiece's normalizer (``spm_normalizer``: transformers' GGUF reader writes a
+    Metaspace pre-tokenizer, which prepends ▁ only where the text does not start with a space, so " Hello"
+    tokenized otherwise than by llama.cpp and the source), and tokenizer.model (``sentencepiece_model``:
+    what convert_hf_to_gguf.py reads back). Returns what the summary says."""
+    from tokenizers import Tokenizer
+
+    prefix = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
+    tok = Tokenizer.from_str(str(files["tokenizer.json"]))
+    spm_normalizer(tok, prefix)
+    files["tokenizer.json"] = tok.to_str(pretty=True)
+    said = [f"tokenizer.json: sentencepiece's normalizer ({'▁ prepended, ' if prefix else ''}spaces as ▁, as llama.cpp "
+            "tokenizes), not the Metaspace pre-tokenizer transformers' GGUF reader writes"]
+    try:
+        files["tokenizer.model"] = sentencepiece_model(fields)
+    except ImportError:
+        return [*said, "no tokenizer.model: writing one needs the sentencepiece package (pip install sentencepiece)"]
+    return [*said, "tokenizer.model: a sentencepiece model of the GGUF's pieces, scores and types (BPE, Llama 2's "
+                   "specs)"]
+
+
+def spm_normalizer(tok, prefix: bool = True) -> None:
+    """Sentencepiece's (Llama 2's tokenizer.json's) normalizer on a ``tokenizers.Tokenizer``: ▁ prepended
+    (``prefix``, the GGUF's add_space_prefix), spaces replaced by ▁, no pre-tokenizer, and the decoder that
+    undoes it."""
+    from tokenizers import decoders, normalizers
+
+    steps = [normalizers.Prepend("▁")] if prefix else []
+    tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = None
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     *([decoders.Strip(" ", 1, 0)] if prefix else [])])
+
+
+def sentencepiece_model(fields: dict) -> bytes:
+    """tokenizer.model for a GGUF's sentencepiece vocabulary: a sentencepiece ``ModelProto`` of its tokens,
+    scores and token types (numbered alike in both), with Llama 2's specs (BPE, byte fallback where the
+    vocabulary has byte pieces, digits split, spaces as ▁, a dummy prefix where add_space_prefix says) and
+    its unk/bos/eos ids.
+
+    Raises:
+        ImportError: no sentencepiece package.
+    """
+    import importlib
+
+    pb: Any = importlib.import_module("sentencepiece.sentencepiece_model_pb2")  # protobuf-generated: no stubs
+
+    tokens, scores, types = (fields[f"tokenizer.ggml.{k}"] for k in ("tokens", "scores", "token_type"))
+    proto = pb.ModelProto()
+    for piece, score, kind in zip(tokens, scores, types):
+        proto.pieces.add(piece=piece, score=score, type=kind)
+    ids = {k: fields.get(f"tokenizer.ggml.{k}_token_id", -1) for k in ("unknown", "bos", "eos")}
+    proto.trainer_spec.MergeFrom(pb.TrainerSpec(
+        model_type=pb.TrainerSpec.BPE, vocab_size=len(tokens), byte_fallback=6 in types, split_digits=True,
+        allow_whitespace_only_pieces=True, unk_id=ids["unknown"], bos_id=ids["bos"], eos_id=ids["eos"], pad_id=-1))
+    proto.normalizer_spec.MergeFrom(pb.NormalizerSpec(
+        name="identity", add_dummy_prefix=bool(fields.get("tokenizer.ggml.add_space_prefix", True)),
+        remove_extra_whitespaces=False, escape_whitespaces=True))
+    return proto.SerializeToString()
 
 
 def ranks_lost(fields: dict) -> str | None:

@@ -350,7 +350,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         raise FFNToolsError(f"{ckpt.path}: no config.json; MLX export needs it")
     metadata = {**METADATA, **added_metadata(ckpt.config, config)}  # what reading back removes
     items = [OutTensor(e.name, e.st_dtype, tuple(e.shape), e.nbytes, _sizing_only) for e in entries]
-    extra = {"config.json": mlx_config(ckpt, config, block), "README.md": model_card(ckpt)}
+    extra: dict[str, str | bytes] = {"config.json": mlx_config(ckpt, config, block), "README.md": model_card(ckpt)}
     if ckpt.format is Format.GGUF:  # its tokenizer is tokenizer.ggml.*: as transformers writes it from there
         from ffn_tools.converters.gguf import side_files
 
