@@ -82,11 +82,9 @@ def check(ckpt) -> LoadCheck:
     path = Path(ckpt.path)
     if ckpt.format is Format.GGUF:
         return check_llama_cpp(path)
-    if ckpt.absent:  # verify --layers on part of the shards: the client loads every one
-        absent = list(ckpt.absent)
+    if absent := ckpt.absent_line():  # verify --layers on part of the shards: the client loads every one
         return LoadCheck("mlx_lm" if ckpt.format is Format.MLX else "transformers",
-                         skipped=f"{len(absent)} of {len(ckpt.files) + len(absent)} shards absent "
-                                 f"({listing(absent, SHOWN)}); the client loads every shard")
+                         skipped=f"{absent}; the client loads every shard")
     if path.is_file() and path.name not in MAIN_FILES:  # model.split.safetensors beside its source
         return LoadCheck("transformers", skipped=f"{path.name} is a single file, not what a client loads from "
                                                  f"{path.parent} (that is {', '.join(MAIN_FILES[:2])})")

@@ -204,8 +204,8 @@ def write(tensors: list[dict], out: Path, *, threads: int | None = None, progres
     fd = os.open(out, os.O_WRONLY)
     try:
         def one(job) -> int:
-            src, r0, r1, head, qtype, one, pos, size = job
-            data = encode(src, r0, r1, head, qtype, one)
+            src, r0, r1, head, qtype, plus, pos, size = job
+            data = encode(src, r0, r1, head, qtype, plus)
             if len(data) != size:
                 raise ValueError(f"a chunk of {len(data)} bytes where {size} belong")
             view, done = memoryview(data), 0

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from .dtypes import as_st, nbytes, torch_dtype
 from .raw import RawTensor
-from ..errors import CheckpointError
+from ..errors import CheckpointError, listing
 from .safetensors_format import read_header
 
 PICKLE_SUFFIXES = (".bin", ".pth", ".pt")
@@ -176,6 +176,15 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
         """The checkpoint as stored: views that decode tensors (MXFP4, FP8 dequantized) give the one they
         decode, which is what a client loads; every other checkpoint is itself."""
         return self
+
+    def absent_line(self) -> str | None:
+        """``2 of 5 shards absent (model-00001-of-00005.safetensors, ...)``: the stored checkpoint's ``absent``
+        shards, said in one line; None for a whole checkpoint."""
+        stored = self.stored
+        if not stored.absent:
+            return None
+        return (f"{len(stored.absent)} of {len(stored.files) + len(stored.absent)} shards absent "
+                f"({listing(list(stored.absent), 4)})")
 
     @property
     def label(self) -> str:

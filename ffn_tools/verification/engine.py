@@ -239,7 +239,7 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
         (fa, pa), (fb, pb) = (_find(ca, "A", scheme, layout, selection),
                               _find(cb, "B", scheme, b_layout or layout, selection))
         report = VerifyReport(_side(ca, fa), _side(cb, fb), [], {}, tokens, seed, None, load=load)
-        report.notes += [f"{side}: {partial.absent_line(c)}: only the FFNs of --layers {layers} are read from it; "
+        report.notes += [f"{side}: {c.absent_line()}: only the FFNs of --layers {layers} are read from it; "
                          "what needs every shard (the load check, logits) does not run" for side, c in partial_sides]
         report.problems += [p for p in (pa, pb) if p]
         extract = _extracts(fa, fb)  # an FFN-only output has no model around its FFNs to compare

@@ -7,7 +7,7 @@ templates, no shard opened), so a user fetches only them (``verify --layers R --
 selected FFN's tensor in one of them is refused naming the shards to fetch (``refusal``), and the FFN tensors
 of other layers are left out of the FFN search (``search_names``), so a layer split across a present and an
 absent shard does not read as an inconsistent FFN. What needs every shard (the load check, the logits) says
-it did not run (``absent_line``); without ``--layers`` a missing shard is refused, as for every command.
+it did not run (``Checkpoint.absent_line``); without ``--layers`` a missing shard is refused, as for every command.
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..detect import choose_scheme, ffn_members
-from ..errors import CheckpointError, FFNToolsError, SchemeError, listing
+from ..errors import CheckpointError, FFNToolsError, SchemeError
 from ..io.store import WEIGHT_INDEXES, WEIGHT_SUFFIXES, Checkpoint, index_shards, read_config
 from ..registry import Scheme, compile_template
-
-SHOWN = 4  # shard names in a one-line summary (the JSON lists them all)
 
 
 @dataclass
@@ -129,12 +127,3 @@ def search_names(ckpt: Checkpoint, scheme: Scheme, layers: set[int] | None, expe
     the FFN tensors outside the selection (whose other half may lie in an absent shard)."""
     members = ffn_members(list(ckpt), scheme)
     return [n for n in ckpt if n not in members or selected(members[n], layers, experts)]
-
-
-def absent_line(ckpt: Checkpoint) -> str | None:
-    """``2 of 5 shards absent (model-00001-of-00005.safetensors, ...)``, or None for a whole checkpoint."""
-    stored = ckpt.stored
-    if not stored.absent:
-        return None
-    return (f"{len(stored.absent)} of {len(stored.files) + len(stored.absent)} shards absent "
-            f"({listing(list(stored.absent), SHOWN)})")
