@@ -33,7 +33,9 @@ def main() -> None:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    from ffn_tools import ctdecode, ctensors
+    from ffn_tools.quant import ctdecode, ctensors
+    from ffn_tools.quant.base import Module
+    from ffn_tools.quant.ctconfig import Args
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="small shapes (a smoke run)")
@@ -52,8 +54,8 @@ def main() -> None:
             scale, zp = calculate_qparams(g.amin(-1), g.amax(-1), args)
             sd = {"weight": w, "weight_scale": scale, **({} if sym else {"weight_zero_point": zp})}
             packed = PackedQuantizationCompressor.compress(sd, scheme)
-            m = ctensors.Module("x.weight", ctensors.Scheme("pack-quantized", bits, "group", 128, sym, "g"),
-                                {p: p for p in packed}, (rows_, cols))
+            m = Module("x.weight", ctensors.CT_INT, {p: p for p in packed}, (rows_, cols), "BF16",
+                       Args("pack-quantized", bits, "group", 128, sym, "g"))
             ours = ctdecode.dequantize(m, packed)
             theirs = PackedQuantizationCompressor.decompress(packed, scheme)["weight"]
             same = torch.equal(ours.view(torch.int16), theirs.view(torch.int16))

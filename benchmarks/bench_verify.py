@@ -132,7 +132,7 @@ def run_config(src: Path, split: Path, backends: list[str], tokens: int, rounds:
     """Time verify(src, split) and the plain matmuls it runs; best of ``rounds``."""
     import torch
 
-    from ffn_tools.verification.engine import verify
+    from ffn_tools.api import verify
     from ffn_tools.verification.functional import SAME_AS_A
 
     verify(src, split, backends=backends, tokens=4, layers="0", load_check=False)  # imports, JIT caches
@@ -168,7 +168,7 @@ def scope_overhead(src: Path, split: Path, tokens: int, rounds: int) -> tuple[fl
     """Best wall time of verify with the FFNs alone (--ffn-only --no-load-check), with every tensor accounted
     for (the default outside comparison), and with the load check too (B is a split Phi-3: it fails that
     check, which is timed all the same)."""
-    from ffn_tools.verification.engine import verify
+    from ffn_tools.api import verify
 
     verify(src, split, backends=["reference"], tokens=4, layers="0")  # imports transformers once
     best = [float("inf")] * 3
@@ -184,14 +184,13 @@ def model_checks(src: Path, split: Path, rounds: int) -> float:
     """Best time of the checks of the model around the weights that verify runs beside them: both configs
     through transformers' config class, and the side files (tokenizer, generation_config)."""
     from ffn_tools.converters import open_any
-    from ffn_tools.verification.model_config import compare_configs
-    from ffn_tools.verification.side_files import compare_side_files
 
     best = float("inf")
     with open_any(src) as ca, open_any(split) as cb:
+        client = cb.format.client()
         for _ in range(rounds + 1):
             t0 = time.perf_counter()
-            compare_configs(ca, cb), compare_side_files(ca.root, cb.root)
+            client.compare_config(ca, cb), client.compare_side_files(ca, cb)
             best = min(best, time.perf_counter() - t0)
     return best
 

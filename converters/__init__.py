@@ -1,20 +1,14 @@
-"""One module per checkpoint format, each with the same surface.
+"""Checkpoint formats: one package each, each one ``ffn_tools.formats.Format`` object, registered here.
 
-Every format module (``pytorch``, ``mlx``, ``flax``, ``gguf``; ``native``, Meta's and Mistral's own layouts, read only)
-defines:
+    pytorch   Hugging Face safetensors and weights-only pickles     client: transformers
+    mlx       the model directories mlx_lm reads and writes         client: mlx_lm
+    flax      flax.serialization msgpack trees (hf, linen layouts)  client: none here (transformers 5 has no Flax)
+    gguf      llama.cpp's files                                     client: llama.cpp
+    native    Meta's and Mistral's own layouts (read only)          client: none here
 
-    FORMAT: str                        the --to / detected name
-    OPTIONS: frozenset[str]            format-specific keyword options ``export`` accepts
-    can_read(path) -> bool             whether ``path`` looks like this format (cheap: names and headers)
-    open(path) -> Checkpoint           a lazy read-only view with Hugging Face PyTorch names, (out, in)
-                                       weights and per-expert tensors, so the FFN registry finds its FFNs;
-                                       the formats of ``ABSENT_SHARDS`` also take ``absent_shards=True``
-                                       (an index naming shards not on disk: ``Checkpoint.absent``)
-    export(ckpt, out, *, dtype=None, force=False, max_shard_size=None, **options) -> dict
-                                       write ``ckpt`` (any format's view) in this format; returns a summary
-
-So converting is ``get(to).export(open_any(path), out, ...)``, and adding a format is adding a file.
-Modules are imported lazily: a torch-only install never imports mlx or jax.
+``FORMATS`` is the one table: name -> the module that defines its ``FORMAT``, imported on first use (a
+torch-only install never imports mlx or jax). Converting is ``get(to).export(open_any(path), out, ...)``;
+adding a format is adding a package and a line here.
 """
 
 from __future__ import annotations
@@ -22,63 +16,80 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from ffn_tools.errors import FFNToolsError
+from ffn_tools.errors import CheckpointError, FFNToolsError
+from ffn_tools.formats import Format
+from ffn_tools.io.store import Checkpoint, open_checkpoint
 
-FORMATS = ("torch", "mlx", "flax", "gguf")
-_MODULES = {"torch": "ffn_tools.converters.pytorch", "mlx": "ffn_tools.converters.mlx", "flax": "ffn_tools.converters.flax",
-            "native": "ffn_tools.converters.native", "gguf": "ffn_tools.converters.gguf"}
+FORMATS = {"torch": "pytorch", "mlx": "mlx", "flax": "flax", "gguf": "gguf", "native": "native"}
+WRITES = ("torch", "mlx", "flax", "gguf")  # the --to choices, known without importing a format (tested against
+# each FORMAT's ``writes``)
 # Options whose command-line flags are not simply --the-name.
-_FLAGS = {"scheme": "--scheme/--scheme-file/--gate/--up/--down", "layout": "--layout/--order/--tp"}
-# Order in which formats are tried when reading: the specific ones before plain PyTorch.
-_READ_ORDER = ("gguf", "native", "mlx", "flax", "torch")
-# Formats whose sharded index may name shards that are not on disk (``open(path, absent_shards=True)``):
-# safetensors indexes, which ``verify --layers`` reads part of.
-ABSENT_SHARDS = ("torch", "mlx")
+FLAGS = {"scheme": "--scheme/--scheme-file/--gate/--up/--down", "layout": "--layout/--order/--tp"}
 
-__all__ = ["FORMATS", "get", "detect_format", "open_any", "convert"]
+__all__ = ["FORMATS", "WRITES", "get", "detect_format", "open_any", "open_sides", "convert"]
 
 
-def get(fmt: str):
-    """The module of a format.
+def get(fmt: str) -> Format:
+    """The format named ``fmt``.
 
     Raises:
         FFNToolsError: unknown format, or its framework is not installed.
     """
-    if fmt not in _MODULES:
-        raise FFNToolsError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
+    if fmt not in FORMATS:
+        raise FFNToolsError(f"unknown format {fmt!r}; use one of {', '.join(WRITES)}")
     try:
-        return importlib.import_module(_MODULES[fmt])
+        module = importlib.import_module(f"{__name__}.{FORMATS[fmt]}")
     except ImportError as e:
         raise FFNToolsError(f"format {fmt!r} needs a package that is not installed ({e}); "
                             f"install with: pip install 'ffn-tools[{fmt}]'") from None
+    return module.FORMAT
+
+
+def _available() -> list[Format]:
+    """The formats whose packages import here, in detection order."""
+    out = []
+    for name in FORMATS:
+        try:
+            out.append(get(name))
+        except FFNToolsError:
+            continue
+    return sorted(out, key=lambda f: f.detect_order)
 
 
 def detect_format(path: str | Path) -> str:
     """The format of a checkpoint path ("torch" when no other format claims it)."""
     path = Path(path)
-    for fmt in _READ_ORDER[:-1]:
-        try:
-            mod = get(fmt)
-        except FFNToolsError:
-            continue
-        if mod.can_read(path):
-            return fmt
-    return "torch"
+    return next((f.name for f in _available() if f.can_read(path)), "torch")
 
 
-def open_any(path: str | Path, fmt: str | None = None, absent_shards: bool = False):
+def open_any(path: str | Path, fmt: str | None = None, absent_shards: bool = False) -> Checkpoint:
     """Open a checkpoint of any supported format as a Hugging Face PyTorch-named view.
 
-    ``absent_shards``: a sharded index may name shards that are not on disk (``Checkpoint.absent`` lists
-    them), in the formats of ``ABSENT_SHARDS``; the others refuse a missing shard as always.
+    ``absent_shards``: a sharded index may name shards that are not on disk (``Checkpoint.absent`` lists them),
+    in the formats that read such indexes (``Format.partial_shards``); the others refuse a missing shard.
 
     Raises:
         CheckpointError: the path cannot be read.
     """
-    fmt = fmt or detect_format(path)
-    if absent_shards and fmt in ABSENT_SHARDS:
-        return get(fmt).open(Path(path), absent_shards=True)
-    return get(fmt).open(Path(path))
+    return get(fmt or detect_format(path)).open(Path(path), absent_shards=absent_shards)
+
+
+def open_sides(path, side: str, absent_shards: bool = False) -> tuple[Checkpoint | None, str | None]:
+    """(checkpoint, None), or (None, problem) where the weight files are there but their content cannot be read
+    as their format (a failed conversion: say an MLX config whose group size does not fit its scales): verify
+    reports that as a difference, not a usage error.
+
+    Raises:
+        FFNToolsError: there is no checkpoint at ``path`` at all.
+    """
+    try:
+        return open_any(path, absent_shards=absent_shards), None
+    except CheckpointError as e:
+        try:
+            open_checkpoint(path, absent_shards).close()  # plain weight files are there: what they hold is wrong
+        except FFNToolsError:
+            raise e from None
+        return None, f"{side} cannot be read: {e}"
 
 
 def convert(path: str | Path, to: str, out: str | Path, *, dtype: str | None = None, force: bool = False,
@@ -88,16 +99,16 @@ def convert(path: str | Path, to: str, out: str | Path, *, dtype: str | None = N
     Options not meaningful for the target (e.g. ``quantize`` for flax) are refused, not ignored.
 
     Returns:
-        The target module's export summary.
+        The target format's export summary.
 
     Raises:
         FFNToolsError: unknown format or option, unreadable input, existing output, ...
     """
-    mod = get(to)
+    target = get(to)
     given = {k: v for k, v in options.items() if v is not None}
-    wrong = sorted(set(given) - set(mod.OPTIONS))
+    wrong = sorted(set(given) - set(target.options))
     if wrong:
-        flags = ", ".join(_FLAGS.get(w, "--" + w.replace("_", "-")) for w in wrong)
+        flags = ", ".join(FLAGS.get(w, "--" + w.replace("_", "-")) for w in wrong)
         raise FFNToolsError(f"{flags} does not apply to --to {to}")
     with open_any(path) as ckpt:
-        return mod.export(ckpt, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, **given)
+        return target.export(ckpt, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, **given)

@@ -147,7 +147,10 @@ def shards_needed(a, b, *, layers: str, experts: str | None = None, scheme=None)
 
 
 def verify(a, b, **options):
-    """``ffn-tools verify A B``: the report (``.passed``, ``.lines()``, ``.as_dict()`` = the --json)."""
+    """``ffn-tools verify A B``: the report (``.passed``, ``.lines()``, ``.as_dict()`` = the --json); A and B of
+    any format the registry reads (``converters.open_sides``)."""
+    from ffn_tools.converters import open_sides
+
     from .verification.engine import verify as run
 
-    return run(resolve(str(a)), resolve(str(b)), **options)
+    return run(resolve(str(a)), resolve(str(b)), opener=open_sides, **options)

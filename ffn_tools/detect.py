@@ -19,7 +19,7 @@ from .ffn import FFN, Activation, FFNRef, activation_from_config
 from .layouts import GateUpLayout
 from .registry import (LIBRARY, SCHEMES, Form, Group, Scheme, bias_name, compile_template, config_int,
                        scheme_for_model_type)
-from .scales import is_companion
+from .quant.fp8 import is_companion
 
 
 # A tensor looks like an FFN projection when a module on its path is an MLP / FFN / expert block and its own

@@ -12,14 +12,14 @@ import json
 import os
 from pathlib import Path
 
-from . import scales
+from .quant import fp8
 from .detect import find_ffns
 from .errors import FFNToolsError
 from .ffn import CLAMPED_RECORD, FFN, canonical_weights, clamped_record
 from .io.dtypes import short_name
 from .io.output import check_output
 from .layouts import GateUpLayout, split
-from .plan import Entry, Plan, copy_entry, execute, side_files
+from .plan import DEQUANTIZED, Entry, Plan, copy_entry, execute, side_files
 from .registry import Scheme
 from .specs import parse_spec
 
@@ -63,13 +63,13 @@ def _scale_entries(ckpt, f: FFN, prefix: str) -> list[Entry]:
     for role in ("gate", "up", "down"):
         fused = role not in f.names
         base = f.names["gate_up"] if fused else f.names[role]
-        for suffix, sc in scales.companions(ckpt, base).items():
+        for suffix, sc in fp8.companions(ckpt, base).items():
             name = f"{prefix}.{role}.weight{suffix}"
             if not fused and f.index is None:
                 out.append(copy_entry(ckpt, sc, name))
                 continue
             if fused or f.form.transposed:
-                scales.check(ckpt, base, sc, f.layout, f.index is not None, transposed=f.form.transposed)
+                fp8.check(ckpt, base, sc, f.layout, f.index is not None, transposed=f.form.transposed)
             info = ckpt.info(sc)
             shape = list(info.shape[1:] if f.index is not None else info.shape)
             if fused:
@@ -115,7 +115,7 @@ def extract(ckpt, out: Path, *, layers: str | None = None, experts: str | None =
         "ffns": len(chosen), "tensors": len(entries),
         "warnings": [w] if (w := ffns.unmatched_warning()) else [],
     }
-    quantized = [q for f in chosen for n in f.names.values() if (q := ckpt.quant_params(n))]
+    quantized = [q.params for f in chosen for n in f.names.values() if (q := ckpt.quantized(n))]
     if quantized:  # read dequantized (compressed-tensors, GPTQ/AWQ, MXFP4, FP8 views): said, and recorded for verify
         q = quantized[0]
         manifest["dequantized"] = (f"{len(quantized)} quantized weights written dequantized, as read ({q['bits']}-bit "
@@ -126,8 +126,8 @@ def extract(ckpt, out: Path, *, layers: str | None = None, experts: str | None =
     plan = Plan(ckpt, entries, None if out.suffix == ".safetensors" else config)
     metadata = {"format": "pt", "ffn_tools": "extract", "hidden_act": ffns.activation.config_name,
                 **({CLAMPED_RECORD: json.dumps(clamped)} if clamped else {})}
-    if quantized:  # = converters.pytorch.DEQUANTIZED: verify against the source gives B its bits' row
-        metadata["ffn_tools_dequantized_from"] = json.dumps({k: quantized[0].get(k) for k in ("bits", "group_size", "mode")}
+    if quantized:  # verify against the source gives B its bits' row
+        metadata[DEQUANTIZED] = json.dumps({k: quantized[0].get(k) for k in ("bits", "group_size", "mode")}
                                                             | {"weights": len(quantized)})
     if out.suffix == ".safetensors":
         _execute_file(plan, out, force, max_shard_size, metadata, manifest)

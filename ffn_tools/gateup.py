@@ -19,11 +19,10 @@ from .io.dtypes import itemsize
 from .errors import FFNToolsError, LayoutError, NothingToDoError
 from .ffn import FFN
 from .layouts import GateUpLayout, fuse, split
-from .loadable import form_change_warning
 from .io.output import check_output
 from .plan import Entry, Plan, check_shardable, copy_entry, execute
-from . import ctensors, mxfp4, scales
-from .ctview import CompressedView
+from . import quant
+from .quant import fp8 as scales
 from .registry import UNFUSED, Form, Group, Scheme, bias_name
 from .sizes import human
 from .stacks import restack_entries
@@ -121,8 +120,8 @@ def _index_entry(ckpt, src: str, index: int | None, name: str, transpose: bool =
 
 def plan_split(ckpt, ffns: FFNSet, packed: dict | None = None) -> Plan:
     """Plan splitting every fused FFN of ``ckpt`` into separate gate/up projections (the group's ``unfused``
-    form: per FFN, or a flat stack per layer; ``packed``: its compressed-tensors modules, ``ctensors.modules``,
-    moved as stored by ``ctrows``).
+    form: per FFN, or a flat stack per layer; ``packed``: its quantized modules whose schemes move their stored
+    parts themselves, ``QuantScheme.split_entries``).
 
     Raises:
         NothingToDoError: no FFN is fused.
@@ -178,17 +177,15 @@ def _restack(ckpt, experts: list[FFN], target: Form, replaced) -> None:
         replaced[name] += []
 
 
-# --- compressed-tensors modules (ffn_tools/ctrows.py): their stored parts move with the rows ---
+# --- quantized modules (compressed-tensors, NVFP4, GPTQ, AWQ): their schemes move their stored parts ---
 def _packed_split(ckpt, f: FFN, new: dict[str, str], replaced, packed: dict) -> bool:
-    """A fused compressed-tensors gate_up split part by part, down's parts renamed; False: not one."""
-    from . import ctrows
-
+    """A fused quantized gate_up split part by part by its scheme, down's parts renamed; False: not one."""
     m = packed.get(f.names["gate_up"])
     if m is None:
         return False
     if f.index is not None or "gate_up_bias" in f.names:
         raise LayoutError(f"{f.names['gate_up']}: compressed-tensors experts stacked or with biases are not split here")
-    for src, entries in ctrows.split_entries(m, f.layout, new, ckpt).items():
+    for src, entries in m.scheme.split_entries(m, f.layout, new, ckpt).items():
         replaced[src] += entries
     _packed_rename(ckpt, packed, f.names["down"], new["down"], replaced)
     return True
@@ -203,9 +200,8 @@ def _packed_rename(ckpt, packed: dict, src: str, dst: str, replaced) -> None:
 
 
 def _packed_fuse(ckpt, f: FFN, new: dict[str, str], replaced, packed: dict) -> bool:
-    """Separate compressed-tensors gate and up fused part by part, down's parts renamed; False: neither is one."""
-    from . import ctrows
-
+    """Separate quantized gate and up fused part by part by their scheme, down's parts renamed; False: neither
+    is one."""
     g, u = packed.get(f.names["gate"]), packed.get(f.names["up"])
     if g is None and u is None:
         return False
@@ -213,7 +209,7 @@ def _packed_fuse(ckpt, f: FFN, new: dict[str, str], replaced, packed: dict) -> b
         raise LayoutError(f"{f.ref}: {f.names['gate' if g is None else 'up']} is stored unquantized and "
                           f"{f.names['up' if g is None else 'gate']} compressed (or they have biases): they cannot "
                           "be fused as stored")
-    entries = ctrows.fuse_entries(g, u, f.layout, new["gate_up"], ckpt)
+    entries = g.scheme.fuse_entries(g, u, f.layout, new["gate_up"], ckpt)
     replaced[g.packed] += entries
     for name in (*g.parts.values(), *u.parts.values()):
         replaced[name] += []
@@ -341,7 +337,7 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False, packed: dict | No
     for (layer, _), experts in by_layer.items():
         held = [packed[n] for f in experts for r in ("gate", "up", "down") if packed and (n := f.names[r]) in packed]
         if held:  # compressed-tensors / GPTQ / AWQ experts (ctrows moves single modules, not stacks)
-            raise LayoutError(f"layer {layer}: {len(held)} expert weights are stored quantized ({held[0].scheme.name}); "
+            raise LayoutError(f"layer {layer}: {len(held)} expert weights are stored quantized ({held[0].scheme.what(held[0])}); "
                               "stacking quantized experts is not done here: `ffn-tools convert PATH --to torch -o DIR` "
                               "dequantizes them, then stack that")
         f0 = experts[0]
@@ -460,13 +456,14 @@ def check_rewritable(ckpt: Checkpoint, command: str) -> None:
     Raises:
         FFNToolsError: naming the format and the conversion to run first.
     """
-    if not ckpt.format.pytorch:
-        raise FFNToolsError(f"{ckpt.path}: is {ckpt.format.described} checkpoint; {command} works on PyTorch checkpoints: "
+    if not ckpt.rewritable:
+        raise FFNToolsError(f"{ckpt.path}: is {ckpt.described} checkpoint; {command} works on PyTorch checkpoints: "
                             f"ffn-tools convert {ckpt.path} --to torch -o DIR first")
-    if packed := mxfp4.pairs(ckpt.stored):
-        raise FFNToolsError(f"{ckpt.path}: {len(packed)} MXFP4 tensors ({next(iter(packed))}_blocks/_scales, ...): "
-                            f"{command} rewrites tensors as stored and nothing reads split MXFP4; `ffn-tools "
-                            "convert PATH --to torch -o DIR` dequantizes them exactly (bf16), then split that")
+    by_scheme: dict = {}
+    for m in quant.find(ckpt.stored).values():
+        by_scheme.setdefault(m.scheme, []).append(m)
+    for scheme, modules in by_scheme.items():
+        scheme.check_rewritable(modules, ckpt.path, command)
 
 
 def _run(command: str, plan_fn, source, out, *, scheme, layout, dry_run, force, max_shard_size, load_check,
@@ -476,10 +473,10 @@ def _run(command: str, plan_fn, source, out, *, scheme, layout, dry_run, force, 
         ckpt = source if isinstance(source, Checkpoint) else stack.enter_context(open_checkpoint(Path(source)))
         path = Path(ckpt.path)
         check_rewritable(ckpt, command)
-        ckpt = ckpt.stored if ckpt.resolves_quantization and isinstance(ckpt, CompressedView) else ckpt
-        packed = {n: m for n, m in ctensors.modules(ckpt).items()  # compressed-tensors: FFNs found as read,
-                  if not m.scheme.float8}  # parts moved as stored (FP8 weights and scales: as scales.py moves them)
-        seen = CompressedView(ckpt, packed) if packed else ckpt
+        ckpt = ckpt.stored  # tensors as stored: quantized parts move as they are
+        packed = {n: m for n, m in quant.find(ckpt).items()  # FFNs found as read, parts moved by their scheme
+                  if m.scheme.moves_parts}  # (FP8 weights and their scales: as fp8 moves them, below)
+        seen = quant.DecodedView(ckpt, packed) if packed else ckpt
         plan = plan_fn(ckpt, find_ffns(seen, scheme, layout), **kw, **({"packed": packed} if packed else {}))
         out = Path(out) if out else default_output(path, "split" if command == "split-gateup" else "fused")
         check_shardable(out, max_shard_size)
@@ -491,7 +488,8 @@ def _run(command: str, plan_fn, source, out, *, scheme, layout, dry_run, force, 
                        plan=plan.describe() if dry_run else None)
         with ThreadPoolExecutor(1) as pool:  # the load check (importing transformers) overlaps the copy
             changed = summary.pop("form_changes")
-            warning = pool.submit(form_change_warning, ckpt, plan, str(out)) if changed and load_check else None
+            client = ckpt.format.client() if ckpt.format is not None and changed and load_check else None
+            warning = pool.submit(client.load_warning, ckpt, plan, str(out)) if client else None
             if dry_run:
                 check_output(out, [path, *ckpt.files], force)
             else:

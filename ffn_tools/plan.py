@@ -24,6 +24,8 @@ from typing import Any
 
 from .io.dtypes import as_st, nbytes, short_name
 from .errors import FFNToolsError
+
+DEQUANTIZED = "ffn_tools_dequantized_from"  # safetensors metadata: the quantization weights were read from
 from .io.output import atomic_output
 from .progress import Progress
 from .sizes import human
@@ -200,3 +202,26 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
         progress.close()
     log.info("wrote %s (%s in %d file(s))", out, human(plan.total_bytes), len(written))
     return written
+
+
+def cast_entry(ckpt, name: str, dtype) -> Entry:
+    """Copy a tensor, casting it to ``dtype`` if it is floating and differs."""
+    info = ckpt.info(name)
+    if dtype is None or not info.dtype.is_floating_point or info.dtype == dtype:
+        return copy_entry(ckpt, name)
+    return Entry(name, dtype, info.shape, (name,), lambda ts: ts[0].to(dtype), None,
+                 f"cast {short_name(info.dtype)} -> {short_name(dtype)}")
+
+
+def unquantized_config(config: dict | None, target) -> tuple[dict | None, list[str]]:
+    """A copy of ``config`` for unquantized weights in dtype ``target`` (None: unchanged), and what changed."""
+    if config is None:
+        return None, []
+    config, changes = dict(config), []
+    config.pop("quantization", None)
+    config.pop("quantization_config", None)
+    if target is not None:
+        config["dtype"] = short_name(target)
+        config.pop("torch_dtype", None)
+        changes.append(f"config.json: dtype set to {short_name(target)}")
+    return config, changes

@@ -6,8 +6,8 @@ from collections import Counter, defaultdict
 
 from .detect import FFNSet, find_ffns
 from .io.dtypes import short_name
-from .scales import describe as describe_scales
-from .scales import is_companion
+from . import quant
+from .quant.fp8 import is_companion
 from .layouts import GateUpLayout
 from .registry import Scheme
 from .io.store import Checkpoint, config_dtype
@@ -90,7 +90,7 @@ def inspect_checkpoint(ckpt: Checkpoint, scheme: Scheme | None = None, layout: G
         "activation": ffns.activation.describe(),
         "gated_unit": ffns.activation.unit,
         "dtypes": dict(Counter(short_name(ckpt.info(n).st_dtype) for n in ckpt)),
-        "quantized": describe_scales(ckpt) + ckpt.decoded(),
+        "quantized": quant.describe(ckpt),
         "config_dtype": config_dtype(ckpt.config),
         "shards": [str(f.name) for f in ckpt.files],
         "total_bytes": ckpt.total_bytes,

@@ -1,4 +1,4 @@
-"""compressed-tensors pack-quantized checkpoints (``ffn_tools.ctensors``): read dequantized exactly as
+"""compressed-tensors pack-quantized checkpoints (``ffn_tools.quant.ctensors``): read dequantized exactly as
 compressed-tensors' own decompression gives, named per module by inspect, verified against the unquantized
 twin, with planted defects failing."""
 
@@ -15,7 +15,8 @@ pytest.importorskip("compressed_tensors")
 import ct_models  # noqa: E402
 from helpers import plant, run_cli  # noqa: E402
 
-from ffn_tools import ctdecode, ctview  # noqa: E402
+from ffn_tools import quant  # noqa: E402
+from ffn_tools.quant import ctdecode  # noqa: E402
 from ffn_tools.converters import open_any  # noqa: E402
 from ffn_tools.errors import CheckpointError  # noqa: E402
 from ffn_tools.io.store import open_checkpoint  # noqa: E402
@@ -49,7 +50,7 @@ def ct(tmp_path_factory):
 def test_reads_as_compressed_tensors_decompresses(ct, variant):
     _, path = ct(variant)
     with open_any(path) as ckpt:
-        assert isinstance(ckpt, ctview.CompressedView)
+        assert isinstance(ckpt, quant.DecodedView)
         assert "model.layers.0.mlp.gate_proj.weight" in ckpt and "model.layers.0.mlp.gate_proj.weight_packed" not in ckpt
         assert len(ckpt.modules) == 14  # 7 Linear modules per layer; lm_head ignored
         for name in ckpt.modules:
@@ -82,11 +83,11 @@ def test_per_module_groups_and_ignore(tmp_path):
               "mlp": (["re:.*mlp.*_proj$"], ct_models.args(4, group_size=32, symmetric=False))}
     _, path = ct_models.build("llama", tmp_path, groups, ignore=["lm_head", "model.layers.1.mlp.down_proj"])
     with open_any(path) as ckpt:
-        schemes = {n: m.scheme.name for n, m in ckpt.modules.items()}
+        schemes = {n: m.args.name for n, m in ckpt.modules.items()}
         assert schemes["model.layers.0.self_attn.q_proj.weight"] == "int8 per channel symmetric (pack-quantized)"
         assert schemes["model.layers.0.mlp.down_proj.weight"] == "int4 group 32 asymmetric (pack-quantized)"
         assert "model.layers.1.mlp.down_proj.weight" not in schemes  # ignored: stored as bf16
-        assert ckpt.quant_params("model.layers.1.mlp.down_proj.weight") is None
+        assert ckpt.quantized("model.layers.1.mlp.down_proj.weight") is None
         assert len(schemes) == 13
     data = json.loads(run_cli("inspect", path, "--json").output)
     assert sorted((q["scheme"], q["weights"]) for q in data["quantized"]) == [
@@ -131,7 +132,7 @@ def test_verify_fails_planted_defects(ct, tmp_path, defect):
     assert "gate (model.layers.1.mlp.gate_proj.weight): B's codes are not A's weight quantized with B's int4 group 32 " \
            "asymmetric (pack-quantized) parameters" in r.output
     if defect == "gate/up swapped":
-        assert "B's gate is A's up quantized" in r.output
+        assert "B's gate is A's up re-quantized" in r.output
     assert "layer 0" not in [ln.split("  ")[0] for ln in r.output.splitlines() if "differs" in ln]
 
 
@@ -221,7 +222,7 @@ def test_fuse_llama(ct, tmp_path):
     run_cli("fuse-gateup", path, "-o", out)
     with open_any(out) as ckpt:
         m = ckpt.modules["model.layers.1.mlp.gate_up_proj.weight"]
-        assert m.shape == (192, 64) and m.scheme.bits == 8
+        assert m.shape == (192, 64) and m.args.bits == 8
         oracle = ct_models.decompressed(out, "model.layers.1.mlp.gate_up_proj")
         assert torch.equal(ckpt[m.weight].view(torch.int16), oracle.view(torch.int16))
     with open_any(path) as src:
@@ -332,7 +333,7 @@ def test_to_mlx_keeps_the_codes(ct, tmp_path, variant):
             ref = ct_models.decompressed(src, name[: -len(".weight")]).float()
             # one rounding of the bias to bf16, and MLX's of s*c and of the sum: half an ulp each
             s = parts["weight_scale"].float().repeat_interleave(32, 1)
-            c = ctdecode.codes(m, parts).float() + (1 << (bits - 1))
+            c = ctdecode.unpack(parts["weight_packed"], m.args.bits, m.shape[1]).float() + (1 << (bits - 1))
             bias = torch.from_numpy(np.array(q.biases.astype(mx.float32))).repeat_interleave(32, 1)
             bound = 2.0 ** -8 * (bias.abs() + (s * c).abs() + ref.abs())
             assert bool(((w - ref).abs() <= bound).all()), name
@@ -386,7 +387,7 @@ def test_nvfp4_reads_as_compressed_tensors_decompresses(nv):
     _, ct, mo = nv()
     with open_any(ct) as a, open_any(mo) as b:
         assert sorted(a.modules) == sorted(b.modules) and len(a.modules) == 14
-        assert {m.scheme.name for m in b.modules.values()} == {"nvfp4 group 16 with a weight_scale_2 (modelopt NVFP4)"}
+        assert {m.args.name for m in b.modules.values()} == {"nvfp4 group 16 with a weight_scale_2 (modelopt NVFP4)"}
         for name in a.modules:
             base = name[: -len(".weight")]
             oracle = ct_models.decompressed(ct, base)
@@ -474,9 +475,9 @@ def test_fp8_float_quantized(tmp_path, strategy):
     twin, path = ct_models.build("llama", tmp_path, {"g": (["Linear"], a)}, fmt="float-quantized")
     out = run_cli("inspect", path).output
     assert f"quantized     14 weights fp8 per {strategy} (float-quantized), one _weight_scale per" in out
-    from ffn_tools.scales import Dequantized
+    from ffn_tools import quant
 
-    with Dequantized(open_checkpoint(path)) as ckpt:
+    with quant.decoded(open_checkpoint(path), every=True) as ckpt:
         for base in ("model.layers.0.mlp.gate_proj", "model.layers.1.self_attn.v_proj"):
             oracle = ct_models.decompressed(path, base)  # compressed-tensors' float-quantized decompression
             ours = ckpt[base + ".weight"].to(oracle.dtype)
@@ -498,7 +499,7 @@ def test_int4_group_128(tmp_path, symmetric):
     twin, path = ct_models.build("llama", tmp_path, groups, hidden_size=128, intermediate_size=256)
     write_tokenizer(path)
     with open_any(path) as ckpt:
-        assert {m.scheme.name for m in ckpt.modules.values()} == \
+        assert {m.args.name for m in ckpt.modules.values()} == \
             {f"int4 group 128 {'symmetric' if symmetric else 'asymmetric'} (pack-quantized)"}
         for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.gate_proj.weight"):
             assert torch.equal(ckpt[name].view(torch.int16),

@@ -138,7 +138,7 @@ def test_linen_module_reproduces_torch_ffn(model_dir, exported, arch):
 def test_round_trip_bit_exact(model_dir, exported, tmp_path, arch, dtype):
     src, out = model_dir(arch, dtype), exported(arch, dtype)
     with open_any(out) as ckpt:
-        assert ckpt.format == "flax" and ckpt.layout == "hf"
+        assert ckpt.kind == "flax" and ckpt.layout == "hf"
         assert {short for short in (str(ckpt.info(n).dtype) for n in ckpt)} == {str(dtype)}
     convert(out, "torch", tmp_path / "back")
     assert_identical(tensors(src), tensors(tmp_path / "back"))
@@ -317,7 +317,7 @@ def test_reads_and_rewrites_trees_flax_wrote(tmp_path):
     src = tmp_path / "flax_model.msgpack"
     src.write_bytes(serialization.to_bytes(tree))
     with open_any(src) as ckpt:
-        assert ckpt.format == "flax" and ckpt.layout == "hf"
+        assert ckpt.kind == "flax" and ckpt.layout == "hf"
         assert find_ffns(ckpt).ffns[0].d_ffn == 12
         gate = ckpt["model.layers.0.mlp.gate_proj.weight"]
         assert gate.dtype == torch.bfloat16 and gate.shape == (12, 8)
@@ -385,9 +385,9 @@ def test_cli_convert_and_inspect(model_dir, tmp_path):
 
 def test_can_read(model_dir, exported, tmp_path):
     torch_dir, flax_dir = model_dir("llama"), exported("llama")
-    assert not flax_format.can_read(torch_dir) and detect_format(torch_dir) == "torch"
-    assert flax_format.can_read(flax_dir) and detect_format(flax_dir) == "flax"
-    assert flax_format.can_read(flax_dir / "flax_model.msgpack")
+    assert not flax_format.FORMAT.can_read(torch_dir) and detect_format(torch_dir) == "torch"
+    assert flax_format.FORMAT.can_read(flax_dir) and detect_format(flax_dir) == "flax"
+    assert flax_format.FORMAT.can_read(flax_dir / "flax_model.msgpack")
     both = tmp_path / "both"
     shutil.copytree(torch_dir, both)
     shutil.copy(flax_dir / "flax_model.msgpack", both)

@@ -263,7 +263,7 @@ def test_pickle_input_is_split_too(model_dir, tmp_path):
     src = model_dir("llama", safe_serialization=False)
     run_cli("fuse-gateup", src, "-o", tmp_path / "fused")
     with open_checkpoint(tmp_path / "fused") as c:
-        assert c.format == "safetensors" and "model.layers.0.mlp.gate_up_proj.weight" in c
+        assert c.kind == "safetensors" and "model.layers.0.mlp.gate_up_proj.weight" in c
 
 
 def test_split_never_imports_torch(model_dir, tmp_path):

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from ffn_tools.converters import detect_format, open_any
-from ffn_tools.verification.engine import verify
+from ffn_tools.api import verify
 import gguf_models
 from gguf_models import convert_reference
 from helpers import run_cli
@@ -39,7 +39,7 @@ def test_f32_reads_bit_exact_with_hf_names(gguf_model, gguf_ref, arch):
         assert differ == []
         assert g.config["model_type"] == arch
         assert g.config["num_hidden_layers"] == 2 and g.config["hidden_size"] == 64
-        assert all(g.quant_params(n) is None for n in g)
+        assert all(g.quantized(n) is None for n in g)
         lone = next(n for n in src if n.endswith("down_proj.weight") or n.endswith("w2.weight"))
         assert bytes(g.read_raw(lone)) == src[lone].numpy().tobytes()
 
@@ -58,8 +58,8 @@ def test_q8_0_reads_dequantized_with_its_type(gguf_model, gguf_ref):
     src = hf_tensors(gguf_model("llama"))
     with open_any(gguf_ref("llama", "q8_0")) as g:
         name = "model.layers.0.mlp.gate_proj.weight"
-        assert g.quant_params(name) == {"bits": 8, "group_size": 32, "mode": "Q8_0"}
-        assert g.quant_params("model.norm.weight") is None
+        assert g.quantized(name).params == {"bits": 8, "group_size": 32, "mode": "Q8_0"}
+        assert g.quantized("model.norm.weight") is None
         err = (g[name] - src[name]).abs().max() / src[name].abs().max()
         assert 0 < err < 1 / 127  # Q8_0: one int8 step of each 32-weight block's absmax
         assert "Q8_0 read dequantized" in g.label
@@ -227,7 +227,7 @@ def test_llama_quantize_outputs_read_and_verify(gguf_model, gguf_ref, tmp_path, 
     assert llama_cpp.llama_model_quantize(str(gguf_ref("llama", "f32")).encode(), str(out).encode(),
                                           ctypes.byref(params)) == 0
     with open_any(out) as g:
-        assert {p["mode"] for n in g if (p := g.quant_params(n))} == types
+        assert {p["mode"] for n in g if (p := g.quantized(n).params if g.quantized(n) else None)} == types
     r = verify(gguf_model("llama"), out, backends=["reference"], load_check=False)
     assert r.passed, r.failures()
     assert r.tolerance.row.endswith(row)
@@ -248,7 +248,7 @@ def test_k_quants_of_a_256_wide_model_read_and_verify(wide_llama, tmp_path, ftyp
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     assert llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), ctypes.byref(params)) == 0
     with open_any(out) as g:
-        modes = {p["mode"] for n in g if (p := g.quant_params(n))}
+        modes = {p["mode"] for n in g if (p := g.quantized(n).params if g.quantized(n) else None)}
     assert types <= modes, modes
     r = verify(src, out, backends=["reference"], load_check=False)
     assert r.passed, r.failures()
@@ -321,7 +321,7 @@ def test_tokenization_through_llama_cpp(gguf_model, gguf_ref):
     byte-level BPE Qwen2 vocabulary."""
     from gguf import GGUFReader
 
-    from ffn_tools.verification.corpus import CORPUS
+    from ffn_tools.converters.gguf.corpus import CORPUS
 
     scores = GGUFReader(gguf_ref("llama", "f32")).fields["tokenizer.ggml.scores"].contents()
     assert len(set(scores)) > 30000  # the converter read tokenizer.model, not tokenizer.json's placeholders

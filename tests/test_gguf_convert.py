@@ -179,7 +179,7 @@ def test_mlx_input_converts_to_the_same_tensors(gguf_model, gguf_ref, tmp_path):
     assert all(ta[n].tensor_type == tb[n].tensor_type and bytes(ta[n].data) == bytes(tb[n].data) for n in ta)
     fa, fb = ({k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")} for r in (a, b))
     assert {k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k)} <= {"general.tags", "general.languages"}
-    from ffn_tools.verification.engine import verify
+    from ffn_tools.api import verify
 
     r = verify(mlx, tmp_path / "m.gguf", backends=["reference"])  # MLX <-> GGUF
     assert r.passed and r.load.ok and all(x.exact == "identical" for x in r.results), r.failures()

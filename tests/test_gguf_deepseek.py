@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from ffn_tools.converters import open_any
-from ffn_tools.verification.engine import verify
+from ffn_tools.api import verify
 from helpers import run_cli
 from test_gguf import _edit
 
@@ -49,7 +49,7 @@ def test_q8_0_reads_kv_b_within_its_coarser_half(gguf_model, gguf_ref):
     src = load_file(str(gguf_model("deepseek_v3") / "model.safetensors"))
     with open_any(gguf_ref("deepseek_v3", "q8_0")) as g:
         kv = "model.layers.0.self_attn.kv_b_proj.weight"
-        assert g.quant_params(kv) == {"bits": 8, "group_size": 32, "mode": "Q8_0"}
+        assert g.quantized(kv).params == {"bits": 8, "group_size": 32, "mode": "Q8_0"}
         err = (g[kv] - src[kv]).abs().max() / src[kv].abs().max()
         assert 0 < err < 1 / 127
 

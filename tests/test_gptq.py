@@ -41,7 +41,7 @@ def q(tmp_path_factory):
 def test_reads_the_codes_as_packed(q, case):
     _, path, expected = q(case)
     with open_any(path) as ckpt:
-        assert {m.scheme.name for m in ckpt.modules.values()} == {NAMES[case]} and len(ckpt.modules) == 14
+        assert {m.args.name for m in ckpt.modules.values()} == {NAMES[case]} and len(ckpt.modules) == 14
         for name, ref in expected.items():
             got = ckpt[name]
             assert got.dtype == torch.float16
@@ -55,7 +55,7 @@ def test_awq_matches_mlx_lm_unpacking(q):
     import mlx_lm
     import numpy as np
 
-    from ffn_tools import gptq
+    from ffn_tools.quant import gptq
 
     _, path, _ = q("awq")
     model, _ = mlx_lm.load(str(path))  # mlx_lm's own AWQ transform (_transform_awq_weights)

@@ -214,7 +214,7 @@ def test_idle_cores_see_a_busy_core_now_not_a_minute_ago():
 def test_torch_mlx_torch_is_bit_exact(arch, dtype, hf, exported, tmp_path):
     out, _ = exported(arch, dtype)
     with open_any(out) as view:
-        assert view.format == "mlx"
+        assert view.kind == "mlx"
         assert all(view.info(n).start is not None for n in view)  # unstacking copies bytes
     convert(out, "torch", tmp_path / "back")
     assert_identical(tensors(tmp_path / "back"), tensors(hf(arch, dtype)))
@@ -268,13 +268,13 @@ def test_mlx_to_mlx_requantizes_like_the_source(exported, mlx_ref, tmp_path):
 
 def test_can_read_claims_mlx_and_not_hf(hf, exported, mlx_ref, model_dir):
     for arch in ARCHS + ["qwen3_moe", "gemma"]:
-        assert not mlx_format.can_read(model_dir(arch)), arch
+        assert not mlx_format.FORMAT.can_read(model_dir(arch)), arch
         assert detect_format(model_dir(arch)) == "torch"
-    assert not mlx_format.can_read(model_dir("llama", safe_serialization=False))
-    assert not mlx_format.can_read(Path("/nonexistent"))
+    assert not mlx_format.FORMAT.can_read(model_dir("llama", safe_serialization=False))
+    assert not mlx_format.FORMAT.can_read(Path("/nonexistent"))
     for path in (exported("llama")[0], exported("mixtral", quantize=4)[0], mlx_ref("llama", 4, 64),
                  exported("llama")[0] / "model.safetensors"):
-        assert mlx_format.can_read(path) and detect_format(path) == "mlx", path
+        assert mlx_format.FORMAT.can_read(path) and detect_format(path) == "mlx", path
 
 
 def test_cli_convert_inspect_and_back(hf, tmp_path):

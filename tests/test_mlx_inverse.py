@@ -22,7 +22,7 @@ import zoo
 from ffn_tools.converters import convert, open_any
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.io.store import open_checkpoint
-from ffn_tools.loadable import check_transformers
+from ffn_tools.converters.pytorch.client import check_transformers
 
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
@@ -118,7 +118,7 @@ def test_deepseek_v3_round_trip_is_bit_exact_and_verifies(sources, tmp_path):
         name = "model.layers.0.self_attn.kv_b_proj.weight"
         assert view.made_from(name) == ("model.layers.0.self_attn.embed_q.weight",
                                         "model.layers.0.self_attn.unembed_out.weight")
-        assert view.info(name).start is None and view.quant_params(name) is None
+        assert view.info(name).start is None and view.quantized(name) is None
     convert(tmp_path / "mlx", "torch", tmp_path / "back")
     assert_identical(tensors(tmp_path / "back"), tensors(src))
     report = ffn_tools.verify(src, tmp_path / "mlx", backends=["reference"], tokens=4)
@@ -136,7 +136,7 @@ def test_quantized_mlx_reads_back_with_the_source_names(model_type, sources, tmp
         err = (b[n].double() - t.double()).abs().max().item()
         assert b[n].shape == t.shape and err < 0.1 * max(1.0, t.abs().max().item()), (n, err)
     with open_any(tmp_path / "q") as view:
-        q = [n for n in view if view.quant_params(n)]
+        q = [n for n in view if view.quantized(n)]
         assert q and all(view.quantized_parts(n) is not None for n in q if view.inverse.sources[n].kind != "gathered")
     meta = json.loads(open_checkpoint(tmp_path / "back").metadata["ffn_tools_dequantized_from"])
     assert meta["format"] == "mlx" and meta["weights"] == len(q)

@@ -16,7 +16,7 @@ from helpers import plant, run_cli
 from safetensors.torch import load_file, save_file
 
 import ffn_tools
-from ffn_tools.verification.model_config import differences, transformers_view
+from ffn_tools.checks.config import differences, transformers_view
 
 REF = ("--backend", "reference", "--tokens", "4")
 

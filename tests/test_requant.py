@@ -179,7 +179,7 @@ def test_importing_verification_does_not_import_mlx():
 
 def test_a_dtype_mlx_lacks_lets_the_row_floor_decide():
     from ffn_tools.converters.mlx.quant import torch_to_mx
-    from ffn_tools.verification.requant import check_requantized
+    from ffn_tools.converters.mlx.requant import check_requantized
 
     torch.manual_seed(0)
     a = (torch.randn(32, 64) * 0.5).to(torch.float8_e4m3fn)  # read through float32: bits not guaranteed
@@ -200,7 +200,7 @@ def test_a_dtype_mlx_lacks_lets_the_row_floor_decide():
 def test_correct_quantizations_clear_the_row_floors(bits, group_size, mode):
     # heavy-tailed rows (Student-t, 3 degrees of freedom; the docstring's table has the worst cases measured)
     from ffn_tools.converters.mlx.quant import torch_to_mx
-    from ffn_tools.verification.requant import _row_cosines, row_floor
+    from ffn_tools.converters.mlx.requant import _row_cosines, row_floor
 
     torch.manual_seed(0)
     a = torch_to_mx((torch.distributions.StudentT(3.0).sample((2000, 512)) * 0.02).to(torch.bfloat16))

@@ -28,7 +28,7 @@ from ffn_tools.io.store import open_checkpoint
 from ffn_tools.kernels import ACTIVATIONS, GLU, reference
 from ffn_tools.tolerances import DTYPE_TOLERANCES
 from ffn_tools.verification import experts, functional
-from ffn_tools.verification.engine import verify
+from ffn_tools.api import verify
 from ffn_tools.verification.functional import NOT_COMPUTED, SAME_AS_A, Operands
 from ffn_tools.verification.pairs import PairChecker
 from ffn_tools.verification.stream import TensorStream

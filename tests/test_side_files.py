@@ -13,7 +13,7 @@ import shutil
 import pytest
 from helpers import write_tokenizer
 
-from ffn_tools.verification.side_files import SIDE_FILES, compare_side_files
+from ffn_tools.checks.side_files import SIDE_FILES, compare_side_files
 
 TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
 

@@ -42,7 +42,7 @@ def test_pickle_loads_with_weights_only(model_dir):
     d = model_dir("llama", safe_serialization=False)
     assert (d / "pytorch_model.bin").is_file()
     with open_checkpoint(d) as c:
-        assert c.format == "pickle"
+        assert c.kind == "pickle"
         assert torch.equal(c["model.layers.1.mlp.up_proj.weight"],
                            tensors(model_dir("llama"))["model.layers.1.mlp.up_proj.weight"])
 

@@ -198,7 +198,7 @@ def _load_check_agrees(path) -> bool:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from ffn_tools.loadable import check_transformers
+    from ffn_tools.converters.pytorch.client import check_transformers
     from ffn_tools.io.store import open_checkpoint
 
     with open_checkpoint(path) as c:

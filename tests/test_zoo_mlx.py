@@ -27,7 +27,7 @@ import zoo
 import ffn_tools
 from ffn_tools.converters import convert, open_any
 from ffn_tools.errors import FFNToolsError
-from ffn_tools.verification.consumer import AsLoaded, export_plan, ffn_as_loaded
+from ffn_tools.verification.steps import AsLoaded
 
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
@@ -254,9 +254,10 @@ def test_folded_multipliers_are_exported_as_mlx_lm_folds_them(tmp_path):
         assert how != "re-quantized" or any("re-quantized with B's parameters, bit for bit" in n for n in report.notes)
     up = gate.replace("gate_proj", "up_proj")
     with open_any(src) as ca, open_any(out) as cb:  # what verify reads A through: the folded gate, as often as asked
-        source, computed = ffn_as_loaded(ca, cb, [gate, up], export_plan(ca, cb))
-        assert list(computed) == [gate]
-        as_loaded = AsLoaded(ca, source, computed)
+        pairing = cb.format.client().pairing(ca, cb)  # A as B's client, mlx_lm, loads it
+        computed = pairing.computed([gate, up])
+        assert computed == {gate}
+        as_loaded = AsLoaded(ca, pairing, computed)
         assert all(torch.equal(as_loaded[gate], mine[gate]) for _ in range(2)) and torch.equal(as_loaded[up], a[up])
 
     def rescale(w):  # another factor than the config's: what a wrong multiplier folds

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ffn_tools.clients import NoClient
+from ffn_tools.formats import Format
 from ffn_tools.io.dtypes import parse_user_dtype
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.plan import check_shardable, execute
@@ -23,29 +25,40 @@ from .export import LAYOUTS, build_plan
 from .reader import FlaxCheckpoint
 from .writer import MsgpackWriter
 
-__all__ = ["FORMAT", "OPTIONS", "LAYOUTS", "can_read", "open", "export"]
+__all__ = ["FORMAT", "LAYOUTS"]
 
-FORMAT = "flax"
-OPTIONS: frozenset[str] = frozenset({"flax_layout", "scheme", "layout", "dry_run"})
 # A directory holding any of these is a PyTorch checkpoint (even with a flax_model.msgpack beside it).
 TORCH_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
-def can_read(path: Path) -> bool:
-    """A .msgpack file, a .msgpack.index.json, or a directory of .msgpack files without PyTorch weights."""
-    path = Path(path)
-    if path.is_dir():
-        return any(path.glob("*.msgpack")) and not any((path / n).exists() for n in TORCH_FILES)
-    return path.name.endswith((".msgpack", ".msgpack.index.json"))
+class Flax(Format):
+    name, extra = "flax", "flax"
+    options = frozenset({"flax_layout", "scheme", "layout", "dry_run"})
+    detect_order = 40
+
+    def can_read(self, path: Path) -> bool:
+        """A .msgpack file, a .msgpack.index.json, or a directory of .msgpack files without PyTorch weights."""
+        path = Path(path)
+        if path.is_dir():
+            return any(path.glob("*.msgpack")) and not any((path / n).exists() for n in TORCH_FILES)
+        return path.name.endswith((".msgpack", ".msgpack.index.json"))
+
+    def read(self, path: Path, absent_shards: bool = False) -> FlaxCheckpoint:
+        """A Flax checkpoint opened lazily: a .msgpack file, an index, or a directory.
+
+        Raises:
+            CheckpointError: missing files, not a parameter tree, or kernels whose shapes do not fit.
+        """
+        return FlaxCheckpoint(Path(path))
+
+    def export(self, ckpt: Checkpoint, out: Path, **options) -> dict:
+        return export(ckpt, out, **options)
+
+    def client(self):
+        return NoClient("flax", "no client loads Flax checkpoints here (transformers 5 has no Flax)")
 
 
-def open(path: Path) -> FlaxCheckpoint:  # noqa: A001 - the converter surface's name
-    """Open a Flax checkpoint lazily: a .msgpack file, an index, or a directory.
-
-    Raises:
-        CheckpointError: missing files, not a parameter tree, or kernels whose shapes do not fit.
-    """
-    return FlaxCheckpoint(Path(path))
+FORMAT = Flax()
 
 
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
@@ -78,6 +91,6 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     else:
         files = execute(plan, out, force=force, max_shard_size=max_shard_size, carry=tree_layout == "hf",
                         desc=f"converting to flax ({tree_layout})", writer=writer)
-    summary = {"output": str(out), "format": FORMAT, "layout": tree_layout, "files": files,
+    summary = {"output": str(out), "format": "flax", "layout": tree_layout, "files": files,
                "tensors": len(plan.entries), "bytes": plan.total_bytes, "changes": plan.changes}
     return {**summary, "plan": plan.describe()} if dry_run else summary

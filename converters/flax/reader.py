@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from ffn_tools.detect import choose_scheme, find_ffns
 from ffn_tools.errors import CheckpointError, SchemeError
-from ffn_tools.io.store import Checkpoint, Format, TensorInfo, index_shards, read_config
+from ffn_tools.io.store import Checkpoint, TensorInfo, index_shards, read_config
 
 from . import tree as tree
 from .config import restore_source_config
@@ -56,7 +56,7 @@ class FlaxCheckpoint(Checkpoint):
         layout: "hf" or "linen".
     """
 
-    format = Format.FLAX
+    kind, described = "flax", "a Flax"
 
     def __init__(self, path: Path):
         root, files, weight_map = _resolve(path)

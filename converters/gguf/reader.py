@@ -5,7 +5,7 @@ Each file opens with gguf's memory-mapped ``GGUFReader`` (``header.Reader``: its
 faster, to the same fields); nothing is read until a tensor is asked for. A
 tensor is made then: its bytes are copied out of the mapping (so reading a whole model keeps one tensor
 resident), F32/F16/BF16 kept as they are (bit-exact), every other type dequantized to float32 by
-``gguf.quants`` (``quant_params`` says which type it was stored as). q and k rows llama.cpp's converter
+``gguf.quants`` (``quantized`` says which type it was stored as: ``GGUF_TYPES``, a registered scheme). q and k rows llama.cpp's converter
 permuted are put back in transformers' rotary order; the stacked experts ``ffn_{gate,up,down}_exps`` read as
 one tensor per expert (the names ``save_pretrained`` writes, which the converter stacked). Weights the
 converter stored plus one (Gemma's norms, ``Family.plus_one``) read with the one taken off in float32:
@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from ffn_tools.errors import CheckpointError, listing
-from ffn_tools.io.store import Checkpoint, Format, TensorInfo
+from ffn_tools import quant
+from ffn_tools.io.store import Checkpoint, TensorInfo
 
 from .config import hf_config
 from .names import DROPPED, EXPERT_KINDS, FAMILIES, Family, expert_names, family_for, hf_names, plus_one
@@ -36,6 +37,22 @@ TYPE_BITS = {"Q8_0": 8, "Q8_1": 8, "Q8_K": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5, "
              "Q4_K": 4, "IQ4_NL": 4, "IQ4_XS": 4, "MXFP4": 4, "NVFP4": 4, "Q3_K": 3, "IQ3_XXS": 3, "IQ3_S": 3,
              "Q2_K": 2, "IQ2_XXS": 2, "IQ2_XS": 2, "IQ2_S": 2, "IQ1_S": 2, "IQ1_M": 2, "TQ1_0": 2, "TQ2_0": 2}
 LOSSLESS = {"F32": "F32", "F16": "F16", "BF16": "BF16", "F64": "F64"}
+
+
+class GgufType(quant.QuantScheme):
+    """GGUF's quantized types (Q8_0, Q4_K, IQ4_XS, ...), read dequantized by gguf-py's ``gguf.quants`` (the reader
+    decodes them; a module's parameters are {bits: ``TYPE_BITS``, group_size: the type's block, mode: the type})."""
+
+    name, label = "gguf", "GGUF"
+
+    def decode(self, m, parts):
+        raise NotImplementedError("the GGUF reader decodes its tensors itself")
+
+    def params(self, m) -> dict:
+        return dict(m.args)
+
+
+GGUF_TYPES = quant.register(GgufType())
 
 
 def split_files(path: Path) -> list[Path]:
@@ -80,7 +97,7 @@ class _Source:
 class GGUFCheckpoint(Checkpoint):
     """A lazy, read-only Hugging Face-named view of a GGUF (see the module doc)."""
 
-    format = Format.GGUF
+    kind, described = "gguf", "a GGUF"
     resolves_quantization = True
 
     def __init__(self, path: Path):
@@ -238,15 +255,23 @@ class GGUFCheckpoint(Checkpoint):
         data = src.tensor.data if src.expert is None else src.tensor.data[src.expert]
         return RawTensor(info.st_dtype, info.shape, np.ascontiguousarray(data).tobytes())
 
-    def quant_params(self, name: str) -> dict | None:
-        """How tensor ``name`` is stored when not as it reads: {bits, group_size, mode: the GGUF type}."""
+    def quantized(self, name: str):
+        """How tensor ``name`` is stored when not as it reads: its GGUF type (``GGUF_TYPES``)."""
         qtype = self.types[name]
         if qtype in LOSSLESS:
             return None
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         block = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][0]
-        return {"bits": TYPE_BITS.get(qtype, 2), "group_size": block, "mode": qtype}
+        info = self.info(name)
+        return quant.Module(name, GGUF_TYPES, {}, tuple(info.shape), info.st_dtype,
+                            {"bits": TYPE_BITS.get(qtype, 2), "group_size": block, "mode": qtype})
+
+    def rebuilt_files(self) -> tuple[dict[str, str | bytes], list[str]]:
+        """The tokenizer files and generation_config.json rebuilt from the metadata (``sidefiles``)."""
+        from .sidefiles import side_files  # transformers: imported only when a GGUF is converted
+
+        return side_files(self)
 
     @property
     def label(self) -> str:

@@ -82,9 +82,9 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     if out.suffix != ".gguf":
         raise FFNToolsError(f"{out}: a GGUF output is one file named *.gguf")
     changes = []
-    dequantized = sum(1 for n in ckpt if ckpt.quant_params(n))
+    dequantized = sum(1 for n in ckpt if ckpt.quantized(n))
     if dequantized:
-        changes.append(f"read {dequantized} {ckpt.format}-quantized weights dequantized: the GGUF holds them "
+        changes.append(f"read {dequantized} {ckpt.kind}-quantized weights dequantized: the GGUF holds them "
                        f"as {outtype}, with the quantization's error")
     request = {"source": str(ckpt.path), "dir_model": str(ckpt.root), "outtype": outtype, "dry_run": dry_run,
                "progress": progress.visible(), "native": native}

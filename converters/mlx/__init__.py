@@ -5,10 +5,12 @@
     recipe    what ``mlx_lm.convert -q`` quantizes, by mlx_lm's rules
     tensors   one plan entry per parameter: byte copies, streamed casts and quantization
     quant     MLX's quantize/cast in row chunks, worker processes; dequantize
+    scheme    MLX's quantization modes as registered schemes (``ffn_tools.quant``)
     config    config.json as mlx_lm writes it; the keys export added
     card      the model card README.md
     exporter  ``export``: the whole directory
     view      ``open``: an MLX directory read back with Hugging Face names
+    client    mlx_lm as verify's client: load check, config as ModelArgs, logits, A as mlx_lm loads it
 """
 
 from __future__ import annotations
@@ -16,50 +18,59 @@ from __future__ import annotations
 from pathlib import Path
 
 from ffn_tools.errors import FFNToolsError
+from ffn_tools.formats import Format
 from ffn_tools.io.store import Checkpoint, open_checkpoint
 
-FORMAT = "mlx"
-OPTIONS: frozenset[str] = frozenset({"quantize", "group_size", "q_bits", "q_group_size", "q_mode", "quant_predicate",
-                                     "dequantize",
-                                     "dry_run"})
-
-__all__ = ["FORMAT", "OPTIONS", "can_read", "open", "export"]
+__all__ = ["FORMAT"]
 
 
-def can_read(path: Path) -> bool:
-    """A safetensors checkpoint whose metadata says "mlx", whose config has a ``quantization`` block, or
-    whose names contain ``switch_mlp``. Plain Hugging Face checkpoints have none of these."""
-    path = Path(path)
-    try:
-        if path.is_dir():
-            if not any(path.glob("*.safetensors")):
+class Mlx(Format):
+    name, extra = "mlx", "mlx-cpu"
+    options = frozenset({"quantize", "group_size", "q_bits", "q_group_size", "q_mode", "quant_predicate", "dequantize",
+                         "dry_run"})
+    partial_shards = True
+    detect_order = 30
+
+    def can_read(self, path: Path) -> bool:
+        """A safetensors checkpoint whose metadata says "mlx", whose config has a ``quantization`` block, or
+        whose names contain ``switch_mlp``. Plain Hugging Face checkpoints have none of these."""
+        path = Path(path)
+        try:
+            if path.is_dir():
+                if not any(path.glob("*.safetensors")):
+                    return False
+            elif not path.name.endswith((".safetensors", ".safetensors.index.json")):
                 return False
-        elif not path.name.endswith((".safetensors", ".safetensors.index.json")):
+            with open_checkpoint(path, absent_shards=True) as raw:  # what it is, from the shards that are here
+                if raw.metadata.get("format") == "mlx" or isinstance((raw.config or {}).get("quantization"), dict):
+                    return True
+                return any(".switch_mlp." in n for n in raw)
+        except (FFNToolsError, OSError, ValueError):
             return False
-        with open_checkpoint(path, absent_shards=True) as raw:  # what it is, from the shards that are here
-            if raw.metadata.get("format") == "mlx" or isinstance((raw.config or {}).get("quantization"), dict):
-                return True
-            return any(".switch_mlp." in n for n in raw)
-    except (FFNToolsError, OSError, ValueError):
-        return False
+
+    def read(self, path: Path, absent_shards: bool = False) -> Checkpoint:
+        """An MLX model directory as a lazy Hugging Face-named view (``view``); ``absent_shards``: its index may
+        name shards not on disk (``Checkpoint.absent``).
+
+        Raises:
+            CheckpointError: no config.json, quantized weights without a ``quantization`` block, or tensors
+                that do not fit it.
+        """
+        from .view import MLXCheckpoint
+
+        return MLXCheckpoint(Path(path), absent_shards)
+
+    def export(self, ckpt: Checkpoint, out: Path, **options) -> dict:
+        """Write ``ckpt`` as an MLX model directory (see ``exporter.export``; mlx is imported only now, so an MLX
+        directory is still recognized, and named with its extra, where mlx is not installed)."""
+        from .exporter import export as run
+
+        return run(ckpt, out, **options)
+
+    def client(self):
+        from .client import MlxLm
+
+        return MlxLm()
 
 
-def export(ckpt: Checkpoint, out: Path, **options) -> dict:
-    """Write ``ckpt`` as an MLX model directory (see ``exporter.export``; mlx is imported only now, so an MLX
-    directory is still recognized, and named with its extra, where mlx is not installed)."""
-    from .exporter import export as run
-
-    return run(ckpt, out, **options)
-
-
-def open(path: Path, absent_shards: bool = False) -> Checkpoint:  # noqa: A001 - the converter surface's name
-    """Open an MLX model directory as a lazy Hugging Face-named view (see ``view``); ``absent_shards``: its
-    index may name shards not on disk (``Checkpoint.absent``).
-
-    Raises:
-        CheckpointError: no config.json, quantized weights without a ``quantization`` block, or
-            tensors that do not fit it.
-    """
-    from .view import MLXCheckpoint
-
-    return MLXCheckpoint(Path(path), absent_shards)
+FORMAT = Mlx()

@@ -41,3 +41,20 @@ def model_card(ckpt) -> str:
     data.base_model = repo
     card.text = ""
     return str(card)
+
+
+def transformers_card(ckpt) -> str | None:
+    """The input's model card with MLX's labels replaced by transformers' (``library_name: mlx`` and the
+    ``mlx`` tag, as mlx_lm writes them), so an uploaded PyTorch repo is not labelled MLX; None: nothing to
+    change."""
+    readme = Path(ckpt.root) / "README.md"
+    if not readme.is_file():
+        return None
+    text = readme.read_text()
+    head = re.match(r"---\n(.*?\n)---\n", text, re.S)
+    if head is None:
+        return None
+    front = re.sub(r"(?m)^library_name:\s*mlx\s*$", "library_name: transformers", head[1])
+    front = re.sub(r"(?m)^\s*-\s*mlx\s*\n", "", front)
+    front = re.sub(r"(?m)^tags:\s*\n(?!\s*-)", "", front)  # a tags list left empty
+    return None if front == head[1] else f"---\n{front}---\n{text[head.end():]}"

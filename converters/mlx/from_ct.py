@@ -16,19 +16,27 @@ and says so (``-q`` quantizes them with mx.quantize instead, as asked).
 
 from __future__ import annotations
 
-from ffn_tools.ctdecode import zero_points
-from ffn_tools.ctensors import Module
-from ffn_tools.ctview import CompressedView
 from ffn_tools.io.raw import RawTensor
+from ffn_tools.io.store import Checkpoint
 from ffn_tools.plan import Entry
+from ffn_tools.quant import Module
+from ffn_tools.quant.ctdecode import zero_points
 
 MLX_GROUPS = (32, 64, 128)
 MLX_BITS = (2, 4, 8)
+# The schemes whose modules an MLX export keeps as codes where it can, and says why where it cannot (the others,
+# MXFP4 and the formats' own, are mlx_lm's to keep or the input's to dequantize).
+SCHEMES = ("compressed-tensors-int", "compressed-tensors-fp8", "nvfp4-compressed-tensors", "nvfp4-modelopt", "gptq", "awq")
+
+
+def modules(ckpt: Checkpoint) -> dict[str, Module]:
+    """``X.weight`` -> its module, for the weights ``ckpt`` reads decoded under one of ``SCHEMES``."""
+    return {n: q for n in ckpt if (q := ckpt.quantized(n)) is not None and q.scheme.name in SCHEMES}
 
 
 def why_not(m: Module) -> str | None:
     """Why module ``m``'s codes cannot be kept in MLX affine, or None."""
-    s = m.scheme
+    s = m.args
     if s.nvfp4:
         return (f"{s.name}: MLX's nvfp4 QuantizedLinear has no per-tensor scale to hold it, and folding it into "
                 "the F8_E4M3 group scales would round them")
@@ -44,7 +52,7 @@ def why_not(m: Module) -> str | None:
     return None
 
 
-def kept(ckpt: CompressedView, outputs, view: list[Entry]) -> tuple[dict[str, Module], dict[str, str]]:
+def kept(found: dict[str, Module], outputs, view: list[Entry]) -> tuple[dict[str, Module], dict[str, str]]:
     """Output module path -> the compressed-tensors module whose codes it keeps (its weight an unchanged copy
     of the module's), and ``X.weight`` -> why not for the modules that are written dequantized."""
     by_name = {e.name: e for e in view}
@@ -53,7 +61,7 @@ def kept(ckpt: CompressedView, outputs, view: list[Entry]) -> tuple[dict[str, Mo
         if not o.name.endswith(".weight") or len(o.sources) != 1:
             continue
         e = by_name.get(o.sources[0])
-        m = ckpt.modules.get(e.inputs[0]) if e is not None and len(e.inputs) == 1 else None
+        m = found.get(e.inputs[0]) if e is not None and len(e.inputs) == 1 else None
         if m is None:
             continue
         why = why_not(m) or (None if tuple(o.shape) == m.shape and e is not None and e.pieces is not None
@@ -69,19 +77,19 @@ def block(modules: dict[str, Module]) -> dict | None:
     """mlx_lm's ``quantization`` block: the most common parameters, other modules' own."""
     if not modules:
         return None
-    params = [(m.scheme.group_size, m.scheme.bits) for m in modules.values()]
+    params = [(m.args.group_size, m.args.bits) for m in modules.values()]
     g, b = max(set(params), key=params.count)
     out: dict = {"group_size": g, "bits": b, "mode": "affine"}
     for path, m in modules.items():
-        if (m.scheme.group_size, m.scheme.bits) != (g, b):
-            out[path] = {"group_size": m.scheme.group_size, "bits": m.scheme.bits, "mode": "affine"}
+        if (m.args.group_size, m.args.bits) != (g, b):
+            out[path] = {"group_size": m.args.group_size, "bits": m.args.bits, "mode": "affine"}
     return out
 
 
-def entries(ckpt: CompressedView, path: str, m: Module) -> list[Entry]:
+def entries(ckpt: Checkpoint, path: str, m: Module) -> list[Entry]:
     """``path``'s weight (the packed words as uint32), scales and biases, from ``m``'s stored parts."""
-    raw = ckpt.raw
-    if m.scheme.format in ("gptq", "awq"):
+    raw = ckpt.stored
+    if m.args.format in ("gptq", "awq"):
         return _gptq_entries(ckpt, path, m)
     packed, scale = m.parts["weight_packed"], m.parts["weight_scale"]
     pinfo, sinfo = raw.info(packed), raw.info(scale)
@@ -97,35 +105,35 @@ def entries(ckpt: CompressedView, path: str, m: Module) -> list[Entry]:
 
         s = raw[scale]
         z = zero_points(m, raw[m.parts["weight_zero_point"]]) if "weight_zero_point" in m.parts else torch.zeros_like(s)
-        return (-(s.float() * (z.float() + (1 << (m.scheme.bits - 1))))).to(s.dtype)
+        return (-(s.float() * (z.float() + (1 << (m.args.bits - 1))))).to(s.dtype)
 
-    how = f"{m.scheme.name} codes kept as MLX affine"
+    how = f"{m.args.name} codes kept as MLX affine"
     return [Entry(f"{path}.weight", "U32", pinfo.shape, (), weight, None, f"{packed} as uint32 ({how})",
                   reads=pinfo.nbytes),
             Entry(f"{path}.scales", sinfo.st_dtype, sinfo.shape, (), scales, None, f"{scale} ({how})", reads=0),
             Entry(f"{path}.biases", sinfo.st_dtype, sinfo.shape, (), biases, None,
-                  f"-{scale} * (zero point + {1 << (m.scheme.bits - 1)}) ({how})", reads=0)]
+                  f"-{scale} * (zero point + {1 << (m.args.bits - 1)}) ({how})", reads=0)]
 
 
-def _gptq_entries(ckpt: CompressedView, path: str, m: Module) -> list[Entry]:
+def _gptq_entries(ckpt: Checkpoint, path: str, m: Module) -> list[Entry]:
     """GPTQ/AWQ codes laid out again as MLX's (the same codes, one row of words per output row)."""
-    from ffn_tools import gptq
+    from ffn_tools.quant import gptq
 
     rows, cols = m.shape
-    groups = cols // (m.scheme.group_size or cols)
-    sdt = ckpt.raw.info(m.parts["scales"]).st_dtype
+    groups = cols // (m.args.group_size or cols)
+    sdt = ckpt.stored.info(m.parts["scales"]).st_dtype
 
     def part(k: int):
         def make(_ts):
             import torch
 
-            t = gptq.mlx_affine(m, ckpt.parts(m.weight))[k]
+            t = gptq.mlx_affine(m, ckpt.quantized_parts(m.weight))[k]
             if k == 0:  # int64 words below 2^32 -> their uint32 bytes
                 return RawTensor("U32", (rows, cols // 8), t.to(torch.int64).numpy().astype("<u4").tobytes())
             return t
         return make
 
-    how = f"{m.scheme.name} codes kept as MLX affine"
+    how = f"{m.args.name} codes kept as MLX affine"
     return [Entry(f"{path}.weight", "U32", (rows, cols // 8), (), part(0), None, f"{m.packed} re-laid out ({how})"),
             Entry(f"{path}.scales", sdt, (rows, groups), (), part(1), None, f"{m.parts['scales']} transposed ({how})",
                   reads=0),
@@ -136,7 +144,7 @@ def changes(modules: dict[str, Module], refused: dict[str, str]) -> list[str]:
     """What the summary says: codes kept, and the weights written dequantized with why (grouped)."""
     out = []
     if modules:
-        schemes = sorted({m.scheme.name for m in modules.values()})
+        schemes = sorted({m.args.name for m in modules.values()})
         out.append(f"kept the codes of {len(modules)} quantized weights ({', '.join(schemes)}) as MLX affine "
                    "quantization, not re-quantized: packed words as uint32, scales as stored, biases -s * (z + "
                    "2^(bits-1)) rounded once to the scale dtype; config.json gets the quantization block")
@@ -149,7 +157,7 @@ def changes(modules: dict[str, Module], refused: dict[str, str]) -> list[str]:
     return out
 
 
-def replace(ckpt: CompressedView, planned: list[Entry], modules: dict[str, Module]) -> list[Entry]:
+def replace(ckpt: Checkpoint, planned: list[Entry], modules: dict[str, Module]) -> list[Entry]:
     """``planned`` with each kept module's dequantized weight entry replaced by its three MLX parts."""
     out = []
     for e in planned:

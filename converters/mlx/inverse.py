@@ -3,7 +3,7 @@
 1. The source's tensors (names and shapes) are what transformers saves for the source's config: its model built
    on the meta device (nothing allocated) and its state dict put through ``save_pretrained``'s own steps
    (``_keys_to_ignore_on_save``, tied weights removed, the v5 conversion mapping reverted).
-2. The export's own function maps them (``exporter._match``: mlx_lm's model class, the view of the input that
+2. The export's own function maps them (``matching.match``: mlx_lm's model class, the view of the input that
    fits it, the model's ``sanitize`` on stand-ins), so each MLX tensor is known as a rename of one source
    tensor, a stack of several (experts), or computed.
 3. Renames invert by name and stacks by slicing, byte for byte. Computed tensors are traced element by element
@@ -82,7 +82,7 @@ class Inverse:
 
 
 class _Layout(Checkpoint):
-    """The source's tensor names and shapes, without data: what ``exporter._match`` plans from."""
+    """The source's tensor names and shapes, without data: what ``matching.match`` plans from."""
 
     def __init__(self, shapes: Mapping[str, tuple[int, ...]], config: dict, root: Path):
         infos = {n: TensorInfo(n, LAYOUT_DTYPE, s, root / "config.json") for n, s in shapes.items()}
@@ -133,11 +133,11 @@ def plan(stored: Mapping[str, tuple[tuple[int, ...], str]], config: dict, root: 
     """Trace the MLX tensors ``stored`` (name -> (shape, dtype) as the view reads them: dequantized) back to
     the source of ``config`` (the source's config, as export restores it). Never raises: what cannot be done is
     ``skipped``/``refused``, and those tensors keep their MLX names."""
-    from .exporter import _match
+    from .matching import match
 
     try:
         shapes = source_layout(config)
-        tg, view, outputs, _, _ = _match(_Layout(shapes, config, root), str(root))
+        tg, view, outputs, _, _ = match(_Layout(shapes, config, root), str(root))
     except FFNToolsError as e:
         log.info("%s: MLX names kept (%s)", root, e)
         return Inverse(skipped=str(e))

@@ -19,8 +19,8 @@ scales are 8-bit floats, so those come back in the dtype of the model's unquanti
 and stacked tensors keep their byte offsets, so converting them back copies bytes. The config loses its
 ``quantization`` blocks and the keys the safetensors metadata says export added for mlx-lm
 (``config.ADDED_KEYS``: the transformers v4 keys, ``tie_word_embeddings``; keys the source had are kept).
-``quant_params`` gives each tensor's per-module quantization (a gathered tensor: its MLX tensors'),
-``quantized_parts`` its stored parts (for verify's re-quantization check). Nothing is read until a tensor is
+``quantized`` gives each tensor's per-module quantization (a gathered tensor: its MLX tensors'), under MLX's
+schemes (``scheme``), ``quantized_parts`` its stored parts (for verify's re-quantization check). Nothing is read until a tensor is
 asked for, but for opening: mlx_lm's and transformers' models are built lazily (meta device) and computed
 tensors traced on float64 probes (``probe``).
 """
@@ -32,20 +32,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ffn_tools.errors import CheckpointError
-from ffn_tools.io.store import Checkpoint, Format, SafetensorsCheckpoint, TensorInfo, open_checkpoint, read_bytes
+from ffn_tools.io.store import Checkpoint, SafetensorsCheckpoint, TensorInfo, open_checkpoint, read_bytes
+from ffn_tools.quant import Module
 
 from .config import restore_source_config
 from .inverse import Inverse, Source
 from .quant import RawTensor, dequantize, to_mx
+from .scheme import MODE_DEFAULTS, SCHEMES
 
 if TYPE_CHECKING:
     import mlx.core as mx
 
 log = logging.getLogger(__name__)
 QUANT_KEYS = ("quantization", "quantization_config")
-# what mx.dequantize reads (affine alone has biases) -> MLX's default (group size, bits)
-MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
-MODES = tuple(MODE_DEFAULTS)
+MODES = tuple(MODE_DEFAULTS)  # what mx.dequantize reads (affine alone has biases)
 FLOATS = ("F32", "F16", "BF16")
 # Stacked experts, (E, ...) on the first axis: ``{box}.switch_mlp.{proj}`` (and ``{box}.experts.{proj}``, where
 # mlx_lm keeps the name) -> ``{box}.experts.{e}.{proj}``.
@@ -93,13 +93,13 @@ class MLXCheckpoint(Checkpoint):
             they are read.
     """
 
-    format = Format.MLX
+    kind, described = "mlx", "an MLX"
     resolves_quantization = True
 
     def __init__(self, path: Path, absent_shards: bool = False):
         raw = open_checkpoint(path, absent_shards)
         if not isinstance(raw, SafetensorsCheckpoint):
-            raise CheckpointError(f"{path}: MLX weights are safetensors files; found {raw.format} files")
+            raise CheckpointError(f"{path}: MLX weights are safetensors files; found {raw.kind} files")
         self.raw = raw
         if raw.config is None:
             raise CheckpointError(f"{raw.root}: no config.json; an MLX model needs the config.json mlx_lm wrote "
@@ -281,20 +281,22 @@ class MLXCheckpoint(Checkpoint):
                  "how": "read dequantized; verify re-quantizes A with these parameters to compare the codes"}
                 for (mode, bits, group), n in sorted(groups.items())]
 
-    def quant_params(self, name: str) -> dict | None:
-        """The quantization parameters (group_size, bits, mode) tensor ``name`` was stored with, as resolved
-        per module from the config's block (a module's own entry, else the block's defaults); None when it is
-        stored unquantized (no ``.scales``: say a module a mixed recipe left ``false``). A tensor gathered from
-        quantized MLX tensors has theirs (it carries their error)."""
+    def quantized(self, name: str) -> Module | None:
+        """How tensor ``name`` is stored: its MLX scheme and parameters (group_size, bits, mode) as resolved per
+        module from the config's block (a module's own entry, else the block's defaults); None when it is stored
+        unquantized (no ``.scales``: say a module a mixed recipe left ``false``). A tensor gathered from quantized
+        MLX tensors has theirs (it carries their error; its parts are theirs, so ``quantized_parts`` has none)."""
         recipe = self._recipes.get(name)
-        if recipe is None:
-            return dict(self._derived[name]) if name in self._derived else None
-        return dict(recipe[2])
+        q = recipe[2] if recipe is not None else self._derived.get(name)
+        if q is None:
+            return None
+        info = self._infos[name]
+        return Module(name, SCHEMES[q["mode"]], {}, tuple(info.shape), info.st_dtype, dict(q))
 
     def quantized_parts(self, name: str) -> tuple[mx.array, mx.array, mx.array | None, dict] | None:
         """The stored parts of quantized tensor ``name`` (a Hugging Face name; one expert's slice of a
         stack): (packed uint32 weight, scales, biases or None outside affine, parameters). The parameters
-        are ``quant_params``' plus ``dtype``, the safetensors dtype it was quantized in (see the module doc).
+        are ``quantized``'s plus ``dtype``, the safetensors dtype it was quantized in (see the module doc).
         None when ``name`` is stored unquantized, or gathered (its elements are in other tensors' groups)."""
         recipe = self._recipes.get(name)
         if recipe is None:
@@ -320,6 +322,20 @@ class MLXCheckpoint(Checkpoint):
 
     def _read(self, info: TensorInfo):
         return self.read_raw(info.name).to_torch()
+
+    @property
+    def stored(self) -> Checkpoint:
+        """The MLX files as stored, packed weights and scales included: what mlx_lm loads."""
+        return self.raw
+
+    def rebuilt_files(self) -> tuple[dict[str, str | bytes], list[str]]:
+        """The model card with transformers' labels for mlx_lm's (``card.transformers_card``), where it has them."""
+        from .card import transformers_card
+
+        card = transformers_card(self)
+        if card is None:
+            return {}, []
+        return {"README.md": card}, ["README.md: the model card names transformers, not mlx, as its library"]
 
     def close(self) -> None:
         self.raw.close()

@@ -8,35 +8,45 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ffn_tools.errors import FFNToolsError
+from ffn_tools.clients import NoClient
+from ffn_tools.formats import Format
 from ffn_tools.io.store import Checkpoint
 
 from .reader import PARAMS, NativeCheckpoint, shard_files
 
-FORMAT = "native"
-OPTIONS: frozenset[str] = frozenset()
-
-__all__ = ["FORMAT", "OPTIONS", "can_read", "open", "export"]
+__all__ = ["FORMAT"]
 
 
-def can_read(path: Path) -> bool:
-    """A directory (or a file in one) holding params.json and consolidated weights."""
-    path = Path(path)
-    root = path if path.is_dir() else path.parent
-    if not path.is_dir() and not path.name.startswith(("consolidated", PARAMS)):
-        return False
-    return (root / PARAMS).is_file() and bool(shard_files(root))
+class Native(Format):
+    name = "native"
+    writes = False
+    detect_order = 20
+
+    def can_read(self, path: Path) -> bool:
+        """A directory (or a file in one) holding params.json and consolidated weights."""
+        path = Path(path)
+        root = path if path.is_dir() else path.parent
+        if not path.is_dir() and not path.name.startswith(("consolidated", PARAMS)):
+            return False
+        return (root / PARAMS).is_file() and bool(shard_files(root))
+
+    def read(self, path: Path, absent_shards: bool = False) -> Checkpoint:
+        """A native checkpoint as a lazy Hugging Face-named view.
+
+        Raises:
+            CheckpointError: params.json unreadable, tensors of unknown names, shards that disagree.
+        """
+        return NativeCheckpoint(Path(path))
+
+    def export(self, ckpt: Checkpoint, out: Path, **options) -> dict:
+        from ffn_tools.errors import FFNToolsError
+
+        raise FFNToolsError("ffn-tools reads Meta and Mistral native checkpoints but does not write them; "
+                            "convert to torch, mlx or flax")
+
+    def client(self):
+        return NoClient("native", "Meta's and Mistral's own code loads native checkpoints, not a client here; "
+                                  "`ffn-tools convert --to torch` makes one transformers loads")
 
 
-def open(path: Path) -> Checkpoint:  # noqa: A001 - the converter surface's name
-    """Open a native checkpoint as a lazy Hugging Face-named view.
-
-    Raises:
-        CheckpointError: params.json unreadable, tensors of unknown names, shards that disagree.
-    """
-    return NativeCheckpoint(Path(path))
-
-
-def export(ckpt: Checkpoint, out: Path, **options) -> dict:
-    raise FFNToolsError("ffn-tools reads Meta and Mistral native checkpoints but does not write them; "
-                        "convert to torch, mlx or flax")
+FORMAT = Native()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ffn_tools.errors import CheckpointError, listing
 from ffn_tools.io.dtypes import short_name
-from ffn_tools.io.store import Checkpoint, Format, TensorInfo, open_checkpoint
+from ffn_tools.io.store import Checkpoint, TensorInfo, open_checkpoint
 
 from .layout import DROPPED, EMBED, TENSORS, Native, hf_config, permute
 
@@ -38,7 +38,7 @@ class _Source:
 class NativeCheckpoint(Checkpoint):
     """A lazy, read-only Hugging Face-named view of a Meta or Mistral native checkpoint (see the module doc)."""
 
-    format = Format.NATIVE
+    kind, described = "native", "a native (Meta/Mistral)"
 
     def __init__(self, path: Path):
         root = path if path.is_dir() else path.parent

@@ -9,7 +9,6 @@ Hugging Face PyTorch names.
 
 from __future__ import annotations
 
-import enum
 import json
 import os
 import pickle
@@ -33,6 +32,9 @@ WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json"
 if TYPE_CHECKING:
     import torch
     from safetensors import safe_open
+
+    from ..formats import Format
+    from ..quant.base import Module
 
 
 class TensorInfo:
@@ -65,43 +67,20 @@ class TensorInfo:
         return f"TensorInfo({self.name!r}, {self.st_dtype}, {list(self.shape)}, {self.file.name}, start={self.start})"
 
 
-class Format(str, enum.Enum):
-    """What a checkpoint is stored as: the dispatch key of clients and rules (a label is ``Checkpoint.label``).
-
-    A ``str`` enum, so it reads and serializes as its value ("mlx").
-    """
-
-    SAFETENSORS = "safetensors"
-    PICKLE = "pickle"
-    MLX = "mlx"
-    FLAX = "flax"
-    NATIVE = "native"  # Meta's consolidated.NN.pth / Mistral's consolidated.safetensors + params.json
-    GGUF = "gguf"  # llama.cpp's single-file format
-
-    @property
-    def described(self) -> str:
-        """With its article, as a sentence names it: "an MLX", "a Flax"."""
-        return {"mlx": "an MLX", "flax": "a Flax", "native": "a native (Meta/Mistral)", "pickle": "a pickle",
-                "safetensors": "a safetensors", "gguf": "a GGUF"}[self.value]
-
-    @property
-    def pytorch(self) -> bool:
-        """Hugging Face PyTorch weights: what transformers loads and split/fuse rewrite."""
-        return self in (Format.SAFETENSORS, Format.PICKLE)
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-
 class Checkpoint(Mapping[str, "torch.Tensor"]):
     """A read-only, lazy mapping of tensor names to tensors, with the checkpoint's config and metadata.
 
     Every reader implements this one interface; what a reader can do beyond the mapping is a method here
-    with a default (``read_raw``, ``quant_params``, ``quantized_parts``, ``stored``, ``decoded``), so core code
+    with a default (``read_raw``, ``quantized``, ``quantized_parts``, ``stored``, ``decoded``), so core code
     never probes a checkpoint for attributes.
+
+    What a reader is, declared by its class (views of another checkpoint take them from it: ``view_of``):
+    ``kind`` (the storage as reports name it: "safetensors", "mlx"), ``described`` (with its article, as a
+    sentence names it), ``rewritable`` (Hugging Face PyTorch weights as stored: what transformers loads and
+    split/fuse rewrite), ``preads`` (tensors read with ``pread`` into memory of their own, from any thread:
+    verify reads them ahead in the background). ``format`` is the format plug-in that opened it
+    (``ffn_tools.formats.Format``: its options, its client), set by the plug-in; None for a checkpoint opened
+    by the core alone.
 
     Attributes:
         path: the path the user gave.
@@ -109,16 +88,20 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
         files: the weight files, in order.
         config: config.json as a dict, or None.
         metadata: safetensors ``__metadata__`` (of the first shard), empty if none.
-        format: what it is stored as (``Format``).
+        format: the format plug-in that opened it (see above).
         absent: shard file name -> the tensors the index maps to it, for the shards of an index that are not
             on disk (opened with ``absent_shards=True``: ``verify --layers`` on a machine holding only the
             shards its range needs); empty for a whole checkpoint. Views that read another checkpoint report
             it through ``stored``.
     """
 
-    format: Format = Format.SAFETENSORS
+    kind: str = "safetensors"
+    described: str = "a safetensors"
+    rewritable: bool = False
+    preads: bool = False
+    format: "Format | None" = None
     absent: Mapping[str, tuple[str, ...]] = MappingProxyType({})
-    resolves_quantization = False  # True: ``quant_params`` says per tensor how it is stored (views that decode)
+    resolves_quantization = False  # True: ``quantized`` says per tensor how it is stored (views that decode)
 
     def __init__(self, path: Path, root: Path, files: list[Path], infos: dict[str, TensorInfo],
                  metadata: dict[str, str] | None = None, config: dict | None = None):
@@ -166,10 +149,21 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
                 raise CheckpointError(f"{info.file}: cannot read tensor {name!r} ({e})") from None
         return RawTensor.of(self[name])
 
-    def quant_params(self, name: str) -> dict | None:
-        """How tensor ``name`` is stored quantized (``bits``, ``group_size``, ``mode``) while this view reads it
-        dequantized; None for a tensor stored as it reads (every tensor, here)."""
+    def quantized(self, name: str) -> "Module | None":
+        """How tensor ``name`` is stored quantized while this view reads it decoded: its ``quant.Module`` (scheme,
+        parameters, stored parts); None for a tensor stored as it reads (every tensor, here)."""
         return None
+
+    def quantized_parts(self, name: str):
+        """The stored parts of quantized tensor ``name`` as its scheme reads them (``QuantScheme.requantized``
+        re-derives them from the other side's weight); None where it is stored as it reads."""
+        return None
+
+    def rebuilt_files(self) -> tuple[dict[str, str | bytes], list[str]]:
+        """The side files a Hugging Face client reads (tokenizer, generation_config.json, README.md) that this
+        checkpoint stores otherwise and rebuilds (a GGUF's tokenizer from its metadata), name -> content, and a
+        line for each in a summary's changes; ({}, []) where its own files are carried as they are."""
+        return {}, []
 
     @property
     def stored(self) -> "Checkpoint":
@@ -189,20 +183,18 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
     @property
     def label(self) -> str:
         """The format as reports name it ("safetensors, MXFP4 read dequantized")."""
-        return str(self.format)
+        return self.kind
+
+    def view_of(self, ckpt: "Checkpoint") -> None:  # noqa: D401
+        """Take what ``ckpt`` is (``kind``, ``described``, ``rewritable``, ``preads``, ``format``): this is a view of
+        it."""
+        self.kind, self.described, self.rewritable = ckpt.kind, ckpt.described, ckpt.rewritable
+        self.preads, self.format = ckpt.preads, ckpt.format
 
     def decoded(self) -> list[dict]:
         """What this view decodes, for ``inspect``: one {dtype, scales, block, weights} per kind; [] when
         nothing is."""
         return []
-
-    def quantized_parts(self, name: str):
-        """Tensor ``name`` as stored quantized by MLX: (packed weight, scales, biases or None, parameters
-        with ``group_size``, ``bits``, ``mode`` and ``dtype``, the dtype it was quantized in), as ``mx.array``s;
-        None when it is stored unquantized. Readers of MLX-quantized files override this (the MLX view);
-        here nothing is, so verify checks ``ckpt[name]`` as it reads.
-        """
-        return None
 
     @property
     def total_bytes(self) -> int:
@@ -221,7 +213,7 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
 class SafetensorsCheckpoint(Checkpoint):
     """One or more safetensors files."""
 
-    format = Format.SAFETENSORS
+    rewritable = preads = True
 
     def __init__(self, path: Path, root: Path, files: list[Path]):
         infos: dict[str, TensorInfo] = {}
@@ -275,7 +267,8 @@ class PickleCheckpoint(Checkpoint):
     resident) and copied byte for byte by writers, as from safetensors.
     """
 
-    format = Format.PICKLE
+    kind, described = "pickle", "a pickle"
+    rewritable = preads = True
 
     def __init__(self, path: Path, root: Path, files: list[Path]):
         self._tensors: dict[str, "torch.Tensor"] = {}

@@ -31,7 +31,7 @@ from ..ffn import FFN, FFNRef, canonical_weights
 from ..io.dtypes import itemsize, short_name
 from ..layouts import split
 from ..tolerances import Tolerance
-from .diagnose import bits
+from ..checks.diagnose import bits
 from .functional import PREACT_RMS, REF_BLOCK_BYTES, SCALE_ROWS, all_finite, held_by_all, not_computed
 from .pairs import KERNEL_LAYOUTS, PairChecker
 from .report import BackendResult, FFNResult

@@ -30,9 +30,10 @@ from ..layouts import fuse
 from ..io.store import Checkpoint
 from ..registry import CANONICAL_ROLES
 from ..tolerances import Tolerance
-from .diagnose import Fingerprints, explain, first_difference
+from ..checks.diagnose import Fingerprints, explain, first_difference
 from .functional import (Operands, all_finite, check_ffn, input_scale, make_inputs, nonfinite_values,
                          not_computed, reference_backend, run_reference)
+from ..quant import DIFFERS, IDENTICAL
 from .quant import ffn_bits, quantization
 from .report import FFNResult, VerifyReport
 
@@ -57,7 +58,7 @@ class PairChecker:
     def __post_init__(self) -> None:
         self.read_a: Mapping = self.ca  # what tensors are read through (``verify``: its read-ahead stream)
         self.read_b: Mapping = self.cb
-        self._bits_a = (quantization(self.ca) or {}).get("bits")  # A's global bits, as the engine reads them
+        self._bits = tuple((quantization(c) or {}).get("bits") for c in (self.ca, self.cb))  # global, as the engine
 
     def check(self, ref: FFNRef, x: FFN, y: FFN, tol: Tolerance, quantized: bool,
               backends: dict | None = None, compute_identical: bool = True,
@@ -82,7 +83,7 @@ class PairChecker:
             stored = (self._raw(self.read_b, y, "gate_up"), y.layout)
             if not ops_b.fused and y.layout.axis == "rows":
                 res.notes.append(f"B's fused layout {y.layout.describe()} ran through ffn() on split weights")
-        requantized = quantized and self.exact is None and self._requantized(res, wa, x, y)
+        requantized = quantized and self.exact is None and self._requantized(res, wa, wb, x, y)
         if not requantized:
             self._exact(res, wa, wb, stored, quantized)
         same_as_a = res.exact == "identical" and not requantized and self.fa.activation.kernel == ops_b.activation
@@ -99,10 +100,6 @@ class PairChecker:
         if ran is not None:
             ran[ref] = (inputs, r)
         res.backends = check_ffn(backends, inputs, r, ops_b, tol, same_as_a=same_as_a)
-        if quantized and not requantized:  # compressed-tensors codes against the other side re-quantized (ctcheck)
-            from .ctcheck import check_ffn as check_codes
-
-            check_codes(res, self.ca, self.cb, x, y, wa, wb, _as_stored)
         if any(b.nonfinite for b in res.backends):
             _nonfinite(res, wa, wb)
         return res
@@ -147,45 +144,49 @@ class PairChecker:
                                 + (f" ({more} more tensor{'s' * (more > 1)} differ{'s' * (more == 1)})" if more else "")
                                 + "".join(f"; {h}" for h in explain(wa, wb, stored)))
 
-    def _requantized(self, res: FFNResult, wa: dict, x: FFN, y: FFN) -> bool:
-        """Where B's FFN is MLX-quantized and A's is not: each tensor B stores, against A's re-quantized
-        with B's parameters (``requant``), or cast (bits compared where B left it unquantized). ``exact`` is
-        "identical" only when every one is. False where this does not apply (A's FFN quantized, or none of
-        B's tensors)."""
-        if ffn_bits(self.ca, x, self._bits_a) is not None:
+    def _requantized(self, res: FFNResult, wa: dict, wb: dict, x: FFN, y: FFN) -> bool:
+        """Where one side's FFN is quantized and the other's is not: each tensor the quantized side stores against
+        the other side's re-quantized with the stored parameters, where its scheme can re-derive its codes
+        (``QuantScheme.requantized``), or cast (bits compared where that side left it unquantized). ``exact`` is
+        "identical" only when every one is. False where this does not apply (both or neither quantized, or no
+        stored part to compare)."""
+        qa, qb = (ffn_bits(c, f, bits) is not None for c, f, bits in ((self.ca, x, self._bits[0]),
+                                                                        (self.cb, y, self._bits[1])))
+        if qa == qb:
             return False
-        roles = [r for r in (*STORED, *(r for r in y.names if r.endswith("_bias"))) if r in y.names]
-        parts = {r: self._parts(y, r) for r in roles}
+        side, f, w, src, q = (self.cb, y, wa, "A", "B") if qb else (self.ca, x, wb, "B", "A")
+        roles = [r for r in (*STORED, *(r for r in f.names if r.endswith("_bias"))) if r in f.names]
+        mods = {r: side.quantized(f.names[r]) for r in roles}
+        parts = {r: self._parts(side, f, r, mods[r]) for r in roles}
         if not any(parts.values()):
             return False
-        from .requant import check_requantized, recast_difference
-
+        scheme = next(m.scheme for m in mods.values() if m is not None)
         diffs: list[str] = []
         unsure: list[str] = []
-        swapped: list[str] = []
         which: list[str] = []
         for r in roles:
-            a = _as_stored(wa, r, y)
-            if a is None:  # a bias A lacks: _biases says so
+            a = _as_stored(w, r, f)
+            if a is None:  # a bias the other side lacks: _biases says so
                 continue
-            if parts[r] is None and self.cb.quant_params(y.names[r]) is not None:  # gathered from quantized MLX
-                # tensors sanitize computed (Falcon-H1's scaled gate): their error, in groups of other elements
-                unsure.append(f"{r} ({y.names[r]}): read back from quantized tensors mlx_lm's sanitize computed; "
+            if parts[r] is None and mods[r] is not None:  # read back from quantized tensors its client computed
+                unsure.append(f"{r} ({f.names[r]}): read back from quantized tensors {q}'s client computed; "
                               "compared within the quantized tolerance, not bit for bit")
                 continue
             if parts[r] is None:
-                b = self._raw(self.read_b, y, r)
-                d = first_difference(r, a, b) if a.dtype == b.dtype else recast_difference(r, a, b)
+                b = self._raw(self.read_b if qb else self.read_a, f, r)
+                d = first_difference(r, a, b) if a.dtype == b.dtype else scheme.recast_difference(r, a, b)
                 diffs += [f"not bit-identical: {d}"] if d else []
                 which += [r] if d else []
                 continue
-            outcome, why = check_requantized(f"{r} ({y.names[r]})", a, parts[r])
-            (diffs if outcome == "differs" else unsure).extend([why] if why else [])
-            which += [r] if outcome == "differs" else []
-        for r, other in (("gate", "up"), ("up", "gate")):
-            if diffs and parts.get(r) and check_requantized(r, _as_stored(wa, other, y), parts[r])[0] == "identical":
-                swapped.append(f"B's {r} is A's {other} re-quantized")
-        p = next(v[3] for v in parts.values() if v)
+            m = mods[r]
+            if m is None:  # unreachable: parts are read only where a module is
+                continue
+            outcome, why = m.scheme.requantized(f"{r} ({f.names[r]})", a, m, parts[r], src, q)
+            (diffs if outcome == DIFFERS else unsure).extend([why] if why else [])
+            which += [r] if outcome == DIFFERS else []
+        swapped = [f"{q}'s {r} is {src}'s {other} re-quantized" for r, other in (("gate", "up"), ("up", "gate"))
+                   if diffs and parts.get(r) and (o := _as_stored(w, other, f)) is not None
+                   and (m := mods[r]) is not None and m.scheme.requantized(r, o, m, parts[r], src, q)[0] == IDENTICAL]
         if diffs:
             res.exact = "differs"
             also = f" ({', '.join(which[1:])} differ{'s' * (len(which) == 2)} too)" if len(which) > 1 else ""
@@ -194,18 +195,18 @@ class PairChecker:
             res.notes += unsure
         else:
             res.exact = "identical"
-            res.notes.append(f"re-quantized: A's {', '.join(r for r in roles if parts[r])} quantized with B's "
-                             f"parameters ({p['bits']}-bit {p['mode']} group {p['group_size']} in "
-                             f"{short_name(p['dtype'])}) give B's stored bytes; the rest is bit-identical")
+            p = next(m for r in roles if parts[r] is not None and (m := mods[r]) is not None)
+            res.notes.append(p.scheme.requantized_note(p, [r for r in roles if parts[r]], src, q))
         return True
 
-    def _parts(self, y: FFN, role: str):
-        """B's stored quantized parts of ``role`` (this expert's slice of a stack), None: stored unquantized."""
-        parts = self.cb.quantized_parts(y.names[role])
-        if parts is None or y.index is None:
+    @staticmethod
+    def _parts(side, f: FFN, role: str, m):
+        """``side``'s stored parts of ``role`` as its scheme reads them (this expert's slice of a stack); None:
+        stored unquantized, or not as one module."""
+        parts = side.quantized_parts(f.names[role]) if m is not None else None
+        if parts is None or f.index is None:
             return parts
-        w, s, b, q = parts
-        return w[y.index], s[y.index], (b[y.index] if b is not None else None), q
+        return m.scheme.slice_parts(parts, f.index)
 
     def name_owners(self, report: VerifyReport, differing: list[FFNRef], rb: dict[FFNRef, FFN]) -> None:
         """For each differing B FFN that holds another A FFN's weights, say whose (layers shifted, experts

@@ -8,8 +8,8 @@ import json
 from ..errors import CheckpointError
 from ..ffn import FFN
 from ..io.store import read_config
+from ..plan import DEQUANTIZED
 from ..registry import ROLES
-from ..tolerances import FP8_ROW_BITS
 
 
 def quantization(ckpt) -> dict | None:
@@ -28,35 +28,33 @@ def quantization(ckpt) -> dict | None:
                                     or any(isinstance(v, dict) and isinstance(v.get("bits"), int) for v in q.values())):
             return q
     try:  # weights written dequantized from a quantized model (convert --to torch of a 4-bit MLX model)
-        q = json.loads(ckpt.metadata.get(DEQUANTIZED_KEY, "null"))
+        q = json.loads(ckpt.metadata.get(DEQUANTIZED, "null"))
     except ValueError:
         q = None
     return q if isinstance(q, dict) and isinstance(q.get("bits"), int) else None
 
 
 QUANT_ROLES = ROLES  # the weights a form stores: gate, up, down, gate_up
-DEQUANTIZED_KEY = "ffn_tools_dequantized_from"  # = converters.pytorch.DEQUANTIZED (not imported: core)
+
+
+def tensor_bits(ckpt, name: str, default: int | None) -> int | None:
+    """The tolerance bits of one tensor: its scheme's row where its reader resolves quantization per tensor
+    (``Checkpoint.quantized``; None: stored as it reads), else ``default`` (the config's bits: weights written
+    dequantized from a quantized model, every tensor may carry its error)."""
+    if not ckpt.resolves_quantization:
+        return default
+    q = ckpt.quantized(name)
+    return q.scheme.row_bits(q.params) if q is not None else None
 
 
 def ffn_bits(ckpt, ffn: FFN, default: int | None) -> int | None:
     """The quantization bits of one FFN: the coarsest among its gate/up/down modules, None when none is
-    quantized.
-
-    Per module where the reader resolved them (the MLX view's ``quant_params``: a module's own entry in the
-    block, else the block's defaults; unquantized modules, ``false`` in a mixed recipe, have none); else the
-    config's global ``default`` for every FFN.
-    """
+    quantized (per module where the reader resolves them: a mixed recipe's own entries; else the config's
+    global ``default`` for every FFN)."""
     if not ckpt.resolves_quantization:
         return default
-    bits = [row_bits(p) for r in QUANT_ROLES if (n := ffn.names.get(r)) and (p := ckpt.quant_params(n))]
+    bits = [b for r in QUANT_ROLES if (n := ffn.names.get(r)) and (b := tensor_bits(ckpt, n, None)) is not None]
     return min(bits, default=None)
-
-
-def row_bits(params: dict) -> int:
-    """The bits whose tolerance row a quantized tensor gets: its own, but ``tolerances.FP8_ROW_BITS`` for
-    MLX's mxfp8 (E4M3 values, 3 mantissa bits: the error of FP8 checkpoints, not of 8-bit affine groups; a
-    tiny model's FFNs measure cosine 0.9989, below the 8-bit row's 0.999)."""
-    return FP8_ROW_BITS if params.get("mode") == "mxfp8" else params["bits"]
 
 
 def describe_quantization(q: dict) -> str:

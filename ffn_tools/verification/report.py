@@ -12,11 +12,11 @@ from ..ffn import FFNRef
 from ..tolerances import Tolerance
 
 if TYPE_CHECKING:
-    from ..loadable import LoadCheck
-    from .model_config import ConfigResult
-    from .outside import OutsideResult
-    from .side_files import SideFilesResult
-    from .tokenization import TokenizationResult
+    from ..checks.config import ConfigResult
+    from ..checks.load import LoadCheck
+    from ..checks.outside import OutsideResult
+    from ..checks.side_files import SideFilesResult
+    from ..checks.tokens import TokenizationResult
 
 MAX_ROWS = 40  # passing rows beyond this are summarised in one line (--json has them all)
 

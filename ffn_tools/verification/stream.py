@@ -15,94 +15,29 @@ of the model.
 ``Streamed(ckpt, stream.side(k))`` is ``ckpt`` read through a stream, for a reader that reads in its own order
 (the outside comparison): asking for a later step's tensor ends the earlier steps (``advance``).
 
-A ``Worker`` runs what needs no tensors (importing the kernel frameworks, the config comparison) in a thread
-beside the checks; ``job.result()`` waits for it.
-
-Only readers that read with ``pread`` (safetensors, pickles) are read in the background; any other
-checkpoint (MLX, Flax, native: views over other frameworks' arrays) is read when a check asks, in its thread,
-with the same hold-and-drop.
+Only readers that read with ``pread`` (``Checkpoint.preads``: safetensors, pickles) are read in the background;
+any other checkpoint (MLX, Flax, native: views over other frameworks' arrays) is read when a check asks, in its
+thread, with the same hold-and-drop.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
+from typing import TYPE_CHECKING
 
 from ..io.raw import RawTensor
-from ..io.store import Checkpoint, Format, TensorInfo
+from ..io.store import Checkpoint, TensorInfo
 
 if TYPE_CHECKING:
     import torch
 
-BACKGROUND_FORMATS = (Format.SAFETENSORS, Format.PICKLE)
 READ_AHEAD_BYTES = 256 << 20  # held while reading ahead (the current step is read whatever its size); more saved no time
 PENDING, READING, HELD, FAILED, DONE = "pending", "reading", "held", "failed", "done"
 READERS = 2  # reading threads: a pread into fresh memory is CPU work too (page faults, copying)
 
 Key = tuple[int, str]
-T = TypeVar("T")
-
-
-class Job(Generic[T]):
-    """``fn(*args)``, run by a ``Worker``; ``result()`` waits for it and returns what it returned or raises
-    what it raised."""
-
-    def __init__(self, fn: Callable[..., T], args: tuple):
-        self.fn, self.args = fn, args
-        self._value: list[T] = []  # [what fn returned], once it has
-        self._error: BaseException | None = None
-        self._done = threading.Event()
-
-    def run(self) -> None:
-        try:
-            self._value.append(self.fn(*self.args))
-        except BaseException as e:  # re-raised by result(), in the thread that asks
-            self._error = e
-        finally:
-            self._done.set()
-
-    def result(self) -> T:
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-        return self._value[0]
-
-
-class Worker:
-    """One daemon thread running jobs in the order given (one thread: two imports at once could each see the
-    other's half-initialised modules), used as a context manager: leaving it waits for the jobs given (an
-    import is seconds), so no thread of ours outlives ``verify`` to be running when its caller forks; on an
-    interrupt it does not wait (a daemon: the process can still exit)."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="ffn-tools-background", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            job.run()  # never raises: its error is kept for result()
-
-    def submit(self, fn: Callable[..., T], *args: Any, now: bool = False) -> Job[T]:
-        """``fn(*args)`` in the thread (``now``: here, before returning: its error is raised by ``result()``)."""
-        job = Job(fn, args)
-        if now:
-            job.run()
-        else:
-            self._jobs.put(job)
-        return job
-
-    def __enter__(self) -> "Worker":
-        return self
-
-    def __exit__(self, kind, *exc) -> None:
-        """No more jobs: the thread ends after those given; waited for unless interrupted."""
-        self._jobs.put(None)
-        if kind is None or not issubclass(kind, (KeyboardInterrupt, SystemExit)):
-            self._thread.join()
 
 
 class TensorStream:
@@ -132,7 +67,7 @@ class TensorStream:
         self._size = {key: self.sources[key[0]].info(key[1]).nbytes for key in self._first}
         largest = max((sum(self._size[key] for key in set(keys)) for keys in steps), default=0)
         self.budget = min(budget, 2 * largest)  # two steps are ahead enough: flat memory for any model size
-        self._order = [key for key in self._first if self.sources[key[0]].format in BACKGROUND_FORMATS]
+        self._order = [key for key in self._first if self.sources[key[0]].preads]
         self._state: dict[Key, str] = dict.fromkeys(self._order, PENDING)
         self._held: dict[Key, torch.Tensor] = {}
         self._failed: dict[Key, BaseException] = {}
@@ -288,13 +223,13 @@ class StreamSide(Mapping[str, "torch.Tensor"]):
 class Streamed(Checkpoint):
     """``ckpt`` with its tensors read through one side of a ``TensorStream`` (``advance``): what ``verify``
     hands the comparison of the tensors outside the FFNs, which reads them in its own order. Everything
-    else is ``ckpt``'s. Only for the formats read in the background (``BACKGROUND_FORMATS``)."""
+    else is ``ckpt``'s. Only for checkpoints read in the background (``Checkpoint.preads``)."""
 
     def __init__(self, ckpt: Checkpoint, side: StreamSide):
         super().__init__(ckpt.path, ckpt.root, ckpt.files, {n: ckpt.info(n) for n in ckpt}, ckpt.metadata,
                          ckpt.config)
         self.raw, self.through = ckpt, side
-        self.format = ckpt.format
+        self.view_of(ckpt)
         self.resolves_quantization = ckpt.resolves_quantization
 
     def _read(self, info: TensorInfo) -> "torch.Tensor":
@@ -303,8 +238,8 @@ class Streamed(Checkpoint):
     def read_raw(self, name: str) -> RawTensor:
         return self.raw.read_raw(name)
 
-    def quant_params(self, name: str) -> dict | None:
-        return self.raw.quant_params(name)
+    def quantized(self, name: str):
+        return self.raw.quantized(name)
 
     def quantized_parts(self, name: str):
         return self.raw.quantized_parts(name)

@@ -1,23 +1,19 @@
-"""Decoders of the stored parts ``ctensors`` finds: each format's own definition of its values.
+"""compressed-tensors' ``pack-quantized`` int codes: unpacking and packing words, and its two definitions
 
-    pack-quantized   (q - z) * s in the scale's dtype        (compressed-tensors' decompress and _dequantize)
-    float-quantized  fp8 * s, rounded to the scale's dtype   (``scales.dequantize``, shared with other FP8)
-    NVFP4            ``nvfp4.dequantize``                     (compressed-tensors' and ModelOpt's conventions)
-    GPTQ, AWQ        ``gptq.dequantize``
+    dequantize   (q - z) * s in the scale's dtype          (compressed-tensors' decompress and _dequantize)
+    quantize     round(clamp(w / s + z)) in w's dtype      (its round-to-nearest, which verify replays: ``codes``)
 
-and compressed-tensors' round-to-nearest (``quantize``), which verify replays against B's codes (``ctcheck``).
+(the other schemes' decoders are their own modules': ``fp8``, ``nvfp4``, ``gptq``, ``mxfp4``).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import gptq, nvfp4
-
 if TYPE_CHECKING:
     import torch
 
-    from .ctensors import Module
+    from .base import Module
 
 
 def unpack(packed: "torch.Tensor", bits: int, n: int) -> "torch.Tensor":
@@ -63,7 +59,7 @@ def pack(codes: "torch.Tensor", bits: int) -> "torch.Tensor":
 
 def zero_points(m: "Module", stored: "torch.Tensor") -> "torch.Tensor":
     """Packed zero points (words down the rows) -> int8 (rows, groups)."""
-    return unpack(stored.T.contiguous(), m.scheme.bits, m.shape[0]).T
+    return unpack(stored.T.contiguous(), m.args.bits, m.shape[0]).T
 
 
 def dequantize(m: "Module", parts: dict[str, "torch.Tensor"]) -> "torch.Tensor":
@@ -72,19 +68,9 @@ def dequantize(m: "Module", parts: dict[str, "torch.Tensor"]) -> "torch.Tensor":
     Args:
         parts: the module's stored tensors by suffix.
     """
-    if m.scheme.format in gptq.METHODS:
-        return gptq.dequantize(m, parts)
-    if m.scheme.float8:  # today's FP8 definition (float64 products), rounded to the scale's dtype as
-        from .scales import dequantize as scaled  # compressed-tensors' x.to(scale.dtype) * scale rounds them
-
-        return scaled(parts["weight"], parts["weight_scale"]).to(parts["weight_scale"].dtype)
-    if m.scheme.nvfp4:
-        per = m.per_tensor or ""
-        return nvfp4.dequantize(nvfp4.unpack(parts["weight_packed" if "weight_packed" in parts else "weight"]),
-                                parts["weight_scale"], parts[per], m.scheme.format == nvfp4.MODELOPT)
     rows, cols = m.shape
     scale = parts["weight_scale"]
-    q = unpack(parts["weight_packed"], m.scheme.bits, cols)
+    q = unpack(parts["weight_packed"], m.args.bits, cols)
     g = scale.shape[-1] if scale.dim() == 2 else 1
     x = q.reshape(rows, g, cols // g).to(scale.dtype)  # (rows, groups, group_size)
     s = scale.reshape(-1, g, 1) if scale.dim() == 2 else scale.reshape(1, 1, 1)
@@ -98,28 +84,11 @@ def quantize(m: "Module", weight: "torch.Tensor", parts: dict[str, "torch.Tensor
     weight's dtype, as compressed-tensors' ``forward._quantize`` computes it; int8 codes (rows, cols)."""
     import torch
 
-    if m.scheme.nvfp4:
-        return nvfp4.quantize(weight, parts["weight_scale"], parts[m.per_tensor or ""], m.scheme.format == nvfp4.MODELOPT)
-    if m.scheme.format in gptq.METHODS:  # round-to-nearest as AutoGPTQ/AutoAWQ: clamp(round(w / s) + z, 0, 15)
-        _, z, gi = gptq.codes(m, parts)
-        s = parts["scales"].T.to(torch.float32)
-        return torch.clamp(torch.round(weight.to(torch.float32) / s[:, gi]) + z[:, gi], 0, 15).to(torch.int16)
     rows, cols = m.shape
     scale = parts["weight_scale"]
     g = scale.shape[-1] if scale.dim() == 2 else 1
     x = weight.reshape(rows, g, cols // g) / (scale.reshape(-1, g, 1) if scale.dim() == 2 else scale.reshape(1, 1, 1))
     if "weight_zero_point" in parts:
         x = x + zero_points(m, parts["weight_zero_point"]).to(x.dtype).reshape(rows, g, 1)
-    lo, hi = -(1 << (m.scheme.bits - 1)), (1 << (m.scheme.bits - 1)) - 1
+    lo, hi = -(1 << (m.args.bits - 1)), (1 << (m.args.bits - 1)) - 1
     return torch.round(torch.clamp(x, lo, hi)).reshape(rows, cols).to(torch.int8)
-
-
-def codes(m: "Module", parts: dict[str, "torch.Tensor"]) -> "torch.Tensor":
-    """The module's stored codes (rows, cols): int8, GPTQ's and AWQ's unsigned (int16)."""
-    if m.scheme.nvfp4:  # signed places on the E2M1 grid
-        return nvfp4.steps(parts["weight_packed" if "weight_packed" in parts else "weight"])
-    if m.scheme.format in gptq.METHODS:
-        import torch
-
-        return gptq.codes(m, parts)[0].to(torch.int16)
-    return unpack(parts["weight_packed"], m.scheme.bits, m.shape[1])

@@ -5,8 +5,8 @@ llama.cpp is C: a failed assertion aborts, and a build for another CPU dies of a
 llama-cpp-python built with ``-march=native`` where the kernel does not grant AMX tiles, say); in its own
 process that is a line in verify's report, not the end of verify.
 
-    python -m ffn_tools.verification.llama_cpp_run MODEL.gguf TOKENS.json OUT.npy
-    python -m ffn_tools.verification.llama_cpp_run --tokenize MODEL.gguf TEXTS.json OUT.json
+    python -m ffn_tools.converters.gguf.llama_cpp_run MODEL.gguf TOKENS.json OUT.npy
+    python -m ffn_tools.converters.gguf.llama_cpp_run --tokenize MODEL.gguf TEXTS.json OUT.json
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ SIGILL_HINT = (" (an instruction this CPU or its kernel refuses: a llama-cpp-pyt
 
 
 def run(*args: str) -> None:
-    """``python -m ffn_tools.verification.llama_cpp_run ARGS`` in a child process.
+    """``python -m ffn_tools.converters.gguf.llama_cpp_run ARGS`` in a child process.
 
     Raises:
         RuntimeError: the child failed; the message is the signal it died of (with what SIGILL means here) or
@@ -28,7 +28,7 @@ def run(*args: str) -> None:
     import signal
     import subprocess
 
-    proc = subprocess.run([sys.executable, "-m", "ffn_tools.verification.llama_cpp_run", *args],
+    proc = subprocess.run([sys.executable, "-m", "ffn_tools.converters.gguf.llama_cpp_run", *args],
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode < 0:
         name = signal.Signals(-proc.returncode).name

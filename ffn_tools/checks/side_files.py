@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from ..errors import listing
+from . import Check
 
 MAX_LISTED = 8
 CLIP = 60
@@ -65,19 +66,14 @@ ONLY_IN_B = {"pad_token": "A's tokenizer cannot pad (padding raises), so every c
 
 
 @dataclass
-class SideFilesResult:
-    """Every side file of A, found in B and read the same, or why not."""
+class SideFilesResult(Check):
+    """Every side file of A, found in B and read the same, or why not. ``problems``: "file: what differs" or
+    "file is in A and missing in B"; ``notes``: facts that are not failures (a file only in B); ``skipped``: why
+    nothing was compared (--no-side-files, a single weight file)."""
 
     name: ClassVar[str] = "side files"
 
     identical: list[str] = field(default_factory=list)  # byte-identical or equal as their reader reads them
-    problems: list[str] = field(default_factory=list)  # "file: what differs" or "file is in A and missing in B"
-    notes: list[str] = field(default_factory=list)  # facts that are not failures (a file only in B)
-    skipped: str | None = None  # why nothing was compared (--no-side-files, a single weight file)
-
-    @property
-    def passed(self) -> bool:
-        return not self.problems
 
     def line(self) -> str:
         if self.skipped:
@@ -88,9 +84,6 @@ class SideFilesResult:
         notes = f", {len(self.notes)} note{'s' * (len(self.notes) > 1)}" if self.notes else ""
         return (f"side files: {len(self.identical)} identical{listed}, {differ} differ{'s' * (differ == 1)}, "
                 f"{missing} missing in B{notes}")
-
-    def failures(self) -> list[str]:
-        return [f"side files: {p}" for p in self.problems]
 
     def as_dict(self) -> dict:
         return {"identical": self.identical, "problems": self.problems, "notes": self.notes,

@@ -1,19 +1,22 @@
-"""Quantization scales that travel with a weight: FP8 checkpoints.
+"""FP8 block-scaled weights (the ``FP8_BLOCKS`` scheme): scales that travel with a weight.
 
 DeepSeek-V3, Qwen3-FP8 and Llama-4 FP8 store a projection ``X.weight`` as ``F8_E4M3`` beside
 ``X.weight_scale_inv``, one float per block of rows and columns (128 x 128 there), by which the 8-bit values
 are multiplied; compressed-tensors checkpoints store ``X.weight_scale`` per row (a block of one row and all
 columns). A scale has as many rows as the weight has row blocks, so splitting a fused ``gate_up`` or fusing
 gate and up moves the scale's rows with the weight's when every gate/up run of the layout starts and ends on
-a block boundary (``fits``); otherwise the command refuses, since no exact split exists.
+a block boundary (``fits``); otherwise the command refuses, since no exact split exists. Every command but
+verify keeps them as stored (convert writes the FP8 bytes and their scales); verify reads them dequantized.
 """
 
 from __future__ import annotations
 
-from .errors import LayoutError
-from .io.store import Checkpoint, TensorInfo
-from .layouts import GateUpLayout
-from .tolerances import FP8_ROW_BITS
+from dataclasses import dataclass
+
+from ..errors import LayoutError
+from ..layouts import GateUpLayout
+from ..tolerances import FP8_ROW_BITS
+from .base import Module, QuantScheme
 
 SUFFIXES = ("_scale_inv", "_scale")  # after the weight's name: X.weight_scale_inv, X.weight_scale
 FP8 = ("F8_E4M3", "F8_E5M2")
@@ -83,63 +86,58 @@ def dequantize(weight, scale):
     return w * full[..., : w.shape[-2], : w.shape[-1]]
 
 
-def describe(ckpt) -> list[dict]:
-    """The scaled (quantized) weights of ``ckpt``, grouped: weight dtype, scale suffix, block (rows x columns
-    each scale covers), how many weights."""
-    groups: dict[tuple, int] = {}
-    for name in ckpt:
-        for suffix in SUFFIXES:
-            if name.endswith(suffix) and name[: -len(suffix)] in ckpt:
-                w, s = ckpt.info(name[: -len(suffix)]), ckpt.info(name)
-                ws, ss = w.shape[-2:], (s.shape[-2:] if len(s.shape) >= 2 else (s.shape[-1], 1))
-                block = tuple(-(-a // b) for a, b in zip(ws, ss)) if len(ws) == 2 else (1, 1)
-                key = (w.st_dtype, suffix.lstrip("_"), block)
-                groups[key] = groups.get(key, 0) + 1
-    return [{"dtype": d, "scales": sfx, "block": list(b), "weights": n} for (d, sfx, b), n in sorted(groups.items())]
+@dataclass(frozen=True)
+class Scaled:
+    """An FP8-blocks module's own facts: the scale's suffix, the weight's stored dtype, the block each scale
+    covers (rows, columns)."""
+
+    suffix: str
+    dtype: str
+    block: tuple[int, int]
 
 
-class Dequantized(Checkpoint):
-    """A checkpoint seen with its scaled weights dequantized (float32) and their scales gone: what verify
-    compares, on either side, against a float or differently stored twin. ``quant_params`` gives each
-    dequantized weight ``tolerances.FP8_ROW_BITS`` bits (the tolerance row FP8's 3 mantissa bits need) and the
-    block's column count as its group."""
+def block(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> tuple[int, int]:
+    """Rows and columns of the weight each scale covers (a 1-D scale: one per row)."""
+    ws = weight_shape[-2:]
+    ss = scale_shape[-2:] if len(scale_shape) >= 2 else (scale_shape[-1], 1)
+    if len(ws) != 2:
+        return (1, 1)
+    return (-(-ws[0] // ss[0]), -(-ws[1] // ss[1]))
 
-    resolves_quantization = True
 
-    def __init__(self, ckpt):
-        self.raw, self.scale_of = ckpt, {}
-        self.format = ckpt.format
-        infos = {}
+class Fp8Blocks(QuantScheme):
+    """A weight (FP8, or any float dtype) beside ``X.weight_scale_inv`` or ``X.weight_scale``: one float per block
+    of rows and columns, read as their product in float64, kept as float32. Its tolerance row is
+    ``tolerances.FP8_ROW_BITS`` bits (FP8's 3 mantissa bits) and its group the block's columns."""
+
+    name, label, decoded_on_read, moves_parts = "fp8", "FP8", False, False
+
+    def find(self, ckpt) -> dict[str, Module]:
+        out = {}
         for name in ckpt:
-            if is_companion(name, ckpt):
-                continue
-            info = ckpt.info(name)
             found = companions(ckpt, name)
-            if found:
-                self.scale_of[name] = next(iter(found.values()))
-                info = TensorInfo(name, "F32", info.shape, info.file, None)
-            infos[name] = info
-        super().__init__(ckpt.path, ckpt.root, ckpt.files, infos, ckpt.metadata, ckpt.config)
+            if found and not is_companion(name, ckpt):
+                suffix, scale = next(iter(found.items()))
+                w, sc = ckpt.info(name), ckpt.info(scale)
+                facts = Scaled(suffix, w.st_dtype, block(tuple(w.shape), tuple(sc.shape)))
+                out[name] = Module(name, self, {"weight": name, "scale": scale}, tuple(w.shape), "F32", facts)
+        return out
 
-    def _read(self, info):
+    def decode(self, m: Module, parts):
         import torch
 
-        if info.name not in self.scale_of:
-            return self.raw[info.name]
-        return dequantize(self.raw[info.name], self.raw[self.scale_of[info.name]]).to(torch.float32)
+        return dequantize(parts["weight"], parts["scale"]).to(torch.float32)
 
-    def quant_params(self, name: str) -> dict | None:
-        sc = self.scale_of.get(name)
-        if sc is None:
-            return None
-        cols = self.raw.info(name).shape[-1]
-        scols = (self.raw.info(sc).shape[-1:] or (1,))[0]
-        return {"bits": FP8_ROW_BITS, "group_size": -(-cols // scols), "mode": "fp8"}
+    def params(self, m: Module) -> dict:
+        return {"bits": FP8_ROW_BITS, "group_size": m.args.block[1], "mode": "fp8"}
 
-    @property
-    def stored(self):
-        """The FP8 checkpoint as stored, scale tensors included (what a client loads)."""
-        return self.raw.stored
+    def describe(self, modules: list[Module]) -> list[dict]:
+        """Grouped: weight dtype, scale suffix, block (rows x columns each scale covers), how many weights."""
+        groups: dict[tuple, int] = {}
+        for m in modules:
+            key = (m.args.dtype, m.args.suffix.lstrip("_"), m.args.block)
+            groups[key] = groups.get(key, 0) + 1
+        return [{"dtype": d, "scales": sfx, "block": list(b), "weights": n} for (d, sfx, b), n in sorted(groups.items())]
 
-    def close(self) -> None:
-        self.raw.close()
+
+FP8_BLOCKS = Fp8Blocks()

@@ -24,15 +24,19 @@ import fnmatch
 import json
 from typing import TYPE_CHECKING
 
-from .errors import CheckpointError
+from ..errors import CheckpointError, LayoutError
+from .base import Module, QuantScheme
+from .codes import compare_codes, shape_differs
+from . import ctrows
+from .ctconfig import ArgsScheme, MODELOPT_PARTS, NVFP4_CT, NVFP4_GROUP, NVFP4_MODELOPT, Args, describe_args, same_args
 
 if TYPE_CHECKING:
     import torch
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-GROUP = 16
-CT_FORMAT = "nvfp4-pack-quantized"
-MODELOPT = "modelopt NVFP4"
+GROUP = NVFP4_GROUP
+CT_FORMAT = NVFP4_CT
+MODELOPT = NVFP4_MODELOPT
 
 
 def unpack(packed: "torch.Tensor") -> "torch.Tensor":
@@ -127,3 +131,81 @@ def check(ckpt, base: str, parts: dict[str, str], packed: str, per_tensor: str) 
     if g.st_dtype != "F32" or max(g.shape or (1,)) != 1 or len(g.shape) > 1:
         return f"{parts[per_tensor]}: {g.st_dtype} {list(g.shape)}, expected one float32", (rows, cols)
     return None, (rows, cols)
+
+
+class Nvfp4(ArgsScheme):
+    """NVFP4 in one of its two conventions (``modelopt``: ``X.weight`` and ``weight_scale_2``; else compressed-
+    tensors' ``weight_packed`` and ``weight_global_scale``, found by ``ctensors``' packed modules)."""
+
+    def __init__(self, modelopt: bool):
+        self.modelopt = modelopt
+        self.name = "nvfp4-modelopt" if modelopt else "nvfp4-compressed-tensors"
+        self.label = "ModelOpt NVFP4" if modelopt else "compressed-tensors"
+        self.packed_name, self.scale_name = ("weight", "weight_scale_2") if modelopt else \
+            ("weight_packed", "weight_global_scale")
+
+    def find(self, ckpt) -> dict[str, Module]:
+        """ModelOpt's modules (compressed-tensors' are ``ctensors.CT_NVFP4``'s), all problems at once."""
+        bases = modelopt_bases(ckpt)
+        if not bases:
+            return {}
+        settings = modelopt_config(ckpt)
+        if settings is None or settings.get("quant_algo") != "NVFP4":
+            raise CheckpointError(f"{ckpt.path}: {len(bases)} uint8 weights with weight_scale_2 ({bases[0]}.weight, ...), "
+                                  "ModelOpt NVFP4's layout, but no ModelOpt quantization_config or hf_quant_config.json "
+                                  f"says NVFP4 (it says {settings.get('quant_algo') if settings else 'nothing'})")
+        args = Args(MODELOPT, 4, "tensor_group", GROUP, True, "NVFP4")
+        out, problems = {}, []
+        for base in bases:
+            parts = {p: f"{base}.{p}" for p in MODELOPT_PARTS if f"{base}.{p}" in ckpt}
+            problem, shape = check(ckpt, base, parts, "weight", "weight_scale_2")
+            if problem is None and excluded(settings, base):
+                problem = f"{base}: stored NVFP4, but exclude_modules names it"
+            if problem:
+                problems.append(problem)
+            else:
+                out[f"{base}.weight"] = Module(f"{base}.weight", self, parts, shape, "BF16", args)
+        if problems:
+            raise CheckpointError(f"{ckpt.path}: ModelOpt NVFP4 tensors that do not fit: " + "; ".join(problems[:6]))
+        return out
+
+    def packed_part(self, m: Module) -> str:
+        return m.parts[self.packed_name]
+
+    def decode(self, m: Module, parts):
+        return dequantize(unpack(parts[self.packed_name]), parts["weight_scale"], parts[self.scale_name], self.modelopt)
+
+    def params(self, m: Module) -> dict:
+        return {"bits": 4, "group_size": GROUP, "mode": m.args.format}
+
+    def requantized(self, label, a, m, parts, src="A", q="B"):
+        if (wrong := shape_differs(label, m, a, src, q)) is not None:
+            return wrong
+        mine = quantize(a, parts["weight_scale"], parts[self.scale_name], self.modelopt)
+        return compare_codes(label, m, mine, steps(parts[self.packed_name]), False, src, q)
+
+    def describe(self, modules: list[Module]) -> list[dict]:
+        how = "e2m1 * scale * scale_2, to bfloat16" if self.modelopt else "e2m1 * scale / global scale, to bfloat16"
+        return describe_args(modules, how)
+
+    def check_target(self, ckpt, base: str, m: Module) -> None:
+        """The output module ``base`` of a split or fuse must be one the carried config stores as ``m`` is.
+
+        Raises:
+            LayoutError: it would not be.
+        """
+        if self.modelopt:
+            if excluded(modelopt_config(ckpt) or {}, base):
+                raise LayoutError(f"{base}: the output module would be stored NVFP4, but ModelOpt's exclude_modules "
+                                  "names it; edit exclude_modules first")
+            return
+        same_args(ckpt, base, m)
+
+    def split_entries(self, m, layout, new, ckpt):
+        return ctrows.split_entries(m, layout, new, ckpt)
+
+    def fuse_entries(self, g, u, layout, name, ckpt):
+        return ctrows.fuse_entries(g, u, layout, name, ckpt)
+
+
+MODELOPT_NVFP4 = Nvfp4(modelopt=True)

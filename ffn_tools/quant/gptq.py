@@ -22,7 +22,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
+from .base import Module, QuantScheme
+from .codes import compare_codes, shape_differs
+from . import gptq_rows
+from .ctconfig import ArgsScheme, Args, describe_args
 
 if TYPE_CHECKING:
     import torch
@@ -37,14 +41,12 @@ def config(ckpt) -> dict | None:
     return q if isinstance(q, dict) and q.get("quant_method") in METHODS else None
 
 
-def modules(ckpt) -> dict:
-    """``X.weight`` -> ``ctensors.Module`` for each GPTQ/AWQ module; {} when there is none.
+def modules(ckpt) -> dict[str, Module]:
+    """``X.weight`` -> Module for each GPTQ/AWQ module; {} when there is none.
 
     Raises:
         CheckpointError: qweights without a GPTQ/AWQ config, or parts that do not fit it (all at once).
     """
-    from .ctensors import Module, Scheme
-
     bases = sorted(n[: -len(".qweight")] for n in ckpt if n.endswith(".qweight"))
     if not bases:
         return {}
@@ -77,8 +79,9 @@ def modules(ckpt) -> dict:
         ordered = "g_idx" not in parts or bool((ckpt[parts["g_idx"]].long() ==
                                                  _sequential(cols, gs_here)).all())
         strategy = "group" if ordered else "g_idx"
-        scheme = Scheme(method, 4, strategy, gs_here, bool(q.get("sym", not q.get("zero_point", True))), method)
-        out[f"{base}.weight"] = Module(f"{base}.weight", scheme, parts, (rows, cols))
+        args = Args(method, 4, strategy, gs_here, bool(q.get("sym", not q.get("zero_point", True))), method)
+        out[f"{base}.weight"] = Module(f"{base}.weight", GPTQ if method == "gptq" else AWQ, parts, (rows, cols),
+                                       ckpt.info(parts["scales"]).st_dtype, args)
     if problems:
         raise CheckpointError(f"{ckpt.path}: {problems[0]}" + (f"; ... ({len(problems) - 1} more)" if len(problems) > 1 else ""))
     return out
@@ -105,7 +108,7 @@ def _words(packed: "torch.Tensor", dim: int, order: tuple[int, ...] | None) -> "
 
 def codes(m, parts: dict[str, "torch.Tensor"]) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
     """(codes (out, in), zero points (out, groups), group of each input column (in,)), unsigned, as int64."""
-    awq = m.scheme.format == "awq"
+    awq = m.args.format == "awq"
     qw, qz = parts["qweight"], parts["qzeros"]
     if awq:
         q = _words(qw, 1, AWQ_ORDER).T  # (in, out) -> (out, in)
@@ -113,7 +116,7 @@ def codes(m, parts: dict[str, "torch.Tensor"]) -> tuple["torch.Tensor", "torch.T
     else:
         q = _words(qw.T.contiguous(), 1, None)  # qweight (in/8, out): words run down the input rows
         z = _words(qz, 1, None).T + 1
-    g = parts["g_idx"].long() if "g_idx" in parts else _sequential(m.shape[1], m.scheme.group_size)
+    g = parts["g_idx"].long() if "g_idx" in parts else _sequential(m.shape[1], m.args.group_size)
     return q, z, g
 
 
@@ -136,3 +139,51 @@ def mlx_affine(m, parts: dict[str, "torch.Tensor"]) -> tuple["torch.Tensor", "to
     words = (q.reshape(rows, cols // 8, 8) << (4 * torch.arange(8))).sum(-1)  # MLX: element k at bits 4k
     s = parts["scales"].T.contiguous()
     return words, s, (-(s.float() * z.float())).to(s.dtype)
+
+
+class Gptq(ArgsScheme):
+    """GPTQ's (``awq``: AWQ GEMM's) 4-bit packing (see the module doc)."""
+
+    def __init__(self, method: str):
+        self.method = method
+        self.name, self.label = method, method.upper()
+
+    def find(self, ckpt) -> dict[str, Module]:
+        return {n: m for n, m in modules(ckpt).items() if m.scheme is self}
+
+    def packed_part(self, m: Module) -> str:
+        return m.parts["qweight"]
+
+    def decode(self, m: Module, parts):
+        return dequantize(m, parts)
+
+    def params(self, m: Module) -> dict:
+        return {"bits": m.args.bits, "group_size": m.args.group_size or m.shape[1], "mode": self.method}
+
+    def requantized(self, label, a, m, parts, src="A", q="B"):
+        """Round-to-nearest as AutoGPTQ/AutoAWQ: ``clamp(round(w / s) + z, 0, 15)`` against the stored codes."""
+        import torch
+
+        if (wrong := shape_differs(label, m, a, src, q)) is not None:
+            return wrong
+        stored, z, gi = codes(m, parts)
+        s = parts["scales"].T.to(torch.float32)
+        mine = torch.clamp(torch.round(a.to(torch.float32) / s[:, gi]) + z[:, gi], 0, 15).to(torch.int16)
+        return compare_codes(label, m, mine, stored.to(torch.int16), True, src, q)
+
+    def describe(self, modules: list[Module]) -> list[dict]:
+        how = "scales * (q - (qzeros + 1)) by g_idx" if self.method == "gptq" else "scales * (q - qzeros), GEMM packing order"
+        return describe_args(modules, how)
+
+    def check_target(self, ckpt, base: str, m: Module) -> None:
+        """GPTQ/AWQ configs quantize every Linear: any output name is read as stored."""
+
+    def split_entries(self, m, layout, new, ckpt):
+        return gptq_rows.split_entries(m, layout, new, ckpt)
+
+    def fuse_entries(self, g, u, layout, name, ckpt):
+        return gptq_rows.fuse_entries(g, u, layout, name, ckpt)
+
+
+GPTQ = Gptq("gptq")
+AWQ = Gptq("awq")

@@ -11,7 +11,7 @@ checkpoint losslessly. split/fuse refuse it: they rewrite tensors as stored, and
 
 from __future__ import annotations
 
-from .io.store import Checkpoint, TensorInfo
+from .base import Module, QuantScheme
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 GROUP = 32  # values per scale
@@ -38,48 +38,36 @@ def dequantize(blocks, scales, dtype=None):
     return out.reshape(*prefix, groups * width * 2).transpose(-1, -2).contiguous()
 
 
-class Mxfp4View(Checkpoint):
-    """``ckpt`` with every MXFP4 pair seen as its dequantized bf16 tensor (see the module doc)."""
+class Mxfp4(QuantScheme):
+    """GPT-OSS's MXFP4 experts (see the module doc): ``base_blocks`` + ``base_scales`` read as bf16 ``base``."""
 
-    resolves_quantization = True
+    name, label = "mxfp4", "MXFP4"
 
-    def __init__(self, ckpt):
-        self.raw, self.packed = ckpt, pairs(ckpt)
-        self.format = ckpt.format
-        hidden = {n for p in self.packed.values() for n in p}
-        infos = {}
-        for name in ckpt:
-            base = name[: -len("_blocks")] if name.endswith("_blocks") else None
-            if base in self.packed:
-                b = ckpt.info(name).shape
-                infos[base] = TensorInfo(base, "BF16", (*b[:-3], b[-2] * b[-1] * 2, b[-3]), ckpt.info(name).file, None)
-            elif name not in hidden:
-                infos[name] = ckpt.info(name)
-        config = dict(ckpt.config or {})
-        super().__init__(ckpt.path, ckpt.root, ckpt.files, infos, ckpt.metadata, config)
+    def find(self, ckpt) -> dict[str, Module]:
+        out = {}
+        for base, (blocks, scales) in pairs(ckpt).items():
+            b = ckpt.info(blocks).shape
+            out[base] = Module(base, self, {"blocks": blocks, "scales": scales}, (*b[:-3], b[-2] * b[-1] * 2, b[-3]),
+                               "BF16")
+        return out
 
-    def _read(self, info: TensorInfo):
-        if info.name not in self.packed:
-            return self.raw[info.name]
-        blocks, scales = self.packed[info.name]
-        return dequantize(self.raw[blocks], self.raw[scales])
+    def decode(self, m: Module, parts):
+        return dequantize(parts["blocks"], parts["scales"])
 
-    def quant_params(self, name: str) -> dict | None:
+    def params(self, m: Module) -> dict:
         """MXFP4's 4 bits per value in groups of 32 (verify's 4-bit tolerance row against an unquantized twin)."""
-        return {"bits": 4, "group_size": GROUP, "mode": "mxfp4"} if name in self.packed else None
+        return {"bits": 4, "group_size": GROUP, "mode": "mxfp4"}
 
-    @property
-    def stored(self):
-        """The checkpoint with its ``_blocks``/``_scales`` as stored (what transformers and mlx_lm load)."""
-        return self.raw
-
-    @property
-    def label(self) -> str:
-        return f"{self.raw.label}, MXFP4 read dequantized"
-
-    def decoded(self) -> list[dict]:
-        return [{"dtype": "MXFP4", "scales": "scales", "block": [1, GROUP], "weights": len(self.packed),
+    def describe(self, modules: list[Module]) -> list[dict]:
+        return [{"dtype": "MXFP4", "scales": "scales", "block": [1, GROUP], "weights": len(modules),
                  "how": "read dequantized, exactly (bf16)"}]
 
-    def close(self) -> None:
-        self.raw.close()
+    def check_rewritable(self, modules: list[Module], path, command: str) -> None:
+        from ..errors import FFNToolsError
+
+        raise FFNToolsError(f"{path}: {len(modules)} MXFP4 tensors ({modules[0].weight}_blocks/_scales, ...): "
+                            f"{command} rewrites tensors as stored and nothing reads split MXFP4; `ffn-tools "
+                            "convert PATH --to torch -o DIR` dequantizes them exactly (bf16), then split that")
+
+
+MXFP4 = Mxfp4()

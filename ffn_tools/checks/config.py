@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from ..errors import listing
-from ..io.store import Format, config_dtype, read_config
+from . import Check
 
 log = logging.getLogger(__name__)
 
@@ -68,22 +68,15 @@ NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16
 
 
 @dataclass
-class ConfigResult:
+class ConfigResult(Check):
     """What the config check found. ``readers`` says how each side was read."""
 
     name: ClassVar[str] = "config"
 
     readers: list[str] = field(default_factory=list)
     compared: int = 0  # keys compared
-    problems: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
     allowed: list[str] = field(default_factory=list)  # "key: A x, B y" accepted by --allow-config
-    skipped: str | None = None
     ties: tuple = (None, None)  # each side's tie_word_embeddings as its client reads it (None: unknown)
-
-    @property
-    def passed(self) -> bool:
-        return not self.problems
 
     def line(self) -> str:
         if self.skipped:
@@ -91,9 +84,6 @@ class ConfigResult:
         allowed = f", {len(self.allowed)} allowed by --allow-config" if self.allowed else ""
         return (f"config: {self.compared} keys compared as {' and '.join(self.readers)} read them, "
                 f"{len(self.problems)} differ{allowed}")
-
-    def failures(self) -> list[str]:
-        return [f"config: {p}" for p in self.problems]
 
     def as_dict(self) -> dict:
         return {"readers": self.readers, "compared": self.compared, "problems": self.problems, "notes": self.notes,
@@ -184,7 +174,7 @@ def _rope_is_default(cfg: dict) -> bool:
     return not isinstance(rope, dict) or rope.get("rope_type", rope.get("type", "default")) == "default"
 
 
-def _generation_eos(ckpt):
+def generation_eos(ckpt):
     """generation_config.json's eos_token_id beside ``ckpt``, or None."""
     try:
         gen = json.loads((Path(ckpt.root) / "generation_config.json").read_text())
@@ -193,7 +183,7 @@ def _generation_eos(ckpt):
     return gen.get("eos_token_id") if isinstance(gen, dict) else None
 
 
-def _compare(res: ConfigResult, a: dict, b: dict, allow, eos_a) -> None:
+def compare_keys(res: ConfigResult, a: dict, b: dict, allow, eos_a) -> None:
     """Add every difference between normalized ``a`` and ``b`` to ``res``."""
     default_rope = _rope_is_default(a) and _rope_is_default(b)
     seen = {p.split(":")[0] for p in res.problems} | {x.split(":")[0] for x in res.allowed}
@@ -210,8 +200,14 @@ def _compare(res: ConfigResult, a: dict, b: dict, allow, eos_a) -> None:
     res.compared += len(set(a) | set(b))
 
 
-def compare_configs(ca, cb, allow=()) -> ConfigResult:
-    """Compare the configs of open checkpoints ``ca`` (A) and ``cb`` (B) as their clients read them."""
+def compare_configs(ca, cb, allow=()) -> tuple[ConfigResult, tuple[dict, dict] | None]:
+    """Compare the configs of open checkpoints ``ca`` (A) and ``cb`` (B), each normalized by transformers' config
+    class for its model type (the schema every Hugging Face-named checkpoint's config follows).
+
+    Returns:
+        The result, and the two normalized configs (None where the comparison stopped early: a side without a
+        config, or one transformers refuses), for what B's client compares beyond them.
+    """
     allow = set(allow)
     res = ConfigResult()
     a, b = ca.config, cb.config
@@ -219,91 +215,35 @@ def compare_configs(ca, cb, allow=()) -> ConfigResult:
         if b and "model_type" in b:
             res.notes.append("A has no config.json naming a model_type; B's is not compared")
         res.skipped = "A has no config.json naming a model_type"
-        return res
+        return res, None
     if not b or "model_type" not in b:
         res.problems.append("A has a config.json and B has none naming a model_type: B's client cannot build "
                             "the model")
-        return res
+        return res, None
     (na, why_a), (nb, why_b) = transformers_view(a), transformers_view(b)
     if nb is None and why_b and "refuses" in why_b:
         res.problems.append(f"B's config.json: {why_b}")
-        return res
+        return res, None
     if na is None or nb is None:
         res.notes.append(f"compared as written: {why_a or why_b}")
         na, nb = dict(a), dict(b)
         res.readers.append("config.json")
     else:
         res.readers.append(f"transformers' {type_name(a)}")
-    _compare(res, na, nb, allow, _generation_eos(ca))
+    compare_keys(res, na, nb, allow, generation_eos(ca))
     res.ties = tuple(n.get("tie_word_embeddings") for n in (na, nb))
-    if cb.format is Format.MLX:
-        _compare_mlx(res, ca, cb, allow)
-    _check_dtype(res, cb)
+    return res, (na, nb)
+
+
+def note_unused(res: ConfigResult, allow) -> None:
+    """A note for each ``--allow-config`` key that matched no difference."""
+    allow = set(allow)
     unused = sorted(allow - {x.split(":")[0] for x in res.allowed} - {x.split(":")[0].split(".")[0] for x in res.allowed})
     if unused:
         res.notes.append(f"--allow-config {listing(unused)}: no such difference")
-    return res
 
 
 def type_name(config: dict) -> str:
     from transformers import CONFIG_MAPPING
 
     return CONFIG_MAPPING[config["model_type"]].__name__
-
-
-def _model_args(config: dict, has_head: bool | None):
-    """mlx_lm's ``ModelArgs`` fields for ``config`` as the MLX export completes it (``models.target``)."""
-    from ffn_tools.converters.mlx import models
-
-    t = models.target(config, "config", has_head)
-    return t.module, {f.name: getattr(t.args, f.name) for f in dataclasses.fields(t.args)}
-
-
-def _compare_mlx(res: ConfigResult, ca, cb, allow) -> None:
-    """B's config.json as mlx_lm reads it against A's as an MLX export of A gives it to mlx_lm."""
-    from ..errors import FFNToolsError
-
-    raw_b = read_config(cb.root) or {}
-    try:
-        module, b_args = _model_args(raw_b, None)
-    except FFNToolsError as e:
-        res.problems.append(f"mlx_lm cannot read B's config.json: {e}")
-        return
-    try:
-        source = dict(ca.config)
-        eos = _generation_eos(ca)
-        if eos:
-            source["eos_token_id"] = eos
-        _, a_args = _model_args(source, "lm_head.weight" in ca)
-    except FFNToolsError as e:
-        res.notes.append(f"A's config is not one mlx_lm reads, so it is not compared as mlx_lm's ModelArgs ({e})")
-        return
-    res.readers.append(f"mlx_lm's {module} ModelArgs")
-    _compare(res, a_args, b_args, allow, None)
-
-
-def _check_dtype(res: ConfigResult, cb) -> None:
-    """B's config dtype against the float dtype most of B's weight bytes are stored in (PyTorch formats:
-    transformers and vLLM load with the config's dtype; mlx_lm and Flax keep the stored one)."""
-    if not cb.format.pytorch:
-        return
-    raw = read_config(Path(cb.root)) if cb.root else None
-    said = NAMES.get(config_dtype(raw) or "")
-    sizes: dict[str, int] = {}
-    for n in cb:
-        info = cb.info(n)
-        if info.st_dtype in FLOATS:
-            sizes[info.st_dtype] = sizes.get(info.st_dtype, 0) + info.nbytes
-    if not said or not sizes:
-        return
-    stored = max(sizes, key=lambda d: sizes[d])
-    if stored == said:
-        return
-    names = {v: k for k, v in NAMES.items() if k not in ("float", "half")}
-    if (stored, said) in WIDER:
-        res.notes.append(f"B's config.json says dtype {names[said]} over {names[stored]} weights: they load "
-                         "widened, exactly")
-    else:
-        res.problems.append(f"dtype: B's config.json says {names[said]}, but its weights are stored in "
-                            f"{names[stored]}: transformers (dtype='auto') and vLLM load them cast to {names[said]}, "
-                            "losing precision")

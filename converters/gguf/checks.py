@@ -1,4 +1,5 @@
-"""What verify compares when B is a GGUF: its metadata against A's config, its tokenizer against A's.
+"""What llama.cpp's client compares when B is a GGUF: its metadata against A's config, its tokenizer against A's,
+its weights stored plus one against A's.
 
 llama.cpp builds the model from the GGUF's metadata (``{arch}.rope.freq_base``, ``.attention.layer_norm_rms_
 epsilon``, head counts, context, experts; ``converters.gguf.config.METADATA``), not from a config.json; so
@@ -16,10 +17,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import listing
-from ..io.store import Format
-from .model_config import ConfigResult, transformers_view
-from .side_files import SideFilesResult
+from ffn_tools.checks.config import ConfigResult, transformers_view
+from ffn_tools.checks.diagnose import first_difference
+from ffn_tools.checks.outside import outside_tolerance
+from ffn_tools.checks.side_files import SideFilesResult
+from ffn_tools.errors import listing
+from ffn_tools.tolerances import tolerance_for
+
+from .config import ABSENT, IMPLIED, implied_values, metadata_keys, metadata_values, original_context, rope_theta
+from .names import BY_TYPE
 
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # as transformers' config classes name it
 REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "rms_norm_eps")  # llama.cpp needs them
@@ -36,10 +42,6 @@ def _same(a, b) -> bool:
 
 def compare_metadata(ca, cb, allow=()) -> ConfigResult:
     """A's config (transformers' reading) against GGUF B's metadata, key by key."""
-    from ffn_tools.converters.gguf.config import (ABSENT, IMPLIED, implied_values, metadata_keys, metadata_values,
-                                                  original_context, rope_theta)
-    from ffn_tools.converters.gguf.names import BY_TYPE
-
     res = ConfigResult(readers=["transformers (A)", "llama.cpp's GGUF metadata (B)"])
     a = ca.config
     if not a or "model_type" not in a:
@@ -146,11 +148,7 @@ def compare_plus_one(outside, ca, cb, atol=None, rtol=None) -> list[str]:
     The outcome is added to ``outside`` (which left these tensors out: ``compare_outside``'s ``elsewhere``);
     returns a note saying how they were compared.
     """
-    from ffn_tools.converters.gguf.reader import LOSSLESS, as_converted
-
-    from ..tolerances import tolerance_for
-    from .diagnose import first_difference
-    from .outside import outside_tolerance
+    from .reader import LOSSLESS, as_converted  # gguf and numpy: a GGUF B has them
 
     names = sorted(cb.shifts)
     if not names or outside.skipped:
@@ -165,7 +163,7 @@ def compare_plus_one(outside, ca, cb, atol=None, rtol=None) -> list[str]:
             outside.differ.append(f"{name}: A is {list(a.shape)}, B is {list(b.shape)}")
             continue
         # A a GGUF storing it plus one as well: its stored bits (its reading, minus one, rounded)
-        same_kind = ca.format is Format.GGUF and name in ca.shifts
+        same_kind = ca.format is cb.format and name in ca.shifts
         want = ca.read_stored(name) if same_kind else as_converted(a, cb.shifts[name])
         lossless = cb.types[name] in LOSSLESS and b.dtype == want.dtype
         why = (first_difference(name, want, b) if lossless else

@@ -11,10 +11,11 @@ gate's and up's must be the same (GPTQ orders by the layer input, which gate and
 
 from __future__ import annotations
 
-from .errors import LayoutError
-from .layouts import GateUpLayout, fuse, split
-from .plan import Entry
-from .scales import fits
+from ..errors import LayoutError
+from ..layouts import GateUpLayout, fuse, split
+from ..plan import Entry
+from .base import check_pair
+from .fp8 import fits
 
 WORDS = ("qzeros",)  # 8 output columns per word (AWQ's qweight too)
 
@@ -25,9 +26,9 @@ def _packs_columns(fmt: str, suffix: str) -> bool:
 
 def _check_words(m, out_rows: int, layout: GateUpLayout, verb: str) -> None:
     for suffix, name in m.parts.items():
-        if _packs_columns(m.scheme.format, suffix) and (not fits(layout, out_rows, out_rows // 8) or out_rows % 16):
+        if _packs_columns(m.args.format, suffix) and (not fits(layout, out_rows, out_rows // 8) or out_rows % 16):
             half = out_rows // 2
-            raise LayoutError(f"{name}: {m.scheme.name} packs 8 output columns per int32 word, and the "
+            raise LayoutError(f"{name}: {m.args.name} packs 8 output columns per int32 word, and the "
                               f"{layout.describe()} gate/up boundaries of {out_rows} output rows ({half} each, "
                               f"{half / 8:g} words) do not fall on word boundaries: no exact {verb} of the words exists")
 
@@ -66,6 +67,7 @@ def split_entries(m, layout: GateUpLayout, new: dict[str, str], ckpt) -> dict[st
 def fuse_entries(g, u, layout: GateUpLayout, name: str, ckpt) -> list[Entry]:
     import torch
 
+    check_pair(g, u)
     rows, _ = g.shape
     layout.segments(2 * rows)
     _check_words(g, 2 * rows, layout, "fuse")

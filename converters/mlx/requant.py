@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from ..io.dtypes import as_st, short_name
+from ffn_tools.io.dtypes import as_st, short_name
 
 if TYPE_CHECKING:
     import torch
@@ -65,7 +65,7 @@ def check_requantized(name: str, a: "torch.Tensor", parts: tuple) -> tuple[str, 
     """
     import mlx.core as mx
 
-    from ffn_tools.converters.mlx.quant import MX_DTYPES
+    from .quant import MX_DTYPES
 
     w, s, b, q = parts
     gs, bits, mode = q["group_size"], q["bits"], q["mode"]
@@ -125,9 +125,9 @@ def check_requantized(name: str, a: "torch.Tensor", parts: tuple) -> tuple[str, 
 def recast_difference(role: str, a: "torch.Tensor", b: "torch.Tensor") -> str | None:
     """None when B's unquantized ``b`` is A's ``a`` cast to B's dtype with MLX's ``astype`` (as export
     casts), bit for bit; else the first difference, or why the cast cannot be replayed."""
-    from ffn_tools.converters.mlx.quant import MX_DTYPES, from_mx, torch_to_mx
+    from .quant import MX_DTYPES, from_mx, torch_to_mx
 
-    from .diagnose import first_difference
+    from ffn_tools.checks.diagnose import first_difference
 
     sa, sb = as_st(a.dtype), as_st(b.dtype)
     if sa not in MX_DTYPES or sb not in MX_DTYPES:
@@ -150,7 +150,7 @@ def _index(k: int, lead: tuple[int, ...]) -> str:
 
 def _to_mx(t: "torch.Tensor", exact: bool):
     """``t`` as an mx array: its bytes where MLX has its dtype, else through float32."""
-    from ffn_tools.converters.mlx.quant import torch_to_mx
+    from .quant import torch_to_mx
 
     return torch_to_mx(t if exact else t.float())
 

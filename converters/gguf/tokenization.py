@@ -17,53 +17,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+
+from ffn_tools.checks.tokens import TokenizationResult
 
 from . import corpus
 
 SHOWN = 16  # token ids shown of each side of the first differing text
 TEXT_SHOWN = 60  # characters shown of it
-
-
-@dataclass
-class TokenizationResult:
-    """The corpus through both tokenizers: how many texts were compared, which differ, or why none was."""
-
-    name: ClassVar[str] = "tokenization"
-
-    compared: int = 0
-    differ: list[tuple[str, list[int], list[int]]] = field(default_factory=list)  # (text, A's ids, B's ids)
-    problems: list[str] = field(default_factory=list)  # the differences as sentences, or llama.cpp's failure
-    skipped: str | None = None
-    left_out: int = 0  # texts of the corpus not compared: they need a special token A has none of
-    lacking: list[str] = field(default_factory=list)  # those tokens
-    what: str = "A's transformers tokenizer vs llama.cpp on B's vocabulary"
-
-    @property
-    def passed(self) -> bool:
-        return not self.problems
-
-    def line(self) -> str:
-        if self.skipped:
-            return f"tokenization: not compared ({self.skipped})"
-        out = (f" ({self.left_out} left out: A has no {' or '.join(self.lacking)})" if self.left_out else "")
-        if self.differ:
-            return (f"tokenization ({self.what}): {len(self.differ)} of {self.compared} texts of the built-in "
-                    f"corpus tokenize differently{out}")
-        if self.problems:
-            return f"tokenization ({self.what}): not compared: {self.problems[0]}"
-        return (f"tokenization ({self.what}): all {self.compared} texts of the built-in corpus tokenize the "
-                f"same{out}")
-
-    def failures(self) -> list[str]:
-        return [f"tokenization: {p}" for p in self.problems]
-
-    def as_dict(self) -> dict:
-        return {"compared": self.compared, "left_out": self.left_out, "lacking": self.lacking, "what": self.what,
-                "skipped": self.skipped, "problems": self.problems,
-                "differ": [{"text": t, "a": a, "b": b} for t, a, b in self.differ], "passed": self.passed}
 
 
 def _text(text: str) -> str:

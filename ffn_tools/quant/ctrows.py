@@ -13,22 +13,22 @@ fused, gate's and up's must be the same number, else the fused tensor would need
 
 from __future__ import annotations
 
-from . import nvfp4
-from .ctensors import PER_TENSOR, Module, quant_config, scheme_for
-from .errors import LayoutError
-from .layouts import GateUpLayout, fuse, split
-from .plan import Entry
-from .scales import fits
+from ..errors import LayoutError
+from ..layouts import GateUpLayout, fuse, split
+from ..plan import Entry
+from .base import Module, check_pair
+from .ctconfig import PER_TENSOR
+from .fp8 import fits
 
 
 def _zero_point_check(m: Module, fused_rows: int, layout: GateUpLayout, verb: str) -> None:
-    words = -(-fused_rows * m.scheme.bits // 32)
-    if not fits(layout, fused_rows, words) or fused_rows * m.scheme.bits % 32:
+    words = -(-fused_rows * m.args.bits // 32)
+    if not fits(layout, fused_rows, words) or fused_rows * m.args.bits % 32:
         half = fused_rows // 2
         raise LayoutError(
-            f"{m.base}.weight_zero_point: {m.scheme.name} packs {32 / m.scheme.bits:g} rows of zero points per "
+            f"{m.base}.weight_zero_point: {m.args.name} packs {32 / m.args.bits:g} rows of zero points per "
             f"int32 word, and the {layout.describe()} gate/up boundaries of {fused_rows} rows ({half} each, "
-            f"{half * m.scheme.bits / 32:g} words) do not fall on word boundaries: no exact {verb} of the packed "
+            f"{half * m.args.bits / 32:g} words) do not fall on word boundaries: no exact {verb} of the packed "
             "zero points exists")
 
 
@@ -39,34 +39,16 @@ def _shape_entry(name: str, rows: int, cols: int, src: str) -> Entry:
                  f"[{rows}, {cols}] (the new rows)")
 
 
-def _scheme_of(ckpt, base: str, m: Module) -> None:
-    if m.scheme.format == nvfp4.MODELOPT:
-        if nvfp4.excluded(nvfp4.modelopt_config(ckpt) or {}, base):
-            raise LayoutError(f"{base}: the output module would be stored NVFP4, but ModelOpt's exclude_modules "
-                              "names it; edit exclude_modules first")
-        return
-    s = scheme_for(quant_config(ckpt) or {}, base)
-    if s is None or (s.bits, s.strategy, s.group_size, s.symmetric) != \
-            (m.scheme.bits, m.scheme.strategy, m.scheme.group_size, m.scheme.symmetric):
-        raise LayoutError(f"{base}: the output module's parts would be stored {m.scheme.name}, but the "
-                          f"quantization_config carried over reads it as {s.name if s else 'unquantized'} (its "
-                          "targets and ignore name modules); add a target for it first")
-
-
 def split_entries(m: Module, layout: GateUpLayout, new: dict[str, str], ckpt) -> dict[str, list[Entry]]:
     """Input part name -> entries writing gate's and up's parts (``new``: role -> output ``X.weight``).
 
     Raises:
         LayoutError: zero point words straddling the boundary, or output names the config does not quantize.
     """
-    if m.scheme.format in ("gptq", "awq"):  # stored (in, out): columns move (gptq_rows)
-        from . import gptq_rows
-
-        return gptq_rows.split_entries(m, layout, new, ckpt)
     rows, cols = m.shape
     layout.segments(rows)  # odd rows, a --tp not dividing: LayoutError
     for role in ("gate", "up"):
-        _scheme_of(ckpt, new[role][: -len(".weight")], m)
+        m.scheme.check_target(ckpt, new[role][: -len(".weight")], m)
     if "weight_zero_point" in m.parts:
         _zero_point_check(m, rows, layout, "split")
     out: dict[str, list[Entry]] = {}
@@ -76,7 +58,7 @@ def split_entries(m: Module, layout: GateUpLayout, new: dict[str, str], ckpt) ->
             name = new[role][: -len("weight")] + suffix
             if suffix == "weight_shape":
                 out[src].append(_shape_entry(name, rows // 2, cols, src))
-            elif suffix in PER_TENSOR or (suffix == "weight_scale" and m.scheme.strategy == "tensor"):
+            elif suffix in PER_TENSOR or (suffix == "weight_scale" and m.args.strategy == "tensor"):
                 info = ckpt.info(src)
                 out[src].append(Entry(name, info.st_dtype, info.shape, (src,), lambda ts: ts[0].clone(), None,
                                       f"{src} (one number: each half keeps it)"))
@@ -116,15 +98,9 @@ def fuse_entries(g: Module, u: Module, layout: GateUpLayout, name: str, ckpt) ->
     """
     import torch
 
-    if g.scheme.name != u.scheme.name or g.shape != u.shape or set(g.parts) != set(u.parts):
-        raise LayoutError(f"cannot fuse {g.weight} ({g.scheme.name}, {list(g.shape)}) with {u.weight} "
-                          f"({u.scheme.name}, {list(u.shape)}): gate and up need one scheme and shape")
-    if g.scheme.format in ("gptq", "awq"):
-        from . import gptq_rows
-
-        return gptq_rows.fuse_entries(g, u, layout, name, ckpt)
+    check_pair(g, u)
     rows, cols = g.shape
-    _scheme_of(ckpt, name[: -len(".weight")], g)
+    g.scheme.check_target(ckpt, name[: -len(".weight")], g)
     layout.segments(2 * rows)
     if "weight_zero_point" in g.parts:
         _zero_point_check(g, 2 * rows, layout, "fuse")
@@ -134,7 +110,7 @@ def fuse_entries(g: Module, u: Module, layout: GateUpLayout, name: str, ckpt) ->
         a, b = g.parts[suffix], u.parts[suffix]
         if suffix == "weight_shape":
             out.append(_shape_entry(base + suffix, 2 * rows, cols, a))
-        elif suffix in PER_TENSOR or (suffix == "weight_scale" and g.scheme.strategy == "tensor"):
+        elif suffix in PER_TENSOR or (suffix == "weight_scale" and g.args.strategy == "tensor"):
             sa, sb = ckpt[a], ckpt[b]
             if sa.dtype != sb.dtype or not torch.equal(sa.reshape(-1).view(torch.uint8), sb.reshape(-1).view(torch.uint8)):
                 what = "global scales" if suffix in PER_TENSOR else "per-tensor scales"

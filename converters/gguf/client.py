@@ -1,0 +1,116 @@
+"""llama.cpp, the client of GGUF files (through llama-cpp-python).
+
+llama.cpp builds the model from the GGUF's metadata, not a config.json (``checks.compare_metadata``), reads its
+tokenizer from ``tokenizer.ggml.*`` (``checks.compare_tokenizer``) and tokenizes with its own code
+(``tokenization``), stores Gemma's norms plus one (``checks.compare_plus_one``), and computes GELU through a
+float16 table (ggml-cpu's GGML_GELU_FP16: input and output rounded to float16, so its logits of a float32 Gemma
+differ from transformers' by float16 roundings: measured 2.8e-4 on the tiny Gemma 2, 1.7e-5 with transformers'
+GELU rounded so too). Its load check is llama.cpp building the model; its logits run in a process of their own
+(``llama_cpp_run``), the KV cache in float32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ffn_tools.checks.load import LoadCheck, MissingClient
+from ffn_tools.clients import Client
+from ffn_tools.errors import FFNToolsError
+
+from .checks import compare_metadata, compare_plus_one, compare_tokenizer
+
+
+class LlamaCpp(Client):
+    """llama.cpp (see the module docstring)."""
+
+    name = "llama.cpp"
+    precision = {"gelu": "float16", "gelu_tanh": "float16"}
+    tokenizes = True
+
+    def load_check(self, ckpt) -> LoadCheck:
+        return check_llama_cpp(Path(ckpt.path))
+
+    def compare_config(self, ca, cb, allow=()):
+        return compare_metadata(ca, cb, allow)
+
+    def compare_side_files(self, ca, cb):
+        return compare_tokenizer(Path(ca.root), cb)
+
+    def compare_tokenization(self, ca, cb):
+        from .tokenization import compare_tokenization
+
+        return compare_tokenization(Path(ca.root), Path(cb.stored.path), cb.fields)
+
+    def stored_otherwise(self, cb) -> frozenset[str]:
+        return frozenset(cb.shifts)
+
+    def settle_otherwise(self, outside, ca, cb, atol, rtol) -> list[str]:
+        return compare_plus_one(outside, ca, cb, atol, rtol)
+
+    def ready_for_logits(self, ckpt, side: str) -> None:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError as e:
+            raise FFNToolsError(f"--logits: {side} is a GGUF and llama-cpp-python is not installed ({e}): "
+                                "pip install 'ffn-tools[gguf]'") from None
+
+    def logits(self, path: Path, tokens):
+        """llama.cpp's logits of every position, one sequence at a time, its KV cache in float32 (its default f16
+        cache would add its own rounding to what is compared); in a process of its own (``llama_cpp_run``)."""
+        import json
+        import tempfile
+
+        import numpy as np
+        import torch
+
+        from .llama_cpp_run import run
+
+        with tempfile.TemporaryDirectory() as d:
+            (Path(d) / "tokens.json").write_text(json.dumps(tokens.tolist()))
+            run(str(path), str(Path(d) / "tokens.json"), str(Path(d) / "logits.npy"))
+            return torch.from_numpy(np.load(Path(d) / "logits.npy")), []
+
+
+LLAMA_CPP_CONTEXT = 32  # tokens of context the load check asks llama.cpp for: building the model is the check
+
+
+def check_llama_cpp(path: Path) -> LoadCheck:
+    """llama.cpp itself (llama-cpp-python's ``Llama``) builds the model of a GGUF: every tensor its
+    architecture needs, of the shape and type it needs, with the metadata it reads; it refuses otherwise."""
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise MissingClient(f"verify's load check of a GGUF needs llama-cpp-python, which is not installed here "
+                            f"({e.name}): pip install 'ffn-tools[gguf]', or pass --no-load-check") from None
+    try:
+        with _quiet_stderr():
+            model = llama_cpp.Llama(model_path=str(path), n_ctx=LLAMA_CPP_CONTEXT, vocab_only=False, verbose=False)
+        arch = model.metadata.get("general.architecture")
+        model.close()
+    except Exception as e:  # noqa: BLE001 - llama.cpp's refusal (a ValueError naming the file, or worse)
+        return LoadCheck("llama.cpp", refused=f"{type(e).__name__}: {' '.join(str(e).split())[:200]}")
+    return LoadCheck("llama.cpp", architecture=arch)
+
+
+class _quiet_stderr:
+    """llama.cpp logs while loading, from C to file descriptor 2 and through llama-cpp-python's callback to
+    ``sys.stderr``; both silenced (its refusal is the exception)."""
+
+    def __enter__(self):
+        import contextlib
+        import io
+        import os
+
+        self._python = contextlib.redirect_stderr(io.StringIO())
+        self._python.__enter__()
+        self._saved = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+
+    def __exit__(self, *exc):
+        import os
+
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._python.__exit__(*exc)

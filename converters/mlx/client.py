@@ -1,0 +1,117 @@
+"""mlx_lm, the client of MLX model directories.
+
+Its load check is ``mlx_lm.utils.load_model(lazy=True)``, whose strict load lists missing and unexpected
+parameters (its ``mx.load`` does read the files: about 0.6x the weights' size in memory on a 1.1 GB model;
+``verify --no-load-check`` skips it). It reads a config through its model's ``ModelArgs`` (``models``): B's
+config.json as mlx_lm reads it is compared with A's as an MLX export of A hands it to mlx_lm. It loads a model
+through its own ``sanitize``, so A is paired with B as mlx_lm loads A (``consumer``). Its logits are
+``load_model``'s model's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+
+from ffn_tools.checks.config import ConfigResult, compare_keys, generation_eos
+from ffn_tools.checks.load import LoadCheck, MissingClient
+from ffn_tools.clients import Client
+from ffn_tools.errors import FFNToolsError
+from ffn_tools.io.store import read_config
+
+from . import models
+from .consumer import AsMlxLoads
+
+
+class MlxLm(Client):
+    """mlx_lm (see the module docstring)."""
+
+    name = "mlx_lm"
+
+    def load_check(self, ckpt) -> LoadCheck:
+        if absent := ckpt.absent_line():  # verify --layers on part of the shards: the client loads every one
+            return LoadCheck(self.name, skipped=f"{absent}; the client loads every shard")
+        return check_mlx(ckpt.root)
+
+    def compare_config_further(self, res: ConfigResult, ca, cb, readings, allow) -> None:
+        _compare_mlx(res, ca, cb, allow)
+
+    def pairing(self, ca, cb):
+        return None if ca.format is cb.format else AsMlxLoads.of(ca, cb)  # A already MLX: nothing to undo
+
+    def ready_for_logits(self, ckpt, side: str) -> None:
+        if not Path(ckpt.path).is_dir() or "model_type" not in (ckpt.config or {}):
+            raise FFNToolsError(f"--logits: {side} ({ckpt.path}) is not a model directory with a config.json naming "
+                                "its model_type; whole-model logits need a directory transformers or mlx_lm can load")
+        try:
+            import mlx_lm  # noqa: F401
+        except ImportError as e:
+            raise FFNToolsError(f"--logits: {side} is an MLX checkpoint and mlx_lm is not installed ({e})") from None
+
+    def hint(self, error: str) -> str:
+        return ("; MLX's CPU backend runs these ops in float32 only: an export with --dtype float32 runs here"
+                if "float32" in error else "")
+
+    def logits(self, path: Path, tokens):
+        import mlx.core as mx
+        import numpy as np
+        import torch
+        from mlx_lm.utils import load_model
+
+        try:
+            model, _ = load_model(path)
+        except ValueError as e:  # strict loading: missing or unexpected parameters
+            return torch.empty(0), [f"mlx_lm: {str(e).splitlines()[0][:300]}"]
+        out = model(mx.array(tokens.numpy()))
+        return torch.from_numpy(np.array(out.astype(mx.float32))).to(torch.float64), []
+
+
+def check_mlx(path: Path) -> LoadCheck:
+    """Whether ``mlx_lm.load`` would accept the MLX directory at ``path`` (lazily: no weight is evaluated)."""
+    try:
+        from mlx_lm.utils import load_model
+    except ImportError as e:
+        raise MissingClient(f"verify's load check needs mlx_lm for an MLX checkpoint, and it is not installed here "
+                            f"({e.name}): pip install 'ffn-tools[mlx-cpu]' (Linux) or 'ffn-tools[mlx]', or pass "
+                            "--no-load-check") from None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, _ = load_model(Path(path), lazy=True, strict=True)
+    except ValueError as e:  # mlx_lm's strict load: "Missing N parameters: ..." / "Received N parameters not in model"
+        text = " ".join(str(e).split())
+        res = LoadCheck("mlx_lm", architecture=None, words=text[:300])
+        target = res.missing if "issing" in text else res.unexpected
+        target.append(text[:300])
+        return res
+    except Exception as e:  # noqa: BLE001 - mlx_lm cannot even build the model: say so, do not guess
+        return LoadCheck("mlx_lm", refused=f"{type(e).__name__}: {' '.join(str(e).split())[:200]}")
+    return LoadCheck("mlx_lm", architecture=type(model).__module__.rsplit(".", 1)[-1])
+
+
+def _model_args(config: dict, has_head: bool | None):
+    """mlx_lm's ``ModelArgs`` fields for ``config`` as the MLX export completes it (``models.target``)."""
+    t = models.target(config, "config", has_head)
+    return t.module, {f.name: getattr(t.args, f.name) for f in dataclasses.fields(t.args)}
+
+
+def _compare_mlx(res: ConfigResult, ca, cb, allow) -> None:
+    """B's config.json as mlx_lm reads it against A's as an MLX export of A gives it to mlx_lm."""
+    raw_b = read_config(cb.root) or {}
+    try:
+        module, b_args = _model_args(raw_b, None)
+    except FFNToolsError as e:
+        res.problems.append(f"mlx_lm cannot read B's config.json: {e}")
+        return
+    try:
+        source = dict(ca.config)
+        eos = generation_eos(ca)
+        if eos:
+            source["eos_token_id"] = eos
+        _, a_args = _model_args(source, "lm_head.weight" in ca)
+    except FFNToolsError as e:
+        res.notes.append(f"A's config is not one mlx_lm reads, so it is not compared as mlx_lm's ModelArgs ({e})")
+        return
+    res.readers.append(f"mlx_lm's {module} ModelArgs")
+    compare_keys(res, a_args, b_args, allow, None)

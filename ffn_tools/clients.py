@@ -1,0 +1,147 @@
+"""The one interface every runtime client implements: what a runtime (transformers, mlx_lm, llama.cpp) does with
+a checkpoint, as ``verify`` asks it.
+
+A format names its client (``Format.client``). ``verify`` compares A and B as their clients will run them and
+asks B's client, never which format B is: would B load (``load_check``), what B's client computes from B's
+config against what A's side computes from A's (``compare_config``, ``differences``), B's side files and
+tokenizer as B's client reads them (``compare_side_files``, ``compare_tokenization``), A seen through the
+transforms B's client applies when it loads a model (``pairing``: mlx_lm's sanitize), the tensors B stores in
+another form (``stored_otherwise``: llama.cpp's norms plus one) and whole-model logits (``logits``). The
+defaults are those of a client that reads Hugging Face checkpoints as they are.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+from .checks.config import ConfigResult, compare_configs, note_unused
+from .checks.load import LoadCheck
+from .checks.side_files import SideFilesResult, compare_side_files
+from .errors import FFNToolsError
+
+if TYPE_CHECKING:
+    import torch
+
+    from .checks.outside import OutsideResult
+    from .checks.tokens import TokenizationResult
+
+
+class Pairing(ABC):
+    """A as B's client would load it: the tensors its load computes from A's (renamed, derived, folded), which B
+    stores as computed. ``verify`` compares B's tensors with those, not with A's as stored."""
+
+    @abstractmethod
+    def computed(self, names: list[str]) -> set[str]:
+        """Those of A's tensors ``names`` (its FFNs') that the client computes and B's view reads back by name."""
+
+    @abstractmethod
+    def read(self, name: str) -> "torch.Tensor":
+        """A's tensor ``name`` as the client computes it (one of ``computed``'s)."""
+
+    def describe(self, names: list[str]) -> str:
+        """The note saying that A's tensors ``names`` were compared as the client computes them."""
+        return (f"{len(names)} of A's FFN tensors compared as B's client computes them from A when it loads it, "
+                "not as A stores them")
+
+    def settle(self, outside: "OutsideResult", cb, compare: Callable) -> list[str]:
+        """Settle ``outside``'s failures that the client's own transforms explain (updated in place); returns
+        notes. ``compare(name, a, b, bits) -> why or None`` is the outside check's criterion."""
+        return []
+
+
+class Client(ABC):
+    """A runtime that loads checkpoints (see the module docstring).
+
+    Attributes:
+        name: as reports name it ("transformers", "mlx_lm", "llama.cpp").
+        precision: the FFN activation (as the kernels name it) -> the dtype this client computes it in, where
+            coarser than float32 (llama.cpp's GELU through a float16 table): the logits' tolerance floor.
+        tokenizes: it tokenizes with code and data of its own, not the tokenizer files compared as side files
+            (llama.cpp from a GGUF's vocabulary): ``compare_tokenization`` runs texts through both.
+    """
+
+    name: ClassVar[str]
+    precision: ClassVar[dict[str, str]] = {}
+    tokenizes: ClassVar[bool] = False
+
+    @abstractmethod
+    def load_check(self, ckpt) -> LoadCheck:
+        """Whether the client would load ``ckpt`` (as stored): every parameter provided, nothing left over.
+
+        Raises:
+            MissingClient: the client is not installed here.
+        """
+
+    def load_warning(self, ckpt, plan, out: str | None = None) -> str | None:
+        """One line when the output of ``plan`` (split or fuse of ``ckpt``) would not load in this client under the
+        config.json it carries; None when it loads or nothing tells (no config to build the model from)."""
+        return None
+
+    def compare_config(self, ca, cb, allow=()) -> ConfigResult:
+        """A's config as A's side computes it against B's as this client (B's) computes it, key by key."""
+        res, readings = compare_configs(ca, cb, allow)
+        if readings is not None:
+            self.compare_config_further(res, ca, cb, readings, set(allow))
+        note_unused(res, allow)
+        return res
+
+    def compare_config_further(self, res: ConfigResult, ca, cb, readings: tuple[dict, dict], allow: set) -> None:
+        """What this client reads beyond the normalized configs ``readings`` (A's, B's), added to ``res``."""
+
+    def compare_side_files(self, ca, cb) -> SideFilesResult:
+        """A's side files (tokenizer, generation config, ...) against B's, as this client reads B's."""
+        return compare_side_files(Path(ca.root), Path(cb.root))
+
+    def compare_tokenization(self, ca, cb) -> "TokenizationResult | None":
+        """Texts through A's tokenizer and through B's as this client tokenizes; None where B's tokenizer is
+        the side files compared (the same files, the same tokenizer code)."""
+        return None
+
+    def pairing(self, ca, cb) -> Pairing | None:
+        """A as this client loads it (None: as stored)."""
+        return None
+
+    def stored_otherwise(self, cb) -> frozenset[str]:
+        """B's tensors this client stores in another form than read (compared by ``settle_otherwise``)."""
+        return frozenset()
+
+    def settle_otherwise(self, outside: "OutsideResult", ca, cb, atol, rtol) -> list[str]:
+        """Compare ``stored_otherwise``'s tensors with A's, into ``outside``; returns notes."""
+        return []
+
+    def ready_for_logits(self, ckpt, side: str) -> None:
+        """Refuse ``--logits`` where this client cannot run ``ckpt`` as a whole model here.
+
+        Raises:
+            FFNToolsError: naming why (no client, a single file, the client not installed).
+        """
+        raise FFNToolsError(f"--logits: {side} ({ckpt.path}) is {ckpt.described} checkpoint; no client here runs "
+                            "it as a whole model")
+
+    def hint(self, error: str) -> str:
+        """What to add to this client's own ``error`` running logits here (how to make it run), or ""."""
+        return ""
+
+    def logits(self, path: Path, tokens: "torch.Tensor") -> tuple["torch.Tensor", list[str]]:
+        """The client's logits of ``tokens`` (float64), and what went wrong loading the model (a list of
+        lines: weights missing or left over); the client's own errors raise."""
+        raise FFNToolsError(f"{self.name} runs no logits here")
+
+    def __repr__(self) -> str:
+        return f"<client {self.name}>"
+
+
+class NoClient(Client):
+    """A format no runtime here loads (Flax after transformers 5, Meta's and Mistral's own code): the load check
+    and logits say they did not run; configs and side files are compared as written."""
+
+    name = "none"
+
+    def __init__(self, label: str, why: str):
+        self.label, self.why = label, why
+
+    def load_check(self, ckpt) -> LoadCheck:
+        return LoadCheck(self.label, skipped=self.why)

@@ -1,0 +1,85 @@
+"""The one interface every checkpoint format implements: a format is a package of ``converters`` with one
+``Format`` object, registered in ``converters.FORMATS``.
+
+A format says what it is as declared data (its name, the options its export takes and the flags that set
+them, whether it writes, whether an index of it may name shards not on disk) and does four things: recognise a
+path (``can_read``), open it as a lazy ``Checkpoint`` with Hugging Face PyTorch names (``open``), write any
+checkpoint in its own layout from a plan (``export``), and name the runtime that loads it (``client``: how that
+runtime reads a config, whether it would load a checkpoint, its logits, its tokenizer). The core and ``verify``
+talk to formats only through this interface: they never ask which format a checkpoint is.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+from .errors import FFNToolsError
+
+if TYPE_CHECKING:
+    from .clients import Client
+    from .io.store import Checkpoint
+
+
+class Format(ABC):
+    """A checkpoint format (see the module docstring).
+
+    Attributes:
+        name: the ``--to`` name and the name detection gives ("torch", "mlx").
+        extra: the pip extra that installs what it needs ("mlx-cpu"), for the message when it is missing.
+        options: the format-specific keyword options ``export`` takes.
+        writes: ``export`` writes this format (else the format is read only).
+        partial_shards: ``open(path, absent_shards=True)`` reads an index whose shards are not all on disk.
+        detect_order: formats are tried in this order when a path is detected (lowest first; the catch-all
+            PyTorch reader last).
+    """
+
+    name: ClassVar[str]
+    extra: ClassVar[str] = ""
+    options: ClassVar[frozenset[str]] = frozenset()
+    writes: ClassVar[bool] = True
+    partial_shards: ClassVar[bool] = False
+    detect_order: ClassVar[int] = 50
+
+    @abstractmethod
+    def can_read(self, path: Path) -> bool:
+        """Whether ``path`` is in this format: cheap (names, headers), never raising."""
+
+    @abstractmethod
+    def read(self, path: Path, absent_shards: bool = False) -> "Checkpoint":
+        """``path`` opened lazily (``open`` wraps it and records the format on the checkpoint).
+
+        Raises:
+            CheckpointError: ``path`` cannot be read as this format.
+        """
+
+    def open(self, path: Path, absent_shards: bool = False) -> "Checkpoint":
+        """``path`` opened lazily as a Hugging Face PyTorch-named view, ``ckpt.format`` this format.
+
+        Args:
+            absent_shards: an index may name shards not on disk (``Checkpoint.absent``); only where
+                ``partial_shards`` (elsewhere a missing shard is refused as always).
+
+        Raises:
+            CheckpointError: ``path`` cannot be read as this format.
+        """
+        ckpt = self.read(Path(path), absent_shards=absent_shards and self.partial_shards)
+        ckpt.format = ckpt.stored.format = self  # a decoding view and what it decodes
+        return ckpt
+
+    def export(self, ckpt: "Checkpoint", out: Path, **options) -> dict:
+        """Write ``ckpt`` (any format's view) in this format at ``out``; returns the summary (``output``, ...).
+
+        Raises:
+            FFNToolsError: this format is read only, or the output cannot be written.
+        """
+        raise FFNToolsError(f"ffn-tools reads {self.name} checkpoints but does not write them; convert to one of "
+                            "the formats it writes")
+
+    @abstractmethod
+    def client(self) -> "Client":
+        """The runtime that loads checkpoints of this format (``ffn_tools.clients``)."""
+
+    def __repr__(self) -> str:
+        return f"<format {self.name}>"

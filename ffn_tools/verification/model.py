@@ -1,0 +1,69 @@
+"""What ``verify`` compares beyond the weights, asked of B's client (``Client``): the configs as the clients read
+them, the side files, the texts through both tokenizers; and whole-model logits through both clients."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..checks.config import ConfigResult
+from ..checks.side_files import SideFilesResult
+from ..checks.tokens import TokenizationResult
+from ..clients import Client
+from ..tolerances import Tolerance, tolerance_for, widened
+from .report import VerifyReport
+
+EXACT = Tolerance(0.0, 0.0, 0.0, "exact: bit-identical weights under the same client")  # atol 0: every logit equal
+PROBE_MAX = 512  # longest token batch run to reach a config's window (tiny models only)
+PROBE_BYTES = 1 << 30
+
+
+def model_checks(client: Client, ca, cb, extract: str | None, allow_config: Sequence[str],
+                 side_files: bool) -> tuple[ConfigResult, SideFilesResult, TokenizationResult | None]:
+    """The configs as their clients read them, and the side files (what is not weights), as B's ``client``
+    compares them; where B's client tokenizes with data of its own (``Client.tokenizes``: llama.cpp from a
+    GGUF's vocabulary), texts through both tokenizers (else None). ``extract``: why there is no model to
+    compare (an FFN-only extract output)."""
+    config = ConfigResult(skipped=extract) if extract else client.compare_config(ca, cb, allow_config)
+    skip = "--no-side-files" if not side_files else extract
+    side = SideFilesResult(skipped=skip) if skip else client.compare_side_files(ca, cb)
+    tokens = None
+    if client.tokenizes:
+        tokens = TokenizationResult(skipped=skip) if skip else client.compare_tokenization(ca, cb)
+    return config, side, tokens
+
+
+def bit_identical(report: VerifyReport) -> bool:
+    """Every FFN and every other tensor of B is bit-identical to A's (and the configs agree): then the same
+    client computes the same logits, exactly."""
+    o = report.outside
+    return (bool(report.results) and all(r.exact == "identical" for r in report.results) and o is not None
+            and not o.skipped and o.passed and o.within == 0)
+
+
+def probe_length(config: dict, nbytes: int) -> int | None:
+    """Tokens per sequence for --logits: past the sliding window or the original context of a scaled rope
+    (where the config's settings act) when the model is small enough; None: the default batch."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    reach = [v for v in (config.get("sliding_window"), config.get("attention_chunk_size"),
+                         rope.get("original_max_position_embeddings") if isinstance(rope, dict) else None)
+             if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    if not reach or nbytes > PROBE_BYTES:
+        return None
+    length = min(reach) + 16
+    return length if length <= PROBE_MAX else None
+
+
+def run_logits(report: VerifyReport, a, b, ca, cb, clients: tuple[Client, Client], function: str | None, atol,
+               rtol, seed: int) -> None:
+    """Whole-model logits of A and B through their ``clients``, into ``report.logits``: exactly equal where one
+    client runs bit-identical weights, else within the FFNs' loosest row widened for whole models (no finer
+    than a client's own precision: ``logits.client_floor``)."""
+    from .logits import client_floor, compare_logits
+
+    same = clients[0].name == clients[1].name and bit_identical(report)
+    row, why = client_floor(report.tolerance or tolerance_for([], None, atol=atol, rtol=rtol), clients, function)
+    if why and not same:
+        report.notes.append(why)
+    vocab = [(c.config or {}).get("vocab_size") for c in (ca, cb)]
+    probe = probe_length(ca.config or {}, ca.total_bytes)
+    report.logits = compare_logits(a, b, clients, EXACT if same else widened(row), seed, vocab, probe)
