@@ -300,11 +300,9 @@ def _build(ckpt, group: Group, form_name: str, roles: dict[str, str], layer: int
                         "(a quantized checkpoint? read it through its own format)")
         return []
     want = {"down": (i, h) if form.turns("down") else (h, i), "down_bias": (h,)}
+    if form.fused:  # stored (in, out), gate and up share its columns: the layout's axis is the tensor's
+        layout = layout.oriented(form.turns("gate_up"))
     fused_axis = 0 if layout.axis == "rows" else 1
-    if form.turns("gate_up") and form.fused and fused_axis == 0:
-        problems.append(f"{names['gate_up']}: stored (in, out), so gate and up share its columns; the layout "
-                        f"says rows ({layout.describe()})")
-        return []
     if form.fused:
         want["gate_up"] = (2 * i, h) if fused_axis == 0 else (h, 2 * i)
         want["gate_up_bias"] = (2 * i,)

@@ -1,0 +1,60 @@
+"""What a new user hit (issue 37): a fuse that wrote what transformers refuses, round trips that changed names,
+an MLX export mlx_lm cannot load, a traceback left over, messages naming Python keywords, a silent long run.
+Each test runs the real client (transformers' ``from_pretrained``, ``mlx_lm.load``) on the output."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from helpers import assert_identical, run_cli, tensors
+
+import zoo
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """(path, logits) of a tiny GPT-OSS saved by transformers: experts stacked (E, H, 2I), stored (in, out),
+    gate and up columns interleaved."""
+    path = tmp_path_factory.mktemp("gptoss") / "model"
+    model = zoo.build("gpt_oss", path)
+    return path, zoo.logits(model)
+
+
+def _loaded_logits(path):
+    """transformers' logits of ``path``, asserting it loads every tensor with no size mismatch."""
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not any(info.values()), info
+    return zoo.logits(model.eval())
+
+
+def test_fusing_gpt_oss_with_its_own_layout_named_writes_its_orientation(gpt_oss, tmp_path):
+    """37.2: --layout interleaved fused the turned (in, out) stack's rows, [E, 2H, I] -> transformers: size mismatch."""
+    src, logits = gpt_oss
+    run_cli("split-gateup", src, "-o", tmp_path / "s")
+    r = run_cli("fuse-gateup", tmp_path / "s", "-o", tmp_path / "f", "--stack-experts", "--layout", "interleaved")
+    assert torch.equal(_loaded_logits(tmp_path / "f"), logits)
+    assert_identical(tensors(tmp_path / "f"), tensors(src))  # as without --layout: byte for byte the source
+    assert "interleaved, gate-up, columns" in r.stdout and "warning" not in r.stderr, r.output
+    # reading it with the layout named works too (it was refused: "the layout says rows")
+    run_cli("split-gateup", src, "-o", tmp_path / "s2", "--layout", "interleaved")
+    assert_identical(tensors(tmp_path / "s2"), tensors(tmp_path / "s"))
+
+
+def test_fusing_gpt_oss_in_a_layout_it_does_not_store_says_so(gpt_oss, tmp_path):
+    """Another arrangement under GPT-OSS's names loads (same shape) and computes another function: warned."""
+    src, logits = gpt_oss
+    run_cli("split-gateup", src, "-o", tmp_path / "s")
+    r = run_cli("fuse-gateup", tmp_path / "s", "-o", tmp_path / "f", "--stack-experts", "--layout", "concat")
+    assert "warning: 8 FFNs fused 'concat, gate-up'" in r.stderr and "gpt-oss" in r.stderr, r.stderr
+    assert "'interleaved, gate-up'" in r.stderr and "--layout" in r.stderr, r.stderr
+    fused = tensors(tmp_path / "f")["model.layers.0.mlp.experts.gate_up_proj"]
+    assert fused.shape == tensors(src)["model.layers.0.mlp.experts.gate_up_proj"].shape  # (E, H, 2I), its orientation
+    assert not torch.equal(_loaded_logits(tmp_path / "f"), logits)  # what the warning is for
+    run_cli("split-gateup", tmp_path / "f", "-o", tmp_path / "back", "--layout", "concat")
+    assert_identical(tensors(tmp_path / "back"), tensors(tmp_path / "s"))
