@@ -76,3 +76,25 @@ def test_a_saved_fused_form_round_trips_to_its_own_names(case, tmp_path):
     if case in ("granitemoe", "granitemoeshared", "granitemoehybrid"):  # only stacked experts: stacked untold
         run_cli("fuse-gateup", tmp_path / "s", "-o", tmp_path / "f2")
         assert_identical(tensors(tmp_path / "f2"), tensors(src))
+
+
+def test_an_mlx_export_mlx_lm_cannot_run_is_refused(tmp_path):
+    """37.11: LFM2 with attention layers only (transformers' default layer_types) exported to MLX with exit 0, and
+    mlx_lm failed on the first token (IndexError: its model indexes the cache by its first conv layer)."""
+    mx = pytest.importorskip("mlx.core")
+    lfm2 = pytest.importorskip("mlx_lm.models.lfm2")
+    from helpers import write_tokenizer
+
+    src = tmp_path / "lfm2"
+    zoo.build("lfm2", src, keep=("attention_bias", "mlp_bias", "tie_word_embeddings"))
+    write_tokenizer(src, 160)
+    config = __import__("json").loads((src / "config.json").read_text())
+    assert set(config["layer_types"]) == {"full_attention"}
+    r = run_cli("convert", src, "--to", "mlx", "-o", tmp_path / "mlx", ok=False)
+    assert "mlx_lm's lfm2 model builds from this config.json but fails on its first token (IndexError" in r.output
+    assert "mlx_lm/models/lfm2.py:" in r.output and not (tmp_path / "mlx").exists(), r.output
+    # what mlx_lm itself does with this config: its model builds (so it loads) and fails when it runs
+    args = lfm2.ModelArgs.from_dict({**config, "block_dim": config["hidden_size"]})
+    model = lfm2.Model(args)
+    with pytest.raises(IndexError):
+        model(mx.array([[0]]))

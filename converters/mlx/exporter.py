@@ -32,7 +32,7 @@ from ffn_tools.io.writer import OutTensor, plan_shards
 from . import names as mlx_names
 from .card import model_card
 from .config import added_metadata, mlx_config
-from .models import TIE_KEY, Target, parameters, target
+from .models import TIE_KEY, Target, check_runs, parameters, target
 from .recipe import decide, resolve
 
 FORMAT = "mlx"
@@ -269,6 +269,8 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     if kept and not quant and not dequantize:
         return _keep_quantized(ckpt, out, kept, target_st, force, max_shard_size, dry_run)
     tg, view, outputs, unused, changes, ckpt = _match_or_dequantize(ckpt, quantizing=bool(quant))
+    if untried := check_runs(tg, str(ckpt.path)):
+        changes.append(untried)
     config = tg.config
     if tg.renamed:
         changes.append(f"config.json: model_type {config['model_type']} (was {tg.renamed}): mlx_lm has no "
