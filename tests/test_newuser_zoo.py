@@ -157,3 +157,30 @@ def _loaded_model(path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory on a file system mounted read-only (a tmpfs; needs root and mount): skipped where it cannot."""
+    import subprocess
+
+    d = tmp_path / "ro"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(d)], capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only file system here (needs root and mount)")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", str(d)], check=True)
+
+
+def test_a_read_only_output_is_said_of_o_and_called_read_only(model_dir, read_only_dir):
+    """37.13: extract -o on a read-only file system named its temporary manifest (".out.json.tmp-PID: Read-only
+    file system"), and the other commands called it "permission denied"."""
+    src = model_dir("phi3")
+    for args in (["extract", src, "-o", read_only_dir / "out.safetensors"], ["extract", src, "-o", read_only_dir / "x"],
+                 ["split-gateup", src, "-o", read_only_dir / "s"], ["fuse-gateup", model_dir("llama"), "-o",
+                                                                     read_only_dir / "f"]):
+        r = run_cli(*args, ok=False)
+        assert f"Error: {args[-1]}: cannot write into {read_only_dir} (read-only file system)" in r.output, r.output
+        assert ".tmp" not in r.output
