@@ -130,8 +130,10 @@ def plan_split(ckpt, ffns: FFNSet, packed: dict | None = None) -> Plan:
     """
     fused = [f for f in ffns.ffns if f.form.fused]
     if not fused:
-        raise NothingToDoError(f"{ckpt.path}: nothing to split: all {len(ffns.ffns)} FFNs already have separate "
-                               f"gate and up projections (scheme {ffns.scheme.name})")
+        n = len(ffns.ffns)
+        which = "its one FFN already has" if n == 1 else f"all {n} FFNs already have"
+        raise NothingToDoError(f"{ckpt.path}: nothing to split: {which} separate gate and up projections (scheme "
+                               f"{ffns.scheme.name})")
     replaced: dict[str, list[Entry]] = defaultdict(list)
     flat: dict[str, list[FFN]] = defaultdict(list)  # a stack -> its experts, split into a flat stack
     for f in fused:

@@ -184,3 +184,36 @@ def test_a_read_only_output_is_said_of_o_and_called_read_only(model_dir, read_on
         r = run_cli(*args, ok=False)
         assert f"Error: {args[-1]}: cannot write into {read_only_dir} (read-only file system)" in r.output, r.output
         assert ".tmp" not in r.output
+
+
+def test_the_cli_names_its_flags_and_the_api_its_keywords(model_dir, tmp_path):
+    """37.13: "choose another output path (-o, out=) or pass --force (force=True)": each caller is told in its
+    own terms."""
+    import ffn_tools
+    from ffn_tools.errors import OutputExistsError
+
+    out = tmp_path / "split"
+    run_cli("split-gateup", model_dir("phi3"), "-o", out)
+    r = run_cli("split-gateup", model_dir("phi3"), "-o", out, ok=False)
+    assert f"Error: {out}: already exists; choose another output path (-o) or pass --force to replace it" in r.output
+    assert "out=" not in r.output and "force=True" not in r.output, r.output
+    with pytest.raises(OutputExistsError) as e:
+        ffn_tools.split_gateup(model_dir("phi3"), out)
+    assert str(e.value) == f"{out}: already exists; choose another output path (out=) or pass force=True to replace it"
+
+
+def test_one_of_a_thing_is_not_plural(tmp_path):
+    """37.13: "1 FFNs in 1 layers"."""
+    from safetensors.torch import save_file
+
+    d = tmp_path / "one"
+    d.mkdir()
+    save_file({"model.layers.0.mlp.gate_proj.weight": torch.randn(8, 4), "model.layers.0.mlp.up_proj.weight":
+               torch.randn(8, 4), "model.layers.0.mlp.down_proj.weight": torch.randn(4, 8),
+               "model.norm.weight": torch.ones(4)}, d / "model.safetensors")
+    out = run_cli("inspect", d).output
+    assert "dense         1 FFN in 1 layer, d_ffn 8, separate, 3 tensors" in out and "outside FFNs  1 tensor," in out
+    assert "1 FFNs" not in run_cli("inspect", d, "--json").output
+    assert f"wrote {tmp_path / 'x'}: 1 FFN, 3 tensors" in run_cli("extract", d, "-o", tmp_path / "x").output
+    assert "1 of 1 FFN (concat, gate-up)" in run_cli("fuse-gateup", d, "-o", tmp_path / "f").output
+    assert "nothing to split: its one FFN already has" in run_cli("split-gateup", d, "-o", tmp_path / "s", ok=False).output

@@ -41,7 +41,8 @@ def check_output(out: Path, inputs: list[Path], force: bool, replaceable=None) -
             raise OutputExistsError(f"{out}: lies inside the input directory {inp}, which ffn-tools never modifies; "
                                     "choose an -o path outside it")
     if out.exists() and not force:
-        raise OutputExistsError(f"{out}: already exists; choose another output path (-o, out=) or pass --force (force=True) to replace it")
+        raise OutputExistsError(f"{out}: already exists; choose another output path (out=) or pass force=True to "
+                                "replace it", flags={"out=": "-o", "force=True": "--force"})
     if out.exists() and not (replaceable or _looks_like_output)(out):
         raise OutputExistsError(f"{out}: does not look like an earlier checkpoint output; --force replaces only "
                                 "those, so remove it yourself if you mean it")
