@@ -217,3 +217,17 @@ def test_one_of_a_thing_is_not_plural(tmp_path):
     assert f"wrote {tmp_path / 'x'}: 1 FFN, 3 tensors" in run_cli("extract", d, "-o", tmp_path / "x").output
     assert "1 of 1 FFN (concat, gate-up)" in run_cli("fuse-gateup", d, "-o", tmp_path / "f").output
     assert "nothing to split: its one FFN already has" in run_cli("split-gateup", d, "-o", tmp_path / "s", ok=False).output
+
+
+def test_a_long_run_says_it_is_alive_when_stderr_is_not_a_terminal(model_dir, tmp_path, monkeypatch):
+    """37.13: without a terminal nothing reported progress; now a plain line every LINE_EVERY seconds (here every
+    update) and one when it ends, and none under --quiet."""
+    from ffn_tools import progress
+
+    monkeypatch.setattr(progress, "LINE_EVERY", 0.0)
+    r = run_cli("split-gateup", model_dir("phi3"), "-o", tmp_path / "s")  # CliRunner's stderr is no terminal
+    lines = r.stderr.splitlines()
+    assert any(ln.startswith("split-gateup: ") and "%" in ln and "ETA" in ln for ln in lines), r.stderr
+    assert lines[-1].startswith("split-gateup: done, ") and "\r" not in r.stderr, r.stderr
+    r = run_cli("-q", "split-gateup", model_dir("phi3"), "-o", tmp_path / "q")
+    assert r.stderr == "", r.stderr
