@@ -24,7 +24,7 @@ from .io.output import check_output
 from .plan import Entry, Plan, check_shardable, copy_entry, execute
 from . import ctensors, mxfp4, scales
 from .ctview import CompressedView
-from .registry import UNFUSED, Form, Group, Scheme, bias_name
+from .registry import LIBRARY, UNFUSED, Form, Group, Scheme, bias_name
 from .sizes import human
 from .stacks import restack_entries
 from .io.store import Checkpoint, open_checkpoint
@@ -388,6 +388,8 @@ def _foreign_layout(ffns: FFNSet, changed: list[FFN]) -> str | None:
     output carries the family's names, which its clients read in the family's arrangement, so they would compute
     another function from it without a word."""
     foreign = [f for f in changed if not f.layout.same_arrangement(f.group.layout)]
+    if foreign and foreign[0].group not in set(LIBRARY):  # a user's own templates (--gate-up, --scheme-file) name
+        return None  # no family whose clients read them one way
     if not foreign:
         return None
     f = foreign[0]

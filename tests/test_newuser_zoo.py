@@ -231,3 +231,13 @@ def test_a_long_run_says_it_is_alive_when_stderr_is_not_a_terminal(model_dir, tm
     assert lines[-1].startswith("split-gateup: done, ") and "\r" not in r.stderr, r.stderr
     r = run_cli("-q", "split-gateup", model_dir("phi3"), "-o", tmp_path / "q")
     assert r.stderr == "", r.stderr
+
+
+def test_another_arrangement_is_warned_for_a_family_not_for_ones_own_templates(model_dir, tmp_path):
+    src = model_dir("llama")
+    r = run_cli("fuse-gateup", src, "-o", tmp_path / "a", "--layout", "interleaved")
+    assert "fused 'interleaved, gate-up', but hf's names hold gate and up as 'concat, gate-up'" in r.stderr, r.stderr
+    own = ["--gate", "model.layers.{layer}.mlp.gate_proj.weight", "--up", "model.layers.{layer}.mlp.up_proj.weight",
+           "--down", "model.layers.{layer}.mlp.down_proj.weight", "--gate-up", "model.layers.{layer}.mlp.gu.weight"]
+    r = run_cli("fuse-gateup", src, "-o", tmp_path / "b", "--layout", "interleaved", *own)
+    assert "warning" not in r.stderr, r.stderr
