@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import NoReturn, TypedDict
 
 from ffn_tools.io.dtypes import DTYPE_CHOICES, USER_DTYPES, short_name
-from ffn_tools.errors import FFNToolsError, listing
+from ffn_tools.errors import FFNToolsError, counted, listing
 from ffn_tools.plan import Entry, Plan, copy_entry, execute
 from ffn_tools.ctview import CompressedView
 from ffn_tools.io.store import Checkpoint, Format
@@ -32,7 +32,7 @@ from ffn_tools.io.writer import OutTensor, plan_shards
 from . import names as mlx_names
 from .card import model_card
 from .config import added_metadata, mlx_config
-from .models import TIE_KEY, Target, parameters, target
+from .models import TIE_KEY, Target, check_runs, parameters, target
 from .recipe import decide, resolve
 
 FORMAT = "mlx"
@@ -221,7 +221,7 @@ def _match_or_dequantize(ckpt: Checkpoint, quantizing: bool = False):
     deq = Dequantized(ckpt)
     found = _match(deq, str(ckpt.path))
     n = sum(q["weights"] for q in scaled)
-    found[4].insert(0, f"dequantized {n} {scaled[0]['dtype']} weights (times their _{scaled[0]['scales']}) to "
+    found[4].insert(0, f"dequantized {n} {scaled[0]['dtype']} weight{'s' * (n != 1)} (times their _{scaled[0]['scales']}) to "
                        f"float32: mlx_lm's {found[0].module} model has no FP8 form (pass --dtype to store them "
                        "smaller, -q to quantize)")
     return (*found, deq)
@@ -269,6 +269,8 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     if kept and not quant and not dequantize:
         return _keep_quantized(ckpt, out, kept, target_st, force, max_shard_size, dry_run)
     tg, view, outputs, unused, changes, ckpt = _match_or_dequantize(ckpt, quantizing=bool(quant))
+    if untried := check_runs(tg, str(ckpt.path)):
+        changes.append(untried)
     config = tg.config
     if tg.renamed:
         changes.append(f"config.json: model_type {config['model_type']} (was {tg.renamed}): mlx_lm has no "
@@ -326,7 +328,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         entries = replace(ckpt, entries, ct_kept)
     if quant and d:
         n = sum(e.name.endswith(".scales") for e in entries)
-        changes.append(f"quantized {n} weights with mx.quantize: {quant.bits} bits, group size {quant.group_size} "
+        changes.append(f"quantized {counted(n, 'weight')} with mx.quantize: {quant.bits} bits, group size {quant.group_size} "
                        f"({quant.mode}{', recipe ' + quant.recipe if quant.recipe else ''}); config.json gets the "
                        "quantization block")
         for module, params in block.items():
@@ -400,7 +402,7 @@ def _keep_quantized(ckpt: Checkpoint, out: Path, kept: list[dict], target_st, fo
 
     raw = ckpt.raw if isinstance(ckpt, MLXCheckpoint) else ckpt  # the files as stored, packed weights included
     entries = [copy_entry(raw, n) for n in raw]
-    what = ", ".join(f"{q['weights']} weights {q['dtype']}" for q in kept)
+    what = ", ".join(f"{counted(q['weights'], 'weight')} {q['dtype']}" for q in kept)
     changes = [f"kept the input's quantization ({what}): every tensor copied byte for byte, as mlx_lm.convert keeps "
                "a quantized model quantized (-d/--dequantize writes it dequantized, -q re-quantizes)"]
     plan = Plan(raw, entries, dict(raw.config or {}), changes)
