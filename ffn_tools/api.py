@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .errors import counted
 from .hub import resolve
 
 ENVELOPE = ("command", "input", "output", "summary", "warnings")
@@ -56,7 +57,8 @@ def json_of(report) -> dict:
 
 def _inspect_line(s: dict) -> str:
     kinds = ", ".join(f"{k['count']} {kind}" for kind, k in s["ffn"].items())
-    return f"{s['architecture']}: {kinds} FFNs under scheme {s['scheme']}, {s['tensors']} tensors"
+    ffns = "FFN" if sum(k["count"] for k in s["ffn"].values()) == 1 else "FFNs"
+    return f"{s['architecture']}: {kinds} {ffns} under scheme {s['scheme']}, {counted(s['tensors'], 'tensor')}"
 
 
 def inspect(path, *, scheme=None, layout=None, tensors: bool = False) -> dict:
@@ -82,7 +84,7 @@ def extract(path, out, *, layers: str | None = None, experts: str | None = None,
     with open_any(resolve(str(path))) as ckpt:
         m = run(ckpt, Path(out), layers=layers, experts=experts, scheme=scheme, layout=layout, force=force,
                 max_shard_size=max_shard_size)
-    line = f"wrote {out}: {m['ffns']} FFNs, {m['tensors']} tensors ({m['dtype']})" + (
+    line = f"wrote {out}: {counted(m['ffns'], 'FFN')}, {counted(m['tensors'], 'tensor')} ({m['dtype']})" + (
         f"; {m['dequantized']}" if m.get("dequantized") else "")
     return _published(envelope("extract", str(path), out, line, m), upload_repo)
 
@@ -113,8 +115,8 @@ def fuse_gateup(path, out=None, *, upload_repo: str | None = None, **options) ->
 
 def _gateup(command: str, path, r: dict) -> dict:
     verb = "would write" if r.get("dry_run") else "wrote"
-    line = (f"{verb} {r['output']}: {r['ffns_changed']} of {r['ffns_total']} FFNs ({r['layout']}), "
-            f"{r['tensors_out']} tensors")
+    line = (f"{verb} {r['output']}: {r['ffns_changed']} of {counted(r['ffns_total'], 'FFN')} ({r['layout']}), "
+            f"{counted(r['tensors_out'], 'tensor')}")
     return envelope(command, str(path), r["output"], line, r)
 
 

@@ -78,7 +78,7 @@ class Group(click.Group):
         try:
             return super().invoke(ctx)
         except FFNToolsError as e:
-            raise Trouble(str(e), as_json) from None
+            raise Trouble(e.for_cli(), as_json) from None
         except click.ClickException as e:  # usage errors too; Trouble prints its own JSON
             if as_json and not isinstance(e, Trouble):
                 click.echo(json.dumps({"error": e.format_message()}))

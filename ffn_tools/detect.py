@@ -133,8 +133,10 @@ def choose_scheme(names, config: Mapping | None, within: Scheme | None = None, b
     Every group of the library (or of ``within``) is matched on its own; a group whose tensors are a strict
     subset of another's is dropped (Hunyuan's ``linear_gate`` MLP also half-matches Llama's); of groups that
     match the very same tensors (v5 stacked experts and GPT-OSS's transposed ones share names), the one in
-    the family config.json's ``model_type`` selects is kept, else the first in table order. The result is
-    named after the first family holding every kept group (the selected family first).
+    the family config.json's ``model_type`` selects is kept (its first in the family's order: the form its
+    checkpoints are saved in, so separate experts split from Aria's fc1/fc2 fuse back into fc1/fc2, not into
+    transformers v5's names), else the first in table order. The result is named after the first family
+    holding every kept group (the selected family first).
 
     Raises:
         SchemeError: no group matches.
@@ -160,7 +162,8 @@ def choose_scheme(names, config: Mapping | None, within: Scheme | None = None, b
         if any(c < d for d in claims.values()):
             continue
         equal = [h for h, d in claims.items() if d == c]
-        if next((h for h in equal if h in favoured), equal[0]) is g:
+        own = sorted((h for h in equal if h in favoured), key=(preferred.groups.index if preferred else id))
+        if (own or equal)[0] is g:
             chosen.append(g)
     if within is not None:
         return dataclasses.replace(within, groups=tuple(chosen), by_model_type_only=False)
@@ -300,11 +303,9 @@ def _build(ckpt, group: Group, form_name: str, roles: dict[str, str], layer: int
                         "(a quantized checkpoint? read it through its own format)")
         return []
     want = {"down": (i, h) if form.turns("down") else (h, i), "down_bias": (h,)}
+    if form.fused:  # stored (in, out), gate and up share its columns: the layout's axis is the tensor's
+        layout = layout.oriented(form.turns("gate_up"))
     fused_axis = 0 if layout.axis == "rows" else 1
-    if form.turns("gate_up") and form.fused and fused_axis == 0:
-        problems.append(f"{names['gate_up']}: stored (in, out), so gate and up share its columns; the layout "
-                        f"says rows ({layout.describe()})")
-        return []
     if form.fused:
         want["gate_up"] = (2 * i, h) if fused_axis == 0 else (h, 2 * i)
         want["gate_up_bias"] = (2 * i,)

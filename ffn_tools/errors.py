@@ -11,8 +11,29 @@ def listing(items, limit: int = 8) -> str:
     return ", ".join(items[:limit]) + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
 
 
+def counted(n: int, noun: str) -> str:
+    """``1 FFN``, ``2 FFNs``, ``0 layers``: a count and its noun, plural unless it is one."""
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
 class FFNToolsError(Exception):
-    """Base class: a problem with the user's input or request, not a bug."""
+    """Base class: a problem with the user's input or request, not a bug.
+
+    A message that names what the caller passed names it as the library's keyword (``out=``, ``force=True``);
+    ``flags`` maps each such keyword to the command-line flag that gives it (``-o``, ``--force``), and the CLI
+    shows the flags (``for_cli``): each layer speaks its caller's language.
+    """
+
+    def __init__(self, message: str = "", flags: dict[str, str] | None = None):
+        super().__init__(message)
+        self.flags = dict(flags or {})
+
+    def for_cli(self) -> str:
+        """The message with the keywords it names as the command line's flags."""
+        message = str(self)
+        for keyword, flag in (getattr(self, "flags", None) or {}).items():  # a subclass may skip __init__
+            message = message.replace(keyword, flag)
+        return message
 
 
 class CheckpointError(FFNToolsError):

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 
 from .quant import fp8
 from .detect import find_ffns
-from .errors import FFNToolsError
+from .errors import FFNToolsError, OutputError
 from .ffn import CLAMPED_RECORD, FFN, canonical_weights, clamped_record
 from .io.dtypes import short_name
-from .io.output import check_output
+from .io.output import check_output, check_parent
 from .layouts import GateUpLayout, split
 from .plan import DEQUANTIZED, Entry, Plan, copy_entry, execute, side_files
 from .registry import Scheme
@@ -160,8 +161,14 @@ def _execute_file(plan: Plan, out: Path, force: bool, max_shard_size, metadata, 
     manifest_path = out.with_suffix(".json")
     check_output(manifest_path, [ckpt.path, *ckpt.files, *side_files(ckpt), ckpt.root / "config.json"], force,
                  replaceable=_is_manifest)
-    tmp = manifest_path.with_name(f".{manifest_path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    check_parent(out)  # a place it cannot write is said of -o, before the manifest's temporary is written
+    tmp = manifest_path.with_name(f".{manifest_path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")  # remove_stale's
+    try:
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"{out}: cannot write its manifest {manifest_path.name} beside it ({e.strerror}); choose "
+                          "another -o path") from None
     try:
         execute(plan, out, force=force, max_shard_size=max_shard_size, metadata=metadata, desc="extracting")
     except BaseException:

@@ -23,7 +23,7 @@ from .io.output import check_output
 from .plan import Entry, Plan, check_shardable, copy_entry, execute
 from . import quant
 from .quant import fp8 as scales
-from .registry import UNFUSED, Form, Group, Scheme, bias_name
+from .registry import LIBRARY, UNFUSED, Form, Group, Scheme, bias_name
 from .sizes import human
 from .stacks import restack_entries
 from .io.store import Checkpoint, open_checkpoint
@@ -129,8 +129,10 @@ def plan_split(ckpt, ffns: FFNSet, packed: dict | None = None) -> Plan:
     """
     fused = [f for f in ffns.ffns if f.form.fused]
     if not fused:
-        raise NothingToDoError(f"{ckpt.path}: nothing to split: all {len(ffns.ffns)} FFNs already have separate "
-                               f"gate and up projections (scheme {ffns.scheme.name})")
+        n = len(ffns.ffns)
+        which = "its one FFN already has" if n == 1 else f"all {n} FFNs already have"
+        raise NothingToDoError(f"{ckpt.path}: nothing to split: {which} separate gate and up projections (scheme "
+                               f"{ffns.scheme.name})")
     replaced: dict[str, list[Entry]] = defaultdict(list)
     flat: dict[str, list[FFN]] = defaultdict(list)  # a stack -> its experts, split into a flat stack
     for f in fused:
@@ -320,7 +322,8 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False, packed: dict | No
         new = {r: _name(t, f, ckpt.config) for r, t in target.templates().items()}
         if packed and _packed_fuse(ckpt, f, new, replaced, packed):
             continue
-        replaced[f.names["gate"]].append(_fuse_entry(ckpt, new["gate_up"], [(f.names["gate"], f.names["up"])], f.layout, False))
+        replaced[f.names["gate"]].append(_fuse_entry(ckpt, new["gate_up"], [(f.names["gate"], f.names["up"])],
+                                                     f.layout.oriented(target.turns("gate_up")), False))
         replaced[f.names["up"]] += []
         if target.separate_biases:  # gate and up biases stay apart, named as the separate form names them
             for r in ("gate", "up"):
@@ -352,8 +355,8 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False, packed: dict | No
                               f"{first}..{first + len(experts) - 1}; cannot stack")
         new = {r: _name(t, f0, ckpt.config) for r, t in target.templates().items()}
         replaced[f0.names["gate"]].append(_fuse_entry(
-            ckpt, new["gate_up"], [(f.names["gate"], f.names["up"]) for f in experts], f0.layout, False, True,
-            target.turns("gate_up")))
+            ckpt, new["gate_up"], [(f.names["gate"], f.names["up"]) for f in experts],
+            f0.layout.oriented(target.turns("gate_up")), False, True, target.turns("gate_up")))
         replaced[f0.names["down"]].append(_stack_entry(ckpt, new["down"], [f.names["down"] for f in experts],
                                                        target.turns("down")))
         _fuse_biases(ckpt, f0, replaced, experts, bias_name(new["gate_up"]), stacked=True)
@@ -367,8 +370,29 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False, packed: dict | No
     if stack_experts and not by_layer:
         raise NothingToDoError(f"{ckpt.path}: --stack-experts: no routed experts with separate gate/up to stack")
     stacked = [f for fs in by_layer.values() for f in fs]
-    return _assemble(ckpt, ffns, replaced, "fuse-gateup", len(stacked) + len(fused), separate[0].layout,
-                     (stacked, "stacked"), (fused, "fused"))
+    changed = stacked + fused
+    layout = changed[0].layout.oriented(_target(changed[0], "stacked" if stacked else "fused", "fuse").turns("gate_up")) \
+        if changed else separate[0].layout
+    plan = _assemble(ckpt, ffns, replaced, "fuse-gateup", len(changed), layout, (stacked, "stacked"), (fused, "fused"))
+    if w := _foreign_layout(ffns, changed):
+        plan.summary["warnings"].append(w)
+    return plan
+
+
+def _foreign_layout(ffns: FFNSet, changed: list[FFN]) -> str | None:
+    """A warning when FFNs were fused in another arrangement than their family stores (``--layout`` given): the
+    output carries the family's names, which its clients read in the family's arrangement, so they would compute
+    another function from it without a word."""
+    foreign = [f for f in changed if not f.layout.same_arrangement(f.group.layout)]
+    if foreign and foreign[0].group not in set(LIBRARY):  # a user's own templates (--gate-up, --scheme-file) name
+        return None  # no family whose clients read them one way
+    if not foreign:
+        return None
+    f = foreign[0]
+    own, given = f.group.layout.oriented(False).describe(), f.layout.oriented(False).describe()
+    return (f"{len(foreign)} FFN{'s' * (len(foreign) > 1)} fused {given!r}, but {ffns.scheme.name}'s names hold gate "
+            f"and up as {own!r}, which is how its clients read them: they would compute another function from this "
+            "output; fuse without --layout to write the family's own, or split this output back with the same --layout")
 
 
 def _fuse_scales(ckpt, group: list[FFN], new: dict[str, str], replaced, stacked: bool = False,

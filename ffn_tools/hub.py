@@ -41,6 +41,28 @@ def resolve(text: str) -> Path:
     try:
         return Path(snapshot_download(m.group("repo"), revision=m.group("rev"), allow_patterns=PATTERNS))
     except Exception as e:  # noqa: BLE001 - the hub client's own errors: not found, offline, gated, network
-        reason = textwrap.shorten(" ".join(str(e).split()), 300, placeholder=" ...")  # whole words
-        raise CheckpointError(f"{text}: no such path, and not a Hub repo the cache or the Hub has "
-                              f"({type(e).__name__}: {reason})") from None
+        raise CheckpointError(f"{text}: no such path; as a Hub repo id, {_why(e, m.group('rev'))}") from None
+
+
+def _why(e: Exception, revision: str | None) -> str:
+    """What ``snapshot_download``'s error means for the user: the Hub has no such repo (or revision), or it was
+    never asked (offline) or could not be reached, and the local cache has no copy."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    cause = e.__cause__ or e.__context__
+    reason = textwrap.shorten(" ".join(str(cause or e).split()), 200, placeholder=" ...")  # whole words
+    if isinstance(e, LocalEntryNotFoundError):
+        if constants.HF_HUB_OFFLINE:
+            return ("the local Hugging Face cache has no copy and Hub access is off (HF_HUB_OFFLINE is set): unset it "
+                    "to download, or give a local path")
+        return (f"the Hub is unreachable ({type(cause).__name__ if cause else 'offline'}: {reason}) and the local "
+                "cache has no copy: check the network connection (or HF_ENDPOINT), or give a local path")
+    if isinstance(e, GatedRepoError):
+        return "the Hub's repo is gated: accept its terms on the Hub and log in (hf auth login), or give a local path"
+    if isinstance(e, RevisionNotFoundError):
+        return f"the Hub's repo has no revision {revision!r}"
+    if isinstance(e, RepositoryNotFoundError):
+        return "the Hub has no such repo (or it is private: log in with hf auth login)"
+    return f"it could not be fetched ({type(e).__name__}: {reason})"

@@ -12,6 +12,7 @@ arranged one of three ways, each with either projection first:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -61,6 +62,17 @@ class GateUpLayout:
         """'concat, gate-up' / 'tp=4, up-gate' / 'interleaved, gate-up' (+ ', columns')."""
         arr = f"tp={self.tp}" if self.arrangement == "tp" else self.arrangement
         return f"{arr}, {self.order}" + (", columns" if self.axis == "columns" else "")
+
+    def oriented(self, turned: bool) -> "GateUpLayout":
+        """This layout on a tensor stored (in, out) (``turned``: gate and up share its columns) or (out, in) (its
+        rows). The axis is the stored tensor's, not a choice: ``--layout interleaved`` fusing into GPT-OSS's
+        (E, H, 2I) interleaves columns, as GPT-OSS stores them."""
+        axis = "columns" if turned else "rows"
+        return self if self.axis == axis else dataclasses.replace(self, axis=axis)
+
+    def same_arrangement(self, other: "GateUpLayout") -> bool:
+        """Whether gate and up are arranged alike (order, arrangement, ranks), whatever the axis."""
+        return (self.order, self.arrangement, self.tp) == (other.order, other.arrangement, other.tp)
 
     def dim(self, ndim: int, is_bias: bool = False) -> int:
         """The (non-negative) dim holding the 2I gate/up entries of a tensor with ``ndim`` dims."""

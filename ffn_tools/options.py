@@ -36,7 +36,7 @@ class CheckpointPath(click.ParamType):
         try:
             return str(resolve(str(value)))
         except FFNToolsError as e:
-            self.fail(str(e), param, ctx)
+            self.fail(e.for_cli(), param, ctx)
 
 
 CHECKPOINT = CheckpointPath()
@@ -67,7 +67,7 @@ def scheme_options(f):
             elif gate or up or down or gate_up:
                 scheme = custom_scheme(gate, up, down, gate_up)
         except FFNToolsError as e:
-            raise click.UsageError(str(e)) from None
+            raise click.UsageError(e.for_cli()) from None
         return f(*args, scheme=scheme, **kwargs)
 
     return wrapper

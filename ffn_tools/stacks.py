@@ -55,7 +55,7 @@ def canonical_stack(ts: dict[str, "torch.Tensor"], form: Form, layout: GateUpLay
 
     out: dict[str, torch.Tensor] = {}
     if FUSED in ts:
-        out["gate"], out["up"] = split(stack(FUSED), layout, name="gate_up")
+        out["gate"], out["up"] = split(stack(FUSED), layout.oriented(form.turns(FUSED)), name="gate_up")
         if f"{FUSED}_bias" in ts:
             out["gate_bias"], out["up_bias"] = split(stack(f"{FUSED}_bias"), layout, is_bias=True, name="bias")
     for role in (*WEIGHTS, *(f"{r}_bias" for r in WEIGHTS)):
@@ -75,7 +75,7 @@ def stored(c: dict[str, "torch.Tensor"], form: Form, role: str, layout: GateUpLa
     turn = not bias and form.turns(base)
     if base == FUSED:
         g, u = (c[f"{r}{suffix}"].transpose(1, 2) if turn else c[f"{r}{suffix}"] for r in ("gate", "up"))
-        t = fuse(g, u, layout, is_bias=bias, name=role)
+        t = fuse(g, u, layout.oriented(turn), is_bias=bias, name=role)  # the axis of the target's tensor
     else:
         t = c[role].transpose(1, 2) if turn else c[role]
     return (t.flatten(0, 1) if form.flat else t).contiguous()

@@ -105,10 +105,11 @@ def inspect_checkpoint(ckpt: Checkpoint, scheme: Scheme | None = None, layout: G
 
 def format_summary(s: dict) -> list[str]:
     """Human-readable lines for an ``inspect_checkpoint`` result."""
+    from .errors import counted
     from .sizes import human
 
     lines = [
-        f"{s['path']}  ({s['format']}, {len(s['shards'])} shard{'s' * (len(s['shards']) != 1)}, {human(s['total_bytes'])}, {s['tensors']} tensors)",
+        f"{s['path']}  ({s['format']}, {counted(len(s['shards']), 'shard')}, {human(s['total_bytes'])}, {counted(s['tensors'], 'tensor')})",
         f"  architecture  {s['architecture']}  (model_type {s['model_type']})",
         f"  scheme        {s['scheme']}: {s['scheme_description']}",
         f"  layers        {s['layers']}" + (f" (config: {s['config_layers']})" if s["config_layers"] not in (None, s["layers"]) else ""),
@@ -119,13 +120,14 @@ def format_summary(s: dict) -> list[str]:
         + (f"  (config: {s['config_dtype']})" if s["config_dtype"] else ""),
     ]
     for kind, k in s["ffn"].items():
-        lines.append(f"  {kind:<13} {k['count']} FFNs in {k['layers']} layers, d_ffn {', '.join(map(str, k['d_ffn']))}, "
-                     f"{k['layout']}{', with biases' if k['bias'] else ''}, {k['tensors']} tensors")
+        lines.append(f"  {kind:<13} {counted(k['count'], 'FFN')} in {counted(k['layers'], 'layer')}, d_ffn "
+                     f"{', '.join(map(str, k['d_ffn']))}, {k['layout']}{', with biases' if k['bias'] else ''}, "
+                     f"{counted(k['tensors'], 'tensor')}")
     for q in s.get("quantized") or []:
         how = q.get("how", "split, fuse and extract move it with its weight")
-        lines.append(f"  quantized     {q['weights']} weights {q['dtype']}, one _{q['scales']} per {q['block'][0]}x"
+        lines.append(f"  quantized     {counted(q['weights'], 'weight')} {q['dtype']}, one _{q['scales']} per {q['block'][0]}x"
                      f"{q['block'][1]} block ({how})")
     o = s["outside_ffn"]
-    lines.append(f"  outside FFNs  {o['count']} tensors, {human(o['bytes'])}")
+    lines.append(f"  outside FFNs  {counted(o['count'], 'tensor')}, {human(o['bytes'])}")
     lines += [f"  warning       {w}" for w in s["warnings"]]
     return lines

@@ -142,5 +142,5 @@ def test_python_api_errors_name_the_api_spelling_too(model_dir, tmp_path):
     from ffn_tools.errors import FFNToolsError
 
     ffn_tools.fuse_gateup(model_dir("llama"), tmp_path / "out")
-    with pytest.raises(FFNToolsError, match=r"choose another output path \(-o, out=\) or pass --force \(force=True\)"):
+    with pytest.raises(FFNToolsError, match=r"choose another output path \(out=\) or pass force=True to replace it$"):
         ffn_tools.fuse_gateup(model_dir("llama"), tmp_path / "out")

@@ -83,7 +83,24 @@ BAD_FILES = {
     "trailing-bytes": lambda: _raw(*_valid()) + b"\0" * 8,
     "truncated-data": lambda: _raw(*_valid())[:-5],
     "duplicate-name": lambda: _dup(),
+    # empty tensors whose shape multiplies out past a usize on the way (safetensors' reader refuses them), or
+    # holds a dimension no torch tensor can have (int64 sizes)
+    "empty-shape-overflows": lambda: _empty({D: [2 ** 62, 4, 0]}),
+    "empty-dim-past-int64": lambda: _empty({D: [2 ** 63, 0]}),
 }
+
+
+def _empty(shapes: dict) -> bytes:
+    """The valid checkpoint with the tensors of ``shapes`` emptied (no bytes) to those shapes."""
+    header, data = _valid()
+    for name, shape in shapes.items():
+        gone = header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
+        header[name].update(shape=shape, data_offsets=[header[name]["data_offsets"][0]] * 2)
+        for other in header.values():  # the tensors after it move down by its bytes
+            if "data_offsets" in other and other is not header[name] and other["data_offsets"][0] >= header[name]["data_offsets"][0]:
+                other["data_offsets"] = [o - gone for o in other["data_offsets"]]
+        data = data[:header[name]["data_offsets"][0]] + data[header[name]["data_offsets"][0] + gone:]
+    return _raw(header, data)
 
 
 def _dup() -> bytes:
@@ -308,6 +325,30 @@ def test_an_mlx_that_does_not_load_names_the_extra(model_dir, tmp_path):
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert "this needs mlx, which does not load here (libmlx.so: cannot open" in p.stderr, p.stderr
     assert "ffn-tools[mlx-cpu]" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_an_empty_tensor_mlx_cannot_shape_is_refused_in_one_line(tmp_path):
+    """Issue 37.10: [2^62, 0] is valid safetensors (0 bytes; torch and safetensors read it), but no MLX array has a
+    dimension past 2^31 - 1: convert --to mlx printed mlx's OverflowError with a traceback."""
+    pytest.importorskip("mlx_lm")
+    from safetensors import safe_open
+
+    d = tmp_path / "m"
+    d.mkdir()
+    header, data = _valid()
+    header["model.embed_tokens.weight"] = {"dtype": "F32", "shape": [2 ** 62, 0], "data_offsets": [len(data)] * 2}
+    (d / "model.safetensors").write_bytes(_raw(header, data))
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_act": "silu", "hidden_size": 2,
+                                               "intermediate_size": 4, "num_attention_heads": 1, "num_hidden_layers": 1,
+                                               "rms_norm_eps": 1e-5, "vocab_size": 8}))
+    with safe_open(str(d / "model.safetensors"), "pt") as f:  # the reference reader takes it
+        assert f.get_tensor("model.embed_tokens.weight").shape == (2 ** 62, 0)
+    for args in (["convert", d, "--to", "mlx", "-o", tmp_path / "mlx"],
+                 ["convert", d, "--to", "mlx", "-q", "-o", tmp_path / "mlx-q"]):
+        r = run_cli(*args, ok=False)
+        assert "model.embed_tokens.weight [4611686018427387904, 0]" in r.output and "MLX" in r.output, r.output
+    run_cli("convert", d, "--to", "torch", "-o", tmp_path / "torch")  # the others carry it as it is
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "torch"]
 
 
 def test_json_errors_go_to_stdout_too(tmp_path):

@@ -53,9 +53,20 @@ def test_repo_ids_work_where_paths_do(hf_home, model_dir, tmp_path):
 def test_unknown_repo_id_is_one_line_exit_2(hf_home, tmp_path):
     r = ffn_tools(hf_home, "inspect", "acme/absent")
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "acme/absent: no such path, and not a Hub repo" in r.stderr
+    assert "acme/absent: no such path; as a Hub repo id, the local Hugging Face cache has no copy and Hub access is " \
+           "off (HF_HUB_OFFLINE is set)" in r.stderr, r.stderr
     r = ffn_tools(hf_home, "inspect", "not/a/repo/id", cwd=tmp_path)  # three parts: a path, and absent
     assert r.returncode == 2 and "no such file or directory" in r.stderr
+
+
+def test_an_unreachable_hub_is_called_unreachable(hf_home):
+    """37.13: a Hub that cannot be reached read as "not a Hub repo the cache or the Hub has"."""
+    env = dict(os.environ, HF_HOME=str(hf_home), HF_HUB_OFFLINE="0", HF_ENDPOINT="http://127.0.0.1:9")  # refused
+    r = subprocess.run([sys.executable, "-m", "ffn_tools", "inspect", "acme/absent"], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and [ln.startswith("Error:") for ln in r.stderr.splitlines()].count(True) == 1, r.stderr
+    assert "acme/absent: no such path; as a Hub repo id, the Hub is unreachable (" in r.stderr, r.stderr
+    assert "Connection refused" in r.stderr and "check the network connection" in r.stderr, r.stderr
 
 
 def test_python_dash_m_is_the_cli(hf_home):

@@ -106,10 +106,10 @@ def _other_layout(model_type: str, src: Path, dst: Path) -> Path:
 # model_type -> why mlx_lm's own forward differs from transformers' (asserted: it still differs).
 OTHER_LOGITS = {
     "glm": "mlx_lm's glm ropes the whole head; transformers' GlmConfig ropes half (partial_rotary_factor 0.5)",
-    "jamba": "mlx_lm's jamba computes other logits than transformers 5.24's from the same weights (every token, "
-             "up to 0.05)",
-    "ernie4_5_moe": "mlx_lm routes some tokens to other experts than transformers (3 of 16 tokens differ by 0.05; "
-                    "the rest agree to 2e-7)",
+    "jamba": "mlx_lm's jamba renormalizes the top-k router weights (jamba.py:244); transformers' leaves them "
+             "unnormalized (modeling_jamba.py:696-697): every token, up to 0.05 (test_newuser_zoo pins it)",
+    "ernie4_5_moe": "mlx_lm's sanitize drops moe_statics.e_score_correction_bias, which transformers adds before "
+                    "choosing the top-k experts: 3 of 16 tokens routed otherwise (test_newuser_zoo pins it)",
 }
 
 

@@ -15,7 +15,7 @@ import operator
 from typing import TYPE_CHECKING, Any
 
 from ffn_tools.detect import find_ffns
-from ffn_tools.errors import FFNToolsError
+from ffn_tools.errors import FFNToolsError, counted
 from ffn_tools.ffn import FFN, canonical_weights
 from ffn_tools.io.dtypes import FLOAT_ST, as_st, short_name, torch_dtype
 from ffn_tools.io.store import Checkpoint
@@ -177,7 +177,7 @@ def changes(plan: Plan) -> list[str]:
         lines = ["layout hf: 2-D weights stored as kernel = W.T (in, out), embeddings as embedding"]
         lines += _config_lines(ckpt.config, plan.config)  # none for a lone .msgpack file
     else:
-        lines = [f"layout linen: {plan.summary['ffns']} FFNs as "
+        lines = [f"layout linen: {counted(plan.summary['ffns'], 'FFN')} as "
                  f"{LINEN_NAMING.rsplit('/', 1)[0]}; other tensors not written"]
     cast = {e.st_dtype for e in plan.entries if any(ckpt.info(n).st_dtype != e.st_dtype for n in e.inputs)}
     if cast:

@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import NoReturn
 
-from ffn_tools.errors import FFNToolsError
+from ffn_tools.errors import FFNToolsError, counted
 from ffn_tools.io.dtypes import DTYPE_CHOICES, USER_DTYPES, short_name
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.io.writer import OutTensor, plan_shards
@@ -31,7 +31,7 @@ from . import from_ct
 from .card import model_card
 from .config import added_metadata, mlx_config
 from .matching import HEAD, match_or_dequantize
-from .models import TIE_KEY
+from .models import TIE_KEY, check_runs
 from .recipe import decide, resolve
 
 MAX_SHARD_SIZE = 5 << 30  # mlx_lm's save_model shards at 5 GiB
@@ -101,6 +101,8 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     if kept and not quant and not dequantize:
         return _keep_quantized(ckpt, out, kept, target_st, force, max_shard_size, dry_run)
     tg, view, outputs, unused, changes, ckpt = match_or_dequantize(ckpt, quantizing=bool(quant))
+    if untried := check_runs(tg, str(ckpt.path)):
+        changes.append(untried)
     config = tg.config
     if tg.renamed:
         changes.append(f"config.json: model_type {config['model_type']} (was {tg.renamed}): mlx_lm has no "
@@ -155,7 +157,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         entries = from_ct.replace(ckpt, entries, ct_kept)
     if quant and d:
         n = sum(e.name.endswith(".scales") for e in entries)
-        changes.append(f"quantized {n} weights with mx.quantize: {quant.bits} bits, group size {quant.group_size} "
+        changes.append(f"quantized {counted(n, 'weight')} with mx.quantize: {quant.bits} bits, group size {quant.group_size} "
                        f"({quant.mode}{', recipe ' + quant.recipe if quant.recipe else ''}); config.json gets the "
                        "quantization block")
         for module, params in block.items():
@@ -209,7 +211,7 @@ def _keep_quantized(ckpt: Checkpoint, out: Path, kept: list[dict], target_st, fo
                             "write it dequantized in that dtype, or -q to re-quantize")
     raw = ckpt.stored  # the files as stored, packed weights included
     entries = [copy_entry(raw, n) for n in raw]
-    what = ", ".join(f"{q['weights']} weights {q['dtype']}" for q in kept)
+    what = ", ".join(f"{counted(q['weights'], 'weight')} {q['dtype']}" for q in kept)
     changes = [f"kept the input's quantization ({what}): every tensor copied byte for byte, as mlx_lm.convert keeps "
                "a quantized model quantized (-d/--dequantize writes it dequantized, -q re-quantizes)"]
     plan = Plan(raw, entries, dict(raw.config or {}), changes)

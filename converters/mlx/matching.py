@@ -180,7 +180,7 @@ def match_or_dequantize(ckpt: Checkpoint, quantizing: bool = False):
     deq = quant.decoded(ckpt, every=True)
     found = match(deq, str(ckpt.path))
     n = sum(q["weights"] for q in scaled)
-    found[4].insert(0, f"dequantized {n} {scaled[0]['dtype']} weights (times their _{scaled[0]['scales']}) to "
+    found[4].insert(0, f"dequantized {n} {scaled[0]['dtype']} weight{'s' * (n != 1)} (times their _{scaled[0]['scales']}) to "
                        f"float32: mlx_lm's {found[0].module} model has no FP8 form (pass --dtype to store them "
                        "smaller, -q to quantize)")
     return (*found, deq)

@@ -279,6 +279,39 @@ def target(config: dict | None, where: str, has_head: bool | None = None) -> Tar
                   args=mod.ModelArgs.from_dict(config))
 
 
+def check_runs(tg: Target, where: str) -> str | None:
+    """mlx_lm's model run on one token as ``mlx_lm.generate`` runs it (with its prompt cache), lazily: its
+    graph is built and nothing computed (MLX evaluates nothing unless asked; a model that reads a value back
+    evaluates only what precedes it). A model that builds from a config may still not run on it: LFM2's
+    indexes its cache by the first attention and the first conv layer, so one without a conv layer builds,
+    loads, and fails on its first token (IndexError).
+
+    Returns:
+        None, or a line saying the check could not run here (the model runs Metal kernels; no Metal here).
+
+    Raises:
+        FFNToolsError: the model fails when it runs, naming the error and where mlx_lm raised it.
+    """
+    import traceback
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = tg.fresh()
+    try:
+        model(mx.array([[0]]), cache=make_prompt_cache(model))
+    except Exception as e:  # noqa: BLE001 - mlx_lm's own failure on this config, any type
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        at = f"{frame.filename.rpartition('site-packages/')[2]}:{frame.lineno} in {frame.name}"
+        if "No Metal back-end" in str(e):  # its own kernels, which run on Apple silicon only: not a failure
+            return (f"mlx_lm's {tg.module} model runs Metal kernels ({at}): whether it runs on this config was not "
+                    "tried here (no Metal back-end)")
+        raise FFNToolsError(f"{where}: mlx_lm's {tg.module} model builds from this config.json but fails on its "
+                            f"first token ({type(e).__name__}: {e}, at {at}): mlx_lm.load would load the export "
+                            "and generation would fail; mlx_lm does not run this configuration") from None
+    return None
+
+
 def parameters(model) -> dict[str, tuple[int, ...]]:
     """Parameter name -> shape of an mlx model (sanitize may change the model: read it after)."""
     from mlx.utils import tree_flatten

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ffn_tools.errors import FFNToolsError
+from ffn_tools.errors import FFNToolsError, listing
 
 from .quant import MX_DTYPES, ST_DTYPES
 
@@ -62,8 +62,19 @@ def _stack_keys(name: str) -> list[str]:
             for box in ("switch_mlp", "experts")]
 
 
+MAX_DIM = 2 ** 31 - 1  # MLX holds a shape as 32-bit ints: no MLX array, so no MLX checkpoint, has a larger dim
+
+
 def stand_ins(shapes: Mapping[str, tuple[tuple[int, ...], str]]) -> dict[str, mx.array]:
-    """A lazy zero array per input (name -> (shape, safetensors dtype)); nothing is allocated."""
+    """A lazy zero array per input (name -> (shape, safetensors dtype)); nothing is allocated.
+
+    Raises:
+        FFNToolsError: a dimension MLX cannot hold (an empty tensor with a huge shape is valid safetensors).
+    """
+    big = [f"{n} {list(shape)}" for n, (shape, _) in shapes.items() if any(d > MAX_DIM for d in shape)]
+    if big:
+        raise FFNToolsError(f"{listing(big, 3)}: a dimension past 2^31 - 1, which an MLX array cannot have (MLX "
+                            "shapes are 32-bit): no MLX checkpoint can hold this tensor; drop it or fix its shape")
     return {n: mx.zeros(shape, MX_DTYPES.get(st, mx.uint8)) for n, (shape, st) in shapes.items()}
 
 

@@ -41,7 +41,8 @@ def check_output(out: Path, inputs: list[Path], force: bool, replaceable=None) -
             raise OutputExistsError(f"{out}: lies inside the input directory {inp}, which ffn-tools never modifies; "
                                     "choose an -o path outside it")
     if out.exists() and not force:
-        raise OutputExistsError(f"{out}: already exists; choose another output path (-o, out=) or pass --force (force=True) to replace it")
+        raise OutputExistsError(f"{out}: already exists; choose another output path (out=) or pass force=True to "
+                                "replace it", flags={"out=": "-o", "force=True": "--force"})
     if out.exists() and not (replaceable or _looks_like_output)(out):
         raise OutputExistsError(f"{out}: does not look like an earlier checkpoint output; --force replaces only "
                                 "those, so remove it yourself if you mean it")
@@ -69,11 +70,13 @@ def _remove(p: Path) -> None:
         p.unlink()
 
 
-def _parent(out: Path) -> None:
-    """Create ``out``'s parent, or say in terms of ``out`` why it cannot be written there.
+def check_parent(out: Path) -> None:
+    """Create ``out``'s parent, or say in terms of ``out`` why it cannot be written there (before anything,
+    a temporary included, is written beside it).
 
     Raises:
-        OutputError: a parent is a file, or the directory cannot be created or written.
+        OutputError: a parent is a file, or the directory cannot be created or written (read-only file
+            system, or no permission: said which).
     """
     for p in (out.parent, *out.parent.parents):
         if p.exists():
@@ -86,7 +89,16 @@ def _parent(out: Path) -> None:
         raise OutputError(f"{out}: cannot create its directory {out.parent} ({e.strerror}); choose another -o "
                           "path") from None
     if not os.access(out.parent, os.W_OK | os.X_OK):
-        raise OutputError(f"{out}: cannot write into {out.parent} (permission denied); choose another -o path")
+        why = "read-only file system" if _read_only(out.parent) else "permission denied"
+        raise OutputError(f"{out}: cannot write into {out.parent} ({why}); choose another -o path")
+
+
+def _read_only(p: Path) -> bool:
+    """Whether ``p`` lies on a file system mounted read-only (os.access says only that it cannot be written)."""
+    try:
+        return bool(os.statvfs(p).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _alive(pid: int) -> bool:
@@ -148,11 +160,11 @@ def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | N
         nbytes: what will be written, when known: refused up front if the disk has less free.
 
     Raises:
-        OutputExistsError / OutputError: before anything is written (see ``check_output``, ``_parent``,
+        OutputExistsError / OutputError: before anything is written (see ``check_output``, ``check_parent``,
             ``_lock``), or the disk filled up (naming ``out`` and the space needed).
     """
     check_output(out, inputs, force)
-    _parent(out)
+    check_parent(out)
     with _lock(out):
         remove_stale(out)
         free = shutil.disk_usage(out.parent).free

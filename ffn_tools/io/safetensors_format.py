@@ -19,6 +19,8 @@ from .dtypes import ST_DTYPES, itemsize
 from ..errors import CheckpointError
 
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+MAX_COUNT = 2 ** 64 - 1  # the Rust reader multiplies a shape out in a usize and refuses it past this
+MAX_DIM = 2 ** 63 - 1  # a dimension past this is no torch tensor (int64 sizes): nothing could read it
 
 
 @dataclass(frozen=True)
@@ -117,9 +119,15 @@ def _entry(path: Path, name: str, spec, base: int, size: int) -> HeaderEntry:
             and offsets[0] <= offsets[1]):
         raise CheckpointError(f"{where}: data_offsets {offsets!r} are not two increasing non-negative integers")
     lo, hi = offsets
+    if any(d > MAX_DIM for d in shape):
+        raise CheckpointError(f"{where}: shape {shape} has a dimension past 2^63 - 1, which no framework's tensor "
+                              "holds; the file is corrupted (re-download or re-save it)")
     count = 1
-    for d in shape:
+    for d in shape:  # multiplied out in order, as the Rust reader does: an empty tensor may not overflow either
         count *= d
+        if count > MAX_COUNT:
+            raise CheckpointError(f"{where}: shape {shape} overflows a 64-bit element count (multiplied out in "
+                                  "order); the file is corrupted (re-download or re-save it)")
     if hi - lo != count * itemsize(dtype):
         raise CheckpointError(f"{where}: offsets {lo}:{hi} do not match {dtype}{list(shape)}")
     if base + hi > size:
