@@ -18,7 +18,8 @@ from pathlib import Path
 
 from ffn_tools.errors import CheckpointError, FFNToolsError
 from ffn_tools.formats import Format
-from ffn_tools.io.store import Checkpoint, open_checkpoint
+from ffn_tools.io.store import Checkpoint
+from ffn_tools.io.readers import open_checkpoint
 
 FORMATS = {"torch": "pytorch", "mlx": "mlx", "flax": "flax", "gguf": "gguf", "native": "native"}
 WRITES = ("torch", "mlx", "flax", "gguf")  # the --to choices, known without importing a format (tested against

@@ -11,8 +11,10 @@ from .errors import (CheckpointError, FFNToolsError, LayoutError, NothingToDoErr
 from .api import convert, extract, fuse_gateup, inspect, split_gateup, verify
 from .ffn import FFN, FFNRef, canonical_weights
 from .layouts import GateUpLayout, fuse, split
-from .registry import SCHEMES, Scheme, custom_scheme, load_scheme_file
-from .io.store import Checkpoint, TensorInfo, open_checkpoint
+from .library import SCHEMES, custom_scheme, load_scheme_file
+from .registry import Scheme
+from .io.readers import open_checkpoint
+from .io.store import Checkpoint, TensorInfo
 from .summary import inspect_checkpoint
 
 __all__ = [

@@ -17,8 +17,8 @@ from .errors import SchemeError, listing
 from .io.dtypes import FLOAT_ST
 from .ffn import FFN, Activation, FFNRef, activation_from_config
 from .layouts import GateUpLayout
-from .registry import (LIBRARY, SCHEMES, Form, Group, Scheme, bias_name, compile_template, config_int,
-                       scheme_for_model_type)
+from .library import LIBRARY, SCHEMES, scheme_for_model_type
+from .registry import Form, Group, Scheme, bias_name, compile_template, config_int
 from .quant.fp8 import is_companion
 
 

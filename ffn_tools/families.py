@@ -1,48 +1,11 @@
 """The one reader of scheme JSON: the built-in families (``schemes/families.json``), a user's ``--scheme-file``
 and ``--gate/--up/--down`` templates are the same form, checked by the same code; this module only interprets.
 
-A scheme (what ``--scheme-file`` holds; each entry of ``schemes`` in the built-in file)::
-
-    {"name": "mine", "description": "...", "model_types": ["my_llama"],
-     "layer_prefixes": ["model.layers.{layer}", "blocks.{layer}"],
-     "groups": [
-       "mlp.experts",
-       {"name": "ffn", "kind": "dense",
-        "forms": {"separate": {"gate": "{prefix}.ffn.W_gate.weight", "up": ..., "down": ...},
-                  "fused": {"gate_up": "{prefix}.ffn.W_gate_up.weight", "down": ...}},
-        "layout": {"order": "gate-up", "arrangement": "concat", "tp": 1, "axis": "rows"}}]}
-
-or, short, ``{"gate": T, "up": T, "down": T}`` (or ``"gate_up"`` and ``"down"``, and any key above but
-``groups``, plus a ``layout``): one group of the separate (fused) form, expert when its templates use
-``{expert}``, named "custom"; ``--gate/--up/--down`` templates are this form. Only ``groups`` (or the short
-form's templates) is required. A group is an object, or the name of a built-in group (a key of the built-in
-file's ``groups``), placed under the scheme's layer prefixes.
-
-    kind                dense | expert | shared (an FFN beside its layer's routed experts; in a layer without
-                        routed experts, as Granite-4.0's dense models have it, it is that layer's dense FFN)
-    forms               separate, fused, stacked, stacked-separate, flat-separate: role -> template
-                        (``registry.FORM_ROLES``); ``"transposed": true`` when the weights are stored (in, out)
-                        (GPT-OSS, Llama-4 experts; their layout then needs ``"axis": "columns"``), or a list of
-                        the roles that are (DBRX's ``["down"]``); a flat-separate form (experts flattened into
-                        dim 0, (E * I, H)) names the config key holding E: ``"experts": "ffn_config.moe_num_experts"``
-                        A group's first form is its family's own: fuse-gateup --stack-experts fuses a dense or
-                        shared FFN whose own form is fused (Granite's shared_mlp), split-gateup writes the first
-                        of separate / flat-separate it declares (DBRX's flat w1/v1/w2)
-    layout              how a fused gate_up holds gate and up (``GateUpLayout``); default concat, gate first
-    first_expert        a config key: the group's experts are numbered from its value (Inkling's shared experts,
-                        which its router scores after the routed ones: ``"n_routed_experts"``)
-    templates           ``{layer}``, ``{expert}`` (every template of an expert group's unstacked forms, and
-                        none other) and a leading ``{prefix}``: the group is then placed under every one of
-                        ``layer_prefixes`` (default: the built-in file's, plain and multimodal layer roots)
-    layer_prefixes      strings, or ``{"prefix": P, "first_layer": KEY}`` for a second stack of layers numbered
-                        from config key KEY (HRM's ``model.H_module.layers.{layer}`` after its L_module's)
-    model_types         config.json ``model_type`` values that select the scheme (ties between groups
-                        reading the same tensors go to the selected family's)
-    by_model_type_only  match the scheme's groups only when a model_type selects it (names that also mean
-                        something ungated, fc1/fc2)
-    ungated             templates of tensors the family's modeling code holds that look like FFN projections
-                        but are no gated FFN (Zaya's router MLP, AXK2's gated norms' low-rank MLP): carried and
-                        compared as outside the FFNs, not reported as unmatched
+A scheme (what ``--scheme-file`` holds; each entry of ``schemes`` in the built-in file) names its groups of FFN
+tensors (dense, routed experts, shared) and the forms each can take (separate, fused, stacked, ...) as
+templates with ``{layer}``/``{expert}``/``{prefix}`` placeholders, and how a fused tensor holds gate and up (a
+``GateUpLayout``); docs/ffns.md ("Scheme files") describes every key. This module reads them (``load_library``
+for the built-in file; ``library`` holds the result and reads a user's).
 
 The built-in file is ``{"layer_prefixes": [...], "groups": {name: group}, "schemes": [scheme, ...]}``: groups
 are declared once and named by the schemes; the schemes' order is the table order detection falls back on.
@@ -72,7 +35,7 @@ LIBRARY_KEYS = ("layer_prefixes", "groups", "schemes")
 _PLACEHOLDER = re.compile(r"\{(\w*)\}")
 
 
-class _Problems:
+class Problems:
     """Every problem of one source, each under the key path it is at; raised together by ``check``."""
 
     def __init__(self, source: str | None):
@@ -108,7 +71,7 @@ def _at(where: str, key) -> str:
     return f"{where}.{key}" if where else str(key)
 
 
-def _unknown_keys(data: dict, known: tuple[str, ...], where: str, problems: _Problems) -> None:
+def _unknown_keys(data: dict, known: tuple[str, ...], where: str, problems: Problems) -> None:
     for k in data:
         if k not in known:
             near = _close(str(k), known)
@@ -122,7 +85,7 @@ def _close(word: str, known) -> list[str]:
     return difflib.get_close_matches(word, list(known), n=1)
 
 
-def _read(path: Path):
+def read_json(path: Path):
     def pairs(items):
         seen = [k for k, _ in items]
         twice = sorted({k for k in seen if seen.count(k) > 1})
@@ -136,7 +99,7 @@ def _read(path: Path):
         raise SchemeError(f"{path}: cannot read scheme file ({e})") from None
 
 
-def _template(t, where: str, problems: _Problems) -> str | None:
+def _template(t, where: str, problems: Problems) -> str | None:
     if not isinstance(t, str) or not t:
         problems(where, f"a template is a tensor name with {{layer}}; found {t!r}")
         return None
@@ -155,7 +118,7 @@ def _template(t, where: str, problems: _Problems) -> str | None:
     return None
 
 
-def _layout(data, where: str, problems: _Problems) -> GateUpLayout:
+def _layout(data, where: str, problems: Problems) -> GateUpLayout:
     if not isinstance(data, dict):
         problems(where, f"a layout is an object with keys among {', '.join(LAYOUT_KEYS)}; found {data!r}")
         return CONCAT
@@ -174,7 +137,7 @@ def _layout(data, where: str, problems: _Problems) -> GateUpLayout:
         return CONCAT
 
 
-def _form(name: str, data, kind: object, where: str, problems: _Problems) -> Form | None:
+def _form(name: str, data, kind: object, where: str, problems: Problems) -> Form | None:
     # ``kind`` as the file gives it: ``_group`` reports it when it is not one of KINDS, and still reads the forms
     if not isinstance(data, dict):
         problems(where, f"a form is an object of role templates ({', '.join(FORM_ROLES[name])}); found {data!r}")
@@ -218,7 +181,7 @@ def _form(name: str, data, kind: object, where: str, problems: _Problems) -> For
                 experts=experts if flat else None, separate_biases=apart is True and name == "fused")
 
 
-def _group(data, where: str, problems: _Problems, name: str = "") -> Group | None:
+def _group(data, where: str, problems: Problems, name: str = "") -> Group | None:
     """A group as declared: templates may still start with ``{prefix}`` (see ``_place``)."""
     if not isinstance(data, dict):
         problems(where, f'a group is an object with "kind" and "forms", or the name of a built-in group; found '
@@ -280,7 +243,7 @@ def _place(group: Group, prefixes: tuple[Prefix, ...]) -> list[Group]:
 _PLACED: dict[tuple[Group, tuple[Prefix, ...]], list[Group]] = {}
 
 
-def _prefixes(data, where: str, problems: _Problems) -> tuple[Prefix, ...] | None:
+def _prefixes(data, where: str, problems: Problems) -> tuple[Prefix, ...] | None:
     """Layer prefixes, each with the config key its layers are numbered from (None: from 0)."""
     if not isinstance(data, list) or not data or not all(isinstance(p, (str, dict)) for p in data):
         problems(where, f'a list of layer prefixes such as "model.layers.{{layer}}"; found {data!r}')
@@ -305,7 +268,7 @@ def _prefixes(data, where: str, problems: _Problems) -> tuple[Prefix, ...] | Non
     return None if bad else tuple(dict.fromkeys(out))
 
 
-def _short_form(data: dict, where: str, problems: _Problems) -> dict | None:
+def _short_form(data: dict, where: str, problems: Problems) -> dict | None:
     """``{"gate", "up", "down"}`` (or ``"gate_up"``) as the full form: one group."""
     if not data.get("down") or not ((data.get("gate") and data.get("up")) or data.get("gate_up")):
         problems(where, 'a scheme file needs "down" and either "gate" and "up" or "gate_up" (templates with '
@@ -329,7 +292,7 @@ def _short_form(data: dict, where: str, problems: _Problems) -> dict | None:
     return {"name": "custom", **data, "groups": [group]}
 
 
-def _scheme(data, where: str, problems: _Problems, named: dict[str, Group], prefixes: tuple[Prefix, ...],
+def read_scheme(data, where: str, problems: Problems, named: dict[str, Group], prefixes: tuple[Prefix, ...],
             name: str, description: str, used: set[str] | None = None) -> Scheme | None:
     before = len(problems.found)
     if not isinstance(data, dict):
@@ -383,43 +346,14 @@ def _scheme(data, where: str, problems: _Problems, named: dict[str, Group], pref
     return Scheme(name, description, tuple(groups), tuple(model_types), only, placed)
 
 
-def load_scheme_file(path: str | Path) -> Scheme:
-    """Read a user's scheme (``--scheme-file``), in the form of the built-in ones (see the module docstring).
-
-    Raises:
-        SchemeError: the file is missing, not JSON, or does not describe a scheme (every problem, by key).
-    """
-    path = Path(path)
-    data = _read(path)
-    if not isinstance(data, dict):
-        raise SchemeError(f"{path}: a scheme file holds a JSON object")
-    problems = _Problems(str(path))
-    return problems.checked(_scheme(data, "", problems, GROUPS, _LIBRARY_PREFIXES, path.stem, f"from {path}"))
-
-
-def custom_scheme(gate: str | None = None, up: str | None = None, down: str | None = None,
-                  gate_up: str | None = None, layout: GateUpLayout = CONCAT) -> Scheme:
-    """A one-group scheme from ``--gate/--up/--down`` (or ``--gate-up``) templates: the short form.
-
-    Raises:
-        SchemeError: a template is missing or malformed.
-    """
-    if not down or not ((gate and up) or gate_up) or bool(gate) != bool(up):
-        raise SchemeError("custom templates need --down and either both --gate and --up or --gate-up")
-    problems = _Problems(None)
-    given = {r: t for r, t in zip(ROLES, (gate, up, down, gate_up)) if t}
-    return problems.checked(_scheme({**given, "layout": dataclasses.asdict(layout)}, "", problems, GROUPS,
-                                    _LIBRARY_PREFIXES, "custom", "templates given on the command line"))
-
-
 def load_library(path: Path = BUILTIN) -> tuple[tuple[Prefix, ...], dict[str, Group], dict[str, Scheme]]:
     """The built-in file: its layer prefixes, its groups (as declared) and its schemes, in table order.
 
     Raises:
         SchemeError: the file does not describe a library (every problem, by key).
     """
-    problems = _Problems(str(path))
-    data = _read(path)
+    problems = Problems(str(path))
+    data = read_json(path)
     if not (isinstance(data, dict) and set(data) == set(LIBRARY_KEYS) and isinstance(data["groups"], dict)
             and isinstance(data["schemes"], list)):
         raise SchemeError(f"{path}: a library is an object of layer_prefixes (a list), groups (an object of named "
@@ -431,7 +365,7 @@ def load_library(path: Path = BUILTIN) -> tuple[tuple[Prefix, ...], dict[str, Gr
     used: set[str] = set()
     for i, spec in enumerate(data["schemes"]):
         at = f"schemes[{i}]" + (f" ({spec['name']})" if isinstance(spec, dict) and "name" in spec else "")
-        s = _scheme(spec, at, problems, groups, prefixes, "", "", used)
+        s = read_scheme(spec, at, problems, groups, prefixes, "", "", used)
         if s is None:
             continue
         if s.name in schemes:
@@ -446,12 +380,3 @@ def load_library(path: Path = BUILTIN) -> tuple[tuple[Prefix, ...], dict[str, Gr
             problems(_at("groups", n), "no scheme names this group")
     problems.check()
     return prefixes, groups, schemes
-
-
-# Where a layer lives in a checkpoint (plain and multimodal roots), the built-in groups as declared (a scheme
-# file may name them), the families in table order, and every group of every family once: what detection
-# matches a checkpoint against.
-_LIBRARY_PREFIXES, GROUPS, SCHEMES = load_library()
-LAYER_PREFIXES: tuple[str, ...] = tuple(p for p, _ in _LIBRARY_PREFIXES)
-LIBRARY: tuple[Group, ...] = tuple(dict.fromkeys(g for s in SCHEMES.values() if not s.by_model_type_only
-                                                 for g in s.groups))

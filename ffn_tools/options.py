@@ -12,7 +12,7 @@ import click
 
 from .errors import FFNToolsError
 from .layouts import ARRANGEMENTS, ORDERS, GateUpLayout
-from .registry import SCHEMES, custom_scheme, load_scheme_file
+from .library import SCHEMES, custom_scheme, load_scheme_file
 from .sizes import SIZE_HELP, parse_size
 
 

@@ -15,7 +15,8 @@ Weights are PyTorch (out, in). A bias is named like its weight with ``.weight`` 
 name without ``.weight``, with ``_bias`` appended, as GPT-OSS stores stacked expert biases).
 
 The schemes themselves are data: ``schemes/families.json``, in the form a user's ``--scheme-file`` takes,
-read by ``families`` (the one reader of scheme JSON); this module holds the classes they are read into.
+read by ``families`` (the one reader of scheme JSON, which holds the built-in ``SCHEMES`` and ``LIBRARY``);
+this module holds the classes they are read into.
 """
 
 from __future__ import annotations
@@ -202,16 +203,3 @@ def compile_template(template: str) -> re.Pattern:
     for p in PLACEHOLDERS:
         pattern = pattern.replace(re.escape("{" + p + "}"), f"(?P<{p}>[0-9]+)")
     return re.compile(pattern)
-
-
-def scheme_for_model_type(model_type: str | None) -> Scheme | None:
-    """The family a config's ``model_type`` selects, if any."""
-    for s in SCHEMES.values():
-        if model_type in s.model_types:
-            return s
-    return None
-
-
-# The data, read from ``schemes/families.json`` by ``families`` (which needs the classes above): every family,
-# every group detection matches, the layer prefixes, and the readers of a user's templates and --scheme-file.
-from .families import LAYER_PREFIXES, LIBRARY, SCHEMES, custom_scheme, load_scheme_file  # noqa: E402, F401

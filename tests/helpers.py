@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from ffn_tools.cli import cli
-from ffn_tools.io.store import open_checkpoint
+from ffn_tools.io.readers import open_checkpoint
 
 
 def run_cli(*args: str, ok: bool | None = True):

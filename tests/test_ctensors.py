@@ -19,7 +19,7 @@ from ffn_tools import quant  # noqa: E402
 from ffn_tools.quant import ctdecode  # noqa: E402
 from ffn_tools.converters import open_any  # noqa: E402
 from ffn_tools.errors import CheckpointError  # noqa: E402
-from ffn_tools.io.store import open_checkpoint  # noqa: E402
+from ffn_tools.io.readers import open_checkpoint  # noqa: E402
 
 VARIANTS = {  # name -> weights arguments of the one config group
     "int4-g32-sym": dict(bits=4, group_size=32, symmetric=True),

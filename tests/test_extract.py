@@ -11,7 +11,7 @@ from helpers import raw, run_cli, tensors
 from ffn_tools.detect import find_ffns
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.specs import parse_spec
-from ffn_tools.io.store import open_checkpoint
+from ffn_tools.io.readers import open_checkpoint
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -60,7 +60,7 @@ def test_a_quantized_mlx_model_stays_quantized_unless_told(hf, tmp_path):
     run_cli("convert", hf("llama"), "--to", "mlx", "-o", tmp_path / "q4", "-q")
     r = json.loads(run_cli("convert", tmp_path / "q4", "--to", "mlx", "-o", tmp_path / "again", "--json").stdout)
     assert r["changes"][0].startswith("kept the input's quantization (14 weights MLX affine 4-bit")
-    from ffn_tools.io.store import open_checkpoint
+    from ffn_tools.io.readers import open_checkpoint
 
     with open_checkpoint(tmp_path / "q4") as a, open_checkpoint(tmp_path / "again") as b:
         assert sorted(a) == sorted(b) and all(a.read_raw(n) == b.read_raw(n) for n in a)  # the packed bytes

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tiny_models import logits, make_model
 
-from ffn_tools.io.store import open_checkpoint
+from ffn_tools.io.readers import open_checkpoint
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -20,7 +20,7 @@ import zoo
 from ffn_tools import kernels
 from ffn_tools.detect import find_ffns
 from ffn_tools.ffn import activation_from_config, canonical_weights
-from ffn_tools.io.store import open_checkpoint
+from ffn_tools.io.readers import open_checkpoint
 from ffn_tools.kernels import GLU, reference
 from ffn_tools.kernels.tolerances import compare, tolerance
 

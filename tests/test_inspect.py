@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 
 from ffn_tools.detect import find_ffns
 from ffn_tools.errors import SchemeError
-from ffn_tools.registry import custom_scheme
-from ffn_tools.io.store import open_checkpoint
+from ffn_tools.library import custom_scheme
+from ffn_tools.io.readers import open_checkpoint
 
 # arch -> (scheme, {kind: (count, d_ffn)}, layout of dense/expert, routed, shared, gated unit)
 EXPECTED = {

@@ -115,7 +115,7 @@ def test_the_mlx_export_needs_no_torch(hf, tmp_path):
 
 def test_model_card_from_a_hub_snapshot_names_its_base_model(hf, tmp_path):
     from ffn_tools.converters.mlx.card import model_card
-    from ffn_tools.io.store import open_checkpoint
+    from ffn_tools.io.readers import open_checkpoint
 
     snap = tmp_path / "hub" / "models--acme--tiny-llama" / "snapshots" / "abc123"
     _copy(hf("llama"), snap)

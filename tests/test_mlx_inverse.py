@@ -21,7 +21,7 @@ from helpers import assert_identical, tensors, write_tokenizer
 import zoo
 from ffn_tools.converters import convert, open_any
 from ffn_tools.errors import FFNToolsError
-from ffn_tools.io.store import open_checkpoint
+from ffn_tools.io.readers import open_checkpoint
 from ffn_tools.converters.pytorch.client import check_transformers
 
 mx = pytest.importorskip("mlx.core")

@@ -10,9 +10,9 @@ import pytest
 from ffn_tools import families
 from ffn_tools.detect import choose_scheme, find_ffns
 from ffn_tools.errors import SchemeError
-from ffn_tools.io.store import open_checkpoint
-from ffn_tools.registry import (CANONICAL_ROLES, FORM_ROLES, LAYER_PREFIXES, LIBRARY, PROJECTIONS, ROLES, SCHEMES,
-                                custom_scheme, load_scheme_file)
+from ffn_tools.io.readers import open_checkpoint
+from ffn_tools.library import LAYER_PREFIXES, LIBRARY, SCHEMES, custom_scheme, load_scheme_file
+from ffn_tools.registry import CANONICAL_ROLES, FORM_ROLES, PROJECTIONS, ROLES
 from helpers import run_cli
 
 BUILTIN = json.loads(families.BUILTIN.read_text())

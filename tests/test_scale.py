@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from ffn_tools.errors import CheckpointError
 from ffn_tools.ffn import canonical_weights
 from ffn_tools.gateup import split_gateup
-from ffn_tools.io.store import open_checkpoint
+from ffn_tools.io.readers import open_checkpoint
 from ffn_tools.kernels import ACTIVATIONS, GLU, reference
 from ffn_tools.tolerances import DTYPE_TOLERANCES
 from ffn_tools.verification import experts, functional

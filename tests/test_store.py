@@ -13,7 +13,8 @@ from helpers import run_cli, tensors
 from safetensors.torch import save_file
 
 from ffn_tools.errors import CheckpointError
-from ffn_tools.io.store import config_dtype, open_checkpoint
+from ffn_tools.io.store import config_dtype
+from ffn_tools.io.readers import open_checkpoint
 
 
 def test_directory_file_and_index_agree(model_dir, tmp_path):

@@ -232,7 +232,7 @@ def test_outside_tensors_compared_in_row_blocks_say_what_whole_ones_say(model_di
     """A large tensor outside the FFNs (an embedding) is compared in row blocks read from the files, not held
     whole (with a cast, not as float64 copies of both): the same verdicts, counts, first indices and values
     as the comparison of the whole tensors, for a lossless pair, a cast pair, and each with planted defects."""
-    from ffn_tools.io.store import open_checkpoint
+    from ffn_tools.io.readers import open_checkpoint
     from ffn_tools.verification import outside
 
     src = model_dir("llama", torch.float32)

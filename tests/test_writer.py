@@ -66,7 +66,7 @@ def test_bad_sizes(text):
 def test_copied_bytes_keep_their_page_offset(model_dir, tmp_path):
     """Data copied from an input lands at the same offset modulo 4096 (copy_file_range is faster so)."""
     from ffn_tools.gateup import split_gateup
-    from ffn_tools.io.store import open_checkpoint
+    from ffn_tools.io.readers import open_checkpoint
 
     src = model_dir("phi3", torch.bfloat16)
     split_gateup(src, tmp_path / "out")
@@ -113,7 +113,7 @@ def test_quantized_mlx_progress_counts_input_bytes(hf, tmp_path, monkeypatch):
     """A 4-bit export writes a quarter of what it reads: the bar counts the input, ending exactly at it."""
     pytest.importorskip("mlx_lm")
     from ffn_tools.converters import convert
-    from ffn_tools.io.store import open_checkpoint
+    from ffn_tools.io.readers import open_checkpoint
 
     bars = progress_bars(monkeypatch)
     src = hf("mixtral")

@@ -93,7 +93,7 @@ def _built(request, case: str):
 
 
 def _shapes(path) -> dict:
-    from ffn_tools.io.store import open_checkpoint
+    from ffn_tools.io.readers import open_checkpoint
 
     with open_checkpoint(path) as c:
         return {n: (c.info(n).st_dtype, tuple(c.info(n).shape)) for n in c}
@@ -174,7 +174,7 @@ def _round_trips(src, twin, logits, forms, tmp_path):
 def _restores(restored, src, twin) -> None:
     """``restored``'s FFN tensors are ``src``'s or ``twin``'s, bit for bit, and its other tensors ``src``'s."""
     from ffn_tools.detect import find_ffns
-    from ffn_tools.io.store import open_checkpoint
+    from ffn_tools.io.readers import open_checkpoint
 
     def split(path):
         with open_checkpoint(path) as c:
@@ -199,7 +199,7 @@ def _load_check_agrees(path) -> bool:
     from transformers.utils import logging as hf_logging
 
     from ffn_tools.converters.pytorch.client import check_transformers
-    from ffn_tools.io.store import open_checkpoint
+    from ffn_tools.io.readers import open_checkpoint
 
     with open_checkpoint(path) as c:
         lc = check_transformers(c)

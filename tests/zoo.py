@@ -266,7 +266,7 @@ def swap_first_gate_up(src: Path, dst: Path) -> str:
     from safetensors.torch import load_file, save_file
 
     from ffn_tools.detect import find_ffns
-    from ffn_tools.io.store import open_checkpoint
+    from ffn_tools.io.readers import open_checkpoint
 
     shutil.copytree(src, dst)
     with open_checkpoint(src) as c:

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 from ffn_tools.detect import choose_scheme, find_ffns
 from ffn_tools.errors import CheckpointError, SchemeError
-from ffn_tools.io.store import Checkpoint, TensorInfo, index_shards, read_config
+from ffn_tools.io.store import Checkpoint, TensorInfo, read_config
+from ffn_tools.io.readers import index_shards
 
 from . import tree as tree
 from .config import restore_source_config

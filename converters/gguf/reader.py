@@ -28,7 +28,7 @@ from ffn_tools import quant
 from ffn_tools.io.store import Checkpoint, TensorInfo
 
 from .config import hf_config
-from .names import DROPPED, EXPERT_KINDS, FAMILIES, Family, expert_names, family_for, hf_names, plus_one
+from .names import DROPPED, FAMILIES, expert_names, family_for, hf_names, plus_one
 
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 # The bits whose tolerance row a GGUF type gets (``tolerances.QUANT_TOLERANCES``): its bits per weight,

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.formats import Format
-from ffn_tools.io.store import Checkpoint, open_checkpoint
+from ffn_tools.io.store import Checkpoint
+from ffn_tools.io.readers import open_checkpoint
 
 __all__ = ["FORMAT"]
 

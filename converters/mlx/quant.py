@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Literal
 
 import mlx.core as mx
 
-from ffn_tools.io.dtypes import itemsize, nbytes
+from ffn_tools.io.dtypes import itemsize
 from ffn_tools.io.raw import RawTensor  # noqa: F401 - re-exported: the MLX modules' tensors
 from ffn_tools.io.store import read_bytes
 

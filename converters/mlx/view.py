@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ffn_tools.errors import CheckpointError
-from ffn_tools.io.store import Checkpoint, SafetensorsCheckpoint, TensorInfo, open_checkpoint, read_bytes
+from ffn_tools.io.store import Checkpoint, TensorInfo, read_bytes
+from ffn_tools.io.readers import SafetensorsCheckpoint, open_checkpoint
 from ffn_tools.quant import Module
 
 from .config import restore_source_config

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from ffn_tools.errors import CheckpointError, listing
 from ffn_tools.io.dtypes import short_name
-from ffn_tools.io.store import Checkpoint, TensorInfo, open_checkpoint
+from ffn_tools.io.store import Checkpoint, TensorInfo
+from ffn_tools.io.readers import open_checkpoint
 
 from .layout import DROPPED, EMBED, TENSORS, Native, hf_config, permute
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from ffn_tools import quant
 from ffn_tools.formats import Format
-from ffn_tools.io.store import Checkpoint, open_checkpoint
+from ffn_tools.io.store import Checkpoint
+from ffn_tools.io.readers import open_checkpoint
 
 __all__ = ["FORMAT"]
 

@@ -5,7 +5,6 @@ casting floating tensors to ``dtype``; weights read dequantized are recorded as 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from ffn_tools.io.dtypes import parse_user_dtype, short_name

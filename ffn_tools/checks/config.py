@@ -18,7 +18,6 @@ the weights with a lossy cast.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError
-from .base import Module, QuantScheme
+from .base import Module
 from .codes import compare_codes, shape_differs
 from . import gptq_rows
 from .ctconfig import ArgsScheme, Args, describe_args

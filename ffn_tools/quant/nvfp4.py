@@ -25,7 +25,7 @@ import json
 from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError, LayoutError
-from .base import Module, QuantScheme
+from .base import Module
 from .codes import compare_codes, shape_differs
 from . import ctrows
 from .ctconfig import ArgsScheme, MODELOPT_PARTS, NVFP4_CT, NVFP4_GROUP, NVFP4_MODELOPT, Args, describe_args, same_args

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from ..detect import choose_scheme, ffn_members
 from ..errors import CheckpointError, FFNToolsError, SchemeError
-from ..io.store import WEIGHT_INDEXES, WEIGHT_SUFFIXES, Checkpoint, index_shards, read_config
+from ..io.store import WEIGHT_INDEXES, WEIGHT_SUFFIXES, Checkpoint, read_config
+from ..io.readers import index_shards
 from ..registry import Scheme, compile_template
 
 

@@ -1,0 +1,110 @@
+"""What split-gateup's and fuse-gateup's plans share: byte runs of a slice, the output names and forms, an
+expert's slice, a flat stack moved whole, and the plan assembled in input order."""
+
+from __future__ import annotations
+
+
+from ..detect import FFNSet
+from ..errors import LayoutError, NothingToDoError
+from ..ffn import FFN
+from ..layouts import GateUpLayout
+from ..plan import Entry, Plan, copy_entry
+from ..quant import fp8
+from ..registry import Form
+from ..stacks import restack_entries
+
+MAX_PIECES = 256  # above this many byte runs (interleaved, column axis) computing is faster than copying
+
+
+def byte_runs(shape: tuple[int, ...], isz: int, dim: int, start: int, length: int, base: int = 0) -> list[tuple[int, int]]:
+    """Byte runs of ``t.narrow(dim, start, length)`` for a C-contiguous ``t``, one per index before ``dim``."""
+    outer = 1
+    for d in shape[:dim]:
+        outer *= d
+    inner = isz
+    for d in shape[dim + 1:]:
+        inner *= d
+    return [(base + (o * shape[dim] + start) * inner, length * inner) for o in range(outer)]
+
+
+def stack(tensors):
+    import torch
+
+    return torch.stack(tensors)
+
+
+def name_in(template: str, f: FFN, config) -> str:
+    """``template`` filled with the numbers in ``f``'s tensor names (its ref's, less the group's offsets)."""
+    first_layer, first_expert = f.group.offsets(config)
+    return template.format(layer=f.ref.layer - first_layer, expert=f.ref.expert - first_expert)
+
+
+def target_form(f: FFN, form_name: str, verb: str) -> Form:
+    form = f.group.forms.get(form_name)
+    if form is None:
+        want = "--gate and --up" if form_name == "separate" else "--gate-up"
+        raise NothingToDoError(f"{f.ref}: the naming scheme has no {form_name} form to {verb} into "
+                               f"(it knows {', '.join(f.group.forms)}); name the output tensors with {want} "
+                               "templates (with the others), or declare the form in a --scheme-file")
+    return form
+
+
+def index_entry(ckpt, src: str, index: int | None, name: str, transpose: bool = False) -> Entry:
+    """``src`` itself, or its slice ``[index]`` of a stacked tensor, under ``name`` (``transpose``: a slice
+    stored (in, out), turned back to (out, in))."""
+    if index is None:
+        return copy_entry(ckpt, src, name)
+    info = ckpt.info(src)
+    n = info.nbytes // info.shape[0]
+    if transpose:
+        return Entry(name, info.st_dtype, info.shape[1:][::-1], (src,), lambda ts: ts[0][index].T.contiguous(),
+                     None, f"[{index}] of {src}, transposed to (out, in)")
+    return Entry(name, info.st_dtype, info.shape[1:], (src,), lambda ts: ts[0][index].contiguous(),
+                 ((0, index * n, n),), f"[{index}] of {src}")
+
+
+def restack(ckpt, experts: list[FFN], target: Form, replaced) -> None:
+    """One layer's whole stack of experts written as ``target`` (a flat form, or from one): ``stacks``."""
+    experts = sorted(experts, key=lambda f: f.index if f.index is not None else -1)
+    f0 = experts[0]
+    if [f.index for f in experts] != list(range(len(experts))):
+        raise LayoutError(f"layer {f0.ref.layer}: a flat stack moves whole, but only experts "
+                          f"{[f.index for f in experts]} of {f0.names['down']} are there")
+    for name in f0.names.values():
+        if fp8.companions(ckpt, name):
+            raise LayoutError(f"{name}: has FP8 scales, which a flat stack of experts does not carry; dequantize "
+                              "it first (ffn-tools convert --to torch --dtype bfloat16)")
+    entries = restack_entries(ckpt, experts, target, {r: name_in(t, f0, ckpt.config)
+                                                      for r, t in target.templates().items()})
+    replaced[f0.names["down"]] += entries
+    for name in f0.names.values():
+        replaced[name] += []
+
+
+def packed_rename(ckpt, packed: dict, src: str, dst: str, replaced) -> None:
+    """``src`` (a module's ``X.weight``, every stored part of it) copied under ``dst``'s names."""
+    parts = packed[src].parts if src in packed else {"weight": src}
+    if src != dst:
+        for suffix, name in parts.items():
+            replaced[name].append(copy_entry(ckpt, name, dst[: -len("weight")] + suffix))
+
+
+def assemble(ckpt, ffns: FFNSet, replaced: dict[str, list[Entry]], command: str, changed: int,
+              layout: GateUpLayout, *forms: tuple[list[FFN], str]) -> Plan:
+    """The plan: replaced entries in input order, everything else copied; ``forms`` are (FFNs, the form they
+    take), for the warning when the output's form is not the one its carried config.json loads."""
+    entries: list[Entry] = []
+    for name in ckpt:
+        entries += replaced[name] if name in replaced else [copy_entry(ckpt, name)]
+    seen: set[str] = set()
+    for e in entries:
+        if e.name in seen:
+            raise LayoutError(f"two output tensors would be named {e.name}; the input mixes forms")
+        seen.add(e.name)
+    summary = {"command": command, "input": str(ckpt.path), "scheme": ffns.scheme.name, "layout": layout.describe(),
+               "ffns_changed": changed, "ffns_total": len(ffns.ffns), "tensors_in": len(ckpt),
+               "tensors_out": len(entries), "bytes": sum(e.nbytes for e in entries),
+               "warnings": [w] if (w := ffns.unmatched_warning()) else []}
+    summary["form_changes"] = [(fs, form) for fs, form in forms if fs]
+    changes = ["config.json: carried over unchanged (no config key records the gate/up layout)"] if ckpt.config else []
+    return Plan(ckpt, entries, ckpt.config, changes, summary)

@@ -1,0 +1,234 @@
+"""``fuse-gateup``'s plan: separate gate and up fused per FFN in the group's layout (and its orientation), or
+routed experts stacked (E, 2I, H); quantized parts by their scheme, FP8 scales and biases with them."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from ..detect import FFNSet
+from ..errors import LayoutError, NothingToDoError
+from ..ffn import FFN
+from ..io.dtypes import itemsize
+from ..layouts import GateUpLayout, fuse
+from ..library import LIBRARY
+from ..plan import Entry, Plan, copy_entry
+from ..quant import fp8
+from ..registry import UNFUSED, Group, bias_name
+from .common import MAX_PIECES, assemble, byte_runs, name_in, packed_rename, restack, stack, target_form
+
+def _packed_fuse(ckpt, f: FFN, new: dict[str, str], replaced, packed: dict) -> bool:
+    """Separate quantized gate and up fused part by part by their scheme, down's parts renamed; False: neither
+    is one."""
+    g, u = packed.get(f.names["gate"]), packed.get(f.names["up"])
+    if g is None and u is None:
+        return False
+    if g is None or u is None or "gate_bias" in f.names:
+        raise LayoutError(f"{f.ref}: {f.names['gate' if g is None else 'up']} is stored unquantized and "
+                          f"{f.names['up' if g is None else 'gate']} compressed (or they have biases): they cannot "
+                          "be fused as stored")
+    entries = g.scheme.fuse_entries(g, u, f.layout, new["gate_up"], ckpt)
+    replaced[g.packed] += entries
+    for name in (*g.parts.values(), *u.parts.values()):
+        replaced[name] += []
+    packed_rename(ckpt, packed, f.names["down"], new["down"], replaced)
+    return True
+def _fuse_pieces(parts: list[tuple[int, tuple[int, ...], int]], layout: GateUpLayout, is_bias: bool,
+                 isz: int) -> tuple[tuple[int, int, int], ...]:
+    """Byte pieces of fused tensors built from (gate input position, shape, up input position) triples,
+    stacked one after the other (one triple per expert)."""
+    pieces = []
+    for g, shape, u in parts:
+        dim = layout.dim(len(shape), is_bias)
+        segs = layout.segments(2 * shape[dim])
+        runs = [(g if r == "gate" else u, byte_runs(shape, isz, dim, p, ln)) for r, _, p, ln in segs]
+        pieces += [(pos, *rs[o]) for o in range(len(runs[0][1])) for pos, rs in runs]
+    return tuple(pieces)
+
+
+def _fuse_entry(ckpt, name: str, srcs: list[tuple[str, str]], layout: GateUpLayout, is_bias: bool,
+                stacked: bool = False, transpose: bool = False) -> Entry:
+    """One fused tensor from (gate, up) name pairs: one pair, or one per expert stacked on dim 0
+    (``transpose``: stored (in, out), each (I, H) projection turned to (H, I) before fusing its columns)."""
+    infos = [(ckpt.info(g), ckpt.info(u)) for g, u in srcs]
+    gi, ui = infos[0]
+    for g, u in infos:
+        if g.shape != gi.shape or u.shape != g.shape or g.st_dtype != gi.st_dtype or u.st_dtype != g.st_dtype:
+            raise LayoutError(f"cannot fuse {g.name} {g.st_dtype}{list(g.shape)} with {u.name} {u.st_dtype}{list(u.shape)}: "
+                              "gate and up (and all stacked experts) need one shape and dtype")
+    part = gi.shape[::-1] if transpose else gi.shape
+    dim = layout.dim(len(part), is_bias)
+    shape = list(part)
+    shape[dim] *= 2
+    layout.segments(shape[dim])  # raises LayoutError for a bad --tp before anything is written
+    inputs = tuple(n for pair in srcs for n in pair)
+    pieces = None if transpose else _fuse_pieces([(2 * k, gi.shape, 2 * k + 1) for k in range(len(srcs))], layout,
+                                                 is_bias, itemsize(gi.st_dtype))
+
+    def compute(ts, n=name):
+        ts = [t.T for t in ts] if transpose else ts
+        fused = [fuse(ts[2 * k], ts[2 * k + 1], layout, is_bias=is_bias, name=n) for k in range(len(ts) // 2)]
+        return stack(fused) if stacked else fused[0]
+
+    out_shape = (len(srcs), *shape) if stacked else tuple(shape)
+    first = f"{srcs[0][0]} + {srcs[0][1]}" + (f" … ({len(srcs)} experts stacked)" if stacked else "")
+    return Entry(name, gi.st_dtype, out_shape, inputs, compute,
+                 pieces if pieces and len(pieces) <= MAX_PIECES * len(srcs) else None,
+                 f"fuse({first}; {layout.describe()})")
+
+
+def _stack_entry(ckpt, name: str, srcs: list[str], transpose: bool = False) -> Entry:
+    info = ckpt.info(srcs[0])
+    for s in srcs:
+        if ckpt.info(s).shape != info.shape or ckpt.info(s).st_dtype != info.st_dtype:
+            raise LayoutError(f"cannot stack {s} {list(ckpt.info(s).shape)} with {srcs[0]} {list(info.shape)}")
+    if transpose:  # stored (in, out)
+        return Entry(name, info.st_dtype, (len(srcs), *info.shape[::-1]), tuple(srcs),
+                     lambda ts: stack([t.T for t in ts]), None, f"stack({srcs[0]} … {len(srcs)} experts, transposed)")
+    return Entry(name, info.st_dtype, (len(srcs), *info.shape), tuple(srcs), stack,
+                 tuple((k, 0, info.nbytes) for k in range(len(srcs))), f"stack({srcs[0]} … {len(srcs)} experts)")
+
+
+def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False, packed: dict | None = None) -> Plan:
+    """Plan fusing every separate FFN of ``ckpt``; with ``stack_experts``, stack the routed experts instead
+    (``packed``: compressed-tensors modules, as for ``plan_split``).
+
+    With ``stack_experts`` dense MLPs and shared experts keep their form, as transformers v5 stores them, but
+    for those whose group's own (first declared) form is fused: those are fused, as their family stores them.
+
+    Raises:
+        NothingToDoError: no FFN is separate, or the scheme has no fused form.
+        LayoutError: shapes that cannot be fused in the layout.
+    """
+    separate = [f for f in ffns.ffns if f.form_name in UNFUSED]
+    if not separate:
+        raise NothingToDoError(f"{ckpt.path}: nothing to fuse: no FFN has separate gate and up projections "
+                               f"(scheme {ffns.scheme.name}, forms {sorted({f.form_name for f in ffns.ffns})})")
+    replaced: dict[str, list[Entry]] = defaultdict(list)
+    by_layer: dict[tuple[int, Group], list[FFN]] = defaultdict(list)
+    fused: list[FFN] = []
+    for f in separate:
+        only_stacked = "fused" not in f.group.forms and "stacked" in f.group.forms  # GPT-OSS, Llama-4, Granite
+        home = next(iter(f.group.forms))  # a group's first form is its family's own
+        if stack_experts or f.form.flat or (f.ref.kind == "expert" and only_stacked):
+            if f.ref.kind == "expert":  # only routed experts: v5 keeps dense MLPs and shared experts as they are
+                by_layer[f.ref.layer, f.group].append(f)
+                continue
+            if home != "fused":  # ... unless fused is their own form (Granite's shared_mlp.input_linear)
+                continue
+        target = target_form(f, "fused", "fuse")
+        fused.append(f)
+        new = {r: name_in(t, f, ckpt.config) for r, t in target.templates().items()}
+        if packed and _packed_fuse(ckpt, f, new, replaced, packed):
+            continue
+        replaced[f.names["gate"]].append(_fuse_entry(ckpt, new["gate_up"], [(f.names["gate"], f.names["up"])],
+                                                     f.layout.oriented(target.turns("gate_up")), False))
+        replaced[f.names["up"]] += []
+        if target.separate_biases:  # gate and up biases stay apart, named as the separate form names them
+            for r in ("gate", "up"):
+                src, dst = f.names.get(f"{r}_bias"), bias_name(name_in(f.group.forms["separate"].templates()[r], f,
+                                                                     ckpt.config))
+                if src and src != dst:
+                    replaced[src].append(copy_entry(ckpt, src, dst))
+        else:
+            _fuse_biases(ckpt, f, replaced, [f], bias_name(new["gate_up"]))
+        _fuse_scales(ckpt, [f], new, replaced)
+        for src, dst in ((f.names["down"], new["down"]), (f.names.get("down_bias"), bias_name(new["down"]))):
+            if src and src != dst:
+                replaced[src].append(copy_entry(ckpt, src, dst))
+    for (layer, _), experts in by_layer.items():
+        held = [packed[n] for f in experts for r in ("gate", "up", "down") if packed and (n := f.names[r]) in packed]
+        if held:  # compressed-tensors / GPTQ / AWQ experts (ctrows moves single modules, not stacks)
+            raise LayoutError(f"layer {layer}: {len(held)} expert weights are stored quantized ({held[0].scheme.what(held[0])}); "
+                              "stacking quantized experts is not done here: `ffn-tools convert PATH --to torch -o DIR` "
+                              "dequantizes them, then stack that")
+        f0 = experts[0]
+        target = target_form(f0, "stacked", "stack")
+        if f0.form.flat:
+            restack(ckpt, experts, target, replaced)
+            continue
+        first = f0.group.offsets(ckpt.config)[1]
+        experts.sort(key=lambda f: f.ref.expert)
+        if [f.ref.expert - first for f in experts] != list(range(len(experts))):
+            raise LayoutError(f"layer {layer}: experts {[f.ref.expert for f in experts]} are not "
+                              f"{first}..{first + len(experts) - 1}; cannot stack")
+        new = {r: name_in(t, f0, ckpt.config) for r, t in target.templates().items()}
+        replaced[f0.names["gate"]].append(_fuse_entry(
+            ckpt, new["gate_up"], [(f.names["gate"], f.names["up"]) for f in experts],
+            f0.layout.oriented(target.turns("gate_up")), False, True, target.turns("gate_up")))
+        replaced[f0.names["down"]].append(_stack_entry(ckpt, new["down"], [f.names["down"] for f in experts],
+                                                       target.turns("down")))
+        _fuse_biases(ckpt, f0, replaced, experts, bias_name(new["gate_up"]), stacked=True)
+        _fuse_scales(ckpt, experts, new, replaced, stacked=True, transposed=target.turns("gate_up"))
+        if "down_bias" in f0.names:
+            replaced[f0.names["down_bias"]].append(_stack_entry(ckpt, bias_name(new["down"]),
+                                                                [f.names["down_bias"] for f in experts]))
+        for f in experts:
+            for role in f.names:
+                replaced[f.names[role]] += []
+    if stack_experts and not by_layer:
+        raise NothingToDoError(f"{ckpt.path}: --stack-experts: no routed experts with separate gate/up to stack")
+    stacked = [f for fs in by_layer.values() for f in fs]
+    changed = stacked + fused
+    layout = changed[0].layout.oriented(target_form(changed[0], "stacked" if stacked else "fused", "fuse").turns("gate_up")) \
+        if changed else separate[0].layout
+    plan = assemble(ckpt, ffns, replaced, "fuse-gateup", len(changed), layout, (stacked, "stacked"), (fused, "fused"))
+    if w := _foreign_layout(ffns, changed):
+        plan.summary["warnings"].append(w)
+    return plan
+
+
+def _foreign_layout(ffns: FFNSet, changed: list[FFN]) -> str | None:
+    """A warning when FFNs were fused in another arrangement than their family stores (``--layout`` given): the
+    output carries the family's names, which its clients read in the family's arrangement, so they would compute
+    another function from it without a word."""
+    foreign = [f for f in changed if not f.layout.same_arrangement(f.group.layout)]
+    if foreign and foreign[0].group not in set(LIBRARY):  # a user's own templates (--gate-up, --scheme-file) name
+        return None  # no family whose clients read them one way
+    if not foreign:
+        return None
+    f = foreign[0]
+    own, given = f.group.layout.oriented(False).describe(), f.layout.oriented(False).describe()
+    return (f"{len(foreign)} FFN{'s' * (len(foreign) > 1)} fused {given!r}, but {ffns.scheme.name}'s names hold gate "
+            f"and up as {own!r}, which is how its clients read them: they would compute another function from this "
+            "output; fuse without --layout to write the family's own, or split this output back with the same --layout")
+
+
+def _fuse_scales(ckpt, group: list[FFN], new: dict[str, str], replaced, stacked: bool = False,
+                 transposed: bool = False) -> None:
+    """Gate's and up's FP8 scales fused (and stacked) as their weights are; down's renamed (or stacked)."""
+    f0 = group[0]
+    for suffix in fp8.SUFFIXES:
+        pairs = [(f.names["gate"] + suffix, f.names["up"] + suffix) for f in group]
+        present = [n for pair in pairs for n in pair if n in ckpt]
+        if present:
+            if len(present) != 2 * len(pairs):
+                missing = next(n for pair in pairs for n in pair if n not in ckpt)
+                raise LayoutError(f"{missing} is missing: gate and up (and every expert) need the same scales to "
+                                  "be fused")
+            gate = ckpt.info(f0.names["gate"]).shape
+            fp8.check(ckpt, f0.names["gate"], pairs[0][0], f0.layout, False, fused_rows=2 * gate[0],
+                         transposed=transposed or f0.form.transposed)
+            vector = len(ckpt.info(pairs[0][0]).shape) == 1
+            replaced[pairs[0][0]].append(_fuse_entry(ckpt, new["gate_up"] + suffix, pairs, f0.layout, vector,
+                                                     stacked))
+            for name in present[1:]:
+                replaced[name] += []
+        downs = [f.names["down"] + suffix for f in group if f.names["down"] + suffix in ckpt]
+        if downs and stacked:
+            replaced[downs[0]].append(_stack_entry(ckpt, new["down"] + suffix, downs))
+            for name in downs[1:]:
+                replaced[name] += []
+        elif downs and downs[0] != new["down"] + suffix:
+            replaced[downs[0]].append(copy_entry(ckpt, downs[0], new["down"] + suffix))
+
+
+def _fuse_biases(ckpt, f0: FFN, replaced, group: list[FFN], name: str, stacked: bool = False) -> None:
+    has = [("gate_bias" in f.names, "up_bias" in f.names) for f in group]
+    if not any(a or b for a, b in has):
+        return
+    if not all(a and b for a, b in has):
+        raise LayoutError(f"{f0.ref}: gate and up must both have biases (or neither) to be fused")
+    replaced[f0.names["gate_bias"]].append(
+        _fuse_entry(ckpt, name, [(f.names["gate_bias"], f.names["up_bias"]) for f in group], f0.layout, True, stacked))
+    for f in group:
+        replaced[f.names["up_bias"]] += []

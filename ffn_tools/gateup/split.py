@@ -1,0 +1,124 @@
+"""``split-gateup``'s plan: every fused gate_up cut into gate and up (per FFN, per expert of a stack, or into the
+group's flat form), quantized parts by their scheme, FP8 scales with their rows."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from ..detect import FFNSet
+from ..errors import LayoutError, NothingToDoError
+from ..ffn import FFN
+from ..io.dtypes import itemsize
+from ..layouts import split
+from ..plan import Entry, Plan
+from ..quant import fp8
+from ..registry import Form, bias_name
+from .common import MAX_PIECES, assemble, byte_runs, index_entry, name_in, packed_rename, restack, target_form
+
+def _split_entries(ckpt, f: FFN, src: str, is_bias: bool, names: dict[str, str], target: Form) -> list[Entry]:
+    """gate and up entries cut from the fused tensor ``src`` (expert ``f.index`` when stacked), as ``target``
+    stores them."""
+    info = ckpt.info(src)
+    shape, base = info.shape, 0
+    if f.index is not None:  # (E, 2I, ...) -> expert f.index
+        shape = shape[1:]
+        base = f.index * info.nbytes // info.shape[0]
+    layout = f.layout
+    dim = layout.dim(len(shape), is_bias)
+    segs = layout.segments(shape[dim])
+    out = []
+    for role in ("gate", "up"):
+        runs = [byte_runs(shape, itemsize(info.st_dtype), dim, s, ln, base) for r, s, _, ln in segs if r == role]
+        pieces = tuple((0, off, n) for o in range(len(runs[0])) for seg in runs for off, n in [seg[o]])
+        rows = [f"{s}:{s + ln}" for r, s, _, ln in segs if r == role]
+        where = f"[{f.index}] " if f.index is not None else ""
+        what = "rows" if layout.axis == "rows" or is_bias else "columns"
+        note = f"{what} {','.join(rows[:4])}{',…' if len(rows) > 4 else ''} of {src}{where and ' ' + where.strip()}" \
+               f" ({layout.describe()})"
+        k = 0 if role == "gate" else 1
+        out_shape = list(shape)
+        out_shape[dim] //= 2
+
+        turn = f.form.turns("gate_up") != target.turns(role) and not is_bias  # (H, 2I) stored (in, out): each
+        # half goes back to (I, H), unless the target is stored (in, out) too
+
+        def compute(ts, k=k, index=f.index, b=is_bias, name=src, turn=turn):
+            t = ts[0] if index is None else ts[0][index]
+            part = split(t, layout, is_bias=b, name=name)[k]
+            return part.T.contiguous() if turn else part
+
+        if turn:
+            out_shape, note = out_shape[::-1], note + (", transposed to (in, out)" if target.turns(role) else
+                                                       ", transposed to (out, in)")
+        out.append(Entry(names[role], info.st_dtype, tuple(out_shape), (src,), compute,
+                         pieces if len(pieces) <= MAX_PIECES and not turn else None, note))
+    return out
+
+
+def plan_split(ckpt, ffns: FFNSet, packed: dict | None = None) -> Plan:
+    """Plan splitting every fused FFN of ``ckpt`` into separate gate/up projections (the group's ``unfused``
+    form: per FFN, or a flat stack per layer; ``packed``: its quantized modules whose schemes move their stored
+    parts themselves, ``QuantScheme.split_entries``).
+
+    Raises:
+        NothingToDoError: no FFN is fused.
+        LayoutError: a fused tensor does not fit the layout (odd rows, --tp not dividing).
+    """
+    fused = [f for f in ffns.ffns if f.form.fused]
+    if not fused:
+        n = len(ffns.ffns)
+        which = "its one FFN already has" if n == 1 else f"all {n} FFNs already have"
+        raise NothingToDoError(f"{ckpt.path}: nothing to split: {which} separate gate and up projections (scheme "
+                               f"{ffns.scheme.name})")
+    replaced: dict[str, list[Entry]] = defaultdict(list)
+    flat: dict[str, list[FFN]] = defaultdict(list)  # a stack -> its experts, split into a flat stack
+    for f in fused:
+        target = target_form(f, f.group.unfused or "separate", "split")
+        new = {r: name_in(t, f, ckpt.config) for r, t in target.templates().items()}
+        if target.flat:
+            flat[f.names["gate_up"]].append(f)
+            continue
+        if packed and _packed_split(ckpt, f, new, replaced, packed):
+            continue
+        replaced[f.names["gate_up"]] += _split_entries(ckpt, f, f.names["gate_up"], False, new, target)
+        if "gate_up_bias" in f.names:
+            replaced[f.names["gate_up_bias"]] += _split_entries(
+                ckpt, f, f.names["gate_up_bias"], True, {r: bias_name(new[r]) for r in ("gate", "up")}, target)
+        for r in ("gate", "up") if f.form.separate_biases else ():  # biases stored apart: renamed at most
+            src = f.names.get(f"{r}_bias")
+            if src and src != bias_name(new[r]):
+                replaced[src].append(index_entry(ckpt, src, None, bias_name(new[r])))
+        for src, dst, turn in ((f.names["down"], new["down"], f.form.turns("down") != target.turns("down")),
+                               (f.names.get("down_bias"), bias_name(new["down"]), False)):
+            if src and (f.index is not None or src != dst):
+                replaced[src].append(index_entry(ckpt, src, f.index, dst, turn))
+        _split_scales(ckpt, f, new, replaced, target)
+    for experts in flat.values():
+        restack(ckpt, experts, experts[0].group.forms[experts[0].group.unfused or "separate"], replaced)
+    return assemble(ckpt, ffns, replaced, "split-gateup", len(fused), fused[0].layout, (fused, "separate"))
+
+
+# --- quantized modules (compressed-tensors, NVFP4, GPTQ, AWQ): their schemes move their stored parts ---
+def _packed_split(ckpt, f: FFN, new: dict[str, str], replaced, packed: dict) -> bool:
+    """A fused quantized gate_up split part by part by its scheme, down's parts renamed; False: not one."""
+    m = packed.get(f.names["gate_up"])
+    if m is None:
+        return False
+    if f.index is not None or "gate_up_bias" in f.names:
+        raise LayoutError(f"{f.names['gate_up']}: compressed-tensors experts stacked or with biases are not split here")
+    for src, entries in m.scheme.split_entries(m, f.layout, new, ckpt).items():
+        replaced[src] += entries
+    packed_rename(ckpt, packed, f.names["down"], new["down"], replaced)
+    return True
+
+
+def _split_scales(ckpt, f: FFN, new: dict[str, str], replaced, target: Form) -> None:
+    """A fused weight's FP8 scales split with it (row blocks), the down projection's renamed with it."""
+    gate_up, stacked = f.names["gate_up"], f.index is not None
+    for suffix, sc in fp8.companions(ckpt, gate_up).items():
+        fp8.check(ckpt, gate_up, sc, f.layout, stacked, transposed=f.form.transposed)
+        vector = len(ckpt.info(sc).shape) == (2 if stacked else 1)
+        replaced[sc] += _split_entries(ckpt, f, sc, vector, {r: new[r] + suffix for r in ("gate", "up")}, target)
+    for suffix, sc in fp8.companions(ckpt, f.names["down"]).items():
+        if stacked or sc != new["down"] + suffix:
+            replaced[sc].append(index_entry(ckpt, sc, f.index, new["down"] + suffix))
