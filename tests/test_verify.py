@@ -625,7 +625,7 @@ def test_cli_constants_match_the_library_and_help_shows_the_table():
     """verify_cli repeats two constants so that `ffn-tools --help` does not import torch."""
     from ffn_tools import kernels
     from ffn_tools.verification import engine as lib
-    from ffn_tools.verification import cli as verify_cli
+    from ffn_tools.cli import verify as verify_cli
 
     assert verify_cli.BACKEND_NAMES == ", ".join(kernels.BACKENDS)
     from ffn_tools.ffn import ACTIVATIONS  # every activation a config can name runs on every backend

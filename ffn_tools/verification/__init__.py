@@ -1,15 +1,23 @@
 """``ffn-tools verify``: prove that checkpoint B holds the same FFNs (and everything else) as checkpoint A.
 
-    engine      ``verify``: pair FFNs, run the checks, build the report
-    pairs       one FFN pair: exact weights, functional runs on every backend
+    engine      ``verify``: open both sides, run the checks in phases, build the report
+    sides       what each side holds: its FFNs, its description, the selection compared
+    steps       the FFN pairs as steps: read ahead, experts batched, kernel backends afterwards
+    pairs       one FFN pair: exact weights, re-derived codes, functional runs on every backend
+    experts     a layer's routed experts checked in batches
     functional  seeded inputs, the float64 reference, kernel dtypes
+    backends    the kernel backends asked for, or every one available here
     outside     every tensor outside the FFNs, accounted for
-    quant       quantization of a side (MLX) and its tolerance row
-    requant     a quantized MLX tensor of B against A's re-quantized with B's parameters, bit for bit
-    logits      whole models through their real clients (transformers, mlx_lm)
-    diagnose    what a mismatch looks like (gate/up swapped, another layout)
+    quant       quantization of a side and its tolerance row
+    model       what is not weights, asked of B's client; whole-model logits through both clients
+    logits      the logits comparison
+    stream      reading the next steps' tensors while the current ones run
+    partial     ``--layers`` on a machine holding only some shards
+    tied        a tied head stored on one side only
     report      the report: table, verdict, JSON
-    cli         the ``verify`` command
 
-(``ffn_tools.verify`` is the Python API's function, so this package is named for the activity.)
+It names no format: what a format's runtime does (load check, config, tokenizer, logits, the transforms of its
+load) is asked of that side's client (``ffn_tools.clients``), and quantized tensors of their scheme
+(``ffn_tools.quant``). (``ffn_tools.verify`` is the Python API's function, so this package is named for the
+activity.)
 """

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import click
 
-from . import progress
-from .errors import FFNToolsError
-from .options import CHECKPOINT, emit, layout_options, scheme_options, size_option, upload_option, uploaded
-from .verification.cli import verify as verify_command
+from .. import progress
+from ..errors import FFNToolsError
+from ..options import CHECKPOINT, emit, layout_options, scheme_options, size_option, upload_option, uploaded
+from .verify import verify as verify_command
 
 # Optional packages and the extra that installs each (import name -> pip requirement).
 EXTRAS = {"mlx": "ffn-tools[mlx]' (Apple silicon) or 'ffn-tools[mlx-cpu]", "mlx_lm": "ffn-tools[mlx]",
@@ -137,8 +137,8 @@ def inspect(path, as_json, tensors, scheme, layout):
 
     PATH is a .safetensors file, an index, a pickle, or a directory (PyTorch, MLX or Flax).
     """
-    from .api import inspect as run
-    from .summary import format_summary, format_tensors
+    from ..api import inspect as run
+    from ..summary import format_summary, format_tensors
 
     s = run(path, scheme=scheme, layout=layout, tensors=tensors)
     emit(s, as_json, format_summary(s) + (["", *format_tensors(s["tensor_table"])] if tensors else []))
@@ -163,7 +163,7 @@ def extract(path, out, layers, experts, force, as_json, upload_repo, max_shard_s
     output, OUT.json beside a .safetensors output) records the source, scheme, activation, dtype, d_model,
     d_ffn, layers and experts.
     """
-    from .api import extract as run
+    from ..api import extract as run
 
     m = run(path, Path(out), layers=layers, experts=experts, scheme=scheme, layout=layout, force=force,
             max_shard_size=max_shard_size, upload_repo=upload_repo)
@@ -199,13 +199,13 @@ def _gateup_command(name: str, fn, help_text: str, extra=()):
 
 
 def _split(*a, **k):
-    from .api import split_gateup
+    from ..api import split_gateup
 
     return split_gateup(*a, **k)
 
 
 def _fuse(*a, **k):
-    from .api import fuse_gateup
+    from ..api import fuse_gateup
 
     return fuse_gateup(*a, **k)
 
@@ -299,7 +299,7 @@ def convert(path, hf_path, to, out, outtype, mlx_path, dtype, quantize, q_bits, 
     llama.cpp's llama-quantize's job, run on the f16/bf16 GGUF. The scheme and layout options say where the
     FFNs are for --flax-layout linen, which writes only the FFNs.
     """
-    from .api import convert as run
+    from ..api import convert as run
 
     if path and hf_path:
         raise click.UsageError("give the input once: PATH or --hf-path")

@@ -1,4 +1,4 @@
-"""The ``ffn-tools verify`` command: parse, call ``ffn_tools.verification.engine.verify``, print, exit 0/1/2.
+"""The ``ffn-tools verify`` command: parse, call ``ffn_tools.api.verify``, print, exit 0/1/2.
 
 Its shared options come from ``ffn_tools.options``, as the other commands' do. Only click and torch-free core
 modules are imported here; torch and the kernels load when the command runs.
