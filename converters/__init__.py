@@ -14,8 +14,10 @@ adding a format is adding a package and a line here.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from pathlib import Path
 
+from ffn_tools.checks.semantics import differences
 from ffn_tools.errors import CheckpointError, FFNToolsError
 from ffn_tools.formats import Format
 from ffn_tools.io.store import Checkpoint
@@ -27,7 +29,7 @@ WRITES = ("torch", "mlx", "flax", "gguf")  # the --to choices, known without imp
 # Options whose command-line flags are not simply --the-name.
 FLAGS = {"scheme": "--scheme/--scheme-file/--gate/--up/--down", "layout": "--layout/--order/--tp"}
 
-__all__ = ["FORMATS", "WRITES", "get", "detect_format", "open_any", "open_sides", "convert"]
+__all__ = ["FORMATS", "WRITES", "get", "detect_format", "open_any", "open_sides", "convert", "client_differences"]
 
 
 def get(fmt: str) -> Format:
@@ -94,16 +96,20 @@ def open_sides(path, side: str, absent_shards: bool = False) -> tuple[Checkpoint
 
 
 def convert(path: str | Path, to: str, out: str | Path, *, dtype: str | None = None, force: bool = False,
-            max_shard_size: int | None = None, **options) -> dict:
+            max_shard_size: int | None = None, allow_config: Sequence[str] = (), **options) -> dict:
     """Convert the checkpoint at ``path`` to format ``to`` in ``out``.
 
-    Options not meaningful for the target (e.g. ``quantize`` for flax) are refused, not ignored.
+    Options not meaningful for the target (e.g. ``quantize`` for flax) are refused, not ignored. Where the
+    output's client would run the same weights as another function than the input's client does (a setting it
+    reads otherwise: ``client_differences``), the conversion is refused, naming the setting and both
+    behaviours, unless ``allow_config`` names it: then it is written and the summary's warnings say so.
 
     Returns:
         The target format's export summary.
 
     Raises:
-        FFNToolsError: unknown format or option, unreadable input, existing output, ...
+        FFNToolsError: unknown format or option, unreadable input, existing output, a setting the output's
+            client runs otherwise, ...
     """
     target = get(to)
     given = {k: v for k, v in options.items() if v is not None}
@@ -112,4 +118,22 @@ def convert(path: str | Path, to: str, out: str | Path, *, dtype: str | None = N
         flags = ", ".join(FLAGS.get(w, "--" + w.replace("_", "-")) for w in wrong)
         raise FFNToolsError(f"{flags} does not apply to --to {to}")
     with open_any(path) as ckpt:
-        return target.export(ckpt, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, **given)
+        differ = client_differences(ckpt, target)
+        refused = [line for key, line in differ if key not in allow_config]
+        if refused:
+            keys = " ".join(f"--allow-config {k}" for k, line in differ if line in refused)
+            raise FFNToolsError(f"{path}: its {to} output would compute another function than the input: "
+                                f"{'; '.join(refused)}; {keys} writes it anyway")
+        summary = target.export(ckpt, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, **given)
+    allowed = [f"{line} (--allow-config {key})" for key, line in differ]
+    return {**summary, "warnings": [*summary.get("warnings", []), *allowed]} if allowed else summary
+
+
+def client_differences(ckpt: Checkpoint, target: Format) -> list[tuple[str, str]]:
+    """(setting, sentence) for each setting the ``target`` format's client would run otherwise, from ``ckpt``'s
+    config as the output carries it, than ``ckpt``'s own client runs it (``checks.semantics``)."""
+    source, client = ckpt.format.client(), target.client()
+    if source.name == client.name or not ckpt.config:
+        return []
+    return differences(source.runs(source.config_of(ckpt)), client.runs(ckpt.config),
+                       f"the input's client ({source.name})", f"the output's client ({client.name})", "would run")

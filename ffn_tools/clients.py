@@ -17,8 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from .checks.config import ConfigResult, compare_configs, note_unused
+from .checks.config import ConfigResult, compare_configs, note_unused, transformers_view
 from .checks.load import LoadCheck
+from .checks.semantics import Runs, differences, transformers_runs
 from .checks.side_files import SideFilesResult, compare_side_files
 from .errors import FFNToolsError
 
@@ -81,12 +82,33 @@ class Client(ABC):
         return None
 
     def compare_config(self, ca, cb, allow=()) -> ConfigResult:
-        """A's config as A's side computes it against B's as this client (B's) computes it, key by key."""
+        """A's config as A's side computes it against B's as this client (B's) computes it, key by key; and where
+        A's client is another, the settings the two clients run otherwise from the same keys (``runs``)."""
         res, readings = compare_configs(ca, cb, allow)
         if readings is not None:
             self.compare_config_further(res, ca, cb, readings, set(allow))
+            self.compare_runs(res, ca, cb, set(allow))
         note_unused(res, allow)
         return res
+
+    def compare_runs(self, res: ConfigResult, ca, cb, allow: set) -> None:
+        """Into ``res``: each setting A's client runs otherwise than this client runs B's (``semantics``)."""
+        theirs = ca.format.client() if ca.format is not None else None
+        if theirs is None or theirs.name == self.name:
+            return
+        for key, line in differences(theirs.runs(ca.config or {}), self.runs(self.config_of(cb)),
+                                     f"A's client ({theirs.name})", f"B's client ({self.name})"):
+            (res.allowed if key in allow else res.problems).append(line)
+
+    def config_of(self, ckpt) -> dict:
+        """The config this client reads for ``ckpt`` (its config.json, as the view presents it)."""
+        return ckpt.config or {}
+
+    def runs(self, config: dict) -> dict[str, Runs]:
+        """How this client runs the settings clients read differently (``checks.semantics``), from ``config``;
+        the default: as transformers' config classes and modeling code do."""
+        normalized, _ = transformers_view(config)
+        return transformers_runs(normalized if normalized is not None else config)
 
     def compare_config_further(self, res: ConfigResult, ca, cb, readings: tuple[dict, dict], allow: set) -> None:
         """What this client reads beyond the normalized configs ``readings`` (A's, B's), added to ``res``."""

@@ -27,9 +27,9 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                    "shared_expert_intermediate_size": 80, "decoder_sparse_step": 1}),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "head_dim": 16,
-                   "decoder_sparse_step": 1}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",  # norm_topk_prob as Qwen3-MoE's checkpoints have it (its
+                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "head_dim": 16,  # config
+                   "decoder_sparse_step": 1, "norm_topk_prob": True}),  # class's default is false: test_clients)
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16, "hidden_act": "gelu_pytorch_tanh",
                                                    "hidden_activation": "gelu_pytorch_tanh"}),
     # Gemma 2/3: tied head; a window of 6 (a longer batch reaches past it); llama.cpp scales queries by

@@ -41,6 +41,26 @@ class LlamaCpp(Client):
 
         return compare_tokenization(Path(ca.root), Path(cb.stored.path), cb.fields)
 
+    def runs(self, config: dict):
+        """What llama.cpp assumes for the architecture ``config``'s model type converts to (``implied_values``),
+        whatever the GGUF's metadata says: its top-k renormalization."""
+        from ffn_tools.checks.config import transformers_view
+        from ffn_tools.checks.semantics import Runs, topk_words
+
+        from .config import implied_values
+        from .names import BY_TYPE
+
+        family = BY_TYPE.get(str(config.get("model_type")))
+        if family is None:
+            return {}
+        normalized = transformers_view(config)[0] or config
+        assumed = implied_values(family.arch, normalized)
+        if "norm_topk_prob" not in assumed:
+            return {}
+        norm = assumed["norm_topk_prob"]
+        return {"norm_topk_prob": Runs(norm, f"{topk_words(norm)} (llama.cpp's {family.arch} graph, whatever the "
+                                             "GGUF says)")}
+
     def stored_otherwise(self, cb) -> frozenset[str]:
         return frozenset(cb.shifts)
 

@@ -43,13 +43,19 @@ UNSET = {"sliding_window": 0}
 QUERY_SCALE = {"gemma2": ("query_pre_attn_scalar", 46), "gemma3": ("query_pre_attn_scalar", 62)}
 # The layers llama.cpp runs with the sliding window: all but every n-th (its ``set_swa_pattern(n)``).
 SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+# Whether llama.cpp renormalizes the routed top-k experts' weights, fixed in its graph whatever the GGUF says
+# (``norm_w`` of ``build_moe_ffn`` in src/models/<arch>.cpp: qwen3moe true, qwen2moe false), for the MoE
+# architectures whose transformers config has ``norm_topk_prob`` (deepseek2 reads it: expert_weights_norm).
+TOPK_RENORM = {"qwen3moe": True, "qwen2moe": False}
 
 
 def implied_values(arch: str, config: dict) -> dict:
     """The values of ``config``'s keys that llama.cpp assumes for ``arch`` (``QUERY_SCALE``,
-    ``SLIDING_PATTERN``) rather than reads from the GGUF, given the rest of ``config``; only where ``config``
-    has what they derive from."""
+    ``SLIDING_PATTERN``, ``TOPK_RENORM``) rather than reads from the GGUF, given the rest of ``config``; only where
+    ``config`` has what they derive from."""
     out: dict = {}
+    if arch in TOPK_RENORM:
+        out["norm_topk_prob"] = TOPK_RENORM[arch]
     layers = config.get("num_hidden_layers")
     if arch in QUERY_SCALE and isinstance(layers, int):
         key, big = QUERY_SCALE[arch]

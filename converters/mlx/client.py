@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ffn_tools.checks.config import ConfigResult, compare_keys, generation_eos
 from ffn_tools.checks.load import LoadCheck, MissingClient
+from ffn_tools.checks.semantics import Runs, topk_words, windows, windows_words
 from ffn_tools.clients import Client
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.io.store import read_config
@@ -36,6 +37,18 @@ class MlxLm(Client):
 
     def compare_config_further(self, res: ConfigResult, ca, cb, readings, allow) -> None:
         _compare_mlx(res, ca, cb, allow)
+
+    def config_of(self, ckpt) -> dict:
+        """The config.json on disk: what mlx_lm reads (the view restores the source's)."""
+        return read_config(ckpt.root) or ckpt.config or {}
+
+    def runs(self, config: dict) -> dict[str, Runs]:
+        """As mlx_lm's model class runs ``config`` (its ``ModelArgs``; see ``mlx_runs``); {} where mlx_lm has no
+        model for it (the load check says so)."""
+        try:
+            return mlx_runs(models.target(config, "config", None))
+        except FFNToolsError:
+            return {}
 
     def pairing(self, ca, cb):
         return None if ca.format is cb.format else AsMlxLoads.of(ca, cb)  # A already MLX: nothing to undo
@@ -115,3 +128,33 @@ def _compare_mlx(res: ConfigResult, ca, cb, allow) -> None:
         return
     res.readers.append(f"mlx_lm's {module} ModelArgs")
     compare_keys(res, a_args, b_args, allow, None)
+
+
+def mlx_runs(t: models.Target) -> dict[str, Runs]:
+    """The settings as mlx_lm's model ``t`` runs them, read from its code's arguments: a layer slides only where its
+    ``ModelArgs`` has a ``sliding_window`` and its ``layer_types`` mark the layer sliding (``llama``: all full
+    attention unless given), or its ``sliding_window_pattern`` does (Gemma 3, Cohere 2: every layer but each
+    pattern-th); a model whose arguments have no ``sliding_window`` runs full attention (Gemma 2). Top-k
+    renormalization where its arguments have ``norm_topk_prob``. Models that slide otherwise are not judged."""
+    args = t.args
+    fields = {f.name for f in dataclasses.fields(args)}
+    layers = getattr(args, "num_hidden_layers", None)
+    out: dict[str, Runs] = {}
+    if isinstance(layers, int) and layers > 0:
+        ws: list[int | None] | None = None
+        why = ""
+        if "sliding_window" not in fields:
+            ws, why = [None] * layers, f" (mlx_lm's {t.module} model has no sliding window)"
+        elif "layer_types" in fields:
+            types = args.layer_types or ["full_attention"] * layers
+            ws = windows(args.sliding_window, types, layers, getattr(args, "max_position_embeddings", None))
+            marked = "none here" if "sliding_attention" not in types else "those"
+            why = f" (mlx_lm's {t.module} model slides only the layers its layer_types mark sliding_attention: {marked})"
+        elif isinstance(pattern := getattr(args, "sliding_window_pattern", None), int) and pattern > 0:
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+            ws = windows(args.sliding_window, types, layers, getattr(args, "max_position_embeddings", None))
+        if ws is not None:
+            out["sliding_window"] = Runs(ws, windows_words(ws) + why)
+    if "norm_topk_prob" in fields and isinstance(args.norm_topk_prob, bool):
+        out["norm_topk_prob"] = Runs(args.norm_topk_prob, topk_words(args.norm_topk_prob))
+    return out

@@ -274,13 +274,17 @@ def _quantize_value(ctx, param, value):
 @click.option("--dry-run", is_flag=True, help="Print every output tensor and how it is made (for mlx, what mlx_lm's "
               "model expects, checked); write nothing.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--allow-config", "allow_config", multiple=True, metavar="KEY",
+              help="Write the output although its client runs setting KEY otherwise than the input's client (say "
+                   "mlx_lm ignoring Mistral's sliding_window, llama.cpp renormalizing Qwen3-MoE's top-k weights): "
+                   "without it such a conversion is refused, naming the setting and both behaviours. Repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 @upload_option
 @size_option
 @scheme_options
 @layout_options
 def convert(path, hf_path, to, out, outtype, mlx_path, dtype, quantize, q_bits, q_group_size, q_mode, quant_predicate,
-            dequantize, flax_layout, dry_run, force, as_json, upload_repo, max_shard_size, scheme, layout):
+            dequantize, flax_layout, dry_run, force, allow_config, as_json, upload_repo, max_shard_size, scheme, layout):
     """Convert the checkpoint at PATH to PyTorch safetensors, MLX, Flax msgpack or GGUF.
 
     The input may be any format ffn-tools reads. MLX output is what mlx_lm.convert writes for the same
@@ -317,7 +321,8 @@ def convert(path, hf_path, to, out, outtype, mlx_path, dtype, quantize, q_bits, 
     r = run(path, to, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, quantize=quantize,
             q_bits=int(q_bits) if q_bits else None, q_group_size=int(q_group_size) if q_group_size else None,
             q_mode=q_mode, quant_predicate=quant_predicate, dequantize=dequantize or None, dry_run=dry_run or None,
-            flax_layout=flax_layout, outtype=outtype, scheme=scheme, layout=layout, upload_repo=upload_repo)
+            flax_layout=flax_layout, outtype=outtype, scheme=scheme, layout=layout, upload_repo=upload_repo,
+            allow_config=allow_config)
     emit(r, as_json, [*(r.get("plan") or []), r["summary"], *r.get("changes", []), *uploaded(r)])
 
 

@@ -67,3 +67,6 @@ def run_logits(report: VerifyReport, a, b, ca, cb, clients: tuple[Client, Client
     vocab = [(c.config or {}).get("vocab_size") for c in (ca, cb)]
     probe = probe_length(ca.config or {}, ca.total_bytes)
     report.logits = compare_logits(a, b, clients, EXACT if same else widened(row), seed, vocab, probe)
+    config = report.config
+    if not report.logits["passed"] and config is not None and config.problems:  # what differs is likely that
+        report.logits["problems"].append(f"likely cause, from the config check: {config.problems[0]}")

@@ -1,0 +1,81 @@
+"""What a client computes from a config, in the settings clients are known to read differently: where two
+clients would run the same weights as different functions although every key of the config matches.
+
+Each client says how it runs each setting (``Client.runs``), read from its own code: transformers from its config
+classes (``transformers_runs``), mlx_lm from its model's ``ModelArgs``, llama.cpp from what it assumes per
+architecture. ``differences`` compares two clients' readings, setting by setting:
+
+    sliding_window   the attention window of each layer (None: full attention)
+    norm_topk_prob   whether the weights of the routed top-k experts are renormalized to sum to 1
+
+A setting a client's reading leaves out is one it is not known to read otherwise, and is not compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import listing
+
+
+@dataclass(frozen=True)
+class Runs:
+    """How a client runs one setting: its ``value`` (compared) and the ``words`` that say it."""
+
+    value: object
+    words: str
+
+
+def windows_words(windows: list[int | None]) -> str:
+    """``a 64-token window on layers 0-3 of 4`` / ``full attention on every layer``."""
+    sliding = [i for i, w in enumerate(windows) if w is not None]
+    if not sliding:
+        return f"full attention on every layer ({len(windows)})"
+    sizes = sorted({w for w in windows if w is not None})
+    what = " or ".join(f"{s}-token" for s in sizes)
+    where = ("every layer" if len(sliding) == len(windows) else
+             f"layer{'s' * (len(sliding) > 1)} {listing([str(i) for i in sliding], 6)}")
+    return f"a {what} window on {where} of {len(windows)}"
+
+
+def windows(sliding_window, layer_types, layers: int, max_positions=None) -> list[int | None]:
+    """Each layer's window: ``sliding_window`` on the layers ``layer_types`` marks sliding (every layer where there
+    are no layer types), None elsewhere; a window no shorter than the longest context is no window."""
+    w = sliding_window if isinstance(sliding_window, int) and not isinstance(sliding_window, bool) else None
+    if not w or (isinstance(max_positions, int) and w >= max_positions):
+        return [None] * layers
+    if isinstance(layer_types, list) and len(layer_types) == layers:
+        return [w if t == "sliding_attention" else None for t in layer_types]
+    return [w] * layers
+
+
+def transformers_runs(normalized: dict) -> dict[str, Runs]:
+    """The settings as transformers' modeling code runs them from its normalized config (``transformers_view``):
+    the window per layer (its ``layer_types``; a window on every layer where it has none, unless
+    ``use_sliding_window`` is off, as Mistral and Phi-3 apply one), and ``norm_topk_prob`` where the config class
+    has it."""
+    out: dict[str, Runs] = {}
+    layers = normalized.get("num_hidden_layers")
+    if isinstance(layers, int) and layers > 0:
+        sw = normalized.get("sliding_window") if normalized.get("use_sliding_window") is not False else None
+        ws = windows(sw, normalized.get("layer_types"), layers, normalized.get("max_position_embeddings"))
+        out["sliding_window"] = Runs(ws, windows_words(ws))
+    if isinstance(normalized.get("norm_topk_prob"), bool):
+        out["norm_topk_prob"] = Runs(normalized["norm_topk_prob"], topk_words(normalized["norm_topk_prob"]))
+    return out
+
+
+def topk_words(norm: bool) -> str:
+    return ("the top-k experts' router weights renormalized to sum to 1" if norm else
+            "the top-k experts' router weights as the router gives them, not renormalized")
+
+
+def differences(a: dict[str, Runs], b: dict[str, Runs], a_who: str, b_who: str,
+                b_runs: str = "runs") -> list[tuple[str, str]]:
+    """(setting, sentence) for each setting both readings have and run otherwise; ``a_who``, ``b_who`` name the
+    clients in the sentence ("A's client (transformers)"), ``b_runs`` the second one's verb ("would run")."""
+    out = []
+    for key in sorted(set(a) & set(b)):
+        if a[key].value != b[key].value:
+            out.append((key, f"{key}: {a_who} runs {a[key].words}; {b_who} {b_runs} {b[key].words}"))
+    return out

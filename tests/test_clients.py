@@ -1,0 +1,82 @@
+"""Outputs whose client runs the same weights as another function (issue 37, item 3): each client says how it
+runs the settings clients read differently (``ffn_tools.checks.semantics``), read from its own code; convert
+refuses such an output unless told (``--allow-config KEY``), and verify fails naming the setting and both
+behaviours, with the real clients in the loop."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import run_cli
+
+pytest.importorskip("mlx_lm")
+
+
+def _with(src, tmp_path, name: str, **config):
+    """A copy of checkpoint ``src`` whose config.json says ``config`` too."""
+    out = tmp_path / name
+    shutil.copytree(src, out)
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, **config}))
+    return out
+
+
+def test_mistral_sliding_window_to_mlx_is_refused_then_verify_names_both_behaviours(hf, tmp_path):
+    src = _with(hf("mistral", torch.float32), tmp_path, "src", sliding_window=8)  # 8 < max_position_embeddings
+    out = tmp_path / "mlx"
+    r = run_cli("convert", str(src), "--to", "mlx", "-o", str(out), ok=False)
+    assert r.exit_code == 2 and not out.exists(), r.output
+    assert ("sliding_window: the input's client (transformers) runs a 8-token window on every layer of 2; the "
+            "output's client (mlx_lm) would run full attention on every layer (2)") in r.output, r.output
+    assert "--allow-config sliding_window writes it anyway" in r.output and "Traceback" not in r.output
+    r = run_cli("convert", str(src), "--to", "mlx", "-o", str(out), "--allow-config", "sliding_window")
+    assert "warning: sliding_window:" in r.output and (out / "config.json").is_file()  # said, and written
+    # mlx_lm itself runs full attention: its logits past the window are the unwindowed model's
+    r = run_cli("verify", str(src), str(out), "--backend", "reference", "--logits", ok=None)
+    assert r.exit_code == 1, r.output
+    assert ("config: sliding_window: A's client (transformers) runs a 8-token window on every layer of 2; B's "
+            "client (mlx_lm) runs full attention on every layer (2)") in r.output
+    assert "likely cause, from the config check: sliding_window:" in r.output  # --logits names the cause
+    r = run_cli("verify", str(src), str(out), "--backend", "reference", "--allow-config", "sliding_window")
+    assert "PASS" in r.output  # a difference accepted on purpose
+
+
+def test_a_window_no_shorter_than_the_context_is_no_difference(hf, tmp_path):
+    src = _with(hf("mistral", torch.float32), tmp_path, "src", sliding_window=128)  # = max_position_embeddings
+    run_cli("convert", str(src), "--to", "mlx", "-o", str(tmp_path / "mlx"))
+    assert "PASS" in run_cli("verify", str(src), str(tmp_path / "mlx"), "--backend", "reference").output
+
+
+def test_mlx_lm_without_a_sliding_window_is_named(hf, tmp_path):
+    """Gemma 2's mlx_lm model has no sliding window at all (its ModelArgs has none): every other layer of
+    transformers' Gemma 2 slides."""
+    r = run_cli("convert", str(hf("gemma2", torch.float32)), "--to", "mlx", "-o", str(tmp_path / "mlx"), ok=False)
+    assert r.exit_code == 2 and "a 6-token window on layer 0 of 2" in r.output
+    assert "(mlx_lm's gemma2 model has no sliding window)" in r.output
+
+
+@pytest.mark.usefixtures("gguf_model")
+def test_qwen3_moe_without_norm_topk_prob_to_gguf(gguf_model, tmp_path):
+    """llama.cpp's qwen3moe graph renormalizes the top-k weights whatever the GGUF says (src/models/qwen3moe.cpp:
+    build_moe_ffn's norm_w true); transformers' Qwen3-MoE does only with norm_topk_prob."""
+    pytest.importorskip("llama_cpp")
+    src = _with(gguf_model("qwen3_moe"), tmp_path, "src", norm_topk_prob=False)
+    out = tmp_path / "q.gguf"
+    r = run_cli("convert", str(src), "--to", "gguf", "-o", str(out), "--outtype", "f32", ok=False)
+    assert r.exit_code == 2 and not out.exists(), r.output
+    assert ("norm_topk_prob: the input's client (transformers) runs the top-k experts' router weights as the router "
+            "gives them, not renormalized; the output's client (llama.cpp) would run the top-k experts' router "
+            "weights renormalized to sum to 1 (llama.cpp's qwen3moe graph, whatever the GGUF says)") in r.output
+    run_cli("convert", str(src), "--to", "gguf", "-o", str(out), "--outtype", "f32", "--allow-config", "norm_topk_prob")
+    r = run_cli("verify", str(src), str(out), "--backend", "reference", "--logits", ok=None)
+    assert r.exit_code == 1, r.output
+    assert "config: norm_topk_prob: A False, but llama.cpp assumes True" in r.output
+    assert "likely cause, from the config check: norm_topk_prob" in r.output
+    # the checkpoint that says true is the function llama.cpp runs: no difference, logits within tolerance
+    ok = tmp_path / "ok.gguf"
+    run_cli("convert", str(gguf_model("qwen3_moe")), "--to", "gguf", "-o", str(ok), "--outtype", "f32")
+    assert "PASS" in run_cli("verify", str(gguf_model("qwen3_moe")), str(ok), "--backend", "reference",
+                             "--logits").output
