@@ -147,9 +147,15 @@ class Client(ABC):
         """What to add to this client's own ``error`` running logits here (how to make it run), or ""."""
         return ""
 
-    def logits(self, path: Path, tokens: "torch.Tensor") -> tuple["torch.Tensor", list[str]]:
-        """The client's logits of ``tokens`` (float64), and what went wrong loading the model (a list of
-        lines: weights missing or left over); the client's own errors raise."""
+    def runs_instead(self, error: str) -> str | None:
+        """The float dtype this client can compute in where it could not in the weights' own (its ``error``
+        running logits says so), or None."""
+        return None
+
+    def logits(self, path: Path, tokens: "torch.Tensor", dtype: str | None = None) -> tuple["torch.Tensor", list[str]]:
+        """The client's logits of ``tokens`` (float64), computed in float dtype ``dtype`` where the client can
+        (None: its weights'), and what went wrong loading the model (a list of lines: weights missing or left
+        over); the client's own errors raise."""
         raise FFNToolsError(f"{self.name} runs no logits here")
 
     def __repr__(self) -> str:

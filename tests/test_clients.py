@@ -80,3 +80,53 @@ def test_qwen3_moe_without_norm_topk_prob_to_gguf(gguf_model, tmp_path):
     run_cli("convert", str(gguf_model("qwen3_moe")), "--to", "gguf", "-o", str(ok), "--outtype", "f32")
     assert "PASS" in run_cli("verify", str(gguf_model("qwen3_moe")), str(ok), "--backend", "reference",
                              "--logits").output
+
+
+@pytest.fixture(scope="module")
+def bf16_moe(tmp_path_factory):
+    """A bfloat16 Qwen3-MoE and its MLX exports in float32 (a lossless upcast) and in bfloat16 (a copy)."""
+    import tiny_models
+
+    root = tmp_path_factory.mktemp("bf16-moe")
+    src = tiny_models.build("qwen3_moe", root / "src", torch.bfloat16)
+    run_cli("convert", str(src), "--to", "mlx", "-o", str(root / "m32"), "--dtype", "float32")
+    run_cli("convert", str(src), "--to", "mlx", "-o", str(root / "m16"))
+    return src, root / "m32", root / "m16"
+
+
+def test_a_lossless_upcast_passes_logits_both_sides_in_float32(bf16_moe):
+    """issue 37 item 4: A's bf16 weights widen to float32 exactly, so both clients compute in float32 and what
+    is compared is the export, not bf16 arithmetic against float32 arithmetic (that failed 1.16x before)."""
+    src, m32, _ = bf16_moe
+    data = json.loads(run_cli("verify", str(src), str(m32), "--backend", "reference", "--logits", "--json").output)
+    assert data["passed"] and data["logits"]["passed"], data["failures"]
+    assert data["logits"]["max_abs"] < 1e-4  # float32 arithmetic on the same values, both sides
+    assert any(n.startswith("logits: both sides computed in float32, the wider") for n in data["notes"])
+
+
+def test_a_client_that_cannot_compute_in_the_weights_dtype_runs_both_in_float32(bf16_moe):
+    """MLX's CPU backend runs its MoE gather in float32 only: both sides are computed in float32 then (the bf16
+    weights widen exactly), instead of --logits exiting 2 with the report discarded."""
+    import mlx.core as mx
+
+    src, _, m16 = bf16_moe
+    r = run_cli("verify", str(src), str(m16), "--backend", "reference", "--logits", "--json", ok=None)
+    data = json.loads(r.output)
+    assert r.exit_code == 0 and data["logits"]["passed"], data["failures"]
+    if mx.default_device() == mx.cpu:
+        assert any("which their weights widen to exactly: --logits: mlx_lm could not run B" in n and
+                   "supports float32" in n for n in data["notes"]), data["notes"]
+
+
+def test_logits_no_client_runs_leaves_the_report_incomplete_not_discarded(model_dir, tmp_path):
+    """A check asked for that cannot run says so beside the other results: exit 2, the whole report printed."""
+    src = model_dir("llama")
+    run_cli("extract", str(src), "-o", str(tmp_path / "ffn"))
+    r = run_cli("verify", str(src), str(tmp_path / "ffn"), "--backend", "reference", "--logits", ok=None)
+    assert r.exit_code == 2, r.output
+    verdict = r.output.strip().splitlines()[-1]
+    assert verdict.startswith("INCOMPLETE: --logits: B") and "everything that ran agrees (2 FFNs" in verdict
+    assert "layer 0" in r.output and "layer 1" in r.output  # the FFN table is there
+    data = json.loads(run_cli("verify", str(src), str(tmp_path / "ffn"), "--backend", "reference", "--logits",
+                              "--json", ok=None).output)
+    assert not data["passed"] and data["incomplete"] and data["logits"] is None

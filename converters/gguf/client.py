@@ -74,9 +74,10 @@ class LlamaCpp(Client):
             raise FFNToolsError(f"--logits: {side} is a GGUF and llama-cpp-python is not installed ({e}): "
                                 "pip install 'ffn-tools[gguf]'") from None
 
-    def logits(self, path: Path, tokens):
+    def logits(self, path: Path, tokens, dtype: str | None = None):
         """llama.cpp's logits of every position, one sequence at a time, its KV cache in float32 (its default f16
-        cache would add its own rounding to what is compared); in a process of its own (``llama_cpp_run``)."""
+        cache would add its own rounding to what is compared); in a process of its own (``llama_cpp_run``). It
+        computes in its own types whatever ``dtype`` says."""
         import json
         import tempfile
 

@@ -22,7 +22,6 @@ from ffn_tools.errors import FFNToolsError
 from ffn_tools.io.store import read_config
 
 from . import models
-from .consumer import AsMlxLoads
 
 
 class MlxLm(Client):
@@ -46,11 +45,13 @@ class MlxLm(Client):
         """As mlx_lm's model class runs ``config`` (its ``ModelArgs``; see ``mlx_runs``); {} where mlx_lm has no
         model for it (the load check says so)."""
         try:
-            return mlx_runs(models.target(config, "config", None))
+            return mlx_runs(models.target(config, "config", None), config.get("max_position_embeddings"))
         except FFNToolsError:
             return {}
 
     def pairing(self, ca, cb):
+        from .consumer import AsMlxLoads  # torch: verify has it; an export (which reads this client) need not
+
         return None if ca.format is cb.format else AsMlxLoads.of(ca, cb)  # A already MLX: nothing to undo
 
     def ready_for_logits(self, ckpt, side: str) -> None:
@@ -66,7 +67,11 @@ class MlxLm(Client):
         return ("; MLX's CPU backend runs these ops in float32 only: an export with --dtype float32 runs here"
                 if "float32" in error else "")
 
-    def logits(self, path: Path, tokens):
+    def runs_instead(self, error: str) -> str | None:
+        """float32 where MLX's CPU backend runs an op in float32 only (``GatherMM``: MoE layers in bf16)."""
+        return "float32" if "mlx_lm" in error and "supports float32" in error else None
+
+    def logits(self, path: Path, tokens, dtype: str | None = None):
         import mlx.core as mx
         import numpy as np
         import torch
@@ -76,6 +81,8 @@ class MlxLm(Client):
             model, _ = load_model(path)
         except ValueError as e:  # strict loading: missing or unexpected parameters
             return torch.empty(0), [f"mlx_lm: {str(e).splitlines()[0][:300]}"]
+        if dtype is not None:  # its floating parameters widened (a quantized layer's scales too: exactly)
+            model.set_dtype(getattr(mx, dtype))
         out = model(mx.array(tokens.numpy()))
         return torch.from_numpy(np.array(out.astype(mx.float32))).to(torch.float64), []
 
@@ -130,12 +137,14 @@ def _compare_mlx(res: ConfigResult, ca, cb, allow) -> None:
     compare_keys(res, a_args, b_args, allow, None)
 
 
-def mlx_runs(t: models.Target) -> dict[str, Runs]:
+def mlx_runs(t: models.Target, max_positions=None) -> dict[str, Runs]:
     """The settings as mlx_lm's model ``t`` runs them, read from its code's arguments: a layer slides only where its
     ``ModelArgs`` has a ``sliding_window`` and its ``layer_types`` mark the layer sliding (``llama``: all full
     attention unless given), or its ``sliding_window_pattern`` does (Gemma 3, Cohere 2: every layer but each
     pattern-th); a model whose arguments have no ``sliding_window`` runs full attention (Gemma 2). Top-k
-    renormalization where its arguments have ``norm_topk_prob``. Models that slide otherwise are not judged."""
+    renormalization where its arguments have ``norm_topk_prob``. Models that slide otherwise are not judged. A
+    window no shorter than the longest context (``max_positions``, the config's) is no window, as on the other
+    side."""
     args = t.args
     fields = {f.name for f in dataclasses.fields(args)}
     layers = getattr(args, "num_hidden_layers", None)
@@ -147,12 +156,12 @@ def mlx_runs(t: models.Target) -> dict[str, Runs]:
             ws, why = [None] * layers, f" (mlx_lm's {t.module} model has no sliding window)"
         elif "layer_types" in fields:
             types = args.layer_types or ["full_attention"] * layers
-            ws = windows(args.sliding_window, types, layers, getattr(args, "max_position_embeddings", None))
+            ws = windows(args.sliding_window, types, layers, max_positions)
             marked = "none here" if "sliding_attention" not in types else "those"
             why = f" (mlx_lm's {t.module} model slides only the layers its layer_types mark sliding_attention: {marked})"
         elif isinstance(pattern := getattr(args, "sliding_window_pattern", None), int) and pattern > 0:
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-            ws = windows(args.sliding_window, types, layers, getattr(args, "max_position_embeddings", None))
+            ws = windows(args.sliding_window, types, layers, max_positions)
         if ws is not None:
             out["sliding_window"] = Runs(ws, windows_words(ws) + why)
     if "norm_topk_prob" in fields and isinstance(args.norm_topk_prob, bool):

@@ -64,14 +64,15 @@ class Transformers(Client):
             raise FFNToolsError(f"--logits: {side} ({ckpt.path}) is not a model directory with a config.json naming "
                                 "its model_type; whole-model logits need a directory transformers or mlx_lm can load")
 
-    def logits(self, path: Path, tokens):
+    def logits(self, path: Path, tokens, dtype: str | None = None):
         import torch
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()  # loading problems are reported below, as failures
         hf_logging.disable_progress_bar()
-        loaded = AutoModelForCausalLM.from_pretrained(path, dtype="auto", output_loading_info=True)
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype) if dtype else "auto",
+                                                      output_loading_info=True)
         model, info = cast("tuple[Any, dict]", loaded)  # transformers types the model alone; the flag adds the dict
         problems = [f"transformers: {what} {_clip(info.get(key) or [])}"
                     for key, what in (("missing_keys", "initialised weights the checkpoint lacks:"),

@@ -102,7 +102,8 @@ def verify(a, b, backends, tokens, seed, layers, shards_needed, experts, atol, r
     2). The report names every check that did not run.
 
     Prints a table, worst FFN first, and a verdict. Exit status: 0 all pass, 1 something differs,
-    2 verification could not run (bad arguments, unreadable input, no FFNs, backend unavailable).
+    2 verification could not run (bad arguments, unreadable input, no FFNs, backend unavailable), or a check
+    asked for could not run here (--logits a client cannot run): then the report says so beside the others.
 
     With --layers, A and B may each hold only some of their shards: the shards holding the selected layers'
     FFNs must be there (else exit 2 names the missing ones; --shards-needed lists them before any
@@ -132,4 +133,4 @@ def verify(a, b, backends, tokens, seed, layers, shards_needed, experts, atol, r
     else:
         for line in report.lines():
             click.echo(line)
-    click.get_current_context().exit(0 if report.passed else 1)
+    click.get_current_context().exit(report.exit_status)

@@ -113,8 +113,8 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
     Raises:
         FFNToolsError: unreadable checkpoints, no FFNs, an unknown or unavailable backend, an empty
             selection or one naming layers or experts neither checkpoint has, an activation the kernels
-            do not have, --logits on a checkpoint without a client, a load check whose client is not
-            installed.
+            do not have, a load check whose client is not installed. (--logits a client cannot run here
+            leaves the report ``incomplete``, saying why beside the other results.)
     """
     if tokens < 1:
         raise FFNToolsError(f"--tokens {tokens}: need at least 1 token")
@@ -144,10 +144,14 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
         clients = None
         no_logits = (f"{' and '.join(s for s, _ in partial_sides)} {'have' if len(partial_sides) > 1 else 'has'} "
                      "shards absent: the clients load every shard") if logits and partial_sides else None
+        blocked = None  # why --logits cannot run here, known before any work: said beside the other results
         if logits and not no_logits:
             from .logits import client_for
 
-            clients = (client_for(ca, "A"), client_for(cb, "B"))
+            try:
+                clients = (client_for(ca, "A"), client_for(cb, "B"))
+            except FFNToolsError as e:
+                blocked = str(e)
         # first: a missing client is could-not-run (exit 2) before any work
         load = client.load_check(cb.stored) if load_check else None
         if kernels is None:
@@ -186,7 +190,10 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
                 report.notes += pairing.settle(report.outside, cb, _tolerance_check(atol, rtol))
             report.notes += tied.reconcile(report.outside, ca, cb, report.config.ties)
     refused = report.load is not None and report.load.refused
-    if no_logits:
+    if blocked:
+        report.incomplete.append(blocked)
+        report.logits_skipped = "no client here runs a side as a whole model (see above)"
+    elif no_logits:
         report.logits_skipped = no_logits
     elif logits and refused:
         report.logits_skipped = "B's client cannot build B (the load check's failure)"

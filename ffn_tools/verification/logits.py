@@ -61,10 +61,11 @@ def token_batch(vocab_size: int, seed: int, length: int | None = None) -> torch.
     return torch.randint(0, vocab_size, (BATCH[0], length or BATCH[1]), generator=gen)
 
 
-def _run(client: Client, path: Path, side: str, tokens: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+def _run(client: Client, path: Path, side: str, tokens: torch.Tensor,
+         dtype: str | None) -> tuple[torch.Tensor, list[str]]:
     """One client's logits; a client that cannot run the model here is trouble, not a difference."""
     try:
-        return client.logits(path, tokens)
+        return client.logits(path, tokens, dtype)
     except Exception as e:  # the client's own errors: unknown model_type, ops missing on this device, ...
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise FFNToolsError(f"--logits: {client.name} could not run {side} ({path}) here: {first}"
@@ -72,7 +73,7 @@ def _run(client: Client, path: Path, side: str, tokens: torch.Tensor) -> tuple[t
 
 
 def compare_logits(a, b, clients: tuple[Client, Client], tol: Tolerance, seed: int, vocab: list,
-                   length: int | None = None) -> dict:
+                   length: int | None = None, dtype: str | None = None) -> dict:
     """Logits of A and B on the same token batch, compared.
 
     Args:
@@ -82,6 +83,7 @@ def compare_logits(a, b, clients: tuple[Client, Client], tol: Tolerance, seed: i
         seed: seed of the token batch.
         vocab: A's and B's vocabulary sizes (their configs').
         length: tokens per sequence (None: 16), to reach past a sliding window or a rope's original context.
+        dtype: the float dtype both clients compute in where they can (None: their weights').
 
     Returns:
         {client_a, client_b, shape, max_abs, cosine, ratio, top1_agreement, tolerance, passed, problems}.
@@ -92,7 +94,7 @@ def compare_logits(a, b, clients: tuple[Client, Client], tol: Tolerance, seed: i
     if vocab[0] != vocab[1] or not isinstance(vocab[0], int):
         raise FFNToolsError(f"--logits: vocabulary sizes differ or are unknown (A {vocab[0]}, B {vocab[1]})")
     tokens = token_batch(vocab[0], seed, length)
-    (la, pa), (lb, pb) = (_run(c, Path(p), side, tokens) for c, p, side in zip(clients, (a, b), "AB"))
+    (la, pa), (lb, pb) = (_run(c, Path(p), side, tokens, dtype) for c, p, side in zip(clients, (a, b), "AB"))
     problems = [f"A: {p}" for p in pa] + [f"B: {p}" for p in pb]
     out: dict = {"client_a": clients[0].name, "client_b": clients[1].name, "shape": list(tokens.shape) + [vocab[0]],
            "max_abs": math.nan, "cosine": math.nan, "ratio": math.nan, "top1_agreement": 0.0,

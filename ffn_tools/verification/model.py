@@ -53,20 +53,51 @@ def probe_length(config: dict, nbytes: int) -> int | None:
     return length if length <= PROBE_MAX else None
 
 
+WIDER = ("float64", "float32", "float16", "bfloat16")  # the float dtypes, widest first
+
+
+def compute_dtype(report: VerifyReport) -> str | None:
+    """The dtype both sides' logits are computed in where their weights' differ: the wider (A's bfloat16 weights
+    widen to float32 exactly, so both run B's arithmetic and what differs is B's conversion); None: as stored."""
+    dtypes = {report.a.get("dtype"), report.b.get("dtype")}
+    if len(dtypes) != 2 or not dtypes <= set(WIDER):
+        return None
+    if dtypes == {"float16", "bfloat16"}:  # neither holds the other's values: both in float32
+        return "float32"
+    return min(dtypes, key=WIDER.index)
+
+
 def run_logits(report: VerifyReport, a, b, ca, cb, clients: tuple[Client, Client], function: str | None, atol,
                rtol, seed: int) -> None:
     """Whole-model logits of A and B through their ``clients``, into ``report.logits``: exactly equal where one
     client runs bit-identical weights, else within the FFNs' loosest row widened for whole models (no finer
-    than a client's own precision: ``logits.client_floor``)."""
+    than a client's own precision: ``logits.client_floor``), both computed in the wider of their dtypes
+    (``compute_dtype``). A client that cannot run its model here leaves the report incomplete, saying why."""
+    from ..errors import FFNToolsError
     from .logits import client_floor, compare_logits
 
     same = clients[0].name == clients[1].name and bit_identical(report)
     row, why = client_floor(report.tolerance or tolerance_for([], None, atol=atol, rtol=rtol), clients, function)
     if why and not same:
         report.notes.append(why)
+    dtype = None if same else compute_dtype(report)
+    if dtype is not None:
+        report.notes.append(f"logits: both sides computed in {dtype}, the wider of their weights' dtypes (the other's "
+                            "widen exactly), so they compare B's conversion, not two dtypes' arithmetic")
     vocab = [(c.config or {}).get("vocab_size") for c in (ca, cb)]
     probe = probe_length(ca.config or {}, ca.total_bytes)
-    report.logits = compare_logits(a, b, clients, EXACT if same else widened(row), seed, vocab, probe)
+    tol = EXACT if same else widened(row)
+    try:
+        report.logits = compare_logits(a, b, clients, tol, seed, vocab, probe, dtype)
+    except FFNToolsError as e:
+        wider = next((w for c in clients if (w := c.runs_instead(str(e))) and w != dtype), None)
+        if wider is None:
+            report.incomplete.append(str(e))
+            report.logits_skipped = "a client could not run its model here (see above)"
+            return
+        report.notes.append(f"logits: both sides computed in {wider}, which their weights widen to exactly: "
+                            f"{' '.join(str(e).split())[:160]}")
+        report.logits = compare_logits(a, b, clients, tol, seed, vocab, probe, wider)
     config = report.config
     if not report.logits["passed"] and config is not None and config.problems:  # what differs is likely that
         report.logits["problems"].append(f"likely cause, from the config check: {config.problems[0]}")

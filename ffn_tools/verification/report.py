@@ -120,9 +120,16 @@ class VerifyReport:
     side_files: "SideFilesResult | None" = None  # tokenizer, generation_config, ...
     tokenization: "TokenizationResult | None" = None  # texts through both tokenizers (a GGUF B only)
     logits_skipped: str | None = None  # why whole-model logits did not run
+    incomplete: list[str] = field(default_factory=list)  # checks asked for that could not run here, and why
 
     @property
     def passed(self) -> bool:
+        """Every check passed and every check asked for ran (``incomplete``: exit status 2, not 1)."""
+        return not self.incomplete and self.agrees
+
+    @property
+    def agrees(self) -> bool:
+        """Every check that ran passed."""
         return (not self.problems and not self.only_a and not self.only_b and all(r.passed for r in self.results)
                 and (self.logits is None or self.logits["passed"]) and (self.outside is None or self.outside.passed)
                 and not self._load_fails and all(c is None or c.passed for c in self._model_checks))
@@ -203,8 +210,16 @@ class VerifyReport:
         return sorted(rows, key=lambda t: (-t.atol, t.row))
 
     @property
+    def exit_status(self) -> int:
+        """0 all pass, 1 something differs, 2 a check asked for could not run here (everything else agrees)."""
+        return 0 if self.passed else 1 if not self.agrees else 2
+
+    @property
     def verdict(self) -> str:
         n = len(self.results)
+        if self.agrees and self.incomplete:
+            return (f"INCOMPLETE: {'; '.join(self.incomplete)}; everything that ran agrees ({n} FFN{'s' * (n != 1)} "
+                    f"on {', '.join(self.backends)})" + "".join(f"; {s}" for s in self.not_run()))
         if self.passed:
             exact = sum(r.exact == "identical" for r in self.results)
             bits = f", {exact} bit-identical" if exact else ""
@@ -238,7 +253,8 @@ class VerifyReport:
                 "config": self.config.as_dict() if self.config else None,
                 "side_files": self.side_files.as_dict() if self.side_files else None,
                 "tokenization": self.tokenization.as_dict() if self.tokenization else None,
-                "logits_skipped": self.logits_skipped, "not_run": self.not_run(), "coverage": self.coverage()}
+                "logits_skipped": self.logits_skipped, "incomplete": self.incomplete, "not_run": self.not_run(),
+                "coverage": self.coverage()}
 
     def lines(self, max_rows: int = MAX_ROWS) -> list[str]:
         """The text report: the two sides, the check, a table worst first, failures, the verdict."""
