@@ -87,6 +87,10 @@ class GGUFCheckpoint(Checkpoint):
         from .header import Reader
 
         files = split_files(path)
+        for f in files:
+            with open(f, "rb") as fh:
+                if (magic := fh.read(4)) != b"GGUF":  # gguf-py's own error for a short file is numpy's
+                    raise CheckpointError(f"{f}: not a GGUF file (it starts {magic!r}, not GGUF's magic b'GGUF')")
         try:
             self.readers = [Reader(f, "r") for f in files]
         except (ValueError, OSError) as e:

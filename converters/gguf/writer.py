@@ -12,8 +12,9 @@ neither torch nor transformers (recipes proven against the converter's bytes fir
 path beside OUT and moved into place only when complete. K-quants (Q4_K_M, ...) are llama.cpp's
 ``llama-quantize``'s job, run on the f16/bf16 output.
 
-llama.cpp's converter is found at ``$FFN_TOOLS_LLAMA_CPP``, else ``sys.prefix/llama.cpp`` (where the dev
-install puts it): ``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py/`` from llama.cpp's source tree.
+llama.cpp's converter (``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py/`` from llama.cpp's source tree) is
+found at ``$FFN_TOOLS_LLAMA_CPP``, else ``sys.prefix/llama.cpp`` (where the dev install puts it), else in this
+user's cache, where it is fetched once from the installed llama-cpp-python's source distribution (``source``).
 """
 
 from __future__ import annotations
@@ -31,23 +32,9 @@ from ffn_tools.io.output import atomic_output
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.sizes import human
 
+from .source import llama_cpp_dir
+
 OUTTYPES = ("f32", "f16", "bf16", "q8_0", "auto")
-ENV = "FFN_TOOLS_LLAMA_CPP"
-
-
-def llama_cpp_dir() -> Path:
-    """Where llama.cpp's converter lies.
-
-    Raises:
-        FFNToolsError: not there, saying where it looked and how to provide it.
-    """
-    root = Path(os.environ.get(ENV) or Path(sys.prefix) / "llama.cpp")
-    missing = [p for p in ("convert_hf_to_gguf.py", "conversion", "gguf-py") if not (root / p).exists()]
-    if missing:
-        raise FFNToolsError(f"--to gguf runs llama.cpp's own converter, which is not at {root} (missing "
-                            f"{', '.join(missing)}): put convert_hf_to_gguf.py, conversion/ and gguf-py/ from "
-                            f"llama.cpp's source there, or set {ENV} to a llama.cpp checkout")
-    return root
 
 
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
@@ -81,6 +68,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
                             "...) are made from an f16/bf16 GGUF by llama.cpp's llama-quantize")
     if out.suffix != ".gguf":
         raise FFNToolsError(f"{out}: a GGUF output is one file named *.gguf")
+    llama_cpp_dir()  # found, or fetched once, before anything is written
     dequantized = sum(1 for n in ckpt if ckpt.quant_params(n))
     said = {"dequantized": dequantized, "format": ckpt.format, "asked": outtype}
     request = {"source": str(ckpt.path), "dir_model": str(ckpt.root), "outtype": outtype, "dry_run": dry_run,
