@@ -165,3 +165,155 @@ def test_inspect_names_gguf_among_its_inputs(tmp_path):
     (tmp_path / "x.gguf").write_text("hi")
     r = run_cli("inspect", tmp_path / "x.gguf", ok=False)
     assert "x.gguf: not a GGUF file (it starts b'hi', not GGUF's magic b'GGUF')" in r.output
+
+
+# Llama 3's pre-tokenizer split (its tokenizer.json's Split regex)
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+EXTRA_SPECIAL = ["<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+
+
+def llama3_tokenizer(out: Path):
+    """Llama 3's tokenizer as its publisher's files spell it, built with the tokenizers library from llama.cpp's
+    llama-bpe vocabulary: 128,000 tokens in model.vocab, the 256 control tokens only as special added tokens,
+    ignore_merges, a ByteLevel + TemplateProcessing post-processor adding <|begin_of_text|>; and, as an instruct
+    model's tokenizer_config.json lists them, three of them as extra_special_tokens. Not transformers' GGUF
+    reading of that vocabulary, which spells all of this otherwise (and adds <|endoftext|>: 128,257 tokens)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from ffn_tools.converters.gguf.header import Reader
+    from ffn_tools.converters.gguf.reader import field_values
+    from gguf_models import require_llama_cpp
+
+    f = field_values(Reader(require_llama_cpp() / "models" / "ggml-vocab-llama-bpe.gguf"))
+    tokens, types, merges = f["tokenizer.ggml.tokens"], f["tokenizer.ggml.token_type"], f["tokenizer.ggml.merges"]
+    control = [t for t, ty in zip(tokens, types) if ty == 3]  # 3: CONTROL
+    tok = Tokenizer(models.BPE(vocab={t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty != 3},
+                               merges=[tuple(m.split(" ", 1)) for m in merges], ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_SPLIT), "isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    assert [tok.token_to_id(t) for t in control] == [tokens.index(t) for t in control]  # 128000.. in order
+    bos, eos = tokens[f["tokenizer.ggml.bos_token_id"]], tokens[f["tokenizer.ggml.eos_token_id"]]
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                                      special_tokens=[(bos, tokens.index(bos))])])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos,
+                                   extra_special_tokens=EXTRA_SPECIAL)
+    fast.save_pretrained(out)
+    assert fast.encode("Hello world") == [128000, 9906, 1917]  # Llama 3's ids
+    return fast
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory) -> Path:
+    """A tiny bf16 Llama with Llama 3's tokenizer (``llama3_tokenizer``) and its generation_config.json (sampling:
+    temperature 0.6, top_p 0.9), saved by transformers."""
+    import transformers
+
+    import tiny_models
+
+    out = tmp_path_factory.mktemp("llama3") / "model"
+    tok = llama3_tokenizer(out)
+    cfg_name, model_name, extra = tiny_models.ARCHS["llama"]
+    config = getattr(transformers, cfg_name)(**{**tiny_models.COMMON, **extra, "vocab_size": len(tok),
+                                                "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+                                                "pad_token_id": None})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).to(torch.bfloat16).eval()
+    model.generation_config = transformers.GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                                            do_sample=True, temperature=0.6, top_p=0.9)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama3_gguf(llama3, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("llama3-gguf") / "llama3.gguf"
+    run_cli("-q", "convert", llama3, "--to", "gguf", "-o", out)
+    return out
+
+
+def side_notes(r: dict) -> list[str]:
+    return [n for n in r["side_files"]["notes"] if "compared by behaviour instead" in n]
+
+
+def test_gguf_to_torch_gives_back_its_side_files(llama3, llama3_gguf, tmp_path):
+    """Llama 3 (bf16, its own tokenizer files) -> GGUF -> torch: temperature and top_p come back from
+    general.sampling.* (with do_sample, as llama.cpp samples with them); transformers' reader's <|endoftext|>
+    (id 128256, past the 128,256 tokens) is left out; what the GGUF cannot store of the tokenizer files (special
+    tokens only in added_tokens, the post-processor's spelling, ignore_merges, extra_special_tokens) verify
+    compares by behaviour, and passes saying so. On main: temperature None, and verify failed on
+    `added_tokens[id=128256] is only in B`, extra_special_tokens and do_sample."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    out = tmp_path / "back"
+    said = json.loads(run_cli("-q", "convert", llama3_gguf, "--to", "torch", "-o", out, "--json").output)["changes"]
+    gen = GenerationConfig.from_pretrained(out)
+    assert (gen.temperature, gen.top_p, gen.do_sample) == (0.6, 0.9, True)
+    assert any(c.startswith("generation_config.json: temperature 0.6, top_p 0.9 from the GGUF's general.sampling.*")
+               for c in said), said
+    assert any(c.startswith("tokenizer.json: <|endoftext|> (id 128256) left out") for c in said), said
+    tok, ref = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(llama3)
+    assert len(tok) == len(ref) == 128256 and tok.unk_token is None
+    r = run_cli("verify", llama3, out, "--backend", "reference", "--json", ok=None)
+    v = json.loads(r.output)
+    assert r.exit_code == 0 and v["passed"], v["failures"]
+    assert v["side_files"]["problems"] == [] and "generation_config.json" in v["side_files"]["identical"]
+    notes = side_notes(v)
+    assert [n.split(":")[0] for n in notes] == ["tokenizer.json", "tokenizer_config.json"], notes
+    assert notes[0].startswith("tokenizer.json: model.ignore_merges, model.vocab, post_processor differ"
+                               ) or "model.vocab" in notes[0], notes[0]
+    assert "encode the 37 texts of the built-in corpus to the same ids" in notes[0]
+    assert "not compared: texts beyond the corpus and the extra_special_tokens list" in notes[1], notes[1]
+
+
+def test_behaviour_check_still_catches_a_tokenizer_that_differs(llama3, llama3_gguf, tmp_path):
+    """The behaviour comparison is no pass for any tokenizer: B's pre-tokenizer without Llama 3's split (every
+    fact of the vocabulary the same) tokenizes the corpus otherwise and fails, naming the text; two ids
+    exchanged (a fact) fail as before, without it."""
+    import shutil
+
+    out = tmp_path / "back"
+    run_cli("-q", "convert", llama3_gguf, "--to", "torch", "-o", out)
+
+    def planted(edit) -> str:
+        bad = tmp_path / f"bad-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(out, bad)
+        doc = json.loads((bad / "tokenizer.json").read_text())
+        edit(doc)
+        (bad / "tokenizer.json").write_text(json.dumps(doc, ensure_ascii=False))
+        r = run_cli("verify", llama3, bad, "--backend", "reference", ok=None)
+        assert r.exit_code == 1, r.output
+        return next(ln for ln in r.output.splitlines() if ln.startswith("  - side files: tokenizer.json"))
+
+    def no_split(doc):
+        doc["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+
+    def exchange(doc):
+        v = doc["model"]["vocab"]
+        a, b = (next(t for t, i in v.items() if i == n) for n in (9906, 1917))  # "Hello", " world"
+        v[a], v[b] = 1917, 9906
+
+    line = planted(no_split)
+    assert "; and the tokenizers differ in what they do: " in line and "encodes to" in line, line
+    line = planted(exchange)
+    assert line.startswith("  - side files: tokenizer.json: model.vocab[") and "differ in what they do" not in line
+
+
+def test_gguf_to_mlx_gives_back_its_side_files(llama3, llama3_gguf, tmp_path):
+    """The same GGUF -> MLX: mlx_lm loads it, and verify against the source passes with the side files read as
+    in GGUF -> torch (the generation settings identical, the tokenizer compared by behaviour)."""
+    from mlx_lm import load
+
+    out = tmp_path / "mlx"
+    run_cli("-q", "convert", llama3_gguf, "--to", "mlx", "-o", out)
+    _, tok = load(str(out))
+    assert tok.encode("Hello world") == [128000, 9906, 1917]
+    r = run_cli("verify", llama3, out, "--backend", "reference", "--json", ok=None)
+    v = json.loads(r.output)
+    assert r.exit_code == 0 and v["passed"], v["failures"]
+    assert "generation_config.json" in v["side_files"]["identical"] and len(side_notes(v)) == 2
