@@ -137,9 +137,13 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     extra: dict[str, str | bytes] = {"README.md": card} if card else {}
     if ckpt.format is Format.GGUF:  # config.json comes from the metadata, tokenizer and generation config too
         from .gguf import side_files
+        from .gguf.record import plus_one_record
 
         rebuilt, said = side_files(ckpt)
         extra.update(rebuilt)
+        changes += said
+        recorded, said = plus_one_record(ckpt.shifts)  # Gemma's norms: back within 2**-24, not bit for bit
+        metadata.update(recorded)
         changes += said
     files = execute(plan, out, force=force, max_shard_size=max_shard_size, metadata=metadata,
                     desc="converting to torch", extra_files=extra or None)

@@ -75,7 +75,8 @@ def tokenizer_files(ckpt: Checkpoint) -> tuple[dict[str, str | bytes], list[str]
     with tempfile.TemporaryDirectory() as d:
         tok.save_pretrained(d)
         files: dict[str, str | bytes] = {p.name: p.read_text("utf-8") for p in Path(d).iterdir() if p.is_file()}
-    changes = ["tokenizer files written from the GGUF's tokenizer.ggml.* by transformers' GGUF reader"]
+        said = generic_class(Path(d), files, fields)
+    changes = ["tokenizer files written from the GGUF's tokenizer.ggml.* by transformers' GGUF reader", *said]
     changes += invented(files, len(fields["tokenizer.ggml.tokens"]))
     why = ranks_lost(fields)
     if why and "tokenizer.json" in files:
@@ -176,6 +177,34 @@ def rank_by_position(text: str) -> tuple[str, int]:
     order = sorted(range(len(pairs)), key=lambda i: (made[i], -len(pairs[i][0])))
     model["merges"] = [merges[i] for i in order]
     return Tokenizer.from_str(json.dumps(doc)).to_str(pretty=True), len(merges)
+
+
+GENERIC = ("PreTrainedTokenizerFast", "TokenizersBackend")  # load tokenizer.json as it is (one class in transformers 5)
+LOADED = ("normalizer", "pre_tokenizer", "decoder")  # what a model's tokenizer class may rebuild on loading
+
+
+def generic_class(saved: Path, files: dict[str, str | bytes], fields: dict) -> list[str]:
+    """``PreTrainedTokenizerFast`` as tokenizer_config.json's class where the class transformers' reader names
+    (by architecture) rebuilds what tokenizer.json says on loading: ``Qwen2Tokenizer`` sets Qwen's digit split
+    whatever the GGUF's ``tokenizer.ggml.pre`` (a Qwen model with Llama 3's vocabulary would tokenize numbers
+    otherwise than llama.cpp). ``saved``: the folder the files were saved in. Returns what the summary says."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    cfg = json.loads(str(files.get("tokenizer_config.json") or "{}"))
+    cls = cfg.get("tokenizer_class")
+    if not cls or cls in GENERIC or "tokenizer.json" not in files:
+        return []
+    loaded = json.loads(AutoTokenizer.from_pretrained(saved).backend_tokenizer.to_str())
+    written = json.loads(Tokenizer.from_str(str(files["tokenizer.json"])).to_str())
+    rebuilt = [k for k in LOADED if loaded.get(k) != written.get(k)]
+    if not rebuilt:
+        return []
+    cfg["tokenizer_class"] = GENERIC[0]
+    files["tokenizer_config.json"] = json.dumps(cfg, ensure_ascii=False, indent=2) + "\n"
+    return [f"tokenizer_config.json: tokenizer_class {GENERIC[0]}, not {cls}: {cls} replaces tokenizer.json's "
+            f"{' and '.join(rebuilt)} when it loads, which would not tokenize as the GGUF's tokenizer.ggml.pre "
+            f"{fields.get('tokenizer.ggml.pre')!r} does (llama.cpp)"]
 
 
 def invented(files: dict[str, str | bytes], n: int) -> list[str]:

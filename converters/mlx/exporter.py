@@ -353,9 +353,13 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     extra: dict[str, str | bytes] = {"config.json": mlx_config(ckpt, config, block), "README.md": model_card(ckpt)}
     if ckpt.format is Format.GGUF:  # its tokenizer is tokenizer.ggml.*: as transformers writes it from there
         from ffn_tools.converters.gguf import side_files
+        from ffn_tools.converters.gguf.record import plus_one_record
 
         rebuilt, said = side_files(ckpt)
         extra = {**rebuilt, **extra}
+        changes += said
+        recorded, said = plus_one_record(ckpt.shifts)  # Gemma's norms: back within 2**-24, not bit for bit
+        metadata.update(recorded)
         changes += said
     if len(plan_shards(items, shard, metadata)) == 1:  # mlx-lm writes an index even for one shard
         index = {"metadata": {"total_size": plan.total_bytes},

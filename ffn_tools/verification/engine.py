@@ -34,6 +34,7 @@ from ..tolerances import Tolerance, tolerance_for, widened
 from .experts import BATCH_BYTES, batch_key, check_batch, pair_bytes
 from .functional import KERNEL_DTYPES, NOT_COMPUTED, reference_backend
 from . import consumer, partial, tied
+from ..converters.gguf.record import compare_recorded, recorded_shifts  # GGUF -> torch/MLX exports: Gemma's norms
 from .gguf_checks import compare_metadata, compare_plus_one, compare_tokenizer
 from .model_config import ConfigResult, compare_configs
 from .side_files import SideFilesResult, compare_side_files
@@ -257,6 +258,8 @@ def verify(a, b, *, backends: Sequence[str] | None = None, tokens: int = DEFAULT
             report.outside = _outside(ca, cb, fa, fb, ffn_only or bool(sel_layers or sel_experts), atol, rtol)
             if cb.format is Format.GGUF:  # its weights stored plus one, which _outside left out
                 report.notes += compare_plus_one(report.outside, ca, cb, atol, rtol)
+            elif shifts := recorded_shifts(cb.metadata):  # B read back from such a GGUF (its export records it)
+                report.notes += compare_recorded(report.outside, ca, cb, shifts)
             run_kernels()  # after the outside comparison: its tensors and theirs are not held at once
         report.config, report.side_files, report.tokenization = model.result()
         mods, report.skipped_backends = kernels.result()
@@ -385,7 +388,7 @@ def _outside(ca, cb, fa: FFNSet, fb: FFNSet, ffn_only: bool, atol, rtol) -> Outs
     if extract:
         return OutsideResult(skipped=extract)
     log.info("comparing the tensors outside the FFNs")
-    elsewhere = frozenset(cb.shifts) if cb.format is Format.GGUF else frozenset()  # gguf_checks.compare_plus_one
+    elsewhere = frozenset(cb.shifts if cb.format is Format.GGUF else recorded_shifts(cb.metadata))  # compared apart
     if not all(c.format in BACKGROUND_FORMATS for c in (ca, cb)):
         return compare_outside(ca, cb, fa, fb, atol=atol, rtol=rtol, elsewhere=elsewhere)
     b_names = {n for n in cb if n not in fb.tensors and n not in elsewhere}

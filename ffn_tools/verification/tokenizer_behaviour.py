@@ -3,18 +3,20 @@
 A tokenizer rebuilt from a vocabulary (a GGUF's ``tokenizer.ggml.*``: tokens, ids, merges, token types, named
 special ids) cannot give back how its source's files spelled the rest: whether special tokens are also in
 ``model.vocab`` or only in ``added_tokens``, the post-processor's form (Llama 3's ``Sequence[ByteLevel,
-TemplateProcessing]`` and a lone ``TemplateProcessing`` add the same ids), ``model.ignore_merges``, the
-``extra_special_tokens`` list of tokenizer_config.json (a GGUF marks every special token a control token, and
-keeps no list). Such differences fail ``side_files``' file comparison though nothing a client computes changes.
+TemplateProcessing]`` and a lone ``TemplateProcessing`` add the same ids), ``model.ignore_merges``, and in
+tokenizer_config.json the ``extra_special_tokens`` list (a GGUF marks every special token a control token, and
+keeps no list) and ``tokenizer_class`` (transformers' GGUF reader picks one by architecture). Such differences
+fail ``side_files``' file comparison though nothing a client computes need change.
 
 ``settle`` takes each tokenizer.json / tokenizer_config.json problem whose pair agrees on every fact a vocabulary
 holds (``facts``: each token's id, the merges in rank order, each added token's id and special flag, the model's
-type and unknown token; tokenizer_config.json with ``extra_special_tokens`` left out where the other side's
-tokenizer.json marks each of those tokens special, ``_config_agrees``) and has transformers load both tokenizers:
-when they encode the built-in corpus (``corpus``) to the same ids, decode those to the same text with special
-tokens kept and skipped, and mark the same tokens special, the problem becomes a note saying so and what was not
-compared; otherwise it stays, with the first text they treat differently. A pair that differs in a fact (two ids
-exchanged, merges reordered) stays a problem without this check, named by that fact.
+type and unknown token; tokenizer_config.json without ``tokenizer_class``, and without ``extra_special_tokens``
+where the other side's tokenizer.json marks each of those tokens special: ``_config_agrees``) and has
+transformers load both tokenizers: when they encode the built-in corpus (``corpus``) to the same ids, decode
+those to the same text with special tokens kept and skipped, and mark the same tokens special, the problem
+becomes a note saying so and what was not compared; otherwise it stays, with the first text they treat
+differently. A pair that differs in a fact (two ids exchanged, merges reordered) stays a problem without this
+check, named by that fact.
 """
 
 from __future__ import annotations
@@ -116,8 +118,9 @@ def facts(path: Path) -> dict | None:
 
 
 def _config_agrees(ra: Path, rb: Path) -> bool:
-    """tokenizer_config.json of A and B read the same (as ``side_files`` reads them) once ``extra_special_tokens``
-    is left out where the other side's tokenizer.json marks each of its tokens special."""
+    """tokenizer_config.json of A and B read the same (as ``side_files`` reads them) once ``tokenizer_class`` and
+    null settings are left out, and ``extra_special_tokens`` where the other side's tokenizer.json marks each of
+    its tokens special."""
     from .side_files import IGNORED, _diff, _json, _tokenizer_views
 
     va, vb = _json(ra / "tokenizer_config.json"), _json(rb / "tokenizer_config.json")
@@ -127,6 +130,10 @@ def _config_agrees(ra: Path, rb: Path) -> bool:
         for k in IGNORED["tokenizer_config.json"]:
             v.pop(k, None)
     va, vb = _tokenizer_views(ra, rb, va, vb, [])
+    for v in (va, vb):  # the class: a GGUF names none (transformers' reader picks one by architecture); a null
+        v.pop("tokenizer_class", None)  # setting (add_prefix_space: null, as Qwen2Tokenizer saves it) is no setting
+        for k in [k for k, x in v.items() if x is None]:
+            del v[k]
     for v, other in ((va, rb), (vb, ra)):
         listed = v.get("extra_special_tokens")
         marked = {t: s for t, (_, s) in ((facts(other / "tokenizer.json") or {}).get("added") or {}).items()}
@@ -150,14 +157,15 @@ def behaviour(ra: Path, rb: Path) -> tuple[str | None, int]:
     for text in texts:
         ea, eb = list(ta.encode(text)), list(tb.encode(text))
         if ea != eb:
-            return f"{text[:40]!r} encodes to {ea[:12]} in A, {eb[:12]} in B", len(texts)
+            k = next((k for k, (x, y) in enumerate(zip(ea, eb)) if x != y), min(len(ea), len(eb)))
+            return (f"{text[:40]!r} encodes otherwise from token {k}: {ea[k:k + 8]} in A, {eb[k:k + 8]} in B "
+                    f"({len(ea)} and {len(eb)} tokens)"), len(texts)
         for skip in (False, True):
             da, db = ta.decode(ea, skip_special_tokens=skip), tb.decode(eb, skip_special_tokens=skip)
             if da != db:
                 return (f"{ea[:12]} decodes to {da[:40]!r} in A, {db[:40]!r} in B"
                         f"{' (special tokens skipped)' if skip else ''}"), len(texts)
-    special = ({i: t.special for i, t in tok.added_tokens_decoder.items()} for tok in (ta, tb))
-    sa, sb = special
+    sa, sb = ({i: t.special for i, t in tok.added_tokens_decoder.items()} for tok in (ta, tb))
     if sa != sb:
         i = min(set(sa) ^ set(sb) | {i for i in sa.keys() & sb.keys() if sa[i] != sb[i]})
         return (f"token {i} is {'special' if sa.get(i) else 'not special' if i in sa else 'not added'} in A, "
