@@ -142,7 +142,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         rebuilt, said = side_files(ckpt)
         extra.update(rebuilt)
         changes += said
-        recorded, said = plus_one_record(ckpt.shifts)  # Gemma's norms: back within 2**-24, not bit for bit
+        recorded, said = plus_one_record(ckpt)  # Gemma's norms: back within 2**-24, not bit for bit
         metadata.update(recorded)
         changes += said
     files = execute(plan, out, force=force, max_shard_size=max_shard_size, metadata=metadata,

@@ -14,13 +14,17 @@ from __future__ import annotations
 import json
 
 from ffn_tools.errors import listing
+from ffn_tools.io.store import Checkpoint
 
 PLUS_ONE = "ffn_tools_gguf_plus_one"  # safetensors metadata: {HF name: what the GGUF's converter added}
 
 
-def plus_one_record(shifts: dict[str, float]) -> tuple[dict[str, str], list[str]]:
-    """The safetensors metadata recording ``shifts`` (a GGUF reader's ``shifts``) in a torch or MLX export, and
-    what its summary says; both empty when there are none."""
+def plus_one_record(ckpt: Checkpoint) -> tuple[dict[str, str], list[str]]:
+    """The safetensors metadata recording the weights GGUF ``ckpt`` stores plus one (its reader's ``shifts``) in
+    a torch or MLX export of it, and what the export's summary says; both empty when there are none."""
+    from .reader import GGUFCheckpoint
+
+    shifts = ckpt.shifts if isinstance(ckpt, GGUFCheckpoint) else {}
     if not shifts:
         return {}, []
     return {PLUS_ONE: json.dumps(dict(sorted(shifts.items())))}, [

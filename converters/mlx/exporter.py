@@ -358,7 +358,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         rebuilt, said = side_files(ckpt)
         extra = {**rebuilt, **extra}
         changes += said
-        recorded, said = plus_one_record(ckpt.shifts)  # Gemma's norms: back within 2**-24, not bit for bit
+        recorded, said = plus_one_record(ckpt)  # Gemma's norms: back within 2**-24, not bit for bit
         metadata.update(recorded)
         changes += said
     if len(plan_shards(items, shard, metadata)) == 1:  # mlx-lm writes an index even for one shard

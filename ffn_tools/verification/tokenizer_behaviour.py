@@ -91,9 +91,9 @@ def _name_the_fact(ra: Path, rb: Path, problems: list[str]) -> None:
     fa, fb = facts(ra / "tokenizer.json"), facts(rb / "tokenizer.json")
     if fa is None or fb is None or fa == fb:
         return
-    why = (_merge_order(fa["merges"], fb["merges"]) if fa["merges"] != fb["merges"] else None) or _diff(
-        *({"model": {"type": f["type"], "unk_token": f["unk"], "vocab": f["ids"], "merges": f["merges"]},
-           "added_tokens": f["added"]} for f in (fa, fb)), "")
+    va, vb = ({"model": {"type": f["type"], "unk_token": f["unk"], "vocab": f["ids"], "merges": f["merges"]},
+               "added_tokens": f["added"]} for f in (fa, fb))  # named as tokenizer.json names them
+    why = (_merge_order(fa["merges"], fb["merges"]) if fa["merges"] != fb["merges"] else None) or _diff(va, vb, "")
     if why:
         problems[i] = f"tokenizer.json: {why}"
 
