@@ -321,7 +321,7 @@ def test_tokenization_through_llama_cpp(gguf_model, gguf_ref):
     byte-level BPE Qwen2 vocabulary."""
     from gguf import GGUFReader
 
-    from ffn_tools.converters.gguf.corpus import CORPUS
+    from ffn_tools.checks.corpus import CORPUS
 
     scores = GGUFReader(gguf_ref("llama", "f32")).fields["tokenizer.ggml.scores"].contents()
     assert len(set(scores)) > 30000  # the converter read tokenizer.model, not tokenizer.json's placeholders

@@ -58,7 +58,9 @@ def test_f32_reads_back_with_hf_names(gguf_model, gguf_ref, arch):
         rounded = sum(not torch.equal(g[n], src[n]) for n in g.shifts)
         assert rounded == (len(norms) if arch in GEMMA else 0)  # w + 1 - 1 rounds: not A's bits
         assert g.config["model_type"] == {"gemma3": "gemma3_text"}.get(arch, arch)
-        assert g.config["hidden_act"] == ("gelu_pytorch_tanh" if arch in GEMMA else "silu")
+        act = "hidden_activation" if arch in GEMMA else "hidden_act"  # the key the family's config class reads
+        assert g.config[act] == ("gelu_pytorch_tanh" if arch in GEMMA else "silu") and act in json.loads(
+            (gguf_model(arch) / "config.json").read_text())
 
 
 @pytest.mark.parametrize("arch,outtype", [*((a, "f32") for a in FAMILIES), ("phi3", "q8_0"), ("gemma3", "q8_0")])

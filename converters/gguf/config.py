@@ -108,7 +108,7 @@ def hf_config(fields: dict, family: Family, vocab_size: int, tied: bool, dtype: 
     assumes where the metadata has no key (``implied_values``): the model llama.cpp runs."""
     values = metadata_values(fields, family)
     config: dict = {"architectures": [family.architecture], "model_type": family.model_type,
-                    "hidden_act": family.hidden_act, "vocab_size": vocab_size,
+                    family.act_key: family.hidden_act, "vocab_size": vocab_size,
                     "tie_word_embeddings": tied, "dtype": dtype, **family.extra, **values}
     for key, field in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id"),
                        ("pad_token_id", "tokenizer.ggml.padding_token_id")):

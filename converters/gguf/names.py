@@ -43,6 +43,8 @@ class Family:
         moe_key: the config key of the expert count.
         hidden_act: the FFN's activation (transformers' name), which the GGUF does not record: llama.cpp's
             graph for the architecture fixes it.
+        act_key: the config.json key transformers' config class reads it from (Gemma 2/3: ``hidden_activation``;
+            a ``hidden_act`` there is a key the source never had).
         plus_one: name endings (of Hugging Face names) of the weights the converter stores plus one (its
             ``modify_tensors``: ``if name.endswith("norm.weight"): data_torch = data_torch + 1``).
         extra: config.json keys for transformers that the metadata does not hold, fixed by the family.
@@ -57,6 +59,7 @@ class Family:
     rotary: bool = False
     moe_key: str = "num_experts"
     hidden_act: str = "silu"
+    act_key: str = "hidden_act"
     plus_one: tuple[str, ...] = ()
     extra: dict = field(default_factory=dict)
     splits: tuple[Split, ...] = ()  # Hugging Face tensors the converter wrote as several GGUF tensors
@@ -70,16 +73,19 @@ FAMILIES: tuple[Family, ...] = (
            moe_key="num_local_experts"),
     Family("qwen2", "Qwen2ForCausalLM", "qwen2", (*_DECODER, *_MLP)),
     Family("qwen3", "Qwen3ForCausalLM", "qwen3", (*_DECODER, *_MLP, *_QK_NORM)),
+    # llama.cpp's qwen3moe graph (src/models/qwen3moe.cpp) makes every layer sparse (and renormalizes the top-k
+    # weights: config.TOPK_RENORM); the converter writes no key for either, and mlx_lm's qwen3_moe ModelArgs
+    # requires them all.
     Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3moe", (*_DECODER, *_QK_NORM, f"{_L}.mlp.gate"),
-           experts=_L + ".mlp.experts.{E}.{P}.weight"),
+           experts=_L + ".mlp.experts.{E}.{P}.weight", extra={"decoder_sparse_step": 1, "mlp_only_layers": []}),
     Family("phi3", "Phi3ForCausalLM", "phi3", ("model.embed_tokens", "model.norm", "lm_head",
                                                 f"{_L}.self_attn.qkv_proj", f"{_L}.self_attn.o_proj",
                                                 f"{_L}.input_layernorm", f"{_L}.post_attention_layernorm",
                                                 f"{_L}.mlp.gate_up_proj", f"{_L}.mlp.down_proj")),
-    Family("gemma2", "Gemma2ForCausalLM", "gemma2", _GEMMA, hidden_act="gelu_pytorch_tanh",
+    Family("gemma2", "Gemma2ForCausalLM", "gemma2", _GEMMA, hidden_act="gelu_pytorch_tanh", act_key="hidden_activation",
            plus_one=("norm.weight",)),
     Family("gemma3_text", "Gemma3ForCausalLM", "gemma3", (*_GEMMA, *_QK_NORM), hidden_act="gelu_pytorch_tanh",
-           plus_one=("norm.weight",)),
+           act_key="hidden_activation", plus_one=("norm.weight",)),
 )
 BY_TYPE = {f.model_type: f for f in FAMILIES}
 EXPERT_KINDS = ("gate", "up", "down")  # ffn_{kind}_exps, in the order of ``Family.projections``

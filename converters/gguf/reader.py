@@ -25,6 +25,8 @@ import numpy as np
 
 from ffn_tools.errors import CheckpointError, listing
 from ffn_tools import quant
+from ffn_tools.checks.rounded import plus as as_converted  # how the converter adds: one definition, beside the record
+from ffn_tools.checks.rounded import record
 from ffn_tools.io.store import Checkpoint, TensorInfo
 
 from .config import hf_config
@@ -104,6 +106,10 @@ class GGUFCheckpoint(Checkpoint):
         from .header import Reader
 
         files = split_files(path)
+        for f in files:
+            with open(f, "rb") as fh:
+                if (magic := fh.read(4)) != b"GGUF":  # gguf-py's own error for a short file is numpy's
+                    raise CheckpointError(f"{f}: not a GGUF file (it starts {magic!r}, not GGUF's magic b'GGUF')")
         try:
             self.readers = [Reader(f, "r") for f in files]
         except (ValueError, OSError) as e:
@@ -267,6 +273,11 @@ class GGUFCheckpoint(Checkpoint):
         return quant.Module(name, GGUF_TYPES, {}, tuple(info.shape), info.st_dtype,
                             {"bits": TYPE_BITS.get(qtype, 2), "group_size": block, "mode": qtype})
 
+    def carried_metadata(self) -> tuple[dict[str, str], list[str]]:
+        """The weights this GGUF stores plus one (``shifts``), recorded for verify against the source of an export
+        (``checks.rounded``)."""
+        return record(self.shifts)
+
     def rebuilt_files(self) -> tuple[dict[str, str | bytes], list[str]]:
         """The tokenizer files and generation_config.json rebuilt from the metadata (``sidefiles``)."""
         from .sidefiles import side_files  # transformers: imported only when a GGUF is converted
@@ -291,16 +302,6 @@ class GGUFCheckpoint(Checkpoint):
 
     def close(self) -> None:
         self.readers = []
-
-
-def as_converted(w, shift: float):
-    """A Hugging Face weight ``w`` as llama.cpp's converter stores it plus ``shift``, in its operations: cast to
-    float32 unless float16 or float32 (``prepare_tensors``), ``+ shift`` in that dtype (the family's
-    ``modify_tensors``), then float32 (1-D and norm tensors are stored F32)."""
-    import torch
-
-    x = w if w.dtype in (torch.float16, torch.float32) else w.float()
-    return (x + shift).float()
 
 
 def rotary_to_hf(w, heads: int):

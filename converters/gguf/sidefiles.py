@@ -12,8 +12,15 @@ them so; sentencepiece's BPE scores fall with the id), so when the scores carry 
 token position instead: 0 of the 244 differ, only runs of spaces can (the source may rank its whitespace pieces
 apart, which the GGUF no longer says). The summary says when this was done.
 
+Tokens transformers' reader adds that the GGUF does not have are left out (``invented``): its byte-level builder
+is GPT-2's tokenizer class, whose default special token ``<|endoftext|>`` it appends after the last id of a
+vocabulary without one (Llama 3's 128,256 tokens become 128,257, one more than the model's embedding rows).
+
 generation_config.json is what transformers writes for a model built from the config (``GenerationConfig.
-from_model_config``): bos/eos/pad ids from ``tokenizer.ggml.*_token_id``, so generate() stops at the GGUF's eos.
+from_model_config``): bos/eos/pad ids from ``tokenizer.ggml.*_token_id``, so generate() stops at the GGUF's eos;
+with the sampling settings the GGUF stores (``general.sampling.*``: what llama.cpp samples with by default, written
+by convert_hf_to_gguf.py from the source's generation_config.json, ``SAMPLING``) and ``do_sample: true``, as
+llama.cpp samples with them (transformers uses them only when sampling).
 """
 
 from __future__ import annotations
@@ -39,11 +46,16 @@ def side_files(ckpt: Checkpoint) -> tuple[dict[str, str | bytes], list[str]]:
     """The tokenizer files and generation_config.json for ``ckpt`` (a GGUF), name -> text, and what the
     summary says about them."""
     files, changes = tokenizer_files(ckpt)
-    gen = generation_config(ckpt.config or {})
+    fields = getattr(ckpt, "fields", {})
+    sampling = sampling_settings(fields)
+    gen = generation_config(ckpt.config or {}, sampling)
     if gen is not None:
         files["generation_config.json"] = gen
         changes.append("generation_config.json written from the GGUF's token ids "
                        f"({', '.join(k for k in TOKEN_IDS if k in (ckpt.config or {}))}) as transformers does")
+        if sampling:
+            changes.append(f"generation_config.json: {', '.join(f'{k} {v}' for k, v in sampling.items())} from the "
+                           "GGUF's general.sampling.*, and do_sample true: llama.cpp samples with them")
     else:
         changes.append("no generation_config.json: the GGUF names no bos, eos or padding token")
     return files, changes
@@ -63,7 +75,9 @@ def tokenizer_files(ckpt: Checkpoint) -> tuple[dict[str, str | bytes], list[str]
     with tempfile.TemporaryDirectory() as d:
         tok.save_pretrained(d)
         files: dict[str, str | bytes] = {p.name: p.read_text("utf-8") for p in Path(d).iterdir() if p.is_file()}
-    changes = ["tokenizer files written from the GGUF's tokenizer.ggml.* by transformers' GGUF reader"]
+        said = generic_class(Path(d), files, fields)
+    changes = ["tokenizer files written from the GGUF's tokenizer.ggml.* by transformers' GGUF reader", *said]
+    changes += invented(files, len(fields["tokenizer.ggml.tokens"]))
     why = ranks_lost(fields)
     if why and "tokenizer.json" in files:
         files["tokenizer.json"], n = rank_by_position(str(files["tokenizer.json"]))
@@ -165,14 +179,97 @@ def rank_by_position(text: str) -> tuple[str, int]:
     return Tokenizer.from_str(json.dumps(doc)).to_str(pretty=True), len(merges)
 
 
-def generation_config(config: dict) -> str | None:
+GENERIC = ("PreTrainedTokenizerFast", "TokenizersBackend")  # load tokenizer.json as it is (one class in transformers 5)
+# What a model's tokenizer class may rebuild on loading that the GGUF says otherwise (tokenizer.ggml.pre); not
+# the normalizer: Qwen2Tokenizer's NFC is Qwen's own (its tokenizer.json has it), which a GGUF does not record
+LOADED = ("pre_tokenizer",)
+
+
+def generic_class(saved: Path, files: dict[str, str | bytes], fields: dict) -> list[str]:
+    """``PreTrainedTokenizerFast`` as tokenizer_config.json's class where the class transformers' reader names
+    (by architecture) rebuilds what tokenizer.json says on loading: ``Qwen2Tokenizer`` sets Qwen's digit split
+    whatever the GGUF's ``tokenizer.ggml.pre`` (a Qwen model with Llama 3's vocabulary would tokenize numbers
+    otherwise than llama.cpp). ``saved``: the folder the files were saved in. Returns what the summary says."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    cfg = json.loads(str(files.get("tokenizer_config.json") or "{}"))
+    cls = cfg.get("tokenizer_class")
+    if not cls or cls in GENERIC or "tokenizer.json" not in files:
+        return []
+    loaded = json.loads(AutoTokenizer.from_pretrained(saved).backend_tokenizer.to_str())
+    written = json.loads(Tokenizer.from_str(str(files["tokenizer.json"])).to_str())
+    rebuilt = [k for k in LOADED if loaded.get(k) != written.get(k)]
+    if not rebuilt:
+        return []
+    cfg["tokenizer_class"] = GENERIC[0]
+    files["tokenizer_config.json"] = json.dumps(cfg, ensure_ascii=False, indent=2) + "\n"
+    return [f"tokenizer_config.json: tokenizer_class {GENERIC[0]}, not {cls}: {cls} replaces tokenizer.json's "
+            f"pre-tokenizer when it loads, which would not split text as the GGUF's tokenizer.ggml.pre "
+            f"{fields.get('tokenizer.ggml.pre')!r} does (llama.cpp)"]
+
+
+def invented(files: dict[str, str | bytes], n: int) -> list[str]:
+    """Leave out of ``files``' tokenizer.json and tokenizer_config.json the tokens transformers' GGUF reader adds
+    with an id at or past ``n``, the GGUF's token count (``<|endoftext|>``, GPT-2's tokenizer class's default),
+    and the special-token settings naming them. Returns what the summary says."""
+    if "tokenizer.json" not in files:
+        return []
+    doc = json.loads(files["tokenizer.json"])
+    gone = {t["content"]: t["id"] for t in doc.get("added_tokens", []) if t["id"] >= n}
+    vocab = doc.get("model", {}).get("vocab")
+    if isinstance(vocab, dict):
+        gone.update({t: i for t, i in vocab.items() if isinstance(i, int) and i >= n})
+    if not gone:
+        return []
+    doc["added_tokens"] = [t for t in doc.get("added_tokens", []) if t["id"] < n]
+    if isinstance(vocab, dict):
+        doc["model"]["vocab"] = {t: i for t, i in vocab.items() if t not in gone}
+    files["tokenizer.json"] = json.dumps(doc, ensure_ascii=False, indent=2)
+    if "tokenizer_config.json" in files:
+        cfg = json.loads(files["tokenizer_config.json"])
+        for key in [k for k, v in cfg.items() if k.endswith("_token") and v in gone]:
+            cfg[key] = None
+        if isinstance(cfg.get("added_tokens_decoder"), dict):
+            cfg["added_tokens_decoder"] = {i: t for i, t in cfg["added_tokens_decoder"].items() if int(i) < n}
+        files["tokenizer_config.json"] = json.dumps(cfg, ensure_ascii=False, indent=2) + "\n"
+    return [f"tokenizer.json: {', '.join(f'{t} (id {i})' for t, i in sorted(gone.items(), key=lambda x: x[1]))} left "
+            f"out: transformers' GGUF reader adds it (its GPT-2 tokenizer class's default), the GGUF's {n} tokens and "
+            "the model's embedding do not have it"]
+
+
+# generation_config.json key -> the GGUF key convert_hf_to_gguf.py writes it to (gguf-py's Metadata.load reads
+# generation_config.json; repetition_penalty is llama.cpp's penalty_repeat), float32 in the GGUF
+SAMPLING = {"temperature": "general.sampling.temp", "top_p": "general.sampling.top_p",
+            "top_k": "general.sampling.top_k", "min_p": "general.sampling.min_p",
+            "repetition_penalty": "general.sampling.penalty_repeat"}
+
+
+def sampling_settings(fields: dict) -> dict:
+    """The generation settings the GGUF stores (``SAMPLING``), floats as their float32's shortest decimal."""
+    import numpy as np
+
+    out = {}
+    for key, field in SAMPLING.items():
+        if field in fields:
+            v = fields[field]
+            out[key] = float(str(np.float32(v))) if isinstance(v, float) else v
+    return out
+
+
+def generation_config(config: dict, sampling: dict | None = None) -> str | None:
     """generation_config.json as transformers' ``save_pretrained`` writes it for a model of ``config``, or None
-    when the config has no token ids to put in it."""
+    when the config has no token ids to put in it; with ``sampling`` (``sampling_settings``) the token ids, those
+    settings and ``do_sample`` true, as a model's publisher writes it."""
     if not any(config.get(k) is not None for k in TOKEN_IDS):
         return None
     from transformers import AutoConfig, GenerationConfig
 
-    gen = GenerationConfig.from_model_config(AutoConfig.for_model(**config))
+    if sampling:
+        gen = GenerationConfig(**{k: config[k] for k in TOKEN_IDS if config.get(k) is not None}, do_sample=True,
+                               **sampling)
+    else:
+        gen = GenerationConfig.from_model_config(AutoConfig.for_model(**config))
     with tempfile.TemporaryDirectory() as d:
         gen.save_pretrained(d)
         return (Path(d) / "generation_config.json").read_text("utf-8")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ffn_tools.checks.tokens import TokenizationResult
 
-from . import corpus
+from ffn_tools.checks import corpus
 
 SHOWN = 16  # token ids shown of each side of the first differing text
 TEXT_SHOWN = 60  # characters shown of it

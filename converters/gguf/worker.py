@@ -18,7 +18,9 @@ import os
 import sys
 from pathlib import Path
 
-FTYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
+# --outtype -> the converter's gguf.LlamaFileType (convert_hf_to_gguf.py's ftype_map); auto is its GUESSED, which
+# the model class resolves when built (ModelBase.__init__: the dtype of the first 2-D+ bf16/f16 tensor, else f16)
+FTYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0", "auto": "GUESSED"}
 
 
 def model_class(ckpt):
@@ -63,9 +65,11 @@ def run(request: dict) -> dict:
         model = cls(Path(request["dir_model"]), getattr(gguf.LlamaFileType, FTYPES[request["outtype"]]), out,
                     hparams=dict(ckpt.config or {}), dry_run=request["dry_run"])
         model.prepare_tensors()
+        chosen = {getattr(gguf.LlamaFileType, v): k for k, v in FTYPES.items() if k != "auto"}
+        outtype = chosen.get(model.ftype, model.ftype.name)  # auto resolved; a class may pick its own
         tensors = [{"name": n, "type": t.dtype.name, "shape": [int(d) for d in reversed(t.shape)], "bytes": t.nbytes}
                    for n, t in model.gguf_writer.tensors[0].items()]
-        result = {"architecture": arch, "class": cls.__mro__[1].__name__, "tensors": tensors}
+        result = {"architecture": arch, "class": cls.__mro__[1].__name__, "tensors": tensors, "outtype": outtype}
         if not request["dry_run"]:
             writer = model.gguf_writer
             plan = prove(ckpt, writer) if request.get("native") and len(writer.tensors) == 1 else None

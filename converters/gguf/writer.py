@@ -12,8 +12,9 @@ neither torch nor transformers (recipes proven against the converter's bytes fir
 path beside OUT and moved into place only when complete. K-quants (Q4_K_M, ...) are llama.cpp's
 ``llama-quantize``'s job, run on the f16/bf16 output.
 
-llama.cpp's converter is found at ``$FFN_TOOLS_LLAMA_CPP``, else ``sys.prefix/llama.cpp`` (where the dev
-install puts it): ``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py/`` from llama.cpp's source tree.
+llama.cpp's converter (``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py/`` from llama.cpp's source tree) is
+found at ``$FFN_TOOLS_LLAMA_CPP``, else ``sys.prefix/llama.cpp`` (where the dev install puts it), else in this
+user's cache, where it is fetched once from the installed llama-cpp-python's source distribution (``source``).
 """
 
 from __future__ import annotations
@@ -31,23 +32,9 @@ from ffn_tools.io.output import atomic_output
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.sizes import human
 
+from .source import llama_cpp_dir
+
 OUTTYPES = ("f32", "f16", "bf16", "q8_0", "auto")
-ENV = "FFN_TOOLS_LLAMA_CPP"
-
-
-def llama_cpp_dir() -> Path:
-    """Where llama.cpp's converter lies.
-
-    Raises:
-        FFNToolsError: not there, saying where it looked and how to provide it.
-    """
-    root = Path(os.environ.get(ENV) or Path(sys.prefix) / "llama.cpp")
-    missing = [p for p in ("convert_hf_to_gguf.py", "conversion", "gguf-py") if not (root / p).exists()]
-    if missing:
-        raise FFNToolsError(f"--to gguf runs llama.cpp's own converter, which is not at {root} (missing "
-                            f"{', '.join(missing)}): put convert_hf_to_gguf.py, conversion/ and gguf-py/ from "
-                            f"llama.cpp's source there, or set {ENV} to a llama.cpp checkout")
-    return root
 
 
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
@@ -56,14 +43,14 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     """Write ``ckpt`` as the GGUF file ``out``.
 
     Args:
-        outtype: f32, f16, bf16, q8_0 (convert_hf_to_gguf.py's), or auto (its default: bf16 for a bf16
-            model, else f16).
+        outtype: f32, f16, bf16, q8_0 (convert_hf_to_gguf.py's), or auto (its default, and ours when None:
+            the converter's own choice, bf16 for a bf16 model, f16 for an f16 or f32 one).
         dry_run: run the converter's plan (every tensor's name, type and shape) and write nothing.
         native: write the tensors a proven recipe makes in chunks (``native``), the converter the rest; False:
             the converter writes every tensor (its memory: a tensor whole, in torch and numpy).
 
     Returns:
-        Summary: output, outtype, tensors, bytes, per-type counts, changes; ``plan`` with ``dry_run``.
+        Summary: output, outtype (auto resolved), tensors, bytes, per-type counts, changes; ``plan`` with ``dry_run``.
 
     Raises:
         FFNToolsError: an option GGUF does not take, an architecture the converter does not know, an existing
@@ -81,21 +68,19 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
                             "...) are made from an f16/bf16 GGUF by llama.cpp's llama-quantize")
     if out.suffix != ".gguf":
         raise FFNToolsError(f"{out}: a GGUF output is one file named *.gguf")
-    changes = []
+    llama_cpp_dir()  # found, or fetched once, before anything is written
     dequantized = sum(1 for n in ckpt if ckpt.quantized(n))
-    if dequantized:
-        changes.append(f"read {dequantized} {ckpt.kind}-quantized weights dequantized: the GGUF holds them "
-                       f"as {outtype}, with the quantization's error")
+    said = {"dequantized": dequantized, "format": ckpt.kind, "asked": outtype}
     request = {"source": str(ckpt.path), "dir_model": str(ckpt.root), "outtype": outtype, "dry_run": dry_run,
                "progress": progress.visible(), "native": native}
     if dry_run:
         result = _run({**request, "out": str(out)})  # the converter's writer in its dry-run mode writes nothing
-        return _summary(out, outtype, result, changes, plan=True)
+        return _summary(out, result, said, plan=True)
     with atomic_output(out, inputs=[Path(ckpt.path)], force=force) as tmp:
         result = _run({**request, "out": str(tmp)})
         if result.get("native"):
             _run({"out": str(tmp), "tensors": result["native"], "progress": request["progress"]}, "native")
-    return _summary(out, outtype, result, changes, plan=False)
+    return _summary(out, result, said, plan=False)
 
 
 # module -> (what it is, in an error; the key its result always has)
@@ -128,7 +113,16 @@ def _run(request: dict, module: str = "worker") -> dict:
     return result
 
 
-def _summary(out: Path, outtype: str, result: dict, changes: list[str], plan: bool) -> dict:
+def _summary(out: Path, result: dict, said: dict, plan: bool) -> dict:
+    """The summary of the worker's ``result``; ``said``: what the summary reports beside it (weights read
+    dequantized, the --outtype asked for: auto is resolved by the converter, as its own --outtype auto)."""
+    outtype, changes = result["outtype"], []
+    if said["dequantized"]:
+        changes.append(f"read {said['dequantized']} {said['format']}-quantized weights dequantized: the GGUF holds "
+                       f"them as {outtype}, with the quantization's error")
+    if said["asked"] == "auto":
+        changes.append(f"--outtype auto: {outtype}, as convert_hf_to_gguf.py's auto picks it (the dtype of the "
+                       "model's first bf16 or f16 weight of 2 or more dimensions; f16 when none)")
     types: dict[str, int] = {}
     for t in result["tensors"]:
         types[t["type"]] = types.get(t["type"], 0) + 1

@@ -185,6 +185,9 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     rebuilt, said = ckpt.rebuilt_files()  # a GGUF's tokenizer, as transformers writes it from tokenizer.ggml.*
     extra = {**rebuilt, **extra}
     changes += [line for line in said if not line.startswith("README.md")]  # mlx_lm's card is written
+    recorded, said = ckpt.carried_metadata()  # a GGUF's Gemma norms: back within 2**-24, not bit for bit
+    metadata.update(recorded)
+    changes += said
     if len(plan_shards(items, shard, metadata)) == 1:  # mlx-lm writes an index even for one shard
         index = {"metadata": {"total_size": plan.total_bytes},
                  "weight_map": {e.name: "model.safetensors" for e in sorted(entries, key=lambda e: e.name)}}

@@ -31,6 +31,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ffn_tools.checks.rounded import PLUS_ONE
 from ffn_tools.errors import CheckpointError
 from ffn_tools.io.store import Checkpoint, TensorInfo, read_bytes
 from ffn_tools.io.readers import SafetensorsCheckpoint, open_checkpoint
@@ -144,7 +145,8 @@ class MLXCheckpoint(Checkpoint):
             log.info("%s: MLX names kept (%s)", raw.root, e)
             self.inverse, self._recipes, self._derived = Inverse(skipped=str(e)), {}, {}
             infos = self._infos_from(config)
-        super().__init__(raw.path, raw.root, raw.files, infos, {"format": "pt"}, config)
+        kept = {k: v for k, v in raw.metadata.items() if k == PLUS_ONE}  # a GGUF's norms read back (gguf.record)
+        super().__init__(raw.path, raw.root, raw.files, infos, {"format": "pt", **kept}, config)
         self.absent = raw.absent
 
     def _infos_from(self, config: dict) -> dict[str, TensorInfo]:

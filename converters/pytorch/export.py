@@ -66,6 +66,9 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
                 "bytes": plan.total_bytes, "changes": changes, "plan": plan.describe()}
     extra, said = ckpt.rebuilt_files()  # what the input stores otherwise: a GGUF's tokenizer, an MLX card
     changes += said
+    recorded, said = ckpt.carried_metadata()  # a GGUF's Gemma norms: back within 2**-24, not bit for bit
+    metadata.update(recorded)
+    changes += said
     files = execute(plan, out, force=force, max_shard_size=max_shard_size, metadata=metadata,
                     desc="converting to torch", extra_files=extra or None)
     return {"output": str(out), "format": "torch", "files": files, "tensors": len(plan.entries),

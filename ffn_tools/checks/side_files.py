@@ -126,6 +126,9 @@ def compare_side_files(root_a: Path | None, root_b: Path | None) -> SideFilesRes
             except _Unreadable as e:
                 why = str(e)
             (res.problems.append(why) if why else res.identical.append(name))
+    from .tokenizer_behaviour import settle  # what a vocabulary cannot say, compared by behaviour
+
+    settle(ra, rb, res.problems, res.notes)
     return res
 
 

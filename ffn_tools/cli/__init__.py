@@ -135,7 +135,8 @@ def cli(quiet: bool, verbose: bool) -> None:
 def inspect(path, as_json, tensors, scheme, layout):
     """Show the architecture, naming scheme, FFN layout and sizes of the checkpoint at PATH.
 
-    PATH is a .safetensors file, an index, a pickle, or a directory (PyTorch, MLX or Flax).
+    PATH is a .safetensors file, an index, a pickle, a .gguf file (any part of a split one), or a directory
+    (PyTorch, MLX or Flax).
     """
     from ..api import inspect as run
     from ..summary import format_summary, format_tensors

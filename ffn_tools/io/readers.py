@@ -265,7 +265,8 @@ def open_checkpoint(path: str | Path, absent_shards: bool = False) -> Checkpoint
         return _open_index(path, root, path, absent_shards)
     if path.suffix in (".safetensors", *PICKLE_SUFFIXES):
         return _open_files(path, root, [path])
-    raise CheckpointError(f"{path}: not a checkpoint (expected .safetensors, .index.json, .bin, .pth or .pt)")
+    raise CheckpointError(f"{path}: not a checkpoint (expected .safetensors, .index.json, .bin, .pth, .pt or "
+                          ".gguf)")
 
 
 def _open_index(path: Path, root: Path, index: Path, absent_shards: bool = False) -> Checkpoint:

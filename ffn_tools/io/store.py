@@ -150,6 +150,12 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
         re-derives them from the other side's weight); None where it is stored as it reads."""
         return None
 
+    def carried_metadata(self) -> tuple[dict[str, str], list[str]]:
+        """Safetensors metadata an export of this checkpoint carries so that verify against its source knows what
+        it holds (a GGUF's norms read back minus one: ``checks.rounded``), and a line for each in a summary's
+        changes; ({}, []) where nothing needs saying."""
+        return {}, []
+
     def rebuilt_files(self) -> tuple[dict[str, str | bytes], list[str]]:
         """The side files a Hugging Face client reads (tokenizer, generation_config.json, README.md) that this
         checkpoint stores otherwise and rebuilds (a GGUF's tokenizer from its metadata), name -> content, and a

@@ -50,6 +50,9 @@ class DecodedView(Checkpoint):
     def rebuilt_files(self):
         return self.raw.rebuilt_files()
 
+    def carried_metadata(self):
+        return self.raw.carried_metadata()
+
     @property
     def stored(self):
         """The checkpoint with its quantized parts as stored (what its clients load)."""

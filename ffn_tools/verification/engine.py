@@ -22,6 +22,7 @@ from typing import TypeVar
 
 from .. import quant
 from ..checks.outside import OutsideResult, outside_tolerance
+from ..checks.rounded import compare_recorded, recorded_shifts
 from ..detect import FFNSet
 from ..errors import FFNToolsError
 from ..layouts import GateUpLayout
@@ -177,10 +178,13 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
             run_kernels = check_pairs(report, ca, cb, fa, fb, kernels, on_reference, sel_layers, sel_experts, atol,
                                       rtol, exact, seed, tokens, pairing, all_ffns_on_every_backend)
             elsewhere = client.stored_otherwise(cb)  # compared by B's client, below
+            recorded = recorded_shifts(cb.metadata)  # B read back from a GGUF storing them plus one: its record
             report.outside = _outside(ca, cb, fa, fb, ffn_only or bool(sel_layers or sel_experts), atol, rtol,
-                                      elsewhere)
+                                      elsewhere | set(recorded))
             if elsewhere and not report.outside.skipped:
                 report.notes += client.settle_otherwise(report.outside, ca, cb, atol, rtol)
+            if recorded:
+                report.notes += compare_recorded(report.outside, ca, cb, recorded)
             run_kernels()  # after the outside comparison: its tensors and theirs are not held at once
         report.config, report.side_files, report.tokenization = model.result()
         mods, report.skipped_backends = kernels.result()
@@ -204,7 +208,7 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
     return report
 
 
-def _outside(ca, cb, fa: FFNSet, fb: FFNSet, ffn_only: bool, atol, rtol, elsewhere: frozenset[str]) -> OutsideResult:
+def _outside(ca, cb, fa: FFNSet, fb: FFNSet, ffn_only: bool, atol, rtol, elsewhere) -> OutsideResult:
     """The tensors outside the FFNs, compared; or why not (--ffn-only or a selection, an extract output). B's
     ``elsewhere`` are left to B's client (``Client.stored_otherwise``)."""
     if ffn_only:

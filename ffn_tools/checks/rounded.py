@@ -1,0 +1,81 @@
+"""Weights read back from a format that stores them plus a constant (a GGUF's Gemma norms), recorded in what an
+export of them writes (``convert x.gguf --to torch|mlx``), and compared by ``verify`` against their source.
+
+llama.cpp's converter stores Gemma's norms as ``w + 1`` in float32; read back they are ``fl(fl(w + 1) - 1)``
+(the GGUF reader), within half a float32 ulp of ``w + 1`` of the source's ``w``: 2**-24 for ``|w + 1| < 1``, not
+bit for bit. The torch or MLX export of such a GGUF says so in its safetensors metadata (``PLUS_ONE``: name ->
+what was added; ``Checkpoint.carried_metadata``), and verify of the source against that export recomputes each
+one from A as the round trip does (``plus(a) - 1``, float32) and compares bit for bit: equal is the documented
+bound held exactly (counted within tolerance, with a note), anything else (a zeroed norm, another model's)
+differs.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..errors import listing
+
+PLUS_ONE = "ffn_tools_gguf_plus_one"  # safetensors metadata: {HF name: what the GGUF's converter added}
+
+
+def plus(w, shift: float):
+    """``w`` plus ``shift`` as llama.cpp's converter computes it: cast to float32 unless float16 or float32
+    (``prepare_tensors``), ``+ shift`` in that dtype (the family's ``modify_tensors``), then float32 (1-D and norm
+    tensors are stored F32)."""
+    import torch
+
+    x = w if w.dtype in (torch.float16, torch.float32) else w.float()
+    return (x + shift).float()
+
+
+def record(shifts: dict[str, float]) -> tuple[dict[str, str], list[str]]:
+    """The safetensors metadata recording the weights read back minus ``shifts`` in an export, and what the
+    export's summary says; both empty when there are none."""
+    if not shifts:
+        return {}, []
+    return {PLUS_ONE: json.dumps(dict(sorted(shifts.items())))}, [
+        f"{len(shifts)} weights the GGUF stores plus one read back minus one in float32 (within 2**-24 of "
+        f"|w + 1|, not bit for bit): recorded in the safetensors metadata as {PLUS_ONE}"]
+
+
+def recorded_shifts(metadata: dict[str, str]) -> dict[str, float]:
+    """The weights a checkpoint's metadata records as read back from a GGUF storing them plus one."""
+    try:
+        shifts = json.loads(metadata.get(PLUS_ONE) or "{}")
+    except ValueError:
+        return {}
+    return {str(k): float(v) for k, v in shifts.items()} if isinstance(shifts, dict) else {}
+
+
+def compare_recorded(outside, ca, cb, shifts: dict[str, float]) -> list[str]:
+    """B's weights read back from a GGUF storing them plus one (``shifts``) against A's, as the round trip
+    computes them: ``plus(a, shift) - shift`` in float32, bit for bit. Adds the outcome to ``outside``
+    (whose comparison left them out) and returns the note saying how they were compared."""
+    from .diagnose import first_difference  # torch: verify has it; an export that records shifts need not
+
+    names = sorted(n for n in shifts if n in ca or n in cb)
+    if not names or outside.skipped:
+        return []
+    held = 0
+    for name in names:
+        if name not in ca or name not in cb:  # left out of the comparison by name: said here
+            (outside.only_b if name in cb else outside.only_a).append(name)
+            continue
+        a, b = ca[name], cb[name]
+        if tuple(a.shape) != tuple(b.shape):
+            outside.differ.append(f"{name}: A is {list(a.shape)}, B is {list(b.shape)}")
+            continue
+        want = (plus(a, shifts[name]) - shifts[name]).to(b.dtype)  # B's dtype: float32, unless cast since
+        why = first_difference(name, want, b)
+        if why:
+            outside.differ.append(f"{why} (B records it read back from a GGUF storing it plus one: compared with A's "
+                                  "plus one minus one, in float32)")
+        else:
+            held += 1
+    outside.within += held
+    outside.only_a.sort()
+    outside.only_b.sort()
+    return [f"{len(names)} of B's tensors were read back from a GGUF that stores them plus one (recorded in B's "
+            f"metadata; Gemma's norms: {listing(names, 3)}): {held} are A's plus one minus one in float32, bit for "
+            f"bit, within 2**-24 of |w + 1| of A's as documented, counted within tolerance"]

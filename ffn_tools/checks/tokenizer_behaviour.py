@@ -1,0 +1,173 @@
+"""Tokenizer files that differ where a vocabulary says nothing, compared by what the two tokenizers do.
+
+A tokenizer rebuilt from a vocabulary (a GGUF's ``tokenizer.ggml.*``: tokens, ids, merges, token types, named
+special ids) cannot give back how its source's files spelled the rest: whether special tokens are also in
+``model.vocab`` or only in ``added_tokens``, the post-processor's form (Llama 3's ``Sequence[ByteLevel,
+TemplateProcessing]`` and a lone ``TemplateProcessing`` add the same ids), ``model.ignore_merges``, and in
+tokenizer_config.json the ``extra_special_tokens`` list (a GGUF marks every special token a control token, and
+keeps no list) and ``tokenizer_class`` (transformers' GGUF reader picks one by architecture). Such differences
+fail ``side_files``' file comparison though nothing a client computes need change.
+
+``settle`` takes each tokenizer.json / tokenizer_config.json problem whose pair agrees on every fact a vocabulary
+holds (``facts``: each token's id, the merges in rank order, each added token's id and special flag, the model's
+type and unknown token; tokenizer_config.json without ``tokenizer_class``, and without ``extra_special_tokens``
+where the other side's tokenizer.json marks each of those tokens special: ``_config_agrees``) and has
+transformers load both tokenizers: when they encode the built-in corpus (``corpus``) to the same ids, decode
+those to the same text with special tokens kept and skipped, and mark the same tokens special, the problem
+becomes a note saying so and what was not compared; otherwise it stays, with the first text they treat
+differently. A pair that differs in a fact (two ids exchanged, merges reordered) stays a problem without this
+check, named by that fact.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from . import corpus
+
+FILES = ("tokenizer.json", "tokenizer_config.json")
+NOT_COMPARED = "texts beyond the corpus"
+NOT_COMPARED_LIST = ("the extra_special_tokens list (transformers' all_special_ids, which "
+                     "convert_ids_to_tokens(skip_special_tokens=True) reads)")
+
+
+def settle(ra: Path, rb: Path, problems: list[str], notes: list[str]) -> None:
+    """Move each tokenizer problem in ``problems`` that only a rebuilt tokenizer's spelling makes (see the module
+    doc) into ``notes``, when both tokenizers behave the same; a behaviour difference is added to the problem."""
+    _name_the_fact(ra, rb, problems)
+    candidates = [p for p in problems if p.startswith(tuple(f"{f}: " for f in FILES)) and _agrees(ra, rb, p)]
+    if not candidates:
+        return
+    why, n = behaviour(ra, rb)
+    for p in candidates:
+        i = problems.index(p)
+        if why is None:
+            del problems[i]
+            listed = NOT_COMPARED + (f" and {NOT_COMPARED_LIST}" if "extra_special_tokens" in p else "")
+            name = p.split(": ", 1)[0]
+            parts = _parts(ra / name, rb / name)
+            p = f"{name}: {', '.join(parts)} differ" if len(parts) > 1 else p
+            notes.append(f"{p}: a tokenizer rebuilt from a vocabulary (as from a GGUF) cannot give this back; compared "
+                         f"by behaviour instead: both encode the {n} texts of the built-in corpus to the same ids, "
+                         f"decode them to the same text (special tokens kept and skipped) and mark the same tokens "
+                         f"special (not compared: {listed})")
+        else:
+            problems[i] = f"{p}; and the tokenizers differ in what they do: {why}"
+
+
+def _parts(a: Path, b: Path) -> list[str]:
+    """The top-level keys in which JSON files ``a`` and ``b`` differ (``model``'s one by one)."""
+    try:
+        da, db = (json.loads(f.read_text("utf-8")) for f in (a, b))
+    except (OSError, ValueError):
+        return []
+    out = []
+    for k in sorted((set(da) | set(db)) - {"name_or_path", "is_local", "local_files_only"}):
+        x, y = da.get(k), db.get(k)
+        if k == "model" and isinstance(x, dict) and isinstance(y, dict):
+            out += [f"model.{m}" for m in sorted(set(x) | set(y)) if x.get(m) != y.get(m)]
+        elif x != y:
+            out.append(k)
+    return out
+
+
+def _agrees(ra: Path, rb: Path, problem: str) -> bool:
+    if problem.startswith("tokenizer.json: "):
+        fa, fb = facts(ra / "tokenizer.json"), facts(rb / "tokenizer.json")
+        return fa is not None and fa == fb
+    return _config_agrees(ra, rb)
+
+
+def _name_the_fact(ra: Path, rb: Path, problems: list[str]) -> None:
+    """A tokenizer.json problem whose pair differs in a fact (``facts``) names that fact, not the first difference
+    in the file's order (a post-processor spelled otherwise, which alone would be compared by behaviour)."""
+    from .side_files import _diff, _merge_order
+
+    i = next((i for i, p in enumerate(problems) if p.startswith("tokenizer.json: ")), None)
+    if i is None or problems[i].startswith(("tokenizer.json: model.vocab", "tokenizer.json: model.merges",
+                                            "tokenizer.json: added_tokens")):
+        return
+    fa, fb = facts(ra / "tokenizer.json"), facts(rb / "tokenizer.json")
+    if fa is None or fb is None or fa == fb:
+        return
+    va, vb = ({"model": {"type": f["type"], "unk_token": f["unk"], "vocab": f["ids"], "merges": f["merges"]},
+               "added_tokens": f["added"]} for f in (fa, fb))  # named as tokenizer.json names them
+    why = (_merge_order(fa["merges"], fb["merges"]) if fa["merges"] != fb["merges"] else None) or _diff(va, vb, "")
+    if why:
+        problems[i] = f"tokenizer.json: {why}"
+
+
+def facts(path: Path) -> dict | None:
+    """What a vocabulary holds of tokenizer.json at ``path``: each token's id (model.vocab with the added tokens),
+    the merges in rank order, each added token's id and special flag, the model's type and unknown token (a GGUF's
+    tokenizer.ggml.unknown_token_id); None when unreadable."""
+    try:
+        doc = json.loads(path.read_text("utf-8"))
+        model = doc["model"]
+        ids = dict(model.get("vocab") or {}) if isinstance(model.get("vocab"), dict) else {
+            t: i for i, t in enumerate(x[0] for x in model.get("vocab") or [])}  # unigram: [[piece, score], ...]
+        added = {t["content"]: (t["id"], bool(t.get("special"))) for t in doc.get("added_tokens") or []}
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+    for token, (i, _) in added.items():
+        if ids.setdefault(token, i) != i:  # an added token over another id: a fact, kept as it is
+            ids[f"{token} (added)"] = i
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    return {"type": model.get("type"), "unk": model.get("unk_token"), "ids": ids, "merges": merges, "added": added}
+
+
+def _config_agrees(ra: Path, rb: Path) -> bool:
+    """tokenizer_config.json of A and B read the same (as ``side_files`` reads them) once ``tokenizer_class`` and
+    null settings are left out, and ``extra_special_tokens`` where the other side's tokenizer.json marks each of
+    its tokens special."""
+    from .side_files import IGNORED, _diff, _json, _tokenizer_views
+
+    va, vb = _json(ra / "tokenizer_config.json"), _json(rb / "tokenizer_config.json")
+    if not va or not vb:
+        return False
+    for v in (va, vb):
+        for k in IGNORED["tokenizer_config.json"]:
+            v.pop(k, None)
+    va, vb = _tokenizer_views(ra, rb, va, vb, [])
+    for v in (va, vb):  # the class: a GGUF names none (transformers' reader picks one by architecture); a null
+        v.pop("tokenizer_class", None)  # setting (add_prefix_space: null, as Qwen2Tokenizer saves it) is no setting
+        for k in [k for k, x in v.items() if x is None]:
+            del v[k]
+    for v, other in ((va, rb), (vb, ra)):
+        listed = v.get("extra_special_tokens")
+        marked = {t: s for t, (_, s) in ((facts(other / "tokenizer.json") or {}).get("added") or {}).items()}
+        if isinstance(listed, list) and all(isinstance(t, str) and marked.get(t) for t in listed):
+            v.pop("extra_special_tokens")
+    return _diff(va, vb, "") is None
+
+
+def behaviour(ra: Path, rb: Path) -> tuple[str | None, int]:
+    """The first thing A's and B's tokenizers (transformers' ``AutoTokenizer``) do differently on the built-in
+    corpus, or None; and how many texts were compared."""
+    try:
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        ta, tb = AutoTokenizer.from_pretrained(ra), AutoTokenizer.from_pretrained(rb)
+    except Exception as e:  # noqa: BLE001 - no transformers, or files it cannot load: nothing shows they agree
+        return f"transformers could not load both tokenizers to compare them ({type(e).__name__}: {e})"[:200], 0
+    texts, _ = corpus.texts(ta)
+    for text in texts:
+        ea, eb = list(ta.encode(text)), list(tb.encode(text))
+        if ea != eb:
+            k = next((k for k, (x, y) in enumerate(zip(ea, eb)) if x != y), min(len(ea), len(eb)))
+            return (f"{text[:40]!r} encodes otherwise from token {k}: {ea[k:k + 8]} in A, {eb[k:k + 8]} in B "
+                    f"({len(ea)} and {len(eb)} tokens)"), len(texts)
+        for skip in (False, True):
+            da, db = ta.decode(ea, skip_special_tokens=skip), tb.decode(eb, skip_special_tokens=skip)
+            if da != db:
+                return (f"{ea[:12]} decodes to {da[:40]!r} in A, {db[:40]!r} in B"
+                        f"{' (special tokens skipped)' if skip else ''}"), len(texts)
+    sa, sb = ({i: t.special for i, t in tok.added_tokens_decoder.items()} for tok in (ta, tb))
+    if sa != sb:
+        i = min(set(sa) ^ set(sb) | {i for i in sa.keys() & sb.keys() if sa[i] != sb[i]})
+        return (f"token {i} is {'special' if sa.get(i) else 'not special' if i in sa else 'not added'} in A, "
+                f"{'special' if sb.get(i) else 'not special' if i in sb else 'not added'} in B"), len(texts)
+    return None, len(texts)
