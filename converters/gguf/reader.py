@@ -25,7 +25,6 @@ import numpy as np
 
 from ffn_tools.errors import CheckpointError, listing
 from ffn_tools import quant
-from ffn_tools.checks.rounded import plus as as_converted  # how the converter adds: one definition, beside the record
 from ffn_tools.checks.rounded import record
 from ffn_tools.io.store import Checkpoint, TensorInfo
 
