@@ -115,7 +115,7 @@ class Client(ABC):
 
     def compare_side_files(self, ca, cb) -> SideFilesResult:
         """A's side files (tokenizer, generation config, ...) against B's, as this client reads B's."""
-        return compare_side_files(Path(ca.root), Path(cb.root))
+        return compare_side_files(Path(ca.root), Path(cb.root), cb.config)
 
     def compare_tokenization(self, ca, cb) -> "TokenizationResult | None":
         """Texts through A's tokenizer and through B's as this client tokenizes; None where B's tokenizer is

@@ -146,3 +146,22 @@ def test_fp8_deepseek_v3_to_mlx_is_what_mlx_lm_convert_writes(tmp_path):
         mlx_lm.convert(str(ref), str(tmp_path / "theirs"))
     assert_identical(tensors(tmp_path / "mine"), tensors(tmp_path / "theirs"))
     mlx_lm.load(str(tmp_path / "mine"))
+
+
+def test_the_load_check_applies_transformers_fp8_quantizer(model_dir, tmp_path):
+    """issue 37 item 9: a correct FP8 block-scaled checkpoint (quant_method fp8, weight_block_size, weight_scale_inv
+    beside each weight) loads in transformers through its FP8 quantizer: the load check applies it as
+    from_pretrained does, so the scales are the quantizer's parameters, not 14 unexpected tensors."""
+    pytest.importorskip("accelerate")
+    twin = model_dir("llama")
+    q = quantize_fp8(twin, tmp_path / "q")
+    r = run_cli("verify", twin, q, "--backend", "reference", ok=None)
+    assert r.exit_code == 0 and "PASS" in r.output, r.output
+    assert "loads in transformers (LlamaForCausalLM, fp8 quantizer): every parameter provided" in r.output
+    bad = tmp_path / "bad"  # a scale under a name the quantizer does not read is still caught
+    shutil.copytree(q, bad)
+    w = load_file(bad / "model.safetensors")
+    w["model.layers.0.mlp.down_proj.weight_scale_x"] = w.pop("model.layers.0.mlp.down_proj.weight_scale_inv")
+    save_file(w, bad / "model.safetensors", metadata={"format": "pt"})
+    r = run_cli("verify", twin, bad, "--backend", "reference", ok=None)
+    assert r.exit_code == 1 and "weight_scale_x" in r.output, r.output

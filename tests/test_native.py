@@ -117,12 +117,31 @@ def test_native_reads_as_its_twin(kind, twins, tmp_path):
     assert_identical(tensors(tmp_path / "hf"), tensors(hf))  # every tensor bit for bit, q/k permuted back
     arch = {"meta": "llama", "meta-llama3": "llama", "mistral": "mistral", "mistral-moe": "mixtral"}[kind]
     assert torch.equal(tiny_models.logits(tmp_path / "hf", arch), tiny_models.logits(hf, arch))
-    # Native layouts ship no generation_config.json, which the twin has: --no-side-files (the conversion of the
-    # native checkpoint itself is verified strictly below).
-    r = run_cli("verify", hf, tmp_path / "hf", "--backend", "reference", "--logits", "--no-side-files", ok=None)
-    assert r.exit_code == 0 and "PASS" in r.output and "logits" in r.output, r.output
-    r = run_cli("verify", hf, native, "--backend", "reference", "--no-side-files", ok=None)
-    assert r.exit_code == 0 and "PASS" in r.output and "load check not run (Meta's and Mistral's" in r.output, r.output
+    # Native layouts ship no generation_config.json, which the twin has (save_pretrained derives it from its config):
+    # the conversion writes the one transformers' conversion scripts write, and where a side has none verify
+    # compares the settings transformers derives (issue 37 item 9)
+    # (the tiny twin's config says pad_token_id 0, which no native layout stores: that is what differs)
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["_from_model_config"] is True
+    pad = "generation_config.json: pad_token_id is 0 in A and missing in B"
+    r = run_cli("verify", hf, tmp_path / "hf", "--backend", "reference", "--logits", "--json", ok=None)
+    data = json.loads(r.output)
+    assert data["failures"] == [f"side files: {pad}"] and data["logits"]["passed"], data["failures"]
+    r = run_cli("verify", hf, native, "--backend", "reference", "--json", ok=None)
+    assert json.loads(r.output)["failures"] == ["side files: generation_config.json is in A and missing in B, and what "
+                                                "transformers derives from B's config.json differs: pad_token_id 0 in "
+                                                "A, None in B"]
+    no_pad = tmp_path / "no-pad"  # a twin that says no pad id, as Meta's own conversions do: no difference
+    shutil.copytree(hf, no_pad)
+    for f in ("config.json", "generation_config.json"):
+        cfg = json.loads((no_pad / f).read_text())
+        cfg.pop("pad_token_id", None)
+        (no_pad / f).write_text(json.dumps(cfg))
+    r = run_cli("verify", no_pad, native, "--backend", "reference", "--json", ok=None)
+    data = json.loads(r.output)
+    assert r.exit_code == 0 and "load check not run (Meta's and Mistral's" in data["verdict"], data["failures"]
+    assert any("transformers derives the same generation settings from B's config.json" in n
+               for n in data["side_files"]["notes"]), data["side_files"]
+    assert "PASS" in run_cli("verify", no_pad, tmp_path / "hf", "--backend", "reference").output
     r = run_cli("verify", native, tmp_path / "hf", "--backend", "reference", ok=None)  # the conversion, strictly
     assert r.exit_code == 0 and "PASS" in r.output, r.output
 

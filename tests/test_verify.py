@@ -162,7 +162,8 @@ def test_mlx_conversions_pass(model_dir, tmp_path, dtype, quant):
     q = ["--quantize", quant[0], "--group-size", quant[1]] if quant else []
     run_cli("convert", src, "--to", "mlx", "-o", tmp_path / "mlx", *q)
     rep = assert_passes(src, tmp_path / "mlx")
-    assert {f["exact"] for f in rep["ffns"]} == {"identical"}  # quantized: A re-quantized gives B's bytes
+    # plain: A's bits; quantized: A re-quantized gives B's bytes (the codes, not the same bits)
+    assert {f["exact"] for f in rep["ffns"]} == {"requantized" if quant else "identical"}
     assert rep["load_check"]["client"] == "mlx_lm" and rep["load_check"]["ok"]
     o = rep["outside"]
     assert o["passed"] and not o["only_a"] and not o["only_b"]
@@ -475,7 +476,7 @@ def test_mixed_quantization_gets_a_row_per_ffn(model_dir, tmp_path):
     l0, l1 = by_layer[0], by_layer[1]
     assert (l0["bits_a"], l0["bits_b"], l0["tolerance"]["row"]) == (None, 3, "bfloat16 3-bit")
     assert (l1["bits_b"], l1["tolerance"]["row"], l1["exact"]) == (None, "bfloat16", "identical")
-    assert by_layer[0]["exact"] == "identical"  # its 3- and 6-bit modules are A's re-quantized
+    assert by_layer[0]["exact"] == "requantized"  # its 3- and 6-bit modules are A's re-quantized
     assert rep["b"]["quantization"] == "4-bit group 32 (per-module entries: 2 at 3-bit, 1 at 6-bit, 3 unquantized)"
     assert any("(1 of 2 FFNs)" in n for n in rep["notes"])
     code, text = verify(src, out)

@@ -248,7 +248,8 @@ def test_folded_multipliers_are_exported_as_mlx_lm_folds_them(tmp_path):
     for exported, how in ((out, "bit for bit"), (tmp_path / "mlx-q", "re-quantized")):
         report = ffn_tools.verify(src, exported, backends=["reference"], tokens=4)
         assert report.passed, report.failures()
-        assert all(r.exact == "identical" for r in report.results), [r.problems for r in report.results]
+        want = "identical" if how == "bit for bit" else "requantized"  # a 4-bit B holds A's codes, not its bits
+        assert all(r.exact == want for r in report.results), [r.problems for r in report.results]
         folded = next(n for n in report.notes if "as mlx_lm's sanitize computes them" in n)
         assert gate in folded and "down_proj" in folded and "up_proj" not in folded, folded
         assert how != "re-quantized" or any("re-quantized with B's parameters, bit for bit" in n for n in report.notes)

@@ -112,6 +112,20 @@ class NativeCheckpoint(Checkpoint):
             t = torch.cat([s[src.native] for s in self.shards], dim=src.dim)
         return permute(t, src.heads) if src.heads else t
 
+    def rebuilt_files(self) -> tuple[dict[str, str | bytes], list[str]]:
+        """generation_config.json as transformers' conversion scripts write it (their ``save_pretrained`` derives
+        it from the config: ``GenerationConfig.from_model_config``), where the native directory has none."""
+        if (self.root / "generation_config.json").is_file():
+            return {}, []
+        try:
+            from transformers import AutoConfig, GenerationConfig
+        except ImportError:  # no transformers: its client derives the same settings when it loads the output
+            return {}, []
+        cfg = AutoConfig.for_model(**{k: v for k, v in (self.config or {}).items() if k != "transformers_version"})
+        text = GenerationConfig.from_model_config(cfg).to_json_string()
+        return {"generation_config.json": text}, ["generation_config.json: as transformers' save_pretrained writes "
+                                                  "it from config.json (the native checkpoint has none)"]
+
     def close(self) -> None:
         for s in getattr(self, "shards", []):
             s.close()

@@ -96,6 +96,17 @@ def _model_class(transformers, config: dict):
     return transformers.AutoModelForCausalLM
 
 
+# quantization_config methods whose quantizer the load check applies as from_pretrained does (the others' modules
+# are checked dequantized: QUANTIZER_SCHEMES)
+QUANTIZED_AS_LOADED = ("fp8",)
+
+
+def _quantizer_method(config: dict) -> str | None:
+    q = config.get("quantization_config")
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    return method if method in QUANTIZED_AS_LOADED else None
+
+
 def check_transformers(ckpt) -> LoadCheck:
     """Names and shapes of ``ckpt`` against the transformers model its config.json describes."""
     config = ckpt.config or {}
@@ -110,22 +121,38 @@ def check_transformers(ckpt) -> LoadCheck:
     except ImportError as e:
         raise MissingClient(f"verify's load check needs transformers, which is not installed here ({e.name}): "
                             "pip install transformers, or pass --no-load-check") from None
+    method = _quantizer_method(config)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             on_disk = Path(ckpt.root) / "config.json"  # transformers' own decoding (Infinity, nested configs)
             cfg = (transformers.AutoConfig.from_pretrained(ckpt.root) if on_disk.is_file() else
                    transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "transformers_version"}))
+            quantizer = None
+            if method is not None:  # as from_pretrained: its quantizer, checked against this environment
+                from transformers.quantizers.auto import get_hf_quantizer
+                from transformers.utils import logging as hf_logging
+
+                hf_logging.set_verbosity_error()  # its "no GPU: dequantizing" notice: the check is names and shapes
+
+                try:
+                    quantizer, cfg, _ = get_hf_quantizer(cfg, None, None, True, {})
+                except ImportError as e:  # the quantizer's own requirement: the check cannot run, not a failure
+                    return LoadCheck("transformers", skipped=f"transformers' {method} quantizer does not load here "
+                                                             f"({e})")
             cls = _model_class(transformers, config)
             with torch.device("meta"):
                 model = (cls.from_config(cfg) if cls is transformers.AutoModelForCausalLM else cls(cfg))
+                if quantizer is not None:  # its modules replaced as from_pretrained replaces them
+                    quantizer.preprocess_model(model=model, dtype=model.dtype, device_map=None, checkpoint_files=[],
+                                               use_kernels=False)
     except Exception as e:  # noqa: BLE001 - any failure of transformers' own config or model code
         return LoadCheck("transformers", refused=f"{config.get('model_type')!r}: {type(e).__name__}: "
                                                  f"{' '.join(str(e).split())[:200]}")
-    arch = type(model).__name__
+    arch = type(model).__name__ + (f", {method} quantizer" if method else "")
     params = dict(model.named_parameters())  # tied weights once; buffers are recomputed, not loaded
     meta = model.state_dict()
-    transforms = get_model_conversion_mapping(model)
+    transforms = get_model_conversion_mapping(model, hf_quantizer=quantizer)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     produced: dict[str, list[tuple[str, str | None]]] = {}

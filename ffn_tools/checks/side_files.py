@@ -94,11 +94,13 @@ class _Unreadable(ValueError):
     """A side file its reader cannot read; the message is the problem sentence."""
 
 
-def compare_side_files(root_a: Path | None, root_b: Path | None) -> SideFilesResult:
+def compare_side_files(root_a: Path | None, root_b: Path | None, config_b: dict | None = None) -> SideFilesResult:
     """Compare the side files (``SIDE_FILES``) of checkpoints A and B as their clients read them.
 
     Args:
         root_a, root_b: the directories holding each checkpoint's config.json; None for a single weight file.
+        config_b: B's config as its reader presents it (a native checkpoint's, from params.json), where B's
+            client derives settings from it; None: B's config.json.
 
     Returns:
         The files equal in both; a problem for each file of A that B lacks or reads differently; notes (files
@@ -116,8 +118,12 @@ def compare_side_files(root_a: Path | None, root_b: Path | None) -> SideFilesRes
         if not (ra / name).is_file():
             res.notes += [f"B has {name}, A has none"] if (rb / name).is_file() else []
         elif not (rb / name).is_file():
-            carried = _carried(name, ra, rb)
-            (res.notes if carried else res.problems).append(carried or f"{name} {MISSING}")
+            carried = _carried(name, ra, rb, config_b)
+            if name == "generation_config.json" and carried is None and \
+                    (derived := _derived_generation(ra / name, rb, config_b)):
+                res.problems.append(f"{name} {MISSING}, and {derived}")
+            else:
+                (res.notes if carried else res.problems).append(carried or f"{name} {MISSING}")
         else:
             try:
                 why = _differs(name, ra, rb, res.notes)
@@ -207,7 +213,7 @@ def _content(v):
     return [_content(x) for x in v] if isinstance(v, list) else v.get("content", v) if isinstance(v, dict) else v
 
 
-def _carried(name: str, ra: Path, rb: Path) -> str | None:
+def _carried(name: str, ra: Path, rb: Path, config_b: dict | None = None) -> str | None:
     """A note when A's ``name``, absent in B, is read from another file of B (where save_pretrained moves it)."""
     a, cb = _json(ra / name), _json(rb / "tokenizer_config.json")
     cb.setdefault("additional_special_tokens", cb.get("extra_special_tokens"))
@@ -224,9 +230,37 @@ def _carried(name: str, ra: Path, rb: Path) -> str | None:
     elif name == "merges.txt" and _merges(ra / name) == [m if isinstance(m, str) else " ".join(m)
                                                          for m in model.get("merges", [])]:
         where = "B's tokenizer.json holds the same merges"
+    elif name == "generation_config.json" and _derived_generation(ra / name, rb, config_b) == SAME_GENERATION:
+        where = SAME_GENERATION
     else:
         return None
     return f"{name} {MISSING}; {where}"
+
+
+SAME_GENERATION = "transformers derives the same generation settings from B's config.json"
+
+
+def _derived_generation(file_a: Path, rb: Path, config_b: dict | None = None) -> str | None:
+    """Where B has no generation_config.json, transformers generates with the settings it derives from B's
+    config.json (``GenerationConfig.from_model_config``): ``SAME_GENERATION`` when those are A's file's, as
+    ``GenerationConfig`` reads it, else which differ; None when they cannot be read."""
+    try:
+        from transformers import AutoConfig, GenerationConfig
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        a = GenerationConfig.from_pretrained(file_a.parent).to_dict()
+        cfg = (AutoConfig.for_model(**{k: v for k, v in config_b.items() if k != "transformers_version"})
+               if config_b else AutoConfig.from_pretrained(rb))
+        b = GenerationConfig.from_model_config(cfg).to_dict()
+    except Exception:  # noqa: BLE001 - no transformers, a config it cannot read: compared as files (missing)
+        return None
+    drop = ("transformers_version", "_from_model_config")
+    differ = sorted(k for k in set(a) | set(b) if k not in drop and a.get(k) != b.get(k))
+    if not differ:
+        return SAME_GENERATION
+    return ("what transformers derives from B's config.json differs: "
+            + "; ".join(f"{k} {a.get(k)!r} in A, {b.get(k)!r} in B" for k in differ[:4]))
 
 
 def _merges(path: Path) -> list[str] | None:

@@ -148,7 +148,7 @@ class PairChecker:
         """Where one side's FFN is quantized and the other's is not: each tensor the quantized side stores against
         the other side's re-quantized with the stored parameters, where its scheme can re-derive its codes
         (``QuantScheme.requantized``), or cast (bits compared where that side left it unquantized). ``exact`` is
-        "identical" only when every one is. False where this does not apply (both or neither quantized, or no
+        "requantized" only when every one is. False where this does not apply (both or neither quantized, or no
         stored part to compare)."""
         qa, qb = (ffn_bits(c, f, bits) is not None for c, f, bits in ((self.ca, x, self._bits[0]),
                                                                         (self.cb, y, self._bits[1])))
@@ -194,7 +194,7 @@ class PairChecker:
         elif unsure:
             res.notes += unsure
         else:
-            res.exact = "identical"
+            res.exact = "requantized"  # the stored codes are the other side's weight quantized: not the same bits
             p = next(m for r in roles if parts[r] is not None and (m := mods[r]) is not None)
             res.notes.append(p.scheme.requantized_note(p, [r for r in roles if parts[r]], src, q))
         return True

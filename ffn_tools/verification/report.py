@@ -61,7 +61,8 @@ class FFNResult:
     shape_b: tuple[int, int]
     dtype_a: str
     dtype_b: str
-    exact: str = "skipped"  # "identical" | "differs" | "skipped" | "impossible"
+    exact: str = "skipped"  # "identical" | "requantized" (the stored codes: the other's re-quantized) | "differs"
+    # | "skipped" | "impossible"
     problems: list[str] = field(default_factory=list)  # failures, one sentence each
     notes: list[str] = field(default_factory=list)  # facts that are not failures
     backends: list[BackendResult] = field(default_factory=list)
@@ -222,7 +223,9 @@ class VerifyReport:
                     f"on {', '.join(self.backends)})" + "".join(f"; {s}" for s in self.not_run()))
         if self.passed:
             exact = sum(r.exact == "identical" for r in self.results)
-            bits = f", {exact} bit-identical" if exact else ""
+            requantized = sum(r.exact == "requantized" for r in self.results)
+            bits = (f", {exact} bit-identical" if exact else "") + (
+                f", {requantized} re-quantized bit for bit" if requantized else "")
             logits = ", logits agree" if self.logits else ""
             return (f"PASS: {n} FFN{'s' * (n != 1)} of A and B agree on {', '.join(self.backends)}{bits}{logits}"
                     + "".join(f"; {s}" for s in self.not_run()))
@@ -272,7 +275,7 @@ class VerifyReport:
         if self.results:
             out.append("")
             head = (f"{'FFN':<24} {'worst backend':<14} {'max abs':>9} {'max rel':>9} {'cosine':>12} "
-                    f"{'tol x':>7}  {'exact':<10} result")
+                    f"{'tol x':>7}  {'exact':<11} result")
             out.append(head + ("  tolerance row" if per_ffn else ""))
             rows = sorted(self.results, key=FFNResult.sort_key)
             for i, r in enumerate(rows):
@@ -300,7 +303,7 @@ def _row(r: FFNResult) -> str:
     w = r.worst
     cells = (f"{w.backend:<14} {_num(w.max_abs):>9} {_num(w.max_rel):>9} {_cos(w.cosine):>12} {_num(w.ratio, 2):>7}"
              if w else f"{'-':<14} {'':>9} {'':>9} {'':>12} {'':>7}")
-    return f"{str(r.ref):<24} {cells}  {r.exact:<10} {'ok' if r.passed else 'FAIL'}"
+    return f"{str(r.ref):<24} {cells}  {r.exact:<11} {'ok' if r.passed else 'FAIL'}"
 
 
 def _why(b: BackendResult, tol: Tolerance | None) -> str:
