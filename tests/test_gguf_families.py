@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from ffn_tools.converters import open_any
-from ffn_tools.converters.gguf.reader import as_converted
+from ffn_tools.checks.rounded import plus as as_converted
 from ffn_tools.api import verify
 from gguf_models import convert_reference
 from helpers import run_cli

@@ -19,6 +19,7 @@ import numpy as np
 
 from ffn_tools.checks.config import ConfigResult, transformers_view
 from ffn_tools.checks.diagnose import first_difference
+from ffn_tools.checks.rounded import plus
 from ffn_tools.checks.outside import outside_tolerance
 from ffn_tools.checks.side_files import SideFilesResult
 from ffn_tools.errors import listing
@@ -143,12 +144,12 @@ def compare_tokenizer(root_a: Path, cb) -> SideFilesResult:
 
 def compare_plus_one(outside, ca, cb, atol=None, rtol=None) -> list[str]:
     """B's weights the converter stored plus one (Gemma's norms, ``cb.shifts``) against A's plus one, computed
-    in the converter's own operations (``reader.as_converted``): stored F32 (as this converter writes them),
+    in the converter's own operations (``checks.rounded.plus``): stored F32 (as this converter writes them),
     the bits must be equal; stored otherwise (a GGUF some other tool quantized), within the tolerance row.
     The outcome is added to ``outside`` (which left these tensors out: ``compare_outside``'s ``elsewhere``);
     returns a note saying how they were compared.
     """
-    from .reader import LOSSLESS, as_converted  # gguf and numpy: a GGUF B has them
+    from .reader import LOSSLESS  # gguf and numpy: a GGUF B has them
 
     names = sorted(cb.shifts)
     if not names or outside.skipped:
@@ -164,7 +165,7 @@ def compare_plus_one(outside, ca, cb, atol=None, rtol=None) -> list[str]:
             continue
         # A a GGUF storing it plus one as well: its stored bits (its reading, minus one, rounded)
         same_kind = ca.format is cb.format and name in ca.shifts
-        want = ca.read_stored(name) if same_kind else as_converted(a, cb.shifts[name])
+        want = ca.read_stored(name) if same_kind else plus(a, cb.shifts[name])
         lossless = cb.types[name] in LOSSLESS and b.dtype == want.dtype
         why = (first_difference(name, want, b) if lossless else
                outside_tolerance(name, want, b, tolerance_for([b.dtype], None, atol=atol, rtol=rtol)))

@@ -11,7 +11,7 @@ one tensor per expert (the names ``save_pretrained`` writes, which the converter
 converter stored plus one (Gemma's norms, ``Family.plus_one``) read with the one taken off in float32:
 ``fl(fl(w + 1) - 1)``, which is ``w`` up to the rounding of ``w + 1`` (at most half a float32 ulp of ``w + 1``,
 2**-24 for ``|w + 1| < 1``), not bit for bit; ``read_stored`` gives the stored bits, which verify compares with
-``as_converted`` of A's weight, bit for bit. The config is derived from the metadata (``config``).
+``checks.rounded.plus`` of A's weight, bit for bit. The config is derived from the metadata (``config``).
 """
 
 from __future__ import annotations
