@@ -42,12 +42,13 @@ class LlamaCpp(Client):
         return compare_tokenization(Path(ca.root), Path(cb.stored.path), cb.fields)
 
     def runs(self, config: dict):
-        """What llama.cpp assumes for the architecture ``config``'s model type converts to (``implied_values``),
-        whatever the GGUF's metadata says: its top-k renormalization."""
+        """What llama.cpp runs for the architecture ``config``'s model type converts to, where it assumes it
+        (``implied_values``) whatever the GGUF's metadata says: its top-k renormalization, and which layers slide
+        (Gemma's pattern) with the window the metadata carries (``config.sliding_window``)."""
         from ffn_tools.checks.config import transformers_view
-        from ffn_tools.checks.semantics import Runs, topk_words
+        from ffn_tools.checks.semantics import Runs, topk_words, windows, windows_words
 
-        from .config import implied_values
+        from .config import SLIDING_PATTERN, implied_values
         from .names import BY_TYPE
 
         family = BY_TYPE.get(str(config.get("model_type")))
@@ -55,11 +56,17 @@ class LlamaCpp(Client):
             return {}
         normalized = transformers_view(config)[0] or config
         assumed = implied_values(family.arch, normalized)
-        if "norm_topk_prob" not in assumed:
-            return {}
-        norm = assumed["norm_topk_prob"]
-        return {"norm_topk_prob": Runs(norm, f"{topk_words(norm)} (llama.cpp's {family.arch} graph, whatever the "
-                                             "GGUF says)")}
+        graph = f" (llama.cpp's {family.arch} graph, whatever the GGUF says)"
+        out = {}
+        if "norm_topk_prob" in assumed:
+            norm = assumed["norm_topk_prob"]
+            out["norm_topk_prob"] = Runs(norm, topk_words(norm) + graph)
+        layers = normalized.get("num_hidden_layers")
+        if family.arch in SLIDING_PATTERN and isinstance(layers, int):
+            ws = windows(normalized.get("sliding_window"), assumed["layer_types"], layers,
+                         normalized.get("max_position_embeddings"))
+            out["sliding_window"] = Runs(ws, windows_words(ws) + graph)
+        return out
 
     def stored_otherwise(self, cb) -> frozenset[str]:
         return frozenset(cb.shifts)
