@@ -62,11 +62,14 @@ class Client(ABC):
             coarser than float32 (llama.cpp's GELU through a float16 table): the logits' tolerance floor.
         tokenizes: it tokenizes with code and data of its own, not the tokenizer files compared as side files
             (llama.cpp from a GGUF's vocabulary): ``compare_tokenization`` runs texts through both.
+        kernels: the kernel backends (``ffn_tools.kernels``) of this runtime: what verify runs B's FFNs on by
+            default beside the float64 reference (transformers on CUDA: Triton; mlx_lm: MLX, Metal).
     """
 
     name: ClassVar[str]
     precision: ClassVar[dict[str, str]] = {}
     tokenizes: ClassVar[bool] = False
+    kernels: tuple[str, ...] = ()
 
     @abstractmethod
     def load_check(self, ckpt) -> LoadCheck:
@@ -168,8 +171,8 @@ class NoClient(Client):
 
     name = "none"
 
-    def __init__(self, label: str, why: str):
-        self.label, self.why = label, why
+    def __init__(self, label: str, why: str, kernels: tuple[str, ...] = ()):
+        self.label, self.why, self.kernels = label, why, kernels
 
     def load_check(self, ckpt) -> LoadCheck:
         return LoadCheck(self.label, skipped=self.why)

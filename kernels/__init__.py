@@ -22,7 +22,7 @@ from ffn_tools.kernels._surface import ACTIVATIONS, DTYPES, GLU, ORDERS
 BACKENDS = ("reference", "triton", "metal", "mlx", "jax")
 """Backend module names, the float64 ground truth first."""
 
-__all__ = ["ACTIVATIONS", "BACKENDS", "DTYPES", "GLU", "ORDERS", "available_backends", "get_backend"]
+__all__ = ["ACTIVATIONS", "BACKENDS", "DTYPES", "GLU", "ORDERS", "available_backends", "emulated", "get_backend"]
 
 
 def get_backend(name: str) -> ModuleType:
@@ -39,3 +39,14 @@ def get_backend(name: str) -> ModuleType:
 def available_backends() -> list[str]:
     """Names of the backends that can run here, in BACKENDS order."""
     return [name for name in BACKENDS if get_backend(name).available()]
+
+
+def emulated(name: str) -> str | None:
+    """Why backend ``name`` would run here only through an emulator, or None; decided without importing it:
+    Triton without a CUDA device runs through its interpreter on the CPU."""
+    if name == "triton":
+        import torch
+
+        if not torch.cuda.is_available():
+            return "no CUDA device here: Triton would run through its interpreter on the CPU"
+    return None

@@ -55,7 +55,7 @@ class Flax(Format):
         return export(ckpt, out, **options)
 
     def client(self):
-        return NoClient("flax", "no client loads Flax checkpoints here (transformers 5 has no Flax)")
+        return NoClient("flax", "no client loads Flax checkpoints here (transformers 5 has no Flax)", ("jax",))
 
 
 FORMAT = Flax()

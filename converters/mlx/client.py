@@ -28,6 +28,7 @@ class MlxLm(Client):
     """mlx_lm (see the module docstring)."""
 
     name = "mlx_lm"
+    kernels = ("mlx", "metal")
 
     def load_check(self, ckpt) -> LoadCheck:
         if absent := ckpt.absent_line():  # verify --layers on part of the shards: the client loads every one

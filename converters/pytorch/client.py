@@ -38,6 +38,7 @@ class Transformers(Client):
     """transformers (see the module docstring)."""
 
     name = "transformers"
+    kernels = ("triton",)  # its fused kernels on CUDA
 
     def load_check(self, ckpt) -> LoadCheck:
         path = Path(ckpt.path)

@@ -29,8 +29,10 @@ b_layout_options = layout_options_for(
 @click.argument("a", type=CHECKPOINT)
 @click.argument("b", type=CHECKPOINT)
 @click.option("--backend", "backends", multiple=True, metavar="NAME",
-              help=f"Kernel backend to run B's FFNs on, one of {BACKEND_NAMES}; repeat for several. "
-                   "Default: every one available on this machine (unavailable ones are listed as skipped).")
+              help=f"Kernel backend to run B's FFNs on, one of {BACKEND_NAMES}; repeat for several; 'all': every one "
+                   "available on this machine. Default: the float64 reference and the kernels of B's runtime that "
+                   "run natively here (Triton for a PyTorch B on CUDA, MLX and Metal for an MLX B, JAX for a Flax "
+                   "B); the report says which ran and why the others did not.")
 @click.option("--tokens", type=click.IntRange(min=1), default=DEFAULT_TOKENS, show_default=True,
               help="Rows of the random input each FFN is run on.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs and token batch.")

@@ -127,7 +127,7 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
         # every available one (the default) is found in the background, beside the weight checks (importing
         # jax, mlx and triton takes seconds), after the load check's own imports.
         worker = stack.enter_context(background())
-        kernels = done(resolve_backends(backends)) if backends else None
+        kernels = done(resolve_backends(backends)) if backends else None  # (a typo or one not here: now)
         opened = []
         for path, side in ((a, "A"), (b, "B")):  # under --layers a sharded side may hold only some shards
             c, e = opener(path, side, sel_layers is not None)
@@ -155,9 +155,9 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
                 blocked = str(e)
         # first: a missing client is could-not-run (exit 2) before any work
         load = client.load_check(cb.stored) if load_check else None
-        if kernels is None:
+        if kernels is None:  # the reference and B's runtime's kernels
             reference_backend()  # imported here, not beside the background's imports
-            kernels = worker.submit(resolve_backends, None)
+            kernels = worker.submit(resolve_backends, None, client.kernels, client.name)
         selection = (sel_layers, sel_experts)
         (fa, pa), (fb, pb) = (find(ca, "A", scheme, layout, selection),
                               find(cb, "B", scheme, b_layout or layout, selection))
