@@ -45,8 +45,10 @@ def verify_json(*args, tokens: int = 4):
 
 
 def assert_passes(*args, tokens: int = 4, loads: bool = True) -> dict:
-    """verify passes; ``loads=False``: B is a form transformers would not load (a split Phi-3, a fused Llama),
-    which fails verify's load check alone, and passes with --no-load-check."""
+    """verify passes on every kernel backend available here (``--backend all``); ``loads=False``: B is a form
+    transformers would not load (a split Phi-3, a fused Llama), which fails verify's load check alone, and passes
+    with --no-load-check."""
+    args = (*args, "--backend", "all")
     if not loads:
         code, rep = verify_json(*args, tokens=tokens)
         assert code == 1 and rep["load_check"]["ok"] is False, rep["failures"]
@@ -643,15 +645,35 @@ def test_kernel_backends_run_one_ffn_of_each_kind_and_the_report_says_so(model_d
     if not others:
         pytest.skip("no kernel backend besides the reference here")
     src = model_dir("llama")
-    code, rep = verify_json(src, src)
+    code, rep = verify_json(src, src, "--backend", "all")
     assert code == 0 and rep["coverage"] == {"reference": 2, **dict.fromkeys(others, 1)}
-    code, out = verify(src, src)
+    code, out = verify(src, src, "--backend", "all")
     assert f"ran: reference on all 2 FFNs; {others[0]} on 1" in out and "--all-ffns-on-every-backend" in out
-    code, rep = verify_json(src, src, "--all-ffns-on-every-backend")
+    code, rep = verify_json(src, src, "--all-ffns-on-every-backend", "--backend", "all")
     assert code == 0 and set(rep["coverage"].values()) == {2}
     bad = plant(src, tmp_path / "bad", _swap(L1 + "gate_proj.weight", L1 + "up_proj.weight"))  # the 2nd FFN
-    code, rep = verify_json(src, bad)
+    code, rep = verify_json(src, bad, "--backend", "all")
     assert code == 1 and any(f.startswith("layer 1") for f in rep["failures"])  # the reference catches it
+
+
+def test_by_default_b_s_runtime_s_kernels_run_and_the_others_say_why_not(model_dir, tmp_path):
+    """issue 37 item 6: a backend is imported only when it runs; by default the reference and B's runtime's kernels
+    that run natively here (an MLX B: mlx; a PyTorch B: Triton on CUDA), each other one named with why it did not."""
+    import torch as t
+
+    pytest.importorskip("mlx_lm")
+    src = model_dir("llama")
+    code, rep = verify_json(src, src)
+    assert code == 0 and rep["backends"] == (["reference", "triton"] if t.cuda.is_available() else ["reference"])
+    assert "not transformers's kernels (--backend jax or --backend all runs it)" in rep["skipped_backends"]["jax"]
+    if not t.cuda.is_available():
+        assert rep["skipped_backends"]["triton"].startswith("no CUDA device here: Triton would run through its "
+                                                            "interpreter on the CPU")
+    run_cli("convert", src, "--to", "mlx", "-o", tmp_path / "mlx")
+    code, rep = verify_json(src, tmp_path / "mlx")
+    assert code == 0 and rep["backends"][:2] == ["reference", "mlx"] and "jax" in rep["skipped_backends"]
+    r = run_cli("verify", src, tmp_path / "mlx", "--backend", "jaxx", ok=False)
+    assert "unknown backend 'jaxx'; use one of reference, triton, metal, mlx, jax, or all" in r.output
 
 
 def test_large_ffns_run_on_the_kernel_backends_in_row_blocks(monkeypatch):

@@ -30,7 +30,7 @@ from ..registry import Scheme
 from ..specs import parse_spec
 from ..tolerances import tolerance_for
 from . import partial, tied
-from .backends import resolve_backends
+from .backends import ALL, resolve_backends
 from .functional import reference_backend
 from .model import model_checks, run_logits
 from .outside import compare_outside, in_blocks
@@ -83,7 +83,8 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
         opener: ``(path, side, absent_shards) -> (checkpoint, None)`` or ``(None, problem)`` where the files are
             there but cannot be read as their format (raising where there is no checkpoint at all): the format
             registry's (``converters.open_sides``), which the API passes.
-        backends: kernel backends for B's FFN (default: every one available here).
+        backends: kernel backends for B's FFN (default: the reference and B's runtime's kernels that run natively
+            here, ``Client.kernels``; ``["all"]``: every one available here).
         tokens: rows of the seeded random input per FFN.
         seed: seed of the inputs (and of the logits token batch).
         layers, experts: selections like ``0-3,7`` (None: all; ``experts`` keeps dense and shared FFNs).
@@ -121,7 +122,7 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
         raise FFNToolsError(f"--tokens {tokens}: need at least 1 token")
     sel_layers = parse_spec(layers) if layers else None
     sel_experts = parse_spec(experts) if experts else None
-    on_reference = not backends or "reference" in backends
+    on_reference = not backends or "reference" in backends or list(backends) == [ALL]
     with ExitStack() as stack:
         # Backends the user named resolve now, so that one that cannot run here is refused before any work;
         # every available one (the default) is found in the background, beside the weight checks (importing
