@@ -17,7 +17,6 @@ mlx_lm's ``save_config`` writes it, the tokenizer/generation files, and a model 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import NoReturn
 
@@ -27,11 +26,11 @@ from ffn_tools.io.store import Checkpoint
 from ffn_tools.io.writer import OutTensor, plan_shards
 from ffn_tools.plan import Plan, copy_entry, execute
 
-from . import from_ct
+from . import from_ct, said
 from .card import model_card
 from .config import added_metadata, mlx_config
-from .matching import HEAD, match_or_dequantize
-from .models import TIE_KEY, check_runs
+from .matching import match_or_dequantize
+from .models import check_runs
 from .recipe import decide, resolve
 
 MAX_SHARD_SIZE = 5 << 30  # mlx_lm's save_model shards at 5 GiB
@@ -46,15 +45,6 @@ def _dtype(dtype: str | None) -> str | None:
     if name not in _ST:
         raise FFNToolsError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_CHOICES)}")
     return _ST[name]
-
-
-def collapse(names) -> str:
-    """'model.layers.*.mlp.down_proj.weight (x2)' for model.layers.0/1.mlp.down_proj.weight."""
-    counts: dict[str, int] = {}
-    for n in names:
-        p = re.sub(r"\.\d+(?=\.|$)", ".*", n)
-        counts[p] = counts.get(p, 0) + 1
-    return ", ".join(p + (f" (x{c})" if c > 1 else "") for p, c in counts.items())
 
 
 def _sizing_only() -> NoReturn:
@@ -100,108 +90,84 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     kept = [q for q in ckpt.decoded() if ckpt.format is FORMAT]
     if kept and not quant and not dequantize:
         return _keep_quantized(ckpt, out, kept, target_st, force, max_shard_size, dry_run)
+    # decide: mlx_lm's model and the view of the input that fits it, what is quantized, what keeps its codes
     tg, view, outputs, unused, changes, ckpt = match_or_dequantize(ckpt, quantizing=bool(quant))
     if untried := check_runs(tg, str(ckpt.path)):
         changes.append(untried)
-    config = tg.config
-    if tg.renamed:
-        changes.append(f"config.json: model_type {config['model_type']} (was {tg.renamed}): mlx_lm has no "
-                       f"{tg.renamed} model and loads this one as {config['model_type']}; reading back restores it")
-    v5 = [k for k in tg.added if k != TIE_KEY]
-    if v5:
-        changes.append(f"config.json: added {', '.join(v5)} from transformers v5 keys (mlx_lm's {tg.module} ModelArgs "
-                       "reads the old names); reading the MLX model back drops them again")
-    if TIE_KEY in tg.added:
-        changes.append(f"config.json: added {TIE_KEY} {str(config[TIE_KEY]).lower()} (the source has no such key; "
-                       f"transformers ties the head exactly when the checkpoint has no {HEAD}, and mlx_lm's default "
-                       "would differ); reading the MLX model back drops it again")
     if quant and target_st is None:  # mlx_lm.convert casts to a legacy torch_dtype before quantizing
-        legacy = config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
+        legacy = tg.config.get("torch_dtype") or (tg.config.get("text_config") or {}).get("dtype")
         if legacy in _ST:
             target_st = _ST[legacy]
             changes.append(f"cast floating tensors to {legacy} (config.json torch_dtype), as mlx_lm.convert does")
-    computed = [o.name for o in outputs if o.computed]
-    unused = [n for n in unused if n not in set(computed)]  # recomputed under their own name: listed below
-    if unused:
-        how = (f"dropped by mlx_lm's sanitize: {collapse(unused)}" if not computed else
-               f"not carried over by name: {collapse(unused)} (mlx_lm's sanitize drops them or computes "
-               "the tensors below from them)")
-        changes.append(how)
-    stacked = [o for o in outputs if len(o.sources) > 1]
-    if stacked:
-        changes.append(f"stacked {sum(len(o.sources) for o in stacked)} expert tensors into {len(stacked)} "
-                       "tensors (E, out, in), as mlx_lm's sanitize does")
-    if computed:
-        changes.append(f"computed by mlx_lm's sanitize (evaluated from the input): {collapse(computed)}")
+    changes += said.config_changes(tg) + said.output_changes(outputs, unused)
     d = decide(tg.model, quant) if quant else None
     chosen, block = (d.chosen, d.block) if d else ({}, tg.prequant)
-    left = [f"{m}.weight" for m in d.skipped] if d else []
-    ct_kept: dict = {}  # --- compressed-tensors, GPTQ, AWQ input: group-wise int codes kept as MLX affine ---
-    ct_modules = from_ct.modules(ckpt)
-    if ct_modules:
-        config.pop("quantization_config", None)  # the quantizer's own: mlx_lm reads only its block
-        if not quant and not dequantize:
-            ct_kept, refused = from_ct.kept(ct_modules, outputs, view)
-            if target_st is not None:  # scales and biases would be cast: the codes' values change
-                ct_kept, refused = {}, {n: "--dtype given" for n in ct_modules}
-            block = from_ct.block(ct_kept) or block
-            changes += from_ct.changes(ct_kept, refused)
-        else:
-            changes.append(f"read {len(ct_modules)} quantized weights dequantized"
-                           + (" (-d)" if dequantize else ", then quantized as asked"))
-
+    ct_kept, block = _kept_codes(ckpt, tg.config, outputs, view, quant, dequantize, target_st, block, changes)
     from .tensors import plan_outputs
 
     entries, jobs = plan_outputs(ckpt, tg, view, outputs, target_st, chosen, d.shapes if d else {})
     if ct_kept:
         entries = from_ct.replace(ckpt, entries, ct_kept)
-    if quant and d:
-        n = sum(e.name.endswith(".scales") for e in entries)
-        changes.append(f"quantized {counted(n, 'weight')} with mx.quantize: {quant.bits} bits, group size {quant.group_size} "
-                       f"({quant.mode}{', recipe ' + quant.recipe if quant.recipe else ''}); config.json gets the "
-                       "quantization block")
-        for module, params in block.items():
-            if isinstance(params, dict) and module not in ("group_size", "bits", "mode"):
-                if not quant.recipe:
-                    changes.append(f"{module}: {params}, the model's quant_predicate (as mlx_lm.convert)")
-        for why in dict.fromkeys(d.skipped.values()):
-            changes.append(f"left unquantized, as mlx_lm.convert does ({why}): "
-                           f"{collapse(m + '.weight' for m, w in d.skipped.items() if w == why)}")
-    if dtype is not None:
-        changes.append(f"floating tensors cast to {short_name(target_st)} with MLX's astype, as mlx_lm.convert "
-                       "--dtype")
+    changes += said.quant_changes(entries, quant, d, block) + said.cast_changes(dtype, target_st)
     plan = Plan(ckpt, entries, None, changes)
-    summary = {"output": str(out), "format": "mlx", "model_type": config.get("model_type"), "mlx_model": tg.module,
+    summary = {"output": str(out), "format": "mlx", "model_type": tg.config.get("model_type"), "mlx_model": tg.module,
                "tensors": len(entries), "bytes": plan.total_bytes, "dtype": short_name(target_st) if target_st else None,
-               "quantization": block, "quantized": len(chosen), "unquantized": left, "changes": changes}
+               "quantization": block, "quantized": len(chosen),
+               "unquantized": [f"{m}.weight" for m in d.skipped] if d else [], "changes": changes}
     if dry_run:
         return {**summary, "files": [], "plan": plan.describe()}
+    # act: the directory, written atomically; the summary reports from the plan
+    return {**summary, "files": _write(ckpt, tg.config, plan, block, out, force, max_shard_size, jobs)}
+
+
+def _kept_codes(ckpt: Checkpoint, config: dict, outputs, view, quant, dequantize: bool, target_st,
+                block, changes: list[str]) -> tuple[dict, dict | None]:
+    """A compressed-tensors, GPTQ or AWQ input's group-wise int codes kept as MLX affine where they fit
+    (``from_ct``): (output module -> its module, the quantization block); the config loses the quantizer's own
+    block (mlx_lm reads only its own); what happens to each is said in ``changes``."""
+    ct_modules = from_ct.modules(ckpt)
+    if not ct_modules:
+        return {}, block
+    config.pop("quantization_config", None)
+    if quant or dequantize:
+        changes.append(f"read {len(ct_modules)} quantized weights dequantized"
+                       + (" (-d)" if dequantize else ", then quantized as asked"))
+        return {}, block
+    ct_kept, refused = from_ct.kept(ct_modules, outputs, view)
+    if target_st is not None:  # scales and biases would be cast: the codes' values change
+        ct_kept, refused = {}, {n: "--dtype given" for n in ct_modules}
+    changes += from_ct.changes(ct_kept, refused)
+    return ct_kept, from_ct.block(ct_kept) or block
+
+
+def _write(ckpt: Checkpoint, config: dict, plan: Plan, block, out: Path, force: bool, max_shard_size, jobs) -> list:
+    """The MLX directory of ``plan``: its shards (an index even for one, as mlx-lm writes), config.json as mlx_lm
+    writes it, the model card, the side files the input rebuilds, quantizing in worker processes."""
     shard = max_shard_size or MAX_SHARD_SIZE
     if ckpt.config is None:  # target() refused it already
         raise FFNToolsError(f"{ckpt.path}: no config.json; MLX export needs it")
     metadata = {**METADATA, **added_metadata(ckpt.config, config)}  # what reading back removes
-    items = [OutTensor(e.name, e.st_dtype, tuple(e.shape), e.nbytes, _sizing_only) for e in entries]
+    items = [OutTensor(e.name, e.st_dtype, tuple(e.shape), e.nbytes, _sizing_only) for e in plan.entries]
     extra: dict[str, str | bytes] = {"config.json": mlx_config(ckpt, config, block), "README.md": model_card(ckpt)}
-    rebuilt, said = ckpt.rebuilt_files()  # a GGUF's tokenizer, as transformers writes it from tokenizer.ggml.*
+    rebuilt, lines = ckpt.rebuilt_files()  # a GGUF's tokenizer, as transformers writes it from tokenizer.ggml.*
     extra = {**rebuilt, **extra}
-    changes += [line for line in said if not line.startswith("README.md")]  # mlx_lm's card is written
-    recorded, said = ckpt.carried_metadata()  # a GGUF's Gemma norms: back within 2**-24, not bit for bit
+    plan.changes += [line for line in lines if not line.startswith("README.md")]  # mlx_lm's card is written
+    recorded, lines = ckpt.carried_metadata()  # a GGUF's Gemma norms: back within 2**-24, not bit for bit
     metadata.update(recorded)
-    changes += said
+    plan.changes += lines
     if len(plan_shards(items, shard, metadata)) == 1:  # mlx-lm writes an index even for one shard
         index = {"metadata": {"total_size": plan.total_bytes},
-                 "weight_map": {e.name: "model.safetensors" for e in sorted(entries, key=lambda e: e.name)}}
+                 "weight_map": {e.name: "model.safetensors" for e in sorted(plan.entries, key=lambda e: e.name)}}
         extra["model.safetensors.index.json"] = json.dumps(index, indent=4)
     from .quant import start_pool
 
     pool = start_pool(jobs)
     try:
-        files = execute(plan, out, force=force, max_shard_size=shard, metadata=metadata, desc="converting to mlx",
-                        extra_files=extra)
+        return execute(plan, out, force=force, max_shard_size=shard, metadata=metadata, desc="converting to mlx",
+                       extra_files=extra)
     finally:
         if pool is not None:
             pool.close()
-    return {**summary, "files": files}
 
 
 def _keep_quantized(ckpt: Checkpoint, out: Path, kept: list[dict], target_st, force, max_shard_size,
