@@ -49,19 +49,27 @@ def windows(sliding_window, layer_types, layers: int, max_positions=None) -> lis
     return [w] * layers
 
 
+# Top-k renormalization transformers' modeling code fixes for a model type whose config has no norm_topk_prob:
+# Mixtral normalizes the top-k softmax weights (modeling_mixtral.py); Jamba takes them from the softmax over every
+# expert as they are (modeling_jamba.py: softmax, then topk).
+TRANSFORMERS_TOPK = {"mixtral": True, "jamba": False}
+
+
 def transformers_runs(normalized: dict) -> dict[str, Runs]:
     """The settings as transformers' modeling code runs them from its normalized config (``transformers_view``):
     the window per layer (its ``layer_types``; a window on every layer where it has none, unless
     ``use_sliding_window`` is off, as Mistral and Phi-3 apply one), and ``norm_topk_prob`` where the config class
-    has it."""
+    has it, or the model fixes it (``TRANSFORMERS_TOPK``)."""
     out: dict[str, Runs] = {}
     layers = normalized.get("num_hidden_layers")
     if isinstance(layers, int) and layers > 0:
         sw = normalized.get("sliding_window") if normalized.get("use_sliding_window") is not False else None
         ws = windows(sw, normalized.get("layer_types"), layers, normalized.get("max_position_embeddings"))
         out["sliding_window"] = Runs(ws, windows_words(ws))
-    if isinstance(normalized.get("norm_topk_prob"), bool):
-        out["norm_topk_prob"] = Runs(normalized["norm_topk_prob"], topk_words(normalized["norm_topk_prob"]))
+    norm = normalized.get("norm_topk_prob")
+    norm = norm if isinstance(norm, bool) else TRANSFORMERS_TOPK.get(str(normalized.get("model_type")))
+    if norm is not None:
+        out["norm_topk_prob"] = Runs(norm, topk_words(norm))
     return out
 
 
