@@ -78,12 +78,24 @@ def topk_words(norm: bool) -> str:
             "the top-k experts' router weights as the router gives them, not renormalized")
 
 
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def moot(config: dict) -> set[str]:
+    """The settings that compute the same function whichever way a client runs them under ``config``: top-k
+    renormalization where every expert is chosen (the softmax over all of them already sums to 1)."""
+    k = config.get("num_experts_per_tok")
+    n = next((config[c] for c in EXPERT_COUNTS if isinstance(config.get(c), int)), None)
+    return {"norm_topk_prob"} if isinstance(k, int) and n is not None and k >= n else set()
+
+
 def differences(a: dict[str, Runs], b: dict[str, Runs], a_who: str, b_who: str,
-                b_runs: str = "runs") -> list[tuple[str, str]]:
-    """(setting, sentence) for each setting both readings have and run otherwise; ``a_who``, ``b_who`` name the
-    clients in the sentence ("A's client (transformers)"), ``b_runs`` the second one's verb ("would run")."""
-    out = []
-    for key in sorted(set(a) & set(b)):
+                b_runs: str = "runs", config: dict | None = None) -> list[tuple[str, str]]:
+    """(setting, sentence) for each setting both readings have and run otherwise, but for those ``moot`` under
+    ``config``; ``a_who``, ``b_who`` name the clients in the sentence ("A's client (transformers)"), ``b_runs``
+    the second one's verb ("would run")."""
+    out, same = [], moot(config or {})
+    for key in sorted(set(a) & set(b) - same):
         if a[key].value != b[key].value:
             out.append((key, f"{key}: {a_who} runs {a[key].words}; {b_who} {b_runs} {b[key].words}"))
     return out
