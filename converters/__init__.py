@@ -136,4 +136,5 @@ def client_differences(ckpt: Checkpoint, target: Format) -> list[tuple[str, str]
     if source.name == client.name or not ckpt.config:
         return []
     return differences(source.runs(source.config_of(ckpt)), client.runs(ckpt.config),
-                       f"the input's client ({source.name})", f"the output's client ({client.name})", "would run")
+                       f"the input's client ({source.name})", f"the output's client ({client.name})", "would run",
+                       config=source.config_of(ckpt))

@@ -100,7 +100,8 @@ class Client(ABC):
         if theirs is None or theirs.name == self.name:
             return
         for key, line in differences(theirs.runs(ca.config or {}), self.runs(self.config_of(cb)),
-                                     f"A's client ({theirs.name})", f"B's client ({self.name})"):
+                                     f"A's client ({theirs.name})", f"B's client ({self.name})",
+                                     config=ca.config or {}):
             (res.allowed if key in allow else res.problems).append(line)
 
     def config_of(self, ckpt) -> dict:

@@ -82,6 +82,22 @@ def test_qwen3_moe_without_norm_topk_prob_to_gguf(gguf_model, tmp_path):
                              "--logits").output
 
 
+def test_renormalizing_is_no_difference_where_every_expert_is_chosen(gguf_model, tmp_path):
+    """The softmax over all experts already sums to 1: with top-k = every expert the two clients' functions
+    agree, and convert names no difference (a refusal there would be a false alarm)."""
+    import converters
+
+    cfg = json.loads((gguf_model("qwen3_moe") / "config.json").read_text())
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    some = _with(gguf_model("qwen3_moe"), tmp_path, "some", norm_topk_prob=False)
+    every = _with(gguf_model("qwen3_moe"), tmp_path, "every", norm_topk_prob=False,
+                  num_experts_per_tok=experts)
+    assert cfg["num_experts_per_tok"] < experts
+    gguf = converters.get("gguf")
+    assert [k for k, _ in converters.client_differences(converters.open_any(some), gguf)] == ["norm_topk_prob"]
+    assert converters.client_differences(converters.open_any(every), gguf) == []
+
+
 @pytest.fixture(scope="module")
 def bf16_moe(tmp_path_factory):
     """A bfloat16 Qwen3-MoE and its MLX exports in float32 (a lossless upcast) and in bfloat16 (a copy)."""

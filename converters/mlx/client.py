@@ -138,6 +138,11 @@ def _compare_mlx(res: ConfigResult, ca, cb, allow) -> None:
     compare_keys(res, a_args, b_args, allow, None)
 
 
+# Top-k renormalization an mlx_lm model fixes whatever the config says (its module: jamba.py softmaxes the top-k
+# router scores; mixtral.py likewise).
+MLX_TOPK = {"jamba": True, "mixtral": True}
+
+
 def mlx_runs(t: models.Target, max_positions=None) -> dict[str, Runs]:
     """The settings as mlx_lm's model ``t`` runs them, read from its code's arguments: a layer slides only where its
     ``ModelArgs`` has a ``sliding_window`` and its ``layer_types`` mark the layer sliding (``llama``: all full
@@ -167,4 +172,7 @@ def mlx_runs(t: models.Target, max_positions=None) -> dict[str, Runs]:
             out["sliding_window"] = Runs(ws, windows_words(ws) + why)
     if "norm_topk_prob" in fields and isinstance(args.norm_topk_prob, bool):
         out["norm_topk_prob"] = Runs(args.norm_topk_prob, topk_words(args.norm_topk_prob))
+    elif t.module in MLX_TOPK:
+        norm = MLX_TOPK[t.module]
+        out["norm_topk_prob"] = Runs(norm, f"{topk_words(norm)} (mlx_lm's {t.module} model, whatever the config says)")
     return out

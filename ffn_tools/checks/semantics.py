@@ -49,19 +49,27 @@ def windows(sliding_window, layer_types, layers: int, max_positions=None) -> lis
     return [w] * layers
 
 
+# Top-k renormalization transformers' modeling code fixes for a model type whose config has no norm_topk_prob:
+# Mixtral normalizes the top-k softmax weights (modeling_mixtral.py); Jamba takes them from the softmax over every
+# expert as they are (modeling_jamba.py: softmax, then topk).
+TRANSFORMERS_TOPK = {"mixtral": True, "jamba": False}
+
+
 def transformers_runs(normalized: dict) -> dict[str, Runs]:
     """The settings as transformers' modeling code runs them from its normalized config (``transformers_view``):
     the window per layer (its ``layer_types``; a window on every layer where it has none, unless
     ``use_sliding_window`` is off, as Mistral and Phi-3 apply one), and ``norm_topk_prob`` where the config class
-    has it."""
+    has it, or the model fixes it (``TRANSFORMERS_TOPK``)."""
     out: dict[str, Runs] = {}
     layers = normalized.get("num_hidden_layers")
     if isinstance(layers, int) and layers > 0:
         sw = normalized.get("sliding_window") if normalized.get("use_sliding_window") is not False else None
         ws = windows(sw, normalized.get("layer_types"), layers, normalized.get("max_position_embeddings"))
         out["sliding_window"] = Runs(ws, windows_words(ws))
-    if isinstance(normalized.get("norm_topk_prob"), bool):
-        out["norm_topk_prob"] = Runs(normalized["norm_topk_prob"], topk_words(normalized["norm_topk_prob"]))
+    norm = normalized.get("norm_topk_prob")
+    norm = norm if isinstance(norm, bool) else TRANSFORMERS_TOPK.get(str(normalized.get("model_type")))
+    if norm is not None:
+        out["norm_topk_prob"] = Runs(norm, topk_words(norm))
     return out
 
 
@@ -70,12 +78,24 @@ def topk_words(norm: bool) -> str:
             "the top-k experts' router weights as the router gives them, not renormalized")
 
 
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def moot(config: dict) -> set[str]:
+    """The settings that compute the same function whichever way a client runs them under ``config``: top-k
+    renormalization where every expert is chosen (the softmax over all of them already sums to 1)."""
+    k = config.get("num_experts_per_tok")
+    n = next((config[c] for c in EXPERT_COUNTS if isinstance(config.get(c), int)), None)
+    return {"norm_topk_prob"} if isinstance(k, int) and n is not None and k >= n else set()
+
+
 def differences(a: dict[str, Runs], b: dict[str, Runs], a_who: str, b_who: str,
-                b_runs: str = "runs") -> list[tuple[str, str]]:
-    """(setting, sentence) for each setting both readings have and run otherwise; ``a_who``, ``b_who`` name the
-    clients in the sentence ("A's client (transformers)"), ``b_runs`` the second one's verb ("would run")."""
-    out = []
-    for key in sorted(set(a) & set(b)):
+                b_runs: str = "runs", config: dict | None = None) -> list[tuple[str, str]]:
+    """(setting, sentence) for each setting both readings have and run otherwise, but for those ``moot`` under
+    ``config``; ``a_who``, ``b_who`` name the clients in the sentence ("A's client (transformers)"), ``b_runs``
+    the second one's verb ("would run")."""
+    out, same = [], moot(config or {})
+    for key in sorted(set(a) & set(b) - same):
         if a[key].value != b[key].value:
             out.append((key, f"{key}: {a_who} runs {a[key].words}; {b_who} {b_runs} {b[key].words}"))
     return out
