@@ -28,7 +28,6 @@ mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 from ffn_tools.converters.mlx import inverse  # noqa: E402
 from ffn_tools.converters.mlx.probe import NotRearranged, Probe  # noqa: E402
-from ffn_tools.converters.mlx.view import MLXCheckpoint  # noqa: E402
 from ffn_tools.plan import Entry  # noqa: E402
 from test_zoo_mlx import EXTRA, KEEP, REFUSED, _built, _candidates  # noqa: E402
 

@@ -13,9 +13,8 @@ import shutil
 import pytest
 import torch
 from helpers import plant, run_cli
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-import ffn_tools
 from ffn_tools.checks.config import differences, transformers_view
 
 REF = ("--backend", "reference", "--tokens", "4")
