@@ -20,7 +20,6 @@ in another order fail with how many moved. One key may be only in B's tokenizer_
 
 from __future__ import annotations
 
-import bisect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,9 +27,11 @@ from typing import ClassVar
 
 from ..errors import listing
 from . import Check
+from .json_diff import Unreadable, diff, diff_text, merge_order, parse, read_json
+from .tokenizer_behaviour import settle
+from .tokenizer_config import IGNORED, content, tokenizer_views
 
 MAX_LISTED = 8
-CLIP = 60
 MISSING = "is in A and missing in B"
 
 SIDE_FILES = (
@@ -50,19 +51,7 @@ SIDE_FILES = (
 )
 BINARY = ("tokenizer.model", "tokenizer.model.v3")
 TABLE_FILES = ("vocab.json", "added_tokens.json")  # {token: id} at the top: keys print as ['token']
-TABLES = ("vocab", "added_tokens_decoder")  # such tables inside a file
-# Keys that provably change nothing a client does: from_pretrained overwrites the first three with where it
-# loaded from (transformers' tokenization_utils_base); transformers_version records the writer's version.
-IGNORED = {"tokenizer_config.json": ("name_or_path", "is_local", "local_files_only"),
-           "generation_config.json": ("transformers_version",)}
-# What transformers 5 uses for a tokenizer_config.json key it does not find: VERY_LARGE_INTEGER; the backend
-# the tokenizer's class picks.
-LOADER_DEFAULTS = {"model_max_length": (int(1e30),), "backend": ("tokenizers", "sentencepiece")}
-CLASS_ALIASES = ({"PreTrainedTokenizerFast", "TokenizersBackend"},)  # one class in transformers 5
-# tokenizer_config.json keys that may be set in B only: without a pad token A's tokenizer refuses to pad
-# (padding=True raises), so every call A's tokenizer answers, B's answers the same; the other special tokens
-# change what a client does (eos stops generation, chat templates write bos), and are compared.
-ONLY_IN_B = {"pad_token": "A's tokenizer cannot pad (padding raises), so every call it answers reads the same in B"}
+
 
 
 @dataclass
@@ -88,10 +77,6 @@ class SideFilesResult(Check):
     def as_dict(self) -> dict:
         return {"identical": self.identical, "problems": self.problems, "notes": self.notes,
                 "skipped": self.skipped, "passed": self.passed}
-
-
-class _Unreadable(ValueError):
-    """A side file its reader cannot read; the message is the problem sentence."""
 
 
 def compare_side_files(root_a: Path | None, root_b: Path | None, config_b: dict | None = None) -> SideFilesResult:
@@ -129,11 +114,9 @@ def compare_side_files(root_a: Path | None, root_b: Path | None, config_b: dict 
                 why = _differs(name, ra, rb, res.notes)
             except OSError as e:
                 why = f"{name} cannot be read ({e})"
-            except _Unreadable as e:
+            except Unreadable as e:
                 why = str(e)
             (res.problems.append(why) if why else res.identical.append(name))
-    from .tokenizer_behaviour import settle  # what a vocabulary cannot say, compared by behaviour
-
     settle(ra, rb, res.problems, res.notes)
     return res
 
@@ -146,7 +129,7 @@ def _differs(name: str, ra: Path, rb: Path, notes: list[str]) -> str | None:
     if name in BINARY:
         at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         return f"{name}: bytes differ from offset {at} (A {len(a)} bytes, B {len(b)} bytes)"
-    da, db = _parse(name, a, "A"), _parse(name, b, "B")
+    da, db = parse(name, a, "A"), parse(name, b, "B")
     if isinstance(da, dict) and isinstance(db, dict):
         for k in IGNORED.get(name, ()):
             da.pop(k, None)
@@ -155,37 +138,11 @@ def _differs(name: str, ra: Path, rb: Path, notes: list[str]) -> str | None:
             ca, cb = _canonical(da, "A"), _canonical(db, "B")  # in an older writer's form
             da, db = (ca, cb) if ca == cb or ca != da else (da, db)
         if name == "tokenizer_config.json":
-            da, db = _tokenizer_views(ra, rb, da, db, notes)
-    why = _diff_text(da, db) if name.endswith((".txt", ".jinja")) else _diff(da, db, "", name in TABLE_FILES)
+            da, db = tokenizer_views(ra, rb, da, db, notes)
+    why = diff_text(da, db) if name.endswith((".txt", ".jinja")) else diff(da, db, "", name in TABLE_FILES)
     if why and why.startswith("model.merges[") and name == "tokenizer.json":
-        why = _merge_order(da["model"]["merges"], db["model"]["merges"]) or why
+        why = merge_order(da["model"]["merges"], db["model"]["merges"]) or why
     return why and f"{name}: {why}"
-
-
-def _merge_order(a: list, b: list) -> str | None:
-    """When A's and B's BPE merges are one set in another order, where: a merge's position is its rank (BPE
-    applies the first applicable merge of the list), so the order is compared, not only the set."""
-    pa, pb = ([m if isinstance(m, str) else " ".join(m) for m in x] for x in (a, b))
-    if sorted(pa) != sorted(pb):
-        return None
-    i = next(i for i, (x, y) in enumerate(zip(pa, pb)) if x != y)
-    rank = {m: r for r, m in enumerate(pb)}
-    kept: list[int] = []  # the longest run of A's merges in B's order (patience sorting): the rest moved
-    for r in (rank[m] for m in pa):
-        at = bisect.bisect_left(kept, r)
-        kept[at:at + 1] = [r]
-    return (f"model.merges: the same {len(pa)} merges in another order ({len(pa) - len(kept)} moved against the "
-            f"rest; first at rank {i}: {_clip(pa[i])} in A, {_clip(pb[i])} in B): BPE applies merges by rank, so "
-            "text tokenizes differently")
-
-
-def _parse(name: str, data: bytes, side: str):
-    kind = "UTF-8 text" if name.endswith((".txt", ".jinja")) else "JSON"
-    try:
-        text = data.decode("utf-8")
-        return text if kind != "JSON" else json.loads(text)
-    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError both are
-        raise _Unreadable(f"{name} in {side} is not valid {kind} ({e})") from e
 
 
 def _canonical(doc: dict, side: str) -> dict:
@@ -197,31 +154,18 @@ def _canonical(doc: dict, side: str) -> dict:
     try:
         return json.loads(Tokenizer.from_str(json.dumps(doc)).to_str())
     except Exception as e:  # tokenizers raises a bare Exception for a file it cannot load
-        raise _Unreadable(f"tokenizer.json in {side} cannot be loaded by tokenizers ({e})") from e
-
-
-def _json(path: Path) -> dict:
-    try:
-        doc = json.loads(path.read_text("utf-8"))
-    except (OSError, ValueError):  # absent or unreadable: its own comparison reports it
-        return {}
-    return doc if isinstance(doc, dict) else {}
-
-
-def _content(v):
-    """A special token as its string (an AddedToken's flags are in tokenizer.json's added_tokens)."""
-    return [_content(x) for x in v] if isinstance(v, list) else v.get("content", v) if isinstance(v, dict) else v
+        raise Unreadable(f"tokenizer.json in {side} cannot be loaded by tokenizers ({e})") from e
 
 
 def _carried(name: str, ra: Path, rb: Path, config_b: dict | None = None) -> str | None:
     """A note when A's ``name``, absent in B, is read from another file of B (where save_pretrained moves it)."""
-    a, cb = _json(ra / name), _json(rb / "tokenizer_config.json")
+    a, cb = read_json(ra / name), read_json(rb / "tokenizer_config.json")
     cb.setdefault("additional_special_tokens", cb.get("extra_special_tokens"))
-    tok = _json(rb / "tokenizer.json")
+    tok = read_json(rb / "tokenizer.json")
     added, model = {(t.get("content"), t.get("id")) for t in tok.get("added_tokens", [])}, tok.get("model", {})
     if name.endswith(".jinja") and cb.get("chat_template"):
         where = "B's tokenizer_config.json holds the chat template (compared there)"
-    elif name == "special_tokens_map.json" and a and all(_content(v) == _content(cb.get(k)) for k, v in a.items()):
+    elif name == "special_tokens_map.json" and a and all(content(v) == content(cb.get(k)) for k, v in a.items()):
         where = "its tokens are in B's tokenizer_config.json"
     elif name == "added_tokens.json" and a and set(a.items()) <= added:
         where = "its tokens are in B's tokenizer.json"
@@ -272,97 +216,3 @@ def _merges(path: Path) -> list[str] | None:
     return [m for i, m in enumerate(lines) if m and not (i == 0 and m.startswith("#version"))]
 
 
-def _tokenizer_views(ra: Path, rb: Path, va: dict, vb: dict, notes: list[str]) -> tuple[dict, dict]:
-    """A's and B's tokenizer_config.json as transformers 5 reads them, with what save_pretrained rewrites
-    without changing the tokenizer made equal (the module docstring lists it)."""
-    fast = (ra / "tokenizer.json").is_file() and (rb / "tokenizer.json").is_file()
-    ja, jb = (ra / "chat_template.jinja").is_file(), (rb / "chat_template.jinja").is_file()
-    for v, r, side, jinja, other in ((va, ra, "A", ja, vb), (vb, rb, "B", jb, va)):
-        for k in [k for k in v if k.endswith("_token") and v[k] is None]:  # a null token is no token
-            del v[k]
-        if "additional_special_tokens" in v and not v.get("extra_special_tokens"):
-            v["extra_special_tokens"] = v.pop("additional_special_tokens")  # transformers 5 renames it on load
-        if fast:  # tokenizer.json holds the added tokens and their flags, and is compared in full
-            v.update({k: _content(x) for k, x in v.items() if k.endswith("_token") or k == "extra_special_tokens"})
-            added = {t.get("id"): t for t in _json(r / "tokenizer.json").get("added_tokens", [])}
-            dec = v.get("added_tokens_decoder")
-            if isinstance(dec, dict) and all(str(i).isdigit() and isinstance(t, dict) and added.get(int(i)) ==
-                                             {**t, "id": int(i)} for i, t in dec.items()):
-                del v["added_tokens_decoder"]
-        if jinja and not (ja and jb) and "chat_template" in other:  # in files on one side, the config on the other
-            files = [r / "chat_template.jinja", *sorted((r / "additional_chat_templates").glob("*.jinja"))]
-            named = {f.stem if f.parent != r else "default": _parse(f.name, f.read_bytes(), side) for f in files}
-            v["chat_template"] = named["default"] if len(named) == 1 else named
-        if isinstance(v.get("chat_template"), list):  # [{name, template}]: read by name
-            v["chat_template"] = {t.get("name"): t.get("template") for t in v["chat_template"] if isinstance(t, dict)}
-    for k in ("add_bos_token", "add_eos_token") if fast else ():
-        if k in va and k not in vb:
-            notes.append(f"tokenizer_config.json: {k} is {_clip(va.pop(k))} in A and not in B: transformers 5 "
-                         "ignores it beside tokenizer.json (its post_processor decides), transformers 4 reads it")
-    for k, why in ONLY_IN_B.items():
-        if k in vb and k not in va:
-            notes.append(f"tokenizer_config.json: {k} is {_clip(vb.pop(k))} in B and not set in A: {why}")
-    for k, defaults in LOADER_DEFAULTS.items():
-        for v, w in ((va, vb), (vb, va)):
-            if k not in v and w.get(k) in defaults:
-                v[k] = w[k]
-    cls = va.get("tokenizer_class"), vb.get("tokenizer_class")
-    if cls[0] != cls[1] and set(cls) in CLASS_ALIASES:
-        notes.append(f"tokenizer_config.json: tokenizer_class is {cls[0]!r} in A, {cls[1]!r} in B: one class in "
-                     f"transformers 5; transformers 4 cannot load {cls[1]!r}")
-        vb["tokenizer_class"] = cls[0]
-    return va, vb
-
-
-def _diff(a, b, path: str, table: bool = False) -> str | None:
-    """Where JSON values ``a`` (A) and ``b`` (B) first differ: "path is X in A, Y in B"; None when equal."""
-    if isinstance(a, list) and isinstance(b, list) and _by_id(a) and _by_id(b):  # added_tokens: named by id
-        a, b, table = {f"id={t['id']}": t for t in a}, {f"id={t['id']}": t for t in b}, True
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in [*a, *(k for k in b if k not in a)]:
-            p = (f"{path}[{k}]" if table and k.startswith("id=") else f"{path}[{k!r}]" if table or not
-                 k.isidentifier() else f"{path}.{k}" if path else k)
-            if k not in b or k not in a:
-                return f"{p} is {_clip(a[k])} in A and missing in B" if k in a else f"{p} is only in B ({_clip(b[k])})"
-            why = _diff(a[k], b[k], p, k in TABLES)
-            if why:
-                return why
-        return None
-    if isinstance(a, list) and isinstance(b, list) and not _leaf(a) | _leaf(b):
-        why = next((w for i, (x, y) in enumerate(zip(a, b)) if (w := _diff(x, y, f"{path}[{i}]"))), None)
-        return why or (None if len(a) == len(b) else f"{path or 'the list'} has {len(a)} items in A, {len(b)} in B")
-    if _same(a, b):
-        return None
-    if isinstance(a, str) and isinstance(b, str) and max(len(a), len(b)) > CLIP:
-        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        return f"{path or 'the text'} differs from character {i}: {_clip(a[i:])} in A, {_clip(b[i:])} in B"
-    return f"{path or 'the value'} is {_clip(a)} in A, {_clip(b)} in B"
-
-
-def _leaf(items: list) -> bool:
-    """A short list of scalars (a merge pair, eos ids) reads as one value."""
-    return len(items) <= 8 and not any(isinstance(t, (dict, list)) for t in items)
-
-
-def _by_id(items: list) -> bool:
-    ids = [t.get("id") if isinstance(t, dict) else None for t in items]
-    return all(isinstance(i, int) for i in ids) and len(set(ids)) == len(ids)
-
-
-def _same(a, b) -> bool:
-    """Equal as JSON values: 1 == 1.0, but true is not 1."""
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(map(_same, a, b))
-    return (isinstance(a, bool), a) == (isinstance(b, bool), b)
-
-
-def _diff_text(a: str, b: str) -> str | None:
-    la, lb = a.split("\n"), b.split("\n")
-    i = next((i for i, (x, y) in enumerate(zip(la, lb)) if x != y), None)
-    return (f"line {i + 1} is {_clip(la[i])} in A, {_clip(lb[i])} in B" if i is not None
-            else f"A has {len(la)} lines, B {len(lb)}" if la != lb else None)
-
-
-def _clip(v) -> str:
-    s = repr(v) if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
-    return s if len(s) <= CLIP else s[:CLIP - 3] + "..."

@@ -25,6 +25,8 @@ import json
 from pathlib import Path
 
 from . import corpus
+from .json_diff import diff, merge_order, read_json
+from .tokenizer_config import IGNORED, tokenizer_views
 
 FILES = ("tokenizer.json", "tokenizer_config.json")
 NOT_COMPARED = "texts beyond the corpus"
@@ -82,8 +84,6 @@ def _agrees(ra: Path, rb: Path, problem: str) -> bool:
 def _name_the_fact(ra: Path, rb: Path, problems: list[str]) -> None:
     """A tokenizer.json problem whose pair differs in a fact (``facts``) names that fact, not the first difference
     in the file's order (a post-processor spelled otherwise, which alone would be compared by behaviour)."""
-    from .side_files import _diff, _merge_order
-
     i = next((i for i, p in enumerate(problems) if p.startswith("tokenizer.json: ")), None)
     if i is None or problems[i].startswith(("tokenizer.json: model.vocab", "tokenizer.json: model.merges",
                                             "tokenizer.json: added_tokens")):
@@ -93,7 +93,7 @@ def _name_the_fact(ra: Path, rb: Path, problems: list[str]) -> None:
         return
     va, vb = ({"model": {"type": f["type"], "unk_token": f["unk"], "vocab": f["ids"], "merges": f["merges"]},
                "added_tokens": f["added"]} for f in (fa, fb))  # named as tokenizer.json names them
-    why = (_merge_order(fa["merges"], fb["merges"]) if fa["merges"] != fb["merges"] else None) or _diff(va, vb, "")
+    why = (merge_order(fa["merges"], fb["merges"]) if fa["merges"] != fb["merges"] else None) or diff(va, vb, "")
     if why:
         problems[i] = f"tokenizer.json: {why}"
 
@@ -121,15 +121,13 @@ def _config_agrees(ra: Path, rb: Path) -> bool:
     """tokenizer_config.json of A and B read the same (as ``side_files`` reads them) once ``tokenizer_class`` and
     null settings are left out, and ``extra_special_tokens`` where the other side's tokenizer.json marks each of
     its tokens special."""
-    from .side_files import IGNORED, _diff, _json, _tokenizer_views
-
-    va, vb = _json(ra / "tokenizer_config.json"), _json(rb / "tokenizer_config.json")
+    va, vb = read_json(ra / "tokenizer_config.json"), read_json(rb / "tokenizer_config.json")
     if not va or not vb:
         return False
     for v in (va, vb):
         for k in IGNORED["tokenizer_config.json"]:
             v.pop(k, None)
-    va, vb = _tokenizer_views(ra, rb, va, vb, [])
+    va, vb = tokenizer_views(ra, rb, va, vb, [])
     for v in (va, vb):  # the class: a GGUF names none (transformers' reader picks one by architecture); a null
         v.pop("tokenizer_class", None)  # setting (add_prefix_space: null, as Qwen2Tokenizer saves it) is no setting
         for k in [k for k, x in v.items() if x is None]:
@@ -139,7 +137,7 @@ def _config_agrees(ra: Path, rb: Path) -> bool:
         marked = {t: s for t, (_, s) in ((facts(other / "tokenizer.json") or {}).get("added") or {}).items()}
         if isinstance(listed, list) and all(isinstance(t, str) and marked.get(t) for t in listed):
             v.pop("extra_special_tokens")
-    return _diff(va, vb, "") is None
+    return diff(va, vb, "") is None
 
 
 def behaviour(ra: Path, rb: Path) -> tuple[str | None, int]:
