@@ -65,19 +65,22 @@ def detect_format(path: str | Path) -> str:
     return next((f.name for f in _available() if f.can_read(path)), "torch")
 
 
-def open_any(path: str | Path, fmt: str | None = None, absent_shards: bool = False) -> Checkpoint:
+def open_any(path: str | Path, fmt: str | None = None, absent_shards: bool = False,
+             like: Checkpoint | None = None) -> Checkpoint:
     """Open a checkpoint of any supported format as a Hugging Face PyTorch-named view.
 
     ``absent_shards``: a sharded index may name shards that are not on disk (``Checkpoint.absent`` lists them),
     in the formats that read such indexes (``Format.partial_shards``); the others refuse a missing shard.
+    ``like``: the checkpoint this one will be compared with (``Format.read``).
 
     Raises:
         CheckpointError: the path cannot be read.
     """
-    return get(fmt or detect_format(path)).open(Path(path), absent_shards=absent_shards)
+    return get(fmt or detect_format(path)).open(Path(path), absent_shards=absent_shards, like=like)
 
 
-def open_sides(path, side: str, absent_shards: bool = False) -> tuple[Checkpoint | None, str | None]:
+def open_sides(path, side: str, absent_shards: bool = False,
+               like: Checkpoint | None = None) -> tuple[Checkpoint | None, str | None]:
     """(checkpoint, None), or (None, problem) where the weight files are there but their content cannot be read
     as their format (a failed conversion: say an MLX config whose group size does not fit its scales): verify
     reports that as a difference, not a usage error.
@@ -86,7 +89,7 @@ def open_sides(path, side: str, absent_shards: bool = False) -> tuple[Checkpoint
         FFNToolsError: there is no checkpoint at ``path`` at all.
     """
     try:
-        return open_any(path, absent_shards=absent_shards), None
+        return open_any(path, absent_shards=absent_shards, like=like), None
     except CheckpointError as e:
         try:
             open_checkpoint(path, absent_shards).close()  # plain weight files are there: what they hold is wrong

@@ -47,14 +47,16 @@ class Format(ABC):
         """Whether ``path`` is in this format: cheap (names, headers), never raising."""
 
     @abstractmethod
-    def read(self, path: Path, absent_shards: bool = False) -> "Checkpoint":
-        """``path`` opened lazily (``open`` wraps it and records the format on the checkpoint).
+    def read(self, path: Path, absent_shards: bool = False, like: "Checkpoint | None" = None) -> "Checkpoint":
+        """``path`` opened lazily (``open`` wraps it and records the format on the checkpoint). ``like``: the
+        checkpoint this one will be compared with (verify's A), which a reader may take as the source's tensor
+        layout where it proves to be one (MLX's view: instead of building transformers' model).
 
         Raises:
             CheckpointError: ``path`` cannot be read as this format.
         """
 
-    def open(self, path: Path, absent_shards: bool = False) -> "Checkpoint":
+    def open(self, path: Path, absent_shards: bool = False, like: "Checkpoint | None" = None) -> "Checkpoint":
         """``path`` opened lazily as a Hugging Face PyTorch-named view, ``ckpt.format`` this format.
 
         Args:
@@ -64,7 +66,7 @@ class Format(ABC):
         Raises:
             CheckpointError: ``path`` cannot be read as this format.
         """
-        ckpt = self.read(Path(path), absent_shards=absent_shards and self.partial_shards)
+        ckpt = self.read(Path(path), absent_shards=absent_shards and self.partial_shards, like=like)
         ckpt.format = ckpt.stored.format = self  # a decoding view and what it decodes
         return ckpt
 

@@ -443,3 +443,33 @@ def test_absent_tie_key_keeps_the_head_as_transformers_does(arch, model_dir, tmp
         convert(headless, "mlx", tmp_path / "tied")
         assert "tie_word_embeddings" not in config(tmp_path / "tied")
         assert "lm_head.weight" not in tensors(tmp_path / "tied")
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3", "mixtral"])
+def test_the_view_traces_b_through_a_s_layout_when_a_is_its_source(arch, hf, exported, tmp_path, monkeypatch):
+    """verify opens B beside A (``like``): where A is the checkpoint B was exported from, B's view is traced
+    through A's own tensors, never building transformers' model (a second of imports), and reads exactly as the
+    view traced through transformers' layout; where A is not what was exported (a fused Llama against the
+    export of the split one), the view falls back to transformers' layout, and reads the same again."""
+    from ffn_tools.converters import open_any
+    from ffn_tools.converters.mlx import inverse
+    from ffn_tools.gateup import fuse_gateup
+
+    out = exported(arch)[0]
+    with open_any(out) as plain:
+        want = {n: tuple(plain.info(n).shape) for n in plain}
+        want_bits = {n: plain[n] for n in list(plain)[:6]}
+    fused = tmp_path / "fused"
+    fuse_gateup(hf("llama"), fused)
+    with open_any(hf(arch)) as a:
+        source_layout = inverse.source_layout
+        monkeypatch.setattr(inverse, "source_layout", lambda config: pytest.fail("built transformers' model"))
+        with open_any(out, like=a) as b:
+            assert b.inverse.shapes == {n: tuple(a.info(n).shape) for n in a}
+            assert {n: tuple(b.info(n).shape) for n in b} == want
+            assert all(torch.equal(b[n], t) for n, t in want_bits.items())
+        built = []
+        monkeypatch.setattr(inverse, "source_layout", lambda config: built.append(1) or source_layout(config))
+    if arch == "llama":
+        with open_any(fused) as a, open_any(out, like=a) as b:
+            assert built and {n: tuple(b.info(n).shape) for n in b} == want

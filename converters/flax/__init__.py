@@ -43,7 +43,7 @@ class Flax(Format):
             return any(path.glob("*.msgpack")) and not any((path / n).exists() for n in TORCH_FILES)
         return path.name.endswith((".msgpack", ".msgpack.index.json"))
 
-    def read(self, path: Path, absent_shards: bool = False) -> FlaxCheckpoint:
+    def read(self, path: Path, absent_shards: bool = False, like: Checkpoint | None = None) -> FlaxCheckpoint:
         """A Flax checkpoint opened lazily: a .msgpack file, an index, or a directory.
 
         Raises:

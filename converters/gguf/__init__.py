@@ -26,7 +26,7 @@ class Gguf(Format):
         path = Path(path)
         return path.suffix == ".gguf" and path.is_file()
 
-    def read(self, path: Path, absent_shards: bool = False) -> Checkpoint:
+    def read(self, path: Path, absent_shards: bool = False, like: Checkpoint | None = None) -> Checkpoint:
         """A GGUF (any part of a split one) as a lazy Hugging Face-named view.
 
         Raises:

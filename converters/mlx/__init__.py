@@ -49,7 +49,7 @@ class Mlx(Format):
         except (FFNToolsError, OSError, ValueError):
             return False
 
-    def read(self, path: Path, absent_shards: bool = False) -> Checkpoint:
+    def read(self, path: Path, absent_shards: bool = False, like: Checkpoint | None = None) -> Checkpoint:
         """An MLX model directory as a lazy Hugging Face-named view (``view``); ``absent_shards``: its index may
         name shards not on disk (``Checkpoint.absent``).
 
@@ -59,7 +59,7 @@ class Mlx(Format):
         """
         from .view import MLXCheckpoint
 
-        return MLXCheckpoint(Path(path), absent_shards)
+        return MLXCheckpoint(Path(path), absent_shards, like=like)
 
     def export(self, ckpt: Checkpoint, out: Path, **options) -> dict:
         """Write ``ckpt`` as an MLX model directory (see ``exporter.export``; mlx is imported only now, so an MLX

@@ -129,14 +129,49 @@ def source_layout(config: dict) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in state.items()}
 
 
-def plan(stored: Mapping[str, tuple[tuple[int, ...], str]], config: dict, root: Path) -> Inverse:
+def layout_of(like: Checkpoint | None, config: dict) -> dict[str, tuple[int, ...]] | None:
+    """``like``'s tensors (name -> shape) where they may be the source's layout: an unquantized PyTorch
+    checkpoint of the same model type and architecture, every shard here; else None."""
+    if like is None or like.format is None or like.format.name != "torch" or like.absent or not like.config:
+        return None
+    ours, theirs = config, like.config
+    if any(k in theirs for k in ("quantization_config", "quantization")) or \
+            (ours.get("model_type"), ours.get("architectures")) != (theirs.get("model_type"), theirs.get("architectures")):
+        return None
+    return {n: tuple(like.info(n).shape) for n in like}
+
+
+def plan(stored: Mapping[str, tuple[tuple[int, ...], str]], config: dict, root: Path,
+         like: Checkpoint | None = None) -> Inverse:
     """Trace the MLX tensors ``stored`` (name -> (shape, dtype) as the view reads them: dequantized) back to
     the source of ``config`` (the source's config, as export restores it). Never raises: what cannot be done is
-    ``skipped``/``refused``, and those tensors keep their MLX names."""
+    ``skipped``/``refused``, and those tensors keep their MLX names.
+
+    The source's layout is what transformers' ``save_pretrained`` writes for ``config`` (``source_layout``:
+    builds the model on the meta device, a second of imports), or ``like``'s where it is a PyTorch checkpoint of
+    the same model (``layout_of``) whose export is exactly what is stored: every stored tensor one of its
+    tensors renamed or stacked, none computed, none refused.
+    """
+    shapes = layout_of(like, config)
+    if like is not None and shapes is not None:
+        inv = _traced(stored, config, root, shapes)
+        if not (inv.skipped or inv.refused or inv.probe) and inv.covered == set(stored):
+            return inv
+        log.info("%s: %s is not the layout exported here; tracing transformers' own", root, like.root)
+    try:
+        shapes = source_layout(config)
+    except FFNToolsError as e:
+        log.info("%s: MLX names kept (%s)", root, e)
+        return Inverse(skipped=str(e))
+    return _traced(stored, config, root, shapes)
+
+
+def _traced(stored: Mapping[str, tuple[tuple[int, ...], str]], config: dict, root: Path,
+            shapes: dict[str, tuple[int, ...]]) -> Inverse:
+    """``plan`` from the source layout ``shapes``."""
     from .matching import match
 
     try:
-        shapes = source_layout(config)
         tg, view, outputs, _, _ = match(_Layout(shapes, config, root), str(root))
     except FFNToolsError as e:
         log.info("%s: MLX names kept (%s)", root, e)

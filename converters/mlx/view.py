@@ -98,7 +98,7 @@ class MLXCheckpoint(Checkpoint):
     kind, described = "mlx", "an MLX"
     resolves_quantization = True
 
-    def __init__(self, path: Path, absent_shards: bool = False):
+    def __init__(self, path: Path, absent_shards: bool = False, like: Checkpoint | None = None):
         raw = open_checkpoint(path, absent_shards)
         if not isinstance(raw, SafetensorsCheckpoint):
             raise CheckpointError(f"{path}: MLX weights are safetensors files; found {raw.kind} files")
@@ -138,7 +138,7 @@ class MLXCheckpoint(Checkpoint):
         config = restore_source_config(config, raw.metadata)  # without the keys export added for mlx-lm
         from .inverse import plan
 
-        self.inverse = plan({n: self._read_as(n) for n in self._stored}, config, raw.root)
+        self.inverse = plan({n: self._read_as(n) for n in self._stored}, config, raw.root, like)
         try:
             infos = self._infos_from(config)
         except CheckpointError as e:  # a name traced back collides with one kept: read it all by MLX names

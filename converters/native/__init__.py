@@ -30,7 +30,7 @@ class Native(Format):
             return False
         return (root / PARAMS).is_file() and bool(shard_files(root))
 
-    def read(self, path: Path, absent_shards: bool = False) -> Checkpoint:
+    def read(self, path: Path, absent_shards: bool = False, like: Checkpoint | None = None) -> Checkpoint:
         """A native checkpoint as a lazy Hugging Face-named view.
 
         Raises:

@@ -24,7 +24,7 @@ class PyTorch(Format):
         """Anything ``open_checkpoint`` accepts; errors are left for ``open`` to report."""
         return True
 
-    def read(self, path: Path, absent_shards: bool = False) -> Checkpoint:
+    def read(self, path: Path, absent_shards: bool = False, like: Checkpoint | None = None) -> Checkpoint:
         """A PyTorch checkpoint opened lazily (``open_checkpoint``), its quantized weights decoded
         (``quant.decoded``: GPT-OSS's MXFP4 experts exactly, compressed-tensors as it dequantizes them, ...)."""
         ckpt = open_checkpoint(path, absent_shards)

@@ -15,6 +15,8 @@ whole-model check through both real clients.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -59,7 +61,24 @@ def background() -> Iterator[ThreadPoolExecutor]:
     except (KeyboardInterrupt, SystemExit):
         pool.shutdown(wait=False, cancel_futures=True)
         raise
+    threads = list(getattr(pool, "_threads", ()))
     pool.shutdown(wait=True)
+    for t in threads:
+        gone(t)
+
+
+def gone(thread, timeout: float = 2.0) -> None:
+    """Wait, the GIL released, until ``thread`` has left the OS, not only Python: ``join`` returns before its
+    thread-local destructors run, and mlx's (on a thread that ran mlx_lm's load check) takes the GIL; a process
+    that finalizes meanwhile kills that thread inside a C++ destructor, and the process aborts ("terminate
+    called without an active exception", exit 134, after a report that passed). Linux says it in /proc."""
+    task = f"/proc/self/task/{thread.native_id}"
+    if thread.native_id is None or not os.path.isdir("/proc/self/task"):
+        time.sleep(0.05)  # elsewhere: a moment for the destructors
+        return
+    end = time.monotonic() + timeout
+    while os.path.exists(task) and time.monotonic() < end:
+        time.sleep(0.002)
 
 
 def done(value: T) -> "Future[T]":
@@ -80,9 +99,9 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
 
     Args:
         a, b: paths of checkpoints ``opener`` opens.
-        opener: ``(path, side, absent_shards) -> (checkpoint, None)`` or ``(None, problem)`` where the files are
-            there but cannot be read as their format (raising where there is no checkpoint at all): the format
-            registry's (``converters.open_sides``), which the API passes.
+        opener: ``(path, side, absent_shards, like=A's checkpoint or None) -> (checkpoint, None)`` or
+            ``(None, problem)`` where the files are there but cannot be read as their format (raising where there
+            is no checkpoint at all): the format registry's (``converters.open_sides``), which the API passes.
         backends: kernel backends for B's FFN (default: the reference and B's runtime's kernels that run natively
             here, ``Client.kernels``; ``["all"]``: every one available here).
         tokens: rows of the seeded random input per FFN.
@@ -129,9 +148,9 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
         # jax, mlx and triton takes seconds), after the load check's own imports.
         worker = stack.enter_context(background())
         kernels = done(resolve_backends(backends)) if backends else None  # (a typo or one not here: now)
-        opened = []
+        opened: list[tuple] = []
         for path, side in ((a, "A"), (b, "B")):  # under --layers a sharded side may hold only some shards
-            c, e = opener(path, side, sel_layers is not None)
+            c, e = opener(path, side, sel_layers is not None, like=opened[0][0] if opened else None)
             opened.append((c and stack.enter_context(quant.decoded(c, every=True)), e))  # FP8 blocks too
         (ca, ea), (cb, eb) = opened
         if ea or eb:
