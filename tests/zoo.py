@@ -217,14 +217,26 @@ def meta_model(model_type: str, keep: tuple[str, ...] = (), extra: dict | None =
     return config, model
 
 
+THREADS = 1  # torch threads every logits of the zoo are computed with (``logits``)
+
+
 def logits(model):
-    """The model's logits on ``TOKENS`` (no cache), or None where its own forward fails at this tiny size
-    (sizes TINY sets that its attention variant does not accept: the load is still checked)."""
+    """The model's logits on ``TOKENS`` (no cache) with ``THREADS`` torch threads, or None where its own forward
+    fails at this tiny size (sizes TINY sets that its attention variant does not accept: the load is still
+    checked).
+
+    The thread count is fixed because a forward's float sums depend on it: DeepSeek-V4's o_b_proj (in-features
+    o_groups * o_lora_rank = 8192) gives other logits (by 5e-7) on 1 and 2 threads, the same on each, run after
+    run (measured); logits compared with ``torch.equal`` are computed alike."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
     try:
         with torch.no_grad():
             return model(TOKENS, use_cache=False).logits
     except Exception:  # noqa: BLE001 - transformers' own failure, any type: no logits to compare
         return None
+    finally:
+        torch.set_num_threads(threads)
 
 
 def build(model_type: str, path: Path, seed: int = 0, keep: tuple[str, ...] = (), extra: dict | None = None,
