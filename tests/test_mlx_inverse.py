@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_identical, tensors, write_tokenizer
+from helpers import assert_identical, once, tensors
 
-import zoo
 from ffn_tools.converters import convert, open_any
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.io.readers import open_checkpoint
@@ -29,7 +28,7 @@ pytest.importorskip("mlx_lm")
 from ffn_tools.converters.mlx import inverse  # noqa: E402
 from ffn_tools.converters.mlx.probe import NotRearranged, Probe  # noqa: E402
 from ffn_tools.plan import Entry  # noqa: E402
-from test_zoo_mlx import EXTRA, KEEP, REFUSED, _built, _candidates  # noqa: E402
+from test_zoo_mlx import REFUSED, _built, _candidates, _exported  # noqa: E402
 
 # model_type -> the source tensors mlx_lm's sanitize drops (asserted: they are exactly the ones missing).
 DROPPED = {"ernie4_5_moe": ["model.layers.1.mlp.moe_statics.e_score_correction_bias"]}
@@ -46,23 +45,25 @@ KEY_TYPES = ["deepseek_v3", "glm4_moe_lite", "qwen3_next", "qwen3_5_text", "qwen
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory):
-    """``sources(type, dtype) -> Path``: the tiny zoo checkpoint of ``type``, in float32 or cast to bfloat16."""
-    built: dict = {}
+def sources(request):
+    """``sources(type, dtype) -> Path``: the tiny zoo checkpoint of ``type`` (test_zoo_mlx's, made once per run),
+    in float32 or cast to bfloat16 (read-only)."""
 
     def get(model_type: str, dtype: str = "float32") -> Path:
-        if (model_type, dtype) not in built:
-            root = tmp_path_factory.mktemp(f"inv-{model_type}-{dtype}")
-            src = root / "f32"
-            zoo.build(model_type, src, keep=KEEP, extra=EXTRA.get(model_type))
-            write_tokenizer(src, json.loads((src / "config.json").read_text()).get("vocab_size") or 160)
-            if dtype != "float32":
-                convert(src, "torch", root / dtype, dtype=dtype)
-                src = root / dtype
-            built[model_type, dtype] = src
-        return built[model_type, dtype]
+        src, _ = _built(request, model_type)
+        if dtype == "float32":
+            return src
+        return once(src.parent / dtype, lambda tmp: convert(src, "torch", tmp, dtype=dtype))
 
     return get
+
+
+def _mlx(request, sources, model_type: str, dtype: str, tmp_path: Path) -> Path:
+    """The MLX export of ``sources(model_type, dtype)``: in float32 test_zoo_mlx's, made once per run."""
+    if dtype == "float32":
+        return _exported(request, model_type)
+    convert(sources(model_type, dtype), "mlx", tmp_path / "mlx")
+    return tmp_path / "mlx"
 
 
 def _rounded_ok(model_type: str, names: set[str], src: dict, back: dict, mlx: Path, again: Path) -> None:
@@ -78,11 +79,11 @@ def _rounded_ok(model_type: str, names: set[str], src: dict, back: dict, mlx: Pa
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("model_type", KEY_TYPES)
-def test_torch_mlx_torch_gives_the_source(model_type, dtype, sources, tmp_path):
+def test_torch_mlx_torch_gives_the_source(model_type, dtype, sources, tmp_path, request):
     src = sources(model_type, dtype)
-    convert(src, "mlx", tmp_path / "mlx")
-    convert(tmp_path / "mlx", "torch", tmp_path / "back")
-    with open_any(tmp_path / "mlx") as view:
+    mlx = _mlx(request, sources, model_type, dtype, tmp_path)
+    convert(mlx, "torch", tmp_path / "back")
+    with open_any(mlx) as view:
         assert view.inverse.skipped is None and not view.inverse.refused
         for n in view:
             view.read_raw(n)
@@ -94,7 +95,7 @@ def test_torch_mlx_torch_gives_the_source(model_type, dtype, sources, tmp_path):
     assert sorted(a) == sorted(b)
     assert_identical({n: b[n] for n in exact}, exact)
     convert(tmp_path / "back", "mlx", tmp_path / "again")
-    _rounded_ok(model_type, rounded, a, b, tmp_path / "mlx", tmp_path / "again")
+    _rounded_ok(model_type, rounded, a, b, mlx, tmp_path / "again")
     assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == model_type
     assert check_transformers(open_checkpoint(tmp_path / "back")).ok
     from transformers import AutoModelForCausalLM
@@ -105,22 +106,21 @@ def test_torch_mlx_torch_gives_the_source(model_type, dtype, sources, tmp_path):
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
 
 
-def test_deepseek_v3_round_trip_is_bit_exact_and_verifies(sources, tmp_path):
+def test_deepseek_v3_round_trip_is_bit_exact_and_verifies(sources, tmp_path, request):
     """The bar: kv_b_proj comes back from embed_q and unembed_out byte for byte, and verify pairs it."""
     import ffn_tools
 
-    src = sources("deepseek_v3")
-    convert(src, "mlx", tmp_path / "mlx")
-    raw = tensors(tmp_path / "mlx")
+    src, mlx = sources("deepseek_v3"), _exported(request, "deepseek_v3")
+    raw = tensors(mlx)
     assert "model.layers.0.self_attn.embed_q.weight" in raw and "model.layers.0.self_attn.kv_b_proj.weight" not in raw
-    with open_any(tmp_path / "mlx") as view:
+    with open_any(mlx) as view:
         name = "model.layers.0.self_attn.kv_b_proj.weight"
         assert view.made_from(name) == ("model.layers.0.self_attn.embed_q.weight",
                                         "model.layers.0.self_attn.unembed_out.weight")
         assert view.info(name).start is None and view.quantized(name) is None
-    convert(tmp_path / "mlx", "torch", tmp_path / "back")
+    convert(mlx, "torch", tmp_path / "back")
     assert_identical(tensors(tmp_path / "back"), tensors(src))
-    report = ffn_tools.verify(src, tmp_path / "mlx", backends=["reference"], tokens=4)
+    report = ffn_tools.verify(src, mlx, backends=["reference"], tokens=4)
     assert report.passed, report.failures()
 
 
@@ -152,8 +152,8 @@ def test_every_zoo_export_reads_back(model_type, request, tmp_path):
     src, built = _built(request, model_type)
     if not built["tested"]:
         pytest.skip("not gated, or not tiny (test_zoo covers it)")
-    convert(src, "mlx", tmp_path / "mlx")
-    with open_any(tmp_path / "mlx") as view:
+    mlx = _exported(request, model_type)
+    with open_any(mlx) as view:
         assert view.inverse.skipped is None and not view.inverse.refused, view.inverse.refused
         assert view.inverse.dropped == DROPPED.get(model_type, [])
         back = {n: view[n].clone() for n in view}
@@ -162,22 +162,22 @@ def test_every_zoo_export_reads_back(model_type, request, tmp_path):
     assert sorted(a) == sorted([*back, *view.inverse.dropped])
     assert_identical({n: back[n] for n in back if n not in rounded}, {n: a[n] for n in back if n not in rounded})
     if rounded:
-        convert(tmp_path / "mlx", "torch", tmp_path / "back")
+        convert(mlx, "torch", tmp_path / "back")
         convert(tmp_path / "back", "mlx", tmp_path / "again")
-        _rounded_ok(model_type, rounded, a, back, tmp_path / "mlx", tmp_path / "again")
+        _rounded_ok(model_type, rounded, a, back, mlx, tmp_path / "again")
     else:
         assert model_type not in NORMS_PLUS_ONE
 
 
-def test_without_transformers_model_the_mlx_names_stay(sources, tmp_path, monkeypatch, caplog):
+def test_without_transformers_model_the_mlx_names_stay(tmp_path, monkeypatch, caplog, request):
     """Where transformers cannot build the source's model, nothing is traced: MLX names, experts unstacked."""
-    convert(sources("deepseek_v3"), "mlx", tmp_path / "mlx")
+    mlx = _exported(request, "deepseek_v3")
 
     def refuse(config):
         raise FFNToolsError("transformers cannot build 'deepseek_v3' (test)")
 
     monkeypatch.setattr(inverse, "source_layout", refuse)
-    with caplog.at_level(logging.INFO), open_any(tmp_path / "mlx") as view:
+    with caplog.at_level(logging.INFO), open_any(mlx) as view:
         assert view.inverse.skipped == "transformers cannot build 'deepseek_v3' (test)"
         assert "model.layers.0.self_attn.embed_q.weight" in view
         assert "model.layers.1.mlp.experts.0.gate_proj.weight" in view  # the stack unstacked by name

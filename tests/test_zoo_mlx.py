@@ -11,7 +11,6 @@ Exceptions are listed with their reason and checked, so a fix shows up as a fail
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import shutil
@@ -20,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_identical, tensors, write_tokenizer
-from test_zoo import BUDGET, TOO_BIG, UNBUILDABLE
+from helpers import assert_identical, once, tensors, write_tokenizer
+from test_zoo import BUDGET, TOO_BIG, UNBUILDABLE, zoo_root
 
 import zoo
 import ffn_tools
@@ -133,26 +132,32 @@ def _candidates() -> list[str]:
 
 
 def _built(request, model_type: str):
-    """(path, logits) of the tiny model, kept in the pytest cache per transformers version and recipe."""
-    import transformers
+    """(path, {"logits", "tested"}) of the tiny model, built once per run (``test_zoo.zoo_root``)."""
+    root = zoo_root(request, "zoo-mlx", Path(zoo.__file__).read_bytes() + repr((KEEP, EXTRA)).encode())
 
-    cache = getattr(request.config, "cache", None)
-    recipe = hashlib.sha256(Path(zoo.__file__).read_bytes() + repr((KEEP, EXTRA)).encode()).hexdigest()[:12]
-    tag = f"zoo-mlx-{transformers.__version__}-{recipe}"
-    root = cache.mkdir(tag) if cache else request.getfixturevalue("tmp_path_factory").mktemp(tag)
-    path, marker = root / model_type, root / f"{model_type}.logits.pt"
-    if not marker.exists():
-        shutil.rmtree(path, ignore_errors=True)
+    def make(tmp: Path) -> None:
+        tmp.mkdir()
         _, meta = zoo.meta_model(model_type, KEEP, EXTRA.get(model_type))
         small = sum(p.numel() for p in meta.parameters()) <= BUDGET
         gated = zoo.module_tree_counts(meta).as_tuple() != (0, 0, 0) or model_type in ALSO_GATED
         logits = None
         if small and gated:
-            model = zoo.build(model_type, path, keep=KEEP, extra=EXTRA.get(model_type))
-            write_tokenizer(path, json.loads((path / "config.json").read_text()).get("vocab_size") or 160)
+            model = zoo.build(model_type, tmp / "model", keep=KEEP, extra=EXTRA.get(model_type))
+            write_tokenizer(tmp / "model", json.loads((tmp / "model" / "config.json").read_text()).get("vocab_size")
+                            or 160)
             logits = zoo.logits(model)
-        torch.save({"logits": logits, "tested": small and gated}, marker)
-    return path, torch.load(marker, weights_only=True)
+        torch.save({"logits": logits, "tested": small and gated}, tmp / "logits.pt")
+
+    built = once(root / model_type, make)
+    return built / "model", torch.load(built / "logits.pt", weights_only=True)
+
+
+def _exported(request, model_type: str) -> Path:
+    """``convert --to mlx`` of the tiny model (``_built``; the setting its clients run otherwise allowed,
+    ``CLIENT_DIFFERS``), made once per run: read-only."""
+    src, _ = _built(request, model_type)
+    allow = [CLIENT_DIFFERS[model_type]] if model_type in CLIENT_DIFFERS else []
+    return once(src.parent / "mlx", lambda tmp: convert(src, "mlx", tmp, allow_config=allow))
 
 
 def _mlx_logits(path: Path):
@@ -191,7 +196,7 @@ def test_zoo_mlx(model_type, tmp_path, request):
     if allow:
         with pytest.raises(FFNToolsError, match=f"{allow[0]}: the input's client \\(transformers\\) runs"):
             convert(src, "mlx", out)
-    convert(src, "mlx", out, allow_config=allow)
+    out = _exported(request, model_type)
     got, want = _mlx_logits(out), built["logits"]
     if want is not None:
         close = (got - want).abs().max().item() <= 1e-3 * max(1.0, want.abs().max().item())
