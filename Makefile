@@ -15,29 +15,51 @@ NPROC := $(shell nproc 2>/dev/null || echo 2)
 # build dies of SIGILL on Q8_0 there (measured); x86-64-v3 (AVX2, FMA, F16C) runs every type.
 LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 
-$(BIN)/.installed: pyproject.toml
+# Three stamps, so that each step reruns only when what it installs changes:
+#   base   the venv, torch and what examples/demo.py runs (transformers, MLX, Flax, Triton); pyproject.toml
+#   llama  llama.cpp built from llama-cpp-python's sdist, its converter and vocabularies; only LLAMA_CPP (the
+#          stamp's name holds the version), never a pyproject.toml edit
+#   dev    the dev extra (pytest, compressed-tensors, gguf, ...): after llama, so pip finds llama-cpp-python
+#          installed and does not build it again from PyPI without the CMake flags above
+BASE := $(BIN)/.base
+LLAMA := $(VENV)/.llama-cpp-$(LLAMA_CPP)
+DEV := $(BIN)/.dev
+# A venv the single-step install this Makefile had before made (its stamp: .installed) holds this llama.cpp build
+# already, made with these flags: adopted, not built again
+ADOPT := $(and $(wildcard $(BIN)/.installed),$(wildcard $(VENV)/sdist/llama_cpp_python-$(LLAMA_CPP).tar.gz))
+
+$(BASE): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[mlx-cpu,flax,cuda]' 'transformers>=4.45'
+	touch $@
+
+$(LLAMA): | $(BASE)
+ifeq ($(ADOPT),)
 	$(BIN)/pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP) -d $(VENV)/sdist
 	CMAKE_BUILD_PARALLEL_LEVEL=$(NPROC) CMAKE_ARGS="$(LLAMA_CMAKE)" $(BIN)/pip install -q $(VENV)/sdist/llama_cpp_python-$(LLAMA_CPP).tar.gz
 	rm -rf $(LLAMA_SRC) && mkdir -p $(LLAMA_SRC)
 	tar xzf $(VENV)/sdist/llama_cpp_python-$(LLAMA_CPP).tar.gz -C $(LLAMA_SRC) --strip-components=3 \
 	    --wildcards '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion/*' \
 	    '*/vendor/llama.cpp/gguf-py/*' '*/vendor/llama.cpp/models/ggml-vocab-*.gguf'
+endif
+	touch $@
+
+$(DEV): $(BASE) $(LLAMA)
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
 .PHONY: install demo test bench
-install: $(BIN)/.installed
+install: $(DEV)
 
-demo: install
+demo: $(BASE)
 	$(BIN)/python examples/demo.py
 
-test: install
+test: $(DEV)
 	$(BIN)/python -m pytest -n 2 tests
 
-bench: install
+bench: $(DEV)
 	$(BIN)/python benchmarks/bench_split.py
 	$(BIN)/python benchmarks/bench_mlx.py
 	$(BIN)/python benchmarks/bench_native.py
