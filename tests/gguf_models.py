@@ -6,12 +6,19 @@ a test that needs them fails loudly when they are not there. A tiny model gets a
 one of those vocabularies (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``, then ``save_pretrained``),
 which the converter recognises; its vocabulary size is the tokenizer's. Families whose converter reads a
 sentencepiece ``tokenizer.model`` (Phi-3, Gemma 2/3) get one trained here on a few lines of text
-(``sentencepiece_tokenizer``), with the family's special pieces, loaded by the family's transformers tokenizer.
+(``sentencepiece_tokenizer``: 384 pieces), with the family's special pieces, loaded by the family's transformers
+tokenizer. A large real vocabulary (Qwen's, Llama 3's) only where a test checks the tokenizer (``VOCABS``): the
+rest of a tiny model is a few MB, a 150K-token vocabulary's embedding and tokenizer files are tens.
+
+convert_hf_to_gguf.py runs from one process per test process that imported its modules once
+(``converter_server``), each conversion a fork of it: the converter's own file, without 3 s of imports each.
 """
 
 from __future__ import annotations
 
+import atexit
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -25,9 +32,13 @@ import tiny_models
 
 LLAMA_CPP = Path(sys.prefix) / "llama.cpp"
 CONVERTER = LLAMA_CPP / "convert_hf_to_gguf.py"
-# tiny_models arch -> the vocabulary llama.cpp ships for its family
+# tiny_models arch -> the vocabulary llama.cpp ships for its family, where the tokenizer is what a test checks
+# (Llama's sentencepiece; Qwen's byte-level BPE, 151,936 tokens), else the smallest one its converter accepts:
+# Qwen3-MoE's and DeepSeek-V2's converters read a byte-level BPE whose pre-tokenizer they recognise, GPT-2's
+# (50,257 tokens). Qwen2 keeps Qwen's: transformers gives a qwen2 model type its own tokenizer class, whose
+# pre-tokenizer (digits one by one) the converter recognises only with Qwen's vocabulary.
 VOCABS = {"llama": "llama-spm", "mistral": "llama-spm", "mixtral": "llama-spm", "qwen2": "qwen2", "qwen3": "qwen2",
-          "qwen3_moe": "qwen2"}
+          "qwen3_moe": "gpt-2"}
 # tiny_models arch -> (transformers tokenizer class, sentencepiece special pieces: the family's ids; Gemma's
 # tokenizer also wants a <mask>, which the converter takes only from the sentencepiece model)
 SENTENCEPIECE = {  # arch -> (transformers tokenizer, trainer's special pieces, the tokenizer's settings)
@@ -40,7 +51,8 @@ SENTENCEPIECE["gemma3"] = SENTENCEPIECE["gemma2"]
 TEXT = ("The quick brown fox jumps over the lazy dog. A checkpoint holds tensors and a tokenizer.",
         "Feed-forward layers compute down(silu(gate(x)) * up(x)). Numbers 0123456789 and , . ; : ! ?",
         "llama.cpp reads GGUF files; transformers reads safetensors. Gemma, Phi and Qwen are families.")
-VOCABS.update({"deepseek_v3": "llama-bpe", "deepseek_v2": "llama-bpe"})  # its pre-tokenizer the converter knows
+# DeepSeek-V3 on Llama 3's vocabulary: the GGUF -> torch test checks its tokenizer
+VOCABS.update({"deepseek_v3": "llama-bpe", "deepseek_v2": "gpt-2"})
 
 
 def require_llama_cpp() -> Path:
@@ -125,13 +137,47 @@ def sentencepiece_tokenizer(arch: str, path: Path):
 
 def convert_reference(model: Path, out: Path, outtype: str, *extra: str) -> Path:
     """``out``: ``model`` converted by llama.cpp's convert_hf_to_gguf.py (it puts its vendored gguf-py first
-    on its own path)."""
-    root = require_llama_cpp()
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    r = subprocess.run([sys.executable, str(CONVERTER), str(model), "--outfile", str(out), "--outtype", outtype,
-                        *extra], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
+    on its own path), run by this process's converter server (``converter_server``)."""
+    log = out.with_name(out.name + ".log")
+    code = _server().convert([str(model), "--outfile", str(out), "--outtype", outtype, *extra], log)
+    assert code == 0, f"convert_hf_to_gguf.py exited {code}: " + log.read_text()[-3000:]
+    log.unlink()
     return out
+
+
+class _Server:
+    """A ``converter_server`` process (with llama.cpp's tree on its path), started at the first conversion."""
+
+    def __init__(self):
+        root = require_llama_cpp()
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("converter_server.py")),
+                                      str(CONVERTER)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """End the server (its input closed, it exits) and reap it."""
+        if self.proc.stdin and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        self.proc.wait()
+
+    def convert(self, argv: list[str], log: Path) -> int:
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"the converter server exited ({self.proc.poll()})"
+        return json.loads(line)["code"]
+
+
+_SERVER: list[_Server] = []
+
+
+def _server() -> _Server:
+    if not _SERVER or _SERVER[0].proc.poll() is not None:
+        _SERVER[:] = [_Server()]
+    return _SERVER[0]
 
 
 def copy_model(src: Path, dst: Path) -> Path:

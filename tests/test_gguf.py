@@ -19,7 +19,7 @@ from ffn_tools.converters import detect_format, open_any
 from ffn_tools.api import verify
 import gguf_models
 from gguf_models import convert_reference
-from helpers import run_cli
+from helpers import once, run_cli
 
 
 def hf_tensors(model):
@@ -255,14 +255,17 @@ def test_k_quants_of_a_256_wide_model_read_and_verify(wide_llama, tmp_path, ftyp
     assert len(r.results) == 2
 
 
-@pytest.fixture(scope="module")
-def wide_llama(tmp_path_factory):
-    """A Llama with 256-wide rows (hidden 256, intermediate 512) and its converter f32 GGUF."""
-    import gguf_models
+@pytest.fixture(scope="session")
+def wide_llama(shared_dir):
+    """A Llama with 256-wide rows (hidden 256, intermediate 512) and its converter f32 GGUF, made once per run
+    (``shared_dir``): read-only."""
 
-    d = tmp_path_factory.mktemp("wide")
-    src = gguf_models.build("llama", d / "model", hidden_size=256, intermediate_size=512, head_dim=64)
-    return src, gguf_models.convert_reference(src, d / "f32.gguf", "f32")
+    def make(d):
+        src = gguf_models.build("llama", d / "model", hidden_size=256, intermediate_size=512, head_dim=64)
+        gguf_models.convert_reference(src, d / "f32.gguf", "f32")
+
+    d = once(shared_dir / "gguf-wide-llama", make)
+    return d / "model", d / "f32.gguf"
 
 
 def test_extract_from_gguf_is_bit_exact(gguf_model, gguf_ref, tmp_path):

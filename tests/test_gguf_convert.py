@@ -19,9 +19,9 @@ from gguf_models import convert_reference
 from helpers import run_cli, tree_digest
 
 
-@pytest.mark.parametrize("arch,outtype", [("llama", "f32"), ("llama", "f16"), ("llama", "bf16"), ("llama", "q8_0"),
-                                          ("mixtral", "bf16"), ("qwen3_moe", "q8_0"), ("mistral", "bf16"),
-                                          ("qwen3", "bf16")])
+# llama f16: test_refusals (written with --force)
+@pytest.mark.parametrize("arch,outtype", [("llama", "f32"), ("llama", "bf16"), ("llama", "q8_0"), ("mixtral", "bf16"),
+                                          ("qwen3_moe", "q8_0"), ("mistral", "bf16"), ("qwen3", "bf16")])
 def test_same_file_as_convert_hf_to_gguf(gguf_model, gguf_ref, tmp_path, arch, outtype):
     src = gguf_model(arch)
     before = tree_digest(src)
@@ -31,6 +31,16 @@ def test_same_file_as_convert_hf_to_gguf(gguf_model, gguf_ref, tmp_path, arch, o
     assert tree_digest(src) == before  # the input is never modified
     assert [p.name for p in tmp_path.iterdir()] == ["ours.gguf"]  # no temporary left behind
     assert r["tensors"] > 0 and r["format"] == "gguf"
+    if (arch, outtype) == ("llama", "bf16"):
+        _llama_cpp_runs_ours_like_transformers(src, out)
+
+
+def _llama_cpp_runs_ours_like_transformers(src, out):
+    """Our bf16 GGUF, run by llama.cpp, against transformers on the source: verify --logits passes (bf16
+    weights: within the widened bf16 row)."""
+    r = json.loads(run_cli("verify", src, out, "--backend", "reference", "--logits", "--json").output)
+    assert r["passed"] and r["load_check"]["ok"] and r["logits"]["client_b"] == "llama.cpp"
+    assert r["logits"]["top1_agreement"] >= 0.9
 
 
 def test_dry_run_plans_without_writing(gguf_model, tmp_path):
@@ -42,14 +52,18 @@ def test_dry_run_plans_without_writing(gguf_model, tmp_path):
     assert any(ln.split()[:2] == ["blk.0.attn_norm.weight", "F32"] for ln in lines)
 
 
-def test_refusals(gguf_model, tmp_path):
+def test_refusals(gguf_model, gguf_ref, tmp_path):
     src = gguf_model("llama")
+    before = tree_digest(src)
     out = tmp_path / "x.gguf"
     out.write_bytes(b"keep")
     r = run_cli("convert", src, "--to", "gguf", "-o", out, "--outtype", "f16", ok=False)
     assert "already exists" in r.output and out.read_bytes() == b"keep"
-    run_cli("-q", "convert", src, "--to", "gguf", "-o", out, "--outtype", "f16", "--force")
-    assert out.read_bytes()[:4] == b"GGUF" and [p.name for p in tmp_path.iterdir()] == ["x.gguf"]
+    r = json.loads(run_cli("-q", "convert", src, "--to", "gguf", "-o", out, "--outtype", "f16", "--force",
+                           "--json").output)
+    assert out.read_bytes() == gguf_ref("llama", "f16").read_bytes()  # the converter's f16 file, over the old one
+    assert [p.name for p in tmp_path.iterdir()] == ["x.gguf"] and tree_digest(src) == before
+    assert r["tensors"] > 0 and r["format"] == "gguf"
     r = run_cli("convert", src, "--to", "gguf", "-o", tmp_path / "y.gguf", "--dtype", "float16", ok=False)
     assert "--dtype does not apply to --to gguf" in r.output
     r = run_cli("convert", src, "--to", "gguf", "-o", tmp_path / "y", "--outtype", "f16", ok=False)
@@ -58,17 +72,6 @@ def test_refusals(gguf_model, tmp_path):
     assert "--outtype does not apply to --to mlx" in r.output
     r = run_cli("convert", "--help")
     assert "llama-quantize" in r.output
-
-
-def test_llama_cpp_runs_ours_like_transformers(gguf_model, tmp_path):
-    """Our bf16 GGUF, run by llama.cpp, against transformers on the source: verify --logits passes (bf16
-    weights: within the widened bf16 row)."""
-    src = gguf_model("llama")
-    out = tmp_path / "bf16.gguf"
-    run_cli("-q", "convert", src, "--to", "gguf", "-o", out, "--outtype", "bf16")
-    r = json.loads(run_cli("verify", src, out, "--backend", "reference", "--logits", "--json").output)
-    assert r["passed"] and r["load_check"]["ok"] and r["logits"]["client_b"] == "llama.cpp"
-    assert r["logits"]["top1_agreement"] >= 0.9
 
 
 def test_q8_0_logits_through_llama_cpp(gguf_model, gguf_ref):

@@ -5,8 +5,10 @@ The converter stacks the routed experts, keeps the shared experts and the router
 ``e_score_correction_bias``, its ``exp_probs_b``), and splits each MLA ``kv_b_proj`` per head into ``k_b``
 (transposed) and ``v_b``; the reader joins them back. The fixtures (``tiny_models.ARCHS``): V3 with a q LoRA and
 sigmoid grouped routing as DeepSeek-V3's config.json says, V2 as V2-Lite (no q LoRA, softmax greedy routing,
-27 layers: the only depth at which llama.cpp reads a deepseek2 GGUF without q_lora_rank), both with a dense first
-layer and one shared expert, on llama.cpp's llama-bpe vocabulary (a pre-tokenizer its converter recognises).
+27 layers: the only depth at which llama.cpp reads a deepseek2 GGUF without q_lora_rank; as fast as 2 here,
+measured), both with a dense first layer and one shared expert, on vocabularies of llama.cpp whose pre-tokenizer
+its converter recognises: V3 on llama-bpe (Llama 3's 128,256 tokens: its GGUF -> torch test checks the tokenizer),
+V2 on GPT-2's (50,257).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from test_gguf import _edit
 ARCHS = ("deepseek_v3", "deepseek_v2")
 
 
-# f32 for both, bf16 for V3: the suite's time (the V2-Lite-like fixture has 27 layers, llama.cpp's minimum)
+# f32 for both, bf16 for V3: the suite's time
 @pytest.mark.parametrize("arch,outtype", [("deepseek_v3", "f32"), ("deepseek_v2", "f32"), ("deepseek_v3", "bf16")])
 def test_reads_bit_exact_with_hf_names(gguf_model, gguf_ref, arch, outtype):
     """Every tensor reads back under the source's name as the converter stored it: kv_b_proj joined from k_b and

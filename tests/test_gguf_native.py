@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,9 +19,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import gguf_models
-from helpers import run_cli
+from helpers import once, run_cli
 
-from ffn_tools.converters.gguf import native
+from ffn_tools.converters.gguf import native, writer
 
 
 def test_bf16_copy_is_gguf_bf16_rounding_on_every_pattern():
@@ -35,25 +36,34 @@ def test_bf16_copy_is_gguf_bf16_rounding_on_every_pattern():
     assert native._bf16_as_bf16(bits[:100].tobytes()) == bits[:100].tobytes()  # no NaN: the bytes themselves
 
 
-@pytest.fixture(scope="module")
-def bf16_llama(gguf_model, tmp_path_factory):
-    """The tiny Llama in bfloat16 with a signalling NaN and an infinity planted in layer 0's gate."""
-    src = gguf_models.copy_model(gguf_model("llama", torch.bfloat16), tmp_path_factory.mktemp("nan") / "model")
-    (f,) = src.glob("*.safetensors")
-    sd = load_file(f)
-    gate = sd["model.layers.0.mlp.gate_proj.weight"].view(torch.int16)
-    gate[0, 0], gate[1, 3] = 0x7F81, 0x7F80  # a signalling NaN, +inf
-    save_file(sd, f, metadata={"format": "pt"})
-    return src
+@pytest.fixture(scope="session")
+def bf16_llama(gguf_model, shared_dir):
+    """The tiny Llama in bfloat16 with a signalling NaN and an infinity planted in layer 0's gate, made once per
+    run (``shared_dir``): read-only."""
+
+    def make(d):
+        src = gguf_models.copy_model(gguf_model("llama", torch.bfloat16), d / "model")
+        (f,) = src.glob("*.safetensors")
+        sd = load_file(f)
+        gate = sd["model.layers.0.mlp.gate_proj.weight"].view(torch.int16)
+        gate[0, 0], gate[1, 3] = 0x7F81, 0x7F80  # a signalling NaN, +inf
+        save_file(sd, f, metadata={"format": "pt"})
+
+    return once(shared_dir / "gguf-llama-bf16-nan", make) / "model"
 
 
-@pytest.mark.parametrize("outtype", ["bf16", "f32", "f16", "q8_0"])
+# q8_0: test_chunks_span_rows_heads_and_experts, in one-row chunks
+@pytest.mark.parametrize("outtype", ["bf16", "f32", "f16"])
 def test_bf16_source_same_file(bf16_llama, tmp_path, outtype):
     ref = gguf_models.convert_reference(bf16_llama, tmp_path / "ref.gguf", outtype)
     out = tmp_path / "ours.gguf"
     r = json.loads(run_cli("-q", "convert", bf16_llama, "--to", "gguf", "-o", out, "--outtype", outtype,
                            "--json").output)
     assert out.read_bytes() == ref.read_bytes()
+    _all_by_recipes(r)
+
+
+def _all_by_recipes(r: dict) -> None:
     w = r["written"]
     assert w["in_chunks"] == r["tensors"] and w["by_converter"] == [] and not w["recipes_disproven"]
     assert {"blk.{L}.ffn_gate.weight", "blk.{L}.attn_q.weight", "token_embd.weight"} <= set(w["recipes_proven"])
@@ -74,15 +84,28 @@ def test_experts_and_f16_sources_same_file(gguf_model, tmp_path, arch, dtype, ou
 
 
 def test_chunks_span_rows_heads_and_experts(bf16_llama, tmp_path, monkeypatch):
-    """With chunks of one row (one head for q/k), a tensor is written in many pieces, as a large model's are."""
-    monkeypatch.setattr(native, "CHUNK", 1)
+    """With chunks of 896 source bytes (7 rows of gate and up, the last of 5; 4 of down; one head for q/k), a
+    tensor is written in many pieces, as a large model's are: the bf16 Llama (a NaN and an infinity in its gate)
+    to q8_0, the file still the converter's. The chunked writer runs in this process, where CHUNK is set
+    (``writer`` runs it in a second process otherwise)."""
+    monkeypatch.setattr(native, "CHUNK", 7 * 64 * 2)
+    spawn = writer._run
+
+    def here(request: dict, module: str = "worker") -> dict:
+        if module != "native":
+            return spawn(request, module)
+        return {"written": native.write(request["tensors"], Path(request["out"]))}
+
+    monkeypatch.setattr(writer, "_run", here)
     ref = gguf_models.convert_reference(bf16_llama, tmp_path / "ref.gguf", "q8_0")
     r = json.loads(run_cli("-q", "convert", bf16_llama, "--to", "gguf", "-o", tmp_path / "ours.gguf", "--outtype",
                            "q8_0", "--json").output)
     assert (tmp_path / "ours.gguf").read_bytes() == ref.read_bytes()
-    assert r["written"]["in_chunks"] == r["tensors"]
+    _all_by_recipes(r)
     q = {"op": "rotary", "heads": 4, "sources": [{"file": "", "start": 0, "dtype": "BF16", "shape": [64, 64]}]}
     assert [(r0, r1) for _, r0, r1, _ in native.pieces(q)] == [(0, 16), (16, 32), (32, 48), (48, 64)]  # whole heads
+    gate = {"op": "copy", "heads": None, "sources": [{"file": "", "start": 0, "dtype": "BF16", "shape": [96, 64]}]}
+    assert [(r0, r1) for _, r0, r1, _ in native.pieces(gate)][-2:] == [(84, 91), (91, 96)]  # 14 pieces, a short last
 
 
 def test_generated_tensor_by_converter_and_unproven_recipes_said(gguf_model, tmp_path, monkeypatch):
