@@ -73,8 +73,9 @@ def shared_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def gguf_model(shared_dir):
-    """``gguf_model(arch, dtype=torch.float32) -> Path``: a tiny checkpoint with a llama.cpp vocabulary, built
-    once per run (``shared_dir``): treat it as read-only, copy it before changing anything."""
+    """``gguf_model(name, dtype=torch.float32) -> Path``: a tiny checkpoint with a real tokenizer its GGUF
+    converter accepts (``gguf_models``: ``name`` is an arch, or ``llama-spm`` etc. for a family's real
+    vocabulary), built once per run (``shared_dir``): treat it as read-only, copy it before changing anything."""
     import gguf_models
 
     def get(arch: str, dtype: torch.dtype = torch.float32) -> Path:

@@ -2,13 +2,15 @@
 
 llama.cpp's converter, its ``conversion/`` package, vendored ``gguf-py`` and vocabularies
 (``models/ggml-vocab-*.gguf``) are installed with the dev extra at ``sys.prefix/llama.cpp`` (``LLAMA_CPP``);
-a test that needs them fails loudly when they are not there. A tiny model gets a real tokenizer offline from
-one of those vocabularies (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``, then ``save_pretrained``),
-which the converter recognises; its vocabulary size is the tokenizer's. Families whose converter reads a
-sentencepiece ``tokenizer.model`` (Phi-3, Gemma 2/3) get one trained here on a few lines of text
-(``sentencepiece_tokenizer``: 384 pieces), with the family's special pieces, loaded by the family's transformers
-tokenizer. A large real vocabulary (Qwen's, Llama 3's) only where a test checks the tokenizer (``VOCABS``): the
-rest of a tiny model is a few MB, a 150K-token vocabulary's embedding and tokenizer files are tens.
+a test that needs them fails loudly when they are not there. A tiny model's tokenizer is the smallest real one
+its family's converter accepts: a sentencepiece model trained here on a few lines of text (``TEXT``: 384 pieces,
+``sentencepiece_tokenizer``) with the family's special pieces, loaded by the family's transformers tokenizer, for
+the families whose converter reads ``tokenizer.model`` (Llama, Mistral, Mixtral, Phi-3, Gemma 2/3); else one of
+those vocabularies (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``, then ``save_pretrained``), whose
+pre-tokenizer the converter recognises (``VOCABS``). The real vocabulary of a family (Llama's 32,000-token
+sentencepiece, Qwen's 151,936-token byte-level BPE, Llama 3's 128,256) only where a test checks the tokenizer
+(``REAL_VOCAB``): the rest of a tiny model is a few MB, such a vocabulary's embedding and tokenizer files tens, and
+every conversion and verify reads them.
 
 convert_hf_to_gguf.py runs from one process per test process that imported its modules once
 (``converter_server``), each conversion a fork of it: the converter's own file, without 3 s of imports each.
@@ -32,27 +34,35 @@ import tiny_models
 
 LLAMA_CPP = Path(sys.prefix) / "llama.cpp"
 CONVERTER = LLAMA_CPP / "convert_hf_to_gguf.py"
-# tiny_models arch -> the vocabulary llama.cpp ships for its family, where the tokenizer is what a test checks
-# (Llama's sentencepiece; Qwen's byte-level BPE, 151,936 tokens), else the smallest one its converter accepts:
-# Qwen3-MoE's and DeepSeek-V2's converters read a byte-level BPE whose pre-tokenizer they recognise, GPT-2's
-# (50,257 tokens). Qwen2 keeps Qwen's: transformers gives a qwen2 model type its own tokenizer class, whose
-# pre-tokenizer (digits one by one) the converter recognises only with Qwen's vocabulary.
-VOCABS = {"llama": "llama-spm", "mistral": "llama-spm", "mixtral": "llama-spm", "qwen2": "qwen2", "qwen3": "qwen2",
-          "qwen3_moe": "gpt-2"}
-# tiny_models arch -> (transformers tokenizer class, sentencepiece special pieces: the family's ids; Gemma's
-# tokenizer also wants a <mask>, which the converter takes only from the sentencepiece model)
-SENTENCEPIECE = {  # arch -> (transformers tokenizer, trainer's special pieces, the tokenizer's settings)
+# A fixture's name is a tiny_models arch, or one of these: the arch with the real vocabulary of its family, for the
+# tests that check the tokenizer
+REAL_VOCAB = {"llama-spm": "llama", "deepseek_v3-llama-bpe": "deepseek_v3"}
+# name -> the vocabulary llama.cpp ships for its family: Llama's sentencepiece (32,000 tokens), Qwen's byte-level
+# BPE (151,936) and Llama 3's (128,256) where a test checks the tokenizer; else the smallest vocabulary the
+# family's converter accepts. Qwen3-MoE's and DeepSeek's converters read only a byte-level BPE whose
+# pre-tokenizer they recognise: GPT-2's (50,257 tokens). Qwen2 keeps Qwen's: transformers gives a qwen2 model
+# type its own tokenizer class, whose pre-tokenizer (digits one by one) the converter recognises only with Qwen's
+# vocabulary. The rest read a sentencepiece model trained here (``SENTENCEPIECE``: 384 pieces).
+VOCABS = {"llama-spm": "llama-spm", "qwen2": "qwen2", "qwen3": "qwen2", "qwen3_moe": "gpt-2", "deepseek_v3": "gpt-2",
+          "deepseek_v2": "gpt-2", "deepseek_v3-llama-bpe": "llama-bpe"}
+# name -> (transformers tokenizer class, sentencepiece special pieces: the family's ids; Gemma's tokenizer also
+# wants a <mask>, which the converter takes only from the sentencepiece model)
+SENTENCEPIECE = {  # name -> (transformers tokenizer, trainer's special pieces, the tokenizer's settings)
     "phi3": ("LlamaTokenizer", dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1), {"add_bos_token": True}),
     "gemma2": ("GemmaTokenizer", dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",
                                       bos_piece="<bos>", unk_piece="<unk>", user_defined_symbols=["<mask>"]),
                {"add_bos_token": True}),  # as Gemma's own tokenizer_config.json (llama.cpp adds it too)
 }
 SENTENCEPIECE["gemma3"] = SENTENCEPIECE["gemma2"]
+# Llama 2's ids and tokenizer.json (sentencepiece's normalizer: ``llama2_normalizer``), as Phi-3 ships them; the
+# Llama family's model also as Llama 2's normalizes (identity, spaces kept), which the converter writes for llama.cpp
+LLAMA2 = ("phi3", "llama", "mistral", "mixtral")
+SENTENCEPIECE.update(dict.fromkeys(LLAMA2[1:], ("LlamaTokenizer", dict(
+    unk_id=0, bos_id=1, eos_id=2, pad_id=-1, normalization_rule_name="identity", remove_extra_whitespaces=False),
+    {"add_bos_token": True})))
 TEXT = ("The quick brown fox jumps over the lazy dog. A checkpoint holds tensors and a tokenizer.",
         "Feed-forward layers compute down(silu(gate(x)) * up(x)). Numbers 0123456789 and , . ; : ! ?",
         "llama.cpp reads GGUF files; transformers reads safetensors. Gemma, Phi and Qwen are families.")
-# DeepSeek-V3 on Llama 3's vocabulary: the GGUF -> torch test checks its tokenizer
-VOCABS.update({"deepseek_v3": "llama-bpe", "deepseek_v2": "gpt-2"})
 
 
 def require_llama_cpp() -> Path:
@@ -62,20 +72,24 @@ def require_llama_cpp() -> Path:
     return LLAMA_CPP
 
 
-def build(arch: str, path: Path, dtype: torch.dtype = torch.float32, **shape) -> Path:
-    """A tiny ``arch`` checkpoint in ``path`` whose tokenizer is llama.cpp's vocabulary for its family, or a
-    sentencepiece model trained for it (``SENTENCEPIECE``); ``shape``: config values over the tiny ones."""
+def build(name: str, path: Path, dtype: torch.dtype = torch.float32, **shape) -> Path:
+    """A tiny checkpoint of ``name`` (a tiny_models arch, or one of ``REAL_VOCAB``) in ``path`` whose tokenizer
+    is a llama.cpp vocabulary (``VOCABS``), or a sentencepiece model trained for it (``SENTENCEPIECE``);
+    ``shape``: config values over the tiny ones."""
     from transformers import AutoTokenizer
 
-    if arch in SENTENCEPIECE:
-        tok = sentencepiece_tokenizer(arch, path)
-        if arch == "phi3":  # Phi-3 ships Llama 2's tokenizer.json
+    if name in SENTENCEPIECE:
+        tok = sentencepiece_tokenizer(name, path)
+        if name in LLAMA2:
             llama2_normalizer(tok)
+        if name in LLAMA2[1:]:  # a llama model type's LlamaTokenizer rebuilds its own Metaspace when it loads:
+            # tokenizer.json as the real llama-spm fixture's is, read as it is (TokenizersBackend)
+            tok = transformers_fast(tok)
     else:
-        vocab = require_llama_cpp() / "models" / f"ggml-vocab-{VOCABS[arch]}.gguf"
+        vocab = require_llama_cpp() / "models" / f"ggml-vocab-{VOCABS[name]}.gguf"
         tok_files = vocab_files(vocab)
         tok = AutoTokenizer.from_pretrained(tok_files)
-    cfg_name, model_name, extra = tiny_models.ARCHS[arch]
+    cfg_name, model_name, extra = tiny_models.ARCHS[REAL_VOCAB.get(name, name)]
     import transformers
 
     n = len(tok)
@@ -88,14 +102,22 @@ def build(arch: str, path: Path, dtype: torch.dtype = torch.float32, **shape) ->
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     model.save_pretrained(path)
-    if arch in SENTENCEPIECE:
+    if name in SENTENCEPIECE:
         tok.save_pretrained(path)
     else:  # the files as the GGUF-read tokenizer saved them (reloaded, Qwen's gains an NFC normalizer)
         for f in tok_files.iterdir():
             shutil.copy(f, path / f.name)
-    if VOCABS.get(arch) == "llama-spm":  # the sentencepiece-trained families have none
+    if VOCABS.get(name) == "llama-spm":  # the sentencepiece-trained families have none
         llama2_sentencepiece(tok, vocab, path)
     return path
+
+
+def transformers_fast(tok):
+    """``tok``'s tokenizers object in transformers' generic fast tokenizer, with its special tokens."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, bos_token=tok.bos_token,
+                                   eos_token=tok.eos_token, unk_token=tok.unk_token, add_bos_token=True)
 
 
 def vocab_files(vocab: Path) -> Path:
@@ -118,14 +140,14 @@ def vocab_files(vocab: Path) -> Path:
     return once(Path(shared) / f"tokenizer-{vocab.stem}", make)
 
 
-def sentencepiece_tokenizer(arch: str, path: Path):
+def sentencepiece_tokenizer(name: str, path: Path):
     """A real sentencepiece BPE model (384 pieces, 256 of them byte fallback) trained on ``TEXT`` with the
-    special ids of ``arch``'s family, as ``path/tokenizer.model``, loaded by the family's transformers tokenizer
+    special ids of ``name``'s family, as ``path/tokenizer.model``, loaded by the family's transformers tokenizer
     (which ``build`` saves beside it: tokenizer.json, tokenizer_config.json)."""
     import sentencepiece
     import transformers
 
-    cls, ids, settings = SENTENCEPIECE[arch]
+    cls, ids, settings = SENTENCEPIECE[name]
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(TEXT * 20), model_writer=model, vocab_size=384,
                                              model_type="bpe", byte_fallback=True, character_coverage=1.0,

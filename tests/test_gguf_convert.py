@@ -98,9 +98,10 @@ def test_gguf_to_torch(gguf_model, gguf_ref, tmp_path):
     reads the output back to the same GGUF tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    src = gguf_model("llama")
+    src = gguf_model("llama-spm")
     out = tmp_path / "back"
-    said = json.loads(run_cli("-q", "convert", gguf_ref("llama", "f32"), "--to", "torch", "-o", out, "--json").output)
+    said = json.loads(run_cli("-q", "convert", gguf_ref("llama-spm", "f32"), "--to", "torch", "-o", out,
+                              "--json").output)
     assert not any("ranked by token position" in c for c in said["changes"]), said["changes"]
     a, b = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
@@ -118,7 +119,7 @@ def test_gguf_to_torch(gguf_model, gguf_ref, tmp_path):
     assert r.exit_code == 0 and v["side_files"]["problems"] == [], v["failures"]
     assert set(v["side_files"]["identical"]) >= {"tokenizer.model", "tokenizer_config.json", "generation_config.json"}
     again = convert_reference(out, tmp_path / "again.gguf", "f32")  # the written tokenizer.model read back
-    theirs, ours = (field_values(Reader(p)) for p in (gguf_ref("llama", "f32"), again))
+    theirs, ours = (field_values(Reader(p)) for p in (gguf_ref("llama-spm", "f32"), again))
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
                 "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.add_bos_token"):
         assert ours.get(key) == theirs.get(key), key
@@ -189,7 +190,7 @@ def test_mlx_input_converts_to_the_same_tensors(gguf_model, gguf_ref, tmp_path):
     assert r.tokenization.compared == 37 and not r.tokenization.differ  # mlx_lm's tokenizer files, llama.cpp
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama-spm", "qwen3"])
 def test_gguf_to_mlx(gguf_model, gguf_ref, tmp_path, arch):
     """f32 GGUF -> MLX: mlx_lm loads it (with the tokenizer transformers rebuilds from tokenizer.ggml.*) and
     its logits agree with transformers' on the source; the weights are the source's, bit for bit; the side
@@ -209,5 +210,5 @@ def test_gguf_to_mlx(gguf_model, gguf_ref, tmp_path, arch):
     assert all(f["exact"] == "identical" for f in v["ffns"])
     assert "generation_config.json" in v["side_files"]["identical"]
     assert r.exit_code == 0 and v["passed"], v["failures"]
-    if arch == "llama":
+    if arch == "llama-spm":
         assert {"tokenizer.json", "tokenizer.model"} <= set(v["side_files"]["identical"]), v["side_files"]
