@@ -69,7 +69,7 @@ def _plant(src: Path, dst: Path, edit) -> Path:
 
 def test_the_benchmark_runs_at_its_smallest_sizes_and_its_memory_is_flat(tmp_path):
     """The benchmark's own run, its memory assertion, and no bar on its time: the time it takes is the machine's
-    (it timed out at 600 s at load 13 on 2 cores); its time bar lives in the benchmark (8-16 GB), and a stream
+    (it timed out at 600 s on a 2-core machine at load 5-13); its time bar lives in the benchmark (8-16 GB), and a stream
     that waits forever is caught in-process by the stream tests below (``_within``)."""
     out = subprocess.run([sys.executable, str(BENCH), "--gb", "0.05", "0.1", "--data", str(tmp_path)],
                          capture_output=True, text=True)
