@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_cli
+from helpers import once, run_cli
 
 
 @pytest.mark.parametrize("dtype,chosen", [(torch.bfloat16, "bf16"), (torch.float32, "f16")])
@@ -227,26 +227,47 @@ def save_tiny(arch: str, out: Path, tok, dtype=torch.bfloat16, generation: dict 
     return out
 
 
-@pytest.fixture(scope="module")
-def llama3(tmp_path_factory) -> Path:
+@pytest.fixture(scope="session")
+def llama3(shared_dir) -> Path:
     """A tiny bf16 Llama with Llama 3's tokenizer (``llama3_tokenizer``) and its generation_config.json (sampling:
-    temperature 0.6, top_p 0.9), saved by transformers."""
-    out = tmp_path_factory.mktemp("llama3") / "model"
-    return save_tiny("llama", out, llama3_tokenizer(out), generation=dict(do_sample=True, temperature=0.6, top_p=0.9))
+    temperature 0.6, top_p 0.9), saved by transformers; made once per run (``shared_dir``): read-only."""
+
+    def make(d: Path) -> None:
+        save_tiny("llama", d / "model", llama3_tokenizer(d / "model"),
+                  generation=dict(do_sample=True, temperature=0.6, top_p=0.9))
+
+    return once(shared_dir / "newuser-llama3", make) / "model"
 
 
-@pytest.fixture(scope="module")
-def llama3_gguf(llama3, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("llama3-gguf") / "llama3.gguf"
-    run_cli("-q", "convert", llama3, "--to", "gguf", "-o", out)
-    return out
+@pytest.fixture(scope="session")
+def llama3_gguf(llama3, shared_dir) -> Path:
+    """``llama3`` converted to GGUF by ffn-tools, once per run: read-only."""
+
+    def make(d: Path) -> None:
+        d.mkdir()
+        run_cli("-q", "convert", llama3, "--to", "gguf", "-o", d / "llama3.gguf")
+
+    return once(shared_dir / "newuser-llama3-gguf", make) / "llama3.gguf"
+
+
+@pytest.fixture(scope="session")
+def llama3_back(llama3_gguf, shared_dir) -> tuple[Path, list[str]]:
+    """(``llama3_gguf`` converted back to torch, the changes the conversion said), once per run: read-only."""
+
+    def make(d: Path) -> None:
+        d.mkdir()
+        said = json.loads(run_cli("-q", "convert", llama3_gguf, "--to", "torch", "-o", d / "back", "--json").output)
+        (d / "said.json").write_text(json.dumps(said["changes"]))
+
+    d = once(shared_dir / "newuser-llama3-back", make)
+    return d / "back", json.loads((d / "said.json").read_text())
 
 
 def side_notes(r: dict) -> list[str]:
     return [n for n in r["side_files"]["notes"] if "compared by behaviour instead" in n]
 
 
-def test_gguf_to_torch_gives_back_its_side_files(llama3, llama3_gguf, tmp_path):
+def test_gguf_to_torch_gives_back_its_side_files(llama3, llama3_back):
     """Llama 3 (bf16, its own tokenizer files) -> GGUF -> torch: temperature and top_p come back from
     general.sampling.* (with do_sample, as llama.cpp samples with them); transformers' reader's <|endoftext|>
     (id 128256, past the 128,256 tokens) is left out; what the GGUF cannot store of the tokenizer files (special
@@ -255,8 +276,7 @@ def test_gguf_to_torch_gives_back_its_side_files(llama3, llama3_gguf, tmp_path):
     `added_tokens[id=128256] is only in B`, extra_special_tokens and do_sample."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    out = tmp_path / "back"
-    said = json.loads(run_cli("-q", "convert", llama3_gguf, "--to", "torch", "-o", out, "--json").output)["changes"]
+    out, said = llama3_back
     gen = GenerationConfig.from_pretrained(out)
     assert (gen.temperature, gen.top_p, gen.do_sample) == (0.6, 0.9, True)
     assert any(c.startswith("generation_config.json: temperature 0.6, top_p 0.9 from the GGUF's general.sampling.*")
@@ -276,14 +296,13 @@ def test_gguf_to_torch_gives_back_its_side_files(llama3, llama3_gguf, tmp_path):
     assert "not compared: texts beyond the corpus and the extra_special_tokens list" in notes[1], notes[1]
 
 
-def test_behaviour_check_still_catches_a_tokenizer_that_differs(llama3, llama3_gguf, tmp_path):
+def test_behaviour_check_still_catches_a_tokenizer_that_differs(llama3, llama3_back, tmp_path):
     """The behaviour comparison is no pass for any tokenizer: B's pre-tokenizer without Llama 3's split (every
     fact of the vocabulary the same) tokenizes the corpus otherwise and fails, naming the text; two ids
     exchanged (a fact) fail as before, without it."""
     import shutil
 
-    out = tmp_path / "back"
-    run_cli("-q", "convert", llama3_gguf, "--to", "torch", "-o", out)
+    out, _ = llama3_back
 
     def planted(edit) -> str:
         bad = tmp_path / f"bad-{len(list(tmp_path.iterdir()))}"
