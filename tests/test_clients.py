@@ -114,7 +114,7 @@ def test_a_lossless_upcast_passes_logits_both_sides_in_float32(bf16_moe):
     """issue 37 item 4: A's bf16 weights widen to float32 exactly, so both clients compute in float32 and what
     is compared is the export, not bf16 arithmetic against float32 arithmetic (that failed 1.16x before)."""
     src, m32, _ = bf16_moe
-    data = json.loads(run_cli("verify", str(src), str(m32), "--backend", "reference", "--logits", "--json").output)
+    data = json.loads(run_cli("verify", str(src), str(m32), "--backend", "reference", "--logits", "--json").stdout)
     assert data["passed"] and data["logits"]["passed"], data["failures"]
     assert data["logits"]["max_abs"] < 1e-4  # float32 arithmetic on the same values, both sides
     assert any(n.startswith("logits: both sides computed in float32, the wider") for n in data["notes"])
@@ -127,7 +127,7 @@ def test_a_client_that_cannot_compute_in_the_weights_dtype_runs_both_in_float32(
 
     src, _, m16 = bf16_moe
     r = run_cli("verify", str(src), str(m16), "--backend", "reference", "--logits", "--json", ok=None)
-    data = json.loads(r.output)
+    data = json.loads(r.stdout)
     assert r.exit_code == 0 and data["logits"]["passed"], data["failures"]
     if mx.default_device() == mx.cpu:
         assert any("which their weights widen to exactly: --logits: mlx_lm could not run B" in n and
@@ -144,5 +144,5 @@ def test_logits_no_client_runs_leaves_the_report_incomplete_not_discarded(model_
     assert verdict.startswith("INCOMPLETE: --logits: B") and "everything that ran agrees (2 FFNs" in verdict
     assert "layer 0" in r.output and "layer 1" in r.output  # the FFN table is there
     data = json.loads(run_cli("verify", str(src), str(tmp_path / "ffn"), "--backend", "reference", "--logits",
-                              "--json", ok=None).output)
+                              "--json", ok=None).stdout)
     assert not data["passed"] and data["incomplete"] and data["logits"] is None

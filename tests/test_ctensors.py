@@ -74,7 +74,7 @@ def test_inspect_names_the_scheme(ct):
     out = run_cli("inspect", path).output
     assert "compressed-tensors read dequantized" in out
     assert "quantized     14 weights int4 group 32 asymmetric (pack-quantized)" in out
-    data = json.loads(run_cli("inspect", path, "--json").output)
+    data = json.loads(run_cli("inspect", path, "--json").stdout)
     assert [(q["scheme"], q["weights"]) for q in data["quantized"]] == [("int4 group 32 asymmetric (pack-quantized)", 14)]
 
 
@@ -89,7 +89,7 @@ def test_per_module_groups_and_ignore(tmp_path):
         assert "model.layers.1.mlp.down_proj.weight" not in schemes  # ignored: stored as bf16
         assert ckpt.quantized("model.layers.1.mlp.down_proj.weight") is None
         assert len(schemes) == 13
-    data = json.loads(run_cli("inspect", path, "--json").output)
+    data = json.loads(run_cli("inspect", path, "--json").stdout)
     assert sorted((q["scheme"], q["weights"]) for q in data["quantized"]) == [
         ("int4 group 32 asymmetric (pack-quantized)", 5), ("int8 per channel symmetric (pack-quantized)", 8)]
 
@@ -139,7 +139,7 @@ def test_verify_fails_planted_defects(ct, tmp_path, defect):
 def test_verify_names_the_code_check(ct):
     twin, path = ct("int4-g32-asym")
     r = run_cli("verify", twin, path, "--backend", "reference", "--json")
-    data = json.loads(r.output)
+    data = json.loads(r.stdout)
     assert [f["exact"] for f in data["ffns"]] == ["requantized", "requantized"]
     assert any("quantized with B's stored scales and zero points give B's codes, every one" in n
                for f in data["ffns"] for n in f["notes"])
@@ -210,7 +210,7 @@ def test_split_and_fuse_are_exact(ct, tmp_path):
             assert torch.equal(oracle.view(torch.int16), gu.chunk(2)[k].view(torch.int16))
             assert torch.equal(halves[f"model.layers.0.mlp.{role}.weight"].view(torch.int16), oracle.view(torch.int16))
     r = run_cli("verify", twin, split, "--backend", "reference", "--no-load-check", "--json")
-    assert [f["exact"] for f in json.loads(r.output)["ffns"]] == ["requantized", "requantized"]
+    assert [f["exact"] for f in json.loads(r.stdout)["ffns"]] == ["requantized", "requantized"]
     back = tmp_path / "back"
     run_cli("fuse-gateup", split, "-o", back)
     assert_identical(tensors(path), tensors(back))  # every part, bit for bit
@@ -505,7 +505,7 @@ def test_int4_group_128(tmp_path, symmetric):
             assert torch.equal(ckpt[name].view(torch.int16),
                                ct_models.decompressed(path, name[: -len(".weight")]).view(torch.int16))
     r = run_cli("verify", twin, path, "--backend", "reference", "--json")
-    assert [f["exact"] for f in json.loads(r.output)["ffns"]] == ["requantized", "requantized"]
+    assert [f["exact"] for f in json.loads(r.stdout)["ffns"]] == ["requantized", "requantized"]
     run_cli("convert", path, "--to", "mlx", "-o", tmp_path / "mlx")
     model, _ = mlx_lm.load(str(tmp_path / "mlx"))
     assert model.model.layers[0].mlp.down_proj.group_size == 128
@@ -534,7 +534,7 @@ def test_verify_the_other_way_round(ct, tmp_path):
     """A quantized, B its unquantized twin: the same code check, the sides named as they are."""
     twin, path = ct("int4-g32-asym")
     r = run_cli("verify", path, twin, "--backend", "reference", "--json")
-    assert [f["exact"] for f in json.loads(r.output)["ffns"]] == ["requantized", "requantized"]
+    assert [f["exact"] for f in json.loads(r.stdout)["ffns"]] == ["requantized", "requantized"]
     bad = plant(path, tmp_path / "bad", _shift_scale)
     r = run_cli("verify", bad, twin, "--backend", "reference", ok=None)
     assert r.exit_code == 1
@@ -545,7 +545,7 @@ def test_nvfp4_codes_checked(nv, tmp_path):
     """NVFP4's round-to-nearest (cast_to_fp4 of x / (scale / global_scale)) is replayed: the twin's codes come
     back every one, and a scale row shifted by one fails by its codes."""
     twin, ct, mo = nv()
-    data = json.loads(run_cli("verify", twin, ct, "--backend", "reference", "--json").output)
+    data = json.loads(run_cli("verify", twin, ct, "--backend", "reference", "--json").stdout)
     assert [f["exact"] for f in data["ffns"]] == ["requantized", "requantized"]
     r = run_cli("verify", twin, mo, "--backend", "reference")  # ModelOpt's scale_2 = 1 / global scale: rounded
     assert "PASS" in r.output

@@ -57,7 +57,7 @@ def raw_identical(a, b) -> None:
 @pytest.mark.parametrize("arch, block", [("phi3", BLOCK), ("llama", BLOCK), ("llama", None), ("qwen3_moe", BLOCK)])
 def test_scales_travel_with_their_weights(arch, block, model_dir, tmp_path):
     q = quantize_fp8(model_dir(arch), tmp_path / "q", block)
-    s = json.loads(run_cli("inspect", q, "--json").output)
+    s = json.loads(run_cli("inspect", q, "--json").stdout)
     assert not s["unmatched_ffn_like"] and s["quantized"][0]["dtype"] == "F8_E4M3"
     assert s["quantized"][0]["block"] == ([BLOCK, BLOCK] if block else [1, 64])
     if arch == "phi3":  # fused: split, then fuse back

@@ -81,7 +81,7 @@ def test_split_gguf_opens_from_any_part(gguf_model, tmp_path):
 @pytest.mark.parametrize("arch,ffns", [("llama", 2), ("qwen3_moe", 8), ("mixtral", 8)])
 def test_inspect_counts_every_ffn(gguf_ref, arch, ffns):
     for outtype in ("f32", "q8_0"):
-        s = json.loads(run_cli("inspect", gguf_ref(arch, outtype), "--json").output)
+        s = json.loads(run_cli("inspect", gguf_ref(arch, outtype), "--json").stdout)
         assert s["format"].startswith("gguf")
         assert sum(g["count"] for g in s["ffn"].values()) == ffns, s["ffn"]
         assert s["unmatched_ffn_like"] == []
@@ -348,7 +348,7 @@ def test_tokenizer_json_only_llama_fails_tokenization(gguf_model, tmp_path):
     fields = GGUFReader(out).fields
     assert set(fields["tokenizer.ggml.scores"].contents()) == {-1000.0} and "tokenizer.ggml.merges" not in fields
     r = run_cli("verify", src, out, "--backend", "reference", "--no-load-check", "--json", ok=None)
-    v = json.loads(r.output)
+    v = json.loads(r.stdout)
     assert r.exit_code == 1 and v["side_files"]["passed"]  # the tokens alone: the same
     t = v["tokenization"]
     assert t["compared"] == 37 and len(t["differ"]) == 16, [d["text"] for d in t["differ"]]

@@ -26,7 +26,7 @@ def test_same_file_as_convert_hf_to_gguf(gguf_model, gguf_ref, tmp_path, arch, o
     src = gguf_model(arch)
     before = tree_digest(src)
     out = tmp_path / "ours.gguf"
-    r = json.loads(run_cli("-q", "convert", src, "--to", "gguf", "-o", out, "--outtype", outtype, "--json").output)
+    r = json.loads(run_cli("-q", "convert", src, "--to", "gguf", "-o", out, "--outtype", outtype, "--json").stdout)
     assert out.read_bytes() == gguf_ref(arch, outtype).read_bytes()
     assert tree_digest(src) == before  # the input is never modified
     assert [p.name for p in tmp_path.iterdir()] == ["ours.gguf"]  # no temporary left behind
@@ -38,7 +38,7 @@ def test_same_file_as_convert_hf_to_gguf(gguf_model, gguf_ref, tmp_path, arch, o
 def _llama_cpp_runs_ours_like_transformers(src, out):
     """Our bf16 GGUF, run by llama.cpp, against transformers on the source: verify --logits passes (bf16
     weights: within the widened bf16 row)."""
-    r = json.loads(run_cli("verify", src, out, "--backend", "reference", "--logits", "--json").output)
+    r = json.loads(run_cli("verify", src, out, "--backend", "reference", "--logits", "--json").stdout)
     assert r["passed"] and r["load_check"]["ok"] and r["logits"]["client_b"] == "llama.cpp"
     assert r["logits"]["top1_agreement"] >= 0.9
 
@@ -60,7 +60,7 @@ def test_refusals(gguf_model, gguf_ref, tmp_path):
     r = run_cli("convert", src, "--to", "gguf", "-o", out, "--outtype", "f16", ok=False)
     assert "already exists" in r.output and out.read_bytes() == b"keep"
     r = json.loads(run_cli("-q", "convert", src, "--to", "gguf", "-o", out, "--outtype", "f16", "--force",
-                           "--json").output)
+                           "--json").stdout)
     assert out.read_bytes() == gguf_ref("llama", "f16").read_bytes()  # the converter's f16 file, over the old one
     assert [p.name for p in tmp_path.iterdir()] == ["x.gguf"] and tree_digest(src) == before
     assert r["tensors"] > 0 and r["format"] == "gguf"
@@ -101,7 +101,7 @@ def test_gguf_to_torch(gguf_model, gguf_ref, tmp_path):
     src = gguf_model("llama-spm")
     out = tmp_path / "back"
     said = json.loads(run_cli("-q", "convert", gguf_ref("llama-spm", "f32"), "--to", "torch", "-o", out,
-                              "--json").output)
+                              "--json").stdout)
     assert not any("ranked by token position" in c for c in said["changes"]), said["changes"]
     a, b = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
@@ -115,7 +115,7 @@ def test_gguf_to_torch(gguf_model, gguf_ref, tmp_path):
         assert tok(text)["input_ids"] == ref(text)["input_ids"], text
     assert any(c.startswith("tokenizer.json: sentencepiece's normalizer") for c in said["changes"]), said["changes"]
     r = run_cli("verify", src, out, "--backend", "reference", "--json", ok=None)
-    v = json.loads(r.output)
+    v = json.loads(r.stdout)
     assert r.exit_code == 0 and v["side_files"]["problems"] == [], v["failures"]
     assert set(v["side_files"]["identical"]) >= {"tokenizer.model", "tokenizer_config.json", "generation_config.json"}
     again = convert_reference(out, tmp_path / "again.gguf", "f32")  # the written tokenizer.model read back
@@ -124,7 +124,7 @@ def test_gguf_to_torch(gguf_model, gguf_ref, tmp_path):
                 "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.add_bos_token"):
         assert ours.get(key) == theirs.get(key), key
     r = json.loads(run_cli("-q", "convert", gguf_ref("llama", "q8_0"), "--to", "torch", "-o", tmp_path / "q",
-                           "--json").output)
+                           "--json").stdout)
     assert any("dequantized 16 gguf-quantized weights" in c and "Q8_0" in c for c in r["changes"])
 
 
@@ -135,9 +135,9 @@ def test_gguf_to_torch_side_files_round_trip(gguf_model, gguf_ref, tmp_path):
     import shutil
 
     src, out = gguf_model("qwen3"), tmp_path / "back"
-    said = json.loads(run_cli("-q", "convert", gguf_ref("qwen3", "f32"), "--to", "torch", "-o", out, "--json").output)
+    said = json.loads(run_cli("-q", "convert", gguf_ref("qwen3", "f32"), "--to", "torch", "-o", out, "--json").stdout)
     assert not any("ranked by token position" in c for c in said["changes"])
-    r = json.loads(run_cli("verify", src, out, "--backend", "reference", "--json").output)
+    r = json.loads(run_cli("verify", src, out, "--backend", "reference", "--json").stdout)
     assert r["passed"] and r["side_files"]["problems"] == [] and set(r["side_files"]["identical"]) == {
         "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"}
 
@@ -205,7 +205,7 @@ def test_gguf_to_mlx(gguf_model, gguf_ref, tmp_path, arch):
     ref = AutoTokenizer.from_pretrained(src)
     assert [tok.encode(t) for t in PROSE] == [ref.encode(t) for t in PROSE]
     r = run_cli("verify", src, out, "--backend", "reference", "--logits", "--json", ok=None)
-    v = json.loads(r.output)
+    v = json.loads(r.stdout)
     assert v["logits"]["passed"] and v["logits"]["client_b"] == "mlx_lm"
     assert all(f["exact"] == "identical" for f in v["ffns"])
     assert "generation_config.json" in v["side_files"]["identical"]

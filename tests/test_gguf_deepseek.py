@@ -61,7 +61,7 @@ def test_same_file_as_convert_hf_to_gguf(gguf_model, gguf_ref, tmp_path, arch, o
     """Byte for byte the converter's file; k_b and v_b (no recipe) written by the converter itself."""
     out = tmp_path / "ours.gguf"
     r = json.loads(run_cli("-q", "convert", gguf_model(arch), "--to", "gguf", "-o", out, "--outtype", outtype,
-                           "--json").output)
+                           "--json").stdout)
     assert out.read_bytes() == gguf_ref(arch, outtype).read_bytes()
     w = r["written"]
     assert not w["recipes_disproven"] and {"blk.{L}.ffn_gate_exps.weight", "blk.{L}.ffn_gate_shexp.weight"} <= set(

@@ -35,7 +35,7 @@ ARCH = {"phi3": "phi3", "qwen2": "qwen2", "gemma2": "gemma2", "gemma3": "gemma3"
 def test_same_file_as_convert_hf_to_gguf(gguf_model, gguf_ref, tmp_path, arch, outtype):
     out = tmp_path / "ours.gguf"
     r = json.loads(run_cli("-q", "convert", gguf_model(arch), "--to", "gguf", "-o", out, "--outtype", outtype,
-                           "--json").output)
+                           "--json").stdout)
     assert out.read_bytes() == gguf_ref(arch, outtype).read_bytes()
     assert r["architecture"] == {"gemma3": "Gemma3ForCausalLM"}.get(arch, r["architecture"])
 
@@ -148,7 +148,7 @@ def test_what_llama_cpp_assumes_is_compared(gguf_model, gguf_ref, tmp_path, arch
 def test_phi3_qkv_and_gate_up_fused_read_back(gguf_model, gguf_ref):
     """Phi-3's fused qkv_proj and gate_up_proj are stored as they are (attn_qkv, ffn_up of 2I rows) and
     its two FFNs are found through the fused layout."""
-    s = json.loads(run_cli("inspect", gguf_ref("phi3", "q8_0"), "--json").output)
+    s = json.loads(run_cli("inspect", gguf_ref("phi3", "q8_0"), "--json").stdout)
     assert sum(g["count"] for g in s["ffn"].values()) == 2 and s["unmatched_ffn_like"] == []
     with open_any(gguf_ref("phi3", "f32")) as g:
         assert tuple(g.info("model.layers.0.mlp.gate_up_proj.weight").shape) == (192, 64)

@@ -58,7 +58,7 @@ def test_bf16_source_same_file(bf16_llama, tmp_path, outtype):
     ref = gguf_models.convert_reference(bf16_llama, tmp_path / "ref.gguf", outtype)
     out = tmp_path / "ours.gguf"
     r = json.loads(run_cli("-q", "convert", bf16_llama, "--to", "gguf", "-o", out, "--outtype", outtype,
-                           "--json").output)
+                           "--json").stdout)
     assert out.read_bytes() == ref.read_bytes()
     _all_by_recipes(r)
 
@@ -78,7 +78,7 @@ def test_experts_and_f16_sources_same_file(gguf_model, tmp_path, arch, dtype, ou
     src = gguf_model(arch, dtype)
     ref = gguf_models.convert_reference(src, tmp_path / "ref.gguf", outtype)
     out = tmp_path / "ours.gguf"
-    r = json.loads(run_cli("-q", "convert", src, "--to", "gguf", "-o", out, "--outtype", outtype, "--json").output)
+    r = json.loads(run_cli("-q", "convert", src, "--to", "gguf", "-o", out, "--outtype", outtype, "--json").stdout)
     assert out.read_bytes() == ref.read_bytes()
     assert r["written"]["in_chunks"] == r["tensors"] and not r["written"]["recipes_disproven"]
 
@@ -99,7 +99,7 @@ def test_chunks_span_rows_heads_and_experts(bf16_llama, tmp_path, monkeypatch):
     monkeypatch.setattr(writer, "_run", here)
     ref = gguf_models.convert_reference(bf16_llama, tmp_path / "ref.gguf", "q8_0")
     r = json.loads(run_cli("-q", "convert", bf16_llama, "--to", "gguf", "-o", tmp_path / "ours.gguf", "--outtype",
-                           "q8_0", "--json").output)
+                           "q8_0", "--json").stdout)
     assert (tmp_path / "ours.gguf").read_bytes() == ref.read_bytes()
     _all_by_recipes(r)
     q = {"op": "rotary", "heads": 4, "sources": [{"file": "", "start": 0, "dtype": "BF16", "shape": [64, 64]}]}
@@ -118,12 +118,12 @@ def test_generated_tensor_by_converter_and_unproven_recipes_said(gguf_model, tmp
     (src / "config.json").write_text(json.dumps(cfg))
     ref = gguf_models.convert_reference(src, tmp_path / "ref.gguf", "bf16")
     r = json.loads(run_cli("-q", "convert", src, "--to", "gguf", "-o", tmp_path / "a.gguf", "--outtype", "bf16",
-                           "--json").output)
+                           "--json").stdout)
     assert (tmp_path / "a.gguf").read_bytes() == ref.read_bytes()
     assert r["written"]["by_converter"] == ["rope_freqs.weight"]
     monkeypatch.setenv("FFN_TOOLS_GGUF_CHECK_LIMIT", "0")
     r = json.loads(run_cli("-q", "convert", src, "--to", "gguf", "-o", tmp_path / "b.gguf", "--outtype", "bf16",
-                           "--json").output)
+                           "--json").stdout)
     assert (tmp_path / "b.gguf").read_bytes() == ref.read_bytes()
     assert r["written"]["recipes_proven"] == [] and "blk.{L}.ffn_up.weight" in r["written"]["recipes_not_proven"]
     assert "not checked against the converter's bytes" in r["summary"]
@@ -140,7 +140,7 @@ def test_mixed_source_dtypes(gguf_model, tmp_path):
     save_file(sd, f, metadata={"format": "pt"})
     ref = gguf_models.convert_reference(src, tmp_path / "ref.gguf", "f16")
     r = json.loads(run_cli("-q", "convert", src, "--to", "gguf", "-o", tmp_path / "a.gguf", "--outtype", "f16",
-                           "--json").output)
+                           "--json").stdout)
     assert (tmp_path / "a.gguf").read_bytes() == ref.read_bytes()
     assert r["written"]["by_converter"] == ["blk.1.ffn_down.weight"]
     assert r["written"]["in_chunks"] == r["tensors"] - 1

@@ -28,7 +28,7 @@ def test_default_outtype_is_the_converters_auto(gguf_model, gguf_ref, tmp_path, 
     src = gguf_model("llama", dtype)
     ref = gguf_ref("llama", "auto", dtype)
     out = tmp_path / "default.gguf"
-    r = json.loads(run_cli("-q", "convert", src, "--to", "gguf", "-o", out, "--json").output)
+    r = json.loads(run_cli("-q", "convert", src, "--to", "gguf", "-o", out, "--json").stdout)
     assert out.read_bytes() == ref.read_bytes()
     assert r["outtype"] == chosen and set(r["types"]) == {chosen.upper(), "F32"}, r
     assert any(c.startswith(f"--outtype auto: {chosen}, as convert_hf_to_gguf.py's auto") for c in r["changes"])
@@ -256,7 +256,7 @@ def llama3_back(llama3_gguf, shared_dir) -> tuple[Path, list[str]]:
 
     def make(d: Path) -> None:
         d.mkdir()
-        said = json.loads(run_cli("-q", "convert", llama3_gguf, "--to", "torch", "-o", d / "back", "--json").output)
+        said = json.loads(run_cli("-q", "convert", llama3_gguf, "--to", "torch", "-o", d / "back", "--json").stdout)
         (d / "said.json").write_text(json.dumps(said["changes"]))
 
     d = once(shared_dir / "newuser-llama3-back", make)
@@ -285,7 +285,7 @@ def test_gguf_to_torch_gives_back_its_side_files(llama3, llama3_back):
     tok, ref = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(llama3)
     assert len(tok) == len(ref) == 128256 and tok.unk_token is None
     r = run_cli("verify", llama3, out, "--backend", "reference", "--json", ok=None)
-    v = json.loads(r.output)
+    v = json.loads(r.stdout)
     assert r.exit_code == 0 and v["passed"], v["failures"]
     assert v["side_files"]["problems"] == [] and "generation_config.json" in v["side_files"]["identical"]
     notes = side_notes(v)
@@ -338,7 +338,7 @@ def test_gguf_to_mlx_gives_back_its_side_files(llama3, llama3_gguf, tmp_path):
     _, tok = load(str(out))
     assert tok.encode("Hello world") == [128000, 9906, 1917]
     r = run_cli("verify", llama3, out, "--backend", "reference", "--json", ok=None)
-    v = json.loads(r.output)
+    v = json.loads(r.stdout)
     assert r.exit_code == 0 and v["passed"], v["failures"]
     assert "generation_config.json" in v["side_files"]["identical"] and len(side_notes(v)) == 2
 
@@ -364,14 +364,14 @@ def test_qwen3_moe_gguf_to_mlx_and_torch(tmp_path):
     # Llama 3's digit split, not the one Qwen2Tokenizer (the class transformers' reader names for qwen3moe) sets
     assert tok.encode("1234567890 %20") == AutoTokenizer.from_pretrained(src).encode("1234567890 %20")
     r = run_cli("verify", src, mlx, "--backend", "reference", "--json", ok=None)
-    v = json.loads(r.output)
+    v = json.loads(r.stdout)
     assert r.exit_code == 0 and v["passed"], v["failures"]
     assert v["load_check"]["ok"] and v["config"]["problems"] == []
     back = tmp_path / "back"
     run_cli("-q", "convert", gguf, "--to", "torch", "-o", back)
     cfg = AutoConfig.from_pretrained(back)
     assert (cfg.norm_topk_prob, cfg.decoder_sparse_step, cfg.mlp_only_layers) == (True, 1, [])
-    v = json.loads(run_cli("verify", src, back, "--backend", "reference", "--json", ok=None).output)
+    v = json.loads(run_cli("verify", src, back, "--backend", "reference", "--json", ok=None).stdout)
     assert v["passed"] and v["config"]["problems"] == [], v["failures"]
 
 
@@ -393,7 +393,7 @@ def test_gemma2_gguf_round_trip_closes(gguf_model, gguf_ref, tmp_path, to):
     written = json.loads((out / "config.json").read_text())
     assert "hidden_act" not in written and written["hidden_activation"] == "gelu_pytorch_tanh"
     r = run_cli("verify", src, out, "--backend", "reference", "--no-side-files", "--json", *allow, ok=None)
-    v = json.loads(r.output)
+    v = json.loads(r.stdout)
     assert r.exit_code == 0 and v["passed"], v["failures"]
     assert v["config"]["problems"] == [] and v["outside"]["differ"] == [] and v["outside"]["within_tolerance"] >= 9
     assert any("9 of B's tensors were read back from a GGUF that stores them plus one" in n for n in v["notes"]), v["notes"]

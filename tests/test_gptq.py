@@ -75,7 +75,7 @@ def test_verify_passes_and_catches_a_swap(q, tmp_path, case):
     twin, path, _ = q(case)
     r = run_cli("verify", twin, path, "--backend", "reference")
     assert "PASS" in r.output and "4-bit" in r.output
-    data = json.loads(run_cli("verify", twin, path, "--backend", "reference", "--json").output)
+    data = json.loads(run_cli("verify", twin, path, "--backend", "reference", "--json").stdout)
     assert [f["exact"] for f in data["ffns"]] == ["requantized", "requantized"]  # B's codes: A's, re-quantized
 
     def shift(sd):  # one output row's scales taken from its neighbour's

@@ -59,7 +59,7 @@ def test_older_flags_and_the_global_quiet_still_work(hf, tmp_path):
 
 def test_dry_run_lists_every_parameter_and_writes_nothing(hf, tmp_path):
     r = run_cli("convert", hf("mixtral"), "--to", "mlx", "-o", tmp_path / "o", "--dry-run", "-q", "--json")
-    s = json.loads(r.output)
+    s = json.loads(r.stdout)
     assert s["command"] == "convert" and s["summary"].startswith("would write") and not (tmp_path / "o").exists()
     assert any("switch_mlp.gate_proj.scales" in line for line in s["plan"])
     assert s["mlx_model"] == "mixtral" and s["quantized"] > 0

@@ -53,10 +53,10 @@ def test_mxfp4_reads_as_transformers_dequantizes_it(gpt_oss, tmp_path):
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     bf16, packed = gpt_oss
-    s = json.loads(run_cli("inspect", packed, "--json").output)
+    s = json.loads(run_cli("inspect", packed, "--json").stdout)
     assert s["quantized"] == [{"dtype": "MXFP4", "scales": "scales", "block": [1, 32], "weights": 4,
                                "how": "read dequantized, exactly (bf16)"}]
-    assert s["ffn"] == json.loads(run_cli("inspect", bf16, "--json").output)["ffn"] and not s["unmatched_ffn_like"]
+    assert s["ffn"] == json.loads(run_cli("inspect", bf16, "--json").stdout)["ffn"] and not s["unmatched_ffn_like"]
     run_cli("convert", packed, "--to", "torch", "-o", tmp_path / "deq")
     raw, deq = load_file(packed / "model.safetensors"), tensors(tmp_path / "deq")
     for base in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):

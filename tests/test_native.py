@@ -111,7 +111,7 @@ def twins(model_dir, tmp_path_factory):
 @pytest.mark.parametrize("kind", ["meta", "meta-llama3", "mistral", "mistral-moe"])
 def test_native_reads_as_its_twin(kind, twins, tmp_path):
     hf, native = twins[kind]
-    mine, theirs = (json.loads(run_cli("inspect", p, "--json").output) for p in (native, hf))
+    mine, theirs = (json.loads(run_cli("inspect", p, "--json").stdout) for p in (native, hf))
     assert mine["ffn"] == theirs["ffn"] and mine["format"] == "native"
     run_cli("convert", native, "--to", "torch", "-o", tmp_path / "hf")
     assert_identical(tensors(tmp_path / "hf"), tensors(hf))  # every tensor bit for bit, q/k permuted back
@@ -124,10 +124,10 @@ def test_native_reads_as_its_twin(kind, twins, tmp_path):
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["_from_model_config"] is True
     pad = "generation_config.json: pad_token_id is 0 in A and missing in B"
     r = run_cli("verify", hf, tmp_path / "hf", "--backend", "reference", "--logits", "--json", ok=None)
-    data = json.loads(r.output)
+    data = json.loads(r.stdout)
     assert data["failures"] == [f"side files: {pad}"] and data["logits"]["passed"], data["failures"]
     r = run_cli("verify", hf, native, "--backend", "reference", "--json", ok=None)
-    assert json.loads(r.output)["failures"] == ["side files: generation_config.json is in A and missing in B, and what "
+    assert json.loads(r.stdout)["failures"] == ["side files: generation_config.json is in A and missing in B, and what "
                                                 "transformers derives from B's config.json differs: pad_token_id 0 in "
                                                 "A, None in B"]
     no_pad = tmp_path / "no-pad"  # a twin that says no pad id, as Meta's own conversions do: no difference
@@ -137,7 +137,7 @@ def test_native_reads_as_its_twin(kind, twins, tmp_path):
         cfg.pop("pad_token_id", None)
         (no_pad / f).write_text(json.dumps(cfg))
     r = run_cli("verify", no_pad, native, "--backend", "reference", "--json", ok=None)
-    data = json.loads(r.output)
+    data = json.loads(r.stdout)
     assert r.exit_code == 0 and "load check not run (Meta's and Mistral's" in data["verdict"], data["failures"]
     assert any("transformers derives the same generation settings from B's config.json" in n
                for n in data["side_files"]["notes"]), data["side_files"]

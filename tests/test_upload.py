@@ -75,7 +75,7 @@ def test_every_writing_command_uploads_its_output(fake_hub, model_dir, tmp_path)
     run_cli("fuse-gateup", tmp_path / "split", "-o", tmp_path / "fused", "--upload-repo", "acme/phi3-fused")
     run_cli("extract", src, "-o", tmp_path / "ffn.safetensors", "--upload-repo", "acme/phi3-ffn")
     r = run_cli("convert", src, "--to", "torch", "-o", tmp_path / "t", "--upload-repo", "acme/phi3-t", "--json")
-    assert json.loads(r.output)["uploaded"].endswith("/acme/phi3-t")
+    assert json.loads(r.stdout)["uploaded"].endswith("/acme/phi3-t")
     for repo, out in (("acme/phi3-split", tmp_path / "split"), ("acme/phi3-fused", tmp_path / "fused"),
                       ("acme/phi3-t", tmp_path / "t")):
         files = {p.name: p.read_bytes() for p in out.iterdir()}
