@@ -57,7 +57,7 @@ demo: $(BASE)
 	$(BIN)/python examples/demo.py
 
 test: $(DEV)
-	$(BIN)/python -m pytest -n 2 tests
+	$(BIN)/python -m pytest -n 2 --dist worksteal tests
 
 bench: $(DEV)
 	$(BIN)/python benchmarks/bench_split.py
