@@ -343,20 +343,29 @@ def test_gguf_to_mlx_gives_back_its_side_files(llama3, llama3_gguf, tmp_path):
     assert "generation_config.json" in v["side_files"]["identical"] and len(side_notes(v)) == 2
 
 
-def test_qwen3_moe_gguf_to_mlx_and_torch(tmp_path):
-    """A Qwen3-MoE GGUF (norm_topk_prob true, as Qwen3-30B-A3B's config) -> MLX: config.json carries what llama.cpp's
-    qwen3moe graph fixes and the converter writes no key for (every layer sparse, top-k weights renormalized),
-    so mlx_lm builds and loads it and verify against the source passes; -> torch: transformers runs the same
-    (its Qwen3MoeConfig's default norm_topk_prob is false). The tokenizer is Llama 3's: tokenizer_config.json names
-    no class that would replace its pre-tokenizer on loading (Qwen2Tokenizer does). On main: "config.json lacks decoder_sparse_step,
+@pytest.fixture(scope="session")
+def qwen3_moe_gguf(shared_dir) -> tuple[Path, Path]:
+    """(a tiny bf16 Qwen3-MoE with norm_topk_prob true, as Qwen3-30B-A3B's config, on Llama 3's tokenizer; its
+    GGUF by ffn-tools), made once per run (``shared_dir``): read-only."""
+
+    def make(d: Path) -> None:
+        save_tiny("qwen3_moe", d / "model", llama3_tokenizer(d / "model"), norm_topk_prob=True)
+        run_cli("-q", "convert", d / "model", "--to", "gguf", "-o", d / "qm.gguf")
+
+    d = once(shared_dir / "newuser-qwen3-moe", make)
+    return d / "model", d / "qm.gguf"
+
+
+def test_qwen3_moe_gguf_to_mlx(qwen3_moe_gguf, tmp_path):
+    """A Qwen3-MoE GGUF -> MLX: config.json carries what llama.cpp's qwen3moe graph fixes and the converter writes
+    no key for (every layer sparse, top-k weights renormalized), so mlx_lm builds and loads it and verify against
+    the source passes. The tokenizer is Llama 3's: tokenizer_config.json names no class that would replace its
+    pre-tokenizer on loading (Qwen2Tokenizer does). On main: "config.json lacks decoder_sparse_step,
     mlp_only_layers, norm_topk_prob, which mlx_lm's qwen3_moe model requires", exit 2."""
     from mlx_lm import load
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    src = tmp_path / "model"
-    save_tiny("qwen3_moe", src, llama3_tokenizer(src), norm_topk_prob=True)
-    gguf = tmp_path / "qm.gguf"
-    run_cli("-q", "convert", src, "--to", "gguf", "-o", gguf)
+    src, gguf = qwen3_moe_gguf
     mlx = tmp_path / "mlx"
     run_cli("-q", "convert", gguf, "--to", "mlx", "-o", mlx)
     model, tok = load(str(mlx))
@@ -367,6 +376,14 @@ def test_qwen3_moe_gguf_to_mlx_and_torch(tmp_path):
     v = json.loads(r.stdout)
     assert r.exit_code == 0 and v["passed"], v["failures"]
     assert v["load_check"]["ok"] and v["config"]["problems"] == []
+
+
+def test_qwen3_moe_gguf_to_torch(qwen3_moe_gguf, tmp_path):
+    """The same GGUF -> torch: transformers runs what llama.cpp does (its Qwen3MoeConfig's default norm_topk_prob
+    is false: config.json says true), and verify against the source passes."""
+    from transformers import AutoConfig
+
+    src, gguf = qwen3_moe_gguf
     back = tmp_path / "back"
     run_cli("-q", "convert", gguf, "--to", "torch", "-o", back)
     cfg = AutoConfig.from_pretrained(back)
