@@ -145,6 +145,31 @@ def test_header_reader_builds_what_gguf_py_builds(gguf_ref, arch, outtype):
         assert t2 - t1 < (t1 - t0) / 3, (t1 - t0, t2 - t1)  # measured: 1.8 s and 0.12 s
 
 
+@pytest.mark.parametrize("vocab", ["gpt-2", "llama-spm"])
+def test_transformers_reads_the_same_tokenizer_through_the_header_reader(vocab):
+    """``sidefiles.header_reader`` (transformers' GGUF reader given ``header.Reader`` for gguf-py's GGUFReader,
+    how convert reads a GGUF's tokenizer) gives the tokenizer transformers builds on its own: the same
+    tokenizer.json, special tokens and encodings, on a byte-level BPE vocabulary with merges (GPT-2's) and a
+    sentencepiece one with scores (Llama's); and gguf-py's class is back in place after it."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from ffn_tools.converters.gguf.sidefiles import header_reader
+
+    models = gguf_models.require_llama_cpp() / "models"
+    theirs = AutoTokenizer.from_pretrained(models, gguf_file=f"ggml-vocab-{vocab}.gguf")
+    original = gguf.GGUFReader
+    with header_reader():
+        assert gguf.GGUFReader is not original
+        ours = AutoTokenizer.from_pretrained(models, gguf_file=f"ggml-vocab-{vocab}.gguf")
+    assert gguf.GGUFReader is original
+    assert type(ours) is type(theirs) and len(ours) == len(theirs) > 30000
+    assert ours.backend_tokenizer.to_str() == theirs.backend_tokenizer.to_str()
+    assert ours.special_tokens_map == theirs.special_tokens_map
+    for text in ("The quick brown fox, 1234567890.", "  Grüße\n\taus München"):
+        assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+
+
 def _edit(path, dst, tensors=None, fields=None):
     """A copy of GGUF ``path`` at ``dst`` with tensors (gguf name -> f(array) -> array) and metadata values
     (key -> value) replaced in place, through gguf's reader (ffn-tools' faster-parsing subclass of it)."""
