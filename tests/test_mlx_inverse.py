@@ -28,7 +28,9 @@ pytest.importorskip("mlx_lm")
 from ffn_tools.converters.mlx import inverse  # noqa: E402
 from ffn_tools.converters.mlx.probe import NotRearranged, Probe  # noqa: E402
 from ffn_tools.plan import Entry  # noqa: E402
-from test_zoo_mlx import CLIENT_DIFFERS, REFUSED, _built, _candidates, _exported  # noqa: E402
+from test_zoo_mlx import REFUSED, _built, _candidates, _exported, allowed  # noqa: E402
+# allowed(model_type): the setting mlx_lm and transformers run otherwise (jamba's norm_topk_prob), allowed on both
+# ways: these tests check names and bytes; test_zoo_mlx, that each way is refused unless told
 
 # model_type -> the source tensors mlx_lm's sanitize drops (asserted: they are exactly the ones missing).
 DROPPED = {"ernie4_5_moe": ["model.layers.1.mlp.moe_statics.e_score_correction_bias"]}
@@ -58,17 +60,11 @@ def sources(request):
     return get
 
 
-def _allowed(model_type: str) -> list[str]:
-    """The setting mlx_lm and transformers run otherwise for ``model_type`` (test_zoo_mlx's ``CLIENT_DIFFERS``),
-    allowed on both ways: these tests check names and bytes, test_zoo_mlx that each way is refused unless told."""
-    return [CLIENT_DIFFERS[model_type]] if model_type in CLIENT_DIFFERS else []
-
-
 def _mlx(request, sources, model_type: str, dtype: str, tmp_path: Path) -> Path:
     """The MLX export of ``sources(model_type, dtype)``: in float32 test_zoo_mlx's, made once per run."""
     if dtype == "float32":
         return _exported(request, model_type)
-    convert(sources(model_type, dtype), "mlx", tmp_path / "mlx", allow_config=_allowed(model_type))
+    convert(sources(model_type, dtype), "mlx", tmp_path / "mlx", allow_config=allowed(model_type))
     return tmp_path / "mlx"
 
 
@@ -88,7 +84,7 @@ def _rounded_ok(model_type: str, names: set[str], src: dict, back: dict, mlx: Pa
 def test_torch_mlx_torch_gives_the_source(model_type, dtype, sources, tmp_path, request):
     src = sources(model_type, dtype)
     mlx = _mlx(request, sources, model_type, dtype, tmp_path)
-    convert(mlx, "torch", tmp_path / "back", allow_config=_allowed(model_type))
+    convert(mlx, "torch", tmp_path / "back", allow_config=allowed(model_type))
     with open_any(mlx) as view:
         assert view.inverse.skipped is None and not view.inverse.refused
         for n in view:
@@ -100,7 +96,7 @@ def test_torch_mlx_torch_gives_the_source(model_type, dtype, sources, tmp_path, 
     exact = {n: t for n, t in a.items() if n not in rounded}
     assert sorted(a) == sorted(b)
     assert_identical({n: b[n] for n in exact}, exact)
-    convert(tmp_path / "back", "mlx", tmp_path / "again", allow_config=_allowed(model_type))
+    convert(tmp_path / "back", "mlx", tmp_path / "again", allow_config=allowed(model_type))
     _rounded_ok(model_type, rounded, a, b, mlx, tmp_path / "again")
     assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == model_type
     assert check_transformers(open_checkpoint(tmp_path / "back")).ok
@@ -168,8 +164,8 @@ def test_every_zoo_export_reads_back(model_type, request, tmp_path):
     assert sorted(a) == sorted([*back, *view.inverse.dropped])
     assert_identical({n: back[n] for n in back if n not in rounded}, {n: a[n] for n in back if n not in rounded})
     if rounded:
-        convert(mlx, "torch", tmp_path / "back", allow_config=_allowed(model_type))
-        convert(tmp_path / "back", "mlx", tmp_path / "again", allow_config=_allowed(model_type))
+        convert(mlx, "torch", tmp_path / "back", allow_config=allowed(model_type))
+        convert(tmp_path / "back", "mlx", tmp_path / "again", allow_config=allowed(model_type))
         _rounded_ok(model_type, rounded, a, back, mlx, tmp_path / "again")
     else:
         assert model_type not in NORMS_PLUS_ONE

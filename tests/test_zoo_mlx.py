@@ -117,6 +117,11 @@ OTHER_LOGITS = {
 CLIENT_DIFFERS = {"jamba": "norm_topk_prob"}
 
 
+def allowed(model_type: str) -> list[str]:
+    """``allow_config`` for ``model_type``'s conversions: its ``CLIENT_DIFFERS`` setting, if any."""
+    return [CLIENT_DIFFERS[model_type]] if model_type in CLIENT_DIFFERS else []
+
+
 # model_type -> why verify cannot run on a correct export (asserted: it still cannot).
 UNVERIFIED: dict[str, str] = {}
 
@@ -156,8 +161,7 @@ def _exported(request, model_type: str) -> Path:
     """``convert --to mlx`` of the tiny model (``_built``; the setting its clients run otherwise allowed,
     ``CLIENT_DIFFERS``), made once per run: read-only."""
     src, _ = _built(request, model_type)
-    allow = [CLIENT_DIFFERS[model_type]] if model_type in CLIENT_DIFFERS else []
-    return once(src.parent / "mlx", lambda tmp: convert(src, "mlx", tmp, allow_config=allow))
+    return once(src.parent / "mlx", lambda tmp: convert(src, "mlx", tmp, allow_config=allowed(model_type)))
 
 
 def _mlx_logits(path: Path):
@@ -192,7 +196,7 @@ def test_zoo_mlx(model_type, tmp_path, request):
         with pytest.raises(BaseException), contextlib.redirect_stdout(io.StringIO()):
             mlx_lm.convert(str(src), str(tmp_path / "theirs"))  # mlx_lm cannot either
         return
-    allow = [CLIENT_DIFFERS[model_type]] if model_type in CLIENT_DIFFERS else []
+    allow = allowed(model_type)
     if allow:
         with pytest.raises(FFNToolsError, match=f"{allow[0]}: the input's client \\(transformers\\) runs"):
             convert(src, "mlx", out)
