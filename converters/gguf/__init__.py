@@ -17,7 +17,7 @@ __all__ = ["FORMAT"]
 
 class Gguf(Format):
     name, extra = "gguf", "gguf"
-    options = frozenset({"outtype", "dry_run"})
+    options = frozenset({"outtype", "dry_run", "output_tensor_type", "token_embedding_type", "imatrix"})
     detect_order = 10
 
     def can_read(self, path: Path) -> bool:

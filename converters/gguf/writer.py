@@ -9,8 +9,8 @@ converter's for a Hugging Face input, and an MLX, Meta/Mistral native or Flax in
 (quantized MLX weights are read dequantized, and the summary says so). The converter writes the header and
 what no recipe makes; ``native`` writes the rest in chunks on every core, from a second process that imports
 neither torch nor transformers (recipes proven against the converter's bytes first, in ``worker``). The file is written to a temporary
-path beside OUT and moved into place only when complete. K-quants (Q4_K_M, ...) are llama.cpp's
-``llama-quantize``'s job, run on the f16/bf16 output.
+path beside OUT and moved into place only when complete. K-quants and i-quants (``--outtype q4_k_m``, ...) are
+llama.cpp's own quantizer run on the converter's bf16/f16 file in the same temporary directory (``kquant``).
 
 llama.cpp's converter (``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py/`` from llama.cpp's source tree) is
 found at ``$FFN_TOOLS_LLAMA_CPP``, else ``sys.prefix/llama.cpp`` (where the dev install puts it), else in this
@@ -32,19 +32,26 @@ from ffn_tools.io.output import atomic_output
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.sizes import human
 
+from . import kquant
 from .source import llama_cpp_dir
 
-OUTTYPES = ("f32", "f16", "bf16", "q8_0", "auto")
+CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0", "auto")  # convert_hf_to_gguf.py's --outtype
+OUTTYPES = (*CONVERTER_TYPES, *kquant.FTYPES)  # and llama-quantize's types, through its library
 
 
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
            max_shard_size: int | None = None, outtype: str | None = None, dry_run: bool = False,
-           native: bool = True) -> dict:
+           native: bool = True, output_tensor_type: str | None = None, token_embedding_type: str | None = None,
+           imatrix: str | Path | None = None) -> dict:
     """Write ``ckpt`` as the GGUF file ``out``.
 
     Args:
         outtype: f32, f16, bf16, q8_0 (convert_hf_to_gguf.py's), or auto (its default, and ours when None:
-            the converter's own choice, bf16 for a bf16 model, f16 for an f16 or f32 one).
+            the converter's own choice, bf16 for a bf16 model, f16 for an f16 or f32 one); or one of
+            llama-quantize's types (``kquant.FTYPES``: q4_k_m, q6_k, iq4_xs, ...), made by llama.cpp's quantizer
+            from the converter's auto file.
+        output_tensor_type, token_embedding_type, imatrix: llama-quantize's options of those names (with a
+            llama-quantize type only).
         dry_run: run the converter's plan (every tensor's name, type and shape) and write nothing.
         native: write the tensors a proven recipe makes in chunks (``native``), the converter the rest; False:
             the converter writes every tensor (its memory: a tensor whole, in torch and numpy).
@@ -62,29 +69,59 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     if max_shard_size is not None:
         raise FFNToolsError("--max-shard-size does not apply to --to gguf: a GGUF is one file (llama.cpp's "
                             "gguf-split splits one)")
-    outtype = outtype or "auto"
+    outtype = (outtype or "auto").lower()
     if outtype not in OUTTYPES:
-        raise FFNToolsError(f"--outtype {outtype!r}: use one of {', '.join(OUTTYPES)}; K-quants (Q4_K_M, Q5_K_M, "
-                            "...) are made from an f16/bf16 GGUF by llama.cpp's llama-quantize")
+        raise FFNToolsError(f"--outtype {outtype!r}: use one of {', '.join(OUTTYPES)}")
+    quantizing = outtype in kquant.FTYPES
+    _check_quantize_options(outtype, quantizing, output_tensor_type, token_embedding_type, imatrix)
     if out.suffix != ".gguf":
         raise FFNToolsError(f"{out}: a GGUF output is one file named *.gguf")
     llama_cpp_dir()  # found, or fetched once, before anything is written
     dequantized = sum(1 for n in ckpt if ckpt.quantized(n))
     said = {"dequantized": dequantized, "format": ckpt.kind, "asked": outtype}
-    request = {"source": str(ckpt.path), "dir_model": str(ckpt.root), "outtype": outtype, "dry_run": dry_run,
-               "progress": progress.visible(), "native": native}
+    request = {"source": str(ckpt.path), "dir_model": str(ckpt.root), "outtype": "auto" if quantizing else outtype,
+               "dry_run": dry_run, "progress": progress.visible(), "native": native}
     if dry_run:
         result = _run({**request, "out": str(out)})  # the converter's writer in its dry-run mode writes nothing
         return _summary(out, result, said, plan=True)
     with atomic_output(out, inputs=[Path(ckpt.path)], force=force) as tmp:
-        result = _run({**request, "out": str(tmp)})
-        if result.get("native"):
-            _run({"out": str(tmp), "tensors": result["native"], "progress": request["progress"]}, "native")
+        # a K-quant's intermediate: the converter's file beside the temporary output, removed whatever happens
+        first = tmp.with_name(tmp.name + ".intermediate.gguf") if quantizing else tmp
+        try:
+            result = _run({**request, "out": str(first)})
+            if result.get("native"):
+                _run({"out": str(first), "tensors": result["native"], "progress": request["progress"]}, "native")
+            if quantizing:
+                steps = {"intermediate": result["outtype"], "intermediate_bytes": first.stat().st_size}
+                rec = kquant.recipe(outtype, result["outtype"], output_tensor_type, token_embedding_type,
+                                    Path(imatrix) if imatrix else None)
+                q = _run({"input": str(first), "out": str(tmp), "outtype": outtype, "recipe": rec,
+                          "output_tensor_type": output_tensor_type, "token_embedding_type": token_embedding_type,
+                          "imatrix": str(imatrix) if imatrix else None, "progress": request["progress"]}, "kquant")
+                result = {**result, "tensors": q["tensors"], "outtype": outtype, "quantized": {**steps, "recipe": rec}}
+        finally:
+            if quantizing:
+                first.unlink(missing_ok=True)
     return _summary(out, result, said, plan=False)
 
 
+def _check_quantize_options(outtype: str, quantizing: bool, output_tensor_type, token_embedding_type, imatrix):
+    """Refuse llama-quantize's options without one of its types, an unknown tensor type, a missing imatrix."""
+    given = [f for f, v in (("--output-tensor-type", output_tensor_type), ("--token-embedding-type",
+             token_embedding_type), ("--imatrix", imatrix)) if v]
+    if given and not quantizing:
+        raise FFNToolsError(f"{', '.join(given)}: llama-quantize's options, for its types (--outtype q4_k_m, q6_k, "
+                            f"iq4_xs, ...); --outtype {outtype} is the converter's")
+    for flag, t in (("--output-tensor-type", output_tensor_type), ("--token-embedding-type", token_embedding_type)):
+        if t and t.lower() not in kquant.TENSOR_TYPES:
+            raise FFNToolsError(f"{flag} {t!r}: use one of {', '.join(kquant.TENSOR_TYPES)}")
+    if imatrix and not Path(imatrix).is_file():
+        raise FFNToolsError(f"--imatrix {imatrix}: no such file")
+
+
 # module -> (what it is, in an error; the key its result always has)
-MODULES = {"worker": ("llama.cpp's converter", "tensors"), "native": ("the GGUF tensor writer", "written")}
+MODULES = {"worker": ("llama.cpp's converter", "tensors"), "native": ("the GGUF tensor writer", "written"),
+           "kquant": ("llama.cpp's quantizer", "tensors")}
 
 
 def _run(request: dict, module: str = "worker") -> dict:
@@ -120,6 +157,16 @@ def _summary(out: Path, result: dict, said: dict, plan: bool) -> dict:
     if said["dequantized"]:
         changes.append(f"read {said['dequantized']} {said['format']}-quantized weights dequantized: the GGUF holds "
                        f"them as {outtype}, with the quantization's error")
+    if "quantized" in result:
+        q = result["quantized"]
+        changes.append(f"quantized to {q['recipe'][kquant.RECIPE + '.ftype']} by llama.cpp's own quantizer "
+                       f"(llama_model_quantize, as llama-quantize) from the converter's {q['intermediate']} file "
+                       f"({human(q['intermediate_bytes'])}, written beside the output and removed); the recipe is "
+                       f"in the metadata ({kquant.RECIPE}.*)")
+    elif plan and said["asked"] in kquant.FTYPES:
+        changes.append(f"the plan is the converter's {outtype} file that llama.cpp's quantizer would make "
+                       f"{kquant.FTYPES[said['asked']]} from: which type each tensor then gets is llama.cpp's choice, "
+                       "made when it runs")
     if said["asked"] == "auto":
         changes.append(f"--outtype auto: {outtype}, as convert_hf_to_gguf.py's auto picks it (the dtype of the "
                        "model's first bf16 or f16 weight of 2 or more dimensions; f16 when none)")

@@ -229,6 +229,12 @@ _gateup_command("fuse-gateup", _fuse, """Fuse gate_proj and up_proj into one gat
 
 
 QUANT_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
+# convert_hf_to_gguf.py's --outtype, then llama-quantize's types (converters/gguf/kquant.py, whose FTYPES the tests
+# hold this list to: the CLI does not import the converters to draw its --help)
+GGUF_OUTTYPES = ("f32", "f16", "bf16", "q8_0", "auto", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4_moe", "q2_k", "q2_k_s",
+                 "q3_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k", "q4_k_s", "q4_k_m", "q5_k", "q5_k_s", "q5_k_m", "q6_k",
+                 "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq3_xxs", "iq3_xs", "iq3_s", "iq3_m",
+                 "iq4_nl", "iq4_xs", "tq1_0", "tq2_0")
 
 
 def _quantize_value(ctx, param, value):
@@ -248,10 +254,18 @@ def _quantize_value(ctx, param, value):
 @click.option("--to", "to", type=click.Choice(("torch", "mlx", "flax", "gguf")),
               help="Output format (mlx when --mlx-path is given).")
 @click.option("-o", "--out", type=click.Path(), help="Output directory (a .gguf file for --to gguf).")
-@click.option("--outtype", type=click.Choice(("f32", "f16", "bf16", "q8_0", "auto")), help="GGUF only, as "
-              "convert_hf_to_gguf.py's flag: the type of the weights (norms and other 1-D tensors stay f32); auto, "
-              "the default, is bf16 for a bf16 model, else f16. K-quants (Q4_K_M, ...) are llama.cpp's "
-              "llama-quantize's job, run on an f16 or bf16 GGUF.")
+@click.option("--outtype", type=click.Choice(GGUF_OUTTYPES, case_sensitive=False), metavar="TYPE",
+              help="GGUF only. f32, f16, bf16, q8_0, auto: convert_hf_to_gguf.py's flag, the type of the weights "
+              "(norms and other 1-D tensors stay f32); auto, the default, is bf16 for a bf16 model, else f16. "
+              "llama-quantize's types (q4_k_m, q5_k_m, q6_k, q3_k_m, q2_k, q4_0, iq4_xs, ...): llama.cpp's own "
+              "quantizer run on the auto file, in one command.")
+@click.option("--output-tensor-type", metavar="TYPE", help="GGUF, with a llama-quantize --outtype: the type of "
+              "output.weight, as llama-quantize's flag (q8_0, q6_k, f16, ...).")
+@click.option("--token-embedding-type", metavar="TYPE", help="GGUF, with a llama-quantize --outtype: the type of "
+              "token_embd.weight, as llama-quantize's flag.")
+@click.option("--imatrix", type=click.Path(exists=True, dir_okay=False), help="GGUF, with a llama-quantize "
+              "--outtype: llama-imatrix's importance matrix (GGUF), as llama-quantize's flag; i-quants below 3 bits "
+              "need one.")
 @click.option("--mlx-path", type=click.Path(), help="Output directory of an MLX export, as mlx_lm.convert names it "
               "(instead of --to mlx -o).")
 @click.option("--dtype", type=click.Choice(("float32", "float16", "bfloat16")), help="Cast floating weights to this "
@@ -284,7 +298,7 @@ def _quantize_value(ctx, param, value):
 @size_option
 @scheme_options
 @layout_options
-def convert(path, hf_path, to, out, outtype, mlx_path, dtype, quantize, q_bits, q_group_size, q_mode, quant_predicate,
+def convert(path, hf_path, to, out, outtype, output_tensor_type, token_embedding_type, imatrix, mlx_path, dtype, quantize, q_bits, q_group_size, q_mode, quant_predicate,
             dequantize, flax_layout, dry_run, force, allow_config, as_json, upload_repo, max_shard_size, scheme, layout):
     """Convert the checkpoint at PATH to PyTorch safetensors, MLX, Flax msgpack or GGUF.
 
@@ -300,8 +314,12 @@ def convert(path, hf_path, to, out, outtype, mlx_path, dtype, quantize, q_bits, 
 
     GGUF output is what llama.cpp's convert_hf_to_gguf.py writes for the same model and --outtype, bit for
     bit: its own model class runs, fed from ffn-tools' reader (so MLX and native inputs convert too). A GGUF
-    input converts to torch (config.json and tokenizer from its metadata). K-quants (Q4_K_M, ...) are
-    llama.cpp's llama-quantize's job, run on the f16/bf16 GGUF. The scheme and layout options say where the
+    input converts to torch (config.json and tokenizer from its metadata). K-quants and i-quants
+    (--outtype q4_k_m, ...) are llama.cpp's own quantizer run on that file, in one command: the bytes
+    llama-quantize writes, the recipe in the metadata:
+
+    \b
+        ffn-tools convert ./llama --to gguf -o llama-q4_k_m.gguf --outtype q4_k_m The scheme and layout options say where the
     FFNs are for --flax-layout linen, which writes only the FFNs.
     """
     from ..api import convert as run
@@ -322,7 +340,8 @@ def convert(path, hf_path, to, out, outtype, mlx_path, dtype, quantize, q_bits, 
     r = run(path, to, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, quantize=quantize,
             q_bits=int(q_bits) if q_bits else None, q_group_size=int(q_group_size) if q_group_size else None,
             q_mode=q_mode, quant_predicate=quant_predicate, dequantize=dequantize or None, dry_run=dry_run or None,
-            flax_layout=flax_layout, outtype=outtype, scheme=scheme, layout=layout, upload_repo=upload_repo,
+            flax_layout=flax_layout, outtype=outtype, output_tensor_type=output_tensor_type,
+            token_embedding_type=token_embedding_type, imatrix=imatrix, scheme=scheme, layout=layout, upload_repo=upload_repo,
             allow_config=allow_config)
     emit(r, as_json, [*(r.get("plan") or []), r["summary"], *r.get("changes", []), *uploaded(r)])
 
