@@ -4,10 +4,13 @@ compressed-tensors stores a code ``c = q + 2^(bits-1)`` (q signed) densely packe
 bit ``i * bits``, and reads ``w = (q - z) * s``. MLX affine packs its unsigned codes the same way into uint32
 (for 2, 4 and 8 bits, which divide a word: element i at bit ``i * bits``, low bits first) and reads
 ``w = s * c + b``. So with the same group size the packed words are MLX's codes as they are (int32 bytes read
-as uint32), the scales are ``s`` and the biases ``b = -s * (z + 2^(bits-1))``, computed in float32 and
-rounded once to the scale's dtype. Dequantized, MLX's values equal compressed-tensors' within that rounding
-(and MLX's own rounding of ``s * c + b``): the tests hold ``mlx_lm.load``'s weights against compressed-tensors'
-decompression.
+as uint32), the scales are ``s`` and the biases ``b = -s * (z + 2^(bits-1))``, both written in float32: MLX
+dequantizes in the scales' dtype, and in float32 ``s * c + b`` is ``s * (q - z)`` exactly (a bfloat16 or float16
+scale times a code of at most 8 bits needs at most 19 of float32's 24 bits), where bfloat16 scales would add two
+roundings the source does not have (``s * c``, then the sum; measured on a tiny int8 Llama: MLX's logits moved 2x
+as far from the unquantized twin's as compressed-tensors' own). mlx_lm then computes those layers in float32.
+The tests hold ``mlx_lm.load``'s weights, rounded to the source's dtype, to compressed-tensors' decompression bit
+for bit. GPTQ and AWQ (float16 scales) the same.
 
 MLX affine takes groups of 32, 64 and 128: per-channel and per-tensor schemes, other group sizes and 3, 5,
 6, 7 bits (packed across words) cannot keep their codes; the export then writes those weights dequantized
@@ -97,22 +100,22 @@ def entries(ckpt: Checkpoint, path: str, m: Module) -> list[Entry]:
     def weight(_ts) -> RawTensor:
         return RawTensor("U32", pinfo.shape, raw.read_raw(packed))
 
-    def scales(_ts) -> RawTensor:
-        return raw.read_raw(scale)
+    def scales(_ts):
+        return raw[scale].float()  # exact: a float16 or bfloat16 widens without rounding
 
     def biases(_ts):
         import torch
 
-        s = raw[scale]
+        s = raw[scale].float()
         z = zero_points(m, raw[m.parts["weight_zero_point"]]) if "weight_zero_point" in m.parts else torch.zeros_like(s)
-        return (-(s.float() * (z.float() + (1 << (m.args.bits - 1))))).to(s.dtype)
+        return -(s * (z.float() + (1 << (m.args.bits - 1))))  # exact in float32 (module doc)
 
     how = f"{m.args.name} codes kept as MLX affine"
     return [Entry(f"{path}.weight", "U32", pinfo.shape, (), weight, None, f"{packed} as uint32 ({how})",
                   reads=pinfo.nbytes),
-            Entry(f"{path}.scales", sinfo.st_dtype, sinfo.shape, (), scales, None, f"{scale} ({how})", reads=0),
-            Entry(f"{path}.biases", sinfo.st_dtype, sinfo.shape, (), biases, None,
-                  f"-{scale} * (zero point + {1 << (m.args.bits - 1)}) ({how})", reads=0)]
+            Entry(f"{path}.scales", "F32", sinfo.shape, (), scales, None, f"{scale} in float32 ({how})", reads=0),
+            Entry(f"{path}.biases", "F32", sinfo.shape, (), biases, None,
+                  f"-{scale} * (zero point + {1 << (m.args.bits - 1)}) in float32 ({how})", reads=0)]
 
 
 def _gptq_entries(ckpt: Checkpoint, path: str, m: Module) -> list[Entry]:
@@ -121,7 +124,6 @@ def _gptq_entries(ckpt: Checkpoint, path: str, m: Module) -> list[Entry]:
 
     rows, cols = m.shape
     groups = cols // (m.args.group_size or cols)
-    sdt = ckpt.stored.info(m.parts["scales"]).st_dtype
 
     def part(k: int):
         def make(_ts):
@@ -135,9 +137,10 @@ def _gptq_entries(ckpt: Checkpoint, path: str, m: Module) -> list[Entry]:
 
     how = f"{m.args.name} codes kept as MLX affine"
     return [Entry(f"{path}.weight", "U32", (rows, cols // 8), (), part(0), None, f"{m.packed} re-laid out ({how})"),
-            Entry(f"{path}.scales", sdt, (rows, groups), (), part(1), None, f"{m.parts['scales']} transposed ({how})",
-                  reads=0),
-            Entry(f"{path}.biases", sdt, (rows, groups), (), part(2), None, f"-scales * zero points ({how})", reads=0)]
+            Entry(f"{path}.scales", "F32", (rows, groups), (), part(1), None,
+                  f"{m.parts['scales']} transposed, in float32 ({how})", reads=0),
+            Entry(f"{path}.biases", "F32", (rows, groups), (), part(2), None,
+                  f"-scales * zero points in float32 ({how})", reads=0)]
 
 
 def changes(modules: dict[str, Module], refused: dict[str, str]) -> list[str]:
@@ -146,8 +149,9 @@ def changes(modules: dict[str, Module], refused: dict[str, str]) -> list[str]:
     if modules:
         schemes = sorted({m.args.name for m in modules.values()})
         out.append(f"kept the codes of {len(modules)} quantized weights ({', '.join(schemes)}) as MLX affine "
-                   "quantization, not re-quantized: packed words as uint32, scales as stored, biases -s * (z + "
-                   "2^(bits-1)) rounded once to the scale dtype; config.json gets the quantization block")
+                   "quantization, not re-quantized: packed words as uint32, scales and biases -s * (z + 2^(bits-1)) in "
+                   "float32, so that MLX's dequantization is the source's values with no rounding of its own (mlx_lm "
+                   "computes those layers in float32); config.json gets the quantization block")
     whys: dict[str, list[str]] = {}
     for name, why in refused.items():
         whys.setdefault(why, []).append(name)

@@ -131,14 +131,15 @@ def dequantize(m, parts: dict[str, "torch.Tensor"]) -> "torch.Tensor":
 
 
 def mlx_affine(m, parts: dict[str, "torch.Tensor"]) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
-    """(MLX uint32 codes as int64 words (out, in / 8), scales (out, groups), biases -s * z) for groups in order."""
+    """(MLX uint32 codes as int64 words (out, in / 8), float32 scales (out, groups), float32 biases -s * z) for
+    groups in order."""
     import torch
 
     q, z, _ = codes(m, parts)
     rows, cols = m.shape
     words = (q.reshape(rows, cols // 8, 8) << (4 * torch.arange(8))).sum(-1)  # MLX: element k at bits 4k
-    s = parts["scales"].T.contiguous()
-    return words, s, (-(s.float() * z.float())).to(s.dtype)
+    s = parts["scales"].T.contiguous().float()  # float32: exact, and MLX dequantizes in the scales' dtype
+    return words, s, -(s * z.float())  # exact in float32: an 11-bit float16 scale times a 4-bit zero point
 
 
 class Gptq(ArgsScheme):
