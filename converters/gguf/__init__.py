@@ -17,7 +17,8 @@ __all__ = ["FORMAT"]
 
 class Gguf(Format):
     name, extra = "gguf", "gguf"
-    options = frozenset({"outtype", "dry_run", "output_tensor_type", "token_embedding_type", "imatrix"})
+    options = frozenset({"outtype", "dry_run", "output_tensor_type", "token_embedding_type", "imatrix",
+                         "requantize"})
     detect_order = 10
 
     def can_read(self, path: Path) -> bool:

@@ -27,6 +27,10 @@ import re
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # --outtype -> llama.cpp's llama_ftype name (llama-quantize's QUANT_OPTIONS, lower-cased; its aliases q3_k, q4_k,
 # q5_k). f32, f16, bf16 and q8_0 are the converter's own (``writer.OUTTYPES``), as convert_hf_to_gguf.py writes them.
@@ -59,7 +63,7 @@ def recipe(outtype: str, intermediate: str, output_tensor_type: str | None, toke
     return r
 
 
-def read_imatrix(path: Path) -> tuple[dict[str, "object"], dict]:
+def read_imatrix(path: Path) -> tuple[dict[str, "np.ndarray"], dict]:
     """``path``'s importance matrix as llama-quantize computes it: weight name -> float32 values (per expert,
     the sums over that expert's count, 1 where the count is 0); and the metadata llama-quantize writes for it.
 
@@ -117,7 +121,7 @@ def quantize(request: dict) -> dict:
         if request.get(key):
             setattr(params, key, int(getattr(GGMLQuantizationType, request[key].upper())))
     kv = dict(request.get("recipe") or {})
-    keep = []  # ctypes buffers the params point into, alive until the call returns
+    keep: list = []  # ctypes buffers the params point into, alive until the call returns
     if request.get("imatrix"):
         values, meta = read_imatrix(Path(request["imatrix"]))
         entries = (llama_cpp.llama_model_imatrix_data * (len(values) + 1))()

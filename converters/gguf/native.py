@@ -55,24 +55,10 @@ def recipe(gguf_name: str, shape: list[int], family, config: dict, names: dict[s
         ``{"op", "sources": [{"file", "start", "dtype", "shape"}], "heads"}``; sources lie as stored (their
         bytes can be read in place) in a dtype the cast reads.
     """
-    from .names import expert_names, plus_one
-
-    if m := re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight", gguf_name):
-        if family.experts is None:
-            return None
-        hf = expert_names(family, int(m.group(1)), m.group(2), shape[0])  # (E, rows, cols)
-        op, heads = "stack", None
-    elif gguf_name in names:
-        hf, op, heads = [names[gguf_name]], "copy", None
-        if plus_one(family, hf[0]):
-            op = "plus_one"
-        elif family.rotary and re.search(r"\.(q|k)_proj\.(weight|bias)$", hf[0]):
-            heads = int(config["num_attention_heads"])
-            if ".k_proj." in hf[0]:
-                heads = int(config.get("num_key_value_heads") or heads)
-            op = "rotary"
-    else:
+    routed = route(gguf_name, shape, family, config, names)
+    if routed is None:
         return None
+    hf, op, heads = routed
     sources = []
     for n in hf:
         try:
@@ -88,6 +74,30 @@ def recipe(gguf_name: str, shape: list[int], family, config: dict, names: dict[s
     if heads is not None and sources[0]["shape"][0] % (2 * heads):
         return None  # rows that do not split into heads of two halves: the converter would fail too
     return {"op": op, "sources": sources, "heads": heads}
+
+
+def route(gguf_name: str, shape: list[int], family, config: dict,
+          names: dict[str, str]) -> tuple[list[str], str, int | None] | None:
+    """Which Hugging Face tensors ``gguf_name`` is made of, and how: (names, op, heads to permute or None), op
+    one of ``copy``, ``rotary``, ``stack``, ``plus_one``; None where no recipe here makes it (arguments as
+    ``recipe``)."""
+    from .names import expert_names, plus_one
+
+    if m := re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight", gguf_name):
+        if family.experts is None:
+            return None
+        return expert_names(family, int(m.group(1)), m.group(2), shape[0]), "stack", None  # (E, rows, cols)
+    if gguf_name not in names:
+        return None
+    hf, op, heads = [names[gguf_name]], "copy", None
+    if plus_one(family, hf[0]):
+        op = "plus_one"
+    elif family.rotary and re.search(r"\.(q|k)_proj\.(weight|bias)$", hf[0]):
+        heads = int(config["num_attention_heads"])
+        if ".k_proj." in hf[0]:
+            heads = int(config.get("num_key_value_heads") or heads)
+        op = "rotary"
+    return hf, op, heads
 
 
 def shape_of(rec: dict) -> list[int]:

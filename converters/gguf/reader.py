@@ -27,6 +27,7 @@ from ffn_tools.errors import CheckpointError, listing
 from ffn_tools import quant
 from ffn_tools.checks.rounded import record
 from ffn_tools.io.store import Checkpoint, TensorInfo
+from ffn_tools.verification.kept import KEPT_KEY
 
 from .config import hf_config
 from .names import DROPPED, FAMILIES, expert_names, family_for, hf_names, plus_one
@@ -167,6 +168,9 @@ class GGUFCheckpoint(Checkpoint):
                                                                              if stored else "F32", "float32")
         config = hf_config(self.fields, self.family, vocab, "lm_head.weight" not in infos, dtype)
         super().__init__(path, path.parent, files, infos, {"format": "gguf"}, config)
+        # the tensors written from a quantized source's codes (converters/gguf/kept.py): verify demands their values
+        kept = set(self.fields.get(KEPT_KEY) or ())
+        self.kept_codes = frozenset(hf for hf, src in self._sources.items() if src.tensor.name in kept)
 
     def _joined(self, path: Path, tensors: dict, layers: int, infos: dict) -> set[str]:
         """Infos for the family's ``splits`` found whole in the GGUF (``names.Split``); the GGUF names they use."""

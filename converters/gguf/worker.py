@@ -58,21 +58,34 @@ def run(request: dict) -> dict:
 
     from ffn_tools.converters import open_any
 
+    from ffn_tools import quant
+
     logging.getLogger("hf-to-gguf").setLevel(logging.WARNING)
-    with open_any(request["source"]) as ckpt, torch.inference_mode():
+    with open_any(request["source"]) as opened, torch.inference_mode():
+        # from codes: every quantized weight read decoded (FP8 blocks too), the kept ones replaced after
+        ckpt = quant.decoded(opened, every=True) if request.get("codes") else opened
+        hparams = dict(ckpt.config or {})
+        if not quant.find(ckpt, every=True):  # the view decodes them all: the converter sees plain weights, and
+            hparams.pop("quantization_config", None)  # its own dequantization (which asserts on some) must not run
         cls, arch = model_class(ckpt)
         out = Path(request["out"])
         model = cls(Path(request["dir_model"]), getattr(gguf.LlamaFileType, FTYPES[request["outtype"]]), out,
-                    hparams=dict(ckpt.config or {}), dry_run=request["dry_run"])
+                    hparams=hparams, dry_run=request["dry_run"])
         model.prepare_tensors()
         chosen = {getattr(gguf.LlamaFileType, v): k for k, v in FTYPES.items() if k != "auto"}
         outtype = chosen.get(model.ftype, model.ftype.name)  # auto resolved; a class may pick its own
+        codes = keep_codes(ckpt, model, request["codes"]) if request.get("codes") else None
         tensors = [{"name": n, "type": t.dtype.name, "shape": [int(d) for d in reversed(t.shape)], "bytes": t.nbytes}
                    for n, t in model.gguf_writer.tensors[0].items()]
         result = {"architecture": arch, "class": cls.__mro__[1].__name__, "tensors": tensors, "outtype": outtype}
+        if codes is not None:
+            result["codes"] = [t.report for t in codes]
+            if any(t.action == "refused" for t in codes):
+                return result  # nothing written: the writer refuses, naming each tensor
         if not request["dry_run"]:
             writer = model.gguf_writer
-            plan = prove(ckpt, writer) if request.get("native") and len(writer.tensors) == 1 else None
+            skip = {t.name for t in codes or () if t.action in ("kept", "requantized")}
+            plan = prove(ckpt, writer, skip) if request.get("native") and len(writer.tensors) == 1 else None
             model.prepare_metadata(vocab_only=False)  # the tokenizer: after the proofs, so their memory is given back
             writer.write_header_to_file(path=out)
             writer.write_kv_data_to_file()
@@ -84,10 +97,38 @@ def run(request: dict) -> dict:
         return result
 
 
+def keep_codes(ckpt, model, mode: str):
+    """``kept``'s plan for ``ckpt``'s quantized weights (``mode``: "keep", or "requantize" what cannot be kept),
+    applied to the converter's writer unless a tensor is refused; the file type set to the kept codes' type."""
+    import gguf
+
+    from ffn_tools import quant
+
+    from . import kept, native
+    from .names import BY_TYPE, hf_names
+
+    view = quant.decoded(ckpt, every=True)  # FP8 blocks too: no GGUF type holds them
+    modules = {n: m for n in view if (m := view.quantized(n)) is not None}  # MLX's views resolve their own
+    config = dict(ckpt.config or {})
+    family = BY_TYPE.get(config.get("model_type", ""))
+    names = hf_names(family, int(config.get("num_hidden_layers") or 0)) if family else {}
+    routes = {}
+    for name, ti in model.gguf_writer.tensors[0].items():
+        r = native.route(name, [int(d) for d in ti.shape], family, config, names) if family else None
+        if r is not None:
+            routes[name] = r
+    plan = kept.plan(view, modules, routes, mode == "requantize")
+    if not any(t.action == "refused" for t in plan):
+        kept.apply(view, model.gguf_writer, plan)
+        if (ft := kept.file_type(plan)) is not None:
+            model.ftype = getattr(gguf.LlamaFileType, ft)
+    return plan
+
+
 CHECK_LIMIT = 64 << 20  # the largest tensor whose converter bytes the worker builds to prove a recipe
 
 
-def prove(ckpt, writer) -> tuple[dict, dict]:
+def prove(ckpt, writer, skip=frozenset()) -> tuple[dict, dict]:
     """Each tensor's recipe (``native.recipe``, None where none makes it) and, per tensor class
     (``native.tensor_class``), whether the recipe gives the converter's own bytes on the class's first tensor
     (one no larger than ``CHECK_LIMIT``, ``$FFN_TOOLS_GGUF_CHECK_LIMIT``); a class with no tensor that small (a
@@ -110,7 +151,7 @@ def prove(ckpt, writer) -> tuple[dict, dict]:
     proven: dict[str, bool] = {}
     for name, ti in writer.tensors[0].items():
         shape = [int(d) for d in ti.shape]  # the element shape, numpy order
-        rec = native.recipe(name, shape, family, config, names, ckpt.info) if family else None
+        rec = native.recipe(name, shape, family, config, names, ckpt.info) if family and name not in skip else None
         if rec is not None and (native.shape_of(rec) != shape or ti.dtype.name not in native.QTYPES
                                 or native.out_bytes(rec, ti.dtype.name) != ti.nbytes):
             rec = None

@@ -42,7 +42,7 @@ OUTTYPES = (*CONVERTER_TYPES, *kquant.FTYPES)  # and llama-quantize's types, thr
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
            max_shard_size: int | None = None, outtype: str | None = None, dry_run: bool = False,
            native: bool = True, output_tensor_type: str | None = None, token_embedding_type: str | None = None,
-           imatrix: str | Path | None = None) -> dict:
+           imatrix: str | Path | None = None, requantize: bool | None = None) -> dict:
     """Write ``ckpt`` as the GGUF file ``out``.
 
     Args:
@@ -52,6 +52,9 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
             from the converter's auto file.
         output_tensor_type, token_embedding_type, imatrix: llama-quantize's options of those names (with a
             llama-quantize type only).
+        requantize: a quantized input with outtype auto is written from its codes (``kept``), each weight in the
+            GGUF type that holds it exactly, and a weight no type holds is refused; True writes those as Q8_0 of
+            their dequantized values instead (said per tensor).
         dry_run: run the converter's plan (every tensor's name, type and shape) and write nothing.
         native: write the tensors a proven recipe makes in chunks (``native``), the converter the rest; False:
             the converter writes every tensor (its memory: a tensor whole, in torch and numpy).
@@ -77,10 +80,20 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     if out.suffix != ".gguf":
         raise FFNToolsError(f"{out}: a GGUF output is one file named *.gguf")
     llama_cpp_dir()  # found, or fetched once, before anything is written
-    dequantized = sum(1 for n in ckpt if ckpt.quantized(n))
+    from ffn_tools import quant
+
+    # FP8 blocks too; and the formats' own (MLX's modes), which their views resolve per tensor
+    stored_quantized = bool(quant.find(getattr(ckpt, "raw", ckpt), every=True)) or (
+        ckpt.resolves_quantization and any(ckpt.quantized(n) is not None for n in ckpt))
+    codes = "requantize" if requantize else "keep" if stored_quantized and outtype == "auto" else None
+    if requantize and not (stored_quantized and outtype == "auto"):
+        raise FFNToolsError("--requantize is for a quantized input written from its codes (--outtype auto): "
+                            + ("this input holds no quantized weights" if not stored_quantized else
+                               f"--outtype {outtype} writes every weight dequantized, then as {outtype}"))
+    dequantized = 0 if codes else sum(1 for n in ckpt if ckpt.quantized(n))
     said = {"dequantized": dequantized, "format": ckpt.kind, "asked": outtype}
     request = {"source": str(ckpt.path), "dir_model": str(ckpt.root), "outtype": "auto" if quantizing else outtype,
-               "dry_run": dry_run, "progress": progress.visible(), "native": native}
+               "dry_run": dry_run, "progress": progress.visible(), "native": native, "codes": codes}
     if dry_run:
         result = _run({**request, "out": str(out)})  # the converter's writer in its dry-run mode writes nothing
         return _summary(out, result, said, plan=True)
@@ -89,6 +102,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         first = tmp.with_name(tmp.name + ".intermediate.gguf") if quantizing else tmp
         try:
             result = _run({**request, "out": str(first)})
+            _refuse(ckpt, result.get("codes") or [])
             if result.get("native"):
                 _run({"out": str(first), "tensors": result["native"], "progress": request["progress"]}, "native")
             if quantizing:
@@ -103,6 +117,24 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
             if quantizing:
                 first.unlink(missing_ok=True)
     return _summary(out, result, said, plan=False)
+
+
+def _refuse(ckpt: Checkpoint, report: list[dict]) -> None:
+    """Refuse a conversion from codes in which some quantized weight no GGUF type holds exactly (the worker wrote
+    nothing then), naming them with the numbers and the two ways on.
+
+    Raises:
+        FFNToolsError: naming the first tensors, why, and how many blocks the best type would hold.
+    """
+    refused = [t for t in report if t["action"] == "refused"]
+    if not refused:
+        return
+    shown = "; ".join(f"{t['tensor']} ({t['scheme']}): {t['why']}" for t in refused[:3])
+    more = f"; and {len(refused) - 3} more" if len(refused) > 3 else ""
+    raise FFNToolsError(f"{ckpt.path}: {len(refused)} of {len(report)} quantized weights cannot be written into GGUF "
+                        f"from their codes, exactly: {shown}{more}. --requantize writes those as Q8_0 of their "
+                        "dequantized values (said per tensor); --outtype bf16 (or f16, f32) writes every weight "
+                        "dequantized")
 
 
 def _check_quantize_options(outtype: str, quantizing: bool, output_tensor_type, token_embedding_type, imatrix):
@@ -157,6 +189,8 @@ def _summary(out: Path, result: dict, said: dict, plan: bool) -> dict:
     if said["dequantized"]:
         changes.append(f"read {said['dequantized']} {said['format']}-quantized weights dequantized: the GGUF holds "
                        f"them as {outtype}, with the quantization's error")
+    if result.get("codes"):
+        changes += _codes_changes(result["codes"])
     if "quantized" in result:
         q = result["quantized"]
         changes.append(f"quantized to {q['recipe'][kquant.RECIPE + '.ftype']} by llama.cpp's own quantizer "
@@ -180,6 +214,8 @@ def _summary(out: Path, result: dict, said: dict, plan: bool) -> dict:
          "summary": f"{'would write' if plan else 'wrote'} {out}: {len(result['tensors'])} tensors "
                     f"({', '.join(f'{k} x{v}' for k, v in sorted(types.items()))}), {human(nbytes)}, as llama.cpp's "
                     f"{result['class']} writes {result['architecture']}"}
+    if result.get("codes"):
+        r["codes"] = result["codes"]
     if plan:
         r["plan"] = [f"{t['name']:<32} {t['type']:<6} {t['shape']}" for t in result["tensors"]]
     if "native" in result:  # who wrote which tensor, and how each recipe was proven
@@ -195,3 +231,25 @@ def _summary(out: Path, result: dict, said: dict, plan: bool) -> dict:
             r["summary"] += (f" (ffn-tools' recipe differs from the converter's bytes for "
                              f"{', '.join(result['disproven'])}: the converter wrote those)")
     return r
+
+
+def _codes_changes(report: list[dict]) -> list[str]:
+    """The summary's lines for a conversion from codes: what was kept, as which type, with its blocks counted;
+    what was quantized again, each named."""
+    kept = [t for t in report if t["action"] == "kept"]
+    out = []
+    if kept:
+        by_type: dict[str, int] = {}
+        for t in kept:
+            by_type[t["type"]] = by_type.get(t["type"], 0) + 1
+        exact, blocks = sum(t["blocks_exact"] for t in kept), sum(t["blocks"] for t in kept)
+        out.append(f"kept the codes of {len(kept)} quantized tensors ({', '.join(sorted({t['scheme'] for t in kept}))}) "
+                   f"as {', '.join(f'{k} x{v}' for k, v in sorted(by_type.items()))}, not re-quantized: {exact} of "
+                   f"{blocks} blocks hold the source's values exactly")
+    for t in report:
+        if t["action"] == "requantized":
+            out.append(f"re-quantized {t['tensor']} ({t['scheme']}) as Q8_0 of its dequantized values "
+                       f"(--requantize): {t['why']}")
+        elif t["action"] == "dequantized":
+            out.append(f"dequantized {t['tensor']} ({t['scheme']}) into the converter's type (--requantize): {t['why']}")
+    return out

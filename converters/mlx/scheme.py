@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ffn_tools import quant
 from ffn_tools.io.dtypes import short_name
-from ffn_tools.quant import Module, QuantScheme
+from ffn_tools.quant import IntCodes, Module, QuantScheme
 from ffn_tools.tolerances import FP8_ROW_BITS
 
 MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}  # (group size, bits)
@@ -41,6 +41,22 @@ class MlxQuant(QuantScheme):
         from .requant import check_requantized
 
         return check_requantized(label, a, parts)
+
+    def int_codes(self, m: Module, parts) -> IntCodes | None:
+        """Affine 4- and 8-bit codes of one weight (2-D): ``scales * c + biases``, the codes unpacked from the
+        uint32 words (element i at bit ``i * bits``, low bits first)."""
+        import numpy as np
+        import torch
+
+        from .quant import from_mx
+
+        w, s, b, q = parts
+        if self.mode != "affine" or q["bits"] not in (4, 8) or len(w.shape) != 2 or b is None:
+            return None
+        by = np.array(w).view(np.uint8).reshape(w.shape[0], -1)  # little-endian words: bytes in element order
+        codes = np.stack([by & 15, by >> 4], axis=-1).reshape(w.shape[0], -1) if q["bits"] == 4 else by
+        return IntCodes(torch.from_numpy(codes.astype(np.int16)), None, from_mx(s).to_torch(), q["group_size"],
+                        q["bits"], bias=from_mx(b).to_torch())
 
     def what(self, m: Module) -> str:
         return f"{m.args['bits']}-bit {m.args['mode']} group {m.args['group_size']} in {short_name(m.dtype)}"

@@ -29,6 +29,7 @@ class OutsideResult(Check):
 
     identical: int = 0
     requantized: int = 0  # of the identical: B's MLX-quantized bytes are A's re-quantized (``requant``)
+    codes: int = 0  # of the identical: one side holds the other's stored codes, its values exactly (``kept``)
     within: int = 0
     differ: list[str] = field(default_factory=list)  # "name: first difference", one per tensor
     only_a: list[str] = field(default_factory=list)
@@ -42,6 +43,7 @@ class OutsideResult(Check):
         if self.skipped:
             return f"outside FFNs: not compared ({self.skipped})"
         requant = f" ({self.requantized} re-quantized bit for bit)" if self.requantized else ""
+        requant += f" ({self.codes} holding the other's codes exactly)" if self.codes else ""
         return (f"outside FFNs: {self.identical} identical{requant}, {self.within} within tolerance, "
                 f"{len(self.differ)} differ, {len(self.only_a)} only in A, {len(self.only_b)} only in B")
 
@@ -54,7 +56,8 @@ class OutsideResult(Check):
         return out
 
     def as_dict(self) -> dict:
-        return {"identical": self.identical, "requantized": self.requantized, "within_tolerance": self.within,
+        return {"identical": self.identical, "requantized": self.requantized, "codes": self.codes,
+                "within_tolerance": self.within,
                 "differ": self.differ, "only_a": self.only_a, "only_b": self.only_b, "skipped": self.skipped,
                 "passed": self.passed}
 

@@ -256,9 +256,14 @@ def _quantize_value(ctx, param, value):
 @click.option("-o", "--out", type=click.Path(), help="Output directory (a .gguf file for --to gguf).")
 @click.option("--outtype", type=click.Choice(GGUF_OUTTYPES, case_sensitive=False), metavar="TYPE",
               help="GGUF only. f32, f16, bf16, q8_0, auto: convert_hf_to_gguf.py's flag, the type of the weights "
-              "(norms and other 1-D tensors stay f32); auto, the default, is bf16 for a bf16 model, else f16. "
+              "(norms and other 1-D tensors stay f32); auto, the default, is bf16 for a bf16 model, else f16, and "
+              "a quantized model's weights from their codes (--requantize). "
               "llama-quantize's types (q4_k_m, q5_k_m, q6_k, q3_k_m, q2_k, q4_0, iq4_xs, ...): llama.cpp's own "
               "quantizer run on the auto file, in one command.")
+@click.option("--requantize", is_flag=True, default=None, help="GGUF, a quantized input: write the weights no GGUF "
+              "type holds exactly as Q8_0 of their dequantized values (said per tensor). Without it a quantized "
+              "input (--outtype auto) is written from its codes, each weight in the type that holds it bit for bit "
+              "(int8 -> Q8_0, int4 -> Q4_0 / Q4_1), and a weight none holds is refused, named with the numbers.")
 @click.option("--output-tensor-type", metavar="TYPE", help="GGUF, with a llama-quantize --outtype: the type of "
               "output.weight, as llama-quantize's flag (q8_0, q6_k, f16, ...).")
 @click.option("--token-embedding-type", metavar="TYPE", help="GGUF, with a llama-quantize --outtype: the type of "
@@ -298,7 +303,7 @@ def _quantize_value(ctx, param, value):
 @size_option
 @scheme_options
 @layout_options
-def convert(path, hf_path, to, out, outtype, output_tensor_type, token_embedding_type, imatrix, mlx_path, dtype, quantize, q_bits, q_group_size, q_mode, quant_predicate,
+def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, token_embedding_type, imatrix, mlx_path, dtype, quantize, q_bits, q_group_size, q_mode, quant_predicate,
             dequantize, flax_layout, dry_run, force, allow_config, as_json, upload_repo, max_shard_size, scheme, layout):
     """Convert the checkpoint at PATH to PyTorch safetensors, MLX, Flax msgpack or GGUF.
 
@@ -340,7 +345,7 @@ def convert(path, hf_path, to, out, outtype, output_tensor_type, token_embedding
     r = run(path, to, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, quantize=quantize,
             q_bits=int(q_bits) if q_bits else None, q_group_size=int(q_group_size) if q_group_size else None,
             q_mode=q_mode, quant_predicate=quant_predicate, dequantize=dequantize or None, dry_run=dry_run or None,
-            flax_layout=flax_layout, outtype=outtype, output_tensor_type=output_tensor_type,
+            flax_layout=flax_layout, outtype=outtype, requantize=requantize, output_tensor_type=output_tensor_type,
             token_embedding_type=token_embedding_type, imatrix=imatrix, scheme=scheme, layout=layout, upload_repo=upload_repo,
             allow_config=allow_config)
     emit(r, as_json, [*(r.get("plan") or []), r["summary"], *r.get("changes", []), *uploaded(r)])

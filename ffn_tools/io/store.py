@@ -92,6 +92,7 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
     format: Any = None  # an ffn_tools.formats.Format (typed loosely: the store sits below the formats)
     absent: Mapping[str, tuple[str, ...]] = MappingProxyType({})
     resolves_quantization = False  # True: ``quantized`` says per tensor how it is stored (views that decode)
+    kept_codes: frozenset[str] = frozenset()  # tensors that hold another checkpoint's stored codes (a GGUF's)
 
     def __init__(self, path: Path, root: Path, files: list[Path], infos: dict[str, TensorInfo],
                  metadata: dict[str, str] | None = None, config: dict | None = None):

@@ -64,6 +64,42 @@ class Module:
         return self.scheme.packed_part(self)
 
 
+@dataclass(frozen=True)
+class IntCodes:
+    """A weight stored as integer codes in groups of consecutive columns: ``w = scale * (codes - zero)`` per group
+    (or, with ``bias`` in place of ``zero``, MLX's ``scale * codes + bias``), exactly, before the scheme's own
+    rounding to its dtype. What a target with integer blocks (GGUF's Q4_0, Q4_1, Q8_0) keeps as they are
+    (``QuantScheme.int_codes``).
+
+    Attributes:
+        codes: (rows, cols) unsigned codes, int16, in [0, 2^bits).
+        zero: (rows, groups) int16 zero points on the codes' scale (2^(bits-1) for a symmetric scheme), or None.
+        scale: (rows, groups) scales as stored (their dtype: bfloat16, float16 or float32).
+        group_size: columns per group.
+        bits: bits per code.
+        bias: (rows, groups) biases as stored, where ``zero`` is None.
+    """
+
+    codes: "torch.Tensor"
+    zero: "torch.Tensor | None"
+    scale: "torch.Tensor"
+    group_size: int
+    bits: int
+    bias: "torch.Tensor | None" = None
+
+    def values(self) -> "torch.Tensor":
+        """The weight in float32, computed as a GGUF block computes it: ``scale * (codes - zero)`` (exact: a scale
+        of at most 16 significant bits times a code of at most 9), or ``scale * codes + bias``."""
+        import torch
+
+        g = self.group_size
+        s = self.scale.to(torch.float32).repeat_interleave(g, 1)
+        if self.zero is None:
+            assert self.bias is not None
+            return s * self.codes.to(torch.float32) + self.bias.to(torch.float32).repeat_interleave(g, 1)
+        return (self.codes.to(torch.int32) - self.zero.to(torch.int32).repeat_interleave(g, 1)).to(torch.float32) * s
+
+
 class QuantScheme(ABC):
     """A quantization scheme: one registered object per scheme (see the module docstring).
 
@@ -123,6 +159,11 @@ class QuantScheme(ABC):
             default, for schemes whose codes cannot be re-derived: WITHIN, no note.
         """
         return WITHIN, None
+
+    def int_codes(self, m: Module, parts) -> IntCodes | None:
+        """``m``'s stored codes, zero points and scales as ``IntCodes`` from its stored ``parts``; None where this
+        scheme's weights are not integer codes in groups of consecutive columns (floats, act-order groups)."""
+        return None
 
     def requantized_note(self, m: Module, roles: list[str], src: str, q: str) -> str:
         """verify's note where every stored part of an FFN's ``roles`` is ``src``'s weight re-quantized (``m``: one

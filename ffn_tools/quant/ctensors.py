@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from ..errors import CheckpointError
 from . import ctdecode, nvfp4
-from .base import Module, QuantScheme
+from .base import IntCodes, Module, QuantScheme
 from .codes import compare_codes, shape_differs
 from . import ctrows
 from .ctconfig import ArgsScheme, PARTS, Args, args_for, describe_args, quant_config, same_args
@@ -62,6 +62,22 @@ class CompressedInt(ArgsScheme):
 
     def describe(self, modules: list[Module]) -> list[dict]:
         return describe_args(modules, "(q - z) * s in the scale's dtype")
+
+    def int_codes(self, m: Module, parts) -> IntCodes | None:
+        """``w = s * ((q + 2^(bits-1)) - (z + 2^(bits-1)))``: the unsigned code c = q + 2^(bits-1), as packed."""
+        import torch
+
+        rows, cols = m.shape
+        scale = parts["weight_scale"]
+        if scale.dim() != 2:  # per tensor: one scale for every group
+            scale = scale.reshape(1, 1).expand(rows, 1)
+        groups = scale.shape[1]
+        half = 1 << (m.args.bits - 1)
+        codes = ctdecode.unpack(parts["weight_packed"], m.args.bits, cols).to(torch.int16) + half
+        z = (ctdecode.zero_points(m, parts["weight_zero_point"]).to(torch.int16) if "weight_zero_point" in parts
+             else torch.zeros((rows, groups), dtype=torch.int16)) + half
+        return IntCodes(codes, z.expand(rows, groups).contiguous(), scale.expand(rows, groups).contiguous(),
+                        cols // groups, m.args.bits)
 
     def check_target(self, ckpt, base: str, m: Module) -> None:
         same_args(ckpt, base, m)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError
-from .base import Module
+from .base import IntCodes, Module
 from .codes import compare_codes, shape_differs
 from . import gptq_rows
 from .ctconfig import ArgsScheme, Args, describe_args
@@ -171,6 +171,16 @@ class Gptq(ArgsScheme):
         s = parts["scales"].T.to(torch.float32)
         mine = torch.clamp(torch.round(a.to(torch.float32) / s[:, gi]) + z[:, gi], 0, 15).to(torch.int16)
         return compare_codes(label, m, mine, stored.to(torch.int16), True, src, q)
+
+    def int_codes(self, m: Module, parts) -> IntCodes | None:
+        """The codes, zero points and scales of groups in order; None for act-order (g_idx) groups."""
+        import torch
+
+        if m.args.strategy == "g_idx":
+            return None
+        q, z, _ = codes(m, parts)
+        return IntCodes(q.to(torch.int16), z.to(torch.int16), parts["scales"].T.contiguous(),
+                        m.args.group_size or m.shape[1], 4)
 
     def describe(self, modules: list[Module]) -> list[dict]:
         how = "scales * (q - (qzeros + 1)) by g_idx" if self.method == "gptq" else "scales * (q - qzeros), GEMM packing order"

@@ -4,6 +4,7 @@
     sides       what each side holds: its FFNs, its description, the selection compared
     steps       the FFN pairs as steps: read ahead, experts batched, kernel backends afterwards
     pairs       one FFN pair: exact weights, re-derived codes, functional runs on every backend
+    kept        a side that says it holds the other's stored codes: their values, exactly
     experts     a layer's routed experts checked in batches
     functional  seeded inputs, the float64 reference, kernel dtypes
     backends    the kernel backends asked for, or every one available here

@@ -30,6 +30,7 @@ from ..layouts import fuse
 from ..io.store import Checkpoint
 from ..registry import CANONICAL_ROLES
 from ..tolerances import Tolerance
+from .kept import difference, kept_side
 from ..checks.diagnose import Fingerprints, explain, first_difference
 from .functional import (Operands, all_finite, check_ffn, input_scale, make_inputs, nonfinite_values,
                          not_computed, reference_backend, run_reference)
@@ -83,7 +84,8 @@ class PairChecker:
             stored = (self._raw(self.read_b, y, "gate_up"), y.layout)
             if not ops_b.fused and y.layout.axis == "rows":
                 res.notes.append(f"B's fused layout {y.layout.describe()} ran through ffn() on split weights")
-        requantized = quantized and self.exact is None and self._requantized(res, wa, wb, x, y)
+        kept = quantized and self.exact is None and self._kept(res, x, y)
+        requantized = kept or (quantized and self.exact is None and self._requantized(res, wa, wb, x, y))
         if not requantized:
             self._exact(res, wa, wb, stored, quantized)
         same_as_a = res.exact == "identical" and not requantized and self.fa.activation.kernel == ops_b.activation
@@ -143,6 +145,37 @@ class PairChecker:
             res.problems.append(f"not bit-identical: {diffs[0]}"
                                 + (f" ({more} more tensor{'s' * (more > 1)} differ{'s' * (more == 1)})" if more else "")
                                 + "".join(f"; {h}" for h in explain(wa, wb, stored)))
+
+    def _kept(self, res: FFNResult, x: FFN, y: FFN) -> bool:
+        """Where one side says its FFN's tensors hold the other side's stored codes (``kept``): their values
+        against the codes', exactly (``exact`` "codes", or "differs" with the first difference). False where
+        neither side says so of this FFN."""
+        roles = [r for r in STORED if r in x.names and r in y.names
+                 and kept_side(self.ca, self.cb, x.names[r], y.names[r])]
+        if not roles:
+            return False
+        diffs, unsure = [], []
+        for r in roles:
+            k, q = kept_side(self.ca, self.cb, x.names[r], y.names[r]) or ("B", "A")
+            (kc, kf), (qc, qf) = ((self.read_b, y), (self.ca, x)) if k == "B" else ((self.read_a, x), (self.cb, y))
+            if kf.index is not None or qf.index is not None:  # one expert of a stack: its parts are not one module
+                unsure.append(f"{r}: one expert of a stacked tensor; compared within the tolerance row")
+                continue
+            d = difference(f"{r} ({kf.names[r]})", qc, qf.names[r], kc[kf.names[r]], k, q)
+            diffs += [d] if d else []
+        if diffs:
+            res.exact = "differs"
+            more = f" ({len(diffs) - 1} more tensors differ)" if len(diffs) > 1 else ""
+            res.problems.append(diffs[0] + more)
+        elif unsure:
+            res.notes += unsure
+            return False
+        else:
+            k, q = kept_side(self.ca, self.cb, x.names[roles[0]], y.names[roles[0]]) or ("B", "A")
+            res.exact = "codes"
+            res.notes.append(f"codes kept: {k}'s {', '.join(roles)} hold {q}'s stored codes, scales and zero points: "
+                             f"their values are {q}'s scale * (code - zero), every one, exactly")
+        return True
 
     def _requantized(self, res: FFNResult, wa: dict, wb: dict, x: FFN, y: FFN) -> bool:
         """Where one side's FFN is quantized and the other's is not: each tensor the quantized side stores against

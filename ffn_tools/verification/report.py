@@ -61,7 +61,8 @@ class FFNResult:
     shape_b: tuple[int, int]
     dtype_a: str
     dtype_b: str
-    exact: str = "skipped"  # "identical" | "requantized" (the stored codes: the other's re-quantized) | "differs"
+    exact: str = "skipped"  # "identical" | "requantized" (the stored codes: the other's re-quantized) | "codes" (the
+    # other's stored codes kept: values equal exactly) | "differs"
     # | "skipped" | "impossible"
     problems: list[str] = field(default_factory=list)  # failures, one sentence each
     notes: list[str] = field(default_factory=list)  # facts that are not failures
@@ -224,8 +225,10 @@ class VerifyReport:
         if self.passed:
             exact = sum(r.exact == "identical" for r in self.results)
             requantized = sum(r.exact == "requantized" for r in self.results)
+            codes = sum(r.exact == "codes" for r in self.results)
             bits = (f", {exact} bit-identical" if exact else "") + (
-                f", {requantized} re-quantized bit for bit" if requantized else "")
+                f", {requantized} re-quantized bit for bit" if requantized else "") + (
+                f", {codes} holding the other's codes exactly" if codes else "")
             logits = ", logits agree" if self.logits else ""
             return (f"PASS: {n} FFN{'s' * (n != 1)} of A and B agree on {', '.join(self.backends)}{bits}{logits}"
                     + "".join(f"; {s}" for s in self.not_run()))

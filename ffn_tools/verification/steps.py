@@ -206,9 +206,11 @@ def check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: F
         sides = " and ".join(s for s, i in (("A", 0), ("B", 1)) if any(bits[r][i] is not None for r in bits))
         which = "" if len(quantized) == len(pairs) else f" ({len(quantized)} of {len(pairs)} FFNs)"
         requantized = sum(r.exact == "requantized" for r in quantized)
+        codes = sum(r.exact == "codes" for r in quantized)
         report.notes.append(f"{sides} quantized{which}: " + (
             f"{requantized} FFNs are A's weights re-quantized with B's parameters, bit for bit; run dequantized"
-            if requantized else "weights compared after dequantization; no bit-exact check"))
+            if requantized else f"{codes} FFNs hold the other side's stored codes, their values exactly; run "
+            "dequantized" if codes else "weights compared after dequantization; no bit-exact check"))
     differing = [r.ref for r in report.results if r.exact == "differs"]
     if differing:
         checker.name_owners(report, differing, rb)

@@ -1,0 +1,255 @@
+"""A quantized checkpoint into GGUF from its stored codes: each weight in the GGUF type that holds its values bit
+for bit, its codes and scales moved, never dequantized and quantized again unless asked.
+
+A scheme whose weights are integer codes in groups of consecutive columns (``QuantScheme.int_codes``:
+compressed-tensors' pack-quantized, GPTQ and AWQ in order) reads ``w = s * (c - z)`` per group. GGUF's blocks
+of 32 values read, in float32:
+
+    Q8_0   d * q            d float16, q int8           q = c - z, where it lies in [-128, 127]
+    Q4_0   d * (n - 8)      d float16, n 4-bit          n = c - z + 8, where it lies in [0, 15]
+    Q4_1   d * n + m        d, m float16, n 4-bit       n = c, m = -s * z
+
+so a block holds its group's values exactly where its 32 columns lie in one group (groups of a multiple of 32),
+``d = s`` (and ``m``) is a float16 number, and the codes fit: then its dequantization is ``s * (c - z)`` with no
+rounding at all (an 11-bit d times a code of at most 9 bits), the source's values before the source's own
+rounding to its dtype. ``choose`` picks, per tensor, the first type every block of which holds its group
+exactly (8-bit codes: Q8_0; 4-bit: Q4_0, else Q4_1), and counts the blocks each would hold; a tensor of which
+some block cannot be held (a bfloat16 scale below float16's range, ``-s * z`` needing more than float16's 11
+bits, groups of 16, 2- or 3-bit codes, act-order groups, floating-point codes: FP8, NVFP4, MXFP4) is refused,
+naming it with the numbers, or with ``requantize`` written as Q8_0 of its dequantized values (gguf-py's quantizer,
+llama.cpp's own rounding) and said so. Nothing else changes: names, order, q/k rows permuted, experts stacked
+(``native.route``) are the converter's. The GGUF records which tensors are codes kept (``KEPT``: verify then
+demands their values be the source's exactly) and which were quantized again (``REQUANTIZED``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ffn_tools.verification.kept import KEPT_KEY
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from ffn_tools.quant import IntCodes, Module
+
+BLOCK = 32
+BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # per block of 32 values
+KEPT = KEPT_KEY  # GGUF metadata: the tensors whose blocks are the source's codes (verify reads it)
+REQUANTIZED = "ffn_tools.codes.requantized"  # ... and those dequantized and quantized again (Q8_0)
+FILE_TYPES = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1"}
+
+
+@dataclass
+class Choice:
+    """What a tensor's codes can be in GGUF: ``qtype`` (None: no type holds every block), blocks held exactly by
+    the best candidate out of all, and why not where None."""
+
+    qtype: str | None
+    exact: int
+    blocks: int
+    why: str | None = None
+
+
+def choose(c: "IntCodes") -> Choice:
+    """The GGUF type that holds every block of ``c`` exactly (module doc), or why none does."""
+    import torch
+
+    rows, cols = c.codes.shape
+    blocks = rows * (cols // BLOCK) if cols % BLOCK == 0 else 0
+    if c.group_size % BLOCK or cols % BLOCK:
+        return Choice(None, 0, blocks or -(-rows * cols // BLOCK),
+                      f"groups of {c.group_size} columns: GGUF's blocks are 32 values of one scale")
+    per = c.group_size // BLOCK
+    s32 = c.scale.to(torch.float32)
+    d_blocks = _half(s32).repeat_interleave(per, 1)  # (rows, blocks)
+    candidates: dict[str, torch.Tensor] = {}
+    if c.zero is None:  # scale * code + bias: Q4_1's d * n + m, nothing else
+        if c.bits <= 4 and c.bias is not None:
+            candidates["Q4_1"] = d_blocks & _half(c.bias.to(torch.float32)).repeat_interleave(per, 1)
+    else:
+        rel = c.codes.to(torch.int32) - c.zero.to(torch.int32).repeat_interleave(c.group_size, 1)
+        lo = rel.reshape(rows, -1, BLOCK).amin(-1)
+        hi = rel.reshape(rows, -1, BLOCK).amax(-1)
+        if c.bits <= 4:
+            candidates["Q4_0"] = d_blocks & (lo >= -8) & (hi <= 7)
+            candidates["Q4_1"] = d_blocks & _half(-(s32 * c.zero.to(torch.float32))).repeat_interleave(per, 1)
+        if c.bits <= 8:
+            candidates["Q8_0"] = d_blocks & (lo >= -128) & (hi <= 127)
+    if not candidates:
+        return Choice(None, 0, blocks, f"{c.bits}-bit codes{' with biases' if c.zero is None else ''}: GGUF's "
+                      "integer blocks hold 4-bit codes with an offset, 4- and 8-bit codes with a zero point")
+    counts = {t: int(ok.sum()) for t, ok in candidates.items()}
+    for t, n in counts.items():
+        if n == blocks:
+            return Choice(t, n, blocks)
+    best = max(counts, key=lambda t: counts[t])
+    scale_bad = int((~d_blocks).sum())
+    why = (f"{scale_bad} blocks' scales are not float16 numbers (float16 holds 5 exponent bits)" if scale_bad
+           else f"codes or -scale*zero do not fit {best} in {blocks - counts[best]} blocks")
+    return Choice(None, counts[best], blocks, f"{best} would hold {counts[best]} of {blocks} blocks exactly: {why}")
+
+
+def _half(x: "torch.Tensor") -> "torch.Tensor":
+    """Where float32 ``x`` is a float16 number (finite)."""
+    import torch
+
+    return (x.to(torch.float16).to(torch.float32) == x) & torch.isfinite(x)
+
+
+def encode(c: "IntCodes", qtype: str) -> "np.ndarray":
+    """``c`` as ``qtype`` blocks (``choose`` said every block fits): uint8 (rows, blocks * BYTES)."""
+    import numpy as np
+    import torch
+
+    rows, cols = c.codes.shape
+    nb, per = cols // BLOCK, c.group_size // BLOCK
+    d = c.scale.to(torch.float32).repeat_interleave(per, 1).to(torch.float16).numpy().view(np.uint8)  # (rows, nb*2)
+    d = d.reshape(rows, nb, 2)
+    codes = c.codes.to(torch.int32)
+    zero = c.zero.to(torch.int32).repeat_interleave(c.group_size, 1) if c.zero is not None else 0
+    if qtype == "Q8_0":
+        q = (codes - zero).to(torch.int8).numpy().view(np.uint8).reshape(rows, nb, BLOCK)
+        return np.concatenate([d, q], axis=-1).reshape(rows, -1)
+    nibbles = ((codes - zero + 8) if qtype == "Q4_0" else codes).to(torch.uint8).numpy()
+    n = nibbles.reshape(rows, nb, 2, BLOCK // 2)
+    qs = n[:, :, 0] | (n[:, :, 1] << np.uint8(4))  # byte j: value j low, value j + 16 high
+    if qtype == "Q4_0":
+        return np.concatenate([d, qs], axis=-1).reshape(rows, -1)
+    if c.zero is not None:
+        offset = -(c.scale.to(torch.float32) * c.zero.to(torch.float32))
+    else:
+        assert c.bias is not None  # IntCodes: a zero point or a bias
+        offset = c.bias.to(torch.float32)
+    m = offset.repeat_interleave(per, 1).to(torch.float16).numpy().view(np.uint8).reshape(rows, nb, 2)
+    return np.concatenate([d, m, qs], axis=-1).reshape(rows, -1)
+
+
+def requantize(w: "torch.Tensor") -> "np.ndarray":
+    """``w`` (rows, cols), dequantized, quantized again as Q8_0 by gguf-py (llama.cpp's rounding)."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, quants
+
+    x = np.ascontiguousarray(w.to(torch.float32).numpy())
+    return quants.quantize(x, GGMLQuantizationType.Q8_0).reshape(w.shape[0], -1)
+
+
+@dataclass
+class Tensor:
+    """One GGUF tensor made of quantized source weights, and what happens to it."""
+
+    name: str
+    sources: list[str]
+    modules: list["Module"]
+    op: str
+    heads: int | None
+    action: str  # "kept", "requantized" or "refused"
+    qtype: str | None
+    exact: int
+    blocks: int
+    why: str | None = None
+    report: dict = field(default_factory=dict)
+
+
+def plan(ckpt, modules: dict[str, "Module"], routes: dict[str, tuple], requantize_rest: bool) -> list[Tensor]:
+    """What becomes of each GGUF tensor made of ``modules`` (decoded name -> module); ``routes``: GGUF name ->
+    ``native.route``'s (names, op, heads). A module no route reaches is refused (or requantized: nothing
+    reaches it here, so it stays as the converter writes it, dequantized, and the report says so)."""
+    out: list[Tensor] = []
+    reached: set[str] = set()
+    for name, (hf, op, heads) in routes.items():
+        mods = [modules.get(h) for h in hf]
+        if not any(mods):
+            continue
+        reached.update(h for h in hf if h in modules)
+        found = [m for m in mods if m is not None]
+        why = None
+        if len(found) != len(mods):
+            why = "it stacks quantized and unquantized weights"
+        elif op not in ("copy", "rotary", "stack"):
+            why = f"llama.cpp's converter changes its values ({op})"
+        choice = Choice(None, 0, 0, why)
+        if why is None:
+            choices = []
+            for h, m in zip(hf, found):
+                codes = m.scheme.int_codes(m, ckpt.quantized_parts(h))
+                choices.append(choose(codes) if codes is not None else
+                               Choice(None, 0, -(-m.shape[0] * m.shape[1] // BLOCK),
+                                      f"{m.scheme.what(m)}: no GGUF type holds its values exactly"))
+            blocks, exact = sum(ch.blocks for ch in choices), sum(ch.exact for ch in choices)
+            types = {ch.qtype for ch in choices}
+            if len(types) == 1 and None not in types:
+                choice = Choice(types.pop(), exact, blocks)
+            else:
+                bad = next((ch for ch in choices if ch.qtype is None), None)
+                choice = Choice(None, exact, blocks, bad.why if bad else
+                                f"its experts' codes fit different types ({', '.join(sorted(map(str, types)))})")
+        action = "kept" if choice.qtype else ("requantized" if requantize_rest and why is None else "refused")
+        out.append(Tensor(name, hf, found, op, heads, action, choice.qtype if action == "kept" else
+                          ("Q8_0" if action == "requantized" else None), choice.exact, choice.blocks, choice.why))
+    for h, m in modules.items():
+        if h not in reached:
+            out.append(Tensor(h, [h], [m], "", None, "dequantized" if requantize_rest else "refused", None, 0, 0,
+                              "llama.cpp's converter rearranges it (no recipe maps it to one GGUF tensor)"))
+    for t in out:
+        t.report = {"tensor": t.name, "source": t.sources[0] + (f" (+{len(t.sources) - 1})" if len(t.sources) > 1
+                    else ""), "scheme": t.modules[0].scheme.what(t.modules[0]), "action": t.action,
+                    "type": t.qtype, "blocks_exact": t.exact, "blocks": t.blocks, **({"why": t.why} if t.why else {})}
+    return out
+
+
+def tensor_bytes(ckpt, t: Tensor) -> "np.ndarray":
+    """Tensor ``t``'s bytes as the converter lays it out (q/k rows permuted, experts stacked), in ``t.qtype``:
+    uint8 (rows, row bytes), or (experts, rows, row bytes)."""
+    import numpy as np
+
+    rows_of = []
+    for h, m in zip(t.sources, t.modules):
+        codes = m.scheme.int_codes(m, ckpt.quantized_parts(h)) if t.action == "kept" else None
+        if codes is not None:  # plan() kept it: its scheme gave codes every block of which fits t.qtype
+            rows = encode(codes, t.qtype or "")
+        else:
+            rows = requantize(ckpt[h])
+        if t.op == "rotary" and t.heads:  # LlamaModel.permute, on whole rows
+            n = rows.shape[0]
+            head = n // t.heads
+            rows = rows.reshape(t.heads, 2, head // 2, -1).swapaxes(1, 2).reshape(n, -1)
+        rows_of.append(np.ascontiguousarray(rows))
+    return np.stack(rows_of) if t.op == "stack" else rows_of[0]
+
+
+def apply(ckpt, writer, tensors: list[Tensor]) -> None:
+    """Replace each kept or requantized tensor's entry in the converter's ``writer`` by its blocks, read when
+    written (a lazy tensor of gguf-py's), and record the lists in the metadata."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, LazyNumpyTensor
+
+    infos = writer.tensors[0]
+    for t in tensors:
+        if t.action not in ("kept", "requantized"):
+            continue
+        ti = infos[t.name]
+        elements = 1
+        for d in ti.shape:
+            elements *= int(d)
+        qtype = t.qtype or "Q8_0"
+        nbytes = elements // BLOCK * BYTES[qtype]
+        byte_shape = (*[int(d) for d in ti.shape[:-1]], int(ti.shape[-1]) // BLOCK * BYTES[qtype])
+        meta = LazyNumpyTensor.meta_with_dtype_and_shape(np.uint8, byte_shape)
+        ti.dtype, ti.nbytes = getattr(GGMLQuantizationType, qtype), nbytes
+        ti.tensor = LazyNumpyTensor(meta=meta, args=(t,), func=lambda x: tensor_bytes(ckpt, x))
+    kept = [t.name for t in tensors if t.action == "kept"]
+    again = [t.name for t in tensors if t.action == "requantized"]
+    if kept:
+        writer.add_array(KEPT, kept)
+    if again:
+        writer.add_array(REQUANTIZED, again)
+
+
+def file_type(tensors: list[Tensor]) -> str | None:
+    """The ``general.file_type`` name (``LlamaFileType``) of the type most kept tensors are, None where none is."""
+    types = [t.qtype for t in tensors if t.action == "kept" and t.qtype]
+    return FILE_TYPES[max(set(types), key=types.count)] if types else None
