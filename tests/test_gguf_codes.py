@@ -148,6 +148,7 @@ def test_refused_unless_requantized(source, tmp_path, variant, why):
     r = run_cli("convert", src, "--to", "gguf", "-o", out, ok=False)
     assert why in r.output and "--requantize" in r.output and "14 of 14 quantized weights" in r.output
     assert not list(tmp_path.iterdir())
+    assert why in run_cli("convert", src, "--to", "gguf", "-o", out, "--dry-run", ok=False).output  # the plan too
     r = convert(src, out, "--requantize")
     assert {t["action"] for t in r["codes"]} == {"requantized"} and {t["type"] for t in r["codes"]} == {"Q8_0"}
     assert sum("re-quantized" in c and "(--requantize)" in c for c in r["changes"]) == 14
@@ -199,11 +200,12 @@ def test_mlx_4bit_kept_as_q4_1(gguf_model, tmp_path):
     exact: llama.cpp runs it as mlx_lm runs the MLX model (verify --logits), every weight holding MLX's codes."""
     pytest.importorskip("mlx.core")
     mlx = tmp_path / "mlx"
-    run_cli("-q", "convert", gguf_model("llama"), "--to", "mlx", "-o", mlx, "-q")
+    run_cli("-q", "convert", gguf_model("llama", torch.bfloat16), "--to", "mlx", "-o", mlx, "-q")
     out = tmp_path / "q.gguf"
-    r = convert(mlx, out)
+    r = convert(mlx, out)  # bfloat16 scales and biases: float16 numbers (float32 ones, of a float32 model, are not)
     assert {(t["action"], t["type"]) for t in r["codes"]} == {("kept", "Q4_1")}
-    assert all(t["blocks_exact"] == t["blocks"] for t in r["codes"]) and len(r["codes"]) == 16  # embeddings too
+    assert all(t["blocks_exact"] == t["blocks"] for t in r["codes"])
+    assert {"token_embd.weight", "output.weight"} <= {t["tensor"] for t in r["codes"]}  # mlx_lm quantizes them too
     v = json.loads(run_cli("verify", mlx, out, "--backend", "reference", "--logits", "--json").stdout)
     assert v["passed"] and v["logits"]["client_a"] == "mlx_lm" and v["logits"]["client_b"] == "llama.cpp"
     assert [f["exact"] for f in v["ffns"]] == ["codes", "codes"] and v["outside"]["codes"] == 10

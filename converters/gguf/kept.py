@@ -87,7 +87,7 @@ def choose(c: "IntCodes") -> Choice:
             return Choice(t, n, blocks)
     best = max(counts, key=lambda t: counts[t])
     scale_bad = int((~d_blocks).sum())
-    why = (f"{scale_bad} blocks' scales are not float16 numbers (float16 holds 5 exponent bits)" if scale_bad
+    why = (f"{scale_bad} blocks' scales are not float16 numbers (11 significant bits, exponents -24 to 15)" if scale_bad
            else f"codes or -scale*zero do not fit {best} in {blocks - counts[best]} blocks")
     return Choice(None, counts[best], blocks, f"{best} would hold {counts[best]} of {blocks} blocks exactly: {why}")
 

@@ -96,6 +96,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
                "dry_run": dry_run, "progress": progress.visible(), "native": native, "codes": codes}
     if dry_run:
         result = _run({**request, "out": str(out)})  # the converter's writer in its dry-run mode writes nothing
+        _refuse(ckpt, result.get("codes") or [])  # what the conversion would refuse, the plan refuses
         return _summary(out, result, said, plan=True)
     with atomic_output(out, inputs=[Path(ckpt.path)], force=force) as tmp:
         # a K-quant's intermediate: the converter's file beside the temporary output, removed whatever happens
