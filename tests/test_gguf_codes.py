@@ -42,6 +42,12 @@ def source(gguf_model, shared_dir):
             if variant in VARIANTS or variant in REFUSED:
                 a = ct_models.args(**(VARIANTS[variant][0] if variant in VARIANTS else REFUSED[variant]))
                 twin, q = ct_models.build("llama", tmp, {"g": (["Linear"], a)}, vocab_size=384)
+            elif variant in ("nvfp4-ct", "nvfp4-modelopt"):  # rows of 64 and 128 values: GGUF's NVFP4 blocks
+                twin, q = ct_models.build("llama", tmp, {"g": (["Linear"], ct_models.nvfp4_args())},
+                                          fmt="nvfp4-pack-quantized", vocab_size=384, intermediate_size=128)
+                if variant == "nvfp4-modelopt":  # compressed-tensors' own converter, inverted (ct_models)
+                    q = ct_models.to_modelopt(q, tmp / "modelopt")
+                    shutil.rmtree(tmp / "ct")
             elif variant == "fp8":
                 from compressed_tensors.quantization import QuantizationArgs
 
@@ -209,3 +215,47 @@ def test_mlx_4bit_kept_as_q4_1(gguf_model, tmp_path):
     v = json.loads(run_cli("verify", mlx, out, "--backend", "reference", "--logits", "--json").stdout)
     assert v["passed"] and v["logits"]["client_a"] == "mlx_lm" and v["logits"]["client_b"] == "llama.cpp"
     assert [f["exact"] for f in v["ffns"]] == ["codes", "codes"] and v["outside"]["codes"] == 10
+
+
+def test_nvfp4_modelopt_kept_as_llama_cpps_own_repack(source, tmp_path):
+    """ModelOpt NVFP4 goes in as GGUF NVFP4 blocks with each weight's scale_2 as its .scale: every tensor the bytes
+    llama.cpp's own converter repacks from that checkpoint; verify holds them to the codes, llama.cpp runs them as
+    transformers runs the dequantized source, and an inverted .scale fails."""
+    from gguf_models import convert_reference
+
+    _, src = source("nvfp4-modelopt")
+    out = tmp_path / "q.gguf"
+    r = convert(src, out)
+    assert {(t["action"], t["type"]) for t in r["codes"]} == {("kept", "NVFP4")}
+    assert all(t["blocks_exact"] == t["blocks"] for t in r["codes"])
+    ref = convert_reference(src, tmp_path / "ref.gguf", "auto")
+    ours, theirs = ({t.name: t for t in Reader(p, "r").tensors} for p in (out, ref))
+    assert set(ours) == set(theirs) and sum(n.endswith(".scale") for n in ours) == 14
+    assert all(ours[n].tensor_type == theirs[n].tensor_type and bytes(ours[n].data) == bytes(theirs[n].data)
+               for n in ours)
+    v = json.loads(run_cli("verify", src, out, "--backend", "reference", "--json").stdout)
+    assert v["passed"] and [f["exact"] for f in v["ffns"]] == ["codes", "codes"] and v["outside"]["codes"] == 8
+    deq = tmp_path / "deq"
+    run_cli("-q", "convert", src, "--to", "torch", "-o", deq)
+    v = json.loads(run_cli("verify", deq, out, "--backend", "reference", "--logits", "--json").stdout)
+    assert v["passed"] and v["logits"]["client_b"] == "llama.cpp" and v["logits"]["cosine"] > 0.9999
+    data = bytearray(out.read_bytes())
+    at, n, _ = _block_bytes(out, "blk.1.ffn_up.scale")
+    scale = np.frombuffer(bytes(data[at:at + 4]), np.float32)[0]
+    data[at:at + 4] = np.float32(1 / scale).tobytes()  # the global scale inverted: the known mix-up
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    result = run_cli("verify", src, bad, "--backend", "reference", "--json", ok=None)
+    assert result.exit_code == 1
+    failed = [f for f in json.loads(result.stdout)["ffns"] if not f["passed"]]
+    assert [f["ffn"] for f in failed] == ["layer 1"] and "holds A's codes" in " ".join(failed[0]["problems"])
+
+
+def test_nvfp4_compressed_tensors_global_scale_refused(source, tmp_path):
+    """compressed-tensors divides by its global scale; llama.cpp multiplies by a .scale: not exact unless the
+    reciprocal is a float32 number, so refused, saying so; --requantize writes Q8_0."""
+    _, src = source("nvfp4-ct")
+    r = run_cli("convert", src, "--to", "gguf", "-o", tmp_path / "q.gguf", ok=False)
+    assert "its reciprocal is not a float32 number" in r.output and "ModelOpt's scale_2" in r.output
+    r = convert(src, tmp_path / "q.gguf", "--requantize")
+    assert {t["type"] for t in r["codes"]} == {"Q8_0"}

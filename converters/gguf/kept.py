@@ -9,7 +9,9 @@ of 32 values read, in float32:
     Q4_0   d * (n - 8)      d float16, n 4-bit          n = c - z + 8, where it lies in [0, 15]
     Q4_1   d * n + m        d, m float16, n 4-bit       n = c, m = -s * z
 
-so a block holds its group's values exactly where its 32 columns lie in one group (groups of a multiple of 32),
+(and ``NVFP4``: 64 values as four F8_E4M3 scales without their sign bit and 32 bytes of E2M1 codes, the per-tensor
+float32 in a ``.scale`` tensor llama.cpp multiplies the product by: ModelOpt's ``scale_2``, compressed-tensors'
+``1 / global_scale`` where that is exact), so a block holds its group's values exactly where its 32 columns lie in one group (groups of a multiple of 32),
 ``d = s`` (and ``m``) is a float16 number, and the codes fit: then its dequantization is ``s * (c - z)`` with no
 rounding at all (an 11-bit d times a code of at most 9 bits), the source's values before the source's own
 rounding to its dtype. ``choose`` picks, per tensor, the first type every block of which holds its group
@@ -33,13 +35,14 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from ffn_tools.quant import IntCodes, Module
+    from ffn_tools.quant import Fp4Codes, IntCodes, Module
 
 BLOCK = 32
-BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # per block of 32 values
+BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "NVFP4": 18}  # per 32 values (NVFP4's blocks: 36 bytes per 64)
 KEPT = KEPT_KEY  # GGUF metadata: the tensors whose blocks are the source's codes (verify reads it)
 REQUANTIZED = "ffn_tools.codes.requantized"  # ... and those dequantized and quantized again (Q8_0)
-FILE_TYPES = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1"}
+FILE_TYPES = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "NVFP4": "MOSTLY_NVFP4"}
+NVFP4_BLOCK = 64
 
 
 @dataclass
@@ -90,6 +93,38 @@ def choose(c: "IntCodes") -> Choice:
     why = (f"{scale_bad} blocks' scales are not float16 numbers (11 significant bits, exponents -24 to 15)" if scale_bad
            else f"codes or -scale*zero do not fit {best} in {blocks - counts[best]} blocks")
     return Choice(None, counts[best], blocks, f"{best} would hold {counts[best]} of {blocks} blocks exactly: {why}")
+
+
+def choose_fp4(c: "Fp4Codes") -> Choice:
+    """NVFP4 where every 64 values are a GGUF block (four scales) and its scales and multiplier carry over."""
+    import torch
+
+    rows, cols = c.nibbles.shape
+    blocks = rows * -(-cols // NVFP4_BLOCK)
+    if cols % NVFP4_BLOCK or c.group != 16:
+        return Choice(None, 0, blocks, f"rows of {cols} values: GGUF's NVFP4 blocks are 64 (four scales of 16)")
+    if c.multiplier is None:
+        return Choice(None, 0, blocks, c.why)
+    bad = ((c.scale_bits & 0x80) != 0) | ((c.scale_bits & 0x7F) == 0x7F)  # a sign GGUF's UE4M3 drops, or NaN
+    n_bad = int(bad.reshape(rows, -1, 4).any(-1).sum())
+    if n_bad:
+        return Choice(None, blocks - n_bad, blocks, f"{n_bad} blocks have a negative or NaN scale, which GGUF's "
+                      "unsigned E4M3 scales do not hold")
+    return Choice("NVFP4", blocks, blocks) if torch.isfinite(torch.tensor(c.multiplier)) else \
+        Choice(None, 0, blocks, f"its per-tensor scale is {c.multiplier}")
+
+
+def encode_fp4(c: "Fp4Codes") -> "np.ndarray":
+    """``c`` as GGUF NVFP4 blocks: per 64 values, the four scale bytes (sign bit cleared) then 32 bytes, 8 per
+    sub-block of 16 (byte j: value j low, value j + 8 high); uint8 (rows, blocks * 36)."""
+    import numpy as np
+
+    rows, cols = c.nibbles.shape
+    nb = cols // NVFP4_BLOCK
+    n = c.nibbles.numpy().reshape(rows, nb, 4, 2, 8)
+    qs = (n[..., 0, :] | (n[..., 1, :] << np.uint8(4))).reshape(rows, nb, 32)
+    d = (c.scale_bits.numpy() & np.uint8(0x7F)).reshape(rows, nb, 4)
+    return np.concatenate([d, qs], axis=-1).reshape(rows, -1)
 
 
 def _half(x: "torch.Tensor") -> "torch.Tensor":
@@ -152,6 +187,7 @@ class Tensor:
     blocks: int
     why: str | None = None
     report: dict = field(default_factory=dict)
+    multipliers: list[float] = field(default_factory=list)  # NVFP4: each source's per-tensor scale (.scale)
 
 
 def plan(ckpt, modules: dict[str, "Module"], routes: dict[str, tuple], requantize_rest: bool) -> list[Tensor]:
@@ -173,12 +209,14 @@ def plan(ckpt, modules: dict[str, "Module"], routes: dict[str, tuple], requantiz
             why = f"llama.cpp's converter changes its values ({op})"
         choice = Choice(None, 0, 0, why)
         if why is None:
-            choices = []
+            choices, multipliers = [], []
             for h, m in zip(hf, found):
-                codes = m.scheme.int_codes(m, ckpt.quantized_parts(h))
-                choices.append(choose(codes) if codes is not None else
+                parts = ckpt.quantized_parts(h)
+                codes, fp4 = m.scheme.int_codes(m, parts), m.scheme.fp4_codes(m, parts)
+                choices.append(choose(codes) if codes is not None else choose_fp4(fp4) if fp4 is not None else
                                Choice(None, 0, -(-m.shape[0] * m.shape[1] // BLOCK),
                                       f"{m.scheme.what(m)}: no GGUF type holds its values exactly"))
+                multipliers.append(fp4.multiplier if fp4 is not None else None)
             blocks, exact = sum(ch.blocks for ch in choices), sum(ch.exact for ch in choices)
             types = {ch.qtype for ch in choices}
             if len(types) == 1 and None not in types:
@@ -190,6 +228,8 @@ def plan(ckpt, modules: dict[str, "Module"], routes: dict[str, tuple], requantiz
         action = "kept" if choice.qtype else ("requantized" if requantize_rest and why is None else "refused")
         out.append(Tensor(name, hf, found, op, heads, action, choice.qtype if action == "kept" else
                           ("Q8_0" if action == "requantized" else None), choice.exact, choice.blocks, choice.why))
+        if choice.qtype == "NVFP4":
+            out[-1].multipliers = [float(x) for x in multipliers if x is not None]
     for h, m in modules.items():
         if h not in reached:
             out.append(Tensor(h, [h], [m], "", None, "dequantized" if requantize_rest else "refused", None, 0, 0,
@@ -208,8 +248,12 @@ def tensor_bytes(ckpt, t: Tensor) -> "np.ndarray":
 
     rows_of = []
     for h, m in zip(t.sources, t.modules):
-        codes = m.scheme.int_codes(m, ckpt.quantized_parts(h)) if t.action == "kept" else None
-        if codes is not None:  # plan() kept it: its scheme gave codes every block of which fits t.qtype
+        parts = ckpt.quantized_parts(h) if t.action == "kept" else None
+        fp4 = m.scheme.fp4_codes(m, parts) if t.qtype == "NVFP4" else None
+        codes = m.scheme.int_codes(m, parts) if t.action == "kept" and fp4 is None else None
+        if fp4 is not None:  # plan() kept it: its codes fit t.qtype, every block
+            rows = encode_fp4(fp4)
+        elif codes is not None:
             rows = encode(codes, t.qtype or "")
         else:
             rows = requantize(ckpt[h])
@@ -241,6 +285,9 @@ def apply(ckpt, writer, tensors: list[Tensor]) -> None:
         meta = LazyNumpyTensor.meta_with_dtype_and_shape(np.uint8, byte_shape)
         ti.dtype, ti.nbytes = getattr(GGMLQuantizationType, qtype), nbytes
         ti.tensor = LazyNumpyTensor(meta=meta, args=(t,), func=lambda x: tensor_bytes(ckpt, x))
+        if t.multipliers and any(x != 1.0 for x in t.multipliers):  # NVFP4's per-tensor scale, as the converter
+            scale = t.name.removesuffix(".weight") + ".scale"          # names it (llama.cpp multiplies by it)
+            writer.add_tensor(scale, np.array(t.multipliers, dtype=np.float32))
     kept = [t.name for t in tensors if t.action == "kept"]
     again = [t.name for t in tensors if t.action == "requantized"]
     if kept:

@@ -135,6 +135,11 @@ class GGUFCheckpoint(Checkpoint):
                  "k": self.fields.get(f"{self.family.arch}.attention.head_count_kv")}
         heads["k"] = heads["k"] or heads["q"]
         joined = self._joined(path, tensors, layers, infos)
+        # NVFP4's per-tensor multiplier beside its weight (X.scale: one float32, or one per expert of a stack), which
+        # llama.cpp multiplies the weight's product by: read as part of the weight
+        self._scales = {n.removesuffix(".scale") + ".weight": t for n, t in tensors.items()
+                        if n.endswith(".scale") and n.removesuffix(".scale") + ".weight" in tensors}
+        joined |= {n.removesuffix(".weight") + ".scale" for n in self._scales}
         for gname, t in tensors.items():
             if gname in joined:
                 continue
@@ -251,8 +256,10 @@ class GGUFCheckpoint(Checkpoint):
             return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
         if qtype.name in LOSSLESS:
             return torch.from_numpy(np.array(data).reshape(shape))
-        return torch.from_numpy(np.ascontiguousarray(quants.dequantize(np.asarray(data), qtype),
-                                                     dtype=np.float32).reshape(shape))
+        out = np.ascontiguousarray(quants.dequantize(np.asarray(data), qtype), dtype=np.float32).reshape(shape)
+        if (scale := self._scales.get(t.name)) is not None:  # float32, as llama.cpp multiplies (one rounding)
+            out = out * np.asarray(scale.data, np.float32).reshape(-1)[expert or 0]
+        return torch.from_numpy(out)
 
     def read_raw(self, name: str):
         from ffn_tools.io.raw import RawTensor

@@ -100,6 +100,40 @@ class IntCodes:
         return (self.codes.to(torch.int32) - self.zero.to(torch.int32).repeat_interleave(g, 1)).to(torch.float32) * s
 
 
+@dataclass(frozen=True)
+class Fp4Codes:
+    """A weight stored as E2M1 codes with one F8_E4M3 scale per ``group`` values and one float32 multiplier per
+    tensor: ``w = e2m1 * scale * multiplier`` (NVFP4; ``QuantScheme.fp4_codes``), what GGUF's NVFP4 blocks and a
+    per-tensor ``.scale`` keep as they are.
+
+    Attributes:
+        nibbles: (rows, cols) uint8 E2M1 codes 0..15 (bit 3 the sign), in column order.
+        scale_bits: (rows, cols / group) uint8 F8_E4M3 bits.
+        multiplier: the per-tensor float32 number ``w`` is multiplied by, or None where the scheme's per-tensor
+            number is not one (compressed-tensors divides by its global scale: a multiplier only where the
+            reciprocal is exact).
+        group: values per scale (16).
+        why: where ``multiplier`` is None, why.
+    """
+
+    nibbles: "torch.Tensor"
+    scale_bits: "torch.Tensor"
+    multiplier: float | None
+    group: int = 16
+    why: str | None = None
+
+    def values(self) -> "torch.Tensor":
+        """``e2m1 * scale`` (exact in float32), times the multiplier, rounded once to float32: a GGUF NVFP4 block's
+        value times its tensor's ``.scale``, as the GGUF reader computes it."""
+        import torch
+
+        e2m1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+        lut = torch.tensor([*e2m1, *(-v for v in e2m1)], dtype=torch.float32)
+        scale = self.scale_bits.view(torch.float8_e4m3fn).to(torch.float32).repeat_interleave(self.group, 1)
+        x = lut[self.nibbles.long()] * scale
+        return x * torch.tensor(self.multiplier, dtype=torch.float32) if self.multiplier is not None else x
+
+
 class QuantScheme(ABC):
     """A quantization scheme: one registered object per scheme (see the module docstring).
 
@@ -163,6 +197,20 @@ class QuantScheme(ABC):
     def int_codes(self, m: Module, parts) -> IntCodes | None:
         """``m``'s stored codes, zero points and scales as ``IntCodes`` from its stored ``parts``; None where this
         scheme's weights are not integer codes in groups of consecutive columns (floats, act-order groups)."""
+        return None
+
+    def fp4_codes(self, m: Module, parts) -> Fp4Codes | None:
+        """``m``'s E2M1 codes, F8_E4M3 scales and per-tensor multiplier (NVFP4) from its stored ``parts``; None where
+        this scheme's weights are not that."""
+        return None
+
+    def exact_values(self, m: Module, parts) -> "torch.Tensor | None":
+        """The values a target that keeps ``m``'s codes holds (float32, computed as its blocks compute them:
+        ``IntCodes.values``, ``Fp4Codes.values``); None where no such target keeps them exactly."""
+        if (c := self.int_codes(m, parts)) is not None:
+            return c.values()
+        if (f := self.fp4_codes(m, parts)) is not None and f.multiplier is not None:
+            return f.values()
         return None
 
     def requantized_note(self, m: Module, roles: list[str], src: str, q: str) -> str:

@@ -25,7 +25,7 @@ import json
 from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError, LayoutError
-from .base import Module
+from .base import Fp4Codes, Module
 from .codes import compare_codes, shape_differs
 from . import ctrows
 from .ctconfig import ArgsScheme, MODELOPT_PARTS, NVFP4_CT, NVFP4_GROUP, NVFP4_MODELOPT, Args, describe_args, same_args
@@ -177,6 +177,24 @@ class Nvfp4(ArgsScheme):
 
     def params(self, m: Module) -> dict:
         return {"bits": 4, "group_size": GROUP, "mode": m.args.format}
+
+    def fp4_codes(self, m: Module, parts) -> Fp4Codes | None:
+        """The codes as stored, the scales' bits, and the multiplier: ModelOpt's ``scale_2``; compressed-tensors'
+        ``1 / global_scale`` only where that is exact in float32 (a power of two), its definition being a division."""
+        import torch
+
+        b = parts[self.packed_name].to(torch.uint8)
+        nibbles = torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(b.shape[0], -1)
+        bits = parts["weight_scale"].contiguous().view(torch.uint8)
+        g = parts[self.scale_name].to(torch.float32).reshape(-1)[0]
+        if self.modelopt:
+            return Fp4Codes(nibbles, bits, float(g), GROUP)
+        inv = torch.tensor(1.0, dtype=torch.float64) / g.double()
+        if torch.isfinite(inv) and float(inv.float()) == float(inv) and float(inv.float()) * float(g) == 1.0:
+            return Fp4Codes(nibbles, bits, float(inv), GROUP)
+        return Fp4Codes(nibbles, bits, None, GROUP,
+                        f"its global scale {float(g):.9g} divides: its reciprocal is not a float32 number, and llama.cpp "
+                        "multiplies by a per-tensor scale (ModelOpt's scale_2 convention converts exactly)")
 
     def requantized(self, label, a, m, parts, src="A", q="B"):
         if (wrong := shape_differs(label, m, a, src, q)) is not None:

@@ -1,7 +1,8 @@
 """Codes kept, in ``verify``: where one side says a tensor holds the other side's stored codes (a GGUF written from
 codes: ``Checkpoint.kept_codes``, from its ``ffn_tools.codes.kept`` metadata), its values must be the other side's
-``s * (c - z)`` (``IntCodes.values``) exactly, in float32, every one: not within a tolerance row, which a scale
-block shifted by one, or a zero point off by one, would pass. A side that says so of a tensor the other side does
+as its codes define them (``QuantScheme.exact_values``: ``s * (c - z)``, NVFP4's ``e2m1 * scale * scale_2``)
+exactly, in float32, every one: not within a tolerance row, which a scale block shifted by one, a zero point off
+by one or an inverted global scale's small model would pass. A side that says so of a tensor the other side does
 not store as integer codes fails too: the claim cannot be true.
 """
 
@@ -26,19 +27,23 @@ def kept_side(ca, cb, name_a: str, name_b: str) -> tuple[str, str] | None:
     return None
 
 
-def difference(label: str, source, name: str, kept: "torch.Tensor", k: str = "B", q: str = "A") -> str | None:
-    """None where ``kept`` (side ``k``'s values of the tensor, read back) is side ``q``'s ``name`` of ``source``
-    as its integer codes define it, exactly; else the sentence that says how not."""
+def difference(label: str, source, name: str, kept: "torch.Tensor", k: str = "B",
+               q: str = "A") -> tuple[bool | None, str | None]:
+    """Is ``kept`` (side ``k``'s values of the tensor, read back) side ``q``'s ``name`` of ``source`` as its codes
+    define it, exactly? (True, None); (False, the sentence that says how not); or (None, why it cannot be told):
+    ``q`` does not store that tensor as codes a block format holds (unquantized, another scheme), so ``k`` is not a
+    conversion of ``q``'s codes and the tolerance row compares them."""
     import torch
 
     m = source.quantized(name)
-    codes = m.scheme.int_codes(m, source.quantized_parts(name)) if m is not None else None
-    if codes is None:
+    values = m.scheme.exact_values(m, source.quantized_parts(name)) if m is not None else None
+    if values is None:
         what = m.scheme.what(m) if m is not None else "stored unquantized"
-        return (f"{label}: {k} says it holds {q}'s codes ({KEPT_KEY}), but {q}'s {name} is not integer codes "
-                f"({what})")
-    values, kept = codes.values(), kept.to(torch.float32)
+        return None, (f"{label}: {k} holds codes kept from a quantized source ({KEPT_KEY}); {q}'s is {what}: "
+                      "compared within the tolerance row")
+    # -0 as +0 (adding 0 does that, and nothing else): E2M1's code 8 is -0, which llama.cpp's table reads as 0
+    values, kept = values + 0.0, kept.to(torch.float32) + 0.0
     d = first_difference(label, values, kept) if k == "B" else first_difference(label, kept, values)  # A's first
     if d is None:
-        return None
-    return f"{k} says {label} holds {q}'s codes ({KEPT_KEY}), but its values are not {q}'s scale * (code - zero): {d}"
+        return True, None
+    return False, f"{k} says {label} holds {q}'s codes ({KEPT_KEY}), but its values are not the ones {q}'s codes define: {d}"

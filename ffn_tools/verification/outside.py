@@ -62,13 +62,15 @@ def compare_outside(ca, cb, fa, fb, *, atol: float | None = None, rtol: float | 
         qa, qb = tensor_bits(ca, name, ga), tensor_bits(cb, name, gb)
         if (sides := kept_side(ca, cb, name, name)) is not None:  # one side holds the other's codes: exactly
             k, q = sides
-            why = difference(name, ca if q == "A" else cb, name, (cb if k == "B" else ca)[name], k, q)
-            if why:
-                res.differ.append(why)
-            else:
-                res.identical += 1
-                res.codes += 1
-            continue
+            same, why = difference(name, ca if q == "A" else cb, name, (cb if k == "B" else ca)[name], k, q)
+            if same is not None:
+                if same:
+                    res.identical += 1
+                    res.codes += 1
+                else:
+                    res.differ.append(why or name)
+                continue
+            log.info("%s", why)  # not codes on the other side: the tolerance row below
         if qa is None and qb is not None and _requantized(res, name, ca, cb):
             continue
         if qa is None and qb is None and in_blocks(ia, ib):  # from the files, a block of rows at a time

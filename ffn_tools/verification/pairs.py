@@ -159,10 +159,13 @@ class PairChecker:
             k, q = kept_side(self.ca, self.cb, x.names[r], y.names[r]) or ("B", "A")
             (kc, kf), (qc, qf) = ((self.read_b, y), (self.ca, x)) if k == "B" else ((self.read_a, x), (self.cb, y))
             if kf.index is not None or qf.index is not None:  # one expert of a stack: its parts are not one module
-                unsure.append(f"{r}: one expert of a stacked tensor; compared within the tolerance row")
+                unsure.append(f"{r}: codes kept, of one expert of a stacked tensor: compared within the tolerance row")
                 continue
-            d = difference(f"{r} ({kf.names[r]})", qc, qf.names[r], kc[kf.names[r]], k, q)
-            diffs += [d] if d else []
+            same, why = difference(f"{r} ({kf.names[r]})", qc, qf.names[r], kc[kf.names[r]], k, q)
+            if same is None:
+                unsure.append(why or "")
+            elif not same:
+                diffs.append(why or "")
         if diffs:
             res.exact = "differs"
             more = f" ({len(diffs) - 1} more tensors differ)" if len(diffs) > 1 else ""
@@ -174,7 +177,7 @@ class PairChecker:
             k, q = kept_side(self.ca, self.cb, x.names[roles[0]], y.names[roles[0]]) or ("B", "A")
             res.exact = "codes"
             res.notes.append(f"codes kept: {k}'s {', '.join(roles)} hold {q}'s stored codes, scales and zero points: "
-                             f"their values are {q}'s scale * (code - zero), every one, exactly")
+                             f"their values are the ones {q}'s codes define, every one, exactly")
         return True
 
     def _requantized(self, res: FFNResult, wa: dict, wb: dict, x: FFN, y: FFN) -> bool:
