@@ -190,10 +190,28 @@ class Tensor:
     multipliers: list[float] = field(default_factory=list)  # NVFP4: each source's per-tensor scale (.scale)
 
 
-def plan(ckpt, modules: dict[str, "Module"], routes: dict[str, tuple], requantize_rest: bool) -> list[Tensor]:
-    """What becomes of each GGUF tensor made of ``modules`` (decoded name -> module); ``routes``: GGUF name ->
-    ``native.route``'s (names, op, heads). A module no route reaches is refused (or requantized: nothing
-    reaches it here, so it stays as the converter writes it, dequantized, and the report says so)."""
+def choices(view, modules: dict[str, "Module"]) -> dict[str, dict]:
+    """Each quantized weight's ``Choice`` (as JSON: ``qtype``, ``exact``, ``blocks``, ``why``, and NVFP4's
+    ``multiplier``), from its codes, read once: what the writer refuses on before the converter starts, and hands
+    to it."""
+    import dataclasses
+
+    out = {}
+    for h, m in modules.items():
+        parts = view.quantized_parts(h)
+        codes, fp4 = m.scheme.int_codes(m, parts), m.scheme.fp4_codes(m, parts)
+        c = (choose(codes) if codes is not None else choose_fp4(fp4) if fp4 is not None else
+             Choice(None, 0, -(-m.shape[0] * m.shape[1] // BLOCK),
+                    f"{m.scheme.what(m)}: no GGUF type holds its values exactly"))
+        out[h] = {**dataclasses.asdict(c), "multiplier": fp4.multiplier if fp4 is not None else None}
+    return out
+
+
+def plan(modules: dict[str, "Module"], chosen: dict[str, dict], routes: dict[str, tuple],
+         requantize_rest: bool) -> list[Tensor]:
+    """What becomes of each GGUF tensor made of ``modules`` (decoded name -> module; ``chosen``: their
+    ``choices``); ``routes``: GGUF name -> ``native.route``'s (names, op, heads). A module no route reaches is
+    refused (or, requantizing, left as the converter writes it, dequantized, and the report says so)."""
     out: list[Tensor] = []
     reached: set[str] = set()
     for name, (hf, op, heads) in routes.items():
@@ -208,21 +226,15 @@ def plan(ckpt, modules: dict[str, "Module"], routes: dict[str, tuple], requantiz
         elif op not in ("copy", "rotary", "stack"):
             why = f"llama.cpp's converter changes its values ({op})"
         choice = Choice(None, 0, 0, why)
+        multipliers = [chosen[h]["multiplier"] for h in hf if h in chosen]
         if why is None:
-            choices, multipliers = [], []
-            for h, m in zip(hf, found):
-                parts = ckpt.quantized_parts(h)
-                codes, fp4 = m.scheme.int_codes(m, parts), m.scheme.fp4_codes(m, parts)
-                choices.append(choose(codes) if codes is not None else choose_fp4(fp4) if fp4 is not None else
-                               Choice(None, 0, -(-m.shape[0] * m.shape[1] // BLOCK),
-                                      f"{m.scheme.what(m)}: no GGUF type holds its values exactly"))
-                multipliers.append(fp4.multiplier if fp4 is not None else None)
-            blocks, exact = sum(ch.blocks for ch in choices), sum(ch.exact for ch in choices)
-            types = {ch.qtype for ch in choices}
+            each = [Choice(chosen[h]["qtype"], chosen[h]["exact"], chosen[h]["blocks"], chosen[h]["why"]) for h in hf]
+            blocks, exact = sum(ch.blocks for ch in each), sum(ch.exact for ch in each)
+            types = {ch.qtype for ch in each}
             if len(types) == 1 and None not in types:
                 choice = Choice(types.pop(), exact, blocks)
             else:
-                bad = next((ch for ch in choices if ch.qtype is None), None)
+                bad = next((ch for ch in each if ch.qtype is None), None)
                 choice = Choice(None, exact, blocks, bad.why if bad else
                                 f"its experts' codes fit different types ({', '.join(sorted(map(str, types)))})")
         action = "kept" if choice.qtype else ("requantized" if requantize_rest and why is None else "refused")

@@ -74,7 +74,7 @@ def run(request: dict) -> dict:
         model.prepare_tensors()
         chosen = {getattr(gguf.LlamaFileType, v): k for k, v in FTYPES.items() if k != "auto"}
         outtype = chosen.get(model.ftype, model.ftype.name)  # auto resolved; a class may pick its own
-        codes = keep_codes(ckpt, model, request["codes"]) if request.get("codes") else None
+        codes = keep_codes(ckpt, model, request) if request.get("codes") else None
         tensors = [{"name": n, "type": t.dtype.name, "shape": [int(d) for d in reversed(t.shape)], "bytes": t.nbytes}
                    for n, t in model.gguf_writer.tensors[0].items()]
         result = {"architecture": arch, "class": cls.__mro__[1].__name__, "tensors": tensors, "outtype": outtype}
@@ -97,9 +97,10 @@ def run(request: dict) -> dict:
         return result
 
 
-def keep_codes(ckpt, model, mode: str):
-    """``kept``'s plan for ``ckpt``'s quantized weights (``mode``: "keep", or "requantize" what cannot be kept),
-    applied to the converter's writer unless a tensor is refused; the file type set to the kept codes' type."""
+def keep_codes(ckpt, model, request: dict):
+    """``kept``'s plan for ``ckpt``'s quantized weights (``request["codes"]``: "keep", or "requantize" what cannot
+    be kept; ``request["choices"]``: what the writer found each can be), applied to the converter's writer unless a
+    tensor is refused; the file type set to the kept codes' type."""
     import gguf
 
     from ffn_tools import quant
@@ -117,7 +118,8 @@ def keep_codes(ckpt, model, mode: str):
         r = native.route(name, [int(d) for d in ti.shape], family, config, names) if family else None
         if r is not None:
             routes[name] = r
-    plan = kept.plan(view, modules, routes, mode == "requantize")
+    chosen = request.get("choices") or kept.choices(view, modules)
+    plan = kept.plan(modules, chosen, routes, request["codes"] == "requantize")
     if not any(t.action == "refused" for t in plan):
         kept.apply(view, model.gguf_writer, plan)
         if (ft := kept.file_type(plan)) is not None:

@@ -94,6 +94,8 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     said = {"dequantized": dequantized, "format": ckpt.kind, "asked": outtype}
     request = {"source": str(ckpt.path), "dir_model": str(ckpt.root), "outtype": "auto" if quantizing else outtype,
                "dry_run": dry_run, "progress": progress.visible(), "native": native, "codes": codes}
+    if codes:  # what each quantized weight can be, from its codes read once, before the converter starts
+        request["choices"] = _choices(ckpt, refuse=codes == "keep")
     if dry_run:
         result = _run({**request, "out": str(out)})  # the converter's writer in its dry-run mode writes nothing
         _refuse(ckpt, result.get("codes") or [])  # what the conversion would refuse, the plan refuses
@@ -118,6 +120,26 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
             if quantizing:
                 first.unlink(missing_ok=True)
     return _summary(out, result, said, plan=False)
+
+
+def _choices(ckpt: Checkpoint, refuse: bool) -> dict[str, dict]:
+    """``kept.choices`` of ``ckpt``'s quantized weights; with ``refuse``, a weight no GGUF type holds exactly is
+    refused here, by its name in the checkpoint, before llama.cpp's converter starts.
+
+    Raises:
+        FFNToolsError: as ``_refuse``.
+    """
+    from ffn_tools import quant
+
+    from . import kept
+
+    view = quant.decoded(ckpt, every=True)
+    modules = {n: m for n in view if (m := view.quantized(n)) is not None}
+    chosen = kept.choices(view, modules)
+    if refuse:
+        _refuse(ckpt, [{"tensor": h, "scheme": modules[h].scheme.what(modules[h]), "why": c["why"],
+                        "action": "refused" if c["qtype"] is None else "kept"} for h, c in chosen.items()])
+    return chosen
 
 
 def _refuse(ckpt: Checkpoint, report: list[dict]) -> None:
