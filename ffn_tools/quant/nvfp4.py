@@ -194,7 +194,8 @@ class Nvfp4(ArgsScheme):
             return Fp4Codes(nibbles, bits, float(inv), GROUP)
         return Fp4Codes(nibbles, bits, None, GROUP,
                         f"its global scale {float(g):.9g} divides: its reciprocal is not a float32 number, and llama.cpp "
-                        "multiplies by a per-tensor scale (ModelOpt's scale_2 convention converts exactly)")
+                        "multiplies by a per-tensor scale (llama.cpp's own converter rounds that reciprocal, silently; "
+                        "ModelOpt's scale_2 convention converts exactly)")
 
     def requantized(self, label, a, m, parts, src="A", q="B"):
         if (wrong := shape_differs(label, m, a, src, q)) is not None:
