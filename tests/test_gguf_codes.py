@@ -48,6 +48,12 @@ def source(gguf_model, shared_dir):
                 if variant == "nvfp4-modelopt":  # compressed-tensors' own converter, inverted (ct_models)
                     q = ct_models.to_modelopt(q, tmp / "modelopt")
                     shutil.rmtree(tmp / "ct")
+            elif variant == "fp8-blocks":  # DeepSeek-V3's FP8: weight_scale_inv per 16 x 16 block
+                from test_fp8 import quantize_fp8
+
+                twin = tmp / "twin"
+                shutil.copytree(tok, twin)
+                q = quantize_fp8(twin, tmp / "fp8")
             elif variant == "fp8":
                 from compressed_tensors.quantization import QuantizationArgs
 
@@ -140,16 +146,25 @@ def test_verify_fails_planted_defects(source, tmp_path, defect):
 
 
 @pytest.mark.parametrize("variant,why", [("int4-g16", "groups of 16 columns"), ("fp8", "no GGUF type holds"),
-                                         ("int8-g32-asym", "do not fit Q8_0")])
-def test_refused_unless_requantized(source, tmp_path, variant, why):
-    """Weights no GGUF type holds exactly: refused, naming them, why and the ways on, nothing written; with
-    --requantize written as Q8_0 of their dequantized values, each said, and llama.cpp loads the file."""
-    twin, src = source(variant)
+                                         ("int8-g32-asym", "do not fit Q8_0"), ("fp8-blocks", "no GGUF type holds")])
+def test_refused_naming_why(source, tmp_path, variant, why):
+    """Weights no GGUF type holds exactly: refused before llama.cpp's converter starts, naming them, why and the
+    ways on; nothing written."""
+    _, src = source(variant)
     out = tmp_path / "q.gguf"
     r = run_cli("convert", src, "--to", "gguf", "-o", out, ok=False)
     assert why in r.output and "--requantize" in r.output and "14 of 14 quantized weights" in r.output
-    assert not list(tmp_path.iterdir())
-    assert why in run_cli("convert", src, "--to", "gguf", "-o", out, "--dry-run", ok=False).output  # the plan too
+    assert "model.layers.0." in r.output and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("variant", ["int4-g16", "fp8-blocks"])
+def test_requantized_when_asked(source, tmp_path, variant):
+    """--requantize: those weights written as Q8_0 of their dequantized values, each said; the plan shows the
+    refusal without it; llama.cpp loads the file and verify passes it against the source within its row."""
+    _, src = source(variant)
+    out = tmp_path / "q.gguf"
+    if variant == "int4-g16":
+        assert "groups of 16" in run_cli("convert", src, "--to", "gguf", "-o", out, "--dry-run", ok=False).output
     r = convert(src, out, "--requantize")
     assert {t["action"] for t in r["codes"]} == {"requantized"} and {t["type"] for t in r["codes"]} == {"Q8_0"}
     assert sum("re-quantized" in c and "(--requantize)" in c for c in r["changes"]) == 14

@@ -2,25 +2,27 @@
 for bit, its codes and scales moved, never dequantized and quantized again unless asked.
 
 A scheme whose weights are integer codes in groups of consecutive columns (``QuantScheme.int_codes``:
-compressed-tensors' pack-quantized, GPTQ and AWQ in order) reads ``w = s * (c - z)`` per group. GGUF's blocks
-of 32 values read, in float32:
+compressed-tensors' pack-quantized, GPTQ and AWQ in order, MLX affine) reads ``w = s * (c - z)`` (MLX:
+``s * c + b``) per group. GGUF's blocks of 32 values read, in float32:
 
     Q8_0   d * q            d float16, q int8           q = c - z, where it lies in [-128, 127]
     Q4_0   d * (n - 8)      d float16, n 4-bit          n = c - z + 8, where it lies in [0, 15]
-    Q4_1   d * n + m        d, m float16, n 4-bit       n = c, m = -s * z
+    Q4_1   d * n + m        d, m float16, n 4-bit       n = c, m = -s * z (MLX: b)
 
-(and ``NVFP4``: 64 values as four F8_E4M3 scales without their sign bit and 32 bytes of E2M1 codes, the per-tensor
-float32 in a ``.scale`` tensor llama.cpp multiplies the product by: ModelOpt's ``scale_2``, compressed-tensors'
-``1 / global_scale`` where that is exact), so a block holds its group's values exactly where its 32 columns lie in one group (groups of a multiple of 32),
-``d = s`` (and ``m``) is a float16 number, and the codes fit: then its dequantization is ``s * (c - z)`` with no
+so a block holds its group's values exactly where its 32 columns lie in one group (groups of a multiple of 32),
+``d = s`` (and ``m``) is a float16 number and the codes fit: its dequantization is then ``s * (c - z)`` with no
 rounding at all (an 11-bit d times a code of at most 9 bits), the source's values before the source's own
-rounding to its dtype. ``choose`` picks, per tensor, the first type every block of which holds its group
-exactly (8-bit codes: Q8_0; 4-bit: Q4_0, else Q4_1), and counts the blocks each would hold; a tensor of which
-some block cannot be held (a bfloat16 scale below float16's range, ``-s * z`` needing more than float16's 11
-bits, groups of 16, 2- or 3-bit codes, act-order groups, floating-point codes: FP8, NVFP4, MXFP4) is refused,
-naming it with the numbers, or with ``requantize`` written as Q8_0 of its dequantized values (gguf-py's quantizer,
-llama.cpp's own rounding) and said so. Nothing else changes: names, order, q/k rows permuted, experts stacked
-(``native.route``) are the converter's. The GGUF records which tensors are codes kept (``KEPT``: verify then
+rounding to its dtype. ``choose`` picks, per tensor, the first type every block of which holds its group exactly
+(8-bit codes: Q8_0; 4-bit: Q4_0, then Q4_1, then Q8_0), and counts the blocks each would hold. NVFP4
+(``QuantScheme.fp4_codes``) goes into GGUF's NVFP4 (``choose_fp4``): 64 values as four F8_E4M3 scales without
+their sign bit and 32 bytes of E2M1 codes, the per-tensor float32 in a ``.scale`` tensor llama.cpp multiplies the
+product by (ModelOpt's ``scale_2``; compressed-tensors' ``1 / global_scale`` only where that is exact).
+
+A tensor some block of which no type holds (a scale that is not a float16 number, ``-s * z`` needing more than
+float16's 11 bits, int8 with zero points, groups of 16, 2- or 3-bit codes, act-order groups, FP8, MXFP4) is
+refused, named with the numbers; with ``requantize`` it is written as Q8_0 of its dequantized values (gguf-py's
+quantizer, llama.cpp's own rounding) and said so. Nothing else changes: names, order, q/k rows permuted, experts
+stacked (``native.route``) are the converter's. The GGUF records which tensors are codes kept (``KEPT``: verify
 demands their values be the source's exactly) and which were quantized again (``REQUANTIZED``).
 """
 
