@@ -59,8 +59,8 @@ def source(gguf_model, shared_dir):
 
                 a = QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True)
                 twin, q = ct_models.build("llama", tmp, {"g": (["Linear"], a)}, fmt="float-quantized", vocab_size=384)
-            else:  # gptq
-                twin, q, _ = gptq_models.build("gptq", tmp, vocab_size=384)
+            else:  # gptq, awq: their packers' layouts (gptq_models)
+                twin, q, _ = gptq_models.build(variant, tmp, vocab_size=384)
             for d in (twin, q):
                 for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
                     if (tok / f).exists():
@@ -82,7 +82,7 @@ def gguf_values(path) -> dict[str, torch.Tensor]:
         return {n: g[n].float() for n in g if n.endswith("_proj.weight")}
 
 
-@pytest.mark.parametrize("variant", [*VARIANTS, "gptq"])
+@pytest.mark.parametrize("variant", [*VARIANTS, "gptq", "awq"])
 def test_codes_kept_bit_for_bit(source, tmp_path, variant):
     twin, src = source(variant)
     before = tree_digest(src)
