@@ -51,6 +51,49 @@ def build(path: Path, shape: dict, vocab_name: str) -> None:
     os.replace(tmp, path)
 
 
+def best_runs(cmds: dict[str, list[str]], repeat: int, scratch: Path, before=None) -> dict[str, tuple[float, int]]:
+    """Each command run ``repeat`` times, the tools alternating (``before(tool)`` first, if given): tool -> (best
+    wall seconds, largest peak RSS in bytes)."""
+    runs: dict[str, list] = {t: [] for t in cmds}
+    for _ in range(repeat):
+        for tool, cmd in cmds.items():
+            if before is not None:
+                before(tool)
+            runs[tool].append(measure(cmd, scratch))
+    return {t: (min(r[0] for r in rs), max(r[1] for r in rs)) for t, rs in runs.items()}
+
+
+def against(best: dict, ours: str, theirs: str, targets: dict[str, float], label: str,
+            out: Path) -> tuple[dict, bool, str]:
+    """The figures of ``ours`` against ``theirs`` (times, RSS, their ratios, whether ``out``'s ffn.gguf and ref.gguf
+    are the same file), whether every target is met and the file the same, and the line that says so."""
+    same = filecmp.cmp(out / "ffn.gguf", out / "ref.gguf", shallow=False)
+    ratio = {"time": best[ours][0] / best[theirs][0], "rss": best[ours][1] / best[theirs][1]}
+    met = {k: ratio[k] <= targets[k] for k in targets}
+    line = (f"{label} ffn-tools {best[ours][0]:6.1f} s {best[ours][1] / 2**20:7.0f} MiB | {theirs} "
+            f"{best[theirs][0]:6.1f} s {best[theirs][1] / 2**20:7.0f} MiB | time {ratio['time']:.2f}x "
+            f"(target <= {targets['time']}x{'' if met['time'] else ', MISSED'}), RSS {ratio['rss']:.2f}x "
+            f"(target <= {targets['rss']}x{'' if met['rss'] else ', MISSED'}); same file: {same}")
+    figures = {ours: best[ours], theirs: best[theirs], "ratio": ratio, "same_file": same}
+    return figures, same and all(met.values()), line
+
+
+def finish(results: dict, ok: bool, path: Path | None) -> None:
+    """Write the figures to ``path`` (``--json``) and exit 0 where every target was met, else 1."""
+    if path:
+        path.write_text(json.dumps(results, indent=2))
+    sys.exit(0 if ok else 1)
+
+
+def bf16_source(size: str) -> Path:
+    """The bf16 Llama of ``size`` with llama.cpp's sentencepiece vocabulary, built under bench-data/ once."""
+    src = DATA / f"llama-{size}-bf16-spm"
+    if not src.exists():
+        print(f"building {src} ...", flush=True)
+        build(src, SIZES[size], "llama-spm")
+    return src
+
+
 def commands(src: Path, outtype: str, out: Path) -> dict[str, list[str]]:
     py = sys.executable
     return {"ffn": [str(Path(py).parent / "ffn-tools"), "-q", "convert", str(src), "--to", "gguf", "-o",
@@ -78,25 +121,15 @@ def main() -> None:
         out = DATA / "gguf-out"
         out.mkdir(parents=True, exist_ok=True)
         cmds = commands(src, outtype, out)
-        runs: dict[str, list] = {t: [] for t in cmds}
-        for _ in range(args.repeat):
-            for tool, cmd in cmds.items():
-                for f in out.glob("*.gguf"):
-                    f.unlink() if tool == "ffn" and f.name == "ffn.gguf" or tool != "ffn" and f.name == "ref.gguf" else None
-                runs[tool].append(measure(cmd, out / "unused"))
-        same = filecmp.cmp(out / "ffn.gguf", out / "ref.gguf", shallow=False)
-        best = {t: (min(r[0] for r in rs), max(r[1] for r in rs)) for t, rs in runs.items()}
-        ratio = {"time": best["ffn"][0] / best["llama.cpp"][0], "rss": best["ffn"][1] / best["llama.cpp"][1]}
-        met = {k: ratio[k] <= TARGETS[k] for k in TARGETS}
-        ok = ok and same and all(met.values())
-        results[outtype] = {"ffn": best["ffn"], "llama.cpp": best["llama.cpp"], "ratio": ratio, "same_file": same}
-        print(f"{outtype:<5} ffn-tools {best['ffn'][0]:6.1f} s {best['ffn'][1] / 2**20:7.0f} MiB | convert_hf_to_gguf.py "
-              f"{best['llama.cpp'][0]:6.1f} s {best['llama.cpp'][1] / 2**20:7.0f} MiB | time {ratio['time']:.2f}x "
-              f"(target <= {TARGETS['time']}x{'' if met['time'] else ', MISSED'}), RSS {ratio['rss']:.2f}x "
-              f"(target <= {TARGETS['rss']}x{'' if met['rss'] else ', MISSED'}); same file: {same}")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
-    sys.exit(0 if ok else 1)
+
+        def clear(tool: str) -> None:  # the output of the tool about to run
+            (out / ("ffn.gguf" if tool == "ffn" else "ref.gguf")).unlink(missing_ok=True)
+
+        best = best_runs(cmds, args.repeat, out / "unused", clear)
+        results[outtype], met, line = against(best, "ffn", "llama.cpp", TARGETS, f"{outtype:<5}", out)
+        ok = ok and met
+        print(line)
+    finish(results, ok, args.json)
 
 
 if __name__ == "__main__":

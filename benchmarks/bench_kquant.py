@@ -14,15 +14,14 @@ llama-quantize's --override-kv would), and the ratios ffn-tools / two-step are p
 from __future__ import annotations
 
 import argparse
-import filecmp
 import json
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gguf import LLAMA_CPP, SIZES, build  # noqa: E402
-from bench_mlx import DATA, measure  # noqa: E402
+from bench_gguf import LLAMA_CPP, against, best_runs, bf16_source, finish  # noqa: E402
+from bench_mlx import DATA  # noqa: E402
 
 TARGETS = {"time": 0.7, "rss": 0.5}  # ffn-tools / two-step
 # the two-step path in one process tree: convert_hf_to_gguf.py, llama_model_quantize (as llama-quantize, with the
@@ -60,10 +59,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--json", type=Path, help="Also write the figures here.")
     args = ap.parse_args()
-    src = DATA / f"llama-{args.size}-bf16-spm"
-    if not src.exists():
-        print(f"building {src} ...", flush=True)
-        build(src, SIZES[args.size], "llama-spm")
+    src = bf16_source(args.size)
     size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; input {src} ({size / 1e9:.2f} GB bf16)")
     out = DATA / "kquant-out"
@@ -77,23 +73,11 @@ def main() -> None:
         cmds = {"ffn": [str(Path(sys.executable).parent / "ffn-tools"), "-q", "convert", str(src), "--to", "gguf",
                         "-o", str(out / "ffn.gguf"), "--outtype", outtype, "--force"],
                 "two-step": [sys.executable, "-c", TWO_STEP, json.dumps(ref_args)]}
-        runs: dict[str, list] = {t: [] for t in cmds}
-        for _ in range(args.repeat):
-            for tool, cmd in cmds.items():
-                runs[tool].append(measure(cmd, out / "unused"))
-        same = filecmp.cmp(out / "ffn.gguf", out / "ref.gguf", shallow=False)
-        best = {t: (min(r[0] for r in rs), max(r[1] for r in rs)) for t, rs in runs.items()}
-        ratio = {"time": best["ffn"][0] / best["two-step"][0], "rss": best["ffn"][1] / best["two-step"][1]}
-        met = {k: ratio[k] <= TARGETS[k] for k in TARGETS}
-        ok = ok and same and all(met.values())
-        results[outtype] = {"ffn": best["ffn"], "two-step": best["two-step"], "ratio": ratio, "same_file": same}
-        print(f"{outtype:<7} ffn-tools {best['ffn'][0]:6.1f} s {best['ffn'][1] / 2**20:7.0f} MiB | two-step "
-              f"{best['two-step'][0]:6.1f} s {best['two-step'][1] / 2**20:7.0f} MiB | time {ratio['time']:.2f}x "
-              f"(target <= {TARGETS['time']}x{'' if met['time'] else ', MISSED'}), RSS {ratio['rss']:.2f}x "
-              f"(target <= {TARGETS['rss']}x{'' if met['rss'] else ', MISSED'}); same file: {same}")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
-    sys.exit(0 if ok else 1)
+        best = best_runs(cmds, args.repeat, out / "unused")
+        results[outtype], met, line = against(best, "ffn", "two-step", TARGETS, f"{outtype:<7}", out)
+        ok = ok and met
+        print(line)
+    finish(results, ok, args.json)
 
 
 if __name__ == "__main__":

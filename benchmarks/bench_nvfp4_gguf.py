@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gguf import LLAMA_CPP, SIZES, build  # noqa: E402
-from bench_mlx import DATA, measure  # noqa: E402
+from bench_gguf import LLAMA_CPP, best_runs, bf16_source, finish  # noqa: E402
+from bench_mlx import DATA  # noqa: E402
 
 TARGET = 5.0  # requantizing through bf16 / ffn-tools from codes
 
@@ -68,10 +68,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--json", type=Path, help="Also write the figures here.")
     args = ap.parse_args()
-    bf16 = DATA / f"llama-{args.size}-bf16-spm"
-    if not bf16.exists():
-        print(f"building {bf16} ...", flush=True)
-        build(bf16, SIZES[args.size], "llama-spm")
+    bf16 = bf16_source(args.size)
     src = DATA / f"llama-{args.size}-nvfp4-modelopt"
     if not src.exists():
         print(f"quantizing {src} ...", flush=True)
@@ -89,20 +86,14 @@ def main() -> None:
                                   "--outtype", "q4_k_m", "--force"],
             "converter": ["/usr/bin/env", f"PYTHONPATH={LLAMA_CPP}", sys.executable,
                           str(LLAMA_CPP / "convert_hf_to_gguf.py"), str(src), "--outfile", str(out / "ref.gguf")]}
-    runs: dict[str, list] = {t: [] for t in cmds}
-    for _ in range(args.repeat):
-        for tool, cmd in cmds.items():
-            runs[tool].append(measure(cmd, out / "unused"))
-    best = {t: (min(r[0] for r in rs), max(r[1] for r in rs)) for t, rs in runs.items()}
+    best = best_runs(cmds, args.repeat, out / "unused")
     base = best["ffn-tools"][0]
     results = {t: {"seconds": b[0], "peak_rss": b[1], "x_ffn_tools": b[0] / base} for t, b in best.items()}
     ok = all(results[t]["x_ffn_tools"] >= TARGET for t in results if t.startswith("requantize"))
     for t, b in best.items():
         print(f"{t:<18} {b[0]:7.1f} s {b[1] / 2**20:7.0f} MiB  {b[0] / base:5.2f}x ffn-tools' time")
     print(f"requantizing through bf16 >= {TARGET}x ffn-tools' time: {'met' if ok else 'MISSED'}")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
-    sys.exit(0 if ok else 1)
+    finish(results, ok, args.json)
 
 
 if __name__ == "__main__":

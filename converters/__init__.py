@@ -120,7 +120,7 @@ def convert(path: str | Path, to: str, out: str | Path, *, dtype: str | None = N
     if wrong:
         flags = ", ".join(FLAGS.get(w, "--" + w.replace("_", "-")) for w in wrong)
         raise FFNToolsError(f"{flags} does not apply to --to {to}")
-    with open_any(path) as ckpt:
+    with open_any(path) as ckpt, target.preparing(ckpt):  # the export's slow start overlaps the check below
         differ = client_differences(ckpt, target)
         refused = [line for key, line in differ if key not in allow_config]
         if refused:

@@ -12,8 +12,9 @@ talk to formats only through this interface: they never ask which format a check
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, ContextManager
 
 from .errors import FFNToolsError
 
@@ -69,6 +70,12 @@ class Format(ABC):
         ckpt = self.read(Path(path), absent_shards=absent_shards and self.partial_shards, like=like)
         ckpt.format = ckpt.stored.format = self  # a decoding view and what it decodes
         return ckpt
+
+    def preparing(self, ckpt: "Checkpoint") -> ContextManager[None]:
+        """A context in which ``export`` of ``ckpt`` may begin its slow start early, while the caller checks the
+        conversion (a GGUF's converter process importing torch and transformers), ended when the context ends
+        whether or not ``export`` ran (default: nothing to begin)."""
+        return nullcontext()
 
     def export(self, ckpt: "Checkpoint", out: Path, **options) -> dict:
         """Write ``ckpt`` (any format's view) in this format at ``out``; returns the summary (``output``, ...).

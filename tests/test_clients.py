@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,6 +59,21 @@ def test_mlx_lm_without_a_sliding_window_is_named(hf, tmp_path):
     assert "(mlx_lm's gemma2 model has no sliding window)" in r.output
 
 
+def _children(module: str) -> list[int]:
+    """This process's child processes running ``python -m module`` (from /proc)."""
+    import os
+
+    pids = []
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            stat, cmd = (d / "stat").read_text(), (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and module.encode() in cmd:
+            pids.append(int(d.name))
+    return pids
+
+
 @pytest.mark.usefixtures("gguf_model")
 def test_qwen3_moe_without_norm_topk_prob_to_gguf(gguf_model, tmp_path):
     """llama.cpp's qwen3moe graph renormalizes the top-k weights whatever the GGUF says (src/models/qwen3moe.cpp:
@@ -67,6 +83,7 @@ def test_qwen3_moe_without_norm_topk_prob_to_gguf(gguf_model, tmp_path):
     out = tmp_path / "q.gguf"
     r = run_cli("convert", str(src), "--to", "gguf", "-o", str(out), "--outtype", "f32", ok=False)
     assert r.exit_code == 2 and not out.exists(), r.output
+    assert not _children("ffn_tools.converters.gguf.worker")  # the converter started early is gone with the refusal
     assert ("norm_topk_prob: the input's client (transformers) runs the top-k experts' router weights as the router "
             "gives them, not renormalized; the output's client (llama.cpp) would run the top-k experts' router "
             "weights renormalized to sum to 1 (llama.cpp's qwen3moe graph, whatever the GGUF says)") in r.output

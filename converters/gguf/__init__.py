@@ -37,6 +37,13 @@ class Gguf(Format):
 
         return GGUFCheckpoint(Path(path))
 
+    def preparing(self, ckpt: Checkpoint):
+        """llama.cpp's converter process started now, importing torch and transformers while the caller checks
+        the conversion; ``export`` hands it its request (``writer.warm``)."""
+        from .writer import warm
+
+        return warm((ckpt.config or {}).get("model_type"))
+
     def export(self, ckpt: Checkpoint, out: Path, **options) -> dict:
         """Write ``ckpt`` as a GGUF, as llama.cpp's convert_hf_to_gguf.py does (see ``writer.export``)."""
         from .writer import export as write

@@ -60,6 +60,19 @@ def installed_version() -> str | None:
         return None
 
 
+def installed_dir() -> Path | None:
+    """Where llama.cpp's converter already lies, looked for as ``llama_cpp_dir`` does, or None: nothing fetched,
+    nothing raised."""
+    if os.environ.get(ENV):
+        root = Path(os.environ[ENV])
+        return None if missing(root) else root
+    if not missing(PREFIX):
+        return PREFIX
+    version = installed_version()
+    cached = cache_dir() / f"llama.cpp-{version}" if version else None
+    return cached if cached is not None and not missing(cached) else None
+
+
 def llama_cpp_dir() -> Path:
     """Where llama.cpp's converter lies: ``$FFN_TOOLS_LLAMA_CPP``, ``sys.prefix/llama.cpp``, this user's cache,
     or fetched into the cache from the installed llama-cpp-python's source distribution (``fetch``).

@@ -203,8 +203,34 @@ def write_split(writer, recipes: dict, proven: dict) -> dict:
             "disproven": sorted(c for c, ok in proven.items() if not ok)}
 
 
+def serve(model_type: str) -> dict | None:
+    """``--serve``: the imports a conversion needs made first (torch, gguf, llama.cpp's ``conversion`` and
+    transformers' config class of ``model_type``), then the request read from stdin (None: the writer closed it,
+    no conversion after all)."""
+    import gguf  # noqa: F401
+    import torch  # noqa: F401
+
+    import conversion  # noqa: F401
+    from ffn_tools.converters import open_any  # noqa: F401
+
+    try:
+        from transformers import CONFIG_MAPPING
+
+        if model_type in CONFIG_MAPPING:
+            CONFIG_MAPPING[model_type]  # noqa: B018 - imports its module, as the converter's AutoConfig will
+    except ImportError:
+        pass
+    line = sys.stdin.readline()
+    return json.loads(line) if line.strip() else None
+
+
 def main() -> None:
-    request = json.loads(Path(sys.argv[1]).read_text())
+    if sys.argv[1] == "--serve":
+        request = serve(sys.argv[2] if len(sys.argv) > 2 else "")
+        if request is None:
+            return
+    else:
+        request = json.loads(Path(sys.argv[1]).read_text())
     try:
         result = run(request)
     except Exception as e:  # noqa: BLE001 - the converter's own refusals (NotImplementedError, ValueError, ...)

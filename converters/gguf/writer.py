@@ -1,16 +1,18 @@
-"""``convert SRC --to gguf -o OUT.gguf --outtype f32|f16|bf16|q8_0``: a GGUF exactly as llama.cpp's
-convert_hf_to_gguf.py writes it, from any checkpoint ffn-tools reads.
+"""``convert SRC --to gguf -o OUT.gguf --outtype TYPE``: a GGUF exactly as llama.cpp's convert_hf_to_gguf.py (and
+llama-quantize) writes it, from any checkpoint ffn-tools reads; a quantized one from its codes.
 
 llama.cpp's converter decides everything about a GGUF (tensor names, q/k permutation, expert stacking, which
 tensors stay F32, Q8_0 blocks, metadata keys, the tokenizer and its pre-tokenizer); a second implementation of
 those rules would drift from it with every release. So the writer runs the converter's own model class
-(``worker``) with its tensors read from ffn-tools' view of the input: the output is bit-identical to the
-converter's for a Hugging Face input, and an MLX, Meta/Mistral native or Flax input converts the same way
-(quantized MLX weights are read dequantized, and the summary says so). The converter writes the header and
-what no recipe makes; ``native`` writes the rest in chunks on every core, from a second process that imports
-neither torch nor transformers (recipes proven against the converter's bytes first, in ``worker``). The file is written to a temporary
-path beside OUT and moved into place only when complete. K-quants and i-quants (``--outtype q4_k_m``, ...) are
-llama.cpp's own quantizer run on the converter's bf16/f16 file in the same temporary directory (``kquant``).
+(``worker``, its process started while ``convert`` checks the conversion: ``warm``) with its tensors read from
+ffn-tools' view of the input: the output is bit-identical to the converter's for a Hugging Face input, and an MLX,
+Meta/Mistral native or Flax input converts the same way. The converter writes the header and what no recipe
+makes; ``native`` writes the rest in chunks on every core, from a second process that imports neither torch nor
+transformers (recipes proven against the converter's bytes first, in ``worker``). A quantized input's weights go
+in as their own codes where a GGUF type holds them exactly (``kept``), else refused or, asked, re-quantized.
+K-quants and i-quants (``--outtype q4_k_m``, ...) are llama.cpp's own quantizer run on the converter's bf16/f16
+file beside the output (``kquant``). Everything is written to a temporary path beside OUT and moved into place
+only when complete.
 
 llama.cpp's converter (``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py/`` from llama.cpp's source tree) is
 found at ``$FFN_TOOLS_LLAMA_CPP``, else ``sys.prefix/llama.cpp`` (where the dev install puts it), else in this
@@ -24,6 +26,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from ffn_tools import progress
@@ -179,18 +182,61 @@ MODULES = {"worker": ("llama.cpp's converter", "tensors"), "native": ("the GGUF 
            "kquant": ("llama.cpp's quantizer", "tensors")}
 
 
-def _run(request: dict, module: str = "worker") -> dict:
-    """The result of ``module`` (``worker``: the converter; ``native``: the chunked tensor writer) run on
-    ``request`` in a process with llama.cpp's gguf-py; its failure as an FFNToolsError."""
+_warm: list[subprocess.Popen] = []  # the converter process ``warm`` started, until ``_run`` takes it
+
+
+def _env() -> dict:
     root = llama_cpp_dir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "gguf-py"), *sys.path])}
     env.pop("NO_LOCAL_GGUF", None)
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-        json.dump(request, f)
-        f.flush()
-        proc = subprocess.run([sys.executable, "-m", f"ffn_tools.converters.gguf.{module}", f.name], env=env,
-                              stdout=subprocess.PIPE, stderr=None if request["progress"] else subprocess.PIPE,
-                              text=True)
+    return env
+
+
+@contextmanager
+def warm(model_type: str | None):
+    """The converter's process started at once (``worker --serve``: torch, transformers and llama.cpp's
+    ``conversion`` imported, about 3.5 s), so that its start overlaps what the caller checks before the export;
+    the export's first ``_run`` of the worker hands it the request. Ended (killed) with the context where no
+    export took it. Nothing starts where llama.cpp's converter is not installed (the export says so)."""
+    from .source import installed_dir
+
+    if installed_dir() is None:
+        yield
+        return
+    proc = subprocess.Popen([sys.executable, "-m", "ffn_tools.converters.gguf.worker", "--serve", model_type or ""],
+                            env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=None if progress.visible() else subprocess.PIPE, text=True)
+    _warm.append(proc)
+    try:
+        yield
+    finally:
+        if proc in _warm:
+            _warm.remove(proc)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def _run(request: dict, module: str = "worker") -> dict:
+    """The result of ``module`` (``worker``: the converter; ``native``: the chunked tensor writer; ``kquant``:
+    llama.cpp's quantizer) run on ``request`` in a process with llama.cpp's gguf-py (the worker: the one ``warm``
+    started, where there is one); its failure as an FFNToolsError."""
+    if module == "worker" and _warm and _warm[-1].poll() is None:
+        warmed = _warm.pop()
+        try:
+            out, err = warmed.communicate(json.dumps(request) + "\n")
+        except BaseException:  # interrupted: the process goes too, as subprocess.run's would
+            warmed.kill()
+            warmed.wait()
+            raise
+        proc = subprocess.CompletedProcess(warmed.args, warmed.returncode, out, err)
+    else:
+        with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+            json.dump(request, f)
+            f.flush()
+            proc = subprocess.run([sys.executable, "-m", f"ffn_tools.converters.gguf.{module}", f.name], env=_env(),
+                                  stdout=subprocess.PIPE, stderr=None if request["progress"] else subprocess.PIPE,
+                                  text=True)
     lines = proc.stdout.strip().splitlines()
     try:
         result = json.loads(lines[-1]) if lines else {}
