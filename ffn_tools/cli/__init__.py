@@ -324,8 +324,11 @@ def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, tok
     llama-quantize writes, the recipe in the metadata:
 
     \b
-        ffn-tools convert ./llama --to gguf -o llama-q4_k_m.gguf --outtype q4_k_m The scheme and layout options say where the
-    FFNs are for --flax-layout linen, which writes only the FFNs.
+        ffn-tools convert ./llama --to gguf -o llama-q4_k_m.gguf --outtype q4_k_m
+
+    A quantized input (int4/int8 compressed-tensors, GPTQ, AWQ, MLX 4-bit, ModelOpt NVFP4) goes into GGUF from its
+    codes, each weight in the type that holds it bit for bit; see --requantize. The scheme and layout options say
+    where the FFNs are for --flax-layout linen, which writes only the FFNs.
     """
     from ..api import convert as run
 
