@@ -85,9 +85,9 @@ def types(path) -> dict[str, str]:
     return {t.name: t.tensor_type.name for t in Reader(path, "r").tensors}
 
 
-# q4_k_m: llama.cpp's own mix; q3_k_m with both tensor types given; iq4_xs an i-quant (iq2_xxs with an imatrix: below)
+# q4_k_m: llama.cpp's own mix; q3_k_m with both tensor types given (an i-quant, iq2_xxs with an imatrix: below)
 @pytest.mark.parametrize("outtype,extra", [
-    ("q4_k_m", ()), ("q3_k_m", ("--output-tensor-type", "q8_0", "--token-embedding-type", "q8_0")), ("iq4_xs", ())])
+    ("q4_k_m", ()), ("q3_k_m", ("--output-tensor-type", "q8_0", "--token-embedding-type", "q8_0"))])
 def test_the_bytes_llama_quantize_writes_from_convert_hf_to_gguf(wide, tmp_path, outtype, extra):
     src, bf16 = wide
     before = tree_digest(src)
