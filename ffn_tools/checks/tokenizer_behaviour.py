@@ -21,6 +21,7 @@ check, named by that fact.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -36,7 +37,16 @@ NOT_COMPARED_LIST = ("the extra_special_tokens list (transformers' all_special_i
 
 def settle(ra: Path, rb: Path, problems: list[str], notes: list[str]) -> None:
     """Move each tokenizer problem in ``problems`` that only a rebuilt tokenizer's spelling makes (see the module
-    doc) into ``notes``, when both tokenizers behave the same; a behaviour difference is added to the problem."""
+    doc) into ``notes``, when both tokenizers behave the same; a behaviour difference is added to the problem.
+    Each file is parsed once here (``_document``), and let go after."""
+    try:
+        _settle(ra, rb, problems, notes)
+    finally:
+        _parsed.cache_clear()
+        _facts.cache_clear()
+
+
+def _settle(ra: Path, rb: Path, problems: list[str], notes: list[str]) -> None:
     _name_the_fact(ra, rb, problems)
     candidates = [p for p in problems if p.startswith(tuple(f"{f}: " for f in FILES)) and _agrees(ra, rb, p)]
     if not candidates:
@@ -58,10 +68,22 @@ def settle(ra: Path, rb: Path, problems: list[str], notes: list[str]) -> None:
             problems[i] = f"{p}; and the tokenizers differ in what they do: {why}"
 
 
+def _document(path: Path):
+    """The parsed JSON at ``path``, read-only (shared: ``facts`` and ``_parts`` of one file parse it once; a
+    128K-token tokenizer.json takes 0.6 s to parse, and a verify asked for its facts up to six times)."""
+    st = path.stat()
+    return _parsed(str(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=2)  # the two sides' tokenizer.json
+def _parsed(path: str, mtime_ns: int, size: int):
+    return json.loads(Path(path).read_text("utf-8"))
+
+
 def _parts(a: Path, b: Path) -> list[str]:
     """The top-level keys in which JSON files ``a`` and ``b`` differ (``model``'s one by one)."""
     try:
-        da, db = (json.loads(f.read_text("utf-8")) for f in (a, b))
+        da, db = (_document(f) for f in (a, b))
     except (OSError, ValueError):
         return []
     out = []
@@ -101,9 +123,19 @@ def _name_the_fact(ra: Path, rb: Path, problems: list[str]) -> None:
 def facts(path: Path) -> dict | None:
     """What a vocabulary holds of tokenizer.json at ``path``: each token's id (model.vocab with the added tokens),
     the merges in rank order, each added token's id and special flag, the model's type and unknown token (a GGUF's
-    tokenizer.ggml.unknown_token_id); None when unreadable."""
+    tokenizer.ggml.unknown_token_id); None when unreadable. Computed once per file (its size and time), read-only."""
     try:
-        doc = json.loads(path.read_text("utf-8"))
+        st = path.stat()
+    except OSError:
+        return None
+    return _facts(str(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _facts(name: str, mtime_ns: int, size: int) -> dict | None:
+    path = Path(name)
+    try:
+        doc = _document(path)
         model = doc["model"]
         ids = dict(model.get("vocab") or {}) if isinstance(model.get("vocab"), dict) else {
             t: i for i, t in enumerate(x[0] for x in model.get("vocab") or [])}  # unigram: [[piece, score], ...]
