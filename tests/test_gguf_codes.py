@@ -105,6 +105,8 @@ def test_codes_kept_bit_for_bit(source, tmp_path, variant):
             if variant in VARIANTS:  # ... which rounds them as compressed-tensors' own decompression does
                 oracle = ct_models.decompressed(src, name[: -len(".weight")])
                 assert torch.equal(values[name].to(oracle.dtype).view(torch.int16), oracle.view(torch.int16)), name
+    if variant in ("int8-channel-sym", "gptq"):  # their blocks are checked above; verify runs on the others
+        return
     # llama.cpp loads it, every parameter; for the Q4_0 one also its logits against transformers' of the
     # compressed-tensors model (its own decompression), within the 4-bit row
     logits = ["--logits"] if variant == "int4-g32-sym" else []
