@@ -28,6 +28,7 @@ demands their values be the source's exactly) and which were quantized again (``
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -192,6 +193,16 @@ class Tensor:
     multipliers: list[float] = field(default_factory=list)  # NVFP4: each source's per-tensor scale (.scale)
 
 
+def quantized(ckpt) -> tuple[object, dict[str, "Module"]]:
+    """``ckpt`` seen with every quantized weight decoded (FP8 blocks too: no GGUF type holds them), and its quantized
+    weights: decoded name -> module (the registry's schemes, and the formats' own that their views resolve: MLX's);
+    {} where it has none."""
+    from ffn_tools import quant
+
+    view = quant.decoded(ckpt, every=True)
+    return view, {n: m for n in view if (m := view.quantized(n)) is not None}
+
+
 def choices(view, modules: dict[str, "Module"]) -> dict[str, dict]:
     """Each quantized weight's ``Choice`` (as JSON: ``qtype``, ``exact``, ``blocks``, ``why``, and NVFP4's
     ``multiplier``), from its codes, read once: what the writer refuses on before the converter starts, and hands
@@ -260,21 +271,24 @@ def tensor_bytes(ckpt, t: Tensor) -> "np.ndarray":
     uint8 (rows, row bytes), or (experts, rows, row bytes)."""
     import numpy as np
 
+    from .native import rotary_rows
+
     rows_of = []
     for h, m in zip(t.sources, t.modules):
-        parts = ckpt.quantized_parts(h) if t.action == "kept" else None
-        fp4 = m.scheme.fp4_codes(m, parts) if t.qtype == "NVFP4" else None
-        codes = m.scheme.int_codes(m, parts) if t.action == "kept" and fp4 is None else None
-        if fp4 is not None:  # plan() kept it: its codes fit t.qtype, every block
-            rows = encode_fp4(fp4)
-        elif codes is not None:
-            rows = encode(codes, t.qtype or "")
+        if t.action == "kept":  # plan() kept it: its codes fit t.qtype, every block
+            parts = ckpt.quantized_parts(h)
+            fp4 = m.scheme.fp4_codes(m, parts) if t.qtype == "NVFP4" else None
+            codes = m.scheme.int_codes(m, parts) if fp4 is None else None
+            if fp4 is not None:
+                rows = encode_fp4(fp4)
+            elif codes is not None:
+                rows = encode(codes, t.qtype or "")
+            else:
+                raise ValueError(f"{h}: planned as {t.qtype} codes, but its scheme gives none")
         else:
             rows = requantize(ckpt[h])
-        if t.op == "rotary" and t.heads:  # LlamaModel.permute, on whole rows
-            n = rows.shape[0]
-            head = n // t.heads
-            rows = rows.reshape(t.heads, 2, head // 2, -1).swapaxes(1, 2).reshape(n, -1)
+        if t.op == "rotary" and t.heads:
+            rows = rotary_rows(rows, rows.shape[0] // t.heads)
         rows_of.append(np.ascontiguousarray(rows))
     return np.stack(rows_of) if t.op == "stack" else rows_of[0]
 
@@ -290,11 +304,8 @@ def apply(ckpt, writer, tensors: list[Tensor]) -> None:
         if t.action not in ("kept", "requantized"):
             continue
         ti = infos[t.name]
-        elements = 1
-        for d in ti.shape:
-            elements *= int(d)
         qtype = t.qtype or "Q8_0"
-        nbytes = elements // BLOCK * BYTES[qtype]
+        nbytes = math.prod(int(d) for d in ti.shape) // BLOCK * BYTES[qtype]
         byte_shape = (*[int(d) for d in ti.shape[:-1]], int(ti.shape[-1]) // BLOCK * BYTES[qtype])
         meta = LazyNumpyTensor.meta_with_dtype_and_shape(np.uint8, byte_shape)
         ti.dtype, ti.nbytes = getattr(GGMLQuantizationType, qtype), nbytes

@@ -133,9 +133,8 @@ def encode(src: dict, r0: int, r1: int, head: int | None, qtype: str, one: bool 
     cols = _count(src["shape"][1:])
     size = SOURCE_DTYPES[src["dtype"]]
     raw: bytes | bytearray = read_bytes(src["file"], src["start"] + r0 * cols * size, (r1 - r0) * cols * size)
-    if head is not None:  # (heads, 2, head/2, cols) -> (heads, head/2, 2, cols): LlamaModel.permute
-        rows = np.frombuffer(raw, np.uint8).reshape((r1 - r0) // head, 2, head // 2, cols * size)
-        raw = rows.swapaxes(1, 2).tobytes()
+    if head is not None:
+        raw = rotary_rows(np.frombuffer(raw, np.uint8).reshape(r1 - r0, cols * size), head).tobytes()
     if qtype == src["dtype"] and qtype in ("F32", "F16") and not one:
         return raw  # the converter keeps a float32 or float16 tensor as it is
     if qtype == "BF16" and src["dtype"] == "BF16" and not one:
@@ -153,6 +152,13 @@ def encode(src: dict, r0: int, r1: int, head: int | None, qtype: str, one: bool 
 
     out = quants.quantize(x.reshape(r1 - r0, cols), getattr(GGMLQuantizationType, qtype))
     return out.tobytes()
+
+
+def rotary_rows(rows, head: int):
+    """``rows`` (n, row bytes, whole heads of ``head`` rows) in llama.cpp's rotary order: each head's
+    (2, head/2) rows as (head/2, 2), LlamaModel.permute on whole rows, whatever a row's encoding."""
+    n = rows.shape[0]
+    return rows.reshape(n // head, 2, head // 2, -1).swapaxes(1, 2).reshape(n, -1)
 
 
 def _bf16_as_bf16(raw):

@@ -103,13 +103,10 @@ def keep_codes(ckpt, model, request: dict):
     tensor is refused; the file type set to the kept codes' type."""
     import gguf
 
-    from ffn_tools import quant
-
     from . import kept, native
     from .names import BY_TYPE, hf_names
 
-    view = quant.decoded(ckpt, every=True)  # FP8 blocks too: no GGUF type holds them
-    modules = {n: m for n in view if (m := view.quantized(n)) is not None}  # MLX's views resolve their own
+    view, modules = kept.quantized(ckpt)
     config = dict(ckpt.config or {})
     family = BY_TYPE.get(config.get("model_type", ""))
     names = hf_names(family, int(config.get("num_hidden_layers") or 0)) if family else {}
@@ -118,8 +115,7 @@ def keep_codes(ckpt, model, request: dict):
         r = native.route(name, [int(d) for d in ti.shape], family, config, names) if family else None
         if r is not None:
             routes[name] = r
-    chosen = request.get("choices") or kept.choices(view, modules)
-    plan = kept.plan(modules, chosen, routes, request["codes"] == "requantize")
+    plan = kept.plan(modules, request["choices"], routes, request["codes"] == "requantize")
     if not any(t.action == "refused" for t in plan):
         kept.apply(view, model.gguf_writer, plan)
         if (ft := kept.file_type(plan)) is not None:

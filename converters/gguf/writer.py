@@ -83,11 +83,10 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     if out.suffix != ".gguf":
         raise FFNToolsError(f"{out}: a GGUF output is one file named *.gguf")
     llama_cpp_dir()  # found, or fetched once, before anything is written
-    from ffn_tools import quant
+    from . import kept
 
-    # FP8 blocks too; and the formats' own (MLX's modes), which their views resolve per tensor
-    stored_quantized = bool(quant.find(getattr(ckpt, "raw", ckpt), every=True)) or (
-        ckpt.resolves_quantization and any(ckpt.quantized(n) is not None for n in ckpt))
+    view, modules = kept.quantized(ckpt)
+    stored_quantized = bool(modules)
     codes = "requantize" if requantize else "keep" if stored_quantized and outtype == "auto" else None
     if requantize and not (stored_quantized and outtype == "auto"):
         raise FFNToolsError("--requantize is for a quantized input written from its codes (--outtype auto): "
@@ -98,7 +97,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     request = {"source": str(ckpt.path), "dir_model": str(ckpt.root), "outtype": "auto" if quantizing else outtype,
                "dry_run": dry_run, "progress": progress.visible(), "native": native, "codes": codes}
     if codes:  # what each quantized weight can be, from its codes read once, before the converter starts
-        request["choices"] = _choices(ckpt, refuse=codes == "keep")
+        request["choices"] = _choices(ckpt, view, modules, refuse=codes == "keep")
     if dry_run:
         result = _run({**request, "out": str(out)})  # the converter's writer in its dry-run mode writes nothing
         _refuse(ckpt, result.get("codes") or [])  # what the conversion would refuse, the plan refuses
@@ -125,19 +124,16 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     return _summary(out, result, said, plan=False)
 
 
-def _choices(ckpt: Checkpoint, refuse: bool) -> dict[str, dict]:
-    """``kept.choices`` of ``ckpt``'s quantized weights; with ``refuse``, a weight no GGUF type holds exactly is
-    refused here, by its name in the checkpoint, before llama.cpp's converter starts.
+def _choices(ckpt: Checkpoint, view, modules: dict, refuse: bool) -> dict[str, dict]:
+    """``kept.choices`` of ``ckpt``'s quantized weights (``kept.quantized``'s ``view`` and ``modules``); with
+    ``refuse``, a weight no GGUF type holds exactly is refused here, by its name in the checkpoint, before
+    llama.cpp's converter starts.
 
     Raises:
         FFNToolsError: as ``_refuse``.
     """
-    from ffn_tools import quant
-
     from . import kept
 
-    view = quant.decoded(ckpt, every=True)
-    modules = {n: m for n in view if (m := view.quantized(n)) is not None}
     chosen = kept.choices(view, modules)
     if refuse:
         _refuse(ckpt, [{"tensor": h, "scheme": modules[h].scheme.what(modules[h]), "why": c["why"],

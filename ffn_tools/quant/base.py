@@ -127,8 +127,9 @@ class Fp4Codes:
         value times its tensor's ``.scale``, as the GGUF reader computes it."""
         import torch
 
-        e2m1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-        lut = torch.tensor([*e2m1, *(-v for v in e2m1)], dtype=torch.float32)
+        from .nvfp4 import E2M1
+
+        lut = torch.tensor([*E2M1, *(-v for v in E2M1)], dtype=torch.float32)
         scale = self.scale_bits.view(torch.float8_e4m3fn).to(torch.float32).repeat_interleave(self.group, 1)
         x = lut[self.nibbles.long()] * scale
         return x * torch.tensor(self.multiplier, dtype=torch.float32) if self.multiplier is not None else x

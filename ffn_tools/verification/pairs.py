@@ -150,13 +150,12 @@ class PairChecker:
         """Where one side says its FFN's tensors hold the other side's stored codes (``kept``): their values
         against the codes', exactly (``exact`` "codes", or "differs" with the first difference). False where
         neither side says so of this FFN."""
-        roles = [r for r in STORED if r in x.names and r in y.names
-                 and kept_side(self.ca, self.cb, x.names[r], y.names[r])]
-        if not roles:
+        sides = {r: s for r in STORED if r in x.names and r in y.names
+                 and (s := kept_side(self.ca, self.cb, x.names[r], y.names[r])) is not None}
+        if not sides:
             return False
         diffs, unsure = [], []
-        for r in roles:
-            k, q = kept_side(self.ca, self.cb, x.names[r], y.names[r]) or ("B", "A")
+        for r, (k, q) in sides.items():
             (kc, kf), (qc, qf) = ((self.read_b, y), (self.ca, x)) if k == "B" else ((self.read_a, x), (self.cb, y))
             if kf.index is not None or qf.index is not None:  # one expert of a stack: its parts are not one module
                 unsure.append(f"{r}: codes kept, of one expert of a stacked tensor: compared within the tolerance row")
@@ -174,9 +173,9 @@ class PairChecker:
             res.notes += unsure
             return False
         else:
-            k, q = kept_side(self.ca, self.cb, x.names[roles[0]], y.names[roles[0]]) or ("B", "A")
+            k, q = next(iter(sides.values()))
             res.exact = "codes"
-            res.notes.append(f"codes kept: {k}'s {', '.join(roles)} hold {q}'s stored codes, scales and zero points: "
+            res.notes.append(f"codes kept: {k}'s {', '.join(sides)} hold {q}'s stored codes, scales and zero points: "
                              f"their values are the ones {q}'s codes define, every one, exactly")
         return True
 
