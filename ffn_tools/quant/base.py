@@ -100,6 +100,9 @@ class IntCodes:
         return (self.codes.to(torch.int32) - self.zero.to(torch.int32).repeat_interleave(g, 1)).to(torch.float32) * s
 
 
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # FP4's magnitudes, codes 0..7 (8..15: the same, negative)
+
+
 @dataclass(frozen=True)
 class Fp4Codes:
     """A weight stored as E2M1 codes with one F8_E4M3 scale per ``group`` values and one float32 multiplier per
@@ -126,8 +129,6 @@ class Fp4Codes:
         """``e2m1 * scale`` (exact in float32), times the multiplier, rounded once to float32: a GGUF NVFP4 block's
         value times its tensor's ``.scale``, as the GGUF reader computes it."""
         import torch
-
-        from .nvfp4 import E2M1
 
         lut = torch.tensor([*E2M1, *(-v for v in E2M1)], dtype=torch.float32)
         scale = self.scale_bits.view(torch.float8_e4m3fn).to(torch.float32).repeat_interleave(self.group, 1)

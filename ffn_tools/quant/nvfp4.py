@@ -25,7 +25,7 @@ import json
 from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError, LayoutError
-from .base import Fp4Codes, Module
+from .base import E2M1, Fp4Codes, Module
 from .codes import compare_codes, shape_differs
 from . import ctrows
 from .ctconfig import ArgsScheme, MODELOPT_PARTS, NVFP4_CT, NVFP4_GROUP, NVFP4_MODELOPT, Args, describe_args, same_args
@@ -33,7 +33,6 @@ from .ctconfig import ArgsScheme, MODELOPT_PARTS, NVFP4_CT, NVFP4_GROUP, NVFP4_M
 if TYPE_CHECKING:
     import torch
 
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 GROUP = NVFP4_GROUP
 CT_FORMAT = NVFP4_CT
 MODELOPT = NVFP4_MODELOPT
