@@ -6,7 +6,8 @@ asks B's client, never which format B is: would B load (``load_check``), what B'
 config against what A's side computes from A's (``compare_config``, ``differences``), B's side files and
 tokenizer as B's client reads them (``compare_side_files``, ``compare_tokenization``), A seen through the
 transforms B's client applies when it loads a model (``pairing``: mlx_lm's sanitize), the tensors B stores in
-another form (``stored_otherwise``: llama.cpp's norms plus one) and whole-model logits (``logits``). The
+another form (``stored_otherwise``: llama.cpp's norms plus one), whole-model logits (``logits``) and prompts run
+as the client runs them: its tokenizer and chat template, its greedy decoding, where it stops (``generate``). The
 defaults are those of a client that reads Hugging Face checkpoints as they are.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
@@ -24,6 +26,7 @@ from .checks.side_files import SideFilesResult, compare_side_files
 from .errors import FFNToolsError
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from .checks.outside import OutsideResult
@@ -51,6 +54,36 @@ class Pairing(ABC):
         """Settle ``outside``'s failures that the client's own transforms explain (updated in place); returns
         notes. ``compare(name, a, b, bits) -> why or None`` is the outside check's criterion."""
         return []
+
+
+@dataclass
+class Generation:
+    """Prompts run by one client (``Client.generate``).
+
+    Attributes:
+        client: the client's name.
+        prompts: each prompt's token ids as this client makes them (its tokenizer, its chat template).
+        templated: whether a chat template made them.
+        eos: the token ids at which this client's generation stops (what it reads: generation_config.json,
+            config.json, a GGUF's end-of-generation tokens).
+        sequences: the ids run: each prompt followed by its greedy continuation (the stop token included where
+            one was generated), or the sequences the caller gave to score.
+        starts: where each sequence's continuation starts (its prompt's length).
+        logits: each sequence's next-token logits at every position, float32 (positions, vocabulary).
+        pieces: the text of each token id in ``sequences`` and of each position's most likely token.
+    """
+
+    client: str
+    prompts: list[list[int]]
+    templated: bool
+    eos: list[int]
+    sequences: list[list[int]]
+    starts: list[int]
+    logits: list["np.ndarray"]
+    pieces: dict[int, str] = field(default_factory=dict)
+
+    def piece(self, token: int) -> str:
+        return self.pieces.get(token, f"<{token}>")
 
 
 class Client(ABC):
@@ -161,6 +194,19 @@ class Client(ABC):
         (None: its weights'), and what went wrong loading the model (a list of lines: weights missing or left
         over); the client's own errors raise."""
         raise FFNToolsError(f"{self.name} runs no logits here")
+
+    def generate(self, path: Path, prompts: list[str], new_tokens: int, score: list[list[int]] | None = None,
+                 dtype: str | None = None) -> Generation:
+        """The model at ``path`` run on ``prompts`` as this client runs them: tokenized by its tokenizer (in its
+        chat template where it has one), continued greedily by up to ``new_tokens`` tokens until it generates a
+        token it stops at, and every position's logits of the result in one pass; or, with ``score``, those
+        sequences' logits instead of its own continuations (the prompts are still tokenized: what it would run).
+        ``dtype``: the float dtype to compute in where the client can (None: its weights').
+
+        Raises:
+            FFNToolsError: this client runs no model here.
+        """
+        raise FFNToolsError(f"{self.name} runs no prompts here")
 
     def __repr__(self) -> str:
         return f"<client {self.name}>"

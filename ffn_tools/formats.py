@@ -86,6 +86,13 @@ class Format(ABC):
         raise FFNToolsError(f"ffn-tools reads {self.name} checkpoints but does not write them; convert to one of "
                             "the formats it writes")
 
+    def recipe(self, ckpt: "Checkpoint", dtype: str | None, quantized: bool) -> dict | None:
+        """The ``convert`` options that write an unquantized checkpoint in ``ckpt``'s form: its dtype (``dtype``,
+        as verify names its weights') and quantization (``quantized``: it has some), as this format's export
+        takes them; None where no export of ffn-tools re-derives it (``verify --generate``'s noise floor is then
+        not measured, and says so)."""
+        return None
+
     @abstractmethod
     def client(self) -> "Client":
         """The runtime that loads checkpoints of this format (``ffn_tools.clients``)."""

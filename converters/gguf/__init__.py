@@ -50,6 +50,23 @@ class Gguf(Format):
 
         return write(ckpt, out, **options)
 
+    def recipe(self, ckpt: Checkpoint, dtype: str | None, quantized: bool) -> dict | None:
+        """Its ``general.file_type`` as --outtype (None where that is not one ffn-tools writes); the default
+        (codes kept) where it holds a quantized source's codes."""
+        from gguf import LlamaFileType
+
+        from .writer import OUTTYPES
+
+        fields = getattr(ckpt, "fields", None) or {}
+        if fields.get("ffn_tools.codes.kept"):
+            return {}
+        try:
+            name = LlamaFileType(int(fields.get("general.file_type", -1))).name
+        except ValueError:
+            return None
+        outtype = name.removeprefix("MOSTLY_").removeprefix("ALL_").lower()
+        return {"outtype": outtype} if outtype in OUTTYPES else None
+
     def client(self):
         from .client import LlamaCpp
 

@@ -99,6 +99,29 @@ class LlamaCpp(Client):
             return torch.from_numpy(np.load(Path(d) / "logits.npy")), []
 
 
+    def generate(self, path: Path, prompts, new_tokens, score=None, dtype=None):
+        """The prompts as llama-cpp-python runs them (``llama_cpp_run.generate``), in a process of its own. It
+        computes in its own types whatever ``dtype`` says."""
+        import json
+        import tempfile
+
+        import numpy as np
+
+        from ffn_tools.clients import Generation
+
+        from .llama_cpp_run import run
+
+        with tempfile.TemporaryDirectory() as d:
+            request = {"prompts": prompts, "new_tokens": new_tokens, "score": score}
+            (Path(d) / "request.json").write_text(json.dumps(request, ensure_ascii=False), encoding="utf-8")
+            run("--generate", str(path), str(Path(d) / "request.json"), d)
+            got = json.loads((Path(d) / "generation.json").read_text(encoding="utf-8"))
+            with np.load(Path(d) / "logits.npz") as z:
+                logits = [z[f"arr_{i}"] for i in range(len(got["sequences"]))]
+        return Generation(self.name, got["prompts"], got["templated"], got["eos"], got["sequences"],
+                          [len(p) for p in got["prompts"]], logits, {int(k): v for k, v in got["pieces"].items()})
+
+
 LLAMA_CPP_CONTEXT = 32  # tokens of context the load check asks llama.cpp for: building the model is the check
 
 

@@ -7,6 +7,7 @@ process that is a line in verify's report, not the end of verify.
 
     python -m ffn_tools.converters.gguf.llama_cpp_run MODEL.gguf TOKENS.json OUT.npy
     python -m ffn_tools.converters.gguf.llama_cpp_run --tokenize MODEL.gguf TEXTS.json OUT.json
+    python -m ffn_tools.converters.gguf.llama_cpp_run --generate MODEL.gguf REQUEST.json OUT_DIR
 """
 
 from __future__ import annotations
@@ -70,9 +71,64 @@ def tokenize(path: str, texts_file: str, out: str) -> None:
         json.dump(ids, f)
 
 
+def generate(path: str, request_file: str, out_dir: str) -> None:
+    """Prompts run as llama-cpp-python runs a chat (``Llama.create_chat_completion`` with the GGUF's
+    ``tokenizer.chat_template``: rendered by its ``Jinja2ChatFormatter`` with the GGUF's BOS and EOS texts,
+    tokenized without adding BOS again), or as a completion (BOS added as the GGUF says) where there is no
+    template; continued greedily until an end-of-generation token (``llama_vocab_is_eog``) or the budget; every
+    position's logits in one pass, KV cache in float32. Writes ``OUT_DIR/generation.json`` and ``logits.npz``."""
+    import llama_cpp
+    import numpy as np
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    from ffn_tools.checks.prompts import greedy, pieces
+
+    request = json.loads(open(request_file, encoding="utf-8").read())
+    prompts, new_tokens, score = request["prompts"], request["new_tokens"], request.get("score")
+    probe = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
+    template = probe.metadata.get("tokenizer.chat_template")
+    text = {t: probe._model.token_get_text(t) if t != -1 else "" for t in (probe.token_eos(), probe.token_bos())}
+    if template:
+        formatter = Jinja2ChatFormatter(template=template, eos_token=text[probe.token_eos()],
+                                        bos_token=text[probe.token_bos()])
+        rendered = [formatter(messages=[{"role": "user", "content": p}]) for p in prompts]
+        ids = [probe.tokenize(r.prompt.encode("utf-8"), add_bos=not r.added_special, special=True) for r in rendered]
+    else:
+        ids = [probe.tokenize(p.encode("utf-8"), add_bos=True, special=True) for p in prompts]
+    vocab = probe._model.vocab
+    eos = [t for t in range(probe.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)]
+    probe.close()
+    longest = max(len(s) for s in (score or ids)) + (0 if score else new_tokens)
+    model = llama_cpp.Llama(model_path=path, n_ctx=max(32, longest), n_batch=max(32, longest), logits_all=True,
+                            verbose=False, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+
+    def run(tokens: list[int]):
+        model.eval(tokens)
+        return np.asarray(model.scores[model.n_tokens - 1])
+
+    if score is None:
+        score = []
+        for p in ids:
+            model.reset()
+            score.append(greedy(p, new_tokens, set(eos), run))
+    logits = []
+    for seq in score:
+        model.reset()
+        model.eval(seq)
+        logits.append(np.array(model.scores[:model.n_tokens], dtype=np.float32))
+    names = pieces(lambda t: model.detokenize([t], special=True).decode("utf-8", errors="replace"), score, logits)
+    model.close()
+    np.savez(f"{out_dir}/logits.npz", *logits)
+    with open(f"{out_dir}/generation.json", "w") as f:
+        json.dump({"prompts": ids, "templated": bool(template), "eos": eos, "sequences": score,
+                   "pieces": {str(k): v for k, v in names.items()}}, f)
+
+
 def main() -> None:
     if sys.argv[1] == "--tokenize":
         tokenize(*sys.argv[2:5])
+    elif sys.argv[1] == "--generate":
+        generate(*sys.argv[2:5])
     else:
         logits(*sys.argv[1:4])
 

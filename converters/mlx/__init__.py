@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.formats import Format
-from ffn_tools.io.store import Checkpoint
+from ffn_tools.io.store import Checkpoint, read_config
 from ffn_tools.io.readers import open_checkpoint
 
 __all__ = ["FORMAT"]
@@ -67,6 +67,16 @@ class Mlx(Format):
         from .exporter import export as run
 
         return run(ckpt, out, **options)
+
+    def recipe(self, ckpt: Checkpoint, dtype: str | None, quantized: bool) -> dict | None:
+        """Its dtype, or its ``quantization`` block as -q's options (the float dtype then as mlx_lm.convert
+        chooses it); None for a per-layer recipe (a block with entries of its own)."""
+        q = (read_config(Path(ckpt.root)) or {}).get("quantization")  # the file's: the view reads it dequantized
+        if not isinstance(q, dict):
+            return None if dtype is None else {"dtype": dtype}
+        if any(isinstance(v, dict) for v in q.values()) or not {"bits", "group_size"} <= set(q):
+            return None
+        return {"quantize": True, "q_bits": q["bits"], "q_group_size": q["group_size"], "q_mode": q.get("mode")}
 
     def client(self):
         from .client import MlxLm

@@ -87,6 +87,11 @@ class MlxLm(Client):
         out = model(mx.array(tokens.numpy()))
         return torch.from_numpy(np.array(out.astype(mx.float32))).to(torch.float64), []
 
+    def generate(self, path: Path, prompts, new_tokens, score=None, dtype=None):
+        from .generation import generate
+
+        return generate(path, prompts, new_tokens, score, dtype)
+
 
 def check_mlx(path: Path) -> LoadCheck:
     """Whether ``mlx_lm.load`` would accept the MLX directory at ``path`` (lazily: no weight is evaluated)."""

@@ -39,6 +39,10 @@ class PyTorch(Format):
 
         return export(ckpt, out, **options)
 
+    def recipe(self, ckpt: Checkpoint, dtype: str | None, quantized: bool) -> dict | None:
+        """Its dtype; None for a quantized one (ffn-tools writes no PyTorch quantization)."""
+        return None if quantized or dtype is None else {"dtype": dtype}
+
     def client(self):
         from .client import Transformers
 

@@ -83,6 +83,11 @@ class Transformers(Client):
         with torch.no_grad():
             return model.eval()(tokens).logits.to(torch.float64), problems
 
+    def generate(self, path: Path, prompts, new_tokens, score=None, dtype=None):
+        from .generation import generate
+
+        return generate(path, prompts, new_tokens, score, dtype)
+
 
 def _clip(items, n: int = 4) -> str:
     items = sorted(items)

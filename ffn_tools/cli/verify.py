@@ -10,10 +10,12 @@ import json
 
 import click
 
+from ..checks.prompts import NEW_TOKENS
 from ..options import CHECKPOINT, emit, layout_options, layout_options_for, scheme_options
 from ..tolerances import HELP as TOLERANCE_HELP
 
 DEFAULT_TOKENS = 32  # = verify.DEFAULT_TOKENS (not imported: that module imports torch)
+PROFILE_NAMES = ("strict", "standard", "relaxed")  # = checks.agreement.PROFILES (tested)
 BACKEND_NAMES = "reference, triton, metal, mlx, jax"
 
 
@@ -52,6 +54,23 @@ b_layout_options = layout_options_for(
                    "both sides should be lossless copies (same dtype, neither quantized).")
 @click.option("--logits", is_flag=True, help="Also run both whole models on a fixed token batch through their "
               "real clients (transformers for PyTorch, mlx_lm for MLX directories) and compare the logits.")
+@click.option("--generate", is_flag=True, help="Also run both models on prompts, each through its own client "
+              "(transformers, mlx_lm, llama.cpp; its tokenizer and chat template, greedy decoding, its stop ids), and "
+              "compare them token by token: KL(A||B) and KL(B||A) mean/p99/max, top-1 and top-5 agreement, where "
+              "greedy decoding first diverges, whether both stop at the same token, whether both tokenize the "
+              "prompts alike; each held against the same statistics between A and A re-derived in B's form (its "
+              "dtype, quantization, format; run by B's client): the noise floor. Costs one model load and one "
+              "forward pass per token per side and for the floor.")
+@click.option("--prompts", "prompts", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+              help="With --generate: prompts to run instead of the built-in six: one per line, a JSON list, or JSON "
+                   "lines with a \"prompt\" field.")
+@click.option("--new-tokens", type=click.IntRange(min=1), default=NEW_TOKENS, show_default=True,
+              help="With --generate: greedy tokens generated per prompt (A's continuation, which B is scored on).")
+@click.option("--profile", type=click.Choice(PROFILE_NAMES), default="standard", show_default=True,
+              help="With --generate: how far above its noise floor a statistic may be. strict: not at all (B's "
+                   "logits as the floor's); standard: 2x + 1e-5 nats / 1 position; relaxed: 5x + 1e-3 nats / 3 "
+                   "positions. Prompts tokenized otherwise or stopping otherwise fail above the floor's count in "
+                   "every profile.")
 @click.option("--allow-unmatched", is_flag=True, help="Pass even when tensors that look like FFN projections "
               "(mlp/ffn/expert + gate/up/down/w1/fc...) belong to no FFN found; by default they fail the check, "
               "since they were never run.")
@@ -77,9 +96,9 @@ b_layout_options = layout_options_for(
 @scheme_options
 @layout_options
 @b_layout_options
-def verify(a, b, backends, tokens, seed, layers, shards_needed, experts, atol, rtol, exact, logits, allow_unmatched,
-           ffn_only, load_check, allow_config, side_files, all_ffns_on_every_backend, as_json, scheme, layout,
-           b_layout):
+def verify(a, b, backends, tokens, seed, layers, shards_needed, experts, atol, rtol, exact, logits, generate, prompts,
+           new_tokens, profile, allow_unmatched, ffn_only, load_check, allow_config, side_files,
+           all_ffns_on_every_backend, as_json, scheme, layout, b_layout):
     """Check that checkpoint B holds the same FFNs as checkpoint A.
 
     A and B are any checkpoints ffn-tools reads (PyTorch safetensors or pickles, split or fused, MLX plain
@@ -107,6 +126,12 @@ def verify(a, b, backends, tokens, seed, layers, shards_needed, experts, atol, r
     2 verification could not run (bad arguments, unreadable input, no FFNs, backend unavailable), or a check
     asked for could not run here (--logits a client cannot run): then the report says so beside the others.
 
+    With --generate, both models also run on prompts through their own clients and are compared token by
+    token against a noise floor measured in the same run: the same statistics between A and A re-derived in
+    B's form (or A in B's dtype, or A run again). The report has one line per prompt and a verdict naming
+    the floor; a floor that cannot be measured (B's quantization is not one ffn-tools writes) leaves the
+    statistics reported and the check not judged (exit 2, as a check that could not run), never passed.
+
     With --layers, A and B may each hold only some of their shards: the shards holding the selected layers'
     FFNs must be there (else exit 2 names the missing ones; --shards-needed lists them before any
     download), the others may be absent, and the report names them. Without --layers every shard an
@@ -127,7 +152,8 @@ def verify(a, b, backends, tokens, seed, layers, shards_needed, experts, atol, r
                  experts=experts, atol=atol, rtol=rtol, exact=exact, logits=logits, scheme=scheme,
                  layout=layout, b_layout=b_layout, allow_unmatched=allow_unmatched,
                  ffn_only=ffn_only, load_check=load_check, allow_config=allow_config, side_files=side_files,
-                 all_ffns_on_every_backend=all_ffns_on_every_backend)
+                 all_ffns_on_every_backend=all_ffns_on_every_backend, generate=generate, prompts=prompts,
+                 new_tokens=new_tokens, profile=profile)
     if as_json:
         from ..api import json_of
 

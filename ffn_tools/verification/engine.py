@@ -23,6 +23,8 @@ from contextlib import ExitStack, contextmanager
 from typing import TypeVar
 
 from .. import quant
+from ..checks.agreement import DEFAULT_PROFILE, PROFILES, AgreementResult
+from ..checks.prompts import NEW_TOKENS, load_prompts
 from ..checks.outside import OutsideResult, outside_tolerance
 from ..checks.rounded import compare_recorded, recorded_shifts
 from ..detect import FFNSet
@@ -94,7 +96,8 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
            scheme: Scheme | None = None, layout: GateUpLayout | None = None,
            b_layout: GateUpLayout | None = None, allow_unmatched: bool = False, ffn_only: bool = False,
            load_check: bool = True, allow_config: Sequence[str] = (), side_files: bool = True,
-           all_ffns_on_every_backend: bool = False) -> VerifyReport:
+           all_ffns_on_every_backend: bool = False, generate: bool = False, prompts: str | None = None,
+           new_tokens: int = NEW_TOKENS, profile: str = DEFAULT_PROFILE) -> VerifyReport:
     """Verify that checkpoint ``b`` holds the same FFNs as checkpoint ``a``.
 
     Args:
@@ -127,6 +130,10 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
         all_ffns_on_every_backend: run every FFN on every backend; by default every FFN runs on the float64
             reference and the other backends run the first FFN of each kind (shape, form, layout, dtype,
             quantization, biases): what proves the kernels, at a fraction of the time on a large model.
+        generate: also run both models on prompts through their clients, token by token against a measured
+            noise floor (``generate``); ``prompts``: a file of prompts (None: the built-in set), ``new_tokens``
+            greedy tokens per prompt, ``profile`` how far above its floor a statistic may be
+            (``checks.agreement.PROFILES``).
 
     Returns:
         The report; ``report.passed`` is the verdict.
@@ -139,6 +146,11 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
     """
     if tokens < 1:
         raise FFNToolsError(f"--tokens {tokens}: need at least 1 token")
+    if profile not in PROFILES:
+        raise FFNToolsError(f"--profile {profile!r}: use one of {', '.join(PROFILES)}")
+    if new_tokens < 1:
+        raise FFNToolsError(f"--new-tokens {new_tokens}: need at least 1 token")
+    prompt_texts = load_prompts(prompts) if generate else []  # a bad file: before any work
     sel_layers = parse_spec(layers) if layers else None
     sel_experts = parse_spec(experts) if experts else None
     on_reference = not backends or "reference" in backends or list(backends) == [ALL]
@@ -164,9 +176,9 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
             raise needs  # a selected FFN's tensor lies in a shard not here: before any work
         clients = None
         no_logits = (f"{' and '.join(s for s, _ in partial_sides)} {'have' if len(partial_sides) > 1 else 'has'} "
-                     "shards absent: the clients load every shard") if logits and partial_sides else None
+                     "shards absent: the clients load every shard") if (logits or generate) and partial_sides else None
         blocked = None  # why --logits cannot run here, known before any work: said beside the other results
-        if logits and not no_logits:
+        if (logits or generate) and not no_logits:
             from .logits import client_for
 
             try:
@@ -207,6 +219,7 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
                 report.notes += compare_recorded(report.outside, ca, cb, recorded)
             run_kernels()  # after the outside comparison: its tensors and theirs are not held at once
         report.config, report.side_files, report.tokenization = model.result()
+        recipe = cb.format.recipe(cb, report.b.get("dtype"), bool(report.b.get("quantization"))) if generate else None
         mods, report.skipped_backends = kernels.result()
         report.backends = list(mods)
         if report.outside is not None and not report.outside.skipped:
@@ -225,7 +238,29 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
         run_logits(report, a, b, ca, cb, clients, fa.activation.function if fa else None, atol, rtol, seed)
     else:
         report.logits_skipped = "--logits runs both whole models through their clients"
+    report.generation = _generation(report, a, b, ca, cb, clients, recipe, prompt_texts, new_tokens, profile,
+                                    skip=None if generate else "--generate runs both models on prompts through "
+                                    "their clients", blocked=blocked or no_logits, refused=refused)
     return report
+
+
+def _generation(report: VerifyReport, a, b, ca, cb, clients, recipe, prompts, new_tokens, profile, *, skip, blocked,
+                refused) -> AgreementResult:
+    """``verify --generate`` (``generate.run_generation``), or why it did not run; a client that cannot run its
+    model here leaves the report incomplete, saying why."""
+    why = skip or blocked or ("B's client cannot build B (the load check's failure)" if refused else None)
+    if why or clients is None:
+        return AgreementResult(skipped=why or "no client here runs a side as a whole model")
+    from .generate import run_generation
+
+    try:
+        res = run_generation(a, b, ca, cb, clients, recipe, report.a.get("dtype"), prompts, new_tokens, profile)
+        if res.not_judged:  # the statistics are reported; with no floor they are no verdict
+            report.incomplete.append(f"--generate: not judged: {res.not_judged}")
+        return res
+    except FFNToolsError as e:
+        report.incomplete.append(str(e))
+        return AgreementResult(skipped="a client could not run its model here (see above)")
 
 
 def _outside(ca, cb, fa: FFNSet, fb: FFNSet, ffn_only: bool, atol, rtol, elsewhere) -> OutsideResult:

@@ -12,6 +12,7 @@ from ..ffn import FFNRef
 from ..tolerances import Tolerance
 
 if TYPE_CHECKING:
+    from ..checks.agreement import AgreementResult
     from ..checks.config import ConfigResult
     from ..checks.load import LoadCheck
     from ..checks.outside import OutsideResult
@@ -122,6 +123,7 @@ class VerifyReport:
     side_files: "SideFilesResult | None" = None  # tokenizer, generation_config, ...
     tokenization: "TokenizationResult | None" = None  # texts through both tokenizers (a GGUF B only)
     logits_skipped: str | None = None  # why whole-model logits did not run
+    generation: "AgreementResult | None" = None  # the models as they generate, against the noise floor
     incomplete: list[str] = field(default_factory=list)  # checks asked for that could not run here, and why
 
     @property
@@ -140,7 +142,7 @@ class VerifyReport:
     def _model_checks(self) -> tuple:
         """The checks of what is not weights: the configs, the side files, the tokenization (each None where
         it does not apply)."""
-        return (self.config, self.side_files, self.tokenization)
+        return (self.config, self.side_files, self.tokenization, self.generation)
 
     @property
     def _load_fails(self) -> bool:
@@ -230,6 +232,8 @@ class VerifyReport:
                 f", {requantized} re-quantized bit for bit" if requantized else "") + (
                 f", {codes} holding the other's codes exactly" if codes else "")
             logits = ", logits agree" if self.logits else ""
+            if self.generation is not None and not self.generation.skipped:
+                logits += ", generation within its noise floor"
             return (f"PASS: {n} FFN{'s' * (n != 1)} of A and B agree on {', '.join(self.backends)}{bits}{logits}"
                     + "".join(f"; {s}" for s in self.not_run()))
         bad = sum(not r.passed for r in self.results)
@@ -259,6 +263,7 @@ class VerifyReport:
                 "config": self.config.as_dict() if self.config else None,
                 "side_files": self.side_files.as_dict() if self.side_files else None,
                 "tokenization": self.tokenization.as_dict() if self.tokenization else None,
+                "generation": self.generation.as_dict() if self.generation else None,
                 "logits_skipped": self.logits_skipped, "incomplete": self.incomplete, "not_run": self.not_run(),
                 "coverage": self.coverage()}
 

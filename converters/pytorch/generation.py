@@ -1,0 +1,56 @@
+"""Prompts through transformers as a user runs a model with it: ``AutoTokenizer`` (its chat template),
+``AutoModelForCausalLM.from_pretrained`` in the config's dtype, greedy decoding with the KV cache, stopping at the
+ids of the model's ``generation_config`` (generation_config.json, else the config's ``eos_token_id``: what
+``generate`` stops at)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, cast
+
+from ffn_tools.checks.prompts import greedy, hf_prompt_ids, pieces
+from ffn_tools.clients import Generation
+
+
+def eos_ids(value) -> list[int]:
+    """An ``eos_token_id`` setting (an id, a list, None) as a list of ids."""
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def generate(path: Path, prompts: list[str], new_tokens: int, score, dtype) -> Generation:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = cast(Any, AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype) if dtype else "auto"))
+    model.eval()
+    ids, templated = hf_prompt_ids(tokenizer, prompts)
+    eos = eos_ids(model.generation_config.eos_token_id)
+    with torch.no_grad():
+        if score is None:
+            score = [greedy(p, new_tokens, set(eos), _stepper(model)) for p in ids]
+        logits = [model(torch.tensor([s])).logits[0].float().numpy() for s in score]
+    return Generation("transformers", ids, templated, eos, [list(s) for s in score], [len(p) for p in ids], logits,
+                      pieces(lambda t: tokenizer.decode([t]), score, logits))
+
+
+def _stepper(model):
+    """``run(ids)`` for ``greedy``: the last position's logits, the KV cache kept between calls."""
+    import torch
+
+    state: dict = {"past": None}
+
+    def run(ids: list[int]):
+        with warnings.catch_warnings():  # transformers 5.2x renames the argument, and warns of the old name
+            warnings.simplefilter("ignore", FutureWarning)
+            out = model(torch.tensor([ids]), past_key_values=state["past"], use_cache=True)
+        state["past"] = out.past_key_values
+        return out.logits[0, -1].float()
+
+    return run

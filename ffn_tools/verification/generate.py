@@ -1,0 +1,189 @@
+"""``verify --generate``: both models run on prompts by their own clients, compared token by token, and held
+against a measured noise floor (``checks.agreement``).
+
+A's client tokenizes each prompt (its chat template where it has one) and continues it greedily; both clients then
+give every position's logits of A's sequence (B's client on the same ids: what is compared is the model, while
+B's own tokenization of the prompts is compared as ids), one forward pass each. Per prompt and overall: KL(A||B)
+and KL(B||A) mean / p99 / max over positions, top-1 and top-5 agreement, the first token of A's continuation
+B's greedy choice differs from (with the text around it), whether B stops where A stops (its stop ids at A's stop
+token, none of them earlier).
+
+The floor is the same statistics between A and A', the change that is not a defect (``floor_side``): B's form
+re-derived from A by ``convert`` (B's format, dtype and quantization: ``Format.recipe``) run by B's client; A in
+B's dtype by A's client where B is A's format unquantized; A's client on A again where nothing differs (its
+run-to-run noise, zero for a deterministic client). Where B's form cannot be re-derived (a quantization ffn-tools
+does not write) the statistics are reported and the verdict says it was not judged: never a pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ..checks.agreement import PROFILES, AgreementResult
+from ..clients import Client, Generation
+from ..errors import FFNToolsError
+
+log = logging.getLogger(__name__)
+
+CONTEXT = 4  # tokens of A's continuation shown before a divergence
+SHOWN = 40  # characters of a prompt shown
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _top5(lp: np.ndarray) -> np.ndarray:
+    k = min(5, lp.shape[-1])
+    return np.argpartition(-lp, k - 1, axis=-1)[:, :k]
+
+
+def statistics(prompts: list[str], a: Generation, b: Generation) -> tuple[dict, list[dict], int]:
+    """B's logits of A's sequences against A's: (overall statistics, per prompt, positions).
+
+    Raises:
+        FFNToolsError: the two clients' logits are not of one vocabulary (their widths differ).
+    """
+    beos, aeos = set(b.eos), set(a.eos)
+    kl_ab, kl_ba, top1, top5 = [], [], [], []
+    rows = []
+    for i, seq in enumerate(a.sequences):
+        la, lb = _log_softmax(a.logits[i]), _log_softmax(b.logits[i])
+        if la.shape != lb.shape:
+            raise FFNToolsError(f"--generate: A's client gives logits of shape {list(la.shape)} and B's "
+                                f"{list(lb.shape)} for prompt {i + 1}: not one vocabulary")
+        ab = (np.exp(la) * (la - lb)).sum(-1).clip(min=0)
+        ba = (np.exp(lb) * (lb - la)).sum(-1).clip(min=0)
+        ta, tb = la.argmax(-1), lb.argmax(-1)
+        t5a, t5b = _top5(la), _top5(lb)
+        overlap = np.array([len(set(x) & set(y)) / t5a.shape[1] for x, y in zip(t5a.tolist(), t5b.tolist())])
+        kl_ab.append(ab), kl_ba.append(ba), top1.append(ta == tb), top5.append(overlap)
+        start = a.starts[i]
+        cont = seq[start:]
+        div = next((k for k in range(len(cont)) if int(tb[start - 1 + k]) != cont[k]), None)
+        row = {"index": i, "text_shown": repr(prompts[i][:SHOWN]) + ("..." if len(prompts[i]) > SHOWN else ""),
+               "positions": int(ab.size), "kl_ab_mean": float(ab.mean()), "kl_ab_max": float(ab.max()),
+               "kl_ba_mean": float(ba.mean()), "kl_ba_max": float(ba.max()), "top1": float((ta == tb).mean()),
+               "top5": float(overlap.mean()), "continuation": cont, "divergence": div}
+        if div is None:
+            row["divergence_words"] = f"B's greedy choice follows all {len(cont)} tokens of A's"
+        else:
+            before = "".join(a.piece(t) for t in seq[max(start, start + div - CONTEXT):start + div])
+            mine, theirs = cont[div], int(tb[start - 1 + div])
+            row["divergence_words"] = (f"greedy diverges at new token {div + 1}: after {before!r}, A {a.piece(mine)!r} "
+                                       f"({mine}), B {b.piece(theirs)!r} ({theirs})")
+            row["divergence_tokens"] = {"a": mine, "b": theirs}
+        a_stop = len(cont) - 1 if cont and cont[-1] in aeos else None
+        end = len(cont) if a_stop is None else a_stop
+        early = next((k for k in range(end) if int(tb[start - 1 + k]) in beos), None)
+        at = a_stop is not None and int(tb[start - 1 + a_stop]) in beos
+        row["stops_same"] = early is None and (a_stop is None or at)
+        row["stop_a"], row["stop_b_early"] = a_stop, early
+        if early is not None:
+            row["why_stops"] = (f"prompt {i + 1}: B would stop at new token {early + 1} "
+                                f"({b.piece(int(tb[start - 1 + early]))!r}), where A goes on")
+        elif a_stop is not None and not at:
+            t = cont[a_stop]
+            likely = int(tb[start - 1 + a_stop])
+            row["why_stops"] = (f"prompt {i + 1}: A stops at new token {a_stop + 1} ({a.piece(t)!r}, id {t}); B "
+                                + (f"predicts it too but does not stop at it (B's stop ids: {sorted(beos) or 'none'})"
+                                   if likely == t else f"predicts {b.piece(likely)!r} ({likely}) there instead"))
+        row["stops_words"] = ("stops: " + ("same" if row["stops_same"] else "DIFFER") + ", A "
+                              + (f"stops at new token {a_stop + 1}" if a_stop is not None else "does not stop"))
+        row["tokens_same"] = a.prompts[i] == b.prompts[i]
+        if not row["tokens_same"]:
+            row["why_tokens"] = _tokens_differ(i, prompts[i], a, b)
+        rows.append(row)
+    ab_all, ba_all = np.concatenate(kl_ab), np.concatenate(kl_ba)
+    stats = {"kl_ab_mean": float(ab_all.mean()), "kl_ab_p99": float(np.quantile(ab_all, 0.99)),
+             "kl_ab_max": float(ab_all.max()), "kl_ba_mean": float(ba_all.mean()),
+             "kl_ba_p99": float(np.quantile(ba_all, 0.99)), "kl_ba_max": float(ba_all.max()),
+             "top1_disagreement": float(1 - np.concatenate(top1).mean()),
+             "top5_disagreement": float(1 - np.concatenate(top5).mean()),
+             "prompts_tokenized_otherwise": sum(not r["tokens_same"] for r in rows),
+             "prompts_stopping_otherwise": sum(not r["stops_same"] for r in rows)}
+    return stats, rows, int(ab_all.size)
+
+
+def _tokens_differ(i: int, text: str, a: Generation, b: Generation) -> str:
+    """Where B's client's ids of prompt ``i`` first differ from A's, in words."""
+    x, y = a.prompts[i], b.prompts[i]
+    if a.templated != b.templated:
+        has = "A applies a chat template, B has none" if a.templated else "B applies a chat template, A has none"
+        return f"prompt {i + 1} {text[:SHOWN]!r}: {has} ({len(x)} vs {len(y)} tokens)"
+    k = next((k for k in range(min(len(x), len(y))) if x[k] != y[k]), min(len(x), len(y)))
+    sa = f"{a.piece(x[k])!r} ({x[k]})" if k < len(x) else "nothing"
+    sb = f"{b.piece(y[k])!r} ({y[k]})" if k < len(y) else "nothing"
+    return f"prompt {i + 1} {text[:SHOWN]!r}: token {k + 1} is {sa} in A, {sb} in B ({len(x)} vs {len(y)} tokens)"
+
+
+def floor_side(a: Path, ca, cb, recipe: dict | None, a_dtype: str | None, clients: tuple[Client, Client],
+               tmp: Path) -> tuple[Path, Client, str | None, str] | str:
+    """A' (see the module docstring): (its path, the client that runs it, the dtype to compute in, how it was
+    made in words), or why there is none. ``recipe``: B's form as ``convert`` options (``Format.recipe``);
+    ``a_dtype``: A's weights' dtype."""
+    fa, fb = ca.format, cb.format
+    if recipe is None:
+        return f"B's form ({cb.described}) cannot be re-derived from A here"
+    plain = fa.name == fb.name and set(recipe) <= {"dtype"}
+    if plain and recipe.get("dtype") in (None, a_dtype):
+        return a, clients[0], None, f"A run again by {clients[0].name} (its run-to-run noise)"
+    if plain:
+        return a, clients[0], recipe["dtype"], f"A computed in B's dtype {recipe['dtype']} by {clients[0].name}"
+    from ..converters import convert
+
+    out = tmp / ("floor.gguf" if fb.name == "gguf" else "floor")
+    words = ", ".join(f"{k} {v}" for k, v in recipe.items() if v is not None and v is not True)
+    log.info("re-deriving B's form from A for the noise floor (%s: %s)", fb.name, words)
+    try:
+        convert(str(a), fb.name, out, **recipe)
+    except FFNToolsError as e:
+        return f"B's form ({fb.name}, {words}) could not be re-derived from A: {e}"
+    return out, clients[1], None, f"A converted to B's form ({fb.name}, {words}) by ffn-tools, run by {clients[1].name}"
+
+
+def run_generation(a, b, ca, cb, clients: tuple[Client, Client], recipe: dict | None, a_dtype: str | None,
+                   prompts: list[str], new_tokens: int, profile: str) -> AgreementResult:
+    """The check (see the module docstring). ``recipe``: B's form as ``convert`` options (``Format.recipe``);
+    ``a_dtype``: A's weights' dtype.
+
+    Raises:
+        FFNToolsError: a client cannot run its model here; an unknown profile.
+    """
+    if profile not in PROFILES:
+        raise FFNToolsError(f"--profile {profile!r}: use one of {', '.join(PROFILES)}")
+    res = AgreementResult(clients=(clients[0].name, clients[1].name), profile=profile, new_tokens=new_tokens)
+    log.info("generation: %d prompts, up to %d new tokens: A by %s, B and the floor scored on A's sequences",
+             len(prompts), new_tokens, clients[0].name)
+    ga = _run(clients[0], Path(a), "A", prompts, new_tokens)
+    gb = _run(clients[1], Path(b), "B", prompts, new_tokens, ga.sequences)
+    res.stats, res.prompts, res.positions = statistics(prompts, ga, gb)
+    with tempfile.TemporaryDirectory(prefix="ffn-tools-floor-") as d:
+        side = floor_side(Path(a), ca, cb, recipe, a_dtype, clients, Path(d))
+        if isinstance(side, str):
+            res.not_judged = side
+            res.floor_stats = {}
+            return res
+        path, client, dtype, res.floor = side
+        res.floor_client = client.name
+        gf = _run(client, path, "A'", prompts, new_tokens, ga.sequences, dtype)
+        res.floor_stats, _, _ = statistics(prompts, ga, gf)
+    res.judge()
+    return res
+
+
+def _run(client: Client, path: Path, side: str, prompts, new_tokens, score=None, dtype=None) -> Generation:
+    try:
+        return client.generate(path, prompts, new_tokens, score, dtype)
+    except FFNToolsError:
+        raise
+    except Exception as e:  # the client's own errors: it cannot run the model here
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise FFNToolsError(f"--generate: {client.name} could not run {side} ({path}) here: {first}"
+                            f"{client.hint(first)}") from None
