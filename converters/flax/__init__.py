@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ffn_tools.clients import NoClient
 from ffn_tools.formats import Format
 from ffn_tools.io.dtypes import parse_user_dtype
 from ffn_tools.io.store import Checkpoint
@@ -54,8 +53,14 @@ class Flax(Format):
     def export(self, ckpt: Checkpoint, out: Path, **options) -> dict:
         return export(ckpt, out, **options)
 
+    def recipe(self, ckpt: Checkpoint, dtype: str | None, quantized: bool) -> dict | None:
+        """Its dtype (Flax trees are not quantized here); the hf layout only (linen holds FFNs only)."""
+        return {"dtype": dtype} if dtype and getattr(ckpt, "layout", "hf") == "hf" and not quantized else None
+
     def client(self):
-        return NoClient("flax", "no client loads Flax checkpoints here (transformers 5 has no Flax)", ("jax",))
+        from .client import FlaxWeights
+
+        return FlaxWeights()
 
 
 FORMAT = Flax()

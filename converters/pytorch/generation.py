@@ -29,6 +29,14 @@ def generate(path: Path, prompts: list[str], new_tokens: int, score, dtype) -> G
     hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = cast(Any, AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype) if dtype else "auto"))
+    return run("transformers", model, tokenizer, prompts, new_tokens, score)
+
+
+def run(name: str, model, tokenizer, prompts: list[str], new_tokens: int, score) -> Generation:
+    """``prompts`` through a transformers ``model`` and ``tokenizer`` (see the module docstring), as client
+    ``name``."""
+    import torch
+
     model.eval()
     ids, templated = hf_prompt_ids(tokenizer, prompts)
     eos = eos_ids(model.generation_config.eos_token_id)
@@ -36,7 +44,7 @@ def generate(path: Path, prompts: list[str], new_tokens: int, score, dtype) -> G
         if score is None:
             score = [greedy(p, new_tokens, set(eos), _stepper(model)) for p in ids]
         logits = [model(torch.tensor([s])).logits[0].float().numpy() for s in score]
-    return Generation("transformers", ids, templated, eos, [list(s) for s in score], [len(p) for p in ids], logits,
+    return Generation(name, ids, templated, eos, [list(s) for s in score], [len(p) for p in ids], logits,
                       pieces(lambda t: tokenizer.decode([t]), score, logits))
 
 

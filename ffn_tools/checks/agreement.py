@@ -32,8 +32,8 @@ class Profile:
 PROFILES = {
     "strict": Profile("strict", 1.0, 0.0, 0, "no statistic above its floor: bit-identical logits where the floor is A "
                                              "run again"),
-    "standard": Profile("standard", 2.0, 1e-5, 1, "fails above 2x the floor + 1e-5 nats / 1 position"),
-    "relaxed": Profile("relaxed", 5.0, 1e-3, 3, "fails above 5x the floor + 1e-3 nats / 3 positions"),
+    "standard": Profile("standard", 2.0, 1e-7, 1, "fails above 2x the floor + 1e-7 nats / 1 position"),
+    "relaxed": Profile("relaxed", 5.0, 1e-5, 3, "fails above 5x the floor + 1e-5 nats / 3 positions"),
 }
 DEFAULT_PROFILE = "standard"
 

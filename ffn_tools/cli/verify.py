@@ -68,7 +68,7 @@ b_layout_options = layout_options_for(
               help="With --generate: greedy tokens generated per prompt (A's continuation, which B is scored on).")
 @click.option("--profile", type=click.Choice(PROFILE_NAMES), default="standard", show_default=True,
               help="With --generate: how far above its noise floor a statistic may be. strict: not at all (B's "
-                   "logits as the floor's); standard: 2x + 1e-5 nats / 1 position; relaxed: 5x + 1e-3 nats / 3 "
+                   "logits as the floor's); standard: 2x + 1e-7 nats / 1 position; relaxed: 5x + 1e-5 nats / 3 "
                    "positions. Prompts tokenized otherwise or stopping otherwise fail above the floor's count in "
                    "every profile.")
 @click.option("--allow-unmatched", is_flag=True, help="Pass even when tensors that look like FFN projections "
