@@ -24,6 +24,12 @@ def visible() -> bool:
     return _enabled and sys.stderr.isatty()
 
 
+def say(line: str) -> None:
+    """One line on stderr, unless --quiet: what a long step is about to cost, before it starts."""
+    if _enabled:
+        print(line, file=sys.stderr, flush=True)
+
+
 class Progress:
     """Counts bytes done out of a total: redraws one line at most 10 times a second on a terminal, writes a
     line every ``LINE_EVERY`` seconds elsewhere."""

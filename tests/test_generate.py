@@ -245,10 +245,12 @@ def test_cli_generate_json_and_prompts(chatty, tmp_path):
     (tmp_path / "p.txt").write_text("Hello there\nHow are you?\n")
     r = run_cli("verify", chatty, chatty, "--generate", "--prompts", tmp_path / "p.txt", "--new-tokens", "4",
                 "--profile", "strict", "--json")
-    g = json.loads(r.output)["generation"]
+    g = json.loads(r.stdout)["generation"]
+    assert "--generate: 2 prompts, up to 4 new tokens each" in r.stderr  # the cost, said before it starts
     assert len(g["prompts"]) == 2 and g["profile"] == "strict" and g["new_tokens"] == 4
     assert g["statistics"]["kl_ab_max"] == 0 and g["passed"]
     assert all(len(p["continuation"]) <= 4 for p in g["prompts"])
+    assert g["cost"]["forward_passes"] == 2 * (4 + 3) and "2 prompts, up to 4 new tokens each" in g["cost"]["words"]
     out = run_cli("verify", chatty, chatty, "--generate", "--new-tokens", "2").output
     assert "verdict: within the floor" in out and out.count("  prompt ") == len(PROMPTS)
 
@@ -274,3 +276,12 @@ def test_cli_profiles_are_the_checks():
     from ffn_tools.cli.verify import PROFILE_NAMES
 
     assert set(PROFILE_NAMES) == set(PROFILES)
+
+
+def test_a_dtype_change_is_held_against_a_in_that_dtype(chatty, tmp_path):
+    b = tmp_path / "b"
+    api.convert(chatty, "torch", b, dtype="float32")
+    report = api.verify(chatty, b, generate=True, new_tokens=4)
+    g = _gen(report)
+    assert report.passed and g["floor"] == "A computed in B's dtype float32 by transformers"
+    assert g["statistics"]["kl_ab_mean"] == pytest.approx(g["floor_statistics"]["kl_ab_mean"], rel=1e-6)

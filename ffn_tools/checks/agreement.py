@@ -82,6 +82,7 @@ class AgreementResult(Check):
     judged: list[dict] = field(default_factory=list)  # per statistic: value, floor, allowed, passed
     prompts: list[dict] = field(default_factory=list)  # per prompt: its figures, divergence, stops, tokens
     not_judged: str | None = None  # why there is no floor to judge against (the statistics are still reported)
+    cost: dict = field(default_factory=dict)  # what it was to cost, said before it started
 
     def judge(self) -> None:
         """Each statistic against its floor under the profile; a failure per statistic above it."""
@@ -140,7 +141,7 @@ class AgreementResult(Check):
         return {**super().as_dict(), "clients": list(self.clients), "profile": self.profile,
                 "new_tokens": self.new_tokens, "positions": self.positions, "floor": self.floor,
                 "floor_client": self.floor_client, "statistics": self.stats, "floor_statistics": self.floor_stats,
-                "judged": self.judged, "prompts": self.prompts, "not_judged": self.not_judged}
+                "judged": self.judged, "prompts": self.prompts, "not_judged": self.not_judged, "cost": self.cost}
 
 
 def _num(x: float) -> str:

@@ -26,10 +26,12 @@ import numpy as np
 from ..checks.agreement import PROFILES, AgreementResult
 from ..clients import Client, Generation
 from ..errors import FFNToolsError
+from ..progress import say
 
 log = logging.getLogger(__name__)
 
 CONTEXT = 4  # tokens of A's continuation shown before a divergence
+PROMPT_GUESS = 48  # tokens a chat-templated built-in prompt takes, for the cost said before it starts
 SHOWN = 40  # characters of a prompt shown
 
 
@@ -159,8 +161,8 @@ def run_generation(a, b, ca, cb, clients: tuple[Client, Client], recipe: dict | 
     if profile not in PROFILES:
         raise FFNToolsError(f"--profile {profile!r}: use one of {', '.join(PROFILES)}")
     res = AgreementResult(clients=(clients[0].name, clients[1].name), profile=profile, new_tokens=new_tokens)
-    log.info("generation: %d prompts, up to %d new tokens: A by %s, B and the floor scored on A's sequences",
-             len(prompts), new_tokens, clients[0].name)
+    res.cost = cost(ca, cb, prompts, new_tokens)
+    say(f"--generate: {res.cost['words']}")
     ga = _run(clients[0], Path(a), "A", prompts, new_tokens)
     gb = _run(clients[1], Path(b), "B", prompts, new_tokens, ga.sequences)
     res.stats, res.prompts, res.positions = statistics(prompts, ga, gb)
@@ -176,6 +178,25 @@ def run_generation(a, b, ca, cb, clients: tuple[Client, Client], recipe: dict | 
         res.floor_stats, _, _ = statistics(prompts, ga, gf)
     res.judge()
     return res
+
+
+def cost(ca, cb, prompts: list[str], new_tokens: int) -> dict:
+    """What --generate will cost, said before it starts: three models loaded one after another (A, B, the floor
+    A' in B's form: about B's size), one forward pass per token of A's continuations on A and a pass over each
+    whole sequence on each side, and the logits kept (float32, per position and vocabulary entry)."""
+    from ..sizes import human
+
+    vocab = int((ca.config or {}).get("vocab_size") or 0)
+    positions = len(prompts) * (PROMPT_GUESS + new_tokens)
+    logits = 3 * positions * vocab * 4
+    largest = max(ca.total_bytes, cb.total_bytes)
+    return {"models_bytes": [ca.total_bytes, cb.total_bytes, cb.total_bytes], "logits_bytes": logits,
+            "forward_passes": len(prompts) * (new_tokens + 3),
+            "words": (f"{len(prompts)} prompts, up to {new_tokens} new tokens each: A ({human(ca.total_bytes)}), B "
+                      f"({human(cb.total_bytes)}) and the floor (about B's size) loaded one at a time, {len(prompts)} x "
+                      f"({new_tokens} + 3) forward passes; peak memory about {human(largest)} plus "
+                      f"{human(logits)} of logits (prompts of ~{PROMPT_GUESS} tokens); where B's form differs from "
+                      "A's, the floor is written to a temporary directory first (about B's size)")}
 
 
 def _run(client: Client, path: Path, side: str, prompts, new_tokens, score=None, dtype=None) -> Generation:
