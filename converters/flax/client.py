@@ -33,7 +33,7 @@ class FlaxWeights(NoClient):
         from . import FORMAT
 
         with FORMAT.open(Path(path)) as view:
-            config = transformers.AutoConfig.for_model(**view.config)
+            config = transformers.AutoConfig.for_model(**(view.config or {}))
             model: Any = transformers.AutoModelForCausalLM.from_config(config)
             state = {n: view[n] for n in view}
         problems = []

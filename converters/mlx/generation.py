@@ -16,7 +16,7 @@ def generate(path: Path, prompts: list[str], new_tokens: int, score, dtype) -> G
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    model, tokenizer = load(str(path))
+    model, tokenizer = load(str(path))[:2]  # (model, tokenizer[, config]) as mlx_lm's return_config says
     if dtype is not None:
         model.set_dtype(getattr(mx, dtype))
     ids, templated = hf_prompt_ids(tokenizer, prompts)

@@ -65,7 +65,10 @@ def statistics(prompts: list[str], a: Generation, b: Generation) -> tuple[dict, 
         ta, tb = la.argmax(-1), lb.argmax(-1)
         t5a, t5b = _top5(la), _top5(lb)
         overlap = np.array([len(set(x) & set(y)) / t5a.shape[1] for x, y in zip(t5a.tolist(), t5b.tolist())])
-        kl_ab.append(ab), kl_ba.append(ba), top1.append(ta == tb), top5.append(overlap)
+        kl_ab.append(ab)
+        kl_ba.append(ba)
+        top1.append(ta == tb)
+        top5.append(overlap)
         start = a.starts[i]
         cont = seq[start:]
         div = next((k for k in range(len(cont)) if int(tb[start - 1 + k]) != cont[k]), None)
