@@ -184,7 +184,7 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
             try:
                 clients = (client_for(ca, "A"), client_for(cb, "B"))
             except FFNToolsError as e:
-                blocked = str(e)
+                blocked = str(e) if logits else str(e).replace("--logits:", "--generate:", 1)
         # first: a missing client is could-not-run (exit 2) before any work
         load = client.load_check(cb.stored) if load_check else None
         if kernels is None:  # the reference and B's runtime's kernels
@@ -238,14 +238,15 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
         run_logits(report, a, b, ca, cb, clients, fa.activation.function if fa else None, atol, rtol, seed)
     else:
         report.logits_skipped = "--logits runs both whole models through their clients"
-    report.generation = _generation(report, a, b, ca, cb, clients, recipe, prompt_texts, new_tokens, profile,
+    report.generation = _generation(report, a, b, ca, cb, clients, recipe, allow_config, prompt_texts, new_tokens,
+                                    profile,
                                     skip=None if generate else "--generate runs both models on prompts through "
                                     "their clients", blocked=blocked or no_logits, refused=refused)
     return report
 
 
-def _generation(report: VerifyReport, a, b, ca, cb, clients, recipe, prompts, new_tokens, profile, *, skip, blocked,
-                refused) -> AgreementResult:
+def _generation(report: VerifyReport, a, b, ca, cb, clients, recipe, allow_config, prompts, new_tokens, profile, *,
+                skip, blocked, refused) -> AgreementResult:
     """``verify --generate`` (``generate.run_generation``), or why it did not run; a client that cannot run its
     model here leaves the report incomplete, saying why."""
     why = skip or blocked or ("B's client cannot build B (the load check's failure)" if refused else None)
@@ -254,7 +255,8 @@ def _generation(report: VerifyReport, a, b, ca, cb, clients, recipe, prompts, ne
     from .generate import run_generation
 
     try:
-        res = run_generation(a, b, ca, cb, clients, recipe, report.a.get("dtype"), prompts, new_tokens, profile)
+        res = run_generation(a, b, ca, cb, clients, recipe, report.a.get("dtype"), prompts, new_tokens, profile,
+                             allow_config)
         if res.not_judged:  # the statistics are reported; with no floor they are no verdict
             report.incomplete.append(f"--generate: not judged: {res.not_judged}")
         return res

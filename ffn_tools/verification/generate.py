@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -129,10 +130,11 @@ def _tokens_differ(i: int, text: str, a: Generation, b: Generation) -> str:
 
 
 def floor_side(a: Path, ca, cb, recipe: dict | None, a_dtype: str | None, clients: tuple[Client, Client],
-               tmp: Path) -> tuple[Path, Client, str | None, str] | str:
+               tmp: Path, allow_config: Sequence[str] = ()) -> tuple[Path, Client, str | None, str] | str:
     """A' (see the module docstring): (its path, the client that runs it, the dtype to compute in, how it was
     made in words), or why there is none. ``recipe``: B's form as ``convert`` options (``Format.recipe``);
-    ``a_dtype``: A's weights' dtype."""
+    ``a_dtype``: A's weights' dtype; ``allow_config``: the settings verify accepts differing, which the floor's
+    conversion accepts too."""
     fa, fb = ca.format, cb.format
     if recipe is None:
         return f"B's form ({cb.described}) cannot be re-derived from A here"
@@ -147,14 +149,15 @@ def floor_side(a: Path, ca, cb, recipe: dict | None, a_dtype: str | None, client
     words = ", ".join(f"{k} {v}" for k, v in recipe.items() if v is not None and v is not True)
     log.info("re-deriving B's form from A for the noise floor (%s: %s)", fb.name, words)
     try:
-        convert(str(a), fb.name, out, **recipe)
+        convert(str(a), fb.name, out, allow_config=allow_config, **recipe)
     except FFNToolsError as e:
         return f"B's form ({fb.name}, {words}) could not be re-derived from A: {e}"
     return out, clients[1], None, f"A converted to B's form ({fb.name}, {words}) by ffn-tools, run by {clients[1].name}"
 
 
 def run_generation(a, b, ca, cb, clients: tuple[Client, Client], recipe: dict | None, a_dtype: str | None,
-                   prompts: list[str], new_tokens: int, profile: str) -> AgreementResult:
+                   prompts: list[str], new_tokens: int, profile: str,
+                   allow_config: Sequence[str] = ()) -> AgreementResult:
     """The check (see the module docstring). ``recipe``: B's form as ``convert`` options (``Format.recipe``);
     ``a_dtype``: A's weights' dtype.
 
@@ -170,7 +173,7 @@ def run_generation(a, b, ca, cb, clients: tuple[Client, Client], recipe: dict | 
     gb = _run(clients[1], Path(b), "B", prompts, new_tokens, ga.sequences)
     res.stats, res.prompts, res.positions = statistics(prompts, ga, gb)
     with tempfile.TemporaryDirectory(prefix="ffn-tools-floor-") as d:
-        side = floor_side(Path(a), ca, cb, recipe, a_dtype, clients, Path(d))
+        side = floor_side(Path(a), ca, cb, recipe, a_dtype, clients, Path(d), allow_config)
         if isinstance(side, str):
             res.not_judged = side
             res.floor_stats = {}
@@ -196,8 +199,8 @@ def cost(ca, cb, prompts: list[str], new_tokens: int) -> dict:
     return {"models_bytes": [ca.total_bytes, cb.total_bytes, cb.total_bytes], "logits_bytes": logits,
             "forward_passes": len(prompts) * (new_tokens + 3),
             "words": (f"{len(prompts)} prompts, up to {new_tokens} new tokens each: A ({human(ca.total_bytes)}), B "
-                      f"({human(cb.total_bytes)}) and the floor (about B's size) loaded one at a time, {len(prompts)} x "
-                      f"({new_tokens} + 3) forward passes; peak memory about {human(largest)} plus "
+                      f"({human(cb.total_bytes)}) and the floor (about B's size) loaded one at a time, "
+                      f"{len(prompts)} x ({new_tokens} + 3) forward passes; peak memory about {human(largest)} plus "
                       f"{human(logits)} of logits (prompts of ~{PROMPT_GUESS} tokens); where B's form differs from "
                       "A's, the floor is written to a temporary directory first (about B's size)")}
 
