@@ -119,7 +119,7 @@ class AgreementResult(Check):
                 f"{self.clients[0]} (A) vs {self.clients[1]} (B), {self.positions} positions): "
                 f"KL(A||B) mean {_num(s['kl_ab_mean'])} p99 {_num(s['kl_ab_p99'])} max {_num(s['kl_ab_max'])}, "
                 f"top-1 {1 - s['top1_disagreement']:.1%}, top-5 {1 - s['top5_disagreement']:.1%}")
-        rows = [head]
+        rows = [head, *[f"  note: {n}" for n in self.notes]]
         for p in self.prompts:
             rows.append(f"  prompt {p['index'] + 1} ({p['text_shown']}): KL mean {_num(p['kl_ab_mean'])} max "
                         f"{_num(p['kl_ab_max'])}, top-1 {p['top1']:.0%}; {p['divergence_words']}; {p['stops_words']}"

@@ -169,8 +169,8 @@ def run_generation(a, b, ca, cb, clients: tuple[Client, Client], recipe: dict | 
     res = AgreementResult(clients=(clients[0].name, clients[1].name), profile=profile, new_tokens=new_tokens)
     res.cost = cost(ca, cb, prompts, new_tokens)
     say(f"--generate: {res.cost['words']}")
-    ga = _run(clients[0], Path(a), "A", prompts, new_tokens)
-    gb = _run(clients[1], Path(b), "B", prompts, new_tokens, ga.sequences)
+    ga = _run(clients[0], Path(a), "A", prompts, new_tokens, notes=res.notes)
+    gb = _run(clients[1], Path(b), "B", prompts, new_tokens, ga.sequences, notes=res.notes)
     res.stats, res.prompts, res.positions = statistics(prompts, ga, gb)
     with tempfile.TemporaryDirectory(prefix="ffn-tools-floor-") as d:
         side = floor_side(Path(a), ca, cb, recipe, a_dtype, clients, Path(d), allow_config)
@@ -180,7 +180,7 @@ def run_generation(a, b, ca, cb, clients: tuple[Client, Client], recipe: dict | 
             return res
         path, client, dtype, res.floor = side
         res.floor_client = client.name
-        gf = _run(client, path, "A'", prompts, new_tokens, ga.sequences, dtype)
+        gf = _run(client, path, "A'", prompts, new_tokens, ga.sequences, dtype, res.notes)
         res.floor_stats, _, _ = statistics(prompts, ga, gf)
     res.judge()
     return res
@@ -205,12 +205,21 @@ def cost(ca, cb, prompts: list[str], new_tokens: int) -> dict:
                       "A's, the floor is written to a temporary directory first (about B's size)")}
 
 
-def _run(client: Client, path: Path, side: str, prompts, new_tokens, score=None, dtype=None) -> Generation:
+def _run(client: Client, path: Path, side: str, prompts, new_tokens, score=None, dtype=None,
+         notes: list[str] | None = None) -> Generation:
+    """``client.generate``; where the client cannot compute in the weights' dtype here but can in a wider one
+    (``Client.runs_instead``: MLX's CPU backend runs MoE layers in float32 only), in that one, said in
+    ``notes``."""
     try:
         return client.generate(path, prompts, new_tokens, score, dtype)
     except FFNToolsError:
         raise
     except Exception as e:  # the client's own errors: it cannot run the model here
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        raise FFNToolsError(f"--generate: {client.name} could not run {side} ({path}) here: {first}"
-                            f"{client.hint(first)}") from None
+        error = f"--generate: {client.name} could not run {side} ({path}) here: {first}"
+        wider = client.runs_instead(error) if dtype is None else None
+        if wider is None:
+            raise FFNToolsError(error + client.hint(first)) from None
+    if notes is not None:
+        notes.append(f"{client.name} ran {side} in {wider}: it cannot here in the weights' dtype ({first})")
+    return _run(client, path, side, prompts, new_tokens, score, wider)
