@@ -67,26 +67,40 @@ class Transformers(Client):
 
     def logits(self, path: Path, tokens, dtype: str | None = None):
         import torch
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
 
-        hf_logging.set_verbosity_error()  # loading problems are reported below, as failures
-        hf_logging.disable_progress_bar()
-        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype) if dtype else "auto",
-                                                      output_loading_info=True)
-        model, info = cast("tuple[Any, dict]", loaded)  # transformers types the model alone; the flag adds the dict
-        problems = [f"transformers: {what} {_clip(info.get(key) or [])}"
-                    for key, what in (("missing_keys", "initialised weights the checkpoint lacks:"),
-                                      ("unexpected_keys", "ignored weights it does not know:"),
-                                      ("mismatched_keys", "re-initialised weights of the wrong shape:"))
-                    if info.get(key)]
+        model, problems = load_model(path, dtype)
         with torch.no_grad():
             return model.eval()(tokens).logits.to(torch.float64), problems
 
     def generate(self, path: Path, prompts, new_tokens, score=None, dtype=None):
-        from .generation import generate
+        from transformers import AutoTokenizer
 
-        return generate(path, prompts, new_tokens, score, dtype)
+        from .generation import run
+
+        model, problems = load_model(path, dtype)
+        if problems:  # transformers would run weights it made up: that is not B
+            raise FFNToolsError("; ".join(problems))
+        return run(self.name, model, AutoTokenizer.from_pretrained(path), prompts, new_tokens, score)
+
+
+def load_model(path: Path, dtype: str | None):
+    """``AutoModelForCausalLM.from_pretrained`` in ``dtype`` (None: the config's), and what went wrong loading it
+    (weights missing, left over, of the wrong shape), as lines."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # loading problems are returned, as failures
+    hf_logging.disable_progress_bar()
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype) if dtype else "auto",
+                                                  output_loading_info=True)
+    model, info = cast("tuple[Any, dict]", loaded)  # transformers types the model alone; the flag adds the dict
+    problems = [f"transformers: {what} {_clip(info.get(key) or [])}"
+                for key, what in (("missing_keys", "initialised weights the checkpoint lacks:"),
+                                  ("unexpected_keys", "ignored weights it does not know:"),
+                                  ("mismatched_keys", "re-initialised weights of the wrong shape:"))
+                if info.get(key)]
+    return model, problems
 
 
 def _clip(items, n: int = 4) -> str:

@@ -1,13 +1,11 @@
-"""Prompts through transformers as a user runs a model with it: ``AutoTokenizer`` (its chat template),
-``AutoModelForCausalLM.from_pretrained`` in the config's dtype, greedy decoding with the KV cache, stopping at the
-ids of the model's ``generation_config`` (generation_config.json, else the config's ``eos_token_id``: what
-``generate`` stops at)."""
+"""Prompts through transformers as a user runs a model with it: ``AutoTokenizer`` (its chat template), the model
+``client.load_model`` loads (``from_pretrained`` in the config's dtype), greedy decoding with the KV cache,
+stopping at the ids of the model's ``generation_config`` (generation_config.json, else the config's
+``eos_token_id``: what ``generate`` stops at)."""
 
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
-from typing import Any, cast
 
 from ffn_tools.checks.prompts import greedy, hf_prompt_ids, pieces
 from ffn_tools.clients import Generation
@@ -18,18 +16,6 @@ def eos_ids(value) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
-
-
-def generate(path: Path, prompts: list[str], new_tokens: int, score, dtype) -> Generation:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = cast(Any, AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype) if dtype else "auto"))
-    return run("transformers", model, tokenizer, prompts, new_tokens, score)
 
 
 def run(name: str, model, tokenizer, prompts: list[str], new_tokens: int, score) -> Generation:

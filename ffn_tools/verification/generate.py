@@ -28,6 +28,7 @@ from ..checks.agreement import PROFILES, AgreementResult
 from ..clients import Client, Generation
 from ..errors import FFNToolsError
 from ..progress import say
+from .logits import could_not_run
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +216,7 @@ def _run(client: Client, path: Path, side: str, prompts, new_tokens, score=None,
     except FFNToolsError:
         raise
     except Exception as e:  # the client's own errors: it cannot run the model here
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        error = f"--generate: {client.name} could not run {side} ({path}) here: {first}"
+        error, first = could_not_run("--generate", client, side, path, e)
         wider = client.runs_instead(error) if dtype is None else None
         if wider is None:
             raise FFNToolsError(error + client.hint(first)) from None

@@ -61,15 +61,21 @@ def token_batch(vocab_size: int, seed: int, length: int | None = None) -> torch.
     return torch.randint(0, vocab_size, (BATCH[0], length or BATCH[1]), generator=gen)
 
 
+def could_not_run(flag: str, client: Client, side: str, path: Path, e: Exception) -> tuple[str, str]:
+    """A client's own error running a model (unknown model_type, ops missing on this device, ...) as the line
+    saying so, without the client's hint, and the error's first line."""
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    return f"{flag}: {client.name} could not run {side} ({path}) here: {first}", first
+
+
 def _run(client: Client, path: Path, side: str, tokens: torch.Tensor,
          dtype: str | None) -> tuple[torch.Tensor, list[str]]:
     """One client's logits; a client that cannot run the model here is trouble, not a difference."""
     try:
         return client.logits(path, tokens, dtype)
-    except Exception as e:  # the client's own errors: unknown model_type, ops missing on this device, ...
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        raise FFNToolsError(f"--logits: {client.name} could not run {side} ({path}) here: {first}"
-                            f"{client.hint(first)}") from None
+    except Exception as e:
+        line, first = could_not_run("--logits", client, side, path, e)
+        raise FFNToolsError(line + client.hint(first)) from None
 
 
 def compare_logits(a, b, clients: tuple[Client, Client], tol: Tolerance, seed: int, vocab: list,
