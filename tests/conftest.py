@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+os.environ.setdefault("PYTHONSAFEPATH", "1")  # children's `python -m`: no repository root first (ffn_tools.child)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests build every checkpoint locally: never wait on a hub
 if not torch.cuda.is_available():  # Triton runs through its interpreter; must be set before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")

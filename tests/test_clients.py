@@ -102,7 +102,7 @@ def test_qwen3_moe_without_norm_topk_prob_to_gguf(gguf_model, tmp_path):
 def test_renormalizing_is_no_difference_where_every_expert_is_chosen(gguf_model, tmp_path):
     """The softmax over all experts already sums to 1: with top-k = every expert the two clients' functions
     agree, and convert names no difference (a refusal there would be a false alarm)."""
-    import converters
+    from ffn_tools import converters
 
     cfg = json.loads((gguf_model("qwen3_moe") / "config.json").read_text())
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))

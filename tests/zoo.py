@@ -37,7 +37,8 @@ EXTRA: dict[str, dict] = {
              "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
              "ffn_config": {"ffn_hidden_size": I, "moe_num_experts": 4, "moe_top_k": 2}},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # its default leaves None
-    "zaya": {"num_experts_per_tok": 1},  # "ZAYA currently supports num_experts_per_tok=1 only"
+    "zaya": {"num_experts_per_tok": 1},
+    "kolibri1_1": {"index_num_heads": 2},  # at most the query heads per key head (4 // 2)  # "ZAYA currently supports num_experts_per_tok=1 only"
 }
 # case -> (model_type, settings): configurations of a type whose FFNs are another kind than at TINY's settings.
 VARIANTS: dict[str, tuple[str, dict]] = {

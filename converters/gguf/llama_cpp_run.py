@@ -29,8 +29,10 @@ def run(*args: str) -> None:
     import signal
     import subprocess
 
+    from ffn_tools.child import python_env
+
     proc = subprocess.run([sys.executable, "-m", "ffn_tools.converters.gguf.llama_cpp_run", *args],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=python_env())
     if proc.returncode < 0:
         name = signal.Signals(-proc.returncode).name
         raise RuntimeError(f"llama.cpp died of {name}" + (SIGILL_HINT if name == "SIGILL" else ""))

@@ -22,7 +22,6 @@ user's cache, where it is fetched once from the installed llama-cpp-python's sou
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ffn_tools import progress
+from ffn_tools.child import python_env
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.io.output import atomic_output
 from ffn_tools.io.store import Checkpoint
@@ -183,7 +183,7 @@ _warm: list[subprocess.Popen] = []  # the converter process ``warm`` started, un
 
 def _env() -> dict:
     root = llama_cpp_dir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "gguf-py"), *sys.path])}
+    env = python_env((str(root), str(root / "gguf-py")))
     env.pop("NO_LOCAL_GGUF", None)
     return env
 
