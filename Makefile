@@ -46,8 +46,13 @@ ifeq ($(ADOPT),)
 endif
 	touch $@
 
+# torchtitan: the anchor of the DCP tests (its state-dict adapters). Its wheel requires a training stack (datasets,
+# wandb, tensorboard, torchdata) the adapters never import: installed without those, with what they do import.
+TORCHTITAN := torchtitan==0.3.0 spmd_types==0.2.3
+
 $(DEV): $(BASE) $(LLAMA)
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps $(TORCHTITAN)
 	touch $@
 
 .PHONY: install demo test bench

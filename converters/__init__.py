@@ -4,6 +4,8 @@
     mlx       the model directories mlx_lm reads and writes         client: mlx_lm
     flax      flax.serialization msgpack trees (hf, linen layouts)  client: none here (transformers 5 has no Flax)
     gguf      llama.cpp's files                                     client: llama.cpp
+    dcp       torch.distributed.checkpoint dirs (torchtitan, FSDP) client: torch.distributed.checkpoint (load);
+                                                                    transformers runs its weights
     native    Meta's and Mistral's own layouts (read only)          client: none here
 
 ``FORMATS`` is the one table: name -> the module that defines its ``FORMAT``, imported on first use (a
@@ -23,8 +25,8 @@ from ffn_tools.formats import Format
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.io.readers import open_checkpoint
 
-FORMATS = {"torch": "pytorch", "mlx": "mlx", "flax": "flax", "gguf": "gguf", "native": "native"}
-WRITES = ("torch", "mlx", "flax", "gguf")  # the --to choices, known without importing a format (tested against
+FORMATS = {"torch": "pytorch", "mlx": "mlx", "flax": "flax", "gguf": "gguf", "dcp": "dcp", "native": "native"}
+WRITES = ("torch", "mlx", "flax", "gguf", "dcp")  # the --to choices, known without importing a format (tested against
 # each FORMAT's ``writes``)
 # Options whose command-line flags are not simply --the-name.
 FLAGS = {"scheme": "--scheme/--scheme-file/--gate/--up/--down", "layout": "--layout/--order/--tp"}

@@ -26,13 +26,17 @@ class FlaxWeights(NoClient):
             raise FFNToolsError(f"--logits/--generate: {side} ({ckpt.path}) is not a Flax model directory of the "
                                 "hf layout with a config.json naming its model_type; no client here runs it")
 
+    def view(self, path: Path):
+        """The checkpoint at ``path`` as its format's view presents it (Hugging Face names and orientation)."""
+        from . import FORMAT
+
+        return FORMAT.open(Path(path))
+
     def _model(self, path: Path, dtype: str | None):
         import torch
         import transformers
 
-        from . import FORMAT
-
-        with FORMAT.open(Path(path)) as view:
+        with self.view(path) as view:
             config = transformers.AutoConfig.for_model(**(view.config or {}))
             model: Any = transformers.AutoModelForCausalLM.from_config(config)
             state = {n: view[n] for n in view}
@@ -40,9 +44,9 @@ class FlaxWeights(NoClient):
         missing, unexpected = model.load_state_dict(state, strict=False)
         tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
         if set(missing) - tied:
-            problems.append(f"{NAME}: weights the checkpoint lacks: {sorted(set(missing) - tied)[:4]}")
+            problems.append(f"{self.name}: weights the checkpoint lacks: {sorted(set(missing) - tied)[:4]}")
         if unexpected:
-            problems.append(f"{NAME}: weights its class does not know: {sorted(unexpected)[:4]}")
+            problems.append(f"{self.name}: weights its class does not know: {sorted(unexpected)[:4]}")
         if tied:
             model.tie_weights()
         dt = getattr(torch, dtype) if dtype else next(iter(state.values())).dtype
@@ -63,4 +67,4 @@ class FlaxWeights(NoClient):
         model, problems = self._model(path, dtype)
         if problems:
             raise FFNToolsError("; ".join(problems))
-        return run(NAME, model, AutoTokenizer.from_pretrained(path), prompts, new_tokens, score)
+        return run(self.name, model, AutoTokenizer.from_pretrained(path), prompts, new_tokens, score)

@@ -107,8 +107,11 @@ class Group(click.Group):
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("-q", "--quiet", is_flag=True, help="Print only results and errors; no progress.")
 @click.option("-v", "--verbose", is_flag=True, help="Log what is being done.")
+@click.option("--config", "config", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+              help="config.json of checkpoints that carry none (a training run's DCP checkpoint): without it one is "
+                   "inferred from the shapes, and what was assumed is said.")
 @click.version_option(package_name="ffn-tools")
-def cli(quiet: bool, verbose: bool) -> None:
+def cli(quiet: bool, verbose: bool, config: str | None) -> None:
     """Split, fuse, convert and verify the gated feed-forward weights of LLM checkpoints.
 
     Reads the checkpoints of every gated model family transformers ships (Llama, Mistral, Qwen, Phi-3,
@@ -121,8 +124,11 @@ def cli(quiet: bool, verbose: bool) -> None:
     143 terminated (SIGTERM), 129 hung up (SIGHUP): the temporary output is removed, and under --json
     stdout says {"error": "interrupted"}.
     """
+    from ..io.store import give_config
+
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
     progress.set_enabled(not quiet)
+    give_config(Path(config) if config else None)
 
 
 @cli.command()
@@ -251,7 +257,7 @@ def _quantize_value(ctx, param, value):
 @click.argument("path", type=CHECKPOINT, required=False)
 @click.option("--hf-path", "--model", "hf_path", type=CHECKPOINT, help="The input, as mlx_lm.convert names it "
               "(instead of PATH).")
-@click.option("--to", "to", type=click.Choice(("torch", "mlx", "flax", "gguf")),
+@click.option("--to", "to", type=click.Choice(("torch", "mlx", "flax", "gguf", "dcp")),
               help="Output format (mlx when --mlx-path is given).")
 @click.option("-o", "--out", type=click.Path(), help="Output directory (a .gguf file for --to gguf).")
 @click.option("--outtype", type=click.Choice(GGUF_OUTTYPES, case_sensitive=False), metavar="TYPE",
@@ -291,6 +297,11 @@ def _quantize_value(ctx, param, value):
               "or -q it stays quantized, copied as it is, as mlx_lm.convert keeps it; refused with -q, as in mlx_lm.")
 @click.option("--flax-layout", type=click.Choice(("hf", "linen")),
               help="Flax only: hf = the Hugging Face Flax parameter tree (default); linen = FFNs as nn.Dense gate/up/down.")
+@click.option("--dcp-naming", type=click.Choice(("torchtitan", "hf")), help="DCP only: torchtitan = the keys of "
+              "torchtitan's model of the architecture, as its state-dict adapter maps Hugging Face names (default; "
+              "Llama, Qwen3, Qwen3-MoE); hf = the Hugging Face names as they are.")
+@click.option("--dcp-ranks", type=click.IntRange(min=1), help="DCP only: the world size the output is sharded for "
+              "(default 1): each tensor cut along dim 0, one __R_0.distcp per rank.")
 @click.option("--dry-run", is_flag=True, help="Print every output tensor and how it is made (for mlx, what mlx_lm's "
               "model expects, checked); write nothing.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
@@ -304,8 +315,8 @@ def _quantize_value(ctx, param, value):
 @scheme_options
 @layout_options
 def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, token_embedding_type, imatrix, mlx_path, dtype, quantize, q_bits, q_group_size, q_mode, quant_predicate,
-            dequantize, flax_layout, dry_run, force, allow_config, as_json, upload_repo, max_shard_size, scheme, layout):
-    """Convert the checkpoint at PATH to PyTorch safetensors, MLX, Flax msgpack or GGUF.
+            dequantize, flax_layout, dcp_naming, dcp_ranks, dry_run, force, allow_config, as_json, upload_repo, max_shard_size, scheme, layout):
+    """Convert the checkpoint at PATH to PyTorch safetensors, MLX, Flax msgpack, GGUF or DCP.
 
     The input may be any format ffn-tools reads. MLX output is what mlx_lm.convert writes for the same
     model: the parameters of mlx_lm's own model class (checked before anything is written), config.json,
@@ -325,6 +336,10 @@ def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, tok
 
     \b
         ffn-tools convert ./llama --to gguf -o llama-q4_k_m.gguf --outtype q4_k_m
+
+    DCP output is a torch.distributed.checkpoint directory (torchtitan's keys, or --dcp-naming hf) that
+    torch.distributed.checkpoint.load reads, config.json and the tokenizer beside it; a DCP input (a
+    torchtitan step-N directory) converts to any format, its training state left out.
 
     A quantized input (int4/int8 compressed-tensors, GPTQ, AWQ, MLX 4-bit, ModelOpt NVFP4) goes into GGUF from its
     codes, each weight in the type that holds it bit for bit; see --requantize. The scheme and layout options say
@@ -348,7 +363,7 @@ def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, tok
     r = run(path, to, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, quantize=quantize,
             q_bits=int(q_bits) if q_bits else None, q_group_size=int(q_group_size) if q_group_size else None,
             q_mode=q_mode, quant_predicate=quant_predicate, dequantize=dequantize or None, dry_run=dry_run or None,
-            flax_layout=flax_layout, outtype=outtype, requantize=requantize, output_tensor_type=output_tensor_type,
+            flax_layout=flax_layout, dcp_naming=dcp_naming, dcp_ranks=dcp_ranks, outtype=outtype, requantize=requantize, output_tensor_type=output_tensor_type,
             token_embedding_type=token_embedding_type, imatrix=imatrix, scheme=scheme, layout=layout, upload_repo=upload_repo,
             allow_config=allow_config)
     emit(r, as_json, [*(r.get("plan") or []), r["summary"], *r.get("changes", []), *uploaded(r)])

@@ -255,6 +255,34 @@ def read_config(root: Path) -> dict | None:
 
 
 
+_GIVEN: list[dict] = []  # the config ``ffn-tools --config FILE`` gave, for checkpoints that carry none
+
+
+def give_config(path: Path | None) -> None:
+    """Take config.json ``path`` as the config of checkpoints read without one (a training checkpoint's: DCP);
+    None forgets it.
+
+    Raises:
+        CheckpointError: the file is not a JSON object.
+    """
+    _GIVEN.clear()
+    if path is not None:
+        config = read_config(Path(path).parent) if Path(path).name == "config.json" else None
+        if config is None:
+            try:
+                config = json.loads(Path(path).read_text())
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"{path}: cannot read it as a config ({e})") from None
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{path}: not a JSON object")
+        _GIVEN.append(config)
+
+
+def given_config() -> dict | None:
+    """The config ``give_config`` took, or None."""
+    return _GIVEN[0] if _GIVEN else None
+
+
 def config_dtype(config: dict | None) -> str | None:
     """The dtype a config declares: the newer ``dtype`` key, else ``torch_dtype``."""
     if not config:

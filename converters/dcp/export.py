@@ -1,0 +1,123 @@
+"""DCP export as a plan: one ``Entry`` per key of the state dict written, run by ``plan.execute`` with ``DcpWriter``.
+
+``hf`` naming: every tensor under its own name (cast where ``--dtype`` asks). ``torchtitan`` naming: each Hugging
+Face tensor under its torchtitan name (``names``), q/k rows in torchtitan's rotary order where the family permutes
+them, and each layer's routed experts stacked into ``moe.experts.w1/w3/w2`` from their canonical weights (any
+stored form: one tensor per expert, or transformers 5's fused stacks), all pure moves. config.json and the
+tokenizer go beside ``.metadata`` (``torch.distributed.checkpoint.load`` reads only its own files), so the
+directory reads back as the same model.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+from ffn_tools.detect import find_ffns
+from ffn_tools.errors import FFNToolsError, SchemeError, listing
+from ffn_tools.ffn import canonical_weights
+from ffn_tools.io.store import Checkpoint
+from ffn_tools.plan import Entry, Plan, cast_entry, unquantized_config
+
+from ..native.layout import unpermute
+from .names import NAMINGS, family_of, stacked, to_titan
+from .writer import DcpWriter
+
+if TYPE_CHECKING:
+    import torch
+
+def _entry(ckpt: Checkpoint, name: str, key: str, dtype, heads: int | None) -> Entry:
+    base = cast_entry(ckpt, name, dtype)
+    if heads is None:
+        return Entry(key, base.dtype, base.shape, base.inputs, base.compute, base.pieces, f"{name}, {base.note}")
+
+    def compute(ts, cast=base.compute, heads=heads):
+        return unpermute(cast(ts), heads).contiguous()
+
+    return Entry(key, base.dtype, base.shape, base.inputs, compute, None,
+                 f"{name}, rows in torchtitan's rotary order ({heads} heads), {base.note}")
+
+
+def _experts(ckpt: Checkpoint, dtype, family: str) -> tuple[list[Entry], set[str]]:
+    """Each layer's routed experts as torchtitan's three stacks, and the Hugging Face tensors they take."""
+    try:
+        ffns = find_ffns(ckpt)
+    except SchemeError:
+        return [], set()
+    names = stacked(family)
+    layers: dict[int, list] = defaultdict(list)
+    for f in ffns.ffns:
+        if f.ref.kind == "expert":
+            layers[f.ref.layer].append(f)
+    if layers and not names:
+        raise FFNToolsError(f"{ckpt.path}: torchtitan's {family} model has no experts; write --dcp-naming hf")
+    entries, taken = [], set[str]()
+    for layer, experts in sorted(layers.items()):
+        experts.sort(key=lambda f: f.ref.expert)
+        inputs = tuple(dict.fromkeys(n for f in experts for n in f.names.values()))
+        if any(k.endswith("_bias") for f in experts for k in f.names):
+            raise FFNToolsError(f"layer {layer}'s experts have biases; torchtitan's experts have none: write "
+                                "--dcp-naming hf")
+        taken.update(inputs)
+        src = ckpt.info(experts[0].names.get("down"))
+        out = dtype if dtype is not None and src.dtype.is_floating_point else src.dtype
+        for role, template in names.items():
+            h, i = experts[0].d_model, experts[0].d_ffn
+            shape = (len(experts), h, i) if role == "down" else (len(experts), i, h)
+
+            def compute(ts, role=role, experts=experts, inputs=inputs, out=out):
+                import torch
+
+                named = dict(zip(inputs, ts))
+                return torch.stack([canonical_weights(named, f)[role].to(out) for f in experts])
+
+            entries.append(Entry(template.format(L=layer), out, shape, inputs, compute, None,
+                                 f"{role} of the {len(experts)} experts of layer {layer}, stacked"))
+    return entries, taken
+
+
+def build_plan(ckpt: Checkpoint, naming: str, dtype: torch.dtype | None) -> Plan:
+    """The plan of a DCP export (see the module docstring).
+
+    Raises:
+        FFNToolsError: unknown naming; for torchtitan, a model without a torchtitan naming here, or tensors its
+            naming has no name for (listed).
+    """
+    if naming not in NAMINGS:
+        raise FFNToolsError(f"unknown DCP naming {naming!r}; use one of {', '.join(NAMINGS)}")
+    config, _ = unquantized_config(ckpt.config, dtype)
+    if naming == "hf":
+        entries = [cast_entry(ckpt, n, dtype) for n in ckpt]
+        plan = Plan(ckpt, entries, config, summary={"naming": naming})
+        plan.changes = ["naming hf: every tensor under its Hugging Face name"]
+        return plan
+    if not ckpt.config or "model_type" not in ckpt.config:
+        raise FFNToolsError(f"{ckpt.path}: torchtitan's names depend on the architecture, and there is no config.json "
+                            "naming its model_type; give one with ffn-tools --config FILE, or write --dcp-naming hf")
+    family = family_of(ckpt.config)
+    heads = {"q": ckpt.config.get("num_attention_heads"),
+             "k": ckpt.config.get("num_key_value_heads") or ckpt.config.get("num_attention_heads")}
+    experts, taken = _experts(ckpt, dtype, family)
+    entries, unknown = [], []
+    for name in ckpt:
+        if name in taken:
+            continue
+        found = to_titan(name, family)
+        if found is None or found[0].stacked:
+            unknown.append(name)
+            continue
+        spec, where = found
+        entries.append(_entry(ckpt, name, spec.titan.format(**where), dtype,
+                              heads[spec.rotary] if spec.rotary else None))
+    if unknown:
+        raise FFNToolsError(f"{ckpt.path}: {len(unknown)} tensor(s) have no name in torchtitan's {family} model: "
+                            f"{listing(unknown)}; write them under their own names with --dcp-naming hf")
+    plan = Plan(ckpt, entries + experts, config, summary={"naming": naming, "family": family})
+    plan.changes = [f"naming torchtitan ({family}): Hugging Face names mapped as torchtitan's state-dict adapter "
+                    "maps them" + (", q/k rows in its rotary order" if family == "llama3" else "")
+                    + (f", {len({e.name.split('.')[1] for e in experts})} layers' experts stacked" if experts else "")]
+    return plan
+
+
+def writer(ranks: int) -> DcpWriter:
+    return DcpWriter(ranks)

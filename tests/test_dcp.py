@@ -1,0 +1,200 @@
+"""torch.distributed.checkpoint (DCP) read and write: tiny real transformers models converted to DCP in torchtitan's
+and Hugging Face's names, checked against torch's own ``dcp.load`` / ``dcp.save`` and torchtitan's own state-dict
+adapters (the anchor for the Hugging Face mapping), round trips bit for bit, and verify against the source."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pickle
+import shutil
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import transformers
+from helpers import assert_identical, run_cli, tensors, tree_digest, write_tokenizer
+
+from ffn_tools.converters import open_any
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def _hf_llama(path):
+    """Llama with torchtitan's llama3 debugmodel's attention (dim 256, 16 heads of 16): its adapter permutes q/k
+    over those heads."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=16, num_key_value_heads=16, dtype="bfloat16")
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    write_tokenizer(path, 128)
+    return path
+
+
+def _hf_qwen3_moe(path):
+    """Qwen3-MoE with torchtitan's qwen3 debugmodel_moe's 64 experts (its adapter stacks exactly that many)."""
+    torch.manual_seed(1)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=8,
+                                      num_experts=64, num_experts_per_tok=8, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, dtype="bfloat16")
+    transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    write_tokenizer(path, 128)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return _hf_llama(tmp_path_factory.mktemp("dcp") / "llama")
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    return _hf_qwen3_moe(tmp_path_factory.mktemp("dcp") / "qwen3moe")
+
+
+def _dcp_load(path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP directory, loaded by torch.distributed.checkpoint itself."""
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
+          if hasattr(v, "size")}
+    dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    return sd
+
+
+def _viewed(path) -> dict[str, torch.Tensor]:
+    with open_any(path) as c:
+        return {n: c[n].clone() for n in c}
+
+
+def _adapter(model: str, flavor: str):
+    importlib.import_module("tyro")  # torchtitan's package imports it (installed with torchtitan, see Makefile)
+    mod = importlib.import_module(f"torchtitan.models.{model}")
+    spec = mod.model_registry(flavor)
+    return spec.state_dict_adapter(spec.model, None)
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_llama_to_torchtitan_dcp_is_what_torchtitans_adapter_makes_and_comes_back_bit_exact(llama, tmp_path, ranks):
+    out = tmp_path / "dcp"
+    before = tree_digest(llama)
+    run_cli("convert", llama, "--to", "dcp", "-o", out, "--dcp-ranks", ranks)
+    assert tree_digest(llama) == before
+    assert sorted(p.name for p in out.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(ranks)]
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    loaded = _dcp_load(out)  # torch's own reader accepts it
+    hf = tensors(llama)
+    expected = _adapter("llama3", "debugmodel").from_hf(dict(hf))  # torchtitan's own mapping (permutes q/k)
+    assert_identical(loaded, {k: v.contiguous() for k, v in expected.items()})
+    if ranks > 1:  # sharded like FSDP's Shard(0): each rank a chunk of the rows
+        md = dcp.FileSystemReader(str(out)).read_metadata()
+        chunks = md.state_dict_metadata["layers.0.feed_forward.w1.weight"].chunks
+        assert [c.offsets[0] for c in chunks] == [0, 32, 64] and [c.sizes[0] for c in chunks] == [32, 32, 32]
+    back = tmp_path / "back"
+    run_cli("convert", out, "--to", "torch", "-o", back)
+    assert_identical(tensors(back), hf)
+    assert json.loads((back / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_qwen3_moe_experts_stack_as_torchtitan_stacks_them(qwen3_moe, tmp_path):
+    out = tmp_path / "dcp"
+    r = run_cli("--quiet", "convert", qwen3_moe, "--to", "dcp", "-o", out, "--json")
+    assert "2 layers' experts stacked" in r.stdout
+    loaded = _dcp_load(out)
+    assert tuple(loaded["layers.1.moe.routed_experts.inner_experts.w1_EFD"].shape) == (64, 8, 32)
+    assert tuple(loaded["layers.1.moe.routed_experts.inner_experts.w2_EDF"].shape) == (64, 32, 8)
+    hf = tensors(qwen3_moe)
+    expected = _adapter("qwen3", "debugmodel_moe").from_hf(dict(hf))
+    assert_identical(loaded, {k: v.contiguous() for k, v in expected.items()})
+    assert_identical(_viewed(out), hf)  # read back: one tensor per expert, as Hugging Face names them
+
+
+def test_a_checkpoint_torchtitan_saved_reads_with_its_training_state_left_out_and_config_assumed(llama, tmp_path):
+    """As torchtitan's CheckpointManager saves a step: the model's keys flat at the top level beside the optimizer,
+    the scheduler and the train state; written by dcp.save itself, torchtitan 0.2's names, no config.json."""
+    hf = tensors(llama)
+    titan = _adapter("llama3", "debugmodel").from_hf(dict(hf))
+    old = {k.replace("attention.qkv_linear.", "attention.").replace("lm_head.", "output."): v.contiguous()
+           for k, v in titan.items()}
+    state = {**old, "optimizer": {"state": {"layers.0.feed_forward.w1.weight": {"exp_avg": torch.zeros(3)}}},
+             "lr_scheduler": {"last_epoch": 5}, "train_state": {"step": 5}}
+    step = tmp_path / "step-5"
+    dcp.save(state, checkpoint_id=str(step), no_dist=True)
+    r = run_cli("convert", step, "--to", "torch", "-o", tmp_path / "guess")
+    assert "training-state key(s) not read as weights" in r.stderr
+    assert "assumed head_dim 128" in r.stderr and "--config" in r.stderr  # said, not silent
+    guessed = tensors(tmp_path / "guess")
+    assert not torch.equal(guessed["model.layers.0.self_attn.q_proj.weight"], hf["model.layers.0.self_attn.q_proj.weight"])
+    run_cli("--config", llama / "config.json", "convert", step, "--to", "torch", "-o", tmp_path / "given")
+    assert_identical(tensors(tmp_path / "given"), hf)
+
+
+def test_hf_naming_reads_torchs_own_save_and_writes_what_dcp_load_takes(llama, tmp_path):
+    hf = tensors(llama)
+    saved = tmp_path / "saved"
+    dcp.save({k: v.clone() for k, v in hf.items()}, checkpoint_id=str(saved), no_dist=True)
+    shutil.copy(llama / "config.json", saved / "config.json")
+    assert_identical(_viewed(saved), hf)
+    out = tmp_path / "out"
+    run_cli("convert", llama, "--to", "dcp", "--dcp-naming", "hf", "--dcp-ranks", 2, "-o", out)
+    assert_identical(_dcp_load(out), hf)
+
+
+def test_verify_passes_a_conversion_and_fails_gate_and_up_swapped(llama, tmp_path):
+    out = tmp_path / "dcp"
+    run_cli("convert", llama, "--to", "dcp", "-o", out)
+    r = run_cli("verify", llama, out, "--json")
+    report = json.loads(r.stdout)
+    assert report["passed"] is True
+    assert "torch.distributed.checkpoint" in json.dumps(report["load_check"])
+    swapped = tmp_path / "swapped"
+    sd = _dcp_load(out)
+    sd["layers.1.feed_forward.w1.weight"], sd["layers.1.feed_forward.w3.weight"] = (
+        sd["layers.1.feed_forward.w3.weight"], sd["layers.1.feed_forward.w1.weight"])
+    dcp.save(sd, checkpoint_id=str(swapped), no_dist=True)
+    shutil.copy(out / "config.json", swapped / "config.json")
+    r = run_cli("verify", llama, swapped, ok=None)
+    assert r.exit_code == 1 and "layer 1" in r.stdout
+
+
+def test_logits_run_the_dcp_weights_in_transformers(llama, tmp_path):
+    out = tmp_path / "dcp"
+    run_cli("convert", llama, "--to", "dcp", "-o", out)
+    r = run_cli("verify", llama, out, "--logits", "--json")
+    report = json.loads(r.stdout)
+    assert report["passed"] is True and "transformers (DCP weights)" in json.dumps(report)
+
+
+def test_refusals_say_what_is_wrong(llama, model_dir, tmp_path):
+    r = run_cli("convert", llama, "--to", "dcp", "-o", tmp_path / "a", "--max-shard-size", "1MB", ok=False)
+    assert "one file per rank" in r.output
+    r = run_cli("convert", model_dir("phi3"), "--to", "dcp", "-o", tmp_path / "b", ok=False)
+    assert "--dcp-naming hf" in r.output
+    run_cli("convert", model_dir("phi3"), "--to", "dcp", "--dcp-naming", "hf", "-o", tmp_path / "b")
+    assert_identical(_viewed(tmp_path / "b"), tensors(model_dir("phi3")))
+    r = run_cli("convert", llama, "--to", "mlx", "-o", tmp_path / "c", "--dcp-ranks", "2", ok=False)
+    assert "--dcp-ranks does not apply to --to mlx" in r.output
+
+
+def test_a_metadata_that_would_run_code_is_refused(llama, tmp_path):
+    out = tmp_path / "dcp"
+    run_cli("convert", llama, "--to", "dcp", "-o", out)
+
+    class Evil:
+        def __reduce__(self):
+            import os
+
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+
+    (out / ".metadata").write_bytes(pickle.dumps(Evil()))
+    r = run_cli("inspect", out, ok=False)
+    assert "posix.system is not something a DCP .metadata holds" in r.output
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_missing_rank_file_is_named(llama, tmp_path):
+    out = tmp_path / "dcp"
+    run_cli("convert", llama, "--to", "dcp", "--dcp-ranks", "2", "-o", out)
+    (out / "__1_0.distcp").unlink()
+    r = run_cli("inspect", out, ok=False)
+    assert "__1_0.distcp" in r.output
