@@ -138,7 +138,7 @@ def client_differences(ckpt: Checkpoint, target: Format) -> list[tuple[str, str]
     """(setting, sentence) for each setting the ``target`` format's client would run otherwise, from ``ckpt``'s
     config as the output carries it, than ``ckpt``'s own client runs it (``checks.semantics``)."""
     source, client = ckpt.format.client(), target.client()
-    if source.name == client.name or not ckpt.config:
+    if source.runtime == client.runtime or not ckpt.config:
         return []
     return differences(source.runs(source.config_of(ckpt)), client.runs(ckpt.config),
                        f"the input's client ({source.name})", f"the output's client ({client.name})", "would run",

@@ -104,6 +104,12 @@ class Client(ABC):
     tokenizes: ClassVar[bool] = False
     kernels: tuple[str, ...] = ()
 
+    @property
+    def runtime(self) -> str:
+        """The code that computes the model (``runs``): a client running another format's weights in transformers'
+        classes (Flax, DCP) runs as transformers does, so no setting differs between them."""
+        return self.name
+
     @abstractmethod
     def load_check(self, ckpt) -> LoadCheck:
         """Whether the client would load ``ckpt`` (as stored): every parameter provided, nothing left over.
@@ -130,7 +136,7 @@ class Client(ABC):
     def compare_runs(self, res: ConfigResult, ca, cb, allow: set) -> None:
         """Into ``res``: each setting A's client runs otherwise than this client runs B's (``semantics``)."""
         theirs = ca.format.client() if ca.format is not None else None
-        if theirs is None or theirs.name == self.name:
+        if theirs is None or theirs.runtime == self.runtime:
             return
         for key, line in differences(theirs.runs(ca.config or {}), self.runs(self.config_of(cb)),
                                      f"A's client ({theirs.name})", f"B's client ({self.name})",

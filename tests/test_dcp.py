@@ -198,3 +198,19 @@ def test_a_missing_rank_file_is_named(llama, tmp_path):
     (out / "__1_0.distcp").unlink()
     r = run_cli("inspect", out, ok=False)
     assert "__1_0.distcp" in r.output
+
+
+def test_a_chunk_saved_non_contiguous_reads_as_its_values(llama, tmp_path):
+    """A rank may save a transposed view (its storage in another order): its bytes are not the tensor in C order,
+    so it is read through torch.load, not copied as bytes."""
+    hf = tensors(llama)
+    name = "model.layers.0.mlp.down_proj.weight"
+    saved = {k: v.clone() for k, v in hf.items()}
+    saved[name] = hf[name].T.contiguous().T  # same values, column-major storage
+    assert not saved[name].is_contiguous()
+    dcp.save(saved, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    shutil.copy(llama / "config.json", tmp_path / "d" / "config.json")
+    with open_any(tmp_path / "d") as c:
+        assert c.info(name).start is None and c.info("model.layers.0.mlp.up_proj.weight").start is not None
+    run_cli("convert", tmp_path / "d", "--to", "torch", "-o", tmp_path / "back")
+    assert_identical(tensors(tmp_path / "back"), hf)

@@ -16,6 +16,7 @@ could not be inferred assumed and said (``assumed``).
 from __future__ import annotations
 
 import io
+import math
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,11 +24,12 @@ from typing import TYPE_CHECKING, Any
 from ffn_tools import progress
 from ffn_tools.errors import CheckpointError, listing
 from ffn_tools.io.dtypes import as_st
-from ffn_tools.io.store import Checkpoint, TensorInfo, given_config, read_config
+from ffn_tools.io.store import Checkpoint, TensorInfo, given_config, read_bytes, read_config
 
 from ..native.layout import permute
 from .metadata import METADATA, Chunk, Entry, read_metadata
 from .names import BUFFERS, family_of, to_hf
+from .torchsave import Stored, locate
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +45,12 @@ def _st(dtype: str | None) -> str:
     import torch
 
     return as_st(getattr(torch, str(dtype)))
+
+
+def _itemsize(dtype: str | None) -> int:
+    import torch
+
+    return getattr(torch, str(dtype)).itemsize
 
 
 def root_of(path: Path) -> Path:
@@ -93,13 +101,14 @@ class DcpCheckpoint(Checkpoint):
         if config is None and given is not None:
             config = dict(given)
         self._sources: dict[str, _Source] = {}
+        self._stored: dict[Chunk, Stored | None] = {}
         infos: dict[str, TensorInfo] = {}
         files = sorted({c.file for e in self.entries.values() for c in e.chunks}, key=lambda f: f.name)
         self.family = None
         if self.naming == "hf":
             for k in weights:
                 e = self.entries[k]
-                infos[k] = TensorInfo(k, _st(e.dtype), e.shape, e.chunks[0].file)
+                infos[k] = TensorInfo(k, _st(e.dtype), e.shape, e.chunks[0].file, self._start(e))
                 self._sources[k] = _Source(k)
         else:
             inner = {k.removeprefix(prefix): k for k in weights}
@@ -129,7 +138,10 @@ class DcpCheckpoint(Checkpoint):
                     raise CheckpointError(f"{root}: {key} needs the number of heads to put its rows in Hugging "
                                           "Face's rotary order; give a config.json with ffn-tools --config FILE")
                 e = self.entries[key]
-                infos[name] = TensorInfo(name, _st(e.dtype), shapes[name], e.chunks[0].file)
+                start = None if rotary else self._start(e)
+                if start is not None and x is not None:
+                    start += x * math.prod(shapes[name]) * _itemsize(e.dtype)  # expert x's rows of the stack
+                infos[name] = TensorInfo(name, _st(e.dtype), shapes[name], e.chunks[0].file, start)
                 self._sources[name] = _Source(key, expert=x, heads=h)
         if not infos:
             raise CheckpointError(f"{root}: no weights in this torch.distributed.checkpoint "
@@ -143,17 +155,44 @@ class DcpCheckpoint(Checkpoint):
             progress.say(f"{root}: no config.json; {'; '.join(self.assumed)}. Give the model's own with "
                          "ffn-tools --config FILE")
 
+    def _locate(self, c: Chunk, dtype: str | None) -> Stored | None:
+        """Where chunk ``c``'s bytes lie as the tensor, C-order (``torchsave.locate``), found once."""
+        if c not in self._stored:
+            with open(c.file, "rb") as f:
+                self._stored[c] = locate(f, c.start, c.length, _itemsize(dtype), c.sizes)
+        return self._stored[c]
+
+    def _start(self, e: Entry) -> int | None:
+        """The offset of tensor ``e``'s bytes in its file where one chunk holds all of it as stored: then they are
+        read with pread and copied by conversions as they are."""
+        if len(e.chunks) != 1 or tuple(e.chunks[0].sizes) != e.shape:
+            return None
+        stored = self._locate(e.chunks[0], e.dtype)
+        return stored.start if stored else None
+
+    def _load_chunk(self, c: Chunk, key: str, dtype: str | None) -> torch.Tensor:
+        """Chunk ``c`` of ``key``: its bytes read as they lie where ``locate`` finds them, else torch.load."""
+        import torch
+
+        stored = self._locate(c, dtype)
+        if stored is None:
+            return _load_chunk(c, key)
+        data = read_bytes(c.file, stored.start, stored.nbytes)
+        t = torch.frombuffer(data, dtype=getattr(torch, str(dtype))) if stored.nbytes else \
+            torch.empty(0, dtype=getattr(torch, str(dtype)))
+        return t.reshape(c.sizes)
+
     def _whole(self, key: str) -> torch.Tensor:
         """Tensor ``key`` assembled from its chunks."""
         import torch
 
         e: Entry = self.entries[key]
         if len(e.chunks) == 1 and tuple(e.chunks[0].sizes) == e.shape:
-            return _load_chunk(e.chunks[0], key)
+            return self._load_chunk(e.chunks[0], key, e.dtype)
         out = torch.empty(e.shape, dtype=getattr(torch, str(e.dtype)))
         covered = 0
         for c in e.chunks:
-            piece = _load_chunk(c, key)
+            piece = self._load_chunk(c, key, e.dtype)
             view = out
             for dim, (o, n) in enumerate(zip(c.offsets, c.sizes)):
                 view = view.narrow(dim, o, n)

@@ -54,7 +54,7 @@ class DcpWriter(Writer):
         export refuses it)."""
         import torch
 
-        files = [open(out_dir / rank_file(r), "wb") for r in range(self.ranks)]  # noqa: SIM115 - closed below
+        files = [open(out_dir / rank_file(r), "wb", buffering=0) for r in range(self.ranks)]  # noqa: SIM115
         written: list[tuple[str, str, tuple[int, ...], list[Chunk]]] = []
         try:
             for t in items:
@@ -87,9 +87,14 @@ def _tensor(t: OutTensor) -> torch.Tensor:
 
     payload = t.produce()
     if isinstance(payload, list):
-        data = bytearray()
-        for r in payload:
-            data += read_bytes(r.file, r.start, r.nbytes)
+        if len(payload) == 1:
+            data = read_bytes(payload[0].file, payload[0].start, payload[0].nbytes)
+        else:
+            data = bytearray(t.nbytes)
+            at = 0
+            for r in payload:
+                data[at: at + r.nbytes] = read_bytes(r.file, r.start, r.nbytes)
+                at += r.nbytes
         out = torch.frombuffer(data, dtype=torch_dtype(t.dtype)) if data else torch.empty(0, dtype=torch_dtype(t.dtype))
         return out.reshape(t.shape)
     return payload.contiguous()

@@ -26,6 +26,10 @@ class FlaxWeights(NoClient):
             raise FFNToolsError(f"--logits/--generate: {side} ({ckpt.path}) is not a Flax model directory of the "
                                 "hf layout with a config.json naming its model_type; no client here runs it")
 
+    @property
+    def runtime(self) -> str:
+        return "transformers"  # its weights run in transformers' classes
+
     def view(self, path: Path):
         """The checkpoint at ``path`` as its format's view presents it (Hugging Face names and orientation)."""
         from . import FORMAT
