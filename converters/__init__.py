@@ -6,6 +6,8 @@
     gguf      llama.cpp's files                                     client: llama.cpp
     dcp       torch.distributed.checkpoint dirs (torchtitan, FSDP) client: torch.distributed.checkpoint (load);
                                                                     transformers runs its weights
+    orbax     orbax.checkpoint dirs (Flax/JAX, MaxText)             client: orbax.checkpoint (load);
+                                                                    transformers runs its weights
     native    Meta's and Mistral's own layouts (read only)          client: none here
 
 ``FORMATS`` is the one table: name -> the module that defines its ``FORMAT``, imported on first use (a
@@ -25,8 +27,9 @@ from ffn_tools.formats import Format
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.io.readers import open_checkpoint
 
-FORMATS = {"torch": "pytorch", "mlx": "mlx", "flax": "flax", "gguf": "gguf", "dcp": "dcp", "native": "native"}
-WRITES = ("torch", "mlx", "flax", "gguf", "dcp")  # the --to choices, known without importing a format (tested against
+FORMATS = {"torch": "pytorch", "mlx": "mlx", "flax": "flax", "gguf": "gguf", "dcp": "dcp", "orbax": "orbax",
+           "native": "native"}
+WRITES = ("torch", "mlx", "flax", "gguf", "dcp", "orbax")  # the --to choices, known without importing a format (tested against
 # each FORMAT's ``writes``)
 # Options whose command-line flags are not simply --the-name.
 FLAGS = {"scheme": "--scheme/--scheme-file/--gate/--up/--down", "layout": "--layout/--order/--tp"}

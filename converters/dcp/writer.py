@@ -14,15 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ffn_tools.io.dtypes import torch_dtype
-from ffn_tools.io.store import read_bytes
-from ffn_tools.io.writer import OutTensor, Writer
+from ffn_tools.io.writer import OutTensor, Writer, produced_tensor
 
 from .metadata import METADATA, Chunk, write_metadata
 
 if TYPE_CHECKING:
-    import torch
-
     from ffn_tools.progress import Progress
 
 
@@ -58,7 +54,7 @@ class DcpWriter(Writer):
         written: list[tuple[str, str, tuple[int, ...], list[Chunk]]] = []
         try:
             for t in items:
-                whole = _tensor(t)
+                whole = produced_tensor(t)
                 chunks = []
                 cuts = row_chunks(t.shape[0], self.ranks) if t.shape else [(0, 1)]
                 for rank, (first, rows) in enumerate(cuts):
@@ -79,22 +75,3 @@ class DcpWriter(Writer):
                 f.close()
         write_metadata(out_dir, written)
         return [rank_file(r) for r in range(self.ranks)] + [METADATA]
-
-
-def _tensor(t: OutTensor) -> torch.Tensor:
-    """The tensor ``t`` produces (input byte ranges read into one)."""
-    import torch
-
-    payload = t.produce()
-    if isinstance(payload, list):
-        if len(payload) == 1:
-            data = read_bytes(payload[0].file, payload[0].start, payload[0].nbytes)
-        else:
-            data = bytearray(t.nbytes)
-            at = 0
-            for r in payload:
-                data[at: at + r.nbytes] = read_bytes(r.file, r.start, r.nbytes)
-                at += r.nbytes
-        out = torch.frombuffer(data, dtype=torch_dtype(t.dtype)) if data else torch.empty(0, dtype=torch_dtype(t.dtype))
-        return out.reshape(t.shape)
-    return payload.contiguous()

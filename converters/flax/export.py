@@ -37,7 +37,9 @@ def _out_dtype(st: str, dtype: torch.dtype | None) -> str:
     return as_st(dtype) if dtype is not None and st in FLOAT_ST else st
 
 
-def _hf_entry(ckpt: Checkpoint, name: str, dtype: torch.dtype | None) -> tuple[Entry, tuple[str, ...]]:
+def hf_entry(ckpt: Checkpoint, name: str, dtype: torch.dtype | None) -> tuple[Entry, tuple[str, ...]]:
+    """Tensor ``name`` as a leaf of the hf tree (cast to ``dtype``): its entry, named by tree path, and that path
+    (the Orbax export's hf layout writes the same tree)."""
     info = ckpt.info(name)
     path, transpose = tree.hf_path(name, len(info.shape))
     out = _out_dtype(info.st_dtype, dtype)
@@ -139,7 +141,7 @@ def build_plan(ckpt: Checkpoint, flax_layout: str, dtype: torch.dtype | None, sc
     facts: dict[str, object] = {"layout": flax_layout}
     config: dict | None
     if flax_layout == "hf":
-        pairs = [_hf_entry(ckpt, n, dtype) for n in ckpt]
+        pairs = [hf_entry(ckpt, n, dtype) for n in ckpt]
         entries, paths = [e for e, _ in pairs], [p for _, p in pairs]
         config = v4_config(unquantized_config(ckpt.config, dtype)[0])
     else:

@@ -257,7 +257,7 @@ def _quantize_value(ctx, param, value):
 @click.argument("path", type=CHECKPOINT, required=False)
 @click.option("--hf-path", "--model", "hf_path", type=CHECKPOINT, help="The input, as mlx_lm.convert names it "
               "(instead of PATH).")
-@click.option("--to", "to", type=click.Choice(("torch", "mlx", "flax", "gguf", "dcp")),
+@click.option("--to", "to", type=click.Choice(("torch", "mlx", "flax", "gguf", "dcp", "orbax")),
               help="Output format (mlx when --mlx-path is given).")
 @click.option("-o", "--out", type=click.Path(), help="Output directory (a .gguf file for --to gguf).")
 @click.option("--outtype", type=click.Choice(GGUF_OUTTYPES, case_sensitive=False), metavar="TYPE",
@@ -297,6 +297,9 @@ def _quantize_value(ctx, param, value):
               "or -q it stays quantized, copied as it is, as mlx_lm.convert keeps it; refused with -q, as in mlx_lm.")
 @click.option("--flax-layout", type=click.Choice(("hf", "linen")),
               help="Flax only: hf = the Hugging Face Flax parameter tree (default); linen = FFNs as nn.Dense gate/up/down.")
+@click.option("--orbax-layout", type=click.Choice(("hf", "maxtext")), help="Orbax only: hf = the Hugging Face Flax "
+              "tree (default); maxtext = MaxText's scanned decoder (layers stacked on axis 1, its query scaling; "
+              "Llama, Mistral, Mixtral, Qwen3, Qwen3-MoE).")
 @click.option("--dcp-naming", type=click.Choice(("torchtitan", "hf")), help="DCP only: torchtitan = the keys of "
               "torchtitan's model of the architecture, as its state-dict adapter maps Hugging Face names (default; "
               "Llama, Qwen3, Qwen3-MoE); hf = the Hugging Face names as they are.")
@@ -315,8 +318,8 @@ def _quantize_value(ctx, param, value):
 @scheme_options
 @layout_options
 def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, token_embedding_type, imatrix, mlx_path, dtype, quantize, q_bits, q_group_size, q_mode, quant_predicate,
-            dequantize, flax_layout, dcp_naming, dcp_ranks, dry_run, force, allow_config, as_json, upload_repo, max_shard_size, scheme, layout):
-    """Convert the checkpoint at PATH to PyTorch safetensors, MLX, Flax msgpack, GGUF or DCP.
+            dequantize, flax_layout, orbax_layout, dcp_naming, dcp_ranks, dry_run, force, allow_config, as_json, upload_repo, max_shard_size, scheme, layout):
+    """Convert the checkpoint at PATH to PyTorch safetensors, MLX, Flax msgpack, GGUF, DCP or Orbax.
 
     The input may be any format ffn-tools reads. MLX output is what mlx_lm.convert writes for the same
     model: the parameters of mlx_lm's own model class (checked before anything is written), config.json,
@@ -336,6 +339,9 @@ def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, tok
 
     \b
         ffn-tools convert ./llama --to gguf -o llama-q4_k_m.gguf --outtype q4_k_m
+
+    Orbax output is an item directory orbax.checkpoint restores (the Hugging Face Flax tree, or MaxText's
+    scanned decoder with --orbax-layout maxtext), written an array slab at a time.
 
     DCP output is a torch.distributed.checkpoint directory (torchtitan's keys, or --dcp-naming hf) that
     torch.distributed.checkpoint.load reads, config.json and the tokenizer beside it; a DCP input (a
@@ -363,7 +369,7 @@ def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, tok
     r = run(path, to, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, quantize=quantize,
             q_bits=int(q_bits) if q_bits else None, q_group_size=int(q_group_size) if q_group_size else None,
             q_mode=q_mode, quant_predicate=quant_predicate, dequantize=dequantize or None, dry_run=dry_run or None,
-            flax_layout=flax_layout, dcp_naming=dcp_naming, dcp_ranks=dcp_ranks, outtype=outtype, requantize=requantize, output_tensor_type=output_tensor_type,
+            flax_layout=flax_layout, orbax_layout=orbax_layout, dcp_naming=dcp_naming, dcp_ranks=dcp_ranks, outtype=outtype, requantize=requantize, output_tensor_type=output_tensor_type,
             token_embedding_type=token_embedding_type, imatrix=imatrix, scheme=scheme, layout=layout, upload_repo=upload_repo,
             allow_config=allow_config)
     emit(r, as_json, [*(r.get("plan") or []), r["summary"], *r.get("changes", []), *uploaded(r)])

@@ -185,6 +185,30 @@ class Writer:
 SAFETENSORS = Writer()
 
 
+def produced_tensor(t: OutTensor):
+    """The torch tensor ``t`` produces, contiguous (input byte ranges read into one): for writers of formats that
+    take tensors (DCP's ``torch.save``, Orbax's tensorstore)."""
+    import torch
+
+    from .dtypes import torch_dtype
+    from .store import read_bytes
+
+    payload = t.produce()
+    if not isinstance(payload, list):
+        return payload.contiguous()
+    if len(payload) == 1:
+        data = read_bytes(payload[0].file, payload[0].start, payload[0].nbytes)
+    else:
+        data = bytearray(t.nbytes)
+        at = 0
+        for r in payload:
+            data[at: at + r.nbytes] = read_bytes(r.file, r.start, r.nbytes)
+            at += r.nbytes
+    if not data:
+        return torch.empty(t.shape, dtype=torch_dtype(t.dtype))
+    return torch.frombuffer(data, dtype=torch_dtype(t.dtype)).reshape(t.shape)
+
+
 def copy_ranges(f, ranges: Sequence[ByteRange], sources: Sources, progress: Progress | None = None) -> None:
     """Append ``ranges`` of input files to the unbuffered binary file ``f`` (``copy_file_range`` where the system
     has it): for writers of other formats. ``sources`` caches the inputs it opens; the caller closes them."""

@@ -1,0 +1,80 @@
+"""Orbax format: the checkpoints ``orbax.checkpoint`` saves (Flax / JAX training, MaxText), read and written one array
+at a time through tensorstore, never restoring or saving the whole tree (``store``).
+
+Two layouts: ``hf``, the Hugging Face Flax tree as a Flax model's params save; ``maxtext``, MaxText's scanned decoder
+(``maxtext``: layers stacked on axis 1, its query scaling and rotary order). ``reader`` presents either with Hugging
+Face PyTorch names, ``export`` writes either from any checkpoint. Needs tensorstore and ml_dtypes (the ``flax``
+extra's orbax-checkpoint brings them). Round trips are bit-exact.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ffn_tools.errors import FFNToolsError
+from ffn_tools.formats import Format
+from ffn_tools.io.dtypes import parse_user_dtype
+from ffn_tools.io.store import Checkpoint
+from ffn_tools.plan import execute
+
+from .export import build_plan
+from .reader import LAYOUTS, OrbaxCheckpoint
+from .store import is_orbax
+
+__all__ = ["FORMAT", "LAYOUTS"]
+
+
+class Orbax(Format):
+    name, extra = "orbax", "flax"
+    options = frozenset({"orbax_layout", "dry_run"})
+    detect_order = 35
+
+    def can_read(self, path: Path) -> bool:
+        """An Orbax item directory (``_METADATA`` beside its arrays), a step directory or a CheckpointManager root."""
+        return Path(path).is_dir() and is_orbax(Path(path))
+
+    def read(self, path: Path, absent_shards: bool = False, like: Checkpoint | None = None) -> OrbaxCheckpoint:
+        """An Orbax checkpoint opened lazily with Hugging Face names.
+
+        Raises:
+            CheckpointError: no ``_METADATA``, arrays of no known name, arrays that do not open.
+        """
+        return OrbaxCheckpoint(Path(path))
+
+    def export(self, ckpt: Checkpoint, out: Path, **options) -> dict:
+        return export(ckpt, out, **options)
+
+    def recipe(self, ckpt: Checkpoint, dtype: str | None, quantized: bool) -> dict | None:
+        return None if quantized else {"dtype": dtype, "orbax_layout": getattr(ckpt, "layout", "hf")}
+
+    def client(self):
+        from .client import OrbaxClient
+
+        return OrbaxClient()
+
+
+FORMAT = Orbax()
+
+
+def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
+           max_shard_size: int | None = None, orbax_layout: str | None = None, dry_run: bool = False) -> dict:
+    """Write ``ckpt`` as an Orbax item directory (``_METADATA``, the OCDBT database) with config.json and the
+    tokenizer beside: what ``orbax.checkpoint``'s checkpointers restore (MaxText: point ``load_parameters_path`` at
+    it).
+
+    Args:
+        orbax_layout: "hf" (default: the Hugging Face Flax tree) or "maxtext" (MaxText's scanned decoder).
+        dry_run: plan only; ``plan`` in the summary lists every array (slab) and how it is made.
+
+    Raises:
+        FFNToolsError: --max-shard-size, an unknown layout, a model the layout has no place for.
+    """
+    if max_shard_size:
+        raise FFNToolsError("--max-shard-size does not apply to --to orbax: OCDBT sizes its own data files")
+    layout = orbax_layout or "hf"
+    plan, writer = build_plan(ckpt, layout, parse_user_dtype(dtype) if dtype else None)
+    out = Path(out)
+    files = [] if dry_run else execute(plan, out, force=force, desc=f"converting to orbax ({layout})", writer=writer)
+    summary = {"output": str(out), "format": "orbax", "layout": layout, "files": files, "tensors": len(plan.entries),
+               "bytes": plan.total_bytes, "changes": plan.changes}
+    return {**summary, "plan": plan.describe()} if dry_run else summary

@@ -1,0 +1,226 @@
+"""An Orbax checkpoint seen with Hugging Face names, one array (or one layer of it) at a time.
+
+Two layouts, recognised from the key paths:
+
+- ``hf``: the Hugging Face Flax tree (``converters.flax.tree``: ``model/layers/0/mlp/gate_proj/kernel`` = W.T), as
+  ``orbax.checkpoint`` saves a Flax model's params (under ``params/`` or not).
+- ``maxtext``: MaxText's decoder (``converters.orbax.maxtext``): each Hugging Face tensor is one layer's (and
+  expert's) slab of a scanned array. A slab is read alone where the array is chunked by layer (as ffn-tools writes
+  it); where one chunk holds every layer (as Orbax writes by default) the array is read once and kept while its
+  layers are read in turn: memory stays the largest array.
+
+config.json beside ``_METADATA`` (ffn-tools writes one) is the model's; else ``ffn-tools --config FILE``; else, for
+MaxText, one inferred from the shapes, with what was assumed said (MaxText keeps its model's settings in its YAML).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ffn_tools import progress
+from ffn_tools.errors import CheckpointError, listing
+from ffn_tools.io.dtypes import as_st
+from ffn_tools.io.store import Checkpoint, TensorInfo, config_dtype, given_config, read_config
+
+from ..flax import tree as flax_tree
+from . import maxtext as mt
+from .store import OrbaxTree, item_dir
+
+if TYPE_CHECKING:
+    import torch
+
+LAYOUTS = ("hf", "maxtext")
+
+
+def to_torch(a) -> torch.Tensor:
+    """A numpy array (bfloat16 as ml_dtypes') as a torch tensor of the same bits."""
+    import ml_dtypes
+    import numpy as np
+    import torch
+
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _dtype_name(numpy_name: str) -> str:
+    """A numpy dtype name ("bfloat16", "float32") as the store names dtypes ("BF16")."""
+    import torch
+
+    return as_st(getattr(torch, numpy_name))
+
+
+def layout_of(paths: list[tuple[str, ...]]) -> tuple[str, tuple[str, ...]]:
+    """(layout, prefix) of a tree's array paths: MaxText's (under ``params/params``, ``params`` or nothing) or the
+    Hugging Face Flax tree (under ``params`` or nothing)."""
+    for prefix in (mt.ROOT, mt.ROOT[:1], ()):
+        inner = [p[len(prefix):] for p in paths if p[: len(prefix)] == prefix]
+        if inner and len(inner) == len(paths) and any(p[:2] == ("decoder", "layers") or p[:1] == ("token_embedder",)
+                                                      for p in inner):
+            return "maxtext", prefix
+    strip = ("params",) if paths and all(p[:1] == ("params",) for p in paths) else ()
+    return "hf", strip
+
+
+class OrbaxCheckpoint(Checkpoint):
+    """See the module docstring.
+
+    Attributes:
+        layout: "hf" or "maxtext".
+        assumed: what the config took without reading it.
+    """
+
+    kind, described = "orbax", "an Orbax"
+
+    def __init__(self, path: Path):
+        root, step = item_dir(Path(path))
+        if step:
+            progress.say(step)
+        self.tree = OrbaxTree(root)
+        self.layout, self.prefix = layout_of(self.tree.paths)
+        config = read_config(root) or read_config(root.parent)
+        given = given_config()
+        if config is None and given is not None:
+            config = dict(given)
+        self.assumed: list[str] = []
+        self._sources: dict[str, tuple[Any, ...]] = {}
+        self._cache: tuple[tuple[str, ...], Any] | None = None
+        infos: dict[str, TensorInfo] = {}
+        file = root / "_METADATA"
+        if self.layout == "hf":
+            for keys in self.tree.paths:
+                shape, dtype = self.tree.shape_dtype(keys)
+                name, transposed = flax_tree.hf_name(keys[len(self.prefix):], len(shape), root)
+                infos[name] = TensorInfo(name, _dtype_name(dtype), shape[::-1] if transposed else shape, file)
+                self._sources[name] = ("hf", keys, transposed)
+        else:
+            found = self._maxtext_arrays()
+            if config is None:
+                config, self.assumed = infer_config(found, self.tree)
+            self.model = mt.Model.of(config)
+            hf_dtype = config_dtype(config)
+            for keys, params in found.items():
+                shape, dtype = self.tree.shape_dtype(keys)
+                for param in params:
+                    for name, where, slab in _slabs(param, shape):
+                        out = hf_dtype if (param.kind == "query" and hf_dtype) else dtype
+                        infos[name] = TensorInfo(name, _dtype_name(out), mt.hf_shape(param, slab), file)
+                        self._sources[name] = ("maxtext", keys, where, param, out)
+        super().__init__(path, root, [file], infos, {"format": "pt"}, config)
+        if self.assumed:
+            progress.say(f"{root}: no config.json; {'; '.join(self.assumed)}. Give the model's own with "
+                         "ffn-tools --config FILE")
+
+    def _maxtext_arrays(self) -> dict[tuple[str, ...], list[mt.Param]]:
+        """Each array of the tree and the Hugging Face tensors whose slabs it holds.
+
+        Raises:
+            CheckpointError: arrays of no known MaxText name (listed).
+        """
+        known: dict[tuple[str, ...], list[mt.Param]] = {}
+        for p in mt.PARAMS:
+            for block in set(mt.MOE_BLOCKS.values()):
+                known.setdefault(tuple(k.replace("{MOE}", block) for k in p.path), []).append(p)
+        found, unknown = {}, []
+        for keys in self.tree.paths:
+            inner = keys[len(self.prefix):]
+            if inner not in known:
+                unknown.append("/".join(keys))
+                continue
+            params = known[inner]
+            moe = [p for p in params if p.expert or "{MOE}" in p.path]
+            if moe:  # Mixtral's or Qwen3-MoE's names: by the block's name
+                mixtral = "MoeBlock_0" in inner
+                params = [p for p in params if (".block_sparse_moe." in p.hf) == mixtral]
+            found[keys] = params[:1]
+        if unknown:
+            raise CheckpointError(f"{self.tree.root}: {len(unknown)} array(s) of no MaxText name known here: "
+                                  f"{listing(unknown)}")
+        return found
+
+    def _array(self, keys: tuple[str, ...], where: tuple):
+        """Slab ``where`` of array ``keys``: read alone where chunks are per layer (and expert), else from the whole
+        array, read once and kept while its slabs are read."""
+        if not where:
+            return self.tree.read(keys)
+        chunk = self.tree.chunk(keys)
+        if chunk[1] == 1 and (chunk[0] == 1 or not isinstance(where[0], int)):
+            return self.tree.read(keys, where)
+        if self._cache is None or self._cache[0] != keys:
+            self._cache = None  # the previous array goes before this one is read
+            self._cache = (keys, self.tree.read(keys))
+        return self._cache[1][where]
+
+    def _read(self, info: TensorInfo) -> torch.Tensor:
+        import torch
+
+        src = self._sources[info.name]
+        if src[0] == "hf":
+            t = to_torch(self.tree.read(src[1]))
+            return t.T.contiguous() if src[2] else t
+        _, keys, where, p, out = src
+        slab = to_torch(self._array(keys, where))
+        return mt.from_slab(p, slab, self.model, getattr(torch, out)).contiguous()
+
+    def close(self) -> None:
+        self._cache = None
+
+
+def _slabs(p: mt.Param, shape: tuple[int, ...]):
+    """(Hugging Face name, index in the array, slab shape) of every slab of a MaxText array of ``shape``."""
+    if not p.scanned:
+        yield p.hf, (), shape
+        return
+    if p.expert:
+        experts, layers, rest = shape[0], shape[1], tuple(shape[2:])
+        for layer in range(layers):
+            for e in range(experts):
+                yield p.hf.format(L=layer, E=e), (e, layer), rest
+        return
+    layers = shape[1]
+    slab = (shape[0], *shape[2:])
+    for layer in range(layers):
+        yield p.hf.format(L=layer), (slice(None), layer), slab
+
+
+_ASSUMED = {"rope_theta": 10000.0, "rms_norm_eps": 1e-5}
+
+
+def infer_config(found: dict[tuple[str, ...], list[mt.Param]], tree: OrbaxTree) -> tuple[dict, list[str]]:
+    """A Hugging Face config.json for a MaxText tree from its shapes, and what was assumed."""
+    by_hf = {params[0].hf: tree.shape_dtype(keys) for keys, params in found.items()}
+    vocab, hidden = by_hf["model.embed_tokens.weight"][0]
+    q_shape, dtype = by_hf["model.layers.{L}.self_attn.q_proj.weight"]
+    k_shape = by_hf["model.layers.{L}.self_attn.k_proj.weight"][0]
+    _, layers, heads, head_dim = q_shape
+    qwen = "model.layers.{L}.self_attn.q_norm.weight" in by_hf
+    mixtral = "model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight" in by_hf
+    qwen_moe = "model.layers.{L}.mlp.experts.{E}.gate_proj.weight" in by_hf
+    model_type = "mixtral" if mixtral else ("qwen3_moe" if qwen_moe else "qwen3") if qwen else "llama"
+    config: dict[str, Any] = {
+        "model_type": model_type, "architectures": [{"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
+                                                     "qwen3": "Qwen3ForCausalLM",
+                                                     "qwen3_moe": "Qwen3MoeForCausalLM"}[model_type]],
+        "hidden_size": hidden, "vocab_size": vocab, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": k_shape[2], "head_dim": head_dim, "hidden_act": "silu", "dtype": dtype,
+        "tie_word_embeddings": "lm_head.weight" not in by_hf, **_ASSUMED}
+    assumed = [f"{k} {v}" for k, v in _ASSUMED.items()] + ["no Llama 3.1 rotary scaling (q/k not interleaved)"]
+    dense = by_hf.get("model.layers.{L}.mlp.gate_proj.weight")
+    if dense:
+        config["intermediate_size"] = dense[0][2]
+    expert = by_hf.get("model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight") or \
+        by_hf.get("model.layers.{L}.mlp.experts.{E}.gate_proj.weight")
+    if expert:
+        experts, _, _, inner = expert[0]
+        if mixtral:
+            config.update(num_local_experts=experts, intermediate_size=inner, num_experts_per_tok=2)
+        else:
+            config.update(num_experts=experts, moe_intermediate_size=inner, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1)
+            config.setdefault("intermediate_size", inner)
+        assumed.append(f"num_experts_per_tok {config['num_experts_per_tok']}")
+    if "model.layers.{L}.self_attn.q_proj.weight" in by_hf and not qwen:
+        assumed.append("the query kernel scaled by head_dim**-0.5, as MaxText's converters store it")
+    return config, [f"assumed {', '.join(assumed)} (MaxText keeps them in its YAML, not the checkpoint)"]
+
