@@ -196,3 +196,45 @@ def test_refusals_say_what_is_wrong(models, model_dir, tmp_path):
     r = run_cli("convert", models["llama"], "--to", "orbax", "--orbax-layout", "maxtext", "-o", tmp_path / "d",
                 "--dry-run")
     assert "params/params/decoder/layers/mlp/wi_0/kernel[2]" in r.stdout and not (tmp_path / "d").exists()
+
+
+def test_nnx_layout_is_a_state_nnx_linear_modules_take_and_run_as_transformers_runs_the_mlp(tmp_path):
+    """The FFNs as NNX states (biases included): an nnx module of three nnx.Linear takes layer 1's state with
+    nnx.update and computes what transformers' MLP computes; read back, the FFNs are the source's, bit for bit."""
+    from flax import nnx
+
+    torch.manual_seed(2)
+    src = _save(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, mlp_bias=True)), tmp_path / "src")
+    run_cli("convert", src, "--to", "orbax", "--orbax-layout", "nnx", "-o", tmp_path / "nnx")
+
+    class FFN(nnx.Module):
+        def __init__(self, rngs):
+            self.gate, self.up = nnx.Linear(64, 96, rngs=rngs), nnx.Linear(64, 96, rngs=rngs)
+            self.down = nnx.Linear(96, 64, rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(nnx.silu(self.gate(x)) * self.up(x))
+
+    module = FFN(nnx.Rngs(0))
+    target = {"layers_1": nnx.state(module)}
+    restored = ocp.StandardCheckpointer().restore(str(tmp_path / "nnx"), {"layers_0": nnx.state(module), **target})
+    state = jax_tree_map(lambda a: jnp.asarray(np.asarray(a).astype(np.float32)), restored["layers_1"])
+    nnx.update(module, state)
+    x = np.random.default_rng(3).standard_normal((3, 64)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(module(jnp.asarray(x))), _hf_mlp_out(src, 1, x), rtol=2e-5, atol=2e-6)
+    with open_any(tmp_path / "nnx") as c:
+        assert c.layout == "nnx"
+        viewed = {n: c[n].clone() for n in c}
+    hf = tensors(src)
+    for layer in (0, 1):
+        for role in ("gate", "up", "down"):
+            assert torch.equal(viewed[f"layers.{layer}.{role}.weight"], hf[f"model.layers.{layer}.mlp.{role}_proj.weight"])
+            assert torch.equal(viewed[f"layers.{layer}.{role}.bias"], hf[f"model.layers.{layer}.mlp.{role}_proj.bias"])
+
+
+def jax_tree_map(f, tree):
+    import jax
+
+    return jax.tree_util.tree_map(f, tree)

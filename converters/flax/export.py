@@ -96,7 +96,9 @@ def _linen_entries(ckpt: Checkpoint, f: FFN, dtype: torch.dtype | None, canonica
             yield Entry(tree_name(path), out_st, shape, inputs, compute, None, f"{key} of {f.ref} ({src}), {how}"), path
 
 
-def _linen(ckpt: Checkpoint, dtype: torch.dtype | None, scheme, layout) -> tuple[list, list, dict]:
+def linen(ckpt: Checkpoint, dtype: torch.dtype | None, scheme, layout) -> tuple[list, list, dict]:
+    """The linen layout's entries (named by tree path), their tree paths and its config.json (the FFNs' manifest):
+    the Orbax export's nnx layout writes the same FFN trees as NNX states."""
     ffns = find_ffns(ckpt, scheme, layout)
     mixed = []
     for f in ffns.ffns:
@@ -145,7 +147,7 @@ def build_plan(ckpt: Checkpoint, flax_layout: str, dtype: torch.dtype | None, sc
         entries, paths = [e for e, _ in pairs], [p for _, p in pairs]
         config = v4_config(unquantized_config(ckpt.config, dtype)[0])
     else:
-        entries, paths, linen_config = _linen(ckpt, dtype, scheme, layout)
+        entries, paths, linen_config = linen(ckpt, dtype, scheme, layout)
         facts["ffns"] = linen_config["ffn_tools_manifest"]["ffns"]
         config = linen_config
     writer = MsgpackWriter(paths)  # checked before anything is written

@@ -1,8 +1,10 @@
 """Orbax format: the checkpoints ``orbax.checkpoint`` saves (Flax / JAX training, MaxText), read and written one array
 at a time through tensorstore, never restoring or saving the whole tree (``store``).
 
-Two layouts: ``hf``, the Hugging Face Flax tree as a Flax model's params save; ``maxtext``, MaxText's scanned decoder
-(``maxtext``: layers stacked on axis 1, its query scaling and rotary order). ``reader`` presents either with Hugging
+Three layouts: ``hf``, the Hugging Face Flax tree as a Flax model's params save; ``maxtext``, MaxText's scanned
+decoder (``maxtext``: layers stacked on axis 1, its query scaling and rotary order); ``nnx``, the FFNs only, each the
+state of a Flax NNX module of three ``nnx.Linear`` (gate, up, down: ``flax.nnx``'s ``nnx.state``, as the Flax
+format's linen layout holds them as ``nn.Dense``). ``reader`` presents either with Hugging
 Face PyTorch names, ``export`` writes either from any checkpoint. Needs tensorstore and ml_dtypes (the ``flax``
 extra's orbax-checkpoint brings them). Round trips are bit-exact.
 """
@@ -18,7 +20,8 @@ from ffn_tools.io.store import Checkpoint
 from ffn_tools.plan import execute
 
 from .export import build_plan
-from .reader import LAYOUTS, OrbaxCheckpoint
+from .export import LAYOUTS
+from .reader import OrbaxCheckpoint
 from .store import is_orbax
 
 __all__ = ["FORMAT", "LAYOUTS"]
@@ -26,7 +29,7 @@ __all__ = ["FORMAT", "LAYOUTS"]
 
 class Orbax(Format):
     name, extra = "orbax", "flax"
-    options = frozenset({"orbax_layout", "dry_run"})
+    options = frozenset({"orbax_layout", "scheme", "layout", "dry_run"})
     detect_order = 35
 
     def can_read(self, path: Path) -> bool:
@@ -57,13 +60,16 @@ FORMAT = Orbax()
 
 
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
-           max_shard_size: int | None = None, orbax_layout: str | None = None, dry_run: bool = False) -> dict:
+           max_shard_size: int | None = None, orbax_layout: str | None = None, scheme=None, layout=None,
+           dry_run: bool = False) -> dict:
     """Write ``ckpt`` as an Orbax item directory (``_METADATA``, the OCDBT database) with config.json and the
     tokenizer beside: what ``orbax.checkpoint``'s checkpointers restore (MaxText: point ``load_parameters_path`` at
     it).
 
     Args:
-        orbax_layout: "hf" (default: the Hugging Face Flax tree) or "maxtext" (MaxText's scanned decoder).
+        orbax_layout: "hf" (default: the Hugging Face Flax tree), "maxtext" (MaxText's scanned decoder) or "nnx"
+            (the FFNs only, each the NNX state of a gate/up/down ``nnx.Linear`` module).
+        scheme, layout: for "nnx", the FFN naming scheme and fused gate_up layout (detected when None).
         dry_run: plan only; ``plan`` in the summary lists every array (slab) and how it is made.
 
     Raises:
@@ -71,10 +77,11 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     """
     if max_shard_size:
         raise FFNToolsError("--max-shard-size does not apply to --to orbax: OCDBT sizes its own data files")
-    layout = orbax_layout or "hf"
-    plan, writer = build_plan(ckpt, layout, parse_user_dtype(dtype) if dtype else None)
+    tree = orbax_layout or "hf"
+    plan, writer = build_plan(ckpt, tree, parse_user_dtype(dtype) if dtype else None, scheme, layout)
     out = Path(out)
-    files = [] if dry_run else execute(plan, out, force=force, desc=f"converting to orbax ({layout})", writer=writer)
-    summary = {"output": str(out), "format": "orbax", "layout": layout, "files": files, "tensors": len(plan.entries),
+    files = [] if dry_run else execute(plan, out, force=force, desc=f"converting to orbax ({tree})", writer=writer,
+                                       carry=tree != "nnx")
+    summary = {"output": str(out), "format": "orbax", "layout": tree, "files": files, "tensors": len(plan.entries),
                "bytes": plan.total_bytes, "changes": plan.changes}
     return {**summary, "plan": plan.describe()} if dry_run else summary

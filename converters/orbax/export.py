@@ -20,9 +20,11 @@ from ffn_tools.io.store import Checkpoint
 from ffn_tools.io.writer import OutTensor, Writer, produced_tensor
 from ffn_tools.plan import Entry, Plan, unquantized_config
 
-from ..flax.export import hf_entry
+from ..flax.export import hf_entry, linen
 from . import maxtext as mt
 from .store import OrbaxWriter
+
+LAYOUTS = ("hf", "maxtext", "nnx")
 
 if TYPE_CHECKING:
     import torch
@@ -53,6 +55,14 @@ def _hf(ckpt: Checkpoint, dtype) -> tuple[list[Entry], dict[str, tuple[Array, tu
         entries.append(e)
         slots[e.name] = (Array(path, tuple(e.shape), e.st_dtype, tuple(e.shape)), ())
     return entries, slots
+
+
+def _nnx(ckpt: Checkpoint, dtype, scheme, layout) -> tuple[list[Entry], dict[str, tuple[Array, tuple]], dict]:
+    """The linen layout's FFN trees as NNX states: ``layers_{L}/{gate,up,down}/{kernel,bias}/value``."""
+    entries, paths, config = linen(ckpt, dtype, scheme, layout)
+    slots = {e.name: (Array((*p[1:], "value"), tuple(e.shape), e.st_dtype, tuple(e.shape)), ())
+             for e, p in zip(entries, paths)}
+    return entries, slots, config
 
 
 def _maxtext(ckpt: Checkpoint, dtype) -> tuple[list[Entry], dict[str, tuple[Array, tuple]]]:
@@ -101,18 +111,27 @@ def _maxtext(ckpt: Checkpoint, dtype) -> tuple[list[Entry], dict[str, tuple[Arra
     return entries, slots
 
 
-def build_plan(ckpt: Checkpoint, layout: str, dtype: torch.dtype | None) -> tuple[Plan, OrbaxArrayWriter]:
+def build_plan(ckpt: Checkpoint, layout: str, dtype: torch.dtype | None, scheme=None,
+               gate_up_layout=None) -> tuple[Plan, OrbaxArrayWriter]:
     """The plan of an Orbax export and its writer.
 
     Raises:
         FFNToolsError: unknown layout; for maxtext, a model type or tensors MaxText's tree has no place for.
     """
-    if layout not in ("hf", "maxtext"):
-        raise FFNToolsError(f"unknown Orbax layout {layout!r}; use hf or maxtext")
-    entries, slots = (_hf if layout == "hf" else _maxtext)(ckpt, dtype)
-    config, _ = unquantized_config(ckpt.config, dtype)
+    if layout not in LAYOUTS:
+        raise FFNToolsError(f"unknown Orbax layout {layout!r}; use one of {', '.join(LAYOUTS)}")
+    config: dict | None
+    if layout == "nnx":
+        entries, slots, config = _nnx(ckpt, dtype, scheme, gate_up_layout)
+    else:
+        entries, slots = (_hf if layout == "hf" else _maxtext)(ckpt, dtype)
+        config, _ = unquantized_config(ckpt.config, dtype)
     plan = Plan(ckpt, entries, config, summary={"layout": layout})
-    if layout == "hf":
+    if layout == "nnx":
+        plan.changes = [f"layout nnx: {config['ffn_tools_manifest']['ffns']} FFNs as NNX states of a gate/up/down "
+                        "nnx.Linear module (layers_{L}[_experts_{E}|_shared_expert]/{gate,up,down}/{kernel,bias}/value, "
+                        "kernels (in, out)); other tensors not written"]
+    elif layout == "hf":
         plan.changes = ["layout hf: the Hugging Face Flax tree (kernel = W.T, embeddings as embedding), one array a leaf"]
     else:
         model = mt.Model.of(ckpt.config or {})

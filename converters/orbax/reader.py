@@ -4,6 +4,9 @@ Two layouts, recognised from the key paths:
 
 - ``hf``: the Hugging Face Flax tree (``converters.flax.tree``: ``model/layers/0/mlp/gate_proj/kernel`` = W.T), as
   ``orbax.checkpoint`` saves a Flax model's params (under ``params/`` or not).
+- ``nnx``: FFNs only, each the state of an NNX module of ``nnx.Linear`` gate, up and down
+  (``layers_{L}[_experts_{E}|_shared_expert]/{gate,up,down}/{kernel,bias}[/value]``, as the Flax format's linen
+  layout names them), read back with the names ``extract`` gives FFNs.
 - ``maxtext``: MaxText's decoder (``converters.orbax.maxtext``): each Hugging Face tensor is one layer's (and
   expert's) slab of a scanned array. A slab is read alone where the array is chunked by layer (as ffn-tools writes
   it); where one chunk holds every layer (as Orbax writes by default) the array is read once and kept while its
@@ -29,8 +32,6 @@ from .store import OrbaxTree, item_dir
 
 if TYPE_CHECKING:
     import torch
-
-LAYOUTS = ("hf", "maxtext")
 
 
 def to_torch(a) -> torch.Tensor:
@@ -59,15 +60,22 @@ def layout_of(paths: list[tuple[str, ...]]) -> tuple[str, tuple[str, ...]]:
         if inner and len(inner) == len(paths) and any(p[:2] == ("decoder", "layers") or p[:1] == ("token_embedder",)
                                                       for p in inner):
             return "maxtext", prefix
+    if paths and flax_tree.linen_ffns([_unvalued(p) for p in paths]) is not None:
+        return "nnx", ()
     strip = ("params",) if paths and all(p[:1] == ("params",) for p in paths) else ()
     return "hf", strip
+
+
+def _unvalued(keys: tuple[str, ...]) -> tuple[str, ...]:
+    """An NNX state's key path without its trailing ``value`` (``nnx.state`` keeps one; a pure dict none)."""
+    return keys[:-1] if keys and keys[-1] == "value" else keys
 
 
 class OrbaxCheckpoint(Checkpoint):
     """See the module docstring.
 
     Attributes:
-        layout: "hf" or "maxtext".
+        layout: "hf", "nnx" or "maxtext".
         assumed: what the config took without reading it.
     """
 
@@ -88,7 +96,9 @@ class OrbaxCheckpoint(Checkpoint):
         self._cache: tuple[tuple[str, ...], Any] | None = None
         infos: dict[str, TensorInfo] = {}
         file = root / "_METADATA"
-        if self.layout == "hf":
+        if self.layout == "nnx":
+            self._nnx(infos, file)
+        elif self.layout == "hf":
             for keys in self.tree.paths:
                 shape, dtype = self.tree.shape_dtype(keys)
                 name, transposed = flax_tree.hf_name(keys[len(self.prefix):], len(shape), root)
@@ -111,6 +121,27 @@ class OrbaxCheckpoint(Checkpoint):
         if self.assumed:
             progress.say(f"{root}: no config.json; {'; '.join(self.assumed)}. Give the model's own with "
                          "ffn-tools --config FILE")
+
+    def _nnx(self, infos: dict[str, TensorInfo], file: Path) -> None:
+        """The FFN trees of an NNX state, named as ``extract`` names FFNs, kernels read back (out, in).
+
+        Raises:
+            CheckpointError: a tree whose kernels do not fit one another (listed).
+        """
+        plain = {_unvalued(k): k for k in self.tree.paths}
+        ffns = flax_tree.linen_ffns(list(plain)) or {}
+        shapes = {p: (dtype, shape) for p, k in plain.items() for shape, dtype in [self.tree.shape_dtype(k)]}
+        problems = [msg for ffn in ffns.values() for msg in flax_tree.check_linen(ffn, shapes)]
+        if problems:
+            raise CheckpointError(f"{self.tree.root}: not an NNX state of gate/up/down modules: "
+                                  + "; ".join(sorted(problems)))
+        for p, keys in plain.items():
+            ffn = ffns[p[: len(p) - 2]]
+            name = f"{ffn.canonical}.{p[-2]}.{'weight' if p[-1] == 'kernel' else 'bias'}"
+            dtype, shape = shapes[p]
+            kernel = p[-1] == "kernel"
+            infos[name] = TensorInfo(name, _dtype_name(dtype), shape[::-1] if kernel else shape, file)
+            self._sources[name] = ("hf", keys, kernel)
 
     def _maxtext_arrays(self) -> dict[tuple[str, ...], list[mt.Param]]:
         """Each array of the tree and the Hugging Face tensors whose slabs it holds.

@@ -297,9 +297,10 @@ def _quantize_value(ctx, param, value):
               "or -q it stays quantized, copied as it is, as mlx_lm.convert keeps it; refused with -q, as in mlx_lm.")
 @click.option("--flax-layout", type=click.Choice(("hf", "linen")),
               help="Flax only: hf = the Hugging Face Flax parameter tree (default); linen = FFNs as nn.Dense gate/up/down.")
-@click.option("--orbax-layout", type=click.Choice(("hf", "maxtext")), help="Orbax only: hf = the Hugging Face Flax "
-              "tree (default); maxtext = MaxText's scanned decoder (layers stacked on axis 1, its query scaling; "
-              "Llama, Mistral, Mixtral, Qwen3, Qwen3-MoE).")
+@click.option("--orbax-layout", type=click.Choice(("hf", "maxtext", "nnx")), help="Orbax only: hf = the Hugging Face "
+              "Flax tree (default); maxtext = MaxText's scanned decoder (layers stacked on axis 1, its query scaling; "
+              "Llama, Mistral, Mixtral, Qwen3, Qwen3-MoE); nnx = each FFN as the NNX state of gate/up/down "
+              "nnx.Linear (FFNs only).")
 @click.option("--dcp-naming", type=click.Choice(("torchtitan", "hf")), help="DCP only: torchtitan = the keys of "
               "torchtitan's model of the architecture, as its state-dict adapter maps Hugging Face names (default; "
               "Llama, Qwen3, Qwen3-MoE); hf = the Hugging Face names as they are.")
@@ -349,7 +350,7 @@ def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, tok
 
     A quantized input (int4/int8 compressed-tensors, GPTQ, AWQ, MLX 4-bit, ModelOpt NVFP4) goes into GGUF from its
     codes, each weight in the type that holds it bit for bit; see --requantize. The scheme and layout options say
-    where the FFNs are for --flax-layout linen, which writes only the FFNs.
+    where the FFNs are for --flax-layout linen and --orbax-layout nnx, which write only the FFNs.
     """
     from ..api import convert as run
 
