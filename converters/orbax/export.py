@@ -128,7 +128,7 @@ def build_plan(ckpt: Checkpoint, layout: str, dtype: torch.dtype | None, scheme=
         config, _ = unquantized_config(ckpt.config, dtype)
     plan = Plan(ckpt, entries, config, summary={"layout": layout})
     if layout == "nnx":
-        plan.changes = [f"layout nnx: {config['ffn_tools_manifest']['ffns']} FFNs as NNX states of a gate/up/down "
+        plan.changes = [f"layout nnx: {len({e.name.split('/')[1] for e in entries})} FFNs as NNX states of a gate/up/down "
                         "nnx.Linear module (layers_{L}[_experts_{E}|_shared_expert]/{gate,up,down}/{kernel,bias}/value, "
                         "kernels (in, out)); other tensors not written"]
     elif layout == "hf":
