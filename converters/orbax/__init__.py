@@ -48,7 +48,8 @@ class Orbax(Format):
         return export(ckpt, out, **options)
 
     def recipe(self, ckpt: Checkpoint, dtype: str | None, quantized: bool) -> dict | None:
-        return None if quantized else {"dtype": dtype, "orbax_layout": getattr(ckpt, "layout", "hf")}
+        layout = getattr(ckpt, "layout", "hf")
+        return None if quantized or layout == "nnx" else {"dtype": dtype, "orbax_layout": layout}
 
     def client(self):
         from .client import OrbaxClient

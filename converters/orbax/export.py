@@ -163,6 +163,7 @@ class OrbaxArrayWriter(Writer):
                       metadata: dict | None, progress: Progress | None = None) -> list[str]:
         writer = OrbaxWriter(out_dir)
         opened: dict[tuple[str, ...], Any] = {}
+        pending: tuple[Any, OutTensor] | None = None  # one write in flight while the next tensor is made
         for t in items:
             array, where = self.slots[t.name]
             store = opened.get(array.keys)
@@ -170,10 +171,18 @@ class OrbaxArrayWriter(Writer):
                 store = opened[array.keys] = writer.create(array.keys, array.shape, _numpy_dtype(array.dtype),
                                                            array.chunks)
             data = to_numpy(produced_tensor(t))
-            (store[where] if where else store).write(data).result()
-            if progress:
-                progress.update(t.progress_bytes)
+            if pending is not None:
+                _done(*pending, progress)
+            pending = ((store[where] if where else store).write(data), t)
+        if pending is not None:
+            _done(*pending, progress)
         return writer.finish()
+
+
+def _done(future, t: OutTensor, progress: Progress | None) -> None:
+    future.result()  # raises the write's error
+    if progress:
+        progress.update(t.progress_bytes)
 
 
 def _numpy_dtype(st: str):
