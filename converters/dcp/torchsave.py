@@ -136,3 +136,168 @@ def _pread(f, start: int, n: int) -> bytes:
     import os
 
     return os.pread(f.fileno(), n, start)
+
+
+# ---- writing: what torch.save writes for one tensor, its bytes streamed in blocks -------------------------------
+
+ALIGN = 64  # torch.save's storage alignment: every record's data starts at a multiple of it
+BLOCK = 16 << 20  # bytes read, checksummed and written at a time
+_STORAGE = {"bfloat16": "BFloat16Storage", "float16": "HalfStorage", "float32": "FloatStorage",
+            "float64": "DoubleStorage", "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage",
+            "int8": "CharStorage", "uint8": "ByteStorage", "bool": "BoolStorage"}
+
+
+def writable(dtype: str) -> bool:
+    """``write`` writes tensors of this dtype (others go through torch.save)."""
+    return dtype in _STORAGE
+
+
+class _Storage:
+    """The storage of the tensor being pickled: ``_Pickler.persistent_id`` names it as torch.save does."""
+
+    def __init__(self, dtype: str, numel: int):
+        self.dtype, self.numel = dtype, numel
+
+
+class _Tensor:
+    def __init__(self, storage: _Storage, shape: tuple[int, ...]):
+        self.storage, self.shape = storage, shape
+
+    def __reduce__(self):
+        import collections
+
+        import torch
+
+        stride = tuple(math.prod(self.shape[k + 1:]) for k in range(len(self.shape)))
+        return (torch._utils._rebuild_tensor_v2,
+                (self.storage, 0, tuple(self.shape), stride, False, collections.OrderedDict()))
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj):
+        import torch
+
+        if isinstance(obj, _Storage):
+            return ("storage", getattr(torch, _STORAGE[obj.dtype]), "0", "cpu", obj.numel)
+        return None
+
+
+def data_pkl(dtype: str, shape: tuple[int, ...]) -> bytes:
+    """``data.pkl`` of a torch.save of a C-contiguous tensor (the call ``_rebuild_tensor_v2`` on storage "0")."""
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(_Tensor(_Storage(dtype, math.prod(shape)), tuple(shape)))
+    return buf.getvalue()
+
+
+def _local(name: bytes, start: int, size: int, crc: int, zip64: bool) -> bytes:
+    """A local header whose data begins at a multiple of ``ALIGN`` from the zip's start, the record at ``start``."""
+    extra64 = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
+    base = 30 + len(name) + len(extra64)
+    pad = (-(start + base + 4)) % ALIGN  # "FB" padding extra: 4 bytes of header and the padding
+    extra = extra64 + struct.pack("<HH", 0x4246, pad) + b"Z" * pad
+    small = 0xFFFFFFFF if zip64 else size
+    return (LOCAL + struct.pack("<HHHHHIIIHH", 45 if zip64 else 20, 0x800, 0, 0, 0x21, crc, small, small, len(name),
+                                len(extra)) + name + extra)
+
+
+class _Zip:
+    """Records appended to ``f`` from its current position, then the central directory (zip64 where needed)."""
+
+    def __init__(self, f, zip64: bool):
+        self.f, self.zip64, self.origin = f, zip64, f.tell()
+        self.records: list[tuple[bytes, int, int, int]] = []  # name, header offset, size, crc
+
+    def _at(self) -> int:
+        return self.f.tell() - self.origin
+
+    def small(self, name: str, data: bytes) -> None:
+        import zlib
+
+        self.stream(name, len(data), [memoryview(data)], zlib.crc32(data))
+
+    def stream(self, name: str, size: int, blocks, crc: int | None = None) -> None:
+        """A record of ``size`` bytes written from ``blocks`` (buffers); its CRC computed as they pass and written
+        into the header afterwards, unless given."""
+        import os
+        import zlib
+
+        key = name.encode()
+        at = self._at()
+        header = _local(key, at, size, crc or 0, self.zip64)
+        _write(self.f, header)
+        running, done = 0, 0
+        for b in blocks:
+            if crc is None:
+                running = zlib.crc32(b, running)
+            _write(self.f, b)
+            done += len(b)
+        if done != size:
+            raise RuntimeError(f"internal error: {name} wrote {done} bytes, planned {size}")
+        if crc is None:
+            crc = running
+            os.pwrite(self.f.fileno(), struct.pack("<I", crc), self.origin + at + 14)
+        self.records.append((key, at, size, crc))
+
+    def close(self) -> None:
+        cd_at = self._at()
+        for key, at, size, crc in self.records:
+            if self.zip64:
+                extra = struct.pack("<HHQQQ", 1, 24, size, size, at)
+                small, off = 0xFFFFFFFF, 0xFFFFFFFF
+            else:
+                extra, small, off = b"", size, at
+            _write(self.f, CENTRAL + struct.pack("<HHHHHHIIIHHHHHII", 45 if self.zip64 else 20, 45 if self.zip64
+                                                 else 20, 0x800, 0, 0, 0x21, crc, small, small, len(key), len(extra),
+                                                 0, 0, 0, 0, off) + key + extra)
+        cd_size = self._at() - cd_at
+        n = len(self.records)
+        if self.zip64:
+            z64 = self._at()
+            _write(self.f, b"PK\x06\x06" + struct.pack("<QHHIIQQQQ", 44, 45, 45, 0, 0, n, n, cd_size, cd_at))
+            _write(self.f, b"PK\x06\x07" + struct.pack("<IQI", 0, z64, 1))
+            _write(self.f, EOCD + struct.pack("<HHHHIIH", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0))
+        else:
+            _write(self.f, EOCD + struct.pack("<HHHHIIH", 0, 0, n, n, cd_size, cd_at, 0))
+
+
+def _write(f, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[f.write(view):]
+
+
+def write(f, dtype: str, shape: tuple[int, ...], blocks, nbytes: int, zip64: bool | None = None) -> None:
+    """Append to ``f`` what ``torch.save`` writes for a C-contiguous tensor of ``dtype`` and ``shape`` whose bytes are
+    ``blocks`` (buffers, ``nbytes`` in all), which ``torch.load(weights_only=True)`` reads back: the same records
+    (``data.pkl``, the format version, the storage alignment, the byte order, ``data/0``, the version, a
+    serialization id), data aligned to 64 bytes, each record's CRC-32, zip64 where a size or offset needs it.
+    The bytes are streamed: never more than a block in memory here."""
+    import hashlib
+
+    pkl = data_pkl(dtype, shape)
+    z = _Zip(f, nbytes >= 0xFFFF0000 if zip64 is None else zip64)
+    z.small("archive/data.pkl", pkl)
+    z.small("archive/.format_version", b"1")
+    z.small("archive/.storage_alignment", b"64")
+    z.small("archive/byteorder", b"little")
+    z.stream("archive/data/0", nbytes, blocks)
+    z.small("archive/version", b"3\n")
+    ident = hashlib.sha1(pkl + z.records[-2][3].to_bytes(4, "little")).hexdigest()[:40]  # of the tensor written
+    z.small("archive/.data/serialization_id", ident.encode())
+    z.close()
+
+
+def range_blocks(file, start: int, n: int):
+    """Bytes ``start:start+n`` of ``file`` in blocks of at most ``BLOCK`` (one buffer reused)."""
+    import os
+
+    buf = bytearray(min(BLOCK, n) or 1)
+    view = memoryview(buf)
+    with open(file, "rb", buffering=0) as src:
+        done = 0
+        while done < n:
+            k = os.preadv(src.fileno(), [view[: min(BLOCK, n - done)]], start + done)
+            if k <= 0:
+                raise OSError(f"{file}: ended early at byte {start + done}")
+            yield view[:k]
+            done += k

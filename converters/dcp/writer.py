@@ -1,11 +1,11 @@
 """Streaming writer of torch.distributed.checkpoint directories, as ``plan.execute``'s ``Writer``.
 
 Each tensor is cut along dim 0 into one chunk per rank of ``ranks`` (``torch.chunk``'s sizes: FSDP's
-``Shard(0)``), rank r's chunks written to ``__r_0.distcp`` as torch's ``FileSystemWriter`` writes them (a
-``torch.save`` of the chunk at the file's current end), then ``.metadata`` (``metadata.write_metadata``). A
-tensor with fewer rows than ranks, and a 0-d one, has fewer chunks; an empty chunk is not written. One tensor
-is in memory at a time (and the chunk being saved, a copy of its rows: ``torch.save`` of a view would save the
-whole tensor's storage).
+``Shard(0)``), rank r's chunks written to ``__r_0.distcp`` as torch's ``FileSystemWriter`` writes them (what
+``torch.save`` writes for the chunk, at the file's current end: ``torchsave.write``, streaming the bytes), then
+``.metadata`` (``metadata.write_metadata``). A tensor with fewer rows than ranks, and a 0-d one, has fewer chunks;
+an empty chunk is not written. A tensor copied from the input is streamed from its file in blocks, never whole in
+memory; a computed one (q/k permuted, experts stacked) is in memory alone.
 """
 
 from __future__ import annotations
@@ -14,12 +14,30 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ffn_tools.io.writer import OutTensor, Writer, produced_tensor
+from ffn_tools.io.dtypes import torch_dtype
+from ffn_tools.io.writer import OutTensor, Writer, cut_ranges, produced_tensor
 
+from . import torchsave
 from .metadata import METADATA, Chunk, write_metadata
 
 if TYPE_CHECKING:
     from ffn_tools.progress import Progress
+
+
+def _save(f, payload, dtype: str, shape: tuple[int, ...], at: int, n: int) -> None:
+    """Bytes ``at:at+n`` of the tensor ``payload`` (a tensor, or input byte ranges) as a torch.save of ``shape``."""
+    import torch
+
+    if isinstance(payload, list):  # a copy: streamed from the input, never whole in memory
+        torchsave.write(f, dtype, shape, (b for r in cut_ranges(payload, at, n)
+                                          for b in torchsave.range_blocks(r.file, r.start, r.nbytes)), n)
+        return
+    flat = payload.contiguous().reshape(-1).view(torch.uint8) if payload.numel() else torch.empty(0, dtype=torch.uint8)
+    piece = flat[at: at + n]
+    if torchsave.writable(dtype):
+        torchsave.write(f, dtype, shape, [piece.numpy().data], n)
+    else:  # a dtype torch.save names otherwise (float8, complex): torch.save of a copy of the rows
+        torch.save(piece.clone().view(getattr(torch, dtype)).reshape(shape), f)
 
 
 def rank_file(rank: int) -> str:
@@ -48,26 +66,26 @@ class DcpWriter(Writer):
                       metadata: dict | None, progress: Progress | None = None) -> list[str]:
         """Every rank's ``__r_0.distcp`` and ``.metadata`` in ``out_dir`` (``max_shard_size``: not used; the
         export refuses it)."""
-        import torch
-
         files = [open(out_dir / rank_file(r), "wb", buffering=0) for r in range(self.ranks)]  # noqa: SIM115
         written: list[tuple[str, str, tuple[int, ...], list[Chunk]]] = []
         try:
             for t in items:
-                whole = produced_tensor(t)
+                dtype = str(torch_dtype(t.dtype)).removeprefix("torch.")
+                payload = t.produce()
+                if not torchsave.writable(dtype) and isinstance(payload, list):
+                    ranges = payload
+                    payload = produced_tensor(OutTensor(t.name, t.dtype, t.shape, t.nbytes, lambda: ranges))
                 chunks = []
                 cuts = row_chunks(t.shape[0], self.ranks) if t.shape else [(0, 1)]
+                row = t.nbytes // t.shape[0] if t.shape and t.shape[0] else t.nbytes
                 for rank, (first, rows) in enumerate(cuts):
-                    piece = whole if len(cuts) == 1 else whole.narrow(0, first, rows)
-                    if piece.storage_offset() or piece.untyped_storage().nbytes() != piece.nbytes:
-                        piece = piece.clone()  # torch.save writes a view's whole storage
                     f = files[rank]
                     start = f.tell()
-                    torch.save(piece, f)
-                    offsets = (first,) + (0,) * (len(t.shape) - 1) if t.shape else ()
                     sizes = (rows, *t.shape[1:]) if t.shape else ()
+                    _save(f, payload, dtype, sizes, first * row, rows * row if t.shape else t.nbytes)
+                    offsets = (first,) + (0,) * (len(t.shape) - 1) if t.shape else ()
                     chunks.append(Chunk(offsets, sizes, out_dir / rank_file(rank), start, f.tell() - start))
-                written.append((t.name, str(whole.dtype).removeprefix("torch."), tuple(t.shape), chunks))
+                written.append((t.name, dtype, tuple(t.shape), chunks))
                 if progress:
                     progress.update(t.progress_bytes)
         finally:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ffn_tools.io.dtypes import itemsize, torch_dtype
 from ffn_tools.errors import CheckpointError
-from ffn_tools.io.writer import ByteRange, OutTensor, Sources, Writer, copy_ranges
+from ffn_tools.io.writer import ByteRange, OutTensor, Sources, Writer, copy_ranges, cut_ranges
 
 from . import msgpack_format as flax_msgpack
 from .msgpack_format import CHUNKED, DTYPE_NAMES, EXT_NDARRAY
@@ -236,7 +236,7 @@ class _Sink:
         """Bytes ``start:start+n`` of an array's C-order bytes (a buffer, or input ranges to copy)."""
         self.flush()
         if isinstance(payload, list):
-            copy_ranges(self.f, _cut(payload, start, n), self.sources, self.progress)
+            copy_ranges(self.f, cut_ranges(payload, start, n), self.sources, self.progress)
         else:
             _write_all(self.f, payload[start: start + n])
 
@@ -248,17 +248,6 @@ class _Sink:
 def _write_all(f, view: memoryview) -> None:
     while view:
         view = view[f.write(view):]
-
-
-def _cut(ranges: list[ByteRange], start: int, n: int) -> list[ByteRange]:
-    """Bytes ``start:start+n`` of the concatenation of ``ranges``, as ranges (a chunk of a copied array)."""
-    out, at = [], 0
-    for r in ranges:
-        lo, hi = max(start, at), min(start + n, at + r.nbytes)
-        if lo < hi:
-            out.append(ByteRange(r.file, r.start + lo - at, hi - lo))
-        at += r.nbytes
-    return out
 
 
 def _write_node(sink: _Sink, node: dict) -> None:

@@ -185,6 +185,17 @@ class Writer:
 SAFETENSORS = Writer()
 
 
+def cut_ranges(ranges: Sequence[ByteRange], start: int, n: int) -> list[ByteRange]:
+    """Bytes ``start:start+n`` of the concatenation of ``ranges``, as ranges (a piece of a copied tensor)."""
+    out, at = [], 0
+    for r in ranges:
+        lo, hi = max(start, at), min(start + n, at + r.nbytes)
+        if lo < hi:
+            out.append(ByteRange(r.file, r.start + lo - at, hi - lo))
+        at += r.nbytes
+    return out
+
+
 def produced_tensor(t: OutTensor):
     """The torch tensor ``t`` produces, contiguous (input byte ranges read into one): for writers of formats that
     take tensors (DCP's ``torch.save``, Orbax's tensorstore)."""
