@@ -5,8 +5,9 @@
 ``BytesStorageMetadata`` (a pickled object: the step, the data loader's state); and ``storage_data``, where each
 chunk lies (``MetadataIndex(fqn, offsets)`` -> ``_StorageInfo(file, offset, length)``, the chunk being a
 ``torch.save`` of that piece of the tensor). torch reads it with ``pickle.load``; here an unpickler that
-constructs only the classes a DCP metadata holds (``ALLOWED``) reads it, and anything else is refused, so a
-crafted ``.metadata`` cannot run code (as weights load with ``weights_only=True``).
+knows only what a DCP metadata holds (``ALLOWED``) reads it, building records of fields rather than torch's classes
+(so reading imports neither torch.distributed.checkpoint nor anything a pickle names), and anything else is
+refused: a crafted ``.metadata`` cannot run code (as weights load with ``weights_only=True``).
 """
 
 from __future__ import annotations
@@ -23,24 +24,45 @@ DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint's CURRENT_DCP_VERSION when
 
 _DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
            "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "complex64", "complex128", "uint16", "uint32", "uint64")
-ALLOWED = {
+# What a DCP .metadata pickles, and what each is read as: the classes of torch.distributed.checkpoint as records
+# (``_Record``: their fields, without importing that package), torch's dtypes as their names, Size as a tuple.
+RECORDS = {
     "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
                                               "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex",
                                               "StorageMeta", "_MEM_FORMAT_ENCODING"},
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.distributed.checkpoint._extension": {"StreamTransformExtension"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size", "strided", *_DTYPES},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
 }
+ALLOWED = {**RECORDS, "torch.serialization": {"_get_layout"}, "torch": {"Size", "strided", *_DTYPES},
+           "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+           "collections": {"OrderedDict"}}
+
+
+class _Record:
+    """A pickled torch.distributed.checkpoint object read as its fields (``TensorProperties`` pickles a tuple whose
+    first item is the dtype)."""
+
+    def __init__(self, *args, **kwargs):
+        self.args = args
+
+    def __setstate__(self, state):
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        elif isinstance(state, tuple) and state:
+            self.dtype = state[0]
 
 
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if name in ALLOWED.get(module, ()):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not something a DCP .metadata holds")
+        if name not in ALLOWED.get(module, ()):
+            raise pickle.UnpicklingError(f"{module}.{name} is not something a DCP .metadata holds")
+        if module in RECORDS:
+            return type(name, (_Record,), {})
+        if module == "torch":
+            return tuple if name == "Size" else name  # a dtype by its name ("bfloat16")
+        if module == "torch.serialization":
+            return str  # _get_layout("torch.strided"): the layout's name
+        return super().find_class(module, name)
 
 
 @dataclass(frozen=True)
@@ -82,7 +104,8 @@ def read_metadata(root: Path) -> dict[str, Entry]:
     state, storage = getattr(md, "state_dict_metadata", None), getattr(md, "storage_data", None)
     if not isinstance(state, dict) or not isinstance(storage, dict):
         raise CheckpointError(f"{path}: not a torch.distributed.checkpoint metadata (no state_dict_metadata)")
-    where = {(idx.fqn, tuple(idx.offset) if idx.offset is not None else None): info for idx, info in storage.items()}
+    where = {(idx.fqn, tuple(o) if (o := getattr(idx, "offset", None)) is not None else None): info
+             for idx, info in storage.items()}
     out: dict[str, Entry] = {}
     missing: set[str] = set()
     for key, meta in state.items():
