@@ -240,3 +240,13 @@ def test_the_chunk_writer_writes_what_torch_load_reads_and_zip_checks(tmp_path, 
     with open(path, "rb") as f:
         stored = torchsave.locate(f, 37, end - 37, 2, (33, 7))
     assert stored is not None and path.read_bytes()[stored.start: stored.start + stored.nbytes] == data
+
+
+def test_a_dcp_converts_to_the_gguf_its_source_converts_to(gguf_model, gguf_ref, tmp_path):
+    """Every format converts to every other: the GGUF of a DCP (llama.cpp's converter fed from the DCP view) is the
+    file llama.cpp's converter writes from the Hugging Face source, byte for byte
+    (the DCP named as the source: the converter names a model from its directory)."""
+    src = gguf_model("llama")
+    run_cli("convert", src, "--to", "dcp", "--dcp-ranks", 2, "-o", tmp_path / "model")
+    run_cli("convert", tmp_path / "model", "--to", "gguf", "--outtype", "f32", "-o", tmp_path / "m.gguf")
+    assert (tmp_path / "m.gguf").read_bytes() == gguf_ref("llama", "f32").read_bytes()

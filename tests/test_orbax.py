@@ -238,3 +238,13 @@ def jax_tree_map(f, tree):
     import jax
 
     return jax.tree_util.tree_map(f, tree)
+
+
+def test_maxtext_converts_to_the_gguf_its_source_converts_to(gguf_model, gguf_ref, tmp_path):
+    """MaxText's tree to llama.cpp: the GGUF llama.cpp's converter writes from the Hugging Face source, byte for
+    byte (the output named as the source: the converter names a model from its directory; the query's scaling
+    undone exactly on read)."""
+    src = gguf_model("llama")
+    run_cli("convert", src, "--to", "orbax", "--orbax-layout", "maxtext", "-o", tmp_path / "model")
+    run_cli("convert", tmp_path / "model", "--to", "gguf", "--outtype", "f32", "-o", tmp_path / "m.gguf")
+    assert (tmp_path / "m.gguf").read_bytes() == gguf_ref("llama", "f32").read_bytes()
