@@ -230,8 +230,9 @@ def test_nnx_layout_is_a_state_nnx_linear_modules_take_and_run_as_transformers_r
     hf = tensors(src)
     for layer in (0, 1):
         for role in ("gate", "up", "down"):
-            assert torch.equal(viewed[f"layers.{layer}.{role}.weight"], hf[f"model.layers.{layer}.mlp.{role}_proj.weight"])
-            assert torch.equal(viewed[f"layers.{layer}.{role}.bias"], hf[f"model.layers.{layer}.mlp.{role}_proj.bias"])
+            ours, theirs = f"layers.{layer}.{role}", f"model.layers.{layer}.mlp.{role}_proj"
+            assert torch.equal(viewed[f"{ours}.weight"], hf[f"{theirs}.weight"])
+            assert torch.equal(viewed[f"{ours}.bias"], hf[f"{theirs}.bias"])
 
 
 def jax_tree_map(f, tree):

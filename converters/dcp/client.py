@@ -39,8 +39,8 @@ class DcpClient(FlaxWeights):
                     problems.append(f"{key}: {' '.join(str(err).split())[:200]}")
         if problems:
             return LoadCheck(self.label, refused="; ".join(problems[:4]))
-        return LoadCheck(self.label, architecture=f"dcp.load of all {sum(e.dtype is not None for e in stored.entries.values())} "
-                                                  "keys, one at a time")
+        keys = sum(e.dtype is not None for e in stored.entries.values())
+        return LoadCheck(self.label, architecture=f"dcp.load of all {keys} keys, one at a time")
 
     def view(self, path):
         from pathlib import Path

@@ -250,7 +250,8 @@ def infer_config(family: str, shapes: dict[str, tuple[int, ...]], dtype: str | N
     q_norm = shapes.get(layer + "self_attn.q_norm.weight")
     head_dim = q_norm[0] if q_norm else defaults["head_dim"]
     assumed = [] if q_norm else [f"head_dim {head_dim}"]
-    config: dict[str, Any] = {"hidden_size": dim, "vocab_size": vocab, "num_hidden_layers": layers, "head_dim": head_dim,
+    config: dict[str, Any] = {"hidden_size": dim, "vocab_size": vocab, "num_hidden_layers": layers,
+                              "head_dim": head_dim,
               "num_attention_heads": q // head_dim, "num_key_value_heads": k // head_dim, "hidden_act": "silu",
               "tie_word_embeddings": "lm_head.weight" not in shapes, "dtype": dtype}
     for key in ("rope_theta", "rms_norm_eps"):

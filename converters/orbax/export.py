@@ -128,11 +128,13 @@ def build_plan(ckpt: Checkpoint, layout: str, dtype: torch.dtype | None, scheme=
         config, _ = unquantized_config(ckpt.config, dtype)
     plan = Plan(ckpt, entries, config, summary={"layout": layout})
     if layout == "nnx":
-        plan.changes = [f"layout nnx: {len({e.name.split('/')[1] for e in entries})} FFNs as NNX states of a gate/up/down "
-                        "nnx.Linear module (layers_{L}[_experts_{E}|_shared_expert]/{gate,up,down}/{kernel,bias}/value, "
+        ffns = len({e.name.split("/")[1] for e in entries})
+        plan.changes = [f"layout nnx: {ffns} FFNs as NNX states of a gate/up/down nnx.Linear module "
+                        "(layers_{L}[_experts_{E}|_shared_expert]/{gate,up,down}/{kernel,bias}/value, "
                         "kernels (in, out)); other tensors not written"]
     elif layout == "hf":
-        plan.changes = ["layout hf: the Hugging Face Flax tree (kernel = W.T, embeddings as embedding), one array a leaf"]
+        plan.changes = ["layout hf: the Hugging Face Flax tree (kernel = W.T, embeddings as embedding), one array "
+                        "a leaf"]
     else:
         model = mt.Model.of(ckpt.config or {})
         arrays = len({a.keys for a, _ in slots.values()})

@@ -14,7 +14,8 @@ Names and shapes (L layers, X experts; kernels are (in, out)):
     params/decoder/layers/self_attention/{key,value}/kernel      (H, L, kv_heads, hd) k_proj.T, v_proj.T
     params/decoder/layers/self_attention/out/kernel              (heads, L, hd, H)    o_proj.T
     params/decoder/layers/self_attention/{query,key}_norm/scale  (hd, L)              Qwen3's q_norm, k_norm
-    params/decoder/layers/mlp/{wi_0,wi_1,wo}/kernel              (H, L, I), (I, L, H) gate_proj.T, up_proj.T, down_proj.T
+    params/decoder/layers/mlp/{wi_0,wi_1}/kernel                 (H, L, I)            gate_proj.T, up_proj.T
+    params/decoder/layers/mlp/wo/kernel                          (I, L, H)            down_proj.T
     params/decoder/layers/{MOE}/gate/kernel                      (H, L, X)            the router's weight.T
     params/decoder/layers/{MOE}/{wi_0,wi_1,wo}                   (X, L, H, I), (X, L, I, H)  each expert's .T
 
