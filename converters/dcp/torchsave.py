@@ -216,21 +216,35 @@ class _Zip:
         self.stream(name, len(data), [memoryview(data)], zlib.crc32(data))
 
     def stream(self, name: str, size: int, blocks, crc: int | None = None) -> None:
-        """A record of ``size`` bytes written from ``blocks`` (buffers); its CRC computed as they pass and written
-        into the header afterwards, unless given."""
+        """A record of ``size`` bytes written from ``blocks`` (buffers, or input ``ByteRange``s: checksummed as read,
+        then copied file to file with ``copy_file_range``); its CRC computed as they pass and written into the
+        header afterwards, unless given."""
         import os
         import zlib
+
+        from ffn_tools.io.writer import ByteRange, copy_ranges
 
         key = name.encode()
         at = self._at()
         header = _local(key, at, size, crc or 0, self.zip64)
         _write(self.f, header)
         running, done = 0, 0
-        for b in blocks:
-            if crc is None:
-                running = zlib.crc32(b, running)
-            _write(self.f, b)
-            done += len(b)
+        sources: dict = {}
+        try:
+            for b in blocks:
+                if isinstance(b, ByteRange):
+                    for block in range_blocks(b.file, b.start, b.nbytes):
+                        running = zlib.crc32(block, running)
+                    copy_ranges(self.f, [b], sources)
+                    done += b.nbytes
+                    continue
+                if crc is None:
+                    running = zlib.crc32(b, running)
+                _write(self.f, b)
+                done += len(b)
+        finally:
+            for src in sources.values():
+                src.close()
         if done != size:
             raise RuntimeError(f"internal error: {name} wrote {done} bytes, planned {size}")
         if crc is None:
@@ -268,7 +282,7 @@ def _write(f, data) -> None:
 
 def write(f, dtype: str, shape: tuple[int, ...], blocks, nbytes: int, zip64: bool | None = None) -> None:
     """Append to ``f`` what ``torch.save`` writes for a C-contiguous tensor of ``dtype`` and ``shape`` whose bytes are
-    ``blocks`` (buffers, ``nbytes`` in all), which ``torch.load(weights_only=True)`` reads back: the same records
+    ``blocks`` (buffers or input ``ByteRange``s, ``nbytes`` in all), which ``torch.load(weights_only=True)`` reads back: the same records
     (``data.pkl``, the format version, the storage alignment, the byte order, ``data/0``, the version, a
     serialization id), data aligned to 64 bytes, each record's CRC-32, zip64 where a size or offset needs it.
     The bytes are streamed: never more than a block in memory here."""

@@ -28,9 +28,8 @@ def _save(f, payload, dtype: str, shape: tuple[int, ...], at: int, n: int) -> No
     """Bytes ``at:at+n`` of the tensor ``payload`` (a tensor, or input byte ranges) as a torch.save of ``shape``."""
     import torch
 
-    if isinstance(payload, list):  # a copy: streamed from the input, never whole in memory
-        torchsave.write(f, dtype, shape, (b for r in cut_ranges(payload, at, n)
-                                          for b in torchsave.range_blocks(r.file, r.start, r.nbytes)), n)
+    if isinstance(payload, list):  # a copy: checksummed as read, then copied file to file, never whole in memory
+        torchsave.write(f, dtype, shape, cut_ranges(payload, at, n), n)
         return
     flat = payload.contiguous().reshape(-1).view(torch.uint8) if payload.numel() else torch.empty(0, dtype=torch.uint8)
     piece = flat[at: at + n]
