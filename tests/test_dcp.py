@@ -251,3 +251,32 @@ def test_a_dcp_converts_to_the_gguf_its_source_converts_to(gguf_model, gguf_ref,
     run_cli("convert", src, "--to", "dcp", "--dcp-ranks", 2, "-o", tmp_path / "model")
     run_cli("convert", tmp_path / "model", "--to", "gguf", "--outtype", "f32", "-o", tmp_path / "m.gguf")
     assert (tmp_path / "m.gguf").read_bytes() == gguf_ref("llama", "f32").read_bytes()
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 16])
+def test_deepseek_v3_shared_experts_mla_and_router_bias_as_torchtitans_adapter_maps_them(tmp_path, q_lora_rank):
+    """DeepSeek-V3 (torchtitan's debugmodel's 8 experts): MLA attention's names, the dense first layer, routed
+    experts stacked, the shared expert, the router's score-correction bias as moe.expert_bias_E; with a q LoRA
+    (wq_a/q_norm/wq_b) too."""
+    torch.manual_seed(3)
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, dtype="bfloat16")
+    model = transformers.DeepseekV3ForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.e_score_correction_bias.normal_()  # not zeros: a swap would show
+    model.save_pretrained(tmp_path / "src")
+    hf = tensors(tmp_path / "src")
+    run_cli("convert", tmp_path / "src", "--to", "dcp", "-o", tmp_path / "dcp")
+    loaded = _dcp_load(tmp_path / "dcp")
+    assert "layers.1.moe.shared_experts.w1.weight" in loaded and "layers.0.feed_forward.w1.weight" in loaded
+    assert tuple(loaded["layers.1.moe.routed_experts.inner_experts.w1_EFD"].shape) == (8, 32, 64)
+    if q_lora_rank is None:  # torchtitan's debugmodel has no q LoRA: its adapter is the anchor there
+        expected = _adapter("deepseek_v3", "debugmodel").from_hf(dict(hf))
+        assert_identical(loaded, {k: v.contiguous() for k, v in expected.items()})
+    else:
+        assert {"layers.0.attention.wq_a.weight", "layers.0.attention.q_norm.weight"} <= set(loaded)
+    run_cli("convert", tmp_path / "dcp", "--to", "torch", "-o", tmp_path / "back")
+    assert_identical(tensors(tmp_path / "back"), hf)

@@ -15,6 +15,9 @@ written, and 0.2's read too: ``attention.wq`` for ``attention.qkv_linear.wq``, `
             (``w1_EFD`` (experts, d_ffn, d_model) = every expert's gate_proj, ``w3_EFD`` up, ``w2_EDF`` down
             (experts, d_model, d_ffn)) where Hugging Face has one tensor per expert, router ``moe.router.gate``;
             the load-balancing buffer ``moe.expert_bias_E`` has no Hugging Face counterpart (the adapter drops it)
+    deepseek_v3  DeepSeek-V3: MLA attention (``attention.wkv_a``, ``kv_norm``, ``wkv_b``, ``wq`` or ``wq_a``/``q_norm``/
+            ``wq_b``), dense first layers (``feed_forward``), experts stacked as qwen3's, shared experts
+            (``moe.shared_experts.w1``), and ``moe.expert_bias_E`` = the router's ``e_score_correction_bias``
 
 w1 is gate, w3 up, w2 down everywhere. A name of neither is refused on read, naming it; an architecture with no
 torchtitan model here is refused on write with ``--dcp-naming hf`` as the way out.
@@ -88,18 +91,43 @@ def _family(qkv: str, output: str, experts: tuple[str, str, str], rotary: bool, 
 _NOW = ("attention.qkv_linear", "lm_head.weight",
         ("routed_experts.inner_experts.w1_EFD", "routed_experts.inner_experts.w3_EFD",
          "routed_experts.inner_experts.w2_EDF"))
+def _deepseek(experts: tuple[str, str, str], output: str) -> tuple[Name, ...]:
+    """DeepSeek-V3: MLA attention (q through a low-rank pair where q_lora_rank is set), dense first layers,
+    routed experts stacked, shared experts, the router's score-correction bias."""
+    mla = (("q_proj", "wq"), ("q_a_proj", "wq_a"), ("q_a_layernorm", "q_norm"), ("q_b_proj", "wq_b"),
+           ("kv_a_proj_with_mqa", "wkv_a"), ("kv_a_layernorm", "kv_norm"), ("kv_b_proj", "wkv_b"), ("o_proj", "wo"))
+    return (
+        Name("tok_embeddings.weight", "model.embed_tokens.weight"),
+        Name("norm.weight", "model.norm.weight"),
+        Name(output, "lm_head.weight"),
+        *(Name(f"{_T}.attention.{t}.weight", f"{_L}.self_attn.{h}.weight") for h, t in mla),
+        Name(f"{_T}.attention_norm.weight", f"{_L}.input_layernorm.weight"),
+        Name(f"{_T}.ffn_norm.weight", f"{_L}.post_attention_layernorm.weight"),
+        *(Name(f"{_T}.feed_forward.{w}.weight", f"{_L}.mlp.{r}_proj.weight")
+          for w, r in (("w1", "gate"), ("w3", "up"), ("w2", "down"))),
+        Name(f"{_T}.moe.router.gate.weight", f"{_L}.mlp.gate.weight"),
+        Name(f"{_T}.moe.expert_bias_E", f"{_L}.mlp.gate.e_score_correction_bias"),
+        *(Name(f"{_T}.moe.{w}", f"{_L}.mlp.experts.{{E}}.{r}_proj.weight", stacked=True)
+          for w, r in zip(experts, ("gate", "up", "down"))),
+        *(Name(f"{_T}.moe.shared_experts.{w}.weight", f"{_L}.mlp.shared_experts.{r}_proj.weight")
+          for w, r in (("w1", "gate"), ("w3", "up"), ("w2", "down"))),
+    )
+
+
 # torchtitan 0.2's (read only)
 _BEFORE = ("attention", "output.weight", ("experts.w1", "experts.w3", "experts.w2"))
 FAMILIES: dict[str, tuple[Name, ...]] = {
     "llama3": _family(*_NOW, rotary=True, qwen=False),
     "qwen3": _family(*_NOW, rotary=False, qwen=True),
+    "deepseek_v3": _deepseek(_NOW[2], _NOW[1]),
 }
 LEGACY: dict[str, tuple[Name, ...]] = {
     "llama3": _family(*_BEFORE, rotary=True, qwen=False),
     "qwen3": _family(*_BEFORE, rotary=False, qwen=True),
+    "deepseek_v3": _deepseek(_BEFORE[2], _BEFORE[1]),
 }
 # Hugging Face model_type -> torchtitan family
-MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3"}
+MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "deepseek_v3": "deepseek_v3"}
 # torchtitan keys a model's state dict holds that are training state, not weights (not read; said by inspect)
 BUFFERS = re.compile(r"layers\.\d+\.moe\.(?:expert_bias|tokens_per_expert)(?:_E)?$|freqs_cis")
 
@@ -119,6 +147,8 @@ def family_of(config: dict | None, titan_names: list[str] | None = None) -> str:
                                   "--dcp-naming hf")
         return MODEL_TYPES[model_type]
     names = titan_names or []
+    if any(".attention.wkv_a." in n for n in names):
+        return "deepseek_v3"
     return "qwen3" if any(".attention.q_norm." in n or ".moe." in n for n in names) else "llama3"
 
 

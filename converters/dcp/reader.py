@@ -92,14 +92,16 @@ class DcpCheckpoint(Checkpoint):
         if not (root / METADATA).is_file():
             raise CheckpointError(f"{root}: no {METADATA}; a torch.distributed.checkpoint directory has one")
         self.entries = read_metadata(root)
-        weights = [k for k, e in self.entries.items()
-                   if e.dtype is not None and not k.startswith(TRAINING_STATE) and not BUFFERS.search(k)]
-        self.training_state = [k for k in self.entries if k not in weights]
-        self.naming, prefix = naming_of(weights)
+        weights = [k for k, e in self.entries.items() if e.dtype is not None and not k.startswith(TRAINING_STATE)]
+        self.naming, prefix = naming_of([k for k in weights if not BUFFERS.search(k)])
         config, self.assumed = read_config(root), list[str]()
         given = given_config()
         if config is None and given is not None:
             config = dict(given)
+        if self.naming == "torchtitan":  # a model's buffers are weights where its family maps them (DeepSeek's bias)
+            family = family_of(config, [k.removeprefix(prefix) for k in weights])
+            weights = [k for k in weights if not BUFFERS.search(k) or to_hf(k.removeprefix(prefix), family)]
+        self.training_state = [k for k in self.entries if k not in weights]
         self._sources: dict[str, _Source] = {}
         self._stored: dict[Chunk, Stored | None] = {}
         infos: dict[str, TensorInfo] = {}
@@ -241,7 +243,14 @@ _ASSUMED = {"llama3": {"head_dim": 128, "rope_theta": 500000.0, "rms_norm_eps": 
 
 def infer_config(family: str, shapes: dict[str, tuple[int, ...]], dtype: str | None) -> tuple[dict, list[str]]:
     """A Hugging Face config.json for a torchtitan checkpoint from its tensors' shapes (by Hugging Face name), and
-    what was assumed (what shapes do not say: torchtitan's defaults for the family)."""
+    what was assumed (what shapes do not say: torchtitan's defaults for the family).
+
+    Raises:
+        CheckpointError: a family whose config is not inferred here (DeepSeek-V3's MLA sizes).
+    """
+    if family not in _ASSUMED:
+        raise CheckpointError(f"a torchtitan {family} checkpoint without a config.json: give the model's with "
+                              "ffn-tools --config FILE (its attention's sizes are not inferred here)")
     layer = "model.layers.0."
     vocab, dim = shapes["model.embed_tokens.weight"]
     layers = 1 + max(int(m[1]) for k in shapes if (m := re.match(r"model\.layers\.(\d+)\.", k)))

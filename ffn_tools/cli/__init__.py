@@ -303,7 +303,7 @@ def _quantize_value(ctx, param, value):
               "nnx.Linear (FFNs only).")
 @click.option("--dcp-naming", type=click.Choice(("torchtitan", "hf")), help="DCP only: torchtitan = the keys of "
               "torchtitan's model of the architecture, as its state-dict adapter maps Hugging Face names (default; "
-              "Llama, Qwen3, Qwen3-MoE); hf = the Hugging Face names as they are.")
+              "Llama, Qwen3, Qwen3-MoE, DeepSeek-V3); hf = the Hugging Face names as they are.")
 @click.option("--dcp-ranks", type=click.IntRange(min=1), help="DCP only: the world size the output is sharded for "
               "(default 1): each tensor cut along dim 0, one __R_0.distcp per rank.")
 @click.option("--dry-run", is_flag=True, help="Print every output tensor and how it is made (for mlx, what mlx_lm's "
