@@ -281,11 +281,11 @@ def _write(f, data) -> None:
 
 
 def write(f, dtype: str, shape: tuple[int, ...], blocks, nbytes: int, zip64: bool | None = None) -> None:
-    """Append to ``f`` what ``torch.save`` writes for a C-contiguous tensor of ``dtype`` and ``shape`` whose bytes are
-    ``blocks`` (buffers or input ``ByteRange``s, ``nbytes`` in all), which ``torch.load(weights_only=True)`` reads back: the same records
-    (``data.pkl``, the format version, the storage alignment, the byte order, ``data/0``, the version, a
-    serialization id), data aligned to 64 bytes, each record's CRC-32, zip64 where a size or offset needs it.
-    The bytes are streamed: never more than a block in memory here."""
+    """Append to ``f`` what ``torch.save`` writes for a C-contiguous tensor of ``dtype`` and ``shape`` whose bytes
+    are ``blocks`` (buffers or input ``ByteRange``s, ``nbytes`` in all), which ``torch.load(weights_only=True)``
+    reads back: the same records (``data.pkl``, the format version, the storage alignment, the byte order,
+    ``data/0``, the version, a serialization id), data aligned to 64 bytes, each record's CRC-32, zip64 where a size
+    or offset needs it. The bytes are streamed: never more than a block in memory here."""
     import hashlib
 
     pkl = data_pkl(dtype, shape)
