@@ -147,7 +147,7 @@ def test_verify_passes_a_conversion_and_fails_gate_and_up_swapped(llama, tmp_pat
     r = run_cli("verify", llama, out, "--json")
     report = json.loads(r.stdout)
     assert report["passed"] is True
-    assert "dcp.load of all 21 keys" in json.dumps(report["load_check"])
+    assert "dcp.load of all 21 keys, 1 GiB at a time" in json.dumps(report["load_check"])
     swapped = tmp_path / "swapped"
     sd = _dcp_load(out)
     sd["layers.1.feed_forward.w1.weight"], sd["layers.1.feed_forward.w3.weight"] = (
