@@ -130,6 +130,10 @@ def test_llama31_query_is_stored_wider_and_q_k_interleaved_as_maxtext_converts_t
     np.testing.assert_array_equal(att["key"]["kernel"][:, 0].astype(np.float32), adjust_rope(k, 8))
     q = _np(hf["model.layers.0.self_attn.q_proj.weight"]).T.reshape(64, 8, 8)
     np.testing.assert_allclose(att["query"]["kernel"][:, 0], adjust_rope(q, 8) * 8 ** -0.5, rtol=1e-7)
+    (tmp_path / "mt" / "config.json").unlink()  # read without its config: the weights' dtype, not the query's
+    with open_any(tmp_path / "mt") as c:
+        assert c.info("model.layers.0.self_attn.q_proj.weight").st_dtype == "BF16"
+        assert c.config["dtype"] == "bfloat16"
 
 
 def test_moe_experts_stack_as_maxtext_stacks_them(models, tmp_path):

@@ -109,7 +109,8 @@ class OrbaxCheckpoint(Checkpoint):
             if config is None:
                 config, self.assumed = infer_config(found, self.tree)
             self.model = mt.Model.of(config)
-            hf_dtype = config_dtype(config)
+            key = next((k for k, ps in found.items() if ps[0].hf.endswith("k_proj.weight")), None)
+            hf_dtype = config_dtype(config) or (self.tree.shape_dtype(key)[1] if key else None)  # the query's
             for keys, params in found.items():
                 shape, dtype = self.tree.shape_dtype(keys)
                 for param in params:
@@ -222,8 +223,8 @@ def infer_config(found: dict[tuple[str, ...], list[mt.Param]], tree: OrbaxTree) 
     """A Hugging Face config.json for a MaxText tree from its shapes, and what was assumed."""
     by_hf = {params[0].hf: tree.shape_dtype(keys) for keys, params in found.items()}
     vocab, hidden = by_hf["model.embed_tokens.weight"][0]
-    q_shape, dtype = by_hf["model.layers.{L}.self_attn.q_proj.weight"]
-    k_shape = by_hf["model.layers.{L}.self_attn.k_proj.weight"][0]
+    q_shape = by_hf["model.layers.{L}.self_attn.q_proj.weight"][0]
+    k_shape, dtype = by_hf["model.layers.{L}.self_attn.k_proj.weight"]  # the query may be stored wider
     _, layers, heads, head_dim = q_shape
     qwen = "model.layers.{L}.self_attn.q_norm.weight" in by_hf
     mixtral = "model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight" in by_hf
