@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_mlx  # noqa: E402
-from bench_dcp import best  # noqa: E402
+from bench_dcp import best, prepared  # noqa: E402
 from bench_mlx import DATA  # noqa: E402
 
 SRC = DATA / "llama-1g-bf16"
@@ -99,14 +99,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
-    if not SRC.exists():
-        print(f"building {SRC} ...", flush=True)
-        bench_mlx.build(SRC)
-    size = 0
-    for p in SRC.glob("*.safetensors"):  # warm the page cache, holding no more than a block
-        with open(p, "rb") as f:
-            while block := f.read(64 << 20):
-                size += len(block)
+    size = prepared()
     py, tool = sys.executable, str(Path(sys.executable).parent / "ffn-tools")
     out = DATA / "bench-orbax-out"
     shutil.rmtree(out, ignore_errors=True)

@@ -1,24 +1,22 @@
 """What runs a DCP checkpoint here: ``torch.distributed.checkpoint.load`` itself, for the load check (every key
 the metadata lists loaded into a tensor of its declared shape and dtype, a GiB at a time); the model it holds runs as
-its Hugging Face view's weights in transformers' class of its config (``--logits``, ``--generate``), as
-``converters.flax.client`` runs Flax weights."""
+its Hugging Face view's weights in transformers' class of its config (``--logits``, ``--generate``:
+``converters.pytorch.weights``)."""
 
 from __future__ import annotations
 
 from ffn_tools.checks.load import LoadCheck
 
-from ..flax.client import FlaxWeights
+from ..pytorch.weights import TransformersRuns
 
-NAME = "transformers (DCP weights)"
 GROUP = 1 << 30  # bytes the load check loads at once
 
 
-class DcpClient(FlaxWeights):
+class DcpClient(TransformersRuns):
     """See the module docstring."""
 
     def __init__(self):
-        super().__init__()
-        self.label, self.name = "torch.distributed.checkpoint", NAME  # type: ignore[misc]
+        super().__init__("dcp", "torch.distributed.checkpoint", "", "DCP")
 
     def load_check(self, ckpt) -> LoadCheck:
         """``dcp.load`` of every tensor key the metadata lists into a tensor of its declared shape and dtype, in
@@ -54,17 +52,3 @@ class DcpClient(FlaxWeights):
             return LoadCheck(self.label, refused="; ".join(problems[:4]))
         keys = sum(len(g) for g in groups)
         return LoadCheck(self.label, architecture=f"dcp.load of all {keys} keys, {GROUP >> 30} GiB at a time")
-
-    def view(self, path):
-        from pathlib import Path
-
-        from . import FORMAT
-
-        return FORMAT.open(Path(path))
-
-    def ready_for_logits(self, ckpt, side: str) -> None:
-        from ffn_tools.errors import FFNToolsError
-
-        if "model_type" not in (ckpt.config or {}):
-            raise FFNToolsError(f"--logits/--generate: {side} ({ckpt.path}) has no config.json naming its model_type; "
-                                "give one with ffn-tools --config FILE")

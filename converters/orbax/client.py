@@ -1,27 +1,23 @@
 """What runs an Orbax checkpoint here: ``orbax.checkpoint`` itself for the load check (its ``PyTreeCheckpointer``
 restores the item directory; above ``RESTORE_LIMIT`` bytes only its metadata of every array is read, and the check
 says so); the model runs as its Hugging Face view's weights in transformers' class of its config (``--logits``,
-``--generate``), as ``converters.flax.client`` runs Flax weights."""
+``--generate``: ``converters.pytorch.weights``)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from ffn_tools.checks.load import LoadCheck
-from ffn_tools.errors import FFNToolsError
 
-from ..flax.client import FlaxWeights
+from ..pytorch.weights import TransformersRuns
 
-NAME = "transformers (Orbax weights)"
 RESTORE_LIMIT = 4 << 30
 
 
-class OrbaxClient(FlaxWeights):
+class OrbaxClient(TransformersRuns):
     """See the module docstring."""
 
     def __init__(self):
-        super().__init__()
-        self.label, self.name = "orbax.checkpoint", NAME  # type: ignore[misc]
+        super().__init__("orbax", "orbax.checkpoint", "", "Orbax", ("jax",), layouts=("hf", "maxtext"))
 
     def load_check(self, ckpt) -> LoadCheck:
         import orbax.checkpoint as ocp
@@ -44,16 +40,6 @@ class OrbaxClient(FlaxWeights):
         wrong = [f"{'.'.join(k)}: orbax {tuple(leaves[k])}, tensorstore {tree.shape_dtype(k)[0]}"
                  for k in tree.paths if tuple(leaves[k]) != tree.shape_dtype(k)[0]]
         return LoadCheck(self.label, mismatched=wrong, architecture=ran)
-
-    def view(self, path):
-        from . import FORMAT
-
-        return FORMAT.open(Path(path))
-
-    def ready_for_logits(self, ckpt, side: str) -> None:
-        if "model_type" not in (ckpt.config or {}):
-            raise FFNToolsError(f"--logits/--generate: {side} ({ckpt.path}) has no config.json naming its model_type; "
-                                "give one with ffn-tools --config FILE")
 
 
 def _leaves(tree, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], tuple[int, ...]]:
