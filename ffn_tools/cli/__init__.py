@@ -108,8 +108,8 @@ class Group(click.Group):
 @click.option("-q", "--quiet", is_flag=True, help="Print only results and errors; no progress.")
 @click.option("-v", "--verbose", is_flag=True, help="Log what is being done.")
 @click.option("--config", "config", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
-              help="config.json of checkpoints that carry none (a training run's DCP checkpoint): without it one is "
-                   "inferred from the shapes, and what was assumed is said.")
+              help="config.json of checkpoints that carry none (a training run's DCP checkpoint, MaxText's Orbax "
+                   "checkpoint): without it one is inferred from the shapes, and what was assumed is said.")
 @click.version_option(package_name="ffn-tools")
 def cli(quiet: bool, verbose: bool, config: str | None) -> None:
     """Split, fuse, convert and verify the gated feed-forward weights of LLM checkpoints.
@@ -142,7 +142,7 @@ def inspect(path, as_json, tensors, scheme, layout):
     """Show the architecture, naming scheme, FFN layout and sizes of the checkpoint at PATH.
 
     PATH is a .safetensors file, an index, a pickle, a .gguf file (any part of a split one), or a directory
-    (PyTorch, MLX or Flax).
+    (PyTorch, MLX, Flax, an Orbax checkpoint, a torch.distributed.checkpoint).
     """
     from ..api import inspect as run
     from ..summary import format_summary, format_tensors
