@@ -280,3 +280,12 @@ def test_deepseek_v3_shared_experts_mla_and_router_bias_as_torchtitans_adapter_m
         assert {"layers.0.attention.wq_a.weight", "layers.0.attention.q_norm.weight"} <= set(loaded)
     run_cli("convert", tmp_path / "dcp", "--to", "torch", "-o", tmp_path / "back")
     assert_identical(tensors(tmp_path / "back"), hf)
+
+
+def test_inspect_and_extract_read_a_dcp_as_any_checkpoint(qwen3_moe, tmp_path):
+    run_cli("convert", qwen3_moe, "--to", "dcp", "--dcp-ranks", 2, "-o", tmp_path / "dcp")
+    info = json.loads(run_cli("inspect", tmp_path / "dcp", "--json").stdout)
+    assert info["format"] == "dcp" and info["routed_experts"] == 64 and len(info["shards"]) == 2  # the rank files
+    run_cli("extract", qwen3_moe, "-o", tmp_path / "from-hf.safetensors")
+    run_cli("extract", tmp_path / "dcp", "-o", tmp_path / "from-dcp.safetensors")
+    assert_identical(tensors(tmp_path / "from-dcp.safetensors"), tensors(tmp_path / "from-hf.safetensors"))
