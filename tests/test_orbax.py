@@ -253,3 +253,25 @@ def test_maxtext_converts_to_the_gguf_its_source_converts_to(gguf_model, gguf_re
     run_cli("convert", src, "--to", "orbax", "--orbax-layout", "maxtext", "-o", tmp_path / "model")
     run_cli("convert", tmp_path / "model", "--to", "gguf", "--outtype", "f32", "-o", tmp_path / "m.gguf")
     assert (tmp_path / "m.gguf").read_bytes() == gguf_ref("llama", "f32").read_bytes()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_maxtext_saved_without_scanning_reads_layer_by_layer(models, tmp_path, arch):
+    """MaxText with scan_layers false saves decoder/layers_{L}/... without the layer axis (experts still first):
+    read, its config inferred from the shapes, it is the source."""
+    src = models[arch]
+    run_cli("convert", src, "--to", "orbax", "--orbax-layout", "maxtext", "-o", tmp_path / "scanned")
+    tree = ocp.PyTreeCheckpointer().restore(str(tmp_path / "scanned"))
+    decoder = tree["params"]["params"]["decoder"]
+    scanned = decoder.pop("layers")
+
+    def layer(node, n):
+        return {k: layer(v, n) for k, v in node.items()} if isinstance(node, dict) else np.take(node, n, axis=1)
+
+    for n in range(3):
+        decoder[f"layers_{n}"] = layer(scanned, n)
+    with ocp.StandardCheckpointer() as c:
+        c.save(str(tmp_path / "run" / "0" / "items"), tree)
+    r = run_cli("convert", tmp_path / "run", "--to", "torch", "-o", tmp_path / "back")
+    assert "assumed" in r.stderr
+    assert_identical(tensors(tmp_path / "back"), tensors(src))

@@ -8,7 +8,7 @@ Two layouts, recognised from the key paths:
   (``layers_{L}[_experts_{E}|_shared_expert]/{gate,up,down}/{kernel,bias}[/value]``, as the Flax format's linen
   layout names them), read back with the names ``extract`` gives FFNs.
 - ``maxtext``: MaxText's decoder (``converters.orbax.maxtext``): each Hugging Face tensor is one layer's (and
-  expert's) slab of a scanned array. A slab is read alone where the array is chunked by layer (as ffn-tools writes
+  expert's) slab of a scanned array (or, saved with ``scan_layers: false``, of ``decoder/layers_{L}``'s arrays). A slab is read alone where the array is chunked by layer (as ffn-tools writes
   it); where one chunk holds every layer (as Orbax writes by default) the array is read once and kept while its
   layers are read in turn: memory stays the largest array.
 
@@ -18,6 +18,7 @@ MaxText, one inferred from the shapes, with what was assumed said (MaxText keeps
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -109,15 +110,14 @@ class OrbaxCheckpoint(Checkpoint):
             if config is None:
                 config, self.assumed = infer_config(found, self.tree)
             self.model = mt.Model.of(config)
-            key = next((k for k, ps in found.items() if ps[0].hf.endswith("k_proj.weight")), None)
+            key = next((k for k, (p, _) in found.items() if p.hf.endswith("k_proj.weight")), None)
             hf_dtype = config_dtype(config) or (self.tree.shape_dtype(key)[1] if key else None)  # the query's
-            for keys, params in found.items():
+            for keys, (param, layer) in found.items():
                 shape, dtype = self.tree.shape_dtype(keys)
-                for param in params:
-                    for name, where, slab in _slabs(param, shape):
-                        out = hf_dtype if (param.kind == "query" and hf_dtype) else dtype
-                        infos[name] = TensorInfo(name, _dtype_name(out), mt.hf_shape(param, slab), file)
-                        self._sources[name] = ("maxtext", keys, where, param, out)
+                for name, where, slab in _slabs(param, shape, layer):
+                    out = hf_dtype if (param.kind == "query" and hf_dtype) else dtype
+                    infos[name] = TensorInfo(name, _dtype_name(out), mt.hf_shape(param, slab), file)
+                    self._sources[name] = ("maxtext", keys, where, param, out)
         super().__init__(path, root, [file], infos, {"format": "pt"}, config)
         if self.assumed:
             progress.say(f"{root}: no config.json; {'; '.join(self.assumed)}. Give the model's own with "
@@ -144,8 +144,9 @@ class OrbaxCheckpoint(Checkpoint):
             infos[name] = TensorInfo(name, _dtype_name(dtype), shape[::-1] if kernel else shape, file)
             self._sources[name] = ("hf", keys, kernel)
 
-    def _maxtext_arrays(self) -> dict[tuple[str, ...], list[mt.Param]]:
-        """Each array of the tree and the Hugging Face tensors whose slabs it holds.
+    def _maxtext_arrays(self) -> dict[tuple[str, ...], tuple[mt.Param, int | None]]:
+        """Each array of the tree, the Hugging Face tensor whose slabs it holds, and for a tree saved with
+        ``scan_layers: false`` (``decoder/layers_{L}/...``, one array a layer) its layer.
 
         Raises:
             CheckpointError: arrays of no known MaxText name (listed).
@@ -156,7 +157,10 @@ class OrbaxCheckpoint(Checkpoint):
                 known.setdefault(tuple(k.replace("{MOE}", block) for k in p.path), []).append(p)
         found, unknown = {}, []
         for keys in self.tree.paths:
-            inner = keys[len(self.prefix):]
+            inner, layer = keys[len(self.prefix):], None
+            m = re.fullmatch(r"layers_(\d+)", inner[1]) if len(inner) > 2 and inner[0] == "decoder" else None
+            if m:  # scan_layers false: the layer in the name, no layer axis
+                inner, layer = ("decoder", "layers", *inner[2:]), int(m[1])
             if inner not in known:
                 unknown.append("/".join(keys))
                 continue
@@ -165,7 +169,7 @@ class OrbaxCheckpoint(Checkpoint):
             if moe:  # Mixtral's or Qwen3-MoE's names: by the block's name
                 mixtral = "MoeBlock_0" in inner
                 params = [p for p in params if (".block_sparse_moe." in p.hf) == mixtral]
-            found[keys] = params[:1]
+            found[keys] = (params[0], layer)
         if unknown:
             raise CheckpointError(f"{self.tree.root}: {len(unknown)} array(s) of no MaxText name known here: "
                                   f"{listing(unknown)}")
@@ -177,7 +181,7 @@ class OrbaxCheckpoint(Checkpoint):
         if not where:
             return self.tree.read(keys)
         chunk = self.tree.chunk(keys)
-        if chunk[1] == 1 and (chunk[0] == 1 or not isinstance(where[0], int)):
+        if all(chunk[i] == 1 for i, w in enumerate(where) if isinstance(w, int)):
             return self.tree.read(keys, where)
         if self._cache is None or self._cache[0] != keys:
             self._cache = None  # the previous array goes before this one is read
@@ -199,10 +203,18 @@ class OrbaxCheckpoint(Checkpoint):
         self._cache = None
 
 
-def _slabs(p: mt.Param, shape: tuple[int, ...]):
-    """(Hugging Face name, index in the array, slab shape) of every slab of a MaxText array of ``shape``."""
+def _slabs(p: mt.Param, shape: tuple[int, ...], layer: int | None = None):
+    """(Hugging Face name, index in the array, slab shape) of every slab of a MaxText array of ``shape`` (``layer``:
+    the one layer an unscanned array holds)."""
     if not p.scanned:
         yield p.hf, (), shape
+        return
+    if layer is not None:
+        if p.expert:
+            for e in range(shape[0]):
+                yield p.hf.format(L=layer, E=e), (e,), tuple(shape[1:])
+        else:
+            yield p.hf.format(L=layer), (), shape
         return
     if p.expert:
         experts, layers, rest = shape[0], shape[1], tuple(shape[2:])
@@ -219,13 +231,22 @@ def _slabs(p: mt.Param, shape: tuple[int, ...]):
 _ASSUMED = {"rope_theta": 10000.0, "rms_norm_eps": 1e-5}
 
 
-def infer_config(found: dict[tuple[str, ...], list[mt.Param]], tree: OrbaxTree) -> tuple[dict, list[str]]:
+def infer_config(found: dict[tuple[str, ...], tuple[mt.Param, int | None]],
+                 tree: OrbaxTree) -> tuple[dict, list[str]]:
     """A Hugging Face config.json for a MaxText tree from its shapes, and what was assumed."""
-    by_hf = {params[0].hf: tree.shape_dtype(keys) for keys, params in found.items()}
+    by_hf: dict[str, tuple[tuple[int, ...], str]] = {}  # template -> (one layer's shape, experts first; dtype)
+    layers: set[int] = set()
+    for keys, (p, layer) in found.items():
+        shape, dtype = tree.shape_dtype(keys)
+        if p.scanned and layer is None:
+            layers.update(range(shape[1]))
+            shape = (shape[0], *shape[2:])
+        elif layer is not None:
+            layers.add(layer)
+        by_hf[p.hf] = (shape, dtype)
     vocab, hidden = by_hf["model.embed_tokens.weight"][0]
-    q_shape = by_hf["model.layers.{L}.self_attn.q_proj.weight"][0]
+    _, heads, head_dim = by_hf["model.layers.{L}.self_attn.q_proj.weight"][0]
     k_shape, dtype = by_hf["model.layers.{L}.self_attn.k_proj.weight"]  # the query may be stored wider
-    _, layers, heads, head_dim = q_shape
     qwen = "model.layers.{L}.self_attn.q_norm.weight" in by_hf
     mixtral = "model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight" in by_hf
     qwen_moe = "model.layers.{L}.mlp.experts.{E}.gate_proj.weight" in by_hf
@@ -234,17 +255,17 @@ def infer_config(found: dict[tuple[str, ...], list[mt.Param]], tree: OrbaxTree) 
         "model_type": model_type, "architectures": [{"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
                                                      "qwen3": "Qwen3ForCausalLM",
                                                      "qwen3_moe": "Qwen3MoeForCausalLM"}[model_type]],
-        "hidden_size": hidden, "vocab_size": vocab, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": k_shape[2], "head_dim": head_dim, "hidden_act": "silu", "dtype": dtype,
+        "hidden_size": hidden, "vocab_size": vocab, "num_hidden_layers": len(layers), "num_attention_heads": heads,
+        "num_key_value_heads": k_shape[1], "head_dim": head_dim, "hidden_act": "silu", "dtype": dtype,
         "tie_word_embeddings": "lm_head.weight" not in by_hf, **_ASSUMED}
     assumed = [f"{k} {v}" for k, v in _ASSUMED.items()] + ["no Llama 3.1 rotary scaling (q/k not interleaved)"]
     dense = by_hf.get("model.layers.{L}.mlp.gate_proj.weight")
     if dense:
-        config["intermediate_size"] = dense[0][2]
+        config["intermediate_size"] = dense[0][1]
     expert = by_hf.get("model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight") or \
         by_hf.get("model.layers.{L}.mlp.experts.{E}.gate_proj.weight")
     if expert:
-        experts, _, _, inner = expert[0]
+        experts, _, inner = expert[0]
         if mixtral:
             config.update(num_local_experts=experts, intermediate_size=inner, num_experts_per_tok=2)
         else:
@@ -252,7 +273,7 @@ def infer_config(found: dict[tuple[str, ...], list[mt.Param]], tree: OrbaxTree) 
                           norm_topk_prob=True, decoder_sparse_step=1)
             config.setdefault("intermediate_size", inner)
         assumed.append(f"num_experts_per_tok {config['num_experts_per_tok']}")
-    if "model.layers.{L}.self_attn.q_proj.weight" in by_hf and not qwen:
+    if not qwen:
         assumed.append("the query kernel scaled by head_dim**-0.5, as MaxText's converters store it")
     return config, [f"assumed {', '.join(assumed)} (MaxText keeps them in its YAML, not the checkpoint)"]
 
