@@ -9,8 +9,9 @@ Two layouts, recognised from the key paths:
   layout names them), read back with the names ``extract`` gives FFNs.
 - ``maxtext``: MaxText's decoder (``converters.orbax.maxtext``): each Hugging Face tensor is one layer's (and
   expert's) slab of a scanned array (saved with ``scan_layers: false``: of ``decoder/layers_{L}``'s arrays). A
-  slab is read alone where the array is chunked by layer (as ffn-tools writes it); where one chunk holds every layer (as Orbax writes by default) the array is read once and kept while its
-  layers are read in turn: memory stays the largest array.
+  slab is read alone where the array is chunked by layer (as ffn-tools writes it); where one chunk holds every
+  layer (as Orbax writes by default) the array is read once and kept while its layers are read in turn: memory
+  stays the largest array.
 
 config.json beside ``_METADATA`` (ffn-tools writes one) is the model's; else ``ffn-tools --config FILE``; else, for
 MaxText, one inferred from the shapes, with what was assumed said (MaxText keeps its model's settings in its YAML).
