@@ -250,7 +250,10 @@ def test_signals_leave_no_temporary_output(model_dir, tmp_path, sig):
     """The command is stopped mid-write (a copy made to block), then signalled: nothing is left behind."""
     src = model_dir("llama")
     script = (
-        "import sys, time, ffn_tools.io.writer as w\n"
+        "import signal, sys, time, ffn_tools.io.writer as w\n"
+        # Ctrl-C as a terminal delivers it: a shell running this suite in the background (a job without job
+        # control) starts its children with SIGINT ignored, which Python then keeps ignored
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "def slow(*a, **k):\n"
         "    print('writing', flush=True); time.sleep(60)\n"
         "w._copy_range = slow\n"
