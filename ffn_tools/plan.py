@@ -204,6 +204,17 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
     return written
 
 
+def dequantized_line(plan: Plan, fmt: str) -> list[str]:
+    """The changes line of a plan whose source view reads quantized weights dequantized (compressed-tensors,
+    GPTQ/AWQ, MXFP4, FP8) into a format that holds no quantized form here: [] where none is."""
+    ckpt = plan.source
+    quantized = {n for e in plan.entries for n in e.inputs if ckpt.quantized(n)}
+    if not quantized:
+        return []
+    return [f"dequantized {len(quantized)} quantized weights, as read ({ckpt.label}): {fmt} has no quantized form "
+            "here"]
+
+
 def cast_entry(ckpt, name: str, dtype) -> Entry:
     """Copy a tensor, casting it to ``dtype`` if it is floating and differs."""
     info = ckpt.info(name)

@@ -556,10 +556,11 @@ def test_extract_says_it_dequantized(ct, tmp_path):
     assert "4-bit" in r.output and "PASS" in r.output
 
 
-def test_to_flax_says_it_dequantized(ct, tmp_path):
+@pytest.mark.parametrize("to", [("flax",), ("dcp", "--dcp-naming", "hf"), ("orbax",)], ids=lambda t: t[0])
+def test_to_formats_without_quantized_forms_says_it_dequantized(ct, tmp_path, to):
     pytest.importorskip("flax")
     _, path = ct("int4-g32-sym")
-    r = run_cli("convert", path, "--to", "flax", "-o", tmp_path / "flax")
+    r = run_cli("convert", path, "--to", *to, "-o", tmp_path / "out")
     assert "dequantized 14 quantized weights, as read (safetensors, compressed-tensors read dequantized)" in r.output
 
 

@@ -17,7 +17,7 @@ from ffn_tools.detect import find_ffns
 from ffn_tools.errors import FFNToolsError, SchemeError, listing
 from ffn_tools.ffn import canonical_weights
 from ffn_tools.io.store import Checkpoint
-from ffn_tools.plan import Entry, Plan, cast_entry, unquantized_config
+from ffn_tools.plan import Entry, Plan, cast_entry, dequantized_line, unquantized_config
 
 from ..native.layout import unpermute
 from .names import NAMINGS, family_of, stacked, to_titan
@@ -89,7 +89,7 @@ def build_plan(ckpt: Checkpoint, naming: str, dtype: torch.dtype | None) -> Plan
     if naming == "hf":
         entries = [cast_entry(ckpt, n, dtype) for n in ckpt]
         plan = Plan(ckpt, entries, config, summary={"naming": naming})
-        plan.changes = ["naming hf: every tensor under its Hugging Face name"]
+        plan.changes = ["naming hf: every tensor under its Hugging Face name", *dequantized_line(plan, "DCP")]
         return plan
     if not ckpt.config or "model_type" not in ckpt.config:
         raise FFNToolsError(f"{ckpt.path}: torchtitan's names depend on the architecture, and there is no config.json "
@@ -115,7 +115,8 @@ def build_plan(ckpt: Checkpoint, naming: str, dtype: torch.dtype | None) -> Plan
     plan = Plan(ckpt, entries + experts, config, summary={"naming": naming, "family": family})
     plan.changes = [f"naming torchtitan ({family}): Hugging Face names mapped as torchtitan's state-dict adapter "
                     "maps them" + (", q/k rows in its rotary order" if family == "llama3" else "")
-                    + (f", {len({e.name.split('.')[1] for e in experts})} layers' experts stacked" if experts else "")]
+                    + (f", {len({e.name.split('.')[1] for e in experts})} layers' experts stacked" if experts else ""),
+                    *dequantized_line(plan, "DCP")]
     return plan
 
 

@@ -19,7 +19,7 @@ from ffn_tools.errors import FFNToolsError, counted
 from ffn_tools.ffn import FFN, canonical_weights
 from ffn_tools.io.dtypes import FLOAT_ST, as_st, short_name, torch_dtype
 from ffn_tools.io.store import Checkpoint
-from ffn_tools.plan import unquantized_config, Entry, Plan
+from ffn_tools.plan import Entry, Plan, dequantized_line, unquantized_config
 
 from . import tree
 from .config import ADDED_KEYS, added, restore_source_config, v4_config
@@ -186,8 +186,4 @@ def changes(plan: Plan) -> list[str]:
     cast = {e.st_dtype for e in plan.entries if any(ckpt.info(n).st_dtype != e.st_dtype for n in e.inputs)}
     if cast:
         lines.append(f"floating tensors cast to {'/'.join(sorted(short_name(d) for d in cast))}")
-    quantized = [q for e in plan.entries for n in e.inputs if (q := ckpt.quantized(n))]
-    if quantized:  # a view that reads quantized weights dequantized (compressed-tensors, GPTQ/AWQ, MXFP4, FP8)
-        lines.append(f"dequantized {len(quantized)} quantized weights, as read ({ckpt.label}): Flax has no "
-                     "quantized form here")
-    return lines
+    return lines + dequantized_line(plan, "Flax")

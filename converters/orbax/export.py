@@ -18,7 +18,7 @@ from ffn_tools.errors import FFNToolsError, listing
 from ffn_tools.io.dtypes import as_st, short_name, torch_dtype
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.io.writer import OutTensor, Writer, produced_tensor
-from ffn_tools.plan import Entry, Plan, unquantized_config
+from ffn_tools.plan import Entry, Plan, dequantized_line, unquantized_config
 
 from ..flax.export import hf_entry, linen
 from . import maxtext as mt
@@ -146,6 +146,7 @@ def build_plan(ckpt: Checkpoint, layout: str, dtype: torch.dtype | None, scheme=
         if model.interleaved:
             line += "; q/k rotary pairs interleaved (Llama 3.1's rotary in MaxText)"
         plan.changes = [line]
+    plan.changes += dequantized_line(plan, "Orbax")
     return plan, OrbaxArrayWriter(slots)
 
 
