@@ -107,7 +107,7 @@ class Client(ABC):
     @property
     def runtime(self) -> str:
         """The code that computes the model (``runs``): a client running another format's weights in transformers'
-        classes (Flax, DCP) runs as transformers does, so no setting differs between them."""
+        classes (Flax, DCP, Orbax) runs as transformers does, so no setting differs between them."""
         return self.name
 
     @abstractmethod

@@ -259,7 +259,7 @@ _GIVEN: list[dict] = []  # the config ``ffn-tools --config FILE`` gave, for chec
 
 
 def give_config(path: Path | None) -> None:
-    """Take config.json ``path`` as the config of checkpoints read without one (a training checkpoint's: DCP);
+    """Take config.json ``path`` as the config of checkpoints read without one (a training run's: DCP, MaxText);
     None forgets it.
 
     Raises:
