@@ -55,8 +55,11 @@ class TransformersRuns(NoClient):
 
         with self.view(path) as view:
             config = transformers.AutoConfig.for_model(**(view.config or {}))
-            model: Any = transformers.AutoModelForCausalLM.from_config(config)
             state = {n: view[n] for n in view}
+        dt = getattr(torch, dtype) if dtype else next(iter(state.values())).dtype
+        # built in the weights' dtype, as from_pretrained builds it: buffers transformers keeps in float32 (the
+        # rotary inv_freq) stay there, where casting the built model would round them
+        model: Any = transformers.AutoModelForCausalLM.from_config(config, dtype=dt)
         problems = []
         missing, unexpected = model.load_state_dict(state, strict=False)
         tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
@@ -66,8 +69,7 @@ class TransformersRuns(NoClient):
             problems.append(f"{self.name}: weights its class does not know: {sorted(unexpected)[:4]}")
         if tied:
             model.tie_weights()
-        dt = getattr(torch, dtype) if dtype else next(iter(state.values())).dtype
-        return model.to(dt).eval(), problems
+        return model.eval(), problems
 
     def logits(self, path: Path, tokens, dtype: str | None = None):
         import torch
