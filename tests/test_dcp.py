@@ -163,7 +163,8 @@ def test_logits_run_the_dcp_weights_in_transformers(llama, tmp_path):
     run_cli("convert", llama, "--to", "dcp", "-o", out)
     r = run_cli("verify", llama, out, "--logits", "--json")
     report = json.loads(r.stdout)
-    assert report["passed"] is True and "transformers (DCP weights)" in json.dumps(report)
+    assert report["passed"] is True and report["logits"]["client_b"] == "transformers (DCP weights)"
+    assert report["logits"]["max_abs"] == 0.0  # the same bits, built as from_pretrained builds them
 
 
 def test_refusals_say_what_is_wrong(llama, model_dir, tmp_path):
