@@ -20,8 +20,7 @@ from ffn_tools.io.store import Checkpoint
 from ffn_tools.plan import Entry, Plan, cast_entry, dequantized_line, unquantized_config
 
 from ..native.layout import unpermute
-from .names import NAMINGS, family_of, stacked, to_titan
-from .writer import DcpWriter
+from .names import NAMINGS, family_of, heads_of, stacked, to_titan
 
 if TYPE_CHECKING:
     import torch
@@ -95,8 +94,7 @@ def build_plan(ckpt: Checkpoint, naming: str, dtype: torch.dtype | None) -> Plan
         raise FFNToolsError(f"{ckpt.path}: torchtitan's names depend on the architecture, and there is no config.json "
                             "naming its model_type; give one with ffn-tools --config FILE, or write --dcp-naming hf")
     family = family_of(ckpt.config)
-    heads = {"q": ckpt.config.get("num_attention_heads"),
-             "k": ckpt.config.get("num_key_value_heads") or ckpt.config.get("num_attention_heads")}
+    heads = heads_of(ckpt.config)
     experts, taken = _experts(ckpt, dtype, family)
     entries, unknown = [], []
     for name in ckpt:
@@ -118,7 +116,3 @@ def build_plan(ckpt: Checkpoint, naming: str, dtype: torch.dtype | None) -> Plan
                     + (f", {len({e.name.split('.')[1] for e in experts})} layers' experts stacked" if experts else ""),
                     *dequantized_line(plan, "DCP")]
     return plan
-
-
-def writer(ranks: int) -> DcpWriter:
-    return DcpWriter(ranks)

@@ -152,6 +152,12 @@ def family_of(config: dict | None, titan_names: list[str] | None = None) -> str:
     return "qwen3" if any(".attention.q_norm." in n or ".moe." in n for n in names) else "llama3"
 
 
+def heads_of(config: dict) -> dict[str, int | None]:
+    """The head counts the rotary permutation runs over: "q" the query's, "k" the key's (its kv heads)."""
+    q = config.get("num_attention_heads")
+    return {"q": q, "k": config.get("num_key_value_heads") or q}
+
+
 def to_hf(titan: str, family: str) -> tuple[Name, dict[str, str]] | None:
     """The spec and placeholders of a torchtitan name, or None when the family has no such name."""
     for spec in (*FAMILIES[family], *LEGACY[family]):

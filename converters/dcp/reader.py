@@ -19,16 +19,17 @@ import io
 import math
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ffn_tools import progress
 from ffn_tools.errors import CheckpointError, listing
-from ffn_tools.io.dtypes import as_st
-from ffn_tools.io.store import Checkpoint, TensorInfo, given_config, read_bytes, read_config
+from ffn_tools.io.dtypes import itemsize, st_of_name
+from ffn_tools.io.raw import RawTensor
+from ffn_tools.io.store import Checkpoint, TensorInfo, config_beside, read_bytes, say_assumed
 
 from ..native.layout import permute
 from .metadata import METADATA, Chunk, Entry, read_metadata
-from .names import BUFFERS, family_of, to_hf
+from .names import BUFFERS, family_of, heads_of, to_hf
 from .torchsave import Stored, locate
 
 if TYPE_CHECKING:
@@ -38,19 +39,6 @@ if TYPE_CHECKING:
 TRAINING_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state", "ft_", "model_parts")
 _TITAN = re.compile(r"^(?:tok_embeddings\.|layers\.\d+\.(?:attention|feed_forward|moe|attention_norm|ffn_norm)\.|"
                     r"norm\.weight$|output\.weight$|lm_head\.weight$)")
-
-
-def _st(dtype: str | None) -> str:
-    """A torch dtype's name ("bfloat16") as the store names dtypes ("BF16")."""
-    import torch
-
-    return as_st(getattr(torch, str(dtype)))
-
-
-def _itemsize(dtype: str | None) -> int:
-    import torch
-
-    return getattr(torch, str(dtype)).itemsize
 
 
 def root_of(path: Path) -> Path:
@@ -94,27 +82,24 @@ class DcpCheckpoint(Checkpoint):
         self.entries = read_metadata(root)
         weights = [k for k, e in self.entries.items() if e.dtype is not None and not k.startswith(TRAINING_STATE)]
         self.naming, prefix = naming_of([k for k in weights if not BUFFERS.search(k)])
-        config, self.assumed = read_config(root), list[str]()
-        given = given_config()
-        if config is None and given is not None:
-            config = dict(given)
-        if self.naming == "torchtitan":  # a model's buffers are weights where its family maps them (DeepSeek's bias)
-            family = family_of(config, [k.removeprefix(prefix) for k in weights])
-            weights = [k for k in weights if not BUFFERS.search(k) or to_hf(k.removeprefix(prefix), family)]
+        config, self.assumed = config_beside(root), list[str]()
+        self.family = family_of(config, [k.removeprefix(prefix) for k in weights]) if self.naming == "torchtitan" \
+            else None
+        if self.family:  # a model's buffers are weights where its family maps them (DeepSeek's bias)
+            weights = [k for k in weights if not BUFFERS.search(k) or to_hf(k.removeprefix(prefix), self.family)]
         self.training_state = [k for k in self.entries if k not in weights]
         self._sources: dict[str, _Source] = {}
         self._stored: dict[Chunk, Stored | None] = {}
+        self._handles: dict[Path, BinaryIO] = {}
         infos: dict[str, TensorInfo] = {}
         files = sorted({c.file for e in self.entries.values() for c in e.chunks}, key=lambda f: f.name)
-        self.family = None
-        if self.naming == "hf":
+        if self.family is None:
             for k in weights:
                 e = self.entries[k]
-                infos[k] = TensorInfo(k, _st(e.dtype), e.shape, e.chunks[0].file, self._start(e))
+                infos[k] = TensorInfo(k, st_of_name(e.dtype), e.shape, e.chunks[0].file, self._start(e))
                 self._sources[k] = _Source(k)
         else:
             inner = {k.removeprefix(prefix): k for k in weights}
-            self.family = family_of(config, list(inner))
             found = {short: to_hf(short, self.family) for short in inner}
             unknown = [short for short, f in found.items() if f is None]
             if unknown:
@@ -132,8 +117,7 @@ class DcpCheckpoint(Checkpoint):
             shapes = {n: self.entries[k].shape[1:] if x is not None else self.entries[k].shape for n, k, x, _ in mapped}
             if config is None:
                 config, self.assumed = infer_config(self.family, shapes, self.entries[mapped[0][1]].dtype)
-            heads = {"q": config.get("num_attention_heads"),
-                     "k": config.get("num_key_value_heads") or config.get("num_attention_heads")}
+            heads = heads_of(config)
             for name, key, x, rotary in mapped:
                 h = heads.get(rotary) if rotary else None
                 if rotary and not isinstance(h, int):
@@ -142,10 +126,11 @@ class DcpCheckpoint(Checkpoint):
                 e = self.entries[key]
                 start = None if rotary else self._start(e)
                 if start is not None and x is not None:
-                    start += x * math.prod(shapes[name]) * _itemsize(e.dtype)  # expert x's rows of the stack
-                infos[name] = TensorInfo(name, _st(e.dtype), shapes[name], e.chunks[0].file, start)
+                    start += x * math.prod(shapes[name]) * itemsize(st_of_name(e.dtype))  # expert x's rows of the stack
+                infos[name] = TensorInfo(name, st_of_name(e.dtype), shapes[name], e.chunks[0].file, start)
                 self._sources[name] = _Source(key, expert=x, heads=h)
         if not infos:
+            self.close()
             raise CheckpointError(f"{root}: no weights in this torch.distributed.checkpoint "
                                   f"({len(self.training_state)} training-state keys only)")
         super().__init__(path, root, files, infos, {"format": "pt"}, config)
@@ -153,15 +138,15 @@ class DcpCheckpoint(Checkpoint):
         if self.training_state:
             progress.say(f"{root}: {len(self.training_state)} training-state key(s) not read as weights "
                          f"({listing(self.training_state, 3)})")
-        if self.assumed:
-            progress.say(f"{root}: no config.json; {'; '.join(self.assumed)}. Give the model's own with "
-                         "ffn-tools --config FILE")
+        say_assumed(root, self.assumed)
 
     def _locate(self, c: Chunk, dtype: str | None) -> Stored | None:
         """Where chunk ``c``'s bytes lie as the tensor, C-order (``torchsave.locate``), found once."""
         if c not in self._stored:
-            with open(c.file, "rb") as f:
-                self._stored[c] = locate(f, c.start, c.length, _itemsize(dtype), c.sizes)
+            f = self._handles.get(c.file)
+            if f is None:  # a rank's file holds every chunk of that rank: opened once
+                f = self._handles[c.file] = open(c.file, "rb")  # noqa: SIM115 - closed in close()
+            self._stored[c] = locate(f, c.start, c.length, itemsize(st_of_name(dtype)), c.sizes)
         return self._stored[c]
 
     def _start(self, e: Entry) -> int | None:
@@ -174,15 +159,10 @@ class DcpCheckpoint(Checkpoint):
 
     def _load_chunk(self, c: Chunk, key: str, dtype: str | None) -> torch.Tensor:
         """Chunk ``c`` of ``key``: its bytes read as they lie where ``locate`` finds them, else torch.load."""
-        import torch
-
         stored = self._locate(c, dtype)
         if stored is None:
             return _load_chunk(c, key)
-        data = read_bytes(c.file, stored.start, stored.nbytes)
-        t = torch.frombuffer(data, dtype=getattr(torch, str(dtype))) if stored.nbytes else \
-            torch.empty(0, dtype=getattr(torch, str(dtype)))
-        return t.reshape(c.sizes)
+        return RawTensor(st_of_name(dtype), c.sizes, read_bytes(c.file, stored.start, stored.nbytes)).to_torch()
 
     def _whole(self, key: str) -> torch.Tensor:
         """Tensor ``key`` assembled from its chunks."""
@@ -216,6 +196,9 @@ class DcpCheckpoint(Checkpoint):
 
     def close(self) -> None:
         self._stack = None
+        for f in self._handles.values():
+            f.close()
+        self._handles.clear()
 
 
 def _load_chunk(c: Chunk, key: str) -> torch.Tensor:

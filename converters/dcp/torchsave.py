@@ -52,9 +52,9 @@ class _Args(pickle.Unpickler):
 
 
 def _records(f, start: int, length: int) -> dict[str, tuple[int, int]] | None:
-    """name -> (data offset from ``start``, size) of each stored record of the zip at ``start`` (``length`` bytes)
+    """name -> (local header offset from ``start``, size) of each record of the zip at ``start`` (``length`` bytes)
     of ``f``, from its central directory (torch.save streams its records, so local headers may not hold sizes);
-    None where it is not such a zip."""
+    None where it is not such a zip or a record is compressed."""
     tail = _pread(f, start + max(0, length - 4096), min(length, 4096))
     end = tail.rfind(EOCD)
     if end < 0 or end + 22 > len(tail):
@@ -94,12 +94,19 @@ def _records(f, start: int, length: int) -> dict[str, tuple[int, int]] | None:
                     (local,), y = struct.unpack("<Q", vals[y: y + 8]), y + 8
             x += 4 + size
         at += 46 + nlen + xlen + clen
-        head = _pread(f, start + local, 30)
-        if head[:4] != LOCAL or method != 0 or csize != usize:
+        if method != 0 or csize != usize:
             return None
-        lnlen, lxlen = struct.unpack("<HH", head[26:30])
-        out[name] = (local + 30 + lnlen + lxlen, csize)
+        out[name] = (local, csize)
     return out
+
+
+def _data_at(f, start: int, local: int) -> int | None:
+    """Where the data of the record whose local header is at ``local`` (from ``start``) begins, from ``start``."""
+    head = _pread(f, start + local, 30)
+    if head[:4] != LOCAL:
+        return None
+    lnlen, lxlen = struct.unpack("<HH", head[26:30])
+    return local + 30 + lnlen + lxlen
 
 
 def locate(f, start: int, length: int, itemsize: int, shape: tuple[int, ...]) -> Stored | None:
@@ -112,9 +119,11 @@ def locate(f, start: int, length: int, itemsize: int, shape: tuple[int, ...]) ->
     found = {("data/" if "/data/" in n else "") + n.rsplit("/", 1)[-1]: v for n, v in records.items()}
     if "data.pkl" not in found or {k for k in found if k.startswith("data/")} != {"data/0"}:
         return None
-    at, size = found["data.pkl"]
+    pkl_at, data_at = (_data_at(f, start, found[k][0]) for k in ("data.pkl", "data/0"))  # the two records read
+    if pkl_at is None or data_at is None:
+        return None
     try:
-        call = _Args(io.BytesIO(_pread(f, start + at, size))).load()
+        call = _Args(io.BytesIO(_pread(f, start + pkl_at, found["data.pkl"][1]))).load()
     except Exception:  # noqa: BLE001 - anything unexpected: torch.load reads it instead
         return None
     if not isinstance(call, _Call) or len(call.args) < 4:
@@ -126,7 +135,7 @@ def locate(f, start: int, length: int, itemsize: int, shape: tuple[int, ...]) ->
             or tuple(size_) != tuple(shape) or not (contiguous or numel <= 1) or storage[4] * (
                 1 if storage[1] == "UntypedStorage" else itemsize) != numel * itemsize):
         return None
-    data_at, data_size = found["data/0"]
+    data_size = found["data/0"][1]
     if data_size != numel * itemsize or data_at + data_size > length:
         return None
     return Stored(start + data_at, data_size)

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ffn_tools.io.dtypes import torch_dtype
-from ffn_tools.io.writer import OutTensor, Writer, cut_ranges, produced_tensor
+from ffn_tools.io.dtypes import short_name
+from ffn_tools.io.writer import OutTensor, Writer, cut_ranges, payload_tensor
 
 from . import torchsave
 from .metadata import METADATA, Chunk, write_metadata
@@ -69,11 +69,10 @@ class DcpWriter(Writer):
         written: list[tuple[str, str, tuple[int, ...], list[Chunk]]] = []
         try:
             for t in items:
-                dtype = str(torch_dtype(t.dtype)).removeprefix("torch.")
+                dtype = short_name(t.dtype)  # torch's name of it
                 payload = t.produce()
                 if not torchsave.writable(dtype) and isinstance(payload, list):
-                    ranges = payload
-                    payload = produced_tensor(OutTensor(t.name, t.dtype, t.shape, t.nbytes, lambda: ranges))
+                    payload = payload_tensor(payload, t.dtype, t.shape)
                 chunks = []
                 cuts = row_chunks(t.shape[0], self.ranks) if t.shape else [(0, 1)]
                 row = t.nbytes // t.shape[0] if t.shape and t.shape[0] else t.nbytes

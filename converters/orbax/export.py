@@ -99,11 +99,10 @@ def _maxtext(ckpt: Checkpoint, dtype) -> tuple[list[Entry], dict[str, tuple[Arra
         def compute(ts, p=p, to=out):
             return mt.to_slab(p, ts[0].to(to), model)
 
-        how = {"as_is": "as it is", "T": "transposed", "heads_out": "transposed, heads split",
-               "heads_in": "transposed, heads split"}.get(p.kind, "transposed, heads split")
+        how = {"as_is": "as it is", "T": "transposed"}.get(p.kind, "transposed, heads split")
         if p.kind == "query" and model.scale_query:
             how += f", scaled by head_dim**-0.5 ({short_name(store)})"
-        if model.interleaved and (p.kind == "query" or n.endswith("k_proj.weight")):
+        if model.interleaves(p):
             how += ", rotary pairs interleaved"
         name = _name(keys, where)
         entries.append(Entry(name, store, slab, (n,), compute, None, f"{n}, {how}"))

@@ -124,6 +124,10 @@ class Model:
     def scale(self) -> float:
         return self.head_dim ** -0.5
 
+    def interleaves(self, p: Param) -> bool:
+        """``p``'s rows are put in interleaved rotary order (q and k, under Llama 3.1's rotary)."""
+        return self.interleaved and (p.kind == "query" or p.hf.endswith("k_proj.weight"))
+
     def exact_scale(self) -> bool:
         """head_dim**-0.5 is a power of two (head_dim a power of 4): scaling is exact in any float dtype."""
         return math.log2(self.head_dim) % 2 == 0
@@ -182,7 +186,7 @@ def to_slab(p: Param, w: torch.Tensor, model: Model) -> torch.Tensor:
     heads = model.heads if p.heads == "q" else model.kv_heads
     if p.kind == "heads_out":  # o_proj (H, heads*hd) -> (heads, hd, H)
         return w.T.reshape(heads, model.head_dim, w.shape[0]).contiguous()
-    if model.interleaved and p.kind == "query" or (model.interleaved and p.hf.endswith("k_proj.weight")):
+    if model.interleaves(p):
         w = _interleave(w, model.head_dim)
     if p.kind == "query" and model.scale_query:
         wide = query_dtype(model, w.dtype)
@@ -205,7 +209,7 @@ def from_slab(p: Param, s: torch.Tensor, model: Model, dtype: torch.dtype) -> to
     w = s.reshape(h, -1).T.contiguous()
     if p.kind == "query" and model.scale_query:
         w = (w.to(torch.float64) / scale_in(model, s.dtype)).to(dtype)
-    if model.interleaved and (p.kind == "query" or p.hf.endswith("k_proj.weight")):
+    if model.interleaves(p):
         w = _halves(w, model.head_dim)
     return w.contiguous()
 

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from ffn_tools import progress
 from ffn_tools.errors import CheckpointError, listing
-from ffn_tools.io.dtypes import as_st
-from ffn_tools.io.store import Checkpoint, TensorInfo, config_dtype, given_config, read_config
+from ffn_tools.io.dtypes import st_of_name
+from ffn_tools.io.store import Checkpoint, TensorInfo, config_beside, config_dtype, say_assumed
 
 from ..flax import tree as flax_tree
 from . import maxtext as mt
@@ -45,13 +45,6 @@ def to_torch(a) -> torch.Tensor:
     if a.dtype == ml_dtypes.bfloat16:
         return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(np.ascontiguousarray(a))
-
-
-def _dtype_name(numpy_name: str) -> str:
-    """A numpy dtype name ("bfloat16", "float32") as the store names dtypes ("BF16")."""
-    import torch
-
-    return as_st(getattr(torch, numpy_name))
 
 
 def layout_of(paths: list[tuple[str, ...]]) -> tuple[str, tuple[str, ...]]:
@@ -89,10 +82,7 @@ class OrbaxCheckpoint(Checkpoint):
             progress.say(step)
         self.tree = OrbaxTree(root)
         self.layout, self.prefix = layout_of(self.tree.paths)
-        config = read_config(root) or read_config(root.parent)
-        given = given_config()
-        if config is None and given is not None:
-            config = dict(given)
+        config = config_beside(root, root.parent)
         self.assumed: list[str] = []
         self._sources: dict[str, tuple[Any, ...]] = {}
         self._cache: tuple[tuple[str, ...], Any] | None = None
@@ -104,7 +94,7 @@ class OrbaxCheckpoint(Checkpoint):
             for keys in self.tree.paths:
                 shape, dtype = self.tree.shape_dtype(keys)
                 name, transposed = flax_tree.hf_name(keys[len(self.prefix):], len(shape), root)
-                infos[name] = TensorInfo(name, _dtype_name(dtype), shape[::-1] if transposed else shape, file)
+                infos[name] = TensorInfo(name, st_of_name(dtype), shape[::-1] if transposed else shape, file)
                 self._sources[name] = ("hf", keys, transposed)
         else:
             found = self._maxtext_arrays()
@@ -117,12 +107,10 @@ class OrbaxCheckpoint(Checkpoint):
                 shape, dtype = self.tree.shape_dtype(keys)
                 for name, where, slab in _slabs(param, shape, layer):
                     out = hf_dtype if (param.kind == "query" and hf_dtype) else dtype
-                    infos[name] = TensorInfo(name, _dtype_name(out), mt.hf_shape(param, slab), file)
+                    infos[name] = TensorInfo(name, st_of_name(out), mt.hf_shape(param, slab), file)
                     self._sources[name] = ("maxtext", keys, where, param, out)
         super().__init__(path, root, [file], infos, {"format": "pt"}, config)
-        if self.assumed:
-            progress.say(f"{root}: no config.json; {'; '.join(self.assumed)}. Give the model's own with "
-                         "ffn-tools --config FILE")
+        say_assumed(root, self.assumed)
 
     def _nnx(self, infos: dict[str, TensorInfo], file: Path) -> None:
         """The FFN trees of an NNX state, named as ``extract`` names FFNs, kernels read back (out, in).
@@ -142,7 +130,7 @@ class OrbaxCheckpoint(Checkpoint):
             name = f"{ffn.canonical}.{p[-2]}.{'weight' if p[-1] == 'kernel' else 'bias'}"
             dtype, shape = shapes[p]
             kernel = p[-1] == "kernel"
-            infos[name] = TensorInfo(name, _dtype_name(dtype), shape[::-1] if kernel else shape, file)
+            infos[name] = TensorInfo(name, st_of_name(dtype), shape[::-1] if kernel else shape, file)
             self._sources[name] = ("hf", keys, kernel)
 
     def _maxtext_arrays(self) -> dict[tuple[str, ...], tuple[mt.Param, int | None]]:

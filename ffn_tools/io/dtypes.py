@@ -57,6 +57,18 @@ def as_st(dtype) -> str:
 
 
 
+def st_of_name(name: object) -> str:
+    """The safetensors dtype string of a torch dtype's name ("bfloat16" -> "BF16"), without importing torch.
+
+    Raises:
+        FFNToolsError: a dtype safetensors cannot hold.
+    """
+    key = str(name).removeprefix("torch.")
+    if key not in _BY_NAME:
+        raise FFNToolsError(f"dtype {name} cannot be stored in safetensors")
+    return _BY_NAME[key]
+
+
 def itemsize(dtype) -> int:
     """Bytes per element of a safetensors dtype string or torch dtype."""
     return ST_DTYPES[as_st(dtype)][0]

@@ -283,6 +283,25 @@ def given_config() -> dict | None:
     return _GIVEN[0] if _GIVEN else None
 
 
+def config_beside(*roots: Path) -> dict | None:
+    """The config of a checkpoint that may carry none (a training run's): the first of ``roots`` holding a
+    config.json, else the one ``ffn-tools --config FILE`` gave (a copy), else None."""
+    for root in roots:
+        config = read_config(root)
+        if config is not None:
+            return config
+    given = given_config()
+    return dict(given) if given is not None else None
+
+
+def say_assumed(root: Path, assumed: list[str]) -> None:
+    """One line on stderr naming what a reader assumed for want of a config, and how to give one."""
+    if assumed:
+        from ..progress import say
+
+        say(f"{root}: no config.json; {'; '.join(assumed)}. Give the model's own with ffn-tools --config FILE")
+
+
 def config_dtype(config: dict | None) -> str | None:
     """The dtype a config declares: the newer ``dtype`` key, else ``torch_dtype``."""
     if not config:

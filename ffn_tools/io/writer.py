@@ -197,27 +197,28 @@ def cut_ranges(ranges: Sequence[ByteRange], start: int, n: int) -> list[ByteRang
 
 
 def produced_tensor(t: OutTensor):
-    """The torch tensor ``t`` produces, contiguous (input byte ranges read into one): for writers of formats that
-    take tensors (DCP's ``torch.save``, Orbax's tensorstore)."""
-    import torch
+    """The torch tensor ``t`` produces, contiguous: for writers of formats that take tensors (DCP's chunks,
+    Orbax's tensorstore)."""
+    return payload_tensor(t.produce(), t.dtype, t.shape)
 
-    from .dtypes import torch_dtype
+
+def payload_tensor(payload: Payload, dtype: str, shape: tuple[int, ...]):
+    """A produced payload as a contiguous torch tensor of safetensors ``dtype`` and ``shape`` (input byte ranges
+    read into one)."""
+    from .raw import RawTensor
     from .store import read_bytes
 
-    payload = t.produce()
     if not isinstance(payload, list):
         return payload.contiguous()
     if len(payload) == 1:
         data = read_bytes(payload[0].file, payload[0].start, payload[0].nbytes)
     else:
-        data = bytearray(t.nbytes)
+        data = bytearray(sum(r.nbytes for r in payload))
         at = 0
         for r in payload:
             data[at: at + r.nbytes] = read_bytes(r.file, r.start, r.nbytes)
             at += r.nbytes
-    if not data:
-        return torch.empty(t.shape, dtype=torch_dtype(t.dtype))
-    return torch.frombuffer(data, dtype=torch_dtype(t.dtype)).reshape(t.shape)
+    return RawTensor(dtype, shape, data).to_torch()
 
 
 def copy_ranges(f, ranges: Sequence[ByteRange], sources: Sources, progress: Progress | None = None) -> None:
