@@ -99,6 +99,18 @@ def best(cmd: list[str], out: Path, repeat: int) -> tuple[float, int]:
     return min(r[0] for r in runs), max(r[1] for r in runs)
 
 
+def run_dir(name: str, repeat: int) -> tuple[Path, tuple[float, int]]:
+    """The benchmark's input built and read once (so that nobody pays for a cold page cache), an empty output
+    directory ``DATA/name``, the machine's load said, and ``cp -r`` of the input timed: (the directory, cp's
+    (seconds, peak RSS))."""
+    size = prepared()
+    out = DATA / name
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; input {SRC} ({size / 1e9:.2f} GB)")
+    return out, best(["/bin/cp", "-r", str(SRC), str(out / "cp")], out / "cp", repeat)
+
+
 def prepared() -> int:
     """Build the input once, and read it once (so that nobody pays for a cold page cache); its size in bytes."""
     if not SRC.exists():
@@ -116,13 +128,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
-    size = prepared()
     py, tool = sys.executable, str(Path(sys.executable).parent / "ffn-tools")
-    out = DATA / "bench-dcp-out"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; input {SRC} ({size / 1e9:.2f} GB)")
-    cp = best(["/bin/cp", "-r", str(SRC), str(out / "cp")], out / "cp", args.repeat)
+    out, cp = run_dir("bench-dcp-out", args.repeat)
     start = best([py, "-c", "import torch, torch.distributed.checkpoint"], out / "none", args.repeat)  # imports
     to_ffn = best([tool, "-q", "convert", str(SRC), "--to", "dcp", "-o", str(out / "dcp")], out / "dcp", args.repeat)
     to_lib = best([py, "-c", LIBRARY_TO, str(SRC), str(out / "lib-dcp")], out / "lib-dcp", args.repeat)

@@ -15,14 +15,13 @@ tensorstore imported: about two seconds here) is most of ffn-tools' time, so the
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_mlx  # noqa: E402
-from bench_dcp import best, prepared  # noqa: E402
+from bench_dcp import best, run_dir  # noqa: E402
 from bench_mlx import DATA  # noqa: E402
 
 SRC = DATA / "llama-1g-bf16"
@@ -99,13 +98,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
-    size = prepared()
     py, tool = sys.executable, str(Path(sys.executable).parent / "ffn-tools")
-    out = DATA / "bench-orbax-out"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; input {SRC} ({size / 1e9:.2f} GB)")
-    cp = best(["/bin/cp", "-r", str(SRC), str(out / "cp")], out / "cp", args.repeat)
+    out, cp = run_dir("bench-orbax-out", args.repeat)
     print(f"cp -r                     {cp[0]:6.2f} s {cp[1] / 2**20:6.0f} MiB")
     ok = True
     for layout in ("hf", "maxtext"):
