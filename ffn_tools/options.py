@@ -31,6 +31,9 @@ class CheckpointPath(click.ParamType):
 
         if Path(value).exists():
             return value
+        base, plus, adapter = str(value).rpartition("+")
+        if plus and Path(base).exists() and Path(adapter).exists():  # verify's BASE+ADAPTER
+            return value
         if not looks_like_repo_id(str(value)):
             self.fail(f"{value!r}: no such file or directory (nor a Hub repo id like org/name)", param, ctx)
         try:

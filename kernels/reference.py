@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ffn_tools.kernels._surface import GLU, check_activation, check_ffn, check_out, check_pair, emit, fused_views
 
-__all__ = ["available", "why_unavailable", "silu_mul", "silu_mul_fused", "ffn"]
+__all__ = ["available", "why_unavailable", "silu_mul", "silu_mul_fused", "ffn", "ffn_lora"]
 
 
 def available() -> bool:
@@ -131,3 +131,37 @@ def ffn(
     g = F.linear(x64, gate_w.double(), b.get("gate"))
     u = F.linear(x64, up_w.double(), b.get("up"))
     return F.linear(_glu(g, u, check_activation(activation)), down_w.double(), b.get("down"))
+
+
+def ffn_lora(
+    x: torch.Tensor,
+    gate_w: torch.Tensor,
+    up_w: torch.Tensor,
+    down_w: torch.Tensor,
+    loras: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]],
+    biases: Mapping[str, torch.Tensor] | None = None,
+    *,
+    activation: str | GLU = "silu",
+) -> torch.Tensor:
+    """`ffn` with an unmerged LoRA's low-rank path added to each projection, as runtimes run an adapter:
+    `x·Wᵀ + scale·(x·Aᵀ)·Bᵀ`, in float64.
+
+    Args:
+        loras: projection ("gate", "up", "down") -> (A (r, in), B (out, r), scale); a projection without one
+            runs its weight alone.
+
+    Returns:
+        float64 tensor (..., H).
+    """
+    b = {k: v.double() for k, v in check_ffn(x, gate_w, up_w, down_w, biases, activation).items()}
+
+    def proj(role: str, inp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = F.linear(inp, w.double(), b.get(role))
+        if role in loras:
+            a, bb, scale = loras[role]
+            y = y + F.linear(F.linear(inp, a.double()), bb.double()) * scale
+        return y
+
+    x64 = x.double()
+    h = _glu(proj("gate", x64, gate_w), proj("up", x64, up_w), check_activation(activation))
+    return proj("down", h, down_w)

@@ -136,14 +136,28 @@ def cli(quiet: bool, verbose: bool, config: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of text.")
 @click.option("--tensors", is_flag=True, help="Also list every tensor: name, dtype, shape, bytes, and its role "
               "(which FFN and projection, outside the FFNs, or FFN-like but unmatched).")
+@click.option("--base", type=CHECKPOINT, help="PATH is a LoRA adapter: its base model, to say which of the base's "
+              "FFNs get no factors (or only zero ones).")
 @scheme_options
 @layout_options
-def inspect(path, as_json, tensors, scheme, layout):
+def inspect(path, as_json, tensors, base, scheme, layout):
     """Show the architecture, naming scheme, FFN layout and sizes of the checkpoint at PATH.
 
     PATH is a .safetensors file, an index, a pickle, a .gguf file (any part of a split one), or a directory
-    (PyTorch, MLX, Flax, an Orbax checkpoint, a torch.distributed.checkpoint).
+    (PyTorch, MLX, Flax, an Orbax checkpoint, a torch.distributed.checkpoint). A LoRA adapter (PEFT, mlx_lm, GGUF
+    LoRA) is shown as what each LoRA targets: layer, expert, projection, rank and scale; with --base, which FFNs
+    of the base get no factors.
     """
+    from ..adapters.formats import is_adapter
+
+    if is_adapter(path):
+        from ..adapters.api import inspect as run_adapter
+
+        r = run_adapter(path, base=base, scheme=scheme)
+        emit(r, as_json, r["lines"])
+        return
+    if base is not None:
+        raise click.UsageError("--base is for a LoRA adapter's PATH")
     from ..api import inspect as run
     from ..summary import format_summary, format_tensors
 
@@ -205,16 +219,34 @@ def _gateup_command(name: str, fn, help_text: str, extra=()):
     return cli.command(name)(command)
 
 
-def _split(*a, **k):
+def _adapter_relayout(command: str, path, out, **k) -> dict | None:
+    """split-gateup / fuse-gateup of a LoRA adapter (None: PATH is no adapter): the options a checkpoint's
+    rewrite takes beyond these are refused, not ignored."""
+    from ..adapters.formats import is_adapter
+
+    if not is_adapter(path):
+        return None
+    given = [f"--{n.replace('_', '-')}" for n in ("upload_repo", "max_shard_size", "load_check") if k.get(n)]
+    given += ["--layout/--order/--tp"] if k.get("layout") is not None else []
+    if given:
+        raise click.UsageError(f"{', '.join(given)} do not apply to a LoRA adapter")
+    from ..adapters.api import relayout
+
+    r = relayout(command, path, out, stack_experts=k.get("stack_experts", False), force=k["force"],
+                 scheme=k.get("scheme"), dry_run=k["dry_run"])
+    return {**r, "changes": r["changes"]}
+
+
+def _split(path, out, **k):
     from ..api import split_gateup
 
-    return split_gateup(*a, **k)
+    return _adapter_relayout("split-gateup", path, out, **k) or split_gateup(path, out, **k)
 
 
-def _fuse(*a, **k):
+def _fuse(path, out, **k):
     from ..api import fuse_gateup
 
-    return fuse_gateup(*a, **k)
+    return _adapter_relayout("fuse-gateup", path, out, **k) or fuse_gateup(path, out, **k)
 
 
 _gateup_command("split-gateup", _split, """Split fused gate_up projections into gate_proj and up_proj.
@@ -306,6 +338,8 @@ def _quantize_value(ctx, param, value):
               "Llama, Qwen3, Qwen3-MoE, DeepSeek-V3); hf = the Hugging Face names as they are.")
 @click.option("--dcp-ranks", type=click.IntRange(min=1), help="DCP only: the world size the output is sharded for "
               "(default 1): each tensor cut along dim 0, one __R_0.distcp per rank.")
+@click.option("--base", type=CHECKPOINT, help="PATH is a LoRA adapter: its base model (the config.json mlx_lm's and "
+              "llama.cpp's names come from; --to mlx and --to gguf need it, unless the adapter names a local base).")
 @click.option("--dry-run", is_flag=True, help="Print every output tensor and how it is made (for mlx, what mlx_lm's "
               "model expects, checked); write nothing.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
@@ -319,7 +353,7 @@ def _quantize_value(ctx, param, value):
 @scheme_options
 @layout_options
 def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, token_embedding_type, imatrix, mlx_path, dtype, quantize, q_bits, q_group_size, q_mode, quant_predicate,
-            dequantize, flax_layout, orbax_layout, dcp_naming, dcp_ranks, dry_run, force, allow_config, as_json, upload_repo, max_shard_size, scheme, layout):
+            dequantize, flax_layout, orbax_layout, dcp_naming, dcp_ranks, base, dry_run, force, allow_config, as_json, upload_repo, max_shard_size, scheme, layout):
     """Convert the checkpoint at PATH to PyTorch safetensors, MLX, Flax msgpack, GGUF, DCP or Orbax.
 
     The input may be any format ffn-tools reads. MLX output is what mlx_lm.convert writes for the same
@@ -351,6 +385,13 @@ def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, tok
     A quantized input (int4/int8 compressed-tensors, GPTQ, AWQ, MLX 4-bit, ModelOpt NVFP4) goes into GGUF from its
     codes, each weight in the type that holds it bit for bit; see --requantize. The scheme and layout options say
     where the FFNs are for --flax-layout linen and --orbax-layout nnx, which write only the FFNs.
+
+    A LoRA adapter converts too: --to torch writes PEFT's adapter, --to mlx mlx_lm's (mlx_lm.load(...,
+    adapter_path=OUT)), --to gguf llama.cpp's GGUF LoRA (as convert_lora_to_gguf.py writes it; llama.cpp's
+    --lora); --base names the base model where the adapter does not:
+
+    \b
+        ffn-tools convert ./my-lora --to gguf --base ./llama -o my-lora.gguf
     """
     from ..api import convert as run
 
@@ -365,6 +406,18 @@ def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, tok
         to, out = "mlx", mlx_path
     if to is None or out is None:
         raise click.UsageError("missing " + " and ".join(n for n, v in (("--to", to), ("-o", out)) if v is None))
+    from ..adapters.formats import is_adapter
+
+    if is_adapter(path):
+        if to not in ("torch", "mlx", "gguf"):
+            raise click.UsageError(f"--to {to}: a LoRA adapter converts to torch (PEFT), mlx or gguf")
+        from ..adapters.api import convert as run_adapter
+
+        r = run_adapter(path, to, Path(out), base=base, force=force, scheme=scheme)
+        emit(r, as_json, [r["summary"]])
+        return
+    if base is not None:
+        raise click.UsageError("--base is for converting a LoRA adapter")
     if dequantize and quantize:
         raise click.UsageError("choose either -q/--quantize or -d/--dequantize, not both (as mlx_lm.convert)")
     r = run(path, to, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, quantize=quantize,
@@ -374,6 +427,31 @@ def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, tok
             token_embedding_type=token_embedding_type, imatrix=imatrix, scheme=scheme, layout=layout, upload_repo=upload_repo,
             allow_config=allow_config)
     emit(r, as_json, [*(r.get("plan") or []), r["summary"], *r.get("changes", []), *uploaded(r)])
+
+
+@cli.command()
+@click.argument("base", type=CHECKPOINT)
+@click.argument("adapter", type=CHECKPOINT)
+@click.option("-o", "--out", required=True, type=click.Path(), help="Output directory (or a .safetensors file).")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+@size_option
+@scheme_options
+def merge(base, adapter, out, force, as_json, max_shard_size, scheme):
+    """Merge the LoRA ADAPTER into BASE: each targeted weight becomes W + scale·B·A.
+
+    ADAPTER is PEFT's (target_modules or transformers v5 stacked experts through target_parameters, rsLoRA,
+    rank_pattern / alpha_pattern), mlx_lm's or a GGUF LoRA. Where the adapter's targets are laid out otherwise
+    than BASE stores its weights (a LoRA of v5 stacked experts and a base saved per expert, a fused LoRA and a
+    split base), it is re-laid out exactly first. The sum is computed in float32 and rounded once to the
+    weight's dtype; every other tensor is copied byte for byte, config.json and tokenizer carried; one tensor in
+    memory at a time. A quantized BASE is refused (merging into codes means re-quantizing every weight).
+    `ffn-tools verify BASE+ADAPTER OUT` proves the result.
+    """
+    from ..adapters.api import merge as run
+
+    r = run(base, adapter, Path(out), force=force, max_shard_size=max_shard_size, scheme=scheme)
+    emit(r, as_json, [r["summary"], *r["changes"]])
 
 
 cli.add_command(verify_command)

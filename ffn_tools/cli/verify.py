@@ -137,6 +137,20 @@ def verify(a, b, backends, tokens, seed, layers, shards_needed, experts, atol, r
     download), the others may be absent, and the report names them. Without --layers every shard an
     index names must be there.
     """
+    from ..adapters.formats import is_adapter
+    from ..adapters.verify import looks_like
+
+    if looks_like(a) or is_adapter(a) or is_adapter(b):
+        from ..adapters.api import verify as run_adapters
+
+        report = run_adapters(a, b, tokens=tokens, seed=seed, scheme=scheme)
+        if as_json:
+            click.echo(json.dumps({"command": "verify", "input": [a, b], "output": None, "summary": report.verdict,
+                                   "warnings": [], **report.as_dict()}, indent=2, default=str))
+        else:
+            for line in report.lines():
+                click.echo(line)
+        click.get_current_context().exit(0 if report.passed else 1)
     if shards_needed:
         if not layers:
             raise click.UsageError("--shards-needed lists the shards a --layers range needs; give --layers")

@@ -1,0 +1,97 @@
+"""The one interface every adapter format implements, and the table of them (as ``converters.FORMATS`` is for
+checkpoints): a format reads a directory or file into an ``Adapter`` and writes one back.
+
+    peft   adapter_config.json + adapter_model.safetensors, as PEFT saves a LoRA   converters/pytorch/peft.py
+    mlx    adapter_config.json + adapters.safetensors, as mlx_lm.lora saves one    converters/mlx/lora.py
+    gguf   a GGUF of general.type "adapter", as llama.cpp's convert_lora_to_gguf  converters/gguf/lora.py
+
+Formats are imported on first use (reading a PEFT adapter never imports mlx).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import ClassVar
+
+from ..errors import FFNToolsError
+from .model import Adapter, AdapterError
+
+ADAPTER_FORMATS = {"peft": "ffn_tools.converters.pytorch.peft", "mlx": "ffn_tools.converters.mlx.lora",
+                   "gguf": "ffn_tools.converters.gguf.lora"}
+EXTRAS = {"peft": "ffn-tools", "mlx": "ffn-tools[mlx]", "gguf": "ffn-tools[gguf]"}
+
+
+class AdapterFormat(ABC):
+    """An adapter format. ``needs_base``: writing it needs the base model's config.json (its names or
+    architecture are the runtime's, not Hugging Face's)."""
+
+    name: ClassVar[str]
+    needs_base: ClassVar[bool] = False
+
+    @abstractmethod
+    def can_read(self, path: Path) -> bool:
+        """Whether ``path`` is an adapter of this format: cheap, never raising."""
+
+    @abstractmethod
+    def read(self, path: Path, config: dict | None = None) -> Adapter:
+        """The adapter at ``path``; ``config``: the base's config.json, where known (needed by formats whose
+        names are not Hugging Face's).
+
+        Raises:
+            AdapterError: not readable as this format, or a kind of adapter not supported (saying which).
+        """
+
+    @abstractmethod
+    def write(self, adapter: Adapter, out: Path, config: dict | None = None, base: Path | None = None) -> list[str]:
+        """Write ``adapter`` into the new directory (or file) ``out`` (the caller's temporary path); returns the
+        files written. ``config``/``base``: the base model's config.json and directory.
+
+        Raises:
+            AdapterError: the adapter cannot be held by this format (say why).
+        """
+
+    def __repr__(self) -> str:
+        return f"<adapter format {self.name}>"
+
+
+def get(name: str) -> AdapterFormat:
+    """The adapter format called ``name``."""
+    if name not in ADAPTER_FORMATS:
+        raise FFNToolsError(f"unknown adapter format {name!r}; use one of {', '.join(ADAPTER_FORMATS)}")
+    try:
+        module = importlib.import_module(ADAPTER_FORMATS[name])
+    except ImportError as e:
+        raise FFNToolsError(f"adapter format {name!r} needs a package that is not installed ({e}); "
+                            f"pip install '{EXTRAS[name]}'") from None
+    return module.ADAPTER
+
+
+def detect(path: Path) -> AdapterFormat | None:
+    """The format of the adapter at ``path``, or None when it is no adapter any format reads."""
+    for name in ADAPTER_FORMATS:
+        try:
+            fmt = get(name)
+        except FFNToolsError:
+            continue
+        if fmt.can_read(Path(path)):
+            return fmt
+    return None
+
+
+def is_adapter(path) -> bool:
+    return detect(Path(path)) is not None
+
+
+def read(path, config: dict | None = None) -> Adapter:
+    """The adapter at ``path``, whatever its format.
+
+    Raises:
+        AdapterError: no adapter there, or it cannot be read.
+    """
+    fmt = detect(Path(path))
+    if fmt is None:
+        raise AdapterError(f"{path}: not a LoRA adapter ffn-tools reads (PEFT's adapter_config.json + "
+                           "adapter_model.safetensors, mlx_lm's adapters.safetensors, or a GGUF LoRA)")
+    return fmt.read(Path(path), config)

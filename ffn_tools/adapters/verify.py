@@ -1,0 +1,274 @@
+"""``verify`` with adapters: ``verify BASE+ADAPTER MERGED`` and ``verify ADAPTER ADAPTER2``.
+
+BASE+ADAPTER against MERGED proves a merge two ways:
+
+* weights: every tensor the adapter targets must be the base's plus ``scale·B·A`` within one rounding of its dtype
+  (a unit in the last place: a merge that rounds the delta first, as PEFT's does for bf16, stays inside it); every
+  other tensor must be bit-identical to the base's; a tensor on one side only fails;
+* FFNs: every FFN is run on seeded random inputs twice, the base's weights with the adapter's low-rank path added
+  as runtimes run an unmerged adapter (``x·Wᵀ + scale·(x·Aᵀ)·Bᵀ``, the float64 reference kernel ``ffn_lora``), and
+  the merged weights alone (the float64 reference), compared within the tolerance row of the merged dtype.
+
+ADAPTER against ADAPTER2 (a re-layout, a conversion) compares the delta each FFN projection receives, by layer,
+expert and projection (gate, up, down: fused and stacked LoRAs are taken apart exactly first), so names and
+layouts may differ; a projection with factors on one side only fails, naming it.
+
+Swapped gate and up halves, a scale of alpha/√r for alpha/r, and an expert left out all fail (tested).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import counted
+from ..io.dtypes import short_name
+from .conform import conform
+from .model import Adapter, AdapterError
+from .places import places
+
+MANTISSA = {"float32": 23, "float16": 10, "bfloat16": 7, "float64": 52}
+
+
+@dataclass
+class AdapterReport:
+    """What ``verify`` of adapters found: one entry per check, each passed or not, with its lines."""
+
+    a: str
+    b: str
+    mode: str  # "merge" | "adapters"
+    checks: list[dict] = field(default_factory=list)
+
+    def add(self, name: str, passed: bool, line: str, problems: list[str] | None = None, **facts) -> None:
+        self.checks.append({"check": name, "passed": passed, "line": line, "problems": problems or [], **facts})
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c["passed"] for c in self.checks)
+
+    @property
+    def verdict(self) -> str:
+        failed = [c["check"] for c in self.checks if not c["passed"]]
+        what = "the merge of the adapter" if self.mode == "merge" else "the two adapters' deltas"
+        return f"PASS: {what} verified ({', '.join(c['check'] for c in self.checks)})" if not failed else \
+            f"FAIL: {', '.join(failed)}"
+
+    def lines(self) -> list[str]:
+        out = [f"A: {self.a}", f"B: {self.b}"]
+        for c in self.checks:
+            out.append(f"{'ok  ' if c['passed'] else 'FAIL'} {c['check']}: {c['line']}")
+            out += [f"       {p}" for p in c["problems"][:20]]
+            if len(c["problems"]) > 20:
+                out.append(f"       ... ({len(c['problems']) - 20} more)")
+        return out + [self.verdict]
+
+    def as_dict(self) -> dict:
+        return {"passed": self.passed, "mode": self.mode, "checks": self.checks}
+
+
+def _ulp(ref, dtype: str):
+    """A unit in the last place of ``dtype`` at each value of the float64 tensor ``ref``."""
+    import torch
+
+    p = MANTISSA.get(dtype, 23)
+    mag = ref.abs().clamp(min=2.0 ** -126)
+    return torch.exp2(torch.floor(torch.log2(mag)) - p)
+
+
+def _where(p, target: str) -> str:
+    if p is None:
+        return target
+    at = f"layer {p.layer}" + (f" expert {p.expert}" if p.expert is not None else "")
+    return f"{target} ({at} {p.role})"
+
+
+def verify_merge(base: Path, adapter_path: Path, merged: Path, *, tokens: int = 32, seed: int = 0,
+                 scheme=None) -> AdapterReport:
+    """BASE+ADAPTER against MERGED (see the module docstring)."""
+    from ffn_tools.converters import open_any
+
+    from .api import load
+
+    report = AdapterReport(f"{base}+{adapter_path}", str(merged), "merge")
+    with open_any(base) as a, open_any(merged, like=a) as m:
+        adapter = load(adapter_path, base)
+        adapter.config = adapter.config or a.config
+        try:
+            adapter, changes = conform(adapter, {n: a.info(n).shape for n in a}, scheme)
+        except AdapterError as e:
+            report.add("targets", False, str(e))
+            return report
+        where = places(adapter.loras, adapter.config, scheme)
+        report.add("targets", True, f"{counted(len(adapter.loras), 'target')} of the adapter are tensors of the base"
+                   + (f" ({'; '.join(changes)})" if changes else ""))
+        _weights(report, a, m, adapter, where)
+        _ffns(report, a, m, adapter, tokens, seed, scheme)
+    return report
+
+
+def _weights(report: AdapterReport, a, m, adapter: Adapter, where) -> None:
+    import torch
+
+    only_a = sorted(set(a) - set(m))
+    only_m = sorted(set(m) - set(a))
+    problems = [f"{n}: in the base, not in the merged checkpoint" for n in only_a]
+    problems += [f"{n}: in the merged checkpoint, not in the base" for n in only_m]
+    worst = 0.0
+    for n in a:
+        if n not in m:
+            continue
+        wa, wm = a[n], m[n]
+        lora = adapter.loras.get(n)
+        if lora is None:
+            if wa.dtype != wm.dtype or wa.shape != wm.shape or not torch.equal(wa, wm):
+                problems.append(f"{n}: not targeted by the adapter, yet differs from the base")
+            continue
+        if wm.shape != wa.shape:
+            problems.append(f"{_where(where.get(n), n)}: shape {list(wm.shape)}, base {list(wa.shape)}")
+            continue
+        delta = lora.delta(torch.float64)
+        ref = wa.double() + delta
+        err = (wm.double() - ref).abs()
+        # one rounding to the merged dtype, plus what computing scale·B·A in float32 may round (a bound of a
+        # float32 dot product of length r: r·2^-24·Σ|B||A|)
+        bound = (lora.b.double().abs() @ lora.a.double().abs()) * abs(lora.scale) * (lora.rank + 2) * 2.0 ** -24
+        allowed = _ulp(ref, short_name(wm.dtype)) + bound
+        ratio = float((err / allowed).max())
+        worst = max(worst, ratio)
+        if ratio > 1:
+            problems.append(f"{_where(where.get(n), n)}: off base + scale·B·A by up to {ratio:.3g} units in the last "
+                            f"place (max |error| {float(err.max()):.3g})")
+    report.add("weights", not problems, f"{len(adapter.loras)} merged tensors within one rounding of base + scale·B·A "
+               f"(worst {worst:.2f} ulp), {len(set(a) & set(m)) - len(adapter.loras)} others bit-identical"
+               if not problems else f"{counted(len(problems), 'tensor')} wrong", problems)
+
+
+def factors_of(ffn, adapter: Adapter) -> dict:
+    """projection -> (A, B, scale) of one FFN of the base, canonical (out, in): a fused LoRA's B split with the
+    FFN's layout, a stacked one's expert taken."""
+    from ..layouts import split
+
+    out = {}
+    for role, name in ffn.names.items():
+        lora = adapter.loras.get(name)
+        if lora is None or role.endswith("_bias"):
+            continue
+        if ffn.form.turns(role):
+            raise AdapterError(f"{name}: LoRAs of weights stored (in, out) are not verified by ffn-tools yet")
+        a, b = (lora.a[ffn.index], lora.b[ffn.index]) if ffn.index is not None and lora.a.ndim == 3 else (lora.a, lora.b)
+        if role == "gate_up":
+            bg, bu = split(b, ffn.layout, name=name)
+            out["gate"], out["up"] = (a, bg, lora.scale), (a, bu, lora.scale)
+        else:
+            out[role] = (a, b, lora.scale)
+    return out
+
+
+def _ffns(report: AdapterReport, a, m, adapter: Adapter, tokens: int, seed: int, scheme) -> None:
+    import torch
+
+    from ..detect import find_ffns
+    from ..ffn import canonical_weights
+    from ..kernels import reference
+    from ..tolerances import tolerance_for
+
+    fa, fm = find_ffns(a, scheme), find_ffns(m)
+    ours = {f.ref: f for f in fm.ffns}
+    problems, live, worst = [], 0, 0.0
+    act = fa.activation.kernel
+    for f in fa.ffns:
+        g = ours.get(f.ref)
+        if g is None:
+            problems.append(f"{f.ref}: not in the merged checkpoint")
+            continue
+        wa, wm = canonical_weights(a, f), canonical_weights(m, g)
+        factors = factors_of(f, adapter)
+        live += bool(factors)
+        gen = torch.Generator().manual_seed(seed + 7919 * f.ref.layer + max(f.ref.expert, 0))
+        x = torch.randn(tokens, f.d_model, generator=gen, dtype=torch.float32)
+        bias = lambda w: {k.removesuffix("_bias"): v for k, v in w.items() if k.endswith("_bias")} or None  # noqa: E731
+        ref = reference.ffn_lora(x, wa["gate"], wa["up"], wa["down"], factors, bias(wa), activation=act)
+        got = reference.ffn(x, wm["gate"], wm["up"], wm["down"], bias(wm), activation=act)
+        tol = tolerance_for([wm["gate"].dtype])
+        rms = float(ref.pow(2).mean().sqrt()) or 1.0
+        excess = float(((got - ref).abs() - tol.rtol * ref.abs()).max()) / (tol.atol * rms)
+        cos = float(torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0))
+        worst = max(worst, excess)
+        if excess > 1 or cos < tol.min_cosine:
+            problems.append(f"{f.ref}: merged FFN differs from base + adapter ({excess:.3g}x the {tol.row} tolerance, "
+                            f"cosine {cos:.6f})")
+    for ref_ in sorted(set(ours) - {f.ref for f in fa.ffns}):
+        problems.append(f"{ref_}: in the merged checkpoint only")
+    line = (f"{len(fa.ffns)} FFNs run with the adapter live ({live} with factors, low-rank path added, float64 "
+            f"reference) match the merged weights (worst {worst:.2g} of the tolerance)")
+    report.add("ffns", not problems, line if not problems else f"{counted(len(problems), 'FFN')} wrong", problems)
+
+
+def _canonical(adapter: Adapter, scheme) -> dict:
+    """(kind, layer, expert, projection) -> (Lora target, delta float64) for FFN projections, target -> ... for
+    others: fused and stacked LoRAs taken apart first (exactly)."""
+    import torch
+
+    from .relayout import split
+
+    try:
+        adapter, _ = split(adapter, scheme)
+    except AdapterError:
+        pass
+    where = places(adapter.loras, adapter.config, scheme)
+    out = {}
+    for target, lora in adapter.loras.items():
+        p = where.get(target)
+        key = target if p is None else (p.group.kind, p.layer, p.expert, p.role)
+        out[key] = (target, lora.delta(torch.float64), short_name(lora.a.dtype))
+    return out
+
+
+def _key_text(key) -> str:
+    if isinstance(key, str):
+        return key
+    kind, layer, expert, role = key
+    return f"layer {layer}" + (f" expert {expert}" if expert is not None else "") + \
+        (" shared expert" if kind == "shared" else "") + f" {role}"
+
+
+def verify_adapters(a_path: Path, b_path: Path, *, base=None, scheme=None) -> AdapterReport:
+    """ADAPTER against ADAPTER2 (see the module docstring)."""
+    import torch
+
+    from .api import load
+
+    report = AdapterReport(str(a_path), str(b_path), "adapters")
+    ca, cb = _canonical(load(a_path, base), scheme), _canonical(load(b_path, base), scheme)
+    problems = [f"{_key_text(k)}: has factors in A only ({ca[k][0]})" for k in ca if k not in cb]
+    problems += [f"{_key_text(k)}: has factors in B only ({cb[k][0]})" for k in cb if k not in ca]
+    identical, worst = 0, 0.0
+    for k in ca:
+        if k not in cb:
+            continue
+        (_, da, ta), (_, db, tb) = ca[k], cb[k]
+        if da.shape != db.shape:
+            problems.append(f"{_key_text(k)}: delta {list(da.shape)} in A, {list(db.shape)} in B")
+            continue
+        if torch.equal(da, db):
+            identical += 1
+            continue
+        coarse = max((ta, tb), key=lambda t: -MANTISSA.get(t, 23))
+        rel = float((da - db).abs().max() / da.abs().max().clamp(min=1e-300))
+        allowed = 1e-12 if ta == tb else 4 * 2.0 ** -MANTISSA.get(coarse, 23) * math.sqrt(da.shape[-1])
+        worst = max(worst, rel)
+        if rel > allowed:
+            problems.append(f"{_key_text(k)}: deltas differ by {rel:.3g} of their largest entry")
+    line = (f"{counted(len(ca), 'projection')} receive the same delta ({identical} bit-identical, worst relative "
+            f"difference {worst:.2g})")
+    report.add("deltas", not problems, line if not problems else f"{counted(len(problems), 'difference')}", problems)
+    return report
+
+
+def looks_like(path: str) -> bool:
+    """Whether a verify argument is BASE+ADAPTER (both parts exist, the whole does not)."""
+    if "+" not in path or Path(path).exists():
+        return False
+    b, _, ad = path.rpartition("+")
+    return Path(b).exists() and Path(ad).exists()
