@@ -41,7 +41,8 @@ ifeq ($(ADOPT),)
 	CMAKE_BUILD_PARALLEL_LEVEL=$(NPROC) CMAKE_ARGS="$(LLAMA_CMAKE)" $(BIN)/pip install -q $(VENV)/sdist/llama_cpp_python-$(LLAMA_CPP).tar.gz
 	rm -rf $(LLAMA_SRC) && mkdir -p $(LLAMA_SRC)
 	tar xzf $(VENV)/sdist/llama_cpp_python-$(LLAMA_CPP).tar.gz -C $(LLAMA_SRC) --strip-components=3 \
-	    --wildcards '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion/*' \
+	    --wildcards '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/convert_lora_to_gguf.py' \
+	    '*/vendor/llama.cpp/conversion/*' \
 	    '*/vendor/llama.cpp/gguf-py/*' '*/vendor/llama.cpp/models/ggml-vocab-*.gguf'
 endif
 	touch $@

@@ -113,7 +113,8 @@ class PeftAdapter(AdapterFormat):
         meta = {k: cfg[k] for k in ("task_type", "base_model_name_or_path", "revision") if cfg.get(k) is not None}
         return Adapter(path, self.name, loras, config, meta)
 
-    def write(self, adapter: Adapter, out: Path, config: dict | None = None, base: Path | None = None) -> list[str]:
+    def write(self, adapter: Adapter, out: Path, config: dict | None = None, base: Path | None = None,
+              **options) -> list[str]:
         from safetensors.torch import save_file
 
         tensors, modules, parameters = {}, [], []

@@ -45,10 +45,10 @@ def base_config(adapter_path: Path, base) -> tuple[Path | None, dict | None]:
     return None, None
 
 
-def load(path, base=None) -> Adapter:
-    """The adapter at ``path``, with its base's config where known (``base_config``)."""
-    _, config = base_config(Path(path), base)
-    return formats.read(Path(path), config)
+def load(path, base=None, config: dict | None = None) -> Adapter:
+    """The adapter at ``path``, with its base's config where known (``base_config``; else ``config``)."""
+    _, found = base_config(Path(path), base)
+    return formats.read(Path(path), found or config)
 
 
 def _range(xs: list[int]) -> str:
@@ -132,14 +132,14 @@ def _coverage(adapter: Adapter, base, scheme) -> dict:
             "line": line, "changes": changes}
 
 
-def _write(adapter: Adapter, to: str, out: Path, force: bool, base=None) -> list[str]:
+def _write(adapter: Adapter, to: str, out: Path, force: bool, base=None, **options) -> list[str]:
     fmt = formats.get(TO.get(to, to))
     root, config = base_config(adapter.path, base)
     if fmt.needs_base and config is None:
         raise AdapterError(f"a {fmt.name} adapter names the base's tensors as its runtime does: give the base "
                            "model with base=", flags={"base=": "--base"})
     with atomic_output(out, inputs=[adapter.path] + ([root] if root else []), force=force) as tmp:
-        return fmt.write(adapter, tmp, config or adapter.config, root)
+        return fmt.write(adapter, tmp, config or adapter.config, root, **options)
 
 
 def relayout(command: str, path, out, *, stack_experts: bool = False, force: bool = False, base=None,
@@ -161,13 +161,16 @@ def relayout(command: str, path, out, *, stack_experts: bool = False, force: boo
                     {"changes": changes, "plan": plan if dry_run else None, "targets": list(new.loras)})
 
 
-def convert(path, to: str, out, *, base=None, force: bool = False, scheme=None) -> dict:
+def convert(path, to: str, out, *, base=None, force: bool = False, scheme=None, **options) -> dict:
     """``ffn-tools convert ADAPTER --to torch|mlx|gguf -o OUT [--base BASE]``: the adapter in another runtime's
     format (torch: PEFT), its factors' bytes unchanged wherever the format stores them as they are."""
     from ..api import envelope
 
     adapter = load(path, base)
-    written = _write(adapter, to, Path(out), force, base)
+    given = {k: v for k, v in options.items() if v is not None}
+    if set(given) - ({"outtype"} if TO.get(to, to) == "gguf" else set()):
+        raise AdapterError(f"{', '.join(sorted(given))} do not apply to converting an adapter to {to}")
+    written = _write(adapter, to, Path(out), force, base, **given)
     line = f"wrote {out}: {TO.get(to, to)} adapter, {counted(len(adapter.loras), 'LoRA target')}"
     return envelope("convert", str(path), out, line, {"files": written, "format": TO.get(to, to)})
 

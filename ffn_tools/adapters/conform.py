@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from ..errors import listing
 from .model import Adapter, AdapterError
+from .places import places
 from .relayout import fuse, split
 
 STEPS: tuple[tuple[str, Callable], ...] = (
@@ -40,6 +41,29 @@ def misfits(adapter: Adapter, shapes: dict[str, tuple[int, ...]]) -> list[str]:
     return out
 
 
+def renamed(adapter: Adapter, shapes: dict[str, tuple[int, ...]], scheme=None) -> Adapter:
+    """The adapter with each FFN target renamed to the base tensor of the same FFN, projection and form, where
+    the names differ but not the place (two groups of one family: ``mlp.experts.{e}.gate_proj`` and Mixtral's
+    ``block_sparse_moe.experts.{e}.w1``)."""
+    from dataclasses import replace
+
+    if not misfits(adapter, shapes):
+        return adapter
+    ours = places(adapter.loras, adapter.config, scheme)
+    theirs = {(p.group.kind, p.layer, p.expert, p.role, p.form.stacked): n
+              for n, p in places(list(shapes), adapter.config, scheme).items()}
+    out = {}
+    for target, lora in adapter.loras.items():
+        p = ours.get(target)
+        name = theirs.get((p.group.kind, p.layer, p.expert, p.role, p.form.stacked)) if p and target not in shapes \
+            else None
+        if name is not None and tuple(shapes[name]) == lora.shape and name not in adapter.loras:
+            out[name] = replace(lora, target=name)
+        else:
+            out[target] = lora
+    return adapter.with_loras(out)
+
+
 def conform(adapter: Adapter, shapes: dict[str, tuple[int, ...]], scheme=None) -> tuple[Adapter, list[str]]:
     """``adapter`` re-laid out exactly so that its targets are the base's tensors (``shapes``: name -> shape).
 
@@ -52,12 +76,15 @@ def conform(adapter: Adapter, shapes: dict[str, tuple[int, ...]], scheme=None) -
     first = misfits(adapter, shapes)
     if not first:
         return adapter, []
-    for how, step in STEPS[1:]:
+    for how, step in STEPS:
         try:
             candidate, changes = step(adapter, scheme)
         except AdapterError:
             continue
+        candidate = renamed(candidate, shapes, scheme)
         if not misfits(candidate, shapes):
+            if how == "as it is":
+                return candidate, ["adapter's targets renamed as the base names the same projections"]
             return candidate, [f"adapter {how} to fit the base's tensors: " + "; ".join(changes)]
     raise AdapterError(f"{adapter.path}: its LoRA targets do not fit the base, as they are or re-laid out: "
                        f"{listing(first, 4)}; is it this base's adapter?")

@@ -44,9 +44,11 @@ class AdapterFormat(ABC):
         """
 
     @abstractmethod
-    def write(self, adapter: Adapter, out: Path, config: dict | None = None, base: Path | None = None) -> list[str]:
+    def write(self, adapter: Adapter, out: Path, config: dict | None = None, base: Path | None = None,
+              **options) -> list[str]:
         """Write ``adapter`` into the new directory (or file) ``out`` (the caller's temporary path); returns the
-        files written. ``config``/``base``: the base model's config.json and directory.
+        files written. ``config``/``base``: the base model's config.json and directory; ``options``: the
+        format's own (GGUF's ``outtype``).
 
         Raises:
             AdapterError: the adapter cannot be held by this format (say why).

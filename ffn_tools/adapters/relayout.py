@@ -68,7 +68,7 @@ def split(adapter: Adapter, scheme=None) -> tuple[Adapter, list[str]]:
     return adapter.with_loras(out), changes
 
 
-def _pad(lora: Lora, rank: int) -> Lora:
+def pad(lora: Lora, rank: int) -> Lora:
     """The same delta at a higher rank: zero rows of A, zero columns of B."""
     import torch
 
@@ -186,7 +186,7 @@ def _stack(loras: dict[str, Lora], where: dict[str, Place], config) -> tuple[dic
                                "stacked LoRA has one")
         some = next(iter(by_expert.values()))
         missing = [e for e in range(n) if e not in by_expert]
-        filled = [_pad(by_expert[e], rank) if e in by_expert else
+        filled = [pad(by_expert[e], rank) if e in by_expert else
                   Lora(some.target, some.a.new_zeros((rank, some.a.shape[-1])),
                        some.b.new_zeros((some.b.shape[-2], rank)), some.scale, some.alpha, some.rslora)
                   for e in range(n)]

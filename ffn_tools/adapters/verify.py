@@ -115,6 +115,7 @@ def _weights(report: AdapterReport, a, m, adapter: Adapter, where) -> None:
     problems = [f"{n}: in the base, not in the merged checkpoint" for n in only_a]
     problems += [f"{n}: in the merged checkpoint, not in the base" for n in only_m]
     worst = 0.0
+    base_places = None
     for n in a:
         if n not in m:
             continue
@@ -122,7 +123,9 @@ def _weights(report: AdapterReport, a, m, adapter: Adapter, where) -> None:
         lora = adapter.loras.get(n)
         if lora is None:
             if wa.dtype != wm.dtype or wa.shape != wm.shape or not torch.equal(wa, wm):
-                problems.append(f"{n}: not targeted by the adapter, yet differs from the base")
+                base_places = base_places or places(list(a), adapter.config)
+                problems.append(f"{_where(base_places.get(n), n)}: not targeted by the adapter, yet differs from the "
+                                "base")
             continue
         if wm.shape != wa.shape:
             problems.append(f"{_where(where.get(n), n)}: shape {list(wm.shape)}, base {list(wa.shape)}")
@@ -186,9 +189,10 @@ def _ffns(report: AdapterReport, a, m, adapter: Adapter, tokens: int, seed: int,
         factors = factors_of(f, adapter)
         live += bool(factors)
         gen = torch.Generator().manual_seed(seed + 7919 * f.ref.layer + max(f.ref.expert, 0))
-        x = torch.randn(tokens, f.d_model, generator=gen, dtype=torch.float32)
+        x = torch.randn(tokens, f.d_model, generator=gen, dtype=torch.float32).to(wm["gate"].dtype)
         bias = lambda w: {k.removesuffix("_bias"): v for k, v in w.items() if k.endswith("_bias")} or None  # noqa: E731
-        ref = reference.ffn_lora(x, wa["gate"], wa["up"], wa["down"], factors, bias(wa), activation=act)
+        ref = reference.ffn_lora(x.to(wa["gate"].dtype), wa["gate"], wa["up"], wa["down"], factors, bias(wa),
+                                 activation=act)
         got = reference.ffn(x, wm["gate"], wm["up"], wm["down"], bias(wm), activation=act)
         tol = tolerance_for([wm["gate"].dtype])
         rms = float(ref.pow(2).mean().sqrt()) or 1.0
@@ -240,7 +244,13 @@ def verify_adapters(a_path: Path, b_path: Path, *, base=None, scheme=None) -> Ad
     from .api import load
 
     report = AdapterReport(str(a_path), str(b_path), "adapters")
-    ca, cb = _canonical(load(a_path, base), scheme), _canonical(load(b_path, base), scheme)
+    try:  # a side that names no base (a GGUF LoRA) reads with the other side's
+        first = load(a_path, base)
+        second = load(b_path, base, first.config)
+    except AdapterError:
+        second = load(b_path, base)
+        first = load(a_path, base, second.config)
+    ca, cb = _canonical(first, scheme), _canonical(second, scheme)
     problems = [f"{_key_text(k)}: has factors in A only ({ca[k][0]})" for k in ca if k not in cb]
     problems += [f"{_key_text(k)}: has factors in B only ({cb[k][0]})" for k in cb if k not in ca]
     identical, worst = 0, 0.0

@@ -411,9 +411,21 @@ def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, tok
     if is_adapter(path):
         if to not in ("torch", "mlx", "gguf"):
             raise click.UsageError(f"--to {to}: a LoRA adapter converts to torch (PEFT), mlx or gguf")
+        checkpoint_only = {"--dtype": dtype, "-q/--quantize": quantize, "--q-bits": q_bits, "--q-group-size": q_group_size,
+                           "--q-mode": q_mode, "--quant-predicate": quant_predicate, "-d/--dequantize": dequantize,
+                           "--flax-layout": flax_layout, "--orbax-layout": orbax_layout, "--dcp-naming": dcp_naming,
+                           "--dcp-ranks": dcp_ranks, "--requantize": requantize,
+                           "--output-tensor-type": output_tensor_type, "--token-embedding-type": token_embedding_type,
+                           "--imatrix": imatrix, "--dry-run": dry_run, "--allow-config": allow_config,
+                           "--upload-repo": upload_repo, "--max-shard-size": max_shard_size,
+                           "--layout/--order/--tp": layout}
+        given = [flag for flag, v in checkpoint_only.items() if v not in (None, False, ())]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} do not apply to converting a LoRA adapter")
         from ..adapters.api import convert as run_adapter
 
-        r = run_adapter(path, to, Path(out), base=base, force=force, scheme=scheme)
+        r = run_adapter(path, to, Path(out), base=base, force=force, scheme=scheme,
+                        outtype=outtype.lower() if outtype else None)
         emit(r, as_json, [r["summary"]])
         return
     if base is not None:
