@@ -105,7 +105,7 @@ class GgufAdapter(AdapterFormat):
         return Adapter(path, self.name, loras, config, {})
 
     def write(self, adapter: Adapter, out: Path, config: dict | None = None, base: Path | None = None,
-              outtype: str = "f32") -> list[str]:
+              **options) -> list[str]:
         from ffn_tools.adapters.conform import conform
         from ffn_tools.converters import open_any
 
@@ -115,6 +115,7 @@ class GgufAdapter(AdapterFormat):
         if base is None or not (Path(base) / "config.json").is_file():
             raise AdapterError("convert_lora_to_gguf.py reads the base model's config.json: give the base model's "
                                "directory (base=)", flags={"base=": "--base"})
+        outtype = options.get("outtype") or "f32"  # the converter's default
         if outtype not in OUTTYPES:
             raise AdapterError(f"--outtype {outtype}: a GGUF LoRA is one of {', '.join(OUTTYPES)}")
         with open_any(Path(base)) as ckpt:
