@@ -21,6 +21,9 @@ from .conform import conform
 from .model import AdapterError, Lora
 
 
+BLOCK = 1 << 21  # float32 elements of the running sum at a time (8 MiB)
+
+
 def _merged(ckpt, name: str, lora: Lora) -> Entry:
     info = ckpt.info(name)
 
@@ -28,7 +31,16 @@ def _merged(ckpt, name: str, lora: Lora) -> Entry:
         import torch
 
         w = ts[0]
-        return (w.to(torch.float32) + lora.delta()).to(w.dtype)
+        out = torch.empty_like(w)
+        a, b = lora.a.to(torch.float32), lora.b.to(torch.float32)
+        for e in range(w.shape[0]) if w.ndim == 3 else (None,):  # a stacked tensor: expert by expert
+            we, oe, ae, be = (w, out, a, b) if e is None else (w[e], out[e], a[e], b[e])
+            step = max(1, BLOCK // we.shape[1])
+            for r in range(0, we.shape[0], step):  # a block of rows at a time: float32 only for the block
+                acc = we[r:r + step].to(torch.float32, copy=True)  # never the input's own memory
+                acc.addmm_(be[r:r + step], ae, alpha=lora.scale)  # acc += scale·B·A, in place
+                oe[r:r + step] = acc
+        return out
 
     return Entry(name, info.st_dtype, info.shape, (name,), compute, None,
                  f"+ {lora.scale:g}·B·A (rank {lora.rank}), float32, rounded once")
