@@ -8,7 +8,7 @@ never need it) nor any other heavy framework.
 from .detect import FFNSet, find_ffns
 from .errors import (CheckpointError, FFNToolsError, LayoutError, NothingToDoError, OutputExistsError,
                      SchemeError)
-from .api import convert, extract, fuse_gateup, inspect, split_gateup, verify
+from .api import convert, extract, fuse_gateup, inspect, merge, split_gateup, verify
 from .ffn import FFN, FFNRef, canonical_weights
 from .layouts import GateUpLayout, fuse, split
 from .library import SCHEMES, custom_scheme, load_scheme_file
@@ -22,6 +22,6 @@ __all__ = [
     "CheckpointError", "FFNToolsError", "LayoutError", "NothingToDoError", "OutputExistsError", "SchemeError",
     "inspect", "extract", "convert", "FFN", "FFNRef", "canonical_weights", "fuse_gateup", "split_gateup",
     "GateUpLayout", "fuse", "split", "SCHEMES", "Scheme", "custom_scheme", "load_scheme_file",
-    "Checkpoint", "TensorInfo", "open_checkpoint", "inspect_checkpoint", "verify",
+    "Checkpoint", "TensorInfo", "open_checkpoint", "inspect_checkpoint", "verify", "merge",
 ]
 

@@ -61,9 +61,33 @@ def _inspect_line(s: dict) -> str:
     return f"{s['architecture']}: {kinds} {ffns} under scheme {s['scheme']}, {counted(s['tensors'], 'tensor')}"
 
 
-def inspect(path, *, scheme=None, layout=None, tensors: bool = False) -> dict:
-    """``ffn-tools inspect PATH --json``: architecture, scheme, FFNs, sizes (and every tensor with ``tensors``)."""
+def _adapter(path, command: str, given: dict, allowed: tuple[str, ...]) -> bool:
+    """Whether ``path`` is a LoRA adapter (the command then runs ``adapters.api``'s), refusing the options
+    ``given`` beyond ``allowed`` that it was given (not None, False or empty): they apply to checkpoints only."""
+    from .adapters.formats import is_adapter
+    from .errors import FFNToolsError
+
+    if not is_adapter(path):
+        if given.get("base") is not None:
+            raise FFNToolsError("base= is for a LoRA adapter; this is a checkpoint", flags={"base=": "--base"})
+        return False
+    wrong = sorted(k for k, v in given.items() if k not in allowed and v not in (None, False, (), []))
+    if wrong:
+        flags = {f"{k}=": "--" + k.replace("_", "-") for k in wrong}
+        raise FFNToolsError(f"{', '.join(f'{k}=' for k in wrong)} do not apply to {command} of a LoRA adapter",
+                            flags=flags)
+    return True
+
+
+def inspect(path, *, scheme=None, layout=None, tensors: bool = False, base=None) -> dict:
+    """``ffn-tools inspect PATH --json``: architecture, scheme, FFNs, sizes (and every tensor with ``tensors``).
+    A LoRA adapter: what each LoRA targets (``adapters.api.inspect``; ``base``: which of its FFNs get none)."""
     from ffn_tools.converters import open_any
+
+    if _adapter(path, "inspect", {"layout": layout, "tensors": tensors, "base": base}, ("base",)):
+        from .adapters.api import inspect as adapter_inspect
+
+        return adapter_inspect(path, base=base, scheme=scheme)
 
     from .summary import inspect_checkpoint
 
@@ -95,10 +119,21 @@ def split_gateup(path, out=None, *, upload_repo: str | None = None, **options) -
 
     from .gateup import split_gateup as run
 
+    if _adapter(path, "split-gateup", {**options, "upload_repo": upload_repo}, RELAYOUT):
+        return _relayout("split-gateup", path, out, options)
     _upload_first(upload_repo, options.get("dry_run"))
     with open_any(resolve(str(path))) as ckpt:  # any format: the command's rule refuses what it cannot rewrite
         r = run(ckpt, out, **options)
     return _published(_gateup("split-gateup", path, r), upload_repo)
+
+
+RELAYOUT = ("force", "scheme", "dry_run", "stack_experts")  # the options split/fuse of an adapter takes
+
+
+def _relayout(command: str, path, out, options: dict) -> dict:
+    from .adapters.api import relayout
+
+    return relayout(command, path, out, **{k: v for k, v in options.items() if k in RELAYOUT})
 
 
 def fuse_gateup(path, out=None, *, upload_repo: str | None = None, **options) -> dict:
@@ -107,6 +142,8 @@ def fuse_gateup(path, out=None, *, upload_repo: str | None = None, **options) ->
 
     from .gateup import fuse_gateup as run
 
+    if _adapter(path, "fuse-gateup", {**options, "upload_repo": upload_repo}, RELAYOUT):
+        return _relayout("fuse-gateup", path, out, options)
     _upload_first(upload_repo, options.get("dry_run"))
     with open_any(resolve(str(path))) as ckpt:
         r = run(ckpt, out, **options)
@@ -124,6 +161,12 @@ def convert(path, to: str, out, *, upload_repo: str | None = None, **options) ->
     """``ffn-tools convert PATH --to FORMAT -o OUT --json`` (options as ``converters.convert``)."""
     from ffn_tools.converters import convert as run
 
+    if _adapter(path, "convert", {**options, "upload_repo": upload_repo}, ("base", "force", "scheme", "outtype")):
+        from .adapters.api import convert as adapter_convert
+
+        return adapter_convert(path, to, out, **{k: v for k, v in options.items()
+                                                 if k in ("base", "force", "scheme", "outtype")})
+    options.pop("base", None)
     _upload_first(upload_repo, options.get("dry_run"))
     r = run(resolve(str(path)), to, Path(out), **options)
     verb = "would write" if options.get("dry_run") else "wrote"
@@ -148,10 +191,25 @@ def shards_needed(a, b, *, layers: str, experts: str | None = None, scheme=None)
                      **{s.lower(): n.as_dict() for s, n in sides.items()}})
 
 
+def merge(base, adapter, out, **options) -> dict:
+    """``ffn-tools merge BASE ADAPTER -o OUT --json``: the LoRA merged into the base (``adapters.merge``)."""
+    from .adapters.api import merge as run
+
+    return run(resolve(str(base)), adapter, out, **options)
+
+
 def verify(a, b, **options):
     """``ffn-tools verify A B``: the report (``.passed``, ``.lines()``, ``.as_dict()`` = the --json); A and B of
-    any format the registry reads (``converters.open_sides``)."""
+    any format the registry reads (``converters.open_sides``). ``verify("BASE+ADAPTER", MERGED)`` and
+    ``verify(ADAPTER, ADAPTER2)`` verify adapters (``adapters.verify``: ``tokens``, ``seed`` and ``scheme`` apply)."""
     from ffn_tools.converters import open_sides
+
+    from .adapters.verify import involves_adapters
+
+    if involves_adapters(str(a), str(b)):
+        from .adapters.api import verify as adapter_verify
+
+        return adapter_verify(a, b, **{k: v for k, v in options.items() if k in ("tokens", "seed", "scheme")})
 
     from .verification.engine import verify as run
 

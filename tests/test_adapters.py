@@ -245,7 +245,9 @@ def test_refusals_say_why_and_write_nothing(base, tmp_path):
     r = run_cli("convert", good, "--to", "mlx", "-o", tmp_path / "mlx", ok=False)
     assert "--base" in r.output
     r = run_cli("convert", good, "--to", "mlx", "--base", path, "-q", "-o", tmp_path / "mlx", ok=False)
-    assert "-q/--quantize do not apply to converting a LoRA adapter" in r.output and not (tmp_path / "mlx").exists()
+    assert "--quantize do not apply to convert of a LoRA adapter" in r.output and not (tmp_path / "mlx").exists()
+    r = run_cli("verify", f"{path}+{good}", tmp_path / "taken", "--logits", ok=False)
+    assert "--logits do not apply to verifying LoRA adapters" in r.output
 
 
 def test_merge_refuses_a_quantized_base(base, tmp_path):
@@ -284,6 +286,24 @@ def test_mlx_adapter_runs_in_mlx_lm_as_peft_runs_the_original(tmp_path, base):
         ours = formats.read(src, model.config.to_dict())
         assert json.loads(run_cli("verify", src, tmp_path / f"{arch}-mlx-lora", "--json").output)["passed"]
         assert len(back.loras) >= len(ours.loras)
+        if arch == "llama":  # and back to PEFT: PeftModel runs it as the original
+            run_cli("convert", tmp_path / f"{arch}-mlx-lora", "--to", "torch", "-o", tmp_path / f"{arch}-peft-again")
+            torch.testing.assert_close(peft_logits(model, tmp_path / f"{arch}-peft-again"), want, rtol=0, atol=1e-6)
+
+
+def test_the_library_functions_take_adapters_as_the_commands_do(base, tmp_path):
+    import ffn_tools
+
+    model, path = base("phi3")
+    src = peft_adapter(model, tmp_path / "lora", target_modules=["gate_up_proj", "down_proj"])
+    assert ffn_tools.inspect(src)["format"] == "peft"
+    r = ffn_tools.split_gateup(src, tmp_path / "split")
+    assert any("split into gate and up" in c for c in r["changes"])
+    assert ffn_tools.merge(path, tmp_path / "split", tmp_path / "merged")["merged"] == 4  # the split LoRA, re-fused
+    assert ffn_tools.verify(f"{path}+{src}", tmp_path / "merged").passed
+    assert ffn_tools.verify(src, tmp_path / "split").passed
+    with pytest.raises(ffn_tools.FFNToolsError, match="max_shard_size= do not apply"):
+        ffn_tools.split_gateup(src, tmp_path / "x", max_shard_size=1000)
 
 
 def _llama_cpp_logits(model: Path, ids: list[int], lora: Path | None = None) -> np.ndarray:

@@ -167,7 +167,7 @@ def convert(path, to: str, out, *, base=None, force: bool = False, scheme=None, 
     from ..api import envelope
 
     adapter = load(path, base)
-    given = {k: v for k, v in options.items() if v is not None}
+    given = {k: v.lower() if k == "outtype" else v for k, v in options.items() if v is not None}
     if set(given) - ({"outtype"} if TO.get(to, to) == "gguf" else set()):
         raise AdapterError(f"{', '.join(sorted(given))} do not apply to converting an adapter to {to}")
     written = _write(adapter, to, Path(out), force, base, **given)

@@ -282,3 +282,10 @@ def looks_like(path: str) -> bool:
         return False
     b, _, ad = path.rpartition("+")
     return Path(b).exists() and Path(ad).exists()
+
+
+def involves_adapters(a: str, b: str) -> bool:
+    """Whether ``verify A B`` is about adapters: A is BASE+ADAPTER, or either side is an adapter."""
+    from .formats import is_adapter
+
+    return looks_like(a) or is_adapter(a) or is_adapter(b)

@@ -148,20 +148,13 @@ def inspect(path, as_json, tensors, base, scheme, layout):
     LoRA) is shown as what each LoRA targets: layer, expert, projection, rank and scale; with --base, which FFNs
     of the base get no factors.
     """
-    from ..adapters.formats import is_adapter
-
-    if is_adapter(path):
-        from ..adapters.api import inspect as run_adapter
-
-        r = run_adapter(path, base=base, scheme=scheme)
-        emit(r, as_json, r["lines"])
-        return
-    if base is not None:
-        raise click.UsageError("--base is for a LoRA adapter's PATH")
     from ..api import inspect as run
     from ..summary import format_summary, format_tensors
 
-    s = run(path, scheme=scheme, layout=layout, tensors=tensors)
+    s = run(path, scheme=scheme, layout=layout, tensors=tensors, base=base)
+    if "lines" in s:  # a LoRA adapter's
+        emit(s, as_json, s["lines"])
+        return
     emit(s, as_json, format_summary(s) + (["", *format_tensors(s["tensor_table"])] if tensors else []))
 
 
@@ -219,34 +212,16 @@ def _gateup_command(name: str, fn, help_text: str, extra=()):
     return cli.command(name)(command)
 
 
-def _adapter_relayout(command: str, path, out, **k) -> dict | None:
-    """split-gateup / fuse-gateup of a LoRA adapter (None: PATH is no adapter): the options a checkpoint's
-    rewrite takes beyond these are refused, not ignored."""
-    from ..adapters.formats import is_adapter
-
-    if not is_adapter(path):
-        return None
-    given = [f"--{n.replace('_', '-')}" for n in ("upload_repo", "max_shard_size", "load_check") if k.get(n)]
-    given += ["--layout/--order/--tp"] if k.get("layout") is not None else []
-    if given:
-        raise click.UsageError(f"{', '.join(given)} do not apply to a LoRA adapter")
-    from ..adapters.api import relayout
-
-    r = relayout(command, path, out, stack_experts=k.get("stack_experts", False), force=k["force"],
-                 scheme=k.get("scheme"), dry_run=k["dry_run"])
-    return {**r, "changes": r["changes"]}
-
-
-def _split(path, out, **k):
+def _split(*a, **k):
     from ..api import split_gateup
 
-    return _adapter_relayout("split-gateup", path, out, **k) or split_gateup(path, out, **k)
+    return split_gateup(*a, **k)
 
 
-def _fuse(path, out, **k):
+def _fuse(*a, **k):
     from ..api import fuse_gateup
 
-    return _adapter_relayout("fuse-gateup", path, out, **k) or fuse_gateup(path, out, **k)
+    return fuse_gateup(*a, **k)
 
 
 _gateup_command("split-gateup", _split, """Split fused gate_up projections into gate_proj and up_proj.
@@ -406,38 +381,12 @@ def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, tok
         to, out = "mlx", mlx_path
     if to is None or out is None:
         raise click.UsageError("missing " + " and ".join(n for n, v in (("--to", to), ("-o", out)) if v is None))
-    from ..adapters.formats import is_adapter
-
-    if is_adapter(path):
-        if to not in ("torch", "mlx", "gguf"):
-            raise click.UsageError(f"--to {to}: a LoRA adapter converts to torch (PEFT), mlx or gguf")
-        checkpoint_only = {"--dtype": dtype, "-q/--quantize": quantize, "--q-bits": q_bits, "--q-group-size": q_group_size,
-                           "--q-mode": q_mode, "--quant-predicate": quant_predicate, "-d/--dequantize": dequantize,
-                           "--flax-layout": flax_layout, "--orbax-layout": orbax_layout, "--dcp-naming": dcp_naming,
-                           "--dcp-ranks": dcp_ranks, "--requantize": requantize,
-                           "--output-tensor-type": output_tensor_type, "--token-embedding-type": token_embedding_type,
-                           "--imatrix": imatrix, "--dry-run": dry_run, "--allow-config": allow_config,
-                           "--upload-repo": upload_repo, "--max-shard-size": max_shard_size,
-                           "--layout/--order/--tp": layout}
-        given = [flag for flag, v in checkpoint_only.items() if v not in (None, False, ())]
-        if given:
-            raise click.UsageError(f"{', '.join(given)} do not apply to converting a LoRA adapter")
-        from ..adapters.api import convert as run_adapter
-
-        r = run_adapter(path, to, Path(out), base=base, force=force, scheme=scheme,
-                        outtype=outtype.lower() if outtype else None)
-        emit(r, as_json, [r["summary"]])
-        return
-    if base is not None:
-        raise click.UsageError("--base is for converting a LoRA adapter")
-    if dequantize and quantize:
-        raise click.UsageError("choose either -q/--quantize or -d/--dequantize, not both (as mlx_lm.convert)")
     r = run(path, to, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, quantize=quantize,
             q_bits=int(q_bits) if q_bits else None, q_group_size=int(q_group_size) if q_group_size else None,
             q_mode=q_mode, quant_predicate=quant_predicate, dequantize=dequantize or None, dry_run=dry_run or None,
             flax_layout=flax_layout, orbax_layout=orbax_layout, dcp_naming=dcp_naming, dcp_ranks=dcp_ranks, outtype=outtype, requantize=requantize, output_tensor_type=output_tensor_type,
             token_embedding_type=token_embedding_type, imatrix=imatrix, scheme=scheme, layout=layout, upload_repo=upload_repo,
-            allow_config=allow_config)
+            allow_config=allow_config, base=base)
     emit(r, as_json, [*(r.get("plan") or []), r["summary"], *r.get("changes", []), *uploaded(r)])
 
 

@@ -14,6 +14,8 @@ from ..checks.prompts import NEW_TOKENS
 from ..options import CHECKPOINT, emit, layout_options, layout_options_for, scheme_options
 from ..tolerances import HELP as TOLERANCE_HELP
 
+# what verify of LoRA adapters takes (``adapters.verify``); the other options are refused there
+ADAPTER_OPTIONS = ("a", "b", "tokens", "seed", "as_json", "scheme_name", "scheme_file", "gate", "up", "down", "gate_up")
 DEFAULT_TOKENS = 32  # = verify.DEFAULT_TOKENS (not imported: that module imports torch)
 PROFILE_NAMES = ("strict", "standard", "relaxed")  # = checks.agreement.PROFILES (tested)
 BACKEND_NAMES = "reference, triton, metal, mlx, jax"
@@ -137,12 +139,17 @@ def verify(a, b, backends, tokens, seed, layers, shards_needed, experts, atol, r
     download), the others may be absent, and the report names them. Without --layers every shard an
     index names must be there.
     """
-    from ..adapters.formats import is_adapter
-    from ..adapters.verify import looks_like
+    from ..adapters.verify import involves_adapters
 
-    if looks_like(a) or is_adapter(a) or is_adapter(b):
-        from ..adapters.api import verify as run_adapters
+    if involves_adapters(a, b):
+        from ..api import verify as run_adapters
 
+        ctx = click.get_current_context()
+        given = [p.opts[-1] for p in ctx.command.params if p.name not in ADAPTER_OPTIONS and p.opts[-1].startswith("-")
+                 and ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} do not apply to verifying LoRA adapters (their verify takes "
+                                   "--tokens, --seed and the scheme options)")
         report = run_adapters(a, b, tokens=tokens, seed=seed, scheme=scheme)
         if as_json:
             click.echo(json.dumps({"command": "verify", "input": [a, b], "output": None, "summary": report.verdict,
