@@ -16,18 +16,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .envelope import ENVELOPE, envelope  # noqa: F401  (the keys every command's JSON starts with)
 from .errors import counted
 from .hub import resolve
-
-ENVELOPE = ("command", "input", "output", "summary", "warnings")
-
-
-def envelope(command: str, inputs, output, summary: str, result: dict) -> dict:
-    """``result`` with the keys every command's JSON starts with (see the module docstring)."""
-    head = {"command": command, "input": inputs, "output": None if output is None else str(output),
-            "summary": summary, "warnings": list(result.get("warnings") or [])}
-    return {**head, **{k: v for k, v in result.items() if k not in ENVELOPE}}
-
 
 def _published(r: dict, upload_repo: str | None) -> dict:
     """``r`` with ``uploaded`` (the repo URL) once its output is pushed to ``upload_repo`` (see ``upload``)."""

@@ -12,43 +12,18 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from ..envelope import envelope
 from ..errors import counted
 from ..io.dtypes import short_name
 from ..io.output import atomic_output
-from ..io.store import read_config
 from . import formats
+from .formats import base_config, load
 from .conform import conform
 from .model import Adapter, AdapterError, Lora
 from .places import places
 
 # the --to names of convert -> the adapter format each writes
 TO = {"torch": "peft", "peft": "peft", "mlx": "mlx", "gguf": "gguf"}
-
-
-def base_config(adapter_path: Path, base) -> tuple[Path | None, dict | None]:
-    """(base directory, its config.json): ``base`` where given, else the base an adapter names that is a local
-    directory (PEFT's base_model_name_or_path, mlx_lm's ``model``)."""
-    if base is not None:
-        root = Path(base) if Path(base).is_dir() else Path(base).parent
-        return root, read_config(root)
-    try:
-        import json
-
-        cfg = json.loads((Path(adapter_path) / "adapter_config.json").read_text())
-    except (OSError, ValueError):
-        return None, None
-    for key in ("base_model_name_or_path", "model"):
-        named = cfg.get(key)
-        if isinstance(named, str) and (Path(adapter_path) / named).is_dir():
-            root = Path(adapter_path) / named
-            return root, read_config(root)
-    return None, None
-
-
-def load(path, base=None, config: dict | None = None) -> Adapter:
-    """The adapter at ``path``, with its base's config where known (``base_config``; else ``config``)."""
-    _, found = base_config(Path(path), base)
-    return formats.read(Path(path), found or config)
 
 
 def _range(xs: list[int]) -> str:
@@ -65,8 +40,6 @@ def _lora_text(lora: Lora) -> str:
 def inspect(path, base=None, scheme=None) -> dict:
     """``ffn-tools inspect ADAPTER [--base BASE] --json``: what each LoRA targets (layer, expert, projection),
     its rank and scale, and with a base every FFN that gets no factors (or only zero ones)."""
-    from ..api import envelope
-
     adapter = load(path, base)
     where = places(adapter.loras, adapter.config, scheme)
     rows, lines, others = [], [], []
@@ -146,7 +119,6 @@ def relayout(command: str, path, out, *, stack_experts: bool = False, force: boo
              scheme=None, dry_run: bool = False) -> dict:
     """``ffn-tools split-gateup|fuse-gateup ADAPTER -o OUT``: the adapter re-laid out (``adapters.relayout``),
     written as a PEFT adapter."""
-    from ..api import envelope
     from .relayout import fuse, split
 
     adapter = load(path, base)
@@ -164,8 +136,6 @@ def relayout(command: str, path, out, *, stack_experts: bool = False, force: boo
 def convert(path, to: str, out, *, base=None, force: bool = False, scheme=None, **options) -> dict:
     """``ffn-tools convert ADAPTER --to torch|mlx|gguf -o OUT [--base BASE]``: the adapter in another runtime's
     format (torch: PEFT), its factors' bytes unchanged wherever the format stores them as they are."""
-    from ..api import envelope
-
     adapter = load(path, base)
     given = {k: v.lower() if k == "outtype" else v for k, v in options.items() if v is not None}
     if set(given) - ({"outtype"} if TO.get(to, to) == "gguf" else set()):
@@ -177,7 +147,6 @@ def convert(path, to: str, out, *, base=None, force: bool = False, scheme=None, 
 
 def merge(base, path, out, *, force: bool = False, max_shard_size: int | None = None, scheme=None) -> dict:
     """``ffn-tools merge BASE ADAPTER -o OUT``: see ``adapters.merge``."""
-    from ..api import envelope
     from .merge import merge as run
 
     r = run(Path(base), Path(path), Path(out), force=force, max_shard_size=max_shard_size, scheme=scheme)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from ..errors import FFNToolsError
+from ..io.store import read_config
 from .model import Adapter, AdapterError
 
 ADAPTER_FORMATS = {"peft": "ffn_tools.converters.pytorch.peft", "mlx": "ffn_tools.converters.mlx.lora",
@@ -97,3 +98,29 @@ def read(path, config: dict | None = None) -> Adapter:
         raise AdapterError(f"{path}: not a LoRA adapter ffn-tools reads (PEFT's adapter_config.json + "
                            "adapter_model.safetensors, mlx_lm's adapters.safetensors, or a GGUF LoRA)")
     return fmt.read(Path(path), config)
+
+
+def base_config(adapter_path: Path, base) -> tuple[Path | None, dict | None]:
+    """(base directory, its config.json): ``base`` where given, else the base an adapter names that is a local
+    directory (PEFT's base_model_name_or_path, mlx_lm's ``model``)."""
+    if base is not None:
+        root = Path(base) if Path(base).is_dir() else Path(base).parent
+        return root, read_config(root)
+    try:
+        import json
+
+        cfg = json.loads((Path(adapter_path) / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return None, None
+    for key in ("base_model_name_or_path", "model"):
+        named = cfg.get(key)
+        if isinstance(named, str) and (Path(adapter_path) / named).is_dir():
+            root = Path(adapter_path) / named
+            return root, read_config(root)
+    return None, None
+
+
+def load(path, base=None, config: dict | None = None) -> Adapter:
+    """The adapter at ``path``, with its base's config where known (``base_config``; else ``config``)."""
+    _, found = base_config(Path(path), base)
+    return read(Path(path), found or config)

@@ -56,7 +56,7 @@ def merge(base: Path, adapter_path: Path, out: Path, *, force: bool = False, max
     """
     from ffn_tools.converters import open_any
 
-    from .api import load
+    from .formats import load
 
     with open_any(base) as ckpt:
         if ckpt.format.name != "torch":

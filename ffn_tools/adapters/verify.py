@@ -88,7 +88,7 @@ def verify_merge(base: Path, adapter_path: Path, merged: Path, *, tokens: int = 
     """BASE+ADAPTER against MERGED (see the module docstring)."""
     from ffn_tools.converters import open_any
 
-    from .api import load
+    from .formats import load
 
     report = AdapterReport(f"{base}+{adapter_path}", str(merged), "merge")
     with open_any(base) as a, open_any(merged, like=a) as m:
@@ -241,7 +241,7 @@ def verify_adapters(a_path: Path, b_path: Path, *, base=None, scheme=None) -> Ad
     """ADAPTER against ADAPTER2 (see the module docstring)."""
     import torch
 
-    from .api import load
+    from .formats import load
 
     report = AdapterReport(str(a_path), str(b_path), "adapters")
     try:  # a side that names no base (a GGUF LoRA) reads with the other side's
