@@ -22,15 +22,9 @@ from .conform import conform
 from .model import Adapter, AdapterError, Lora
 from .places import places
 
+ROLE_ORDER = ("gate", "up", "gate_up", "down")
 # the --to names of convert -> the adapter format each writes
 TO = {"torch": "peft", "peft": "peft", "mlx": "mlx", "gguf": "gguf"}
-
-
-def _range(xs: list[int]) -> str:
-    xs = sorted(xs)
-    if len(xs) > 2 and xs == list(range(xs[0], xs[-1] + 1)):
-        return f"{xs[0]}-{xs[-1]}"
-    return ",".join(map(str, xs))
 
 
 def _lora_text(lora: Lora) -> str:
@@ -43,7 +37,7 @@ def inspect(path, base=None, scheme=None) -> dict:
     adapter = load(path, base)
     where = places(adapter.loras, adapter.config, scheme)
     rows, lines, others = [], [], []
-    by_ffn: dict[str, list[str]] = defaultdict(list)
+    by_ffn: dict[str, list[tuple[int, str]]] = defaultdict(list)
     for target, lora in adapter.loras.items():
         p = where.get(target)
         row = {"target": target, "rank": lora.rank, "scale": lora.scale, "alpha": lora.alpha,
@@ -59,14 +53,14 @@ def inspect(path, base=None, scheme=None) -> dict:
         else:
             ffn = f"layer {p.layer}" + (f" expert {p.expert}" if p.expert is not None else "") + \
                 (" shared expert" if p.group.kind == "shared" else "")
-        by_ffn[ffn].append(f"{p.role} {_lora_text(lora)}")
+        by_ffn[ffn].append((ROLE_ORDER.index(p.role), f"{p.role} {_lora_text(lora)}"))
     ranks = sorted({lora.rank for lora in adapter.loras.values()})
     scales = sorted({lora.scale for lora in adapter.loras.values()})
     head = (f"{adapter.format} LoRA adapter: {counted(len(adapter.loras), 'target')} ({len(rows) - len(others)} FFN "
             f"projections, {len(others)} other), rank {'/'.join(map(str, ranks))}, scale "
             f"{'/'.join(f'{s:g}' for s in scales)}, {short_name(adapter.dtype)}")
     lines.append(head)
-    lines += [f"  {ffn}: {', '.join(parts)}" for ffn, parts in by_ffn.items()]
+    lines += [f"  {ffn}: {', '.join(text for _, text in sorted(parts))}" for ffn, parts in by_ffn.items()]
     lines += [f"  other: {o}" for o in others]
     result: dict[str, Any] = {"format": adapter.format, "targets": rows}
     if base is not None:
