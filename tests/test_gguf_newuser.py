@@ -105,7 +105,7 @@ def test_to_gguf_after_pip_install_alone(gguf_model, gguf_ref, wheelhouse, pip_o
     assert (tmp_path / "a.gguf").read_bytes() == gguf_ref("llama", "f32").read_bytes()
     assert sorted(p.name for p in pip_only.iterdir()) == [tree.name]  # no archive, no temporary left
     assert (tree / source.MARKER).read_text().startswith(f"llama-cpp-python {ver}\n")
-    assert sorted(p.name for p in tree.iterdir()) == sorted([*source.TREE, source.MARKER])
+    assert sorted(p.name for p in tree.iterdir()) == sorted([*source.TREE, source.LORA, source.MARKER])
     kept = sum(p.stat().st_size for p in tree.rglob("*") if p.is_file())
     assert kept < 4 << 20, kept
     caplog.clear()

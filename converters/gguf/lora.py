@@ -34,7 +34,6 @@ from ffn_tools.adapters.formats import AdapterFormat
 from ffn_tools.adapters.model import Adapter, AdapterError, Lora
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # convert_lora_to_gguf.py's --outtype (its "auto" fails on LoRAs)
-CONVERTER = "convert_lora_to_gguf.py"
 
 
 def _is_lora_gguf(path: Path) -> bool:
@@ -109,7 +108,8 @@ class GgufAdapter(AdapterFormat):
         from ffn_tools.adapters.conform import conform
         from ffn_tools.converters import open_any
 
-        from .source import llama_cpp_dir
+        from .source import LORA as CONVERTER
+        from .source import cache_dir, llama_cpp_dir
         from .writer import _env
 
         if base is None or not (Path(base) / "config.json").is_file():
@@ -136,7 +136,10 @@ class GgufAdapter(AdapterFormat):
 
         root = llama_cpp_dir()
         if not (root / CONVERTER).is_file():
-            raise AdapterError(f"{root} has no {CONVERTER}; reinstall (make install) or set FFN_TOOLS_LLAMA_CPP")
+            raise AdapterError(f"{root} holds llama.cpp's convert_hf_to_gguf.py but not its {CONVERTER} (a tree an "
+                               f"older ffn-tools fetched, or your $FFN_TOOLS_LLAMA_CPP): remove it (under "
+                               f"{cache_dir()}, it is fetched again with both) or point $FFN_TOOLS_LLAMA_CPP at a "
+                               "llama.cpp checkout")
         with tempfile.TemporaryDirectory() as tmp:
             peft = Path(tmp) / (adapter.path.name if adapter.path.is_dir() else adapter.path.stem)
             get("peft").write(adapter, peft, config, None)

@@ -32,7 +32,10 @@ log = logging.getLogger(__name__)
 ENV = "FFN_TOOLS_LLAMA_CPP"
 CACHE_ENV = "FFN_TOOLS_CACHE"
 PREFIX = Path(sys.prefix) / "llama.cpp"  # where the dev install (the Makefile) extracts the converter
-TREE = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion", "gguf-py")  # what the writers run
+TREE = ("convert_hf_to_gguf.py", "conversion", "gguf-py")  # what the writer runs, from llama.cpp's source
+# extracted beside it where a fetch or `make install` puts the tree: the LoRA adapter writer's converter (not
+# required of a tree: one fetched by an older ffn-tools, or a user's $FFN_TOOLS_LLAMA_CPP, may lack it)
+LORA = "convert_lora_to_gguf.py"
 DIST = "llama-cpp-python"
 SDIST_SIZE = "77 MB"  # llama_cpp_python-0.3.36.tar.gz, measured; other versions are about as large
 MARKER = ".ffn-tools-source"  # in a fetched tree: the distribution and version it came from
@@ -167,7 +170,7 @@ def extract(sdist: Path, version: str, tree: Path) -> None:
                                 f"{version} is installed; the converter must be the installed llama.cpp's")
         base = f"{top}/vendor/llama.cpp/"
         wanted = [m for m in members if m.name.startswith(base) and (m.isfile() or m.isdir())  # no links
-                  and m.name[len(base):].split("/")[0] in TREE and ".." not in m.name.split("/")]
+                  and m.name[len(base):].split("/")[0] in (*TREE, LORA) and ".." not in m.name.split("/")]
         tree.mkdir(parents=True)
         for m in wanted:
             m.name = m.name[len(base):]

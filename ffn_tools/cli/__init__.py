@@ -381,6 +381,8 @@ def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, tok
         to, out = "mlx", mlx_path
     if to is None or out is None:
         raise click.UsageError("missing " + " and ".join(n for n, v in (("--to", to), ("-o", out)) if v is None))
+    if dequantize and quantize:
+        raise click.UsageError("choose either -q/--quantize or -d/--dequantize, not both (as mlx_lm.convert)")
     r = run(path, to, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, quantize=quantize,
             q_bits=int(q_bits) if q_bits else None, q_group_size=int(q_group_size) if q_group_size else None,
             q_mode=q_mode, quant_predicate=quant_predicate, dequantize=dequantize or None, dry_run=dry_run or None,
