@@ -224,6 +224,9 @@ def test_inspect_says_what_each_lora_targets_and_which_ffns_get_none(base, tmp_p
     assert r["base"]["partial"] == ["layer 1 shared expert (gate/up only)"]
     text = run_cli("inspect", src, "--base", path).output
     assert "layer 1 shared expert: gate r4 x2, up r4 x2" in text and "no factors: layer 0 shared expert" in text
+    untrained = peft_adapter(model, tmp_path / "untrained", target_modules=FFN, init_lora_weights=True)  # B = 0
+    r = json.loads(run_cli("inspect", untrained, "--base", path, "--json").output)
+    assert r["base"]["with_factors"] == 0 and len(r["base"]["without"]) == r["base"]["ffns"] > 0
 
 
 def test_refusals_say_why_and_write_nothing(base, tmp_path):
@@ -364,6 +367,10 @@ def test_gguf_lora_is_llama_cpps_own_bytes_and_runs_in_llama_cpp(gguf_model, ggu
         assert torch.equal(deltas(back)[t], d), t
     r = json.loads(run_cli("verify", src, tmp_path / "ours.gguf", "--json").output)
     assert r["passed"] and "bit-identical" in r["checks"][0]["line"]
+    # mlx_lm's adapter to llama.cpp: the same function again
+    run_cli("convert", src, "--to", "mlx", "--base", base, "-o", tmp_path / "mlx")
+    run_cli("convert", tmp_path / "mlx", "--to", "gguf", "--base", base, "-o", tmp_path / "from-mlx.gguf")
+    assert np.abs(_llama_cpp_logits(gguf_ref("llama", "f32"), IDS, tmp_path / "from-mlx.gguf") - want).max() < 1e-4
 
 
 def test_gguf_lora_of_stacked_experts_and_rslora_run_as_peft_runs_them(gguf_model, gguf_ref, tmp_path):
