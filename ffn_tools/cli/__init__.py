@@ -117,7 +117,8 @@ def cli(quiet: bool, verbose: bool, config: str | None) -> None:
     Reads the checkpoints of every gated model family transformers ships (Llama, Mistral, Qwen, Phi-3,
     Gemma, DeepSeek, Mixtral, Qwen-MoE, GPT-OSS, Llama-4, ...; safetensors, sharded or not, weights-only
     pickles, MLX, Flax), finds every FFN, and writes new checkpoints atomically: outputs go to a temporary
-    path and are moved into place only on success; the input is never modified.
+    path and are moved into place only on success; the input is never modified. LoRA adapters (PEFT, mlx_lm,
+    GGUF) are inspected, split, fused, converted, merged (merge) and verified the same way.
 
     Exit status, every command: 0 done (verify: everything agrees); 1 verify found a difference; 2 could
     not run (bad input or option, an I/O error, a missing optional package); 130 interrupted (Ctrl-C),
