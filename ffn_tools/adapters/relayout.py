@@ -52,9 +52,9 @@ def split(adapter: Adapter, scheme=None) -> tuple[Adapter, list[str]]:
         pieces = [(e, lora.expert(e, target)) for e in range(lora.experts or 0)] if p.form.stacked else [(None, lora)]
         stacked += p.form.stacked
         for e, one in pieces:
-            if p.role == "down":
-                out[p.name_in(unfused, "down", e)] = Lora(p.name_in(unfused, "down", e), one.a.contiguous(),
-                                                         one.b.contiguous(), one.scale, one.alpha, one.rslora)
+            if p.role != "gate_up":  # a stacked down (or a stacked-separate gate, up): its experts apart
+                name = p.name_in(unfused, p.role, e)
+                out[name] = Lora(name, one.a.contiguous(), one.b.contiguous(), one.scale, one.alpha, one.rslora)
                 continue
             gate_b, up_b = split_rows(one.b, p.group.layout, name=f"{target} lora B")
             for role, b, a in (("gate", gate_b, one.a.contiguous()), ("up", up_b, one.a.clone())):
@@ -94,8 +94,11 @@ def _fuse_pair(name: str, gate: Lora | None, up: Lora | None, layout) -> tuple[L
     present = [x for x in (gate, up) if x is not None]
     first = present[0]
     if len({x.scale for x in present}) > 1:
-        raise AdapterError(f"{name}: gate and up LoRAs have different scales ({gate.scale} and {up.scale}); "  # type: ignore[union-attr]
-                           "one fused LoRA has one scale, and folding the ratio into B would round")
+        raise AdapterError(f"{name}: gate and up LoRAs have different scales ({' and '.join(str(x.scale) for x in present)}"
+                           "); one fused LoRA has one scale, and folding the ratio into B would round")
+    if len({(x.a.dtype, x.b.dtype) for x in present}) > 1:
+        raise AdapterError(f"{name}: gate and up LoRAs are stored in different dtypes; one fused LoRA has one, and "
+                           "casting would round")
     if gate is not None and up is not None and _same_bytes(gate.a, up.a):
         return Lora(name, gate.a.contiguous(), fuse_rows(gate.b, up.b, layout, name=name),
                     first.scale, first.alpha, first.rslora), None
@@ -106,9 +109,9 @@ def _fuse_pair(name: str, gate: Lora | None, up: Lora | None, layout) -> tuple[L
         return Lora(name, first.a.contiguous(), b, first.scale, first.alpha, first.rslora), \
             f"{name}: {half} has no LoRA; its rows of B are zeros"
     assert gate is not None and up is not None
-    a = torch.cat([gate.a, up.a.to(gate.a.dtype)], -2)
+    a = torch.cat([gate.a, up.a], -2)
     gb = torch.cat([gate.b, gate.b.new_zeros((*gate.b.shape[:-1], up.rank))], -1)
-    ub = torch.cat([up.b.new_zeros((*up.b.shape[:-1], gate.rank)), up.b], -1).to(gb.dtype)
+    ub = torch.cat([up.b.new_zeros((*up.b.shape[:-1], gate.rank)), up.b], -1)
     alpha = None if gate.alpha is None else gate.alpha * (gate.rank + up.rank) / gate.rank
     return Lora(name, a, fuse_rows(gb, ub, layout, name=name), gate.scale, alpha, gate.rslora), \
         f"{name}: gate and up have different A; fused at rank {gate.rank}+{up.rank} (block structure)"
