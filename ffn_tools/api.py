@@ -192,7 +192,8 @@ def merge(base, adapter, out, **options) -> dict:
 def verify(a, b, **options):
     """``ffn-tools verify A B``: the report (``.passed``, ``.lines()``, ``.as_dict()`` = the --json); A and B of
     any format the registry reads (``converters.open_sides``). ``verify("BASE+ADAPTER", MERGED)`` and
-    ``verify(ADAPTER, ADAPTER2)`` verify adapters (``adapters.verify``: ``tokens``, ``seed`` and ``scheme`` apply)."""
+    ``verify(ADAPTER, ADAPTER2)`` verify adapters (``adapters.verify``: ``tokens``, ``seed``, ``scheme`` and
+    ``backends`` apply)."""
     from ffn_tools.converters import open_sides
 
     from .adapters.verify import involves_adapters
@@ -200,7 +201,8 @@ def verify(a, b, **options):
     if involves_adapters(str(a), str(b)):
         from .adapters.api import verify as adapter_verify
 
-        return adapter_verify(a, b, **{k: v for k, v in options.items() if k in ("tokens", "seed", "scheme")})
+        return adapter_verify(a, b, **{k: v for k, v in options.items()
+                                       if k in ("tokens", "seed", "scheme", "backends")})
 
     from .verification.engine import verify as run
 

@@ -160,7 +160,11 @@ def test_merge_matches_peft_merge_and_unload(arch, lora, dtype, tmp_path):
         got = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=dtype).eval()(TOKENS).logits
     want = peft_logits(model, src)
     assert (got.float() - want.float()).abs().max() < (0.05 if dtype == torch.bfloat16 else 1e-5)
-    assert json.loads(run_cli("verify", f"{path}+{src}", tmp_path / "merged", "--json").output)["passed"]
+    r = json.loads(run_cli("verify", f"{path}+{src}", tmp_path / "merged", "--json").output)
+    assert r["passed"] and r["checks"][-1]["not_run"]  # the kernels that did not run, said
+    if dtype == torch.bfloat16:  # the adapter live in bf16 on Triton's kernel (its interpreter here)
+        r = json.loads(run_cli("verify", f"{path}+{src}", tmp_path / "merged", "--backend", "triton", "--json").output)
+        assert r["passed"] and "in the weights dtype on triton" in r["checks"][-1]["line"], r
 
 
 def _swap_gate_up(src: Path, dst: Path) -> Path:
@@ -195,8 +199,11 @@ def test_verify_catches_swapped_halves_wrong_scale_and_a_missing_expert(base, tm
     run_cli("merge", path, good, "-o", tmp_path / "merged")
     for bad, names in ((_swap_gate_up(good, tmp_path / "swapped"), ("gate", "up")),
                        (_rslora(good, tmp_path / "rslora"), ("gate", "up", "down"))):
-        r = run_cli("verify", f"{path}+{bad}", tmp_path / "merged", ok=None)
+        r = run_cli("verify", f"{path}+{bad}", tmp_path / "merged", "--backend", "reference", "--backend", "triton",
+                    ok=None)
         assert r.exit_code == 1 and "FAIL weights" in r.output and "FAIL ffns" in r.output, r.output
+        assert "layer 0: live on triton differ from base + adapter live" not in r.output  # the adapter is the same
+        assert "layer 0: merged weights differ from base + adapter live" in r.output
         assert all(f"layer 0 {n})" in r.output for n in names), r.output
         r = run_cli("verify", good, bad, ok=None)
         assert r.exit_code == 1 and "layer 1 gate: deltas differ" in r.output, r.output

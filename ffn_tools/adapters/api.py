@@ -149,7 +149,7 @@ def merge(base, path, out, *, force: bool = False, max_shard_size: int | None = 
     return envelope("merge", [str(base), str(path)], out, line, r)
 
 
-def verify(a, b, *, tokens: int = 32, seed: int = 0, scheme=None, base=None):
+def verify(a, b, *, tokens: int = 32, seed: int = 0, scheme=None, base=None, backends=None):
     """``ffn-tools verify BASE+ADAPTER MERGED`` or ``verify ADAPTER ADAPTER2``: the report (``adapters.verify``).
 
     Raises:
@@ -159,8 +159,12 @@ def verify(a, b, *, tokens: int = 32, seed: int = 0, scheme=None, base=None):
 
     if looks_like(str(a)):
         base_path, _, adapter = str(a).rpartition("+")
-        return verify_merge(Path(base_path), Path(adapter), Path(b), tokens=tokens, seed=seed, scheme=scheme)
+        return verify_merge(Path(base_path), Path(adapter), Path(b), tokens=tokens, seed=seed, scheme=scheme,
+                            backends=backends)
     if formats.is_adapter(a) and formats.is_adapter(b):
+        if backends:
+            raise AdapterError("backends= runs FFNs: it applies to verify BASE+ADAPTER MERGED, not to two adapters "
+                               "(whose deltas are compared)", flags={"backends=": "--backend"})
         return verify_adapters(Path(a), Path(b), base=base, scheme=scheme)
     raise AdapterError(f"verify of an adapter: give BASE+ADAPTER and the merged checkpoint, or two adapters "
                        f"({a} and {b} are neither)")

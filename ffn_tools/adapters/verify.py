@@ -21,12 +21,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import counted
 from ..io.dtypes import short_name
 from .conform import conform
 from .model import Adapter, AdapterError
 from .places import places
+
+if TYPE_CHECKING:
+    import torch
 
 MANTISSA = {"float32": 23, "float16": 10, "bfloat16": 7, "float64": 52}
 
@@ -58,6 +62,7 @@ class AdapterReport:
         out = [f"A: {self.a}", f"B: {self.b}"]
         for c in self.checks:
             out.append(f"{'ok  ' if c['passed'] else 'FAIL'} {c['check']}: {c['line']}")
+            out += [f"       not run: {n}" for n in c.get("not_run", [])]
             out += [f"       {p}" for p in c["problems"][:20]]
             if len(c["problems"]) > 20:
                 out.append(f"       ... ({len(c['problems']) - 20} more)")
@@ -84,7 +89,7 @@ def _where(p, target: str) -> str:
 
 
 def verify_merge(base: Path, adapter_path: Path, merged: Path, *, tokens: int = 32, seed: int = 0,
-                 scheme=None) -> AdapterReport:
+                 scheme=None, backends=None) -> AdapterReport:
     """BASE+ADAPTER against MERGED (see the module docstring)."""
     from ffn_tools.converters import open_any
 
@@ -103,7 +108,7 @@ def verify_merge(base: Path, adapter_path: Path, merged: Path, *, tokens: int = 
         report.add("targets", True, f"{counted(len(adapter.loras), 'target')} of the adapter are tensors of the base"
                    + (f" ({'; '.join(changes)})" if changes else ""))
         _weights(report, a, m, adapter, where)
-        _ffns(report, a, m, adapter, tokens, seed, scheme)
+        _ffns(report, a, m, adapter, tokens, seed, scheme, backends)
     return report
 
 
@@ -168,14 +173,34 @@ def factors_of(ffn, adapter: Adapter) -> dict:
     return out
 
 
-def _ffns(report: AdapterReport, a, m, adapter: Adapter, tokens: int, seed: int, scheme) -> None:
+def _live(x, w: dict, factors: dict, act, backend) -> "torch.Tensor":
+    """The FFN as a runtime runs an unmerged adapter, in the weights' dtype: each projection ``x·Wᵀ`` plus
+    ``scale·(x·Aᵀ)·Bᵀ`` (the factors in their own dtype, added back in the weights'), the gated unit on ``backend``'s
+    kernel."""
+    import torch.nn.functional as F
+
+    def proj(role, inp):
+        y = F.linear(inp, w[role], w.get(f"{role}_bias"))
+        if role in factors:
+            a, b, scale = factors[role]
+            y = y + (F.linear(F.linear(inp.to(a.dtype), a), b) * scale).to(y.dtype)
+        return y
+
+    h = backend.silu_mul(proj("gate", x), proj("up", x), activation=act).to(x.dtype)
+    return proj("down", h)
+
+
+def _ffns(report: AdapterReport, a, m, adapter: Adapter, tokens: int, seed: int, scheme, backends=None) -> None:
     import torch
 
     from ..detect import find_ffns
     from ..ffn import canonical_weights
     from ..kernels import reference
     from ..tolerances import tolerance_for
+    from ..verification.backends import resolve_backends
 
+    client = m.format.client()
+    mods, skipped = resolve_backends(backends, client.kernels, f"the merged checkpoint's client ({client.name})")
     fa, fm = find_ffns(a, scheme), find_ffns(m)
     ours = {f.ref: f for f in fm.ffns}
     problems, live, worst = [], 0, 0.0
@@ -193,20 +218,28 @@ def _ffns(report: AdapterReport, a, m, adapter: Adapter, tokens: int, seed: int,
         bias = lambda w: {k.removesuffix("_bias"): v for k, v in w.items() if k.endswith("_bias")} or None  # noqa: E731
         ref = reference.ffn_lora(x.to(wa["gate"].dtype), wa["gate"], wa["up"], wa["down"], factors, bias(wa),
                                  activation=act)
-        got = reference.ffn(x, wm["gate"], wm["up"], wm["down"], bias(wm), activation=act)
+        runs = {"merged weights": reference.ffn(x, wm["gate"], wm["up"], wm["down"], bias(wm), activation=act)}
+        for name, mod in mods.items():  # the adapter live on B's runtime's kernels, in the weights' dtype
+            if name != "reference":
+                runs[f"live on {name}"] = _live(x.to(wa["gate"].dtype), wa, factors, act, mod).double()
         tol = tolerance_for([wm["gate"].dtype])
         rms = float(ref.pow(2).mean().sqrt()) or 1.0
-        excess = float(((got - ref).abs() - tol.rtol * ref.abs()).max()) / (tol.atol * rms)
-        cos = float(torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0))
-        worst = max(worst, excess)
-        if excess > 1 or cos < tol.min_cosine:
-            problems.append(f"{f.ref}: merged FFN differs from base + adapter ({excess:.3g}x the {tol.row} tolerance, "
-                            f"cosine {cos:.6f})")
+        for what, got in runs.items():
+            excess = float(((got - ref).abs() - tol.rtol * ref.abs()).max()) / (tol.atol * rms)
+            cos = float(torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0))
+            worst = max(worst, excess)
+            if excess > 1 or cos < tol.min_cosine:
+                problems.append(f"{f.ref}: {what} differ from base + adapter live ({excess:.3g}x the {tol.row} "
+                                f"tolerance, cosine {cos:.6f})")
     for ref_ in sorted(set(ours) - {f.ref for f in fa.ffns}):
         problems.append(f"{ref_}: in the merged checkpoint only")
-    line = (f"{len(fa.ffns)} FFNs run with the adapter live ({live} with factors, low-rank path added, float64 "
-            f"reference) match the merged weights (worst {worst:.2g} of the tolerance)")
-    report.add("ffns", not problems, line if not problems else f"{counted(len(problems), 'FFN')} wrong", problems)
+    ran = [n for n in mods if n != "reference"]
+    line = (f"{len(fa.ffns)} FFNs run with the adapter live ({live} with factors; the low-rank path added on the "
+            f"float64 reference{', and in the weights dtype on ' + ', '.join(ran) if ran else ''}) match the merged "
+            f"weights (worst {worst:.2g} of the tolerance)")
+    not_run = [f"{n}: {why}" for n, why in skipped.items()]
+    report.add("ffns", not problems, line if not problems else f"{counted(len(problems), 'FFN')} wrong", problems,
+               backends=list(mods), not_run=not_run)
 
 
 def _canonical(adapter: Adapter, scheme) -> dict:

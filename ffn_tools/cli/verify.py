@@ -15,7 +15,8 @@ from ..options import CHECKPOINT, emit, layout_options, layout_options_for, sche
 from ..tolerances import HELP as TOLERANCE_HELP
 
 # what verify of LoRA adapters takes (``adapters.verify``); the other options are refused there
-ADAPTER_OPTIONS = ("a", "b", "tokens", "seed", "as_json", "scheme_name", "scheme_file", "gate", "up", "down", "gate_up")
+ADAPTER_OPTIONS = ("a", "b", "tokens", "seed", "as_json", "backends", "scheme_name", "scheme_file", "gate", "up", "down",
+                   "gate_up")
 DEFAULT_TOKENS = 32  # = verify.DEFAULT_TOKENS (not imported: that module imports torch)
 PROFILE_NAMES = ("strict", "standard", "relaxed")  # = checks.agreement.PROFILES (tested)
 BACKEND_NAMES = "reference, triton, metal, mlx, jax"
@@ -149,8 +150,8 @@ def verify(a, b, backends, tokens, seed, layers, shards_needed, experts, atol, r
                  and ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
         if given:
             raise click.UsageError(f"{', '.join(given)} do not apply to verifying LoRA adapters (their verify takes "
-                                   "--tokens, --seed and the scheme options)")
-        report = run_adapters(a, b, tokens=tokens, seed=seed, scheme=scheme)
+                                   "--backend, --tokens, --seed and the scheme options)")
+        report = run_adapters(a, b, tokens=tokens, seed=seed, scheme=scheme, backends=list(backends) or None)
         if as_json:
             click.echo(json.dumps({"command": "verify", "input": [a, b], "output": None, "summary": report.verdict,
                                    "warnings": [], **report.as_dict()}, indent=2, default=str))
