@@ -72,3 +72,51 @@ class Reader(GGUFReader):
             offs += 8 + n
         types = [GGUFValueType.ARRAY] + ([GGUFValueType.STRING] if count else [])
         return offs - orig_offs, parts, idxs, types
+
+
+# value type -> its size in bytes, for the scalar types of a GGUF key-value pair (gguf-py's GGUFValueType numbers)
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+def string_field(path, key: str) -> str | None:
+    """The string value of metadata ``key`` of the GGUF at ``path``, or None (absent, not a string, not a GGUF):
+    the header walked key by key from the start and left at that key, nothing parsed into arrays. Whether a
+    GGUF is a LoRA adapter (``general.type``) is asked of every GGUF a command opens; ``Reader`` would parse a
+    Llama-3 tokenizer first (0.4 s; gguf-py's own reader 7.6 s)."""
+    import mmap
+    import struct
+
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            if m[:4] != b"GGUF":
+                return None
+            order = "<" if struct.unpack_from("<I", m, 4)[0] & 0xFFFF else ">"  # a big-endian file's version reads
+            u32, u64 = struct.Struct(order + "I"), struct.Struct(order + "Q")  # as 0xNNNN0000 little-endian
+            count, at = u64.unpack_from(m, 16)[0], 24
+
+            def skip(kind: int, at: int) -> int:
+                if kind in _SCALAR_SIZES:
+                    return at + _SCALAR_SIZES[kind]
+                if kind == _STRING:
+                    return at + 8 + u64.unpack_from(m, at)[0]
+                if kind == _ARRAY:
+                    item, n = u32.unpack_from(m, at)[0], u64.unpack_from(m, at + 4)[0]
+                    at += 12
+                    if item in _SCALAR_SIZES:
+                        return at + n * _SCALAR_SIZES[item]
+                    for _ in range(n):
+                        at = skip(item, at)
+                    return at
+                raise ValueError(f"unknown GGUF value type {kind}")
+
+            for _ in range(count):
+                n = u64.unpack_from(m, at)[0]
+                name, kind = bytes(m[at + 8:at + 8 + n]), u32.unpack_from(m, at + 8 + n)[0]
+                at += 12 + n
+                if name == key.encode():
+                    return bytes(m[at + 8:at + 8 + u64.unpack_from(m, at)[0]]).decode() if kind == _STRING else None
+                at = skip(kind, at)
+    except (OSError, ValueError, struct.error, UnicodeDecodeError):
+        return None
+    return None

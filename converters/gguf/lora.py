@@ -37,15 +37,9 @@ OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # convert_lora_to_gguf.py's --outtype
 
 
 def _is_lora_gguf(path: Path) -> bool:
-    if path.suffix != ".gguf" or not path.is_file():
-        return False
-    try:
-        from gguf import GGUFReader
+    from .header import string_field
 
-        field = GGUFReader(path).get_field("general.type")
-        return field is not None and bytes(field.parts[-1]).decode() == "adapter"
-    except Exception:  # noqa: BLE001 - can_read never raises
-        return False
+    return path.suffix == ".gguf" and path.is_file() and string_field(path, "general.type") == "adapter"
 
 
 class GgufAdapter(AdapterFormat):
