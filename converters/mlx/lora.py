@@ -33,7 +33,8 @@ WEIGHTS = "adapters.safetensors"
 
 
 def _layout(config: dict | None, where: Path):
-    """(mlx_lm's model Target, [Output]): every mlx_lm parameter and the base tensors it is made of."""
+    """(mlx_lm's model Target, [Output], the base's tensors name -> shape): every mlx_lm parameter and the base
+    tensors (as transformers saves them for ``config``) it is made of."""
     if not config:
         raise AdapterError(f"{where}: mlx_lm's adapter names mlx_lm's modules; give the base model (base=) so its "
                            "config.json tells the architecture", flags={"base=": "--base"})
@@ -42,9 +43,9 @@ def _layout(config: dict | None, where: Path):
     from .names import map_outputs
 
     tg = target(dict(config), str(where))
-    shapes = {n: (s, "F32") for n, s in source_layout(config).items()}
-    outputs, _ = map_outputs(tg.build() if tg.build else tg.model, shapes)
-    return tg, outputs
+    layout = source_layout(config)
+    outputs, _ = map_outputs(tg.build() if tg.build else tg.model, {n: (s, "F32") for n, s in layout.items()})
+    return tg, outputs, layout
 
 
 def _layers(config: dict) -> int:
@@ -72,7 +73,7 @@ class MlxAdapter(AdapterFormat):
             raise AdapterError(f"{path}: an mlx_lm {cfg['fine_tune_type']} adapter; ffn-tools reads LoRA ones")
         scale = float(cfg["lora_parameters"]["scale"])
         tensors = load_file(str(path / WEIGHTS))
-        _, outputs = _layout(config, path)
+        _, outputs, _ = _layout(config, path)
         sources = {o.name.removesuffix(".weight"): o.sources for o in outputs if o.name.endswith(".weight")}
         loras: dict[str, Lora] = {}
         for key in sorted(k for k in tensors if k.endswith(".lora_a")):
@@ -105,10 +106,8 @@ class MlxAdapter(AdapterFormat):
 
         from ffn_tools.adapters.conform import conform
 
-        tg, outputs = _layout(config, adapter.path)
-        from .inverse import source_layout
-
-        adapter, _ = conform(adapter, source_layout(config or {}), None)
+        tg, outputs, layout = _layout(config, adapter.path)
+        adapter, _ = conform(adapter, layout, None)
         scales = {x.scale for x in adapter.loras.values()}
         if len(scales) > 1:
             raise AdapterError(f"{adapter.path}: its LoRAs have different scales ({sorted(scales)}); mlx_lm's adapter "

@@ -94,7 +94,6 @@ class Adapter:
             sizes), else None.
         meta: what the format keeps that ffn-tools does not interpret, carried to an output of the same format
             (PEFT's task_type and base_model_name_or_path, mlx_lm's training options).
-        full: tensors the adapter replaces whole (PEFT's modules_to_save, a trained embedding), by base name.
     """
 
     path: Path
@@ -102,7 +101,6 @@ class Adapter:
     loras: dict[str, Lora]
     config: dict | None = None
     meta: dict[str, Any] = field(default_factory=dict)
-    full: dict[str, "torch.Tensor"] = field(default_factory=dict)
 
     @property
     def dtype(self):
