@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .envelope import ENVELOPE, envelope  # noqa: F401  (the keys every command's JSON starts with)
-from .errors import counted
+from .errors import FFNToolsError, counted
 from .hub import resolve
 
 def _published(r: dict, upload_repo: str | None) -> dict:
@@ -52,22 +52,31 @@ def _inspect_line(s: dict) -> str:
     return f"{s['architecture']}: {kinds} {ffns} under scheme {s['scheme']}, {counted(s['tensors'], 'tensor')}"
 
 
-def _adapter(path, command: str, given: dict, allowed: tuple[str, ...]) -> bool:
-    """Whether ``path`` is a LoRA adapter (the command then runs ``adapters.api``'s), refusing the options
-    ``given`` beyond ``allowed`` that it was given (not None, False or empty): they apply to checkpoints only."""
+def _adapter_options(path, command: str, given: dict, allowed: tuple[str, ...]) -> dict | None:
+    """None where ``path`` is a checkpoint; for a LoRA adapter (the command then runs ``adapters.api``'s) the
+    options of ``given`` it takes (``allowed``), refusing the others it was given (not None, False or empty):
+    they apply to checkpoints only."""
     from .adapters.formats import is_adapter
-    from .errors import FFNToolsError
 
     if not is_adapter(path):
         if given.get("base") is not None:
             raise FFNToolsError("base= is for a LoRA adapter; this is a checkpoint", flags={"base=": "--base"})
-        return False
+        return None
+    return _taken(command, given, allowed)
+
+
+def _taken(command: str, given: dict, allowed: tuple[str, ...]) -> dict:
+    """The options of ``given`` a command of LoRA adapters takes (``allowed``); the others it was given refused."""
     wrong = sorted(k for k, v in given.items() if k not in allowed and v not in (None, False, (), []))
     if wrong:
-        flags = {f"{k}=": "--" + k.replace("_", "-") for k in wrong}
         raise FFNToolsError(f"{', '.join(f'{k}=' for k in wrong)} do not apply to {command} of a LoRA adapter",
-                            flags=flags)
-    return True
+                            flags={f"{k}=": "--" + k.replace("_", "-") for k in wrong})
+    return {k: v for k, v in given.items() if k in allowed}
+
+
+# the options each command takes for a LoRA adapter (``adapters.api``)
+ADAPTER_OPTIONS = {"inspect": ("base", "scheme"), "relayout": ("force", "scheme", "dry_run", "stack_experts"),
+                   "convert": ("base", "force", "scheme", "outtype"), "verify": ("tokens", "seed", "scheme", "backends")}
 
 
 def inspect(path, *, scheme=None, layout=None, tensors: bool = False, base=None) -> dict:
@@ -75,10 +84,11 @@ def inspect(path, *, scheme=None, layout=None, tensors: bool = False, base=None)
     A LoRA adapter: what each LoRA targets (``adapters.api.inspect``; ``base``: which of its FFNs get none)."""
     from ffn_tools.converters import open_any
 
-    if _adapter(path, "inspect", {"layout": layout, "tensors": tensors, "base": base}, ("base",)):
+    given = {"layout": layout, "tensors": tensors, "base": base, "scheme": scheme}
+    if (kw := _adapter_options(path, "inspect", given, ADAPTER_OPTIONS["inspect"])) is not None:
         from .adapters.api import inspect as adapter_inspect
 
-        return adapter_inspect(path, base=base, scheme=scheme)
+        return adapter_inspect(path, **kw)
 
     from .summary import inspect_checkpoint
 
@@ -110,21 +120,15 @@ def split_gateup(path, out=None, *, upload_repo: str | None = None, **options) -
 
     from .gateup import split_gateup as run
 
-    if _adapter(path, "split-gateup", {**options, "upload_repo": upload_repo}, RELAYOUT):
-        return _relayout("split-gateup", path, out, options)
+    if (kw := _adapter_options(path, "split-gateup", {**options, "upload_repo": upload_repo},
+                               ADAPTER_OPTIONS["relayout"])) is not None:
+        from .adapters.api import relayout
+
+        return relayout("split-gateup", path, out, **kw)
     _upload_first(upload_repo, options.get("dry_run"))
     with open_any(resolve(str(path))) as ckpt:  # any format: the command's rule refuses what it cannot rewrite
         r = run(ckpt, out, **options)
     return _published(_gateup("split-gateup", path, r), upload_repo)
-
-
-RELAYOUT = ("force", "scheme", "dry_run", "stack_experts")  # the options split/fuse of an adapter takes
-
-
-def _relayout(command: str, path, out, options: dict) -> dict:
-    from .adapters.api import relayout
-
-    return relayout(command, path, out, **{k: v for k, v in options.items() if k in RELAYOUT})
 
 
 def fuse_gateup(path, out=None, *, upload_repo: str | None = None, **options) -> dict:
@@ -133,8 +137,11 @@ def fuse_gateup(path, out=None, *, upload_repo: str | None = None, **options) ->
 
     from .gateup import fuse_gateup as run
 
-    if _adapter(path, "fuse-gateup", {**options, "upload_repo": upload_repo}, RELAYOUT):
-        return _relayout("fuse-gateup", path, out, options)
+    if (kw := _adapter_options(path, "fuse-gateup", {**options, "upload_repo": upload_repo},
+                               ADAPTER_OPTIONS["relayout"])) is not None:
+        from .adapters.api import relayout
+
+        return relayout("fuse-gateup", path, out, **kw)
     _upload_first(upload_repo, options.get("dry_run"))
     with open_any(resolve(str(path))) as ckpt:
         r = run(ckpt, out, **options)
@@ -152,11 +159,11 @@ def convert(path, to: str, out, *, upload_repo: str | None = None, **options) ->
     """``ffn-tools convert PATH --to FORMAT -o OUT --json`` (options as ``converters.convert``)."""
     from ffn_tools.converters import convert as run
 
-    if _adapter(path, "convert", {**options, "upload_repo": upload_repo}, ("base", "force", "scheme", "outtype")):
+    if (kw := _adapter_options(path, "convert", {**options, "upload_repo": upload_repo},
+                               ADAPTER_OPTIONS["convert"])) is not None:
         from .adapters.api import convert as adapter_convert
 
-        return adapter_convert(path, to, out, **{k: v for k, v in options.items()
-                                                 if k in ("base", "force", "scheme", "outtype")})
+        return adapter_convert(path, to, out, **kw)
     options.pop("base", None)
     _upload_first(upload_repo, options.get("dry_run"))
     r = run(resolve(str(path)), to, Path(out), **options)
@@ -201,8 +208,7 @@ def verify(a, b, **options):
     if involves_adapters(str(a), str(b)):
         from .adapters.api import verify as adapter_verify
 
-        return adapter_verify(a, b, **{k: v for k, v in options.items()
-                                       if k in ("tokens", "seed", "scheme", "backends")})
+        return adapter_verify(a, b, **_taken("verify", options, ADAPTER_OPTIONS["verify"]))
 
     from .verification.engine import verify as run
 
