@@ -66,13 +66,14 @@ class MlxAdapter(AdapterFormat):
             return False
 
     def read(self, path: Path, config: dict | None = None) -> Adapter:
-        from safetensors.torch import load_file
+        from ffn_tools.io.readers import open_checkpoint
 
         cfg = json.loads((path / CONFIG).read_text())
         if cfg.get("fine_tune_type", "lora") != "lora":
             raise AdapterError(f"{path}: an mlx_lm {cfg['fine_tune_type']} adapter; ffn-tools reads LoRA ones")
         scale = float(cfg["lora_parameters"]["scale"])
-        tensors = load_file(str(path / WEIGHTS))
+        with open_checkpoint(path / WEIGHTS) as ckpt:
+            tensors = {n: ckpt[n] for n in ckpt}
         _, outputs, _ = _layout(config, path)
         sources = {o.name.removesuffix(".weight"): o.sources for o in outputs if o.name.endswith(".weight")}
         loras: dict[str, Lora] = {}

@@ -186,20 +186,12 @@ def _config(path: Path) -> dict:
 
 
 def _tensors(path: Path) -> dict:
-    if (path / WEIGHTS[0]).is_file():
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+    """The adapter's factors, through the checkpoint readers (safetensors; a pickle only with weights_only)."""
+    from ffn_tools.io.readers import open_checkpoint
 
-        try:
-            return load_file(str(path / WEIGHTS[0]))
-        except (SafetensorError, OSError) as e:
-            raise AdapterError(f"{path / WEIGHTS[0]}: cannot be read ({e})") from None
-    import torch
-
-    try:
-        return torch.load(path / WEIGHTS[1], map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
-        raise AdapterError(f"{path / WEIGHTS[1]}: cannot be read as a weights-only pickle ({e})") from None
+    weights = next(path / w for w in WEIGHTS if (path / w).is_file())
+    with open_checkpoint(weights) as ckpt:
+        return {n: ckpt[n] for n in ckpt}
 
 
 def _target(module: str, depth: int, params: list[str], path: Path) -> str:
