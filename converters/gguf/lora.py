@@ -37,9 +37,11 @@ OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # convert_lora_to_gguf.py's --outtype
 
 
 def _is_lora_gguf(path: Path) -> bool:
+    if path.suffix != ".gguf" or not path.is_file():  # asked of every path: gguf and numpy only for a GGUF
+        return False
     from .header import string_field
 
-    return path.suffix == ".gguf" and path.is_file() and string_field(path, "general.type") == "adapter"
+    return string_field(path, "general.type") == "adapter"
 
 
 class GgufAdapter(AdapterFormat):
