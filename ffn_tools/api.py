@@ -19,6 +19,7 @@ from pathlib import Path
 from .envelope import ENVELOPE, envelope  # noqa: F401  (the keys every command's JSON starts with)
 from .errors import FFNToolsError, counted
 from .hub import resolve
+from .io.resume import requested
 
 def _published(r: dict, upload_repo: str | None) -> dict:
     """``r`` with ``uploaded`` (the repo URL) once its output is pushed to ``upload_repo`` (see ``upload``)."""
@@ -98,15 +99,17 @@ def inspect(path, *, scheme=None, layout=None, tensors: bool = False, base=None)
 
 
 def extract(path, out, *, layers: str | None = None, experts: str | None = None, scheme=None, layout=None,
-            force: bool = False, max_shard_size: int | None = None, upload_repo: str | None = None) -> dict:
+            force: bool = False, max_shard_size: int | None = None, upload_repo: str | None = None,
+            resume: bool = False) -> dict:
     """``ffn-tools extract PATH -o OUT --json``: the FFNs alone, canonical names; returns the manifest.
-    ``upload_repo``: push the output to that Hub repo afterwards (every writing command takes it)."""
+    ``upload_repo``: push the output to that Hub repo afterwards (every writing command takes it); ``resume``:
+    continue what a killed run of the same command left (``io.resume``; every writing command takes it)."""
     from ffn_tools.converters import open_any
 
     from .extraction import extract as run
 
     _upload_first(upload_repo)
-    with open_any(resolve(str(path))) as ckpt:
+    with open_any(resolve(str(path))) as ckpt, requested(resume):
         m = run(ckpt, Path(out), layers=layers, experts=experts, scheme=scheme, layout=layout, force=force,
                 max_shard_size=max_shard_size)
     line = f"wrote {out}: {counted(m['ffns'], 'FFN')}, {counted(m['tensors'], 'tensor')} ({m['dtype']})" + (
@@ -114,36 +117,36 @@ def extract(path, out, *, layers: str | None = None, experts: str | None = None,
     return _published(envelope("extract", str(path), out, line, m), upload_repo)
 
 
-def split_gateup(path, out=None, *, upload_repo: str | None = None, **options) -> dict:
+def split_gateup(path, out=None, *, upload_repo: str | None = None, resume: bool = False, **options) -> dict:
     """``ffn-tools split-gateup PATH [-o OUT] --json`` (options as ``gateup.split_gateup``)."""
     from ffn_tools.converters import open_any
 
     from .gateup import split_gateup as run
 
-    if (kw := _adapter_options(path, "split-gateup", {**options, "upload_repo": upload_repo},
+    if (kw := _adapter_options(path, "split-gateup", {**options, "upload_repo": upload_repo, "resume": resume},
                                ADAPTER_OPTIONS["relayout"])) is not None:
         from .adapters.api import relayout
 
         return relayout("split-gateup", path, out, **kw)
     _upload_first(upload_repo, options.get("dry_run"))
-    with open_any(resolve(str(path))) as ckpt:  # any format: the command's rule refuses what it cannot rewrite
+    with open_any(resolve(str(path))) as ckpt, requested(resume):  # any format: its rule refuses what it cannot
         r = run(ckpt, out, **options)
     return _published(_gateup("split-gateup", path, r), upload_repo)
 
 
-def fuse_gateup(path, out=None, *, upload_repo: str | None = None, **options) -> dict:
+def fuse_gateup(path, out=None, *, upload_repo: str | None = None, resume: bool = False, **options) -> dict:
     """``ffn-tools fuse-gateup PATH [-o OUT] --json`` (options as ``gateup.fuse_gateup``)."""
     from ffn_tools.converters import open_any
 
     from .gateup import fuse_gateup as run
 
-    if (kw := _adapter_options(path, "fuse-gateup", {**options, "upload_repo": upload_repo},
+    if (kw := _adapter_options(path, "fuse-gateup", {**options, "upload_repo": upload_repo, "resume": resume},
                                ADAPTER_OPTIONS["relayout"])) is not None:
         from .adapters.api import relayout
 
         return relayout("fuse-gateup", path, out, **kw)
     _upload_first(upload_repo, options.get("dry_run"))
-    with open_any(resolve(str(path))) as ckpt:
+    with open_any(resolve(str(path))) as ckpt, requested(resume):
         r = run(ckpt, out, **options)
     return _published(_gateup("fuse-gateup", path, r), upload_repo)
 
@@ -155,18 +158,19 @@ def _gateup(command: str, path, r: dict) -> dict:
     return envelope(command, str(path), r["output"], line, r)
 
 
-def convert(path, to: str, out, *, upload_repo: str | None = None, **options) -> dict:
+def convert(path, to: str, out, *, upload_repo: str | None = None, resume: bool = False, **options) -> dict:
     """``ffn-tools convert PATH --to FORMAT -o OUT --json`` (options as ``converters.convert``)."""
     from ffn_tools.converters import convert as run
 
-    if (kw := _adapter_options(path, "convert", {**options, "upload_repo": upload_repo},
+    if (kw := _adapter_options(path, "convert", {**options, "upload_repo": upload_repo, "resume": resume},
                                ADAPTER_OPTIONS["convert"])) is not None:
         from .adapters.api import convert as adapter_convert
 
         return adapter_convert(path, to, out, **kw)
     options.pop("base", None)
     _upload_first(upload_repo, options.get("dry_run"))
-    r = run(resolve(str(path)), to, Path(out), **options)
+    with requested(resume):
+        r = run(resolve(str(path)), to, Path(out), **options)
     verb = "would write" if options.get("dry_run") else "wrote"
     line = r.get("summary") or f"{verb} {r['output']} ({to})"  # a converter's own line says more (GGUF's does)
     return _published(envelope("convert", str(path), r["output"], line, r), upload_repo)
@@ -189,11 +193,12 @@ def shards_needed(a, b, *, layers: str, experts: str | None = None, scheme=None)
                      **{s.lower(): n.as_dict() for s, n in sides.items()}})
 
 
-def merge(base, adapter, out, **options) -> dict:
+def merge(base, adapter, out, *, resume: bool = False, **options) -> dict:
     """``ffn-tools merge BASE ADAPTER -o OUT --json``: the LoRA merged into the base (``adapters.merge``)."""
     from .adapters.api import merge as run
 
-    return run(resolve(str(base)), adapter, out, **options)
+    with requested(resume):
+        return run(resolve(str(base)), adapter, out, **options)
 
 
 def verify(a, b, **options):

@@ -123,6 +123,13 @@ def uploaded(r: dict) -> list[str]:
     return [f"uploaded to {r['uploaded']}"] if r.get("uploaded") else []
 
 
+def resume_option(f):
+    return click.option("--resume", is_flag=True, help="Continue the unfinished output a killed run of this same command "
+                        "left (its temporary directory beside OUT): every shard it finished is checked (size and "
+                        "SHA-256) and kept, the rest written; the result is byte-identical to an uninterrupted run. "
+                        "Directory outputs of safetensors shards only.")(f)
+
+
 def size_option(f):
     return click.option("--max-shard-size", type=str, default=None, callback=lambda c, p, v: parse_size(v) if v else None,
                         help=SHARD_HELP)(f)

@@ -27,6 +27,7 @@ from .errors import FFNToolsError
 
 DEQUANTIZED = "ffn_tools_dequantized_from"  # safetensors metadata: the quantization weights were read from
 from .io.output import atomic_output
+from .io.resume import Ledger, input_stamp, plan_key
 from .progress import Progress
 from .sizes import human
 from .io.store import WEIGHT_INDEXES, WEIGHT_SUFFIXES, Checkpoint
@@ -179,15 +180,31 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
     items = [_out_tensor(e, ckpt, cache) for e in plan.entries]
     progress = Progress(plan.read_bytes, desc)
     inputs = [ckpt.path, *ckpt.files]
+    key = None
+    if out.suffix != writer.suffix and writer.resumable:  # shards a killed run's --resume can reuse
+        key = plan_key(command=desc, writer=type(writer).__name__, out=out.name, shard=max_shard_size, metadata=meta,
+                       entries=plan.describe(), config=plan.config, carry=carry, extra=sorted(extra_files or {}),
+                       inputs=input_stamp(inputs))
     try:
-        with atomic_output(out, inputs=inputs, force=force, nbytes=plan.total_bytes) as tmp:
+        with atomic_output(out, inputs=inputs, force=force, nbytes=plan.total_bytes, resume_key=key) as tmp:
             if out.suffix == writer.suffix:
                 writer.write_file(tmp, items, meta, progress)
                 written = [out.name]
             else:
-                tmp.mkdir()
-                written = writer.write_sharded(tmp, items, max_shard_size=max_shard_size, metadata=meta,
-                                               progress=progress)
+                tmp.mkdir(exist_ok=key is not None)  # --resume: the killed run's directory, its shards in it
+                if key is None:
+                    written = writer.write_sharded(tmp, items, max_shard_size=max_shard_size, metadata=meta,
+                                                   progress=progress)
+                else:
+                    ledger = Ledger(tmp, key)
+                    try:
+                        written = writer.write_sharded(tmp, items, max_shard_size=max_shard_size, metadata=meta,
+                                                       progress=progress, ledger=ledger)
+                    finally:
+                        ledger.close()
+                    ledger.remove()
+                    if ledger.reused:
+                        log.info("--resume: kept %d finished shard(s) of %d", len(ledger.reused), len(written))
                 for p in side_files(ckpt) if carry else []:
                     if p.name != "config.json":
                         shutil.copy2(p, tmp / p.name)

@@ -53,6 +53,7 @@ class DcpWriter(Writer):
     """See the module docstring. ``ranks``: the world size the output is sharded for."""
 
     suffix = "\0"  # a DCP checkpoint is a directory: no path is a single-file output
+    resumable = False  # written as one store, not as shards a resume ledger can keep (--resume refused)
 
     def __init__(self, ranks: int = 1):
         self.ranks = ranks
@@ -62,7 +63,7 @@ class DcpWriter(Writer):
         raise RuntimeError("internal error: a DCP checkpoint is a directory")
 
     def write_sharded(self, out_dir: Path, items: Sequence[OutTensor], *, max_shard_size: int | None,
-                      metadata: dict | None, progress: Progress | None = None) -> list[str]:
+                      metadata: dict | None, progress: Progress | None = None, ledger=None) -> list[str]:
         """Every rank's ``__r_0.distcp`` and ``.metadata`` in ``out_dir`` (``max_shard_size``: not used; the
         export refuses it)."""
         files = [open(out_dir / rank_file(r), "wb", buffering=0) for r in range(self.ranks)]  # noqa: SIM115

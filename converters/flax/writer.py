@@ -68,6 +68,7 @@ class MsgpackWriter(Writer):
     """
 
     suffix = ".msgpack"
+    resumable = False  # written as one store, not as shards a resume ledger can keep (--resume refused)
 
     def __init__(self, paths: Sequence[tuple[str, ...]]):
         nest([OutLeaf(p, "U8", (), None) for p in paths])  # every path an array or a subtree, never both
@@ -87,7 +88,7 @@ class MsgpackWriter(Writer):
         write_tree(path, self._leaves(items), progress)
 
     def write_sharded(self, out_dir: Path, items: Sequence[OutTensor], *, max_shard_size: int | None,
-                      metadata: dict | None, progress: Progress | None = None) -> list[str]:
+                      metadata: dict | None, progress: Progress | None = None, ledger=None) -> list[str]:
         """``flax_model.msgpack``, or shards of at most ``max_shard_size`` bytes each plus the index."""
         leaves = self._leaves(items)
         shards = shard_leaves(leaves, max_shard_size)

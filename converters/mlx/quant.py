@@ -247,6 +247,7 @@ class QuantPool:
 
             # spawn: fresh interpreters (forking a process that runs MLX's threads is unsafe)
             self._executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+        self.submitted = max(self.submitted, job.index)  # jobs before it are not asked for (--resume reused them)
         while self.submitted < len(self.jobs) and self.submitted <= job.index + 2 * self.workers:
             j = self.jobs[self.submitted]
             j.future = self._executor.submit(quantize_files, *j.args())

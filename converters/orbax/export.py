@@ -153,6 +153,7 @@ class OrbaxArrayWriter(Writer):
     """``plan.execute``'s writer for Orbax: see the module docstring. ``slots``: entry name -> (its array, where)."""
 
     suffix = "\0"  # an Orbax checkpoint is a directory
+    resumable = False  # written as one store, not as shards a resume ledger can keep (--resume refused)
 
     def __init__(self, slots: dict[str, tuple[Array, tuple]]):
         self.slots = slots
@@ -162,7 +163,7 @@ class OrbaxArrayWriter(Writer):
         raise RuntimeError("internal error: an Orbax checkpoint is a directory")
 
     def write_sharded(self, out_dir: Path, items: Sequence[OutTensor], *, max_shard_size: int | None,
-                      metadata: dict | None, progress: Progress | None = None) -> list[str]:
+                      metadata: dict | None, progress: Progress | None = None, ledger=None) -> list[str]:
         writer = OrbaxWriter(out_dir)
         opened: dict[tuple[str, ...], Any] = {}
         pending: tuple[Any, OutTensor] | None = None  # one write in flight while the next tensor is made

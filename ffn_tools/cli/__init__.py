@@ -12,7 +12,8 @@ import click
 
 from .. import progress
 from ..errors import FFNToolsError
-from ..options import CHECKPOINT, emit, layout_options, scheme_options, size_option, upload_option, uploaded
+from ..options import (CHECKPOINT, emit, layout_options, resume_option, scheme_options, size_option, upload_option,
+                       uploaded)
 from .verify import verify as verify_command
 
 # Optional packages and the extra that installs each (import name -> pip requirement).
@@ -167,10 +168,11 @@ def inspect(path, as_json, tensors, base, scheme, layout):
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @upload_option
+@resume_option
 @size_option
 @scheme_options
 @layout_options
-def extract(path, out, layers, experts, force, as_json, upload_repo, max_shard_size, scheme, layout):
+def extract(path, out, layers, experts, force, as_json, upload_repo, resume, max_shard_size, scheme, layout):
     """Write only the FFNs of PATH, with canonical names layers.{L}.{gate,up,down}.weight.
 
     Experts are layers.{L}.experts.{E}.*, the shared expert layers.{L}.shared_expert.*; biases .bias.
@@ -181,7 +183,7 @@ def extract(path, out, layers, experts, force, as_json, upload_repo, max_shard_s
     from ..api import extract as run
 
     m = run(path, Path(out), layers=layers, experts=experts, scheme=scheme, layout=layout, force=force,
-            max_shard_size=max_shard_size, upload_repo=upload_repo)
+            max_shard_size=max_shard_size, upload_repo=upload_repo, resume=resume)
     emit(m, as_json, [m["summary"], *uploaded(m)])
 
 
@@ -198,12 +200,14 @@ def _gateup_command(name: str, fn, help_text: str, extra=()):
                   "where it would not. Off by default: it imports transformers, and split/fuse run at the speed of "
                   "a copy without it; `ffn-tools verify IN OUT` checks everything.")
     @upload_option
+    @resume_option
     @size_option
     @scheme_options
     @layout_options
-    def command(path, out, dry_run, force, as_json, load_check, upload_repo, max_shard_size, scheme, layout, **kw):
+    def command(path, out, dry_run, force, as_json, load_check, upload_repo, resume, max_shard_size, scheme, layout,
+                **kw):
         r = fn(path, out, scheme=scheme, layout=layout, dry_run=dry_run, force=force, max_shard_size=max_shard_size,
-               upload_repo=upload_repo, load_check=load_check, **kw)
+               upload_repo=upload_repo, load_check=load_check, resume=resume, **kw)
         lines = list(r["plan"] or []) if dry_run else []
         emit(r, as_json, [*lines, r["summary"], *r["changes"], *uploaded(r)])
 
@@ -325,11 +329,12 @@ def _quantize_value(ctx, param, value):
                    "without it such a conversion is refused, naming the setting and both behaviours. Repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 @upload_option
+@resume_option
 @size_option
 @scheme_options
 @layout_options
 def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, token_embedding_type, imatrix, mlx_path, dtype, quantize, q_bits, q_group_size, q_mode, quant_predicate,
-            dequantize, flax_layout, orbax_layout, dcp_naming, dcp_ranks, base, dry_run, force, allow_config, as_json, upload_repo, max_shard_size, scheme, layout):
+            dequantize, flax_layout, orbax_layout, dcp_naming, dcp_ranks, base, dry_run, force, allow_config, as_json, upload_repo, resume, max_shard_size, scheme, layout):
     """Convert the checkpoint at PATH to PyTorch safetensors, MLX, Flax msgpack, GGUF, DCP or Orbax.
 
     The input may be any format ffn-tools reads. MLX output is what mlx_lm.convert writes for the same
@@ -389,7 +394,7 @@ def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, tok
             q_mode=q_mode, quant_predicate=quant_predicate, dequantize=dequantize or None, dry_run=dry_run or None,
             flax_layout=flax_layout, orbax_layout=orbax_layout, dcp_naming=dcp_naming, dcp_ranks=dcp_ranks, outtype=outtype, requantize=requantize, output_tensor_type=output_tensor_type,
             token_embedding_type=token_embedding_type, imatrix=imatrix, scheme=scheme, layout=layout, upload_repo=upload_repo,
-            allow_config=allow_config, base=base)
+            allow_config=allow_config, base=base, resume=resume)
     emit(r, as_json, [*(r.get("plan") or []), r["summary"], *r.get("changes", []), *uploaded(r)])
 
 
@@ -399,9 +404,10 @@ def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, tok
 @click.option("-o", "--out", required=True, type=click.Path(), help="Output directory (or a .safetensors file).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+@resume_option
 @size_option
 @scheme_options
-def merge(base, adapter, out, force, as_json, max_shard_size, scheme):
+def merge(base, adapter, out, force, as_json, resume, max_shard_size, scheme):
     """Merge the LoRA ADAPTER into BASE: each targeted weight becomes W + scale·B·A.
 
     ADAPTER is PEFT's (target_modules or transformers v5 stacked experts through target_parameters, rsLoRA,
@@ -412,9 +418,9 @@ def merge(base, adapter, out, force, as_json, max_shard_size, scheme):
     memory at a time. A quantized BASE is refused (merging into codes means re-quantizing every weight).
     `ffn-tools verify BASE+ADAPTER OUT` proves the result.
     """
-    from ..adapters.api import merge as run
+    from ..api import merge as run
 
-    r = run(base, adapter, Path(out), force=force, max_shard_size=max_shard_size, scheme=scheme)
+    r = run(base, adapter, Path(out), force=force, max_shard_size=max_shard_size, scheme=scheme, resume=resume)
     emit(r, as_json, [r["summary"], *r["changes"]])
 
 

@@ -4,5 +4,6 @@
     safetensors_format  the safetensors header, parsed strictly
     writer              streaming safetensors writer: byte-range copies and computed tensors, shards
     output              atomic outputs: temporary path, moved into place only on success; locks, disk space
+    resume              --resume: per-shard manifests in the temporary output, reused by a later run
     dtypes              dtype names across safetensors, torch and the command line
 """

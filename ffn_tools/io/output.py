@@ -17,8 +17,10 @@ from contextlib import contextmanager
 from glob import escape as glob_escape
 from pathlib import Path
 
-from ..errors import OutputError, OutputExistsError
+from ..errors import OutputError, OutputExistsError, counted
+from ..progress import say
 from ..sizes import human
+from . import resume
 from .store import WEIGHT_SUFFIXES
 
 
@@ -111,16 +113,38 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def remove_stale(out: Path) -> list[Path]:
-    """Remove temporary outputs for ``out`` left by ffn-tools processes that no longer run (killed with
-    SIGKILL, or by a power cut); those of live processes are kept. Returns what was removed."""
-    removed = []
+def _stale(out: Path) -> list[Path]:
+    """Temporary outputs for ``out`` left by ffn-tools processes that no longer run (killed with SIGKILL, or by
+    a power cut), newest first; those of live processes are not among them."""
+    found = []
     for p in out.parent.glob(f".{glob_escape(out.name)}.*-*"):
         m = re.fullmatch(rf"\.{re.escape(out.name)}\.(?:tmp|old)-(\d+)-[0-9a-f]{{8}}", p.name)
         if m and not _alive(int(m.group(1))):
-            _remove(p)
-            removed.append(p)
-    return removed
+            found.append(p)
+    return sorted(found, key=lambda p: p.lstat().st_mtime_ns, reverse=True)
+
+
+def remove_stale(out: Path, resume_key: str | None = None) -> tuple[list[Path], Path | None]:
+    """Remove the temporary outputs for ``out`` that killed processes left, but the newest whose resume ledger
+    has ``resume_key`` (``--resume``: returned, to be continued). A removed one that had finished shards is said.
+    Returns (what was removed, what is kept)."""
+    removed, kept = [], None
+    for p in _stale(out):
+        if kept is None and resume_key is not None and resume.ledger_key(p) == resume_key:
+            kept = p
+            continue
+        if (n := resume.finished_shards(p)) and p.name.startswith(f".{out.name}.tmp-"):
+            why = ("it was begun by another command, with other options or from other inputs" if resume_key
+                   else "--resume continues one")
+            say(f"{out}: removed the unfinished output of a killed run ({p.name}, {counted(n, 'shard')} finished; "
+                f"{why})")
+        _remove(p)
+        removed.append(p)
+    return removed, kept
+
+
+def _bytes_under(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
 @contextmanager
@@ -149,30 +173,47 @@ def _lock(out: Path) -> Iterator[None]:
         os.close(fd)
 
 
-@contextmanager
-def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | None = None) -> Iterator[Path]:
-    """Yield a temporary path beside ``out``; on success it replaces ``out``, on failure (an exception,
-    Ctrl-C, SIGTERM) it is removed. Temporaries that killed processes left for ``out`` are removed first.
+NOT_RESUMABLE = ("--resume continues a directory of safetensors shards (split-gateup, fuse-gateup, merge, extract, "
+                 "convert --to torch or mlx, with a directory -o); this output is written whole, so no part of it can "
+                 "be reused: run without --resume")
 
-    The caller creates a file or a directory at the yielded path.
+
+@contextmanager
+def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | None = None,
+                  resume_key: str | None = None) -> Iterator[Path]:
+    """Yield a temporary path beside ``out``; on success it replaces ``out``, on failure (an exception,
+    Ctrl-C, SIGTERM) it is removed. Temporaries that killed processes left for ``out`` are removed first,
+    except, under ``--resume`` (``resume.REQUESTED``), the newest whose ledger has ``resume_key``: that one is
+    yielded, its finished shards in it (see ``resume``).
+
+    The caller creates a file or a directory at the yielded path (a directory may already be there).
 
     Args:
         nbytes: what will be written, when known: refused up front if the disk has less free.
+        resume_key: the run's key, where the caller keeps a resume ledger (None: it cannot be continued, and
+            --resume is refused).
 
     Raises:
         OutputExistsError / OutputError: before anything is written (see ``check_output``, ``check_parent``,
             ``_lock``), or the disk filled up (naming ``out`` and the space needed).
     """
+    resuming = resume.REQUESTED.get()
+    if resuming and resume_key is None:
+        raise OutputError(f"{out}: {NOT_RESUMABLE}")
     check_output(out, inputs, force)
     check_parent(out)
     with _lock(out):
-        remove_stale(out)
-        free = shutil.disk_usage(out.parent).free
+        _, kept = remove_stale(out, resume_key if resuming else None)
+        free = shutil.disk_usage(out.parent).free + (_bytes_under(kept) if kept else 0)
         if nbytes is not None and nbytes > free:
             raise OutputError(f"{out}: not enough space: the output needs {human(nbytes)}, {out.parent} has "
                               f"{human(free)} free")
         tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp = out.parent / f".{out.name}.tmp-{tag}"
+        if kept is not None:
+            os.replace(kept, tmp)
+            say(f"{out}: --resume: continuing the unfinished output {kept.name} "
+                f"({counted(resume.finished_shards(tmp), 'shard')} finished, each checked before reuse)")
         try:
             yield tmp
         except OSError as e:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..progress import Progress
+from .resume import Ledger
 from .safetensors_format import PAGE, build_header, header_entry_size
 
 
@@ -139,8 +140,13 @@ def _flush(f, pending: list[ByteRange], sources: Sources, progress: Progress | N
 
 
 def write_sharded(out_dir: Path, items: Sequence[OutTensor], *, max_shard_size: int | None,
-                  metadata: dict | None, prefix: str = "model", progress: Progress | None = None) -> list[str]:
+                  metadata: dict | None, prefix: str = "model", progress: Progress | None = None,
+                  ledger: Ledger | None = None) -> list[str]:
     """Write ``items`` into ``out_dir`` as HF-style shards (+ index when more than one).
+
+    Args:
+        ledger: the resume ledger of ``out_dir`` (``io.resume``): a shard it says is finished is kept, not
+            written; each shard written is handed to it for its manifest.
 
     Returns:
         The shard file names written.
@@ -149,7 +155,15 @@ def write_sharded(out_dir: Path, items: Sequence[OutTensor], *, max_shard_size: 
     names = shard_names(len(shards), prefix)
     weight_map: dict[str, str] = {}
     for name, shard in zip(names, shards):
-        write_file(out_dir / name, shard, metadata, progress)
+        if ledger is not None and ledger.reusable(name):
+            if progress:
+                progress.update(sum(t.progress_bytes for t in shard))
+        else:
+            if ledger is not None:
+                ledger.forget(name)
+            write_file(out_dir / name, shard, metadata, progress)
+            if ledger is not None:
+                ledger.finished(name)
         weight_map.update({t.name: name for t in shard})
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.nbytes for t in items)},
@@ -170,6 +184,7 @@ class Writer:
     """
 
     suffix = ".safetensors"
+    resumable = True  # write_sharded takes a resume ledger (a subclass writing another layout says False)
 
     def write_file(self, path: Path, items: Sequence[OutTensor], metadata: dict | None,
                    progress: Progress | None = None) -> None:
@@ -177,9 +192,12 @@ class Writer:
         write_file(path, items, metadata, progress)
 
     def write_sharded(self, out_dir: Path, items: Sequence[OutTensor], *, max_shard_size: int | None,
-                      metadata: dict | None, progress: Progress | None = None) -> list[str]:
-        """Write ``items`` into the existing directory ``out_dir``; returns the weight file names written."""
-        return write_sharded(out_dir, items, max_shard_size=max_shard_size, metadata=metadata, progress=progress)
+                      metadata: dict | None, progress: Progress | None = None,
+                      ledger: Ledger | None = None) -> list[str]:
+        """Write ``items`` into the existing directory ``out_dir``; returns the weight file names written.
+        ``ledger``: see ``write_sharded`` (given only where ``resumable``)."""
+        return write_sharded(out_dir, items, max_shard_size=max_shard_size, metadata=metadata, progress=progress,
+                             ledger=ledger)
 
 
 SAFETENSORS = Writer()

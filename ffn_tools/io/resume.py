@@ -1,0 +1,191 @@
+"""``--resume``: a killed conversion continues from the shards it had finished.
+
+Every directory output of shards (``plan.execute`` with a writer that writes safetensors shards: split-gateup,
+fuse-gateup, merge, extract, convert --to torch and --to mlx) keeps, in its temporary directory, a ledger
+``.ffn-tools-resume/``:
+
+- ``plan.json``: the key of the run (``plan_key``: the tool version, the command, the output's name, every output
+  tensor's name, dtype, shape and recipe, the shard size, the metadata, and each input file's path, size and
+  modification time). A partial output is only ever continued by the same run.
+- ``SHARD.json`` per finished shard: its size and SHA-256, computed by a background thread from the file just
+  closed (from the page cache, while the next shard is written), written (atomically) only after the shard's
+  last byte.
+
+A process killed in any way (SIGKILL included: nothing of it runs) leaves its temporary directory
+``.OUT.tmp-PID-TAG``. ``--resume`` adopts the newest such directory of a process that no longer runs whose
+``plan.json`` has this run's key; a shard is reused only when its manifest says this key and its bytes hash, read
+again, to the recorded SHA-256; every other shard is written again. The ledger is removed before the output is
+moved into place, so a resumed output is byte-identical to an uninterrupted one, file for file. Without
+``--resume``, such a directory is removed as before, and a line says what was thrown away.
+
+``REQUESTED`` carries the flag from the command (``api``) to the one place that writes (``output.atomic_output``):
+an output that cannot be continued (one file, GGUF, Orbax, DCP, Flax, an adapter) refuses ``--resume`` up front.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
+from pathlib import Path
+
+LEDGER = ".ffn-tools-resume"
+HASH_CHUNK = 8 << 20
+CHECKERS = 4  # threads hashing finished shards again on --resume (at most the cores)
+
+REQUESTED: ContextVar[bool] = ContextVar("ffn_tools_resume", default=False)
+
+
+@contextmanager
+def requested(on: bool) -> Iterator[None]:
+    """Within it, a writing command continues an unfinished output of the same run (``--resume``)."""
+    token = REQUESTED.set(bool(on))
+    try:
+        yield
+    finally:
+        REQUESTED.reset(token)
+
+
+def plan_key(**parts) -> str:
+    """The SHA-256 of ``parts`` (JSON-able, ``str`` for anything else): what makes two runs the same run."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        tool = version("ffn-tools")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        tool = "source"
+    text = json.dumps({"version": tool, **parts}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def input_stamp(paths) -> list[tuple[str, int, int]]:
+    """Each input file's resolved path, size and modification time (ns): a changed input makes another run."""
+    out = []
+    for p in paths:
+        p = Path(p).resolve()
+        files = sorted(q for q in p.iterdir() if q.is_file()) if p.is_dir() else [p]
+        for f in files:
+            st = f.stat()
+            out.append((str(f), st.st_size, st.st_mtime_ns))
+    return out
+
+
+def file_sha256(path: Path, stop: threading.Event | None = None) -> str | None:
+    """The SHA-256 of a file's bytes; None if ``stop`` was set before the last chunk."""
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(HASH_CHUNK):
+            if stop is not None and stop.is_set():
+                return None
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def ledger_key(tmp: Path) -> str | None:
+    """The run key a temporary output's ledger records, or None (no ledger, or unreadable)."""
+    try:
+        return json.loads((tmp / LEDGER / "plan.json").read_text())["key"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def finished_shards(tmp: Path) -> int:
+    """How many shards a temporary output's ledger says are finished."""
+    d = tmp / LEDGER
+    return sum(1 for p in d.glob("*.json") if p.name != "plan.json") if d.is_dir() else 0
+
+
+class Ledger:
+    """The ledger of one temporary output directory ``tmp`` for the run ``key`` (see the module docstring).
+
+    ``reusable(name)`` says whether shard ``name`` is finished (manifest of this key, size and SHA-256 of its
+    bytes as recorded); ``finished(name)`` queues the shard just closed for hashing and its manifest;
+    ``close()`` stops the hashing (once every shard is written, the output is moments from its place: the last
+    shards' manifests would cost their hashing time and serve nothing, so a one-shard output is never hashed);
+    ``remove()`` deletes the ledger (before the output moves into place).
+    """
+
+    def __init__(self, tmp: Path, key: str):
+        self.tmp, self.key, self.dir = tmp, key, tmp / LEDGER
+        self.dir.mkdir(exist_ok=True)
+        self._write(self.dir / "plan.json", {"key": key})
+        self.reused: list[str] = []
+        self._checks = self._check_all()
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ffn-tools-shard-hash", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _write(path: Path, obj: dict) -> None:
+        part = path.with_name(path.name + ".part")
+        part.write_text(json.dumps(obj) + "\n")
+        os.replace(part, path)
+
+    def _check_all(self) -> dict[str, Future]:
+        """Every shard the ledger says is finished, its bytes hashed again by ``CHECKERS`` threads at once (the
+        hashing releases the GIL): a resume checks at the speed of the disk, not of one core."""
+        names = [p.name.removesuffix(".json") for p in self.dir.glob("*.json") if p.name != "plan.json"]
+        if not names:
+            return {}
+        pool = ThreadPoolExecutor(min(CHECKERS, os.cpu_count() or 1, len(names)), "ffn-tools-shard-check")
+        checks = {n: pool.submit(self._check, n) for n in sorted(names)}
+        pool.shutdown(wait=False)
+        return checks
+
+    def _check(self, name: str) -> bool:
+        try:
+            m = json.loads((self.dir / f"{name}.json").read_text())
+        except (OSError, ValueError):
+            return False
+        path = self.tmp / name
+        return (isinstance(m, dict) and m.get("key") == self.key and path.is_file()
+                and path.stat().st_size == m.get("size") and file_sha256(path) == m.get("sha256"))
+
+    def reusable(self, name: str) -> bool:
+        check = self._checks.get(name)
+        ok = check is not None and check.result()
+        if ok:
+            self.reused.append(name)
+        return ok
+
+    def forget(self, name: str) -> None:
+        """Shard ``name`` is about to be written (again): its manifest no longer holds."""
+        (self.dir / f"{name}.json").unlink(missing_ok=True)
+
+    def finished(self, name: str) -> None:
+        self._queue.put(name)
+
+    def _run(self) -> None:
+        while (name := self._queue.get()) is not None:
+            if self._error is None and not self._stop.is_set():
+                try:
+                    self.manifest(name)
+                except BaseException as e:  # said by close(): a missing manifest only costs a rewrite
+                    self._error = e
+
+    def manifest(self, name: str) -> None:
+        """Hash shard ``name`` and write its manifest, now (``finished`` has the thread do it)."""
+        path = self.tmp / name
+        size = path.stat().st_size
+        if (digest := file_sha256(path, self._stop)) is not None:
+            self._write(self.dir / f"{name}.json", {"key": self.key, "size": size, "sha256": digest})
+
+    def close(self) -> None:
+        self._stop.set()
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def remove(self) -> None:
+        for p in self.dir.iterdir():
+            p.unlink()
+        self.dir.rmdir()

@@ -1,0 +1,155 @@
+"""--resume: a run SIGKILLed at random points, then continued, writes the bytes an uninterrupted run writes.
+
+The kills are real (tests/kill_at.py: ``kill -9`` of the process at its Nth write, nothing of it runs after); the
+outputs are compared file for file, byte for byte, with an uninterrupted run of the same command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ffn_tools.child import python_env
+from ffn_tools.io.resume import LEDGER
+
+from helpers import run_cli, tree_digest
+
+HERE = Path(__file__).parent
+SHARD = "30KB"
+
+
+def _digest(out: Path) -> dict[str, str]:
+    return {str(Path(k).relative_to(out)): v for k, v in tree_digest(out).items()}
+
+
+def _killed(args, at: int, cwd: Path, manifests: int = 0) -> subprocess.CompletedProcess:
+    """``ffn-tools ARGS`` SIGKILLed at its ``at``-th write, or right after its ``manifests``-th shard manifest."""
+    return subprocess.run([sys.executable, str(HERE / "kill_at.py"), *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, env={**python_env(), "KILL_AT": str(at), "KILL_AFTER_MANIFESTS": str(manifests)},
+                          timeout=300)
+
+
+def _writes(args, cwd: Path) -> int:
+    r = _killed(args, 0, cwd)
+    assert r.returncode == 0, r.stderr
+    return int(re.findall(r"writes: (\d+)", r.stderr)[-1])
+
+
+def _temporaries(out: Path) -> list[Path]:
+    return sorted(out.parent.glob(f".{out.name}.tmp-*"))
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    from tiny_models import build
+
+    return build("llama", tmp_path_factory.mktemp("resume") / "llama", torch.bfloat16, max_shard_size="100KB")
+
+
+COMMANDS = {
+    "fuse-gateup": lambda src: ["fuse-gateup", src, "--max-shard-size", SHARD],
+    "split-gateup": None,  # of the fused model, below
+    "convert-mlx-4bit": lambda src: ["convert", src, "--to", "mlx", "-q", "--q-bits", "4", "--max-shard-size", "12KB"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_killed_at_random_points_then_resumed_is_byte_identical(sharded, tmp_path, command):
+    src = sharded
+    if command == "split-gateup":
+        src = tmp_path / "fused"
+        run_cli("fuse-gateup", sharded, "-o", src, "--max-shard-size", "100KB")
+    args = (COMMANDS[command] or (lambda s: ["split-gateup", s, "--max-shard-size", SHARD]))(src)
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    run_cli(*args, "-o", ref)
+    assert len([p for p in ref.iterdir() if p.suffix == ".safetensors"]) >= 4  # shards to resume from
+    n = _writes([*args, "-o", tmp_path / "count"], tmp_path)
+    rng = random.Random(f"resume-{command}")
+    points = sorted(rng.sample(range(1, n + 1), 3))
+    first = _killed([*args, "-o", out], points[0], tmp_path)
+    assert first.returncode == -9 and not out.exists()
+    done = 0
+    for at in points[1:]:  # killed again while resuming: each run continues what the one before left
+        r = _killed([*args, "-o", out, "--resume"], max(1, at - done), tmp_path)
+        assert r.returncode in (-9, 0), r.stderr
+        if r.returncode == 0:
+            break
+        done = at
+        assert not out.exists() and len(_temporaries(out)) == 1
+    if not out.exists():
+        r = subprocess.run([sys.executable, "-m", "ffn_tools", *map(str, args), "-o", out, "--resume"], cwd=tmp_path,
+                           capture_output=True, text=True, env=python_env(), timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert "--resume: continuing the unfinished output" in r.stderr
+    assert _digest(out) == _digest(ref)  # every file, every byte; no ledger left in the output
+    assert not _temporaries(out)
+
+
+def test_a_changed_finished_shard_is_written_again(sharded, tmp_path):
+    args = ["fuse-gateup", sharded, "--max-shard-size", SHARD]
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    run_cli(*args, "-o", ref)
+    assert _killed([*args, "-o", out], 0, tmp_path, manifests=3).returncode == -9
+    (tmp,) = _temporaries(out)
+    finished = sorted(p.name.removesuffix(".json") for p in (tmp / LEDGER).glob("*.safetensors.json"))
+    assert len(finished) == 3
+    victim = tmp / finished[0]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0x01  # one bit of the last tensor: same size, other bytes
+    victim.write_bytes(bytes(data))
+    kept = {n: (tmp / n).stat().st_mtime_ns for n in finished[1:]}
+    r = subprocess.run([sys.executable, "-m", "ffn_tools", *map(str, args), "-o", out, "--resume"], cwd=tmp_path,
+                       capture_output=True, text=True, env=python_env(), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"({len(finished)} shards finished, each checked before reuse)" in r.stderr
+    assert _digest(out) == _digest(ref)
+    assert {n: (out / n).stat().st_mtime_ns for n in kept} == kept  # the good shards were kept, not written again
+
+
+def test_resume_of_another_run_starts_afresh_and_says_so(sharded, tmp_path):
+    out = tmp_path / "out"
+    args = ["fuse-gateup", sharded, "-o", out]
+    assert _killed([*args, "--max-shard-size", SHARD], 0, tmp_path, manifests=1).returncode == -9
+    (tmp,) = _temporaries(out)
+    assert json.loads((tmp / LEDGER / "plan.json").read_text())["key"]
+    r = run_cli(*args, "--max-shard-size", "40KB", "--resume")  # other shards: another run
+    assert "removed the unfinished output of a killed run" in r.output
+    assert "begun by another command, with other options or from other inputs" in r.output
+    ref = tmp_path / "ref"
+    run_cli("fuse-gateup", sharded, "-o", ref, "--max-shard-size", "40KB")
+    assert _digest(out) == _digest(ref) and not _temporaries(out)
+
+
+def test_a_run_without_resume_says_what_it_threw_away(sharded, tmp_path):
+    out = tmp_path / "out"
+    args = ["fuse-gateup", sharded, "-o", out, "--max-shard-size", SHARD]
+    assert _killed(args, 0, tmp_path, manifests=1).returncode == -9
+    r = run_cli(*args)
+    assert "removed the unfinished output of a killed run" in r.output and "--resume continues one" in r.output
+    assert not _temporaries(out)
+
+
+@pytest.mark.parametrize("extra", [["convert", "--to", "gguf"], ["fuse-gateup"]])
+def test_resume_is_refused_where_nothing_can_be_reused(model_dir, tmp_path, extra):
+    src = model_dir("llama")
+    out = tmp_path / ("out.gguf" if "gguf" in extra else "out.safetensors")
+    r = run_cli(extra[0], src, *extra[1:], "-o", out, "--resume", ok=False)
+    assert "--resume continues a directory of safetensors shards" in r.output and not out.exists()
+
+
+def test_a_resumed_run_without_a_partial_output_is_a_plain_run(sharded, tmp_path):
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    run_cli("fuse-gateup", sharded, "-o", ref, "--max-shard-size", SHARD)
+    r = run_cli("fuse-gateup", sharded, "-o", out, "--max-shard-size", SHARD, "--resume")
+    assert "continuing" not in r.output
+    assert _digest(out) == _digest(ref)
+    assert not any(p.name == LEDGER for p in out.rglob("*"))
+    assert os.listdir(tmp_path) and not _temporaries(out)
