@@ -127,9 +127,9 @@ def split(fused: "torch.Tensor", layout: GateUpLayout = CONCAT, *, is_bias: bool
         pairs = fused.unflatten(dim, (n // 2, 2))  # (..., I, 2, ...): pair k = (first_k, second_k)
         first, second = pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)
         parts = dict(zip(layout.roles, (first, second)))
-    else:
-        parts = {role: torch.cat([fused.narrow(dim, s, ln) for r, s, _, ln in segs if r == role], dim)
-                 for role in ("gate", "up")}
+    else:  # one run per role (concat) is a view: contiguous as it is along dim 0, no copy made
+        runs = {role: [fused.narrow(dim, s, ln) for r, s, _, ln in segs if r == role] for role in ("gate", "up")}
+        parts = {role: rs[0] if len(rs) == 1 else torch.cat(rs, dim) for role, rs in runs.items()}
     return parts["gate"].contiguous(), parts["up"].contiguous()
 
 

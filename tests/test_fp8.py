@@ -165,3 +165,81 @@ def test_the_load_check_applies_transformers_fp8_quantizer(model_dir, tmp_path):
     save_file(w, bad / "model.safetensors", metadata={"format": "pt"})
     r = run_cli("verify", twin, bad, "--backend", "reference", ok=None)
     assert r.exit_code == 1 and "weight_scale_x" in r.output, r.output
+
+
+def _verify_json(a, b) -> dict:
+    r = run_cli("verify", a, b, "--backend", "reference", "--no-load-check", "--json", ok=None)
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "phi3"])
+def test_a_copy_of_fp8_codes_is_compared_as_stored_bytes_not_dequantized(arch, model_dir, tmp_path, monkeypatch):
+    from ffn_tools.quant.fp8 import Fp8Blocks
+
+    q = quantize_fp8(model_dir(arch), tmp_path / "q")
+    other = tmp_path / "other"
+    (split_gateup if arch == "phi3" else fuse_gateup)(q, other)
+    decoded: list[str] = []
+    decode = Fp8Blocks.decode
+    monkeypatch.setattr(Fp8Blocks, "decode", lambda self, m, parts: decoded.append(m.weight) or decode(self, m, parts))
+    for a, b in ((q, other), (other, q)):  # fused against separate, both ways round
+        decoded.clear()
+        j = _verify_json(a, b)
+        ffns = j["ffns"]
+        assert all(f["exact"] == "identical" for f in ffns), [(f["ffn"], f["exact"]) for f in ffns]
+        assert any("byte for byte: compared as stored bytes" in n for n in j["notes"]), j["notes"]
+        mlp = sorted({n for n in decoded if ".mlp." in n})
+        first = "model.layers.0.mlp." + ("experts.0." if arch == "qwen3_moe" else "")
+        assert mlp and all(n.startswith(first) for n in mlp), mlp  # only the first FFN of its kind is run
+        skipped = [f for f in ffns if f["backends"][0]["path"].startswith("not computed")]
+        assert len(skipped) == len(ffns) - 1
+        assert j["outside"]["within_tolerance"] == 0 and j["outside"]["identical"] > 0  # attention: as bytes too
+        assert not [n for n in decoded if ".self_attn." in n]
+
+
+def test_an_fp8_tensor_outside_the_ffns_whose_bytes_differ_is_compared_dequantized(model_dir, tmp_path):
+    q = quantize_fp8(model_dir("llama"), tmp_path / "q")
+    b = tmp_path / "b"
+    shutil.copytree(q, b)
+    w = load_file(b / "model.safetensors")
+    name = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+    w[name] = w[name] * 1.001
+    save_file(w, b / "model.safetensors", metadata={"format": "pt"})
+    out = _verify_json(q, b)["outside"]
+    assert out["within_tolerance"] == 1 and out["passed"]
+    w[name] = w[name] * 4  # off by far more than FP8's rounding: named
+    save_file(w, b / "model.safetensors", metadata={"format": "pt"})
+    out = _verify_json(q, b)["outside"]
+    assert not out["passed"] and any("o_proj" in d for d in out["differ"]), out
+
+
+def test_fp8_stored_bytes_that_differ_are_named_and_compared_dequantized(model_dir, tmp_path):
+    q = quantize_fp8(model_dir("qwen3_moe"), tmp_path / "q")
+    fused = tmp_path / "f"
+    fuse_gateup(q, fused)
+    w = load_file(fused / "model.safetensors")
+    name = "model.layers.1.mlp.experts.2.gate_up_proj.weight_scale_inv"
+    w[name] = w[name] * 1.001  # a scale off in its last bits: within FP8's tolerance row, not A's bytes
+    save_file(w, fused / "model.safetensors", metadata={"format": "pt"})
+    j = _verify_json(q, fused)
+    by = {f["ffn"]: f for f in j["ffns"]}
+    bad = by["layer 1 expert 2"]
+    assert bad["exact"] != "identical" and not bad["backends"][0]["path"].startswith("not computed")
+    assert any("stored bytes differ (gate's scale (" + name[:-len("_scale_inv")] in n for n in bad["notes"]), bad["notes"]
+    assert sum(f["exact"] == "identical" for f in j["ffns"]) == len(j["ffns"]) - 1
+
+
+def test_a_nonfinite_fp8_code_in_both_is_still_run_and_named(model_dir, tmp_path):
+    q = quantize_fp8(model_dir("qwen3_moe"), tmp_path / "q")
+    w = load_file(q / "model.safetensors")
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    codes = w[name].view(torch.uint8).clone()
+    codes[0, 0] = 0x7F  # E4M3FN's NaN
+    w[name] = codes.view(torch.float8_e4m3fn)
+    save_file(w, q / "model.safetensors", metadata={"format": "pt"})
+    fused = tmp_path / "f"
+    fuse_gateup(q, fused)
+    j = _verify_json(q, fused)
+    bad = {f["ffn"]: f for f in j["ffns"]}["layer 1 expert 3"]
+    assert bad["exact"] == "identical"  # the same bytes on both sides ...
+    assert not bad["backends"][0]["path"].startswith("not computed") and not bad["passed"]  # ... but not finite: run and failed

@@ -41,6 +41,7 @@ from .outside import compare_outside, in_blocks
 from .report import VerifyReport
 from .sides import describe_side, extract_selection, extracts, find
 from .steps import check_pairs
+from .stored import quantized_alike
 from .stream import Streamed, TensorStream
 
 log = logging.getLogger(__name__)
@@ -279,7 +280,8 @@ def _outside(ca, cb, fa: FFNSet, fb: FFNSet, ffn_only: bool, atol, rtol, elsewhe
     b_names = {n for n in cb if n not in fb.tensors and n not in elsewhere}
     steps = [[(0, n), (1, n)] for n in sorted(n for n in ca if n not in fa.tensors and n in b_names)
              if tuple(ca.info(n).shape) == tuple(cb.info(n).shape)  # the order compare_outside reads them in,
-             and not in_blocks(ca.info(n), cb.info(n))]  # but those it reads from the files a block at a time
+             and not in_blocks(ca.info(n), cb.info(n))  # but those it reads from the files a block at a time
+             and not quantized_alike(ca, cb, n)]  # and those it compares as stored bytes first
     with TensorStream((ca, cb), steps, budget=OUTSIDE_READ_AHEAD, advance=True) as stream:
         return compare_outside(Streamed(ca, stream.side(0)), Streamed(cb, stream.side(1)), fa, fb, atol=atol,
                                rtol=rtol, elsewhere=elsewhere)

@@ -1,7 +1,8 @@
 """The tensors outside the FFNs, in ``verify``: paired by name (each reader presents Hugging Face names),
 compared bit for bit where the copy should be lossless, within the tolerance row where it cannot be (a cast,
 a quantized tensor read back dequantized; ``checks.outside.outside_tolerance``), and listed when present on
-one side only. A tensor B stores quantized where A's is not must be A's re-quantized with B's parameters, bit
+one side only. A tensor both sides store quantized alike is first compared as stored bytes (``stored.same_stored``:
+codes and scales, nothing dequantized); only if they differ is it compared dequantized. A tensor B stores quantized where A's is not must be A's re-quantized with B's parameters, bit
 for bit, where its scheme can re-derive its codes (``QuantScheme.requantized``).
 """
 
@@ -19,6 +20,7 @@ from ..quant import IDENTICAL, WITHIN
 from ..tolerances import tolerance_for
 from .kept import difference, kept_side
 from .quant import quantization, tensor_bits
+from .stored import same_stored
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,9 @@ def compare_outside(ca, cb, fa, fb, *, atol: float | None = None, rtol: float | 
         if tuple(ia.shape) != tuple(ib.shape):
             res.differ.append(f"{name}: A is {short_name(ia.st_dtype)}{list(ia.shape)}, "
                               f"B is {short_name(ib.st_dtype)}{list(ib.shape)}")
+            continue
+        if same_stored(ca, cb, name):  # B stores A's quantized bytes: compared so, nothing dequantized
+            res.identical += 1
             continue
         qa, qb = tensor_bits(ca, name, ga), tensor_bits(cb, name, gb)
         if (sides := kept_side(ca, cb, name, name)) is not None:  # one side holds the other's codes: exactly

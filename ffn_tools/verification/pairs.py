@@ -37,6 +37,11 @@ from .functional import (Operands, all_finite, check_ffn, input_scale, make_inpu
 from ..quant import DIFFERS, IDENTICAL
 from .quant import ffn_bits, quantization
 from .report import FFNResult, VerifyReport
+from .stored import candidates, finite_parts, same_bytes
+
+STORED_NOTE = ("stored bytes identical: B stores A's quantized parts (codes and scales), byte for byte; compared "
+               "as bytes, nothing dequantized for the comparison")
+PLAIN_NOTE = "stored bytes identical: compared as views of the files' pages, nothing copied"
 
 KERNEL_LAYOUTS = ("concat", "interleaved")  # what silu_mul_fused reads directly (either order, row axis)
 ROLES = CANONICAL_ROLES  # gate, up, down and their biases
@@ -59,6 +64,9 @@ class PairChecker:
     def __post_init__(self) -> None:
         self.read_a: Mapping = self.ca  # what tensors are read through (``verify``: its read-ahead stream)
         self.read_b: Mapping = self.cb
+        self.raw_a: Mapping = self.ca.stored  # the stored tensors, for comparing stored bytes (``stored``)
+        self.raw_b: Mapping = self.cb.stored
+        self.as_bytes = lambda x, y: candidates(self.ca, self.cb, x, y)  # pairs compared as stored bytes first
         self._bits = tuple((quantization(c) or {}).get("bits") for c in (self.ca, self.cb))  # global, as the engine
 
     def check(self, ref: FFNRef, x: FFN, y: FFN, tol: Tolerance, quantized: bool,
@@ -76,6 +84,19 @@ class PairChecker:
             res.problems.append(f"shapes differ: A has d_model {x.d_model}, d_ffn {x.d_ffn}; B has d_model "
                                 f"{y.d_model}, d_ffn {y.d_ffn} (different models?)")
             return res
+        backends = self.backends if backends is None else backends
+        same_stored = None
+        if self.exact is not False and self.as_bytes(x, y):
+            same_stored, why, parts_b = same_bytes(self.ca, self.cb, self.raw_a, self.raw_b, x, y)
+            if same_stored:
+                res.exact = "identical"
+                res.notes.append(STORED_NOTE if quantized else PLAIN_NOTE)
+                if (not compute_identical and self.fa.activation.kernel == self.fb.activation.kernel
+                        and parts_b is not None and finite_parts(parts_b)):
+                    res.backends = [not_computed()] if "reference" in backends else []
+                    return res
+            elif same_stored is False and quantized:  # (unquantized: the bit-exact check below says how)
+                res.notes.append(f"stored bytes differ ({why}): compared dequantized, within the tolerance row")
         wa, wb = canonical_weights(self.read_a, x), canonical_weights(self.read_b, y)
         _biases(res, wa, wb)
         ops_b = _operands(self.read_b, y, wb, self.fb.activation.kernel)
@@ -84,12 +105,12 @@ class PairChecker:
             stored = (self._raw(self.read_b, y, "gate_up"), y.layout)
             if not ops_b.fused and y.layout.axis == "rows":
                 res.notes.append(f"B's fused layout {y.layout.describe()} ran through ffn() on split weights")
-        kept = quantized and self.exact is None and self._kept(res, x, y)
-        requantized = kept or (quantized and self.exact is None and self._requantized(res, wa, wb, x, y))
-        if not requantized:
+        kept = quantized and self.exact is None and not same_stored and self._kept(res, x, y)
+        requantized = kept or (quantized and self.exact is None and not same_stored
+                               and self._requantized(res, wa, wb, x, y))
+        if not requantized and not same_stored:
             self._exact(res, wa, wb, stored, quantized)
         same_as_a = res.exact == "identical" and not requantized and self.fa.activation.kernel == ops_b.activation
-        backends = self.backends if backends is None else backends
         if same_as_a and not compute_identical and all_finite(wa.values()):
             res.backends = [not_computed()] if "reference" in backends else []
             return res

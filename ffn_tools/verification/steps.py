@@ -22,6 +22,8 @@ from .pairs import PairChecker
 from .quant import ffn_bits, quantization
 from .report import VerifyReport
 from .sides import check_selection, select
+from ..io.mapped import Mapped
+from .stored import candidates
 from .stream import TensorStream
 
 log = logging.getLogger(__name__)
@@ -105,11 +107,15 @@ def plan_steps(checker: PairChecker, pairs: list, bits: dict, rows: dict, every_
     return steps
 
 
-def _reads(items: list, computed=()) -> list[tuple[int, str]]:
+def _reads(items: list, computed=(), as_bytes=None) -> list[tuple[int, str]]:
     """The (side, name) of every tensor a step's pairs read, A's first, in the order they read them; not A's
-    ``computed`` (``Pairing.computed``: read as B's client computes them, not as stored)."""
-    keys = [(0, n) for _, x, _ in items for n in x.names.values() if n not in computed]
-    keys += [(1, n) for *_, y in items for n in y.names.values()]
+    ``computed`` (``Pairing.computed``: read as B's client computes them, not as stored), nor those of a pair
+    ``as_bytes(x, y)`` says is compared as stored bytes (from the files' mapped pages, ``io.mapped``; dequantized,
+    it is read only if its bytes differ, or to run it on a backend)."""
+    keys = []
+    for _, x, y in items:
+        if as_bytes is None or not as_bytes(x, y):
+            keys += [(0, n) for n in x.names.values() if n not in computed] + [(1, n) for n in y.names.values()]
     return list(dict.fromkeys(keys))
 
 
@@ -172,12 +178,22 @@ def check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: F
         return x.d_model * x.d_ffn * 3 * (ca.info(x.names["down"]).nbytes // (x.d_model * x.d_ffn)
                                           + cb.info(y.names["down"]).nbytes // (y.d_model * y.d_ffn))
 
+    def as_bytes(x: FFN, y: FFN) -> bool:
+        """A pair compared as stored bytes first (``stored``: from the files' mapped pages, not the stream)."""
+        return bool(exact is not False and not any(n in computed for n in x.names.values())
+                    and candidates(ca, cb, x, y))
+
+    checker.as_bytes = as_bytes
+
     steps = plan_steps(checker, pairs, bits, rows, every_backend)
     ran: dict = {}  # the first FFN of each kind: its inputs and A's float64 output, for the kernel backends
     bar = progress.Progress(sum(nbytes(x, y) for _, x, y in pairs), "verifying FFNs")
+    mapped = Mapped(ca.stored), Mapped(cb.stored)
     try:
-        with TensorStream((ca, cb), [_reads(s.items, computed) for s in steps]) as stream:
+        with TensorStream((ca, cb), [_reads(s.items, computed, None if s.batched else as_bytes)  # a batch: its own
+                                     for s in steps]) as stream:  # equality per role
             checker.read_a, checker.read_b = stream.side(0), stream.side(1)
+            checker.raw_a, checker.raw_b = mapped
             checker.read_a = as_loaded(checker.read_a)
             for k, step in enumerate(steps):
                 if step.batched:
@@ -191,8 +207,13 @@ def check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: F
                     report.results.append(res)
                     bar.update(nbytes(x, y))
                 stream.done(k)
+                for m in mapped:
+                    m.release()
     finally:
         checker.read_a, checker.read_b = as_loaded(ca), cb
+        checker.raw_a, checker.raw_b = ca.stored, cb.stored
+        for m in mapped:
+            m.close()
         bar.close()
     skipped = sum(any(b.path == NOT_COMPUTED for b in r.backends) for r in report.results)
     if skipped:
@@ -207,10 +228,14 @@ def check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: F
         which = "" if len(quantized) == len(pairs) else f" ({len(quantized)} of {len(pairs)} FFNs)"
         requantized = sum(r.exact == "requantized" for r in quantized)
         codes = sum(r.exact == "codes" for r in quantized)
+        same = sum(r.exact == "identical" for r in quantized)
         report.notes.append(f"{sides} quantized{which}: " + (
             f"{requantized} FFNs are A's weights re-quantized with B's parameters, bit for bit; run dequantized"
             if requantized else f"{codes} FFNs hold the other side's stored codes, their values exactly; run "
-            "dequantized" if codes else "weights compared after dequantization; no bit-exact check"))
+            "dequantized" if codes else f"{same} FFNs store A's quantized parts (codes and scales) byte for byte: "
+            "compared as stored bytes, dequantized only to run the first FFN of each kind"
+            + (f"; the other {len(quantized) - same} compared after dequantization" if same < len(quantized) else "")
+            if same else "weights compared after dequantization; no bit-exact check"))
     differing = [r.ref for r in report.results if r.exact == "differs"]
     if differing:
         checker.name_owners(report, differing, rb)

@@ -1,0 +1,224 @@
+"""Bytes compared as bytes: where B stores A's FFN bytes (FP8 blocks with their scales, any scheme's codes, scales
+and zero points, or unquantized weights, copied or moved by split, fuse, extract or a rename), ``verify`` compares
+the stored parts, byte for byte, and dequantizes nothing.
+
+``role_parts`` reads one FFN's stored parts per canonical role (gate, up, down: ``{part: tensor}``) from the stored
+tensors (``Checkpoint.stored``, as views of the files' mapped pages: ``io.mapped``, nothing copied): a role stored
+on its own is its module's parts (one expert's slice of a stacked module), or the tensor itself where it is not
+quantized; a fused gate_up is split with the FFN's layout, part by part, where the parts are rows of the weight's
+(an unquantized weight; FP8's weight and its row blocks of scales, when the layout's gate/up runs fall on the
+blocks: ``fp8.fits``); a pair stored fused alike on both sides is compared as stored. Anything else (transposed or
+flattened experts, biases, one side quantized and the other not, a cast, a scheme whose parts do not split by rows,
+a fused layout the scales do not follow) is not a ``candidate``, and the pair is checked as before.
+
+Outside the FFNs, ``same_stored(ca, cb, name)`` does the same for one tensor both sides store quantized alike.
+
+``same_bytes(ca, cb, read_a, read_b, x, y)`` is True (every part of every role: dtype, shape and bytes equal),
+False (with a sentence naming the first difference) or None (not comparable as bytes; ``candidates`` says so before
+anything is read). ``finite_parts`` checks what a float64 run of the weights could still show, a non-finite value,
+on the parts' bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from ..ffn import FFN
+from ..io.mapped import Mapped
+from ..layouts import split
+from ..quant import fp8
+
+if TYPE_CHECKING:
+    import torch
+
+WEIGHTS = ("gate", "up", "down")
+PLAIN = "stored"  # the one part of a weight stored unquantized
+ROW_SCHEMES = ("fp8",)  # schemes whose every part is rows of the weight (split with it by a fused layout)
+# float8 bit patterns that are not finite, as the bits that are all ones in them and only in them: e4m3fn has only
+# NaN (S.1111.111), e5m2 Inf and NaN (S.11111.xx)
+NONFINITE_MASKS = {"float8_e4m3fn": 0x7F, "float8_e5m2": 0x7C}
+CHUNK = 1 << 20  # bytes masked at a time (cache-sized: one pass over memory, not three)
+
+
+def stored_name(f: FFN, role: str) -> str:
+    return f.names["gate_up"] if role in ("gate", "up") and "gate_up" in f.names else f.names[role]
+
+
+def comparable(c, f: FFN) -> bool:
+    """Whether ``f``'s weights can be compared as stored bytes at all: per FFN or one expert of a stack, no biases,
+    none stored (in, out)."""
+    return not (f.has_bias or f.form.transposed or f.form.flat or any(f.form.turns(r) for r in WEIGHTS))
+
+
+def _module_parts(c, read: Mapping, f: FFN, name: str) -> dict[str, "torch.Tensor"] | None:
+    m = c.quantized(name)
+    if m is None:  # stored unquantized: one part, the tensor
+        t = read[name]
+        return {PLAIN: t if f.index is None else t[f.index]}
+    parts = {p: read[n] for p, n in m.parts.items()}
+    if f.index is None:
+        return parts
+    if m.scheme.name in ROW_SCHEMES:  # weight (E, rows, cols) and scales (E, row blocks, col blocks)
+        return {p: t[f.index] for p, t in parts.items()}
+    return m.scheme.slice_parts(parts, f.index)
+
+
+def role_parts(c, read: Mapping, f: FFN, split_fused: bool) -> dict[str, dict[str, "torch.Tensor"]] | None:
+    """``f``'s stored parts per role (see the module docstring); ``split_fused``: split a fused gate_up into gate
+    and up (else it is one role, "gate_up", as stored). None: not comparable as bytes."""
+    out: dict[str, dict] = {}
+    if "gate_up" in f.names:
+        parts = _module_parts(c, read, f, f.names["gate_up"])
+        if parts is None:
+            return None
+        if split_fused:
+            m = c.quantized(f.names["gate_up"])
+            w = parts.get("weight")
+            if m is not None and (m.scheme.name not in ROW_SCHEMES or w is None or any(
+                    not fp8.fits(f.layout, w.shape[0], t.shape[0]) for t in parts.values() if t.dim())):
+                return None
+            halves = {p: split(t, f.layout) for p, t in parts.items()}
+            out["gate"] = {p: h[0] for p, h in halves.items()}
+            out["up"] = {p: h[1] for p, h in halves.items()}
+        else:
+            out["gate_up"] = parts
+    else:
+        for r in ("gate", "up"):
+            if (parts := _module_parts(c, read, f, f.names[r])) is None:
+                return None
+            out[r] = parts
+    if (down := _module_parts(c, read, f, f.names["down"])) is None:
+        return None
+    out["down"] = down
+    return out
+
+
+def alike(ma, mb) -> bool:
+    """Two quantized modules whose equal bytes mean equal values: one scheme, parts of the same roles, the same
+    parameters (bits, group, mode) and settings (FP8's scale suffix and block, compressed-tensors' arguments)."""
+    return (ma.scheme.name == mb.scheme.name and sorted(ma.parts) == sorted(mb.parts)
+            and ma.scheme.params(ma) == mb.scheme.params(mb) and ma.args == mb.args)
+
+
+def candidates(ca, cb, x: FFN, y: FFN) -> bool:
+    """Whether A's FFN ``x`` and B's ``y`` may be compared as stored bytes (before reading anything): both
+    ``comparable``; each role stored alike (quantized modules ``alike``, or unquantized in one dtype); every part
+    stored as plain bytes in a file (mapped)."""
+    if not (comparable(ca, x) and comparable(cb, y)):
+        return False
+    stored: list[tuple] = []
+    for r in WEIGHTS:
+        na, nb = stored_name(x, r), stored_name(y, r)
+        ma, mb = ca.quantized(na), cb.quantized(nb)
+        if (ma is None) != (mb is None):
+            return False
+        if ma is None:
+            if ca.stored.info(na).st_dtype != cb.stored.info(nb).st_dtype:
+                return False  # a cast: compared by the tolerance row
+            stored += [(ca, na), (cb, nb)]
+        elif not alike(ma, mb):
+            return False
+        else:
+            stored += [(ca, n) for n in ma.parts.values()] + [(cb, n) for n in mb.parts.values()]
+    return all(c.stored.info(n).start is not None for c, n in stored)
+
+
+Parts = dict[str, dict[str, "torch.Tensor"]]
+
+
+def same_bytes(ca, cb, read_a: Mapping, read_b: Mapping, x: FFN,
+               y: FFN) -> tuple[bool | None, str | None, Parts | None]:
+    """Do A's FFN ``x`` and B's ``y`` store the same bytes, role by role (see the module docstring)? (True, None,
+    B's parts), (False, the first difference, None) or (None, None, None) where they cannot be compared so."""
+    if not candidates(ca, cb, x, y):
+        return None, None, None
+    same_form = ("gate_up" in x.names) == ("gate_up" in y.names) and (
+        "gate_up" not in x.names or x.layout.same_arrangement(y.layout))
+    pa, pb = role_parts(ca, read_a, x, not same_form), role_parts(cb, read_b, y, not same_form)
+    if pa is None or pb is None:
+        return None, None, None
+    for role, parts in pa.items():
+        other = pb.get(role, {})
+        if sorted(parts) != sorted(other):
+            return None, None, None  # laid out as different parts: not a copy's form
+        for p, a in parts.items():
+            b = other[p]
+            name = y.names["gate_up"] if role == "gate_up" else stored_name(y, role)
+            what = role if p == PLAIN else f"{role}'s {p}"
+            if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+                return False, (f"{what} ({name}): A {str(a.dtype).removeprefix('torch.')}{list(a.shape)}, "
+                               f"B {str(b.dtype).removeprefix('torch.')}{list(b.shape)}"), None
+            if not _equal_bytes(a, b):
+                return False, f"{what} ({name}) differs", None
+    return True, None, pb
+
+
+def quantized_alike(ca, cb, name: str) -> bool:
+    """Whether A and B both store ``name`` quantized under one scheme, in parts of the same roles (a tensor outside
+    the FFNs ``same_stored`` can compare as bytes)."""
+    ma, mb = ca.quantized(name), cb.quantized(name)
+    return ma is not None and mb is not None and alike(ma, mb)
+
+
+def same_stored(ca, cb, name: str) -> bool | None:
+    """Do A and B store ``name`` (outside the FFNs) as the same quantized bytes, part by part? None where they do
+    not store it ``quantized_alike``. The parts are compared as views of the files' pages (``io.mapped``), nothing
+    is dequantized."""
+    if not quantized_alike(ca, cb, name):
+        return None
+    ma, mb = ca.quantized(name), cb.quantized(name)
+    ra, rb = Mapped(ca.stored), Mapped(cb.stored)
+    try:
+        for p, n in ma.parts.items():
+            ia, ib = ra.ckpt.info(n), rb.ckpt.info(mb.parts[p])
+            if ia.st_dtype != ib.st_dtype or tuple(ia.shape) != tuple(ib.shape):
+                return False
+        return all(_equal_bytes(ra[n], rb[mb.parts[p]]) for p, n in ma.parts.items())
+    finally:
+        for m in (ra, rb):
+            m.release()
+            m.close()
+
+
+def _equal_bytes(a: "torch.Tensor", b: "torch.Tensor") -> bool:
+    import torch
+
+    if a.numel() == 0:
+        return True
+    return torch.equal(_as_bytes(a), _as_bytes(b))
+
+
+def _as_bytes(t: "torch.Tensor") -> "torch.Tensor":
+    import torch
+
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def finite_parts(parts: dict[str, dict[str, "torch.Tensor"]]) -> bool:
+    """No stored part holds a non-finite value: float8 codes by their bit patterns (one pass over the bytes), other
+    floating parts (scales) by their min and max; integer codes always are."""
+    from .functional import all_finite
+
+    for role in parts.values():
+        for t in role.values():
+            mask = NONFINITE_MASKS.get(str(t.dtype).removeprefix("torch."))
+            if mask is not None:
+                if _has_pattern(_as_bytes(t), mask):
+                    return False
+            elif t.dtype.is_floating_point and not all_finite([t]):
+                return False
+    return True
+
+
+def _has_pattern(b: "torch.Tensor", mask: int) -> bool:
+    """Whether any byte of ``b`` has every bit of ``mask`` set: the largest ``byte & mask`` is ``mask``."""
+    import torch
+
+    buf = torch.empty(min(CHUNK, b.numel()), dtype=torch.uint8)
+    for start in range(0, b.numel(), CHUNK):
+        chunk = b[start:start + CHUNK]
+        out = buf[:chunk.numel()]
+        torch.bitwise_and(chunk, mask, out=out)
+        if int(out.max()) == mask:
+            return True
+    return False
