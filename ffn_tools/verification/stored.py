@@ -94,9 +94,10 @@ def role_parts(c, read: Mapping, f: FFN, split_fused: bool) -> dict[str, dict[st
 
 
 def alike(ma, mb) -> bool:
-    """Two quantized modules whose equal bytes mean equal values: one scheme, parts of the same roles, the same
-    parameters (bits, group, mode) and settings (FP8's scale suffix and block, compressed-tensors' arguments)."""
-    return (ma.scheme.name == mb.scheme.name and sorted(ma.parts) == sorted(mb.parts)
+    """Two quantized modules whose equal bytes mean equal values: one scheme, parts of the same roles (named: a
+    view that does not name its modules' parts, MLX's, is compared its own way), the same parameters (bits, group,
+    mode) and settings (FP8's scale suffix and block, compressed-tensors' arguments)."""
+    return (bool(ma.parts) and ma.scheme.name == mb.scheme.name and sorted(ma.parts) == sorted(mb.parts)
             and ma.scheme.params(ma) == mb.scheme.params(mb) and ma.args == mb.args)
 
 
@@ -113,6 +114,8 @@ def candidates(ca, cb, x: FFN, y: FFN) -> bool:
         if (ma is None) != (mb is None):
             return False
         if ma is None:
+            if na not in ca.stored or nb not in cb.stored:
+                return False  # presented under another name than stored (MLX, GGUF): read through the view
             if ca.stored.info(na).st_dtype != cb.stored.info(nb).st_dtype:
                 return False  # a cast: compared by the tolerance row
             stored += [(ca, na), (cb, nb)]
@@ -120,7 +123,7 @@ def candidates(ca, cb, x: FFN, y: FFN) -> bool:
             return False
         else:
             stored += [(ca, n) for n in ma.parts.values()] + [(cb, n) for n in mb.parts.values()]
-    return all(c.stored.info(n).start is not None for c, n in stored)
+    return all(n in c.stored and c.stored.info(n).start is not None for c, n in stored)  # (a view renames: no)
 
 
 Parts = dict[str, dict[str, "torch.Tensor"]]
@@ -137,6 +140,8 @@ def same_bytes(ca, cb, read_a: Mapping, read_b: Mapping, x: FFN,
     pa, pb = role_parts(ca, read_a, x, not same_form), role_parts(cb, read_b, y, not same_form)
     if pa is None or pb is None:
         return None, None, None
+    if any(not parts for parts in (*pa.values(), *pb.values())):
+        return None, None, None  # a module whose parts its view does not name (MLX's): nothing to compare here
     for role, parts in pa.items():
         other = pb.get(role, {})
         if sorted(parts) != sorted(other):
