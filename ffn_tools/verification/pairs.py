@@ -37,7 +37,7 @@ from .functional import (Operands, all_finite, check_ffn, input_scale, make_inpu
 from ..quant import DIFFERS, IDENTICAL
 from .quant import ffn_bits, quantization
 from .report import FFNResult, VerifyReport
-from .stored import candidates, finite_parts, same_bytes
+from .stored import candidates, same_bytes
 
 STORED_NOTE = ("stored bytes identical: B stores A's quantized parts (codes and scales), byte for byte; compared "
                "as bytes, nothing dequantized for the comparison")
@@ -87,12 +87,11 @@ class PairChecker:
         backends = self.backends if backends is None else backends
         same_stored = None
         if self.exact is not False and self.as_bytes(x, y):
-            same_stored, why, parts_b = same_bytes(self.ca, self.cb, self.raw_a, self.raw_b, x, y)
+            same_stored, why, finite = same_bytes(self.ca, self.cb, self.raw_a, self.raw_b, x, y)
             if same_stored:
                 res.exact = "identical"
                 res.notes.append(STORED_NOTE if quantized else PLAIN_NOTE)
-                if (not compute_identical and self.fa.activation.kernel == self.fb.activation.kernel
-                        and parts_b is not None and finite_parts(parts_b)):
+                if not compute_identical and self.fa.activation.kernel == self.fb.activation.kernel and finite:
                     res.backends = [not_computed()] if "reference" in backends else []
                     return res
             elif same_stored is False and quantized:  # (unquantized: the bit-exact check below says how)

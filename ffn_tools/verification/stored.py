@@ -15,8 +15,8 @@ Outside the FFNs, ``same_stored(ca, cb, name)`` does the same for one tensor bot
 
 ``same_bytes(ca, cb, read_a, read_b, x, y)`` is True (every part of every role: dtype, shape and bytes equal),
 False (with a sentence naming the first difference) or None (not comparable as bytes; ``candidates`` says so before
-anything is read). ``finite_parts`` checks what a float64 run of the weights could still show, a non-finite value,
-on the parts' bytes."""
+anything is read); it also says whether B's parts are finite (``finite_part``: what a float64 run of the weights
+could still show, a non-finite value, checked on the parts' bytes)."""
 
 from __future__ import annotations
 
@@ -126,13 +126,13 @@ def candidates(ca, cb, x: FFN, y: FFN) -> bool:
     return all(n in c.stored and c.stored.info(n).start is not None for c, n in stored)  # (a view renames: no)
 
 
-Parts = dict[str, dict[str, "torch.Tensor"]]
-
-
 def same_bytes(ca, cb, read_a: Mapping, read_b: Mapping, x: FFN,
-               y: FFN) -> tuple[bool | None, str | None, Parts | None]:
+               y: FFN) -> tuple[bool | None, str | None, bool | None]:
     """Do A's FFN ``x`` and B's ``y`` store the same bytes, role by role (see the module docstring)? (True, None,
-    B's parts), (False, the first difference, None) or (None, None, None) where they cannot be compared so."""
+    whether B's parts are all finite), (False, the first difference, None) or (None, None, None) where they cannot
+    be compared so. Part by part: each pair is compared, B's checked finite, and (where ``read_a``/``read_b`` are
+    ``io.mapped.Mapped``) its pages released before the next, so one part pair is held at a time, not the FFN pair
+    (a Llama-70B FFN is 1.4 GB a side in bf16, its largest part 470 MB)."""
     if not candidates(ca, cb, x, y):
         return None, None, None
     same_form = ("gate_up" in x.names) == ("gate_up" in y.names) and (
@@ -142,20 +142,28 @@ def same_bytes(ca, cb, read_a: Mapping, read_b: Mapping, x: FFN,
         return None, None, None
     if any(not parts for parts in (*pa.values(), *pb.values())):
         return None, None, None  # a module whose parts its view does not name (MLX's): nothing to compare here
-    for role, parts in pa.items():
-        other = pb.get(role, {})
-        if sorted(parts) != sorted(other):
-            return None, None, None  # laid out as different parts: not a copy's form
-        for p, a in parts.items():
-            b = other[p]
-            name = y.names["gate_up"] if role == "gate_up" else stored_name(y, role)
-            what = role if p == PLAIN else f"{role}'s {p}"
-            if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
-                return False, (f"{what} ({name}): A {str(a.dtype).removeprefix('torch.')}{list(a.shape)}, "
-                               f"B {str(b.dtype).removeprefix('torch.')}{list(b.shape)}"), None
-            if not _equal_bytes(a, b):
-                return False, f"{what} ({name}) differs", None
-    return True, None, pb
+    if any(sorted(parts) != sorted(pb.get(role, {})) for role, parts in pa.items()):
+        return None, None, None  # laid out as different parts: not a copy's form
+    finite = True
+    try:
+        for role, parts in pa.items():
+            for p, a in parts.items():
+                b = pb[role][p]
+                name = y.names["gate_up"] if role == "gate_up" else stored_name(y, role)
+                what = role if p == PLAIN else f"{role}'s {p}"
+                if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+                    return False, (f"{what} ({name}): A {str(a.dtype).removeprefix('torch.')}{list(a.shape)}, "
+                                   f"B {str(b.dtype).removeprefix('torch.')}{list(b.shape)}"), None
+                if not _equal_bytes(a, b):
+                    return False, f"{what} ({name}) differs", None
+                finite = finite and finite_part(b)
+                del a, b
+                for read in (read_a, read_b):
+                    if hasattr(read, "release"):
+                        read.release()
+    finally:
+        del pa, pb
+    return True, None, finite
 
 
 def quantized_alike(ca, cb, name: str) -> bool:
@@ -199,20 +207,15 @@ def _as_bytes(t: "torch.Tensor") -> "torch.Tensor":
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def finite_parts(parts: dict[str, dict[str, "torch.Tensor"]]) -> bool:
-    """No stored part holds a non-finite value: float8 codes by their bit patterns (one pass over the bytes), other
-    floating parts (scales) by their min and max; integer codes always are."""
+def finite_part(t: "torch.Tensor") -> bool:
+    """No value of a stored part is non-finite: float8 codes by their bit patterns (one pass over the bytes, in
+    cache-sized chunks), other floating parts (weights, scales) by their min and max; integer codes always are."""
     from .functional import all_finite
 
-    for role in parts.values():
-        for t in role.values():
-            mask = NONFINITE_MASKS.get(str(t.dtype).removeprefix("torch."))
-            if mask is not None:
-                if _has_pattern(_as_bytes(t), mask):
-                    return False
-            elif t.dtype.is_floating_point and not all_finite([t]):
-                return False
-    return True
+    mask = NONFINITE_MASKS.get(str(t.dtype).removeprefix("torch."))
+    if mask is not None:
+        return not _has_pattern(_as_bytes(t), mask)
+    return not t.dtype.is_floating_point or all_finite([t])
 
 
 def _has_pattern(b: "torch.Tensor", mask: int) -> bool:
