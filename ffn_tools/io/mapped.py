@@ -55,13 +55,16 @@ class Mapped(Mapping):
         self._touched.append((m, info.start, info.nbytes))
         return t.view(info.dtype).reshape(info.shape)
 
-    def release(self) -> None:
-        """Unmap the pages the views handed out so far touched (their tensors must not be read again)."""
+    def release(self, done: bool = True) -> None:
+        """Unmap the pages the views handed out so far touched: a view read again after it faults its pages back in
+        from the page cache (the mapping is the file's). ``done``: the views are finished with, forget them; False:
+        some are still to be read (the next part of an FFN), so release their pages again next time."""
         page = mmap.PAGESIZE
         for m, start, n in self._touched:
             first = start - start % page
             m.madvise(mmap.MADV_DONTNEED, first, start + n - first)
-        self._touched.clear()
+        if done:
+            self._touched.clear()
 
     def close(self) -> None:
         self._touched.clear()

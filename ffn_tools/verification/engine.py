@@ -57,17 +57,25 @@ def background() -> Iterator[ThreadPoolExecutor]:
     """One thread for what needs no tensors (importing the kernel frameworks, the config comparison), beside the
     checks (one thread: two imports at once could each see the other's half-initialised modules). Leaving waits
     for what was given (an import is seconds), so no thread of ours outlives ``verify`` to be running when its
-    caller forks; on an interrupt it does not wait."""
+    caller forks, whether it returns or raises (a bad input found after the checks began); on an interrupt it
+    does not wait."""
     pool = ThreadPoolExecutor(1, thread_name_prefix="ffn-tools-background")
+    interrupted = failed = False
     try:
         yield pool
     except (KeyboardInterrupt, SystemExit):
+        interrupted = True
         pool.shutdown(wait=False, cancel_futures=True)
         raise
-    threads = list(getattr(pool, "_threads", ()))
-    pool.shutdown(wait=True)
-    for t in threads:
-        gone(t)
+    except BaseException:
+        failed = True  # what was given and not begun is not needed any more
+        raise
+    finally:
+        if not interrupted:
+            threads = list(getattr(pool, "_threads", ()))
+            pool.shutdown(wait=True, cancel_futures=failed)
+            for t in threads:
+                gone(t)
 
 
 def gone(thread, timeout: float = 2.0) -> None:

@@ -222,14 +222,15 @@ def not_computed() -> BackendResult:
     return BackendResult("reference", NOT_COMPUTED, 0.0, 0.0, 1.0, 0.0, 0, True, 0.0)
 
 
-def check_ffn(backends: dict, x: torch.Tensor, r: torch.Tensor, ops_b: Operands, tol: Tolerance,
+def check_ffn(backends: dict, x: torch.Tensor, r: torch.Tensor, ops_b: Operands | None, tol: Tolerance,
               same_as_a: bool = False) -> list[BackendResult]:
     """B on every backend in ``backends`` (name -> module; "reference" first) against ``r``, A's output on the
     float64 reference (``run_reference``).
 
     With ``same_as_a`` (B's canonical weights are bit-identical to A's, and the activation kernel is the same on
     both sides) B on the reference is A's output, not recomputed: the same float64 computation on the same bits
-    gives the same result. With different activations B's output is computed, and differs.
+    gives the same result. With different activations B's output is computed, and differs. ``ops_b`` may be None
+    only where nothing reads it (the reference alone, ``same_as_a``).
     """
     results = []
     for name, mod in backends.items():
@@ -238,6 +239,8 @@ def check_ffn(backends: dict, x: torch.Tensor, r: torch.Tensor, ops_b: Operands,
             warnings.simplefilter("ignore", RuntimeWarning)
             if name == "reference" and same_as_a:
                 out, path = r, SAME_AS_A
+            elif ops_b is None:
+                raise ValueError("internal error: B's operands are needed to run it")
             elif name == "reference":
                 out, path = run_reference(mod, x, ops_b), "ffn (float64)"
             else:

@@ -160,7 +160,7 @@ def same_bytes(ca, cb, read_a: Mapping, read_b: Mapping, x: FFN,
                 del a, b
                 for read in (read_a, read_b):
                     if hasattr(read, "release"):
-                        read.release()
+                        read.release(done=False)  # the FFN's other parts are views of the same mappings, still due
     finally:
         del pa, pb
     return True, None, finite
@@ -193,12 +193,34 @@ def same_stored(ca, cb, name: str) -> bool | None:
             m.close()
 
 
+def _memcmp():
+    """libc's ``memcmp`` (ctypes releases the GIL around it), or None where there is no C library to call."""
+    import ctypes
+
+    try:
+        f = ctypes.CDLL(None).memcmp
+    except (OSError, AttributeError):
+        return None
+    f.restype, f.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return f
+
+
+MEMCMP = _memcmp()
+
+
 def _equal_bytes(a: "torch.Tensor", b: "torch.Tensor") -> bool:
+    """Byte equality: ``memcmp`` on the two contiguous buffers (3x ``torch.equal``'s speed on 44 MB, and nothing
+    allocated: ``torch.equal`` left ~4 MB of the heap behind per FFN compared), else ``torch.equal``."""
     import torch
 
+    a, b = _as_bytes(a), _as_bytes(b)
+    if a.numel() != b.numel():
+        return False
     if a.numel() == 0:
         return True
-    return torch.equal(_as_bytes(a), _as_bytes(b))
+    if MEMCMP is not None:
+        return MEMCMP(a.data_ptr(), b.data_ptr(), a.numel()) == 0
+    return torch.equal(a, b)
 
 
 def _as_bytes(t: "torch.Tensor") -> "torch.Tensor":
