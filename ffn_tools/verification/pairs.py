@@ -117,12 +117,7 @@ class PairChecker:
             return res
         if not backends and ran is None:  # nothing runs it (--backend names no reference, not its kind's first)
             return res
-        inputs = make_inputs(self.tokens, x.d_model, self.seed, input_scale(wa["gate"]),
-                             [t.dtype for t in (*wa.values(), *wb.values())])
-        r = run_reference(backends.get("reference") or reference_backend(), inputs,
-                          _operands(self.read_a, x, wa, self.fa.activation.kernel))
-        if ran is not None:
-            ran[ref] = (inputs, r)
+        inputs, r = self._run_a(ref, x, wa, [t.dtype for t in (*wa.values(), *wb.values())], backends, ran)
         res.backends = check_ffn(backends, inputs, r, ops_b, tol, same_as_a=same_as_a)
         if any(b.nonfinite for b in res.backends):
             _nonfinite(res, wa, wb)
@@ -138,15 +133,22 @@ class PairChecker:
         if not backends and ran is None:
             return res
         dtypes = [t.dtype for t in wa.values()]
-        inputs = make_inputs(self.tokens, x.d_model, self.seed, input_scale(wa["gate"]), dtypes + dtypes)
-        r = run_reference(backends.get("reference") or reference_backend(), inputs,
-                          _operands(self.read_a, x, wa, self.fa.activation.kernel))
-        if ran is not None:
-            ran[ref] = (inputs, r)
+        inputs, r = self._run_a(ref, x, wa, dtypes + dtypes, backends, ran)  # B's dtypes are A's: the same bytes
         res.backends = check_ffn(backends, inputs, r, None, tol, same_as_a=True)
         if any(b.nonfinite for b in res.backends):
             _nonfinite(res, wa, canonical_weights(self.read_b, y))
         return res
+
+    def _run_a(self, ref: FFNRef, x: FFN, wa: dict, dtypes: list, backends: dict,
+               ran: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A's FFN ``x`` (weights ``wa``) on the float64 reference, on seeded inputs made for ``dtypes``: (the
+        inputs, A's output), kept in ``ran[ref]`` for the kernel backends where given."""
+        inputs = make_inputs(self.tokens, x.d_model, self.seed, input_scale(wa["gate"]), dtypes)
+        r = run_reference(backends.get("reference") or reference_backend(), inputs,
+                          _operands(self.read_a, x, wa, self.fa.activation.kernel))
+        if ran is not None:
+            ran[ref] = (inputs, r)
+        return inputs, r
 
     def run_kernels(self, res: FFNResult, x: FFN, y: FFN, tol: Tolerance, ran: tuple[torch.Tensor, torch.Tensor],
                     backends: dict) -> None:
