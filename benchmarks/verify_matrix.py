@@ -133,7 +133,7 @@ def cases(src: dict, base: Path, run) -> tuple[list, list]:
         ("sliding_window dropped", src["mistral"], cfg(src["mistral"], "sliding_window", None)),
         ("config dtype bf16 over fp32 weights", llama, cfg(llama, "dtype", "bfloat16")),
         ("final_logit_softcapping dropped", src["gemma2"], cfg(src["gemma2"], "final_logit_softcapping", None)),
-        ("norm_topk_prob flipped", src["qwen3_moe"], cfg(src["qwen3_moe"], "norm_topk_prob", True)),
+        ("norm_topk_prob flipped", src["qwen3_moe"], cfg(src["qwen3_moe"], "norm_topk_prob", False)),
         ("MLX config rope_theta changed", llama, mlx_cfg("rope_theta", 500000.0)),
         ("tie flipped, lm_head present", llama, cfg(llama, "tie_word_embeddings", True)),
         ("MLX config tie flipped", llama, mlx_cfg("tie_word_embeddings", True)),
