@@ -91,6 +91,8 @@ class Plan:
         config: the config.json to write (None: none).
         changes: human-readable lines on what changes beyond tensors (config, names), printed and in JSON.
         summary: machine-readable facts about the plan for --json.
+        also_read: files the entries read besides ``source``'s (merge: the adapter): inputs too, so the output
+            may not overwrite them and a changed one makes another run for ``--resume``.
     """
 
     source: Checkpoint
@@ -98,6 +100,7 @@ class Plan:
     config: dict | None
     changes: list[str] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
+    also_read: list[Path] = field(default_factory=list)
 
     def describe(self) -> list[str]:
         """One line per output tensor: ``name  dtype[shape]  <- how``."""
@@ -179,7 +182,7 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
     cache: dict = {}
     items = [_out_tensor(e, ckpt, cache) for e in plan.entries]
     progress = Progress(plan.read_bytes, desc)
-    inputs = [ckpt.path, *ckpt.files]
+    inputs = [ckpt.path, *ckpt.files, *plan.also_read]
     key = None
     if out.suffix != writer.suffix and writer.resumable:  # shards a killed run's --resume can reuse
         key = plan_key(command=desc, writer=type(writer).__name__, out=out.name, shard=max_shard_size, metadata=meta,

@@ -152,3 +152,24 @@ def test_a_resumed_run_without_a_partial_output_is_a_plain_run(sharded, tmp_path
     assert _digest(out) == _digest(ref)
     assert not any(p.name == LEDGER for p in out.rglob("*"))
     assert os.listdir(tmp_path) and not _temporaries(out)
+
+
+def test_a_merge_resumed_after_its_adapter_changed_starts_afresh(tmp_path):
+    """merge's shards are made from the adapter too: an adapter edited between the kill and --resume is another
+    run (its bytes in the key), so no shard merged with the old one is kept."""
+    pytest.importorskip("peft")
+    from test_adapters import FFN, peft_adapter
+    from tiny_models import build, make_model
+
+    base = build("llama", tmp_path / "base", torch.bfloat16)
+    model = make_model("llama", torch.bfloat16)
+    adapter = peft_adapter(model, tmp_path / "lora", target_modules=FFN)
+    out = tmp_path / "merged"
+    args = ["merge", base, adapter, "-o", out, "--max-shard-size", SHARD]
+    assert _killed(args, 0, tmp_path, manifests=2).returncode == -9
+    peft_adapter(model, adapter, seed=2, target_modules=FFN)  # the same targets and ranks, other factors
+    r = run_cli(*args, "--resume")
+    assert "begun by another command, with other options or from other inputs" in r.output
+    ref = tmp_path / "ref"
+    run_cli("merge", base, adapter, "-o", ref, "--max-shard-size", SHARD)
+    assert _digest(out) == _digest(ref)

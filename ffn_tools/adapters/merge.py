@@ -73,7 +73,7 @@ def merge(base: Path, adapter_path: Path, out: Path, *, force: bool = False, max
                                "scale·B·A to quantized weights means dequantizing and quantizing them again, which "
                                "changes every weight of each; merge into the unquantized base instead")
         entries = [_merged(ckpt, n, adapter.loras[n]) if n in adapter.loras else copy_entry(ckpt, n) for n in ckpt]
-        plan = Plan(ckpt, entries, ckpt.config, changes=changes)
+        plan = Plan(ckpt, entries, ckpt.config, changes=changes, also_read=[Path(adapter_path)])
         execute(plan, out, force=force, max_shard_size=max_shard_size, desc="merging")
         dtypes = sorted({short_name(ckpt.info(n).dtype) for n in adapter.loras})
     return {"merged": len(adapter.loras), "copied": len(entries) - len(adapter.loras), "dtype": "/".join(dtypes),
