@@ -4,9 +4,10 @@ Every directory output of shards (``plan.execute`` with a writer that writes saf
 fuse-gateup, merge, extract, convert --to torch and --to mlx) keeps, in its temporary directory, a ledger
 ``.ffn-tools-resume/``:
 
-- ``plan.json``: the key of the run (``plan_key``: the tool version, the command, the output's name, every output
-  tensor's name, dtype, shape and recipe, the shard size, the metadata, and each input file's path, size and
-  modification time). A partial output is only ever continued by the same run.
+- ``plan.json``: the key of the run (``plan_key``: the tool's version and its libraries' installs, the command,
+  the output's name, every output tensor's name, dtype, shape and recipe, the shard size, the metadata, and each
+  input file's path, size and modification time, the adapter's too for merge). A partial output is only ever
+  continued by the same run.
 - ``SHARD.json`` per finished shard: its size and SHA-256, computed by a background thread from the file just
   closed (from the page cache, while the next shard is written), written (atomically) only after the shard's
   last byte.
@@ -39,6 +40,10 @@ LEDGER = ".ffn-tools-resume"
 HASH_CHUNK = 8 << 20
 CHECKERS = 4  # threads hashing finished shards again on --resume (at most the cores)
 
+# the libraries whose code makes shards (where they are installed, and when, is part of a run's key: an upgrade
+# between a kill and --resume could change what a shard holds)
+LIBRARIES = ("torch", "numpy", "safetensors", "transformers", "mlx", "mlx_lm", "gguf")
+
 REQUESTED: ContextVar[bool] = ContextVar("ffn_tools_resume", default=False)
 
 
@@ -60,8 +65,27 @@ def plan_key(**parts) -> str:
         tool = version("ffn-tools")
     except PackageNotFoundError:  # run from a source tree that was never installed
         tool = "source"
-    text = json.dumps({"version": tool, **parts}, sort_keys=True, default=str)
+    text = json.dumps({"version": tool, "libraries": installed(), **parts}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def installed() -> dict[str, tuple[str, int]]:
+    """Where each of ``LIBRARIES`` is installed and when its files were written (a reinstall or upgrade changes it),
+    found without importing it (``find_spec``: a fraction of a millisecond; asking the packages' metadata for their
+    versions took 0.1 s), so the key is the same whatever the process has imported."""
+    import importlib.util
+
+    out = {}
+    for name in LIBRARIES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        where = spec.origin if spec is not None and spec.origin else next(
+            iter(spec.submodule_search_locations or []), None) if spec is not None else None
+        if where:
+            out[name] = (where, os.stat(where).st_mtime_ns)
+    return out
 
 
 def input_stamp(paths) -> list[tuple[str, int, int]]:
