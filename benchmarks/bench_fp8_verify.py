@@ -187,10 +187,12 @@ def main() -> None:
     print(f"DeepSeek-V3 shapes (hidden 7168, expert d_ffn 2048, FP8 128x128 blocks), {args.layers} layer(s); B = "
           f"fuse-gateup of A; best of {args.rounds}; load average {os.getloadavg()[0]:.1f}")
     rows = [measure(args.layers, e, args.rounds, args.keep) for e in sorted(args.experts)]
-    print(f"{'experts':>8}{'A GB':>7}{'plain s':>9}{'verify s':>10}{'ratio':>7}{'plain RSS':>11}{'verify RSS':>12}  verdict")
+    print(f"{'experts':>8}{'A GB':>7}{'plain s':>9}{'verify s':>10}{'ratio':>7}{'plain RSS':>11}"
+          f"{'verify RSS':>12}  verdict")
     for r in rows:
         print(f"{r['experts']:>8}{r['gb']:>7.2f}{r['plain'][0]:>9.2f}{r['verify'][0]:>10.2f}"
-              f"{r['verify'][0] / r['plain'][0]:>6.2f}x{r['plain'][1]:>9.0f}MB{r['verify'][1]:>10.0f}MB  {r['verdict'][:60]}")
+              f"{r['verify'][0] / r['plain'][0]:>6.2f}x{r['plain'][1]:>9.0f}MB{r['verify'][1]:>10.0f}MB  "
+              f"{r['verdict'][:60]}")
         if r["plain_out"] != "differ: 0":
             sys.exit(f"the plain script found differences: {r['plain_out']}")
     if len(rows) > 1:
@@ -201,7 +203,8 @@ def main() -> None:
               f"{per['verify'] * 1e3:.1f} ms = {per['verify'] / per['plain']:.2f}x (target <= 1.3x)")
     last = rows[-1]
     ratio = last["verify"][0] / last["plain"][0]
-    print(f"overall at {last['gb']:.1f} GB a side: {ratio:.2f}x (target <= 1.3x: {'met' if ratio <= 1.3 else 'NOT met'})")
+    met = "met" if ratio <= 1.3 else "NOT met"
+    print(f"overall at {last['gb']:.1f} GB a side: {ratio:.2f}x (target <= 1.3x: {met})")
 
 
 if __name__ == "__main__":

@@ -89,7 +89,8 @@ def main() -> None:
         full = min(measure(command(kind, ref, args.shard), ref)[0] for _ in range(args.repeat))
         want = digest(ref)
         print(f"\n{kind}: cp -r {cp:.2f} s; one shard (no ledger hashing) {one:.2f} s = {one / cp:.2f}x cp; "
-              f"{sum(n.endswith('.safetensors') for n in want)} shards (each hashed) {full:.2f} s = {full / cp:.2f}x cp: the ledger costs "
+              f"{sum(n.endswith('.safetensors') for n in want)} shards (each hashed) {full:.2f} s = "
+              f"{full / cp:.2f}x cp: the ledger costs "
               f"{full / one:.2f}x")
         same, finishing = 0, []
         for k in range(args.kills):
