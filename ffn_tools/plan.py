@@ -203,8 +203,10 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
                     try:
                         written = writer.write_sharded(tmp, items, max_shard_size=max_shard_size, metadata=meta,
                                                        progress=progress, ledger=ledger)
-                    finally:
-                        ledger.close()
+                    except BaseException:
+                        ledger.close(failed=True)
+                        raise
+                    ledger.close()
                     ledger.remove()
                     if ledger.reused:
                         log.info("--resume: kept %d finished shard(s) of %d", len(ledger.reused), len(written))

@@ -202,11 +202,13 @@ class Ledger:
         if (digest := file_sha256(path, self._stop)) is not None:
             self._write(self.dir / f"{name}.json", {"key": self.key, "size": size, "sha256": digest})
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Stop the hashing thread; raise what it met, unless the writing itself ``failed`` (its error is the one
+        to see, not this one's)."""
         self._stop.set()
         self._queue.put(None)
         self._thread.join()
-        if self._error is not None:
+        if self._error is not None and not failed:
             raise self._error
 
     def remove(self) -> None:
