@@ -37,7 +37,7 @@ from contextvars import ContextVar
 from pathlib import Path
 
 LEDGER = ".ffn-tools-resume"
-HASH_CHUNK = 8 << 20
+HASH_CHUNK = 1 << 20  # read and hashed at a time (cache-sized; more held no time)
 CHECKERS = 4  # threads hashing finished shards again on --resume (at most the cores)
 
 # the libraries whose code makes shards (where they are installed, and when, is part of a run's key: an upgrade
