@@ -124,11 +124,10 @@ def _stale(out: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.lstat().st_mtime_ns, reverse=True)
 
 
-def remove_stale(out: Path, resume_key: str | None = None) -> tuple[list[Path], Path | None]:
+def remove_stale(out: Path, resume_key: str | None = None) -> Path | None:
     """Remove the temporary outputs for ``out`` that killed processes left, but the newest whose resume ledger
-    has ``resume_key`` (``--resume``: returned, to be continued). A removed one that had finished shards is said.
-    Returns (what was removed, what is kept)."""
-    removed, kept = [], None
+    has ``resume_key`` (``--resume``: returned, to be continued). A removed one that had finished shards is said."""
+    kept = None
     for p in _stale(out):
         if kept is None and resume_key is not None and resume.ledger_key(p) == resume_key:
             kept = p
@@ -139,8 +138,7 @@ def remove_stale(out: Path, resume_key: str | None = None) -> tuple[list[Path], 
             say(f"{out}: removed the unfinished output of a killed run ({p.name}, {counted(n, 'shard')} finished; "
                 f"{why})")
         _remove(p)
-        removed.append(p)
-    return removed, kept
+    return kept
 
 
 def _bytes_under(p: Path) -> int:
@@ -203,7 +201,7 @@ def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | N
     check_output(out, inputs, force)
     check_parent(out)
     with _lock(out):
-        _, kept = remove_stale(out, resume_key if resuming else None)
+        kept = remove_stale(out, resume_key if resuming else None)
         free = shutil.disk_usage(out.parent).free + (_bytes_under(kept) if kept else 0)
         if nbytes is not None and nbytes > free:
             raise OutputError(f"{out}: not enough space: the output needs {human(nbytes)}, {out.parent} has "

@@ -81,8 +81,9 @@ def installed() -> dict[str, tuple[str, int]]:
             spec = importlib.util.find_spec(name)
         except (ImportError, ValueError):
             continue
-        where = spec.origin if spec is not None and spec.origin else next(
-            iter(spec.submodule_search_locations or []), None) if spec is not None else None
+        if spec is None:
+            continue
+        where = spec.origin or next(iter(spec.submodule_search_locations or []), None)  # a namespace: its directory
         if where:
             out[name] = (where, os.stat(where).st_mtime_ns)
     return out

@@ -91,10 +91,11 @@ class PairChecker:
             if same_stored:
                 res.exact = "identical"
                 res.notes.append(STORED_NOTE if quantized else PLAIN_NOTE)
-                if not compute_identical and self.fa.activation.kernel == self.fb.activation.kernel and finite:
+                same_activation = self.fa.activation.kernel == self.fb.activation.kernel
+                if not compute_identical and same_activation and finite:
                     res.backends = [not_computed()] if "reference" in backends else []
                     return res
-                if set(backends) <= {"reference"} and self.fa.activation.kernel == self.fb.activation.kernel:
+                if set(backends) <= {"reference"} and same_activation:
                     return self._run_as_a(res, ref, x, y, tol, backends, ran)
             elif same_stored is False and quantized:  # (unquantized: the bit-exact check below says how)
                 res.notes.append(f"stored bytes differ ({why}): compared dequantized, within the tolerance row")

@@ -112,10 +112,9 @@ def _reads(items: list, computed=(), as_bytes=None) -> list[tuple[int, str]]:
     ``computed`` (``Pairing.computed``: read as B's client computes them, not as stored), nor those of a pair
     ``as_bytes(x, y)`` says is compared as stored bytes (from the files' mapped pages, ``io.mapped``; dequantized,
     it is read only if its bytes differ, or to run it on a backend)."""
-    keys = []
-    for _, x, y in items:
-        if as_bytes is None or not as_bytes(x, y):
-            keys += [(0, n) for n in x.names.values() if n not in computed] + [(1, n) for n in y.names.values()]
+    streamed = [(x, y) for _, x, y in items if as_bytes is None or not as_bytes(x, y)]
+    keys = [(0, n) for x, _ in streamed for n in x.names.values() if n not in computed]
+    keys += [(1, n) for _, y in streamed for n in y.names.values()]
     return list(dict.fromkeys(keys))
 
 

@@ -145,24 +145,20 @@ def same_bytes(ca, cb, read_a: Mapping, read_b: Mapping, x: FFN,
     if any(sorted(parts) != sorted(pb.get(role, {})) for role, parts in pa.items()):
         return None, None, None  # laid out as different parts: not a copy's form
     finite = True
-    try:
-        for role, parts in pa.items():
-            for p, a in parts.items():
-                b = pb[role][p]
-                name = y.names["gate_up"] if role == "gate_up" else stored_name(y, role)
-                what = role if p == PLAIN else f"{role}'s {p}"
-                if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
-                    return False, (f"{what} ({name}): A {str(a.dtype).removeprefix('torch.')}{list(a.shape)}, "
-                                   f"B {str(b.dtype).removeprefix('torch.')}{list(b.shape)}"), None
-                if not _equal_bytes(a, b):
-                    return False, f"{what} ({name}) differs", None
-                finite = finite and finite_part(b)
-                del a, b
-                for read in (read_a, read_b):
-                    if hasattr(read, "release"):
-                        read.release(done=False)  # the FFN's other parts are views of the same mappings, still due
-    finally:
-        del pa, pb
+    for role, parts in pa.items():
+        for p, a in parts.items():
+            b = pb[role][p]
+            name = y.names["gate_up"] if role == "gate_up" else stored_name(y, role)
+            what = role if p == PLAIN else f"{role}'s {p}"
+            if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+                return False, (f"{what} ({name}): A {str(a.dtype).removeprefix('torch.')}{list(a.shape)}, "
+                               f"B {str(b.dtype).removeprefix('torch.')}{list(b.shape)}"), None
+            if not _equal_bytes(a, b):
+                return False, f"{what} ({name}) differs", None
+            finite = finite and finite_part(b)
+            for read in (read_a, read_b):
+                if hasattr(read, "release"):
+                    read.release(done=False)  # the FFN's other parts are views of the same mappings, still due
     return True, None, finite
 
 
