@@ -14,12 +14,40 @@ Every command's JSON starts with the same keys (``envelope``): ``command``, ``in
 
 from __future__ import annotations
 
+import functools
+from inspect import signature as _signature
 from pathlib import Path
 
 from .envelope import ENVELOPE, envelope  # noqa: F401  (the keys every command's JSON starts with)
 from .errors import FFNToolsError, counted
 from .hub import resolve
+from .io.receipt import recorded
 from .io.resume import requested
+
+
+def _receipted(command: str):
+    """Run the function with ``command`` and the arguments it was given recorded in its output's receipt
+    (``io.receipt``); under ``dry_run``, add the estimate of the real run (``estimate``; ``estimate=False``: none)."""
+    def wrap(fn):
+        signature = _signature(fn)
+
+        @functools.wraps(fn)
+        def run(*args, estimate: bool | None = None, **kwargs):
+            given = dict(signature.bind(*args, **kwargs).arguments)
+            given.update(given.pop("options", {}))
+            with recorded(command, **given):
+                r = fn(*args, **kwargs)
+            if given.get("dry_run") and r.get("output"):
+                from . import estimate as estimates
+
+                if estimates.wanted(estimate):
+                    r = {**r, "estimate": estimates.estimate(fn.__name__, given, r["output"])}
+            return r
+
+        return run
+
+    return wrap
+
 
 def _published(r: dict, upload_repo: str | None) -> dict:
     """``r`` with ``uploaded`` (the repo URL) once its output is pushed to ``upload_repo`` (see ``upload``)."""
@@ -98,6 +126,7 @@ def inspect(path, *, scheme=None, layout=None, tensors: bool = False, base=None)
     return envelope("inspect", str(path), None, _inspect_line(s), s)
 
 
+@_receipted("extract")
 def extract(path, out, *, layers: str | None = None, experts: str | None = None, scheme=None, layout=None,
             force: bool = False, max_shard_size: int | None = None, upload_repo: str | None = None,
             resume: bool = False) -> dict:
@@ -117,6 +146,7 @@ def extract(path, out, *, layers: str | None = None, experts: str | None = None,
     return _published(envelope("extract", str(path), out, line, m), upload_repo)
 
 
+@_receipted("split-gateup")
 def split_gateup(path, out=None, *, upload_repo: str | None = None, resume: bool = False, **options) -> dict:
     """``ffn-tools split-gateup PATH [-o OUT] --json`` (options as ``gateup.split_gateup``)."""
     from ffn_tools.converters import open_any
@@ -134,6 +164,7 @@ def split_gateup(path, out=None, *, upload_repo: str | None = None, resume: bool
     return _published(_gateup("split-gateup", path, r), upload_repo)
 
 
+@_receipted("fuse-gateup")
 def fuse_gateup(path, out=None, *, upload_repo: str | None = None, resume: bool = False, **options) -> dict:
     """``ffn-tools fuse-gateup PATH [-o OUT] --json`` (options as ``gateup.fuse_gateup``)."""
     from ffn_tools.converters import open_any
@@ -158,6 +189,7 @@ def _gateup(command: str, path, r: dict) -> dict:
     return envelope(command, str(path), r["output"], line, r)
 
 
+@_receipted("convert")
 def convert(path, to: str, out, *, upload_repo: str | None = None, resume: bool = False, **options) -> dict:
     """``ffn-tools convert PATH --to FORMAT -o OUT --json`` (options as ``converters.convert``)."""
     from ffn_tools.converters import convert as run
@@ -193,12 +225,22 @@ def shards_needed(a, b, *, layers: str, experts: str | None = None, scheme=None)
                      **{s.lower(): n.as_dict() for s, n in sides.items()}})
 
 
+@_receipted("merge")
 def merge(base, adapter, out, *, resume: bool = False, **options) -> dict:
     """``ffn-tools merge BASE ADAPTER -o OUT --json``: the LoRA merged into the base (``adapters.merge``)."""
     from .adapters.api import merge as run
 
     with requested(resume):
         return run(resolve(str(base)), adapter, out, **options)
+
+
+def verify_receipt(out) -> dict:
+    """``ffn-tools verify --receipt OUT --json``: every file of an output against the receipt it carries (sizes and
+    SHA-256; ``checks.receipt``), without the source; ``passed`` says whether it is what its receipt says."""
+    from .checks.receipt import check
+
+    c = check(out)
+    return envelope("verify", [str(out)], None, c.summary(), {"lines": c.lines(), **c.as_dict()})
 
 
 def verify(a, b, **options):

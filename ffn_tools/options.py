@@ -123,6 +123,22 @@ def uploaded(r: dict) -> list[str]:
     return [f"uploaded to {r['uploaded']}"] if r.get("uploaded") else []
 
 
+def estimated(r: dict) -> list[str]:
+    """The line of a dry run's estimate, if one was asked for (``ffn_tools.estimate``)."""
+    if not r.get("estimate"):
+        return []
+    from .estimate import line
+
+    return line(r)
+
+
+def estimate_option(f):
+    return click.option("--estimate/--no-estimate", default=None,
+                        help="With --dry-run: estimate the run (output bytes, temporary disk, peak RSS, time) from a "
+                             "sample of it run here in a child process (default: yes, unless the environment sets "
+                             "FFN_TOOLS_ESTIMATE=0).")(f)
+
+
 def resume_option(f):
     return click.option("--resume", is_flag=True, help="Continue the unfinished output a killed run of this same command "
                         "left (its temporary directory beside OUT): every shard it finished is checked (size and "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from .io.dtypes import as_st, nbytes, short_name
 from .errors import FFNToolsError
 
 DEQUANTIZED = "ffn_tools_dequantized_from"  # safetensors metadata: the quantization weights were read from
+from .io import receipt, sample
 from .io.output import atomic_output
 from .io.resume import Ledger, input_stamp, plan_key
 from .progress import Progress
@@ -143,8 +145,15 @@ def side_files(ckpt: Checkpoint) -> list[Path]:
     """Non-weight files to carry over: all of a directory input's, or the known ones beside a file."""
     if ckpt.path.is_dir() or ckpt.path.name.endswith(".index.json"):
         return sorted(p for p in ckpt.root.iterdir() if p.is_file() and not p.name.startswith(".")
-                      and p.suffix not in WEIGHT_SUFFIXES and p.name not in WEIGHT_INDEXES)
+                      and p.suffix not in WEIGHT_SUFFIXES and p.name not in (*WEIGHT_INDEXES, receipt.NAME))
     return [ckpt.root / n for n in KNOWN_SIDE_FILES if (ckpt.root / n).is_file()]
+
+
+def _indexes(ckpt: Checkpoint) -> list[Path]:
+    """The weight index a sharded input was read through, if any."""
+    if len(ckpt.files) < 2:
+        return []
+    return [p for p in (ckpt.root / n for n in WEIGHT_INDEXES) if p.is_file()]
 
 
 def check_shardable(out: Path, max_shard_size: int | None, suffix: str = SAFETENSORS.suffix) -> None:
@@ -177,6 +186,10 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
     """
     ckpt = plan.source
     check_shardable(out, max_shard_size, writer.suffix)
+    if (sampling := sample.settings()) is not None:  # --dry-run's sample run, in its child (io.sample)
+        started = time.time()
+        plan, facts = sample.narrow(plan)
+        out, force = Path(sampling["out"]) / out.name, True
     meta = dict(ckpt.metadata if metadata is None else metadata)
     meta.setdefault("format", "pt")
     cache: dict = {}
@@ -188,8 +201,11 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
         key = plan_key(command=desc, writer=type(writer).__name__, out=out.name, shard=max_shard_size, metadata=meta,
                        entries=plan.describe(), config=plan.config, carry=carry, extra=sorted(extra_files or {}),
                        inputs=input_stamp(inputs))
+    token = sample.STREAMING.set(facts["sample_reads"] or 1) if sampling is not None else None
     try:
-        with atomic_output(out, inputs=inputs, force=force, nbytes=plan.total_bytes, resume_key=key) as tmp:
+        read = [*_indexes(ckpt), *ckpt.files, *(side_files(ckpt) if carry else []), *plan.also_read]  # the receipt's
+        with atomic_output(out, inputs=inputs, force=force, nbytes=plan.total_bytes, resume_key=key,
+                           sources=read) as tmp:
             if out.suffix == writer.suffix:
                 writer.write_file(tmp, items, meta, progress)
                 written = [out.name]
@@ -222,6 +238,10 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
                         (tmp / name).write_text(content)
     finally:
         progress.close()
+        if token is not None:
+            sample.STREAMING.reset(token)
+    if sampling is not None:
+        sample.report(sampling["report"], facts, started, out)  # ends the process
     log.info("wrote %s (%s in %d file(s))", out, human(plan.total_bytes), len(written))
     return written
 

@@ -13,6 +13,8 @@ import torch
 
 os.environ.setdefault("PYTHONSAFEPATH", "1")  # children's `python -m`: no repository root first (ffn_tools.child)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests build every checkpoint locally: never wait on a hub
+# dry runs plan only (each estimate is a sample run in a child process: seconds); test_estimate.py asks for them
+os.environ.setdefault("FFN_TOOLS_ESTIMATE", "0")
 if not torch.cuda.is_available():  # Triton runs through its interpreter; must be set before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).parent))

@@ -21,6 +21,7 @@ from helpers import once, run_cli, tree_digest  # noqa: E402
 from ffn_tools.converters import open_any  # noqa: E402
 from ffn_tools.converters.gguf.header import Reader  # noqa: E402
 from ffn_tools.converters.gguf.reader import field_values  # noqa: E402
+from ffn_tools.io.receipt import NAME as RECEIPT  # noqa: E402
 
 VARIANTS = {  # name -> (weights arguments, the GGUF types that hold every block)
     "int4-g32-sym": (dict(bits=4, group_size=32, symmetric=True), {"Q4_0"}),
@@ -88,7 +89,7 @@ def test_codes_kept_bit_for_bit(source, tmp_path, variant):
     before = tree_digest(src)
     out = tmp_path / "q.gguf"
     r = convert(src, out)
-    assert tree_digest(src) == before and [p.name for p in tmp_path.iterdir()] == ["q.gguf"]
+    assert tree_digest(src) == before and sorted(p.name for p in tmp_path.iterdir()) == ["q.gguf", f"q.gguf.{RECEIPT}"]
     kept = [t for t in r["codes"] if t["action"] == "kept"]
     assert len(kept) == len(r["codes"]) == 14  # every quantized Linear
     assert all(t["blocks_exact"] == t["blocks"] > 0 for t in kept)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from ffn_tools.converters.gguf.header import Reader
 from ffn_tools.converters.gguf.reader import field_values
+from ffn_tools.io.receipt import NAME as RECEIPT
 from gguf_models import convert_reference
 from helpers import run_cli, tree_digest
 
@@ -29,7 +30,7 @@ def test_same_file_as_convert_hf_to_gguf(gguf_model, gguf_ref, tmp_path, arch, o
     r = json.loads(run_cli("-q", "convert", src, "--to", "gguf", "-o", out, "--outtype", outtype, "--json").stdout)
     assert out.read_bytes() == gguf_ref(arch, outtype).read_bytes()
     assert tree_digest(src) == before  # the input is never modified
-    assert [p.name for p in tmp_path.iterdir()] == ["ours.gguf"]  # no temporary left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ours.gguf", f"ours.gguf.{RECEIPT}"]  # no temporary left
     assert r["tensors"] > 0 and r["format"] == "gguf"
     if (arch, outtype) == ("llama", "bf16"):
         _llama_cpp_runs_ours_like_transformers(src, out)
@@ -62,7 +63,7 @@ def test_refusals(gguf_model, gguf_ref, tmp_path):
     r = json.loads(run_cli("-q", "convert", src, "--to", "gguf", "-o", out, "--outtype", "f16", "--force",
                            "--json").stdout)
     assert out.read_bytes() == gguf_ref("llama", "f16").read_bytes()  # the converter's f16 file, over the old one
-    assert [p.name for p in tmp_path.iterdir()] == ["x.gguf"] and tree_digest(src) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.gguf", f"x.gguf.{RECEIPT}"] and tree_digest(src) == before
     assert r["tensors"] > 0 and r["format"] == "gguf"
     r = run_cli("convert", src, "--to", "gguf", "-o", tmp_path / "y.gguf", "--dtype", "float16", ok=False)
     assert "--dtype does not apply to --to gguf" in r.output

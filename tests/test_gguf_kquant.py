@@ -22,6 +22,7 @@ from ffn_tools.converters.gguf.header import Reader
 from ffn_tools.converters.gguf.reader import field_values
 from ffn_tools.cli import GGUF_OUTTYPES
 from ffn_tools.converters.gguf.writer import OUTTYPES
+from ffn_tools.io.receipt import NAME as RECEIPT
 from gguf_models import convert_reference
 from helpers import once, run_cli, tree_digest
 
@@ -94,7 +95,7 @@ def test_the_bytes_llama_quantize_writes_from_convert_hf_to_gguf(wide, tmp_path,
     out = tmp_path / "ours.gguf"
     r = json.loads(run_cli("-q", "convert", src, "--to", "gguf", "-o", out, "--outtype", outtype, *extra,
                            "--json").stdout)
-    assert [p.name for p in tmp_path.iterdir()] == ["ours.gguf"]  # the intermediate is gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ours.gguf", f"ours.gguf.{RECEIPT}"]  # the intermediate: gone
     assert tree_digest(src) == before
     meta = metadata(out)
     recipe = {k: v for k, v in meta.items() if k.startswith(kquant.RECIPE + ".")}

@@ -68,7 +68,7 @@ def test_killed_at_random_points_then_resumed_is_byte_identical(sharded, tmp_pat
         src = tmp_path / "fused"
         run_cli("fuse-gateup", sharded, "-o", src, "--max-shard-size", "100KB")
     args = (COMMANDS[command] or (lambda s: ["split-gateup", s, "--max-shard-size", SHARD]))(src)
-    ref, out = tmp_path / "ref", tmp_path / "out"
+    ref, out = tmp_path / "ref" / "out", tmp_path / "out"  # one name: the receipts name it
     n = _writes([*args, "-o", ref], tmp_path)  # the uninterrupted run, counting its writes
     assert len([p for p in ref.iterdir() if p.suffix == ".safetensors"]) >= 4  # shards to resume from
     rng = random.Random(f"resume-{command}")
@@ -94,7 +94,7 @@ def test_killed_at_random_points_then_resumed_is_byte_identical(sharded, tmp_pat
 
 def test_a_changed_finished_shard_is_written_again(sharded, tmp_path):
     args = ["fuse-gateup", sharded, "--max-shard-size", SHARD]
-    ref, out = tmp_path / "ref", tmp_path / "out"
+    ref, out = tmp_path / "ref" / "out", tmp_path / "out"  # one name: the receipts name it
     run_cli(*args, "-o", ref)
     assert _killed([*args, "-o", out], 0, tmp_path, manifests=3).returncode == -9
     (tmp,) = _temporaries(out)
@@ -122,7 +122,7 @@ def test_resume_of_another_run_starts_afresh_and_says_so(sharded, tmp_path):
     r = run_cli(*args, "--max-shard-size", "40KB", "--resume")  # other shards: another run
     assert "removed the unfinished output of a killed run" in r.output
     assert "begun by another command, with other options or from other inputs" in r.output
-    ref = tmp_path / "ref"
+    ref = tmp_path / "ref" / out.name
     run_cli("fuse-gateup", sharded, "-o", ref, "--max-shard-size", "40KB")
     assert _digest(out) == _digest(ref) and not _temporaries(out)
 
@@ -145,7 +145,7 @@ def test_resume_is_refused_where_nothing_can_be_reused(model_dir, tmp_path, extr
 
 
 def test_a_resumed_run_without_a_partial_output_is_a_plain_run(sharded, tmp_path):
-    ref, out = tmp_path / "ref", tmp_path / "out"
+    ref, out = tmp_path / "ref" / "out", tmp_path / "out"  # one name: the receipts name it
     run_cli("fuse-gateup", sharded, "-o", ref, "--max-shard-size", SHARD)
     r = run_cli("fuse-gateup", sharded, "-o", out, "--max-shard-size", SHARD, "--resume")
     assert "continuing" not in r.output
@@ -170,6 +170,6 @@ def test_a_merge_resumed_after_its_adapter_changed_starts_afresh(tmp_path):
     peft_adapter(model, adapter, seed=2, target_modules=FFN)  # the same targets and ranks, other factors
     r = run_cli(*args, "--resume")
     assert "begun by another command, with other options or from other inputs" in r.output
-    ref = tmp_path / "ref"
+    ref = tmp_path / "ref" / out.name
     run_cli("merge", base, adapter, "-o", ref, "--max-shard-size", SHARD)
     assert _digest(out) == _digest(ref)

@@ -33,6 +33,7 @@ from ffn_tools.child import python_env
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.io.output import atomic_output
 from ffn_tools.io.store import Checkpoint
+from ffn_tools.plan import side_files
 from ffn_tools.sizes import human
 
 from . import kquant
@@ -102,7 +103,8 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         result = _run({**request, "out": str(out)})  # the converter's writer in its dry-run mode writes nothing
         _refuse(ckpt, result.get("codes") or [])  # what the conversion would refuse, the plan refuses
         return _summary(out, result, said, plan=True)
-    with atomic_output(out, inputs=[Path(ckpt.path)], force=force) as tmp:
+    read = [*ckpt.files, *side_files(ckpt), *([Path(imatrix)] if imatrix else [])]  # the receipt's sources
+    with atomic_output(out, inputs=[Path(ckpt.path)], force=force, sources=read) as tmp:
         # a K-quant's intermediate: the converter's file beside the temporary output, removed whatever happens
         first = tmp.with_name(tmp.name + ".intermediate.gguf") if quantizing else tmp
         try:

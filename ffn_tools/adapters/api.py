@@ -105,7 +105,8 @@ def _write(adapter: Adapter, to: str, out: Path, force: bool, base=None, **optio
     if fmt.needs_base and config is None:
         raise AdapterError(f"a {fmt.name} adapter names the base's tensors as its runtime does: give the base "
                            "model with base=", flags={"base=": "--base"})
-    with atomic_output(out, inputs=[adapter.path] + ([root] if root else []), force=force) as tmp:
+    read = [adapter.path] + ([root / "config.json"] if root and (root / "config.json").is_file() else [])
+    with atomic_output(out, inputs=[adapter.path] + ([root] if root else []), force=force, sources=read) as tmp:
         return fmt.write(adapter, tmp, config or adapter.config, root, **options)
 
 

@@ -12,8 +12,8 @@ import click
 
 from .. import progress
 from ..errors import FFNToolsError
-from ..options import (CHECKPOINT, emit, layout_options, resume_option, scheme_options, size_option, upload_option,
-                       uploaded)
+from ..options import (CHECKPOINT, emit, estimate_option, estimated, layout_options, resume_option, scheme_options,
+                       size_option, upload_option, uploaded)
 from .verify import verify as verify_command
 
 # Optional packages and the extra that installs each (import name -> pip requirement).
@@ -76,6 +76,11 @@ class Group(click.Group):
 
     def invoke(self, ctx):
         as_json = "--json" in ctx.args
+        from ..estimate import ARGV
+
+        given = ["--config", ctx.params["config"]] if ctx.params.get("config") else []
+        # what --dry-run's sample run runs again (quietly: no progress to draw)
+        token = ARGV.set(["-q", *given, *getattr(ctx, "_protected_args", []), *ctx.args])
         try:
             return super().invoke(ctx)
         except FFNToolsError as e:
@@ -103,6 +108,8 @@ class Group(click.Group):
         except OSError as e:  # a path the OS refuses (a file where a folder must be, no permission, disk full)
             where = f"{e.filename}: " if e.filename else ""
             raise Trouble(f"{where}{e.strerror or e}", as_json) from None
+        finally:
+            ARGV.reset(token)
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -192,7 +199,10 @@ def _gateup_command(name: str, fn, help_text: str, extra=()):
     @click.option("-o", "--out", type=click.Path(), help="Output file or directory. Default: beside the input, "
                   "under a new name: DIR-split/ for a directory or a file inside a checkpoint directory, "
                   "model.split.safetensors for a lone file (-fused / .fused for fuse).")
-    @click.option("--dry-run", is_flag=True, help="Print the plan (every output tensor and how it is made); write nothing.")
+    @click.option("--dry-run", is_flag=True, help="Print the plan (every output tensor and how it is made) and the "
+                  "estimate of the run: output bytes, temporary disk, peak RSS and time, from a sample of it run here "
+                  "(a few seconds); write nothing.")
+    @estimate_option
     @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
     @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of what was done.")
     @click.option("--load-check", is_flag=True, help="Check that transformers would load the output under the "
@@ -204,12 +214,12 @@ def _gateup_command(name: str, fn, help_text: str, extra=()):
     @size_option
     @scheme_options
     @layout_options
-    def command(path, out, dry_run, force, as_json, load_check, upload_repo, resume, max_shard_size, scheme, layout,
-                **kw):
+    def command(path, out, dry_run, estimate, force, as_json, load_check, upload_repo, resume, max_shard_size, scheme,
+                layout, **kw):
         r = fn(path, out, scheme=scheme, layout=layout, dry_run=dry_run, force=force, max_shard_size=max_shard_size,
-               upload_repo=upload_repo, load_check=load_check, resume=resume, **kw)
+               upload_repo=upload_repo, load_check=load_check, resume=resume, estimate=estimate, **kw)
         lines = list(r["plan"] or []) if dry_run else []
-        emit(r, as_json, [*lines, r["summary"], *r["changes"], *uploaded(r)])
+        emit(r, as_json, [*lines, r["summary"], *r["changes"], *estimated(r), *uploaded(r)])
 
     command.__doc__ = help_text
     for decorator in extra:
@@ -321,7 +331,9 @@ def _quantize_value(ctx, param, value):
 @click.option("--base", type=CHECKPOINT, help="PATH is a LoRA adapter: its base model (the config.json mlx_lm's and "
               "llama.cpp's names come from; --to mlx and --to gguf need it, unless the adapter names a local base).")
 @click.option("--dry-run", is_flag=True, help="Print every output tensor and how it is made (for mlx, what mlx_lm's "
-              "model expects, checked); write nothing.")
+              "model expects, checked), and the estimate of the run (output bytes, temporary disk, peak RSS, time) from "
+              "a sample of it run here; write nothing.")
+@estimate_option
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--allow-config", "allow_config", multiple=True, metavar="KEY",
               help="Write the output although its client runs setting KEY otherwise than the input's client (say "
@@ -334,7 +346,7 @@ def _quantize_value(ctx, param, value):
 @scheme_options
 @layout_options
 def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, token_embedding_type, imatrix, mlx_path, dtype, quantize, q_bits, q_group_size, q_mode, quant_predicate,
-            dequantize, flax_layout, orbax_layout, dcp_naming, dcp_ranks, base, dry_run, force, allow_config, as_json, upload_repo, resume, max_shard_size, scheme, layout):
+            dequantize, flax_layout, orbax_layout, dcp_naming, dcp_ranks, base, dry_run, estimate, force, allow_config, as_json, upload_repo, resume, max_shard_size, scheme, layout):
     """Convert the checkpoint at PATH to PyTorch safetensors, MLX, Flax msgpack, GGUF, DCP or Orbax.
 
     The input may be any format ffn-tools reads. MLX output is what mlx_lm.convert writes for the same
@@ -394,8 +406,8 @@ def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, tok
             q_mode=q_mode, quant_predicate=quant_predicate, dequantize=dequantize or None, dry_run=dry_run or None,
             flax_layout=flax_layout, orbax_layout=orbax_layout, dcp_naming=dcp_naming, dcp_ranks=dcp_ranks, outtype=outtype, requantize=requantize, output_tensor_type=output_tensor_type,
             token_embedding_type=token_embedding_type, imatrix=imatrix, scheme=scheme, layout=layout, upload_repo=upload_repo,
-            allow_config=allow_config, base=base, resume=resume)
-    emit(r, as_json, [*(r.get("plan") or []), r["summary"], *r.get("changes", []), *uploaded(r)])
+            allow_config=allow_config, base=base, resume=resume, estimate=estimate)
+    emit(r, as_json, [*(r.get("plan") or []), r["summary"], *r.get("changes", []), *estimated(r), *uploaded(r)])
 
 
 @cli.command()

@@ -31,8 +31,12 @@ b_layout_options = layout_options_for(
 
 
 @click.command("verify", epilog=TOLERANCE_HELP)
-@click.argument("a", type=CHECKPOINT)
-@click.argument("b", type=CHECKPOINT)
+@click.argument("a", type=CHECKPOINT, required=False)
+@click.argument("b", type=CHECKPOINT, required=False)
+@click.option("--receipt", "receipt", type=click.Path(), metavar="OUT",
+              help="Check the output OUT (a directory or file ffn-tools wrote) against the receipt it carries, without "
+                   "A: every file there with its size and SHA-256, no file it does not list. Exit 1 on any "
+                   "difference. Give no A and B with it.")
 @click.option("--backend", "backends", multiple=True, metavar="NAME",
               help=f"Kernel backend to run B's FFNs on, one of {BACKEND_NAMES}; repeat for several; 'all': every one "
                    "available on this machine. Default: the float64 reference and the kernels of B's runtime that "
@@ -99,7 +103,7 @@ b_layout_options = layout_options_for(
 @scheme_options
 @layout_options
 @b_layout_options
-def verify(a, b, backends, tokens, seed, layers, shards_needed, experts, atol, rtol, exact, logits, generate, prompts,
+def verify(a, b, receipt, backends, tokens, seed, layers, shards_needed, experts, atol, rtol, exact, logits, generate, prompts,
            new_tokens, profile, allow_unmatched, ffn_only, load_check, allow_config, side_files,
            all_ffns_on_every_backend, as_json, scheme, layout, b_layout):
     """Check that checkpoint B holds the same FFNs as checkpoint A.
@@ -139,7 +143,14 @@ def verify(a, b, backends, tokens, seed, layers, shards_needed, experts, atol, r
     FFNs must be there (else exit 2 names the missing ones; --shards-needed lists them before any
     download), the others may be absent, and the report names them. Without --layers every shard an
     index names must be there.
+
+    verify --receipt OUT checks an output of ffn-tools against the receipt every output carries
+    (ffn-tools-receipt.json inside a directory, OUT.ffn-tools-receipt.json beside a file): each file's size and
+    SHA-256, without A. The receipt also names the command, its options and every source file's SHA-256.
     """
+    if receipt is not None or a is None or b is None:
+        _receipt(receipt, a, b, as_json)
+        return
     from ..adapters.verify import involves_adapters
 
     if involves_adapters(a, b):
@@ -184,3 +195,16 @@ def verify(a, b, backends, tokens, seed, layers, shards_needed, experts, atol, r
         for line in report.lines():
             click.echo(line)
     click.get_current_context().exit(report.exit_status)
+
+
+def _receipt(out, a, b, as_json) -> None:
+    """``verify --receipt OUT``: the output against its receipt; A and B refused with it, and required without it."""
+    if out is None:
+        raise click.UsageError("give A and B (verify B against A), or --receipt OUT (an output against its receipt)")
+    if a is not None:
+        raise click.UsageError("--receipt OUT checks an output against its own receipt: give no A or B with it")
+    from ..api import verify_receipt
+
+    r = verify_receipt(out)
+    emit(r, as_json, r["lines"])
+    click.get_current_context().exit(0 if r["passed"] else 1)

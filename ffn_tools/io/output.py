@@ -20,7 +20,7 @@ from pathlib import Path
 from ..errors import OutputError, OutputExistsError, counted
 from ..progress import say
 from ..sizes import human
-from . import resume
+from . import receipt, resume, sample
 from .store import WEIGHT_SUFFIXES
 
 
@@ -118,7 +118,8 @@ def _stale(out: Path) -> list[Path]:
     a power cut), newest first; those of live processes are not among them."""
     found = []
     for p in out.parent.glob(f".{glob_escape(out.name)}.*-*"):
-        m = re.fullmatch(rf"\.{re.escape(out.name)}\.(?:tmp|old)-(\d+)-[0-9a-f]{{8}}", p.name)
+        m = re.fullmatch(rf"\.{re.escape(out.name)}\.(?:tmp|old)-(\d+)-[0-9a-f]{{8}}(?:\.{re.escape(receipt.NAME)})?",
+                         p.name)
         if m and not _alive(int(m.group(1))):
             found.append(p)
     return sorted(found, key=lambda p: p.lstat().st_mtime_ns, reverse=True)
@@ -178,7 +179,7 @@ NOT_RESUMABLE = ("--resume continues a directory of safetensors shards (split-ga
 
 @contextmanager
 def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | None = None,
-                  resume_key: str | None = None) -> Iterator[Path]:
+                  resume_key: str | None = None, sources: list[Path] | None = None) -> Iterator[Path]:
     """Yield a temporary path beside ``out``; on success it replaces ``out``, on failure (an exception,
     Ctrl-C, SIGTERM) it is removed. Temporaries that killed processes left for ``out`` are removed first,
     except, under ``--resume`` (``resume.REQUESTED``), the newest whose ledger has ``resume_key``: that one is
@@ -190,11 +191,15 @@ def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | N
         nbytes: what will be written, when known: refused up front if the disk has less free.
         resume_key: the run's key, where the caller keeps a resume ledger (None: it cannot be continued, and
             --resume is refused).
+        sources: the files the output is made of, for its receipt (``io.receipt``; default: ``inputs``, directories
+            whole), hashed while the caller writes.
 
     Raises:
         OutputExistsError / OutputError: before anything is written (see ``check_output``, ``check_parent``,
             ``_lock``), or the disk filled up (naming ``out`` and the space needed).
     """
+    if sample.settings() is not None and not sample.STREAMING.get():
+        os._exit(sample.NOT_SAMPLED)  # --dry-run's sample run (io.sample) of an output the executor does not stream
     resuming = resume.REQUESTED.get()
     if resuming and resume_key is None:
         raise OutputError(f"{out}: {NOT_RESUMABLE}")
@@ -212,9 +217,12 @@ def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | N
             os.replace(kept, tmp)
             say(f"{out}: --resume: continuing the unfinished output {kept.name} "
                 f"({counted(resume.finished_shards(tmp), 'shard')} finished, each checked before reuse)")
+        hashing = receipt.Sources(inputs if sources is None else sources, sample.STREAMING.get() or None)
         try:
             yield tmp
+            made = receipt.make(out, tmp, hashing)
         except OSError as e:
+            hashing.stop()
             _remove(tmp)
             if e.errno == errno.ENOSPC:
                 need = f"needs {human(nbytes)}; " if nbytes else ""
@@ -224,8 +232,15 @@ def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | N
                 raise OutputError(f"{out}: cannot write ({e.strerror}); choose another -o path") from None
             raise
         except BaseException:
+            hashing.stop()
             _remove(tmp)
             raise
+        beside = None  # a one-file output's receipt, moved beside it once it is in place
+        if tmp.is_dir():
+            receipt.write(made, tmp / receipt.NAME)
+        else:
+            beside = out.parent / f".{out.name}.tmp-{tag}.{receipt.NAME}"
+            receipt.write(made, beside)
         if out.exists() or out.is_symlink():
             old = out.parent / f".{out.name}.old-{tag}"
             os.replace(out, old)
@@ -233,3 +248,8 @@ def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | N
             _remove(old)
         else:
             os.replace(tmp, out)
+        side = out.with_name(f"{out.name}.{receipt.NAME}")
+        if beside is not None:
+            os.replace(beside, side)
+        else:
+            side.unlink(missing_ok=True)  # an earlier one-file output's, which this directory replaced

@@ -10,7 +10,7 @@ fuse-gateup, merge, extract, convert --to torch and --to mlx) keeps, in its temp
   continued by the same run.
 - ``SHARD.json`` per finished shard: its size and SHA-256, computed by a background thread from the file just
   closed (from the page cache, while the next shard is written), written (atomically) only after the shard's
-  last byte.
+  last byte. The same digests make the output's receipt (``io.receipt``).
 
 A process killed in any way (SIGKILL included: nothing of it runs) leaves its temporary directory
 ``.OUT.tmp-PID-TAG``. ``--resume`` adopts the newest such directory of a process that no longer runs whose
@@ -36,8 +36,9 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 
+from .digests import file_sha256
+
 LEDGER = ".ffn-tools-resume"
-HASH_CHUNK = 1 << 20  # read and hashed at a time (cache-sized; more held no time)
 CHECKERS = 4  # threads hashing finished shards again on --resume (at most the cores)
 
 # the libraries whose code makes shards (where they are installed, and when, is part of a run's key: an upgrade
@@ -101,17 +102,6 @@ def input_stamp(paths) -> list[tuple[str, int, int]]:
     return out
 
 
-def file_sha256(path: Path, stop: threading.Event | None = None) -> str | None:
-    """The SHA-256 of a file's bytes; None if ``stop`` was set before the last chunk."""
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(HASH_CHUNK):
-            if stop is not None and stop.is_set():
-                return None
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def ledger_key(tmp: Path) -> str | None:
     """The run key a temporary output's ledger records, or None (no ledger, or unreadable)."""
     try:
@@ -131,9 +121,9 @@ class Ledger:
 
     ``reusable(name)`` says whether shard ``name`` is finished (manifest of this key, size and SHA-256 of its
     bytes as recorded); ``finished(name)`` queues the shard just closed for hashing and its manifest;
-    ``close()`` stops the hashing (once every shard is written, the output is moments from its place: the last
-    shards' manifests would cost their hashing time and serve nothing, so a one-shard output is never hashed);
-    ``remove()`` deletes the ledger (before the output moves into place).
+    ``close()`` waits for the shards queued (their digests are the receipt's, ``io.receipt``: the last one is
+    the only shard hashed after the writing), or, where the writing failed, stops; ``remove()`` deletes the
+    ledger (before the output moves into place).
     """
 
     def __init__(self, tmp: Path, key: str):
@@ -172,7 +162,7 @@ class Ledger:
             return False
         path = self.tmp / name
         return (isinstance(m, dict) and m.get("key") == self.key and path.is_file()
-                and path.stat().st_size == m.get("size") and file_sha256(path) == m.get("sha256"))
+                and path.stat().st_size == m.get("size") and file_sha256(path, fresh=True) == m.get("sha256"))
 
     def reusable(self, name: str) -> bool:
         check = self._checks.get(name)
@@ -204,9 +194,10 @@ class Ledger:
             self._write(self.dir / f"{name}.json", {"key": self.key, "size": size, "sha256": digest})
 
     def close(self, failed: bool = False) -> None:
-        """Stop the hashing thread; raise what it met, unless the writing itself ``failed`` (its error is the one
-        to see, not this one's)."""
-        self._stop.set()
+        """Let the hashing thread finish the shards queued (stop it at once where the writing ``failed``); raise
+        what it met, unless the writing itself failed (its error is the one to see, not this one's)."""
+        if failed:
+            self._stop.set()
         self._queue.put(None)
         self._thread.join()
         if self._error is not None and not failed:

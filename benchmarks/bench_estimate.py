@@ -1,0 +1,99 @@
+"""``--dry-run``'s estimates against the real runs they predict, in one run.
+
+For each size given to ``--gb`` it builds (under bench-data/, reused) bench_scale.py's synthetic Phi-3-mini-shaped
+bf16 checkpoint (shards of at most 2 GB), reads it once (page cache warm, as for every run after), then for each
+command:
+
+    split   ``split-gateup`` (byte-range copies: the speed of the disk)
+    cast    ``convert --to torch --dtype float16`` (every tensor computed)
+    mlx4    ``convert --to mlx -q`` (4-bit quantization, worker processes)
+
+runs ``ffn-tools -q CMD --dry-run --json`` (the estimate: a sample of the run, in a child process) and then the real
+``ffn-tools -q CMD`` in a fresh process, timed, its peak RSS from ``os.wait4`` (the largest process of its tree, as
+the estimate measures its sample), its output's bytes counted; and prints each estimate over the measured value
+(target: within 0.8-1.2 for output bytes, temporary disk, peak RSS and time).
+
+    .venv/bin/python benchmarks/bench_estimate.py --gb 1 4 [--commands split cast mlx4] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_scale  # noqa: E402
+
+FFN = str(Path(sys.executable).parent / "ffn-tools")
+DATA = bench_scale.ROOT / "bench-data"
+COMMANDS = {
+    "split": lambda src, out: ["split-gateup", str(src), "-o", str(out)],
+    "cast": lambda src, out: ["convert", str(src), "--to", "torch", "--dtype", "float16", "-o", str(out)],
+    "mlx4": lambda src, out: ["convert", str(src), "--to", "mlx", "-q", "-o", str(out)],
+}
+BAND = (0.8, 1.2)
+
+
+def run_rss(cmd: list[str]) -> tuple[float, int, str]:
+    """Wall seconds, peak RSS (bytes: wait4's, the largest process of its tree) and stdout of ``cmd`` in a fresh
+    process."""
+    t = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    out = p.stdout.read()
+    _, status, usage = os.wait4(p.pid, 0)
+    dt = time.perf_counter() - t
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed with status {p.returncode}")
+    return dt, usage.ru_maxrss * 1024, out
+
+
+def size_of(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gb", type=float, nargs="+", default=[1.0, 4.0])
+    ap.add_argument("--commands", nargs="+", choices=sorted(COMMANDS), default=list(COMMANDS))
+    ap.add_argument("--keep", action="store_true", help="keep the built checkpoints")
+    args = ap.parse_args()
+    rows = []
+    for gb in args.gb:
+        layers = bench_scale.layers_for("phi3", gb)
+        src = DATA / f"estimate-phi3-{layers}l"
+        bench_scale.build(src, "phi3", layers)
+        bench_scale._warm(src)
+        for name in args.commands:
+            out = DATA / f"estimate-out-{name}"
+            shutil.rmtree(out, ignore_errors=True)
+            cmd = [FFN, "-q", *COMMANDS[name](src, out)]
+            _, _, text = run_rss([*cmd, "--dry-run", "--json"])
+            est = json.loads(text)["estimate"]
+            if not est["made"]:
+                raise SystemExit(f"{name}: no estimate ({est['why']})")
+            dt, rss, _ = run_rss(cmd)
+            got = {"output_bytes": size_of(out), "temporary_disk": size_of(out), "peak_rss": rss, "seconds": dt}
+            ratios = {k: est[k] / got[k] for k in got}
+            rows.append((gb, name, est, got, ratios))
+            shutil.rmtree(out, ignore_errors=True)
+            print(f"{size_of(src) / 1e9:5.2f} GB {name:6s} " + "  ".join(
+                f"{k} {est[k] / (1e6 if k != 'seconds' else 1):.1f}/{got[k] / (1e6 if k != 'seconds' else 1):.1f}"
+                f"={ratios[k]:.2f}" for k in got) + f"  (sample {est['sample']['reads'] / 1e6:.0f} MB, "
+                f"start-up {est['sample']['startup_seconds']:.1f} s)", flush=True)
+        if not args.keep:
+            shutil.rmtree(src, ignore_errors=True)
+    within = [all(BAND[0] <= r <= BAND[1] for r in ratios.values()) for *_, ratios in rows]
+    worst = max((abs(r - 1), k, name, gb) for gb, name, _, _, ratios in rows for k, r in ratios.items())
+    print(f"estimates within {BAND[0]}-{BAND[1]} of the real run: {sum(within)} of {len(within)} runs "
+          f"(worst: {worst[1]} of {worst[2]} at {worst[3]} GB, off by {worst[0]:.0%})")
+
+
+if __name__ == "__main__":
+    main()

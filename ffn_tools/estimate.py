@@ -1,0 +1,138 @@
+"""``--dry-run``'s estimates: output bytes, temporary disk, peak RSS and time, measured on this machine.
+
+A dry run plans; the estimate then runs the same command in a child process on a sample of the plan (``io.sample``:
+about 3% of the bytes read, 48 MB to 1 GB, every k-th output tensor and the one that reads the most), into a
+temporary directory beside the output (same disk), removed after. From it:
+
+- ``output_bytes``: the weight files' bytes scaled from the sample's (headers included) by the plan's exact tensor
+  bytes, plus the side files (config, tokenizer: written whole by the sample run);
+- ``temporary_disk``: the same bytes: the output is written into its own temporary directory beside ``-o`` and moved
+  into place; nothing else is written (where ``--force`` replaces an output, the old one is freed after);
+- ``peak_rss``: the sample process's peak RSS (``wait4``: the largest process of its tree, as the benchmarks
+  measure it), which planned the whole output and streamed its largest tensor;
+- ``seconds``: the sample's start-up (process, imports, planning, measured) plus its streaming time (receipt
+  hashing included) scaled by the bytes read.
+
+The child runs the command line as given (``cli`` keeps it); a library call is sampled where its options are plain
+data. An output the executor does not stream (GGUF, adapters) has no estimate, and the result says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from contextvars import ContextVar
+from pathlib import Path
+
+from .io import sample
+from .io.store import WEIGHT_INDEXES, WEIGHT_SUFFIXES
+from .sizes import human
+
+ENV = "FFN_TOOLS_ESTIMATE"  # "0": dry runs plan only (as --no-estimate)
+TIMEOUT = 600
+
+# the command line being run, as the CLI parsed it (``cli.Group``): what the sample child runs again
+ARGV: ContextVar[list[str] | None] = ContextVar("ffn_tools_argv", default=None)
+DROPPED = ("--dry-run", "--json", "--no-estimate", "--estimate")
+
+
+def wanted(given: bool | None) -> bool:
+    return given if given is not None else os.environ.get(ENV, "1") != "0"
+
+
+def _child_command(function: str, options: dict) -> list[str] | None:
+    argv = ARGV.get()
+    if argv is not None:
+        return [sys.executable, "-m", "ffn_tools", *[a for a in argv if a not in DROPPED]]
+    plain = {k: v for k, v in options.items() if k not in ("dry_run", "estimate")}
+    try:
+        if json.loads(json.dumps(plain)) != plain:
+            return None
+    except (TypeError, ValueError):
+        return None
+    code = (f"import json, sys; import ffn_tools.api as a; a.{function}(**json.loads(sys.argv[1]))")
+    return [sys.executable, "-c", code, json.dumps(plain)]
+
+
+def estimate(function: str, options: dict, out) -> dict:
+    """The estimate of the run that ``function(**options)`` (an ``api`` function, under ``--dry-run``) would make,
+    writing ``out``: ``made`` False and ``why`` where none could be made."""
+    from .child import python_env
+
+    cmd = _child_command(function, options)
+    if cmd is None:
+        return {"made": False, "why": "an option is not plain data, so the sample run cannot be given it"}
+    out = Path(out)
+    where = out.parent if out.parent.is_dir() else Path(tempfile.gettempdir())
+    with tempfile.TemporaryDirectory(prefix=".ffn-tools-estimate-", dir=where) as tmp:
+        report = Path(tmp) / "report.json"
+        env = {**python_env(), sample.ENV: json.dumps({"out": tmp, "report": str(report)}), ENV: "0"}
+        with tempfile.TemporaryFile("w+") as err:
+            begun = time.time()
+            status, peak = _run(cmd, env, err)
+            err.seek(0)
+            said = err.read().strip().splitlines()
+        if status is None:
+            return {"made": False, "why": f"the sample run took over {TIMEOUT} s"}
+        if status == sample.NOT_SAMPLED:
+            return {"made": False, "why": "this output is not streamed through the plan executor (GGUF and "
+                    "adapters are written by their own writers), so no sample of it can be run"}
+        if not report.is_file():
+            return {"made": False, "why": f"the sample run failed ({(said or ['no message'])[-1]})"}
+        facts = json.loads(report.read_text())
+    return _scaled(facts, begun, peak)
+
+
+def _run(cmd: list[str], env: dict, err) -> tuple[int | None, int]:
+    """Run ``cmd``: its exit status (None: killed after ``TIMEOUT``) and peak RSS in bytes (``wait4``'s ru_maxrss:
+    the largest process of its tree)."""
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+            return proc.returncode, usage.ru_maxrss * 1024
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            return None, 0
+        time.sleep(0.02)
+
+
+def _scaled(f: dict, begun: float, peak: int | None) -> dict:
+    weights = {n: s for n, s in f["files"].items()
+               if Path(n).suffix in WEIGHT_SUFFIXES or Path(n).name in WEIGHT_INDEXES or "/" in n}
+    side = sum(s for n, s in f["files"].items() if n not in weights)
+    sampled_out = sum(weights.values())
+    out_bytes = side + (round(sampled_out * f["bytes"] / f["sample_bytes"]) if f["sample_bytes"] else sampled_out)
+    streaming = f["ended"] - f["started"]
+    scale = f["reads"] / f["sample_reads"] if f["sample_reads"] else 1.0
+    seconds = (f["started"] - begun) + streaming * scale
+    return {"made": True, "output_bytes": out_bytes, "temporary_disk": out_bytes, "peak_rss": peak,
+            "seconds": round(seconds, 2),
+            "sample": {"tensors": f["sampled"], "of": f["entries"], "reads": f["sample_reads"], "of_reads": f["reads"],
+                       "startup_seconds": round(f["started"] - begun, 2), "seconds": round(streaming, 3)}}
+
+
+def line(r: dict) -> list[str]:
+    """The estimate's line in a dry run's text output ([] where there is none)."""
+    e = r.get("estimate")
+    if not e:
+        return []
+    if not e["made"]:
+        return [f"estimate: not made ({e['why']})"]
+    s = e["sample"]
+    share = f"{s['tensors']} of {s['of']} tensors, {human(s['reads'])} of {human(s['of_reads'])} read"
+    rss = f"peak RSS {human(e['peak_rss'])}, " if e.get("peak_rss") else ""
+    return [f"estimate: writes {human(e['output_bytes'])} (its temporary directory beside the output: "
+            f"{human(e['temporary_disk'])}, no other disk), {rss}{_duration(e['seconds'])} on this machine "
+            f"(a sample run here: {share})"]
+
+
+def _duration(s: float) -> str:
+    return f"{s:.1f} s" if s < 120 else f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"

@@ -1,0 +1,185 @@
+"""Receipts: every output says what made it and what it holds.
+
+Every output ffn-tools writes (``output.atomic_output``: plan.execute's shards, GGUF, Orbax, DCP, Flax, adapters)
+carries a receipt, ``ffn-tools-receipt.json``, inside a directory output, or beside a one-file output as
+``OUT.ffn-tools-receipt.json``:
+
+- ``tool``: ffn-tools' version, and the versions of the libraries that make output bytes;
+- ``command`` and ``options``: the command (``api``'s function, as the command line names it) and what it was given
+  (not ``--resume``: a resumed output is the uninterrupted one's, receipt included; not where the output was
+  written: ``output`` is its name, and the receipt moves with it);
+- ``sources``: every input file (path, size, SHA-256), hashed by a background thread while the command streams it
+  (the pages it reads are the ones the hash reads, from the page cache);
+- ``outputs``: every file of the output (path relative to the output's directory, size, SHA-256); a shard the resume
+  ledger hashed while the next one was written is not read again.
+
+It holds nothing that changes from one run to the next (no time, no process id), so two runs of the same command on
+the same inputs write the same receipt. ``ffn-tools verify --receipt OUT`` checks an output against it without the
+source (``checks.receipt``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
+from pathlib import Path
+
+from .digests import HASH_CHUNK, file_sha256
+
+NAME = "ffn-tools-receipt.json"
+VERSION = 1
+HASHERS = 4  # threads hashing the output's files at the end (the hashing releases the GIL)
+LIBRARIES = ("torch", "safetensors", "transformers", "mlx", "mlx-lm", "gguf", "jax", "flax", "orbax-checkpoint")
+# given to a command, but not what its output is made of: --resume (a resumed output is the uninterrupted one's), and
+# where the output is written (the receipt travels with it; ``output`` holds its name)
+NOT_OPTIONS = ("resume", "out")
+
+COMMAND: ContextVar[tuple[str, dict] | None] = ContextVar("ffn_tools_receipt_command", default=None)
+
+
+@contextmanager
+def recorded(command: str, **options) -> Iterator[None]:
+    """Within it, what is written records ``command`` and ``options`` in its receipt (``api`` sets it)."""
+    token = COMMAND.set((command, {k: _plain(v) for k, v in options.items() if k not in NOT_OPTIONS}))
+    try:
+        yield
+    finally:
+        COMMAND.reset(token)
+
+
+def _plain(v):
+    """``v`` as JSON holds it, the same in every run (a function or object by its type's name, not its address)."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, os.PathLike):
+        return os.fspath(v)
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return [_plain(x) for x in (sorted(v, key=str) if isinstance(v, (set, frozenset)) else v)]
+    text = str(v)
+    return type(v).__name__ if " at 0x" in text else text
+
+
+def receipt_path(out: Path) -> Path:
+    """Where the receipt of output ``out`` lies: inside a directory, beside a file."""
+    out = Path(out)
+    return out / NAME if out.is_dir() else out.with_name(out.name + "." + NAME)
+
+
+def source_files(inputs) -> list[Path]:
+    """The files under ``inputs`` (files, or directories read whole: every plain file in them, hidden ones and
+    receipts aside), each once, in order."""
+    seen, out = set(), []
+    for p in inputs:
+        p = Path(p)
+        files = (sorted(f for f in p.rglob("*") if f.is_file() and f.name != NAME
+                        and not any(part.startswith(".") for part in f.relative_to(p).parts))
+                 if p.is_dir() else [p] if p.is_file() else [])
+        for f in files:
+            if (r := f.resolve()) not in seen:
+                seen.add(r)
+                out.append(f)
+    return out
+
+
+class Sources:
+    """The input files hashed by a background thread from the moment the output is begun; ``digests()`` waits for
+    the rest. ``stop()``: the run failed, nothing more is read. ``budget``: hash that many bytes in all, no more
+    (the sample run of ``--dry-run``'s estimate, ``io.sample``: its share of the hashing; its digests mean nothing)."""
+
+    def __init__(self, inputs, budget: int | None = None):
+        self.files = source_files(inputs)
+        self.budget = budget
+        self._stop = threading.Event()
+        self._done: dict[Path, tuple[int, str]] = {}
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ffn-tools-source-hash", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        if self.budget is not None:
+            self._partial(self.budget)
+            return
+        try:
+            for f in self.files:
+                size = f.stat().st_size
+                if (digest := file_sha256(f, self._stop)) is None:
+                    return
+                self._done[f] = (size, digest)
+        except BaseException as e:  # said by digests(): the run's own error, where it has one, comes first
+            self._error = e
+
+    def _partial(self, left: int) -> None:
+        import hashlib
+
+        for f in self.files:
+            h = hashlib.sha256()
+            with open(f, "rb", buffering=0) as fh:
+                while left > 0 and not self._stop.is_set() and (chunk := fh.read(min(HASH_CHUNK, left))):
+                    h.update(chunk)
+                    left -= len(chunk)
+            self._done[f] = (f.stat().st_size, h.hexdigest())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def digests(self) -> list[dict]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return [{"path": os.path.abspath(f), "size": self._done[f][0], "sha256": self._done[f][1]} for f in self.files]
+
+
+def _tool() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    return {"name": "ffn-tools", "version": v("ffn-tools") or "source",
+            "libraries": {n: x for n in LIBRARIES if (x := v(n)) is not None}}
+
+
+def output_files(tmp: Path) -> list[tuple[str, Path]]:
+    """The files of an output at ``tmp`` (a file, or a directory's files at any depth), by the path the receipt
+    gives them: relative to the directory, or the output's own name for one file."""
+    if tmp.is_dir():
+        return sorted((f.relative_to(tmp).as_posix(), f) for f in tmp.rglob("*") if f.is_file() and f.name != NAME)
+    return [("", tmp)]
+
+
+def hashed(files: list[Path]) -> list[tuple[int, str]]:
+    """Each file's size and SHA-256, ``HASHERS`` files at a time (a digest this process made before is reused)."""
+    def one(f: Path) -> tuple[int, str]:
+        size = f.stat().st_size
+        return size, file_sha256(f) or ""
+
+    if len(files) <= 1:
+        return [one(f) for f in files]
+    with ThreadPoolExecutor(min(HASHERS, os.cpu_count() or 1, len(files)), "ffn-tools-output-hash") as pool:
+        return list(pool.map(one, files))
+
+
+def make(out: Path, tmp: Path, sources: Sources) -> dict:
+    """The receipt of the output at ``tmp``, to be moved to ``out``."""
+    command, options = COMMAND.get() or (None, {})
+    named = output_files(tmp)
+    digests = hashed([f for _, f in named])
+    return {"receipt": VERSION, "tool": _tool(), "command": command, "options": options, "output": out.name,
+            "sources": sources.digests(),
+            "outputs": [{"path": rel or out.name, "size": size, "sha256": digest}
+                        for (rel, _), (size, digest) in zip(named, digests)]}
+
+
+def write(receipt: dict, path: Path) -> None:
+    path.write_text(json.dumps(receipt, indent=2, sort_keys=False) + "\n")

@@ -1,0 +1,72 @@
+"""The sample run behind ``--dry-run``'s estimates (``ffn_tools.estimate``), on the child's side.
+
+``--dry-run`` runs the same command again in a child process with ``FFN_TOOLS_SAMPLE`` set (JSON: ``out``, a
+directory to write into, and ``report``, a file to write the measurements to). There the one executor
+(``plan.execute``) plans the whole output as always, then streams only a sample of its tensors (``narrow``: every
+k-th, and the one that reads the most, which sets the peak memory: about 3% of the bytes read, at least 48 MB and
+twice the largest tensor's, at most 1 GB) into ``out``, receipt included (its source hashes
+limited to the sample's share of the input), writes what it measured, and ends the process. An output that is not
+streamed through the executor (GGUF, adapters) is refused in sample mode before anything is written
+(``io.output``), so the child never runs a whole conversion.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from contextvars import ContextVar
+from dataclasses import replace
+from pathlib import Path
+
+ENV = "FFN_TOOLS_SAMPLE"
+SHARE = 0.03  # of the bytes read: the sample
+SMALLEST = 48 << 20  # a sample reads at least this much (or everything, for a smaller output)
+LARGEST = 1 << 30  # and at most this much
+NOT_SAMPLED = 3  # the child's exit status where the output is not streamed through the executor
+
+# set by the executor around its output, in the sample run: the bytes of input the receipt may hash (0: not streaming)
+STREAMING: ContextVar[int] = ContextVar("ffn_tools_sample_streaming", default=0)
+
+
+def settings() -> dict | None:
+    """The sample run's settings, in the child of a ``--dry-run``; None in every other process."""
+    text = os.environ.get(ENV)
+    return json.loads(text) if text else None
+
+
+def reads(e) -> int:
+    return e.nbytes if e.reads is None else e.reads
+
+
+def narrow(plan):
+    """The plan with only its sample's entries, and what the estimate scales by (totals, the sample's share)."""
+    entries = plan.entries
+    total = sum(reads(e) for e in entries)
+    largest = max(range(len(entries)), key=lambda i: reads(entries[i])) if entries else 0
+    # the largest at most half the sample, where the cap allows: its weight in the time scaled up stays small
+    want = min(max(total * SHARE, SMALLEST, 2 * reads(entries[largest]) if entries else 0), LARGEST)
+    if total <= want or not entries:
+        chosen = list(range(len(entries)))
+    else:
+        step = max(1, math.floor(total / want))  # entries of about equal reads: every step-th reads `want`
+        chosen = sorted(set(range(0, len(entries), step)) | {largest})
+        while sum(reads(entries[i]) for i in chosen) > 2 * want:  # a few huge entries: fewer of them
+            thinner = sorted(set(chosen[::2]) | {largest})
+            if len(thinner) == len(chosen):
+                break
+            chosen = thinner
+    sample = [entries[i] for i in chosen]
+    facts = {"entries": len(entries), "sampled": len(sample), "reads": total,
+             "sample_reads": sum(reads(e) for e in sample), "bytes": plan.total_bytes,
+             "sample_bytes": sum(e.nbytes for e in sample)}
+    return replace(plan, entries=sample), facts
+
+
+def report(path: Path, facts: dict, started: float, out: Path) -> None:
+    """Write what the sample run measured, and end the process (nothing after the write matters to the estimate)."""
+    sizes = ({f.relative_to(out).as_posix(): f.stat().st_size for f in out.rglob("*") if f.is_file()}
+             if out.is_dir() else {out.name: out.stat().st_size} if out.exists() else {})
+    Path(path).write_text(json.dumps({**facts, "started": started, "ended": time.time(), "files": sizes}))
+    os._exit(0)

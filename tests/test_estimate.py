@@ -1,0 +1,70 @@
+"""--dry-run's estimates (ffn_tools.estimate): a sample of the run, in a child process, against the real run; and
+the sample's choice of tensors (io.sample.narrow)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ffn_tools.io import sample
+from ffn_tools.plan import Entry, Plan
+
+from helpers import run_cli
+
+
+def _size(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
+
+
+@pytest.mark.parametrize("args", [["split-gateup"], ["convert", "--to", "torch", "--dtype", "float16"]],
+                         ids=["split", "cast"])
+def test_dry_run_estimates_the_run_from_a_sample_and_writes_nothing(model_dir, tmp_path, args):
+    src = model_dir("phi3", torch.bfloat16)
+    out = tmp_path / "out"
+    cmd = [args[0], src, *args[1:], "-o", out]
+    r = run_cli(*cmd, "--dry-run", "--estimate", "--json")
+    e = json.loads(r.output)["estimate"]
+    assert e["made"], e
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # the sample's directory removed, nothing written
+    assert e["sample"]["tensors"] == e["sample"]["of"] > 0  # a tiny model: sampled whole
+    assert e["peak_rss"] > 20e6 and 0 < e["seconds"] < 120 and e["sample"]["startup_seconds"] > 0
+    text = run_cli(*cmd, "--dry-run", "--estimate").output
+    assert "estimate: writes" in text and "peak RSS" in text and "a sample run here" in text
+    run_cli(*cmd)
+    assert e["output_bytes"] == e["temporary_disk"]
+    assert abs(e["output_bytes"] - _size(out)) <= 0.02 * _size(out)  # the receipt's options differ by a few bytes
+
+
+def test_no_estimate_where_the_output_is_not_streamed_through_the_executor(model_dir, tmp_path):
+    """A GGUF is written by llama.cpp's converter: the sample run stops before it starts, and says so."""
+    r = run_cli("convert", model_dir("llama", torch.bfloat16), "--to", "gguf", "-o", tmp_path / "m.gguf",
+                "--dry-run", "--estimate", "--json")
+    e = json.loads(r.output)["estimate"]
+    assert e == {"made": False, "why": e["why"]} and "not streamed through the plan executor" in e["why"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def _entry(i: int, n: int) -> Entry:
+    return Entry(f"t{i}", "U8", (n,), (f"t{i}",), lambda ts: ts[0], ((0, 0, n),), "unchanged")
+
+
+def test_the_sample_is_every_kth_tensor_and_the_largest():
+    mb = 1 << 20
+    entries = [_entry(i, mb) for i in range(3000)] + [_entry(3000, 60 * mb)]
+    plan = Plan(source=None, entries=entries, config=None)  # type: ignore[arg-type]
+    narrowed, facts = sample.narrow(plan)
+    names = [e.name for e in narrowed.entries]
+    assert "t3000" in names and "t0" in names
+    assert facts["reads"] == 3060 * mb and facts["entries"] == 3001
+    # about 3% of the bytes (92 MB), and at least twice the largest tensor (120 MB): within a factor of 2
+    assert 120 * mb / 2 <= facts["sample_reads"] <= 2 * 120 * mb
+    assert facts["sample_reads"] == sum(e.nbytes for e in narrowed.entries) == facts["sample_bytes"]
+    # a few huge tensors: never looping, never empty
+    few = Plan(source=None, entries=[_entry(0, 2000 * mb), _entry(1, 2000 * mb)], config=None)  # type: ignore
+    narrowed, facts = sample.narrow(few)
+    assert 1 <= len(narrowed.entries) <= 2
+    small = Plan(source=None, entries=[_entry(i, 1000) for i in range(10)], config=None)  # type: ignore
+    assert len(sample.narrow(small)[0].entries) == 10

@@ -1,0 +1,116 @@
+"""Receipts: every output carries one (tool, command, options, sources and outputs with SHA-256), and
+``verify --receipt OUT`` checks an output against it without the source."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from ffn_tools.io.receipt import NAME
+
+from helpers import run_cli
+
+
+def _sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    from tiny_models import build
+
+    return build("phi3", tmp_path_factory.mktemp("receipt") / "phi3", torch.bfloat16, max_shard_size="60KB")
+
+
+@pytest.fixture(scope="module")
+def split(sharded, tmp_path_factory):
+    out = tmp_path_factory.mktemp("receipt-out") / "split"
+    run_cli("split-gateup", sharded, "-o", out, "--max-shard-size", "40KB")
+    return out
+
+
+def test_receipt_records_the_command_its_sources_and_every_output_file(sharded, split):
+    r = json.loads((split / NAME).read_text())
+    assert r["tool"]["name"] == "ffn-tools" and r["tool"]["version"]
+    assert "torch" in r["tool"]["libraries"]
+    assert r["command"] == "split-gateup"
+    assert r["options"]["max_shard_size"] == 40_000 and r["options"]["path"] == str(sharded)
+    assert "out" not in r["options"] and r["output"] == split.name  # the receipt moves with the output
+    # every source file the run read (shards, index, side files), each with its own bytes' SHA-256
+    sources = {Path(s["path"]).name: s for s in r["sources"]}
+    shards = sorted(p.name for p in sharded.glob("*.safetensors"))
+    assert len(shards) > 1 and set(shards) <= set(sources)
+    assert {"config.json", "model.safetensors.index.json"} <= set(sources)
+    for s in r["sources"]:
+        p = Path(s["path"])
+        assert p.is_absolute() and s["size"] == p.stat().st_size and s["sha256"] == _sha(p)
+    # every output file but the receipt, by its path in the output
+    files = sorted(p.relative_to(split).as_posix() for p in split.rglob("*") if p.is_file() and p.name != NAME)
+    assert [o["path"] for o in r["outputs"]] == files
+    assert len([f for f in files if f.endswith(".safetensors")]) > 1
+    for o in r["outputs"]:
+        assert o["size"] == (split / o["path"]).stat().st_size and o["sha256"] == _sha(split / o["path"])
+
+
+def test_verify_receipt_passes_an_untouched_output_and_fails_each_change(split, tmp_path):
+    r = run_cli("verify", "--receipt", split, "--json")
+    got = json.loads(r.output)
+    assert got["passed"] and got["summary"].startswith("PASS") and got["sources_checked"] is False
+    assert "sources: not read" in run_cli("verify", "--receipt", split).output
+
+    out = tmp_path / "copy"
+    shutil.copytree(split, out)
+    shard = sorted(out.glob("model-*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # one bit of a weight, the size unchanged
+    shard.write_bytes(bytes(data))
+    (out / "notes.txt").write_text("added\n")
+    (out / "config.json").unlink()
+    r = run_cli("verify", "--receipt", out, ok=None)
+    assert r.exit_code == 1, r.output
+    assert f"{shard.name}: SHA-256" in r.output and "same size: its bytes changed" in r.output
+    assert "notes.txt: not in the receipt" in r.output
+    assert "config.json: missing" in r.output and r.output.rstrip().splitlines()[-1].startswith("FAIL")
+
+
+def test_one_file_output_carries_its_receipt_beside_it_and_force_replaces_both(model_dir, tmp_path):
+    src = model_dir("phi3", torch.bfloat16) / "model.safetensors"
+    out = tmp_path / "split.safetensors"
+    run_cli("split-gateup", src, "-o", out)
+    side = tmp_path / f"split.safetensors.{NAME}"
+    first = json.loads(side.read_text())
+    assert [o["path"] for o in first["outputs"]] == ["split.safetensors"] and first["output"] == "split.safetensors"
+    assert first["outputs"][0]["sha256"] == _sha(out)
+    assert [Path(s["path"]).name for s in first["sources"]][0] == "model.safetensors"
+    run_cli("verify", "--receipt", out)
+    run_cli("split-gateup", src, "-o", out, "--force")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["split.safetensors", f"split.safetensors.{NAME}"]
+    assert json.loads(side.read_text())["options"]["force"] is True
+    out.write_bytes(out.read_bytes()[:-1])
+    assert run_cli("verify", "--receipt", out, ok=None).exit_code == 1
+
+
+def test_a_receipt_is_never_carried_into_the_next_output(split, tmp_path):
+    out = tmp_path / "fused"
+    run_cli("fuse-gateup", split, "-o", out)
+    r = json.loads((out / NAME).read_text())
+    assert r["command"] == "fuse-gateup"
+    assert NAME not in {Path(s["path"]).name for s in r["sources"]}
+    assert all(o["path"] != NAME for o in r["outputs"])
+    run_cli("verify", "--receipt", out)
+
+
+def test_verify_receipt_errors(split, model_dir, tmp_path):
+    r = run_cli("verify", "--receipt", split, split, ok=False)
+    assert "give no A or B" in r.output
+    r = run_cli("verify", split, ok=False)
+    assert "--receipt OUT" in r.output
+    r = run_cli("verify", "--receipt", model_dir("phi3", torch.bfloat16), ok=False)
+    assert "has no receipt" in r.output
+    r = run_cli("verify", "--receipt", tmp_path / "nothing", ok=False)
+    assert "no such output" in r.output
