@@ -8,10 +8,11 @@ temporary directory beside the output (same disk), removed after. From it:
   bytes, plus the side files (config, tokenizer: written whole by the sample run);
 - ``temporary_disk``: the same bytes: the output is written into its own temporary directory beside ``-o`` and moved
   into place; nothing else is written (where ``--force`` replaces an output, the old one is freed after);
-- ``peak_rss``: the sample process's peak RSS (``wait4``: the largest process of its tree, as the benchmarks
-  measure it), which planned the whole output and streamed its largest tensor;
-- ``seconds``: the sample's start-up (process, imports, planning, measured) plus its streaming time (receipt
-  hashing included) scaled by the bytes read.
+- ``peak_rss``: the sample process's peak RSS (its own high-water mark, or its workers' where larger: the largest
+  process of its tree, as the benchmarks measure it), which planned the whole output and streamed its largest
+  tensor;
+- ``seconds``: the sample's start-up (process, imports, planning, measured), plus its streaming time (worker
+  processes starting, receipt hashing, the move into place included) scaled by the bytes read.
 
 The child runs the command line as given (``cli`` keeps it); a library call is sampled where its options are plain
 data. An output the executor does not stream (GGUF, adapters) has no estimate, and the result says why.
@@ -73,7 +74,7 @@ def estimate(function: str, options: dict, out) -> dict:
         env = {**python_env(), sample.ENV: json.dumps({"out": tmp, "report": str(report)}), ENV: "0"}
         with tempfile.TemporaryFile("w+") as err:
             begun = time.time()
-            status, peak = _run(cmd, env, err)
+            status = _run(cmd, env, err)
             err.seek(0)
             said = err.read().strip().splitlines()
         if status is None:
@@ -84,36 +85,30 @@ def estimate(function: str, options: dict, out) -> dict:
         if not report.is_file():
             return {"made": False, "why": f"the sample run failed ({(said or ['no message'])[-1]})"}
         facts = json.loads(report.read_text())
-    return _scaled(facts, begun, peak)
+    return _scaled(facts, begun)
 
 
-def _run(cmd: list[str], env: dict, err) -> tuple[int | None, int]:
-    """Run ``cmd``: its exit status (None: killed after ``TIMEOUT``) and peak RSS in bytes (``wait4``'s ru_maxrss:
-    the largest process of its tree)."""
+def _run(cmd: list[str], env: dict, err) -> int | None:
+    """Run ``cmd``: its exit status (None: killed after ``TIMEOUT``)."""
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
-    deadline = time.monotonic() + TIMEOUT
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
-            return proc.returncode, usage.ru_maxrss * 1024
-        if time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            return None, 0
-        time.sleep(0.02)
+    try:
+        return proc.wait(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return None
 
 
-def _scaled(f: dict, begun: float, peak: int | None) -> dict:
+def _scaled(f: dict, begun: float) -> dict:
     weights = {n: s for n, s in f["files"].items()
                if Path(n).suffix in WEIGHT_SUFFIXES or Path(n).name in WEIGHT_INDEXES or "/" in n}
     side = sum(s for n, s in f["files"].items() if n not in weights)
     sampled_out = sum(weights.values())
     out_bytes = side + (round(sampled_out * f["bytes"] / f["sample_bytes"]) if f["sample_bytes"] else sampled_out)
     streaming = f["ended"] - f["started"]
-    scale = f["reads"] / f["sample_reads"] if f["sample_reads"] else 1.0
-    seconds = (f["started"] - begun) + streaming * scale
-    return {"made": True, "output_bytes": out_bytes, "temporary_disk": out_bytes, "peak_rss": peak,
+    startup = f["started"] - begun
+    seconds = startup + streaming * (f["reads"] / f["sample_reads"] if f["sample_reads"] else 1.0)
+    return {"made": True, "output_bytes": out_bytes, "temporary_disk": out_bytes, "peak_rss": f["peak_rss"],
             "seconds": round(seconds, 2),
             "sample": {"tensors": f["sampled"], "of": f["entries"], "reads": f["sample_reads"], "of_reads": f["reads"],
                        "startup_seconds": round(f["started"] - begun, 2), "seconds": round(streaming, 3)}}

@@ -181,6 +181,7 @@ class QuantJob:
         self.infos = infos if infos and all(i.start is not None for i in infos) else None  # what a worker can read
         self.nbytes = sum(i.nbytes for i in infos)
         self.pool: QuantPool | None = None
+        self.wanted = True  # False: no entry of a sample run (io.sample) asks for it, so the pool never runs it
         self.index = -1
         self.future: Future[list[RawTensor]] | None = None
         self._parts: list[RawTensor] | None = None
@@ -248,9 +249,12 @@ class QuantPool:
             # spawn: fresh interpreters (forking a process that runs MLX's threads is unsafe)
             self._executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
         self.submitted = max(self.submitted, job.index)  # jobs before it are not asked for (--resume reused them)
-        while self.submitted < len(self.jobs) and self.submitted <= job.index + 2 * self.workers:
+        after = 0  # jobs submitted after ``job``: 2 * workers of those that will be asked for
+        while self.submitted < len(self.jobs) and (self.submitted <= job.index or after < 2 * self.workers):
             j = self.jobs[self.submitted]
-            j.future = self._executor.submit(quantize_files, *j.args())
+            if j.wanted:
+                j.future = self._executor.submit(quantize_files, *j.args())
+                after += j.index > job.index
             self.submitted += 1
 
     def close(self) -> None:

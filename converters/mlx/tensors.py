@@ -109,9 +109,19 @@ class _Source:
                      reads=self.nbytes)
 
 
+class _Part:
+    """The compute of a quantized weight's part ``k``: taken from its job (the entry reads no inputs itself).
+    ``shared``: the work it is part of, which a sample run keeps only for its sampled entries (``io.sample``)."""
+
+    def __init__(self, job: QuantJob, k: int):
+        self.shared, self.k = job, k
+
+    def __call__(self, _) -> RawTensor:
+        return self.shared.part(self.k)
+
+
 def _part(job: QuantJob, k: int) -> Callable[[list], RawTensor]:
-    """The compute of a quantized weight's part ``k``: taken from its job (the entry reads no inputs itself)."""
-    return lambda _: job.part(k)
+    return _Part(job, k)
 
 
 def plan_outputs(ckpt, tg, view: list[Entry], outputs: list[Output], cast: str | None, chosen: dict[str, dict],

@@ -3,7 +3,7 @@
 ``--dry-run`` runs the same command again in a child process with ``FFN_TOOLS_SAMPLE`` set (JSON: ``out``, a
 directory to write into, and ``report``, a file to write the measurements to). There the one executor
 (``plan.execute``) plans the whole output as always, then streams only a sample of its tensors (``narrow``: every
-k-th, and the one that reads the most, which sets the peak memory: about 3% of the bytes read, at least 48 MB and
+k-th, and the one that reads the most with its neighbours, which set the peak memory: about 3% of the bytes read, at least 48 MB and
 twice the largest tensor's, at most 1 GB) into ``out``, receipt included (its source hashes
 limited to the sample's share of the input), writes what it measured, and ends the process. An output that is not
 streamed through the executor (GGUF, adapters) is refused in sample mode before anything is written
@@ -51,12 +51,25 @@ def narrow(plan):
         chosen = list(range(len(entries)))
     else:
         step = max(1, math.floor(total / want))  # entries of about equal reads: every step-th reads `want`
-        chosen = sorted(set(range(0, len(entries), step)) | {largest})
+        # one tensor of the largest size (an embedding and its untied head): two of them next to each other in the
+        # sample would hold more memory at once than the stream, where they lie far apart
+        top = 0.9 * reads(entries[largest])
+        reading = [i for i, e in enumerate(entries) if reads(e) > 0]  # parts read with another (scales) come with it
+        near = {i for i in (largest - 1, largest + 1) if 0 <= i < len(entries)}  # as the stream meets it
+        chosen = sorted({i for i in reading[::step] if reads(entries[i]) < top} | {largest} | near)
         while sum(reads(entries[i]) for i in chosen) > 2 * want:  # a few huge entries: fewer of them
             thinner = sorted(set(chosen[::2]) | {largest})
             if len(thinner) == len(chosen):
                 break
             chosen = thinner
+    # work shared by several entries (a quantized weight's parts, ``compute.shared``): a sampled entry brings the
+    # others that share it (the work is done, and its bytes read, once for all), and the rest is never done
+    shared = [getattr(e.compute, "shared", None) for e in entries]
+    kept = {id(shared[i]) for i in chosen if shared[i] is not None}
+    chosen = sorted(set(chosen) | {i for i, w in enumerate(shared) if w is not None and id(w) in kept})
+    for w in shared:
+        if w is not None:
+            w.wanted = id(w) in kept
     sample = [entries[i] for i in chosen]
     facts = {"entries": len(entries), "sampled": len(sample), "reads": total,
              "sample_reads": sum(reads(e) for e in sample), "bytes": plan.total_bytes,
@@ -68,5 +81,26 @@ def report(path: Path, facts: dict, started: float, out: Path) -> None:
     """Write what the sample run measured, and end the process (nothing after the write matters to the estimate)."""
     sizes = ({f.relative_to(out).as_posix(): f.stat().st_size for f in out.rglob("*") if f.is_file()}
              if out.is_dir() else {out.name: out.stat().st_size} if out.exists() else {})
-    Path(path).write_text(json.dumps({**facts, "started": started, "ended": time.time(), "files": sizes}))
+    ended = time.time()
+    Path(path).write_text(json.dumps({**facts, "started": started, "ended": ended, "files": sizes, "peak_rss": peak()}))
+    import multiprocessing
+
+    for child in multiprocessing.active_children():  # worker processes (a quantization pool): not left behind
+        child.kill()
+        child.join()
     os._exit(0)
+
+
+def peak() -> int:
+    """This process's peak RSS (VmHWM: of its own memory since it started; ``wait4``'s ru_maxrss would also hold the
+    RSS of the process that started it, which Linux carries into a child's), or its workers' where larger."""
+    import resource
+
+    hwm = 0
+    try:
+        for row in Path("/proc/self/status").read_text().splitlines():
+            if row.startswith("VmHWM:"):
+                hwm = int(row.split()[1]) * 1024
+    except OSError:
+        hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return max(hwm, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
