@@ -18,6 +18,7 @@ import functools
 from inspect import signature as _signature
 from pathlib import Path
 
+from . import cluster, rerun
 from .envelope import ENVELOPE, envelope  # noqa: F401  (the keys every command's JSON starts with)
 from .errors import FFNToolsError, counted
 from .hub import resolve
@@ -27,15 +28,17 @@ from .io.resume import requested
 
 def _receipted(command: str):
     """Run the function with ``command`` and the arguments it was given recorded in its output's receipt
-    (``io.receipt``); under ``dry_run``, add the estimate of the real run (``estimate``; ``estimate=False``: none)."""
+    (``io.receipt``); under ``dry_run``, add the estimate of the real run (``estimate``; ``estimate=False``: none);
+    ``ray``: write the output's shards as Ray tasks (``cluster``; an address, or ``"local"``)."""
     def wrap(fn):
         signature = _signature(fn)
 
         @functools.wraps(fn)
-        def run(*args, estimate: bool | None = None, **kwargs):
+        def run(*args, estimate: bool | None = None, ray: str | None = None, **kwargs):
             given = dict(signature.bind(*args, **kwargs).arguments)
             given.update(given.pop("options", {}))
-            with recorded(command, **given):
+            call = rerun.replay(fn.__name__, given) if ray is not None else None
+            with recorded(command, **given), cluster.requested(ray, call):
                 r = fn(*args, **kwargs)
             if given.get("dry_run") and r.get("output"):
                 from . import estimate as estimates

@@ -23,12 +23,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
-from contextvars import ContextVar
 from pathlib import Path
 
+from . import rerun
 from .io import sample
 from .io.store import WEIGHT_INDEXES, WEIGHT_SUFFIXES
 from .sizes import human
@@ -36,27 +35,10 @@ from .sizes import human
 ENV = "FFN_TOOLS_ESTIMATE"  # "0": dry runs plan only (as --no-estimate)
 TIMEOUT = 600
 
-# the command line being run, as the CLI parsed it (``cli.Group``): what the sample child runs again
-ARGV: ContextVar[list[str] | None] = ContextVar("ffn_tools_argv", default=None)
-DROPPED = ("--dry-run", "--json", "--no-estimate", "--estimate")
 
 
 def wanted(given: bool | None) -> bool:
     return given if given is not None else os.environ.get(ENV, "1") != "0"
-
-
-def _child_command(function: str, options: dict) -> list[str] | None:
-    argv = ARGV.get()
-    if argv is not None:
-        return [sys.executable, "-m", "ffn_tools", *[a for a in argv if a not in DROPPED]]
-    plain = {k: v for k, v in options.items() if k not in ("dry_run", "estimate")}
-    try:
-        if json.loads(json.dumps(plain)) != plain:
-            return None
-    except (TypeError, ValueError):
-        return None
-    code = (f"import json, sys; import ffn_tools.api as a; a.{function}(**json.loads(sys.argv[1]))")
-    return [sys.executable, "-c", code, json.dumps(plain)]
 
 
 def estimate(function: str, options: dict, out) -> dict:
@@ -64,9 +46,10 @@ def estimate(function: str, options: dict, out) -> dict:
     writing ``out``: ``made`` False and ``why`` where none could be made."""
     from .child import python_env
 
-    cmd = _child_command(function, options)
-    if cmd is None:
+    call = rerun.replay(function, options)
+    if call is None:
         return {"made": False, "why": "an option is not plain data, so the sample run cannot be given it"}
+    cmd = rerun.command(call)
     out = Path(out)
     where = out.parent if out.parent.is_dir() else Path(tempfile.gettempdir())
     with tempfile.TemporaryDirectory(prefix=".ffn-tools-estimate-", dir=where) as tmp:

@@ -139,6 +139,16 @@ def estimate_option(f):
                              "FFN_TOOLS_ESTIMATE=0).")(f)
 
 
+def ray_option(f):
+    return click.option("--ray", "ray", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+                        help="Write the output's shards as Ray tasks, each where its input files are: on the Ray "
+                             "cluster at ADDRESS (--ray=ADDRESS, e.g. --ray=auto, --ray=ray://head:10001; the output "
+                             "directory and the inputs on storage every node sees, or the inputs on each node), or, "
+                             "alone, on a Ray started here on every core. The output, receipt included, is byte-"
+                             "identical to a one-node run's. Directory outputs of safetensors shards only; needs "
+                             "ffn-tools[ray].")(f)
+
+
 def resume_option(f):
     return click.option("--resume", is_flag=True, help="Continue the unfinished output a killed run of this same command "
                         "left (its temporary directory beside OUT): every shard it finished is checked (size and "

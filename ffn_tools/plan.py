@@ -27,6 +27,7 @@ from .io.dtypes import as_st, nbytes, short_name
 from .errors import FFNToolsError
 
 DEQUANTIZED = "ffn_tools_dequantized_from"  # safetensors metadata: the quantization weights were read from
+from . import cluster
 from .io import receipt, sample
 from .io.output import atomic_output
 from .io.resume import Ledger, input_stamp, plan_key
@@ -149,6 +150,12 @@ def side_files(ckpt: Checkpoint) -> list[Path]:
     return [ckpt.root / n for n in KNOWN_SIDE_FILES if (ckpt.root / n).is_file()]
 
 
+def _files_of(plan: Plan) -> list[set[str]]:
+    """Each entry's input files (where its bytes lie in a file): where a --ray task writing it is best placed."""
+    ckpt = plan.source
+    return [{str(f) for n in e.inputs if (f := getattr(ckpt.info(n), "file", None)) is not None} for e in plan.entries]
+
+
 def _indexes(ckpt: Checkpoint) -> list[Path]:
     """The weight index a sharded input was read through, if any."""
     if len(ckpt.files) < 2:
@@ -201,11 +208,14 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
         key = plan_key(command=desc, writer=type(writer).__name__, out=out.name, shard=max_shard_size, metadata=meta,
                        entries=plan.describe(), config=plan.config, carry=carry, extra=sorted(extra_files or {}),
                        inputs=input_stamp(inputs))
+    if (shard := cluster.SHARD.get()) is not None:  # a --ray task: its one shard, and nothing else of the command
+        cluster.write_one(shard, items, plan.entries, max_shard_size=max_shard_size, metadata=meta)
+    distributed = cluster.ADDRESS.get() is not None and key is not None  # --ray: shards written by Ray tasks
     token = sample.STREAMING.set(facts["sample_reads"] or 1) if sampling is not None else None
     try:
         read = [*_indexes(ckpt), *ckpt.files, *(side_files(ckpt) if carry else []), *plan.also_read]  # the receipt's
         with atomic_output(out, inputs=inputs, force=force, nbytes=plan.total_bytes, resume_key=key,
-                           sources=read) as tmp:
+                           sources=read, distributed=distributed) as tmp:
             if out.suffix == writer.suffix:
                 writer.write_file(tmp, items, meta, progress)
                 written = [out.name]
@@ -217,8 +227,12 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
                 else:
                     ledger = Ledger(tmp, key)
                     try:
-                        written = writer.write_sharded(tmp, items, max_shard_size=max_shard_size, metadata=meta,
-                                                       progress=progress, ledger=ledger)
+                        if distributed:
+                            written = cluster.write_sharded(tmp, items, _files_of(plan), max_shard_size=max_shard_size,
+                                                            metadata=meta, progress=progress, ledger=ledger)
+                        else:
+                            written = writer.write_sharded(tmp, items, max_shard_size=max_shard_size, metadata=meta,
+                                                           progress=progress, ledger=ledger)
                     except BaseException:
                         ledger.close(failed=True)
                         raise

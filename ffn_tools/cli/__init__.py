@@ -12,8 +12,8 @@ import click
 
 from .. import progress
 from ..errors import FFNToolsError
-from ..options import (CHECKPOINT, emit, estimate_option, estimated, layout_options, resume_option, scheme_options,
-                       size_option, upload_option, uploaded)
+from ..options import (CHECKPOINT, emit, estimate_option, estimated, layout_options, ray_option, resume_option,
+                       scheme_options, size_option, upload_option, uploaded)
 from .verify import verify as verify_command
 
 # Optional packages and the extra that installs each (import name -> pip requirement).
@@ -76,10 +76,10 @@ class Group(click.Group):
 
     def invoke(self, ctx):
         as_json = "--json" in ctx.args
-        from ..estimate import ARGV
+        from ..rerun import ARGV
 
         given = ["--config", ctx.params["config"]] if ctx.params.get("config") else []
-        # what --dry-run's sample run runs again (quietly: no progress to draw)
+        # what --dry-run's sample run and --ray's tasks run again (quietly: no progress to draw)
         token = ARGV.set(["-q", *given, *getattr(ctx, "_protected_args", []), *ctx.args])
         try:
             return super().invoke(ctx)
@@ -176,10 +176,11 @@ def inspect(path, as_json, tensors, base, scheme, layout):
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @upload_option
 @resume_option
+@ray_option
 @size_option
 @scheme_options
 @layout_options
-def extract(path, out, layers, experts, force, as_json, upload_repo, resume, max_shard_size, scheme, layout):
+def extract(path, out, layers, experts, force, as_json, upload_repo, resume, ray, max_shard_size, scheme, layout):
     """Write only the FFNs of PATH, with canonical names layers.{L}.{gate,up,down}.weight.
 
     Experts are layers.{L}.experts.{E}.*, the shared expert layers.{L}.shared_expert.*; biases .bias.
@@ -190,7 +191,7 @@ def extract(path, out, layers, experts, force, as_json, upload_repo, resume, max
     from ..api import extract as run
 
     m = run(path, Path(out), layers=layers, experts=experts, scheme=scheme, layout=layout, force=force,
-            max_shard_size=max_shard_size, upload_repo=upload_repo, resume=resume)
+            max_shard_size=max_shard_size, upload_repo=upload_repo, resume=resume, ray=ray)
     emit(m, as_json, [m["summary"], *uploaded(m)])
 
 
@@ -211,13 +212,14 @@ def _gateup_command(name: str, fn, help_text: str, extra=()):
                   "a copy without it; `ffn-tools verify IN OUT` checks everything.")
     @upload_option
     @resume_option
+    @ray_option
     @size_option
     @scheme_options
     @layout_options
-    def command(path, out, dry_run, estimate, force, as_json, load_check, upload_repo, resume, max_shard_size, scheme,
-                layout, **kw):
+    def command(path, out, dry_run, estimate, force, as_json, load_check, upload_repo, resume, ray, max_shard_size,
+                scheme, layout, **kw):
         r = fn(path, out, scheme=scheme, layout=layout, dry_run=dry_run, force=force, max_shard_size=max_shard_size,
-               upload_repo=upload_repo, load_check=load_check, resume=resume, estimate=estimate, **kw)
+               upload_repo=upload_repo, load_check=load_check, resume=resume, estimate=estimate, ray=ray, **kw)
         lines = list(r["plan"] or []) if dry_run else []
         emit(r, as_json, [*lines, r["summary"], *r["changes"], *estimated(r), *uploaded(r)])
 
@@ -342,11 +344,12 @@ def _quantize_value(ctx, param, value):
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 @upload_option
 @resume_option
+@ray_option
 @size_option
 @scheme_options
 @layout_options
 def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, token_embedding_type, imatrix, mlx_path, dtype, quantize, q_bits, q_group_size, q_mode, quant_predicate,
-            dequantize, flax_layout, orbax_layout, dcp_naming, dcp_ranks, base, dry_run, estimate, force, allow_config, as_json, upload_repo, resume, max_shard_size, scheme, layout):
+            dequantize, flax_layout, orbax_layout, dcp_naming, dcp_ranks, base, dry_run, estimate, force, allow_config, as_json, upload_repo, resume, ray, max_shard_size, scheme, layout):
     """Convert the checkpoint at PATH to PyTorch safetensors, MLX, Flax msgpack, GGUF, DCP or Orbax.
 
     The input may be any format ffn-tools reads. MLX output is what mlx_lm.convert writes for the same
@@ -406,7 +409,7 @@ def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, tok
             q_mode=q_mode, quant_predicate=quant_predicate, dequantize=dequantize or None, dry_run=dry_run or None,
             flax_layout=flax_layout, orbax_layout=orbax_layout, dcp_naming=dcp_naming, dcp_ranks=dcp_ranks, outtype=outtype, requantize=requantize, output_tensor_type=output_tensor_type,
             token_embedding_type=token_embedding_type, imatrix=imatrix, scheme=scheme, layout=layout, upload_repo=upload_repo,
-            allow_config=allow_config, base=base, resume=resume, estimate=estimate)
+            allow_config=allow_config, base=base, resume=resume, estimate=estimate, ray=ray)
     emit(r, as_json, [*(r.get("plan") or []), r["summary"], *r.get("changes", []), *estimated(r), *uploaded(r)])
 
 
@@ -417,9 +420,10 @@ def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, tok
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 @resume_option
+@ray_option
 @size_option
 @scheme_options
-def merge(base, adapter, out, force, as_json, resume, max_shard_size, scheme):
+def merge(base, adapter, out, force, as_json, resume, ray, max_shard_size, scheme):
     """Merge the LoRA ADAPTER into BASE: each targeted weight becomes W + scale·B·A.
 
     ADAPTER is PEFT's (target_modules or transformers v5 stacked experts through target_parameters, rsLoRA,
@@ -432,7 +436,7 @@ def merge(base, adapter, out, force, as_json, resume, max_shard_size, scheme):
     """
     from ..api import merge as run
 
-    r = run(base, adapter, Path(out), force=force, max_shard_size=max_shard_size, scheme=scheme, resume=resume)
+    r = run(base, adapter, Path(out), force=force, max_shard_size=max_shard_size, scheme=scheme, resume=resume, ray=ray)
     emit(r, as_json, [r["summary"], *r["changes"]])
 
 

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from glob import escape as glob_escape
 from pathlib import Path
 
+from .. import cluster
 from ..errors import OutputError, OutputExistsError, counted
 from ..progress import say
 from ..sizes import human
@@ -179,7 +180,8 @@ NOT_RESUMABLE = ("--resume continues a directory of safetensors shards (split-ga
 
 @contextmanager
 def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | None = None,
-                  resume_key: str | None = None, sources: list[Path] | None = None) -> Iterator[Path]:
+                  resume_key: str | None = None, sources: list[Path] | None = None,
+                  distributed: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside ``out``; on success it replaces ``out``, on failure (an exception,
     Ctrl-C, SIGTERM) it is removed. Temporaries that killed processes left for ``out`` are removed first,
     except, under ``--resume`` (``resume.REQUESTED``), the newest whose ledger has ``resume_key``: that one is
@@ -193,6 +195,8 @@ def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | N
             --resume is refused).
         sources: the files the output is made of, for its receipt (``io.receipt``; default: ``inputs``, directories
             whole), hashed while the caller writes.
+        distributed: the caller writes it with Ray tasks under ``--ray`` (``cluster``); any other output refuses
+            --ray up front.
 
     Raises:
         OutputExistsError / OutputError: before anything is written (see ``check_output``, ``check_parent``,
@@ -200,6 +204,8 @@ def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | N
     """
     if sample.settings() is not None and not sample.STREAMING.get():
         os._exit(sample.NOT_SAMPLED)  # --dry-run's sample run (io.sample) of an output the executor does not stream
+    if cluster.ADDRESS.get() is not None and not distributed:
+        raise OutputError(f"{out}: {cluster.NOT_DISTRIBUTED}")
     resuming = resume.REQUESTED.get()
     if resuming and resume_key is None:
         raise OutputError(f"{out}: {NOT_RESUMABLE}")

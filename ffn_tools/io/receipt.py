@@ -37,7 +37,7 @@ HASHERS = 4  # threads hashing the output's files at the end (the hashing releas
 LIBRARIES = ("torch", "safetensors", "transformers", "mlx", "mlx-lm", "gguf", "jax", "flax", "orbax-checkpoint")
 # given to a command, but not what its output is made of: --resume (a resumed output is the uninterrupted one's), and
 # where the output is written (the receipt travels with it; ``output`` holds its name)
-NOT_OPTIONS = ("resume", "out")
+NOT_OPTIONS = ("resume", "out", "ray")  # --ray: a Ray run's output is the one-node run's, receipt included
 
 COMMAND: ContextVar[tuple[str, dict] | None] = ContextVar("ffn_tools_receipt_command", default=None)
 

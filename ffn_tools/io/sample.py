@@ -62,19 +62,24 @@ def narrow(plan):
             if len(thinner) == len(chosen):
                 break
             chosen = thinner
-    # work shared by several entries (a quantized weight's parts, ``compute.shared``): a sampled entry brings the
-    # others that share it (the work is done, and its bytes read, once for all), and the rest is never done
-    shared = [getattr(e.compute, "shared", None) for e in entries]
-    kept = {id(shared[i]) for i in chosen if shared[i] is not None}
-    chosen = sorted(set(chosen) | {i for i, w in enumerate(shared) if w is not None and id(w) in kept})
-    for w in shared:
-        if w is not None:
-            w.wanted = id(w) in kept
+    chosen = keep_shared(entries, chosen)
     sample = [entries[i] for i in chosen]
     facts = {"entries": len(entries), "sampled": len(sample), "reads": total,
              "sample_reads": sum(reads(e) for e in sample), "bytes": plan.total_bytes,
              "sample_bytes": sum(e.nbytes for e in sample)}
     return replace(plan, entries=sample), facts
+
+
+def keep_shared(entries, chosen) -> list[int]:
+    """``chosen`` (entry positions) with every entry that shares work with one of them (a quantized weight's parts:
+    ``compute.shared``, done and its bytes read once for all); the shared work no chosen entry needs is never done
+    (``wanted`` False: a quantization pool skips it). For a sample run, and for a ``--ray`` task's one shard."""
+    shared = [getattr(e.compute, "shared", None) for e in entries]
+    kept = {id(shared[i]) for i in chosen if shared[i] is not None}
+    for w in shared:
+        if w is not None:
+            w.wanted = id(w) in kept
+    return sorted(set(chosen) | {i for i, w in enumerate(shared) if w is not None and id(w) in kept})
 
 
 def report(path: Path, facts: dict, started: float, out: Path) -> None:

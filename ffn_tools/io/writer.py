@@ -153,7 +153,6 @@ def write_sharded(out_dir: Path, items: Sequence[OutTensor], *, max_shard_size: 
     """
     shards = plan_shards(items, max_shard_size, metadata)
     names = shard_names(len(shards), prefix)
-    weight_map: dict[str, str] = {}
     for name, shard in zip(names, shards):
         if ledger is not None and ledger.reusable(name):
             if progress:
@@ -164,12 +163,18 @@ def write_sharded(out_dir: Path, items: Sequence[OutTensor], *, max_shard_size: 
             write_file(out_dir / name, shard, metadata, progress)
             if ledger is not None:
                 ledger.finished(name)
-        weight_map.update({t.name: name for t in shard})
+    write_index(out_dir, items, shards, names, prefix)
+    return names
+
+
+def write_index(out_dir: Path, items: Sequence[OutTensor], shards: list[list[OutTensor]], names: list[str],
+                prefix: str = "model") -> None:
+    """The Hugging Face index of a sharded output (none for one shard)."""
     if len(shards) > 1:
+        weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
         index = {"metadata": {"total_size": sum(t.nbytes for t in items)},
                  "weight_map": dict(sorted(weight_map.items()))}
         (out_dir / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return names
 
 
 class Writer:

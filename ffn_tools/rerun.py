@@ -1,0 +1,79 @@
+"""The command being run, as it can be run again elsewhere: by ``--dry-run``'s sample child (``estimate``) and by
+``--ray``'s tasks (``cluster``).
+
+The command line, as the CLI parsed it (``cli.Group`` keeps it in ``ARGV``), runs again exactly; a library call runs
+again where its options are plain data (JSON round-trips them), as the same ``api`` function.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextvars import ContextVar
+
+# the command line being run, as the CLI parsed it, its global options first
+ARGV: ContextVar[list[str] | None] = ContextVar("ffn_tools_argv", default=None)
+LOCAL = ("--dry-run", "--json", "--no-estimate", "--estimate", "--resume")  # flags of this run only, never rerun
+NOT_RERUN = ("dry_run", "estimate", "resume", "ray", "upload_repo")  # the same, as the library's keywords
+
+
+def argv() -> list[str] | None:
+    """This command line without the flags of this run only, and without ``--ray [ADDRESS]`` (None: a library call)."""
+    given = ARGV.get()
+    if given is None:
+        return None
+    out, skip = [], False
+    for a in given:
+        if skip:
+            skip = False
+            if not a.startswith("-"):
+                continue  # --ray's address
+        if a in LOCAL:
+            continue
+        if a == "--ray":
+            skip = True
+            continue
+        if a.startswith("--ray="):
+            continue
+        out.append(a)
+    return out
+
+
+def plain(options: dict) -> dict | None:
+    """A library call's options to run again (None: one is not plain data)."""
+    kept = {k: v for k, v in options.items() if k not in NOT_RERUN}
+    try:
+        return kept if json.loads(json.dumps(kept)) == kept else None
+    except (TypeError, ValueError):
+        return None
+
+
+def replay(function: str, options: dict) -> dict | None:
+    """What runs this command again (``run``), or None where it cannot be (a library call with an option that is
+    not plain data)."""
+    if (args := argv()) is not None:
+        return {"argv": args}
+    if (kept := plain(options)) is None:
+        return None
+    return {"function": function, "options": kept}
+
+
+def command(call: dict) -> list[str]:
+    """``replay``'s call as a child process's command line."""
+    if "argv" in call:
+        return [sys.executable, "-m", "ffn_tools", *call["argv"]]
+    code = f"import json, sys; import ffn_tools.api as a; a.{call['function']}(**json.loads(sys.argv[1]))"
+    return [sys.executable, "-c", code, json.dumps(call["options"])]
+
+
+def run(call: dict) -> None:
+    """``replay``'s call, run in this process (a Ray task's): the command line through the CLI, else the ``api``
+    function."""
+    if "argv" in call:
+        from .cli import cli
+
+        cli.main(args=call["argv"], standalone_mode=False)
+        return
+    import ffn_tools.api as api
+
+    getattr(api, call["function"])(**call["options"])

@@ -1,0 +1,88 @@
+"""--ray: the output's shards written by Ray tasks on a 3-node local Ray cluster (ray.cluster_utils.Cluster: a head
+and two worker nodes, each its own raylet and workers), byte-identical to a one-node run, receipt included; a node
+killed mid-run (its tasks retried on the others, nothing written twice or lost)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ffn_tools.child import python_env
+from ffn_tools.cluster import PART
+
+from helpers import run_cli, tree_digest
+
+ray = pytest.importorskip("ray")  # the [ray] extra (in dev)
+SHARD = "30KB"
+
+
+def _digest(out: Path) -> dict[str, str]:
+    return {str(Path(k).relative_to(out)): v for k, v in tree_digest(out).items()}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    for _ in range(2):
+        c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    from tiny_models import build
+
+    return build("llama", tmp_path_factory.mktemp("ray") / "llama", torch.bfloat16, max_shard_size="100KB")
+
+
+@pytest.mark.parametrize("args", [["fuse-gateup", "--max-shard-size", SHARD],
+                                  ["convert", "--to", "mlx", "-q", "--q-bits", "4", "--max-shard-size", "12KB"]],
+                         ids=["fuse", "mlx-4bit"])
+def test_a_three_node_run_is_byte_identical_to_one_node(cluster, sharded, tmp_path, args):
+    cmd = [args[0], sharded, *args[1:]]
+    one, many = tmp_path / "one" / "out", tmp_path / "ray" / "out"
+    run_cli(*cmd, "-o", one)
+    run_cli(*cmd, "-o", many, f"--ray={cluster.address}")
+    assert len(list(one.glob("*.safetensors"))) >= 4
+    assert _digest(many) == _digest(one)  # every file, every byte: shards, index, config, receipt
+    assert not ray.is_initialized()  # connected for the command only
+    assert not list(many.parent.glob(".out.*"))  # no temporary left
+
+
+def test_a_node_killed_mid_run_loses_nothing(cluster, sharded, tmp_path):
+    node = cluster.add_node(num_cpus=1)  # the node to kill
+    cluster.wait_for_nodes()
+    cmd = ["fuse-gateup", str(sharded), "--max-shard-size", "12KB"]
+    one, many = tmp_path / "one" / "out", tmp_path / "ray" / "out"
+    run_cli(*cmd, "-o", one)
+    shards = len(list(one.glob("*.safetensors")))
+    assert shards >= 10
+    proc = subprocess.Popen([sys.executable, "-m", "ffn_tools", "-q", *cmd, "-o", str(many),
+                             f"--ray={cluster.address}"], env=python_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(many.parent.glob(".out.tmp-*/model-*.safetensors")):  # the tasks have begun writing
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    written = len(list(many.parent.glob(".out.tmp-*/model-*.safetensors")))
+    cluster.remove_node(node)  # its raylet and workers killed, with whatever task they ran
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert written < shards  # killed before the run was done
+    assert _digest(many) == _digest(one)
+    assert not list(many.glob(f"{PART}*")) and not list(many.parent.glob(".out.*"))
+
+
+def test_ray_is_refused_where_the_output_is_written_whole(sharded, tmp_path):
+    r = run_cli("fuse-gateup", sharded, "-o", tmp_path / "one.safetensors", "--ray=127.0.0.1:1", ok=False)
+    assert "--ray writes the shards of a directory" in r.output
+    assert not list(tmp_path.iterdir())
