@@ -260,6 +260,10 @@ def verify(a, b, **options):
 
         return adapter_verify(a, b, **_taken("verify", options, ADAPTER_OPTIONS["verify"]))
 
+    from .verification import distributed
     from .verification.engine import verify as run
 
-    return run(resolve(str(a)), resolve(str(b)), opener=open_sides, **options)
+    ray = options.pop("ray", None)
+    call = distributed.task_call(rerun.replay("verify", {"a": str(a), "b": str(b), **options})) if ray else None
+    with cluster.requested(ray, call):
+        return run(resolve(str(a)), resolve(str(b)), opener=open_sides, **options)

@@ -2,7 +2,7 @@
 
 The plan is made once, by the command as it runs here (the driver): which tensors go in which shard
 (``io.writer.plan_shards``), in the order a one-node run writes them. Each shard to write is then one Ray task: it
-runs the same command again (``rerun``: the same command line, or the same library call) in shard mode (``SHARD``),
+runs the same command again (``rerun``: the same command line, or the same library call) in shard mode (``TASK``),
 where the one executor (``plan.execute``) plans the output again, checks that its shards are the driver's, writes
 its one shard into the driver's temporary output directory (shared storage) under a name of its own, and renames it
 into place; nothing else of the command runs there. The driver keeps everything around the shards as a one-node
@@ -34,21 +34,28 @@ PART = ".ffn-tools-part-"  # a task's file before it is renamed into place
 
 # --ray's address in the driver (None: not asked; LOCAL: a Ray started here), and how to run the command again
 ADDRESS: ContextVar[tuple[str, dict] | None] = ContextVar("ffn_tools_ray", default=None)
-# in a task: the shard to write ({"dir", "index", "names"})
-SHARD: ContextVar[dict | None] = ContextVar("ffn_tools_ray_shard", default=None)
+# in a task: what to do of the command run again ({"kind": "shard", "dir", "index", "names"}: write that shard;
+# {"kind": "steps", "indices"}: verify those FFN steps)
+TASK: ContextVar[dict | None] = ContextVar("ffn_tools_ray_task", default=None)
 
 NOT_DISTRIBUTED = ("--ray writes the shards of a directory of safetensors shards as Ray tasks (split-gateup, "
                    "fuse-gateup, convert --to torch or mlx, with a directory -o); this output is written whole by one "
                    "writer: run without --ray")
 
 
-class ShardWritten(BaseException):
-    """Raised in a task once its shard is in place: the rest of the command does not run there (not an Exception:
-    nothing on the way out mistakes it for a failure)."""
+class Done(BaseException):
+    """Raised in a task once its part is done (a shard in place, FFN steps verified), carrying what it returns: the
+    rest of the command does not run there (not an Exception: nothing on the way out mistakes it for a failure)."""
 
-    def __init__(self, name: str, size: int):
-        super().__init__(name)
-        self.name, self.size = name, size
+    def __init__(self, value):
+        super().__init__("task done")
+        self.value = value
+
+
+def task(kind: str) -> dict | None:
+    """In a Ray task of ``kind``, what it is to do; None elsewhere."""
+    t = TASK.get()
+    return t if t is not None and t["kind"] == kind else None
 
 
 @contextmanager
@@ -117,20 +124,56 @@ def _placement(ray, files_of: list[set[str]]) -> list:
     return out
 
 
-def _task(call: dict, shard: dict) -> tuple[str, int]:
-    """A Ray task: the command again, in shard mode; the shard's name and size."""
+def _task(call: dict, job: dict):
+    """A Ray task: the command again, doing only ``job`` (``TASK``); what its ``Done`` carries."""
     from . import rerun
     from .child import clean_path
 
     clean_path()
-    token = SHARD.set(shard)
+    token = TASK.set(job)
     try:
         rerun.run(call)
-    except ShardWritten as done:
-        return done.name, done.size
+    except Done as done:
+        return done.value
     finally:
-        SHARD.reset(token)
-    raise RuntimeError(f"the command run again for shard {shard['names'][shard['index']]} never reached its writer")
+        TASK.reset(token)
+    raise RuntimeError(f"the command run again for its {job['kind']} never reached it")
+
+
+@contextmanager
+def connected() -> Iterator:
+    """Ray, connected to (or started here) for the command, and let go after; yields the ``ray`` module."""
+    address, _ = ADDRESS.get() or (LOCAL, {})
+    started = _connect(address)
+    try:
+        import ray
+
+        yield ray
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+
+
+def submit(ray, call: dict, jobs: list[dict], files_of: list[set[str]]) -> dict:
+    """One task per job, each placed (softly) where its files are; ``{ref: job index}``."""
+    fn = ray.remote(num_cpus=1, max_retries=RETRIES, retry_exceptions=False)(_task)
+    places = _placement(ray, files_of)
+    return {fn.options(scheduling_strategy=place).remote(call, job): k
+            for k, (job, place) in enumerate(zip(jobs, places))}
+
+
+def results(ray, pending: dict, what) -> Iterator[tuple[int, object]]:
+    """(job index, result) as the tasks finish; a task that failed after its retries raises, said by ``what(k)``."""
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        k = pending.pop(done[0])
+        try:
+            value = ray.get(done[0])
+        except Exception as e:  # noqa: BLE001  (a task's own failure, after its retries: said as the command's)
+            raise FFNToolsError(f"--ray: {what(k)} failed: {_cause(e)}") from None
+        yield k, value
 
 
 def write_sharded(out_dir: Path, items: Sequence, files_of: list[set[str]], *, max_shard_size: int | None,
@@ -139,48 +182,35 @@ def write_sharded(out_dir: Path, items: Sequence, files_of: list[set[str]], *, m
     finished is kept); the index written here. ``files_of``: each item's input files, for placement."""
     from .io.writer import plan_shards, shard_names, write_index
 
-    address, call = ADDRESS.get() or (LOCAL, {})
+    _, call = ADDRESS.get() or (LOCAL, {})
     shards = plan_shards(items, max_shard_size, metadata)
     names = shard_names(len(shards))
-    started = _connect(address)
     try:
-        import ray
-
-        task = ray.remote(num_cpus=1, max_retries=RETRIES, retry_exceptions=False)(_task)
-        at, spans = 0, []
-        for shard in shards:
-            spans.append((at, at + len(shard)))
-            at += len(shard)
-        places = _placement(ray, [set().union(*files_of[a:b]) if b > a else set() for a, b in spans])
-        pending = {}
-        for k, name in enumerate(names):
-            if ledger is not None and ledger.reusable(name):
+        with connected() as ray:
+            at, spans = 0, []
+            for shard in shards:
+                spans.append((at, at + len(shard)))
+                at += len(shard)
+            todo = []
+            for k, name in enumerate(names):
+                if ledger is not None and ledger.reusable(name):
+                    if progress:
+                        progress.update(sum(t.progress_bytes for t in shards[k]))
+                    continue
+                if ledger is not None:
+                    ledger.forget(name)
+                todo.append(k)
+            jobs = [{"kind": "shard", "dir": str(out_dir), "index": k, "names": names} for k in todo]
+            pending = submit(ray, call, jobs, [set().union(*files_of[slice(*spans[k])]) for k in todo])
+            for j, _ in results(ray, pending, lambda j: f"shard {names[todo[j]]}"):
+                k = todo[j]
                 if progress:
                     progress.update(sum(t.progress_bytes for t in shards[k]))
-                continue
-            if ledger is not None:
-                ledger.forget(name)
-            ref = task.options(scheduling_strategy=places[k]).remote(
-                call, {"dir": str(out_dir), "index": k, "names": names})
-            pending[ref] = k
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
-            k = pending.pop(done[0])
-            try:
-                ray.get(done[0])
-            except Exception as e:  # noqa: BLE001  (a task's own failure, after its retries: said as the command's)
-                raise FFNToolsError(f"--ray: shard {names[k]} failed: {_cause(e)}") from None
-            if progress:
-                progress.update(sum(t.progress_bytes for t in shards[k]))
-            if ledger is not None:
-                ledger.finished(names[k])
+                if ledger is not None:
+                    ledger.finished(names[k])
     finally:
         for p in out_dir.glob(f"{PART}*"):  # a dead task's partial file
             p.unlink(missing_ok=True)
-        if started:
-            import ray
-
-            ray.shutdown()
     write_index(out_dir, items, shards, names)
     return names
 
@@ -192,7 +222,7 @@ def _cause(e: BaseException) -> str:
 
 def write_one(shard: dict, items: Sequence, entries: Sequence, *, max_shard_size: int | None, metadata: dict) -> None:
     """In a task: write the shard ``shard`` asks for from this run's own plan (the driver's shards, checked), and
-    raise ``ShardWritten``."""
+    raise ``Done``."""
     from .io.sample import keep_shared
     from .io.writer import plan_shards, shard_names, write_file
 
@@ -210,4 +240,4 @@ def write_one(shard: dict, items: Sequence, entries: Sequence, *, max_shard_size
         os.replace(part, Path(shard["dir"]) / name)
     finally:
         part.unlink(missing_ok=True)
-    raise ShardWritten(name, (Path(shard["dir"]) / name).stat().st_size)
+    raise Done((name, (Path(shard["dir"]) / name).stat().st_size))

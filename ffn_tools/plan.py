@@ -208,7 +208,7 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
         key = plan_key(command=desc, writer=type(writer).__name__, out=out.name, shard=max_shard_size, metadata=meta,
                        entries=plan.describe(), config=plan.config, carry=carry, extra=sorted(extra_files or {}),
                        inputs=input_stamp(inputs))
-    if (shard := cluster.SHARD.get()) is not None:  # a --ray task: its one shard, and nothing else of the command
+    if (shard := cluster.task("shard")) is not None:  # a --ray task: its one shard, and nothing else of the command
         cluster.write_one(shard, items, plan.entries, max_shard_size=max_shard_size, metadata=meta)
     distributed = cluster.ADDRESS.get() is not None and key is not None  # --ray: shards written by Ray tasks
     token = sample.STREAMING.set(facts["sample_reads"] or 1) if sampling is not None else None

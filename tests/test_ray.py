@@ -4,6 +4,7 @@ killed mid-run (its tasks retried on the others, nothing written twice or lost).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import torch
 from ffn_tools.child import python_env
 from ffn_tools.cluster import PART
 
-from helpers import run_cli, tree_digest
+from helpers import plant, run_cli, tree_digest
 
 ray = pytest.importorskip("ray")  # the [ray] extra (in dev)
 SHARD = "30KB"
@@ -86,3 +87,40 @@ def test_ray_is_refused_where_the_output_is_written_whole(sharded, tmp_path):
     r = run_cli("fuse-gateup", sharded, "-o", tmp_path / "one.safetensors", "--ray=127.0.0.1:1", ok=False)
     assert "--ray writes the shards of a directory" in r.output
     assert not list(tmp_path.iterdir())
+
+
+def _timeless(o):
+    """A report without the wall times of its backend calls (the one thing two runs never share)."""
+    if isinstance(o, dict):
+        return {k: _timeless(v) for k, v in o.items() if k != "seconds"}
+    if isinstance(o, list):
+        return [_timeless(v) for v in o]
+    return o
+
+
+def _flip_expert(sd: dict) -> None:
+    name = "model.layers.1.block_sparse_moe.experts.2.w13.weight"
+    if name in sd:
+        sd[name] = sd[name].clone()
+        sd[name][0, 0] += 1.0
+
+
+def test_verify_on_three_nodes_reports_what_one_node_does(cluster, tmp_path):
+    """Mixtral: 8 FFN pairs in 3 steps; the driver keeps the first FFN of its kind, the tasks run the experts."""
+    from tiny_models import build
+
+    src = build("mixtral", tmp_path / "mixtral", torch.bfloat16, max_shard_size="100KB")
+    fused = tmp_path / "fused"
+    run_cli("fuse-gateup", src, "-o", fused)
+    args = ["verify", src, fused, "--no-load-check", "--json"]  # per-expert fused: not a layout transformers loads
+    one = json.loads(run_cli(*args).output)
+    many = json.loads(run_cli(*args, f"--ray={cluster.address}").output)
+    assert one["passed"] and len(one["ffns"]) == 8
+    assert _timeless(many) == _timeless(one)
+    # a planted difference in an expert the tasks verify is found there, and said as one node says it
+    bad = tmp_path / "bad"
+    plant(fused, bad, edit=_flip_expert)
+    one = json.loads(run_cli("verify", src, bad, "--no-load-check", "--json", ok=None).output)
+    many = json.loads(run_cli("verify", src, bad, "--no-load-check", "--json", f"--ray={cluster.address}",
+                              ok=None).output)
+    assert not one["passed"] and _timeless(many) == _timeless(one)

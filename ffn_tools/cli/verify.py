@@ -100,12 +100,17 @@ b_layout_options = layout_options_for(
                    "proves the weights) and each other backend runs the first FFN of each kind (shape, form, "
                    "layout, dtype, quantization), which proves its kernels; the report says what ran where.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
+@click.option("--ray", "ray", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+              help="Verify the FFN pairs as Ray tasks, each where its tensors' files are: on the Ray cluster at "
+                   "ADDRESS (--ray=ADDRESS), or, alone, on a Ray started here on every core. This process keeps the "
+                   "first FFN of each kind (the kernel backends run it) and every check that is not an FFN pair; the "
+                   "report is a one-node run's. Needs ffn-tools[ray].")
 @scheme_options
 @layout_options
 @b_layout_options
 def verify(a, b, receipt, backends, tokens, seed, layers, shards_needed, experts, atol, rtol, exact, logits, generate, prompts,
            new_tokens, profile, allow_unmatched, ffn_only, load_check, allow_config, side_files,
-           all_ffns_on_every_backend, as_json, scheme, layout, b_layout):
+           all_ffns_on_every_backend, as_json, ray, scheme, layout, b_layout):
     """Check that checkpoint B holds the same FFNs as checkpoint A.
 
     A and B are any checkpoints ffn-tools reads (PyTorch safetensors or pickles, split or fused, MLX plain
@@ -186,7 +191,7 @@ def verify(a, b, receipt, backends, tokens, seed, layers, shards_needed, experts
                  layout=layout, b_layout=b_layout, allow_unmatched=allow_unmatched,
                  ffn_only=ffn_only, load_check=load_check, allow_config=allow_config, side_files=side_files,
                  all_ffns_on_every_backend=all_ffns_on_every_backend, generate=generate, prompts=prompts,
-                 new_tokens=new_tokens, profile=profile)
+                 new_tokens=new_tokens, profile=profile, ray=ray)
     if as_json:
         from ..api import json_of
 

@@ -7,15 +7,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from contextlib import ExitStack
 from typing import NamedTuple
 
-from .. import progress
+from .. import cluster, progress
 from ..clients import Pairing
 from ..detect import FFNSet
 from ..errors import FFNToolsError
 from ..ffn import ACTIVATIONS, FFN
 from ..io.dtypes import short_name
 from ..tolerances import tolerance_for
+from . import distributed
 from .experts import BATCH_BYTES, batch_key, check_batch, pair_bytes
 from .functional import KERNEL_DTYPES, NOT_COMPUTED, reference_backend
 from .pairs import PairChecker
@@ -186,34 +188,57 @@ def check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: F
 
     steps = plan_steps(checker, pairs, bits, rows, every_backend)
     ran: dict = {}  # the first FFN of each kind: its inputs and A's float64 output, for the kernel backends
+    done: dict[int, list] = {}  # step -> its results
+    mine = list(range(len(steps)))  # the steps this process runs
+    job = cluster.task("steps")
+    if job is not None:  # a --ray task (verification.distributed): its range of the driver's steps
+        if job["count"] != len(steps):
+            raise FFNToolsError(f"--ray: this node plans {len(steps)} verify steps, the driver {job['count']}: the "
+                                "nodes must run the same ffn-tools and libraries on the same checkpoints")
+        mine = job["indices"]
     bar = progress.Progress(sum(nbytes(x, y) for _, x, y in pairs), "verifying FFNs")
     mapped = Mapped(ca.stored), Mapped(cb.stored)
-    try:
-        with TensorStream((ca, cb), [_reads(s.items, computed, None if s.batched else as_bytes)  # a batch: its own
-                                     for s in steps]) as stream:  # equality per role
-            checker.read_a, checker.read_b = stream.side(0), stream.side(1)
-            checker.raw_a, checker.raw_b = mapped
-            checker.read_a = as_loaded(checker.read_a)
-            for k, step in enumerate(steps):
-                if step.batched:
-                    results = check_batch(checker, step.items, rows[step.items[0][0]], reference)
-                else:
-                    ref, x, y = step.items[0]
-                    results = [checker.check(ref, x, y, rows[ref], coarsest(*bits[ref]) is not None, reference,
-                                             compute_identical=step.on_all, ran=ran if step.on_all else None)]
-                for (ref, x, y), res in zip(step.items, results):
-                    res.bits_a, res.bits_b = bits[ref]
-                    report.results.append(res)
-                    bar.update(nbytes(x, y))
-                stream.done(k)
-                for m in mapped:
-                    m.release()
-    finally:
-        checker.read_a, checker.read_b = as_loaded(ca), cb
-        checker.raw_a, checker.raw_b = ca.stored, cb.stored
-        for m in mapped:
-            m.close()
+    with ExitStack() as stack:
+        if job is None and cluster.ADDRESS.get() is not None:  # --ray: the driver keeps the first FFN of each kind
+            ray = stack.enter_context(cluster.connected())
+            away = [k for k, s in enumerate(steps) if not s.on_all]
+            pending, parts = distributed.start(ray, ca, cb, steps, away)
+            mine = [k for k, s in enumerate(steps) if s.on_all]
+        try:
+            with TensorStream((ca, cb), [_reads(steps[k].items, computed, None if steps[k].batched else as_bytes)
+                                         for k in mine]) as stream:  # a batch: its own equality per role
+                checker.read_a, checker.read_b = stream.side(0), stream.side(1)
+                checker.raw_a, checker.raw_b = mapped
+                checker.read_a = as_loaded(checker.read_a)
+                for j, k in enumerate(mine):
+                    step = steps[k]
+                    if step.batched:
+                        results = check_batch(checker, step.items, rows[step.items[0][0]], reference)
+                    else:
+                        ref, x, y = step.items[0]
+                        results = [checker.check(ref, x, y, rows[ref], coarsest(*bits[ref]) is not None, reference,
+                                                 compute_identical=step.on_all, ran=ran if step.on_all else None)]
+                    for (ref, x, y), res in zip(step.items, results):
+                        res.bits_a, res.bits_b = bits[ref]
+                        bar.update(nbytes(x, y))
+                    done[k] = results
+                    stream.done(j)
+                    for m in mapped:
+                        m.release()
+        finally:
+            checker.read_a, checker.read_b = as_loaded(ca), cb
+            checker.raw_a, checker.raw_b = ca.stored, cb.stored
+            for m in mapped:
+                m.close()
+        if job is not None:
+            bar.close()
+            raise cluster.Done(done)
+        if len(done) < len(steps):  # the tasks' ranges, as they finish
+            for c, value in cluster.results(ray, pending, lambda c: f"verifying steps {parts[c][0]}-{parts[c][-1]}"):
+                done.update(value)
+                bar.update(sum(nbytes(x, y) for k in parts[c] for _, x, y in steps[k].items))
         bar.close()
+    report.results += [res for k in range(len(steps)) for res in done[k]]
     skipped = sum(any(b.path == NOT_COMPUTED for b in r.backends) for r in report.results)
     if skipped:
         report.notes.append(

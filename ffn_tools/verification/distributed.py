@@ -1,0 +1,61 @@
+"""``verify --ray [ADDRESS]``: the FFN pairs verified by Ray tasks (``cluster``), the report the one-node run's.
+
+The driver plans the steps once (``steps.plan_steps``: in order, the first FFN of each kind alone). It keeps the first
+FFN of each kind itself (their float64 reference and inputs are what the kernel backends run afterwards, here) and
+everything that is not an FFN pair (config, tokenizer, load check, tensors outside the FFNs, logits); the other steps
+go to Ray tasks in contiguous ranges (twice as many as the cluster has cores), each placed where its tensors' files
+are. A task runs verify again (the same command line or call, with what only the driver does turned off), plans the
+same steps, checks that they are the driver's, runs its range and returns each step's results; the driver puts them
+in step order, so the report is the one-node run's (but for the wall times of its backend calls).
+"""
+
+from __future__ import annotations
+
+from .. import cluster
+
+# what only the driver does: a task runs the FFN pairs alone
+DRIVER_ONLY = ("--logits", "--generate")
+TASK_FLAGS = ["--no-load-check", "--ffn-only", "--no-side-files"]
+TASK_OPTIONS = {"load_check": False, "ffn_only": True, "side_files": False, "logits": False, "generate": False}
+
+
+def task_call(call: dict | None) -> dict | None:
+    """``rerun.replay``'s call of verify, as a task runs it."""
+    if call is None:
+        return None
+    if "argv" in call:
+        return {"argv": [a for a in call["argv"] if a not in DRIVER_ONLY] + TASK_FLAGS}
+    return {**call, "options": {**call["options"], **TASK_OPTIONS}}
+
+
+def chunks(indices: list[int], n: int) -> list[list[int]]:
+    """``indices`` in at most ``n`` contiguous ranges of about equal length."""
+    n = max(1, min(n, len(indices)))
+    size, extra = divmod(len(indices), n)
+    out, at = [], 0
+    for k in range(n):
+        step = size + (k < extra)
+        out.append(indices[at: at + step])
+        at += step
+    return [c for c in out if c]
+
+
+def files(ca, cb, steps, chunk: list[int]) -> set[str]:
+    """The files the tensors of a range of steps lie in, A's and B's."""
+    out = set()
+    for k in chunk:
+        for _, x, y in steps[k].items:
+            for ckpt, ffn in ((ca, x), (cb, y)):
+                for name in ffn.names.values():
+                    if (f := getattr(ckpt.stored.info(name), "file", None)) is not None:
+                        out.add(str(f))
+    return out
+
+
+def start(ray, ca, cb, steps, away: list[int]) -> tuple[dict, list[list[int]]]:
+    """The tasks of the steps ``away``, submitted: ({ref: chunk index}, the chunks)."""
+    _, call = cluster.ADDRESS.get() or (cluster.LOCAL, {})
+    cores = int(ray.cluster_resources().get("CPU", 1))
+    parts = chunks(away, 2 * cores)
+    jobs = [{"kind": "steps", "indices": c, "count": len(steps)} for c in parts]
+    return cluster.submit(ray, call, jobs, [files(ca, cb, steps, c) for c in parts]), parts
