@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
+from typing import Any
 
 from .errors import FFNToolsError
 
@@ -164,7 +165,7 @@ def submit(ray, call: dict, jobs: list[dict], files_of: list[set[str]]) -> dict:
             for k, (job, place) in enumerate(zip(jobs, places))}
 
 
-def results(ray, pending: dict, what) -> Iterator[tuple[int, object]]:
+def results(ray, pending: dict, what) -> Iterator[tuple[int, Any]]:
     """(job index, result) as the tasks finish; a task that failed after its retries raises, said by ``what(k)``."""
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1)

@@ -235,7 +235,7 @@ def check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: F
             raise cluster.Done(done)
         if len(done) < len(steps):  # the tasks' ranges, as they finish
             for c, value in cluster.results(ray, pending, lambda c: f"verifying steps {parts[c][0]}-{parts[c][-1]}"):
-                done.update(value)
+                done.update(value)  # {step: [FFNResult]}, from the task
                 bar.update(sum(nbytes(x, y) for k in parts[c] for _, x, y in steps[k].items))
         bar.close()
     report.results += [res for k in range(len(steps)) for res in done[k]]
