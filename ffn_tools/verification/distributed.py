@@ -3,7 +3,7 @@
 The driver plans the steps once (``steps.plan_steps``: in order, the first FFN of each kind alone). It keeps the first
 FFN of each kind itself (their float64 reference and inputs are what the kernel backends run afterwards, here) and
 everything that is not an FFN pair (config, tokenizer, load check, tensors outside the FFNs, logits); the other steps
-go to Ray tasks in contiguous ranges (twice as many as the cluster has cores), each placed where its tensors' files
+go to Ray tasks in contiguous ranges (as many as the cluster has cores), each placed where its tensors' files
 are. A task runs verify again (the same command line or call, with what only the driver does turned off), plans the
 same steps, checks that they are the driver's, runs its range and returns each step's results; the driver puts them
 in step order, so the report is the one-node run's (but for the wall times of its backend calls).
@@ -20,12 +20,19 @@ TASK_OPTIONS = {"load_check": False, "ffn_only": True, "side_files": False, "log
 
 
 def task_call(call: dict | None) -> dict | None:
-    """``rerun.replay``'s call of verify, as a task runs it."""
+    """``rerun.replay``'s call of verify, as a task runs it: the FFN pairs alone, on the reference backend where no
+    backend was named (the steps a task runs are on the reference only: the other backends run the first FFN of
+    each kind, in the driver; resolving them imports their frameworks, seconds a task need not spend)."""
     if call is None:
         return None
     if "argv" in call:
-        return {"argv": [a for a in call["argv"] if a not in DRIVER_ONLY] + TASK_FLAGS}
-    return {**call, "options": {**call["options"], **TASK_OPTIONS}}
+        named = "--backend" in call["argv"] or any(a.startswith("--backend=") for a in call["argv"])
+        return {"argv": [a for a in call["argv"] if a not in DRIVER_ONLY] + TASK_FLAGS
+                + ([] if named else ["--backend", "reference"])}
+    options = {**call["options"], **TASK_OPTIONS}
+    if not options.get("backends"):
+        options["backends"] = ["reference"]
+    return {**call, "options": options}
 
 
 def chunks(indices: list[int], n: int) -> list[list[int]]:
@@ -56,6 +63,6 @@ def start(ray, ca, cb, steps, away: list[int]) -> tuple[dict, list[list[int]]]:
     """The tasks of the steps ``away``, submitted: ({ref: chunk index}, the chunks)."""
     _, call = cluster.ADDRESS.get() or (cluster.LOCAL, {})
     cores = int(ray.cluster_resources().get("CPU", 1))
-    parts = chunks(away, 2 * cores)
+    parts = chunks(away, cores)  # each task opens both sides and plans again: as few as keep every core busy
     jobs = [{"kind": "steps", "indices": c, "count": len(steps)} for c in parts]
     return cluster.submit(ray, call, jobs, [files(ca, cb, steps, c) for c in parts]), parts

@@ -1,0 +1,123 @@
+"""``--ray`` on a 3-node local Ray cluster against one process, in one run: verify of a pair and fuse-gateup.
+
+Builds (under bench-data/, reused with --keep) bench_scale.py's synthetic Phi-3-mini-shaped bf16 checkpoint A of
+``--gb`` GB (shards of at most 2 GB) and its split B (``split-gateup``), reads both once (page cache warm), starts a
+``ray.cluster_utils.Cluster`` of 3 nodes (a head and two workers, ``--cpus`` CPUs each: each its own raylet and
+worker processes) and times, alternating, in fresh processes:
+
+    verify   ``ffn-tools -q verify A B --no-load-check --json`` (every default), one process, then with
+             ``--ray=ADDRESS``: the two reports must be equal but for the backends' wall times
+    fuse     ``ffn-tools -q fuse-gateup B -o OUT`` (byte-range copies, the output sharded like B), one process,
+             then with ``--ray=ADDRESS``: the two outputs must be byte-identical, file for file
+
+and prints each Ray time over the one-process time (the bar, for verify of a pair of 8 GB or more: at most 1.2x, the
+engine's overhead; two cores cannot show a speed-up: three nodes on two cores share them).
+
+    .venv/bin/python benchmarks/bench_ray.py --gb 8 [--rounds 2] [--cpus 1] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_scale  # noqa: E402
+
+FFN = str(Path(sys.executable).parent / "ffn-tools")
+DATA = bench_scale.ROOT / "bench-data"
+BAR = 1.2
+
+
+def timed(cmd: list[str]) -> tuple[float, str]:
+    t = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    dt = time.perf_counter() - t
+    if r.returncode not in (0, 1):
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+    return dt, r.stdout
+
+
+def timeless(o):
+    if isinstance(o, dict):
+        return {k: timeless(v) for k, v in o.items() if k != "seconds"}
+    if isinstance(o, list):
+        return [timeless(v) for v in o]
+    return o
+
+
+def digest(d: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(d.iterdir()):
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+        out[p.name] = h.hexdigest()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gb", type=float, default=8.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--cpus", type=int, default=1, help="CPUs each of the 3 nodes declares")
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+    layers = bench_scale.layers_for("phi3", args.gb)
+    a = DATA / f"scale-phi3-{layers}l"
+    b = a.with_name(a.name + "-split")
+    py = sys.executable
+    subprocess.run([py, bench_scale.__file__, "--build-only", str(a), "--shape", "phi3", "--layers", str(layers)],
+                   check=True)
+    if not (b / "config.json").is_file():
+        subprocess.run([FFN, "-q", "split-gateup", str(a), "-o", str(b), "--force"], check=True)
+    bench_scale._warm(a), bench_scale._warm(b)
+    size = sum(f.stat().st_size for f in a.glob("*.safetensors")) / 1e9
+
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": args.cpus, "include_dashboard": False})
+    for _ in range(2):
+        cluster.add_node(num_cpus=args.cpus)
+    cluster.wait_for_nodes()
+    ray = f"--ray={cluster.address}"
+    out1, outr = DATA / "ray-one" / "fused", DATA / "ray-many" / "fused"
+    runs = {"verify": [FFN, "-q", "verify", str(a), str(b), "--no-load-check", "--json"],
+            "fuse": [FFN, "-q", "fuse-gateup", str(b), "--force"]}
+    best: dict[tuple[str, bool], float] = {}
+    texts: dict[tuple[str, bool], str] = {}
+    try:
+        for _ in range(args.rounds):
+            for name, cmd in runs.items():
+                for distributed in (False, True):
+                    full = [*cmd, *(["-o", str(outr if distributed else out1)] if name == "fuse" else []),
+                            *([ray] if distributed else [])]
+                    dt, text = timed(full)
+                    best[(name, distributed)] = min(best.get((name, distributed), float("inf")), dt)
+                    texts[(name, distributed)] = text
+    finally:
+        cluster.shutdown()
+    same_report = timeless(json.loads(texts[("verify", False)])) == timeless(json.loads(texts[("verify", True)]))
+    same_files = digest(out1) == digest(outr)
+    verdict = json.loads(texts[("verify", False)])["summary"]
+    for name in runs:
+        one, many = best[(name, False)], best[(name, True)]
+        print(f"{size:.2f} GB a side, {name}: one process {one:.1f} s, 3-node Ray {many:.1f} s = {many / one:.2f}x"
+              + (f" (bar <= {BAR}x)" if name == "verify" else ""))
+    print(f"verify reports equal but for wall times: {same_report} ({verdict[:60]}); fuse outputs byte-identical: "
+          f"{same_files}")
+    for d in (out1.parent, outr.parent):
+        shutil.rmtree(d, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(a), shutil.rmtree(b)
+
+
+if __name__ == "__main__":
+    main()
