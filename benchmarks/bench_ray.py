@@ -19,7 +19,6 @@ engine's overhead; two cores cannot show a speed-up: three nodes on two cores sh
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
 import subprocess
@@ -29,6 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_scale  # noqa: E402
+from bench_resume import digest  # noqa: E402
+
+from ffn_tools.verification.report import without_times  # noqa: E402
 
 FFN = str(Path(sys.executable).parent / "ffn-tools")
 DATA = bench_scale.ROOT / "bench-data"
@@ -42,25 +44,6 @@ def timed(cmd: list[str]) -> tuple[float, str]:
     if r.returncode not in (0, 1):
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
     return dt, r.stdout
-
-
-def timeless(o):
-    if isinstance(o, dict):
-        return {k: timeless(v) for k, v in o.items() if k != "seconds"}
-    if isinstance(o, list):
-        return [timeless(v) for v in o]
-    return o
-
-
-def digest(d: Path) -> dict[str, str]:
-    out = {}
-    for p in sorted(d.iterdir()):
-        h = hashlib.sha256()
-        with open(p, "rb") as f:
-            while chunk := f.read(8 << 20):
-                h.update(chunk)
-        out[p.name] = h.hexdigest()
-    return out
 
 
 def main() -> None:
@@ -104,7 +87,7 @@ def main() -> None:
                     texts[(name, distributed)] = text
     finally:
         cluster.shutdown()
-    same_report = timeless(json.loads(texts[("verify", False)])) == timeless(json.loads(texts[("verify", True)]))
+    same_report = without_times(json.loads(texts[("verify", False)])) == without_times(json.loads(texts[("verify", True)]))
     same_files = digest(out1) == digest(outr)
     verdict = json.loads(texts[("verify", False)])["summary"]
     for name in runs:

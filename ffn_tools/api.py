@@ -26,6 +26,11 @@ from .io.receipt import recorded
 from .io.resume import requested
 
 
+def _run_again(call: dict) -> None:
+    """A library call run again in this process (``rerun.replay``'s call: a ``--ray`` task's)."""
+    globals()[call["function"]](**call["options"])
+
+
 def _receipted(command: str):
     """Run the function with ``command`` and the arguments it was given recorded in its output's receipt
     (``io.receipt``); under ``dry_run``, add the estimate of the real run (``estimate``; ``estimate=False``: none);
@@ -37,7 +42,7 @@ def _receipted(command: str):
         def run(*args, estimate: bool | None = None, ray: str | None = None, **kwargs):
             given = dict(signature.bind(*args, **kwargs).arguments)
             given.update(given.pop("options", {}))
-            call = rerun.replay(fn.__name__, given) if ray is not None else None
+            call = rerun.replay(fn.__name__, given, _run_again) if ray is not None else None
             with recorded(command, **given), cluster.requested(ray, call):
                 r = fn(*args, **kwargs)
             if given.get("dry_run") and r.get("output"):
@@ -264,6 +269,8 @@ def verify(a, b, **options):
     from .verification.engine import verify as run
 
     ray = options.pop("ray", None)
-    call = distributed.task_call(rerun.replay("verify", {"a": str(a), "b": str(b), **options})) if ray else None
+    call = None
+    if ray is not None:
+        call = distributed.task_call(rerun.replay("verify", {"a": str(a), "b": str(b), **options}, _run_again))
     with cluster.requested(ray, call):
         return run(resolve(str(a)), resolve(str(b)), opener=open_sides, **options)

@@ -2,7 +2,8 @@
 
 The plan is made once, by the command as it runs here (the driver): which tensors go in which shard
 (``io.writer.plan_shards``), in the order a one-node run writes them. Each shard to write is then one Ray task: it
-runs the same command again (``rerun``: the same command line, or the same library call) in shard mode (``TASK``),
+runs the same command again (``rerun``: the same command line, or the same library call, by the CLI's or the
+API's own runner) in shard mode (``TASK``),
 where the one executor (``plan.execute``) plans the output again, checks that its shards are the driver's, writes
 its one shard into the driver's temporary output directory (shared storage) under a name of its own, and renames it
 into place; nothing else of the command runs there. The driver keeps everything around the shards as a one-node
@@ -127,13 +128,12 @@ def _placement(ray, files_of: list[set[str]]) -> list:
 
 def _task(call: dict, job: dict):
     """A Ray task: the command again, doing only ``job`` (``TASK``); what its ``Done`` carries."""
-    from . import rerun
     from .child import clean_path
 
     clean_path()
     token = TASK.set(job)
     try:
-        rerun.run(call)
+        call["runner"](call)
     except Done as done:
         return done.value
     finally:

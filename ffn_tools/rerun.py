@@ -2,17 +2,21 @@
 ``--ray``'s tasks (``cluster``).
 
 The command line, as the CLI parsed it (``cli.Group`` keeps it in ``ARGV``), runs again exactly; a library call runs
-again where its options are plain data (JSON round-trips them), as the same ``api`` function.
+again where its options are plain data (JSON round-trips them), as the same ``api`` function. The functions that run
+them again are the CLI's and the API's own, handed in (this module imports neither: they import it).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from contextvars import ContextVar
 
-# the command line being run, as the CLI parsed it, its global options first
+# the command line being run, as the CLI parsed it, its global options first; and the CLI's function running a
+# command line again (``cli.run_again``: given by the CLI, which this module does not import)
 ARGV: ContextVar[list[str] | None] = ContextVar("ffn_tools_argv", default=None)
+RUNNER: ContextVar[Callable[[dict], None] | None] = ContextVar("ffn_tools_runner", default=None)
 LOCAL = ("--dry-run", "--json", "--no-estimate", "--estimate", "--resume")  # flags of this run only, never rerun
 NOT_RERUN = ("dry_run", "estimate", "resume", "ray", "upload_repo")  # the same, as the library's keywords
 
@@ -48,14 +52,16 @@ def plain(options: dict) -> dict | None:
         return None
 
 
-def replay(function: str, options: dict) -> dict | None:
-    """What runs this command again (``run``), or None where it cannot be (a library call with an option that is
-    not plain data)."""
+def replay(function: str, options: dict, library=None) -> dict | None:
+    """What runs this command again, or None where it cannot be (a library call with an option that is not plain
+    data): ``{"argv", "runner"}`` (the CLI's runner, ``RUNNER``) for a command line, else ``{"function", "options",
+    "runner"}`` (``library``: the ``api``'s). ``call["runner"](call)`` runs it in a process (a Ray task's);
+    ``command(call)`` is it as a child process's command line."""
     if (args := argv()) is not None:
-        return {"argv": args}
+        return {"argv": args, "runner": RUNNER.get()}
     if (kept := plain(options)) is None:
         return None
-    return {"function": function, "options": kept}
+    return {"function": function, "options": kept, "runner": library}
 
 
 def command(call: dict) -> list[str]:
@@ -64,16 +70,3 @@ def command(call: dict) -> list[str]:
         return [sys.executable, "-m", "ffn_tools", *call["argv"]]
     code = f"import json, sys; import ffn_tools.api as a; a.{call['function']}(**json.loads(sys.argv[1]))"
     return [sys.executable, "-c", code, json.dumps(call["options"])]
-
-
-def run(call: dict) -> None:
-    """``replay``'s call, run in this process (a Ray task's): the command line through the CLI, else the ``api``
-    function."""
-    if "argv" in call:
-        from .cli import cli
-
-        cli.main(args=call["argv"], standalone_mode=False)
-        return
-    import ffn_tools.api as api
-
-    getattr(api, call["function"])(**call["options"])

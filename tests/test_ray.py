@@ -15,6 +15,7 @@ import torch
 
 from ffn_tools.child import python_env
 from ffn_tools.cluster import PART
+from ffn_tools.verification.report import without_times
 
 from helpers import plant, run_cli, tree_digest
 
@@ -89,15 +90,6 @@ def test_ray_is_refused_where_the_output_is_written_whole(sharded, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def _timeless(o):
-    """A report without the wall times of its backend calls (the one thing two runs never share)."""
-    if isinstance(o, dict):
-        return {k: _timeless(v) for k, v in o.items() if k != "seconds"}
-    if isinstance(o, list):
-        return [_timeless(v) for v in o]
-    return o
-
-
 def _flip_expert(sd: dict) -> None:
     name = "model.layers.1.block_sparse_moe.experts.2.w13.weight"
     if name in sd:
@@ -116,11 +108,21 @@ def test_verify_on_three_nodes_reports_what_one_node_does(cluster, tmp_path):
     one = json.loads(run_cli(*args).output)
     many = json.loads(run_cli(*args, f"--ray={cluster.address}").output)
     assert one["passed"] and len(one["ffns"]) == 8
-    assert _timeless(many) == _timeless(one)
+    assert without_times(many) == without_times(one)
     # a planted difference in an expert the tasks verify is found there, and said as one node says it
     bad = tmp_path / "bad"
     plant(fused, bad, edit=_flip_expert)
     one = json.loads(run_cli("verify", src, bad, "--no-load-check", "--json", ok=None).output)
     many = json.loads(run_cli("verify", src, bad, "--no-load-check", "--json", f"--ray={cluster.address}",
                               ok=None).output)
-    assert not one["passed"] and _timeless(many) == _timeless(one)
+    assert not one["passed"] and without_times(many) == without_times(one)
+
+
+def test_the_library_runs_on_ray_as_the_command_line_does(cluster, sharded, tmp_path):
+    """ffn_tools.fuse_gateup(..., ray=ADDRESS): the tasks run the same library call again (its options are plain)."""
+    import ffn_tools
+
+    one, many = tmp_path / "one" / "out", tmp_path / "ray" / "out"
+    ffn_tools.fuse_gateup(str(sharded), str(one), max_shard_size=30_000)
+    ffn_tools.fuse_gateup(str(sharded), str(many), max_shard_size=30_000, ray=cluster.address)
+    assert _digest(many) == _digest(one)

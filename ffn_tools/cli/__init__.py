@@ -76,11 +76,12 @@ class Group(click.Group):
 
     def invoke(self, ctx):
         as_json = "--json" in ctx.args
-        from ..rerun import ARGV
+        from ..rerun import ARGV, RUNNER
 
         given = ["--config", ctx.params["config"]] if ctx.params.get("config") else []
         # what --dry-run's sample run and --ray's tasks run again (quietly: no progress to draw)
         token = ARGV.set(["-q", *given, *getattr(ctx, "_protected_args", []), *ctx.args])
+        RUNNER.set(run_again)
         try:
             return super().invoke(ctx)
         except FFNToolsError as e:
@@ -447,6 +448,11 @@ def _terminate(signum, frame):
     """SIGTERM / SIGHUP end the command like Ctrl-C: temporary outputs are removed on the way out, and the
     exit status is 128 + the signal's number (143, 129)."""
     raise Interrupted(signum)
+
+
+def run_again(call: dict) -> None:
+    """A command line run again in this process (``rerun.replay``'s call: a ``--ray`` task's)."""
+    cli.main(args=call["argv"], standalone_mode=False)
 
 
 def main() -> None:

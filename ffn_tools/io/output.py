@@ -224,12 +224,15 @@ def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | N
             say(f"{out}: --resume: continuing the unfinished output {kept.name} "
                 f"({counted(resume.finished_shards(tmp), 'shard')} finished, each checked before reuse)")
         hashing = receipt.Sources(inputs if sources is None else sources, sample.STREAMING.get() or None)
+        beside = out.parent / f".{out.name}.tmp-{tag}.{receipt.NAME}"  # a one-file output's receipt, until it is in place
         try:
             yield tmp
             made = receipt.make(out, tmp, hashing)
+            receipt.write(made, tmp / receipt.NAME if tmp.is_dir() else beside)
         except OSError as e:
             hashing.stop()
             _remove(tmp)
+            beside.unlink(missing_ok=True)
             if e.errno == errno.ENOSPC:
                 need = f"needs {human(nbytes)}; " if nbytes else ""
                 raise OutputError(f"{out}: no space left on the device while writing ({need}{out.parent} had "
@@ -240,13 +243,8 @@ def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | N
         except BaseException:
             hashing.stop()
             _remove(tmp)
+            beside.unlink(missing_ok=True)
             raise
-        beside = None  # a one-file output's receipt, moved beside it once it is in place
-        if tmp.is_dir():
-            receipt.write(made, tmp / receipt.NAME)
-        else:
-            beside = out.parent / f".{out.name}.tmp-{tag}.{receipt.NAME}"
-            receipt.write(made, beside)
         if out.exists() or out.is_symlink():
             old = out.parent / f".{out.name}.old-{tag}"
             os.replace(out, old)
@@ -255,7 +253,7 @@ def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | N
         else:
             os.replace(tmp, out)
         side = out.with_name(f"{out.name}.{receipt.NAME}")
-        if beside is not None:
+        if beside.exists():
             os.replace(beside, side)
         else:
             side.unlink(missing_ok=True)  # an earlier one-file output's, which this directory replaced

@@ -27,7 +27,7 @@ def task_call(call: dict | None) -> dict | None:
         return None
     if "argv" in call:
         named = "--backend" in call["argv"] or any(a.startswith("--backend=") for a in call["argv"])
-        return {"argv": [a for a in call["argv"] if a not in DRIVER_ONLY] + TASK_FLAGS
+        return {**call, "argv": [a for a in call["argv"] if a not in DRIVER_ONLY] + TASK_FLAGS
                 + ([] if named else ["--backend", "reference"])}
     options = {**call["options"], **TASK_OPTIONS}
     if not options.get("backends"):

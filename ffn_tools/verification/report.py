@@ -340,3 +340,13 @@ def _num(x: float, digits: int = 1) -> str:
 
 def _cos(x: float) -> str:
     return "nan" if x is None or math.isnan(x) else f"{x:.9f}"[:11]
+
+
+def without_times(report: dict):
+    """A report's JSON (``as_dict``, or ``verify --json``'s) without the wall times of its backend calls: what two runs
+    of the same verify share (one process and ``--ray``, today and tomorrow)."""
+    if isinstance(report, dict):
+        return {k: without_times(v) for k, v in report.items() if k != "seconds"}
+    if isinstance(report, list):
+        return [without_times(v) for v in report]
+    return report
