@@ -9,9 +9,9 @@ command:
     mlx4    ``convert --to mlx -q`` (4-bit quantization, worker processes)
 
 runs ``ffn-tools -q CMD --dry-run --json`` (the estimate: a sample of the run, in a child process) and then the real
-``ffn-tools -q CMD`` ``--repeat`` times in fresh processes, timed (the best), its peak RSS from ``os.wait4`` (the largest process of its tree, as
-the estimate measures its sample), its output's bytes counted; and prints each estimate over the measured value
-(target: within 0.8-1.2 for output bytes, temporary disk, peak RSS and time).
+``ffn-tools -q CMD`` ``--repeat`` times in fresh processes, timed (the best), its peak RSS from ``os.wait4`` (the
+largest process of its tree, as the estimate measures its sample), its output's bytes counted; and prints each
+estimate over the measured value (target: within 0.8-1.2 for output bytes, temporary disk, peak RSS and time).
 
     .venv/bin/python benchmarks/bench_estimate.py --gb 1 4 [--commands split cast mlx4] [--repeat 2] [--keep]
 """

@@ -10,6 +10,10 @@ Every command's JSON starts with the same keys (``envelope``): ``command``, ``in
     ffn_tools.split_gateup("./phi3", "./phi3-split")
     ffn_tools.convert("./phi3", "mlx", "./phi3-mlx", quantize=4)
     assert ffn_tools.verify("./phi3", "./phi3-mlx").passed
+
+Every writing command also takes ``ray=`` (an address, or ``"local"``: ``--ray``) and, with ``dry_run=True``,
+``estimate=`` (``--no-estimate`` is ``estimate=False``); ``verify`` takes ``ray=``, ``verify_receipt(out)`` is
+``verify --receipt OUT``.
 """
 
 from __future__ import annotations
@@ -31,10 +35,10 @@ def _run_again(call: dict) -> None:
     globals()[call["function"]](**call["options"])
 
 
-def _receipted(command: str):
-    """Run the function with ``command`` and the arguments it was given recorded in its output's receipt
-    (``io.receipt``); under ``dry_run``, add the estimate of the real run (``estimate``; ``estimate=False``: none);
-    ``ray``: write the output's shards as Ray tasks (``cluster``; an address, or ``"local"``)."""
+def _command(command: str):
+    """A writing command: run with ``command`` and the arguments it was given recorded in its output's receipt
+    (``io.receipt``); under ``dry_run``, the estimate of the real run added (``estimate``; ``estimate=False``: none);
+    ``ray``: the output's shards written as Ray tasks (``cluster``; an address, or ``"local"``)."""
     def wrap(fn):
         signature = _signature(fn)
 
@@ -134,7 +138,7 @@ def inspect(path, *, scheme=None, layout=None, tensors: bool = False, base=None)
     return envelope("inspect", str(path), None, _inspect_line(s), s)
 
 
-@_receipted("extract")
+@_command("extract")
 def extract(path, out, *, layers: str | None = None, experts: str | None = None, scheme=None, layout=None,
             force: bool = False, max_shard_size: int | None = None, upload_repo: str | None = None,
             resume: bool = False) -> dict:
@@ -154,7 +158,7 @@ def extract(path, out, *, layers: str | None = None, experts: str | None = None,
     return _published(envelope("extract", str(path), out, line, m), upload_repo)
 
 
-@_receipted("split-gateup")
+@_command("split-gateup")
 def split_gateup(path, out=None, *, upload_repo: str | None = None, resume: bool = False, **options) -> dict:
     """``ffn-tools split-gateup PATH [-o OUT] --json`` (options as ``gateup.split_gateup``)."""
     from ffn_tools.converters import open_any
@@ -172,7 +176,7 @@ def split_gateup(path, out=None, *, upload_repo: str | None = None, resume: bool
     return _published(_gateup("split-gateup", path, r), upload_repo)
 
 
-@_receipted("fuse-gateup")
+@_command("fuse-gateup")
 def fuse_gateup(path, out=None, *, upload_repo: str | None = None, resume: bool = False, **options) -> dict:
     """``ffn-tools fuse-gateup PATH [-o OUT] --json`` (options as ``gateup.fuse_gateup``)."""
     from ffn_tools.converters import open_any
@@ -197,7 +201,7 @@ def _gateup(command: str, path, r: dict) -> dict:
     return envelope(command, str(path), r["output"], line, r)
 
 
-@_receipted("convert")
+@_command("convert")
 def convert(path, to: str, out, *, upload_repo: str | None = None, resume: bool = False, **options) -> dict:
     """``ffn-tools convert PATH --to FORMAT -o OUT --json`` (options as ``converters.convert``)."""
     from ffn_tools.converters import convert as run
@@ -233,7 +237,7 @@ def shards_needed(a, b, *, layers: str, experts: str | None = None, scheme=None)
                      **{s.lower(): n.as_dict() for s, n in sides.items()}})
 
 
-@_receipted("merge")
+@_command("merge")
 def merge(base, adapter, out, *, resume: bool = False, **options) -> dict:
     """``ffn-tools merge BASE ADAPTER -o OUT --json``: the LoRA merged into the base (``adapters.merge``)."""
     from .adapters.api import merge as run

@@ -2,18 +2,19 @@
 
 The plan is made once, by the command as it runs here (the driver): which tensors go in which shard
 (``io.writer.plan_shards``), in the order a one-node run writes them. Each shard to write is then one Ray task: it
-runs the same command again (``rerun``: the same command line, or the same library call, by the CLI's or the
-API's own runner) in shard mode (``TASK``),
-where the one executor (``plan.execute``) plans the output again, checks that its shards are the driver's, writes
-its one shard into the driver's temporary output directory (shared storage) under a name of its own, and renames it
-into place; nothing else of the command runs there. The driver keeps everything around the shards as a one-node
+runs the same command again (``rerun``: the same command line, or the same library call, by the CLI's or the API's
+own runner) in shard mode (``TASK``), where the one executor (``plan.execute``) plans the output again, checks that
+its shards are the driver's, writes its one shard into the driver's temporary output directory (shared storage)
+under a name of its own, and renames it into place; nothing else of the command runs there. (``verify --ray`` runs
+FFN steps the same way: ``verification.distributed``.) The driver keeps everything around the shards as a one-node
 run does (the temporary output, the lock, the resume ledger, the index, config and tokenizer files, the receipt, the
 move into place), so the output, files and receipt, is byte-identical to a one-node run's.
 
 Each task is scheduled where its input files are: a probe on every node says which of the input files it sees
 (with their sizes), and a shard's task prefers (softly) a node that sees every file its tensors are read from,
 shards spread over such nodes in turn. A task whose node dies is retried by Ray on another node; its partial file
-(under a name of its own) is never renamed into place, and is removed with the others at the end. Without an address
+(under a name of its own) is never renamed into place, and is removed with the others at the end (a task that died
+after its rename is run again all the same: the same bytes, renamed over them atomically). Without an address
 a local Ray is started on every core of this machine, and stopped after.
 """
 

@@ -1,7 +1,8 @@
 """``--dry-run``'s estimates: output bytes, temporary disk, peak RSS and time, measured on this machine.
 
 A dry run plans; the estimate then runs the same command in a child process on a sample of the plan (``io.sample``:
-about 3% of the bytes read, 48 MB to 1 GB, every k-th output tensor and the one that reads the most), into a
+about 3% of the bytes read, 48 MB to 1 GB: every k-th output tensor, and the one that reads the most with its
+neighbours), into a
 temporary directory beside the output (same disk), removed after. From it:
 
 - ``output_bytes``: the weight files' bytes scaled from the sample's (headers included) by the plan's exact tensor
@@ -34,7 +35,6 @@ from .sizes import human
 
 ENV = "FFN_TOOLS_ESTIMATE"  # "0": dry runs plan only (as --no-estimate)
 TIMEOUT = 600
-
 
 
 def wanted(given: bool | None) -> bool:

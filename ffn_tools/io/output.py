@@ -224,7 +224,7 @@ def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | N
             say(f"{out}: --resume: continuing the unfinished output {kept.name} "
                 f"({counted(resume.finished_shards(tmp), 'shard')} finished, each checked before reuse)")
         hashing = receipt.Sources(inputs if sources is None else sources, sample.STREAMING.get() or None)
-        beside = out.parent / f".{out.name}.tmp-{tag}.{receipt.NAME}"  # a one-file output's receipt, until it is in place
+        beside = out.parent / f".{out.name}.tmp-{tag}.{receipt.NAME}"  # a one-file output's receipt, until in place
         try:
             yield tmp
             made = receipt.make(out, tmp, hashing)

@@ -20,6 +20,8 @@ source (``checks.receipt``).
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 import threading
@@ -89,8 +91,8 @@ def source_files(inputs) -> list[Path]:
 
 
 class Sources:
-    """The input files hashed by background threads (``HASHERS`` files at a time, at most half the cores) from the moment
-    the output is begun; ``digests()`` waits for the rest. ``stop()``: the run failed, nothing more is read.
+    """The input files hashed by background threads (``HASHERS`` files at a time, at most half the cores) from the
+    moment the output is begun; ``digests()`` waits for the rest. ``stop()``: the run failed, nothing more is read.
     ``budget``: hash that many bytes in all, no more (the sample run of ``--dry-run``'s estimate, ``io.sample``: its
     share of the hashing; its digests mean nothing)."""
 
@@ -134,7 +136,9 @@ class Sources:
         return [{"path": os.path.abspath(f), "size": self._done[f][0], "sha256": self._done[f][1]} for f in self.files]
 
 
+@functools.lru_cache(maxsize=1)
 def _tool() -> dict:
+    """ffn-tools' version and its libraries' (asked once per process: the packages' metadata takes ~0.1 s)."""
     from importlib.metadata import PackageNotFoundError, version
 
     def v(name):
@@ -172,7 +176,7 @@ def make(out: Path, tmp: Path, sources: Sources) -> dict:
     command, options = COMMAND.get() or (None, {})
     named = output_files(tmp)
     digests = hashed([f for _, f in named])
-    return {"receipt": VERSION, "tool": _tool(), "command": command, "options": options, "output": out.name,
+    return {"receipt": VERSION, "tool": copy.deepcopy(_tool()), "command": command, "options": options, "output": out.name,
             "sources": sources.digests(),
             "outputs": [{"path": rel or out.name, "size": size, "sha256": digest}
                         for (rel, _), (size, digest) in zip(named, digests)]}

@@ -3,11 +3,11 @@
 ``--dry-run`` runs the same command again in a child process with ``FFN_TOOLS_SAMPLE`` set (JSON: ``out``, a
 directory to write into, and ``report``, a file to write the measurements to). There the one executor
 (``plan.execute``) plans the whole output as always, then streams only a sample of its tensors (``narrow``: every
-k-th, and the one that reads the most with its neighbours, which set the peak memory: about 3% of the bytes read, at least 48 MB and
-twice the largest tensor's, at most 1 GB) into ``out``, receipt included (its source hashes
-limited to the sample's share of the input), writes what it measured, and ends the process. An output that is not
-streamed through the executor (GGUF, adapters) is refused in sample mode before anything is written
-(``io.output``), so the child never runs a whole conversion.
+k-th, and the one that reads the most with its neighbours, which set the peak memory; about 3% of the bytes read, at
+least 48 MB and twice the largest tensor's, at most 1 GB) into ``out``, receipt included (its source hashes limited to
+the sample's share of the input), writes what it measured, and ends the process (its worker processes first). An
+output that is not streamed through the executor (GGUF, adapters) is refused in sample mode before anything is
+written (``io.output``), so the child never runs a whole conversion.
 """
 
 from __future__ import annotations
