@@ -269,12 +269,17 @@ def verify(a, b, **options):
 
         return adapter_verify(a, b, **_taken("verify", options, ADAPTER_OPTIONS["verify"]))
 
-    from .verification import distributed
+    from .verification import distributed, ledger
     from .verification.engine import verify as run
 
-    ray = options.pop("ray", None)
+    ray, resume = options.pop("ray", None), bool(options.pop("resume", False))
     call = None
     if ray is not None:
         call = distributed.task_call(rerun.replay("verify", {"a": str(a), "b": str(b), **options}, _run_again))
-    with cluster.requested(ray, call):
-        return run(resolve(str(a)), resolve(str(b)), opener=open_sides, **options)
+    a, b = resolve(str(a)), resolve(str(b))
+    token = ledger.RUN.set((ledger.key(a, b, options), resume))
+    try:
+        with cluster.requested(ray, call):
+            return run(a, b, opener=open_sides, **options)
+    finally:
+        ledger.RUN.reset(token)

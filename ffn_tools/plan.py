@@ -197,6 +197,8 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
         started = time.time()
         plan, facts = sample.narrow(plan)
         out, force = Path(sampling["out"]) / out.name, True
+        if max_shard_size and facts["bytes"]:  # as many shards as the run writes, hashed as they are
+            max_shard_size = max(1, int(max_shard_size * facts["sample_bytes"] / facts["bytes"]))
     meta = dict(ckpt.metadata if metadata is None else metadata)
     meta.setdefault("format", "pt")
     cache: dict = {}

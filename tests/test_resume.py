@@ -173,3 +173,31 @@ def test_a_merge_resumed_after_its_adapter_changed_starts_afresh(tmp_path):
     ref = tmp_path / "ref" / out.name
     run_cli("merge", base, adapter, "-o", ref, "--max-shard-size", SHARD)
     assert _digest(out) == _digest(ref)
+
+
+def test_a_killed_verify_resumes_from_the_steps_it_finished(tmp_path):
+    """verify --json SIGKILLed right after its first finished FFN step; --resume reuses it and runs the rest: the
+    report is the uninterrupted run's (but for wall times), and the ledger is gone after."""
+    from tiny_models import build
+
+    from ffn_tools.verification.report import without_times
+
+    src = build("mixtral", tmp_path / "mixtral", torch.bfloat16)
+    fused = tmp_path / "fused"
+    run_cli("fuse-gateup", src, "-o", fused)
+    cache = tmp_path / "cache"
+    env = {**python_env(), "XDG_CACHE_HOME": str(cache), "KILL_AT": "0", "KILL_AFTER_MANIFESTS": "1"}
+    args = [sys.executable, str(HERE / "kill_at.py"), "verify", str(src), str(fused), "--no-load-check", "--json",
+            "--backend", "reference"]
+    killed = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert killed.returncode == -9, killed.stderr
+    (left,) = (cache / "ffn-tools" / "verify").iterdir()  # the killed run's ledger: its plan and one step
+    assert sorted(p.name for p in left.iterdir())[-1].startswith("step-")
+    whole = subprocess.run(args[:1] + ["-m", "ffn_tools", *args[2:]], capture_output=True, text=True,
+                           env={**env, "XDG_CACHE_HOME": str(tmp_path / "other")}, timeout=300)
+    resumed = subprocess.run(args[:1] + ["-m", "ffn_tools", *args[2:], "--resume"], capture_output=True, text=True,
+                             env=env, timeout=300)
+    assert resumed.returncode == whole.returncode == 0, resumed.stderr
+    assert "FFN steps a killed run had finished, reused" in resumed.stderr
+    assert without_times(json.loads(resumed.stdout)) == without_times(json.loads(whole.stdout))
+    assert not list((cache / "ffn-tools" / "verify").iterdir())

@@ -100,6 +100,9 @@ b_layout_options = layout_options_for(
                    "proves the weights) and each other backend runs the first FFN of each kind (shape, form, "
                    "layout, dtype, quantization), which proves its kernels; the report says what ran where.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
+@click.option("--resume", is_flag=True, help="Continue a killed verify of the same pair with the same options: the "
+              "FFN steps it had finished (kept in ~/.cache/ffn-tools/verify/, removed when a verify ends) are reused, "
+              "the rest run; the report is an uninterrupted run's but for those steps' wall times.")
 @click.option("--ray", "ray", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
               help="Verify the FFN pairs as Ray tasks, each where its tensors' files are: on the Ray cluster at "
                    "ADDRESS (--ray=ADDRESS), or, alone, on a Ray started here on every core. This process keeps the "
@@ -110,7 +113,7 @@ b_layout_options = layout_options_for(
 @b_layout_options
 def verify(a, b, receipt, backends, tokens, seed, layers, shards_needed, experts, atol, rtol, exact, logits, generate, prompts,
            new_tokens, profile, allow_unmatched, ffn_only, load_check, allow_config, side_files,
-           all_ffns_on_every_backend, as_json, ray, scheme, layout, b_layout):
+           all_ffns_on_every_backend, as_json, resume, ray, scheme, layout, b_layout):
     """Check that checkpoint B holds the same FFNs as checkpoint A.
 
     A and B are any checkpoints ffn-tools reads (PyTorch safetensors or pickles, split or fused, MLX plain
@@ -191,7 +194,7 @@ def verify(a, b, receipt, backends, tokens, seed, layers, shards_needed, experts
                  layout=layout, b_layout=b_layout, allow_unmatched=allow_unmatched,
                  ffn_only=ffn_only, load_check=load_check, allow_config=allow_config, side_files=side_files,
                  all_ffns_on_every_backend=all_ffns_on_every_backend, generate=generate, prompts=prompts,
-                 new_tokens=new_tokens, profile=profile, ray=ray)
+                 new_tokens=new_tokens, profile=profile, ray=ray, resume=resume)
     if as_json:
         from ..api import json_of
 

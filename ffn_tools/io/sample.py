@@ -5,7 +5,8 @@ directory to write into, and ``report``, a file to write the measurements to). T
 (``plan.execute``) plans the whole output as always, then streams only a sample of its tensors (``narrow``: every
 k-th, and the one that reads the most with its neighbours, which set the peak memory; about 3% of the bytes read, at
 least 48 MB and twice the largest tensor's, at most 1 GB) into ``out``, receipt included (its source hashes limited to
-the sample's share of the input), writes what it measured, and ends the process (its worker processes first). An
+the sample's share of the input; its shards made smaller in the same proportion, so that it writes as many as the
+run and hashes each as the run does), writes what it measured, and ends the process (its worker processes first). An
 output that is not streamed through the executor (GGUF, adapters) is refused in sample mode before anything is
 written (``io.output``), so the child never runs a whole conversion.
 """
@@ -87,12 +88,12 @@ def report(path: Path, facts: dict, started: float, out: Path) -> None:
     sizes = ({f.relative_to(out).as_posix(): f.stat().st_size for f in out.rglob("*") if f.is_file()}
              if out.is_dir() else {out.name: out.stat().st_size} if out.exists() else {})
     ended = time.time()
-    Path(path).write_text(json.dumps({**facts, "started": started, "ended": ended, "files": sizes, "peak_rss": peak()}))
     import multiprocessing
 
-    for child in multiprocessing.active_children():  # worker processes (a quantization pool): not left behind
-        child.kill()
+    for child in multiprocessing.active_children():  # worker processes (a quantization pool): not left behind, and
+        child.kill()  # reaped first, so that their peak RSS is counted
         child.join()
+    Path(path).write_text(json.dumps({**facts, "started": started, "ended": ended, "files": sizes, "peak_rss": peak()}))
     os._exit(0)
 
 

@@ -17,7 +17,7 @@ from ..errors import FFNToolsError
 from ..ffn import ACTIVATIONS, FFN
 from ..io.dtypes import short_name
 from ..tolerances import tolerance_for
-from . import distributed
+from . import distributed, ledger
 from .experts import BATCH_BYTES, batch_key, check_batch, pair_bytes
 from .functional import KERNEL_DTYPES, NOT_COMPUTED, reference_backend
 from .pairs import PairChecker
@@ -197,11 +197,24 @@ def check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: F
                                 "nodes must run the same ffn-tools and libraries on the same checkpoints")
         mine = job["indices"]
     bar = progress.Progress(sum(nbytes(x, y) for _, x, y in pairs), "verifying FFNs")
+    book = None  # the steps' ledger (``--resume``): the driver's, or a one-process run's
+    if job is None and (run := ledger.RUN.get()) is not None:
+        book = ledger.StepLedger(run, [f"{s.on_all}:{s.batched}:" + ",".join(str(r) for r, _, _ in s.items)
+                                       for s in steps])
+        for k, s in enumerate(steps):  # the first FFN of each kind runs again: the kernel backends run what it computed
+            if not s.on_all and (results := book.done(k)) is not None:
+                done[k] = results
+                bar.update(sum(nbytes(x, y) for _, x, y in s.items))
+        mine = [k for k in mine if k not in done]
+        if book.reused:
+            progress.say(f"verify --resume: {book.reused} of {len(steps)} FFN steps a killed run had finished, reused")
     mapped = Mapped(ca.stored), Mapped(cb.stored)
     with ExitStack() as stack:
+        if book is not None:
+            stack.callback(book.remove)
         if job is None and cluster.ADDRESS.get() is not None:  # --ray: the driver keeps the first FFN of each kind
             ray = stack.enter_context(cluster.connected())
-            away = [k for k, s in enumerate(steps) if not s.on_all]
+            away = [k for k, s in enumerate(steps) if not s.on_all and k not in done]
             pending, parts = distributed.start(ray, ca, cb, steps, away)
             mine = [k for k, s in enumerate(steps) if s.on_all]
         try:
@@ -222,6 +235,8 @@ def check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: F
                         res.bits_a, res.bits_b = bits[ref]
                         bar.update(nbytes(x, y))
                     done[k] = results
+                    if book is not None and not step.on_all:
+                        book.finished(k, results)
                     stream.done(j)
                     for m in mapped:
                         m.release()
@@ -237,6 +252,9 @@ def check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: F
             for c, value in cluster.results(ray, pending, lambda c: f"verifying steps {parts[c][0]}-{parts[c][-1]}"):
                 done.update(value)  # {step: [FFNResult]}, from the task
                 bar.update(sum(nbytes(x, y) for k in parts[c] for _, x, y in steps[k].items))
+                for k in parts[c]:
+                    if book is not None:
+                        book.finished(k, value[k])
         bar.close()
     report.results += [res for k in range(len(steps)) for res in done[k]]
     skipped = sum(any(b.path == NOT_COMPUTED for b in r.backends) for r in report.results)
