@@ -104,7 +104,7 @@ def test_verify_on_three_nodes_reports_what_one_node_does(cluster, tmp_path):
     src = build("mixtral", tmp_path / "mixtral", torch.bfloat16, max_shard_size="100KB")
     fused = tmp_path / "fused"
     run_cli("fuse-gateup", src, "-o", fused)
-    args = ["verify", src, fused, "--no-load-check", "--json"]  # per-expert fused: not a layout transformers loads
+    args = ["-q", "verify", src, fused, "--no-load-check", "--json"]  # per-expert fused: not what transformers loads
     one = json.loads(run_cli(*args).output)
     many = json.loads(run_cli(*args, f"--ray={cluster.address}").output)
     assert one["passed"] and len(one["ffns"]) == 8
@@ -112,8 +112,8 @@ def test_verify_on_three_nodes_reports_what_one_node_does(cluster, tmp_path):
     # a planted difference in an expert the tasks verify is found there, and said as one node says it
     bad = tmp_path / "bad"
     plant(fused, bad, edit=_flip_expert)
-    one = json.loads(run_cli("verify", src, bad, "--no-load-check", "--json", ok=None).output)
-    many = json.loads(run_cli("verify", src, bad, "--no-load-check", "--json", f"--ray={cluster.address}",
+    one = json.loads(run_cli("-q", "verify", src, bad, "--no-load-check", "--json", ok=None).output)
+    many = json.loads(run_cli("-q", "verify", src, bad, "--no-load-check", "--json", f"--ray={cluster.address}",
                               ok=None).output)
     assert not one["passed"] and without_times(many) == without_times(one)
 
