@@ -13,7 +13,7 @@ worker processes) and times, alternating, in fresh processes:
 and prints each Ray time over the one-process time (the bar, for verify of a pair of 8 GB or more: at most 1.2x, the
 engine's overhead; two cores cannot show a speed-up: three nodes on two cores share them).
 
-    .venv/bin/python benchmarks/bench_ray.py --gb 8 [--rounds 2] [--cpus 1] [--keep]
+    .venv/bin/python benchmarks/bench_ray.py --gb 8 [--rounds 2] [--cpus 1] [--commands verify fuse] [--keep]
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cpus", type=int, default=1, help="CPUs each of the 3 nodes declares")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--commands", nargs="+", choices=("verify", "fuse"), default=["verify", "fuse"])
     args = ap.parse_args()
     layers = bench_scale.layers_for("phi3", args.gb)
     a = DATA / f"scale-phi3-{layers}l"
@@ -74,6 +75,7 @@ def main() -> None:
     out1, outr = DATA / "ray-one" / "fused", DATA / "ray-many" / "fused"
     runs = {"verify": [FFN, "-q", "verify", str(a), str(b), "--no-load-check", "--json"],
             "fuse": [FFN, "-q", "fuse-gateup", str(b), "--force"]}
+    runs = {k: v for k, v in runs.items() if k in args.commands}
     best: dict[tuple[str, bool], float] = {}
     texts: dict[tuple[str, bool], str] = {}
     try:
@@ -87,16 +89,16 @@ def main() -> None:
                     texts[(name, distributed)] = text
     finally:
         cluster.shutdown()
-    one_report, ray_report = (json.loads(texts[("verify", d)]) for d in (False, True))
-    same_report = without_times(one_report) == without_times(ray_report)
-    same_files = digest(out1) == digest(outr)
-    verdict = json.loads(texts[("verify", False)])["summary"]
+    if "verify" in runs:
+        one_report, ray_report = (json.loads(texts[("verify", d)]) for d in (False, True))
+        print(f"verify reports equal but for wall times: {without_times(one_report) == without_times(ray_report)} "
+              f"({one_report['summary'][:60]})")
+    if "fuse" in runs:
+        print(f"fuse outputs byte-identical: {digest(out1) == digest(outr)}")
     for name in runs:
         one, many = best[(name, False)], best[(name, True)]
         print(f"{size:.2f} GB a side, {name}: one process {one:.1f} s, 3-node Ray {many:.1f} s = {many / one:.2f}x"
               + (f" (bar <= {BAR}x)" if name == "verify" else ""))
-    print(f"verify reports equal but for wall times: {same_report} ({verdict[:60]}); fuse outputs byte-identical: "
-          f"{same_files}")
     for d in (out1.parent, outr.parent):
         shutil.rmtree(d, ignore_errors=True)
     if not args.keep:

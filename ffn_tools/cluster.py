@@ -131,6 +131,7 @@ def _task(call: dict, job: dict):
     """A Ray task: the command again, doing only ``job`` (``TASK``); what its ``Done`` carries."""
     from .child import clean_path
 
+    os.chdir(call["cwd"])  # the paths of the command line as the driver sees them (the same on every node)
     clean_path()
     token = TASK.set(job)
     try:

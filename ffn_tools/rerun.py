@@ -9,6 +9,7 @@ them again are the CLI's and the API's own, handed in (this module imports neith
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -54,14 +55,14 @@ def plain(options: dict) -> dict | None:
 
 def replay(function: str, options: dict, library=None) -> dict | None:
     """What runs this command again, or None where it cannot be (a library call with an option that is not plain
-    data): ``{"argv", "runner"}`` (the CLI's runner, ``RUNNER``) for a command line, else ``{"function", "options",
-    "runner"}`` (``library``: the ``api``'s). ``call["runner"](call)`` runs it in a process (a Ray task's);
+    data): ``{"argv", "runner", "cwd"}`` (the CLI's runner, ``RUNNER``) for a command line, else ``{"function",
+    "options", "runner", "cwd"}`` (``library``: the ``api``'s); ``cwd``: where relative paths are. ``call["runner"](call)`` runs it in a process (a Ray task's);
     ``command(call)`` is it as a child process's command line."""
     if (args := argv()) is not None:
-        return {"argv": args, "runner": RUNNER.get()}
+        return {"argv": args, "runner": RUNNER.get(), "cwd": os.getcwd()}
     if (kept := plain(options)) is None:
         return None
-    return {"function": function, "options": kept, "runner": library}
+    return {"function": function, "options": kept, "runner": library, "cwd": os.getcwd()}
 
 
 def command(call: dict) -> list[str]:
