@@ -83,6 +83,7 @@ def _connect(address: str) -> bool:
         raise FFNToolsError("--ray needs Ray: pip install 'ffn-tools[ray]'") from None
     if ray.is_initialized():
         return False
+    _reachable(address)
     from .child import python_env
 
     env = {k: v for k, v in python_env().items() if k in ("PYTHONPATH", "PYTHONSAFEPATH")}
@@ -95,6 +96,23 @@ def _connect(address: str) -> bool:
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise FFNToolsError(f"--ray {address}: cannot connect to a Ray cluster there ({e})") from None
     return True
+
+
+def _reachable(address: str, seconds: float = 5.0) -> None:
+    """Refuse, within seconds, a ``host:port`` (or ``ray://host:port``) nothing listens at: Ray itself would wait a
+    minute or more for it. ``auto`` and ``local`` are Ray's to find."""
+    import socket
+
+    where = address.removeprefix("ray://")
+    host, _, port = where.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=seconds).close()
+    except OSError as e:
+        raise FFNToolsError(f"--ray {address}: nothing answers there ({e.strerror or e}); give the address of a "
+                            "running Ray cluster's head (ray start --head prints it), or --ray alone for a Ray "
+                            "started here") from None
 
 
 def _probe(files: list[tuple[str, int]]) -> list[str]:

@@ -127,3 +127,10 @@ def test_the_library_runs_on_ray_as_the_command_line_does(cluster, sharded, tmp_
     ffn_tools.fuse_gateup(str(sharded), str(one), max_shard_size=30_000)
     ffn_tools.fuse_gateup(str(sharded), str(many), max_shard_size=30_000, ray=cluster.address)
     assert _digest(many) == _digest(one)
+
+
+def test_an_address_nothing_answers_at_is_refused_at_once(sharded, tmp_path):
+    """Ray would wait a minute or more for it: refused within seconds, nothing left behind."""
+    r = run_cli("fuse-gateup", sharded, "-o", tmp_path / "out", "--ray=127.0.0.1:1", ok=False)
+    assert "--ray 127.0.0.1:1: nothing answers there" in r.output
+    assert not list(tmp_path.iterdir())
