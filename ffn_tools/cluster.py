@@ -201,7 +201,7 @@ def write_sharded(out_dir: Path, items: Sequence, files_of: list[set[str]], *, m
                   metadata: dict, progress=None, ledger=None) -> list[str]:
     """The driver's ``io.writer.write_sharded``: the shards written by Ray tasks (a shard the resume ledger says is
     finished is kept); the index written here. ``files_of``: each item's input files, for placement."""
-    from .io.writer import plan_shards, shard_names, write_index
+    from .io.writer import kept, plan_shards, shard_names, write_index
 
     _, call = ADDRESS.get() or (LOCAL, {})
     shards = plan_shards(items, max_shard_size, metadata)
@@ -212,15 +212,7 @@ def write_sharded(out_dir: Path, items: Sequence, files_of: list[set[str]], *, m
             for shard in shards:
                 spans.append((at, at + len(shard)))
                 at += len(shard)
-            todo = []
-            for k, name in enumerate(names):
-                if ledger is not None and ledger.reusable(name):
-                    if progress:
-                        progress.update(sum(t.progress_bytes for t in shards[k]))
-                    continue
-                if ledger is not None:
-                    ledger.forget(name)
-                todo.append(k)
+            todo = [k for k, name in enumerate(names) if not kept(ledger, name, shards[k], progress)]
             jobs = [{"kind": "shard", "dir": str(out_dir), "index": k, "names": names} for k in todo]
             pending = submit(ray, call, jobs, [set().union(*files_of[slice(*spans[k])]) for k in todo])
             for j, _ in results(ray, pending, lambda j: f"shard {names[todo[j]]}"):

@@ -154,17 +154,25 @@ def write_sharded(out_dir: Path, items: Sequence[OutTensor], *, max_shard_size: 
     shards = plan_shards(items, max_shard_size, metadata)
     names = shard_names(len(shards), prefix)
     for name, shard in zip(names, shards):
-        if ledger is not None and ledger.reusable(name):
-            if progress:
-                progress.update(sum(t.progress_bytes for t in shard))
-        else:
-            if ledger is not None:
-                ledger.forget(name)
-            write_file(out_dir / name, shard, metadata, progress)
-            if ledger is not None:
-                ledger.finished(name)
+        if kept(ledger, name, shard, progress):
+            continue
+        write_file(out_dir / name, shard, metadata, progress)
+        if ledger is not None:
+            ledger.finished(name)
     write_index(out_dir, items, shards, names, prefix)
     return names
+
+
+def kept(ledger: Ledger | None, name: str, shard: Sequence[OutTensor], progress: Progress | None) -> bool:
+    """Whether the resume ledger says shard ``name`` is finished (then it is counted done); else it is about to be
+    written (again), and its manifest no longer holds."""
+    if ledger is not None and ledger.reusable(name):
+        if progress:
+            progress.update(sum(t.progress_bytes for t in shard))
+        return True
+    if ledger is not None:
+        ledger.forget(name)
+    return False
 
 
 def write_index(out_dir: Path, items: Sequence[OutTensor], shards: list[list[OutTensor]], names: list[str],
