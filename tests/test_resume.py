@@ -186,18 +186,18 @@ def test_a_killed_verify_resumes_from_the_steps_it_finished(tmp_path):
     fused = tmp_path / "fused"
     run_cli("fuse-gateup", src, "-o", fused)
     cache = tmp_path / "cache"
-    env = {**python_env(), "XDG_CACHE_HOME": str(cache), "KILL_AT": "0", "KILL_AFTER_MANIFESTS": "1"}
+    env = {**python_env(), "FFN_TOOLS_CACHE": str(cache), "KILL_AT": "0", "KILL_AFTER_MANIFESTS": "1"}
     args = [sys.executable, str(HERE / "kill_at.py"), "verify", str(src), str(fused), "--no-load-check", "--json",
             "--backend", "reference"]
     killed = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert killed.returncode == -9, killed.stderr
-    (left,) = (cache / "ffn-tools" / "verify").iterdir()  # the killed run's ledger: its plan and one step
+    (left,) = (cache / "verify").iterdir()  # the killed run's ledger: its plan and one step
     assert sorted(p.name for p in left.iterdir())[-1].startswith("step-")
     whole = subprocess.run(args[:1] + ["-m", "ffn_tools", *args[2:]], capture_output=True, text=True,
-                           env={**env, "XDG_CACHE_HOME": str(tmp_path / "other")}, timeout=300)
+                           env={**env, "FFN_TOOLS_CACHE": str(tmp_path / "other")}, timeout=300)
     resumed = subprocess.run(args[:1] + ["-m", "ffn_tools", *args[2:], "--resume"], capture_output=True, text=True,
                              env=env, timeout=300)
     assert resumed.returncode == whole.returncode == 0, resumed.stderr
     assert "FFN steps a killed run had finished, reused" in resumed.stderr
     assert without_times(json.loads(resumed.stdout)) == without_times(json.loads(whole.stdout))
-    assert not list((cache / "ffn-tools" / "verify").iterdir())
+    assert not list((cache / "verify").iterdir())

@@ -26,11 +26,11 @@ import tempfile
 from pathlib import Path
 
 from ffn_tools.errors import FFNToolsError
+from ffn_tools.io.cache import CACHE_ENV, cache_dir  # noqa: F401  (CACHE_ENV: the tests set it through this module)
 
 log = logging.getLogger(__name__)
 
 ENV = "FFN_TOOLS_LLAMA_CPP"
-CACHE_ENV = "FFN_TOOLS_CACHE"
 PREFIX = Path(sys.prefix) / "llama.cpp"  # where the dev install (the Makefile) extracts the converter
 TREE = ("convert_hf_to_gguf.py", "conversion", "gguf-py")  # what the writer runs, from llama.cpp's source
 # extracted beside it where a fetch or `make install` puts the tree: the LoRA adapter writer's converter (not
@@ -44,13 +44,6 @@ MARKER = ".ffn-tools-source"  # in a fetched tree: the distribution and version 
 def missing(root: Path) -> list[str]:
     """The parts of ``TREE`` that ``root`` lacks."""
     return [p for p in TREE if not (root / p).exists()]
-
-
-def cache_dir() -> Path:
-    """This user's cache of ffn-tools: ``$FFN_TOOLS_CACHE``, ``$XDG_CACHE_HOME/ffn-tools``, ``~/.cache/ffn-tools``."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ffn-tools"
 
 
 def installed_version() -> str | None:

@@ -101,7 +101,7 @@ b_layout_options = layout_options_for(
                    "layout, dtype, quantization), which proves its kernels; the report says what ran where.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
 @click.option("--resume", is_flag=True, help="Continue a killed verify of the same pair with the same options: the "
-              "FFN steps it had finished (kept in ~/.cache/ffn-tools/verify/, removed when a verify ends) are reused, "
+              "FFN steps it had finished (kept in the ffn-tools cache, ~/.cache/ffn-tools/verify/ by default, removed when a verify ends) are reused, "
               "the rest run; the report is an uninterrupted run's but for those steps' wall times.")
 @click.option("--ray", "ray", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
               help="Verify the FFN pairs as Ray tasks, each where its tensors' files are: on the Ray cluster at "

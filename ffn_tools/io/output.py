@@ -104,7 +104,8 @@ def _read_only(p: Path) -> bool:
         return False
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (another user's included)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -121,7 +122,7 @@ def _stale(out: Path) -> list[Path]:
     for p in out.parent.glob(f".{glob_escape(out.name)}.*-*"):
         m = re.fullmatch(rf"\.{re.escape(out.name)}\.(?:tmp|old)-(\d+)-[0-9a-f]{{8}}(?:\.{re.escape(receipt.NAME)})?",
                          p.name)
-        if m and not _alive(int(m.group(1))):
+        if m and not alive(int(m.group(1))):
             found.append(p)
     return sorted(found, key=lambda p: p.lstat().st_mtime_ns, reverse=True)
 

@@ -1,7 +1,7 @@
 """``verify --resume``: a killed verify continues from the FFN steps it had finished.
 
-Every verify keeps a ledger of its FFN steps (``steps.check_pairs``) in this user's cache,
-``$XDG_CACHE_HOME/ffn-tools/verify/KEY-PID/`` (``~/.cache`` by default; a verify of the same pair beside it keeps its
+Every verify keeps a ledger of its FFN steps (``steps.check_pairs``) in this user's cache (``io.cache``),
+``verify/KEY-PID/`` (``~/.cache/ffn-tools`` by default; a verify of the same pair beside it keeps its
 own; a cache that cannot be written only leaves nothing to resume from): ``plan.json`` (the key: the tool's version and
 its libraries' installs, both sides' files with their sizes and modification times, every option that shapes the
 results, the steps planned) and, per finished step, ``step-K.json`` with its results (written atomically, once the
@@ -22,6 +22,8 @@ from contextvars import ContextVar
 from pathlib import Path
 
 from ..ffn import FFNRef
+from ..io.cache import cache_dir
+from ..io.output import alive
 from ..io.resume import Ledger, input_stamp, plan_key
 from ..progress import say
 from ..tolerances import Tolerance
@@ -39,7 +41,7 @@ def key(a, b, options: dict) -> str:
 
 
 def home() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ffn-tools" / "verify"
+    return cache_dir() / "verify"
 
 
 def _as_dict(r: FFNResult) -> dict:
@@ -63,13 +65,8 @@ def _from_dict(d: dict) -> FFNResult:
 
 def _dead(p: Path) -> bool:
     """Whether the ledger ``KEY-PID`` was left by a process that no longer runs."""
-    try:
-        os.kill(int(p.name.rsplit("-", 1)[1]), 0)
-    except ProcessLookupError:
-        return True
-    except (ValueError, PermissionError, OSError):
-        return False
-    return False
+    pid = p.name.rsplit("-", 1)[1]
+    return pid.isdigit() and not alive(int(pid))
 
 
 class StepLedger:
