@@ -32,6 +32,7 @@ from contextvars import ContextVar
 from pathlib import Path
 
 from .digests import HASH_CHUNK, file_sha256
+from .resume import tool_version
 
 NAME = "ffn-tools-receipt.json"
 VERSION = 1
@@ -147,7 +148,7 @@ def _tool() -> dict:
         except PackageNotFoundError:
             return None
 
-    return {"name": "ffn-tools", "version": v("ffn-tools") or "source",
+    return {"name": "ffn-tools", "version": tool_version(),
             "libraries": {n: x for n in LIBRARIES if (x := v(n)) is not None}}
 
 

@@ -25,6 +25,7 @@ an output that cannot be continued (one file, GGUF, Orbax, DCP, Flax, an adapter
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -58,15 +59,20 @@ def requested(on: bool) -> Iterator[None]:
         REQUESTED.reset(token)
 
 
-def plan_key(**parts) -> str:
-    """The SHA-256 of ``parts`` (JSON-able, ``str`` for anything else): what makes two runs the same run."""
+@functools.lru_cache(maxsize=1)
+def tool_version() -> str:
+    """ffn-tools' installed version ("source": run from a source tree that was never installed)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        tool = version("ffn-tools")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        tool = "source"
-    text = json.dumps({"version": tool, "libraries": installed(), **parts}, sort_keys=True, default=str)
+        return version("ffn-tools")
+    except PackageNotFoundError:
+        return "source"
+
+
+def plan_key(**parts) -> str:
+    """The SHA-256 of ``parts`` (JSON-able, ``str`` for anything else): what makes two runs the same run."""
+    text = json.dumps({"version": tool_version(), "libraries": installed(), **parts}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
