@@ -76,8 +76,6 @@ def check(out) -> ReceiptCheck:
     r = read(out)
     listed = {o["path"]: o for o in r["outputs"]}
     present = dict(receipt.output_files(out))
-    if not out.is_dir():
-        present = {out.name: out}
     problems = [f"{name}: missing (the receipt lists {human(o['size'])})" for name, o in listed.items()
                 if name not in present]
     problems += [f"{name}: not in the receipt" for name in present if name not in listed]

@@ -152,12 +152,13 @@ def _tool() -> dict:
             "libraries": {n: x for n in LIBRARIES if (x := v(n)) is not None}}
 
 
-def output_files(tmp: Path) -> list[tuple[str, Path]]:
-    """The files of an output at ``tmp`` (a file, or a directory's files at any depth), by the path the receipt
-    gives them: relative to the directory, or the output's own name for one file."""
-    if tmp.is_dir():
-        return sorted((f.relative_to(tmp).as_posix(), f) for f in tmp.rglob("*") if f.is_file() and f.name != NAME)
-    return [("", tmp)]
+def output_files(path: Path, name: str | None = None) -> list[tuple[str, Path]]:
+    """The files of an output at ``path`` (a file, or a directory's files at any depth), by the path the receipt
+    gives them: relative to the directory, or the output's own name for one file (``name``: its name once in place,
+    where ``path`` is its temporary)."""
+    if path.is_dir():
+        return sorted((f.relative_to(path).as_posix(), f) for f in path.rglob("*") if f.is_file() and f.name != NAME)
+    return [(name or path.name, path)]
 
 
 def hashed(files: list[Path]) -> list[tuple[int, str]]:
@@ -175,11 +176,11 @@ def hashed(files: list[Path]) -> list[tuple[int, str]]:
 def make(out: Path, tmp: Path, sources: Sources) -> dict:
     """The receipt of the output at ``tmp``, to be moved to ``out``."""
     command, options = COMMAND.get() or (None, {})
-    named = output_files(tmp)
+    named = output_files(tmp, out.name)
     digests = hashed([f for _, f in named])
     return {"receipt": VERSION, "tool": copy.deepcopy(_tool()), "command": command, "options": options, "output": out.name,
             "sources": sources.digests(),
-            "outputs": [{"path": rel or out.name, "size": size, "sha256": digest}
+            "outputs": [{"path": rel, "size": size, "sha256": digest}
                         for (rel, _), (size, digest) in zip(named, digests)]}
 
 
