@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -41,17 +39,10 @@ BAND = (0.8, 1.2)
 
 
 def run_rss(cmd: list[str]) -> tuple[float, int, str]:
-    """Wall seconds, peak RSS (bytes: wait4's, the largest process of its tree) and stdout of ``cmd`` in a fresh
-    process."""
-    t = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    out = p.stdout.read()
-    _, status, usage = os.wait4(p.pid, 0)
-    dt = time.perf_counter() - t
-    p.returncode = os.waitstatus_to_exitcode(status)
-    if p.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed with status {p.returncode}")
-    return dt, usage.ru_maxrss * 1024, out
+    """Wall seconds, peak RSS in bytes (wait4's: the largest process of its tree) and stdout of ``cmd`` in a fresh
+    process (``bench_scale.timed``)."""
+    dt, mb, out = bench_scale.timed(cmd)
+    return dt, int(mb * 2**20), out
 
 
 def size_of(p: Path) -> int:

@@ -23,7 +23,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,15 +34,6 @@ from ffn_tools.verification.report import without_times  # noqa: E402
 FFN = str(Path(sys.executable).parent / "ffn-tools")
 DATA = bench_scale.ROOT / "bench-data"
 BAR = 1.2
-
-
-def timed(cmd: list[str]) -> tuple[float, str]:
-    t = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    dt = time.perf_counter() - t
-    if r.returncode not in (0, 1):
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
-    return dt, r.stdout
 
 
 def main() -> None:
@@ -84,7 +74,7 @@ def main() -> None:
                 for distributed in (False, True):
                     full = [*cmd, *(["-o", str(outr if distributed else out1)] if name == "fuse" else []),
                             *([ray] if distributed else [])]
-                    dt, text = timed(full)
+                    dt, _, text = bench_scale.timed(full)  # a verify that does not pass fails the benchmark
                     best[(name, distributed)] = min(best.get((name, distributed), float("inf")), dt)
                     texts[(name, distributed)] = text
     finally:
