@@ -78,9 +78,11 @@ class StepLedger:
         self.dir = home() / f"{self.key}-{os.getpid()}"  # a verify of the same pair running beside it has its own
         self.reused = 0
         self.kept = True
+        self.adopted = False  # a killed run's ledger taken over (--resume): only then are there steps to reuse
         dead = sorted((p for p in home().glob(f"{self.key}-*") if _dead(p)), key=lambda p: p.stat().st_mtime_ns)
         if resuming and dead:
             os.replace(dead.pop(), self.dir)  # the newest killed run's
+            self.adopted = True
         for p in dead:
             said = len(list(p.glob("step-*.json")))
             shutil.rmtree(p, ignore_errors=True)
@@ -95,6 +97,8 @@ class StepLedger:
 
     def done(self, k: int) -> list[FFNResult] | None:
         """Step ``k``'s results, where a killed run of this key finished it."""
+        if not self.adopted:
+            return None
         try:
             d = json.loads((self.dir / f"step-{k}.json").read_text())
             if d.get("key") != self.key:
