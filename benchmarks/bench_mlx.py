@@ -32,7 +32,8 @@ SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size
 SRC = DATA / "llama-1g-bf16"
 SHAPE = SIZES["1g"]
 # (time ratio, RSS ratio) targets: ffn-tools / mlx_lm.convert.
-TARGETS = {"plain": (0.25, 0.20), "q4": (0.50, 0.30)}
+TARGETS = {"plain": (0.25, 0.20), "q4": (0.60, 0.30)}
+CPU_TARGET = {"q4": 1.0}  # CPU-seconds ratio (issue 34: workers write their bytes into the output themselves)
 
 
 def write_tokenizer(path: Path, vocab_size: int) -> None:
@@ -47,15 +48,18 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
                             unk_token="<unk>").save_pretrained(path)
 
 
-def build(path: Path) -> None:
-    """Write the checkpoint shard by shard (at most ``SHARD_BYTES`` each, with an index when more than one),
-    with safetensors, as transformers' save_pretrained lays it out."""
+def build(path: Path, shape: dict | None = None, tokenizer=None) -> None:
+    """Write the checkpoint of ``shape`` (default ``SHAPE``) shard by shard (at most ``SHARD_BYTES`` each, with an
+    index when more than one), with safetensors, as transformers' save_pretrained lays it out, a random tensor at
+    a time (never the model in memory); ``tokenizer(dir)`` writes its tokenizer (default: a word-level one of
+    ``vocab_size`` words)."""
     import torch
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
-    h, i, v = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
-    kv = h // SHAPE["num_attention_heads"] * SHAPE["num_key_value_heads"]
+    shape = shape or SHAPE
+    h, i, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
     g = torch.Generator().manual_seed(0)
 
     def w(*shape):
@@ -70,7 +74,7 @@ def build(path: Path) -> None:
                 f"{p}.mlp.down_proj.weight": w(h, i)}
 
     parts = [lambda: {"model.embed_tokens.weight": w(v, h)}, *(lambda n=n: layer(n) for n in
-                                                             range(SHAPE["num_hidden_layers"])),
+                                                             range(shape["num_hidden_layers"])),
              lambda: {"model.norm.weight": 1 + w(h), "lm_head.weight": w(v, h)}]
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -94,9 +98,9 @@ def build(path: Path) -> None:
             (tmp / f"shard-{k + 1}.tmp").rename(tmp / name)
         weight_map = {t: names[k] for k, shard in enumerate(shards) for t in shard}
         (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    LlamaConfig(**SHAPE, tie_word_embeddings=False, dtype="bfloat16", bos_token_id=1, eos_token_id=2,
+    LlamaConfig(**shape, tie_word_embeddings=False, dtype="bfloat16", bos_token_id=1, eos_token_id=2,
                 pad_token_id=0).save_pretrained(tmp)
-    write_tokenizer(tmp, v)
+    (tokenizer or (lambda d: write_tokenizer(d, v)))(tmp)
     tmp.rename(path)
 
 
@@ -143,7 +147,9 @@ def commands(kind: str, out: Path) -> dict[str, list[str]]:
     ffn = [str(Path(py).parent / "ffn-tools"), "-q", "convert", str(SRC), "--to", "mlx", "-o", str(out / "ffn"),
            *(["--quantize", "4", "--group-size", "64"] if kind == "q4" else [])]
     q = "quantize=True, q_bits=4, q_group_size=64" if kind == "q4" else "quantize=False"
-    mlx = [py, "-c", f"from mlx_lm import convert; convert(hf_path={str(SRC)!r}, mlx_path={str(out / 'mlx')!r}, {q})"]
+    # -P: the repository's own kernels/ must not shadow the kernels package transformers imports
+    mlx = [py, "-P", "-c",
+           f"from mlx_lm import convert; convert(hf_path={str(SRC)!r}, mlx_path={str(out / 'mlx')!r}, {q})"]
     return {"ffn": ffn, "mlx": mlx}
 
 
@@ -185,13 +191,14 @@ def main() -> None:
         (ft, fr, fc), (mt, mr, mc) = best["ffn"], best["mlx"]
         tt, tr = TARGETS[kind]
         t_ratio, r_ratio = ft / mt, fr / mr
-        ok &= t_ratio <= tt and r_ratio <= tr
+        ct = CPU_TARGET.get(kind)
+        ok &= t_ratio <= tt and r_ratio <= tr and (ct is None or fc / mc <= ct)
         results[kind] = {"ffn_tools": {"seconds": ft, "peak_rss": fr, "cpu_seconds": fc},
                          "mlx_lm": {"seconds": mt, "peak_rss": mr, "cpu_seconds": mc},
                          "time_ratio": t_ratio, "rss_ratio": r_ratio, "cpu_ratio": fc / mc}
         print(f"{kind:>5}: ffn-tools {ft:6.2f} s {fr / 2**20:6.0f} MiB (cpu {fc:5.2f} s) | mlx_lm.convert {mt:6.2f} s "
               f"{mr / 2**20:6.0f} MiB (cpu {mc:5.2f} s) | time {t_ratio:.2f}x (target <= {tt}) "
-              f"RSS {r_ratio:.2f}x (target <= {tr}) cpu {fc / mc:.2f}x")
+              f"RSS {r_ratio:.2f}x (target <= {tr}) cpu {fc / mc:.2f}x{f' (target <= {ct})' if ct else ''}")
     shutil.rmtree(out, ignore_errors=True)
     print(json.dumps(results))
     print("all targets met" if ok else "TARGET MISSED")

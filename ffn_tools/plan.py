@@ -34,7 +34,7 @@ from .io.resume import Ledger, input_stamp, plan_key
 from .progress import Progress
 from .sizes import human
 from .io.store import WEIGHT_INDEXES, WEIGHT_SUFFIXES, Checkpoint
-from .io.writer import SAFETENSORS, ByteRange, OutTensor, Writer
+from .io.writer import SAFETENSORS, ByteRange, OutTensor, Placed, Writer
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,9 @@ class Entry:
     Attributes:
         name, dtype, shape: the output tensor.
         inputs: input tensor names ``compute`` receives, in order.
-        compute: pure function from the input tensors to the output tensor.
+        compute: pure function from the input tensors to the output tensor. One with a ``place(path, offset)``
+            method is told where the output's bytes go in its file, and may write them there itself and return
+            ``io.writer.Placed`` (a quantizing worker's bytes never pass through the writer).
         pieces: (input position, byte offset in that input, nbytes) runs whose concatenation is the
             output's bytes, or None when the output is not such a rearrangement.
         note: how it is made, for --dry-run ("rows 0:96 of X").
@@ -129,6 +131,8 @@ def _out_tensor(e: Entry, ckpt: Checkpoint, cache: dict) -> OutTensor:
             del cache[n]  # keep only this entry's inputs alive (a stacked tensor serves E entries)
         tensors = [cache[n] if n in cache else cache.setdefault(n, ckpt[n]) for n in e.inputs]
         out = e.compute(tensors)
+        if isinstance(out, Placed):  # written into the output by the compute itself (the writer checks its size)
+            return out
         if as_st(out.dtype) != e.st_dtype or tuple(out.shape) != tuple(e.shape):
             raise RuntimeError(f"internal error: {e.name} computed {out.dtype}{list(out.shape)}, "
                                f"planned {e.dtype}{list(e.shape)}")
@@ -139,7 +143,8 @@ def _out_tensor(e: Entry, ckpt: Checkpoint, cache: dict) -> OutTensor:
     if e.pieces and len(starts) == len(infos):  # every input's bytes lie in its file: starts[k] is infos[k]'s
         k, off, _ = e.pieces[0]
         start = starts[k] + off
-    return OutTensor(e.name, e.st_dtype, tuple(e.shape), e.nbytes, produce, start, e.reads)
+    return OutTensor(e.name, e.st_dtype, tuple(e.shape), e.nbytes, produce, start, e.reads,
+                     getattr(e.compute, "place", None))
 
 
 def side_files(ckpt: Checkpoint) -> list[Path]:

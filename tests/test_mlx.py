@@ -171,18 +171,28 @@ def test_qwen3_moe_router_keeps_its_8_bit_override(exported):
     assert config(out)["num_experts"] == 4 and config(out)["rope_theta"] == 10000.0
 
 
-@pytest.mark.parametrize("workers", [False, True])
-def test_chunked_quantization_equals_whole_tensor(workers, hf, mlx_ref, tmp_path, monkeypatch):
+@pytest.mark.parametrize("workers,shard", [(False, None), (True, None), (True, 30_000)])
+def test_chunked_quantization_equals_whole_tensor(workers, shard, hf, mlx_ref, tmp_path, monkeypatch):
+    """Row chunks, and worker processes: they write the parts of the shard the writer has open into the file
+    themselves (``Placed``), and return the parts of a shard not yet open (small shards: many of both)."""
+    from ffn_tools.io.writer import Placed
+
     monkeypatch.setattr(mlx_quant, "CHUNK_BYTES", 100)  # one row per chunk
     if workers:  # the worker processes big models use, here for a tiny one
         monkeypatch.setattr(mlx_quant, "PARALLEL_MIN_BYTES", 0)
         monkeypatch.setattr(mlx_quant, "MAX_WORKERS", 2)
         monkeypatch.setattr(mlx_quant, "idle_cores", lambda: 2)
-    started = []
+    started, given = [], []
     monkeypatch.setattr(mlx_quant.QuantPool, "ahead", lambda self, job, f=mlx_quant.QuantPool.ahead:
                         started.append(job.index) or f(self, job))
-    convert(hf("mixtral", torch.bfloat16), "mlx", tmp_path / "out", quantize=4)
+    monkeypatch.setattr(mlx_quant.QuantJob, "part", lambda self, k, f=mlx_quant.QuantJob.part:
+                        given.append(f(self, k)) or given[-1])
+    convert(hf("mixtral", torch.bfloat16), "mlx", tmp_path / "out", quantize=4, max_shard_size=shard)
     assert bool(started) == workers
+    placed = sum(isinstance(p, Placed) for p in given)
+    assert (placed > 0) == workers and (placed < len(given)) == (not workers or shard is not None), (placed, len(given))
+    if shard:
+        assert len(list((tmp_path / "out").glob("model-*.safetensors"))) > 3
     assert_identical(tensors(tmp_path / "out"), tensors(mlx_ref("mixtral", 4, 64, torch.bfloat16)))
 
 

@@ -7,6 +7,10 @@ is not a plain safetensors file), wrapped as an ``mx.array``, cast with ``astype
 row group along the last axis, so chunking rows gives the same bits as ``mlx_lm.convert``'s whole-tensor
 call (the tests compare them). Memory stays at one chunk plus the (packed) outputs of one tensor.
 
+A ``QuantPool`` worker writes a part's bytes into the output file itself, at the offset the writer gives
+(``OutTensor.place``), where the writer has opened that file by the time the job is sent: the packed bytes then
+never pass through a pipe, a pickle and the writer (one copy instead of five).
+
 Reading goes the other way: ``dequantize`` unpacks one module's weight, scales and biases.
 """
 
@@ -19,9 +23,9 @@ from typing import TYPE_CHECKING, Literal
 
 import mlx.core as mx
 
-from ffn_tools.io.dtypes import itemsize
+from ffn_tools.io.dtypes import itemsize, nbytes
 from ffn_tools.io.raw import RawTensor  # noqa: F401 - re-exported: the MLX modules' tensors
-from ffn_tools.io.store import read_bytes
+from ffn_tools.io.writer import Placed
 
 if TYPE_CHECKING:
     from concurrent.futures import Future, ProcessPoolExecutor
@@ -74,7 +78,9 @@ def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
 
 
 def row_chunks(ckpt, name: str, max_bytes: int | None = None) -> Iterator[tuple[memoryview, int]]:
-    """(bytes, rows) chunks of whole rows of a tensor viewed as (rows, last dim)."""
+    """(bytes, rows) chunks of whole rows of a tensor viewed as (rows, last dim). A chunk read from its file is
+    read into one buffer, used again for the next chunk (no fresh pages to fault in and zero for each): the view
+    holds until the next one is asked for."""
     info = ckpt.info(name)
     max_bytes = max_bytes or CHUNK_BYTES
     cols, rows = _rows_cols(info.shape)
@@ -83,9 +89,13 @@ def row_chunks(ckpt, name: str, max_bytes: int | None = None) -> Iterator[tuple[
         return
     step = max(1, max_bytes // row_bytes)
     if info.start is not None:
-        for r in range(0, rows, step):
-            n = min(step, rows - r)
-            yield memoryview(read_bytes(info.file, info.start + r * row_bytes, n * row_bytes)), n
+        buf = memoryview(bytearray(min(step, rows) * row_bytes))
+        with open(info.file, "rb", buffering=0) as f:
+            for r in range(0, rows, step):
+                n = min(step, rows - r)
+                view = buf[:n * row_bytes]
+                read_into(f.fileno(), view, info.start + r * row_bytes, info.file)
+                yield view, n
         return
     data = memoryview(ckpt.read_raw(name))  # decoded by the reader (torch only where it needs it)
     for r in range(0, rows, step):
@@ -93,34 +103,64 @@ def row_chunks(ckpt, name: str, max_bytes: int | None = None) -> Iterator[tuple[
         yield data[r * row_bytes:(r + n) * row_bytes], n
 
 
+def read_into(fd: int, view: memoryview, start: int, name) -> None:
+    """Fill ``view`` with the bytes of open file ``fd`` from ``start`` (``pread``)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], start + done)
+        if n <= 0:
+            raise OSError(f"{name}: ended early at byte {start + done}")
+        done += n
+
+
+def write_at(fd: int, view: memoryview, offset: int) -> None:
+    """All of ``view`` into open file ``fd`` at ``offset`` (``pwrite``)."""
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
 def stream(ckpt, sources: Sequence[str], outputs: Sequence[tuple[str, tuple[int, ...]]],
-           fn: Callable[[mx.array], Sequence[mx.array]], max_bytes: int | None = None) -> list[RawTensor]:
+           fn: Callable[[mx.array], Sequence[mx.array]], max_bytes: int | None = None,
+           dests: dict[int, tuple[str, int]] | None = None) -> list[RawTensor | None]:
     """Apply ``fn`` to row chunks of ``sources`` (rows concatenated in order) and collect its outputs.
 
     Args:
         sources: input tensor names; their rows, in order, are the rows of the logical input.
         outputs: (dtype, shape) of each output of ``fn``, for the whole logical input.
         fn: maps an (rows, last dim) chunk to per-output arrays whose first axis is those rows.
+        dests: output -> (file, offset): that output is written there chunk by chunk (the file exists, at least
+            that long), and None returned in its place.
 
     Raises:
         RuntimeError: the outputs did not come out at their planned sizes (a bug).
     """
-    outs = [RawTensor(st, shape) for st, shape in outputs]
+    dests = dests or {}
+    outs: list[RawTensor | None] = [None if k in dests else RawTensor(st, shape)
+                                    for k, (st, shape) in enumerate(outputs)]
+    sizes = [nbytes(st, shape) for st, shape in outputs]
+    fds = {k: os.open(path, os.O_WRONLY) for k, (path, _) in dests.items()}  # never created here
     pos = [0] * len(outs)
-    for name in sources:
-        info = ckpt.info(name)
-        cols, _ = _rows_cols(info.shape)
-        for data, rows in row_chunks(ckpt, name, max_bytes):
-            results = fn(to_mx(data, info.st_dtype, (rows, cols)))
-            mx.eval(*results)
-            for k, r in enumerate(results):
-                b = raw_bytes(r)
-                outs[k][pos[k]:pos[k] + len(b)] = b
-                pos[k] += len(b)
-            del results
-    if pos != [len(o) for o in outs]:
-        raise RuntimeError(f"internal error: {', '.join(sources)[:200]} produced {pos} bytes, planned "
-                           f"{[len(o) for o in outs]}")
+    try:
+        for name in sources:
+            info = ckpt.info(name)
+            cols, _ = _rows_cols(info.shape)
+            for data, rows in row_chunks(ckpt, name, max_bytes):
+                results = fn(to_mx(data, info.st_dtype, (rows, cols)))
+                mx.eval(*results)
+                for k, r in enumerate(results):
+                    b = raw_bytes(r)
+                    if k in fds:
+                        write_at(fds[k], b, dests[k][1] + pos[k])
+                    else:
+                        outs[k][pos[k]:pos[k] + len(b)] = b  # type: ignore[index]
+                    pos[k] += len(b)
+                del results
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    if pos != sizes:
+        raise RuntimeError(f"internal error: {', '.join(sources)[:200]} produced {pos} bytes, planned {sizes}")
     return outs
 
 
@@ -183,18 +223,26 @@ class QuantJob:
         self.pool: QuantPool | None = None
         self.wanted = True  # False: no entry of a sample run (io.sample) asks for it, so the pool never runs it
         self.index = -1
-        self.future: Future[list[RawTensor]] | None = None
-        self._parts: list[RawTensor] | None = None
+        self.future: Future[list[RawTensor | None]] | None = None
+        self.dests: dict[int, tuple[str, int]] = {}  # part -> (output file, offset) a worker writes it at
+        self._parts: list[RawTensor | None] | None = None
         self._left: set[int] = set()
 
     def args(self) -> tuple:
         """Arguments of ``quantize_files`` for this job."""
-        return self.infos, self.specs, self.target, self.group_size, self.bits, self.mode, CHUNK_BYTES
+        return (self.infos, self.specs, self.target, self.group_size, self.bits, self.mode, CHUNK_BYTES,
+                dict(self.dests))
 
-    def part(self, k: int) -> RawTensor:
+    def place(self, k: int, path, offset: int) -> None:
+        """Part ``k``'s bytes go to ``path`` at ``offset``: a worker that has not started the job yet writes them
+        there (and ``part`` gives ``Placed``); computed here, or already sent, the part is returned as bytes."""
+        if self.pool is not None and self.future is None and self._parts is None:
+            self.dests[k] = (str(path), offset)
+
+    def part(self, k: int) -> RawTensor | Placed:
         if self._parts is None or k not in self._left:
-            if self.pool is not None and self.future is None and self.index >= self.pool.submitted:
-                self.pool.ahead(self)
+            if self.pool is not None:
+                self.pool.ahead(self)  # this job, and the window after it kept full
             fn = quantize_fn(self.target, self.group_size, self.bits, self.mode)
             if self.future is not None:
                 self._parts, self.future = self.future.result(), None
@@ -209,7 +257,10 @@ class QuantJob:
         part = self._parts[k]
         self._left.discard(k)
         if not self._left:
-            self._parts = None
+            self._parts, self.dests = None, {}
+        if part is None:  # the worker wrote it into the output
+            st, shape = self.specs[k]
+            return Placed(nbytes(st, shape))
         return part
 
 
@@ -223,10 +274,13 @@ class _Infos:
         return self._infos[name]
 
 
-def quantize_files(infos, specs, target, group_size, bits, mode, chunk_bytes) -> list[RawTensor]:
-    """A ``QuantJob`` in a worker process: read, cast and quantize tensors at known file offsets."""
+def quantize_files(infos, specs, target, group_size, bits, mode, chunk_bytes,
+                   dests: dict[int, tuple[str, int]]) -> list[RawTensor | None]:
+    """A ``QuantJob`` in a worker process: read, cast and quantize tensors at known file offsets; the parts in
+    ``dests`` are written into their output file at their offset as they come (None in their place; the writer
+    made the file at its full size), the others returned."""
     return stream(_Infos(infos), [i.name for i in infos], specs, quantize_fn(target, group_size, bits, mode),
-                  chunk_bytes)
+                  chunk_bytes, dests)
 
 
 class QuantPool:
@@ -239,22 +293,28 @@ class QuantPool:
             j.pool, j.index = self, i
         self.workers, self.submitted = workers, 0
         self._executor: ProcessPoolExecutor | None = None
+        self._wanted: list[int] = []
 
     def ahead(self, job: QuantJob) -> None:
-        """Submit ``job`` and the next few, starting the workers on first use."""
+        """Submit ``job`` if it is not yet, and keep ``2 * workers`` of the jobs after it that will be asked for
+        submitted (called as the writer takes each job: topped up one by one, the workers never run dry between
+        batches; measured, batches left them a quarter idle). Starts the workers on first use."""
         if self._executor is None:
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
 
             # spawn: fresh interpreters (forking a process that runs MLX's threads is unsafe)
             self._executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+            self._wanted = [0]  # wanted jobs before each index (a sample run decides ``wanted`` before writing)
+            for j in self.jobs:
+                self._wanted.append(self._wanted[-1] + j.wanted)
         self.submitted = max(self.submitted, job.index)  # jobs before it are not asked for (--resume reused them)
-        after = 0  # jobs submitted after ``job``: 2 * workers of those that will be asked for
-        while self.submitted < len(self.jobs) and (self.submitted <= job.index or after < 2 * self.workers):
+        while self.submitted < len(self.jobs) and (self.submitted <= job.index or
+                                                   self._wanted[self.submitted] - self._wanted[job.index + 1] <
+                                                   2 * self.workers):
             j = self.jobs[self.submitted]
             if j.wanted:
                 j.future = self._executor.submit(quantize_files, *j.args())
-                after += j.index > job.index
             self.submitted += 1
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from ffn_tools.io.dtypes import nbytes, short_name
 from ffn_tools.io.raw import RawTensor
+from ffn_tools.io.writer import Placed
 from ffn_tools.plan import Entry, copy_entry
 
 from .names import Output, SanitizeRun
@@ -116,8 +117,12 @@ class _Part:
     def __init__(self, job: QuantJob, k: int):
         self.shared, self.k = job, k
 
-    def __call__(self, _) -> RawTensor:
+    def __call__(self, _) -> RawTensor | Placed:
         return self.shared.part(self.k)
+
+    def place(self, path, offset: int) -> None:
+        """Where the part's bytes go (``OutTensor.place``): the job's worker may write them there."""
+        self.shared.place(self.k, path, offset)
 
 
 def _part(job: QuantJob, k: int) -> Callable[[list], RawTensor]:

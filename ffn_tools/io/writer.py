@@ -33,7 +33,15 @@ class ByteRange:
     nbytes: int
 
 
-Payload = Any  # torch.Tensor | numpy.ndarray | bytes | memoryview | list[ByteRange]
+@dataclass(frozen=True)
+class Placed:
+    """A payload already in the file: its producer wrote its ``nbytes`` bytes at the offset ``OutTensor.place``
+    gave it (a worker process, whose bytes then never pass through this one)."""
+
+    nbytes: int
+
+
+Payload = Any  # torch.Tensor | numpy.ndarray | bytes | memoryview | list[ByteRange] | Placed
 Sources = dict[Path, BinaryIO]  # the input files byte ranges are copied from, opened once each
 
 
@@ -48,6 +56,8 @@ class OutTensor:
     produce: Callable[[], Payload]
     source_start: int | None = None  # where its bytes begin in their input file, when they are a copy
     reads: int | None = None  # input bytes it consumes, for progress (None: its own size, as for a copy)
+    place: Callable[[Path, int], None] | None = None  # told the file and absolute offset its bytes go to, once the
+    # file is open and at its full size: a producer may write them there itself and then produce ``Placed``
 
     @property
     def progress_bytes(self) -> int:
@@ -90,7 +100,8 @@ def write_file(path: Path, items: Sequence[OutTensor], metadata: dict | None, pr
     """Write one safetensors file, streaming each tensor's bytes.
 
     Byte ranges that continue one another in the same input file (consecutive untouched tensors, the
-    halves of a split) are merged into one ``copy_file_range`` run.
+    halves of a split) are merged into one ``copy_file_range`` run. Tensors with a ``place`` are told where their
+    bytes go once the file has its full size, and their ``Placed`` bytes are stepped over.
     """
     header = build_header([(t.name, t.dtype, t.shape, t.nbytes) for t in items], metadata, _data_start_mod(items))
     sources: Sources = {}
@@ -98,9 +109,16 @@ def write_file(path: Path, items: Sequence[OutTensor], metadata: dict | None, pr
     try:
         with open(path, "wb", buffering=0) as f:
             _write_all(f, memoryview(header))
+            _announce(f, path, len(header), items)
             for t in items:
                 payload = t.produce()
-                if isinstance(payload, list):
+                if isinstance(payload, Placed):
+                    _flush(f, pending, sources, progress)
+                    f.seek(payload.nbytes, os.SEEK_CUR)
+                    written = payload.nbytes
+                    if progress:
+                        progress.update(t.progress_bytes)
+                elif isinstance(payload, list):
                     written = sum(r.nbytes for r in payload)
                     for r in payload:
                         last = pending[-1] if pending else None
@@ -119,6 +137,17 @@ def write_file(path: Path, items: Sequence[OutTensor], metadata: dict | None, pr
     finally:
         for src in sources.values():
             src.close()
+
+
+def _announce(f, path: Path, at: int, items: Sequence[OutTensor]) -> None:
+    """Give the file its full size and tell each tensor with a ``place`` where its bytes begin."""
+    if not any(t.place for t in items):
+        return
+    f.truncate(at + sum(t.nbytes for t in items))
+    for t in items:
+        if t.place:
+            t.place(path, at)
+        at += t.nbytes
 
 
 def _data_start_mod(items: Sequence[OutTensor]) -> int | None:
