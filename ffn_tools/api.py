@@ -248,7 +248,7 @@ def merge(base, adapter, out, *, resume: bool = False, **options) -> dict:
 
 def verify_receipt(out) -> dict:
     """``ffn-tools verify --receipt OUT --json``: every file of an output against the receipt it carries (sizes and
-    SHA-256; ``checks.receipt``), without the source; ``passed`` says whether it is what its receipt says."""
+    BLAKE3 digests; ``checks.receipt``), without the source; ``passed`` says whether it is what its receipt says."""
     from .checks.receipt import check
 
     c = check(out)

@@ -152,7 +152,7 @@ def ray_option(f):
 def resume_option(f):
     return click.option("--resume", is_flag=True, help="Continue the unfinished output a killed run of this same command "
                         "left (its temporary directory beside OUT): every shard it finished is checked (size and "
-                        "SHA-256) and kept, the rest written; the result is byte-identical to an uninterrupted run. "
+                        "BLAKE3) and kept, the rest written; the result is byte-identical to an uninterrupted run. "
                         "Directory outputs of safetensors shards only.")(f)
 
 

@@ -1,5 +1,5 @@
-"""Receipts: every output carries one (tool, command, options, sources and outputs with SHA-256), and
-``verify --receipt OUT`` checks an output against it without the source."""
+"""Receipts: every output carries one (tool, command, options, sources and outputs with their BLAKE3 digests), and
+``verify --receipt OUT`` checks an output against it without the source (and one of version 1, with SHA-256)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
 
@@ -16,8 +17,8 @@ from ffn_tools.io.receipt import NAME
 from helpers import run_cli
 
 
-def _sha(p: Path) -> str:
-    return hashlib.sha256(p.read_bytes()).hexdigest()
+def _b3(p: Path) -> str:
+    return blake3.blake3(p.read_bytes()).hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -41,20 +42,20 @@ def test_receipt_records_the_command_its_sources_and_every_output_file(sharded, 
     assert r["command"] == "split-gateup"
     assert r["options"]["max_shard_size"] == 40_000 and r["options"]["path"] == str(sharded)
     assert "out" not in r["options"] and r["output"] == split.name  # the receipt moves with the output
-    # every source file the run read (shards, index, side files), each with its own bytes' SHA-256
+    # every source file the run read (shards, index, side files), each with its own bytes' BLAKE3
     sources = {Path(s["path"]).name: s for s in r["sources"]}
     shards = sorted(p.name for p in sharded.glob("*.safetensors"))
     assert len(shards) > 1 and set(shards) <= set(sources)
     assert {"config.json", "model.safetensors.index.json"} <= set(sources)
     for s in r["sources"]:
         p = Path(s["path"])
-        assert p.is_absolute() and s["size"] == p.stat().st_size and s["sha256"] == _sha(p)
+        assert p.is_absolute() and s["size"] == p.stat().st_size and s["blake3"] == _b3(p)
     # every output file but the receipt, by its path in the output
     files = sorted(p.relative_to(split).as_posix() for p in split.rglob("*") if p.is_file() and p.name != NAME)
     assert [o["path"] for o in r["outputs"]] == files
     assert len([f for f in files if f.endswith(".safetensors")]) > 1
     for o in r["outputs"]:
-        assert o["size"] == (split / o["path"]).stat().st_size and o["sha256"] == _sha(split / o["path"])
+        assert o["size"] == (split / o["path"]).stat().st_size and o["blake3"] == _b3(split / o["path"])
 
 
 def test_verify_receipt_passes_an_untouched_output_and_fails_each_change(split, tmp_path):
@@ -73,7 +74,7 @@ def test_verify_receipt_passes_an_untouched_output_and_fails_each_change(split, 
     (out / "config.json").unlink()
     r = run_cli("verify", "--receipt", out, ok=None)
     assert r.exit_code == 1, r.output
-    assert f"{shard.name}: SHA-256" in r.output and "same size: its bytes changed" in r.output
+    assert f"{shard.name}: BLAKE3" in r.output and "same size: its bytes changed" in r.output
     assert "notes.txt: not in the receipt" in r.output
     assert "config.json: missing" in r.output and r.output.rstrip().splitlines()[-1].startswith("FAIL")
 
@@ -85,7 +86,7 @@ def test_one_file_output_carries_its_receipt_beside_it_and_force_replaces_both(m
     side = tmp_path / f"split.safetensors.{NAME}"
     first = json.loads(side.read_text())
     assert [o["path"] for o in first["outputs"]] == ["split.safetensors"] and first["output"] == "split.safetensors"
-    assert first["outputs"][0]["sha256"] == _sha(out)
+    assert first["outputs"][0]["blake3"] == _b3(out)
     assert [Path(s["path"]).name for s in first["sources"]][0] == "model.safetensors"
     run_cli("verify", "--receipt", out)
     run_cli("split-gateup", src, "-o", out, "--force")
@@ -114,3 +115,22 @@ def test_verify_receipt_errors(split, model_dir, tmp_path):
     assert "has no receipt" in r.output
     r = run_cli("verify", "--receipt", tmp_path / "nothing", ok=False)
     assert "no such output" in r.output
+
+
+def test_a_version_1_receipt_is_checked_by_its_sha256(split, tmp_path):
+    """Receipts written before BLAKE3 (version 1: SHA-256 digests) are still read, and checked by SHA-256."""
+    out = tmp_path / "old"
+    shutil.copytree(split, out)
+    r = json.loads((out / NAME).read_text())
+    r["receipt"] = 1
+    for o in r["outputs"]:
+        o["sha256"] = hashlib.sha256((out / o["path"]).read_bytes()).hexdigest()
+        del o["blake3"]
+    (out / NAME).write_text(json.dumps(r))
+    got = run_cli("verify", "--receipt", out)
+    assert "each of its size and SHA-256" in got.output, got.output
+    config = out / "config.json"
+    data = config.read_bytes()
+    config.write_bytes(data[:-1] + (b" " if data[-1:] != b" " else b"\n"))  # its last byte, the size unchanged
+    got = run_cli("verify", "--receipt", out, ok=None)
+    assert got.exit_code == 1 and "config.json: SHA-256" in got.output, got.output

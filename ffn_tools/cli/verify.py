@@ -35,7 +35,7 @@ b_layout_options = layout_options_for(
 @click.argument("b", type=CHECKPOINT, required=False)
 @click.option("--receipt", "receipt", type=click.Path(), metavar="OUT",
               help="Check the output OUT (a directory or file ffn-tools wrote) against the receipt it carries, without "
-                   "A: every file there with its size and SHA-256, no file it does not list. Exit 1 on any "
+                   "A: every file there with its size and BLAKE3 digest, no file it does not list. Exit 1 on any "
                    "difference. Give no A and B with it.")
 @click.option("--backend", "backends", multiple=True, metavar="NAME",
               help=f"Kernel backend to run B's FFNs on, one of {BACKEND_NAMES}; repeat for several; 'all': every one "
@@ -154,7 +154,7 @@ def verify(a, b, receipt, backends, tokens, seed, layers, shards_needed, experts
 
     verify --receipt OUT checks an output of ffn-tools against the receipt every output carries
     (ffn-tools-receipt.json inside a directory, OUT.ffn-tools-receipt.json beside a file): each file's size and
-    SHA-256, without A. The receipt also names the command, its options and every source file's SHA-256.
+    BLAKE3 digest, without A. The receipt also names the command, its options and every source file's digest.
     """
     if receipt is not None or a is None or b is None:
         _receipt(receipt, a, b, as_json)

@@ -8,9 +8,9 @@ carries a receipt, ``ffn-tools-receipt.json``, inside a directory output, or bes
 - ``command`` and ``options``: the command (``api``'s function, as the command line names it) and what it was given
   (not ``--resume``: a resumed output is the uninterrupted one's, receipt included; not where the output was
   written: ``output`` is its name, and the receipt moves with it);
-- ``sources``: every input file (path, size, SHA-256), hashed by a background thread while the command streams it
-  (the pages it reads are the ones the hash reads, from the page cache);
-- ``outputs``: every file of the output (path relative to the output's directory, size, SHA-256); a shard the resume
+- ``sources``: every input file (path, size, BLAKE3: ``io.digests``), hashed by a background thread while the command
+  streams it (the pages it reads are the ones the hash reads, from the page cache);
+- ``outputs``: every file of the output (path relative to the output's directory, size, BLAKE3); a shard the resume
   ledger hashed while the next one was written is not read again.
 
 It holds nothing that changes from one run to the next (no time, no process id), so two runs of the same command on
@@ -31,11 +31,12 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 
-from .digests import HASH_CHUNK, file_sha256
+from .digests import ALGORITHM, ALGORITHMS, HASH_CHUNK, file_digest
 from .resume import tool_version
 
 NAME = "ffn-tools-receipt.json"
-VERSION = 1
+VERSION = 2  # 1: SHA-256 digests (read still: ``DIGESTS``)
+DIGESTS = {1: "sha256", 2: ALGORITHM}  # receipt version -> its digests' key and algorithm
 HASHERS = 4  # threads hashing the output's files at the end (the hashing releases the GIL)
 LIBRARIES = ("torch", "safetensors", "transformers", "mlx", "mlx-lm", "gguf", "jax", "flax", "orbax-checkpoint")
 # given to a command, but not what its output is made of: --resume (a resumed output is the uninterrupted one's), and
@@ -111,14 +112,12 @@ class Sources:
 
     def _one(self, f: Path) -> None:
         size = f.stat().st_size
-        if (digest := file_sha256(f, self._stop)) is not None:
+        if (digest := file_digest(f, self._stop)) is not None:
             self._done[f] = (size, digest)
 
     def _partial(self, left: int) -> None:
-        import hashlib
-
         for f in self.files:
-            h = hashlib.sha256()
+            h = ALGORITHMS[ALGORITHM]()
             with open(f, "rb", buffering=0) as fh:
                 while left > 0 and not self._stop.is_set() and (chunk := fh.read(min(HASH_CHUNK, left))):
                     h.update(chunk)
@@ -134,7 +133,7 @@ class Sources:
     def digests(self) -> list[dict]:
         for f in self._futures:
             f.result()  # an error hashing a source is said here, after the run's own
-        return [{"path": os.path.abspath(f), "size": self._done[f][0], "sha256": self._done[f][1]} for f in self.files]
+        return [{"path": os.path.abspath(f), "size": self._done[f][0], ALGORITHM: self._done[f][1]} for f in self.files]
 
 
 @functools.lru_cache(maxsize=1)
@@ -161,11 +160,11 @@ def output_files(path: Path, name: str | None = None) -> list[tuple[str, Path]]:
     return [(name or path.name, path)]
 
 
-def hashed(files: list[Path]) -> list[tuple[int, str]]:
-    """Each file's size and SHA-256, ``HASHERS`` files at a time (a digest this process made before is reused)."""
+def hashed(files: list[Path], algorithm: str = ALGORITHM) -> list[tuple[int, str]]:
+    """Each file's size and digest, ``HASHERS`` files at a time (a digest this process made before is reused)."""
     def one(f: Path) -> tuple[int, str]:
         size = f.stat().st_size
-        return size, file_sha256(f) or ""
+        return size, file_digest(f, algorithm=algorithm) or ""
 
     if len(files) <= 1:
         return [one(f) for f in files]
@@ -180,7 +179,7 @@ def make(out: Path, tmp: Path, sources: Sources) -> dict:
     digests = hashed([f for _, f in named])
     return {"receipt": VERSION, "tool": copy.deepcopy(_tool()), "command": command, "options": options, "output": out.name,
             "sources": sources.digests(),
-            "outputs": [{"path": rel, "size": size, "sha256": digest}
+            "outputs": [{"path": rel, "size": size, ALGORITHM: digest}
                         for (rel, _), (size, digest) in zip(named, digests)]}
 
 

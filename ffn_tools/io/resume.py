@@ -8,14 +8,14 @@ fuse-gateup, merge, extract, convert --to torch and --to mlx) keeps, in its temp
   the output's name, every output tensor's name, dtype, shape and recipe, the shard size, the metadata, and each
   input file's path, size and modification time, the adapter's too for merge). A partial output is only ever
   continued by the same run.
-- ``SHARD.json`` per finished shard: its size and SHA-256, computed by a background thread from the file just
-  closed (from the page cache, while the next shard is written), written (atomically) only after the shard's
-  last byte. The same digests make the output's receipt (``io.receipt``).
+- ``SHARD.json`` per finished shard: its size and BLAKE3 digest (``io.digests``), computed by a background thread
+  from the file just closed (from the page cache, while the next shard is written), written (atomically) only after
+  the shard's last byte. The same digests make the output's receipt (``io.receipt``).
 
 A process killed in any way (SIGKILL included: nothing of it runs) leaves its temporary directory
 ``.OUT.tmp-PID-TAG``. ``--resume`` adopts the newest such directory of a process that no longer runs whose
 ``plan.json`` has this run's key; a shard is reused only when its manifest says this key and its bytes hash, read
-again, to the recorded SHA-256; every other shard is written again. The ledger is removed before the output is
+again, to the recorded digest; every other shard is written again. The ledger is removed before the output is
 moved into place, so a resumed output is byte-identical to an uninterrupted one, file for file. Without
 ``--resume``, such a directory is removed as before, and a line says what was thrown away.
 
@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 
-from .digests import file_sha256
+from .digests import ALGORITHM, file_digest
 
 LEDGER = ".ffn-tools-resume"
 CHECKERS = 4  # threads hashing finished shards again on --resume (at most the cores)
@@ -125,7 +125,7 @@ def finished_shards(tmp: Path) -> int:
 class Ledger:
     """The ledger of one temporary output directory ``tmp`` for the run ``key`` (see the module docstring).
 
-    ``reusable(name)`` says whether shard ``name`` is finished (manifest of this key, size and SHA-256 of its
+    ``reusable(name)`` says whether shard ``name`` is finished (manifest of this key, size and digest of its
     bytes as recorded); ``finished(name)`` queues the shard just closed for hashing and its manifest;
     ``close()`` waits for the shards queued (their digests are the receipt's, ``io.receipt``: the last one is
     the only shard hashed after the writing), or, where the writing failed, stops; ``remove()`` deletes the
@@ -168,7 +168,7 @@ class Ledger:
             return False
         path = self.tmp / name
         return (isinstance(m, dict) and m.get("key") == self.key and path.is_file()
-                and path.stat().st_size == m.get("size") and file_sha256(path, fresh=True) == m.get("sha256"))
+                and path.stat().st_size == m.get("size") and file_digest(path, fresh=True) == m.get(ALGORITHM))
 
     def reusable(self, name: str) -> bool:
         check = self._checks.get(name)
@@ -196,8 +196,8 @@ class Ledger:
         """Hash shard ``name`` and write its manifest, now (``finished`` has the thread do it)."""
         path = self.tmp / name
         size = path.stat().st_size
-        if (digest := file_sha256(path, self._stop)) is not None:
-            self._write(self.dir / f"{name}.json", {"key": self.key, "size": size, "sha256": digest})
+        if (digest := file_digest(path, self._stop)) is not None:
+            self._write(self.dir / f"{name}.json", {"key": self.key, "size": size, ALGORITHM: digest})
 
     def close(self, failed: bool = False) -> None:
         """Let the hashing thread finish the shards queued (stop it at once where the writing ``failed``); raise
