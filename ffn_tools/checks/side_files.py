@@ -27,7 +27,7 @@ from typing import ClassVar
 
 from ..errors import listing
 from . import Check
-from .json_diff import Unreadable, diff, diff_text, merge_order, parse, read_json
+from .json_diff import Unreadable, diff, diff_text, merge_order, parse_file, read_json
 from .tokenizer_behaviour import settle
 from .tokenizer_config import IGNORED, content, tokenizer_views
 
@@ -129,7 +129,7 @@ def _differs(name: str, ra: Path, rb: Path, notes: list[str]) -> str | None:
     if name in BINARY:
         at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         return f"{name}: bytes differ from offset {at} (A {len(a)} bytes, B {len(b)} bytes)"
-    da, db = parse(name, a, "A"), parse(name, b, "B")
+    da, db = parse_file(ra / name, "A"), parse_file(rb / name, "B")
     if isinstance(da, dict) and isinstance(db, dict):
         for k in IGNORED.get(name, ()):
             da.pop(k, None)

@@ -22,11 +22,10 @@ check, named by that fact.
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 from . import corpus
-from .json_diff import diff, merge_order, read_json
+from .json_diff import diff, document, forget, merge_order, read_json
 from .tokenizer_config import IGNORED, tokenizer_views
 
 FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -38,11 +37,11 @@ NOT_COMPARED_LIST = ("the extra_special_tokens list (transformers' all_special_i
 def settle(ra: Path, rb: Path, problems: list[str], notes: list[str]) -> None:
     """Move each tokenizer problem in ``problems`` that only a rebuilt tokenizer's spelling makes (see the module
     doc) into ``notes``, when both tokenizers behave the same; a behaviour difference is added to the problem.
-    Each file is parsed once here (``_document``), and let go after."""
+    Each file is parsed once (``json_diff.document``), and let go after."""
     try:
         _settle(ra, rb, problems, notes)
     finally:
-        _parsed.cache_clear()
+        forget()
         _facts.cache_clear()
 
 
@@ -68,22 +67,10 @@ def _settle(ra: Path, rb: Path, problems: list[str], notes: list[str]) -> None:
             problems[i] = f"{p}; and the tokenizers differ in what they do: {why}"
 
 
-def _document(path: Path):
-    """The parsed JSON at ``path``, read-only (shared: ``facts`` and ``_parts`` of one file parse it once; a
-    128K-token tokenizer.json takes 0.6 s to parse, and a verify asked for its facts up to six times)."""
-    st = path.stat()
-    return _parsed(str(path), st.st_mtime_ns, st.st_size)
-
-
-@functools.lru_cache(maxsize=2)  # the two sides' tokenizer.json
-def _parsed(path: str, mtime_ns: int, size: int):
-    return json.loads(Path(path).read_text("utf-8"))
-
-
 def _parts(a: Path, b: Path) -> list[str]:
     """The top-level keys in which JSON files ``a`` and ``b`` differ (``model``'s one by one)."""
     try:
-        da, db = (_document(f) for f in (a, b))
+        da, db = (document(f) for f in (a, b))
     except (OSError, ValueError):
         return []
     out = []
@@ -135,7 +122,7 @@ def facts(path: Path) -> dict | None:
 def _facts(name: str, mtime_ns: int, size: int) -> dict | None:
     path = Path(name)
     try:
-        doc = _document(path)
+        doc = document(path)
         model = doc["model"]
         ids = dict(model.get("vocab") or {}) if isinstance(model.get("vocab"), dict) else {
             t: i for i, t in enumerate(x[0] for x in model.get("vocab") or [])}  # unigram: [[piece, score], ...]
