@@ -213,3 +213,25 @@ def test_gguf_to_mlx(gguf_model, gguf_ref, tmp_path, arch):
     assert r.exit_code == 0 and v["passed"], v["failures"]
     if arch == "llama-spm":
         assert {"tokenizer.json", "tokenizer.model"} <= set(v["side_files"]["identical"]), v["side_files"]
+
+
+def test_conversions_of_one_process_share_the_converters_imports(gguf_model, gguf_ref, tmp_path, monkeypatch):
+    """The converter's process (``zygote``) is kept between the conversions of one process: the second conversion
+    forks from the one the first started (no second 3 s of imports), and each output is still convert_hf_to_gguf.py's
+    own file. One killed between two conversions is started again; another environment gets its own."""
+    from ffn_tools.converters.gguf import zygote
+
+    src = gguf_model("llama")
+    pids = []
+    for k, outtype in enumerate(("bf16", "q8_0", "f32")):
+        if k == 2:
+            zygote._live["proc"].kill()  # gone between two conversions: the next one starts another
+            zygote._live["proc"].wait()
+        run_cli("-q", "convert", src, "--to", "gguf", "-o", tmp_path / f"{outtype}.gguf", "--outtype", outtype)
+        assert (tmp_path / f"{outtype}.gguf").read_bytes() == gguf_ref("llama", outtype).read_bytes()
+        pids.append(zygote._live["proc"].pid)
+    assert pids[0] == pids[1] != pids[2]
+    monkeypatch.setenv("FFN_TOOLS_TEST_ZYGOTE", "another environment")
+    run_cli("-q", "convert", src, "--to", "gguf", "-o", tmp_path / "env.gguf", "--outtype", "bf16")
+    assert (tmp_path / "env.gguf").read_bytes() == gguf_ref("llama", "bf16").read_bytes()
+    assert zygote._live["proc"].pid != pids[2]

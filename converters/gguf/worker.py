@@ -1,8 +1,9 @@
 """The process that writes a GGUF: llama.cpp's own model class, fed from an ffn-tools checkpoint view.
 
-Run by ``writer`` as ``python -m ffn_tools.converters.gguf.worker REQUEST.json`` with llama.cpp's
-``conversion/`` package and its vendored ``gguf-py`` first on the path: the converter needs that gguf-py (newer
-than the released ``gguf`` package it shares a name with), so it runs in a process of its own. The converter's
+Run by ``writer`` in a child of ``python -m ffn_tools.converters.gguf.worker --zygote`` (``zygote``: its imports
+made once for every conversion of the process; ``converters/gguf/zygote.py``), with llama.cpp's ``conversion/``
+package and its vendored ``gguf-py`` first on the path: the converter needs that gguf-py (newer than the released
+``gguf`` package it shares a name with), so it runs in a process of its own. The converter's
 class does everything convert_hf_to_gguf.py does (names, q/k permutation, expert stacking, the type of each
 tensor, quantization, metadata, tokenizer); only where its tensors come from is replaced: ``index_tensors``
 yields each tensor of the view lazily (read when the writer reaches it), so any format ffn-tools reads
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import sys
 from pathlib import Path
 
@@ -199,10 +201,9 @@ def write_split(writer, recipes: dict, proven: dict) -> dict:
             "disproven": sorted(c for c, ok in proven.items() if not ok)}
 
 
-def serve(model_type: str) -> dict | None:
-    """``--serve``: the imports a conversion needs made first (torch, gguf, llama.cpp's ``conversion`` and
-    transformers' config class of ``model_type``), then the request read from stdin (None: the writer closed it,
-    no conversion after all)."""
+def imports(model_type: str) -> None:
+    """The imports a conversion needs, made first: torch, gguf, llama.cpp's ``conversion`` and transformers' config
+    class of ``model_type``."""
     import gguf  # noqa: F401
     import torch  # noqa: F401
 
@@ -216,23 +217,67 @@ def serve(model_type: str) -> dict | None:
             CONFIG_MAPPING[model_type]  # noqa: B018 - imports its module, as the converter's AutoConfig will
     except ImportError:
         pass
-    line = sys.stdin.readline()
-    return json.loads(line) if line.strip() else None
 
 
-def main() -> None:
-    if sys.argv[1] == "--serve":
-        request = serve(sys.argv[2] if len(sys.argv) > 2 else "")
-        if request is None:
-            return
-    else:
-        request = json.loads(Path(sys.argv[1]).read_text())
+def respond(request: dict) -> int:
+    """Run ``request``, print its JSON line (the result, or ``{"error": ...}``); the exit status."""
     try:
         result = run(request)
     except Exception as e:  # noqa: BLE001 - the converter's own refusals (NotImplementedError, ValueError, ...)
         print(json.dumps({"error": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"}))
-        sys.exit(1)
+        return 1
     print(json.dumps(result))
+    return 0
+
+
+IDLE_SECONDS = 120  # a zygote with no request for this long ends (the next conversion starts another)
+
+
+def zygote(model_type: str) -> None:
+    """``--zygote``: ``imports`` once, then each request line (``{"request", "cwd", "stdout", "stderr"}``) run in a
+    child forked from this process, with the imports made and nothing of an earlier conversion (each dies with its
+    child): prints ``{"pid"}`` when the child starts and ``{"rc"}`` when it ends. The child writes its result line
+    to the file ``stdout``, its stderr to ``stderr`` (None: this process's). Ends at the end of stdin (the writer's
+    process ended), or after ``IDLE_SECONDS`` without a request."""
+    imports(model_type)
+    while select.select([sys.stdin], [], [], IDLE_SECONDS)[0]:
+        line = sys.stdin.readline()
+        if not line.strip():
+            return
+        job = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.chdir(job["cwd"])
+                for fd, path in ((0, os.devnull), (1, job["stdout"]), (2, job.get("stderr"))):
+                    if path:
+                        f = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                        os.dup2(f, fd)
+                        os.close(f)
+                code = respond(job["request"])
+            except BaseException:  # noqa: BLE001 - said on its stderr; the writer reports the exit status
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(code)
+        print(json.dumps({"pid": pid}), flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
+def main() -> None:
+    if sys.argv[1] == "--zygote":
+        zygote(sys.argv[2] if len(sys.argv) > 2 else "")
+        return
+    sys.exit(respond(json.loads(Path(sys.argv[1]).read_text())))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from ffn_tools.io.store import Checkpoint
 from ffn_tools.plan import side_files
 from ffn_tools.sizes import human
 
-from . import kquant
+from . import kquant, zygote
 from .source import llama_cpp_dir
 
 CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0", "auto")  # convert_hf_to_gguf.py's --outtype
@@ -180,9 +180,6 @@ MODULES = {"worker": ("llama.cpp's converter", "tensors"), "native": ("the GGUF 
            "kquant": ("llama.cpp's quantizer", "tensors")}
 
 
-_warm: list[subprocess.Popen] = []  # the converter process ``warm`` started, until ``_run`` takes it
-
-
 def _env() -> dict:
     root = llama_cpp_dir()
     env = python_env((str(root), str(root / "gguf-py")))
@@ -192,42 +189,26 @@ def _env() -> dict:
 
 @contextmanager
 def warm(model_type: str | None):
-    """The converter's process started at once (``worker --serve``: torch, transformers and llama.cpp's
-    ``conversion`` imported, about 3.5 s), so that its start overlaps what the caller checks before the export;
-    the export's first ``_run`` of the worker hands it the request. Ended (killed) with the context where no
-    export took it. Nothing starts where llama.cpp's converter is not installed (the export says so)."""
+    """The converter's process (``zygote``: torch, transformers and llama.cpp's ``conversion`` imported, about
+    3.5 s) started at once, so that its start overlaps what the caller checks before the export; it is kept for the
+    next conversion of this process. Nothing starts where llama.cpp's converter is not installed (the export says
+    so)."""
     from .source import installed_dir
 
-    if installed_dir() is None:
-        yield
-        return
-    proc = subprocess.Popen([sys.executable, "-m", "ffn_tools.converters.gguf.worker", "--serve", model_type or ""],
-                            env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=None if progress.visible() else subprocess.PIPE, text=True)
-    _warm.append(proc)
-    try:
-        yield
-    finally:
-        if proc in _warm:
-            _warm.remove(proc)
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    if installed_dir() is not None:
+        zygote.ensure(model_type, _env())
+    yield
 
 
 def _run(request: dict, module: str = "worker") -> dict:
     """The result of ``module`` (``worker``: the converter; ``native``: the chunked tensor writer; ``kquant``:
-    llama.cpp's quantizer) run on ``request`` in a process with llama.cpp's gguf-py (the worker: the one ``warm``
-    started, where there is one); its failure as an FFNToolsError."""
-    if module == "worker" and _warm and _warm[-1].poll() is None:
-        warmed = _warm.pop()
+    llama.cpp's quantizer) run on ``request`` in a process with llama.cpp's gguf-py (the worker: a child of the
+    converter's ``zygote``); its failure as an FFNToolsError."""
+    if module == "worker":
         try:
-            out, err = warmed.communicate(json.dumps(request) + "\n")
-        except BaseException:  # interrupted: the process goes too, as subprocess.run's would
-            warmed.kill()
-            warmed.wait()
-            raise
-        proc = subprocess.CompletedProcess(warmed.args, warmed.returncode, out, err)
+            proc = zygote.run(request, _env())
+        except OSError as e:
+            raise FFNToolsError(f"llama.cpp's converter could not convert this checkpoint: {e}") from None
     else:
         with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
             json.dump(request, f)

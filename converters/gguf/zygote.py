@@ -1,0 +1,97 @@
+"""llama.cpp's converter process, kept between the conversions of one ffn-tools process.
+
+The converter needs torch, transformers and llama.cpp's ``conversion`` imported: about 3 s of a process's start
+(3.5 s under load) before any work. ``worker --zygote`` makes those imports once and forks a child for each
+conversion (``worker.zygote``): the child starts with them made, and takes nothing of an earlier conversion with it
+(its state dies with it). A command converts once, and starts the zygote while it checks the conversion
+(``warm``, from ``GGUFFormat.preparing``), so that the imports overlap the check; a library or a test that converts
+many models in one process pays the imports once. One zygote lives at a time, for one environment (the child
+runs with the zygote's: another ``PYTHONPATH`` or ``FFN_TOOLS_*`` starts another); it ends with the end of its
+stdin (this process ended) or after ``worker.IDLE_SECONDS`` without a request, and is started again when asked.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_live: dict = {}  # "key": what it was started with; "proc": the zygote
+
+
+def _key(env: dict) -> tuple:
+    return sys.executable, tuple(sorted(env.items()))
+
+
+def ensure(model_type: str | None, env: dict) -> subprocess.Popen:
+    """The zygote for ``env``: the live one, or one started now (importing ``model_type``'s config class too)."""
+    proc = _live.get("proc")
+    if proc is not None and proc.poll() is None and _live.get("key") == _key(env):
+        return proc
+    stop()
+    proc = subprocess.Popen([sys.executable, "-m", "ffn_tools.converters.gguf.worker", "--zygote", model_type or ""],
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    if not _live:
+        atexit.register(stop)
+    _live.update(key=_key(env), proc=proc)
+    return proc
+
+
+def stop() -> None:
+    """End the zygote (its stdin closed: it ends; killed if it does not at once)."""
+    proc = _live.pop("proc", None)
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        proc.stdin.close()
+        proc.wait(timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        proc.kill()
+        proc.wait()
+
+
+def run(request: dict, env: dict, model_type: str | None = None) -> subprocess.CompletedProcess:
+    """``request`` converted by a child of the zygote: its exit status, its stdout (the result line) and, where
+    ``request["progress"]`` is off, its stderr (else it goes to this process's). A zygote that ended on its own (idle)
+    is started again, once."""
+    for attempt in (0, 1):
+        proc = ensure(model_type, env)
+        assert proc.stdin is not None and proc.stdout is not None  # both pipes
+        with tempfile.TemporaryDirectory(prefix="ffn-tools-gguf-") as d:
+            out, err = Path(d) / "stdout", (None if request.get("progress") else Path(d) / "stderr")
+            job = {"request": request, "cwd": os.getcwd(), "stdout": str(out), "stderr": err and str(err)}
+            pid = None
+            try:
+                proc.stdin.write(json.dumps(job) + "\n")
+                proc.stdin.flush()
+                started = proc.stdout.readline()
+                if started:
+                    pid = json.loads(started)["pid"]
+                    ended = proc.stdout.readline()
+                    if ended:
+                        rc = json.loads(ended)["rc"]
+                        return subprocess.CompletedProcess(proc.args, rc, _text(out), _text(err) if err else "")
+            except BrokenPipeError:
+                pass
+            except BaseException:  # interrupted: the conversion goes, and the zygote with it
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                proc.kill()
+                proc.wait()
+                raise
+            if pid is not None:  # the zygote died under a conversion: not an idle end
+                raise OSError(f"llama.cpp's converter process ended during the conversion (exit {proc.wait()})")
+        stop()
+    raise OSError("llama.cpp's converter process could not be started")
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
