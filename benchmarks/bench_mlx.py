@@ -99,6 +99,7 @@ def build(path: Path, shape: dict | None = None, tokenizer=None) -> None:
         weight_map = {t: names[k] for k, shard in enumerate(shards) for t in shard}
         (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     LlamaConfig(**shape, tie_word_embeddings=False, dtype="bfloat16", bos_token_id=1, eos_token_id=2,
+                architectures=["LlamaForCausalLM"],  # convert_hf_to_gguf.py picks its model class by it
                 pad_token_id=0).save_pretrained(tmp)
     (tokenizer or (lambda d: write_tokenizer(d, v)))(tmp)
     tmp.rename(path)

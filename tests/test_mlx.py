@@ -182,13 +182,16 @@ def test_chunked_quantization_equals_whole_tensor(workers, shard, hf, mlx_ref, t
         monkeypatch.setattr(mlx_quant, "PARALLEL_MIN_BYTES", 0)
         monkeypatch.setattr(mlx_quant, "MAX_WORKERS", 2)
         monkeypatch.setattr(mlx_quant, "idle_cores", lambda: 2)
-    started, given = [], []
+    started, given, window = [], [], []
     monkeypatch.setattr(mlx_quant.QuantPool, "ahead", lambda self, job, f=mlx_quant.QuantPool.ahead:
-                        started.append(job.index) or f(self, job))
+                        started.append(job.index) or f(self, job) or
+                        window.append(self.submitted - min(job.index + 1 + 2 * self.workers, len(self.jobs))))
     monkeypatch.setattr(mlx_quant.QuantJob, "part", lambda self, k, f=mlx_quant.QuantJob.part:
                         given.append(f(self, k)) or given[-1])
     convert(hf("mixtral", torch.bfloat16), "mlx", tmp_path / "out", quantize=4, max_shard_size=shard)
     assert bool(started) == workers
+    assert all(w >= 0 for w in window), window  # as each job is taken, 2 * workers after it are already sent
+    assert len(set(started)) == len(started) > 4 or not workers  # topped up at every job, not in batches
     placed = sum(isinstance(p, Placed) for p in given)
     assert (placed > 0) == workers and (placed < len(given)) == (not workers or shard is not None), (placed, len(given))
     if shard:

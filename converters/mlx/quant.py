@@ -248,9 +248,10 @@ class QuantJob:
                 self._parts, self.future = self.future.result(), None
             elif self.array is not None:
                 a = self.array()
-                self._parts = [from_mx(r) for r in fn(a.reshape(-1, a.shape[-1]))]
-                for p, (st, shape) in zip(self._parts, self.specs):
+                parts = [from_mx(r) for r in fn(a.reshape(-1, a.shape[-1]))]
+                for p, (st, shape) in zip(parts, self.specs):
                     p.shape = tuple(shape)
+                self._parts = list(parts)
             else:
                 self._parts = stream(self.ckpt, self.sources, self.specs, fn)
             self._left = set(range(len(self.specs)))

@@ -125,7 +125,7 @@ class _Part:
         self.shared.place(self.k, path, offset)
 
 
-def _part(job: QuantJob, k: int) -> Callable[[list], RawTensor]:
+def _part(job: QuantJob, k: int) -> Callable[[list], RawTensor | Placed]:
     return _Part(job, k)
 
 

@@ -14,13 +14,15 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import blake3
 
 HASH_CHUNK = 1 << 20  # read and hashed at a time (cache-sized; more held no time)
 ALGORITHM = "blake3"
-ALGORITHMS = {"blake3": blake3.blake3, "sha256": hashlib.sha256}
+ALGORITHMS: dict[str, Callable[[], Any]] = {"blake3": blake3.blake3, "sha256": hashlib.sha256}
 
 _known: dict[tuple, str] = {}
 _lock = threading.Lock()
