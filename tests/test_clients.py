@@ -83,7 +83,13 @@ def test_qwen3_moe_without_norm_topk_prob_to_gguf(gguf_model, tmp_path):
     out = tmp_path / "q.gguf"
     r = run_cli("convert", str(src), "--to", "gguf", "-o", str(out), "--outtype", "f32", ok=False)
     assert r.exit_code == 2 and not out.exists(), r.output
-    assert not _children("ffn_tools.converters.gguf.worker")  # the converter started early is gone with the refusal
+    from ffn_tools.converters.gguf import zygote
+
+    # the converter started early is gone with the refusal, but for its zygote, which the process keeps for its next
+    # conversion (a command's process ends it as it exits) and which ends when told
+    assert _children("ffn_tools.converters.gguf.worker") in ([], [zygote._live["proc"].pid])
+    zygote.stop()
+    assert not _children("ffn_tools.converters.gguf.worker")
     assert ("norm_topk_prob: the input's client (transformers) runs the top-k experts' router weights as the router "
             "gives them, not renormalized; the output's client (llama.cpp) would run the top-k experts' router "
             "weights renormalized to sum to 1 (llama.cpp's qwen3moe graph, whatever the GGUF says)") in r.output

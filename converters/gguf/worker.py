@@ -234,11 +234,12 @@ IDLE_SECONDS = 120  # a zygote with no request for this long ends (the next conv
 
 
 def zygote(model_type: str) -> None:
-    """``--zygote``: ``imports`` once, then each request line (``{"request", "cwd", "stdout", "stderr"}``) run in a
-    child forked from this process, with the imports made and nothing of an earlier conversion (each dies with its
-    child): prints ``{"pid"}`` when the child starts and ``{"rc"}`` when it ends. The child writes its result line
-    to the file ``stdout``, its stderr to ``stderr`` (None: this process's). Ends at the end of stdin (the writer's
-    process ended), or after ``IDLE_SECONDS`` without a request."""
+    """``--zygote``: ``imports`` once, then each request line (``{"request", "cwd", "env", "stdout", "stderr"}``) run
+    in a child forked from this process, with the imports made and nothing of an earlier conversion (each dies with
+    its child), in the request's directory and environment: prints ``{"pid"}`` when the child starts and ``{"rc"}``
+    when it ends. The child writes its result line to the file ``stdout``, its stderr to ``stderr`` (None: this
+    process's). Ends at the end of stdin (the writer's process ended), or after ``IDLE_SECONDS`` without a
+    request."""
     imports(model_type)
     while select.select([sys.stdin], [], [], IDLE_SECONDS)[0]:
         line = sys.stdin.readline()
@@ -252,6 +253,8 @@ def zygote(model_type: str) -> None:
             code = 1
             try:
                 os.chdir(job["cwd"])
+                os.environ.clear()
+                os.environ.update(job["env"])
                 for fd, path in ((0, os.devnull), (1, job["stdout"]), (2, job.get("stderr"))):
                     if path:
                         f = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -22,10 +22,12 @@ import tempfile
 from pathlib import Path
 
 _live: dict = {}  # "key": what it was started with; "proc": the zygote
+VOLATILE = ("PYTEST_CURRENT_TEST",)  # changes with every test under pytest; no import reads it (the child gets the
+# request's environment whole: what a conversion reads at run time is the caller's)
 
 
 def _key(env: dict) -> tuple:
-    return sys.executable, tuple(sorted(env.items()))
+    return sys.executable, tuple(sorted((k, v) for k, v in env.items() if k not in VOLATILE))
 
 
 def ensure(model_type: str | None, env: dict) -> subprocess.Popen:
@@ -64,7 +66,7 @@ def run(request: dict, env: dict, model_type: str | None = None) -> subprocess.C
         assert proc.stdin is not None and proc.stdout is not None  # both pipes
         with tempfile.TemporaryDirectory(prefix="ffn-tools-gguf-") as d:
             out, err = Path(d) / "stdout", (None if request.get("progress") else Path(d) / "stderr")
-            job = {"request": request, "cwd": os.getcwd(), "stdout": str(out), "stderr": err and str(err)}
+            job = {"request": request, "cwd": os.getcwd(), "env": env, "stdout": str(out), "stderr": err and str(err)}
             pid = None
             try:
                 proc.stdin.write(json.dumps(job) + "\n")
