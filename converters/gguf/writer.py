@@ -204,12 +204,13 @@ def _run(request: dict, module: str = "worker") -> dict:
     """The result of ``module`` (``worker``: the converter; ``native``: the chunked tensor writer; ``kquant``:
     llama.cpp's quantizer) run on ``request`` in a process with llama.cpp's gguf-py (the worker: a child of the
     converter's ``zygote``); its failure as an FFNToolsError."""
+    proc = None
     if module == "worker":
         try:
-            proc = zygote.run(request, _env())
+            proc = zygote.run(request, _env())  # None: another thread converts through it; a process of its own
         except OSError as e:
             raise FFNToolsError(f"llama.cpp's converter could not convert this checkpoint: {e}") from None
-    else:
+    if proc is None:
         with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
             json.dump(request, f)
             f.flush()

@@ -19,9 +19,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 _live: dict = {}  # "key": what it was started with; "proc": the zygote
+_busy = threading.Lock()  # one conversion at a time through the zygote's pipes
 VOLATILE = ("PYTEST_CURRENT_TEST",)  # changes with every test under pytest; no import reads it (the child gets the
 # request's environment whole: what a conversion reads at run time is the caller's)
 
@@ -57,10 +59,20 @@ def stop() -> None:
         proc.wait()
 
 
-def run(request: dict, env: dict, model_type: str | None = None) -> subprocess.CompletedProcess:
+def run(request: dict, env: dict, model_type: str | None = None) -> subprocess.CompletedProcess | None:
     """``request`` converted by a child of the zygote: its exit status, its stdout (the result line) and, where
-    ``request["progress"]`` is off, its stderr (else it goes to this process's). A zygote that ended on its own (idle)
-    is started again, once."""
+    ``request["progress"]`` is off, its stderr (else it goes to this process's); None where another thread of this
+    process is converting through it (the caller starts a process of its own). A zygote that ended on its own
+    (idle) is started again, once."""
+    if not _busy.acquire(blocking=False):
+        return None
+    try:
+        return _run(request, env, model_type)
+    finally:
+        _busy.release()
+
+
+def _run(request: dict, env: dict, model_type: str | None) -> subprocess.CompletedProcess:
     for attempt in (0, 1):
         proc = ensure(model_type, env)
         assert proc.stdin is not None and proc.stdout is not None  # both pipes
