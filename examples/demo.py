@@ -64,8 +64,8 @@ def main() -> None:
         run("verify", str(work / "phi3"), str(work / "phi3-fused"), "--backend", "reference")
         run("verify", str(work / "phi3"), str(work / "phi3-mlx-q4"), "--backend", "reference", "--backend", "mlx")
         run("verify", str(work / "phi3"), str(work / "phi3-flax"), "--backend", "reference", "--backend", "jax")
-        print("\nEvery output carries a receipt (the command, its options, every source and output file's SHA-256): "
-              "an output checked against it, without the source.")
+        print("\nEvery output carries a receipt (the command, its options, every source and output file's BLAKE3 "
+              "digest): an output checked against it, without the source.")
         run("verify", "--receipt", str(work / "phi3-mlx-q4"))
         print("\nNow a conversion that silently swaps gate and up: it loads, but verify catches it.")
         swap_gate_up(work / "phi3", work / "phi3-swapped")
