@@ -153,7 +153,7 @@ def measure(layers: int, experts: int, rounds: int, keep: bool) -> dict:
     a = DATA / f"dsv3-fp8-{layers}l-{experts}e"
     b = a.with_name(a.name + "-fused")
     py = sys.executable
-    subprocess.run([py, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import bench_fp8_verify as m; "
+    subprocess.run([py, "-P", "-c", "import sys; sys.path.insert(0, sys.argv[1]); import bench_fp8_verify as m; "
                     "m.build(m.Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))",
                     str(Path(__file__).resolve().parent), str(a), str(layers), str(experts)], check=True)
     if not (b / "config.json").is_file():
@@ -161,7 +161,7 @@ def measure(layers: int, experts: int, rounds: int, keep: bool) -> dict:
                        stdout=subprocess.DEVNULL)
     size = sum(f.stat().st_size for f in a.glob("*.safetensors"))
     _warm(a), _warm(b)
-    runs = {"plain": [py, "-c", PLAIN, str(a), str(b)],
+    runs = {"plain": [py, "-P", "-c", PLAIN, str(a), str(b)],  # -P: the repository's kernels/ shadows transformers' one
             "verify": [str(BIN), "verify", str(a), str(b), "--no-load-check"]}
     best = {k: (float("inf"), 0.0, "") for k in runs}
     for _ in range(rounds):

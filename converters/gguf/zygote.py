@@ -13,6 +13,7 @@ stdin (this process ended) or after ``worker.IDLE_SECONDS`` without a request, a
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -83,18 +84,17 @@ def _run(request: dict, env: dict, model_type: str | None) -> subprocess.Complet
             try:
                 proc.stdin.write(json.dumps(job) + "\n")
                 proc.stdin.flush()
-                started = proc.stdout.readline()
-                if started:
-                    pid = json.loads(started)["pid"]
-                    ended = proc.stdout.readline()
-                    if ended:
-                        rc = json.loads(ended)["rc"]
+                pid = _said(proc.stdout, "pid")
+                if pid is not None:
+                    rc = _said(proc.stdout, "rc")
+                    if rc is not None:
                         return subprocess.CompletedProcess(proc.args, rc, _text(out), _text(err) if err else "")
             except BrokenPipeError:
                 pass
             except BaseException:  # interrupted: the conversion goes, and the zygote with it
                 if pid is not None:
-                    os.kill(pid, signal.SIGKILL)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 proc.kill()
                 proc.wait()
                 raise
@@ -102,6 +102,19 @@ def _run(request: dict, env: dict, model_type: str | None) -> subprocess.Complet
                 raise OSError(f"llama.cpp's converter process ended during the conversion (exit {proc.wait()})")
         stop()
     raise OSError("llama.cpp's converter process could not be started")
+
+
+def _said(stdout, key: str):
+    """The value of ``key`` in the zygote's next JSON line that has it (a line an import printed is passed over);
+    None at the end of its output (it ended)."""
+    for line in stdout:
+        try:
+            said = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(said, dict) and key in said:
+            return said[key]
+    return None
 
 
 def _text(path: Path) -> str:
