@@ -2,8 +2,7 @@
 
 A dry run plans; the estimate then runs the same command in a child process on a sample of the plan (``io.sample``:
 about 3% of the bytes read, 48 MB to 1 GB: every k-th output tensor, and the one that reads the most with its
-neighbours), into a
-temporary directory beside the output (same disk), removed after. From it:
+neighbours), into a temporary directory beside the output (same disk), removed after. From it:
 
 - ``output_bytes``: the weight files' bytes scaled from the sample's (headers included) by the plan's exact tensor
   bytes, plus the side files (config, tokenizer: written whole by the sample run);
@@ -94,7 +93,7 @@ def _scaled(f: dict, begun: float) -> dict:
     return {"made": True, "output_bytes": out_bytes, "temporary_disk": out_bytes, "peak_rss": f["peak_rss"],
             "seconds": round(seconds, 2),
             "sample": {"tensors": f["sampled"], "of": f["entries"], "reads": f["sample_reads"], "of_reads": f["reads"],
-                       "startup_seconds": round(f["started"] - begun, 2), "seconds": round(streaming, 3)}}
+                       "startup_seconds": round(startup, 2), "seconds": round(streaming, 3)}}
 
 
 def line(r: dict) -> list[str]:

@@ -139,14 +139,20 @@ def estimate_option(f):
                              "FFN_TOOLS_ESTIMATE=0).")(f)
 
 
-def ray_option(f):
-    return click.option("--ray", "ray", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
-                        help="Write the output's shards as Ray tasks, each where its input files are: on the Ray "
-                             "cluster at ADDRESS (--ray=ADDRESS, e.g. --ray=auto, --ray=ray://head:10001; the output "
-                             "directory and the inputs on storage every node sees, or the inputs on each node), or, "
-                             "alone, on a Ray started here on every core. The output, receipt included, is byte-"
-                             "identical to a one-node run's. Directory outputs of safetensors shards only; needs "
-                             "ffn-tools[ray].")(f)
+def ray_flag(help_text: str):
+    """``--ray [ADDRESS]``: an address, or ``cluster.LOCAL`` given alone (a Ray started here); ``help_text`` says what
+    runs as Ray tasks."""
+    from .cluster import LOCAL
+
+    return click.option("--ray", "ray", is_flag=False, flag_value=LOCAL, default=None, metavar="[ADDRESS]",
+                        help=help_text)
+
+
+ray_option = ray_flag("Write the output's shards as Ray tasks, each where its input files are: on the Ray cluster at "
+                      "ADDRESS (--ray=ADDRESS, e.g. --ray=auto, --ray=ray://head:10001; the output directory and the "
+                      "inputs on storage every node sees, or the inputs on each node), or, alone, on a Ray started "
+                      "here on every core. The output, receipt included, is byte-identical to a one-node run's. "
+                      "Directory outputs of safetensors shards only; needs ffn-tools[ray].")
 
 
 def resume_option(f):

@@ -56,8 +56,9 @@ def plain(options: dict) -> dict | None:
 def replay(function: str, options: dict, library=None) -> dict | None:
     """What runs this command again, or None where it cannot be (a library call with an option that is not plain
     data): ``{"argv", "runner", "cwd"}`` (the CLI's runner, ``RUNNER``) for a command line, else ``{"function",
-    "options", "runner", "cwd"}`` (``library``: the ``api``'s); ``cwd``: where relative paths are. ``call["runner"](call)`` runs it in a process (a Ray task's);
-    ``command(call)`` is it as a child process's command line."""
+    "options", "runner", "cwd"}`` (``library``: the ``api``'s); ``cwd``: where relative paths are.
+    ``call["runner"](call)`` runs it in a process (a Ray task's); ``command(call)`` is it as a child process's command
+    line."""
     if (args := argv()) is not None:
         return {"argv": args, "runner": RUNNER.get(), "cwd": os.getcwd()}
     if (kept := plain(options)) is None:

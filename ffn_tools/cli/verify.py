@@ -11,7 +11,7 @@ import json
 import click
 
 from ..checks.prompts import NEW_TOKENS
-from ..options import CHECKPOINT, emit, layout_options, layout_options_for, scheme_options
+from ..options import CHECKPOINT, emit, layout_options, layout_options_for, ray_flag, scheme_options
 from ..tolerances import HELP as TOLERANCE_HELP
 
 # what verify of LoRA adapters takes (``adapters.verify``); the other options are refused there
@@ -101,13 +101,13 @@ b_layout_options = layout_options_for(
                    "layout, dtype, quantization), which proves its kernels; the report says what ran where.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
 @click.option("--resume", is_flag=True, help="Continue a killed verify of the same pair with the same options: the "
-              "FFN steps it had finished (kept in the ffn-tools cache, ~/.cache/ffn-tools/verify/ by default, removed when a verify ends) are reused, "
-              "the rest run; the report is an uninterrupted run's but for those steps' wall times.")
-@click.option("--ray", "ray", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
-              help="Verify the FFN pairs as Ray tasks, each where its tensors' files are: on the Ray cluster at "
-                   "ADDRESS (--ray=ADDRESS), or, alone, on a Ray started here on every core. This process keeps the "
-                   "first FFN of each kind (the kernel backends run it) and every check that is not an FFN pair; the "
-                   "report is a one-node run's. Needs ffn-tools[ray].")
+              "FFN steps it had finished (kept in the ffn-tools cache, ~/.cache/ffn-tools/verify/ by default, removed "
+              "when a verify ends) are reused, the rest run; the report is an uninterrupted run's but for those "
+              "steps' wall times.")
+@ray_flag("Verify the FFN pairs as Ray tasks, each where its tensors' files are: on the Ray cluster at ADDRESS "
+          "(--ray=ADDRESS), or, alone, on a Ray started here on every core. This process keeps the first FFN of each "
+          "kind (the kernel backends run it) and every check that is not an FFN pair; the report is a one-node run's. "
+          "Needs ffn-tools[ray].")
 @scheme_options
 @layout_options
 @b_layout_options
