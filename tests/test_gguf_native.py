@@ -36,6 +36,52 @@ def test_bf16_copy_is_gguf_bf16_rounding_on_every_pattern():
     assert native._bf16_as_bf16(bits[:100].tobytes()) == bits[:100].tobytes()  # no NaN: the bytes themselves
 
 
+def _q8_0_theirs(x: np.ndarray) -> bytes:
+    from gguf import GGMLQuantizationType, quants
+
+    return quants.quantize(x.reshape(-1, 32), GGMLQuantizationType.Q8_0).tobytes()
+
+
+def test_q8_0_is_gguf_pys_bytes_on_ties_their_neighbours_and_every_bfloat16():
+    """``native.q8_0`` (the int32 maximum, the in-place buffers, roundf as one add) gives gguf-py's Q8_0 bytes.
+
+    Blocks whose maximum is 127 have a scale of exactly 1, so every other value is rounded as it is: those
+    values are every half-integer in [-127, 127] and the 64 float32s either side of each, where roundf's ties
+    and near-ties lie. Then every finite bfloat16 pattern, shuffled into blocks (scales from subnormal to
+    3e38), and random weights at scales from 1e-30 to 1e30."""
+    halves = np.arange(0, 255, dtype=np.float32) / 2
+    near = np.maximum(halves.view(np.int32)[:, None] + np.arange(-64, 65, dtype=np.int32), 0).view(np.float32)
+    near = np.clip(near.reshape(-1), 0, 127)
+    near = np.concatenate([near, -near])
+    near = np.concatenate([near, np.zeros(-len(near) % 31, np.float32)]).reshape(-1, 31)
+    tied = np.concatenate([np.full((len(near), 1), 127, np.float32), near], axis=1)
+    rng = np.random.default_rng(0)
+    bits = np.arange(1 << 16, dtype=np.uint32)
+    bf16 = (bits << 16).view(np.float32)
+    bf16 = rng.permutation(bf16[np.isfinite(bf16)])
+    bf16 = bf16[: len(bf16) // 32 * 32]
+    weights = [(rng.standard_normal(1 << 14) * scale).astype(np.float32) for scale in (1e-30, 1e-5, 0.02, 1, 1e30)]
+    fast = 0
+    for x in [tied, bf16, *weights]:
+        ours = native.q8_0(x)
+        if ours is not None:
+            fast += 1
+            assert bytes(ours) == _q8_0_theirs(x)
+        assert bytes(native.encode_values(x.reshape(-1, 32), "Q8_0")) == _q8_0_theirs(x)
+    assert fast == 7
+
+def test_q8_0_leaves_nan_infinity_and_overflowing_inverses_to_gguf_py():
+    """A block with a NaN or an infinity, or whose scale is so small that its inverse overflows, is not
+    quantized by ``q8_0`` (None); ``encode`` then gives gguf-py's own bytes for it."""
+    rng = np.random.default_rng(1)
+    for bad in (np.nan, np.inf, -np.inf, 1e-40):
+        x = (rng.standard_normal(256) * 0.02).astype(np.float32)
+        x[32:64] = 0
+        x[40] = bad
+        assert native.q8_0(x) is None
+        assert bytes(native.encode_values(x.reshape(-1, 32), "Q8_0")) == _q8_0_theirs(x)
+
+
 @pytest.fixture(scope="session")
 def bf16_llama(gguf_model, shared_dir):
     """The tiny Llama in bfloat16 with a signalling NaN and an infinity planted in layer 0's gate, made once per
