@@ -195,7 +195,10 @@ def q8_0(x):
     if not (np.isfinite(d).all() and np.isfinite(inv).all()):
         return None
     y = np.multiply(b, inv, out=a)
-    y += np.copysign(np.float32(HALF_BELOW), y, out=t)
+    half = t.view(np.uint32)  # copysign(HALF_BELOW, y), as bits: numpy's copysign is a slower loop
+    np.bitwise_and(y.view(np.uint32), np.uint32(0x80000000), out=half)
+    np.bitwise_or(half, np.float32(HALF_BELOW).view(np.uint32), out=half)
+    y += t
     out = np.empty((n, Q8_0_BYTES), np.uint8)
     with np.errstate(over="ignore"):  # a scale above float16's range is infinite, in gguf-py's bytes too
         out[:, :2] = d.astype(np.float16).view(np.uint8)

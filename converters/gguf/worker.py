@@ -13,6 +13,7 @@ converts, and memory stays about one tensor. Prints one JSON line: the tensors w
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -241,6 +242,7 @@ def zygote(model_type: str) -> None:
     process's). Ends at the end of stdin (the writer's process ended), or after ``IDLE_SECONDS`` without a
     request."""
     imports(model_type)
+    gc.freeze()  # the imports' objects (torch's, transformers'): a child's collections no longer scan them
     while select.select([sys.stdin], [], [], IDLE_SECONDS)[0]:
         line = sys.stdin.readline()
         if not line.strip():
