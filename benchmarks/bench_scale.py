@@ -139,6 +139,21 @@ def build(path: Path, shape: str, layers: int) -> None:
     os.replace(tmp, path)
 
 
+CAST = r"""
+import json, os, shutil, sys, pathlib
+from safetensors.torch import load_file, save_file
+a, b = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+tmp = b.with_name(b.name + ".building")
+shutil.rmtree(tmp, ignore_errors=True)
+tmp.mkdir()
+for f in sorted(a.glob("*.safetensors")):
+    save_file({k: v.float() for k, v in load_file(f).items()}, tmp / f.name, metadata={"format": "pt"})
+shutil.copy(a / "model.safetensors.index.json", tmp)
+cfg = json.loads((a / "config.json").read_text())
+(tmp / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "float32"}, indent=2))
+os.replace(tmp, b)
+"""
+
 PLAIN = r"""
 import json, sys, pathlib
 import torch, torch.nn.functional as F
@@ -203,17 +218,17 @@ def measure(args, gb: float) -> dict:
     shape = args.shape
     layers = layers_for(shape, gb)
     a = args.data / f"scale-{shape}-{layers}l"
-    b = a.with_name(a.name + "-split")
+    b = a.with_name(a.name + "-" + args.b)
     py = sys.executable
     t0 = time.perf_counter()
     subprocess.run([py, __file__, "--build-only", str(a), "--shape", shape, "--layers", str(layers)], check=True)
     if not (b / "config.json").is_file():
-        subprocess.run([py, "-c", "import sys; from ffn_tools.gateup import split_gateup; "
-                        "split_gateup(sys.argv[1], sys.argv[2], force=True)", str(a), str(b)], check=True,
-                       stdout=subprocess.DEVNULL)
+        make = CAST if args.b == "float32" else ("import sys; from ffn_tools.gateup import split_gateup; "
+                                                 "split_gateup(sys.argv[1], sys.argv[2], force=True)")
+        subprocess.run([py, "-P", "-c", make, str(a), str(b)], check=True, stdout=subprocess.DEVNULL)
     built = time.perf_counter() - t0
     size = sum(f.stat().st_size for f in a.glob("*.safetensors"))
-    largest = max(2 * _numel(s) for s in tensors(shape, layers).values())
+    largest = max(2 * _numel(s) for s in tensors(shape, layers).values()) * (2 if args.b == "float32" else 1)
     _warm(a), _warm(b)
     runs = {"plain": [py, "-c", PLAIN, str(a), str(b), str(TOKENS)],
             "verify": [str(BIN), "-q", "verify", str(a), str(b), "--no-load-check", *args.verify_args]}
@@ -242,6 +257,9 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the built checkpoints (reused by a later run)")
     ap.add_argument("--verify-arg", dest="verify_args", action="append", default=[],
                     help="an extra argument to ffn-tools verify (repeatable), e.g. --verify-arg=--backend=reference")
+    ap.add_argument("--b", choices=["split", "float32"], default="split",
+                    help="B: A's split (stored bytes equal A's; default), or A cast to float32 (every FFN runs "
+                         "on the float64 reference, both sides)")
     ap.add_argument("--build-only", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -251,7 +269,7 @@ def main() -> None:
         build(args.build_only, args.shape, args.layers)
         return
     _, d, i, *_ = SHAPES[args.shape]
-    print(f"shape {args.shape} (d_model {d}, d_ffn {i}), bf16; best of {args.rounds}; load average "
+    print(f"shape {args.shape} (d_model {d}, d_ffn {i}), bf16, B {args.b}; best of {args.rounds}; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     results = []
     for gb in args.gb:

@@ -309,3 +309,49 @@ def test_bit_identical_weights_that_are_not_finite_still_run_and_fail(model_dir,
     (bad,) = [r for r in rep.results if not r.passed]
     assert str(bad.ref) == "layer 1" and bad.exact == "identical" and bad.backends[0].path == SAME_AS_A
     assert bad.backends[0].nonfinite > 0  # the float64 reference ran on them, and says so
+
+
+def test_pairs_above_the_budget_are_read_from_mapped_pages_a_part_at_a_time(model_dir, tmp_path, monkeypatch):
+    """A pair larger than ``PAGED_PAIR_BYTES`` is not read into the stream: its roles are compared, and A's and
+    B's FFNs run on the float64 reference block by block, as views of the files' mapped pages, their pages let
+    go after each role and each block. The results are the held path's, to the bit: a cast (bf16 against
+    float32) passes with the same metrics, a swapped gate and up fails the same way."""
+    from ffn_tools.io.mapped import Mapped
+    from ffn_tools.verification import steps
+
+    src = model_dir("llama", torch.bfloat16)
+    a = _plant(src, tmp_path / "a", lambda sd: None)
+
+    def f32(sd):
+        for k in sd:
+            sd[k] = sd[k].float()
+
+    def swap(sd):
+        g, u = "model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"
+        sd[g], sd[u] = sd[u], sd[g]
+
+    cast = _plant(a, tmp_path / "f32", f32)
+    cfg = json.loads((cast / "config.json").read_text())
+    (cast / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "float32", "dtype": "float32"}))
+    swapped = _plant(a, tmp_path / "swapped", swap)
+    hidden = json.loads((a / "config.json").read_text())["hidden_size"]
+    monkeypatch.setattr(functional, "REF_BLOCK_BYTES", 8 * 3 * hidden * 7)  # blocks of 7 rows
+    options = {"backends": ["reference"], "load_check": False, "ffn_only": True, "all_ffns_on_every_backend": True}
+    held = {b: verify(a, b, **options) for b in (cast, swapped)}
+
+    plans, released = [], []
+    init, release = TensorStream.__init__, Mapped.release
+    monkeypatch.setattr(TensorStream, "__init__", lambda self, sources, plan, *args, **kw:
+                        plans.append([list(p) for p in plan]) or init(self, sources, plan, *args, **kw))
+    monkeypatch.setattr(Mapped, "release", lambda self, done=True: released.append(done) or release(self, done))
+    monkeypatch.setattr(steps, "PAGED_PAIR_BYTES", 0)
+    for b, rep in held.items():
+        plans.clear(), released.clear()
+        paged = verify(a, b, **options)
+        assert plans and all(p == [] for plan in plans for p in plan)  # nothing of the FFNs through the stream
+        assert released.count(False) > 2 * len(paged.results)  # let go role by role and block by block
+        assert paged.passed == rep.passed and paged.failures() == rep.failures()
+        assert [(r.exact, [(x.path, x.max_abs, x.passed) for x in r.backends]) for r in paged.results] == \
+            [(r.exact, [(x.path, x.max_abs, x.passed) for x in r.backends]) for r in rep.results]
+    assert held[cast].passed and {r.exact for r in held[cast].results} == {"skipped"}
+    assert not held[swapped].passed and "layer 1: not bit-identical: gate[" in "\n".join(held[swapped].failures())

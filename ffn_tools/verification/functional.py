@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,6 +54,7 @@ class Operands:
     biases: dict[str, torch.Tensor]
     activation: GLU | str
     fused: tuple[torch.Tensor, torch.Tensor | None, GateUpLayout] | None = None
+    release: Callable[[], None] | None = None  # weights that are views of mapped files: their pages let go
 
     @property
     def dtype(self) -> torch.dtype:
@@ -76,7 +78,7 @@ class Operands:
             w, b, layout = self.fused
             fused = (w.to(dtype), None if b is None else b.to(dtype), layout)
         return Operands(self.gate.to(dtype), self.up.to(dtype), self.down.to(dtype),
-                        {k: v.to(dtype) for k, v in self.biases.items()}, self.activation, fused)
+                        {k: v.to(dtype) for k, v in self.biases.items()}, self.activation, fused, self.release)
 
 
 def input_scale(gate: torch.Tensor) -> float:
@@ -114,7 +116,9 @@ def run_reference(ref_backend, x: torch.Tensor, ops: Operands) -> torch.Tensor:
     The reference converts its weights to float64 (four times bfloat16's bytes): run whole, a Phi-3-medium FFN
     would hold 2.2 GB of copies. Rows of gate and up (with their columns of down) are independent up to the
     down projection's sum, so blocks of them run one after the other and their outputs add up (down's bias
-    once): the same float64 products, summed in blocks, not one rounding more than float64's.
+    once): the same float64 products, summed in blocks, not one rounding more than float64's. Where the weights
+    are views of mapped files (``ops.release``), each block's pages are let go after it, so the FFN is never
+    held whole.
     """
     ops = ops.uniform()
     xin = x.to(ops.dtype)
@@ -130,6 +134,8 @@ def run_reference(ref_backend, x: torch.Tensor, ops: Operands) -> torch.Tensor:
             biases["down"] = ops.biases["down"]
         out += ref_backend.ffn(xin, ops.gate[blk], ops.up[blk], ops.down[:, blk], biases or None,
                                activation=ops.activation)
+        if ops.release is not None:
+            ops.release()
     return out
 
 
@@ -204,12 +210,15 @@ SAME_AS_A = "ffn (float64) = A's output: bit-identical weights"
 NOT_COMPUTED = "not computed: bit-identical, finite weights, so B's float64 output is A's"
 
 
-def all_finite(tensors) -> bool:
+def all_finite(tensors, let_go: Callable[[], None] | None = None) -> bool:
     """Every value of every floating-point tensor is finite (min and max are: NaN propagates through both;
-    a pass over the bytes, ~20x faster than ``isfinite`` on bfloat16)."""
+    a pass over the bytes, ~20x faster than ``isfinite`` on bfloat16); ``let_go`` runs after each tensor (views
+    of mapped pages: their pages let go)."""
     for t in tensors:
         if t.is_floating_point() and t.numel():
             lo, hi = torch.aminmax(t)
+            if let_go is not None:
+                let_go()
             if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
                 return False
     return True

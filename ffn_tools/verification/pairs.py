@@ -18,7 +18,7 @@ as before, which reports it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +67,7 @@ class PairChecker:
         self.raw_a: Mapping = self.ca.stored  # the stored tensors, for comparing stored bytes (``stored``)
         self.raw_b: Mapping = self.cb.stored
         self.as_bytes = lambda x, y: candidates(self.ca, self.cb, x, y)  # pairs compared as stored bytes first
+        self.from_pages = lambda x, y: False  # pairs read from raw_a/raw_b's mapped pages, a part at a time
         self._bits = tuple((quantization(c) or {}).get("bits") for c in (self.ca, self.cb))  # global, as the engine
 
     def check(self, ref: FFNRef, x: FFN, y: FFN, tol: Tolerance, quantized: bool,
@@ -99,26 +100,31 @@ class PairChecker:
                     return self._run_as_a(res, ref, x, y, tol, backends, ran)
             elif same_stored is False and quantized:  # (unquantized: the bit-exact check below says how)
                 res.notes.append(f"stored bytes differ ({why}): compared dequantized, within the tolerance row")
-        wa, wb = canonical_weights(self.read_a, x), canonical_weights(self.read_b, y)
+        paged = self.from_pages(x, y)
+        read_a, read_b = (self.raw_a, self.raw_b) if paged else (self.read_a, self.read_b)
+        let_go = self._let_go if paged else None
+        wa, wb = canonical_weights(read_a, x), canonical_weights(read_b, y)
         _biases(res, wa, wb)
-        ops_b = _operands(self.read_b, y, wb, self.fb.activation.kernel)
+        ops_b = _operands(read_b, y, wb, self.fb.activation.kernel)
+        ops_b.release = let_go
         stored = None
         if y.form.fused:  # B's gate_up as stored, for naming a misread layout
-            stored = (self._raw(self.read_b, y, "gate_up"), y.layout)
+            stored = (self._raw(read_b, y, "gate_up"), y.layout)
             if not ops_b.fused and y.layout.axis == "rows":
                 res.notes.append(f"B's fused layout {y.layout.describe()} ran through ffn() on split weights")
         kept = quantized and self.exact is None and not same_stored and self._kept(res, x, y)
         requantized = kept or (quantized and self.exact is None and not same_stored
                                and self._requantized(res, wa, wb, x, y))
         if not requantized and not same_stored:
-            self._exact(res, wa, wb, stored, quantized)
+            self._exact(res, wa, wb, stored, quantized, let_go)
         same_as_a = res.exact == "identical" and not requantized and self.fa.activation.kernel == ops_b.activation
-        if same_as_a and not compute_identical and all_finite(wa.values()):
+        if same_as_a and not compute_identical and all_finite(wa.values(), let_go):
             res.backends = [not_computed()] if "reference" in backends else []
             return res
         if not backends and ran is None:  # nothing runs it (--backend names no reference, not its kind's first)
             return res
-        inputs, r = self._run_a(ref, x, wa, [t.dtype for t in (*wa.values(), *wb.values())], backends, ran)
+        inputs, r = self._run_a(ref, x, wa, [t.dtype for t in (*wa.values(), *wb.values())], backends, ran,
+                                read_a, let_go)
         res.backends = check_ffn(backends, inputs, r, ops_b, tol, same_as_a=same_as_a)
         if any(b.nonfinite for b in res.backends):
             _nonfinite(res, wa, wb)
@@ -130,23 +136,29 @@ class PairChecker:
         backends run it later, ``run_kernels``): A's output is computed, B's on the reference is A's by construction,
         so B's weights are not read at all; one FFN's weights held, not the pair (a Llama-70B FFN is 1.4 GB a side
         in bf16). B's are read only to name a non-finite weight."""
-        wa = canonical_weights(self.read_a, x)
+        paged = self.from_pages(x, y)
+        read_a = self.raw_a if paged else self.read_a
+        wa = canonical_weights(read_a, x)
         if not backends and ran is None:
             return res
         dtypes = [t.dtype for t in wa.values()]
-        inputs, r = self._run_a(ref, x, wa, dtypes + dtypes, backends, ran)  # B's dtypes are A's: the same bytes
+        inputs, r = self._run_a(ref, x, wa, dtypes + dtypes, backends, ran,  # B's dtypes are A's: the same bytes
+                                read_a, self._let_go if paged else None)
         res.backends = check_ffn(backends, inputs, r, None, tol, same_as_a=True)
         if any(b.nonfinite for b in res.backends):
             _nonfinite(res, wa, canonical_weights(self.read_b, y))
         return res
 
-    def _run_a(self, ref: FFNRef, x: FFN, wa: dict, dtypes: list, backends: dict,
-               ran: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A's FFN ``x`` (weights ``wa``) on the float64 reference, on seeded inputs made for ``dtypes``: (the
-        inputs, A's output), kept in ``ran[ref]`` for the kernel backends where given."""
+    def _run_a(self, ref: FFNRef, x: FFN, wa: dict, dtypes: list, backends: dict, ran: dict | None,
+               read_a: Mapping | None = None,
+               let_go: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A's FFN ``x`` (weights ``wa``, read through ``read_a``: ``self.read_a`` unless given) on the float64
+        reference, on seeded inputs made for ``dtypes``: (the inputs, A's output), kept in ``ran[ref]`` for the
+        kernel backends where given; ``let_go``: the weights are views of mapped pages, let go block by block."""
         inputs = make_inputs(self.tokens, x.d_model, self.seed, input_scale(wa["gate"]), dtypes)
-        r = run_reference(backends.get("reference") or reference_backend(), inputs,
-                          _operands(self.read_a, x, wa, self.fa.activation.kernel))
+        ops = _operands(self.read_a if read_a is None else read_a, x, wa, self.fa.activation.kernel)
+        ops.release = let_go
+        r = run_reference(backends.get("reference") or reference_backend(), inputs, ops)
         if ran is not None:
             ran[ref] = (inputs, r)
         return inputs, r
@@ -169,8 +181,16 @@ class PairChecker:
         t = cached[ffn.names[role]]
         return t[ffn.index] if ffn.index is not None else t
 
-    def _exact(self, res: FFNResult, wa: dict, wb: dict, stored, quantized: bool) -> None:
-        """Bit-for-bit comparison of the canonical tensors, per ``self.exact``."""
+    def _let_go(self) -> None:
+        """The pages the mapped views (``raw_a``, ``raw_b``) touched so far, let go; the views stay usable."""
+        for read in (self.raw_a, self.raw_b):
+            if hasattr(read, "release"):
+                read.release(done=False)
+
+    def _exact(self, res: FFNResult, wa: dict, wb: dict, stored, quantized: bool,
+               let_go: Callable[[], None] | None = None) -> None:
+        """Bit-for-bit comparison of the canonical tensors, per ``self.exact``; ``let_go``: run after each role
+        (the weights are views of mapped pages: one role pair held at a time)."""
         if self.exact is False:
             return
         common = [r for r in ROLES if r in wa and r in wb]
@@ -183,7 +203,12 @@ class PairChecker:
             if self.exact:
                 res.problems.append(f"--exact: cannot be bit-identical: {why}")
             return
-        diffs = [d for r in common if (d := first_difference(r, wa[r], wb[r]))]
+        diffs = []
+        for r in common:
+            if d := first_difference(r, wa[r], wb[r]):
+                diffs.append(d)
+            if let_go is not None:
+                let_go()
         res.exact = "differs" if diffs else "identical"
         if diffs:
             more = len(diffs) - 1

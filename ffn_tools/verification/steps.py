@@ -29,6 +29,7 @@ from .stored import candidates
 from .stream import TensorStream
 
 log = logging.getLogger(__name__)
+PAGED_PAIR_BYTES = 1 << 30  # a pair above this (A's FFN + B's) is read from mapped pages by parts, not held whole
 
 
 class AsLoaded(Mapping):
@@ -109,12 +110,12 @@ def plan_steps(checker: PairChecker, pairs: list, bits: dict, rows: dict, every_
     return steps
 
 
-def _reads(items: list, computed=(), as_bytes=None) -> list[tuple[int, str]]:
+def _reads(items: list, computed=(), unstreamed=None) -> list[tuple[int, str]]:
     """The (side, name) of every tensor a step's pairs read, A's first, in the order they read them; not A's
     ``computed`` (``Pairing.computed``: read as B's client computes them, not as stored), nor those of a pair
-    ``as_bytes(x, y)`` says is compared as stored bytes (from the files' mapped pages, ``io.mapped``; dequantized,
-    it is read only if its bytes differ, or to run it on a backend)."""
-    streamed = [(x, y) for _, x, y in items if as_bytes is None or not as_bytes(x, y)]
+    ``unstreamed(x, y)`` says is read from the files' mapped pages (``io.mapped``): compared as stored bytes
+    (dequantized, it is read only if its bytes differ, or to run it on a backend), or too large to hold whole."""
+    streamed = [(x, y) for _, x, y in items if unstreamed is None or not unstreamed(x, y)]
     keys = [(0, n) for x, _ in streamed for n in x.names.values() if n not in computed]
     keys += [(1, n) for _, y in streamed for n in y.names.values()]
     return list(dict.fromkeys(keys))
@@ -186,6 +187,19 @@ def check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: F
 
     checker.as_bytes = as_bytes
 
+    def from_pages(x: FFN, y: FFN) -> bool:
+        """A pair larger than ``PAGED_PAIR_BYTES`` whose tensors all lie as plain bytes in safetensors files: read
+        as views of the files' mapped pages, a role or a block of rows at a time, not both FFNs whole."""
+        if nbytes(x, y) <= PAGED_PAIR_BYTES:
+            return False
+        return all(n not in computed and (info := c.stored.info(n)).start is not None and c.quantized(n) is None
+                   and info.dtype.is_floating_point for c, f in ((ca, x), (cb, y)) for n in f.names.values())
+
+    checker.from_pages = from_pages
+
+    def unstreamed(x: FFN, y: FFN) -> bool:
+        return as_bytes(x, y) or from_pages(x, y)
+
     steps = plan_steps(checker, pairs, bits, rows, every_backend)
     ran: dict = {}  # the first FFN of each kind: its inputs and A's float64 output, for the kernel backends
     done: dict[int, list] = {}  # step -> its results
@@ -218,7 +232,7 @@ def check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: F
             pending, parts = distributed.start(ray, ca, cb, steps, away)
             mine = [k for k, s in enumerate(steps) if s.on_all]
         try:
-            with TensorStream((ca, cb), [_reads(steps[k].items, computed, None if steps[k].batched else as_bytes)
+            with TensorStream((ca, cb), [_reads(steps[k].items, computed, None if steps[k].batched else unstreamed)
                                          for k in mine]) as stream:  # a batch: its own equality per role
                 checker.read_a, checker.read_b = stream.side(0), stream.side(1)
                 checker.raw_a, checker.raw_b = mapped
