@@ -2,7 +2,9 @@
 
 For each size given to ``--gb`` it builds (under bench-data/, removed afterwards unless --keep) a synthetic
 checkpoint of real shapes in bf16, written shard by shard with safetensors' ``save_file`` as a Hub checkpoint
-is (shards of at most 2 GB), and its split made with ``ffn_tools.gateup.split_gateup``. The shapes stay the
+is (shards of at most 2 GB), and B: its split made with ``ffn_tools.gateup.split_gateup`` (``--b split``, the
+default), or A cast to float32 shard by shard (``--b float32``: every FFN runs on the float64 reference, on both
+sides, and B's FFN is twice A's, so the pair is 3x a bf16 FFN; the largest tensor is B's). The shapes stay the
 same at every size (only the number of layers grows), so the largest tensor is the same at every size:
 
     phi3         Phi-3-mini: d_model 3072, d_ffn 8192, vocab 32064, fused gate_up, untied head (largest 197 MB)
@@ -28,6 +30,7 @@ tensor). This process imports nothing heavy (Linux carries a parent's RSS into a
 
     .venv/bin/python benchmarks/bench_scale.py --gb 1 2 4 8 [--shape phi3] [--rounds 2] [--keep]
     .venv/bin/python benchmarks/bench_scale.py --shape qwen3-moe --gb 0.4
+    .venv/bin/python benchmarks/bench_scale.py --shape llama70b-ffn --gb 4 --b float32
 """
 
 from __future__ import annotations
@@ -150,7 +153,8 @@ for f in sorted(a.glob("*.safetensors")):
     save_file({k: v.float() for k, v in load_file(f).items()}, tmp / f.name, metadata={"format": "pt"})
 shutil.copy(a / "model.safetensors.index.json", tmp)
 cfg = json.loads((a / "config.json").read_text())
-(tmp / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "float32"}, indent=2))
+cfg.update({k: "float32" for k in ("dtype", "torch_dtype") if k in cfg} or {"dtype": "float32"})
+(tmp / "config.json").write_text(json.dumps(cfg, indent=2))
 os.replace(tmp, b)
 """
 
