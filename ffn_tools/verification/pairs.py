@@ -4,7 +4,10 @@
 exact-check mode, the input seed) and ``check(ref, a_ffn, b_ffn, tol, quantized)`` returns its
 ``FFNResult`` (the tolerance row is per FFN: mixed quantization recipes give layers different bits).
 It reads tensors through ``read_a`` / ``read_b``: the checkpoints themselves, or the ``stream`` that reads the
-next pairs ahead and holds each tensor only while a pair needs it (``verify`` sets them).
+next pairs ahead and holds each tensor only while a pair needs it (``verify`` sets them). A pair ``from_pages``
+says is too large to hold whole is read instead through ``raw_a`` / ``raw_b`` (views of the files' mapped pages,
+``io.mapped``): its roles compared one pair at a time and its float64 runs block by block, the pages let go after
+each (``_let_go``).
 ``name_owners`` runs after all pairs, only when some differed, to say which of A's FFNs a differing B FFN
 actually holds.
 
