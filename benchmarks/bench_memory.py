@@ -20,7 +20,8 @@ and prints, per command and size, the peak of the sum of the RSS of the command'
 50 ms from /proc: the workers of ``-q`` and the GGUF converter's processes count together; a shared page counts
 once per process, so this over-counts) and the largest single process (``wait4``'s ru_maxrss), with the bound and
 the ratio between the largest and the smallest size. Nothing is timed here (the other benchmarks time each
-command against its baseline); the sampler itself costs a few percent of a core.
+command against its baseline); the sampler itself costs a few percent of a core. This process imports nothing
+heavy and builds in a child (Linux carries a parent's peak RSS into a forked child's ru_maxrss).
 
     .venv/bin/python benchmarks/bench_memory.py --gb 1 20      # ~20 min on 2 cores, ~45 GB of disk at the peak
 """
@@ -37,8 +38,6 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gguf import build  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = str(Path(sys.executable).parent / "ffn-tools")
@@ -113,7 +112,8 @@ def measure(gb: float, data: Path) -> dict:
     a, b, out = data / f"memory-{layers}l", data / f"memory-{layers}l-fused", data / f"memory-{layers}l-out"
     if not (a / "config.json").is_file():
         t0 = time.perf_counter()
-        build(a, {**LAYER, "num_hidden_layers": layers}, "llama-spm", streamed=True)
+        # in a process of its own: Linux carries a parent's peak RSS into a forked child's ru_maxrss
+        subprocess.run([sys.executable, "-P", __file__, "--build-only", str(a), "--layers", str(layers)], check=True)
         print(f"  built {a.name} in {time.perf_counter() - t0:.0f} s", flush=True)
     size = sum(f.stat().st_size for f in a.glob("*.safetensors"))
     steps = {
@@ -148,7 +148,15 @@ def main() -> None:
     ap.add_argument("--gb", type=float, nargs="+", default=[1.0, 20.0], help="model sizes in GB")
     ap.add_argument("--data", type=Path, default=ROOT / "bench-data")
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--build-only", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.build_only:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_gguf import build
+
+        build(args.build_only, {**LAYER, "num_hidden_layers": args.layers}, "llama-spm", streamed=True)
+        return
     bound = BOUND + largest()
     print(f"Llama-3-8B layers, {VOCAB} tokens, bf16; largest tensor {largest() / 2**20:.0f} MiB; bound 2 GB + it = "
           f"{bound / 2**20:.0f} MiB; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
