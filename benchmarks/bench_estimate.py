@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -69,6 +70,7 @@ def main() -> None:
             out = DATA / f"estimate-out-{name}"
             shutil.rmtree(out, ignore_errors=True)
             cmd = [FFN, "-q", *COMMANDS[name](src, out)]
+            os.sync()  # every run starts with no earlier run's writes still going to the disk
             _, _, text = run_rss([*cmd, "--dry-run", "--json"])
             est = json.loads(text)["estimate"]
             if not est["made"]:
@@ -76,6 +78,7 @@ def main() -> None:
             dt, rss = float("inf"), 0
             for _ in range(args.repeat):  # this machine's run: the best time (writeback of an earlier run's output
                 shutil.rmtree(out, ignore_errors=True)  # can slow one down), the largest RSS
+                os.sync()
                 t, r, _ = run_rss(cmd)
                 dt, rss = min(dt, t), max(rss, r)
             got = {"output_bytes": size_of(out), "temporary_disk": size_of(out), "peak_rss": rss, "seconds": dt}
