@@ -21,6 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers import run_cli
+
 from ffn_tools.errors import CheckpointError
 from ffn_tools.ffn import canonical_weights
 from ffn_tools.gateup import split_gateup
@@ -315,7 +317,7 @@ def test_pairs_above_the_budget_are_read_from_mapped_pages_a_part_at_a_time(mode
     """A pair larger than ``PAGED_PAIR_BYTES`` is not read into the stream: its roles are compared, and A's and
     B's FFNs run on the float64 reference block by block, as views of the files' mapped pages, their pages let
     go after each role and each block. The results are the held path's, to the bit: a cast (bf16 against
-    float32) passes with the same metrics, a swapped gate and up fails the same way."""
+    float32) passes with the same metrics, a swapped gate and up fails the same way, an MLX export passes."""
     from ffn_tools.io.mapped import Mapped
     from ffn_tools.verification import steps
 
@@ -334,10 +336,12 @@ def test_pairs_above_the_budget_are_read_from_mapped_pages_a_part_at_a_time(mode
     cfg = json.loads((cast / "config.json").read_text())
     (cast / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "float32", "dtype": "float32"}))
     swapped = _plant(a, tmp_path / "swapped", swap)
+    mlx = tmp_path / "mlx"  # mlx_lm's layout: its files' names, dtypes and shapes are what verify reads, so paged too
+    run_cli("-q", "convert", a, "--to", "mlx", "-o", mlx)
     hidden = json.loads((a / "config.json").read_text())["hidden_size"]
     monkeypatch.setattr(functional, "REF_BLOCK_BYTES", 8 * 3 * hidden * 7)  # blocks of 7 rows
     options = {"backends": ["reference"], "load_check": False, "ffn_only": True, "all_ffns_on_every_backend": True}
-    held = {b: verify(a, b, **options) for b in (cast, swapped)}
+    held = {b: verify(a, b, **options) for b in (cast, swapped, mlx)}
 
     plans, released = [], []
     init, release = TensorStream.__init__, Mapped.release
@@ -354,4 +358,10 @@ def test_pairs_above_the_budget_are_read_from_mapped_pages_a_part_at_a_time(mode
         assert [(r.exact, [(x.path, x.max_abs, x.passed) for x in r.backends]) for r in paged.results] == \
             [(r.exact, [(x.path, x.max_abs, x.passed) for x in r.backends]) for r in rep.results]
     assert held[cast].passed and {r.exact for r in held[cast].results} == {"skipped"}
+    assert held[mlx].passed
+    q4 = tmp_path / "q4"  # quantized: dequantized through the checkpoint's view, never paged
+    run_cli("-q", "convert", a, "--to", "mlx", "--quantize", "4", "--group-size", "32", "-o", q4)
+    name = "model.layers.0.mlp.gate_proj.weight"
+    with open_checkpoint(cast) as c, open_checkpoint(q4) as q:
+        assert steps._as_stored(c, name) and not steps._as_stored(q, name)
     assert not held[swapped].passed and "layer 1: not bit-identical: gate[" in "\n".join(held[swapped].failures())

@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from contextlib import ExitStack
+from pathlib import Path
 from typing import NamedTuple
 
 from .. import cluster, progress
@@ -110,6 +111,16 @@ def plan_steps(checker: PairChecker, pairs: list, bits: dict, rows: dict, every_
     return steps
 
 
+def _as_stored(c, name: str) -> bool:
+    """Whether checkpoint ``c`` presents ``name`` as its safetensors file stores it: the same name, dtype and shape,
+    unquantized floating point, at a known place in the file (``io.mapped`` can view it)."""
+    if name not in c.stored or c.quantized(name) is not None:
+        return False
+    info, kept = c.info(name), c.stored.info(name)
+    return (kept.start is not None and Path(kept.file).suffix == ".safetensors" and kept.dtype.is_floating_point
+            and (info.dtype, tuple(info.shape)) == (kept.dtype, tuple(kept.shape)))
+
+
 def _reads(items: list, computed=(), unstreamed=None) -> list[tuple[int, str]]:
     """The (side, name) of every tensor a step's pairs read, A's first, in the order they read them; not A's
     ``computed`` (``Pairing.computed``: read as B's client computes them, not as stored), nor those of a pair
@@ -188,12 +199,12 @@ def check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: F
     checker.as_bytes = as_bytes
 
     def from_pages(x: FFN, y: FFN) -> bool:
-        """A pair larger than ``PAGED_PAIR_BYTES`` whose tensors all lie as plain bytes in safetensors files: read
-        as views of the files' mapped pages, a role or a block of rows at a time, not both FFNs whole."""
+        """A pair larger than ``PAGED_PAIR_BYTES`` whose tensors all lie as plain bytes in safetensors files, under
+        the names and in the dtypes and shapes the checkpoint presents them (no view renames, casts or computes
+        them): read as views of the files' mapped pages, a role or a block of rows at a time, not both FFNs whole."""
         if nbytes(x, y) <= PAGED_PAIR_BYTES:
             return False
-        return all(n not in computed and (info := c.stored.info(n)).start is not None and c.quantized(n) is None
-                   and info.dtype.is_floating_point for c, f in ((ca, x), (cb, y)) for n in f.names.values())
+        return all(_as_stored(c, n) and n not in computed for c, f in ((ca, x), (cb, y)) for n in f.names.values())
 
     checker.from_pages = from_pages
 
