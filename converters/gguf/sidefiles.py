@@ -92,20 +92,36 @@ def tokenizer_files(ckpt: Checkpoint) -> tuple[dict[str, str | bytes], list[str]
 
 @contextmanager
 def header_reader() -> Iterator[None]:
-    """transformers' GGUF reader (``load_gguf_checkpoint``, which imports ``gguf.GGUFReader`` when it runs) parses
-    the file with ``header.Reader`` meanwhile: the same fields and parts (tests/test_gguf.py checks them equal on
-    real files), a Llama 3 vocabulary's in 0.5 s instead of 7.8 s. Reading the tokenizer of a 128K-token GGUF
-    took transformers 10.5 s, of which 7.8 s in gguf-py's parse (measured)."""
+    """transformers' GGUF reader parses the file faster meanwhile, to the same values:
+
+    - where it reads through gguf-py (``load_gguf_checkpoint`` imports ``gguf.GGUFReader`` when it runs), with
+      ``header.Reader``: the same fields and parts (tests/test_gguf.py checks them equal on real files), a Llama 3
+      vocabulary's in 0.5 s instead of 7.8 s (reading the tokenizer of a 128K-token GGUF took transformers 10.5 s);
+    - where it has its own reader (``transformers.integrations.gguf.reader``, transformers 5), over a plain
+      ``ndarray`` view of its memory map rather than the ``np.memmap`` itself: each of the 400K strings of a Llama 3
+      vocabulary is a slice, and a memmap's slice runs Python code (``__array_finalize__``): 0.60 s -> 0.24 s.
+    """
     import gguf
+    import numpy as np
 
     from .header import Reader
 
+    try:
+        from transformers.integrations.gguf import reader as hf_reader
+        own: Any = hf_reader
+    except ImportError:
+        own = None
+    mapped = getattr(own, "_mapped", None)
     was = gguf.GGUFReader
     gguf.GGUFReader = Reader  # type: ignore[misc]  # a subclass of it: what transformers asks of it, the same
+    if mapped is not None:
+        own._mapped = lambda path: mapped(path).view(np.ndarray)  # the view holds the map open (its base)
     try:
         yield
     finally:
         gguf.GGUFReader = was  # type: ignore[misc]
+        if mapped is not None:
+            own._mapped = mapped
 
 
 def sentencepiece_files(fields: dict, files: dict[str, str | bytes]) -> list[str]:
@@ -218,9 +234,11 @@ def generic_class(saved: Path, files: dict[str, str | bytes], fields: dict) -> l
     cls = cfg.get("tokenizer_class")
     if not cls or cls in GENERIC or "tokenizer.json" not in files:
         return []
-    loaded = json.loads(AutoTokenizer.from_pretrained(saved).backend_tokenizer.to_str())
-    written = json.loads(Tokenizer.from_str(str(files["tokenizer.json"])).to_str())
-    rebuilt = [k for k in LOADED if loaded.get(k) != written.get(k)]
+    loaded = AutoTokenizer.from_pretrained(saved).backend_tokenizer
+    written = Tokenizer.from_str(str(files["tokenizer.json"]))
+    # each part as the tokenizers library serializes it (not the whole tokenizer: a 128K vocabulary and its merges,
+    # dumped and parsed twice, were 2 s of a Llama 3 GGUF's export)
+    rebuilt = [k for k in LOADED if _part(loaded, k) != _part(written, k)]
     if not rebuilt:
         return []
     cfg["tokenizer_class"] = GENERIC[0]
@@ -228,6 +246,13 @@ def generic_class(saved: Path, files: dict[str, str | bytes], fields: dict) -> l
     return [f"tokenizer_config.json: tokenizer_class {GENERIC[0]}, not {cls}: {cls} replaces tokenizer.json's "
             f"pre-tokenizer when it loads, which would not split text as the GGUF's tokenizer.ggml.pre "
             f"{fields.get('tokenizer.ggml.pre')!r} does (llama.cpp)"]
+
+
+def _part(tokenizer, name: str):
+    """A tokenizer's part (``pre_tokenizer``, ...) as the tokenizers library serializes it, parsed; None where it
+    has none."""
+    part = getattr(tokenizer, name)
+    return None if part is None else json.loads(part.__getstate__())
 
 
 def invented(files: dict[str, str | bytes], n: int) -> list[str]:
