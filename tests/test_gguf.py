@@ -147,8 +147,9 @@ def test_header_reader_builds_what_gguf_py_builds(gguf_ref, arch, outtype):
 
 @pytest.mark.parametrize("vocab", ["gpt-2", "llama-spm"])
 def test_transformers_reads_the_same_tokenizer_through_the_header_reader(vocab):
-    """``sidefiles.header_reader`` (transformers' GGUF reader given ``header.Reader`` for gguf-py's GGUFReader,
-    how convert reads a GGUF's tokenizer) gives the tokenizer transformers builds on its own: the same
+    """``sidefiles.header_reader`` (transformers' GGUF reader given ``header.Reader`` for gguf-py's GGUFReader, and
+    its own reader a plain ndarray for its memmap: how convert reads a GGUF's tokenizer) gives the tokenizer
+    transformers builds on its own: the same
     tokenizer.json, special tokens and encodings, on a byte-level BPE vocabulary with merges (GPT-2's) and a
     sentencepiece one with scores (Llama's); and gguf-py's class is back in place after it."""
     import gguf
@@ -158,11 +159,13 @@ def test_transformers_reads_the_same_tokenizer_through_the_header_reader(vocab):
 
     models = gguf_models.require_llama_cpp() / "models"
     theirs = AutoTokenizer.from_pretrained(models, gguf_file=f"ggml-vocab-{vocab}.gguf")
-    original = gguf.GGUFReader
+    from transformers.integrations.gguf import reader as own  # transformers 5's own reader: over a plain ndarray
+
+    original, mapped = gguf.GGUFReader, own._mapped
     with header_reader():
-        assert gguf.GGUFReader is not original
+        assert gguf.GGUFReader is not original and own._mapped is not mapped
         ours = AutoTokenizer.from_pretrained(models, gguf_file=f"ggml-vocab-{vocab}.gguf")
-    assert gguf.GGUFReader is original
+    assert gguf.GGUFReader is original and own._mapped is mapped
     assert type(ours) is type(theirs) and len(ours) == len(theirs) > 30000
     assert ours.backend_tokenizer.to_str() == theirs.backend_tokenizer.to_str()
     assert ours.special_tokens_map == theirs.special_tokens_map
