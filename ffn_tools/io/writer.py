@@ -96,20 +96,23 @@ def shard_names(n: int, prefix: str = "model") -> list[str]:
     return [f"{prefix}-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
 
 
-def write_file(path: Path, items: Sequence[OutTensor], metadata: dict | None, progress: Progress | None = None) -> None:
+def write_file(path: Path, items: Sequence[OutTensor], metadata: dict | None, progress: Progress | None = None,
+               announced: bool = False) -> None:
     """Write one safetensors file, streaming each tensor's bytes.
 
     Byte ranges that continue one another in the same input file (consecutive untouched tensors, the
     halves of a split) are merged into one ``copy_file_range`` run. Tensors with a ``place`` are told where their
-    bytes go once the file has its full size, and their ``Placed`` bytes are stepped over.
+    bytes go once the file has its full size, and their ``Placed`` bytes are stepped over. ``announced``: the file
+    was made and its places told already (``prepare``): it is written into, not created again.
     """
-    header = build_header([(t.name, t.dtype, t.shape, t.nbytes) for t in items], metadata, _data_start_mod(items))
+    header = _header(items, metadata)
     sources: Sources = {}
     pending: list[ByteRange] = []
     try:
-        with open(path, "wb", buffering=0) as f:
+        with open(path, "r+b" if announced else "wb", buffering=0) as f:
             _write_all(f, memoryview(header))
-            _announce(f, path, len(header), items)
+            if not announced:
+                _announce(f, path, len(header), items)
             for t in items:
                 payload = t.produce()
                 if isinstance(payload, Placed):
@@ -137,6 +140,24 @@ def write_file(path: Path, items: Sequence[OutTensor], metadata: dict | None, pr
     finally:
         for src in sources.values():
             src.close()
+
+
+def _header(items: Sequence[OutTensor], metadata: dict | None) -> bytes:
+    return build_header([(t.name, t.dtype, t.shape, t.nbytes) for t in items], metadata, _data_start_mod(items))
+
+
+def prepare(path: Path, items: Sequence[OutTensor], metadata: dict | None) -> bool:
+    """Make the file of ``items`` now, at its full size with its header, and tell each tensor with a ``place`` where
+    its bytes go, so that producers working ahead (4-bit MLX's quantization workers) can write a later shard's
+    bytes before the writer reaches it, rather than send them back to wait in this process. False (nothing made)
+    where no tensor has a ``place``."""
+    if not any(t.place for t in items):
+        return False
+    header = _header(items, metadata)
+    with open(path, "wb", buffering=0) as f:
+        _write_all(f, memoryview(header))
+        _announce(f, path, len(header), items)
+    return True
 
 
 def _announce(f, path: Path, at: int, items: Sequence[OutTensor]) -> None:
@@ -182,10 +203,10 @@ def write_sharded(out_dir: Path, items: Sequence[OutTensor], *, max_shard_size: 
     """
     shards = plan_shards(items, max_shard_size, metadata)
     names = shard_names(len(shards), prefix)
-    for name, shard in zip(names, shards):
-        if kept(ledger, name, shard, progress):
-            continue
-        write_file(out_dir / name, shard, metadata, progress)
+    todo = [(name, shard) for name, shard in zip(names, shards) if not kept(ledger, name, shard, progress)]
+    made = {name: prepare(out_dir / name, shard, metadata) for name, shard in todo}  # every place known at once
+    for name, shard in todo:
+        write_file(out_dir / name, shard, metadata, progress, announced=made[name])
         if ledger is not None:
             ledger.finished(name)
     write_index(out_dir, items, shards, names, prefix)
