@@ -179,8 +179,9 @@ def q8_0(x):
     which numpy does three times as fast; buffers are reused in place; and ``roundf`` (half away from zero;
     gguf-py's ``np_roundf``, eight passes) is one add of ``copysign(HALF_BELOW, y)`` before the int8 cast
     truncates.
-    That add gives roundf's integer for every finite float32 of magnitude up to 128.5 (all 2.2 billion,
-    compared once against ``np_roundf``; ``test_gguf_native`` compares the ties and their neighbours), and
+    That add gives roundf's integer for every finite float32 of magnitude up to 128.5 (all 2.2 billion, against
+    ``np_roundf``: ``benchmarks/prove_q8_0_rounding.py``; ``test_gguf_native`` compares the ties and their
+    neighbours on every run), and
     here ``|y| <= 127`` plus rounding, because ``|x| <= max|x|``.
     """
     import numpy as np
