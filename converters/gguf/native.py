@@ -270,6 +270,7 @@ def write(tensors: list[dict], out: Path, *, threads: int | None = None, progres
     Raises:
         OSError: reading a source or writing the output failed; ValueError: a chunk of the wrong size.
     """
+    from ffn_tools.io.writer import write_at
     from ffn_tools.progress import Progress
 
     jobs = []
@@ -291,9 +292,7 @@ def write(tensors: list[dict], out: Path, *, threads: int | None = None, progres
             data = encode(src, r0, r1, head, qtype, plus)
             if len(data) != size:
                 raise ValueError(f"a chunk of {len(data)} bytes where {size} belong")
-            view, done = memoryview(data), 0
-            while done < size:
-                done += os.pwrite(fd, view[done:], pos + done)
+            write_at(fd, memoryview(data), pos)
             if bar is not None:
                 with lock:
                     bar.update(size)

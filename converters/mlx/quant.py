@@ -25,7 +25,8 @@ import mlx.core as mx
 
 from ffn_tools.io.dtypes import itemsize, nbytes
 from ffn_tools.io.raw import RawTensor  # noqa: F401 - re-exported: the MLX modules' tensors
-from ffn_tools.io.writer import Placed
+from ffn_tools.io.store import read_into
+from ffn_tools.io.writer import Placed, write_at
 
 if TYPE_CHECKING:
     from concurrent.futures import Future, ProcessPoolExecutor
@@ -101,23 +102,6 @@ def row_chunks(ckpt, name: str, max_bytes: int | None = None) -> Iterator[tuple[
     for r in range(0, rows, step):
         n = min(step, rows - r)
         yield data[r * row_bytes:(r + n) * row_bytes], n
-
-
-def read_into(fd: int, view: memoryview, start: int, name) -> None:
-    """Fill ``view`` with the bytes of open file ``fd`` from ``start`` (``pread``)."""
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], start + done)
-        if n <= 0:
-            raise OSError(f"{name}: ended early at byte {start + done}")
-        done += n
-
-
-def write_at(fd: int, view: memoryview, offset: int) -> None:
-    """All of ``view`` into open file ``fd`` at ``offset`` (``pwrite``)."""
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 def stream(ckpt, sources: Sequence[str], outputs: Sequence[tuple[str, tuple[int, ...]]],

@@ -215,14 +215,24 @@ def read_bytes(file, start: int, size: int) -> bytearray:
         OSError: the file ends early.
     """
     data = bytearray(size)
-    view, done = memoryview(data), 0
     with open(file, "rb", buffering=0) as f:
-        while done < size:
-            n = os.preadv(f.fileno(), [view[done:]], start + done)
-            if n <= 0:
-                raise OSError(f"{file}: ended early at byte {start + done}")
-            done += n
+        read_into(f.fileno(), memoryview(data), start, file)
     return data
+
+
+def read_into(fd: int, view: memoryview, start: int, name) -> None:
+    """Fill ``view`` with the bytes of the open file ``fd`` (``name``, for the error) from ``start`` (``pread``): a
+    caller reading chunk after chunk gives the same buffer each time.
+
+    Raises:
+        OSError: the file ends early.
+    """
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], start + done)
+        if n <= 0:
+            raise OSError(f"{name}: ended early at byte {start + done}")
+        done += n
 
 
 STRING_KEYS = ("model_type", "hidden_act", "hidden_activation")  # config.json keys ffn-tools reads as names

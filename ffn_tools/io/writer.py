@@ -314,6 +314,14 @@ def _write_all(f, view: memoryview) -> None:
         view = view[n:]
 
 
+def write_at(fd: int, view: memoryview, offset: int) -> None:
+    """All of ``view`` into the open file ``fd`` at ``offset`` (``pwrite``): for producers that write their bytes
+    at their place themselves (``OutTensor.place``, GGUF's chunk writer)."""
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
 def _emit(f, payload: Payload) -> int:
     torch, np = sys.modules.get("torch"), sys.modules.get("numpy")  # a tensor/array means it is imported
     if torch is not None and isinstance(payload, torch.Tensor):
