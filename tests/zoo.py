@@ -228,7 +228,16 @@ def logits(model):
 
     The thread count is fixed because a forward's float sums depend on it: DeepSeek-V4's o_b_proj (in-features
     o_groups * o_lora_rank = 8192) gives other logits (by 5e-7) on 1 and 2 threads, the same on each, run after
-    run (measured); logits compared with ``torch.equal`` are computed alike."""
+    run (measured); logits compared with ``torch.equal`` are computed alike.
+
+    Alike includes where the weights lie: a model transformers loads from safetensors keeps its tensors as views of
+    the file's mapped pages, at the file's offsets, and on an AMD EPYC one thread gives DeepSeek-V4 other logits (by
+    6e-8) from the same bits 16 bytes off a 64-byte boundary (measured: the fused copy's tensors lie 16 bytes off
+    where the saved file's lie 20 off). Every tensor not on a 64-byte boundary is first copied to one (as torch
+    allocates), so the logits are those of the bits alone; ``_holds`` compares the bits themselves."""
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() % 64:
+            t.data = t.data.clone()
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     try:
