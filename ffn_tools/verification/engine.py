@@ -217,7 +217,7 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
         pairing = client.pairing(ca, cb) if fa and fb else None  # A as B's client loads it: FFNs and outside
         if fa and fb:
             run_kernels = check_pairs(report, ca, cb, fa, fb, kernels, on_reference, sel_layers, sel_experts, atol,
-                                      rtol, exact, seed, tokens, pairing, all_ffns_on_every_backend)
+                                      rtol, exact, seed, tokens, pairing, stack, all_ffns_on_every_backend)
             elsewhere = client.stored_otherwise(cb)  # compared by B's client, below
             recorded = recorded_shifts(cb.metadata)  # B read back from a GGUF storing them plus one: its record
             report.outside = _outside(ca, cb, fa, fb, ffn_only or bool(sel_layers or sel_experts), atol, rtol,

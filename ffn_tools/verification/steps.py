@@ -133,7 +133,7 @@ def _reads(items: list, computed=(), unstreamed=None) -> list[tuple[int, str]]:
 
 
 def check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: Future, on_reference: bool, sel_layers,
-                sel_experts, atol, rtol, exact, seed, tokens, pairing: Pairing | None,
+                sel_experts, atol, rtol, exact, seed, tokens, pairing: Pairing | None, later: ExitStack,
                 every_backend: bool = False) -> Callable[[], None]:
     """Every FFN pair's checks (``PairChecker``), the weights streamed (``TensorStream``); ``on_reference``: the
     reference is one of the backends asked for; ``pairing``: A as B's client loads it (``Client.pairing``).
@@ -234,82 +234,102 @@ def check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: F
         if book.reused:
             progress.say(f"verify --resume: {book.reused} of {len(steps)} FFN steps a killed run had finished, reused")
     mapped = Mapped(ca.stored), Mapped(cb.stored)
-    with ExitStack() as stack:
-        if book is not None:
-            stack.callback(book.remove)
-        if job is None and cluster.ADDRESS.get() is not None:  # --ray: the driver keeps the first FFN of each kind
-            ray = stack.enter_context(cluster.connected())
-            away = [k for k, s in enumerate(steps) if not s.on_all and k not in done]
-            pending, parts = distributed.start(ray, ca, cb, steps, away)
-            mine = [k for k, s in enumerate(steps) if s.on_all]
-        try:
-            with TensorStream((ca, cb), [_reads(steps[k].items, computed, None if steps[k].batched else unstreamed)
-                                         for k in mine]) as stream:  # a batch: its own equality per role
-                checker.read_a, checker.read_b = stream.side(0), stream.side(1)
-                checker.raw_a, checker.raw_b = mapped
-                checker.read_a = as_loaded(checker.read_a)
-                for j, k in enumerate(mine):
-                    step = steps[k]
-                    if step.batched:
-                        results = check_batch(checker, step.items, rows[step.items[0][0]], reference)
-                    else:
-                        ref, x, y = step.items[0]
-                        results = [checker.check(ref, x, y, rows[ref], coarsest(*bits[ref]) is not None, reference,
-                                                 compute_identical=step.on_all, ran=ran if step.on_all else None)]
-                    for (ref, x, y), res in zip(step.items, results):
-                        res.bits_a, res.bits_b = bits[ref]
-                        bar.update(nbytes(x, y))
-                    done[k] = results
-                    if book is not None and not step.on_all:
-                        book.finished(k, results)
-                    stream.done(j)
-                    for m in mapped:
-                        m.release()
-        finally:
-            checker.read_a, checker.read_b = as_loaded(ca), cb
-            checker.raw_a, checker.raw_b = ca.stored, cb.stored
-            for m in mapped:
-                m.close()
-        if job is not None:
-            bar.close()
-            raise cluster.Done(done)
-        if len(done) < len(steps):  # the tasks' ranges, as they finish
+    # The ledger and, under --ray, the connection to Ray are held until the tasks' results are in (``finish``,
+    # which verify calls after the outside comparison: the driver compares those tensors while the tasks run);
+    # ``later``, verify's own stack, lets go of them where verify fails before.
+    held = later.enter_context(ExitStack())
+    ray = parts = None
+    pending: dict = {}
+    if book is not None:
+        held.callback(book.remove)
+    if job is None and cluster.ADDRESS.get() is not None:  # --ray: the driver keeps the first FFN of each kind
+        ray = held.enter_context(cluster.connected())
+        away = [k for k, s in enumerate(steps) if not s.on_all and k not in done]
+        pending, parts = distributed.start(ray, ca, cb, steps, away)
+        mine = [k for k, s in enumerate(steps) if s.on_all]
+    try:
+        with TensorStream((ca, cb), [_reads(steps[k].items, computed, None if steps[k].batched else unstreamed)
+                                     for k in mine]) as stream:  # a batch: its own equality per role
+            checker.read_a, checker.read_b = stream.side(0), stream.side(1)
+            checker.raw_a, checker.raw_b = mapped
+            checker.read_a = as_loaded(checker.read_a)
+            for j, k in enumerate(mine):
+                step = steps[k]
+                if step.batched:
+                    results = check_batch(checker, step.items, rows[step.items[0][0]], reference)
+                else:
+                    ref, x, y = step.items[0]
+                    results = [checker.check(ref, x, y, rows[ref], coarsest(*bits[ref]) is not None, reference,
+                                             compute_identical=step.on_all, ran=ran if step.on_all else None)]
+                for (ref, x, y), res in zip(step.items, results):
+                    res.bits_a, res.bits_b = bits[ref]
+                    bar.update(nbytes(x, y))
+                done[k] = results
+                if book is not None and not step.on_all:
+                    book.finished(k, results)
+                stream.done(j)
+                for m in mapped:
+                    m.release()
+    finally:
+        checker.read_a, checker.read_b = as_loaded(ca), cb
+        checker.raw_a, checker.raw_b = ca.stored, cb.stored
+        for m in mapped:
+            m.close()
+    if job is not None:
+        bar.close()
+        held.close()
+        raise cluster.Done(done)
+    at = len(report.notes), len(report.problems)  # where what is said of the results goes, whenever it is said
+
+    def finish() -> None:
+        """The tasks' ranges as they finish (--ray), then every FFN's results in step order, and what is said of
+        them, in the report where a one-process run says it."""
+        with held:
             for c, value in cluster.results(ray, pending, lambda c: f"verifying steps {parts[c][0]}-{parts[c][-1]}"):
                 done.update(value)  # {step: [FFNResult]}, from the task
                 bar.update(sum(nbytes(x, y) for k in parts[c] for _, x, y in steps[k].items))
                 for k in parts[c]:
                     if book is not None:
                         book.finished(k, value[k])
-        bar.close()
-    report.results += [res for k in range(len(steps)) for res in done[k]]
-    skipped = sum(any(b.path == NOT_COMPUTED for b in r.backends) for r in report.results)
-    if skipped:
-        report.notes.append(
-            f"{skipped} of {len(pairs)} FFNs are bit-identical to A's, finite, and on no kernel backend: their float64 "
-            "reference was not computed (the same bits through the same computation give A's output, so it "
-            "could only agree); their weights were checked finite instead, the one thing that run could add "
-            "(--all-ffns-on-every-backend computes it)")
-    quantized = [r for r in report.results if coarsest(*bits[r.ref]) is not None]
-    if quantized:
-        sides = " and ".join(s for s, i in (("A", 0), ("B", 1)) if any(bits[r][i] is not None for r in bits))
-        which = "" if len(quantized) == len(pairs) else f" ({len(quantized)} of {len(pairs)} FFNs)"
-        requantized = sum(r.exact == "requantized" for r in quantized)
-        codes = sum(r.exact == "codes" for r in quantized)
-        same = sum(r.exact == "identical" for r in quantized)
-        report.notes.append(f"{sides} quantized{which}: " + (
-            f"{requantized} FFNs are A's weights re-quantized with B's parameters, bit for bit; run dequantized"
-            if requantized else f"{codes} FFNs hold the other side's stored codes, their values exactly; run "
-            "dequantized" if codes else f"{same} FFNs store A's quantized parts (codes and scales) byte for byte: "
-            "compared as stored bytes, dequantized only to run the first FFN of each kind"
-            + (f"; the other {len(quantized) - same} compared after dequantization" if same < len(quantized) else "")
-            if same else "weights compared after dequantization; no bit-exact check"))
-    differing = [r.ref for r in report.results if r.exact == "differs"]
-    if differing:
-        checker.name_owners(report, differing, rb)
+            bar.close()
+        report.results += [res for k in range(len(steps)) for res in done[k]]
+        later_notes, later_problems = report.notes[at[0]:], report.problems[at[1]:]
+        del report.notes[at[0]:], report.problems[at[1]:]
+        skipped = sum(any(b.path == NOT_COMPUTED for b in r.backends) for r in report.results)
+        if skipped:
+            report.notes.append(
+                f"{skipped} of {len(pairs)} FFNs are bit-identical to A's, finite, and on no kernel backend: their float64 "
+                "reference was not computed (the same bits through the same computation give A's output, so it "
+                "could only agree); their weights were checked finite instead, the one thing that run could add "
+                "(--all-ffns-on-every-backend computes it)")
+        quantized = [r for r in report.results if coarsest(*bits[r.ref]) is not None]
+        if quantized:
+            sides = " and ".join(s for s, i in (("A", 0), ("B", 1)) if any(bits[r][i] is not None for r in bits))
+            which = "" if len(quantized) == len(pairs) else f" ({len(quantized)} of {len(pairs)} FFNs)"
+            requantized = sum(r.exact == "requantized" for r in quantized)
+            codes = sum(r.exact == "codes" for r in quantized)
+            same = sum(r.exact == "identical" for r in quantized)
+            report.notes.append(f"{sides} quantized{which}: " + (
+                f"{requantized} FFNs are A's weights re-quantized with B's parameters, bit for bit; run dequantized"
+                if requantized else f"{codes} FFNs hold the other side's stored codes, their values exactly; run "
+                "dequantized" if codes else f"{same} FFNs store A's quantized parts (codes and scales) byte for byte: "
+                "compared as stored bytes, dequantized only to run the first FFN of each kind"
+                + (f"; the other {len(quantized) - same} compared after dequantization" if same < len(quantized) else "")
+                if same else "weights compared after dequantization; no bit-exact check"))
+        differing = [r.ref for r in report.results if r.exact == "differs"]
+        if differing:
+            checker.name_owners(report, differing, rb)
+        report.notes += later_notes
+        report.problems += later_problems
+
+    if not pending:
+        finish()
 
     def run_kernels() -> None:
         """The first FFN of each kind on the kernel backends, read again: run last, their frameworks imported
         meanwhile, and with nothing else held (they copy the weights they run)."""
+        if pending:
+            finish()
         mods, _ = kernels.result()
         others = {n: m for n, m in mods.items() if n != "reference"}
         by_ref = {r.ref: r for r in report.results}
