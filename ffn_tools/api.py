@@ -270,7 +270,6 @@ def verify(a, b, **options):
         return adapter_verify(a, b, **_taken("verify", options, ADAPTER_OPTIONS["verify"]))
 
     from .verification import distributed, ledger
-    from .verification.engine import verify as run
 
     ray, resume = options.pop("ray", None), bool(options.pop("resume", False))
     call = None
@@ -279,7 +278,9 @@ def verify(a, b, **options):
     a, b = resolve(str(a)), resolve(str(b))
     token = ledger.RUN.set((ledger.key(a, b, options), resume))
     try:
-        with cluster.requested(ray, call):
+        with cluster.requested(ray, call, early=True):  # connecting to Ray while the engine's imports (torch) run
+            from .verification.engine import verify as run
+
             return run(a, b, opener=open_sides, **options)
     finally:
         ledger.RUN.reset(token)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -37,6 +38,8 @@ PART = ".ffn-tools-part-"  # a task's file before it is renamed into place
 
 # --ray's address in the driver (None: not asked; LOCAL: a Ray started here), and how to run the command again
 ADDRESS: ContextVar[tuple[str, dict] | None] = ContextVar("ffn_tools_ray", default=None)
+# the connection begun as the command started (``requested(..., early=True)``), where one was
+LINK: ContextVar[_Link | None] = ContextVar("ffn_tools_ray_link", default=None)
 # in a task: what to do of the command run again ({"kind": "shard", "dir", "index", "names"}: write that shard;
 # {"kind": "steps", "indices"}: verify those FFN steps)
 TASK: ContextVar[dict | None] = ContextVar("ffn_tools_ray_task", default=None)
@@ -62,17 +65,63 @@ def task(kind: str) -> dict | None:
 
 
 @contextmanager
-def requested(address: str | None, call: dict | None) -> Iterator[None]:
+def requested(address: str | None, call: dict | None, *, early: bool = False) -> Iterator[None]:
     """Within it, a command's shards are written by Ray tasks (``address``: a cluster's, or ``LOCAL``); ``call`` runs
-    the command again (``rerun.replay``; None: it cannot be, and --ray is refused)."""
+    the command again (``rerun.replay``; None: it cannot be, and --ray is refused). ``early``: connect now, on a
+    thread, while the command imports, opens and plans (``_Link``); Ray is let go of as it ends."""
     if address is not None and call is None:
         raise FFNToolsError("--ray runs the command again in each task: a library call's options must be plain data "
                             "(JSON) for that")
     token = ADDRESS.set(None if address is None else (address, call or {}))
+    link = _Link(address) if address is not None and early and TASK.get() is None else None
+    linked = LINK.set(link)
     try:
         yield
     finally:
+        LINK.reset(linked)
         ADDRESS.reset(token)
+        if link is not None:
+            link.close()
+
+
+class _Link:
+    """Ray, connected to on a thread from the command's start, while this process imports torch, opens both sides
+    and plans: connecting (or starting a local Ray) is then off the way to the first task (0.6-0.8 s of an 8 GB
+    verify's 7 s, measured on the 2-core machine). The thread lives until the command ends and lets go of Ray
+    itself: the processes of a Ray started here get their parent-death signal when the thread that started them
+    ends (a local Ray started by a thread that returned lost its GCS at once, measured)."""
+
+    def __init__(self, address: str):
+        self.started, self.error = False, None  # type: bool, BaseException | None
+        self.ready, self.over = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._hold, args=(address,), name="ffn-tools-ray", daemon=True)
+        self.thread.start()
+
+    def _hold(self, address: str) -> None:
+        try:
+            self.started = _connect(address)
+        except BaseException as e:  # noqa: BLE001 (raised where the connection is asked for: ``ray``)
+            self.error = e
+        finally:
+            self.ready.set()
+        self.over.wait()
+        if self.started:
+            import ray
+
+            ray.shutdown()
+
+    def ray(self):
+        """The ``ray`` module, connected (raises what connecting raised)."""
+        self.ready.wait()
+        if self.error is not None:
+            raise self.error
+        import ray
+
+        return ray
+
+    def close(self) -> None:
+        self.over.set()
+        self.thread.join()
 
 
 def _connect(address: str) -> bool:
@@ -89,8 +138,10 @@ def _connect(address: str) -> bool:
     env = {k: v for k, v in python_env().items() if k in ("PYTHONPATH", "PYTHONSAFEPATH")}
     try:
         if address == LOCAL:
-            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
-                     runtime_env={"env_vars": env})
+            # "local": a Ray of its own, even where one runs on this machine already (without it Ray connects to that
+            # one, and refuses num_cpus: measured beside a running cluster)
+            ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                     logging_level=logging.ERROR, runtime_env={"env_vars": env})
         else:
             ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR, runtime_env={"env_vars": env})
     except (ConnectionError, RuntimeError, ValueError) as e:
@@ -134,10 +185,16 @@ def _placement(ray, files_of: list[set[str]]) -> list:
 
     every = sorted(set().union(*files_of)) if files_of else []
     sized = [(f, os.stat(f).st_size) for f in every]
-    nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    nodes = [n["NodeID"] for n in alive]
+    here = ray.util.get_node_ip_address()
+    # a node at this machine's address sees this machine's files: only the others are asked (a probe starts a worker
+    # there, a second of a node's CPU)
+    away = [n["NodeID"] for n in alive if n.get("NodeManagerAddress") != here]
     probe = ray.remote(num_cpus=0)(_probe)
-    seen = dict(zip(nodes, ray.get([probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
-                                    .remote(sized) for n in nodes])))
+    seen = {n: _probe(sized) for n in nodes}
+    seen.update(zip(away, ray.get([probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
+                                   .remote(sized) for n in away])))
     out = []
     for k, files in enumerate(files_of):
         holders = [n for n in nodes if files <= set(seen[n])]
@@ -163,7 +220,11 @@ def _task(call: dict, job: dict):
 
 @contextmanager
 def connected() -> Iterator:
-    """Ray, connected to (or started here) for the command, and let go after; yields the ``ray`` module."""
+    """Ray, connected to (or started here) for the command, and let go after; yields the ``ray`` module. Where the
+    command began connecting as it started (``requested(..., early=True)``), that connection, let go of as it ends."""
+    if (link := LINK.get()) is not None:
+        yield link.ray()
+        return
     address, _ = ADDRESS.get() or (LOCAL, {})
     started = _connect(address)
     try:

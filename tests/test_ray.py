@@ -98,9 +98,14 @@ def _flip_expert(sd: dict) -> None:
         sd[name][0, 0] += 1.0
 
 
-def test_verify_on_three_nodes_reports_what_one_node_does(cluster, tmp_path):
-    """Mixtral: 8 FFN pairs in 3 steps; the driver keeps the first FFN of its kind, the tasks run the experts."""
+def test_verify_on_three_nodes_reports_what_one_node_does(cluster, tmp_path, monkeypatch):
+    """Mixtral: 8 FFN pairs in 3 steps; the driver keeps the first FFN of its kind, the tasks run the experts (in
+    ranges of one step each: a tiny pair is far less work than a task costs, so it would be one range)."""
     from tiny_models import build
+
+    from ffn_tools.verification import distributed
+
+    monkeypatch.setattr(distributed, "TASK_BYTES", 1)  # the driver's plan: the tasks take the ranges they are given
 
     src = build("mixtral", tmp_path / "mixtral", torch.bfloat16, max_shard_size="100KB")
     fused = tmp_path / "fused"
@@ -117,6 +122,48 @@ def test_verify_on_three_nodes_reports_what_one_node_does(cluster, tmp_path):
     many = json.loads(run_cli("-q", "verify", src, bad, "--no-load-check", "--json", f"--ray={cluster.address}",
                               ok=None).output)
     assert not one["passed"] and without_times(many) == without_times(one)
+
+
+def test_verify_on_a_ray_started_here_reports_what_one_process_does(sharded, tmp_path):
+    """--ray alone: the command starts a local Ray (from its start, on a thread that lives until it ends: the
+    processes of a Ray die with the thread that started them) and stops it after; the report is one process's."""
+    fused = tmp_path / "fused"
+    run_cli("fuse-gateup", sharded, "-o", fused)
+    args = ["-q", "verify", str(sharded), str(fused), "--no-load-check", "--json"]
+    one = json.loads(run_cli(*args).output)
+    local = subprocess.run([sys.executable, "-m", "ffn_tools", *args, "--ray"], env=python_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert local.returncode == 0, local.stderr
+    assert one["passed"] and without_times(json.loads(local.stdout)) == without_times(one)
+
+
+def test_tasks_are_as_many_as_keep_the_cores_busy_and_none_is_less_work_than_it_costs():
+    from ffn_tools.verification.distributed import TASK_BYTES, ranges
+
+    steps = list(range(1, 31))
+    assert ranges(steps, 3, TASK_BYTES // 2) == [steps]  # less than one task's worth: one range
+    assert [len(r) for r in ranges(steps, 8, 2 * TASK_BYTES + 1)] == [10, 10, 10]  # three tasks' worth
+    assert [len(r) for r in ranges(steps, 2, 10 * TASK_BYTES)] == [15, 15]  # the cores cap it
+    assert sum(ranges(steps, 64, 100 * TASK_BYTES), []) == steps  # contiguous, in order, each step once
+
+
+def test_nodes_on_this_machine_are_not_probed_and_the_others_are(cluster, tmp_path, monkeypatch):
+    """A task goes (softly) to a node that sees its input files: nodes at this machine's address see its files; a
+    node elsewhere is asked by a probe task run there (here: every node, made to look elsewhere)."""
+    from ffn_tools.cluster import _placement
+
+    files = [tmp_path / f"shard-{k}" for k in range(2)]
+    for f in files:
+        f.write_bytes(b"x" * 100)
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        for elsewhere in (False, True):
+            if elsewhere:
+                monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "203.0.113.7")
+            places = _placement(ray, [{str(files[0])}, {str(f) for f in files}, {str(files[1])}])
+            assert len({p.node_id for p in places}) == 3 and all(p.soft for p in places)  # in turn among holders
+    finally:
+        ray.shutdown()
 
 
 def test_the_library_runs_on_ray_as_the_command_line_does(cluster, sharded, tmp_path):

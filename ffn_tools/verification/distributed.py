@@ -19,6 +19,14 @@ TASK_FLAGS = ["--no-load-check", "--ffn-only", "--no-side-files"]
 TASK_OPTIONS = {"load_check": False, "ffn_only": True, "side_files": False, "logits": False, "generate": False}
 
 
+# A task costs its worker's start, its imports (torch), opening both sides and planning again: ~2.5 CPU-s on the
+# 2-core machine, what ~15 GB of FFN pairs (both sides) compared as stored bytes cost there (5.8 GB/s,
+# docs/performance.md). A task's range holds at least TASK_BYTES of that work, where there is less than the cluster's
+# cores can take; a pair run through the float64 reference counts COMPUTED times its bytes (0.33-0.43 GB/s measured).
+TASK_BYTES = 16 << 30
+COMPUTED = 16
+
+
 def task_call(call: dict | None) -> dict | None:
     """``rerun.replay``'s call of verify, as a task runs it: the FFN pairs alone, on the reference backend where no
     backend was named (the steps a task runs are on the reference only: the other backends run the first FFN of
@@ -47,6 +55,12 @@ def chunks(indices: list[int], n: int) -> list[list[int]]:
     return [c for c in out if c]
 
 
+def ranges(away: list[int], cores: int, work: int) -> list[list[int]]:
+    """The steps ``away`` in as many ranges as keep every core busy, each holding at least ``TASK_BYTES`` of the
+    ``work`` where there is less (at least one range)."""
+    return chunks(away, min(cores, max(1, -(-work // TASK_BYTES))))
+
+
 def files(ca, cb, steps, chunk: list[int]) -> set[str]:
     """The files the tensors of a range of steps lie in, A's and B's."""
     out = set()
@@ -59,10 +73,11 @@ def files(ca, cb, steps, chunk: list[int]) -> set[str]:
     return out
 
 
-def start(ray, ca, cb, steps, away: list[int]) -> tuple[dict, list[list[int]]]:
-    """The tasks of the steps ``away``, submitted: ({ref: chunk index}, the chunks)."""
+def start(ray, ca, cb, steps, away: list[int], work: int) -> tuple[dict, list[list[int]]]:
+    """The tasks of the steps ``away`` (``work``: their FFN pairs' bytes, both sides, weighed as ``TASK_BYTES``
+    says), submitted: ({ref: chunk index}, the chunks)."""
     _, call = cluster.ADDRESS.get() or (cluster.LOCAL, {})
     cores = int(ray.cluster_resources().get("CPU", 1))
-    parts = chunks(away, cores)  # each task opens both sides and plans again: as few as keep every core busy
+    parts = ranges(away, cores, work)
     jobs = [{"kind": "steps", "indices": c, "count": len(steps)} for c in parts]
     return cluster.submit(ray, call, jobs, [files(ca, cb, steps, c) for c in parts]), parts

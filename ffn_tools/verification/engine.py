@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from typing import TypeVar
 
-from .. import quant
+from .. import cluster, quant
 from ..checks.agreement import DEFAULT_PROFILE, PROFILES, AgreementResult
 from ..checks.prompts import NEW_TOKENS, load_prompts
 from ..checks.outside import OutsideResult, outside_tolerance
@@ -207,7 +207,9 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
                          "what needs every shard (the load check, logits) does not run" for side, c in partial_sides]
         report.problems += [p for p in (pa, pb) if p]
         extract = extracts(fa, fb)  # an FFN-only output has no model around its FFNs to compare
-        model = worker.submit(model_checks, client, ca, cb, extract, allow_config, side_files)  # beside the FFNs
+        # beside the FFNs; not in a --ray task, which verifies its range of FFN steps and nothing else
+        model: Future = (done(None) if cluster.task("steps") is not None
+                 else worker.submit(model_checks, client, ca, cb, extract, allow_config, side_files))
         for side, found in (("A", fa), ("B", fb)):
             if found and (w := found.unmatched_warning()):
                 (report.notes if allow_unmatched else report.problems).append(

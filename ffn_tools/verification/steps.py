@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from contextlib import ExitStack
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .. import cluster, progress
 from ..clients import Pairing
@@ -238,14 +238,15 @@ def check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: F
     # which verify calls after the outside comparison: the driver compares those tensors while the tasks run);
     # ``later``, verify's own stack, lets go of them where verify fails before.
     held = later.enter_context(ExitStack())
-    ray = parts = None
-    pending: dict = {}
+    ray, parts, pending = None, [], {}  # type: Any, list[list[int]], dict
     if book is not None:
         held.callback(book.remove)
     if job is None and cluster.ADDRESS.get() is not None:  # --ray: the driver keeps the first FFN of each kind
         ray = held.enter_context(cluster.connected())
         away = [k for k, s in enumerate(steps) if not s.on_all and k not in done]
-        pending, parts = distributed.start(ray, ca, cb, steps, away)
+        work = sum(nbytes(x, y) * (1 if as_bytes(x, y) else distributed.COMPUTED) for k in away
+                   for _, x, y in steps[k].items)
+        pending, parts = distributed.start(ray, ca, cb, steps, away, work)
         mine = [k for k, s in enumerate(steps) if s.on_all]
     try:
         with TensorStream((ca, cb), [_reads(steps[k].items, computed, None if steps[k].batched else unstreamed)
@@ -298,9 +299,9 @@ def check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: F
         skipped = sum(any(b.path == NOT_COMPUTED for b in r.backends) for r in report.results)
         if skipped:
             report.notes.append(
-                f"{skipped} of {len(pairs)} FFNs are bit-identical to A's, finite, and on no kernel backend: their float64 "
-                "reference was not computed (the same bits through the same computation give A's output, so it "
-                "could only agree); their weights were checked finite instead, the one thing that run could add "
+                f"{skipped} of {len(pairs)} FFNs are bit-identical to A's, finite, and on no kernel backend: their "
+                "float64 reference was not computed (the same bits through the same computation give A's output, so "
+                "it could only agree); their weights were checked finite instead, the one thing that run could add "
                 "(--all-ffns-on-every-backend computes it)")
         quantized = [r for r in report.results if coarsest(*bits[r.ref]) is not None]
         if quantized:
@@ -314,7 +315,8 @@ def check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: F
                 if requantized else f"{codes} FFNs hold the other side's stored codes, their values exactly; run "
                 "dequantized" if codes else f"{same} FFNs store A's quantized parts (codes and scales) byte for byte: "
                 "compared as stored bytes, dequantized only to run the first FFN of each kind"
-                + (f"; the other {len(quantized) - same} compared after dequantization" if same < len(quantized) else "")
+                + (f"; the other {len(quantized) - same} compared after dequantization"
+                   if same < len(quantized) else "")
                 if same else "weights compared after dequantization; no bit-exact check"))
         differing = [r.ref for r in report.results if r.exact == "differs"]
         if differing:
