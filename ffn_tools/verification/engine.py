@@ -209,7 +209,7 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
         extract = extracts(fa, fb)  # an FFN-only output has no model around its FFNs to compare
         # beside the FFNs; not in a --ray task, which verifies its range of FFN steps and nothing else
         model: Future = (done(None) if cluster.task("steps") is not None
-                 else worker.submit(model_checks, client, ca, cb, extract, allow_config, side_files))
+                         else worker.submit(model_checks, client, ca, cb, extract, allow_config, side_files))
         for side, found in (("A", fa), ("B", fb)):
             if found and (w := found.unmatched_warning()):
                 (report.notes if allow_unmatched else report.problems).append(
