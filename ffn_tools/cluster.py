@@ -192,7 +192,7 @@ def _placement(ray, files_of: list[set[str]]) -> list:
     # there, a second of a node's CPU)
     away = [n["NodeID"] for n in alive if n.get("NodeManagerAddress") != here]
     probe = ray.remote(num_cpus=0)(_probe)
-    seen = {n: _probe(sized) for n in nodes}
+    seen = dict.fromkeys(nodes, every)  # ``sized`` stat'ed every file here just now
     seen.update(zip(away, ray.get([probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
                                    .remote(sized) for n in away])))
     out = []
