@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -9,7 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# one OpenMP thread a process: two xdist workers share two cores, and each torch's second thread spun in libgomp
+# waiting for work (perf over a whole run: ~9% of the suite's CPU time, in the workers and their children)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402
 
 os.environ.setdefault("PYTHONSAFEPATH", "1")  # children's `python -m`: no repository root first (ffn_tools.child)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests build every checkpoint locally: never wait on a hub
@@ -102,3 +107,11 @@ def gguf_ref(gguf_model, shared_dir):
         return made / name
 
     return get
+
+
+def pytest_collection_finish(session) -> None:
+    """Everything imported and collected so far moved out of the collector's sight (``gc.freeze``): each full
+    collection walked every object of torch, transformers, MLX, JAX and the collected tests again (perf over a
+    whole run: ~15% of the suite's CPU time in ``gc_collect_main`` and its visits)."""
+    gc.collect()
+    gc.freeze()
