@@ -315,3 +315,40 @@ def test_a_pad_token_only_in_b_is_a_note_an_eos_token_is_not(tmp_path):
                                         "same in B"]
     (b / "tokenizer_config.json").write_text(json.dumps({"eos_token": "c", "unk_token": "c"}))
     assert compare_side_files(a, b).problems == ["tokenizer_config.json: eos_token is only in B ('c')"]
+
+
+def test_the_collector_pause_is_counted_across_threads_and_ends_with_the_last():
+    """``nogc.paused`` (large tokenizer.json files parsed, tokenizers built): verify's model checks run on a thread
+    beside the FFN comparison, so pauses overlap; the collector runs again when the last ends, and one switched off
+    by someone else stays off."""
+    import gc
+    import threading
+
+    from ffn_tools.io import nogc
+
+    assert gc.isenabled()
+    entered, release, seen = threading.Event(), threading.Event(), []
+
+    def other():
+        with nogc.paused():
+            entered.set()
+            release.wait(30)
+            seen.append(("other", gc.isenabled()))
+
+    t = threading.Thread(target=other)
+    with nogc.paused():
+        t.start()
+        assert entered.wait(30)
+        seen.append(("here", gc.isenabled()))
+    seen.append(("between", gc.isenabled()))  # the other thread's pause holds still
+    release.set()
+    t.join()
+    assert seen == [("here", False), ("between", False), ("other", False)] and gc.isenabled()
+    assert nogc.loads('{"a": [1, {"b": null}]}') == {"a": [1, {"b": None}]} and gc.isenabled()
+    gc.disable()
+    try:
+        with nogc.paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -23,6 +23,7 @@ from ffn_tools.checks.rounded import plus
 from ffn_tools.checks.outside import outside_tolerance
 from ffn_tools.checks.side_files import SideFilesResult
 from ffn_tools.errors import listing
+from ffn_tools.io import nogc
 from ffn_tools.tolerances import tolerance_for
 
 from .config import ABSENT, IMPLIED, implied_values, metadata_keys, metadata_values, original_context, rope_theta
@@ -112,7 +113,8 @@ def compare_tokenizer(root_a: Path, cb) -> SideFilesResult:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
-        tok = AutoTokenizer.from_pretrained(root_a)
+        with nogc.paused():
+            tok = AutoTokenizer.from_pretrained(root_a)
     except Exception as e:  # noqa: BLE001 - no tokenizer files, or ones transformers cannot read
         if tokens:
             res.notes.append(f"A's tokenizer was not compared with B's tokenizer.ggml.tokens: transformers cannot "

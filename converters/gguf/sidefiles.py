@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ffn_tools.errors import FFNToolsError
+from ffn_tools.io import nogc
 from ffn_tools.io.store import Checkpoint
 
 # GGUF architectures transformers' GGUF model loader refuses ("not supported yet"), which AutoTokenizer asks
@@ -73,7 +74,7 @@ def tokenizer_files(ckpt: Checkpoint) -> tuple[dict[str, str | bytes], list[str]
         return {}, ["no tokenizer files: the GGUF has no tokenizer.ggml.tokens"]
     path = Path(ckpt.files[0])
     reader = PreTrainedTokenizerFast if fields.get("general.architecture") in GENERIC_TOKENIZER else AutoTokenizer
-    with header_reader():
+    with header_reader(), nogc.paused():  # 2.1M values of a 128K-token vocabulary made into Python objects
         tok = reader.from_pretrained(path.parent, gguf_file=path.name)
     with tempfile.TemporaryDirectory() as d:
         tok.save_pretrained(d)
@@ -203,7 +204,7 @@ def rank_by_position(text: str) -> tuple[str, int]:
     tokenizers writes it, and the number of merges."""
     from tokenizers import Tokenizer
 
-    doc = json.loads(text)
+    doc = nogc.loads(text)
     model = doc["model"]
     vocab, merges = model["vocab"], model["merges"]
     pairs = [m.split(" ", 1) if isinstance(m, str) else m for m in merges]  # older writers: "a b"
@@ -234,7 +235,8 @@ def generic_class(saved: Path, files: dict[str, str | bytes], fields: dict) -> l
     cls = cfg.get("tokenizer_class")
     if not cls or cls in GENERIC or "tokenizer.json" not in files:
         return []
-    loaded = AutoTokenizer.from_pretrained(saved).backend_tokenizer
+    with nogc.paused():
+        loaded = AutoTokenizer.from_pretrained(saved).backend_tokenizer
     written = Tokenizer.from_str(str(files["tokenizer.json"]))
     # each part as the tokenizers library serializes it (not the whole tokenizer: a 128K vocabulary and its merges,
     # dumped and parsed twice, were 2 s of a Llama 3 GGUF's export)
@@ -261,7 +263,7 @@ def invented(files: dict[str, str | bytes], n: int) -> list[str]:
     and the special-token settings naming them. Returns what the summary says."""
     if "tokenizer.json" not in files:
         return []
-    doc = json.loads(files["tokenizer.json"])
+    doc = nogc.loads(files["tokenizer.json"])
     gone = {t["content"]: t["id"] for t in doc.get("added_tokens", []) if t["id"] >= n}
     vocab = doc.get("model", {}).get("vocab")
     if isinstance(vocab, dict):

@@ -22,6 +22,7 @@ from pathlib import Path
 from ffn_tools.checks.tokens import TokenizationResult
 
 from ffn_tools.checks import corpus
+from ffn_tools.io import nogc
 
 SHOWN = 16  # token ids shown of each side of the first differing text
 TEXT_SHOWN = 60  # characters shown of it
@@ -51,7 +52,8 @@ def compare_tokenization(root_a: Path, gguf: Path, fields: dict) -> Tokenization
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
-        tok = AutoTokenizer.from_pretrained(root_a)
+        with nogc.paused():
+            tok = AutoTokenizer.from_pretrained(root_a)
     except Exception as e:  # noqa: BLE001 - no tokenizer files, or ones transformers cannot read
         res.skipped = f"A has no tokenizer transformers loads from {root_a} ({type(e).__name__})"
         return res

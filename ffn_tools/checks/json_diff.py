@@ -8,6 +8,8 @@ import functools
 import json
 from pathlib import Path
 
+from ..io import nogc
+
 CLIP = 60
 TABLES = ("vocab", "added_tokens_decoder")  # {token: id} tables inside a file: keys print as ['token']
 
@@ -20,7 +22,7 @@ def parse(name: str, data: bytes, side: str):
     kind = "UTF-8 text" if name.endswith((".txt", ".jinja")) else "JSON"
     try:
         text = data.decode("utf-8")
-        return text if kind != "JSON" else json.loads(text)
+        return text if kind != "JSON" else nogc.loads(text)
     except ValueError as e:  # UnicodeDecodeError and JSONDecodeError both are
         raise Unreadable(f"{name} in {side} is not valid {kind} ({e})") from e
 
@@ -56,7 +58,7 @@ def document(path: Path):
 
 @functools.lru_cache(maxsize=4)  # the two sides' tokenizer.json and tokenizer_config.json
 def _parsed(path: str, mtime_ns: int, size: int):
-    return json.loads(Path(path).read_text("utf-8"))
+    return nogc.loads(Path(path).read_text("utf-8"))
 
 
 def forget() -> None:

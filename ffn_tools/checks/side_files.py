@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from ..errors import listing
+from ..io import nogc
 from . import Check
 from .json_diff import Unreadable, diff, diff_text, merge_order, parse_file, read_json
 from .tokenizer_behaviour import settle
@@ -152,7 +153,8 @@ def _canonical(doc: dict, side: str) -> dict:
     except ImportError:  # without the library, the JSON as written
         return doc
     try:
-        return json.loads(Tokenizer.from_str(json.dumps(doc)).to_str())
+        with nogc.paused():
+            return json.loads(Tokenizer.from_str(json.dumps(doc)).to_str())
     except Exception as e:  # tokenizers raises a bare Exception for a file it cannot load
         raise Unreadable(f"tokenizer.json in {side} cannot be loaded by tokenizers ({e})") from e
 

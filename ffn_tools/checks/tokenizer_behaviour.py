@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from ..io import nogc
 from . import corpus
 from .json_diff import diff, document, forget, merge_order, read_json
 from .tokenizer_config import IGNORED, tokenizer_views
@@ -167,7 +168,8 @@ def behaviour(ra: Path, rb: Path) -> tuple[str | None, int]:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
-        ta, tb = AutoTokenizer.from_pretrained(ra), AutoTokenizer.from_pretrained(rb)
+        with nogc.paused():
+            ta, tb = AutoTokenizer.from_pretrained(ra), AutoTokenizer.from_pretrained(rb)
     except Exception as e:  # noqa: BLE001 - no transformers, or files it cannot load: nothing shows they agree
         return f"transformers could not load both tokenizers to compare them ({type(e).__name__}: {e})"[:200], 0
     texts, _ = corpus.texts(ta)

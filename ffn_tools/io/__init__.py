@@ -11,4 +11,5 @@
     mapped              stored tensors as views of mmap'd pages
     cache               this user's ffn-tools cache directory
     dtypes              dtype names across safetensors, torch and the command line
+    nogc                large JSON and tokenizers built with the cyclic garbage collector paused
 """
