@@ -112,6 +112,7 @@ def gguf_ref(gguf_model, shared_dir):
 def pytest_collection_finish(session) -> None:
     """Everything imported and collected so far moved out of the collector's sight (``gc.freeze``): each full
     collection walked every object of torch, transformers, MLX, JAX and the collected tests again (perf over a
-    whole run: ~15% of the suite's CPU time in ``gc_collect_main`` and its visits)."""
+    whole run: ~15% of the suite's CPU time in ``gc_collect_main`` and its visits, ~4% in the two xdist workers,
+    the rest in the processes tests start)."""
     gc.collect()
     gc.freeze()
