@@ -71,10 +71,11 @@ class Format(ABC):
         ckpt.format = ckpt.stored.format = self  # a decoding view and what it decodes
         return ckpt
 
-    def preparing(self, ckpt: "Checkpoint") -> ContextManager[None]:
-        """A context in which ``export`` of ``ckpt`` may begin its slow start early, while the caller checks the
-        conversion (a GGUF's converter process importing torch and transformers), ended when the context ends
-        whether or not ``export`` ran (default: nothing to begin)."""
+    def preparing(self, ckpt: "Checkpoint", **options) -> ContextManager[None]:
+        """A context in which ``export`` of ``ckpt`` with ``options`` (``export``'s) may begin its slow start early,
+        while the caller checks the conversion (a GGUF's converter process importing torch and transformers, MLX's
+        quantizing workers), ended when the context ends whether or not ``export`` ran (default: nothing to
+        begin)."""
         return nullcontext()
 
     def export(self, ckpt: "Checkpoint", out: Path, **options) -> dict:

@@ -189,8 +189,12 @@ def test_chunked_quantization_equals_whole_tensor(workers, shard, hf, mlx_ref, t
                         window.append(self.submitted - min(job.index + 1 + 2 * self.workers, len(self.jobs))))
     monkeypatch.setattr(mlx_quant.QuantJob, "part", lambda self, k, f=mlx_quant.QuantJob.part:
                         given.append(f(self, k)) or given[-1])
+    early = []  # the workers started as the export began, as the pool took them
+    monkeypatch.setattr(mlx_quant.Workers, "take", lambda self, f=mlx_quant.Workers.take: early.append(f(self)) or
+                        early[-1])
     convert(hf("mixtral", torch.bfloat16), "mlx", tmp_path / "out", quantize=4, max_shard_size=shard)
     assert bool(started) == workers
+    assert [(e is not None, n) for e, n in early] == ([(True, 2)] if workers else [])  # started before the plan
     assert all(w >= 0 for w in window), window  # as each job is taken, 2 * workers after it are already sent
     assert len(set(started)) == len(started) > 4 or not workers  # topped up at every job, not in batches
     placed = sum(isinstance(p, Placed) for p in given)
@@ -198,6 +202,38 @@ def test_chunked_quantization_equals_whole_tensor(workers, shard, hf, mlx_ref, t
     if shard:
         assert len(list((tmp_path / "out").glob("model-*.safetensors"))) > 3
     assert_identical(tensors(tmp_path / "out"), tensors(mlx_ref("mixtral", 4, 64, torch.bfloat16)))
+
+
+def test_workers_started_early_end_when_planning_fails(hf, tmp_path, monkeypatch):
+    """The quantization workers start as the export begins, beside the planning: where planning then fails, they
+    are shut down and end (none is left behind), and the error is planning's own."""
+    from multiprocessing.connection import wait
+
+    from ffn_tools.converters.mlx import exporter
+
+    monkeypatch.setattr(mlx_quant, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(mlx_quant, "idle_cores", lambda: 2)
+    started = []
+
+    def start(self, f=mlx_quant.Workers._start):
+        f(self)
+        started.append(list(self.executor._processes.values()))  # spawned at submit, before the plan exists
+
+    def fail(*args, **kwargs):
+        raise FFNToolsError("planted planning failure")
+
+    monkeypatch.setattr(mlx_quant.Workers, "_start", start)
+    monkeypatch.setattr(exporter, "match_or_dequantize", fail)
+    with pytest.raises(FFNToolsError, match="planted planning failure"):
+        convert(hf("llama", torch.bfloat16), "mlx", tmp_path / "out", quantize=4)
+    (procs,) = started
+    assert len(procs) == 2
+    left = {p.sentinel for p in procs}  # ready when the process has ended (the pool's own thread reaps it)
+    while left:
+        ended = wait(list(left), timeout=60)
+        assert ended, f"{len(left)} worker(s) still running a minute after the export failed"
+        left -= set(ended)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="busy_cores reads Linux's /proc/stat")
@@ -220,6 +256,49 @@ def test_idle_cores_see_a_busy_core_now_not_a_minute_ago():
     assert busy is not None and 0.8 <= busy <= (os.cpu_count() or 1) + 0.01, busy
     cores = len(os.sched_getaffinity(0))
     assert 1 <= mlx_quant.idle_cores() <= cores
+
+
+def test_this_process_busy_on_another_thread_is_not_a_busy_core(monkeypatch):
+    """``Workers`` samples the cores on a thread while the export plans on the main one: that planning is this
+    process's own work, which the workers will take over, not another process's. Counted as busy, it started no
+    workers on two cores (measured: the 16 GB 4-bit export's workers then started only after planning). Other
+    processes (the other xdist worker) may keep cores busy meanwhile: what ``busy_cores`` says is compared with the
+    machine's busy cores over its own window, read beside it, less this process's share."""
+    import threading
+    import time
+
+    real_sleep, seen = time.sleep, {}
+
+    def machine() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:9]]
+        return sum(values), values[3] + values[4]
+
+    def sleep(seconds):  # busy_cores' window, with the machine's and this process's CPU time read at its ends
+        (t0, i0), own0, at0 = machine(), time.process_time(), time.monotonic()
+        real_sleep(seconds)
+        (t1, i1), own1, at1 = machine(), time.process_time(), time.monotonic()
+        seen["machine"] = (1 - (i1 - i0) / (t1 - t0)) * (os.cpu_count() or 1)
+        seen["own"] = (own1 - own0) / (at1 - at0)
+
+    stop = threading.Event()
+
+    def spin():  # pure Python on one core, the GIL given to the sampler at every switch interval
+        while not stop.is_set():
+            pass
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        real_sleep(0.1)
+        monkeypatch.setattr(mlx_quant.time, "sleep", sleep)
+        busy = mlx_quant.busy_cores()
+    finally:
+        monkeypatch.undo()
+        stop.set()
+        t.join()
+    assert seen["own"] >= 0.7, seen  # the thread did keep a core busy while it sampled
+    assert busy is not None and abs(busy - max(seen["machine"] - seen["own"], 0)) < 0.25, (busy, seen)
 
 
 @pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("llama", torch.bfloat16), ("mixtral", torch.bfloat16),

@@ -37,7 +37,7 @@ class Gguf(Format):
 
         return GGUFCheckpoint(Path(path))
 
-    def preparing(self, ckpt: Checkpoint):
+    def preparing(self, ckpt: Checkpoint, **options):
         """llama.cpp's converter process started now, importing torch and transformers while the caller checks
         the conversion; ``export`` hands it its request (``writer.warm``)."""
         from .writer import warm

@@ -61,6 +61,13 @@ class Mlx(Format):
 
         return MLXCheckpoint(Path(path), absent_shards, like=like)
 
+    def preparing(self, ckpt: Checkpoint, **options):
+        """With ``-q``, the quantizing workers started now (``quant.started_early``): a worker's start overlaps
+        the conversion's checks and planning instead of following them."""
+        from .quant import started_early
+
+        return started_early(ckpt, options.get("quantize") not in (None, False) and not options.get("dry_run"))
+
     def export(self, ckpt: Checkpoint, out: Path, **options) -> dict:
         """Write ``ckpt`` as an MLX model directory (see ``exporter.export``; mlx is imported only now, so an MLX
         directory is still recognized, and named with its extra, where mlx is not installed)."""

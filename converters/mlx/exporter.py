@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from ffn_tools.errors import FFNToolsError, counted
+from ffn_tools.io import nogc
 from ffn_tools.io.dtypes import DTYPE_CHOICES, USER_DTYPES, short_name
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.io.writer import OutTensor, plan_shards
@@ -91,7 +92,8 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     if kept and not quant and not dequantize:
         return _keep_quantized(ckpt, out, kept, target_st, force, max_shard_size, dry_run)
     # decide: mlx_lm's model and the view of the input that fits it, what is quantized, what keeps its codes
-    tg, view, outputs, unused, changes, ckpt = match_or_dequantize(ckpt, quantizing=bool(quant))
+    with nogc.paused():  # mlx_lm's import (transformers, torch) and its model: a quarter of it was the collector's
+        tg, view, outputs, unused, changes, ckpt = match_or_dequantize(ckpt, quantizing=bool(quant))
     if untried := check_runs(tg, str(ckpt.path)):
         changes.append(untried)
     if quant and target_st is None:  # mlx_lm.convert casts to a legacy torch_dtype before quantizing
@@ -159,9 +161,9 @@ def _write(ckpt: Checkpoint, config: dict, plan: Plan, block, out: Path, force: 
         index = {"metadata": {"total_size": plan.total_bytes},
                  "weight_map": {e.name: "model.safetensors" for e in sorted(plan.entries, key=lambda e: e.name)}}
         extra["model.safetensors.index.json"] = json.dumps(index, indent=4)
-    from .quant import start_pool
+    from .quant import early, start_pool
 
-    pool = start_pool(jobs)
+    pool = start_pool(jobs, early())  # the workers ``Mlx.preparing`` started, if it did
     try:
         return execute(plan, out, force=force, max_shard_size=shard, metadata=metadata, desc="converting to mlx",
                        extra_files=extra)

@@ -17,8 +17,11 @@ Reading goes the other way: ``dequantize`` unpacks one module's weight, scales a
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Literal
 
 import mlx.core as mx
@@ -272,12 +275,13 @@ class QuantPool:
     """Runs quantization jobs ahead of the writer in worker processes: on CPU ``mx.quantize`` uses one
     core, so N workers make it up to N times faster. At most ``2 * workers`` results wait in memory."""
 
-    def __init__(self, jobs: Sequence[QuantJob], workers: int):
+    def __init__(self, jobs: Sequence[QuantJob], workers: int, executor: ProcessPoolExecutor | None = None):
+        """``executor``: workers already started (``Workers``), else they start on first use."""
         self.jobs = [j for j in jobs if j.infos is not None]
         for i, j in enumerate(self.jobs):
             j.pool, j.index = self, i
         self.workers, self.submitted = workers, 0
-        self._executor: ProcessPoolExecutor | None = None
+        self._executor = executor
         self._wanted: list[int] = []
 
     def ahead(self, job: QuantJob) -> None:
@@ -285,11 +289,8 @@ class QuantPool:
         submitted (called as the writer takes each job: topped up one by one, the workers never run dry between
         batches; measured, batches left them a quarter idle). Starts the workers on first use."""
         if self._executor is None:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
-
-            # spawn: fresh interpreters (forking a process that runs MLX's threads is unsafe)
-            self._executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+            self._executor = _spawned(self.workers)
+        if not self._wanted:
             self._wanted = [0]  # wanted jobs before each index (a sample run decides ``wanted`` before writing)
             for j in self.jobs:
                 self._wanted.append(self._wanted[-1] + j.wanted)
@@ -305,6 +306,74 @@ class QuantPool:
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _spawned(workers: int) -> ProcessPoolExecutor:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn: fresh interpreters (forking a process that runs MLX's threads is unsafe)
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+
+
+def _ready() -> None:
+    """A worker's first task: nothing; unpickling it imported this module, and MLX with it."""
+
+
+class Workers:
+    """The pool's worker processes, started on a thread when an export that quantizes begins: a worker's start (a
+    fresh interpreter importing MLX and this package) then runs beside the planning (mlx_lm's import, its model,
+    the plan: ~3 s on one core for Llama-3-8B) instead of after it. ``start_pool`` takes them; ``close`` shuts
+    down what it did not take (planning failed, or too little to quantize after all)."""
+
+    def __init__(self):
+        self.executor: ProcessPoolExecutor | None = None
+        self.workers = 0
+        self._thread = threading.Thread(target=self._start, name="ffn-tools-quant-workers", daemon=True)
+        self._thread.start()
+
+    def _start(self) -> None:
+        workers = min(idle_cores(), MAX_WORKERS)
+        if workers >= 2:
+            executor = _spawned(workers)
+            for _ in range(workers):  # each submit without an idle worker spawns one: all start now
+                executor.submit(_ready)
+            self.executor, self.workers = executor, workers
+
+    def take(self) -> tuple[ProcessPoolExecutor | None, int]:
+        self._thread.join()
+        taken, self.executor = self.executor, None
+        return taken, self.workers
+
+    def close(self) -> None:
+        self._thread.join()
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+            self.executor = None
+
+
+_EARLY: ContextVar[Workers | None] = ContextVar("ffn_tools_mlx_early_workers", default=None)
+
+
+@contextmanager
+def started_early(ckpt, quantizing: bool) -> Iterator[None]:
+    """``Workers`` started for the block, where an export that quantizes on the CPU a checkpoint holding at least
+    ``PARALLEL_MIN_BYTES`` will run in it (what it quantizes is not known yet: never more than that); the export's
+    ``start_pool`` takes them (``early``); what it did not take is shut down at the end."""
+    workers = (Workers() if quantizing and mx.default_device() == mx.cpu and ckpt.total_bytes >= PARALLEL_MIN_BYTES
+               else None)
+    token = _EARLY.set(workers)
+    try:
+        yield
+    finally:
+        _EARLY.reset(token)
+        if workers is not None:
+            workers.close()
+
+
+def early() -> Workers | None:
+    """The workers ``started_early`` started for this export, if any."""
+    return _EARLY.get()
 
 
 def idle_cores() -> int:
@@ -325,30 +394,39 @@ SAMPLE_SECONDS = 0.25
 
 
 def busy_cores() -> float | None:
-    """How many of the machine's cores were busy over the last ``SAMPLE_SECONDS`` (``/proc/stat``'s
-    all-CPU line: everything but idle and iowait), None where there is no /proc/stat."""
-    def sample() -> tuple[int, int]:
+    """How many of the machine's cores other processes kept busy over the last ``SAMPLE_SECONDS``
+    (``/proc/stat``'s all-CPU line: everything but idle and iowait, less this process's own CPU time over the
+    same span), None where there is no /proc/stat. This process's own time is not counted: ``Workers`` samples
+    on a thread while the export plans beside it on a core, which read as a busy core and started no workers."""
+    def sample() -> tuple[int, int, float, float]:
         with open("/proc/stat") as f:
             values = [int(v) for v in f.readline().split()[1:9]]
-        return sum(values), values[3] + values[4]
+        return sum(values), values[3] + values[4], time.process_time(), time.monotonic()
 
     try:
-        total0, idle0 = sample()
+        total0, idle0, own0, at0 = sample()
         time.sleep(SAMPLE_SECONDS)
-        total1, idle1 = sample()
+        total1, idle1, own1, at1 = sample()
     except (OSError, ValueError, IndexError):
         return None
-    if total1 <= total0:
+    if total1 <= total0 or at1 <= at0:
         return None
-    return (1 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1)
+    busy = (1 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1)
+    return max(busy - (own1 - own0) / (at1 - at0), 0.0)
 
 
-def start_pool(jobs: Sequence[QuantJob]) -> QuantPool | None:
+def start_pool(jobs: Sequence[QuantJob], started: Workers | None = None) -> QuantPool | None:
     """A ``QuantPool`` when quantizing on the CPU, with enough to quantize to repay starting workers and idle
-    cores to run them (workers on a busy machine only add their start-up and copying), else None."""
+    cores to run them (workers on a busy machine only add their start-up and copying), else None. ``started``:
+    workers started already (``started_early``), taken here (shut down where no pool is made)."""
     todo = [j for j in jobs if j.infos is not None]
+    executor, workers = started.take() if started is not None else (None, 0)
     if mx.default_device() != mx.cpu or sum(j.nbytes for j in todo) < PARALLEL_MIN_BYTES:
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
         return None
+    if executor is not None:
+        return QuantPool(todo, workers, executor)
     workers = min(idle_cores(), MAX_WORKERS, len(todo))
     return QuantPool(todo, workers) if workers >= 2 else None
 
