@@ -134,3 +134,49 @@ def test_a_version_1_receipt_is_checked_by_its_sha256(split, tmp_path):
     config.write_bytes(data[:-1] + (b" " if data[-1:] != b" " else b"\n"))  # its last byte, the size unchanged
     got = run_cli("verify", "--receipt", out, ok=None)
     assert got.exit_code == 1 and "config.json: SHA-256" in got.output, got.output
+
+
+def test_a_file_hashed_ahead_is_read_once_and_its_digest_is_the_files(tmp_path, monkeypatch):
+    """``digests.ahead`` hashes a conversion's sources on a thread while it checks and plans; the receipt's own
+    hashing of a file that thread is reading waits for its digest instead of reading the file a second time."""
+    import threading
+
+    from ffn_tools.io import digests
+
+    f = tmp_path / "big.bin"
+    f.write_bytes(bytes(range(256)) * (64 << 10))  # 16 MB: 16 chunks
+    reads, entered, go = [], threading.Event(), threading.Event()
+
+    def slow(path, ident, stop, real=digests._hashed):
+        reads.append(path)
+        entered.set()
+        go.wait(30)  # the receipt's thread asks while this one is reading
+        return real(path, ident, stop)
+
+    monkeypatch.setattr(digests, "_hashed", slow)
+    got = []
+    with digests.ahead([f]):
+        assert entered.wait(30)
+        asker = threading.Thread(target=lambda: got.append(digests.file_digest(f)))
+        asker.start()
+        go.set()
+        asker.join(30)
+    assert got == [blake3.blake3(f.read_bytes()).hexdigest()] and reads == [f]
+
+
+def test_hashing_ahead_stops_when_its_block_ends(tmp_path, monkeypatch):
+    """A conversion that fails while its sources are hashed ahead leaves no thread reading them: the block's end
+    stops it within a chunk, and nothing is remembered for the file it did not finish."""
+    from ffn_tools.io import digests
+
+    import threading
+
+    f = tmp_path / "big.bin"
+    f.write_bytes(b"\1" * (32 << 20))
+    monkeypatch.setattr(digests, "HASH_CHUNK", 512)  # 65,536 chunks: still reading when the block ends
+    before = set(digests._known)
+    with digests.ahead([f]):
+        pass
+    assert not [t for t in threading.enumerate() if t.name == "ffn-tools-hash-ahead"]
+    assert set(digests._known) == before  # stopped before the file's end: no digest of part of it remembered
+    assert digests.file_digest(f) == blake3.blake3(f.read_bytes()).hexdigest()  # and hashed whole when asked

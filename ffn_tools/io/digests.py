@@ -14,7 +14,8 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ ALGORITHM = "blake3"
 ALGORITHMS: dict[str, Callable[[], Any]] = {"blake3": blake3.blake3, "sha256": hashlib.sha256}
 
 _known: dict[tuple, str] = {}
+_busy: dict[tuple, threading.Lock] = {}  # a file being hashed: held by the thread reading it
 _lock = threading.Lock()
 
 
@@ -36,11 +38,23 @@ def _identity(path: Path) -> tuple:
 def file_digest(path: Path, stop: threading.Event | None = None, *, fresh: bool = False,
                 algorithm: str = ALGORITHM) -> str | None:
     """The hex digest of a file's bytes; None if ``stop`` was set before the last chunk. ``fresh``: read the bytes
-    again even if this process hashed the file unchanged before (the ledger's check of a killed run's shard)."""
+    again even if this process hashed the file unchanged before (the ledger's check of a killed run's shard).
+    A file another thread is hashing now is not read twice: this call waits for that digest (``ahead``)."""
     ident = (algorithm, *_identity(path))
-    if not fresh and (known := _known.get(ident)) is not None:
+    if fresh:
+        return _hashed(path, ident, stop)
+    if (known := _known.get(ident)) is not None:
         return known
-    h = ALGORITHMS[algorithm]()
+    with _lock:
+        busy = _busy.setdefault(ident, threading.Lock())
+    with busy:  # one thread reads a file at a time; the next finds its digest
+        if (known := _known.get(ident)) is not None:
+            return known
+        return _hashed(path, ident, stop)
+
+
+def _hashed(path: Path, ident: tuple, stop: threading.Event | None) -> str | None:
+    h = ALGORITHMS[ident[0]]()
     buf = memoryview(bytearray(HASH_CHUNK))  # read into again and again: no fresh pages to fault in for each chunk
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
@@ -48,7 +62,24 @@ def file_digest(path: Path, stop: threading.Event | None = None, *, fresh: bool 
                 return None
             h.update(buf[:n])
     digest = h.hexdigest()
-    if (algorithm, *_identity(path)) == ident:  # not written to while it was read
+    if (ident[0], *_identity(path)) == ident:  # not written to while it was read
         with _lock:
             _known[ident] = digest
     return digest
+
+
+@contextmanager
+def ahead(files) -> Iterator[None]:
+    """``files`` hashed on a thread while the block runs (the receipt's sources, while a conversion checks and plans:
+    a 16 GB model's 3 CPU-s of hashing then run beside the imports and planning, on the core they leave idle,
+    instead of beside the quantizing workers later); the receipt then finds their digests. Stopped at the
+    block's end, within a chunk, where it has not finished (the run failed)."""
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: [file_digest(f, stop) for f in files], name="ffn-tools-hash-ahead",
+                              daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
