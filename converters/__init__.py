@@ -24,6 +24,8 @@ from pathlib import Path
 from ffn_tools.checks.semantics import differences
 from ffn_tools.errors import CheckpointError, FFNToolsError
 from ffn_tools.formats import Format
+from ffn_tools.io import nogc, sample
+from ffn_tools.io.digests import ahead
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.io.readers import open_checkpoint
 
@@ -125,8 +127,11 @@ def convert(path: str | Path, to: str, out: str | Path, *, dtype: str | None = N
     if wrong:
         flags = ", ".join(FLAGS.get(w, "--" + w.replace("_", "-")) for w in wrong)
         raise FFNToolsError(f"{flags} does not apply to --to {to}")
-    with open_any(path) as ckpt, target.preparing(ckpt):  # the export's slow start overlaps the check below
-        differ = client_differences(ckpt, target)
+    prehash = not given.get("dry_run") and sample.settings() is None  # the receipt's sources, hashed from now
+    with open_any(path) as ckpt, target.preparing(ckpt, **given), ahead(ckpt.files if prehash else []):
+        # the export's slow start and the sources' hashing run beside these checks
+        with nogc.paused():  # transformers' import and config classes: a quarter of their time was the collector's
+            differ = client_differences(ckpt, target)
         refused = [line for key, line in differ if key not in allow_config]
         if refused:
             keys = " ".join(f"--allow-config {k}" for k, line in differ if line in refused)
