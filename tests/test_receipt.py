@@ -164,6 +164,34 @@ def test_a_file_hashed_ahead_is_read_once_and_its_digest_is_the_files(tmp_path, 
     assert got == [blake3.blake3(f.read_bytes()).hexdigest()] and reads == [f]
 
 
+def test_a_stopped_caller_does_not_wait_for_a_file_another_thread_is_hashing(tmp_path, monkeypatch):
+    """The receipt of a run that failed stops its hashing (``Sources.stop``): a file the ahead thread is still
+    reading is not waited for."""
+    import threading
+    import time
+
+    from ffn_tools.io import digests
+
+    f = tmp_path / "big.bin"
+    f.write_bytes(b"\2" * (1 << 20))
+    entered, go = threading.Event(), threading.Event()
+
+    def slow(path, ident, stop, real=digests._hashed):
+        entered.set()
+        go.wait(30)
+        return real(path, ident, stop)
+
+    monkeypatch.setattr(digests, "_hashed", slow)
+    stop = threading.Event()
+    stop.set()
+    with digests.ahead([f]):
+        assert entered.wait(30)
+        begun = time.monotonic()
+        assert digests.file_digest(f, stop) is None
+        assert time.monotonic() - begun < 5
+        go.set()
+
+
 def test_hashing_ahead_stops_when_its_block_ends(tmp_path, monkeypatch):
     """A conversion that fails while its sources are hashed ahead leaves no thread reading them: the block's end
     stops it within a chunk, and nothing is remembered for the file it did not finish."""

@@ -47,10 +47,15 @@ def file_digest(path: Path, stop: threading.Event | None = None, *, fresh: bool 
         return known
     with _lock:
         busy = _busy.setdefault(ident, threading.Lock())
-    with busy:  # one thread reads a file at a time; the next finds its digest
+    while not busy.acquire(timeout=0.05):  # one thread reads a file at a time; the next finds its digest
+        if stop is not None and stop.is_set():  # a failed run's receipt does not wait for the other's digest
+            return None
+    try:
         if (known := _known.get(ident)) is not None:
             return known
         return _hashed(path, ident, stop)
+    finally:
+        busy.release()
 
 
 def _hashed(path: Path, ident: tuple, stop: threading.Event | None) -> str | None:
