@@ -22,8 +22,8 @@ from ffn_tools.checks.diagnose import first_difference
 from ffn_tools.checks.rounded import plus
 from ffn_tools.checks.outside import outside_tolerance
 from ffn_tools.checks.side_files import SideFilesResult
+from ffn_tools.checks.tokenizer_behaviour import transformers_tokenizer
 from ffn_tools.errors import listing
-from ffn_tools.io import nogc
 from ffn_tools.tolerances import tolerance_for
 
 from .config import ABSENT, IMPLIED, implied_values, metadata_keys, metadata_values, original_context, rope_theta
@@ -109,12 +109,7 @@ def compare_tokenizer(root_a: Path, cb) -> SideFilesResult:
     res = SideFilesResult()
     tokens = cb.fields.get("tokenizer.ggml.tokens")
     try:
-        from transformers import AutoTokenizer
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        with nogc.paused():
-            tok = AutoTokenizer.from_pretrained(root_a)
+        tok = transformers_tokenizer(root_a)
     except Exception as e:  # noqa: BLE001 - no tokenizer files, or ones transformers cannot read
         if tokens:
             res.notes.append(f"A's tokenizer was not compared with B's tokenizer.ggml.tokens: transformers cannot "

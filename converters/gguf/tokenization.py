@@ -22,7 +22,7 @@ from pathlib import Path
 from ffn_tools.checks.tokens import TokenizationResult
 
 from ffn_tools.checks import corpus
-from ffn_tools.io import nogc
+from ffn_tools.checks.tokenizer_behaviour import transformers_tokenizer
 
 SHOWN = 16  # token ids shown of each side of the first differing text
 TEXT_SHOWN = 60  # characters shown of it
@@ -48,12 +48,7 @@ def compare_tokenization(root_a: Path, gguf: Path, fields: dict) -> Tokenization
     """
     res = TokenizationResult()
     try:
-        from transformers import AutoTokenizer
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        with nogc.paused():
-            tok = AutoTokenizer.from_pretrained(root_a)
+        tok = transformers_tokenizer(root_a)
     except Exception as e:  # noqa: BLE001 - no tokenizer files, or ones transformers cannot read
         res.skipped = f"A has no tokenizer transformers loads from {root_a} ({type(e).__name__})"
         return res

@@ -160,16 +160,23 @@ def _config_agrees(ra: Path, rb: Path) -> bool:
     return diff(va, vb, "") is None
 
 
+def transformers_tokenizer(root: Path):
+    """transformers' ``AutoTokenizer`` of the files in ``root``, its warnings silenced, built with the cyclic
+    collector paused (``io.nogc``: a 128K-token vocabulary is millions of objects). Raises what transformers
+    raises (ImportError without it)."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    with nogc.paused():
+        return AutoTokenizer.from_pretrained(root)
+
+
 def behaviour(ra: Path, rb: Path) -> tuple[str | None, int]:
     """The first thing A's and B's tokenizers (transformers' ``AutoTokenizer``) do differently on the built-in
     corpus, or None; and how many texts were compared."""
     try:
-        from transformers import AutoTokenizer
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        with nogc.paused():
-            ta, tb = AutoTokenizer.from_pretrained(ra), AutoTokenizer.from_pretrained(rb)
+        ta, tb = transformers_tokenizer(ra), transformers_tokenizer(rb)
     except Exception as e:  # noqa: BLE001 - no transformers, or files it cannot load: nothing shows they agree
         return f"transformers could not load both tokenizers to compare them ({type(e).__name__}: {e})"[:200], 0
     texts, _ = corpus.texts(ta)
