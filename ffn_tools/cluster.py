@@ -276,12 +276,12 @@ def write_sharded(out_dir: Path, items: Sequence, files_of: list[set[str]], *, m
             todo = [k for k, name in enumerate(names) if not kept(ledger, name, shards[k], progress)]
             jobs = [{"kind": "shard", "dir": str(out_dir), "index": k, "names": names} for k in todo]
             pending = submit(ray, call, jobs, [set().union(*files_of[slice(*spans[k])]) for k in todo])
-            for j, _ in results(ray, pending, lambda j: f"shard {names[todo[j]]}"):
+            for done, (j, _) in enumerate(results(ray, pending, lambda j: f"shard {names[todo[j]]}"), 1):
                 k = todo[j]
                 if progress:
                     progress.update(sum(t.progress_bytes for t in shards[k]))
                 if ledger is not None:
-                    ledger.finished(names[k])
+                    ledger.finished(names[k], last=done == len(todo))
     finally:
         for p in out_dir.glob(f"{PART}*"):  # a dead task's partial file
             p.unlink(missing_ok=True)

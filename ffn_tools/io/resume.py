@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 
-from .digests import ALGORITHM, file_digest
+from .digests import ALGORITHM, EVERY_CORE, file_digest
 
 LEDGER = ".ffn-tools-resume"
 CHECKERS = 4  # threads hashing finished shards again on --resume (at most the cores)
@@ -181,22 +181,24 @@ class Ledger:
         """Shard ``name`` is about to be written (again): its manifest no longer holds."""
         (self.dir / f"{name}.json").unlink(missing_ok=True)
 
-    def finished(self, name: str) -> None:
-        self._queue.put(name)
+    def finished(self, name: str, last: bool = False) -> None:
+        """Shard ``name`` is written: queued for its digest and manifest. ``last``: no shard is written after it, so
+        its hashing has the cores to itself (BLAKE3's threads: the one hashing left after the writing, shortened)."""
+        self._queue.put((name, EVERY_CORE if last else 1))
 
     def _run(self) -> None:
-        while (name := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
             if self._error is None and not self._stop.is_set():
                 try:
-                    self.manifest(name)
+                    self.manifest(*item)
                 except BaseException as e:  # said by close(): a missing manifest only costs a rewrite
                     self._error = e
 
-    def manifest(self, name: str) -> None:
-        """Hash shard ``name`` and write its manifest, now (``finished`` has the thread do it)."""
+    def manifest(self, name: str, threads: int = 1) -> None:
+        """Hash shard ``name`` (on ``threads``) and write its manifest, now (``finished`` has the thread do it)."""
         path = self.tmp / name
         size = path.stat().st_size
-        if (digest := file_digest(path, self._stop)) is not None:
+        if (digest := file_digest(path, self._stop, threads=threads)) is not None:
             self._write(self.dir / f"{name}.json", {"key": self.key, "size": size, ALGORITHM: digest})
 
     def close(self, failed: bool = False) -> None:

@@ -205,10 +205,10 @@ def write_sharded(out_dir: Path, items: Sequence[OutTensor], *, max_shard_size: 
     names = shard_names(len(shards), prefix)
     todo = [(name, shard) for name, shard in zip(names, shards) if not kept(ledger, name, shard, progress)]
     made = {name: prepare(out_dir / name, shard, metadata) for name, shard in todo}  # every place known at once
-    for name, shard in todo:
+    for k, (name, shard) in enumerate(todo):
         write_file(out_dir / name, shard, metadata, progress, announced=made[name])
         if ledger is not None:
-            ledger.finished(name)
+            ledger.finished(name, last=k == len(todo) - 1)
     write_index(out_dir, items, shards, names, prefix)
     return names
 
