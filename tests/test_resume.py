@@ -201,3 +201,17 @@ def test_a_killed_verify_resumes_from_the_steps_it_finished(tmp_path):
     assert "FFN steps a killed run had finished, reused" in resumed.stderr
     assert without_times(json.loads(resumed.stdout)) == without_times(json.loads(whole.stdout))
     assert not list((cache / "verify").iterdir())
+
+
+def test_only_the_last_shard_is_hashed_on_every_core(sharded, tmp_path, monkeypatch):
+    """The ledger hashes each shard on its thread while the next is written, on one core (the writer needs the
+    other); the last one is the only hashing left when the writing ends, and gets every core."""
+    from ffn_tools.io import digests, resume
+
+    asked = []
+    monkeypatch.setattr(resume, "file_digest", lambda path, stop=None, threads=1, real=digests.file_digest:
+                        asked.append((Path(path).name, threads)) or real(path, stop, threads=threads))
+    run_cli("fuse-gateup", sharded, "--max-shard-size", SHARD, "-o", tmp_path / "out")
+    names = sorted(p.name for p in (tmp_path / "out").glob("model-*.safetensors"))
+    assert len(names) > 3 and sorted(n for n, _ in asked) == names
+    assert [t for n, t in asked] == [1] * (len(names) - 1) + [digests.EVERY_CORE]
