@@ -171,14 +171,22 @@ def test_qwen3_moe_router_keeps_its_8_bit_override(exported):
     assert config(out)["num_experts"] == 4 and config(out)["rope_theta"] == 10000.0
 
 
-@pytest.mark.parametrize("workers,shard", [(False, None), (True, None), (True, 30_000)])
-def test_chunked_quantization_equals_whole_tensor(workers, shard, hf, mlx_ref, tmp_path, monkeypatch):
+@pytest.mark.parametrize("workers,shard,pieces", [(False, None, False), (True, None, False), (True, 30_000, False),
+                                                  (True, None, True)])
+def test_chunked_quantization_equals_whole_tensor(workers, shard, pieces, hf, mlx_ref, tmp_path, monkeypatch):
     """Row chunks, and worker processes: they write every part into its shard themselves (``Placed``), a later
     shard's too (``io.writer.prepare`` makes every shard and tells every place before the first is written: small
-    shards, many of them), so nothing comes back through the pipe to wait."""
+    shards, many of them), so nothing comes back through the pipe to wait. ``pieces``: a weight larger than
+    ``PIECE_BYTES`` is quantized by several workers, a row range each (Mixtral's stacked experts: pieces that
+    begin in one expert and end in the next)."""
     from ffn_tools.io.writer import Placed
 
     monkeypatch.setattr(mlx_quant, "CHUNK_BYTES", 100)  # one row per chunk
+    split = []
+    if pieces:
+        monkeypatch.setattr(mlx_quant, "PIECE_BYTES", 1000)  # 7.8 rows of 64 bf16 values
+        monkeypatch.setattr(mlx_quant.QuantJob, "pieces", lambda self, f=mlx_quant.QuantJob.pieces:
+                            split.append((self, f(self))) or split[-1][1])
     if workers:  # the worker processes big models use, here for a tiny one
         monkeypatch.setattr(mlx_quant, "PARALLEL_MIN_BYTES", 0)
         monkeypatch.setattr(mlx_quant, "MAX_WORKERS", 2)
@@ -201,6 +209,13 @@ def test_chunked_quantization_equals_whole_tensor(workers, shard, hf, mlx_ref, t
     assert placed == (len(given) if workers else 0) and given, (placed, len(given))
     if shard:
         assert len(list((tmp_path / "out").glob("model-*.safetensors"))) > 3
+    if pieces:  # a job larger than a piece cut into row ranges that cover its rows, one after the other
+        cut = [(job, rows) for job, rows in split if rows != [None]]
+        assert cut and all(rows[0][0] == 0 and rows[-1][1] == mlx_quant._rows_cols(job.specs[0][1])[1] and
+                           all(a[1] == b[0] for a, b in zip(rows, rows[1:])) for job, rows in cut), cut
+        per_expert = [job.infos[0].shape[0] for job, _ in cut if len(job.sources) > 1]
+        assert any(r[0] % n for n, (job, rows) in zip(per_expert, [c for c in cut if len(c[0].sources) > 1])
+                   for r in rows), cut  # a piece that begins in one expert's rows and ends in the next one's
     assert_identical(tensors(tmp_path / "out"), tensors(mlx_ref("mixtral", 4, 64, torch.bfloat16)))
 
 
@@ -297,7 +312,9 @@ def test_this_process_busy_on_another_thread_is_not_a_busy_core(monkeypatch):
         monkeypatch.undo()
         stop.set()
         t.join()
-    assert seen["own"] >= 0.7, seen  # the thread did keep a core busy while it sampled
+    # the thread kept a core busy while it sampled, as much as the other xdist worker let it (0.63 measured beside
+    # it): more than the tolerance below, so that counting this process's time as busy fails the test
+    assert seen["own"] >= 0.4, seen
     assert busy is not None and abs(busy - max(seen["machine"] - seen["own"], 0)) < 0.25, (busy, seen)
 
 

@@ -9,7 +9,9 @@ call (the tests compare them). Memory stays at one chunk plus the (packed) outpu
 
 A ``QuantPool`` worker writes a part's bytes into the output file itself, at the offset the writer gives
 (``OutTensor.place``), where the writer has opened that file by the time the job is sent: the packed bytes then
-never pass through a pipe, a pickle and the writer (one copy instead of five).
+never pass through a pipe, a pickle and the writer (one copy instead of five). Such a weight larger than
+``PIECE_BYTES`` is sent as row ranges (``QuantJob.pieces``), run by whichever workers are free: a 1 GB embedding or
+head no longer leaves one worker busy while the others wait, at the start of an export or at its end.
 
 Reading goes the other way: ``dequantize`` unpacks one module's weight, scales and biases.
 """
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from concurrent.futures import Future, ProcessPoolExecutor
 
 CHUNK_BYTES = 4 << 20
+PIECE_BYTES = 64 << 20  # a weight larger than this is quantized by workers in pieces of about this many input bytes
 PARALLEL_MIN_BYTES = 128 << 20  # less to quantize than this: starting worker processes costs more
 MAX_WORKERS = 8
 # safetensors dtype <-> mx dtype
@@ -81,35 +84,38 @@ def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
     return (shape[-1] if shape else 1), rows
 
 
-def row_chunks(ckpt, name: str, max_bytes: int | None = None) -> Iterator[tuple[memoryview, int]]:
-    """(bytes, rows) chunks of whole rows of a tensor viewed as (rows, last dim). A chunk read from its file is
-    read into one buffer, used again for the next chunk (no fresh pages to fault in and zero for each): the view
-    holds until the next one is asked for."""
+def row_chunks(ckpt, name: str, max_bytes: int | None = None, first: int = 0,
+               last: int | None = None) -> Iterator[tuple[memoryview, int]]:
+    """(bytes, rows) chunks of whole rows (``first`` to ``last``, default all) of a tensor viewed as (rows, last dim).
+    A chunk read from its file is read into one buffer, used again for the next chunk (no fresh pages to fault in
+    and zero for each): the view holds until the next one is asked for."""
     info = ckpt.info(name)
     max_bytes = max_bytes or CHUNK_BYTES
     cols, rows = _rows_cols(info.shape)
     row_bytes = cols * itemsize(info.st_dtype)
-    if not rows * row_bytes:
+    last = rows if last is None else last
+    if last <= first or not row_bytes:
         return
     step = max(1, max_bytes // row_bytes)
     if info.start is not None:
-        buf = memoryview(bytearray(min(step, rows) * row_bytes))
+        buf = memoryview(bytearray(min(step, last - first) * row_bytes))
         with open(info.file, "rb", buffering=0) as f:
-            for r in range(0, rows, step):
-                n = min(step, rows - r)
+            for r in range(first, last, step):
+                n = min(step, last - r)
                 view = buf[:n * row_bytes]
                 read_into(f.fileno(), view, info.start + r * row_bytes, info.file)
                 yield view, n
         return
     data = memoryview(ckpt.read_raw(name))  # decoded by the reader (torch only where it needs it)
-    for r in range(0, rows, step):
-        n = min(step, rows - r)
+    for r in range(first, last, step):
+        n = min(step, last - r)
         yield data[r * row_bytes:(r + n) * row_bytes], n
 
 
 def stream(ckpt, sources: Sequence[str], outputs: Sequence[tuple[str, tuple[int, ...]]],
            fn: Callable[[mx.array], Sequence[mx.array]], max_bytes: int | None = None,
-           dests: dict[int, tuple[str, int]] | None = None) -> list[RawTensor | None]:
+           dests: dict[int, tuple[str, int]] | None = None,
+           rows: tuple[int, int] | None = None) -> list[RawTensor | None]:
     """Apply ``fn`` to row chunks of ``sources`` (rows concatenated in order) and collect its outputs.
 
     Args:
@@ -118,6 +124,8 @@ def stream(ckpt, sources: Sequence[str], outputs: Sequence[tuple[str, tuple[int,
         fn: maps an (rows, last dim) chunk to per-output arrays whose first axis is those rows.
         dests: output -> (file, offset): that output is written there chunk by chunk (the file exists, at least
             that long), and None returned in its place.
+        rows: only these rows (start, end) of the logical input, where every output has a ``dests``: each output's
+            bytes of those rows are written where the whole output's would be (a ``QuantJob``'s piece).
 
     Raises:
         RuntimeError: the outputs did not come out at their planned sizes (a bug).
@@ -126,14 +134,21 @@ def stream(ckpt, sources: Sequence[str], outputs: Sequence[tuple[str, tuple[int,
     outs: list[RawTensor | None] = [None if k in dests else RawTensor(st, shape)
                                     for k, (st, shape) in enumerate(outputs)]
     sizes = [nbytes(st, shape) for st, shape in outputs]
+    total = _rows_cols(outputs[0][1])[1] if outputs else 0  # every output has the input's rows
+    lo, hi = rows or (0, total)
+    if rows is not None and (len(dests) < len(outputs) or not 0 <= lo <= hi <= total):
+        raise RuntimeError(f"internal error: rows {rows} of {total} asked of {', '.join(sources)[:200]}")
+    per_row = [size // total if total else 0 for size in sizes]
     fds = {k: os.open(path, os.O_WRONLY) for k, (path, _) in dests.items()}  # never created here
-    pos = [0] * len(outs)
+    pos = [lo * b for b in per_row]
     try:
+        at = 0  # the logical row the next source begins at
         for name in sources:
             info = ckpt.info(name)
-            cols, _ = _rows_cols(info.shape)
-            for data, rows in row_chunks(ckpt, name, max_bytes):
-                results = fn(to_mx(data, info.st_dtype, (rows, cols)))
+            cols, n = _rows_cols(info.shape)
+            first, last, at = max(lo - at, 0), min(hi - at, n), at + n
+            for data, chunk_rows in row_chunks(ckpt, name, max_bytes, first, max(first, last)):
+                results = fn(to_mx(data, info.st_dtype, (chunk_rows, cols)))
                 mx.eval(*results)
                 for k, r in enumerate(results):
                     b = raw_bytes(r)
@@ -146,7 +161,7 @@ def stream(ckpt, sources: Sequence[str], outputs: Sequence[tuple[str, tuple[int,
     finally:
         for fd in fds.values():
             os.close(fd)
-    if pos != sizes:
+    if pos != ([hi * b for b in per_row] if rows is not None else sizes):
         raise RuntimeError(f"internal error: {', '.join(sources)[:200]} produced {pos} bytes, planned {sizes}")
     return outs
 
@@ -210,20 +225,30 @@ class QuantJob:
         self.pool: QuantPool | None = None
         self.wanted = True  # False: no entry of a sample run (io.sample) asks for it, so the pool never runs it
         self.index = -1
-        self.future: Future[list[RawTensor | None]] | None = None
+        self.futures: list[Future[list[RawTensor | None]]] = []  # the pool's: the whole job, or its pieces
         self.dests: dict[int, tuple[str, int]] = {}  # part -> (output file, offset) a worker writes it at
         self._parts: list[RawTensor | None] | None = None
         self._left: set[int] = set()
 
-    def args(self) -> tuple:
-        """Arguments of ``quantize_files`` for this job."""
+    def args(self, rows: tuple[int, int] | None = None) -> tuple:
+        """Arguments of ``quantize_files`` for this job (``rows``: one piece of it)."""
         return (self.infos, self.specs, self.target, self.group_size, self.bits, self.mode, CHUNK_BYTES,
-                dict(self.dests))
+                dict(self.dests), rows)
+
+    def pieces(self) -> list[tuple[int, int] | None]:
+        """The row ranges workers quantize this job in: pieces of about ``PIECE_BYTES`` where a worker writes every
+        part into the output (a 1 GB embedding in 16 pieces: the other workers never wait while one worker runs
+        it, at the start or at the end), else the whole job (None)."""
+        rows = _rows_cols(self.specs[0][1])[1]
+        if len(self.dests) < len(self.specs) or self.nbytes <= PIECE_BYTES or rows < 2:
+            return [None]
+        step = max(1, rows * PIECE_BYTES // self.nbytes)
+        return [(r, min(r + step, rows)) for r in range(0, rows, step)]
 
     def place(self, k: int, path, offset: int) -> None:
         """Part ``k``'s bytes go to ``path`` at ``offset``: a worker that has not started the job yet writes them
         there (and ``part`` gives ``Placed``); computed here, or already sent, the part is returned as bytes."""
-        if self.pool is not None and self.future is None and self._parts is None:
+        if self.pool is not None and not self.futures and self._parts is None:
             self.dests[k] = (str(path), offset)
 
     def part(self, k: int) -> RawTensor | Placed:
@@ -231,8 +256,9 @@ class QuantJob:
             if self.pool is not None:
                 self.pool.ahead(self)  # this job, and the window after it kept full
             fn = quantize_fn(self.target, self.group_size, self.bits, self.mode)
-            if self.future is not None:
-                self._parts, self.future = self.future.result(), None
+            if self.futures:
+                done = [f.result() for f in self.futures]  # pieces: every part written by the workers
+                self._parts, self.futures = (done[0] if len(done) == 1 else [None] * len(self.specs)), []
             elif self.array is not None:
                 a = self.array()
                 parts = [from_mx(r) for r in fn(a.reshape(-1, a.shape[-1]))]
@@ -263,12 +289,12 @@ class _Infos:
 
 
 def quantize_files(infos, specs, target, group_size, bits, mode, chunk_bytes,
-                   dests: dict[int, tuple[str, int]]) -> list[RawTensor | None]:
-    """A ``QuantJob`` in a worker process: read, cast and quantize tensors at known file offsets; the parts in
-    ``dests`` are written into their output file at their offset as they come (None in their place; the writer
-    made the file at its full size), the others returned."""
+                   dests: dict[int, tuple[str, int]], rows: tuple[int, int] | None = None) -> list[RawTensor | None]:
+    """A ``QuantJob`` (or its ``rows``) in a worker process: read, cast and quantize tensors at known file offsets;
+    the parts in ``dests`` are written into their output file at their offset as they come (None in their place;
+    the writer made the file at its full size), the others returned."""
     return stream(_Infos(infos), [i.name for i in infos], specs, quantize_fn(target, group_size, bits, mode),
-                  chunk_bytes, dests)
+                  chunk_bytes, dests, rows)
 
 
 class QuantPool:
@@ -300,7 +326,7 @@ class QuantPool:
                                                    2 * self.workers):
             j = self.jobs[self.submitted]
             if j.wanted:
-                j.future = self._executor.submit(quantize_files, *j.args())
+                j.futures = [self._executor.submit(quantize_files, *j.args(rows)) for rows in j.pieces()]
             self.submitted += 1
 
     def close(self) -> None:
