@@ -457,12 +457,19 @@ def run_again(call: dict) -> None:
 
 def main() -> None:
     """Console-script entry point."""
+    import gc
     import signal
 
     for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
         if sig is not None:
             signal.signal(sig, _terminate)
-    cli(prog_name="ffn-tools")
+    try:
+        cli(prog_name="ffn-tools")
+    finally:
+        # The command is done, its output in place: the interpreter's exit would now walk every object torch,
+        # transformers and mlx_lm made for a last cycle collection (~0.8 s of a 1 s exit, measured), which frees
+        # nothing the process needs. Frozen, they are left to the exit itself (atexit handlers still run).
+        gc.freeze()
 
 
 if __name__ == "__main__":
