@@ -11,8 +11,9 @@ hand. SHA-256 is still read, for receipts written before (``ALGORITHMS``).
 A file is hashed through a read-only mapping, ``WINDOW`` bytes per call: the hash releases the GIL for the whole
 window. Read in 1 MiB chunks, every chunk handed the GIL back and forth twice, and a hashing thread beside Python
 work (a conversion's imports and planning, a writer) waited out the other's switch interval each time: 0.10 GB/s
-against 3-4 GB/s alone; 64 MiB windows hash at 2.6-2.7 GB/s beside it (``benchmarks/bench_hash.py``). A file that
-cannot be mapped (empty, a pipe) is read in chunks. ``threads``: BLAKE3's own threads for one file, where the cores
+against 3-4 GB/s alone. Windows of 32 MiB hash at 2.3-2.5 GB/s beside it (64 MiB: 2.7-3.1, at twice the RSS: a
+window's pages are resident while it is hashed; ``benchmarks/bench_hash.py``). A file that cannot be mapped (empty, a
+pipe) is read in chunks. ``threads``: BLAKE3's own threads for one file, where the cores
 are idle (an output's receipt).
 """
 
@@ -30,7 +31,7 @@ from typing import Any
 import blake3
 
 EVERY_CORE = blake3.blake3.AUTO  # ``threads`` for a file hashed while nothing else runs
-WINDOW = 64 << 20  # mapped bytes hashed per call (a stop is seen between two, ~20 ms apart; RSS holds one window)
+WINDOW = 32 << 20  # mapped bytes hashed per call (a stop is seen between two, ~10 ms apart; RSS holds one window)
 HASH_CHUNK = 1 << 20  # read and hashed at a time where a file cannot be mapped
 ALGORITHM = "blake3"
 ALGORITHMS: dict[str, Callable[[], Any]] = {"blake3": blake3.blake3, "sha256": hashlib.sha256}
