@@ -11,8 +11,12 @@ neighbours), into a temporary directory beside the output (same disk), removed a
 - ``peak_rss``: the sample process's peak RSS (its own high-water mark, or its workers' where larger: the largest
   process of its tree, as the benchmarks measure it), which planned the whole output and streamed its largest
   tensor;
-- ``seconds``: the sample's start-up (process, imports, planning, measured), plus its streaming time (worker
-  processes starting, receipt hashing, the move into place included) scaled by the bytes read.
+- ``seconds``: the sample's start-up (process, imports, planning, measured), plus its streaming time: the part that
+  writes the tensors (worker processes starting, the shards' hashing included) scaled by the bytes read, the rest
+  (side files, the receipt, the move into place) once. Where the whole output would pass the kernel's dirty-page
+  freerun point, the sample's output is flushed to time the disk, and the tensors' part is the time to write the
+  output at the sample's speed under that throttle (``io.writeback``): ``sample.waits_on_disk`` says how much of
+  the estimate that wait is.
 
 The child runs the command line as given (``cli`` keeps it); a library call is sampled where its options are plain
 data. An output the executor does not stream (GGUF, adapters) has no estimate, and the result says why.
@@ -28,7 +32,7 @@ import time
 from pathlib import Path
 
 from . import rerun
-from .io import sample
+from .io import sample, writeback
 from .io.store import WEIGHT_INDEXES, WEIGHT_SUFFIXES
 from .sizes import human
 
@@ -89,11 +93,16 @@ def _scaled(f: dict, begun: float) -> dict:
     out_bytes = side + (round(sampled_out * f["bytes"] / f["sample_bytes"]) if f["sample_bytes"] else sampled_out)
     streaming = f["ended"] - f["started"]
     startup = f["started"] - begun
-    seconds = startup + streaming * (f["reads"] / f["sample_reads"] if f["sample_reads"] else 1.0)
+    writing = min(f.get("writing", streaming), streaming)  # the tensors' part of it: scaled; the rest is once a run
+    computing = writing * (f["reads"] / f["sample_reads"] if f["sample_reads"] else 1.0)
+    made = out_bytes - side  # at the rate the sample made them, or the disk's where the throttle holds the writer
+    written = writeback.seconds(made, made / computing, f.get("writeback")) if computing > 0 else computing
+    seconds = startup + (streaming - writing) + written
     return {"made": True, "output_bytes": out_bytes, "temporary_disk": out_bytes, "peak_rss": f["peak_rss"],
             "seconds": round(seconds, 2),
             "sample": {"tensors": f["sampled"], "of": f["entries"], "reads": f["sample_reads"], "of_reads": f["reads"],
-                       "startup_seconds": round(startup, 2), "seconds": round(streaming, 3)}}
+                       "startup_seconds": round(startup, 2), "seconds": round(streaming, 3),
+                       "writing_seconds": round(writing, 3), "waits_on_disk": round(max(written - computing, 0), 2)}}
 
 
 def line(r: dict) -> list[str]:
@@ -106,8 +115,10 @@ def line(r: dict) -> list[str]:
     s = e["sample"]
     share = f"{s['tensors']} of {s['of']} tensors, {human(s['reads'])} of {human(s['of_reads'])} read"
     rss = f"peak RSS {human(e['peak_rss'])}, " if e.get("peak_rss") else ""
+    disk = s.get("waits_on_disk", 0)
+    waits = f", {_duration(disk)} of it waiting for the disk to take the writes" if disk >= 0.05 * e["seconds"] else ""
     return [f"estimate: writes {human(e['output_bytes'])} (its temporary directory beside the output: "
-            f"{human(e['temporary_disk'])}, no other disk), {rss}{_duration(e['seconds'])} on this machine "
+            f"{human(e['temporary_disk'])}, no other disk), {rss}{_duration(e['seconds'])} on this machine{waits} "
             f"(a sample run here: {share})"]
 
 

@@ -198,6 +198,7 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
     """
     ckpt = plan.source
     check_shardable(out, max_shard_size, writer.suffix)
+    facts: dict = {}  # the sample run's (io.sample): what it measured
     if (sampling := sample.settings()) is not None:  # --dry-run's sample run, in its child (io.sample)
         started = time.time()
         plan, facts = sample.narrow(plan)
@@ -223,9 +224,10 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
         read = [*_indexes(ckpt), *ckpt.files, *(side_files(ckpt) if carry else []), *plan.also_read]  # the receipt's
         with atomic_output(out, inputs=inputs, force=force, nbytes=plan.total_bytes, resume_key=key,
                            sources=read, distributed=distributed) as tmp:
+            writing = time.time()
             if out.suffix == writer.suffix:
                 writer.write_file(tmp, items, meta, progress)
-                written = [out.name]
+                written, facts["writing"] = [out.name], time.time() - writing
             else:
                 tmp.mkdir(exist_ok=key is not None)  # --resume: the killed run's directory, its shards in it
                 if key is None:
@@ -247,6 +249,7 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
                     ledger.remove()
                     if ledger.reused:
                         log.info("--resume: kept %d finished shard(s) of %d", len(ledger.reused), len(written))
+                facts["writing"] = time.time() - writing  # the sample's time that scales with its bytes (io.sample)
                 for p in side_files(ckpt) if carry else []:
                     if p.name != "config.json":
                         shutil.copy2(p, tmp / p.name)

@@ -68,3 +68,51 @@ def test_the_sample_is_every_kth_tensor_and_the_largest():
     assert 1 <= len(narrowed.entries) <= 2
     small = Plan(source=None, entries=[_entry(i, 1000) for i in range(10)], config=None)  # type: ignore
     assert len(sample.narrow(small)[0].entries) == 10
+
+
+def test_the_writeback_throttle_holds_a_large_output_to_the_disk_s_speed():
+    """``io.writeback.seconds``: an output made faster than the disk takes it runs at its own speed until the dirty
+    pages reach the freerun point (written back from the background threshold on), then at the disk's."""
+    from ffn_tools.io import writeback
+
+    g = 1e9
+    slow = {"background": 2 * g, "limit": 4 * g, "dirty": 0, "flushed": g, "flush_seconds": 4.0}  # a 0.25 GB/s disk
+    # 2 GB at 1 GB/s; 1.33 GB more (dirty grows at 0.75 GB/s to the 3 GB freerun point); the last 0.67 GB at 0.25
+    assert abs(writeback.seconds(4 * g, g, slow) - 6.0) < 1e-9
+    assert writeback.seconds(1.5 * g, g, slow) == 1.5  # below the background threshold: its own speed
+    assert writeback.seconds(4 * g, g, {**slow, "flush_seconds": 0.25}) == 4.0  # a disk faster than the writer
+    assert writeback.seconds(4 * g, g, None) == 4.0  # nothing known of the disk
+    assert writeback.seconds(4 * g, g, {**slow, "dirty": 3 * g}) == 16.0  # dirty already: the disk's speed at once
+
+
+def test_the_sample_times_the_disk_only_where_the_output_passes_the_freerun_point(tmp_path, monkeypatch):
+    from ffn_tools.io import writeback
+
+    t = writeback.thresholds()
+    if t is None:
+        pytest.skip("no /proc/meminfo and /proc/sys/vm here")
+    assert 0 < t["background"] < t["limit"] and t["dirty"] >= 0
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"\7" * (4 << 20))
+    assert "flushed" not in writeback.measure([f], 1 << 20)  # 1 MB: never near the thresholds
+    monkeypatch.setattr(writeback, "thresholds", lambda: {"background": 1 << 20, "limit": 2 << 20, "dirty": 5 << 20})
+    m = writeback.measure([f], 64 << 20)
+    assert m["flushed"] == 4 << 20 and m["flush_seconds"] > 0 and m["dirty"] == 1 << 20  # the sample's own not counted
+
+
+def test_an_estimate_whose_output_the_disk_holds_back_says_so():
+    """``estimate._scaled`` with a sample run's facts: the tensors' part of its time scaled by the bytes read, the
+    rest once, and the writeback throttle's wait added and said."""
+    from ffn_tools import estimate
+
+    g = 1e9
+    facts = {"files": {"model.safetensors": int(0.1 * g), "config.json": 1000}, "bytes": 4 * g, "sample_bytes": 0.1 * g,
+             "reads": 4 * g, "sample_reads": 0.1 * g, "sampled": 3, "entries": 120, "peak_rss": 10 ** 8,
+             "started": 100.0, "ended": 100.5, "writing": 0.1}  # 0.1 s of tensors (1 GB/s), 0.4 s once a run
+    unthrottled = estimate._scaled(facts, begun=99.0)
+    assert abs(unthrottled["seconds"] - (1.0 + 0.4 + 4.0)) < 0.01 and unthrottled["sample"]["waits_on_disk"] == 0
+    slow = {"background": 2 * g, "limit": 4 * g, "dirty": 0, "flushed": int(0.1 * g), "flush_seconds": 0.4}
+    held = estimate._scaled({**facts, "writeback": slow}, begun=99.0)
+    assert abs(held["seconds"] - (1.0 + 0.4 + 6.0)) < 0.01 and abs(held["sample"]["waits_on_disk"] - 2.0) < 0.01
+    assert "waiting for the disk" in estimate.line({"estimate": held})[0]
+    assert "waiting for the disk" not in estimate.line({"estimate": unthrottled})[0]

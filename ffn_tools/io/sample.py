@@ -21,6 +21,8 @@ from contextvars import ContextVar
 from dataclasses import replace
 from pathlib import Path
 
+from . import writeback
+
 ENV = "FFN_TOOLS_SAMPLE"
 SHARE = 0.03  # of the bytes read: the sample
 SMALLEST = 48 << 20  # a sample reads at least this much (or everything, for a smaller output)
@@ -85,15 +87,18 @@ def keep_shared(entries, chosen) -> list[int]:
 
 def report(path: Path, facts: dict, started: float, out: Path) -> None:
     """Write what the sample run measured, and end the process (nothing after the write matters to the estimate)."""
-    sizes = ({f.relative_to(out).as_posix(): f.stat().st_size for f in out.rglob("*") if f.is_file()}
-             if out.is_dir() else {out.name: out.stat().st_size} if out.exists() else {})
+    files = [f for f in out.rglob("*") if f.is_file()] if out.is_dir() else [out] if out.exists() else []
+    sizes = {(f.relative_to(out).as_posix() if out.is_dir() else f.name): f.stat().st_size for f in files}
     ended = time.time()
     import multiprocessing
 
     for child in multiprocessing.active_children():  # worker processes (a quantization pool): not left behind, and
         child.kill()  # reaped first, so that their peak RSS is counted
         child.join()
-    Path(path).write_text(json.dumps({**facts, "started": started, "ended": ended, "files": sizes, "peak_rss": peak()}))
+    heavy = [f for f in files if f.stat().st_size >= 1 << 20]  # the weights: what the disk's speed is timed on
+    throttle = writeback.measure(heavy, facts["bytes"])  # after ``ended``: not part of the sample's own time
+    Path(path).write_text(json.dumps({**facts, "started": started, "ended": ended, "files": sizes, "peak_rss": peak(),
+                                      "writeback": throttle}))
     os._exit(0)
 
 
