@@ -96,7 +96,7 @@ def _scaled(f: dict, begun: float) -> dict:
     writing = min(f.get("writing", streaming), streaming)  # the tensors' part of it: scaled; the rest is once a run
     computing = writing * (f["reads"] / f["sample_reads"] if f["sample_reads"] else 1.0)
     made = out_bytes - side  # at the rate the sample made them, or the disk's where the throttle holds the writer
-    written = writeback.seconds(made, made / computing, f.get("writeback")) if computing > 0 else computing
+    written = writeback.seconds(made, made / computing, f.get("writeback")) if computing > 0 < made else computing
     seconds = startup + (streaming - writing) + written
     return {"made": True, "output_bytes": out_bytes, "temporary_disk": out_bytes, "peak_rss": f["peak_rss"],
             "seconds": round(seconds, 2),

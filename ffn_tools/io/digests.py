@@ -13,8 +13,8 @@ window. Read in 1 MiB chunks, every chunk handed the GIL back and forth twice, a
 work (a conversion's imports and planning, a writer) waited out the other's switch interval each time: 0.10 GB/s
 against 3-4 GB/s alone. Windows of 32 MiB hash at 2.3-2.5 GB/s beside it (64 MiB: 2.7-3.1, at twice the RSS: a
 window's pages are resident while it is hashed; ``benchmarks/bench_hash.py``). A file that cannot be mapped (empty, a
-pipe) is read in chunks. ``threads``: BLAKE3's own threads for one file, where the cores
-are idle (an output's receipt).
+pipe) is read in chunks. ``threads``: BLAKE3's own threads for one file, where the cores are idle (an output's
+receipt, the last shard).
 """
 
 from __future__ import annotations
