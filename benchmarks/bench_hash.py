@@ -23,7 +23,7 @@ import blake3
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ffn_tools.io import digests  # noqa: E402
+from ffn_tools.io import digests, sample  # noqa: E402
 
 
 def chunks(path: Path) -> str:
@@ -61,13 +61,6 @@ def timed(fn, path: Path, beside: bool) -> tuple[float, str]:
             other.join()
 
 
-def peak_mb() -> float:
-    for row in Path("/proc/self/status").read_text().splitlines():
-        if row.startswith("VmHWM:"):
-            return int(row.split()[1]) / 1024
-    return float("nan")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("file", nargs="?", help="a file to hash (default: one of --gb random bytes under bench-data/)")
@@ -87,7 +80,7 @@ def main() -> None:
         assert dc == dm, "the two digests differ"
         print(f"{'beside a busy thread' if beside else 'alone':>21}: 1 MiB chunks {size / 1e9 / tc:5.2f} GB/s, "
               f"mapped windows {size / 1e9 / tm:5.2f} GB/s: {tc / tm:5.1f}x as fast")
-    print(f"peak RSS of this process: {peak_mb():.0f} MB")
+    print(f"peak RSS of this process: {sample.peak() / 2**20:.0f} MB")
 
 
 if __name__ == "__main__":
