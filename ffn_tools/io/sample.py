@@ -88,14 +88,15 @@ def keep_shared(entries, chosen) -> list[int]:
 def report(path: Path, facts: dict, started: float, out: Path) -> None:
     """Write what the sample run measured, and end the process (nothing after the write matters to the estimate)."""
     files = [f for f in out.rglob("*") if f.is_file()] if out.is_dir() else [out] if out.exists() else []
-    sizes = {(f.relative_to(out).as_posix() if out.is_dir() else f.name): f.stat().st_size for f in files}
+    size = {f: f.stat().st_size for f in files}
+    sizes = {(f.relative_to(out).as_posix() if out.is_dir() else f.name): size[f] for f in files}
     ended = time.time()
     import multiprocessing
 
     for child in multiprocessing.active_children():  # worker processes (a quantization pool): not left behind, and
         child.kill()  # reaped first, so that their peak RSS is counted
         child.join()
-    heavy = [f for f in files if f.stat().st_size >= 1 << 20]  # the weights: what the disk's speed is timed on
+    heavy = [f for f in files if size[f] >= 1 << 20]  # the weights: what the disk's speed is timed on
     throttle = writeback.measure(heavy, facts["bytes"])  # after ``ended``: not part of the sample's own time
     Path(path).write_text(json.dumps({**facts, "started": started, "ended": ended, "files": sizes, "peak_rss": peak(),
                                       "writeback": throttle}))
