@@ -20,10 +20,11 @@ import shutil
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from .io.dtypes import as_st, nbytes, short_name
+from .io.dtypes import as_st, nbytes, short_name, torch_dtype
 from .errors import FFNToolsError
 
 DEQUANTIZED = "ffn_tools_dequantized_from"  # safetensors metadata: the quantization weights were read from
@@ -59,6 +60,9 @@ class Entry:
         note: how it is made, for --dry-run ("rows 0:96 of X").
         reads: input bytes it consumes, for progress (None: its own size; a quantized weight reads more
             than it writes, its scales nothing).
+        into: ``compute`` again, for an elementwise output of one input (a cast): ``into(src, out)`` writes into
+            the flat tensor ``out`` the outputs of the flat input elements ``src``. Where the input's bytes lie in
+            a file, the executor then makes the output a chunk at a time in reused buffers (``io.chunked``).
     """
 
     name: str
@@ -69,6 +73,7 @@ class Entry:
     pieces: tuple[tuple[int, int, int], ...] | None
     note: str
     reads: int | None = None
+    into: Callable[[Any, Any], object] | None = None
 
     @property
     def st_dtype(self) -> str:
@@ -138,13 +143,18 @@ def _out_tensor(e: Entry, ckpt: Checkpoint, cache: dict) -> OutTensor:
                                f"planned {e.dtype}{list(e.shape)}")
         return out
 
+    stream = None
+    if e.into is not None and e.pieces is None and len(infos) == 1 and infos[0].start is not None:
+        from .io import chunked
+
+        stream = partial(chunked.chunks, infos[0], torch_dtype(e.dtype), e.into)
     start = None
     starts = [i.start for i in infos if i.start is not None]
     if e.pieces and len(starts) == len(infos):  # every input's bytes lie in its file: starts[k] is infos[k]'s
         k, off, _ = e.pieces[0]
         start = starts[k] + off
     return OutTensor(e.name, e.st_dtype, tuple(e.shape), e.nbytes, produce, start, e.reads,
-                     getattr(e.compute, "place", None))
+                     getattr(e.compute, "place", None), stream)
 
 
 def side_files(ckpt: Checkpoint) -> list[Path]:
@@ -287,7 +297,7 @@ def cast_entry(ckpt, name: str, dtype) -> Entry:
     if dtype is None or not info.dtype.is_floating_point or info.dtype == dtype:
         return copy_entry(ckpt, name)
     return Entry(name, dtype, info.shape, (name,), lambda ts: ts[0].to(dtype), None,
-                 f"cast {short_name(info.dtype)} -> {short_name(dtype)}")
+                 f"cast {short_name(info.dtype)} -> {short_name(dtype)}", into=lambda src, out: out.copy_(src))
 
 
 def unquantized_config(config: dict | None, target) -> tuple[dict | None, list[str]]:

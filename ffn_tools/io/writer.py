@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -58,6 +58,8 @@ class OutTensor:
     reads: int | None = None  # input bytes it consumes, for progress (None: its own size, as for a copy)
     place: Callable[[Path, int], None] | None = None  # told the file and absolute offset its bytes go to, once the
     # file is open and at its full size: a producer may write them there itself and then produce ``Placed``
+    stream: Callable[[], Iterable[Payload]] | None = None  # the same bytes as produce()'s, in chunks, each written
+    # before the next is asked for (its buffer may be reused: io.chunked); writers that take whole tensors ignore it
 
     @property
     def progress_bytes(self) -> int:
@@ -114,6 +116,12 @@ def write_file(path: Path, items: Sequence[OutTensor], metadata: dict | None, pr
             if not announced:
                 _announce(f, path, len(header), items)
             for t in items:
+                if t.stream is not None:
+                    _flush(f, pending, sources, progress)
+                    written = _stream(f, t, progress)
+                    if written != t.nbytes:
+                        raise RuntimeError(f"internal error: {t.name} produced {written} bytes, expected {t.nbytes}")
+                    continue
                 payload = t.produce()
                 if isinstance(payload, Placed):
                     _flush(f, pending, sources, progress)
@@ -140,6 +148,19 @@ def write_file(path: Path, items: Sequence[OutTensor], metadata: dict | None, pr
     finally:
         for src in sources.values():
             src.close()
+
+
+def _stream(f, t: OutTensor, progress: Progress | None) -> int:
+    """Write ``t``'s chunks (``OutTensor.stream``) one after the other; progress moves as they do."""
+    assert t.stream is not None
+    written = counted = 0
+    for chunk in t.stream():
+        written += _emit(f, chunk)
+        if progress and t.nbytes:
+            now = min(written, t.nbytes) * t.progress_bytes // t.nbytes
+            progress.update(now - counted)
+            counted = now
+    return written
 
 
 def _header(items: Sequence[OutTensor], metadata: dict | None) -> bytes:
