@@ -15,11 +15,11 @@ largest process of its tree, as the estimate measures its sample), its output's 
 estimate over the measured value (target: within 0.8-1.2 for output bytes, temporary disk, peak RSS and time).
 
 Every run, the estimate's included, starts ``--settle`` seconds after the previous output was removed and synced. On
-a virtual machine whose balloon reports free pages to its host (this one: ``page_reporting()``), the host takes back
-memory freed a few seconds ago, and the next write into the page cache faults every page in again on the host: 4 GB
-written with ``dd`` took 2.3 s right after an ``rm`` of 4 GB, 6.0 s 5 s after, and 12.1 s 20 s after. A run's time
-then depends on how long ago the last one ended; settled, every run (and the sample) writes as a run on an idle
-machine does (docs/performance.md#dry-run-estimates).
+a virtual machine whose balloon reports free pages to its host (this one: ``bench_scale.page_reporting()``), the host
+takes back memory freed a few seconds ago, and the next write into the page cache faults every page in again on the
+host: 4 GB written with ``dd`` took 2.3 s right after an ``rm`` of 4 GB, 6.0 s 5 s after, and 12.1 s 20 s after. A
+run's time then depends on how long ago the last one ended; settled, every run (and the sample) writes as a run on
+an idle machine does (docs/performance.md#dry-run-estimates).
 
     .venv/bin/python benchmarks/bench_estimate.py --gb 1 4 [--commands split cast mlx4] [--repeat 3] [--keep]
 """
@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,25 +45,6 @@ COMMANDS = {
     "mlx4": lambda src, out: ["convert", str(src), "--to", "mlx", "-q", "-o", str(out)],
 }
 BAND = (0.8, 1.2)
-BALLOON = 0x0005  # virtio device id of a memory balloon
-REPORTING = 5  # its VIRTIO_BALLOON_F_REPORTING feature bit
-
-
-def page_reporting() -> bool:
-    """Whether a virtio balloon here reports free pages to the host (which then drops them)."""
-    for dev in Path("/sys/bus/virtio/devices").glob("*"):
-        try:
-            if int((dev / "device").read_text(), 16) == BALLOON and (dev / "features").read_text()[REPORTING] == "1":
-                return True
-        except (OSError, ValueError, IndexError):
-            continue
-    return False
-
-
-def settle(seconds: float) -> None:
-    """Every earlier write on the disk, and the memory it freed given back to the host (see the module docstring)."""
-    os.sync()
-    time.sleep(seconds)
 
 
 def run_rss(cmd: list[str]) -> tuple[float, int, str]:
@@ -89,7 +68,7 @@ def main() -> None:
                     help="seconds between one run's end and the next's start (default: 30 where free pages are "
                     "reported to a host, else 0)")
     args = ap.parse_args()
-    reporting = page_reporting()
+    reporting = bench_scale.page_reporting()
     wait = args.settle if args.settle is not None else 30.0 if reporting else 0.0
     print(f"free page reporting: {'on' if reporting else 'off'}; settling {wait:.0f} s before each run", flush=True)
     rows = []
@@ -105,7 +84,7 @@ def main() -> None:
             out = DATA / f"estimate-out-{name}"
             shutil.rmtree(out, ignore_errors=True)
             cmd = [FFN, "-q", *COMMANDS[name](src, out)]
-            settle(wait)  # every run starts with no earlier run's writes still going to the disk
+            bench_scale.settle(wait)  # every run starts with no earlier run's writes still going to the disk
             _, _, text = run_rss([*cmd, "--dry-run", "--json"])
             est = json.loads(text)["estimate"]
             if not est["made"]:
@@ -113,7 +92,7 @@ def main() -> None:
             times, rss = [], 0
             for _ in range(args.repeat):  # this machine's runs: their median time (the run an estimate predicts;
                 shutil.rmtree(out, ignore_errors=True)  # the same 4 GB cast took 11.9 to 19.2 s), the largest RSS
-                settle(wait)
+                bench_scale.settle(wait)
                 t, r, _ = run_rss(cmd)
                 times.append(t)
                 rss = max(rss, r)

@@ -188,6 +188,12 @@ for root in (a, b):
 
 def timed(cmd: list[str]) -> tuple[float, float, str]:
     """Run ``cmd`` in a fresh process: (seconds, its peak RSS in MB from wait4, its stdout)."""
+    dt, usage, out = timed_usage(cmd)
+    return dt, usage.ru_maxrss / 1024, out
+
+
+def timed_usage(cmd: list[str]):
+    """Run ``cmd`` in a fresh process: (seconds, its ``resource.struct_rusage`` from wait4, its stdout)."""
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     chunks: dict[str, list[bytes]] = {"out": [], "err": []}
@@ -208,7 +214,30 @@ def timed(cmd: list[str]) -> tuple[float, float, str]:
     out, err = (b"".join(chunks[k]).decode() for k in ("out", "err"))
     if code != 0:
         raise SystemExit(f"{' '.join(map(str, cmd[:4]))} ... exited {code}:\n{out[-3000:]}\n{err[-3000:]}")
-    return dt, usage.ru_maxrss / 1024, out
+    return dt, usage, out
+
+
+BALLOON = 0x0005  # virtio device id of a memory balloon
+REPORTING = 5  # its VIRTIO_BALLOON_F_REPORTING feature bit
+
+
+def page_reporting() -> bool:
+    """Whether a virtio balloon here reports free pages to the host (which then drops them)."""
+    for dev in Path("/sys/bus/virtio/devices").glob("*"):
+        try:
+            if int((dev / "device").read_text(), 16) == BALLOON and (dev / "features").read_text()[REPORTING] == "1":
+                return True
+        except (OSError, ValueError, IndexError):
+            continue
+    return False
+
+
+def settle(seconds: float) -> None:
+    """Every earlier write on the disk, and the memory it freed given back to the host: on a virtual machine whose
+    balloon reports free pages (``page_reporting``), a write into memory freed a few seconds ago is fast, and one into
+    memory the host took back faults every page in again (bench_estimate.py's docstring has the figures)."""
+    os.sync()
+    time.sleep(seconds)
 
 
 def _warm(path: Path) -> None:

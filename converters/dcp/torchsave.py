@@ -17,6 +17,8 @@ import pickle
 import struct
 from dataclasses import dataclass
 
+from ffn_tools.io.writer import write_all
+
 LOCAL, CENTRAL, EOCD = b"PK\x03\x04", b"PK\x01\x02", b"PK\x05\x06"
 _STORAGES = {"BFloat16Storage", "HalfStorage", "FloatStorage", "DoubleStorage", "LongStorage", "IntStorage",
              "ShortStorage", "CharStorage", "ByteStorage", "BoolStorage", "UntypedStorage"}
@@ -284,9 +286,7 @@ class _Zip:
 
 
 def _write(f, data) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        view = view[f.write(view):]
+    write_all(f, memoryview(data).cast("B"))
 
 
 def write(f, dtype: str, shape: tuple[int, ...], blocks, nbytes: int, zip64: bool | None = None) -> None:

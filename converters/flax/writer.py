@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ffn_tools.io.dtypes import itemsize, torch_dtype
 from ffn_tools.errors import CheckpointError
-from ffn_tools.io.writer import ByteRange, OutTensor, Sources, Writer, copy_ranges, cut_ranges
+from ffn_tools.io.writer import ByteRange, OutTensor, Sources, Writer, copy_ranges, cut_ranges, write_all
 
 from . import msgpack_format as flax_msgpack
 from .msgpack_format import CHUNKED, DTYPE_NAMES, EXT_NDARRAY
@@ -230,7 +230,7 @@ class _Sink:
         self.head += b
 
     def flush(self) -> None:
-        _write_all(self.f, memoryview(self.head))
+        write_all(self.f, memoryview(self.head))
         self.head = bytearray()
 
     def data(self, payload: memoryview | list[ByteRange], start: int, n: int) -> None:
@@ -239,16 +239,11 @@ class _Sink:
         if isinstance(payload, list):
             copy_ranges(self.f, cut_ranges(payload, start, n), self.sources, self.progress)
         else:
-            _write_all(self.f, payload[start: start + n])
+            write_all(self.f, payload[start: start + n])
 
     def close(self) -> None:
         for src in self.sources.values():
             src.close()
-
-
-def _write_all(f, view: memoryview) -> None:
-    while view:
-        view = view[f.write(view):]
 
 
 def _write_node(sink: _Sink, node: dict) -> None:

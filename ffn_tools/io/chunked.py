@@ -39,7 +39,7 @@ def chunks(info: TensorInfo, out_dtype: "torch.dtype", into: Callable[["torch.Te
     import torch
 
     if info.start is None:
-        raise RuntimeError(f"internal error: {info.name} is streamed in chunks but its bytes are not in a file as stored")
+        raise RuntimeError(f"internal error: {info.name} is streamed in chunks, but its bytes are not in a file")
     size = info.dtype.itemsize
     per = max(1, (step or CHUNK_BYTES) // size)  # elements per chunk
     total = info.nbytes // size

@@ -4,9 +4,11 @@ Linux lets a process dirty page-cache pages as fast as it makes them until the d
 point, halfway between the background threshold (``vm.dirty_background_ratio`` or ``_bytes``) and the limit
 (``vm.dirty_ratio`` or ``_bytes``) of the dirtyable memory (free pages and the file cache); the flusher writes them
 back from the background threshold on, and past the freerun point ``balance_dirty_pages`` holds writers to the
-speed it writes them back at. A sample run writes far less than that point and never meets it; a 4 GB cast on one
-machine of this kind met it after ~3 GB and then waited on a 0.36 GB/s disk for most of its 11 s; on another the disk
-took 2.5-3.3 GB/s and no command here waits (docs/performance.md#dry-run-estimates).
+speed it writes them back at. A sample run writes far less than that point and never meets it, so where the whole
+output would pass it the sample times the disk. On this project's machines the disk took 2.5-3.3 GB/s and no command
+waits on it: the slow writes once put down to this throttle (0.36 GB/s in a 4 GB cast) were the host of the virtual
+machine faulting in again page-cache pages it had taken back, which the sample meets as the run does
+(docs/performance.md#dry-run-estimates).
 
 ``measure`` (in the sample run) reads the thresholds and the dirty pages now, and, only where the whole output would
 pass the freerun point, times the disk: the sample's own output flushed with ``fsync`` (its bytes over the time

@@ -112,7 +112,7 @@ def write_file(path: Path, items: Sequence[OutTensor], metadata: dict | None, pr
     pending: list[ByteRange] = []
     try:
         with open(path, "r+b" if announced else "wb", buffering=0) as f:
-            _write_all(f, memoryview(header))
+            write_all(f, memoryview(header))
             if not announced:
                 _announce(f, path, len(header), items)
             for t in items:
@@ -176,7 +176,7 @@ def prepare(path: Path, items: Sequence[OutTensor], metadata: dict | None) -> bo
         return False
     header = _header(items, metadata)
     with open(path, "wb", buffering=0) as f:
-        _write_all(f, memoryview(header))
+        write_all(f, memoryview(header))
         _announce(f, path, len(header), items)
     return True
 
@@ -329,17 +329,26 @@ def copy_ranges(f, ranges: Sequence[ByteRange], sources: Sources, progress: Prog
     _flush(f, list(ranges), sources, progress)
 
 
-def _write_all(f, view: memoryview) -> None:
+WRITE_STEP = 256 << 10  # bytes per write call (see write_at)
+
+
+def write_all(f, view: memoryview) -> None:
+    """All of ``view`` appended to the unbuffered binary file ``f``, ``WRITE_STEP`` bytes a call (see ``write_at``):
+    for every writer of a weight file."""
     while view:
-        n = f.write(view)
+        n = f.write(view[:WRITE_STEP])
         view = view[n:]
 
 
 def write_at(fd: int, view: memoryview, offset: int) -> None:
     """All of ``view`` into the open file ``fd`` at ``offset`` (``pwrite``): for producers that write their bytes
-    at their place themselves (``OutTensor.place``, GGUF's chunk writer)."""
+    at their place themselves (``OutTensor.place``, GGUF's chunk writer).
+
+    At most ``WRITE_STEP`` bytes a call: the page cache takes a write in folios as large as the write, and on a virtual
+    machine whose host takes back free memory (free page reporting) large folios come from memory the host must fault
+    in again: 2 GB written 8 MiB at a time took 6.2 s there, 256 KiB at a time 0.5 s (docs/performance.md#writes)."""
     while view:
-        n = os.pwrite(fd, view, offset)
+        n = os.pwrite(fd, view[:WRITE_STEP], offset)
         view, offset = view[n:], offset + n
 
 
@@ -352,7 +361,7 @@ def _emit(f, payload: Payload) -> int:
     if np is not None and isinstance(payload, np.ndarray):
         payload = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
     view = memoryview(payload).cast("B")
-    _write_all(f, view)
+    write_all(f, view)
     return len(view)
 
 
@@ -377,7 +386,7 @@ def _copy_range(f, src, r: ByteRange, progress: Progress | None = None) -> None:
             chunk = src.read(min(left, 64 << 20))
             if not chunk:
                 raise OSError(f"{r.file}: ended early while copying") from None
-            _write_all(f, memoryview(chunk))
+            write_all(f, memoryview(chunk))
             left -= len(chunk)
             if progress:
                 progress.update(len(chunk))
