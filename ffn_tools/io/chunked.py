@@ -21,7 +21,8 @@ from .store import TensorInfo, read_into
 if TYPE_CHECKING:
     import torch
 
-CHUNK_BYTES = 8 << 20  # input bytes per chunk: 2 x 8 MiB held; larger chunks measured no faster (docs/performance.md)
+CHUNK_BYTES = 8 << 20  # input bytes per chunk. A settled 4 GB cast, twice each: 1 MiB 6.2-6.7 s (50 MB less RSS, 0.4
+# CPU-s more), 8 MiB 5.8-6.7 s, 32 MiB 6.2-7.3 s (more system time) (docs/performance.md#casts)
 
 
 def chunks(info: TensorInfo, out_dtype: "torch.dtype", into: Callable[["torch.Tensor", "torch.Tensor"], object],
