@@ -48,7 +48,7 @@ def chunks(info: TensorInfo, out_dtype: "torch.dtype", into: Callable[["torch.Te
         return
     src_buf = torch.empty(min(per, total), dtype=info.dtype)
     out_buf = torch.empty(min(per, total), dtype=out_dtype)
-    raw = memoryview(src_buf.view(torch.uint8).numpy())
+    raw = src_buf.view(torch.uint8).numpy().data  # its memoryview: pread fills the buffer in place
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
