@@ -42,7 +42,7 @@ def _manifest(orig):
     return staticmethod(f)
 
 
-writer._write_all = _counted(writer._write_all)
+writer.write_all = _counted(writer.write_all)
 writer._copy_range = _counted(writer._copy_range)
 resume.Ledger._write = _manifest(resume.Ledger._write)
 if MANIFESTS:
