@@ -30,7 +30,7 @@ import mlx.core as mx
 
 from ffn_tools.io.dtypes import itemsize, nbytes
 from ffn_tools.io.raw import RawTensor  # noqa: F401 - re-exported: the MLX modules' tensors
-from ffn_tools.io.store import read_into
+from ffn_tools.io.chunked import read_chunks
 from ffn_tools.io.writer import Placed, write_at
 
 if TYPE_CHECKING:
@@ -98,13 +98,8 @@ def row_chunks(ckpt, name: str, max_bytes: int | None = None, first: int = 0,
         return
     step = max(1, max_bytes // row_bytes)
     if info.start is not None:
-        buf = memoryview(bytearray(min(step, last - first) * row_bytes))
-        with open(info.file, "rb", buffering=0) as f:
-            for r in range(first, last, step):
-                n = min(step, last - r)
-                view = buf[:n * row_bytes]
-                read_into(f.fileno(), view, info.start + r * row_bytes, info.file)
-                yield view, n
+        for view in read_chunks(info, step * row_bytes, first * row_bytes, last * row_bytes):
+            yield view, len(view) // row_bytes
         return
     data = memoryview(ckpt.read_raw(name))  # decoded by the reader (torch only where it needs it)
     for r in range(first, last, step):

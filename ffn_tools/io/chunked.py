@@ -25,6 +25,30 @@ CHUNK_BYTES = 8 << 20  # input bytes per chunk. A settled 4 GB cast, twice each:
 # CPU-s more), 8 MiB 5.8-6.7 s, 32 MiB 6.2-7.3 s (more system time) (docs/performance.md#casts)
 
 
+def read_chunks(info: TensorInfo, step: int, begin: int = 0, end: int | None = None) -> Iterator[memoryview]:
+    """Bytes ``begin:end`` (default all) of the tensor ``info``, whose bytes lie in ``info.file`` from ``info.start``,
+    ``step`` bytes a chunk, each read with ``pread`` into one buffer used again for the next (no fresh pages to fault
+    in for each): a chunk holds until the next is asked for. For every reader of a tensor in pieces (a cast
+    here, 4-bit MLX's rows).
+
+    Raises:
+        OSError: the file ends early.
+    """
+    if info.start is None:
+        raise RuntimeError(f"internal error: {info.name} is read in chunks, but its bytes are not in a file")
+    end = info.nbytes if end is None else end
+    if end <= begin:
+        return
+    import numpy as np
+
+    buf = np.empty(min(step, end - begin), dtype=np.uint8).data  # not zeroed: every byte of a chunk is read over
+    with open(info.file, "rb", buffering=0) as f:
+        for at in range(begin, end, step):
+            view = buf[: min(step, end - at)]
+            read_into(f.fileno(), view, info.start + at, info.file)
+            yield view
+
+
 def chunks(info: TensorInfo, out_dtype: "torch.dtype", into: Callable[["torch.Tensor", "torch.Tensor"], object],
            step: int | None = None) -> Iterator["torch.Tensor"]:
     """The output of ``into`` for the tensor ``info`` (whose bytes lie in ``info.file`` from ``info.start``), a flat
@@ -39,25 +63,16 @@ def chunks(info: TensorInfo, out_dtype: "torch.dtype", into: Callable[["torch.Te
     """
     import torch
 
-    if info.start is None:
-        raise RuntimeError(f"internal error: {info.name} is streamed in chunks, but its bytes are not in a file")
     size = info.dtype.itemsize
     per = max(1, (step or CHUNK_BYTES) // size)  # elements per chunk
-    total = info.nbytes // size
-    if not total:
-        return
-    src_buf = torch.empty(min(per, total), dtype=info.dtype)
-    out_buf = torch.empty(min(per, total), dtype=out_dtype)
-    raw = src_buf.view(torch.uint8).numpy().data  # its memoryview: pread fills the buffer in place
+    out_buf = torch.empty(min(per, max(info.nbytes // size, 1)), dtype=out_dtype)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with open(info.file, "rb", buffering=0) as f:
-            for first in range(0, total, per):
-                n = min(per, total - first)
-                read_into(f.fileno(), raw[: n * size], info.start + first * size, info.file)
-                out = out_buf[:n]
-                into(src_buf[:n], out)
-                yield out
+        for raw in read_chunks(info, per * size):
+            src = torch.frombuffer(raw, dtype=info.dtype)
+            out = out_buf[: len(src)]
+            into(src, out)
+            yield out
     finally:
         torch.set_num_threads(threads)
