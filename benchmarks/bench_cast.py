@@ -79,11 +79,10 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=4.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--transformers", action="store_true", help="also time transformers' load-and-save")
-    ap.add_argument("--settle", type=float, default=None,
-                    help="seconds between runs (default: 30 where free pages are reported to a host, else 0)")
+    ap.add_argument("--settle", type=float, default=None, help=bench_scale.SETTLE_HELP)
     ap.add_argument("--keep", action="store_true", help="keep the built checkpoint")
     args = ap.parse_args()
-    wait = args.settle if args.settle is not None else 30.0 if bench_scale.page_reporting() else 0.0
+    wait = bench_scale.settle_seconds(args.settle)
     layers = bench_scale.layers_for("phi3", args.gb)
     src = DATA / f"estimate-phi3-{layers}l"  # bench_estimate.py's: one build serves both
     subprocess.run([sys.executable, "-P", "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "

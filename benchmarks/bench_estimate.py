@@ -64,13 +64,11 @@ def main() -> None:
     ap.add_argument("--commands", nargs="+", choices=sorted(COMMANDS), default=list(COMMANDS))
     ap.add_argument("--keep", action="store_true", help="keep the built checkpoints")
     ap.add_argument("--repeat", type=int, default=3, help="real runs per command (their median time is compared)")
-    ap.add_argument("--settle", type=float, default=None,
-                    help="seconds between one run's end and the next's start (default: 30 where free pages are "
-                    "reported to a host, else 0)")
+    ap.add_argument("--settle", type=float, default=None, help=bench_scale.SETTLE_HELP)
     args = ap.parse_args()
-    reporting = bench_scale.page_reporting()
-    wait = args.settle if args.settle is not None else 30.0 if reporting else 0.0
-    print(f"free page reporting: {'on' if reporting else 'off'}; settling {wait:.0f} s before each run", flush=True)
+    wait = bench_scale.settle_seconds(args.settle)
+    print(f"free page reporting: {'on' if bench_scale.page_reporting() else 'off'}; settling {wait:.0f} s before each "
+          "run", flush=True)
     rows = []
     for gb in args.gb:
         layers = bench_scale.layers_for("phi3", gb)

@@ -232,6 +232,16 @@ def page_reporting() -> bool:
     return False
 
 
+SETTLE = 30.0  # seconds a run waits for the memory the last one freed to go back to the host (see ``settle``)
+SETTLE_HELP = ("seconds between one run's end and the next's start (default: 30 where free pages are reported to a "
+               "host, else 0)")
+
+
+def settle_seconds(given: float | None) -> float:
+    """A benchmark's ``--settle``: as given, else ``SETTLE`` where free pages are reported (``page_reporting``)."""
+    return given if given is not None else SETTLE if page_reporting() else 0.0
+
+
 def settle(seconds: float) -> None:
     """Every earlier write on the disk, and the memory it freed given back to the host: on a virtual machine whose
     balloon reports free pages (``page_reporting``), a write into memory freed a few seconds ago is fast, and one into
