@@ -255,8 +255,7 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
                     except BaseException:
                         ledger.close(failed=True)
                         raise
-                    ledger.close()
-                    ledger.remove()
+                    ledger.close()  # the ledger stays until the output moves into place (atomic_output removes it)
                     if ledger.reused:
                         log.info("--resume: kept %d finished shard(s) of %d", len(ledger.reused), len(written))
                 facts["writing"] = time.time() - writing  # the sample's time that scales with its bytes (io.sample)

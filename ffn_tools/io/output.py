@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import re
 import shutil
@@ -23,6 +24,8 @@ from ..progress import say
 from ..sizes import human
 from . import receipt, resume, sample
 from .store import WEIGHT_SUFFIXES
+
+log = logging.getLogger(__name__)
 
 
 def check_output(out: Path, inputs: list[Path], force: bool, replaceable=None) -> None:
@@ -183,10 +186,12 @@ NOT_RESUMABLE = ("--resume continues a directory of safetensors shards (split-ga
 def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | None = None,
                   resume_key: str | None = None, sources: list[Path] | None = None,
                   distributed: bool = False) -> Iterator[Path]:
-    """Yield a temporary path beside ``out``; on success it replaces ``out``, on failure (an exception,
-    Ctrl-C, SIGTERM) it is removed. Temporaries that killed processes left for ``out`` are removed first,
-    except, under ``--resume`` (``resume.REQUESTED``), the newest whose ledger has ``resume_key``: that one is
-    yielded, its finished shards in it (see ``resume``).
+    """Yield a temporary path beside ``out``; on success it replaces ``out``, on failure (an exception) it is
+    removed. Interrupted (Ctrl-C, or SIGTERM / SIGHUP, which the CLI raises as a ``KeyboardInterrupt``), it is kept
+    where its resume ledger has finished shards (``kept_for_resume``), else removed. Temporaries that killed or
+    interrupted processes left for ``out`` are removed first, except, under ``--resume`` (``resume.REQUESTED``), the
+    newest whose ledger has ``resume_key``: that one is yielded, its finished shards in it (see ``resume``); where
+    there is none, a line says so.
 
     The caller creates a file or a directory at the yielded path (a directory may already be there).
 
@@ -224,6 +229,9 @@ def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | N
             os.replace(kept, tmp)
             say(f"{out}: --resume: continuing the unfinished output {kept.name} "
                 f"({counted(resume.finished_shards(tmp), 'shard')} finished, each checked before reuse)")
+        elif resuming:
+            say(f"{out}: --resume: no unfinished output of this same run was left (by a killed or interrupted run); "
+                "writing it from the start")
         hashing = receipt.Sources(inputs if sources is None else sources, sample.STREAMING.get() or None)
         beside = out.parent / f".{out.name}.tmp-{tag}.{receipt.NAME}"  # a one-file output's receipt, until in place
         try:
@@ -241,11 +249,14 @@ def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | N
             if e.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
                 raise OutputError(f"{out}: cannot write ({e.strerror}); choose another -o path") from None
             raise
-        except BaseException:
+        except BaseException as e:
             hashing.stop()
-            _remove(tmp)
+            if not (resume_key is not None and isinstance(e, KeyboardInterrupt) and kept_for_resume(out, tmp)):
+                _remove(tmp)
             beside.unlink(missing_ok=True)
             raise
+        if tmp.is_dir():
+            resume.remove_ledger(tmp)  # last: a kill before the rename leaves every finished shard to --resume
         if out.exists() or out.is_symlink():
             old = out.parent / f".{out.name}.old-{tag}"
             os.replace(out, old)
@@ -258,3 +269,14 @@ def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | N
             os.replace(beside, side)
         else:
             side.unlink(missing_ok=True)  # an earlier one-file output's, which this directory replaced
+
+
+def kept_for_resume(out: Path, tmp: Path) -> bool:
+    """Whether the temporary output ``tmp`` of an interrupted run is kept for ``--resume`` (its ledger has finished
+    shards), said in one line on stderr whatever ``--quiet`` says (it leaves files on the disk): where it is, how to
+    continue, how to discard it."""
+    if not (n := resume.finished_shards(tmp)):
+        return False
+    log.warning("%s: interrupted: kept %s in %s; the same command with --resume continues from them, without "
+                "--resume (or rm -r %s) discards them", out, counted(n, "finished shard"), tmp, tmp)
+    return True

@@ -32,7 +32,7 @@ from contextvars import ContextVar
 from pathlib import Path
 
 from .digests import ALGORITHM, ALGORITHMS, file_digest, hash_into
-from .resume import tool_version
+from .resume import LEDGER, tool_version
 
 NAME = "ffn-tools-receipt.json"
 VERSION = 2  # 1: SHA-256 digests (read still: ``DIGESTS``)
@@ -154,7 +154,8 @@ def output_files(path: Path, name: str | None = None) -> list[tuple[str, Path]]:
     gives them: relative to the directory, or the output's own name for one file (``name``: its name once in place,
     where ``path`` is its temporary)."""
     if path.is_dir():
-        return sorted((f.relative_to(path).as_posix(), f) for f in path.rglob("*") if f.is_file() and f.name != NAME)
+        return sorted((f.relative_to(path).as_posix(), f) for f in path.rglob("*")
+                      if f.is_file() and f.name != NAME and LEDGER not in f.relative_to(path).parts)  # removed last
     return [(name or path.name, path)]
 
 

@@ -15,9 +15,12 @@ fuse-gateup, merge, extract, convert --to torch and --to mlx) keeps, in its temp
 A process killed in any way (SIGKILL included: nothing of it runs) leaves its temporary directory
 ``.OUT.tmp-PID-TAG``. ``--resume`` adopts the newest such directory of a process that no longer runs whose
 ``plan.json`` has this run's key; a shard is reused only when its manifest says this key and its bytes hash, read
-again, to the recorded digest; every other shard is written again. The ledger is removed before the output is
-moved into place, so a resumed output is byte-identical to an uninterrupted one, file for file. Without
-``--resume``, such a directory is removed as before, and a line says what was thrown away.
+again, to the recorded digest; every other shard is written again. A run ended by a signal it can handle (Ctrl-C,
+SIGTERM, SIGHUP: ``output.atomic_output``) keeps its temporary directory too, where the ledger has finished shards,
+and says so in one line. The ledger is removed last (``remove_ledger``: after the side files and the receipt, just
+before the output is moved into place), so a kill in the end phase loses no finished shard, and a resumed output is
+byte-identical to an uninterrupted one, file for file. Without ``--resume``, such a directory is removed as before,
+and a line says what was thrown away; ``--resume`` with no such directory of this run says so, and writes it all.
 
 ``REQUESTED`` carries the flag from the command (``api``) to the one place that writes (``output.atomic_output``):
 an output that cannot be continued (one file, GGUF, Orbax, DCP, Flax, an adapter) refuses ``--resume`` up front.
@@ -129,7 +132,7 @@ class Ledger:
     bytes as recorded); ``finished(name)`` queues the shard just closed for hashing and its manifest;
     ``close()`` waits for the shards queued (their digests are the receipt's, ``io.receipt``: the last one is
     the only shard hashed after the writing), or, where the writing failed, stops; ``remove()`` deletes the
-    ledger (before the output moves into place).
+    ledger (``atomic_output`` does, last, just before the output moves into place: ``remove_ledger``).
     """
 
     def __init__(self, tmp: Path, key: str):
@@ -212,6 +215,16 @@ class Ledger:
             raise self._error
 
     def remove(self) -> None:
-        for p in self.dir.iterdir():
-            p.unlink()
-        self.dir.rmdir()
+        remove_ledger(self.tmp)
+
+
+def remove_ledger(tmp: Path) -> None:
+    """Delete the ledger of the temporary output ``tmp``, if it has one: the last step before ``tmp`` is moved into
+    place (``output.atomic_output``), so a kill before it leaves every finished shard to ``--resume``. The run's key
+    goes last: a kill half-way through leaves a ledger whose remaining shards still count."""
+    d = tmp / LEDGER
+    if not d.is_dir():
+        return
+    for p in sorted(d.iterdir(), key=lambda p: p.name == "plan.json"):
+        p.unlink()
+    d.rmdir()
