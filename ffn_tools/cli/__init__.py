@@ -63,8 +63,10 @@ def missing_package(e: ImportError) -> str | None:
     return f"this needs {name}, which is not installed here: pip install '{EXTRAS[name]}'"
 
 
-class Interrupted(BaseException):
-    """The command was stopped by a signal (SIGINT is KeyboardInterrupt); exit status 128 + its number."""
+class Interrupted(KeyboardInterrupt):
+    """The command was stopped by SIGTERM or SIGHUP (SIGINT is KeyboardInterrupt itself); exit status 128 + its
+    number. A KeyboardInterrupt, so everything on the way out treats it as Ctrl-C (an interrupted output keeps its
+    finished shards for --resume: ``io.output.atomic_output``)."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -90,7 +92,7 @@ class Group(click.Group):
             if as_json and not isinstance(e, Trouble):
                 click.echo(json.dumps({"error": e.format_message()}))
             raise
-        except (KeyboardInterrupt, Interrupted) as e:  # temporary outputs are already removed on the way here
+        except KeyboardInterrupt as e:  # temporary outputs are removed (or kept for --resume) on the way here
             import signal
 
             signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
@@ -131,8 +133,8 @@ def cli(quiet: bool, verbose: bool, config: str | None) -> None:
 
     Exit status, every command: 0 done (verify: everything agrees); 1 verify found a difference; 2 could
     not run (bad input or option, an I/O error, a missing optional package); 130 interrupted (Ctrl-C),
-    143 terminated (SIGTERM), 129 hung up (SIGHUP): the temporary output is removed, and under --json
-    stdout says {"error": "interrupted"}.
+    143 terminated (SIGTERM), 129 hung up (SIGHUP): the temporary output is removed (its finished shards
+    are kept for --resume, and a line says where), and under --json stdout says {"error": "interrupted"}.
     """
     from ..io.store import give_config
 
@@ -445,8 +447,8 @@ cli.add_command(verify_command)
 
 
 def _terminate(signum, frame):
-    """SIGTERM / SIGHUP end the command like Ctrl-C: temporary outputs are removed on the way out, and the
-    exit status is 128 + the signal's number (143, 129)."""
+    """SIGTERM / SIGHUP end the command like Ctrl-C: temporary outputs are removed (or kept for --resume) on the
+    way out, and the exit status is 128 + the signal's number (143, 129)."""
     raise Interrupted(signum)
 
 
