@@ -271,9 +271,9 @@ def _generation(report: VerifyReport, a, b, ca, cb, clients, recipe, allow_confi
         if res.not_judged:  # the statistics are reported; with no floor they are no verdict
             report.incomplete.append(f"--generate: not judged: {res.not_judged}")
         return res
-    except FFNToolsError as e:
+    except FFNToolsError as e:  # said where the check's line is: a FAIL's verdict names another failure
         report.incomplete.append(str(e))
-        return AgreementResult(skipped="a client could not run its model here (see above)")
+        return AgreementResult(skipped=str(e))
 
 
 def _outside(ca, cb, fa: FFNSet, fb: FFNSet, ffn_only: bool, atol, rtol, elsewhere) -> OutsideResult:
