@@ -5,22 +5,25 @@ Every verify keeps a ledger of its FFN steps (``steps.check_pairs``) in this use
 own; a cache that cannot be written only leaves nothing to resume from): ``plan.json`` (the key: the tool's version and
 its libraries' installs, both sides' files with their sizes and modification times, every option that shapes the
 results, the steps planned) and, per finished step, ``step-K.json`` with its results (written atomically, once the
-step is done). The ledger is removed when verify ends, whatever the end, but a kill that leaves no chance to clean up
-(SIGKILL, the OOM killer, a lost machine). ``--resume`` then reuses the results of every finished step of the same
-key (the first FFN of each kind excepted: the kernel backends run it afterwards from what it computed, so it runs
-again), and runs the rest; the report is an uninterrupted run's but for the wall times of the steps run again.
-``--resume`` takes the newest ledger of the key whose process no longer runs; without it, such ledgers are removed,
-and a line says so.
+step is done). The ledger is removed when verify ends, except where an interruption (Ctrl-C, SIGTERM, SIGHUP) ended
+it after some steps were finished (kept, and a line says where and how to continue or discard it) or a kill left no
+chance to clean up (SIGKILL, the OOM killer, a lost machine). ``--resume`` then reuses the results of every
+finished step of the same key (the first FFN of each kind excepted: the kernel backends run it afterwards from what
+it computed, so it runs again), and runs the rest; the report is an uninterrupted run's but for the wall times of the
+steps run again. ``--resume`` takes the newest ledger of the key whose process no longer runs (where there is none,
+or it has no finished step, a line says so); without it, such ledgers are removed, and a line says so.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from contextvars import ContextVar
 from pathlib import Path
 
+from ..errors import counted
 from ..ffn import FFNRef
 from ..io.cache import cache_dir
 from ..io.output import alive
@@ -32,6 +35,8 @@ from .report import BackendResult, FFNResult
 # (key of this verify, whether --resume was asked): set by the API's verify, read by the steps
 RUN: ContextVar[tuple[str, bool] | None] = ContextVar("ffn_tools_verify_run", default=None)
 NOT_OPTIONS = ("resume", "ray")  # how verify runs, not what it finds
+
+log = logging.getLogger(__name__)
 
 
 def key(a, b, options: dict) -> str:
@@ -89,11 +94,18 @@ class StepLedger:
             if said:
                 say(f"verify: removed what a killed run of this same verify had finished ({said} FFN steps); "
                     "--resume continues one")
+        if resuming and not self.steps():
+            say("verify --resume: no FFN step of this same verify was left finished (by a killed or interrupted run); "
+                "running every step")
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             Ledger._write(self.dir / "plan.json", {"key": self.key})
         except OSError:
             self.kept = False  # no cache to write to: nothing to resume from, the verify itself unchanged
+
+    def steps(self) -> int:
+        """How many finished steps the ledger holds."""
+        return len(list(self.dir.glob("step-*.json")))
 
     def done(self, k: int) -> list[FFNResult] | None:
         """Step ``k``'s results, where a killed run of this key finished it."""
@@ -119,3 +131,14 @@ class StepLedger:
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def leave(self, exc_type, exc, tb) -> None:
+        """Verify's end (an ``ExitStack``'s exit callback): the ledger is removed, but where an interruption (Ctrl-C;
+        SIGTERM, SIGHUP as the CLI raises them) ended it after finished steps: kept for ``--resume``, said in one line
+        on stderr whatever ``--quiet`` says (it leaves files on the disk)."""
+        if isinstance(exc, KeyboardInterrupt) and self.kept and (n := self.steps()):
+            log.warning("verify: interrupted: kept the %s it had finished in %s; the same verify with --resume "
+                        "continues from them, without --resume (or rm -r %s) discards them",
+                        counted(n, "FFN step"), self.dir, self.dir)
+            return
+        self.remove()

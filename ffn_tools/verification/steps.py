@@ -240,7 +240,7 @@ def check_pairs(report: VerifyReport, ca, cb, fa: FFNSet, fb: FFNSet, kernels: F
     held = later.enter_context(ExitStack())
     ray, parts, pending = None, [], {}  # type: Any, list[list[int]], dict
     if book is not None:
-        held.callback(book.remove)
+        held.push(book.leave)  # removed at the end, kept for --resume where an interruption ended it
     if job is None and cluster.ADDRESS.get() is not None:  # --ray: the driver keeps the first FFN of each kind
         ray = held.enter_context(cluster.connected())
         away = [k for k, s in enumerate(steps) if not s.on_all and k not in done]
