@@ -665,7 +665,7 @@ def test_by_default_b_s_runtime_s_kernels_run_and_the_others_say_why_not(model_d
     src = model_dir("llama")
     code, rep = verify_json(src, src)
     assert code == 0 and rep["backends"] == (["reference", "triton"] if t.cuda.is_available() else ["reference"])
-    assert "not transformers's kernels (--backend jax or --backend all runs it)" in rep["skipped_backends"]["jax"]
+    assert "not a kernel transformers runs (--backend jax or --backend all runs it)" in rep["skipped_backends"]["jax"]
     if not t.cuda.is_available():
         assert rep["skipped_backends"]["triton"].startswith("no CUDA device here: Triton would run through its "
                                                             "interpreter on the CPU")

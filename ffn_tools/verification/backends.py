@@ -34,7 +34,7 @@ def resolve_backends(names: Sequence[str] | None = None, runtime: Sequence[str] 
         chosen = ["reference"]
         for n in kernels.BACKENDS[1:]:
             if n not in runtime:
-                skipped[n] = f"not {client}'s kernels (--backend {n} or --backend all runs it)"
+                skipped[n] = f"not a kernel {client} runs (--backend {n} or --backend all runs it)"
             elif why := kernels.emulated(n):
                 skipped[n] = f"{why} (--backend {n} runs it so)"
             elif not (mod := kernels.get_backend(n)).available():
