@@ -256,12 +256,14 @@ def _summary(out: Path, result: dict, said: dict, plan: bool) -> dict:
     types: dict[str, int] = {}
     for t in result["tensors"]:
         types[t["type"]] = types.get(t["type"], 0) + 1
-    nbytes = sum(t["bytes"] for t in result["tensors"])
+    data = sum(t["bytes"] for t in result["tensors"])
+    # the size said is the file's (its header, metadata and vocabulary too); a plan knows its tensors' only
+    nbytes, size = (data, f"{human(data)} of tensor data") if plan else (out.stat().st_size, human(out.stat().st_size))
     r = {"output": str(out), "format": "gguf", "outtype": outtype, "converter": result["class"],
          "architecture": result["architecture"], "tensors": len(result["tensors"]), "bytes": nbytes,
-         "types": types, "changes": changes,
+         "tensor_bytes": data, "types": types, "changes": changes,
          "summary": f"{'would write' if plan else 'wrote'} {out}: {len(result['tensors'])} tensors "
-                    f"({', '.join(f'{k} x{v}' for k, v in sorted(types.items()))}), {human(nbytes)}, as llama.cpp's "
+                    f"({', '.join(f'{k} x{v}' for k, v in sorted(types.items()))}), {size}, as llama.cpp's "
                     f"{result['class']} writes {result['architecture']}"}
     if result.get("codes"):
         r["codes"] = result["codes"]
