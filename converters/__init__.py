@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ffn_tools.checks.semantics import differences
-from ffn_tools.errors import CheckpointError, FFNToolsError
+from ffn_tools.errors import CheckpointError, FFNToolsError, pip_install
 from ffn_tools.formats import Format
 from ffn_tools.io import nogc, sample
 from ffn_tools.io.digests import ahead
@@ -51,7 +51,7 @@ def get(fmt: str) -> Format:
         module = importlib.import_module(f"{__name__}.{FORMATS[fmt]}")
     except ImportError as e:
         raise FFNToolsError(f"format {fmt!r} needs a package that is not installed ({e}); "
-                            f"install with: pip install 'ffn-tools[{fmt}]'") from None
+                            f"install with: {pip_install(fmt)}") from None
     return module.FORMAT
 
 

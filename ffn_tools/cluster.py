@@ -30,7 +30,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
-from .errors import FFNToolsError
+from .errors import FFNToolsError, pip_install
 
 LOCAL = "local"  # --ray without an address: a Ray started here
 RETRIES = 3  # a task whose node or worker died runs again, this many times at most
@@ -129,7 +129,7 @@ def _connect(address: str) -> bool:
     try:
         import ray
     except ImportError:
-        raise FFNToolsError("--ray needs Ray: pip install 'ffn-tools[ray]'") from None
+        raise FFNToolsError(f"--ray needs Ray: {pip_install('ray')}") from None
     if ray.is_initialized():
         return False
     _reachable(address)

@@ -16,6 +16,55 @@ def counted(n: int, noun: str) -> str:
     return f"{n} {noun}{'s' * (n != 1)}"
 
 
+def pip_install(extra: str, dist=None) -> str:
+    """The pip command that installs ffn-tools' ``extra`` from where this ffn-tools came from, for a message that
+    says how to fix a missing package: its source checkout (``pip install -e '/src/ffn-tools[mlx]'``, as
+    README's install from a clone), the URL it was installed from, or the index it came from (the only case that
+    names ``ffn-tools[mlx]`` on an index, so a package another registered under that name is never suggested);
+    where none of those is there any more, the extra's own requirements (``pip install 'mlx>=0.32' ...``).
+
+    Args:
+        extra: an extra of ffn-tools' pyproject.toml ("mlx", "gguf").
+        dist: the installed distribution (an ``importlib.metadata.Distribution``; default: ffn-tools').
+    """
+    import importlib.metadata
+    import json
+    import shlex
+    from pathlib import Path
+    from urllib.parse import unquote, urlparse
+    from urllib.request import url2pathname
+
+    if dist is None:  # the one pip installed (a checkout's build leaves an ffn_tools.egg-info, without its origin)
+        found = sorted(importlib.metadata.distributions(name="ffn-tools"),
+                       key=lambda d: d.read_text("direct_url.json") is None)
+        if not found:  # run from a checkout that was never installed
+            root = Path(__file__).resolve().parents[1]
+            return f"pip install -e {shlex.quote(f'{root}[{extra}]')}"
+        dist = found[0]
+    try:
+        origin = json.loads(dist.read_text("direct_url.json") or "null")  # PEP 610: how pip installed it
+    except ValueError:
+        origin = None
+    name = dist.metadata["Name"]
+    if not isinstance(origin, dict) or not isinstance(origin.get("url"), str):
+        return f"pip install {shlex.quote(f'{name}[{extra}]')}"  # from an index: the name is this package there
+    url, vcs, where = origin["url"], origin.get("vcs_info"), origin.get("dir_info")
+    if isinstance(vcs, dict):  # pip install git+https://...: the same repository and commit
+        source = f"{vcs.get('vcs', 'git')}+{url}" + (f"@{vcs['commit_id']}" if vcs.get("commit_id") else "")
+        return f"pip install {shlex.quote(f'{name}[{extra}] @ {source}')}"
+    local = Path(url2pathname(unquote(urlparse(url).path))) if url.startswith("file:") else None
+    if local is None:  # an archive's URL
+        return f"pip install {shlex.quote(f'{name}[{extra}] @ {url}')}"
+    if local.is_dir():  # a clone, as README installs it
+        editable = "-e " if isinstance(where, dict) and where.get("editable") else ""
+        return f"pip install {editable}{shlex.quote(f'{local}[{extra}]')}"
+    if local.is_file():  # a wheel or sdist on disk
+        return f"pip install {shlex.quote(f'{name}[{extra}] @ {url}')}"
+    marker = f'extra == "{extra}"'  # the checkout or archive is gone: what the extra installs, by name
+    needs = [r.split(";")[0].replace(" ", "") for r in dist.requires or [] if marker in r.replace("'", '"')]
+    return "pip install " + " ".join(shlex.quote(r) for r in needs)
+
+
 class FFNToolsError(Exception):
     """Base class: a problem with the user's input or request, not a bug.
 

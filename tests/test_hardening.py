@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from ffn_tools.errors import CheckpointError
+from ffn_tools.errors import CheckpointError, pip_install
 from ffn_tools.io.safetensors_format import read_header
 
 FFN_TOOLS = [sys.executable, "-m", "ffn_tools.cli"]
@@ -310,7 +310,8 @@ def test_mlx_directory_without_mlx_names_the_extra(model_dir, tmp_path):
             f"from ffn_tools.cli import main\nsys.argv = ['ffn-tools', 'inspect', {str(out)!r}]\nmain()\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
-    assert "pip install 'ffn-tools[mlx]" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert f"{pip_install('mlx')} (Apple silicon) or {pip_install('mlx-cpu')} (Linux)" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
 def test_an_mlx_that_does_not_load_names_the_extra(model_dir, tmp_path):
@@ -327,7 +328,55 @@ def test_an_mlx_that_does_not_load_names_the_extra(model_dir, tmp_path):
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert "this needs mlx, which does not load here (libmlx.so: cannot open" in p.stderr, p.stderr
-    assert "ffn-tools[mlx-cpu]" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert pip_install("mlx-cpu") in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_a_missing_extra_is_installed_from_where_ffn_tools_came_from(tmp_path):
+    """Issue 59.7: the hint for a missing extra said `pip install 'ffn-tools[mlx]'`, a name no index holds for
+    ffn-tools (README installs from a clone; whoever registers the name would be installed). The hint is pip's
+    command for where ffn-tools was installed from, as pip recorded it (PEP 610's direct_url.json): the checkout,
+    editable or not, the repository and commit, the archive; the name only where an index gave it; and where the
+    recorded checkout is gone, the extra's own requirements. This checkout's install is the first case."""
+    from importlib.metadata import PathDistribution
+
+    root = Path(__file__).resolve().parents[1]
+    assert pip_install("mlx") == f"pip install -e '{root}[mlx]'"  # make install: pip install -e '.[...]'
+    meta = ("Metadata-Version: 2.1\nName: ffn-tools\nVersion: 0.1.0\nProvides-Extra: gguf\n"
+            "Requires-Dist: gguf>=0.17; extra == \"gguf\"\nRequires-Dist: llama-cpp-python>=0.3; extra == \"gguf\"\n"
+            "Requires-Dist: torch>=2.2\n")
+    clone = tmp_path / "my clone"
+    clone.mkdir()
+    origins = [(None, "pip install 'ffn-tools[gguf]'"),
+               ({"url": clone.as_uri(), "dir_info": {"editable": True}}, f"pip install -e '{clone}[gguf]'"),
+               ({"url": clone.as_uri(), "dir_info": {}}, f"pip install '{clone}[gguf]'"),
+               ({"url": "https://github.com/o/ffn-tools", "vcs_info": {"vcs": "git", "commit_id": "abc123"}},
+                "pip install 'ffn-tools[gguf] @ git+https://github.com/o/ffn-tools@abc123'"),
+               ({"url": "https://example.org/ffn_tools-0.1.0.tar.gz", "archive_info": {}},
+                "pip install 'ffn-tools[gguf] @ https://example.org/ffn_tools-0.1.0.tar.gz'"),
+               ({"url": (tmp_path / "gone").as_uri(), "dir_info": {"editable": True}},
+                "pip install 'gguf>=0.17' 'llama-cpp-python>=0.3'")]
+    for i, (origin, hint) in enumerate(origins):
+        info = tmp_path / f"d{i}" / "ffn_tools-0.1.0.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(meta)
+        if origin is not None:
+            (info / "direct_url.json").write_text(json.dumps(origin))
+        assert pip_install("gguf", PathDistribution(info)) == hint, origin
+
+
+def test_verify_runs_without_transformers_and_says_its_load_check_did_not(model_dir, tmp_path):
+    """Issue 59.7: README's extras table puts verify in the core install, but a default verify without transformers
+    exited 2 ("... not installed here (transformers): ..."). It runs: every check that needs no transformers
+    passes, and the load check says it did not run and how to install transformers, in its line and the verdict's
+    list of what did not run (never passed); exit 0."""
+    code = ("import sys\nsys.modules['transformers'] = None\nfrom ffn_tools.cli import main\n"
+            f"sys.argv = ['ffn-tools', 'verify', {str(model_dir('llama'))!r}, {str(model_dir('llama'))!r}]\nmain()\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0 and p.stderr == "", (p.stdout[-800:], p.stderr[-800:])
+    verdict = p.stdout.splitlines()[-1]
+    assert verdict.startswith("PASS: ") and ("load check not run (the load check needs transformers, which is not "
+                                             "installed here: pip install transformers)") in verdict, verdict
+    assert "(transformers):" not in p.stdout
 
 
 def test_an_empty_tensor_mlx_cannot_shape_is_refused_in_one_line(tmp_path):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ffn_tools.checks.load import LoadCheck, MissingClient
 from ffn_tools.clients import Client
-from ffn_tools.errors import FFNToolsError
+from ffn_tools.errors import FFNToolsError, pip_install
 
 from .checks import compare_metadata, compare_plus_one, compare_tokenizer
 
@@ -78,8 +78,8 @@ class LlamaCpp(Client):
         try:
             import llama_cpp  # noqa: F401
         except ImportError as e:
-            raise FFNToolsError(f"--logits: {side} is a GGUF and llama-cpp-python is not installed ({e}): "
-                                "pip install 'ffn-tools[gguf]'") from None
+            raise FFNToolsError(f"--logits: {side} is a GGUF and llama-cpp-python does not import here ({e}): "
+                                f"{pip_install('gguf')}") from None
 
     def logits(self, path: Path, tokens, dtype: str | None = None):
         """llama.cpp's logits of every position, one sequence at a time, its KV cache in float32 (its default f16
@@ -131,8 +131,8 @@ def check_llama_cpp(path: Path) -> LoadCheck:
     try:
         import llama_cpp
     except ImportError as e:
-        raise MissingClient(f"verify's load check of a GGUF needs llama-cpp-python, which is not installed here "
-                            f"({e.name}): pip install 'ffn-tools[gguf]', or pass --no-load-check") from None
+        raise MissingClient(f"verify's load check of a GGUF needs llama-cpp-python, which does not import here "
+                            f"({e}): {pip_install('gguf')}, or pass --no-load-check") from None
     try:
         with _quiet_stderr():
             model = llama_cpp.Llama(model_path=str(path), n_ctx=LLAMA_CPP_CONTEXT, vocab_only=False, verbose=False)

@@ -25,7 +25,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from ffn_tools.errors import FFNToolsError
+from ffn_tools.errors import FFNToolsError, pip_install
 from ffn_tools.io.cache import CACHE_ENV, cache_dir  # noqa: F401  (CACHE_ENV: the tests set it through this module)
 
 log = logging.getLogger(__name__)
@@ -88,8 +88,8 @@ def llama_cpp_dir() -> Path:
     version = installed_version()
     if version is None:
         raise FFNToolsError(f"--to gguf runs llama.cpp's convert_hf_to_gguf.py, which is not at {PREFIX}, and "
-                            f"llama-cpp-python, whose source distribution holds it, is not installed: pip install "
-                            f"'ffn-tools[gguf]', or set {ENV} to a llama.cpp checkout")
+                            f"llama-cpp-python, whose source distribution holds it, is not installed: "
+                            f"{pip_install('gguf')}, or set {ENV} to a llama.cpp checkout")
     cached = cache_dir() / f"llama.cpp-{version}"
     if not missing(cached):
         return cached

@@ -23,6 +23,7 @@ from ffn_tools.checks.tokens import TokenizationResult
 
 from ffn_tools.checks import corpus
 from ffn_tools.checks.tokenizer_behaviour import transformers_tokenizer
+from ffn_tools.errors import pip_install
 
 SHOWN = 16  # token ids shown of each side of the first differing text
 TEXT_SHOWN = 60  # characters shown of it
@@ -56,7 +57,7 @@ def compare_tokenization(root_a: Path, gguf: Path, fields: dict) -> Tokenization
         res.skipped = "B has no tokenizer.ggml.tokens"
         return res
     if importlib.util.find_spec("llama_cpp") is None:  # it is imported in the child only
-        res.skipped = "llama-cpp-python is not installed here: pip install 'ffn-tools[gguf]'"
+        res.skipped = f"llama-cpp-python is not installed here: {pip_install('gguf')}"
         return res
     from .llama_cpp_run import run
 

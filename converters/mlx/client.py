@@ -18,7 +18,7 @@ from ffn_tools.checks.config import ConfigResult, compare_keys, generation_eos
 from ffn_tools.checks.load import LoadCheck, MissingClient
 from ffn_tools.checks.semantics import Runs, topk_words, windows, windows_words
 from ffn_tools.clients import Client
-from ffn_tools.errors import FFNToolsError
+from ffn_tools.errors import FFNToolsError, pip_install
 from ffn_tools.io.store import read_config
 
 from . import models
@@ -98,9 +98,9 @@ def check_mlx(path: Path) -> LoadCheck:
     try:
         from mlx_lm.utils import load_model
     except ImportError as e:
-        raise MissingClient(f"verify's load check needs mlx_lm for an MLX checkpoint, and it is not installed here "
-                            f"({e.name}): pip install 'ffn-tools[mlx-cpu]' (Linux) or 'ffn-tools[mlx]', or pass "
-                            "--no-load-check") from None
+        raise MissingClient(f"verify's load check of an MLX checkpoint needs mlx_lm, which does not import here "
+                            f"({e}): {pip_install('mlx-cpu')} (Linux) or {pip_install('mlx')} (Apple silicon), or "
+                            "pass --no-load-check") from None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

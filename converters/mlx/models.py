@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from ffn_tools.errors import FFNToolsError
+from ffn_tools.errors import FFNToolsError, pip_install
 
 if TYPE_CHECKING:
     import mlx.nn as nn
@@ -60,7 +60,8 @@ def mlx_lm_module(name: str) -> types.ModuleType:
         return importlib.import_module(f"mlx_lm.{name}")
     except ImportError as e:
         raise FFNToolsError(f"MLX export needs mlx-lm, which does not import here ({type(e).__name__}: {e}); "
-                            "install with: pip install 'ffn-tools[mlx]'") from None
+                            f"install with: {pip_install('mlx-cpu')} (Linux) or {pip_install('mlx')} (Apple silicon)"
+                            ) from None
 
 
 def remappings() -> tuple[dict, dict]:

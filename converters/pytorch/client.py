@@ -48,11 +48,14 @@ class Transformers(Client):
             return LoadCheck(self.name, skipped=f"{path.name} is a single file, not what a client loads from "
                                                 f"{path.parent} (that is {', '.join(MAIN_FILES[:2])})")
         seen = quant.decoded(ckpt, only=QUANTIZER_SCHEMES)
-        if seen is not ckpt:
-            res = check_transformers(seen)  # quantized modules as their decompression gives them (X.weight)
-            res.architecture = f"{res.architecture}; quantized modules checked as dequantized"
-            return res
-        return check_transformers(ckpt)
+        try:
+            if seen is not ckpt:
+                res = check_transformers(seen)  # quantized modules as their decompression gives them (X.weight)
+                res.architecture = f"{res.architecture}; quantized modules checked as dequantized"
+                return res
+            return check_transformers(ckpt)
+        except MissingClient as e:  # verify runs without transformers: its load check did not run, and says so
+            return LoadCheck(self.name, skipped=str(e))
 
     def load_warning(self, ckpt, plan, out: str | None = None) -> str | None:
         return form_change_warning(ckpt, plan, out)
@@ -127,6 +130,16 @@ def _quantizer_method(config: dict) -> str | None:
     return method if method in QUANTIZED_AS_LOADED else None
 
 
+def _no_transformers(e: ImportError) -> str:
+    """Why the load check cannot run (transformers' import raised ``e``), and the fix."""
+    name = e.name or "transformers"
+    if name == "transformers":
+        return "the load check needs transformers, which is not installed here: pip install transformers"
+    return (f"the load check needs transformers 5, and this one has no {name}: pip install -U transformers"
+            if name.startswith("transformers.") else
+            f"the load check needs transformers, which does not import here (no {name}): pip install transformers")
+
+
 def check_transformers(ckpt) -> LoadCheck:
     """Names and shapes of ``ckpt`` against the transformers model its config.json describes."""
     config = ckpt.config or {}
@@ -139,8 +152,7 @@ def check_transformers(ckpt) -> LoadCheck:
         from transformers.core_model_loading import (WeightConverter, WeightRenaming, dot_natural_key,
                                                      rename_source_key)
     except ImportError as e:
-        raise MissingClient(f"verify's load check needs transformers, which is not installed here ({e.name}): "
-                            "pip install transformers, or pass --no-load-check") from None
+        raise MissingClient(_no_transformers(e)) from None
     method = _quantizer_method(config)
     try:
         with warnings.catch_warnings():

@@ -11,16 +11,26 @@ from pathlib import Path
 import click
 
 from .. import progress
-from ..errors import FFNToolsError
+from ..errors import FFNToolsError, pip_install
 from ..options import (CHECKPOINT, emit, estimate_option, estimated, layout_options, ray_option, resume_option,
                        scheme_options, size_option, upload_option, uploaded)
 from .verify import verify as verify_command
 
-# Optional packages and the extra that installs each (import name -> pip requirement).
-EXTRAS = {"mlx": "ffn-tools[mlx]' (Apple silicon) or 'ffn-tools[mlx-cpu]", "mlx_lm": "ffn-tools[mlx]",
-          "jax": "ffn-tools[flax]", "flax": "ffn-tools[flax]", "msgpack": "ffn-tools[flax]",
-          "ml_dtypes": "ffn-tools[flax]", "triton": "ffn-tools[cuda]", "transformers": "transformers",
-          "gguf": "ffn-tools[gguf]", "llama_cpp": "ffn-tools[gguf]"}
+# Optional packages: import name -> the extras of ffn-tools that install it (one per platform where they differ;
+# none: the package is installed by its own name).
+EXTRAS = {"mlx": ("mlx", "mlx-cpu"), "mlx_lm": ("mlx", "mlx-cpu"), "jax": ("flax",), "flax": ("flax",),
+          "msgpack": ("flax",), "ml_dtypes": ("flax",), "triton": ("cuda",), "transformers": (),
+          "gguf": ("gguf",), "llama_cpp": ("gguf",)}
+PLATFORMS = {"mlx": "Apple silicon", "mlx-cpu": "Linux"}  # extras for one platform each
+
+
+def how_to_install(name: str) -> str:
+    """The pip command(s) that install the optional package ``name`` (a key of EXTRAS), from where this ffn-tools
+    was installed (``errors.pip_install``)."""
+    extras = EXTRAS[name]
+    if not extras:
+        return f"pip install {name}"
+    return " or ".join(pip_install(e) + (f" ({PLATFORMS[e]})" if e in PLATFORMS else "") for e in extras)
 
 
 class Trouble(click.ClickException):
@@ -58,9 +68,8 @@ def missing_package(e: ImportError) -> str | None:
     if name not in EXTRAS:
         return None
     if broken:
-        return (f"this needs {name}, which does not load here ({' '.join(str(e).split())[:160]}): "
-                f"pip install '{EXTRAS[name]}'")
-    return f"this needs {name}, which is not installed here: pip install '{EXTRAS[name]}'"
+        return f"this needs {name}, which does not load here ({' '.join(str(e).split())[:160]}): {how_to_install(name)}"
+    return f"this needs {name}, which is not installed here: {how_to_install(name)}"
 
 
 class Interrupted(KeyboardInterrupt):
