@@ -126,6 +126,27 @@ def _one_line_exit_2(r):
     assert len([ln for ln in r.output.splitlines() if ln.startswith("Error:")]) == 1, r.output
 
 
+@pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model.bin"])
+def test_a_git_lfs_pointer_is_named_with_git_lfs_pull(model_dir, tmp_path, weights):
+    """Issue 59.9: a clone made without Git LFS holds, under each weight file's name, the pointer git-lfs writes
+    (its spec's three lines, the real file's sha256 and size). Read as safetensors it was "header claims
+    2336927755350992246 bytes" (b"version " as a length); as a pickle, "could run code". Both name the pointer
+    and `git lfs pull`, for inspect and verify, exit 2."""
+    import hashlib
+    import shutil
+
+    real = (model_dir("llama") / "model.safetensors").read_bytes()
+    d = tmp_path / "clone"
+    d.mkdir()
+    shutil.copy(model_dir("llama") / "config.json", d)
+    (d / weights).write_text(f"version https://git-lfs.github.com/spec/v1\noid sha256:{hashlib.sha256(real).hexdigest()}"
+                             f"\nsize {len(real)}\n")
+    for args in (["inspect", d], ["verify", model_dir("llama"), d]):
+        r = run_cli(*args, ok=False)
+        assert f"Error: {d / weights}: a Git LFS pointer (" in r.output, r.output
+        assert "run `git lfs pull` in the clone" in r.output and "header claims" not in r.output, r.output
+
+
 @pytest.mark.parametrize("case", sorted(BAD_FILES))
 def test_bad_headers_exit_2_with_one_line(tmp_path, case):
     d = _checkpoint_dir(tmp_path, BAD_FILES[case]())

@@ -15,7 +15,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError
-from .safetensors_format import read_header
+from .safetensors_format import lfs_pointer, read_header
 from .store import PICKLE_SUFFIXES, WEIGHT_INDEXES, Checkpoint, TensorInfo, read_bytes
 
 if TYPE_CHECKING:
@@ -146,6 +146,8 @@ def _zip_starts(path: Path, tensors: dict) -> dict[str, int]:
 def _load_pickle(path: Path) -> dict[str, "torch.Tensor"]:
     import torch
 
+    if lfs := lfs_pointer(path):  # a text file: torch.load would call it a pickle that could run code
+        raise CheckpointError(lfs)
     try:
         with warnings.catch_warnings():  # torch's own UserWarnings about the refusal: our one line says it
             warnings.simplefilter("ignore")

@@ -17,10 +17,26 @@ from pathlib import Path
 
 from .dtypes import ST_DTYPES, itemsize
 from ..errors import CheckpointError
+from ..sizes import human
 
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 MAX_COUNT = 2 ** 64 - 1  # the Rust reader multiplies a shape out in a usize and refuses it past this
 MAX_DIM = 2 ** 63 - 1  # a dimension past this is no torch tensor (int64 sizes): nothing could read it
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"  # how every Git LFS pointer file begins (its spec)
+
+
+def lfs_pointer(path: Path) -> str | None:
+    """The error for a Git LFS pointer in place of the file it names (a clone made without Git LFS, or before
+    ``git lfs pull``): what it is, the real file's size, how to fetch it; None for any other file."""
+    with open(path, "rb") as f:
+        text = f.read(1024)
+    if not text.startswith(LFS_POINTER):
+        return None
+    fields = dict(line.split(" ", 1) for line in text.decode("ascii", "replace").splitlines() if " " in line)
+    size = fields.get("size", "").strip()
+    what = f"the {human(int(size))} file" if size.isdigit() else "the file"
+    return (f"{path}: a Git LFS pointer ({len(text)} bytes), not {what} it names: the repository was cloned without "
+            "its Git LFS files; run `git lfs pull` in the clone (or download the file itself)")
 
 
 @dataclass(frozen=True)
@@ -70,8 +86,8 @@ def read_header(path: Path) -> tuple[dict[str, HeaderEntry], dict[str, str]]:
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER or 8 + n > size:
             raise CheckpointError(
-                f"{path}: not a safetensors file or truncated (header claims {n} bytes, file has {size}); "
-                "re-download or re-save it"
+                lfs_pointer(path) or f"{path}: not a safetensors file or truncated (header claims {n} bytes, file "
+                f"has {size}); re-download or re-save it"
             )
         raw = f.read(n)
     if not raw.startswith(b"{"):
