@@ -149,7 +149,8 @@ def test_python_api_errors_name_the_api_spelling_too(model_dir, tmp_path):
 def test_the_console_script_leaves_its_objects_to_the_exit_not_to_a_last_collection(tmp_path):
     """``ffn-tools`` freezes the collector once its command is done, whatever its exit status: the interpreter's
     exit then skips a cycle collection over everything torch and transformers made (~0.8 s a command, measured).
-    atexit handlers (which clean temporary directories) still run after it."""
+    atexit handlers (which clean temporary directories) still run after it. (Not where Triton is loaded: see
+    ``test_a_passing_verify_prints_nothing_on_stderr``.)"""
     import subprocess
     import sys
 
@@ -160,3 +161,21 @@ def test_the_console_script_leaves_its_objects_to_the_exit_not_to_a_last_collect
                            cwd=tmp_path)
         assert "frozen True" in r.stdout, (args, r.returncode, r.stdout[-300:], r.stderr[-300:])
     assert r.returncode == 2  # a usage error: exited through the same path
+
+
+def test_a_passing_verify_prints_nothing_on_stderr(model_dir, tmp_path):
+    """Issue 59.3: after every command that imported Triton (a default verify, --load-check), ~30 lines of
+    "nanobind: leaked 64 types!" followed the verdict on stderr, which a newcomer reads as a crash: Triton's bindings
+    list at exit each of their objects still alive, and the collector frozen at exit kept them all alive. The real
+    console script, as a user runs it: a passing verify says PASS on stdout and nothing on stderr."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    a, b = model_dir("llama"), tmp_path / "b"
+    shutil.copytree(a, b)
+    r = subprocess.run([str(Path(sys.executable).parent / "ffn-tools"), "verify", str(a), str(b)], capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith("PASS: "), (r.stdout[-800:], r.stderr[-800:])
+    assert r.stderr == "", r.stderr[-1500:]
