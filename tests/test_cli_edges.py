@@ -179,3 +179,39 @@ def test_a_passing_verify_prints_nothing_on_stderr(model_dir, tmp_path):
                        text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith("PASS: "), (r.stdout[-800:], r.stderr[-800:])
     assert r.stderr == "", r.stderr[-1500:]
+
+
+def test_the_package_builds_without_warnings_and_holds_every_module(tmp_path):
+    """Issue 59.9: every `pip install -e .` printed setuptools' "Package 'ffn_tools.schemes' is absent from the
+    `packages` configuration" (~45 lines): the hand-written list of packages lacked the data folder, and a new
+    converters/ package had to be added to it by hand. The wheel setuptools builds from this tree warns of nothing
+    and holds every module of ffn_tools/, converters/ and kernels/ (as ffn_tools.converters, ffn_tools.kernels) and
+    the built-in naming families."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE", "ffn_tools", "converters", "kernels"):
+        if (root / name).is_dir():
+            shutil.copytree(root / name, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+        elif (root / name).exists():
+            shutil.copy(root / name, src / name)
+    build = ("import sys; from setuptools import build_meta as b; print(b.build_wheel(sys.argv[1]))")
+    r = subprocess.run([sys.executable, "-P", "-c", build, str(tmp_path / "dist")], cwd=src, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Warning" not in r.stdout + r.stderr and "absent" not in r.stdout + r.stderr, r.stderr[-3000:]
+    with zipfile.ZipFile(tmp_path / "dist" / r.stdout.strip().splitlines()[-1]) as wheel:
+        held = {n for n in wheel.namelist() if n.startswith("ffn_tools/")}
+    expected = {f"ffn_tools/{p.relative_to(src / top).as_posix()}" if top == "ffn_tools" else
+                f"ffn_tools/{top}/{p.relative_to(src / top).as_posix()}"
+                for top in ("ffn_tools", "converters", "kernels") for p in (src / top).rglob("*.py")
+                if top != "ffn_tools" or p.relative_to(src / top).parts[0] not in ("converters", "kernels")}
+    assert expected <= held, sorted(expected - held)[:10]
+    assert {f"ffn_tools/schemes/{p.name}" for p in (src / "ffn_tools" / "schemes").glob("*.json")} <= held
+    assert any(n.startswith("ffn_tools/converters/gguf/") for n in held)
