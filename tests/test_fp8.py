@@ -243,3 +243,20 @@ def test_a_nonfinite_fp8_code_in_both_is_still_run_and_named(model_dir, tmp_path
     bad = {f["ffn"]: f for f in j["ffns"]}["layer 1 expert 3"]
     assert bad["exact"] == "identical"  # the same bytes on both sides ...
     assert not bad["backends"][0]["path"].startswith("not computed") and not bad["passed"]  # ... but not finite: run and failed
+
+
+def test_verify_of_an_fp8_checkpoint_passes_on_its_own_bfloat16_config(model_dir, tmp_path):
+    """issue 60 item 8: DeepSeek-V3's config says bfloat16 over FP8 weights; verify counted the weights by their
+    dequantized (float32) view and failed even ``verify A A``. Unquantized weights stored in another dtype than the
+    config's are still named."""
+    q = quantize_fp8(model_dir("llama", torch.bfloat16), tmp_path / "q")
+    assert json.loads((q / "config.json").read_text()).get("dtype", "bfloat16") == "bfloat16"
+    r = run_cli("verify", q, q, "--backend", "reference", "--no-load-check", ok=None)
+    assert r.exit_code == 0 and "PASS" in r.output and "stored in float32" not in r.output, r.output
+    wide = tmp_path / "wide"
+    shutil.copytree(q, wide)
+    w = load_file(wide / "model.safetensors")
+    save_file({k: v.float() if v.dtype == torch.bfloat16 else v for k, v in w.items()}, wide / "model.safetensors",
+              metadata={"format": "pt"})
+    r = run_cli("verify", q, wide, "--backend", "reference", "--no-load-check", ok=None)
+    assert r.exit_code == 1 and "B's config.json says bfloat16, but its weights are stored in float32" in r.output

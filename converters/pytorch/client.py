@@ -22,6 +22,7 @@ from ffn_tools.checks.load import LoadCheck, MissingClient
 from ffn_tools.clients import Client
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.io.store import config_dtype, read_config
+from ffn_tools.quant.fp8 import is_companion
 
 MAIN_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
               "pytorch_model.bin.index.json")  # what from_pretrained reads in a directory
@@ -216,8 +217,11 @@ def check_transformers(ckpt) -> LoadCheck:
 
 
 def _check_dtype(res: ConfigResult, cb) -> None:
-    """B's config dtype against the float dtype most of B's weight bytes are stored in (PyTorch formats:
-    transformers and vLLM load with the config's dtype; mlx_lm and Flax keep the stored one)."""
+    """B's config dtype against the float dtype most of B's unquantized weight bytes are stored in (PyTorch
+    formats: transformers and vLLM load with the config's dtype; mlx_lm and Flax keep the stored one). Quantized
+    weights are left out: their stored parts (FP8 codes and float32 scales) are their scheme's, and transformers'
+    quantizer loads (or dequantizes) them into the config's dtype, as DeepSeek-V3's ``torch_dtype: bfloat16`` over
+    FP8 weights says; their dequantized view (float32 here) is not how they are stored."""
     if not cb.rewritable:  # MLX, Flax, GGUF views of PyTorch names: their clients keep the stored dtype
         return
     raw = read_config(Path(cb.root)) if cb.root else None
@@ -225,7 +229,7 @@ def _check_dtype(res: ConfigResult, cb) -> None:
     sizes: dict[str, int] = {}
     for n in cb:
         info = cb.info(n)
-        if info.st_dtype in FLOATS:
+        if info.st_dtype in FLOATS and cb.quantized(n) is None and not is_companion(n, cb):  # (a scale as stored)
             sizes[info.st_dtype] = sizes.get(info.st_dtype, 0) + info.nbytes
     if not said or not sizes:
         return
