@@ -329,9 +329,9 @@ def test_unreadable_ggufs_are_refused_by_name(gguf_ref, tmp_path):
     assert "general.architecture 'gptneox' is not one ffn-tools reads" in r.output
 
 
-def _rewrite(src, dst, fields=None, drop=()):
-    """A copy of GGUF ``src`` at ``dst`` through gguf's own writer, with metadata values replaced (key -> value)
-    and keys dropped (by prefix)."""
+def _rewrite(src, dst, fields=None, drop=(), strings=None):
+    """A copy of GGUF ``src`` at ``dst`` through gguf's own writer, with metadata values replaced (key -> value),
+    keys dropped (by prefix) and string keys added (``strings``: key -> text)."""
     from gguf import GGUFReader, GGUFWriter
 
     reader = GGUFReader(src)
@@ -341,6 +341,8 @@ def _rewrite(src, dst, fields=None, drop=()):
             continue
         value = (fields or {}).get(key, f.contents())
         w.add_key_value(key, value, f.types[0], f.types[-1] if f.types[0].name == "ARRAY" else None)
+    for key, text in (strings or {}).items():
+        w.add_string(key, text)
     for t in reader.tensors:
         w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
@@ -420,3 +422,50 @@ def test_tokenization_fails_swapped_tokens_and_says_when_it_did_not_run(gguf_mod
     r = verify(src, no_vocab, backends=["reference"], load_check=False)
     assert r.tokenization.skipped == "B has no tokenizer.ggml.tokens" and not r.passed
     assert "tokenization: not compared (B has no tokenizer.ggml.tokens)" in r.lines()
+
+
+def _with_config(model, dst, **values):
+    """A copy of checkpoint ``model`` at ``dst`` whose config.json has ``values`` (transformers 5 keeps the rope
+    base in ``rope_parameters``: ``rope_theta`` is set there too)."""
+    shutil.copytree(model, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(values)
+    if "rope_theta" in values and isinstance(config.get("rope_parameters"), dict):
+        config["rope_parameters"]["rope_theta"] = values["rope_theta"]
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("base", [10000.0, 500000.0])
+def test_a_missing_rope_base_is_llama_cpps_default(gguf_model, gguf_ref, tmp_path, base):
+    """A GGUF without ``llama.rope.freq_base`` runs at llama.cpp's default base, 10000: verify compares A's base
+    with that, failing a model trained at 500000 (Llama 3's) and passing one trained at 10000."""
+    src = _with_config(gguf_model("llama"), tmp_path / "a", rope_theta=base)
+    bad = _rewrite(gguf_ref("llama", "f32"), tmp_path / "b.gguf", drop=("llama.rope.freq_base",))
+    r = run_cli("verify", src, bad, "--backend", "reference", "--no-load-check", ok=None)
+    if base == 10000.0:
+        assert r.exit_code == 0, r.output
+    else:
+        assert r.exit_code == 1, r.output
+        assert "rope_theta: A 500000.0, B 10000.0 (no llama.rope.freq_base: llama.cpp's default)" in r.output
+
+
+def test_chat_template_is_compared(gguf_model, gguf_ref, tmp_path):
+    """The chat template llama.cpp formats a chat with (``tokenizer.chat_template``) is compared with A's: the
+    same text passes; one with a default system prompt added, or none, fails naming it."""
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    src = tmp_path / "a"
+    shutil.copytree(gguf_model("llama"), src)
+    (src / "chat_template.jinja").write_text(template)
+    ref = gguf_ref("llama", "f32")
+    edited = "<|system|>You are a helpful assistant." + template
+    for name, strings, fails in (("same", {"tokenizer.chat_template": template}, None),
+                                 ("edited", {"tokenizer.chat_template": edited},
+                                  "chat template 'default' differs from character 0 (tokenizer.chat_template)"),
+                                 ("none", {}, "chat template 'default': only A has one (tokenizer.chat_template)")):
+        b = _rewrite(ref, tmp_path / f"{name}.gguf", drop=("tokenizer.chat_template",), strings=strings)
+        r = run_cli("verify", src, b, "--backend", "reference", "--no-load-check", ok=None)
+        assert r.exit_code == (1 if fails else 0), (name, r.output)
+        if fails:
+            assert fails in r.output, r.output

@@ -26,7 +26,7 @@ from ffn_tools.checks.tokenizer_behaviour import transformers_tokenizer
 from ffn_tools.errors import listing
 from ffn_tools.tolerances import tolerance_for
 
-from .config import ABSENT, IMPLIED, implied_values, metadata_keys, metadata_values, original_context, rope_theta
+from .config import IMPLIED, absent_values, implied_values, metadata_keys, metadata_values, original_context, rope_theta
 from .names import BY_TYPE
 
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # as transformers' config classes name it
@@ -64,7 +64,7 @@ def compare_metadata(ca, cb, allow=()) -> ConfigResult:
     a_values = {**na, "rope_theta": rope_theta(na), "sliding_rope_theta": rope_theta(na, "sliding_attention"),
                 "original_max_position_embeddings": original_context(na), family.moe_key: experts,
                 **IMPLIED.get(str(a.get("model_type")), {})}  # what A's client runs whatever its config says
-    absent = ABSENT.get(family.model_type, {})  # what llama.cpp runs where B's metadata has no key
+    absent = absent_values(family.model_type)  # what llama.cpp runs where B's metadata has no key
     for key, gkey in metadata_keys(family).items():
         gkey = gkey.format(arch=family.arch)
         va, vb = a_values.get(key), values.get(key, absent.get(key))
@@ -134,9 +134,46 @@ def compare_tokenizer(root_a: Path, cb) -> SideFilesResult:
         vb = cb.fields.get(key)
         if va is not None and vb is not None and int(va) != int(vb):
             res.problems.append(f"tokenizer: {what} token id A {va}, B {vb} ({key})")
+    templates = compare_chat_templates(chat_templates(tok), gguf_chat_templates(cb.fields))
+    res.problems += templates
     if not res.problems:
-        res.identical.append(f"tokenizer ({len(vocab)} tokens as tokenizer.ggml.tokens, special ids)")
+        res.identical.append(f"tokenizer ({len(vocab)} tokens as tokenizer.ggml.tokens, special ids, chat template)")
     return res
+
+
+def chat_templates(tok) -> dict[str, str]:
+    """A transformers tokenizer's chat templates by name (its one template is ``default``)."""
+    t = getattr(tok, "chat_template", None)
+    return {"default": t} if isinstance(t, str) else dict(t) if isinstance(t, dict) else {}
+
+
+def gguf_chat_templates(fields: dict) -> dict[str, str]:
+    """A GGUF's chat templates by name, as gguf-py's ``SpecialVocab`` writes them: ``tokenizer.chat_template``
+    the default, ``tokenizer.chat_template.{name}`` each one ``tokenizer.chat_templates`` names."""
+    out = {"default": fields["tokenizer.chat_template"]} if "tokenizer.chat_template" in fields else {}
+    for name in fields.get("tokenizer.chat_templates") or []:
+        if f"tokenizer.chat_template.{name}" in fields:
+            out[str(name)] = fields[f"tokenizer.chat_template.{name}"]
+    return out
+
+
+def compare_chat_templates(a: dict[str, str], b: dict[str, str]) -> list[str]:
+    """One line per chat template A and B's runtime would render otherwise (missing on one side, or its text
+    differs: the first differing character and its surroundings)."""
+    lines = []
+    for name in sorted(set(a) | set(b)):
+        key = "tokenizer.chat_template" + ("" if name == "default" else f".{name}")
+        ta, tb = a.get(name), b.get(name)
+        if ta == tb:
+            continue
+        if ta is None or tb is None:
+            lines.append(f"chat template {name!r}: only {'B' if ta is None else 'A'} has one ({key}): a chat "
+                         f"is formatted otherwise")
+            continue
+        k = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+        lines.append(f"chat template {name!r} differs from character {k} ({key}): A {ta[max(0, k - 20):k + 40]!r}, "
+                     f"B {tb[max(0, k - 20):k + 40]!r}")
+    return lines
 
 
 def compare_plus_one(outside, ca, cb, atol=None, rtol=None) -> list[str]:

@@ -116,7 +116,7 @@ def hf_config(fields: dict, family: Family, vocab_size: int, tied: bool, dtype: 
             config[key] = fields[field]
     config.update(implied_values(family.arch, config))  # what llama.cpp runs where the metadata is silent
     fixed = IMPLIED.get(family.model_type, {})  # what transformers' model code fixes needs no key
-    for key, value in ABSENT.get(family.model_type, {}).items():  # what llama.cpp takes a missing key to mean
+    for key, value in absent_values(family.model_type).items():  # what llama.cpp takes a missing key to mean
         if key not in fixed:
             config.setdefault(key, value)
     for key, fn in DERIVED.get(family.model_type, {}).items():
@@ -155,6 +155,16 @@ ENUMS: dict[str, dict] = {"scoring_func": {1: "softmax", 2: "sigmoid", 4: "sqrts
 _DEEPSEEK_ABSENT = {"q_lora_rank": None, "norm_topk_prob": False, "routed_scaling_factor": 1.0, "n_group": 1,
                     "topk_group": 1, "n_shared_experts": 0, "scoring_func": "softmax", "first_k_dense_replace": 0}
 ABSENT: dict[str, dict] = {"deepseek_v3": _DEEPSEEK_ABSENT, "deepseek_v2": _DEEPSEEK_ABSENT}
+# What llama.cpp runs without the key, for every architecture (llama-model.cpp's ``load_hparams``:
+# ``rope_freq_base_train = 10000.0f`` before its optional ``{arch}.rope.freq_base`` is read).
+COMMON_ABSENT: dict = {"rope_theta": 10000.0}
+
+
+def absent_values(model_type: str) -> dict:
+    """What llama.cpp takes each config key to be where a GGUF of ``model_type`` has no metadata key for it."""
+    return {**COMMON_ABSENT, **ABSENT.get(model_type, {})}
+
+
 # What transformers' own model code fixes, whatever config.json says: the value A's side runs with.
 IMPLIED: dict[str, dict] = {"deepseek_v3": {"scoring_func": "sigmoid"}, "deepseek_v2": {"scoring_func": "softmax"}}
 # config.json keys computed from others: MLA's head sizes; MLA keeps one k/v head per query head; the router's
