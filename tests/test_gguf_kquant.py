@@ -114,6 +114,24 @@ def test_the_bytes_llama_quantize_writes_from_convert_hf_to_gguf(wide, tmp_path,
     if named:
         assert got["output.weight"] == "Q8_0" and got["token_embd.weight"] == "Q8_0"
     assert any("llama.cpp's own quantizer" in c for c in r["changes"])
+    assert not any("fell back" in c for c in r["changes"])  # 256-wide rows: every tensor in the recipe's types
+
+
+def test_fallback_types_are_counted(gguf_model, tmp_path):
+    """A 64-wide model's rows are no multiple of a K-quant's 256: llama.cpp's quantizer writes Q5_0 for Q4_K
+    and Q8_0 for Q6_K, and the summary says how many, by type, rather than "quantized to Q4_K_M" alone."""
+    out = tmp_path / "q4km.gguf"
+    r = json.loads(run_cli("-q", "convert", gguf_model("llama"), "--to", "gguf", "-o", out, "--outtype", "q4_k_m",
+                           "--json").stdout)
+    got = types(out)
+    # the mix wants K-quants for every matrix but output.weight (whose narrow rows it gives Q8_0 itself)
+    blocks = [t for n, t in got.items() if n != "output.weight" and t != "F32"]
+    assert blocks and not any(t.endswith("_K") for t in blocks)
+    line = next(c for c in r["changes"] if "fell back" in c)
+    assert line.startswith(f"llama.cpp's quantizer fell back to another type for {len(blocks)} of {len(got)} "
+                           f"tensors, whose rows are not a multiple of the type's block"), line
+    assert f"Q4_K -> Q5_0 x{blocks.count('Q5_0')} (blocks of 256)" in line
+    assert f"Q6_K -> Q8_0 x{blocks.count('Q8_0')} (blocks of 256)" in line
 
 
 def test_verify_passes_a_q4_k_m_and_fails_it_with_gate_and_up_swapped(wide, tmp_path):

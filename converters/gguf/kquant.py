@@ -168,10 +168,20 @@ def quantize(request: dict) -> dict:
     reader = Reader(request["out"], "r")
     tensors = [{"name": t.name, "type": t.tensor_type.name, "shape": [int(d) for d in t.shape],
                 "bytes": int(t.n_bytes)} for t in reader.tensors]
-    return {"tensors": tensors, "ftype": FTYPES[request["outtype"]]}
+    return {"tensors": tensors, "ftype": FTYPES[request["outtype"]], "fallbacks": fallbacks("".join(log))}
 
 
 TENSOR_LINE = re.compile(r"^\[\s*(\d+)/\s*(\d+)\]")
+# llama-quant.cpp's tensor_type_fallback, one line per tensor whose rows its type's blocks do not divide
+FALLBACK_LINE = re.compile(r"warning: (\S+)\s+- ncols\s+\d+ not divisible by\s+(\d+) \(required for type\s+(\S+)\)"
+                           r".*?-> falling back to\s+(\S+)")
+
+
+def fallbacks(log: str) -> list[dict]:
+    """The tensors llama.cpp's quantizer gave another type than its recipe's, from its log: name, the type
+    wanted, the one written, and the block size the rows were not a multiple of."""
+    return [{"name": m[1], "block": int(m[2]), "wanted": m[3].upper(), "written": m[4].upper()}
+            for m in FALLBACK_LINE.finditer(log)]
 
 
 def _watch(request: dict, log: list[str]):

@@ -119,11 +119,23 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
                 q = _run({"input": str(first), "out": str(tmp), "outtype": outtype, "recipe": rec,
                           "output_tensor_type": output_tensor_type, "token_embedding_type": token_embedding_type,
                           "imatrix": str(imatrix) if imatrix else None, "progress": request["progress"]}, "kquant")
-                result = {**result, "tensors": q["tensors"], "outtype": outtype, "quantized": {**steps, "recipe": rec}}
+                result = {**result, "tensors": q["tensors"], "outtype": outtype,
+                          "quantized": {**steps, "recipe": rec, "fallbacks": q.get("fallbacks", [])}}
         finally:
             if quantizing:
                 first.unlink(missing_ok=True)
     return _summary(out, result, said, plan=False)
+
+
+def _fallback_line(fallbacks: list[dict], total: int) -> str:
+    """One line: how many tensors llama.cpp's quantizer wrote in a fallback type, by type."""
+    counts: dict[tuple, int] = {}
+    for f in fallbacks:
+        key = (f["wanted"], f["written"], f["block"])
+        counts[key] = counts.get(key, 0) + 1
+    each = ", ".join(f"{w} -> {x} x{n} (blocks of {b})" for (w, x, b), n in sorted(counts.items()))
+    return (f"llama.cpp's quantizer fell back to another type for {len(fallbacks)} of {total} tensors, whose rows "
+            f"are not a multiple of the type's block (as llama-quantize does): {each}")
 
 
 def _choices(ckpt: Checkpoint, view, modules: dict, refuse: bool) -> dict[str, dict]:
@@ -246,6 +258,8 @@ def _summary(out: Path, result: dict, said: dict, plan: bool) -> dict:
                        f"(llama_model_quantize, as llama-quantize) from the converter's {q['intermediate']} file "
                        f"({human(q['intermediate_bytes'])}, written beside the output and removed); the recipe is "
                        f"in the metadata ({kquant.RECIPE}.*)")
+        if q["fallbacks"]:
+            changes.append(_fallback_line(q["fallbacks"], len(result["tensors"])))
     elif plan and said["asked"] in kquant.FTYPES:
         changes.append(f"the plan is the converter's {outtype} file that llama.cpp's quantizer would make "
                        f"{kquant.FTYPES[said['asked']]} from: which type each tensor then gets is llama.cpp's choice, "
