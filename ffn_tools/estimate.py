@@ -4,8 +4,9 @@ A dry run plans; the estimate then runs the same command in a child process on a
 about 3% of the bytes read, 48 MB to 1 GB: every k-th output tensor, and the one that reads the most with its
 neighbours), into a temporary directory beside the output (same disk), removed after. From it:
 
-- ``output_bytes``: the weight files' bytes scaled from the sample's (headers included) by the plan's exact tensor
-  bytes, plus the side files (config, tokenizer: written whole by the sample run);
+- ``output_bytes``: the weight files' bytes, headers and index included, as the writer computes them from the whole
+  plan before writing (``Writer.output_bytes``; a writer that cannot say: the sample's scaled by the plan's exact
+  tensor bytes), plus the side files (config, tokenizer: written whole by the sample run);
 - ``temporary_disk``: the same bytes: the output is written into its own temporary directory beside ``-o`` and moved
   into place; nothing else is written (where ``--force`` replaces an output, the old one is freed after);
 - ``peak_rss``: the sample process's peak RSS (its own high-water mark, or its workers' where larger: the largest
@@ -90,7 +91,10 @@ def _scaled(f: dict, begun: float) -> dict:
                if Path(n).suffix in WEIGHT_SUFFIXES or Path(n).name in WEIGHT_INDEXES or "/" in n}
     side = sum(s for n, s in f["files"].items() if n not in weights)
     sampled_out = sum(weights.values())
-    out_bytes = side + (round(sampled_out * f["bytes"] / f["sample_bytes"]) if f["sample_bytes"] else sampled_out)
+    if f.get("weight_bytes") is not None:  # the writer's exact bytes (headers, index): the plan knows them all
+        out_bytes = side + f["weight_bytes"]
+    else:
+        out_bytes = side + (round(sampled_out * f["bytes"] / f["sample_bytes"]) if f["sample_bytes"] else sampled_out)
     streaming = f["ended"] - f["started"]
     startup = f["started"] - begun
     writing = min(f.get("writing", streaming), streaming)  # the tensors' part of it: scaled; the rest is once a run
@@ -98,7 +102,8 @@ def _scaled(f: dict, begun: float) -> dict:
     made = out_bytes - side  # at the rate the sample made them, or the disk's where the throttle holds the writer
     written = writeback.seconds(made, made / computing, f.get("writeback")) if computing > 0 < made else computing
     seconds = startup + (streaming - writing) + written
-    return {"made": True, "output_bytes": out_bytes, "temporary_disk": out_bytes, "peak_rss": f["peak_rss"],
+    return {"made": True, "output_bytes": out_bytes, "weight_bytes": made, "exact": f.get("weight_bytes") is not None,
+            "temporary_disk": out_bytes, "peak_rss": f["peak_rss"],
             "seconds": round(seconds, 2),
             "sample": {"tensors": f["sampled"], "of": f["entries"], "reads": f["sample_reads"], "of_reads": f["reads"],
                        "startup_seconds": round(startup, 2), "seconds": round(streaming, 3),

@@ -26,6 +26,7 @@ from typing import Any
 
 from .io.dtypes import as_st, nbytes, short_name, torch_dtype
 from .errors import FFNToolsError
+from .formats import owner_of
 
 DEQUANTIZED = "ffn_tools_dequantized_from"  # safetensors metadata: the quantization weights were read from
 from . import cluster
@@ -158,10 +159,12 @@ def _out_tensor(e: Entry, ckpt: Checkpoint, cache: dict) -> OutTensor:
 
 
 def side_files(ckpt: Checkpoint) -> list[Path]:
-    """Non-weight files to carry over: all of a directory input's, or the known ones beside a file."""
+    """Non-weight files to carry over: all of a directory input's but a format's own (``formats.owner_of``: a
+    DCP's rank files, Orbax's metadata), or the known ones beside a file."""
     if ckpt.path.is_dir() or ckpt.path.name.endswith(".index.json"):
         return sorted(p for p in ckpt.root.iterdir() if p.is_file() and not p.name.startswith(".")
-                      and p.suffix not in WEIGHT_SUFFIXES and p.name not in (*WEIGHT_INDEXES, receipt.NAME))
+                      and p.suffix not in WEIGHT_SUFFIXES and p.name not in (*WEIGHT_INDEXES, receipt.NAME)
+                      and owner_of(p.name) is None)
     return [ckpt.root / n for n in KNOWN_SIDE_FILES if (ckpt.root / n).is_file()]
 
 
@@ -208,15 +211,19 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
     """
     ckpt = plan.source
     check_shardable(out, max_shard_size, writer.suffix)
+    meta = dict(ckpt.metadata if metadata is None else metadata)
+    meta.setdefault("format", "pt")
     facts: dict = {}  # the sample run's (io.sample): what it measured
     if (sampling := sample.settings()) is not None:  # --dry-run's sample run, in its child (io.sample)
         started = time.time()
+        whole = [_out_tensor(e, ckpt, {}) for e in plan.entries]  # the whole output's bytes, known without writing
+        weight_bytes = writer.output_bytes(whole, max_shard_size=max_shard_size, metadata=meta,
+                                           single=out.suffix == writer.suffix)
         plan, facts = sample.narrow(plan)
+        facts["weight_bytes"] = weight_bytes
         out, force = Path(sampling["out"]) / out.name, True
         if max_shard_size and facts["bytes"]:  # as many shards as the run writes, hashed as they are
             max_shard_size = max(1, int(max_shard_size * facts["sample_bytes"] / facts["bytes"]))
-    meta = dict(ckpt.metadata if metadata is None else metadata)
-    meta.setdefault("format", "pt")
     cache: dict = {}
     items = [_out_tensor(e, ckpt, cache) for e in plan.entries]
     progress = Progress(plan.read_bytes, desc)

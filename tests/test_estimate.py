@@ -26,7 +26,7 @@ def test_dry_run_estimates_the_run_from_a_sample_and_writes_nothing(model_dir, t
     out = tmp_path / "out"
     cmd = [args[0], src, *args[1:], "-o", out]
     r = run_cli(*cmd, "--dry-run", "--estimate", "--json")
-    e = json.loads(r.output)["estimate"]
+    e = json.loads(r.stdout)["estimate"]
     assert e["made"], e
     assert not out.exists() and list(tmp_path.iterdir()) == []  # the sample's directory removed, nothing written
     assert e["sample"]["tensors"] == e["sample"]["of"] > 0  # a tiny model: sampled whole
@@ -38,11 +38,36 @@ def test_dry_run_estimates_the_run_from_a_sample_and_writes_nothing(model_dir, t
     assert abs(e["output_bytes"] - _size(out)) <= 0.02 * _size(out)  # the receipt's options differ by a few bytes
 
 
+def test_the_estimate_knows_every_weight_byte_of_a_sampled_sharded_output(tmp_path):
+    """A model the sample reads only part of (~100 MB, 48 MB sampled), split into shards with an index: the weight
+    files' bytes the estimate gives are the real run's, headers and index included, to the byte (the plan knows
+    them; a scaled sample's were off by kilobytes)."""
+    import transformers
+
+    src, out = tmp_path / "phi3", tmp_path / "out"
+    config = transformers.Phi3Config(hidden_size=1024, intermediate_size=4096, num_hidden_layers=2,
+                                     num_attention_heads=8, num_key_value_heads=8, vocab_size=8192, pad_token_id=0)
+    with torch.device("meta"):
+        model = transformers.Phi3ForCausalLM(config)
+    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.fill_(0.01 * (i + 1))
+    model.save_pretrained(src)
+    cmd = ["split-gateup", src, "-o", out, "--max-shard-size", "20MB"]
+    e = json.loads(run_cli(*cmd, "--dry-run", "--estimate", "--json").stdout)["estimate"]
+    assert e["made"] and e["exact"] and e["sample"]["tensors"] < e["sample"]["of"], e
+    run_cli(*cmd)
+    weights = [f for f in out.iterdir() if f.name.startswith("model")]
+    assert len(weights) > 3 and (out / "model.safetensors.index.json") in weights
+    assert e["weight_bytes"] == sum(f.stat().st_size for f in weights)
+
+
 def test_no_estimate_where_the_output_is_not_streamed_through_the_executor(model_dir, tmp_path):
     """A GGUF is written by llama.cpp's converter: the sample run stops before it starts, and says so."""
     r = run_cli("convert", model_dir("llama", torch.bfloat16), "--to", "gguf", "-o", tmp_path / "m.gguf",
                 "--dry-run", "--estimate", "--json")
-    e = json.loads(r.output)["estimate"]
+    e = json.loads(r.stdout)["estimate"]
     assert e == {"made": False, "why": e["why"]} and "not streamed through the plan executor" in e["why"]
     assert list(tmp_path.iterdir()) == []
 

@@ -55,6 +55,10 @@ class DcpWriter(Writer):
     suffix = "\0"  # a DCP checkpoint is a directory: no path is a single-file output
     resumable = False  # written as one store, not as shards a resume ledger can keep (--resume refused)
 
+    def output_bytes(self, items, *, max_shard_size, metadata, single):
+        """Not known before writing (this store's own layout): ``--dry-run`` scales its sample's bytes."""
+        return None
+
     def __init__(self, ranks: int = 1):
         self.ranks = ranks
 

@@ -70,6 +70,10 @@ class MsgpackWriter(Writer):
     suffix = ".msgpack"
     resumable = False  # written as one store, not as shards a resume ledger can keep (--resume refused)
 
+    def output_bytes(self, items, *, max_shard_size, metadata, single):
+        """Not known before writing (this store's own layout): ``--dry-run`` scales its sample's bytes."""
+        return None
+
     def __init__(self, paths: Sequence[tuple[str, ...]]):
         nest([OutLeaf(p, "U8", (), None) for p in paths])  # every path an array or a subtree, never both
         self.paths: dict[str, tuple[str, ...]] = {}

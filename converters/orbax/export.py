@@ -155,6 +155,10 @@ class OrbaxArrayWriter(Writer):
     suffix = "\0"  # an Orbax checkpoint is a directory
     resumable = False  # written as one store, not as shards a resume ledger can keep (--resume refused)
 
+    def output_bytes(self, items, *, max_shard_size, metadata, single):
+        """Not known before writing (this store's own layout): ``--dry-run`` scales its sample's bytes."""
+        return None
+
     def __init__(self, slots: dict[str, tuple[Array, tuple]]):
         self.slots = slots
 

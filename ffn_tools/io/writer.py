@@ -249,11 +249,27 @@ def kept(ledger: Ledger | None, name: str, shard: Sequence[OutTensor], progress:
 def write_index(out_dir: Path, items: Sequence[OutTensor], shards: list[list[OutTensor]], names: list[str],
                 prefix: str = "model") -> None:
     """The Hugging Face index of a sharded output (none for one shard)."""
-    if len(shards) > 1:
-        weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
-        index = {"metadata": {"total_size": sum(t.nbytes for t in items)},
-                 "weight_map": dict(sorted(weight_map.items()))}
-        (out_dir / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    if (text := index_text(items, shards, names)) is not None:
+        (out_dir / f"{prefix}.safetensors.index.json").write_text(text)
+
+
+def index_text(items: Sequence[OutTensor], shards: list[list[OutTensor]], names: list[str]) -> str | None:
+    """The text of a sharded output's Hugging Face index; None for one shard (it has none)."""
+    if len(shards) <= 1:
+        return None
+    weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
+    index = {"metadata": {"total_size": sum(t.nbytes for t in items)}, "weight_map": dict(sorted(weight_map.items()))}
+    return json.dumps(index, indent=2) + "\n"
+
+
+def output_bytes(items: Sequence[OutTensor], max_shard_size: int | None, metadata: dict | None,
+                 single: bool) -> int:
+    """The bytes ``write_file`` (``single``) or ``write_sharded`` writes for ``items``: every shard's header and
+    data, and the index, computed as they compute them, before anything is written."""
+    shards = [list(items)] if single else plan_shards(items, max_shard_size, metadata)
+    text = None if single else index_text(items, shards, shard_names(len(shards)))
+    return (sum(len(_header(shard, metadata)) + sum(t.nbytes for t in shard) for shard in shards)
+            + (len(text.encode()) if text is not None else 0))
 
 
 class Writer:
@@ -282,6 +298,13 @@ class Writer:
         ``ledger``: see ``write_sharded`` (given only where ``resumable``)."""
         return write_sharded(out_dir, items, max_shard_size=max_shard_size, metadata=metadata, progress=progress,
                              ledger=ledger)
+
+    def output_bytes(self, items: Sequence[OutTensor], *, max_shard_size: int | None, metadata: dict | None,
+                     single: bool) -> int | None:
+        """The weight files' bytes (index included) that ``items`` make, exact, before a byte is written
+        (``single``: one file); None where a writer cannot say (then ``--dry-run`` scales its sample's bytes). A
+        subclass that writes another layout overrides it."""
+        return output_bytes(items, max_shard_size, metadata, single)
 
 
 SAFETENSORS = Writer()
