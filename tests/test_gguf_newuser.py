@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -430,3 +431,31 @@ def test_gemma2_gguf_round_trip_closes(gguf_model, gguf_ref, tmp_path, to):
         save_file(sd, str(out / "model.safetensors"), metadata=meta)
         r = run_cli("verify", src, out, "--backend", "reference", "--no-side-files", ok=None)
         assert r.exit_code == 1 and "model.norm.weight" in r.output and "plus one minus one" in r.output, r.output
+
+
+def test_pad_id_kept_elsewhere_is_the_same_pad_id(gguf_model, tmp_path):
+    """Qwen3 whose pad token only its tokenizer names (no pad_token_id in config.json or generation_config.json)
+    -> llama.cpp's converter (tokenizer.ggml.padding_token_id) -> torch: B's generation_config.json names that id,
+    and verify passes saying where each side keeps it (on main: "pad_token_id is only in B"); a B whose pad id is
+    another token still fails."""
+    from gguf_models import convert_reference
+
+    src = tmp_path / "a"
+    shutil.copytree(gguf_model("qwen3"), src)
+    for name in ("config.json", "generation_config.json"):
+        doc = json.loads((src / name).read_text())
+        doc.pop("pad_token_id", None)
+        (src / name).write_text(json.dumps(doc))
+    back = tmp_path / "back"
+    run_cli("-q", "convert", convert_reference(src, tmp_path / "q.gguf", "f32"), "--to", "torch", "-o", back)
+    pad = json.loads((back / "generation_config.json").read_text())["pad_token_id"]
+    assert pad == 151643  # <|endoftext|>, the pad token A's tokenizer_config.json names
+    v = json.loads(run_cli("verify", src, back, "--backend", "reference", "--json", ok=None).stdout)
+    assert v["passed"], v["failures"]
+    assert any(n.startswith("generation_config.json: pad_token_id is kept in A's config.json or tokenizer and B's "
+                            "generation_config.json: [151643] in both") for n in v["side_files"]["notes"]), v
+    doc = json.loads((back / "generation_config.json").read_text())
+    doc["pad_token_id"] = 151644
+    (back / "generation_config.json").write_text(json.dumps(doc))
+    r = run_cli("verify", src, back, "--backend", "reference", ok=None)
+    assert r.exit_code == 1 and "generation_config.json: pad_token_id" in r.output, r.output

@@ -140,10 +140,55 @@ def _differs(name: str, ra: Path, rb: Path, notes: list[str]) -> str | None:
             da, db = (ca, cb) if ca == cb or ca != da else (da, db)
         if name == "tokenizer_config.json":
             da, db = tokenizer_views(ra, rb, da, db, notes)
+        if name == "generation_config.json":
+            settle_token_ids(ra, rb, da, db, notes)
     why = diff_text(da, db) if name.endswith((".txt", ".jinja")) else diff(da, db, "", name in TABLE_FILES)
     if why and why.startswith("model.merges[") and name == "tokenizer.json":
         why = merge_order(da["model"]["merges"], db["model"]["merges"]) or why
     return why and f"{name}: {why}"
+
+
+TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def settle_token_ids(ra: Path, rb: Path, da: dict, db: dict, notes: list[str]) -> None:
+    """Where A's and B's generation_config.json disagree on a special token id only in where it is kept, drop it
+    from both (``da``, ``db``) with a note: generate() takes it from generation_config.json, else from config.json,
+    else it is the tokenizer's (its ``*_token`` in tokenizer_config.json, by id in tokenizer.json): a GGUF read back
+    writes the pad id there that A's tokenizer names."""
+    for key in TOKEN_IDS:
+        if da.get(key) == db.get(key):
+            continue
+        ia, ib = _token_id(ra, da, key), _token_id(rb, db, key)
+        if ia is not None and ia == ib:
+            kept = [f"{side}'s {'generation_config.json' if key in d else 'config.json or tokenizer'}"
+                    for side, d in (("A", da), ("B", db))]
+            notes.append(f"generation_config.json: {key} is kept in {kept[0]} and {kept[1]}: {ia} in both")
+            da.pop(key, None)
+            db.pop(key, None)
+
+
+def _token_id(root: Path, generation: dict, key: str) -> list[int] | None:
+    """The id(s) generate() ends up with for ``key`` (pad_token_id, ...): as a sorted list (eos may be several)."""
+    value = generation.get(key)
+    if value is None:
+        value = read_json(root / "config.json").get(key)
+    if value is None:
+        value = _tokenizer_id(root, key.removesuffix("_id"))
+    if value is None:
+        return None
+    return sorted(value) if isinstance(value, list) else [value]
+
+
+def _tokenizer_id(root: Path, special: str) -> int | None:
+    """The id of the tokenizer's ``special`` token (pad_token, ...), from its files, without loading it."""
+    token = content(read_json(root / "tokenizer_config.json").get(special))
+    if not token:
+        return None
+    tok = read_json(root / "tokenizer.json")
+    added = {t.get("content"): t.get("id") for t in tok.get("added_tokens", [])}
+    vocab = tok.get("model", {}).get("vocab")
+    return added.get(token, vocab.get(token) if isinstance(vocab, dict) else None)
 
 
 def _canonical(doc: dict, side: str) -> dict:
