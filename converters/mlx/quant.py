@@ -334,7 +334,25 @@ def _spawned(workers: int) -> ProcessPoolExecutor:
     from concurrent.futures import ProcessPoolExecutor
 
     # spawn: fresh interpreters (forking a process that runs MLX's threads is unsafe)
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_watch_parent,
+                               initargs=(os.getpid(),))
+
+
+PARENT_POLL_SECONDS = 0.25
+
+
+def _watch_parent(parent: int) -> None:
+    """A worker's initializer: a thread that ends the worker once ``parent`` (the exporting process) is gone, killed
+    with SIGKILL included (a pool's own shutdown never runs then, and a worker waiting for its next job waits
+    forever: every worker holds the job queue's writing end too). The resource tracker the pool started follows when
+    its last worker is gone. Not ``PR_SET_PDEATHSIG``: it fires when the *thread* that started the worker ends, and
+    ``Workers`` starts them on a thread that ends at once."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_SECONDS)
+        os._exit(1)  # the parent is gone: nothing is waiting for this worker's results (or its writes)
+
+    threading.Thread(target=watch, name="ffn-tools-parent-watch", daemon=True).start()
 
 
 def _ready() -> None:
