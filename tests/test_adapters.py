@@ -301,6 +301,32 @@ def test_mlx_adapter_runs_in_mlx_lm_as_peft_runs_the_original(tmp_path, base):
             torch.testing.assert_close(peft_logits(model, tmp_path / f"{arch}-peft-again"), want, rtol=0, atol=1e-6)
 
 
+def test_a_peft_adapter_finds_its_base_in_the_working_directory_as_peft_does(tmp_path, monkeypatch):
+    """PEFT records base_model_name_or_path as the base was loaded ("tiny", from the working directory) and
+    AutoPeftModel loads it from there again: --to mlx finds the base there too. Where it is not found, the refusal
+    says what is missing, the paths tried and how to give it, and writes nothing."""
+    pytest.importorskip("mlx.core")
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.chdir(tmp_path)
+    tiny_models.build("llama", Path("tiny"))
+    src = peft_adapter(AutoModelForCausalLM.from_pretrained("tiny"), Path("lora"), target_modules=FFN)
+    assert json.loads((src / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
+    AutoPeftModelForCausalLM.from_pretrained("lora")  # PEFT itself reloads the base from the working directory
+    run_cli("convert", "lora", "--to", "mlx", "-o", "mlx-lora")
+    assert json.loads(Path("mlx-lora/adapter_config.json").read_text())["model"] == str(tmp_path / "tiny")
+    assert json.loads(run_cli("verify", "lora", "mlx-lora", "--json").output)["passed"]
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    r = run_cli("convert", "../lora", "--to", "mlx", "-o", "out", ok=False)
+    assert (f"Error: ../lora: converting to mlx needs the base model's config.json (mlx adapters name the base's "
+            f"tensors as their runtime does), and its base_model_name_or_path 'tiny' is no directory here (tried "
+            f"{tmp_path / 'elsewhere' / 'tiny'} and {tmp_path / 'lora' / 'tiny'}): give the base model's directory "
+            "with --base") in r.output, r.output
+    assert not Path("out").exists()
+
+
 def test_the_library_functions_take_adapters_as_the_commands_do(base, tmp_path):
     import ffn_tools
 

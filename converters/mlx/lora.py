@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ffn_tools.adapters.formats import AdapterFormat
+from ffn_tools.adapters.formats import AdapterFormat, no_base
 from ffn_tools.adapters.model import Adapter, AdapterError, Lora
 from ffn_tools.adapters.relayout import pad
 from ffn_tools.errors import listing
@@ -36,8 +36,9 @@ def _layout(config: dict | None, where: Path):
     """(mlx_lm's model Target, [Output], the base's tensors name -> shape): every mlx_lm parameter and the base
     tensors (as transformers saves them for ``config``) it is made of."""
     if not config:
-        raise AdapterError(f"{where}: mlx_lm's adapter names mlx_lm's modules; give the base model (base=) so its "
-                           "config.json tells the architecture", flags={"base=": "--base"})
+        raise AdapterError(f"{where}: an mlx_lm adapter names mlx_lm's modules, so reading one needs the base model's "
+                           f"config.json (its architecture), and {no_base(where)}: give the base model's directory "
+                           "with base=", flags={"base=": "--base"})
     from .inverse import source_layout
     from .models import target
     from .names import map_outputs

@@ -17,7 +17,7 @@ from ..errors import counted
 from ..io.dtypes import short_name
 from ..io.output import atomic_output
 from . import formats
-from .formats import base_config, load
+from .formats import base_config, load, no_base
 from .conform import conform
 from .model import Adapter, AdapterError, Lora
 from .places import places
@@ -103,8 +103,10 @@ def _write(adapter: Adapter, to: str, out: Path, force: bool, base=None, **optio
     fmt = formats.get(TO.get(to, to))
     root, config = base_config(adapter.path, base)
     if fmt.needs_base and config is None:
-        raise AdapterError(f"a {fmt.name} adapter names the base's tensors as its runtime does: give the base "
-                           "model with base=", flags={"base=": "--base"})
+        raise AdapterError(f"{adapter.path}: converting to {fmt.name} needs the base model's config.json "
+                           f"({fmt.name} adapters name the base's tensors as their runtime does), and "
+                           f"{no_base(adapter.path, base)}: give the base model's directory with base=",
+                           flags={"base=": "--base"})
     read = [adapter.path] + ([root / "config.json"] if root and (root / "config.json").is_file() else [])
     with atomic_output(out, inputs=[adapter.path] + ([root] if root else []), force=force, sources=read) as tmp:
         return fmt.write(adapter, tmp, config or adapter.config, root, **options)

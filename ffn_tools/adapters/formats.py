@@ -101,24 +101,63 @@ def read(path, config: dict | None = None) -> Adapter:
     return fmt.read(Path(path), config)
 
 
-def base_config(adapter_path: Path, base) -> tuple[Path | None, dict | None]:
-    """(base directory, its config.json): ``base`` where given, else the base an adapter names that is a local
-    directory (PEFT's base_model_name_or_path, mlx_lm's ``model``)."""
-    if base is not None:
-        root = Path(base) if Path(base).is_dir() else Path(base).parent
-        return root, read_config(root)
-    try:
-        import json
+BASE_KEYS = ("base_model_name_or_path", "model")  # PEFT's adapter_config.json names its base so; mlx_lm's so
 
+
+def named_base(adapter_path: Path) -> tuple[str | None, str | None]:
+    """(the key, the base model it names) of the adapter's adapter_config.json, or (None, None)."""
+    import json
+
+    try:
         cfg = json.loads((Path(adapter_path) / "adapter_config.json").read_text())
     except (OSError, ValueError):
         return None, None
-    for key in ("base_model_name_or_path", "model"):
-        named = cfg.get(key)
-        if isinstance(named, str) and (Path(adapter_path) / named).is_dir():
-            root = Path(adapter_path) / named
+    for key in BASE_KEYS:
+        if isinstance(cfg, dict) and isinstance(cfg.get(key), str) and cfg[key]:
+            return key, cfg[key]
+    return None, None
+
+
+def base_candidates(adapter_path: Path, named: str) -> list[Path]:
+    """Where a base an adapter names may be, in the order tried: the working directory first (PEFT's
+    ``AutoPeftModel`` hands ``base_model_name_or_path`` to transformers' ``from_pretrained``, which reads a relative
+    path from there, as mlx_lm's ``load`` reads its ``model``), then the adapter's own directory."""
+    import os
+
+    tried = [Path(os.path.abspath(named))]
+    beside = Path(os.path.abspath(Path(adapter_path) / named))
+    return tried + ([beside] if beside != tried[0] else [])
+
+
+def base_config(adapter_path: Path, base) -> tuple[Path | None, dict | None]:
+    """(base directory, its config.json): ``base`` where given, else the base an adapter names that is a local
+    directory (PEFT's base_model_name_or_path, mlx_lm's ``model``: ``base_candidates``)."""
+    if base is not None:
+        root = Path(base) if Path(base).is_dir() else Path(base).parent
+        return root, read_config(root)
+    _, named = named_base(Path(adapter_path))
+    for root in base_candidates(Path(adapter_path), named) if named else []:
+        if root.is_dir():
             return root, read_config(root)
     return None, None
+
+
+def no_base(adapter_path: Path, base=None) -> str:
+    """Why no base config.json was found for the adapter at ``adapter_path``: what is missing and where it was
+    looked for (for a refusal that ends by saying how to give it)."""
+    if base is not None:
+        root = Path(base) if Path(base).is_dir() else Path(base).parent
+        return f"the base given, {base}, has no config.json (looked for {root / 'config.json'})"
+    key, named = named_base(Path(adapter_path))
+    if named is None:
+        return f"{Path(adapter_path) / 'adapter_config.json'} names no base model ({' or '.join(BASE_KEYS)})"
+    tried = base_candidates(Path(adapter_path), named)
+    found = next((r for r in tried if r.is_dir()), None)
+    if found is not None:
+        return f"the base its {key} names, {found}, has no config.json"
+    hub = named.count("/") == 1 and not named.startswith((".", "/", "~"))
+    return (f"its {key} {named!r} is no directory here (tried {' and '.join(str(t) for t in tried)})"
+            + ("; a Hugging Face Hub id is not downloaded by ffn-tools" if hub else ""))
 
 
 def load(path, base=None, config: dict | None = None) -> Adapter:
