@@ -218,6 +218,63 @@ def test_verify_catches_swapped_halves_wrong_scale_and_a_missing_expert(base, tm
     assert r.exit_code == 1 and "experts.3.w1.weight (layer 0 expert 3 gate)" in r.output, r.output
 
 
+def _peft_merge(model, adapter: Path, out: Path) -> Path:
+    """PEFT's own merge: merge_and_unload, then transformers' save_pretrained."""
+    from peft import PeftModel
+
+    PeftModel.from_pretrained(copy.deepcopy(model), adapter).merge_and_unload().save_pretrained(out)
+    return out
+
+
+def _planted(src: Path, dst: Path, defect: str) -> Path:
+    """PEFT's stacked-expert adapter with a delta defect planted, for PEFT to merge as it is: its delta scaled
+    (alpha doubled), lora_B's experts laid out as lora_A's (blocks, not interleaved), each expert given the next
+    one's factors."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    t = load_file(dst / "adapter_model.safetensors")
+    r = cfg["r"]
+    for key in [k for k in t if k.endswith("lora_B.weight")]:
+        b, a_key = t[key], key.replace("lora_B", "lora_A")
+        e = b.shape[1] // r
+        if defect == "B in A's layout":  # PEFT reads expert x's rank j at column j·E + x: put column x·r + j there
+            t[key] = b[:, [x * r + j for j in range(r) for x in range(e)]].contiguous()
+        elif defect == "wrong expert":  # expert x gets expert x+1's A rows and B columns
+            t[a_key] = t[a_key].roll(-r, 0).contiguous()
+            t[key] = b.reshape(b.shape[0], r, e).roll(-1, 2).reshape(b.shape).contiguous()
+    save_file(t, dst / "adapter_model.safetensors")
+    if defect == "scaled":
+        (dst / "adapter_config.json").write_text(json.dumps({**cfg, "lora_alpha": 2 * cfg["lora_alpha"]}))
+    return dst
+
+
+@pytest.mark.parametrize("arch,lora", [("llama", dict(target_modules=FFN)),
+                                       ("phi3", dict(target_modules=["gate_up_proj", "down_proj"])),
+                                       ("qwen3_moe", STACKED), ("mixtral", STACKED)])
+def test_verify_passes_peft_own_bf16_merge_and_fails_a_wrong_delta(arch, lora, tmp_path):
+    """verify BASE+ADAPTER MERGED passes PEFT's own merge (merge_and_unload + save_pretrained) of a bfloat16 base:
+    a target_parameters delta PEFT rounds to bfloat16 before adding it (two roundings, as its live forward runs it)
+    is no defect. PEFT's merges of the same stacked adapter with its delta scaled, lora_B's experts in lora_A's
+    layout, or each expert given the next one's factors all fail, naming the tensors."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_models.build(arch, tmp_path / "base", dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    src = peft_adapter(model, tmp_path / "lora", **lora)
+    r = run_cli("verify", f"{path}+{src}", _peft_merge(model, src, tmp_path / "merged"), "--json", ok=None)
+    report = json.loads(r.output)
+    assert r.exit_code == 0 and report["passed"], r.output
+    weights = next(c for c in report["checks"] if c["check"] == "weights")
+    assert ("one of the delta first: PEFT casts a target_parameters delta" in weights["line"]) == (lora is STACKED)
+    if lora is not STACKED:
+        return
+    for defect in ("scaled", "B in A's layout", "wrong expert"):
+        bad = _planted(src, tmp_path / defect, defect)
+        r = run_cli("verify", f"{path}+{src}", _peft_merge(model, bad, tmp_path / f"merged {defect}"), ok=None)
+        assert r.exit_code == 1 and "FAIL weights" in r.output and "FAIL ffns" in r.output, (defect, r.output)
+        assert "(layer 0 expert 0 gate): off base + scale·B·A by up to" in r.output, (defect, r.output)
+
+
 def test_inspect_says_what_each_lora_targets_and_which_ffns_get_none(base, tmp_path):
     model, path = base("qwen2_moe")
     src = peft_adapter(model, tmp_path / "lora", target_modules=["shared_expert.gate_proj", "shared_expert.up_proj"],

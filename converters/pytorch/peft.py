@@ -9,6 +9,10 @@ What PEFT 0.21 saves (checked against it; ``tests/test_adapters.py`` runs PEFT i
   the wrappers nest on the module in the order its parameters are registered, the first innermost, so with k
   parameters targeted the i-th's keys carry ``.base_layer`` k-1-i times. Its lora_A (r·E, in) holds expert e's
   rows at ``e·r:(e+1)·r``; its lora_B (out, r·E) holds expert e's columns at ``e::E`` (interleaved, unlike A).
+* how PEFT merges (``merge_and_unload``; its live forward the same): a ``target_modules`` LoRA's float32 delta
+  is added to the weight in place, one rounding to the weight's dtype; a ``target_parameters`` one
+  (``ParamWrapper.get_delta_weight``) is cast to the parameter's dtype first, then added: two roundings
+  (``Lora.delta_rounded``, which verify allows).
 * scale ``lora_alpha / r`` (``/ sqrt(r)`` with ``use_rslora``), r and alpha per target from ``rank_pattern`` /
   ``alpha_pattern``: the first key (in order) for which ``(.*\\.)?(key)$`` matches the module name (the parameter's
   full name for ``target_parameters``).
@@ -107,7 +111,10 @@ class PeftAdapter(AdapterFormat):
             if not target.endswith(".weight"):  # a stacked parameter: (E, r, in), (E, out, r)
                 a = a.reshape(experts, r, a.shape[-1])
                 b = b.reshape(b.shape[0], r, experts).permute(2, 0, 1).contiguous()
-            loras[target] = Lora(target, a, b, scale_of(alpha, r, rslora), alpha, rslora)
+            # a target_parameters LoRA's delta is rounded to the parameter's dtype before PEFT adds it (its
+            # ParamWrapper); a target_modules one is added in float32 and rounded once
+            loras[target] = Lora(target, a, b, scale_of(alpha, r, rslora), alpha, rslora,
+                                 delta_rounded=not target.endswith(".weight"))
         if not loras:
             raise AdapterError(f"{path}: holds no LoRA factors")
         meta = {k: cfg[k] for k in ("task_type", "base_model_name_or_path", "revision") if cfg.get(k) is not None}

@@ -1,8 +1,8 @@
 """``merge``: a base checkpoint with an adapter folded in, W' = W + scale·B·A, streamed as every command is.
 
-Each targeted tensor is read, the delta added in float32 and the sum rounded once to the tensor's dtype (PEFT's
-``merge_and_unload`` on CPU rounds the delta to a bf16 base's dtype first, then adds: within one rounding of
-this); every other tensor is copied byte for byte by ``plan.execute`` (``copy_file_range``), the config.json,
+Each targeted tensor is read, the delta added in float32 and the sum rounded once to the tensor's dtype (as PEFT's
+``merge_and_unload`` adds a ``target_modules`` delta; a ``target_parameters`` one it rounds to the tensor's dtype
+first, then adds: the two differ by up to a rounding of the delta, which verify allows there); every other tensor is copied byte for byte by ``plan.execute`` (``copy_file_range``), the config.json,
 tokenizer and side files carried. Memory: one tensor and its delta at a time, besides the adapter's factors.
 
 Refused: a base whose targets are quantized (FP8, compressed-tensors, GPTQ/AWQ, MLX affine codes): adding a delta

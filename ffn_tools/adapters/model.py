@@ -41,6 +41,11 @@ class Lora:
         alpha: the alpha the source states (PEFT's lora_alpha, llama.cpp's adapter.lora.alpha), None where the
             format stores only a scale (mlx_lm).
         rslora: PEFT's scale is alpha / sqrt(r) rather than alpha / r.
+        delta_rounded: the adapter's runtime rounds ``scale·B·A`` to the base weight's dtype before adding it, so
+            its merge (and its live forward, which adds the same rounded delta) rounds twice: PEFT's
+            ``target_parameters`` (``ParamWrapper.get_delta_weight`` casts the delta to the parameter's dtype),
+            unlike its ``target_modules``, whose float32 delta is added to the weight in one rounding. verify allows
+            that second rounding for this target only.
     """
 
     target: str
@@ -49,6 +54,7 @@ class Lora:
     scale: float
     alpha: float | None = None
     rslora: bool = False
+    delta_rounded: bool = False
 
     def __post_init__(self) -> None:
         a, b = self.a, self.b

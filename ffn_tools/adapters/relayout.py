@@ -54,12 +54,12 @@ def split(adapter: Adapter, scheme=None) -> tuple[Adapter, list[str]]:
         for e, one in pieces:
             if p.role != "gate_up":  # a stacked down (or a stacked-separate gate, up): its experts apart
                 name = p.name_in(unfused, p.role, e)
-                out[name] = Lora(name, one.a.contiguous(), one.b.contiguous(), one.scale, one.alpha, one.rslora)
+                out[name] = replace(one, target=name, a=one.a.contiguous(), b=one.b.contiguous())
                 continue
             gate_b, up_b = split_rows(one.b, p.group.layout, name=f"{target} lora B")
             for role, b, a in (("gate", gate_b, one.a.contiguous()), ("up", up_b, one.a.clone())):
                 name = p.name_in(unfused, role, e)
-                out[name] = Lora(name, a, b, one.scale, one.alpha, one.rslora)
+                out[name] = replace(one, target=name, a=a, b=b)
             fused += 1
     if not fused and not stacked:
         raise AdapterError(f"{adapter.path}: no fused gate_up or stacked expert LoRA to split")
@@ -76,7 +76,7 @@ def pad(lora: Lora, rank: int) -> Lora:
         return lora
     a = torch.cat([lora.a, lora.a.new_zeros((*lora.a.shape[:-2], rank - lora.rank, lora.a.shape[-1]))], -2)
     b = torch.cat([lora.b, lora.b.new_zeros((*lora.b.shape[:-1], rank - lora.rank))], -1)
-    return Lora(lora.target, a, b, lora.scale, lora.alpha, lora.rslora)
+    return replace(lora, a=a, b=b)
 
 
 def _same_bytes(x, y) -> bool:
@@ -100,20 +100,19 @@ def _fuse_pair(name: str, gate: Lora | None, up: Lora | None, layout) -> tuple[L
         raise AdapterError(f"{name}: gate and up LoRAs are stored in different dtypes; one fused LoRA has one, and "
                            "casting would round")
     if gate is not None and up is not None and _same_bytes(gate.a, up.a):
-        return Lora(name, gate.a.contiguous(), fuse_rows(gate.b, up.b, layout, name=name),
-                    first.scale, first.alpha, first.rslora), None
+        return replace(first, target=name, a=gate.a.contiguous(), b=fuse_rows(gate.b, up.b, layout, name=name)), None
     if len(present) == 1:
         zero = first.b.new_zeros(first.b.shape)
         b = fuse_rows(first.b, zero, layout, name=name) if gate is not None else fuse_rows(zero, first.b, layout, name=name)
         half = "up" if gate is not None else "gate"
-        return Lora(name, first.a.contiguous(), b, first.scale, first.alpha, first.rslora), \
+        return replace(first, target=name, a=first.a.contiguous(), b=b), \
             f"{name}: {half} has no LoRA; its rows of B are zeros"
     assert gate is not None and up is not None
     a = torch.cat([gate.a, up.a], -2)
     gb = torch.cat([gate.b, gate.b.new_zeros((*gate.b.shape[:-1], up.rank))], -1)
     ub = torch.cat([up.b.new_zeros((*up.b.shape[:-1], gate.rank)), up.b], -1)
     alpha = None if gate.alpha is None else gate.alpha * (gate.rank + up.rank) / gate.rank
-    return Lora(name, a, fuse_rows(gb, ub, layout, name=name), gate.scale, alpha, gate.rslora), \
+    return replace(gate, target=name, a=a, b=fuse_rows(gb, ub, layout, name=name), alpha=alpha), \
         f"{name}: gate and up have different A; fused at rank {gate.rank}+{up.rank} (block structure)"
 
 
@@ -190,15 +189,15 @@ def _stack(loras: dict[str, Lora], where: dict[str, Place], config) -> tuple[dic
         some = next(iter(by_expert.values()))
         missing = [e for e in range(n) if e not in by_expert]
         filled = [pad(by_expert[e], rank) if e in by_expert else
-                  Lora(some.target, some.a.new_zeros((rank, some.a.shape[-1])),
-                       some.b.new_zeros((some.b.shape[-2], rank)), some.scale, some.alpha, some.rslora)
+                  replace(some, a=some.a.new_zeros((rank, some.a.shape[-1])),
+                          b=some.b.new_zeros((some.b.shape[-2], rank)))
                   for e in range(n)]
         for e in by_expert:
             del out[by_expert[e].target]
         name = getattr(p.group.forms["stacked"], k[2]).format(layer=p.layer)
         alpha = None if some.alpha is None else some.alpha * rank / some.rank
-        out[name] = Lora(name, torch.stack([x.a for x in filled]), torch.stack([x.b for x in filled]), some.scale,
-                         alpha, some.rslora)
+        out[name] = replace(some, target=name, a=torch.stack([x.a for x in filled]),
+                            b=torch.stack([x.b for x in filled]), alpha=alpha)
         if missing:
             notes.append(f"{name}: experts {missing} have no LoRA; stacked with zero factors")
         if any(x.rank != rank for x in by_expert.values()):
