@@ -89,9 +89,9 @@ class PairChecker:
                                 f"{y.d_model}, d_ffn {y.d_ffn} (different models?)")
             return res
         backends = self.backends if backends is None else backends
-        same_stored = None
+        same_stored, defect = None, None
         if self.exact is not False and self.as_bytes(x, y):
-            same_stored, why, finite = same_bytes(self.ca, self.cb, self.raw_a, self.raw_b, x, y)
+            same_stored, why, finite, defect = same_bytes(self.ca, self.cb, self.raw_a, self.raw_b, x, y)
             if same_stored:
                 res.exact = "identical"
                 res.notes.append(STORED_NOTE if quantized else PLAIN_NOTE)
@@ -101,6 +101,8 @@ class PairChecker:
                     return res
                 if set(backends) <= {"reference"} and same_activation:
                     return self._run_as_a(res, ref, x, y, tol, backends, ran)
+            elif defect:  # a scale changed under A's codes: no rounding (stored.scale_defect)
+                res.problems.append(defect)
             elif same_stored is False and quantized:  # (unquantized: the bit-exact check below says how)
                 res.notes.append(f"stored bytes differ ({why}): compared dequantized, within the tolerance row")
         paged = self.from_pages(x, y)
@@ -120,6 +122,8 @@ class PairChecker:
                                and self._requantized(res, wa, wb, x, y))
         if not requantized and not same_stored:
             self._exact(res, wa, wb, stored, quantized, let_go)
+        if defect:
+            res.exact = "differs"
         same_as_a = res.exact == "identical" and not requantized and self.fa.activation.kernel == ops_b.activation
         if same_as_a and not compute_identical and all_finite(wa.values(), let_go):
             res.backends = [not_computed()] if "reference" in backends else []

@@ -16,12 +16,15 @@ Outside the FFNs, ``same_stored(ca, cb, name)`` does the same for one tensor bot
 ``same_bytes(ca, cb, read_a, read_b, x, y)`` is True (every part of every role: dtype, shape and bytes equal),
 False (with a sentence naming the first difference) or None (not comparable as bytes; ``candidates`` says so before
 anything is read); it also says whether B's parts are finite (``finite_part``: what a float64 run of the weights
-could still show, a non-finite value, checked on the parts' bytes)."""
+could still show, a non-finite value, checked on the parts' bytes), and names a ``defect``: a role whose FP8 codes
+are A's byte for byte while its scale's values differ. A re-quantization that changes a block's scale changes
+that block's codes with it (the codes are the weight divided by the scale), so codes kept and a scale changed is
+no rounding the tolerance row should absorb: the block, and its scale on both sides, are named."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..ffn import FFN
 from ..io.mapped import Mapped
@@ -126,40 +129,91 @@ def candidates(ca, cb, x: FFN, y: FFN) -> bool:
     return all(n in c.stored and c.stored.info(n).start is not None for c, n in stored)  # (a view renames: no)
 
 
-def same_bytes(ca, cb, read_a: Mapping, read_b: Mapping, x: FFN,
-               y: FFN) -> tuple[bool | None, str | None, bool | None]:
+class Stored(NamedTuple):
+    """What ``same_bytes`` found: ``same`` (True, False, or None: not comparable as bytes), ``why`` (the first
+    difference), ``finite`` (B's parts, where ``same``), ``defect`` (a scale changed under A's codes)."""
+
+    same: bool | None
+    why: str | None = None
+    finite: bool | None = None
+    defect: str | None = None
+
+
+def same_bytes(ca, cb, read_a: Mapping, read_b: Mapping, x: FFN, y: FFN) -> Stored:
     """Do A's FFN ``x`` and B's ``y`` store the same bytes, role by role (see the module docstring)? (True, None,
-    whether B's parts are all finite), (False, the first difference, None) or (None, None, None) where they cannot
-    be compared so. Part by part: each pair is compared, B's checked finite, and (where ``read_a``/``read_b`` are
-    ``io.mapped.Mapped``) its pages released before the next, so one part pair is held at a time, not the FFN pair
-    (a Llama-70B FFN is 1.4 GB a side in bf16, its largest part 470 MB)."""
+    whether B's parts are all finite), (False, the first difference, None, a scale changed under A's codes or None)
+    or (None, ...) where they cannot be compared so. Part by part: each pair is compared, B's checked finite, and
+    (where ``read_a``/``read_b`` are ``io.mapped.Mapped``) its pages released before the next, so one part pair is
+    held at a time, not the FFN pair (a Llama-70B FFN is 1.4 GB a side in bf16, its largest part 470 MB)."""
     if not candidates(ca, cb, x, y):
-        return None, None, None
+        return Stored(None)
     same_form = ("gate_up" in x.names) == ("gate_up" in y.names) and (
         "gate_up" not in x.names or x.layout.same_arrangement(y.layout))
     pa, pb = role_parts(ca, read_a, x, not same_form), role_parts(cb, read_b, y, not same_form)
     if pa is None or pb is None:
-        return None, None, None
+        return Stored(None)
     if any(not parts for parts in (*pa.values(), *pb.values())):
-        return None, None, None  # a module whose parts its view does not name (MLX's): nothing to compare here
+        return Stored(None)  # a module whose parts its view does not name (MLX's): nothing to compare here
     if any(sorted(parts) != sorted(pb.get(role, {})) for role, parts in pa.items()):
-        return None, None, None  # laid out as different parts: not a copy's form
-    finite = True
+        return Stored(None)  # laid out as different parts: not a copy's form
+    finite, first = True, None
     for role, parts in pa.items():
+        differ = []
         for p, a in parts.items():
             b = pb[role][p]
             name = y.names["gate_up"] if role == "gate_up" else stored_name(y, role)
             what = role if p == PLAIN else f"{role}'s {p}"
             if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
-                return False, (f"{what} ({name}): A {str(a.dtype).removeprefix('torch.')}{list(a.shape)}, "
-                               f"B {str(b.dtype).removeprefix('torch.')}{list(b.shape)}"), None
-            if not _equal_bytes(a, b):
-                return False, f"{what} ({name}) differs", None
-            finite = finite and finite_part(b)
+                differ.append(p)
+                first = first or (f"{what} ({name}): A {str(a.dtype).removeprefix('torch.')}{list(a.shape)}, "
+                                  f"B {str(b.dtype).removeprefix('torch.')}{list(b.shape)}")
+            elif not _equal_bytes(a, b):
+                differ.append(p)
+                first = first or f"{what} ({name}) differs"
+            else:
+                finite = finite and finite_part(b)
             for read in (read_a, read_b):
                 if hasattr(read, "release"):
                     read.release(done=False)  # the FFN's other parts are views of the same mappings, still due
-    return True, None, finite
+        if differ and "weight" not in differ and (defect := scale_defect(cb, y, role, parts, pb[role], same_form)):
+            return Stored(False, first, None, defect)
+    return Stored(True, None, finite) if first is None else Stored(False, first)
+
+
+def scale_defect(cb, y: FFN, role: str, a: dict, b: dict, same_form: bool) -> str | None:
+    """Where ``role``'s FP8 codes are A's byte for byte (``a``, ``b``: its parts) but a scale's values differ: the
+    sentence naming B's scale tensor, the first differing block (in B's tensor: a fused gate_up's row blocks as B
+    stores them) and both values; None where every scale value is A's (rounded to B's dtype, where B stores its
+    scales in another: a cast, which the tolerance row judges)."""
+    import torch
+
+    m = cb.quantized(stored_name(y, role if role != "gate_up" else "gate"))
+    if m is None or m.scheme.name not in ROW_SCHEMES or "weight" not in a:
+        return None
+    for p, sa in a.items():
+        sb = b[p]
+        if p == "weight" or tuple(sa.shape) != tuple(sb.shape):
+            continue
+        va, vb = sa.to(torch.float64), sb.to(torch.float64)
+        if sa.dtype != sb.dtype and sb.dtype.is_floating_point:  # a scale stored in another dtype: A's, rounded
+            va = sa.to(sb.dtype).to(torch.float64)
+        off = ~((va == vb) | (va.isnan() & vb.isnan()))
+        if not bool(off.any()):
+            continue
+        first = [int(i) for i in off.nonzero()[0]]
+        got, had = float(vb[tuple(first)]), float(va[tuple(first)])
+        if role in ("gate", "up") and "gate_up" in y.names and not same_form:  # B's own row block of it
+            seg = next(sg for sg in y.layout.segments(2 * sa.shape[0]) if sg[0] == role and sg[2] <= first[0] < sg[2] + sg[3])
+            first[0] = seg[1] + first[0] - seg[2]
+        rb, cbk = fp8.block(tuple(a["weight"].shape), tuple(sa.shape))
+        where = f"block {first}" + (f" (rows {first[0] * rb}-{first[0] * rb + rb - 1}" + (
+            f", columns {first[1] * cbk}-{first[1] * cbk + cbk - 1})" if len(first) > 1 else ")"))
+        expert = f" (expert {y.index})" if y.index is not None else ""
+        n = int(off.sum())
+        return (f"{role}: B's codes are A's byte for byte but its scale {m.parts.get(p, p)}{expert} is not A's at "
+                f"{n} of {off.numel()} block{'s' * (off.numel() != 1)}, first {where}: A {had:.9g}, B {got:.9g}; a "
+                "re-quantization that changes a scale changes its block's codes, so this is a defect, not rounding")
+    return None
 
 
 def quantized_alike(ca, cb, name: str) -> bool:
