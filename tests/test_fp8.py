@@ -292,3 +292,56 @@ def test_verify_of_an_fp8_checkpoint_passes_on_its_own_bfloat16_config(model_dir
               metadata={"format": "pt"})
     r = run_cli("verify", q, wide, "--backend", "reference", "--no-load-check", ok=None)
     assert r.exit_code == 1 and "B's config.json says bfloat16, but its weights are stored in float32" in r.output
+
+
+def _transformers_state(path, dtype=None) -> dict:
+    """What transformers' from_pretrained holds after loading ``path`` (an FP8 one through its quantizer: on a
+    machine without a GPU it dequantizes, with its own formula)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_fp8_to_torch_keeps_the_quantization_config_its_codes_need(model_dir, tmp_path):
+    """issue 60 item 24: convert --to torch kept the FP8 codes and scales but dropped quantization_config, so
+    transformers loaded the codes as weights (values up to 448) with exit 0. The config travels with the codes:
+    transformers reads the output as it reads the input."""
+    pytest.importorskip("accelerate")
+    from ffn_tools.converters import convert
+
+    q = quantize_fp8(model_dir("llama", torch.bfloat16), tmp_path / "q")
+    summary = convert(q, "torch", tmp_path / "out")
+    raw_identical(q, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["quantization_config"] == json.loads((q / "config.json").read_text())["quantization_config"]
+    assert any(c.startswith("kept 14 F8_E4M3 weights as stored, with their _scale_inv (config.json's "
+                            "quantization_config (fp8) kept") for c in summary["changes"]), summary["changes"]
+    theirs, ours = _transformers_state(q), _transformers_state(tmp_path / "out")
+    assert sorted(theirs) == sorted(ours)
+    for k in theirs:
+        assert torch.equal(theirs[k], ours[k]), k
+    assert float(ours["model.layers.0.mlp.gate_proj.weight"].float().abs().max()) < 1  # values, not codes
+
+
+def test_fp8_to_torch_with_a_dtype_dequantizes_as_transformers_does(model_dir, tmp_path):
+    """issue 60 item 24: ``--dtype bfloat16`` cast the codes to bfloat16 without their scales. It dequantizes
+    (codes times their block's scale in float32, rounded once: DeepSeek's fp8_cast_bf16.py), drops the scales
+    and the quantization config: bit for bit what transformers' own FP8 dequantize loads from the input."""
+    pytest.importorskip("accelerate")
+    q = quantize_fp8(model_dir("llama", torch.bfloat16), tmp_path / "q")
+    out = tmp_path / "out"
+    r = run_cli("convert", q, "--to", "torch", "-o", out, "--dtype", "bfloat16")
+    assert "dequantized 14 F8_E4M3 weights to bfloat16 (--dtype): each code times its _scale_inv per 16x16 block" \
+        in " ".join(r.output.split()), r.output
+    written = tensors(out)
+    assert not [n for n in written if n.endswith("_scale_inv")]
+    assert {t.dtype for t in written.values()} == {torch.bfloat16}
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    theirs = _transformers_state(q, torch.bfloat16)  # transformers' FP8 reader, dequantizing on this CPU
+    ours = _transformers_state(out)
+    assert sorted(theirs) == sorted(ours)
+    for k in theirs:
+        assert theirs[k].dtype == ours[k].dtype and torch.equal(theirs[k], ours[k]), k
+    r = run_cli("verify", q, out, "--backend", "reference", ok=None)
+    assert r.exit_code == 0 and "PASS" in r.output, r.output
