@@ -345,3 +345,29 @@ def test_fp8_to_torch_with_a_dtype_dequantizes_as_transformers_does(model_dir, t
         assert theirs[k].dtype == ours[k].dtype and torch.equal(theirs[k], ours[k]), k
     r = run_cli("verify", q, out, "--backend", "reference", ok=None)
     assert r.exit_code == 0 and "PASS" in r.output, r.output
+
+
+def test_fp8_decode_runs_in_strips_of_row_blocks_bit_for_bit(monkeypatch):
+    """issue 60 item 10: a DeepSeek-V3 dense FFN's 18432 x 7168 FP8 weight was dequantized whole in float64 (3 GB
+    held for a 0.5 GB float32 result); it is made a strip of row blocks at a time in float32, the same bits as
+    the float64 product rounded once (exact: at most 24 + 24 significant bits)."""
+    from ffn_tools.quant import fp8
+
+    gen = torch.Generator().manual_seed(0)
+    strips: list[tuple[int, int]] = []
+    mul = torch.mul
+    monkeypatch.setattr(fp8, "DECODE_BYTES", 4 * 64 * 32)  # 32 rows of 64 float32 columns a strip
+    monkeypatch.setattr(torch, "mul", lambda a, b, out: strips.append(tuple(out.shape)) or mul(a, b, out=out))
+    for shape, scales in (((96, 64), (6, 4)), ((3, 96, 64), (3, 6, 4)), ((90, 60), (6, 4)), ((96, 64), (96, 1))):
+        codes = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+        codes[(codes & 0x7F) == 0x7F] = 0  # no NaN codes: their bytes would compare equal as NaN anyway
+        w = codes.view(torch.float8_e4m3fn)
+        for dtype in (torch.float32, torch.bfloat16):
+            s = (torch.rand(scales, generator=gen) * 2.0 ** -140).to(dtype)  # products down among the subnormals
+            strips.clear()
+            got = fp8.decode(w, s)
+            want = fp8.dequantize(w, s).to(torch.float32)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (shape, scales, dtype)
+            matrices = shape[0] if len(shape) == 3 else 1
+            assert len(strips) >= 3 * matrices and sum(r for r, _ in strips) == shape[-2] * matrices, strips
+            assert all(4 * r * c <= fp8.DECODE_BYTES for r, c in strips), strips
