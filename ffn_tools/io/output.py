@@ -120,7 +120,8 @@ def alive(pid: int) -> bool:
 
 def _stale(out: Path) -> list[Path]:
     """Temporary outputs for ``out`` left by ffn-tools processes that no longer run (killed with SIGKILL, or by
-    a power cut), newest first; those of live processes are not among them."""
+    a power cut; or interrupted, where they kept finished shards), newest first; those of live processes are not
+    among them."""
     found = []
     for p in out.parent.glob(f".{glob_escape(out.name)}.*-*"):
         m = re.fullmatch(rf"\.{re.escape(out.name)}\.(?:tmp|old)-(\d+)-[0-9a-f]{{8}}(?:\.{re.escape(receipt.NAME)})?",
@@ -141,8 +142,8 @@ def remove_stale(out: Path, resume_key: str | None = None) -> Path | None:
         if (n := resume.finished_shards(p)) and p.name.startswith(f".{out.name}.tmp-"):
             why = ("it was begun by another command, with other options or from other inputs" if resume_key
                    else "--resume continues one")
-            say(f"{out}: removed the unfinished output of a killed run ({p.name}, {counted(n, 'shard')} finished; "
-                f"{why})")
+            say(f"{out}: removed the unfinished output of a killed or interrupted run ({p.name}, "
+                f"{counted(n, 'shard')} finished; {why})")
         _remove(p)
     return kept
 
@@ -251,7 +252,8 @@ def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | N
             raise
         except BaseException as e:
             hashing.stop()
-            if not (resume_key is not None and isinstance(e, KeyboardInterrupt) and kept_for_resume(out, tmp)):
+            if not (isinstance(e, KeyboardInterrupt) and resume_key is not None and sample.settings() is None
+                    and kept_for_resume(out, tmp)):  # a --dry-run's sample run is never continued
                 _remove(tmp)
             beside.unlink(missing_ok=True)
             raise

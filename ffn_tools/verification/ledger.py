@@ -92,8 +92,8 @@ class StepLedger:
             said = len(list(p.glob("step-*.json")))
             shutil.rmtree(p, ignore_errors=True)
             if said:
-                say(f"verify: removed what a killed run of this same verify had finished ({said} FFN steps); "
-                    "--resume continues one")
+                say(f"verify: removed what a killed or interrupted run of this same verify had finished ({said} FFN "
+                    "steps); --resume continues one")
         if resuming and not self.steps():
             say("verify --resume: no FFN step of this same verify was left finished (by a killed or interrupted run); "
                 "running every step")
