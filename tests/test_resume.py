@@ -1,7 +1,8 @@
 """--resume: a run SIGKILLed at random points, then continued, writes the bytes an uninterrupted run writes.
 
-The kills are real (tests/kill_at.py: ``kill -9`` of the process at its Nth write, nothing of it runs after); the
-outputs are compared file for file, byte for byte, with an uninterrupted run of the same command.
+The kills are real (tests/kill_at.py: ``kill -9`` of the process at its Nth write, nothing of it runs after; or
+SIGINT, SIGTERM, SIGHUP, which it handles); the outputs are compared file for file, byte for byte, with an
+uninterrupted run of the same command.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,11 +33,18 @@ def _digest(out: Path) -> dict[str, str]:
     return {str(Path(k).relative_to(out)): v for k, v in tree_digest(out).items()}
 
 
-def _killed(args, at: int, cwd: Path, manifests: int = 0) -> subprocess.CompletedProcess:
-    """``ffn-tools ARGS`` SIGKILLed at its ``at``-th write, or right after its ``manifests``-th shard manifest."""
+def _killed(args, at: int, cwd: Path, manifests: int = 0, **env: str) -> subprocess.CompletedProcess:
+    """``ffn-tools ARGS`` SIGKILLed at its ``at``-th write, or right after its ``manifests``-th shard manifest
+    (``env``: more of kill_at.py's settings, ``KILL_WITH`` another signal)."""
     return subprocess.run([sys.executable, str(HERE / "kill_at.py"), *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, env={**python_env(), "KILL_AT": str(at), "KILL_AFTER_MANIFESTS": str(manifests)},
-                          timeout=300)
+                          text=True, env={**python_env(), "KILL_AT": str(at), "KILL_AFTER_MANIFESTS": str(manifests),
+                                          **env}, timeout=300)
+
+
+def _resumed(args, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """``ffn-tools ARGS --resume``, as the console script runs it."""
+    return subprocess.run([sys.executable, "-m", "ffn_tools", *map(str, args), "--resume"], cwd=cwd,
+                          capture_output=True, text=True, env={**python_env(), **env}, timeout=300)
 
 
 def _writes(args, cwd: Path) -> int:
@@ -120,7 +130,7 @@ def test_resume_of_another_run_starts_afresh_and_says_so(sharded, tmp_path):
     (tmp,) = _temporaries(out)
     assert json.loads((tmp / LEDGER / "plan.json").read_text())["key"]
     r = run_cli(*args, "--max-shard-size", "40KB", "--resume")  # other shards: another run
-    assert "removed the unfinished output of a killed run" in r.output
+    assert "removed the unfinished output of a killed or interrupted run" in r.output
     assert "begun by another command, with other options or from other inputs" in r.output
     ref = tmp_path / "ref" / out.name
     run_cli("fuse-gateup", sharded, "-o", ref, "--max-shard-size", "40KB")
@@ -132,7 +142,8 @@ def test_a_run_without_resume_says_what_it_threw_away(sharded, tmp_path):
     args = ["fuse-gateup", sharded, "-o", out, "--max-shard-size", SHARD]
     assert _killed(args, 0, tmp_path, manifests=1).returncode == -9
     r = run_cli(*args)
-    assert "removed the unfinished output of a killed run" in r.output and "--resume continues one" in r.output
+    assert "removed the unfinished output of a killed or interrupted run" in r.output
+    assert "--resume continues one" in r.output
     assert not _temporaries(out)
 
 
@@ -149,6 +160,8 @@ def test_a_resumed_run_without_a_partial_output_is_a_plain_run(sharded, tmp_path
     run_cli("fuse-gateup", sharded, "-o", ref, "--max-shard-size", SHARD)
     r = run_cli("fuse-gateup", sharded, "-o", out, "--max-shard-size", SHARD, "--resume")
     assert "continuing" not in r.output
+    assert f"{out}: --resume: no unfinished output of this same run was left (by a killed or interrupted run); " \
+           "writing it from the start" in r.output.splitlines()
     assert _digest(out) == _digest(ref)
     assert not any(p.name == LEDGER for p in out.rglob("*"))
     assert os.listdir(tmp_path) and not _temporaries(out)
@@ -175,9 +188,10 @@ def test_a_merge_resumed_after_its_adapter_changed_starts_afresh(tmp_path):
     assert _digest(out) == _digest(ref)
 
 
-def test_a_killed_verify_resumes_from_the_steps_it_finished(tmp_path):
-    """verify --json SIGKILLed right after its first finished FFN step; --resume reuses it and runs the rest: the
-    report is the uninterrupted run's (but for wall times), and the ledger is gone after."""
+def test_a_killed_or_interrupted_verify_resumes_from_the_steps_it_finished(tmp_path):
+    """verify --json SIGKILLed, or interrupted (Ctrl-C: it says in one line what it kept), right after its first
+    finished FFN step; --resume reuses it and runs the rest: the report is the uninterrupted run's (but for wall
+    times), and the ledger is gone after; --resume with nothing to continue says so."""
     from tiny_models import build
 
     from ffn_tools.verification.report import without_times
@@ -185,22 +199,31 @@ def test_a_killed_verify_resumes_from_the_steps_it_finished(tmp_path):
     src = build("mixtral", tmp_path / "mixtral", torch.bfloat16)
     fused = tmp_path / "fused"
     run_cli("fuse-gateup", src, "-o", fused)
-    cache = tmp_path / "cache"
-    env = {**python_env(), "FFN_TOOLS_CACHE": str(cache), "KILL_AT": "0", "KILL_AFTER_MANIFESTS": "1"}
-    args = [sys.executable, str(HERE / "kill_at.py"), "verify", str(src), str(fused), "--no-load-check", "--json",
-            "--backend", "reference"]
-    killed = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
-    assert killed.returncode == -9, killed.stderr
-    (left,) = (cache / "verify").iterdir()  # the killed run's ledger: its plan and one step
-    assert sorted(p.name for p in left.iterdir())[-1].startswith("step-")
-    whole = subprocess.run(args[:1] + ["-m", "ffn_tools", *args[2:]], capture_output=True, text=True,
-                           env={**env, "FFN_TOOLS_CACHE": str(tmp_path / "other")}, timeout=300)
-    resumed = subprocess.run(args[:1] + ["-m", "ffn_tools", *args[2:], "--resume"], capture_output=True, text=True,
-                             env=env, timeout=300)
-    assert resumed.returncode == whole.returncode == 0, resumed.stderr
-    assert "FFN steps a killed run had finished, reused" in resumed.stderr
-    assert without_times(json.loads(resumed.stdout)) == without_times(json.loads(whole.stdout))
-    assert not list((cache / "verify").iterdir())
+    args = ["verify", src, fused, "--no-load-check", "--json", "--backend", "reference"]
+    caches = {sig: tmp_path / sig for sig in ("SIGKILL", "SIGINT")}
+    for sig, cache in caches.items():
+        stopped = _killed(args, 0, tmp_path, manifests=1, KILL_WITH=sig, FFN_TOOLS_CACHE=str(cache))
+        (left,) = (cache / "verify").iterdir()  # the stopped run's ledger: its plan and one step
+        assert sorted(p.name for p in left.iterdir())[-1].startswith("step-")
+        if sig == "SIGKILL":
+            assert stopped.returncode == -9, stopped.stderr
+            continue
+        assert stopped.returncode == 130, stopped.stderr
+        assert json.loads(stopped.stdout.splitlines()[-1]) == {"error": "interrupted", "signal": "SIGINT"}
+        said = [ln for ln in stopped.stderr.splitlines() if "interrupted: kept" in ln]
+        assert said == [f"verify: interrupted: kept the 1 FFN step it had finished in {left}; the same verify with "
+                        f"--resume continues from them, without --resume (or rm -r {left}) discards them"]
+    whole = _resumed(args, tmp_path, FFN_TOOLS_CACHE=str(tmp_path / "other"))  # nothing to continue there
+    assert whole.returncode == 0, whole.stderr
+    assert ("verify --resume: no FFN step of this same verify was left finished (by a killed or interrupted run); "
+            "running every step") in whole.stderr.splitlines()
+    for cache in caches.values():
+        resumed = _resumed(args, tmp_path, FFN_TOOLS_CACHE=str(cache))
+        assert resumed.returncode == 0, resumed.stderr
+        assert "FFN steps a killed run had finished, reused" in resumed.stderr
+        assert "no FFN step of this same verify" not in resumed.stderr
+        assert without_times(json.loads(resumed.stdout)) == without_times(json.loads(whole.stdout))
+        assert not list((cache / "verify").iterdir())
 
 
 def test_only_the_last_shard_is_hashed_on_every_core(sharded, tmp_path, monkeypatch):
@@ -215,3 +238,98 @@ def test_only_the_last_shard_is_hashed_on_every_core(sharded, tmp_path, monkeypa
     names = sorted(p.name for p in (tmp_path / "out").glob("model-*.safetensors"))
     assert len(names) > 3 and sorted(n for n, _ in asked) == names
     assert [t for n, t in asked] == [1] * (len(names) - 1) + [digests.EVERY_CORE]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP, signal.SIGTERM], ids=lambda s: s.name)
+def test_an_interrupted_run_keeps_its_finished_shards_for_resume(sharded, tmp_path, sig):
+    """Ctrl-C, a lost session (SIGHUP), SIGTERM: the signal ends the run (128 + its number) but leaves the shards
+    it finished, said in one line; --resume keeps them (not written again) and writes the uninterrupted bytes."""
+    args = ["fuse-gateup", sharded, "--max-shard-size", SHARD]
+    ref, out = tmp_path / "ref" / "out", tmp_path / "out"  # one name: the receipts name it
+    run_cli(*args, "-o", ref)
+    r = _killed([*args, "-o", out], 0, tmp_path, manifests=2, KILL_WITH=sig.name)
+    assert r.returncode == 128 + sig, r.stderr
+    (tmp,) = _temporaries(out)
+    said = [ln for ln in r.stderr.splitlines() if "interrupted: kept" in ln]
+    assert said == [f"{out}: interrupted: kept 2 finished shards in {tmp}; the same command with --resume continues "
+                    f"from them, without --resume (or rm -r {tmp}) discards them"], r.stderr
+    assert f"Interrupted ({sig.name})" in r.stderr and not out.exists()
+    finished = sorted(p.name.removesuffix(".json") for p in (tmp / LEDGER).glob("*.safetensors.json"))
+    kept = {n: (tmp / n).stat().st_mtime_ns for n in finished}
+    resumed = _resumed([*args, "-o", out], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "(2 shards finished, each checked before reuse)" in resumed.stderr
+    assert _digest(out) == _digest(ref) and not _temporaries(out)
+    assert {n: (out / n).stat().st_mtime_ns for n in kept} == kept  # reused, not written again
+
+
+def test_a_kill_in_the_end_phase_keeps_every_shard(sharded, tmp_path):
+    """SIGKILL as the receipt is made (every shard written and hashed, side files in place): the ledger is still
+    there (it is removed last), so --resume keeps every shard and only finishes the end."""
+    args = ["fuse-gateup", sharded, "--max-shard-size", SHARD]
+    ref, out = tmp_path / "ref" / "out", tmp_path / "out"  # one name: the receipts name it
+    run_cli(*args, "-o", ref)
+    shards = sorted(p.name for p in ref.glob("*.safetensors"))
+    assert len(shards) >= 4
+    assert _killed([*args, "-o", out], 0, tmp_path, KILL_IN_RECEIPT="1").returncode == -9
+    (tmp,) = _temporaries(out)
+    kept = {n: (tmp / n).stat().st_mtime_ns for n in shards}
+    r = _resumed([*args, "-o", out], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"({len(shards)} shards finished, each checked before reuse)" in r.stderr
+    assert _digest(out) == _digest(ref) and not _temporaries(out)  # no ledger in the output either
+    assert {n: (out / n).stat().st_mtime_ns for n in shards} == kept
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The processes whose parent is ``pid``: their command lines."""
+    found = {}
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter (R, S, T stopped, Z zombie), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc (Linux)")
+def test_a_killed_quantizing_export_leaves_no_worker_behind(sharded, tmp_path):
+    """``kill -9`` of ``convert --to mlx -q`` while its worker processes quantize: none of its children (the workers,
+    the resource tracker) outlives it (they waited forever for their next job, writing into the temporary output)."""
+    pytest.importorskip("mlx")
+    out = tmp_path / "out"
+    env = {**python_env(), "QUANT_WORKERS": "2", "KILL_AFTER_POOLED": "1", "KILL_WITH": "SIGSTOP"}
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen([sys.executable, str(HERE / "kill_at.py"), "convert", str(sharded), "--to", "mlx",
+                                 "-q", "--q-bits", "4", "--max-shard-size", "12KB", "-o", str(out)],
+                                cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err, env=env)
+    children: dict[int, str] = {}
+    try:
+        while _state(proc.pid) not in ("T", None) and proc.poll() is None:  # stopped after its first pooled weight
+            time.sleep(0.05)
+        assert _state(proc.pid) == "T", (tmp_path / "stderr").read_text()
+        children = _children(proc.pid)
+        assert sum("multiprocessing" in c for c in children.values()) >= 2, children  # the workers (and tracker)
+        os.kill(proc.pid, signal.SIGKILL)  # as a user's kill -9
+        assert proc.wait(timeout=60) == -9
+        deadline = time.monotonic() + 30
+        while (left := {p: c for p, c in children.items() if _state(p) not in (None, "Z")}) and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, f"still running after their parent was killed: {left}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for p in children:  # what this test started, where it outlived the test's failure
+            if _state(p) not in (None, "Z"):
+                os.kill(p, signal.SIGKILL)
