@@ -26,7 +26,8 @@ from .registry import FORM_ROLES, FORMS, KINDS, ROLES, Form, Group, Scheme
 Prefix = tuple[str, "str | None"]  # a layer prefix and the config key its layers are numbered from (or None)
 
 BUILTIN = Path(__file__).with_name("schemes") / "families.json"
-SCHEME_KEYS = ("name", "description", "model_types", "by_model_type_only", "layer_prefixes", "groups", "ungated")
+SCHEME_KEYS = ("name", "description", "model_types", "by_model_type_only", "layer_prefixes", "groups", "ungated",
+               "own_forms")
 GROUP_KEYS = ("name", "description", "kind", "forms", "layout", "first_expert")
 FORM_KEYS = (*ROLES, "transposed", "experts", "separate_biases")
 PREFIX_KEYS = ("prefix", "first_layer")
@@ -339,11 +340,30 @@ def read_scheme(data, where: str, problems: Problems, named: dict[str, Group], p
         problems(_at(where, "ungated"), f"a list of templates of tensors that are no gated FFN; found {ungated!r}")
         ungated = []
     ungated = [t for k, t in enumerate(ungated) if _template(t, _at(_at(where, "ungated"), k), problems)]
+    own_forms = _own_forms(data.get("own_forms", {}), model_types, _at(where, "own_forms"), problems)
     if len(problems.found) > before:
         return None
     placed = tuple(dict.fromkeys(t.replace("{prefix}", p) if t.startswith("{prefix}") else t
                                  for t in ungated for p, _ in (prefixes if t.startswith("{prefix}") else [("", None)])))
-    return Scheme(name, description, tuple(groups), tuple(model_types), only, placed)
+    return Scheme(name, description, tuple(groups), tuple(model_types), only, placed, own_forms)
+
+
+def _own_forms(data, model_types: list[str], where: str, problems: Problems) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``own_forms``: model_type -> the form (or forms) its modeling class loads the dense and shared FFNs in."""
+    if not isinstance(data, dict):
+        problems(where, f'an object of model_type -> form(s), e.g. {{"phi3": "fused"}}; found {data!r}')
+        return ()
+    out = []
+    for model_type, forms in data.items():
+        at = _at(where, model_type)
+        forms = [forms] if isinstance(forms, str) else forms
+        if model_type not in model_types:
+            problems(at, "not one of the scheme's model_types")
+        elif not isinstance(forms, list) or not forms or not all(f in FORMS for f in forms):
+            problems(at, f"a form or a list of forms among {', '.join(FORMS)}; found {data[model_type]!r}")
+        else:
+            out.append((model_type, tuple(forms)))
+    return tuple(out)
 
 
 def load_library(path: Path = BUILTIN) -> tuple[tuple[Prefix, ...], dict[str, Group], dict[str, Scheme]]:

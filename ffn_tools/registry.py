@@ -164,6 +164,16 @@ class Scheme:
     by_model_type_only: bool = False  # its names also mean something ungated (fc1/fc2): match only when selected
     ungated: tuple[str, ...] = ()  # templates of tensors its modeling code holds that look like FFN projections
     # but are no gated FFN (a router's MLP, a gated norm's low-rank MLP): outside the FFNs, not "unmatched"
+    own_forms: tuple[tuple[str, tuple[str, ...]], ...] = ()  # model_type -> the forms its modeling class loads its
+    # dense and shared FFNs in, where that is not each group's first form (Phi-3's fused MLP in the hf family)
+
+    def held_forms(self, model_type: str | None, group: Group) -> tuple[str, ...] | None:
+        """The forms the modeling class of ``model_type`` (one of this family's) loads ``group``'s FFNs in: its
+        ``own_forms`` entry, else the group's first form. None where the family does not say: routed experts
+        (loaders convert between their forms family by family), a model_type or a group not of this family."""
+        if model_type not in self.model_types or group not in self.groups or group.kind == "expert":
+            return None
+        return dict(self.own_forms).get(model_type) or (next(iter(group.forms)),)
 
 
 def config_int(config, key: str, who: str) -> int:

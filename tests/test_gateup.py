@@ -314,15 +314,106 @@ def test_other_formats_are_refused_by_the_cli_and_the_api_alike(model_dir, tmp_p
 
 def test_the_form_warning_is_the_load_check_on_the_planned_output(model_dir, tmp_path):
     """With --load-check a warning says what transformers does with the output, checked on the planned names and
-    shapes; without it nothing is claimed (split and fuse do not import transformers)."""
+    shapes; without it the family's data says it (split and fuse do not import transformers)."""
     def fuse(src, out, *extra):
         return json.loads(run_cli("fuse-gateup", src, "-o", tmp_path / out, "--json", *extra).stdout)
 
     r = fuse(model_dir("llama"), "fused", "--load-check")
     assert len(r["warnings"]) == 1 and "would load in transformers (LlamaForCausalLM) with" in r["warnings"][0]
     assert "newly initialized" in r["warnings"][0] and "gate_up_proj" in r["warnings"][0]
-    assert fuse(model_dir("llama"), "unchecked")["warnings"] == []
+    unchecked = fuse(model_dir("llama"), "unchecked")["warnings"]
+    assert len(unchecked) == 1 and "llama model class holds its FFNs separate" in unchecked[0], unchecked
     run_cli("split-gateup", model_dir("phi3"), "-o", tmp_path / "split")
     assert fuse(tmp_path / "split", "back", "--load-check")["warnings"] == []  # Phi-3's own form: it loads
     assert_identical(tensors(tmp_path / "back"), tensors(model_dir("phi3")))
     assert fuse(model_dir("mixtral"), "stacked", "--stack-experts", "--load-check")["warnings"] == []  # v5 loads it
+
+
+def _loaded(path):
+    """transformers' own load of ``path``: (the model, the weights it initialised because the checkpoint lacks them)."""
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    return model.eval(), sorted(info["missing_keys"])
+
+
+def test_an_output_its_model_class_would_not_load_says_so_without_a_load_check(model_dir, tmp_path):
+    """59.4: a split Phi-3 loads in transformers with gate_up_proj newly initialised; split says so by default, in
+    one line on stderr and in --json, from the family's data (no transformers imported), with what to do. A fused
+    Llama likewise; a form the model's class takes says nothing."""
+    r = run_cli("split-gateup", model_dir("phi3"), "-o", tmp_path / "split")
+    warned = [ln for ln in r.stderr.splitlines() if ln.startswith("warning: ")]
+    assert warned == [f"warning: {tmp_path / 'split'}: transformers' phi3 model class holds its FFNs fused, so it "
+                      "would load this output's 2 split FFNs as newly initialised weights (config.json is "
+                      "carried over unchanged); a split checkpoint is for code that reads gate and up as separate "
+                      "projections (Llama-style models and converters, per-projection LoRA, pruning or "
+                      "quantization): for transformers load the input, or run "
+                      f"`ffn-tools fuse-gateup {tmp_path / 'split'}`"], r.stderr
+    model, missing = _loaded(tmp_path / "split")  # what the line is about, as transformers itself does it
+    assert "model.layers.0.mlp.gate_up_proj.weight" in missing
+    with torch.no_grad():
+        assert not torch.allclose(model(torch.arange(3, 19).reshape(2, 8)).logits, logits(model_dir("phi3"), "phi3"))
+    js = json.loads(run_cli("split-gateup", model_dir("phi3"), "-o", tmp_path / "split2", "--json").stdout)
+    assert len(js["warnings"]) == 1 and "phi3 model class holds its FFNs fused" in js["warnings"][0]
+
+    back = run_cli("fuse-gateup", tmp_path / "split", "-o", tmp_path / "back")  # Phi-3's own form again
+    assert "warning" not in back.stderr, back.stderr
+
+    r = run_cli("fuse-gateup", model_dir("llama"), "-o", tmp_path / "fused")
+    assert "warning: " in r.stderr and "llama model class holds its FFNs separate, so it would load this output's " \
+        "2 fused FFNs" in r.stderr and f"`ffn-tools split-gateup {tmp_path / 'fused'}`" in r.stderr, r.stderr
+    assert "model.layers.0.mlp.gate_proj.weight" in _loaded(tmp_path / "fused")[1]
+    r = run_cli("split-gateup", tmp_path / "fused", "-o", tmp_path / "llama")  # Llama's own form: it loads
+    assert "warning" not in r.stderr and _loaded(tmp_path / "llama")[1] == [], r.stderr
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "glm", "glm4", "llama", "qwen3", "hrm_text", "minimax_m3_vl_text",
+                                        "granitemoeshared", "modernbert-decoder"])
+def test_the_familys_form_data_agrees_with_transformers_load_check(model_type, tmp_path):
+    """The form data the default line reads (``own_forms`` in schemes/families.json) against transformers' own
+    load check of the same output (--load-check): a warning from one exactly where the other gives one."""
+    import zoo
+
+    from ffn_tools.detect import find_ffns
+
+    src = tmp_path / "src"
+    zoo.build(model_type, src)
+    with open_checkpoint(src) as c:
+        ffns = find_ffns(c).ffns
+    stack = ("--stack-experts",) if any(f.ref.kind == "expert" for f in ffns) else ()  # experts back as saved
+    steps = [("split-gateup", ()), ("fuse-gateup", stack)]
+    if not any(f.form.fused for f in ffns):
+        steps.reverse()
+
+    def warnings(command, path, out, *extra):
+        return json.loads(run_cli(command, path, "-o", tmp_path / out, "--json", *extra).stdout)["warnings"]
+
+    path = src
+    for command, extra in steps:  # each form, each direction
+        by_data = warnings(command, path, f"{command}-by-data", *extra)
+        checked = warnings(command, path, f"{command}-checked", "--load-check", *extra)
+        assert bool(by_data) == bool(checked), (command, by_data, checked)
+        path = tmp_path / f"{command}-by-data"
+
+
+def test_a_layout_other_than_the_familys_is_warned_at_split_time(model_dir, tmp_path):
+    """59.5: `split-gateup phi3 --layout interleaved` wrote scrambled FFNs without a word: one line now says the
+    family holds them otherwise; the family's own layout, or one's own templates, say nothing."""
+    src = model_dir("phi3")
+    r = run_cli("split-gateup", src, "-o", tmp_path / "inter", "--layout", "interleaved")
+    layout_lines = [ln for ln in r.stderr.splitlines() if "split as" in ln]
+    assert layout_lines == ["warning: 2 FFNs split as 'interleaved, gate-up', but hf's names hold gate and up as "
+                            "'concat, gate-up', which is how its clients write them: each gate and up written holds "
+                            "rows of both, another function; split without --layout to read the family's own, unless "
+                            "this checkpoint was written in that arrangement by another tool"], r.stderr
+    fused = tensors(src)["model.layers.0.mlp.gate_up_proj.weight"]
+    assert not torch.equal(tensors(tmp_path / "inter")["model.layers.0.mlp.gate_proj.weight"], fused[:96])  # scrambled
+    js = json.loads(run_cli("split-gateup", src, "-o", tmp_path / "j", "--layout", "interleaved", "--json").stdout)
+    assert any(w.startswith("2 FFNs split as 'interleaved, gate-up'") for w in js["warnings"]), js["warnings"]
+    r = run_cli("split-gateup", src, "-o", tmp_path / "own", "--layout", "concat")
+    assert "split as" not in r.stderr, r.stderr
+    mine = ["--gate", "model.layers.{layer}.mlp.gate_proj.weight", "--up", "model.layers.{layer}.mlp.up_proj.weight",
+            "--down", "model.layers.{layer}.mlp.down_proj.weight",
+            "--gate-up", "model.layers.{layer}.mlp.gate_up_proj.weight"]
+    r = run_cli("split-gateup", src, "-o", tmp_path / "mine", "--layout", "interleaved", *mine)
+    assert "split as" not in r.stderr, r.stderr

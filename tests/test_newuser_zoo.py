@@ -230,11 +230,11 @@ def test_a_long_run_says_it_is_alive_when_stderr_is_not_a_terminal(model_dir, tm
 
     monkeypatch.setattr(progress, "LINE_EVERY", 0.0)
     r = run_cli("split-gateup", model_dir("phi3"), "-o", tmp_path / "s")  # CliRunner's stderr is no terminal
-    lines = r.stderr.splitlines()
+    lines = [ln for ln in r.stderr.splitlines() if not ln.startswith("warning: ")]  # a split Phi-3's line (59.4)
     assert any(ln.startswith("split-gateup: ") and "%" in ln and "ETA" in ln for ln in lines), r.stderr
     assert lines[-1].startswith("split-gateup: done, ") and "\r" not in r.stderr, r.stderr
     r = run_cli("-q", "split-gateup", model_dir("phi3"), "-o", tmp_path / "q")
-    assert r.stderr == "", r.stderr
+    assert all(ln.startswith("warning: ") for ln in r.stderr.splitlines()), r.stderr  # no progress
 
 
 def test_another_arrangement_is_warned_for_a_family_not_for_ones_own_templates(model_dir, tmp_path):

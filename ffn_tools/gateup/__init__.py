@@ -23,6 +23,7 @@ from ..layouts import GateUpLayout
 from ..plan import check_shardable, execute
 from ..registry import Scheme
 from ..sizes import human
+from .common import held_form_warning
 from .fuse import plan_fuse
 from .split import plan_split
 
@@ -90,7 +91,10 @@ def _run(command: str, plan_fn, source, out, *, scheme, layout, dry_run, force, 
                 check_output(out, [path, *ckpt.files], force)
             else:
                 summary["files"] = execute(plan, out, force=force, max_shard_size=max_shard_size, desc=command)
-            if warning is not None and (w := warning.result()):
+            # the load check, where it ran, says what transformers does; else the family's data, where it knows
+            w = warning.result() if warning is not None else \
+                None if out.suffix == ".safetensors" else held_form_warning(ckpt.config, changed, str(out))
+            if w:  # (a single file beside its source is not what a client loads)
                 summary["warnings"] = [*summary["warnings"], w]
         return summary
 
@@ -110,7 +114,8 @@ def split_gateup(path, out=None, *, scheme: Scheme | None = None, layout: GateUp
         max_shard_size: bytes per output shard (directory outputs).
         load_check: check that transformers loads the planned output under the config.json it carries, and
             warn, naming what it would not load, where it does not (imports transformers: off by default,
-            since split and fuse otherwise run at the speed of a copy without it).
+            since split and fuse otherwise run at the speed of a copy without it). Without it the family's data
+            says where the model's own class holds its dense FFNs in another form (``held_form_warning``).
 
     Returns:
         A summary: scheme, layout, counts, output path, files (and the plan lines when ``dry_run``).

@@ -8,6 +8,7 @@ from ..detect import FFNSet
 from ..errors import LayoutError, NothingToDoError
 from ..ffn import FFN
 from ..layouts import GateUpLayout
+from ..library import LIBRARY, scheme_for_model_type
 from ..plan import Entry, Plan, copy_entry
 from ..quant import fp8
 from ..registry import Form
@@ -108,3 +109,58 @@ def assemble(ckpt, ffns: FFNSet, replaced: dict[str, list[Entry]], command: str,
     summary["form_changes"] = [(fs, form) for fs, form in forms if fs]
     changes = ["config.json: carried over unchanged (no config key records the gate/up layout)"] if ckpt.config else []
     return Plan(ckpt, entries, ckpt.config, changes, summary)
+
+
+# What a form of dense FFNs is for where the model's own class holds another: the line split and fuse print.
+FORM_USE = {"separate": ("split", "for code that reads gate and up as separate projections (Llama-style models and "
+                                  "converters, per-projection LoRA, pruning or quantization)", "fuse-gateup"),
+            "fused": ("fused", "for code that reads one gate_up projection (Phi-3-style models, fused kernels)",
+                      "split-gateup")}
+
+
+def held_form_warning(config, forms: list[tuple[list[FFN], str]], out: str) -> str | None:
+    """One line when the output's dense or shared FFNs are in a form that the model's own class (config.json's
+    ``model_type``, carried over unchanged) does not load, as its family's data says (``Scheme.held_forms``):
+    transformers would initialise them anew. Known without importing transformers; None where the output's
+    form is one the class loads, or its family does not say (routed experts, a model_type no family names).
+
+    Args:
+        config: the input's config.json (carried into the output), or None.
+        forms: (FFNs, the form the output stores them in), as ``assemble`` records them.
+        out: the output path, for the message.
+    """
+    model_type = (config or {}).get("model_type")
+    family = scheme_for_model_type(model_type)
+    if family is None:
+        return None
+    strange = [(f, form) for fs, form in forms for f in fs
+               if (held := family.held_forms(model_type, f.group)) is not None and form not in held]
+    if not strange:
+        return None
+    f, form = strange[0]
+    held = family.held_forms(model_type, f.group) or ()
+    word, use, undo = FORM_USE.get(form, (form, "for other tools", "fuse-gateup"))
+    n = len(strange)
+    return (f"{out}: transformers' {model_type} model class holds its FFNs {' or '.join(held)}, so it would load this "
+            f"output's {n} {word} FFN{'s' * (n > 1)} as newly initialised weights (config.json is carried over "
+            f"unchanged); a {word} checkpoint is {use}: for transformers load the input, or run "
+            f"`ffn-tools {undo} {out}`")
+
+
+def foreign_layout(ffns: FFNSet, changed: list[FFN], verb: str) -> str | None:
+    """A warning when FFNs were split or fused in another arrangement than their family stores (``--layout``
+    given): the family's names are read and written by its clients in the family's arrangement, so a fused output
+    would compute another function, and a split input's gate and up would each be half of both; None for a
+    user's own templates (``--gate-up``, ``--scheme-file``), which name no family."""
+    foreign = [f for f in changed if not f.layout.same_arrangement(f.group.layout)]
+    if not foreign or foreign[0].group not in set(LIBRARY):
+        return None
+    f, n = foreign[0], len(foreign)
+    own, given = f.group.layout.oriented(False).describe(), f.layout.oriented(False).describe()
+    head = (f"{n} FFN{'s' * (n > 1)} {verb} {given!r}, but {ffns.scheme.name}'s names hold gate and up as {own!r}, "
+            "which is how its clients ")
+    if verb == "fused":
+        return head + ("read them: they would compute another function from this output; fuse without --layout to "
+                       "write the family's own, or split this output back with the same --layout")
+    return head + ("write them: each gate and up written holds rows of both, another function; split without --layout "
+                   "to read the family's own, unless this checkpoint was written in that arrangement by another tool")

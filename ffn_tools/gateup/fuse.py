@@ -10,11 +10,11 @@ from ..errors import LayoutError, NothingToDoError
 from ..ffn import FFN
 from ..io.dtypes import itemsize
 from ..layouts import GateUpLayout, fuse
-from ..library import LIBRARY
 from ..plan import Entry, Plan, copy_entry
 from ..quant import fp8
 from ..registry import UNFUSED, Group, bias_name
-from .common import MAX_PIECES, assemble, byte_runs, name_in, packed_rename, restack, stack, target_form
+from .common import (MAX_PIECES, assemble, byte_runs, foreign_layout, name_in, packed_rename, restack, stack,
+                     target_form)
 
 def _packed_fuse(ckpt, f: FFN, new: dict[str, str], replaced, packed: dict) -> bool:
     """Separate quantized gate and up fused part by part by their scheme, down's parts renamed; False: neither
@@ -172,25 +172,9 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False, packed: dict | No
     layout = changed[0].layout.oriented(target_form(changed[0], "stacked" if stacked else "fused", "fuse").turns("gate_up")) \
         if changed else separate[0].layout
     plan = assemble(ckpt, ffns, replaced, "fuse-gateup", len(changed), layout, (stacked, "stacked"), (fused, "fused"))
-    if w := _foreign_layout(ffns, changed):
+    if w := foreign_layout(ffns, changed, "fused"):
         plan.summary["warnings"].append(w)
     return plan
-
-
-def _foreign_layout(ffns: FFNSet, changed: list[FFN]) -> str | None:
-    """A warning when FFNs were fused in another arrangement than their family stores (``--layout`` given): the
-    output carries the family's names, which its clients read in the family's arrangement, so they would compute
-    another function from it without a word."""
-    foreign = [f for f in changed if not f.layout.same_arrangement(f.group.layout)]
-    if foreign and foreign[0].group not in set(LIBRARY):  # a user's own templates (--gate-up, --scheme-file) name
-        return None  # no family whose clients read them one way
-    if not foreign:
-        return None
-    f = foreign[0]
-    own, given = f.group.layout.oriented(False).describe(), f.layout.oriented(False).describe()
-    return (f"{len(foreign)} FFN{'s' * (len(foreign) > 1)} fused {given!r}, but {ffns.scheme.name}'s names hold gate "
-            f"and up as {own!r}, which is how its clients read them: they would compute another function from this "
-            "output; fuse without --layout to write the family's own, or split this output back with the same --layout")
 
 
 def _fuse_scales(ckpt, group: list[FFN], new: dict[str, str], replaced, stacked: bool = False,

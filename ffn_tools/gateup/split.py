@@ -13,7 +13,8 @@ from ..layouts import split
 from ..plan import Entry, Plan
 from ..quant import fp8
 from ..registry import Form, bias_name
-from .common import MAX_PIECES, assemble, byte_runs, index_entry, name_in, packed_rename, restack, target_form
+from .common import (MAX_PIECES, assemble, byte_runs, foreign_layout, index_entry, name_in, packed_rename, restack,
+                     target_form)
 
 def _split_entries(ckpt, f: FFN, src: str, is_bias: bool, names: dict[str, str], target: Form) -> list[Entry]:
     """gate and up entries cut from the fused tensor ``src`` (expert ``f.index`` when stacked), as ``target``
@@ -95,7 +96,10 @@ def plan_split(ckpt, ffns: FFNSet, packed: dict | None = None) -> Plan:
         _split_scales(ckpt, f, new, replaced, target)
     for experts in flat.values():
         restack(ckpt, experts, experts[0].group.forms[experts[0].group.unfused or "separate"], replaced)
-    return assemble(ckpt, ffns, replaced, "split-gateup", len(fused), fused[0].layout, (fused, "separate"))
+    plan = assemble(ckpt, ffns, replaced, "split-gateup", len(fused), fused[0].layout, (fused, "separate"))
+    if w := foreign_layout(ffns, fused, "split as"):
+        plan.summary["warnings"].append(w)
+    return plan
 
 
 # --- quantized modules (compressed-tensors, NVFP4, GPTQ, AWQ): their schemes move their stored parts ---
