@@ -75,19 +75,24 @@ def _layouts(i: int) -> list[GateUpLayout]:
 
 
 def explain(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
-            fused_b: tuple[torch.Tensor, GateUpLayout] | None = None) -> list[str]:
+            fused_b: tuple[torch.Tensor, GateUpLayout] | None = None,
+            fused_a: tuple[torch.Tensor, GateUpLayout] | None = None) -> list[str]:
     """Likely causes of a difference between A's and B's canonical tensors of one FFN.
 
     Args:
         a, b: canonical tensors by role (gate, up, down, biases).
         fused_b: B's stored gate_up weight (2I, H) and the layout it was read with, when B is fused.
+        fused_a: A's, when A is fused: B's separate gate and up may be A's rows split in another layout
+            (``split-gateup --layout`` other than the family's).
 
     Returns:
         Hints, each a sentence; empty when nothing recognisable.
     """
     hints = []
     same = {r: identical(a[r], b[r]) for r in ROLES if r in a and r in b}
-    if not same.get("gate") and not same.get("up") and identical(a["gate"], b["up"]) and identical(a["up"], b["gate"]):
+    swapped = not same.get("gate") and not same.get("up") and identical(a["gate"], b["up"]) \
+        and identical(a["up"], b["gate"])
+    if swapped:
         hints.append("B's gate is A's up and B's up is A's gate: gate and up are swapped")
     if not same.get("down") and a["down"].shape == b["down"].T.shape and identical(a["down"], b["down"].T.contiguous()):
         hints.append("B's down is A's down transposed")
@@ -99,6 +104,17 @@ def explain(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
                     + f" --b-order {cand.order}"
                 hints.append(f"B's gate_up is stored as {cand.describe()} but was read as {read_as.describe()} "
                              f"(pass {flags} if that is how it was written)")
+                break
+    if fused_a is not None and fused_b is None and not swapped and not (same.get("gate") and same.get("up")):
+        stored, read_as = fused_a
+        for cand in _layouts(b["gate"].shape[0]):
+            if cand != read_as and b["gate"].shape == b["up"].shape and identical(fuse(b["gate"], b["up"], cand),
+                                                                                   stored):
+                flags = f"--layout {cand.arrangement}" + (f" --tp {cand.tp}" if cand.arrangement == "tp" else "") \
+                    + f" --order {cand.order}"
+                hints.append(f"B's gate and up are A's gate_up rows split as {cand.describe()}, where A's are read as "
+                             f"{read_as.describe()}: B was split in another layout than A's (split A again without "
+                             f"that --layout; pass {flags} if A's gate_up is stored that way)")
                 break
     return hints
 

@@ -113,15 +113,18 @@ class PairChecker:
         ops_b = _operands(read_b, y, wb, self.fb.activation.kernel)
         ops_b.release = let_go
         stored = None
+        stored_a: Callable[[], tuple] | None = None
         if y.form.fused:  # B's gate_up as stored, for naming a misread layout
             stored = (self._raw(read_b, y, "gate_up"), y.layout)
             if not ops_b.fused and y.layout.axis == "rows":
                 res.notes.append(f"B's fused layout {y.layout.describe()} ran through ffn() on split weights")
+        elif x.form.fused:  # A's, read only to name B's gate and up split in another layout
+            stored_a = lambda: (self._raw(read_a, x, "gate_up"), x.layout)  # noqa: E731
         kept = quantized and self.exact is None and not same_stored and self._kept(res, x, y)
         requantized = kept or (quantized and self.exact is None and not same_stored
                                and self._requantized(res, wa, wb, x, y))
         if not requantized and not same_stored:
-            self._exact(res, wa, wb, stored, quantized, let_go)
+            self._exact(res, wa, wb, stored, quantized, let_go, stored_a)
         if defect:
             res.exact = "differs"
         same_as_a = res.exact == "identical" and not requantized and self.fa.activation.kernel == ops_b.activation
@@ -195,9 +198,10 @@ class PairChecker:
                 read.release(done=False)
 
     def _exact(self, res: FFNResult, wa: dict, wb: dict, stored, quantized: bool,
-               let_go: Callable[[], None] | None = None) -> None:
+               let_go: Callable[[], None] | None = None, stored_a: Callable[[], tuple] | None = None) -> None:
         """Bit-for-bit comparison of the canonical tensors, per ``self.exact``; ``let_go``: run after each role
-        (the weights are views of mapped pages: one role pair held at a time)."""
+        (the weights are views of mapped pages: one role pair held at a time); ``stored_a``: A's fused gate_up and
+        its layout, read where they differ (``explain``)."""
         if self.exact is False:
             return
         common = [r for r in ROLES if r in wa and r in wb]
@@ -221,7 +225,7 @@ class PairChecker:
             more = len(diffs) - 1
             res.problems.append(f"not bit-identical: {diffs[0]}"
                                 + (f" ({more} more tensor{'s' * (more > 1)} differ{'s' * (more == 1)})" if more else "")
-                                + "".join(f"; {h}" for h in explain(wa, wb, stored)))
+                                + "".join(f"; {h}" for h in explain(wa, wb, stored, stored_a and stored_a())))
 
     def _kept(self, res: FFNResult, x: FFN, y: FFN) -> bool:
         """Where one side says its FFN's tensors hold the other side's stored codes (``kept``): their values
