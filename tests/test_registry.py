@@ -167,6 +167,11 @@ def test_command_line_templates_are_the_short_form():
     ({"groups": ["mlp"], "ungated": ["router.fc1.weight"]},
      "ungated[0]: template 'router.fc1.weight': needs {layer} (or a leading {prefix}, which holds it) once, and may "
      "use {expert} once"),
+    ({"groups": ["mlp"], "model_types": ["m"], "own_forms": {"n": "fused"}},
+     "own_forms.n: not one of the scheme's model_types"),
+    ({"groups": ["mlp"], "model_types": ["m"], "own_forms": {"m": ["fused", "joined"]}},
+     "own_forms.m: a form or a list of forms among separate, fused, stacked, stacked-separate, flat-separate; found "
+     "['fused', 'joined']"),
 ])
 def test_scheme_file_errors_name_the_key(tmp_path, data, message):
     path = _scheme_file(tmp_path, data)
