@@ -2,17 +2,19 @@
 ``Format`` object, registered in ``converters.FORMATS``.
 
 A format says what it is as declared data (its name, the options its export takes and the flags that set
-them, whether it writes, whether an index of it may name shards not on disk) and does four things: recognise a
-path (``can_read``), open it as a lazy ``Checkpoint`` with Hugging Face PyTorch names (``open``), write any
-checkpoint in its own layout from a plan (``export``), and name the runtime that loads it (``client``: how that
-runtime reads a config, whether it would load a checkpoint, its logits, its tokenizer). The core and ``verify``
-talk to formats only through this interface: they never ask which format a checkpoint is.
+them, whether it writes, whether an index of it may name shards not on disk, the files of its own layout) and
+does four things: recognise a path (``can_read``), open it as a lazy ``Checkpoint`` with Hugging Face PyTorch
+names (``open``), write any checkpoint in its own layout from a plan (``export``), and name the runtime that
+loads it (``client``: how that runtime reads a config, whether it would load a checkpoint, its logits, its
+tokenizer). The core and ``verify`` talk to formats only through this interface: they never ask which format a
+checkpoint is.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, ContextManager
 
@@ -34,6 +36,9 @@ class Format(ABC):
         partial_shards: ``open(path, absent_shards=True)`` reads an index whose shards are not all on disk.
         detect_order: formats are tried in this order when a path is detected (lowest first; the catch-all
             PyTorch reader last).
+        owns: name patterns (``fnmatch``) of the files its layout holds beside the weights that only it reads (a DCP's
+            ``*.distcp``, Orbax's ``_METADATA``): never side files of a conversion (``owner_of``), whatever the
+            input's format, so they neither travel into another format nor overwrite an output's own.
     """
 
     name: ClassVar[str]
@@ -42,6 +47,11 @@ class Format(ABC):
     writes: ClassVar[bool] = True
     partial_shards: ClassVar[bool] = False
     detect_order: ClassVar[int] = 50
+    owns: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _DECLARED.append(cls)
 
     @abstractmethod
     def can_read(self, path: Path) -> bool:
@@ -100,3 +110,16 @@ class Format(ABC):
 
     def __repr__(self) -> str:
         return f"<format {self.name}>"
+
+
+_DECLARED: list[type[Format]] = []  # every Format class defined (imported) so far: what ``owner_of`` knows
+
+
+def owner_of(filename: str) -> str | None:
+    """The name of the format whose own file ``filename`` is (``Format.owns``), or None: the one place that decides
+    which of an input's files are another format's, never carried as side files. Formats are known once imported
+    (detection imports every one; a conversion, its input's and its output's)."""
+    for cls in _DECLARED:
+        if any(fnmatchcase(filename, pattern) for pattern in cls.owns):
+            return cls.name
+    return None

@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import transformers
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 from helpers import assert_identical, run_cli, tensors, tree_digest, write_tokenizer
 
 from ffn_tools.converters import open_any
@@ -290,3 +292,156 @@ def test_inspect_and_extract_read_a_dcp_as_any_checkpoint(qwen3_moe, tmp_path):
     run_cli("extract", qwen3_moe, "-o", tmp_path / "from-hf.safetensors")
     run_cli("extract", tmp_path / "dcp", "-o", tmp_path / "from-dcp.safetensors")
     assert_identical(tensors(tmp_path / "from-dcp.safetensors"), tensors(tmp_path / "from-hf.safetensors"))
+
+
+class AppState(Stateful):
+    """PyTorch's DCP tutorial's (recipes/distributed_checkpoint_recipe), as written there: the model and its
+    optimizer under one key of the state dict ``dcp.save`` is given."""
+
+    def __init__(self, model, optimizer=None):
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self):
+        model_state_dict, optimizer_state_dict = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state_dict, "optim": optimizer_state_dict}
+
+    def load_state_dict(self, state_dict):
+        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
+                       optim_state_dict=state_dict["optim"])
+
+
+def _trained(path):
+    """The model at ``path`` after one AdamW step on a batch: its optimizer holds state for all 21 parameters."""
+    torch.manual_seed(5)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 128, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _files(path) -> list[str]:
+    return sorted(p.name for p in path.iterdir())
+
+
+def _loads_in_transformers(path) -> None:
+    """transformers builds the model from ``path`` with every weight it expects there and none it does not."""
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+@pytest.mark.parametrize("recipe", ["tutorial", "fsdp"])
+def test_a_training_save_reads_as_its_models_subtree_with_the_optimizer_left_out(llama, tmp_path, recipe):
+    """The DCP tutorial's {"app": AppState} (app.model.* beside app.optim.*, the optimizer's state keyed by the
+    parameters' names) and an FSDP recipe's {"model": ..., "optimizer": ...} (optimizer.state.0...: keyed by
+    number): the model's subtree is taken and said, the optimizer's 63 moments and its param groups left out and
+    said; the output holds the 21 weights, none of the DCP's files, loads in transformers, and verify passes it."""
+    model, optimizer = _trained(llama)
+    if recipe == "tutorial":
+        state, subtree, optim = {"app": AppState(model, optimizer)}, "app.model.", "app.optim."
+    else:
+        state, subtree, optim = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, "model.", "optimizer."
+    dcp.save(state, checkpoint_id=str(tmp_path / "run"), no_dist=True)
+    config = llama / "config.json"
+    r = run_cli("--config", config, "convert", tmp_path / "run", "--to", "torch", "-o", tmp_path / "hf")
+    assert f"the model is the subtree {subtree}* (its keys read without that prefix)" in r.stderr
+    assert f"75 training-state key(s) not read as weights, left out: optimizer state {optim}* (75 keys)" in r.stderr
+    assert _files(tmp_path / "hf") == ["config.json", "ffn-tools-receipt.json", "model.safetensors"]
+    assert_identical(tensors(tmp_path / "hf"), {k: v.detach() for k, v in model.state_dict().items()})
+    _loads_in_transformers(tmp_path / "hf")
+    report = json.loads(run_cli("--config", config, "verify", tmp_path / "run", tmp_path / "hf", "--json").stdout)
+    assert report["passed"] is True
+
+
+def _titan_deepseek(tmp_path) -> tuple:
+    """A mid-run step of torchtitan's DeepSeek-V3 debugmodel (its first two layers: one dense, one MoE; bf16) as
+    torchtitan's own CheckpointManager saves it: the model's keys flat beside AdamW's state (one step taken), the
+    LR scheduler and the data loader; the router's load-balancing bias (moe.expert_bias_E) as training leaves it,
+    not zeros. Returns the step's directory, a config.json of the same model for transformers, and the model's
+    state dict as saved."""
+    importlib.import_module("tyro")  # torchtitan's package imports it (see _adapter)
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
+
+    spec = importlib.import_module("torchtitan.models.deepseek_v3").model_registry("debugmodel")
+    spec.model.layers = spec.model.layers[:2]
+    torch.manual_seed(4)
+    model = spec.model.build().to(torch.bfloat16)
+    optimizers = OptimizersContainer(OptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3})],
+        implementation="for-loop"), model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizers.step()
+    schedulers.step()
+    with torch.no_grad():
+        model.layers["1"].moe.expert_bias_E.normal_()
+    manager = CheckpointManager(CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, keep_latest_k=0),
+                                dataloader=None, model_parts=[model], optimizers=optimizers,
+                                lr_schedulers=schedulers, states={}, sd_adapter=None, base_folder=str(tmp_path))
+    manager.save(curr_step=1)
+    manager.close()
+    hf = transformers.DeepseekV3Config(
+        vocab_size=2048, hidden_size=256, intermediate_size=1024, moe_intermediate_size=256, n_routed_experts=8,
+        n_shared_experts=2, num_experts_per_tok=3, n_group=1, topk_group=1, first_k_dense_replace=1,
+        num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, dtype="bfloat16")
+    hf.save_pretrained(tmp_path / "hf-config")
+    return (tmp_path / "checkpoint" / "step-1", tmp_path / "hf-config" / "config.json",
+            {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+@pytest.fixture(scope="module")
+def titan_step(tmp_path_factory):
+    return _titan_deepseek(tmp_path_factory.mktemp("titan"))
+
+
+def test_a_torchtitan_step_converts_without_its_training_state_and_back_to_a_dcp_torch_loads(titan_step, tmp_path):
+    """torchtitan step -> Hugging Face: the model's weights only (the router's bias as e_score_correction_bias), no
+    rank file of the step beside them; it loads in transformers and verify passes it against the step. Back
+    -> DCP: the rank file is the one written (none carried over it), and dcp.load reads the step's model."""
+    step, config, saved = titan_step
+    r = run_cli("--config", config, "convert", step, "--to", "torch", "-o", tmp_path / "hf")
+    assert "left out: optimizer state optimizer.* (" in r.stderr and "lr_scheduler.* (1 key)" in r.stderr
+    assert _files(tmp_path / "hf") == ["config.json", "ffn-tools-receipt.json", "model.safetensors"]
+    hf = tensors(tmp_path / "hf")
+    assert not [n for n in hf if "exp_avg" in n or "optimizer" in n]
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert torch.equal(hf[bias], saved["layers.1.moe.expert_bias_E"])
+    _loads_in_transformers(tmp_path / "hf")
+    report = json.loads(run_cli("--config", config, "verify", step, tmp_path / "hf", "--json").stdout)
+    assert report["passed"] is True
+    run_cli("convert", tmp_path / "hf", "--to", "dcp", "-o", tmp_path / "dcp")
+    assert _files(tmp_path / "dcp") == [".metadata", "__0_0.distcp", "config.json", "ffn-tools-receipt.json"]
+    assert_identical(_dcp_load(tmp_path / "dcp"), saved)  # torch's own reader, the step's model bit for bit
+
+
+def test_a_torchtitan_0_2_deepseek_keeps_its_router_bias(titan_step, tmp_path):
+    """torchtitan 0.2 named the router's load-balancing bias moe.expert_bias (its adapter: e_score_correction_bias
+    <-> layers.{}.moe.expert_bias), its experts moe.experts.w1/w3/w2 and the unembedding output: read as the
+    router's bias, not as training state."""
+    step, config, saved = titan_step
+    old = {"moe.routed_experts.inner_experts.w1_EFD": "moe.experts.w1", "moe.routed_experts.inner_experts.w3_EFD":
+           "moe.experts.w3", "moe.routed_experts.inner_experts.w2_EDF": "moe.experts.w2",
+           "moe.expert_bias_E": "moe.expert_bias", "lm_head.weight": "output.weight"}
+    renamed = {next((k.replace(a, b) for a, b in old.items() if a in k), k): v.clone() for k, v in saved.items()}
+    assert "layers.1.moe.expert_bias" in renamed
+    dcp.save({**renamed, "lr_scheduler": {"last_epoch": 1}}, checkpoint_id=str(tmp_path / "step"), no_dist=True)
+    r = run_cli("--config", config, "convert", tmp_path / "step", "--to", "torch", "-o", tmp_path / "hf")
+    assert "1 training-state key(s) not read as weights, left out: lr_scheduler.* (1 key)" in r.stderr
+    hf = tensors(tmp_path / "hf")
+    assert torch.equal(hf["model.layers.1.mlp.gate.e_score_correction_bias"], saved["layers.1.moe.expert_bias_E"])
+    _loads_in_transformers(tmp_path / "hf")
+
+
+def test_dcp_to_dcp_writes_its_own_rank_files_not_the_inputs(llama, tmp_path):
+    """A DCP's own files never travel as side files (formats.owner_of): a DCP in Hugging Face names written again in
+    torchtitan's keeps the rank file and .metadata the writer wrote, so torch's own reader reads the new names."""
+    run_cli("convert", llama, "--to", "dcp", "--dcp-naming", "hf", "-o", tmp_path / "hf-names")
+    run_cli("convert", tmp_path / "hf-names", "--to", "dcp", "-o", tmp_path / "titan")
+    expected = _adapter("llama3", "debugmodel").from_hf(dict(tensors(llama)))
+    assert_identical(_dcp_load(tmp_path / "titan"), {k: v.contiguous() for k, v in expected.items()})

@@ -31,6 +31,7 @@ class Dcp(Format):
     name = "dcp"
     options = frozenset({"dcp_naming", "dcp_ranks", "dry_run"})
     detect_order = 30
+    owns = ("*.distcp", METADATA)  # every rank's file and the metadata pointing into them
 
     def can_read(self, path: Path) -> bool:
         """A directory holding ``.metadata`` and ``.distcp`` files, or that ``.metadata``."""

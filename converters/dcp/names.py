@@ -6,7 +6,8 @@
 ``torchtitan``: the state dict of torchtitan's model of the architecture, mapped to and from Hugging Face names
 as torchtitan's own ``state_dict_adapter`` of that model does (its ``from_hf_map``; torchtitan 0.3's names are
 written, and 0.2's read too: ``attention.wq`` for ``attention.qkv_linear.wq``, ``output`` for ``lm_head``,
-``moe.experts.w1`` for ``moe.routed_experts.inner_experts.w1_EFD``), per family:
+``moe.experts.w1`` for ``moe.routed_experts.inner_experts.w1_EFD``, ``moe.expert_bias`` for ``moe.expert_bias_E``),
+per family:
 
     llama3  Llama (model_type llama): q and k rows in torchtitan's rotary order (interleaved pairs, as Meta's
             weights: ``converters.native.layout.permute``), permuted on the way as the adapter does
@@ -91,9 +92,9 @@ def _family(qkv: str, output: str, experts: tuple[str, str, str], rotary: bool, 
 _NOW = ("attention.qkv_linear", "lm_head.weight",
         ("routed_experts.inner_experts.w1_EFD", "routed_experts.inner_experts.w3_EFD",
          "routed_experts.inner_experts.w2_EDF"))
-def _deepseek(experts: tuple[str, str, str], output: str) -> tuple[Name, ...]:
+def _deepseek(experts: tuple[str, str, str], output: str, bias: str) -> tuple[Name, ...]:
     """DeepSeek-V3: MLA attention (q through a low-rank pair where q_lora_rank is set), dense first layers,
-    routed experts stacked, shared experts, the router's score-correction bias."""
+    routed experts stacked, shared experts, the router's score-correction bias (``bias``: the MoE's buffer)."""
     mla = (("q_proj", "wq"), ("q_a_proj", "wq_a"), ("q_a_layernorm", "q_norm"), ("q_b_proj", "wq_b"),
            ("kv_a_proj_with_mqa", "wkv_a"), ("kv_a_layernorm", "kv_norm"), ("kv_b_proj", "wkv_b"), ("o_proj", "wo"))
     return (
@@ -106,7 +107,7 @@ def _deepseek(experts: tuple[str, str, str], output: str) -> tuple[Name, ...]:
         *(Name(f"{_T}.feed_forward.{w}.weight", f"{_L}.mlp.{r}_proj.weight")
           for w, r in (("w1", "gate"), ("w3", "up"), ("w2", "down"))),
         Name(f"{_T}.moe.router.gate.weight", f"{_L}.mlp.gate.weight"),
-        Name(f"{_T}.moe.expert_bias_E", f"{_L}.mlp.gate.e_score_correction_bias"),
+        Name(f"{_T}.moe.{bias}", f"{_L}.mlp.gate.e_score_correction_bias"),
         *(Name(f"{_T}.moe.{w}", f"{_L}.mlp.experts.{{E}}.{r}_proj.weight", stacked=True)
           for w, r in zip(experts, ("gate", "up", "down"))),
         *(Name(f"{_T}.moe.shared_experts.{w}.weight", f"{_L}.mlp.shared_experts.{r}_proj.weight")
@@ -114,17 +115,17 @@ def _deepseek(experts: tuple[str, str, str], output: str) -> tuple[Name, ...]:
     )
 
 
-# torchtitan 0.2's (read only)
+# torchtitan 0.2's (read only); its MoE buffer was ``expert_bias``
 _BEFORE = ("attention", "output.weight", ("experts.w1", "experts.w3", "experts.w2"))
 FAMILIES: dict[str, tuple[Name, ...]] = {
     "llama3": _family(*_NOW, rotary=True, qwen=False),
     "qwen3": _family(*_NOW, rotary=False, qwen=True),
-    "deepseek_v3": _deepseek(_NOW[2], _NOW[1]),
+    "deepseek_v3": _deepseek(_NOW[2], _NOW[1], "expert_bias_E"),
 }
 LEGACY: dict[str, tuple[Name, ...]] = {
     "llama3": _family(*_BEFORE, rotary=True, qwen=False),
     "qwen3": _family(*_BEFORE, rotary=False, qwen=True),
-    "deepseek_v3": _deepseek(_BEFORE[2], _BEFORE[1]),
+    "deepseek_v3": _deepseek(_BEFORE[2], _BEFORE[1], "expert_bias"),
 }
 # Hugging Face model_type -> torchtitan family
 MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "deepseek_v3": "deepseek_v3"}

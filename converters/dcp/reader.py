@@ -6,8 +6,10 @@ Opening reads ``.metadata`` alone (``metadata.read_metadata``: names, shapes, dt
 rows put back in Hugging Face's rotary order (llama3), stacked experts presented one per expert (the stack is
 read once and kept while its experts are read in turn: memory stays the largest tensor).
 
-Keys that are training state (optimizer moments, the learning-rate schedule, the data loader, the step:
-torchtitan saves them beside the model's) are not weights: they are left out and said once on stderr.
+Keys that are training state (optimizer moments, the learning-rate schedule, the data loader, the step: a
+training run saves them beside the model's) are not weights: they are left out and said once on stderr, and where
+the model is a subtree of the state dict (PyTorch's DCP tutorial's ``app.model.*``, an FSDP recipe's ``model.*``)
+its keys are read without that prefix, said too (``subtree``).
 Without a config.json beside ``.metadata`` (torchtitan keeps the model's arguments in its TOML, not in the
 checkpoint), the config is the one ``ffn-tools --config FILE`` gives, else inferred from the shapes with what
 could not be inferred assumed and said (``assumed``).
@@ -30,13 +32,12 @@ from ffn_tools.io.store import Checkpoint, TensorInfo, config_beside, read_bytes
 from ..native.layout import permute
 from .metadata import METADATA, Chunk, Entry, read_metadata
 from .names import BUFFERS, family_of, heads_of, to_hf
+from .subtree import split
 from .torchsave import Stored, locate
 
 if TYPE_CHECKING:
     import torch
 
-# Keys of a torchtitan checkpoint that are training state, by their first component
-TRAINING_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state", "ft_", "model_parts")
 _TITAN = re.compile(r"^(?:tok_embeddings\.|layers\.\d+\.(?:attention|feed_forward|moe|attention_norm|ffn_norm)\.|"
                     r"norm\.weight$|output\.weight$|lm_head\.weight$)")
 
@@ -69,6 +70,7 @@ class DcpCheckpoint(Checkpoint):
     Attributes:
         naming: "torchtitan" or "hf".
         family: the torchtitan family (``names.FAMILIES``), None for hf naming.
+        prefix: the model's subtree in the state dict ("" at the top), its keys read without it.
         training_state: the keys left out (optimizer, scheduler, ...).
         assumed: what the config took without reading it (empty where config.json or --config gave it).
     """
@@ -80,14 +82,21 @@ class DcpCheckpoint(Checkpoint):
         if not (root / METADATA).is_file():
             raise CheckpointError(f"{root}: no {METADATA}; a torch.distributed.checkpoint directory has one")
         self.entries = read_metadata(root)
-        weights = [k for k, e in self.entries.items() if e.dtype is not None and not k.startswith(TRAINING_STATE)]
-        self.naming, prefix = naming_of([k for k in weights if not BUFFERS.search(k)])
+        parts = split(self.entries)
+        self.naming, under = naming_of([k[len(parts.prefix):] for k in parts.weights if not BUFFERS.search(k)])
+        self.prefix = prefix = parts.prefix + under
+        weights = parts.weights
         config, self.assumed = config_beside(root), list[str]()
         self.family = family_of(config, [k.removeprefix(prefix) for k in weights]) if self.naming == "torchtitan" \
             else None
-        if self.family:  # a model's buffers are weights where its family maps them (DeepSeek's bias)
-            weights = [k for k in weights if not BUFFERS.search(k) or to_hf(k.removeprefix(prefix), self.family)]
-        self.training_state = [k for k in self.entries if k not in weights]
+        if self.family:  # a model's buffers are weights where its family maps them (DeepSeek's router bias)
+            buffers = {k for k in weights if BUFFERS.search(k) and not to_hf(k.removeprefix(prefix), self.family)}
+            if buffers:
+                parts.left_out[f"MoE load-balancing buffers of no Hugging Face name in torchtitan's {self.family}"] \
+                    = sorted(buffers)
+            weights = [k for k in weights if k not in buffers]
+        kept = set(weights)
+        self.training_state = [k for k in self.entries if k not in kept]
         self._sources: dict[str, _Source] = {}
         self._stored: dict[Chunk, Stored | None] = {}
         self._handles: dict[Path, BinaryIO] = {}
@@ -95,9 +104,9 @@ class DcpCheckpoint(Checkpoint):
         files = sorted({c.file for e in self.entries.values() for c in e.chunks}, key=lambda f: f.name)
         if self.family is None:
             for k in weights:
-                e = self.entries[k]
-                infos[k] = TensorInfo(k, st_of_name(e.dtype), e.shape, e.chunks[0].file, self._start(e))
-                self._sources[k] = _Source(k)
+                e, name = self.entries[k], k.removeprefix(prefix)
+                infos[name] = TensorInfo(name, st_of_name(e.dtype), e.shape, e.chunks[0].file, self._start(e))
+                self._sources[name] = _Source(k)
         else:
             inner = {k.removeprefix(prefix): k for k in weights}
             found = {short: to_hf(short, self.family) for short in inner}
@@ -135,9 +144,11 @@ class DcpCheckpoint(Checkpoint):
                                   f"({len(self.training_state)} training-state keys only)")
         super().__init__(path, root, files, infos, {"format": "pt"}, config)
         self._stack: tuple[str, torch.Tensor] | None = None
+        if self.prefix:
+            progress.say(f"{root}: the model is the subtree {self.prefix}* (its keys read without that prefix)")
         if self.training_state:
-            progress.say(f"{root}: {len(self.training_state)} training-state key(s) not read as weights "
-                         f"({listing(self.training_state, 3)})")
+            progress.say(f"{root}: {len(self.training_state)} training-state key(s) not read as weights, left out: "
+                         f"{parts.described()}")
         say_assumed(root, self.assumed)
 
     def _locate(self, c: Chunk, dtype: str | None) -> Stored | None:
