@@ -148,6 +148,6 @@ def client_differences(ckpt: Checkpoint, target: Format) -> list[tuple[str, str]
     source, client = ckpt.format.client(), target.client()
     if source.runtime == client.runtime or not ckpt.config:
         return []
-    return differences(source.runs(source.config_of(ckpt)), client.runs(ckpt.config),
+    return differences(source.runs_of(ckpt), client.runs(ckpt.config),
                        f"the input's client ({source.name})", f"the output's client ({client.name})", "would run",
                        config=source.config_of(ckpt))

@@ -138,7 +138,7 @@ class Client(ABC):
         theirs = ca.format.client() if ca.format is not None else None
         if theirs is None or theirs.runtime == self.runtime:
             return
-        for key, line in differences(theirs.runs(ca.config or {}), self.runs(self.config_of(cb)),
+        for key, line in differences(theirs.runs_of(ca), self.runs_of(cb),
                                      f"A's client ({theirs.name})", f"B's client ({self.name})",
                                      config=ca.config or {}):
             (res.allowed if key in allow else res.problems).append(line)
@@ -146,6 +146,11 @@ class Client(ABC):
     def config_of(self, ckpt) -> dict:
         """The config this client reads for ``ckpt`` (its config.json, as the view presents it)."""
         return ckpt.config or {}
+
+    def runs_of(self, ckpt) -> dict[str, Runs]:
+        """How this client runs the checkpoint ``ckpt`` as stored: its config read as the client's own code reads
+        it, nothing filled in (the default: ``runs`` of ``config_of``)."""
+        return self.runs(self.config_of(ckpt))
 
     def runs(self, config: dict) -> dict[str, Runs]:
         """How this client runs the settings clients read differently (``checks.semantics``), from ``config``;

@@ -59,6 +59,38 @@ def test_mlx_lm_without_a_sliding_window_is_named(hf, tmp_path):
     assert "(mlx_lm's gemma2 model has no sliding window)" in r.output
 
 
+def test_mlx_lm_convert_of_a_v5_llama3_fails_verify_naming_the_rope_base(tmp_path):
+    """issue 59 item 1: transformers 5 keeps a Llama 3's rope_theta only inside rope_parameters, mlx_lm.convert copies
+    that config.json unchanged, and mlx_lm.load runs its llama ModelArgs' default base 10000. verify reads B's config
+    as mlx_lm.load does (its load_config, model class and ModelArgs.from_dict), not as ffn-tools' export would have
+    completed it, so it fails naming rope_theta; ffn-tools' own export, which writes rope_theta, passes."""
+    import mlx_lm
+    import tiny_models
+    import transformers
+    from helpers import write_tokenizer
+
+    src = tmp_path / "l3"
+    config = transformers.LlamaConfig(**tiny_models.COMMON,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(src)
+    write_tokenizer(src)
+    assert "rope_theta" not in json.loads((src / "config.json").read_text())  # only in rope_parameters
+    mlx_lm.convert(str(src), str(tmp_path / "theirs"))
+    assert mlx_lm.load(str(tmp_path / "theirs"))[0].args.rope_theta == 10000  # what the real client runs
+    r = run_cli("verify", str(src), str(tmp_path / "theirs"), "--backend", "reference", ok=None)
+    assert r.exit_code == 1, r.output
+    line = ("config: rope_theta: A 500000.0, B 10000 (mlx_lm's llama ModelArgs default: B's config.json has rope_theta "
+            "only as rope_parameters.rope_theta (500000.0), which mlx_lm's llama model does not read; add rope_theta to "
+            "B's config.json, as ffn-tools convert --to mlx writes it)")
+    assert f"  - {line}" in r.output and "FAIL: config differs; first: " + line in r.output, r.output
+    run_cli("convert", str(src), "--to", "mlx", "-o", str(tmp_path / "ours"))
+    assert mlx_lm.load(str(tmp_path / "ours"))[0].args.rope_theta == 500000.0
+    r = run_cli("verify", str(src), str(tmp_path / "ours"), "--backend", "reference")
+    assert "config: 52 keys compared as transformers' LlamaConfig and mlx_lm's llama ModelArgs read them, 0 differ" \
+        in r.output and "PASS" in r.output, r.output
+
+
 def _children(module: str) -> list[int]:
     """This process's child processes running ``python -m module`` (from /proc)."""
     import os

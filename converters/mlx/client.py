@@ -6,13 +6,19 @@ parameters (its ``mx.load`` does read the files: about 0.6x the weights' size in
 config.json as mlx_lm reads it is compared with A's as an MLX export of A hands it to mlx_lm. It loads a model
 through its own ``sanitize``, so A is paired with B as mlx_lm loads A (``consumer``). Its logits are
 ``load_model``'s model's.
+
+B's config is read by mlx_lm's own code, never through the export's completion of a config (``models.complete_config``):
+``mlx_lm.load`` runs what the file says, and a transformers-5 config it cannot read (``rope_theta`` only inside
+``rope_parameters``: mlx_lm's llama runs its default 10000) must fail here, not be corrected into passing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 from pathlib import Path
+from typing import Any
 
 from ffn_tools.checks.config import ConfigResult, compare_keys, generation_eos
 from ffn_tools.checks.load import LoadCheck, MissingClient
@@ -43,12 +49,22 @@ class MlxLm(Client):
         return read_config(ckpt.root) or ckpt.config or {}
 
     def runs(self, config: dict) -> dict[str, Runs]:
-        """As mlx_lm's model class runs ``config`` (its ``ModelArgs``; see ``mlx_runs``); {} where mlx_lm has no
-        model for it (the load check says so)."""
+        """As mlx_lm's model class runs an MLX export of ``config`` (the config the export writes: ``models.target``
+        completes it; see ``mlx_runs``); {} where mlx_lm has no model for it (the load check says so)."""
         try:
-            return mlx_runs(models.target(config, "config", None), config.get("max_position_embeddings"))
+            t = models.target(config, "config", None)
         except FFNToolsError:
             return {}
+        return mlx_runs(t.module, t.args, config.get("max_position_embeddings"))
+
+    def runs_of(self, ckpt) -> dict[str, Runs]:
+        """As mlx_lm runs the MLX directory ``ckpt``: its config.json read by mlx_lm's own code (``as_mlx_lm_reads``);
+        {} where mlx_lm cannot read it (the config check and the load check say so)."""
+        try:
+            module, args, config = as_mlx_lm_reads(ckpt.root)
+        except FFNToolsError:
+            return {}
+        return mlx_runs(module, args, config.get("max_position_embeddings"))
 
     def pairing(self, ca, cb):
         from .consumer import AsMlxLoads  # torch: verify has it; an export (which reads this client) need not
@@ -116,31 +132,81 @@ def check_mlx(path: Path) -> LoadCheck:
     return LoadCheck("mlx_lm", architecture=type(model).__module__.rsplit(".", 1)[-1])
 
 
-def _model_args(config: dict, has_head: bool | None):
-    """mlx_lm's ``ModelArgs`` fields for ``config`` as the MLX export completes it (``models.target``)."""
-    t = models.target(config, "config", has_head)
-    return t.module, {f.name: getattr(t.args, f.name) for f in dataclasses.fields(t.args)}
+def as_mlx_lm_reads(root) -> tuple[str, Any, dict]:
+    """The config.json of the MLX directory ``root`` as ``mlx_lm.load`` reads it, by mlx_lm's own code: its
+    ``load_config`` (generation_config.json's eos_token_id merged in), the model class its ``load_model`` picks (that
+    function's own default ``get_model_classes``: the remapping by model_type and architecture), and that model's
+    ``ModelArgs.from_dict``, which takes the fields the file names and the defaults for the rest (a key kept
+    elsewhere, as transformers 5 keeps ``rope_theta`` inside ``rope_parameters``, is not read).
+
+    Returns:
+        (the ``mlx_lm.models`` module's name, its ``ModelArgs``, the config dict mlx_lm built them from).
+
+    Raises:
+        FFNToolsError: mlx_lm.load would fail on this config.json (no model for its type, a required field absent),
+            naming mlx_lm's own error.
+    """
+    utils = models.mlx_lm_module("utils")
+    classes = inspect.signature(utils.load_model).parameters["get_model_classes"].default
+    try:
+        config = utils.load_config(Path(root))
+        model_class, args_class = classes(config=config)
+        args = args_class.from_dict(config)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise FFNToolsError(f"mlx_lm.load would fail on it ({type(e).__name__}: {' '.join(str(e).split())[:200]})") \
+            from None
+    return model_class.__module__.rsplit(".", 1)[-1], args, config
+
+
+def _fields(args) -> dict:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+
+
+def _exported_args(ca) -> tuple[str, dict]:
+    """mlx_lm's ``ModelArgs`` fields for A's config as an MLX export of A hands it to mlx_lm (``models.target``
+    completes it; generation_config's eos merged in, as ``mlx_lm.convert`` and the export do)."""
+    source = dict(ca.config)
+    eos = generation_eos(ca)
+    if eos:
+        source["eos_token_id"] = eos
+    t = models.target(source, "config", "lm_head.weight" in ca)
+    return t.module, _fields(t.args)
 
 
 def _compare_mlx(res: ConfigResult, ca, cb, allow) -> None:
-    """B's config.json as mlx_lm reads it against A's as an MLX export of A gives it to mlx_lm."""
-    raw_b = read_config(cb.root) or {}
+    """B's config.json as mlx_lm reads it (``as_mlx_lm_reads``) against A's: as mlx_lm reads A where A is MLX too,
+    else as an MLX export of A gives it to mlx_lm. A key B's file lacks is mlx_lm's default, and is said so."""
     try:
-        module, b_args = _model_args(raw_b, None)
+        module, args, raw_b = as_mlx_lm_reads(cb.root)
     except FFNToolsError as e:
         res.problems.append(f"mlx_lm cannot read B's config.json: {e}")
         return
+    b_args = _fields(args)
     try:
-        source = dict(ca.config)
-        eos = generation_eos(ca)
-        if eos:
-            source["eos_token_id"] = eos
-        _, a_args = _model_args(source, "lm_head.weight" in ca)
+        a_args = _fields(as_mlx_lm_reads(ca.root)[1]) if ca.format is cb.format else _exported_args(ca)[1]
     except FFNToolsError as e:
         res.notes.append(f"A's config is not one mlx_lm reads, so it is not compared as mlx_lm's ModelArgs ({e})")
         return
     res.readers.append(f"mlx_lm's {module} ModelArgs")
+    before = {"problems": len(res.problems), "allowed": len(res.allowed)}
     compare_keys(res, a_args, b_args, allow, None)
+    for kind, start in before.items():  # the lines compare_keys added: say where B's value comes from
+        lines = getattr(res, kind)
+        lines[start:] = [line + _defaulted(line.split(":", 1)[0], raw_b, module) for line in lines[start:]]
+
+
+def _defaulted(key: str, raw_b: dict, module: str) -> str:
+    """Why mlx_lm reads ``key`` as it does where B's config.json does not name it: its default, and where the file
+    keeps the value under another name that mlx_lm's model does not read (transformers 5's ``rope_parameters``)."""
+    top = key.split(".")[0]
+    if top in raw_b:
+        return ""
+    kept = next((p for p in models.ALIASES.get(top, ()) if models.lookup(raw_b, p) is not None), None)
+    if kept is None:
+        return f" (B's config.json has no {top}: mlx_lm's {module} ModelArgs default)"
+    return (f" (mlx_lm's {module} ModelArgs default: B's config.json has {top} only as {kept} "
+            f"({models.lookup(raw_b, kept)!r}), which mlx_lm's {module} model does not read; add {top} to B's "
+            "config.json, as ffn-tools convert --to mlx writes it)")
 
 
 # Top-k renormalization an mlx_lm model fixes whatever the config says (its module: jamba.py softmaxes the top-k
@@ -148,15 +214,14 @@ def _compare_mlx(res: ConfigResult, ca, cb, allow) -> None:
 MLX_TOPK = {"jamba": True, "mixtral": True}
 
 
-def mlx_runs(t: models.Target, max_positions=None) -> dict[str, Runs]:
-    """The settings as mlx_lm's model ``t`` runs them, read from its code's arguments: a layer slides only where its
-    ``ModelArgs`` has a ``sliding_window`` and its ``layer_types`` mark the layer sliding (``llama``: all full
-    attention unless given), or its ``sliding_window_pattern`` does (Gemma 3, Cohere 2: every layer but each
+def mlx_runs(module: str, args, max_positions=None) -> dict[str, Runs]:
+    """The settings as mlx_lm's model ``module`` runs them from its ``ModelArgs`` ``args``, read from its code's
+    arguments: a layer slides only where its ``ModelArgs`` has a ``sliding_window`` and its ``layer_types`` mark the
+    layer sliding (``llama``: all full attention unless given), or its ``sliding_window_pattern`` does (Gemma 3, Cohere 2: every layer but each
     pattern-th); a model whose arguments have no ``sliding_window`` runs full attention (Gemma 2). Top-k
     renormalization where its arguments have ``norm_topk_prob``. Models that slide otherwise are not judged. A
     window no shorter than the longest context (``max_positions``, the config's) is no window, as on the other
     side."""
-    args = t.args
     fields = {f.name for f in dataclasses.fields(args)}
     layers = getattr(args, "num_hidden_layers", None)
     out: dict[str, Runs] = {}
@@ -164,12 +229,12 @@ def mlx_runs(t: models.Target, max_positions=None) -> dict[str, Runs]:
         ws: list[int | None] | None = None
         why = ""
         if "sliding_window" not in fields:
-            ws, why = [None] * layers, f" (mlx_lm's {t.module} model has no sliding window)"
+            ws, why = [None] * layers, f" (mlx_lm's {module} model has no sliding window)"
         elif "layer_types" in fields:
             types = args.layer_types or ["full_attention"] * layers
             ws = windows(args.sliding_window, types, layers, max_positions)
             marked = "none here" if "sliding_attention" not in types else "those"
-            why = f" (mlx_lm's {t.module} model slides only the layers its layer_types mark sliding_attention: {marked})"
+            why = f" (mlx_lm's {module} model slides only the layers its layer_types mark sliding_attention: {marked})"
         elif isinstance(pattern := getattr(args, "sliding_window_pattern", None), int) and pattern > 0:
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
             ws = windows(args.sliding_window, types, layers, max_positions)
@@ -177,7 +242,7 @@ def mlx_runs(t: models.Target, max_positions=None) -> dict[str, Runs]:
             out["sliding_window"] = Runs(ws, windows_words(ws) + why)
     if "norm_topk_prob" in fields and isinstance(args.norm_topk_prob, bool):
         out["norm_topk_prob"] = Runs(args.norm_topk_prob, topk_words(args.norm_topk_prob))
-    elif t.module in MLX_TOPK:
-        norm = MLX_TOPK[t.module]
-        out["norm_topk_prob"] = Runs(norm, f"{topk_words(norm)} (mlx_lm's {t.module} model, whatever the config says)")
+    elif module in MLX_TOPK:
+        norm = MLX_TOPK[module]
+        out["norm_topk_prob"] = Runs(norm, f"{topk_words(norm)} (mlx_lm's {module} model, whatever the config says)")
     return out

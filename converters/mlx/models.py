@@ -125,7 +125,8 @@ def loadable_type(config: dict) -> str:
     return model_type.removesuffix("_text")
 
 
-def _lookup(config: dict, path: str):
+def lookup(config: dict, path: str):
+    """The value at dotted ``path`` in ``config`` (``rope_parameters.rope_theta``), or None."""
     node = config
     for part in path.split("."):
         if not isinstance(node, dict) or part not in node:
@@ -140,7 +141,7 @@ def complete_config(config: dict, fields) -> tuple[dict, list[str]]:
     config, added = dict(config), []
     for key, paths in ALIASES.items():
         if key in fields and key not in config:
-            value = next((v for p in paths if (v := _lookup(config, p)) is not None), None)
+            value = next((v for p in paths if (v := lookup(config, p)) is not None), None)
             if value is not None:
                 config[key] = value
                 added.append(key)
