@@ -1,16 +1,22 @@
 """Progress on long work, on stderr, not with --quiet: on a terminal a byte counter with rate and ETA redrawn
 in place; otherwise (piped, a log file, CI) one plain line every ``LINE_EVERY`` seconds, so a long run is seen
-to be alive without filling a log. Writers update it as bytes are copied or computed, not when they are queued."""
+to be alive without filling a log. Writers update it as bytes are copied or computed, not when they are queued.
+Before a step has bytes to count (imports, loading a model, a converter's start), ``doing`` says what it does.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from .sizes import human
 
 _enabled = True
 LINE_EVERY = 5.0  # seconds between progress lines when stderr is not a terminal (the first after as long)
+CLEAR = "\r\x1b[K"  # back to the line's start and erase it: a terminal's redrawn line replaced
+_doing: list[str] = []  # the steps ``doing`` is in, innermost last; the last one is on the terminal's line
 
 
 def set_enabled(enabled: bool) -> None:
@@ -28,6 +34,29 @@ def say(line: str) -> None:
     """One line on stderr, unless --quiet: what a long step is about to cost, before it starts."""
     if _enabled:
         print(line, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def doing(what: str) -> Iterator[None]:
+    """Say ``what`` a step is doing while it runs, where nothing else would show the command alive (a long
+    verify's opening checks, a converter's start): on a terminal one line redrawn in place, erased when the step
+    ends (a progress bar drawn meanwhile replaces it). Not with --quiet, nor where stderr is not a terminal: a log
+    keeps only lines that say something when read later (the bars' every ``LINE_EVERY`` seconds, warnings)."""
+    if not visible():
+        yield
+        return
+    _doing.append(what)
+    _draw(what)
+    try:
+        yield
+    finally:
+        _doing.pop()
+        _draw(_doing[-1] if _doing else "")
+
+
+def _draw(line: str) -> None:
+    sys.stderr.write(CLEAR + line)
+    sys.stderr.flush()
 
 
 class Progress:
@@ -53,8 +82,7 @@ class Progress:
         now = time.monotonic()
         if self.shown and (now - self._last > 0.1 or self.done >= self.total):
             self._last = now
-            sys.stderr.write(f"\r{self._status(now)} ")
-            sys.stderr.flush()
+            _draw(f"{self._status(now)} ")  # over the line ``doing`` drew, if any
         elif self.lines and now - self._last >= LINE_EVERY:
             self._last = now
             self.written += 1

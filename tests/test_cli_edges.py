@@ -215,3 +215,45 @@ def test_the_package_builds_without_warnings_and_holds_every_module(tmp_path):
     assert expected <= held, sorted(expected - held)[:10]
     assert {f"ffn_tools/schemes/{p.name}" for p in (src / "ffn_tools" / "schemes").glob("*.json")} <= held
     assert any(n.startswith("ffn_tools/converters/gguf/") for n in held)
+
+
+def test_a_terminal_is_told_what_runs_before_the_first_progress_bar(model_dir, tmp_path):
+    """Issue 59.9: a long verify (or GGUF export) left the terminal blank for 12-18 s before its first progress
+    bar: torch's import, the load check's model, a converter's start. On a terminal (stderr a pty here) each such
+    step says what it does on one line redrawn in place, and the line is erased when the step ends: what is left
+    on the terminal is what was there without it. With -q nothing is drawn (and where stderr is not a terminal,
+    nothing: see test_a_passing_verify_prints_nothing_on_stderr)."""
+    import os
+    import pty
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ffn_tools.progress import CLEAR
+
+    script = str(Path(sys.executable).parent / "ffn-tools")
+    for quiet in ([], ["-q"]):
+        leader, follower = pty.openpty()
+        p = subprocess.Popen([script, *quiet, "verify", str(model_dir("llama")), str(model_dir("llama"))],
+                             stdout=subprocess.PIPE, stderr=follower, cwd=tmp_path, text=True)
+        os.close(follower)
+        drawn = b""
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the child closed its end
+                break
+            if not chunk:
+                break
+            drawn += chunk
+        out, _ = p.communicate(timeout=300)
+        os.close(leader)
+        assert p.returncode == 0 and out.splitlines()[-1].startswith("PASS: "), out[-500:]
+        text = drawn.decode().replace("\r\n", "\n")
+        if quiet:
+            assert text == "", text
+            continue
+        steps = [s for s in text.split(CLEAR) if s]
+        assert steps[0].startswith("verify: opening A and B") and "verify: the load check (would B load in " \
+            "transformers?)" in steps, steps
+        assert text.endswith(CLEAR), text[-200:]  # erased: the report starts on a clean line

@@ -41,6 +41,8 @@ from .source import llama_cpp_dir
 
 CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0", "auto")  # convert_hf_to_gguf.py's --outtype
 OUTTYPES = (*CONVERTER_TYPES, *kquant.FTYPES)  # and llama-quantize's types, through its library
+# what a terminal shows while llama.cpp's converter starts (before the tensors' progress bar: seconds)
+READING = "llama.cpp's converter is reading the model (its class, the vocabulary, the tensors' plan)"
 
 
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
@@ -100,7 +102,8 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     if codes:  # what each quantized weight can be, from its codes read once, before the converter starts
         request["choices"] = _choices(ckpt, view, modules, refuse=codes == "keep")
     if dry_run:
-        result = _run({**request, "out": str(out)})  # the converter's writer in its dry-run mode writes nothing
+        with progress.doing(f"{out.name}: {READING}"):  # its writer in its dry-run mode writes nothing
+            result = _run({**request, "out": str(out)})
         _refuse(ckpt, result.get("codes") or [])  # what the conversion would refuse, the plan refuses
         return _summary(out, result, said, plan=True)
     read = [*ckpt.files, *side_files(ckpt), *([Path(imatrix)] if imatrix else [])]  # the receipt's sources
@@ -108,10 +111,13 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         # a K-quant's intermediate: the converter's file beside the temporary output, removed whatever happens
         first = tmp.with_name(tmp.name + ".intermediate.gguf") if quantizing else tmp
         try:
-            result = _run({**request, "out": str(first)})
+            with progress.doing(f"{out.name}: {READING}"):  # seconds before its tensors are written: said
+                result = _run({**request, "out": str(first)})
             _refuse(ckpt, result.get("codes") or [])
             if result.get("native"):
-                _run({"out": str(first), "tensors": result["native"], "progress": request["progress"]}, "native")
+                with progress.doing(f"{out.name}: starting the tensor writer"):  # its bar replaces the line
+                    _run({"out": str(first), "tensors": result["native"], "progress": request["progress"]},
+                         "native")
             if quantizing:
                 steps = {"intermediate": result["outtype"], "intermediate_bytes": first.stat().st_size}
                 rec = kquant.recipe(outtype, result["outtype"], output_tensor_type, token_embedding_type,

@@ -416,12 +416,17 @@ def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, tok
         raise click.UsageError("missing " + " and ".join(n for n, v in (("--to", to), ("-o", out)) if v is None))
     if dequantize and quantize:
         raise click.UsageError("choose either -q/--quantize or -d/--dequantize, not both (as mlx_lm.convert)")
-    r = run(path, to, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, quantize=quantize,
-            q_bits=int(q_bits) if q_bits else None, q_group_size=int(q_group_size) if q_group_size else None,
-            q_mode=q_mode, quant_predicate=quant_predicate, dequantize=dequantize or None, dry_run=dry_run or None,
-            flax_layout=flax_layout, orbax_layout=orbax_layout, dcp_naming=dcp_naming, dcp_ranks=dcp_ranks, outtype=outtype, requantize=requantize, output_tensor_type=output_tensor_type,
-            token_embedding_type=token_embedding_type, imatrix=imatrix, scheme=scheme, layout=layout, upload_repo=upload_repo,
-            allow_config=allow_config, base=base, resume=resume, estimate=estimate, ray=ray)
+    # until a step has a progress bar (seconds: torch's and the clients' imports, a converter's start) the terminal
+    # says what runs; steps that take long on their own say more
+    with progress.doing(f"convert: opening {Path(path).name} and checking its {to} output's client"):
+        r = run(path, to, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, quantize=quantize,
+                q_bits=int(q_bits) if q_bits else None, q_group_size=int(q_group_size) if q_group_size else None,
+                q_mode=q_mode, quant_predicate=quant_predicate, dequantize=dequantize or None,
+                dry_run=dry_run or None, flax_layout=flax_layout, orbax_layout=orbax_layout, dcp_naming=dcp_naming,
+                dcp_ranks=dcp_ranks, outtype=outtype, requantize=requantize, output_tensor_type=output_tensor_type,
+                token_embedding_type=token_embedding_type, imatrix=imatrix, scheme=scheme, layout=layout,
+                upload_repo=upload_repo, allow_config=allow_config, base=base, resume=resume, estimate=estimate,
+                ray=ray)
     emit(r, as_json, [*(r.get("plan") or []), r["summary"], *r.get("changes", []), *estimated(r), *uploaded(r)])
 
 

@@ -186,15 +186,18 @@ def verify(a, b, receipt, backends, tokens, seed, layers, shards_needed, experts
         r = needs(a, b, layers=layers, experts=experts, scheme=scheme)
         emit(r, as_json, [*r["lines"], r["summary"]])
         return
+    from .. import progress
     from ..api import verify as run
 
-    # could-not-run (FFNToolsError) becomes exit 2 and one line in cli.Group, as for every command
-    report = run(a, b, backends=list(backends) or None, tokens=tokens, seed=seed, layers=layers,
-                 experts=experts, atol=atol, rtol=rtol, exact=exact, logits=logits, scheme=scheme,
-                 layout=layout, b_layout=b_layout, allow_unmatched=allow_unmatched,
-                 ffn_only=ffn_only, load_check=load_check, allow_config=allow_config, side_files=side_files,
-                 all_ffns_on_every_backend=all_ffns_on_every_backend, generate=generate, prompts=prompts,
-                 new_tokens=new_tokens, profile=profile, ray=ray, resume=resume)
+    # could-not-run (FFNToolsError) becomes exit 2 and one line in cli.Group, as for every command; until the FFN
+    # steps' progress bar, the terminal says what runs (seconds: torch's import, the load check's model)
+    with progress.doing("verify: opening A and B (importing torch), then the load check, configs and tokenizers"):
+        report = run(a, b, backends=list(backends) or None, tokens=tokens, seed=seed, layers=layers,
+                     experts=experts, atol=atol, rtol=rtol, exact=exact, logits=logits, scheme=scheme,
+                     layout=layout, b_layout=b_layout, allow_unmatched=allow_unmatched,
+                     ffn_only=ffn_only, load_check=load_check, allow_config=allow_config, side_files=side_files,
+                     all_ffns_on_every_backend=all_ffns_on_every_backend, generate=generate, prompts=prompts,
+                     new_tokens=new_tokens, profile=profile, ray=ray, resume=resume)
     if as_json:
         from ..api import json_of
 

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from typing import TypeVar
 
-from .. import cluster, quant
+from .. import cluster, progress, quant
 from ..checks.agreement import DEFAULT_PROFILE, PROFILES, AgreementResult
 from ..checks.prompts import NEW_TOKENS, load_prompts
 from ..checks.outside import OutsideResult, outside_tolerance
@@ -195,7 +195,8 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
             except FFNToolsError as e:
                 blocked = str(e) if logits else str(e).replace("--logits:", "--generate:", 1)
         # first: a missing client is could-not-run (exit 2) before any work
-        load = client.load_check(cb.stored) if load_check else None
+        with progress.doing(f"verify: the load check (would B load in {client.name}?)"):  # seconds: its imports
+            load = client.load_check(cb.stored) if load_check else None
         if kernels is None:  # the reference and B's runtime's kernels
             reference_backend()  # imported here, not beside the background's imports
             kernels = worker.submit(resolve_backends, None, client.kernels, client.name)
