@@ -217,6 +217,25 @@ def test_the_package_builds_without_warnings_and_holds_every_module(tmp_path):
     assert any(n.startswith("ffn_tools/converters/gguf/") for n in held)
 
 
+def test_convert_refuses_an_existing_output_before_importing_a_client(model_dir, tmp_path):
+    """Issue 59.9: `convert` refused an existing output only in its format's export, after torch, transformers
+    and the output's client were imported and the input checked (5 s; split refuses in 0.3 s). It refuses first:
+    the same one line and exit 2, with neither transformers nor mlx_lm imported."""
+    import subprocess
+    import sys
+
+    (tmp_path / "out").mkdir()
+    probe = ("import atexit, sys; atexit.register(lambda: print('imported', sorted(m for m in ('transformers', "
+             "'mlx_lm', 'mlx') if m in sys.modules))); sys.argv = ['ffn-tools'] + sys.argv[1:]; "
+             "from ffn_tools.cli import main; main()")
+    for to in ("mlx", "torch", "gguf"):
+        r = subprocess.run([sys.executable, "-P", "-c", probe, "convert", str(model_dir("llama")), "--to", to, "-o",
+                            str(tmp_path / "out")], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert r.returncode == 2 and r.stderr == (f"Error: {tmp_path / 'out'}: already exists; choose another output "
+                                                  "path (-o) or pass --force to replace it\n"), (to, r.stderr[-500:])
+        assert "imported []" in r.stdout, (to, r.stdout)
+
+
 def test_a_terminal_is_told_what_runs_before_the_first_progress_bar(model_dir, tmp_path):
     """Issue 59.9: a long verify (or GGUF export) left the terminal blank for 12-18 s before its first progress
     bar: torch's import, the load check's model, a converter's start. On a terminal (stderr a pty here) each such

@@ -416,6 +416,10 @@ def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, tok
         raise click.UsageError("missing " + " and ".join(n for n, v in (("--to", to), ("-o", out)) if v is None))
     if dequantize and quantize:
         raise click.UsageError("choose either -q/--quantize or -d/--dequantize, not both (as mlx_lm.convert)")
+    if not (force or dry_run):  # an existing output refused before the imports a conversion needs (seconds)
+        from ..io.output import check_output
+
+        check_output(Path(out), [], force)
     # until a step has a progress bar (seconds: torch's and the clients' imports, a converter's start) the terminal
     # says what runs; steps that take long on their own say more
     with progress.doing(f"convert: opening {Path(path).name} and checking its {to} output's client"):
