@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from ffn_tools.converters.gguf.header import Reader
 from ffn_tools.converters.gguf.reader import field_values
 from ffn_tools.io.receipt import NAME as RECEIPT
+from ffn_tools.sizes import human
 from gguf_models import convert_reference
 from helpers import run_cli, tree_digest
 
@@ -32,6 +33,8 @@ def test_same_file_as_convert_hf_to_gguf(gguf_model, gguf_ref, tmp_path, arch, o
     assert tree_digest(src) == before  # the input is never modified
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ours.gguf", f"ours.gguf.{RECEIPT}"]  # no temporary left
     assert r["tensors"] > 0 and r["format"] == "gguf"
+    # the size said is the file's: its tensors' bytes alone (say 32.98 MB of a 40.8 MB file) were said before
+    assert r["bytes"] == out.stat().st_size > r["tensor_bytes"] and f", {human(out.stat().st_size)}, " in r["summary"]
     if (arch, outtype) == ("llama", "bf16"):
         _llama_cpp_runs_ours_like_transformers(src, out)
 
@@ -51,6 +54,7 @@ def test_dry_run_plans_without_writing(gguf_model, tmp_path):
     lines = r.output.splitlines()
     assert any(ln.split()[:2] == ["blk.0.ffn_gate.weight", "Q8_0"] for ln in lines), r.output
     assert any(ln.split()[:2] == ["blk.0.attn_norm.weight", "F32"] for ln in lines)
+    assert " of tensor data, as llama.cpp's " in lines[-1], lines[-1]  # the plan knows its tensors' bytes only
 
 
 def test_refusals(gguf_model, gguf_ref, tmp_path):
