@@ -712,12 +712,13 @@ def test_b_split_in_another_layout_than_as_fused_is_named(model_dir, tmp_path):
     cause; the hint now names it, as it does for a fused B stored in another layout."""
     phi3 = model_dir("phi3")
     run_cli("split-gateup", phi3, "-o", tmp_path / "inter", "--layout", "interleaved")
-    out = assert_fails(phi3, tmp_path / "inter", where="layer 0")
+    out = assert_fails(phi3, tmp_path / "inter", "--backend", "reference", where="layer 0")
     assert ("B's gate and up are A's gate_up rows split as interleaved, gate-up, where A's are read as concat, "
             "gate-up: B was split in another layout than A's (split A again without that --layout; pass --layout "
             "interleaved --order gate-up if A's gate_up is stored that way)") in out, out
     run_cli("split-gateup", phi3, "-o", tmp_path / "own")
-    out = assert_fails(phi3, plant(tmp_path / "own", tmp_path / "swapped", _swap_layer_1), where="layer 1")
+    out = assert_fails(phi3, plant(tmp_path / "own", tmp_path / "swapped", _swap_layer_1), "--backend", "reference",
+                       where="layer 1")
     assert "gate and up are swapped" in out and "split as" not in out, out  # another cause, named as before
     assert_passes(phi3, tmp_path / "inter", "--layout", "interleaved", loads=False)  # read as it was split: the same
 
