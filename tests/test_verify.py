@@ -725,3 +725,16 @@ def test_b_split_in_another_layout_than_as_fused_is_named(model_dir, tmp_path):
 
 def _swap_layer_1(sd):
     sd[L1 + "gate_proj.weight"], sd[L1 + "up_proj.weight"] = sd[L1 + "up_proj.weight"], sd[L1 + "gate_proj.weight"]
+
+
+def test_the_table_prints_no_figures_for_a_reference_not_computed(model_dir):
+    """B bit-identical to A: B's output on the reference is A's by construction, not computed; its row prints
+    "—" where a measured row prints its figures, and a line says what "—" means."""
+    src = model_dir("llama", torch.bfloat16)
+    code, out = verify(src, src)
+    row = next(ln for ln in out.splitlines() if ln.startswith("layer 1 "))
+    assert code == 0 and row.split()[2:7] == ["reference", "—", "—", "—", "—"] and "0.0e+00" not in row, row
+    assert ("—: B's output on the reference not computed: its weights are A's bit for bit, so it is A's output "
+            "(error 0, cosine 1 by construction, not measured)") in out
+    code, rep = verify_json(src, src)
+    assert rep["ffns"][-1]["backends"][0]["max_abs"] == 0.0  # --json keeps the figures, with the path saying how
