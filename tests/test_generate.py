@@ -90,6 +90,8 @@ def test_correct_conversions_are_within_their_measured_floor(chatty, tmp_path, t
     assert g["prompts"] and len(g["prompts"]) == len(PROMPTS) and g["positions"] > 100
     assert all(p["tokens_same"] and p["stops_same"] for p in g["prompts"])
     assert "within the floor" in report.generation.line() and "generation within its noise floor" in report.verdict
+    d = g["direct"]  # B and A' hold the same bytes in the same client: the same logits, no noise to measure
+    assert d["passed"] and not any(d["statistics"].values()) and "bit-identical logits" in d["noise_words"], d
     assert took < 30  # the issue's bar is 10 s added on these tiny models (benchmarks/bench_generate.py measures it)
 
 
@@ -125,6 +127,88 @@ def test_chat_template_removed_fails_as_prompt_tokens(chatty, tmp_path):
     assert any("A applies a chat template, B has none" in f for f in report.failures())
 
 
+def test_a_swapped_ffn_is_named_before_the_generation_statistics(chatty, tmp_path):
+    """Causes first, symptoms after: layer 1's gate and up swapped fail the FFN check and, end to end, eight
+    statistics over A run again (a zero floor); the failures and the verdict name the swap first, and a
+    statistic over a zero floor reads as a sentence."""
+    def swap(sd):
+        g, u = "model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"
+        sd[g], sd[u] = sd[u], sd[g]
+
+    b = _copy(chatty, tmp_path / "b", swap)
+    report = api.verify(chatty, b, generate=True, new_tokens=4)
+    failures = report.failures()
+    assert failures[0].startswith("layer 1: not bit-identical") and "gate and up are swapped" in failures[0]
+    generation = [i for i, f in enumerate(failures) if f.startswith("generation: ")]
+    assert generation and generation[0] > max(i for i, f in enumerate(failures) if not f.startswith("generation: "))
+    assert report.verdict.startswith("FAIL: 1 of 2 FFNs differ, generation differs; first: layer 1: not bit-identical")
+    text = "\n".join(report.lines())
+    assert "the floor the floor" not in text and "zero floor" not in text
+    assert ("generation: KL(A||B) mean " in text and " is above the floor of 0; standard allows 1e-07; worst prompt"
+            in text)
+    assert "verdict: 8 failures: KL(A||B) mean " in text
+
+
+def test_a_defect_below_the_cross_client_floor_fails_against_a_prime(chatty, tmp_path):
+    """4-bit MLX with the final norm scaled by 1.01: against A (transformers) the statistics are within the floor
+    (mlx_lm's 4-bit A' is as far from A), but B and A' run in one client on one form, which computes alike to its
+    run-to-run noise (0): B against A' fails."""
+    b = tmp_path / "b"
+    api.convert(chatty, "mlx", b, quantize=True)
+    for f in b.glob("*.safetensors"):
+        sd = load_file(f)
+        sd["model.norm.weight"] = (sd["model.norm.weight"].float() * 1.01).to(sd["model.norm.weight"].dtype)
+        save_file(sd, f, metadata={"format": "mlx"})
+    report = api.verify(chatty, b, generate=True, new_tokens=8)
+    g = _gen(report)
+    assert _failed(g) == set(), g["judged"]  # the floor between transformers and mlx_lm hides it
+    d = g["direct"]
+    assert d["client"] == "mlx_lm" and not d["passed"] and d["statistics"]["kl_ab_mean"] > 1e-7
+    assert d["noise"]["kl_ab_mean"] == 0 and d["noise_words"] == "0: B run again by mlx_lm gives the same logits"
+    first = next(f for f in report.failures() if f.startswith("generation: "))
+    assert first.startswith("generation: B against A' (A in B's form, both run by mlx_lm): KL(A'||B) mean ")
+    assert "above the client's run-to-run noise (0: B run again by mlx_lm gives the same logits" in first
+    assert not g["passed"] and "B against A' (both run by mlx_lm)" in report.generation.line()
+
+
+def _stopping(chatty, tmp_path) -> tuple[Path, int, list[int]]:
+    """A copy of ``chatty`` whose stop id is a token its greedy decoding of the first prompt reaches (not one of
+    the prompt's), with that continuation."""
+    from ffn_tools.converters.pytorch.client import Transformers
+
+    a = _copy(chatty, tmp_path / "a")
+    seq = Transformers().generate(a, [PROMPTS[0]], 8).sequences[0]
+    stop = next(t for t in seq[-6:] if t not in seq[:-6])  # a token A generates, not in its prompt
+    _json(a / "generation_config.json", lambda c: c.update(eos_token_id=stop))
+    _json(a / "config.json", lambda c: c.update(eos_token_id=stop))
+    return a, stop, seq
+
+
+def test_a_weight_defect_at_the_stop_token_is_no_stop_difference(chatty, tmp_path):
+    """B's stop ids are A's, but its lm_head row of A's stop token is negated: B predicts another token where A
+    stops. That is the statistics' (top-1, KL), not "prompts that stop otherwise", which judges stop ids; a stop
+    id of B's that A generates and goes on after is one."""
+    a, stop, seq = _stopping(chatty, tmp_path)
+
+    def negate(sd):
+        sd["lm_head.weight"][stop] = -sd["lm_head.weight"][stop]
+
+    b = _copy(a, tmp_path / "b", negate)
+    report = api.verify(a, b, generate=True, new_tokens=8)
+    g = _gen(report)
+    assert {"top1_disagreement", "kl_ab_max"} <= _failed(g) and "prompts_stopping_otherwise" not in _failed(g)
+    assert all(p["stops_same"] for p in g["prompts"]) and any(p["stop_a"] is not None for p in g["prompts"])
+    assert not any("stop otherwise" in f for f in report.failures())
+    c = _copy(a, tmp_path / "c")
+    mid = seq[len(seq) - 8]  # A's first new token: before its stop token (not among the first two), it goes on
+    _json(c / "generation_config.json", lambda x: x.update(eos_token_id=[stop, mid]))
+    report = api.verify(a, c, generate=True, new_tokens=8)
+    g = _gen(report)
+    assert _failed(g) == {"prompts_stopping_otherwise"}, _failed(g)
+    first = next(p for p in g["prompts"] if not p["stops_same"])
+    assert f"(id {mid})" in first["why_stops"] and "it is a stop id of B's, so B would stop there" in first["why_stops"]
+
+
 def test_missing_eos_in_generation_config_fails_as_stops(chatty, tmp_path):
     """A stops at a token its greedy decoding reaches (its generation_config says so); B's generation_config
     has no eos_token_id: transformers runs B past it."""
@@ -142,7 +226,8 @@ def test_missing_eos_in_generation_config_fails_as_stops(chatty, tmp_path):
     g = _gen(report)
     assert _failed(g) == {"prompts_stopping_otherwise"}, _failed(g)
     first = next(p for p in g["prompts"] if not p["stops_same"])
-    assert "A stops at new token" in first["why_stops"] and "does not stop at it" in first["why_stops"]
+    assert "A stops at new token" in first["why_stops"] and "it is not a stop id of B's, so B does not stop at it" in \
+        first["why_stops"]
 
 
 def test_dropped_rope_scaling_fails_as_kl(chatty, tmp_path):
@@ -274,3 +359,31 @@ def test_a_dtype_change_is_held_against_a_in_that_dtype(chatty, tmp_path):
     g = _gen(report)
     assert report.passed and g["floor"] == "A computed in B's dtype float32 by transformers"
     assert g["statistics"]["kl_ab_mean"] == pytest.approx(g["floor_statistics"]["kl_ab_mean"], rel=1e-6)
+    assert g["direct"]["client"] == "transformers" and not any(g["direct"]["statistics"].values())  # B is A'
+
+
+def test_a_generation_that_did_not_run_is_never_passed(chatty, tmp_path):
+    """An MLX Gemma-2 whose config.json says ``final_logit_softcapping: null``: mlx_lm cannot run it (it divides
+    by None) while another check (the config) fails. The generation's line says why it did not run, the report
+    says it under the failures, and its JSON is no pass."""
+    import transformers
+
+    import tiny_models
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    _, _, extra = tiny_models.ARCHS["gemma2"]
+    vocab = json.loads((chatty / "config.json").read_text())["vocab_size"]
+    config = transformers.Gemma2Config(**{**tiny_models.COMMON, **extra, "vocab_size": vocab})
+    torch.manual_seed(0)
+    transformers.Gemma2ForCausalLM(config).to(torch.bfloat16).save_pretrained(a)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(chatty / f, a / f)
+    api.convert(a, "mlx", b, allow_config=["sliding_window"])
+    _json(b / "config.json", lambda c: c.update(final_logit_softcapping=None))
+    report = api.verify(a, b, generate=True, new_tokens=2)
+    g = report.as_dict()["generation"]
+    assert report.exit_status == 1 and g["passed"] is None and g["ran"] is False
+    assert g["skipped"].startswith("--generate: mlx_lm could not run B (") and "Invoked with types" in g["skipped"]
+    text = "\n".join(report.lines())
+    assert f"generation: not run ({g['skipped']})" in text and "see above" not in text
+    assert f"  not run: {g['skipped']}" in text and report.verdict.startswith("FAIL: config differs")

@@ -5,14 +5,18 @@ A's client tokenizes each prompt (its chat template where it has one) and contin
 give every position's logits of A's sequence (B's client on the same ids: what is compared is the model, while
 B's own tokenization of the prompts is compared as ids), one forward pass each. Per prompt and overall: KL(A||B)
 and KL(B||A) mean / p99 / max over positions, top-1 and top-5 agreement, the first token of A's continuation
-B's greedy choice differs from (with the text around it), whether B stops where A stops (its stop ids at A's stop
-token, none of them earlier).
+B's greedy choice differs from (with the text around it), whether B's stop ids stop A's sequence where A's do
+(A's stop token among them, none of the tokens A goes on after: the ids, apart from what B predicts there, which
+the statistics judge).
 
 The floor is the same statistics between A and A', the change that is not a defect (``floor_side``): B's form
 re-derived from A by ``convert`` (B's format, dtype and quantization: ``Format.recipe``) run by B's client; A in
 B's dtype by A's client where B is A's format unquantized; A's client on A again where nothing differs (its
 run-to-run noise, zero for a deterministic client). Where B's form cannot be re-derived (a quantization ffn-tools
 does not write) the statistics are reported and the verdict says it was not judged: never a pass.
+
+Where B's client runs A' too, B is also compared with A' directly (``direct``): one form in one client computes
+alike to the client's run-to-run noise, which is far below the floor between two clients.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checks.agreement import PROFILES, AgreementResult
+from ..checks.agreement import DIRECT, PROFILES, AgreementResult
 from ..clients import Client, Generation
 from ..errors import FFNToolsError
 from ..progress import say
@@ -86,21 +90,21 @@ def statistics(prompts: list[str], a: Generation, b: Generation) -> tuple[dict, 
             row["divergence_words"] = (f"greedy diverges at new token {div + 1}: after {before!r}, A {a.piece(mine)!r} "
                                        f"({mine}), B {b.piece(theirs)!r} ({theirs})")
             row["divergence_tokens"] = {"a": mine, "b": theirs}
+        # stops: B's stop ids on A's own tokens (what B's predictions do there is the statistics' part)
         a_stop = len(cont) - 1 if cont and cont[-1] in aeos else None
         end = len(cont) if a_stop is None else a_stop
-        early = next((k for k in range(end) if int(tb[start - 1 + k]) in beos), None)
-        at = a_stop is not None and int(tb[start - 1 + a_stop]) in beos
-        row["stops_same"] = early is None and (a_stop is None or at)
+        early = next((k for k in range(end) if cont[k] in beos), None)
+        row["stops_same"] = early is None and (a_stop is None or cont[a_stop] in beos)
         row["stop_a"], row["stop_b_early"] = a_stop, early
+        stop_ids = f"B's stop ids: {', '.join(map(str, sorted(beos))) or 'none'}"
         if early is not None:
-            row["why_stops"] = (f"prompt {i + 1}: B would stop at new token {early + 1} "
-                                f"({b.piece(int(tb[start - 1 + early]))!r}), where A goes on")
-        elif a_stop is not None and not at:
+            t = cont[early]
+            row["why_stops"] = (f"prompt {i + 1}: A generates {a.piece(t)!r} (id {t}) at new token {early + 1} and "
+                                f"goes on; it is a stop id of B's, so B would stop there ({stop_ids})")
+        elif a_stop is not None and not row["stops_same"]:
             t = cont[a_stop]
-            likely = int(tb[start - 1 + a_stop])
-            row["why_stops"] = (f"prompt {i + 1}: A stops at new token {a_stop + 1} ({a.piece(t)!r}, id {t}); B "
-                                + (f"predicts it too but does not stop at it (B's stop ids: {sorted(beos) or 'none'})"
-                                   if likely == t else f"predicts {b.piece(likely)!r} ({likely}) there instead"))
+            row["why_stops"] = (f"prompt {i + 1}: A stops at new token {a_stop + 1} ({a.piece(t)!r}, id {t}); it is "
+                                f"not a stop id of B's, so B does not stop at it ({stop_ids})")
         row["stops_words"] = ("stops: " + ("same" if row["stops_same"] else "DIFFER") + ", A "
                               + (f"stops at new token {a_stop + 1}" if a_stop is not None else "does not stop"))
         row["tokens_same"] = a.prompts[i] == b.prompts[i]
@@ -183,8 +187,34 @@ def run_generation(a, b, ca, cb, clients: tuple[Client, Client], recipe: dict | 
         res.floor_client = client.name
         gf = _run(client, path, "A'", prompts, new_tokens, ga.sequences, dtype, res.notes)
         res.floor_stats, _, _ = statistics(prompts, ga, gf)
+        res.direct = direct(prompts, gf, gb, (client, clients[1]), path == Path(a) and dtype is None,
+                            lambda: _run(clients[1], Path(b), "B", prompts, new_tokens, ga.sequences, notes=res.notes))
     res.judge()
     return res
+
+
+def direct(prompts: list[str], gf: Generation, gb: Generation, clients: tuple[Client, Client], again: bool,
+           rerun) -> dict:
+    """B against A' where one client runs both (``clients``: A''s and B's): the same form in the same client
+    computes alike to the client's run-to-run noise, so the statistics between them are held against that noise,
+    not against the floor between A's client and B's. The noise is measured (``rerun``: B scored again) only
+    where B and A' differ at all: bit-identical logits are within any noise. ``again``: A' is A run again, whose
+    statistics against B are the check itself. Returns {client, statistics, noise, noise_words} or {why_not}."""
+    if again:
+        return {"why_not": "A' is A run again: the statistics against the floor are B against it"}
+    if clients[0].name != clients[1].name:
+        return {"why_not": f"A' runs in {clients[0].name} and B in {clients[1].name}: the floor between them is "
+                           "the measure"}
+    stats = {k: v for k, v in statistics(prompts, gf, gb)[0].items() if k in DIRECT}
+    if not any(stats.values()):
+        noise, words = dict.fromkeys(DIRECT, 0.0), "not measured: B and A' give bit-identical logits"
+    else:
+        again_b = rerun()
+        noise = {k: v for k, v in statistics(prompts, gb, again_b)[0].items() if k in DIRECT}
+        words = (f"0: B run again by {clients[1].name} gives the same logits" if not any(noise.values()) else
+                 f"B run again by {clients[1].name}: KL mean {noise['kl_ab_mean']:.3g}, top-1 disagreement "
+                 f"{noise['top1_disagreement']:.1%}")
+    return {"client": clients[1].name, "statistics": stats, "noise": noise, "noise_words": words}
 
 
 def cost(ca, cb, prompts: list[str], new_tokens: int) -> dict:

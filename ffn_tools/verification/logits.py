@@ -63,8 +63,14 @@ def token_batch(vocab_size: int, seed: int, length: int | None = None) -> torch.
 
 def could_not_run(flag: str, client: Client, side: str, path: Path, e: Exception) -> tuple[str, str]:
     """A client's own error running a model (unknown model_type, ops missing on this device, ...) as the line
-    saying so, without the client's hint, and the error's first line."""
-    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    saying so, without the client's hint, and the error's first line (with its last where the first ends in a
+    colon: nanobind's "incompatible function arguments. The following argument types are supported:" says what
+    it was given last, "Invoked with types: mlx.core.array, NoneType")."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    first = lines[0] if lines else type(e).__name__
+    if first.endswith(":") and len(lines) > 1:
+        first = f"{first} ... {lines[-1]}"
+    first = first[:300]
     return f"{flag}: {client.name} could not run {side} ({path}) here: {first}", first
 
 

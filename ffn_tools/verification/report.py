@@ -78,7 +78,10 @@ class FFNResult:
 
     @property
     def worst(self) -> BackendResult | None:
-        return max(self.backends, key=lambda b: _order(b.ratio, b.cosine), default=None)
+        """The worst backend's result, of those that computed B's output (a reference not computed where B's
+        weights are A's only where no backend computed it)."""
+        measured = [b for b in self.backends if not _not_computed(b)] or self.backends
+        return max(measured, key=lambda b: _order(b.ratio, b.cosine), default=None)
 
     def sort_key(self) -> tuple:
         w = self.worst
@@ -140,18 +143,26 @@ class VerifyReport:
 
     @property
     def _model_checks(self) -> tuple:
-        """The checks of what is not weights: the configs, the side files, the tokenization (each None where
-        it does not apply)."""
-        return (self.config, self.side_files, self.tokenization, self.generation)
+        """The checks of what is not weights: the configs, the side files, the tokenization, the generation (each
+        None where it does not apply)."""
+        return (*self._cause_checks, self.generation)
+
+    @property
+    def _cause_checks(self) -> tuple:
+        """The model checks that name a cause (the configs, the side files, the tokenization), where the
+        generation's statistics are symptoms of whatever differs."""
+        return (self.config, self.side_files, self.tokenization)
 
     @property
     def _load_fails(self) -> bool:
         return self.load is not None and not self.load.skipped and not self.load.ok
 
     def failures(self) -> list[str]:
-        """Every failure as one line naming where, checkpoint-level first, then worst FFN first."""
+        """Every failure as one line naming where: causes first (checkpoint-level, the configs, side files and
+        tokenization, the tensors, worst FFN first, whether B loads), the end-to-end symptoms last (logits,
+        generation: whatever differs shows in them)."""
         out = list(self.problems)
-        for check in self._model_checks:
+        for check in self._cause_checks:
             out += check.failures() if check is not None else []
         if self.only_a:
             out.append(f"only in A ({len(self.only_a)}): {listing(self.only_a)}")
@@ -168,10 +179,12 @@ class VerifyReport:
                            f"{_why(worst, r.tolerance or self.tolerance)}")
         if self.outside is not None:
             out += self.outside.failures()
-        if self.logits is not None and not self.logits["passed"]:
-            out += [f"logits: {p}" for p in self.logits["problems"]]
         if self.load is not None and self._load_fails:
             out.append(f"B {self.load.summary()}")
+        if self.logits is not None and not self.logits["passed"]:
+            out += [f"logits: {p}" for p in self.logits["problems"]]
+        if self.generation is not None:
+            out += self.generation.failures()
         return out
 
     def coverage(self) -> dict[str, int]:
@@ -291,12 +304,17 @@ class VerifyReport:
                     out.append(f"... {len(rows) - i} more FFNs, all pass (--json lists every one)")
                     break
                 out.append(f"{_row(r):<{len(head)}}  {r.tolerance.row}" if per_ffn and r.tolerance else _row(r))
+            if any(r.worst is not None and _not_computed(r.worst) for r in rows):
+                out.append("—: B's output on the reference not computed: its weights are A's bit for bit, so it is "
+                           "A's output (error 0, cosine 1 by construction, not measured)")
         if self.outside is not None:
             out += ["", self.outside.line()]
         out += [c.line() for c in self._model_checks if c is not None]
         if self.load is not None and self.load.ok:  # a failure is listed with the others below
             out.append(f"load check: {self.load.summary()}")
         out += ["", *[f"  - {f}" for f in self.failures()]] if not self.passed else []
+        if not self.agrees:  # a FAIL's verdict names the first failure: what did not run is said here
+            out += [f"  not run: {i}" for i in self.incomplete]
         if self.logits is not None:
             lg = self.logits
             out.append(f"logits ({lg['client_a']} vs {lg['client_b']}, {lg['shape']}): max abs diff "
@@ -307,10 +325,22 @@ class VerifyReport:
         return out
 
 
+def _not_computed(b: BackendResult) -> bool:
+    """``b`` is B on the float64 reference taken as A's output, not run: B's weights are A's bit for bit
+    (``functional.not_computed``, and ``SAME_AS_A`` where A's output was computed for the kernel backends); its
+    figures (error 0, cosine 1) hold by construction, nothing measured them."""
+    from .functional import NOT_COMPUTED, SAME_AS_A  # functional imports this module
+
+    return b.path in (NOT_COMPUTED, SAME_AS_A)
+
+
 def _row(r: FFNResult) -> str:
     w = r.worst
-    cells = (f"{w.backend:<14} {_num(w.max_abs):>9} {_num(w.max_rel):>9} {_cos(w.cosine):>12} {_num(w.ratio, 2):>7}"
-             if w else f"{'-':<14} {'':>9} {'':>9} {'':>12} {'':>7}")
+    if w is not None and _not_computed(w):  # nothing was measured: its figures are not numbers
+        cells = f"{w.backend:<14} {'—':>9} {'—':>9} {'—':>12} {'—':>7}"
+    else:
+        cells = (f"{w.backend:<14} {_num(w.max_abs):>9} {_num(w.max_rel):>9} {_cos(w.cosine):>12} "
+                 f"{_num(w.ratio, 2):>7}" if w else f"{'-':<14} {'':>9} {'':>9} {'':>12} {'':>7}")
     return f"{str(r.ref):<24} {cells}  {r.exact:<11} {'ok' if r.passed else 'FAIL'}"
 
 
