@@ -233,7 +233,8 @@ def cost(ca, cb, prompts: list[str], new_tokens: int) -> dict:
                       f"({human(cb.total_bytes)}) and the floor (about B's size) loaded one at a time, "
                       f"{len(prompts)} x ({new_tokens} + 3) forward passes; peak memory about {human(largest)} plus "
                       f"{human(logits)} of logits (prompts of ~{PROMPT_GUESS} tokens); where B's form differs from "
-                      "A's, the floor is written to a temporary directory first (about B's size)")}
+                      "A's, the floor is written to a temporary directory first (about B's size); B is scored "
+                      "once more only where it and the floor, run by one client, differ (that client's noise)")}
 
 
 def _run(client: Client, path: Path, side: str, prompts, new_tokens, score=None, dtype=None,
