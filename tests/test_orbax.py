@@ -85,6 +85,8 @@ def test_hf_tree_is_what_orbax_restores_and_linen_runs_it_as_transformers_runs_t
     np.testing.assert_allclose(np.asarray(y), _hf_mlp_out(src, 1, x), rtol=2e-5, atol=2e-6)
     run_cli("convert", tmp_path / "o", "--to", "torch", "-o", tmp_path / "back")
     assert_identical(tensors(tmp_path / "back"), tensors(src))
+    assert not {"_METADATA", "_CHECKPOINT_METADATA", "manifest.ocdbt"} & set(_files(tmp_path / "back"))  # Orbax's own
+    assert json.loads(run_cli("inspect", tmp_path / "back", "--json").stdout)["format"] == "safetensors"
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama31", "qwen3_moe", "mixtral"])
@@ -275,3 +277,56 @@ def test_maxtext_saved_without_scanning_reads_layer_by_layer(models, tmp_path, a
     r = run_cli("convert", tmp_path / "run", "--to", "torch", "-o", tmp_path / "back")
     assert "assumed" in r.stderr
     assert_identical(tensors(tmp_path / "back"), tensors(src))
+
+
+def _files(path) -> list[str]:
+    return sorted(p.name for p in path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def maxtext_run(models, tmp_path_factory):
+    """A MaxText run's checkpoint as orbax's CheckpointManager saves it: a flax TrainState (step, params under
+    params/params, optax AdamW's state beside them: opt_state/0/mu/params/..., nu, count) in step 0's items/, with
+    Orbax's own files (_METADATA, _sharding, manifest.ocdbt, commit_success.txt) and no config.json."""
+    import optax
+    from flax.training import train_state
+
+    root = tmp_path_factory.mktemp("maxtext-run")
+    run_cli("convert", models["llama"], "--to", "orbax", "--orbax-layout", "maxtext", "-o", root / "tree")
+    params = ocp.PyTreeCheckpointer().restore(str(root / "tree"))["params"]
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adamw(1e-3))
+    with ocp.CheckpointManager(root / "run") as manager:
+        manager.save(0, args=ocp.args.Composite(items=ocp.args.PyTreeSave(item=state)))
+        manager.wait_until_finished()
+    assert {"_METADATA", "_sharding", "manifest.ocdbt"} <= set(_files(root / "run" / "0" / "items"))
+    return root / "run"
+
+
+def test_a_maxtext_run_with_its_optimizer_state_reads_its_params_and_none_of_orbaxs_files(models, maxtext_run,
+                                                                                            tmp_path):
+    """The params are read, opt_state left out and said (not refused as a kernel of 3 dims); the output holds the
+    source's weights bit for bit and none of Orbax's own files, reads back as a PyTorch checkpoint, loads in
+    transformers, and verify passes it against the run."""
+    config = models["llama"] / "config.json"
+    r = run_cli("--config", config, "convert", maxtext_run, "--to", "torch", "-o", tmp_path / "hf")
+    assert ("25 training-state array(s) not read as weights, left out: opt_state/* (25); the model read from "
+            "params/params/*") in r.stderr
+    assert _files(tmp_path / "hf") == ["config.json", "ffn-tools-receipt.json", "model.safetensors"]
+    assert_identical(tensors(tmp_path / "hf"), tensors(models["llama"]))
+    assert json.loads(run_cli("inspect", tmp_path / "hf", "--json").stdout)["format"] == "safetensors"
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    report = json.loads(run_cli("--config", config, "verify", maxtext_run, tmp_path / "hf", "--json").stdout)
+    assert report["passed"] is True
+
+
+def test_orbax_to_orbax_writes_its_own_metadata_not_the_inputs(models, maxtext_run, tmp_path):
+    """Orbax's own files never travel as side files (formats.owner_of): a MaxText tree (the run's, as ffn-tools
+    wrote it) written in the Hugging Face Flax tree keeps the _METADATA the writer wrote (the input's, copied over
+    it, named arrays the output has not), so orbax restores the new tree."""
+    run_cli("convert", maxtext_run.parent / "tree", "--to", "orbax", "-o", tmp_path / "o")
+    restored = ocp.PyTreeCheckpointer().restore(str(tmp_path / "o"))
+    assert sorted(restored) == ["lm_head", "model"]
+    hf = tensors(models["llama"])
+    np.testing.assert_array_equal(restored["model"]["layers"]["2"]["mlp"]["down_proj"]["kernel"].astype(np.float32),
+                                  _np(hf["model.layers.2.mlp.down_proj.weight"]).T)

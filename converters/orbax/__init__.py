@@ -22,7 +22,7 @@ from ffn_tools.plan import execute
 from .export import build_plan
 from .export import LAYOUTS
 from .reader import OrbaxCheckpoint
-from .store import is_orbax
+from .store import OWNED, is_orbax
 
 __all__ = ["FORMAT", "LAYOUTS"]
 
@@ -31,6 +31,7 @@ class Orbax(Format):
     name, extra = "orbax", "flax"
     options = frozenset({"orbax_layout", "scheme", "layout", "dry_run"})
     detect_order = 35
+    owns = OWNED  # its metadata and OCDBT's manifest (its arrays are directories: never side files)
 
     def can_read(self, path: Path) -> bool:
         """An Orbax item directory (``_METADATA`` beside its arrays), a step directory or a CheckpointManager root."""

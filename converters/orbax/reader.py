@@ -47,13 +47,17 @@ def to_torch(a) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a))
 
 
+# Fields of a Flax TrainState beside its ``params`` (MaxText's checkpoints of a run) that are training state
+TRAINING_STATE = ("opt_state", "step")
+
+
 def layout_of(paths: list[tuple[str, ...]]) -> tuple[str, tuple[str, ...]]:
-    """(layout, prefix) of a tree's array paths: MaxText's (under ``params/params``, ``params`` or nothing) or the
-    Hugging Face Flax tree (under ``params`` or nothing)."""
+    """(layout, prefix) of a tree's array paths: MaxText's (under ``params/params``, ``params`` or nothing: the
+    arrays of its decoder there, any other array then named as unknown) or the Hugging Face Flax tree (under
+    ``params`` or nothing)."""
     for prefix in (mt.ROOT, mt.ROOT[:1], ()):
         inner = [p[len(prefix):] for p in paths if p[: len(prefix)] == prefix]
-        if inner and len(inner) == len(paths) and any(p[:2] == ("decoder", "layers") or p[:1] == ("token_embedder",)
-                                                      for p in inner):
+        if any(p[:2] == ("decoder", "layers") or p[:1] == ("token_embedder",) for p in inner):
             return "maxtext", prefix
     if paths and flax_tree.linen_ffns([_unvalued(p) for p in paths]) is not None:
         return "nnx", ()
@@ -81,7 +85,9 @@ class OrbaxCheckpoint(Checkpoint):
         if step:
             progress.say(step)
         self.tree = OrbaxTree(root)
-        self.layout, self.prefix = layout_of(self.tree.paths)
+        self.training_state = [p for p in self.tree.paths if p[:1] and p[0] in TRAINING_STATE]
+        self.paths = [p for p in self.tree.paths if not (p[:1] and p[0] in TRAINING_STATE)]
+        self.layout, self.prefix = layout_of(self.paths)
         config = config_beside(root, root.parent)
         self.assumed: list[str] = []
         self._sources: dict[str, tuple[Any, ...]] = {}
@@ -91,7 +97,7 @@ class OrbaxCheckpoint(Checkpoint):
         if self.layout == "nnx":
             self._nnx(infos, file)
         elif self.layout == "hf":
-            for keys in self.tree.paths:
+            for keys in self.paths:
                 shape, dtype = self.tree.shape_dtype(keys)
                 name, transposed = flax_tree.hf_name(keys[len(self.prefix):], len(shape), root)
                 infos[name] = TensorInfo(name, st_of_name(dtype), shape[::-1] if transposed else shape, file)
@@ -110,6 +116,11 @@ class OrbaxCheckpoint(Checkpoint):
                     infos[name] = TensorInfo(name, st_of_name(out), mt.hf_shape(param, slab), file)
                     self._sources[name] = ("maxtext", keys, where, param, out)
         super().__init__(path, root, [file], infos, {"format": "pt"}, config)
+        if self.training_state:
+            fields = sorted({p[0] for p in self.training_state})
+            progress.say(f"{root}: {len(self.training_state)} training-state array(s) not read as weights, left out: "
+                         + ", ".join(f"{f}/* ({sum(p[0] == f for p in self.training_state)})" for f in fields)
+                         + (f"; the model read from {'/'.join(self.prefix)}/*" if self.prefix else ""))
         say_assumed(root, self.assumed)
 
     def _nnx(self, infos: dict[str, TensorInfo], file: Path) -> None:
@@ -118,7 +129,7 @@ class OrbaxCheckpoint(Checkpoint):
         Raises:
             CheckpointError: a tree whose kernels do not fit one another (listed).
         """
-        plain = {_unvalued(k): k for k in self.tree.paths}
+        plain = {_unvalued(k): k for k in self.paths}
         ffns = flax_tree.linen_ffns(list(plain)) or {}
         shapes = {p: (dtype, shape) for p, k in plain.items() for shape, dtype in [self.tree.shape_dtype(k)]}
         problems = [msg for ffn in ffns.values() for msg in flax_tree.check_linen(ffn, shapes)]
@@ -145,7 +156,10 @@ class OrbaxCheckpoint(Checkpoint):
             for block in set(mt.MOE_BLOCKS.values()):
                 known.setdefault(tuple(k.replace("{MOE}", block) for k in p.path), []).append(p)
         found, unknown = {}, []
-        for keys in self.tree.paths:
+        for keys in self.paths:
+            if keys[: len(self.prefix)] != self.prefix:
+                unknown.append("/".join(keys))
+                continue
             inner, layer = keys[len(self.prefix):], None
             m = re.fullmatch(r"layers_(\d+)", inner[1]) if len(inner) > 2 and inner[0] == "decoder" else None
             if m:  # scan_layers false: the layer in the name, no layer axis

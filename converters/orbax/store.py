@@ -28,6 +28,9 @@ from typing import Any
 from ffn_tools.errors import CheckpointError
 
 METADATA, CHECKPOINT_METADATA = "_METADATA", "_CHECKPOINT_METADATA"
+# The files of an item (or step) directory that are orbax.checkpoint's own, beside its arrays
+OWNED = (METADATA, CHECKPOINT_METADATA, "_ROOT_METADATA", "_sharding", "_strings.json", "manifest.ocdbt",
+         "commit_success.txt", "_CHECKPOINT_DELETION")
 ITEM_DIRS = ("", "items", "state", "default", "pytree")  # where a step directory keeps its item
 HANDLER = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
 
