@@ -36,7 +36,7 @@ LLAMA_CPP = Path(sys.prefix) / "llama.cpp"
 CONVERTER = LLAMA_CPP / "convert_hf_to_gguf.py"
 # A fixture's name is a tiny_models arch, or one of these: the arch with the real vocabulary of its family, for the
 # tests that check the tokenizer
-REAL_VOCAB = {"llama-spm": "llama", "deepseek_v3-llama-bpe": "deepseek_v3"}
+REAL_VOCAB = {"llama-spm": "llama", "deepseek_v3-llama-bpe": "deepseek_v3", "gemma2-identity": "gemma2"}
 # name -> the vocabulary llama.cpp ships for its family: Llama's sentencepiece (32,000 tokens), Qwen's byte-level
 # BPE (151,936) and Llama 3's (128,256) where a test checks the tokenizer; else the smallest vocabulary the
 # family's converter accepts. Qwen3-MoE's and DeepSeek's converters read only a byte-level BPE whose
@@ -54,6 +54,12 @@ SENTENCEPIECE = {  # name -> (transformers tokenizer, trainer's special pieces, 
                {"add_bos_token": True}),  # as Gemma's own tokenizer_config.json (llama.cpp adds it too)
 }
 SENTENCEPIECE["gemma3"] = SENTENCEPIECE["gemma2"]
+# Gemma 2's tokenizer as its publisher's normalizes (identity, spaces kept, no dummy prefix), without <mask> (which
+# llama.cpp's converter stores as a normal token): what a GGUF round trip can give back whole
+SENTENCEPIECE["gemma2-identity"] = (SENTENCEPIECE["gemma2"][0], {
+    **{k: v for k, v in SENTENCEPIECE["gemma2"][1].items() if k != "user_defined_symbols"},
+    "normalization_rule_name": "identity", "remove_extra_whitespaces": False, "add_dummy_prefix": False},
+    {**SENTENCEPIECE["gemma2"][2], "mask_token": None})  # (GemmaTokenizer would add a <mask> past the model's pieces)
 # Llama 2's ids and tokenizer.json (sentencepiece's normalizer: ``llama2_normalizer``), as Phi-3 ships them; the
 # Llama family's model also as Llama 2's normalizes (identity, spaces kept), which the converter writes for llama.cpp
 LLAMA2 = ("phi3", "llama", "mistral", "mixtral")

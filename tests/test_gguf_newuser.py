@@ -459,3 +459,27 @@ def test_pad_id_kept_elsewhere_is_the_same_pad_id(gguf_model, tmp_path):
     (back / "generation_config.json").write_text(json.dumps(doc))
     r = run_cli("verify", src, back, "--backend", "reference", ok=None)
     assert r.exit_code == 1 and "generation_config.json: pad_token_id" in r.output, r.output
+
+
+def test_a_rebuilt_sentencepiece_model_is_judged_by_what_it_does(gguf_model, tmp_path):
+    """Gemma 2 (sentencepiece, identity normalizer) -> llama.cpp's converter -> torch: B's tokenizer.model is
+    rebuilt from the GGUF's pieces (6 KB of pieces, not the trainer's file): its bytes differ, but it holds the same
+    pieces, scores and types and sentencepiece encodes and decodes the corpus the same with both, so verify passes
+    with a note (on main: "tokenizer.model: bytes differ"). A rebuilt model that adds a dummy prefix still fails."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    from gguf_models import convert_reference
+
+    src, back = gguf_model("gemma2-identity"), tmp_path / "back"
+    run_cli("-q", "convert", convert_reference(src, tmp_path / "g.gguf", "f32"), "--to", "torch", "-o", back)
+    assert (src / "tokenizer.model").read_bytes() != (back / "tokenizer.model").read_bytes()
+    v = json.loads(run_cli("verify", src, back, "--backend", "reference", "--json", ok=None).stdout)
+    assert v["passed"], v["failures"]
+    note = next(n for n in v["side_files"]["notes"] if n.startswith("tokenizer.model: bytes differ"))
+    assert "both hold the same 384 pieces, scores and types, and sentencepiece encodes the" in note, note
+    model = sentencepiece_model_pb2.ModelProto()
+    model.ParseFromString((back / "tokenizer.model").read_bytes())
+    model.normalizer_spec.add_dummy_prefix = True
+    (back / "tokenizer.model").write_bytes(model.SerializeToString())
+    r = run_cli("verify", src, back, "--backend", "reference", ok=None)
+    assert r.exit_code == 1 and "the sentencepiece models differ in what they do:" in r.output, r.output

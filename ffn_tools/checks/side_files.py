@@ -148,24 +148,22 @@ def _differs(name: str, ra: Path, rb: Path, notes: list[str]) -> str | None:
     return why and f"{name}: {why}"
 
 
-TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
-
-
 def settle_token_ids(ra: Path, rb: Path, da: dict, db: dict, notes: list[str]) -> None:
-    """Where A's and B's generation_config.json disagree on a special token id only in where it is kept, drop it
-    from both (``da``, ``db``) with a note: generate() takes it from generation_config.json, else from config.json,
-    else it is the tokenizer's (its ``*_token`` in tokenizer_config.json, by id in tokenizer.json): a GGUF read back
-    writes the pad id there that A's tokenizer names."""
-    for key in TOKEN_IDS:
-        if da.get(key) == db.get(key):
-            continue
-        ia, ib = _token_id(ra, da, key), _token_id(rb, db, key)
-        if ia is not None and ia == ib:
-            kept = [f"{side}'s {'generation_config.json' if key in d else 'config.json or tokenizer'}"
-                    for side, d in (("A", da), ("B", db))]
-            notes.append(f"generation_config.json: {key} is kept in {kept[0]} and {kept[1]}: {ia} in both")
-            da.pop(key, None)
-            db.pop(key, None)
+    """Where A's and B's generation_config.json disagree on the pad id only in where it is kept, drop it from both
+    (``da``, ``db``) with a note: the pad id only fills a finished sequence's places in a batch, and inputs are padded
+    with the tokenizer's pad token; each side's is its generation_config.json's, else config.json's, else its
+    tokenizer's (``pad_token`` in tokenizer_config.json, by id in tokenizer.json). A GGUF read back writes the pad id
+    there that A's tokenizer names. bos and eos stay compared as written: generate() starts and stops by them."""
+    key = "pad_token_id"
+    if da.get(key) == db.get(key):
+        return
+    ia, ib = _token_id(ra, da, key), _token_id(rb, db, key)
+    if ia is not None and ia == ib:
+        kept = [f"{side}'s {'generation_config.json' if key in d else 'config.json or tokenizer'}"
+                for side, d in (("A", da), ("B", db))]
+        notes.append(f"generation_config.json: {key} is kept in {kept[0]} and {kept[1]}: {ia} in both")
+        da.pop(key, None)
+        db.pop(key, None)
 
 
 def _token_id(root: Path, generation: dict, key: str) -> list[int] | None:

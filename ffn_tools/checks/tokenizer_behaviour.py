@@ -48,6 +48,7 @@ def settle(ra: Path, rb: Path, problems: list[str], notes: list[str]) -> None:
 
 def _settle(ra: Path, rb: Path, problems: list[str], notes: list[str]) -> None:
     _name_the_fact(ra, rb, problems)
+    _settle_sentencepiece(ra, rb, problems, notes)
     candidates = [p for p in problems if p.startswith(tuple(f"{f}: " for f in FILES)) and _agrees(ra, rb, p)]
     if not candidates:
         return
@@ -66,6 +67,71 @@ def _settle(ra: Path, rb: Path, problems: list[str], notes: list[str]) -> None:
                          f"special (not compared: {listed})")
         else:
             problems[i] = f"{p}; and the tokenizers differ in what they do: {why}"
+
+
+def _settle_sentencepiece(ra: Path, rb: Path, problems: list[str], notes: list[str]) -> None:
+    """A tokenizer.model problem (its bytes differ) whose two sentencepiece models hold the same pieces, with the
+    same scores and types (``pieces``), becomes a note when sentencepiece itself encodes the corpus to the same ids
+    with both and decodes those to the same text; a rebuilt model (a GGUF's) keeps no trainer settings, no
+    normalizer rule table it does not use. Otherwise the problem stays, with what differs."""
+    i = next((i for i, p in enumerate(problems) if p.startswith("tokenizer.model: ")), None)
+    if i is None:
+        return
+    pa, pb = pieces(ra / "tokenizer.model"), pieces(rb / "tokenizer.model")
+    if pa is None or pb is None:
+        return
+    if pa != pb:
+        k = next((k for k, (x, y) in enumerate(zip(pa, pb)) if x != y), min(len(pa), len(pb)))
+        problems[i] += (f"; piece {k}: A {pa[k] if k < len(pa) else None}, B {pb[k] if k < len(pb) else None} "
+                        f"(piece, score, type; A {len(pa)} pieces, B {len(pb)})")
+        return
+    why, n = sentencepiece_behaviour(ra / "tokenizer.model", rb / "tokenizer.model")
+    if why is not None:
+        problems[i] += f"; and the sentencepiece models differ in what they do: {why}"
+        return
+    notes.append(f"{problems.pop(i)}: a sentencepiece model rebuilt from a vocabulary (as from a GGUF) keeps its "
+                 f"pieces, not its trainer's settings; compared by behaviour instead: both hold the same {len(pa)} "
+                 f"pieces, scores and types, and sentencepiece encodes the {n} texts of the built-in corpus to the "
+                 f"same ids with both and decodes them to the same text (not compared: {NOT_COMPARED})")
+
+
+def pieces(path: Path) -> list[tuple[str, float, int]] | None:
+    """A sentencepiece model's pieces as (piece, score, type), in id order; None where it cannot be read."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+
+        model = sentencepiece_model_pb2.ModelProto()
+        model.ParseFromString(path.read_bytes())
+    except Exception:  # noqa: BLE001 - no sentencepiece, or no model: compared as bytes
+        return None
+    return [(p.piece, p.score, p.type) for p in model.pieces]
+
+
+def sentencepiece_behaviour(a: Path, b: Path) -> tuple[str | None, int]:
+    """The first corpus text sentencepiece encodes, or decodes, otherwise with model ``a`` than with ``b``, or None;
+    and how many texts were compared. The corpus's special-token placeholders are written as each model's own
+    control pieces (``corpus.texts`` of a stand-in naming them), so a control piece spelled out is compared too."""
+    import sentencepiece
+
+    sa, sb = (sentencepiece.SentencePieceProcessor(model_proto=f.read_bytes()) for f in (a, b))
+    texts, _ = corpus.texts(_Specials(sa))
+    for text in texts:
+        ea, eb = sa.encode(text), sb.encode(text)
+        if ea != eb:
+            k = next((k for k, (x, y) in enumerate(zip(ea, eb)) if x != y), min(len(ea), len(eb)))
+            return (f"{text[:40]!r} encodes otherwise from piece {k}: {ea[k:k + 8]} in A, {eb[k:k + 8]} in B"), len(texts)
+        if sa.decode(ea) != sb.decode(eb):
+            return f"{ea[:12]} decodes to {sa.decode(ea)[:40]!r} in A, {sb.decode(eb)[:40]!r} in B", len(texts)
+    return None, len(texts)
+
+
+class _Specials:
+    """A sentencepiece model's bos/eos/unk/pad pieces under transformers' attribute names (``corpus.SPECIAL``)."""
+
+    def __init__(self, sp):
+        for name, i in (("bos_token", sp.bos_id()), ("eos_token", sp.eos_id()), ("unk_token", sp.unk_id()),
+                        ("pad_token", sp.pad_id())):
+            setattr(self, name, sp.id_to_piece(i) if 0 <= i < sp.get_piece_size() else None)
 
 
 def _parts(a: Path, b: Path) -> list[str]:

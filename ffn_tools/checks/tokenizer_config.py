@@ -10,7 +10,9 @@ from .json_diff import clip, parse, read_json
 
 # Keys that provably change nothing a client does: from_pretrained overwrites the first three with where it
 # loaded from (transformers' tokenization_utils_base); transformers_version records the writer's version.
-IGNORED = {"tokenizer_config.json": ("name_or_path", "is_local", "local_files_only"),
+# loader arguments, not settings: where the files were read from (transformers 5 saves a sentencepiece tokenizer's
+# vocab_file as the absolute path it was loaded from; the file itself is compared as tokenizer.model)
+IGNORED = {"tokenizer_config.json": ("name_or_path", "is_local", "local_files_only", "vocab_file"),
            "generation_config.json": ("transformers_version",)}
 # What transformers 5 uses for a tokenizer_config.json key it does not find: VERY_LARGE_INTEGER; the backend
 # the tokenizer's class picks.
