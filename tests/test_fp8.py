@@ -203,14 +203,19 @@ def test_an_fp8_tensor_outside_the_ffns_whose_bytes_differ_is_compared_dequantiz
     shutil.copytree(q, b)
     w = load_file(b / "model.safetensors")
     name = "model.layers.1.self_attn.o_proj.weight_scale_inv"
-    w[name] = w[name] * 1.001
+    codes = "model.layers.1.self_attn.o_proj.weight"
+    stepped = w[codes].view(torch.uint8).clone()
+    stepped[0, 0] ^= 1  # one code a step off, its scale kept: a re-quantization's rounding
+    w[codes] = stepped.view(torch.float8_e4m3fn)
     save_file(w, b / "model.safetensors", metadata={"format": "pt"})
     out = _verify_json(q, b)["outside"]
     assert out["within_tolerance"] == 1 and out["passed"]
-    w[name] = w[name] * 4  # off by far more than FP8's rounding: named
+    w = load_file(q / "model.safetensors")  # A's codes kept, one scale x1.001: no re-quantization does that
+    w[name] = w[name] * 1.001
     save_file(w, b / "model.safetensors", metadata={"format": "pt"})
     out = _verify_json(q, b)["outside"]
-    assert not out["passed"] and any("o_proj" in d for d in out["differ"]), out
+    assert not out["passed"] and any(d.startswith("model.layers.1.self_attn.o_proj.weight: B's codes are A's byte "
+                                                  f"for byte but its scale {name} is not A's") for d in out["differ"]), out
 
 
 def test_fp8_stored_bytes_that_differ_are_named_and_compared_dequantized(model_dir, tmp_path):

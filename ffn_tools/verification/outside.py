@@ -20,7 +20,7 @@ from ..quant import IDENTICAL, WITHIN
 from ..tolerances import tolerance_for
 from .kept import difference, kept_side
 from .quant import quantization, tensor_bits
-from .stored import same_stored
+from .stored import same_stored, scale_under_same_codes
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,11 @@ def compare_outside(ca, cb, fa, fb, *, atol: float | None = None, rtol: float | 
             res.differ.append(f"{name}: A is {short_name(ia.st_dtype)}{list(ia.shape)}, "
                               f"B is {short_name(ib.st_dtype)}{list(ib.shape)}")
             continue
-        if same_stored(ca, cb, name):  # B stores A's quantized bytes: compared so, nothing dequantized
+        if (same := same_stored(ca, cb, name)):  # B stores A's quantized bytes: compared so, nothing dequantized
             res.identical += 1
+            continue
+        if same is False and (defect := scale_under_same_codes(ca, cb, name)):  # A's codes under another scale
+            res.differ.append(defect)
             continue
         qa, qb = tensor_bits(ca, name, ga), tensor_bits(cb, name, gb)
         if (sides := kept_side(ca, cb, name, name)) is not None:  # one side holds the other's codes: exactly

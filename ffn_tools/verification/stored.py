@@ -243,6 +243,42 @@ def same_stored(ca, cb, name: str) -> bool | None:
             m.close()
 
 
+def scale_under_same_codes(ca, cb, name: str) -> str | None:
+    """Outside the FFNs, ``scale_defect``'s rule for one tensor both sides store ``quantized_alike``: where its codes
+    (the ``weight`` part) are A's byte for byte but a scale part's values are not, the sentence naming the part,
+    how many values differ and the first; None otherwise (codes differ too: a re-quantization, judged by the
+    tolerance row)."""
+    import torch
+
+    if not quantized_alike(ca, cb, name):
+        return None
+    ma, mb = ca.quantized(name), cb.quantized(name)
+    if ma.scheme.name not in ROW_SCHEMES or "weight" not in ma.parts:
+        return None
+    ra, rb = Mapped(ca.stored), Mapped(cb.stored)
+    try:
+        if not _equal_bytes(ra[ma.parts["weight"]], rb[mb.parts["weight"]]):
+            return None
+        for p, n in ma.parts.items():
+            if p == "weight":
+                continue
+            va, vb = ra[n].to(torch.float64), rb[mb.parts[p]].to(torch.float64)
+            if tuple(va.shape) != tuple(vb.shape):
+                continue
+            off = ~((va == vb) | (va.isnan() & vb.isnan()))
+            if bool(off.any()):
+                first = [int(i) for i in off.nonzero()[0]]
+                return (f"{name}: B's codes are A's byte for byte but its scale {mb.parts[p]} is not A's at "
+                        f"{int(off.sum())} of {off.numel()} values, first {first}: A {float(va[tuple(first)]):.9g}, "
+                        f"B {float(vb[tuple(first)]):.9g}; a re-quantization that changes a scale changes its codes, "
+                        "so this is a defect, not rounding")
+        return None
+    finally:
+        for m in (ra, rb):
+            m.release()
+            m.close()
+
+
 def _memcmp():
     """libc's ``memcmp`` (ctypes releases the GIL around it), or None where there is no C library to call."""
     import ctypes
