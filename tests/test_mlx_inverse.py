@@ -219,3 +219,34 @@ def test_probe_inverts_data_movement_and_offsets():
 def test_probe_refuses_what_is_not_a_rearrangement(fn, why):
     with pytest.raises(NotRearranged, match=why):
         _probe(fn, {"a": (64, 64)}).trace("t")
+
+
+@pytest.mark.parametrize("original", [False, True], ids=["module-names", "original-format"])
+def test_stacked_experts_come_back_as_the_source_saved_them(original, tmp_path):
+    """torch -> MLX -> torch of a transformers-5 MoE gives the source's tensors back under its own names: stacked
+    ``experts.gate_up_proj`` (E, 2I, H) / ``down_proj`` where it was saved with ``save_original_format=False``
+    (per expert before: the export now records how the source named them), per expert where it was saved in the
+    original format (save_pretrained's default); the changes line says which; verify passes against the source."""
+    from helpers import run_cli
+    from tiny_models import make_model
+
+    from ffn_tools.converters.mlx.inverse import MODULE_NAMES, ORIGINAL, SAVED_AS
+
+    src, mlx, back = tmp_path / "src", tmp_path / "mlx", tmp_path / "back"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_model("qwen3_moe").save_pretrained(src, save_original_format=original)
+    stacked = [n for n in tensors(src) if n.endswith("experts.gate_up_proj")]
+    assert bool(stacked) is not original, sorted(tensors(src))  # the two forms transformers 5 writes
+    convert(src, "mlx", mlx)
+    with open_checkpoint(mlx) as raw_mlx:  # the record mlx_lm ignores
+        assert raw_mlx.metadata[SAVED_AS] == (ORIGINAL if original else MODULE_NAMES)
+    summary = convert(mlx, "torch", back)
+    assert_identical(tensors(back), tensors(src))  # names, shapes, dtypes, bytes
+    said = [line for line in summary["changes"] if line.startswith("experts read back")]
+    assert said == [("experts read back per expert in transformers' original format (experts.N.gate_proj.weight ...), "
+                     if original else "experts read back stacked under transformers' own module names "
+                     "(experts.gate_up_proj, experts.down_proj), ") + "as the source was saved (recorded by the MLX "
+                    "export)"], summary["changes"]
+    r = run_cli("verify", str(src), str(back), "--backend", "reference", "--tokens", "4", ok=None)
+    assert r.exit_code == 0 and "PASS" in r.output, r.output

@@ -10,7 +10,8 @@ with ``mx.quantize`` in row chunks (``quant``): bit for bit what ``mlx_lm.conver
 ``-q``/``--dtype`` export is lossless (``mlx_lm.convert`` would also cast to a legacy ``torch_dtype`` in
 config.json; this only does so when quantizing, where it decides the scales' bits).
 
-Besides weights: safetensors shards with ``{"format": "mlx"}`` metadata and an index, ``config.json`` as
+Besides weights: safetensors shards with ``{"format": "mlx"}`` metadata (and what reading back needs: the keys
+config.json gained, how the source named its experts, ``inverse.saved_as``) and an index, ``config.json`` as
 mlx_lm's ``save_config`` writes it, the tokenizer/generation files, and a model card README.md.
 """
 
@@ -30,6 +31,7 @@ from ffn_tools.plan import Plan, copy_entry, execute
 from . import from_ct, said
 from .card import model_card
 from .config import added_metadata, mlx_config
+from .inverse import saved_as
 from .matching import match_or_dequantize
 from .models import check_runs
 from .recipe import decide, resolve
@@ -148,13 +150,17 @@ def _write(ckpt: Checkpoint, config: dict, plan: Plan, block, out: Path, force: 
     shard = max_shard_size or MAX_SHARD_SIZE
     if ckpt.config is None:  # target() refused it already
         raise FFNToolsError(f"{ckpt.path}: no config.json; MLX export needs it")
-    metadata = {**METADATA, **added_metadata(ckpt.config, config)}  # what reading back removes
+    metadata = {**METADATA, **added_metadata(ckpt.config, config),  # what reading back removes
+                **saved_as(ckpt)}  # and how it names the experts
     items = [OutTensor(e.name, e.st_dtype, tuple(e.shape), e.nbytes, _sizing_only) for e in plan.entries]
     extra: dict[str, str | bytes] = {"config.json": mlx_config(ckpt, config, block), "README.md": model_card(ckpt)}
     rebuilt, lines = ckpt.rebuilt_files()  # a GGUF's tokenizer, as transformers writes it from tokenizer.ggml.*
     extra = {**rebuilt, **extra}
     plan.changes += [line for line in lines if not line.startswith("README.md")]  # mlx_lm's card is written
-    recorded, lines = ckpt.carried_metadata()  # a GGUF's Gemma norms: back within 2**-24, not bit for bit
+    from . import FORMAT
+
+    recorded, lines = ckpt.carried_metadata() if ckpt.format is not FORMAT else ({}, [])  # a GGUF's Gemma norms:
+    # back within 2**-24, not bit for bit (an MLX input's own record is made again: ``saved_as``)
     metadata.update(recorded)
     plan.changes += lines
     if len(plan_shards(items, shard, metadata)) == 1:  # mlx-lm writes an index even for one shard

@@ -37,6 +37,9 @@ from .probe import Probe, Trace, plain
 
 log = logging.getLogger(__name__)
 
+SAVED_AS = "ffn_tools_source_saved_as"  # safetensors metadata: how the source's tensors were named (``saved_as``)
+MODULE_NAMES = "module-names"  # transformers' own module names (``save_pretrained(save_original_format=False)``)
+ORIGINAL = "original"  # ``save_pretrained``'s default format (experts per expert)
 LAYOUT_DTYPE = "F32"  # the stand-in dtype of the source layout (its bytes are never read)
 TRACE_BUDGET = 256 << 20  # bytes of traces kept from planning; beyond it a read traces its outputs again
 
@@ -92,8 +95,11 @@ class _Layout(Checkpoint):
         raise CheckpointError(f"{info.name}: the source layout has no data")
 
 
-def source_layout(config: dict) -> dict[str, tuple[int, ...]]:
-    """The tensors (name -> shape) transformers' ``save_pretrained`` writes for a model of ``config``.
+def source_layout(config: dict, original: bool = True) -> dict[str, tuple[int, ...]]:
+    """The tensors (name -> shape) transformers' ``save_pretrained`` writes for a model of ``config``: in the
+    original format, its default (per-expert ``experts.{e}.gate_proj.weight`` where transformers 5 stacks them),
+    or with ``original`` False as ``save_original_format=False`` writes them, the model's own names
+    (``experts.gate_up_proj`` (E, 2I, H)).
 
     Raises:
         FFNToolsError: transformers is not installed or cannot build the model.
@@ -120,13 +126,47 @@ def source_layout(config: dict) -> dict[str, tuple[int, ...]]:
             for k in model._keys_to_ignore_on_save or ():
                 state.pop(k, None)
             state = remove_tied_weights_from_state_dict(state, model)
-            state = revert_weight_conversion(model, state)
+            if original:
+                state = revert_weight_conversion(model, state)
     except Exception as e:  # noqa: BLE001 - transformers' own failure on this config, any type
         raise FFNToolsError(f"transformers cannot build {config.get('model_type')!r} ({type(e).__name__}: "
                             f"{' '.join(str(e).split())[:200]})") from None
     finally:
         transformers.logging.set_verbosity(verbosity)
     return {k: tuple(v.shape) for k, v in state.items()}
+
+
+def saved_as(ckpt: Checkpoint) -> dict[str, str]:
+    """What an MLX export of ``ckpt`` records in its safetensors metadata so that reading it back names the experts
+    as ``ckpt`` does (``SAVED_AS``): ``MODULE_NAMES`` where its stacked experts are under transformers' own module
+    names (``experts.gate_up_proj``, as transformers 5 saves with ``save_original_format=False``) and none of its
+    tensors under names only the original format has, else ``ORIGINAL`` (``save_pretrained``'s default: per
+    expert); nothing for a checkpoint without routed experts or whose model transformers cannot build (read back
+    in the original format). Only a checkpoint with routed experts builds transformers' model to tell."""
+    from ffn_tools.detect import find_ffns
+
+    if not ckpt.config:
+        return {}
+    try:
+        if all(f.ref.kind != "expert" for f in find_ffns(ckpt).ffns):
+            return {}
+        original, own = source_layout(ckpt.config), source_layout(ckpt.config, original=False)
+    except FFNToolsError:
+        return {}
+    names = set(ckpt)
+    module_names = bool(names & (own.keys() - original.keys())) and not names & (original.keys() - own.keys())
+    return {SAVED_AS: MODULE_NAMES if module_names else ORIGINAL}
+
+
+def saved_as_line(metadata: Mapping[str, str]) -> str:
+    """The changes line of reading an MLX model back: the names its experts get, and why (``SAVED_AS``)."""
+    how = metadata.get(SAVED_AS)
+    if how == MODULE_NAMES:
+        return ("experts read back stacked under transformers' own module names (experts.gate_up_proj, "
+                "experts.down_proj), as the source was saved (recorded by the MLX export)")
+    why = "as the source was saved (recorded by the MLX export)" if how == ORIGINAL else \
+        "save_pretrained's default: the MLX model records no other"
+    return f"experts read back per expert in transformers' original format (experts.N.gate_proj.weight ...), {why}"
 
 
 def layout_of(like: Checkpoint | None, config: dict) -> dict[str, tuple[int, ...]] | None:
@@ -142,7 +182,7 @@ def layout_of(like: Checkpoint | None, config: dict) -> dict[str, tuple[int, ...
 
 
 def plan(stored: Mapping[str, tuple[tuple[int, ...], str]], config: dict, root: Path,
-         like: Checkpoint | None = None) -> Inverse:
+         like: Checkpoint | None = None, saved: str | None = None) -> Inverse:
     """Trace the MLX tensors ``stored`` (name -> (shape, dtype) as the view reads them: dequantized) back to
     the source of ``config`` (the source's config, as export restores it). Never raises: what cannot be done is
     ``skipped``/``refused``, and those tensors keep their MLX names.
@@ -150,7 +190,9 @@ def plan(stored: Mapping[str, tuple[tuple[int, ...], str]], config: dict, root: 
     The source's layout is what transformers' ``save_pretrained`` writes for ``config`` (``source_layout``:
     builds the model on the meta device, a second of imports), or ``like``'s where it is a PyTorch checkpoint of
     the same model (``layout_of``) whose export is exactly what is stored: every stored tensor one of its
-    tensors renamed or stacked, none computed, none refused.
+    tensors renamed or stacked, none computed, none refused. ``saved``: how the source named its tensors, as the
+    export recorded it (``SAVED_AS``): ``MODULE_NAMES`` traces to transformers' own module names (stacked experts),
+    anything else to the original format.
     """
     shapes = layout_of(like, config)
     if like is not None and shapes is not None:
@@ -159,7 +201,7 @@ def plan(stored: Mapping[str, tuple[tuple[int, ...], str]], config: dict, root: 
             return inv
         log.info("%s: %s is not the layout exported here; tracing transformers' own", root, like.root)
     try:
-        shapes = source_layout(config)
+        shapes = source_layout(config) if saved != MODULE_NAMES else source_layout(config, original=False)
     except FFNToolsError as e:
         log.info("%s: MLX names kept (%s)", root, e)
         return Inverse(skipped=str(e))

@@ -136,9 +136,10 @@ class MLXCheckpoint(Checkpoint):
         for k in QUANT_KEYS:
             config.pop(k, None)
         config = restore_source_config(config, raw.metadata)  # without the keys export added for mlx-lm
-        from .inverse import plan
+        from .inverse import SAVED_AS, plan
 
-        self.inverse = plan({n: self._read_as(n) for n in self._stored}, config, raw.root, like)
+        self.inverse = plan({n: self._read_as(n) for n in self._stored}, config, raw.root, like,
+                            raw.metadata.get(SAVED_AS))  # the experts named as the source named them
         try:
             infos = self._infos_from(config)
         except CheckpointError as e:  # a name traced back collides with one kept: read it all by MLX names
@@ -330,6 +331,14 @@ class MLXCheckpoint(Checkpoint):
     def stored(self) -> Checkpoint:
         """The MLX files as stored, packed weights and scales included: what mlx_lm loads."""
         return self.raw
+
+    def carried_metadata(self) -> tuple[dict[str, str], list[str]]:
+        """Nothing to carry; the line saying how the experts are named where the model has a stack of them
+        (``inverse.saved_as_line``)."""
+        from .inverse import SAVED_AS, saved_as_line
+
+        stacks = SAVED_AS in self.raw.metadata or any(s.kind == "stack" for s in self.inverse.sources.values())
+        return {}, [saved_as_line(self.raw.metadata)] if stacks else []
 
     def rebuilt_files(self) -> tuple[dict[str, str | bytes], list[str]]:
         """The model card with transformers' labels for mlx_lm's (``card.transformers_card``), where it has them."""
