@@ -22,6 +22,8 @@ def run(*args: str, expect: int = 0) -> None:
     code = subprocess.run([str(BIN), *args]).returncode
     if code != expect:
         raise SystemExit(f"demo: expected exit status {expect}, got {code}")
+    if expect:  # a FAIL the demo sets out to show: said to be one, so that nobody reads it as the demo breaking
+        print(f"(exit status {code}: the failure this step of the demo shows)")
 
 
 def swap_gate_up(src: Path, dst: Path) -> None:
@@ -38,6 +40,9 @@ def swap_gate_up(src: Path, dst: Path) -> None:
 
 def main() -> None:
     from transformers import Phi3Config, Phi3ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar for one tiny file
 
     work = Path(tempfile.mkdtemp(prefix="ffn-tools-demo-"))
     try:
