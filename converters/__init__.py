@@ -150,4 +150,4 @@ def client_differences(ckpt: Checkpoint, target: Format) -> list[tuple[str, str]
         return []
     return differences(source.runs_of(ckpt), client.runs(ckpt.config),
                        f"the input's client ({source.name})", f"the output's client ({client.name})", "would run",
-                       config=source.config_of(ckpt))
+                       config=source.config_of(ckpt), ckpt=ckpt)

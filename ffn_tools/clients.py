@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from .checks.config import ConfigResult, compare_configs, note_unused, transformers_view
 from .checks.load import LoadCheck
-from .checks.semantics import Runs, differences, transformers_runs
+from .checks.semantics import Runs, differences, transformers_model_runs, transformers_runs
 from .checks.side_files import SideFilesResult, compare_side_files
 from .errors import FFNToolsError
 
@@ -140,7 +140,7 @@ class Client(ABC):
             return
         for key, line in differences(theirs.runs_of(ca), self.runs_of(cb),
                                      f"A's client ({theirs.name})", f"B's client ({self.name})",
-                                     config=ca.config or {}):
+                                     config=ca.config or {}, ckpt=ca):
             (res.allowed if key in allow else res.problems).append(line)
 
     def config_of(self, ckpt) -> dict:
@@ -156,7 +156,8 @@ class Client(ABC):
         """How this client runs the settings clients read differently (``checks.semantics``), from ``config``;
         the default: as transformers' config classes and modeling code do."""
         normalized, _ = transformers_view(config)
-        return transformers_runs(normalized if normalized is not None else config)
+        return {**transformers_runs(normalized if normalized is not None else config),
+                **transformers_model_runs(config)}
 
     def compare_config_further(self, res: ConfigResult, ca, cb, readings: tuple[dict, dict], allow: set) -> None:
         """What this client reads beyond the normalized configs ``readings`` (A's, B's), added to ``res``."""

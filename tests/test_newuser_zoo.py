@@ -115,7 +115,7 @@ CLIENT_DIFFERS = {
                       ":93): alike only when rms_norm_eps is 1e-6", None, {"rms_norm_eps": 1e-6}),
 }
 # the differences convert names (and refuses without --allow-config); where every expert is chosen it has none
-CONVERT_NAMES = {"jamba": "norm_topk_prob"}
+CONVERT_NAMES = {"jamba": "norm_topk_prob", "glm4_moe_lite": "mla_norm_eps"}
 
 
 @pytest.mark.parametrize("model_type", sorted(CLIENT_DIFFERS))

@@ -114,7 +114,7 @@ OTHER_LOGITS = {
 
 # model_type -> the setting mlx_lm runs otherwise than transformers (``checks.semantics``, read from both clients'
 # code): convert refuses the export unless told, verify fails naming it unless told (asserted both ways).
-CLIENT_DIFFERS = {"jamba": "norm_topk_prob"}
+CLIENT_DIFFERS = {"jamba": "norm_topk_prob", "ernie4_5_moe": "router_bias", "glm4_moe_lite": "mla_norm_eps"}
 
 
 def allowed(model_type: str) -> list[str]:

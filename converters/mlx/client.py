@@ -22,7 +22,8 @@ from typing import Any
 
 from ffn_tools.checks.config import ConfigResult, compare_keys, generation_eos
 from ffn_tools.checks.load import LoadCheck, MissingClient
-from ffn_tools.checks.semantics import Runs, topk_words, windows, windows_words
+from ffn_tools.checks.semantics import (EXPERT_COUNTS, MLA_NORMS, Runs, mla_norm_runs, router_bias_runs, topk_words,
+                                        windows, windows_words)
 from ffn_tools.clients import Client
 from ffn_tools.errors import FFNToolsError, pip_install
 from ffn_tools.io.store import read_config
@@ -55,16 +56,16 @@ class MlxLm(Client):
             t = models.target(config, "config", None)
         except FFNToolsError:
             return {}
-        return mlx_runs(t.module, t.args, config.get("max_position_embeddings"))
+        return mlx_runs(t.module, t.args, config.get("max_position_embeddings"), t.fresh)
 
     def runs_of(self, ckpt) -> dict[str, Runs]:
         """As mlx_lm runs the MLX directory ``ckpt``: its config.json read by mlx_lm's own code (``as_mlx_lm_reads``);
         {} where mlx_lm cannot read it (the config check and the load check say so)."""
         try:
-            module, args, config = as_mlx_lm_reads(ckpt.root)
+            module, args, config, model_class = as_mlx_lm_reads(ckpt.root)
         except FFNToolsError:
             return {}
-        return mlx_runs(module, args, config.get("max_position_embeddings"))
+        return mlx_runs(module, args, config.get("max_position_embeddings"), lambda: model_class(args))
 
     def pairing(self, ca, cb):
         from .consumer import AsMlxLoads  # torch: verify has it; an export (which reads this client) need not
@@ -132,7 +133,7 @@ def check_mlx(path: Path) -> LoadCheck:
     return LoadCheck("mlx_lm", architecture=type(model).__module__.rsplit(".", 1)[-1])
 
 
-def as_mlx_lm_reads(root) -> tuple[str, Any, dict]:
+def as_mlx_lm_reads(root) -> tuple[str, Any, dict, Any]:
     """The config.json of the MLX directory ``root`` as ``mlx_lm.load`` reads it, by mlx_lm's own code: its
     ``load_config`` (generation_config.json's eos_token_id merged in), the model class its ``load_model`` picks (that
     function's own default ``get_model_classes``: the remapping by model_type and architecture), and that model's
@@ -140,7 +141,8 @@ def as_mlx_lm_reads(root) -> tuple[str, Any, dict]:
     elsewhere, as transformers 5 keeps ``rope_theta`` inside ``rope_parameters``, is not read).
 
     Returns:
-        (the ``mlx_lm.models`` module's name, its ``ModelArgs``, the config dict mlx_lm built them from).
+        (the ``mlx_lm.models`` module's name, its ``ModelArgs``, the config dict mlx_lm built them from, the
+        ``Model`` class ``mlx_lm.load`` builds from them).
 
     Raises:
         FFNToolsError: mlx_lm.load would fail on this config.json (no model for its type, a required field absent),
@@ -155,7 +157,7 @@ def as_mlx_lm_reads(root) -> tuple[str, Any, dict]:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise FFNToolsError(f"mlx_lm.load would fail on it ({type(e).__name__}: {' '.join(str(e).split())[:200]})") \
             from None
-    return model_class.__module__.rsplit(".", 1)[-1], args, config
+    return model_class.__module__.rsplit(".", 1)[-1], args, config, model_class
 
 
 def _fields(args) -> dict:
@@ -177,7 +179,7 @@ def _compare_mlx(res: ConfigResult, ca, cb, allow) -> None:
     """B's config.json as mlx_lm reads it (``as_mlx_lm_reads``) against A's: as mlx_lm reads A where A is MLX too,
     else as an MLX export of A gives it to mlx_lm. A key B's file lacks is mlx_lm's default, and is said so."""
     try:
-        module, args, raw_b = as_mlx_lm_reads(cb.root)
+        module, args, raw_b, _ = as_mlx_lm_reads(cb.root)
     except FFNToolsError as e:
         res.problems.append(f"mlx_lm cannot read B's config.json: {e}")
         return
@@ -214,14 +216,16 @@ def _defaulted(key: str, raw_b: dict, module: str) -> str:
 MLX_TOPK = {"jamba": True, "mixtral": True}
 
 
-def mlx_runs(module: str, args, max_positions=None) -> dict[str, Runs]:
+def mlx_runs(module: str, args, max_positions=None, build=None) -> dict[str, Runs]:
     """The settings as mlx_lm's model ``module`` runs them from its ``ModelArgs`` ``args``, read from its code's
     arguments: a layer slides only where its ``ModelArgs`` has a ``sliding_window`` and its ``layer_types`` mark the
     layer sliding (``llama``: all full attention unless given), or its ``sliding_window_pattern`` does (Gemma 3, Cohere 2: every layer but each
     pattern-th); a model whose arguments have no ``sliding_window`` runs full attention (Gemma 2). Top-k
     renormalization where its arguments have ``norm_topk_prob``. Models that slide otherwise are not judged. A
     window no shorter than the longest context (``max_positions``, the config's) is no window, as on the other
-    side."""
+    side. Off the model ``build()`` makes (lazy: nothing evaluated): the eps of MLA attention's q_a/kv_a norms
+    (where its arguments have ``kv_lora_rank``), and whether an MoE's router adds a bias (a parameter its sanitize
+    keeps)."""
     fields = {f.name for f in dataclasses.fields(args)}
     layers = getattr(args, "num_hidden_layers", None)
     out: dict[str, Runs] = {}
@@ -240,6 +244,16 @@ def mlx_runs(module: str, args, max_positions=None) -> dict[str, Runs]:
             ws = windows(args.sliding_window, types, layers, max_positions)
         if ws is not None:
             out["sliding_window"] = Runs(ws, windows_words(ws) + why)
+    moe = any(isinstance(getattr(args, c, None), int) for c in EXPERT_COUNTS)
+    if ("kv_lora_rank" in fields or moe) and build is not None:
+        model, eps = build(), {}
+        for name, m in model.named_modules():
+            norm = name.rsplit(".", 1)[-1]
+            if norm in MLA_NORMS and norm not in eps:
+                eps[norm] = float(m.eps)
+        out.update(mla_norm_runs(eps, f"mlx_lm's {module} model"))
+        if moe:
+            out.update(router_bias_runs(models.parameters(model), f"mlx_lm's {module} model"))
     if "norm_topk_prob" in fields and isinstance(args.norm_topk_prob, bool):
         out["norm_topk_prob"] = Runs(args.norm_topk_prob, topk_words(args.norm_topk_prob))
     elif module in MLX_TOPK:

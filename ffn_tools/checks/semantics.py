@@ -7,6 +7,11 @@ architecture. ``differences`` compares two clients' readings, setting by setting
 
     sliding_window   the attention window of each layer (None: full attention)
     norm_topk_prob   whether the weights of the routed top-k experts are renormalized to sum to 1
+    mla_norm_eps     the eps of MLA attention's q_a/kv_a RMSNorms (read off each client's model: transformers'
+                     GLM-4 MoE Lite keeps RMSNorm's default 1e-6, mlx_lm's takes the config's rms_norm_eps)
+    router_bias      whether the router adds a learned bias (``e_score_correction_bias``) to the scores it picks
+                     the top-k experts by (read off each client's model: transformers' ERNIE 4.5 MoE has one,
+                     mlx_lm's sanitize drops it); moot where the checkpoint's bias is zero everywhere
 
 A setting a client's reading leaves out is one it is not known to read otherwise, and is not compared.
 """
@@ -73,6 +78,59 @@ def transformers_runs(normalized: dict) -> dict[str, Runs]:
     return out
 
 
+MLA_NORMS = ("q_a_layernorm", "kv_a_layernorm")  # MLA attention's norms of the low-rank query and key/value
+
+
+def mla_norm_runs(epsilons: dict[str, float], whose: str) -> dict[str, Runs]:
+    """``mla_norm_eps`` from the eps of each of ``MLA_NORMS`` a client's model has (norm -> eps); {} where it has
+    none (no MLA attention)."""
+    if not epsilons:
+        return {}
+    value = tuple(epsilons.get(n) for n in MLA_NORMS)
+    said = ", ".join(f"{n} {epsilons[n]:g}" for n in MLA_NORMS if n in epsilons)
+    return {"mla_norm_eps": Runs(value, f"eps {said} in the MLA attention's RMSNorms ({whose})")}
+
+
+ROUTER_BIAS = "e_score_correction_bias"
+
+
+def router_bias_runs(names, whose: str) -> dict[str, Runs]:
+    """``router_bias`` from the parameter and buffer ``names`` of a client's model of an MoE."""
+    biased = [n for n in names if n.endswith(ROUTER_BIAS)]
+    if biased:
+        return {"router_bias": Runs(True, f"the top-k experts picked on the router's scores plus its {ROUTER_BIAS} "
+                                          f"({whose}: {listing(biased, 1)})")}
+    return {"router_bias": Runs(False, f"the top-k experts picked on the router's scores alone, no bias ({whose})")}
+
+
+def transformers_model_runs(config: dict) -> dict[str, Runs]:
+    """The settings read off transformers' own model for ``config``, built on the meta device (nothing allocated),
+    only where the config has MLA attention (``kv_lora_rank``) or routed experts: the eps of the q_a/kv_a norms,
+    whether the router adds a bias; {} where transformers does not build it here."""
+    moe = any(isinstance(config.get(c), int) for c in EXPERT_COUNTS)
+    if "kv_lora_rank" not in config and not moe:
+        return {}
+    try:
+        import torch
+        import transformers
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        cfg = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "transformers_version"})
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+    except Exception:  # noqa: BLE001 - transformers' own refusal of this config (the load check names it)
+        return {}
+    eps = {}
+    for name, module in model.named_modules():
+        norm = name.rsplit(".", 1)[-1]
+        value = vars(module).get("variance_epsilon", vars(module).get("eps"))  # transformers' RMSNorms: the first
+        if norm in MLA_NORMS and norm not in eps and isinstance(value, float):
+            eps[norm] = value
+    whose = f"transformers' {config.get('model_type')} model"
+    return {**mla_norm_runs(eps, whose), **(router_bias_runs(model.state_dict(), whose) if moe else {})}
+
+
 def topk_words(norm: bool) -> str:
     return ("the top-k experts' router weights renormalized to sum to 1" if norm else
             "the top-k experts' router weights as the router gives them, not renormalized")
@@ -81,20 +139,25 @@ def topk_words(norm: bool) -> str:
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
-def moot(config: dict) -> set[str]:
+def moot(config: dict, ckpt=None) -> set[str]:
     """The settings that compute the same function whichever way a client runs them under ``config``: top-k
-    renormalization where every expert is chosen (the softmax over all of them already sums to 1)."""
+    renormalization where every expert is chosen (the softmax over all of them already sums to 1); the router's
+    bias where checkpoint ``ckpt`` stores it as zeros everywhere (adding it changes no score)."""
     k = config.get("num_experts_per_tok")
     n = next((config[c] for c in EXPERT_COUNTS if isinstance(config.get(c), int)), None)
-    return {"norm_topk_prob"} if isinstance(k, int) and n is not None and k >= n else set()
+    out = {"norm_topk_prob"} if isinstance(k, int) and n is not None and k >= n else set()
+    biases = [name for name in ckpt if name.endswith(ROUTER_BIAS)] if ckpt is not None else []
+    if biases and not any(bool(ckpt[name].count_nonzero()) for name in biases):
+        out.add("router_bias")
+    return out
 
 
 def differences(a: dict[str, Runs], b: dict[str, Runs], a_who: str, b_who: str,
-                b_runs: str = "runs", config: dict | None = None) -> list[tuple[str, str]]:
+                b_runs: str = "runs", config: dict | None = None, ckpt=None) -> list[tuple[str, str]]:
     """(setting, sentence) for each setting both readings have and run otherwise, but for those ``moot`` under
-    ``config``; ``a_who``, ``b_who`` name the clients in the sentence ("A's client (transformers)"), ``b_runs``
-    the second one's verb ("would run")."""
-    out, same = [], moot(config or {})
+    ``config`` and the weights of ``ckpt`` (the first side's); ``a_who``, ``b_who`` name the clients in the sentence
+    ("A's client (transformers)"), ``b_runs`` the second one's verb ("would run")."""
+    out, same = [], moot(config or {}, ckpt)
     for key in sorted(set(a) & set(b) - same):
         if a[key].value != b[key].value:
             out.append((key, f"{key}: {a_who} runs {a[key].words}; {b_who} {b_runs} {b[key].words}"))
