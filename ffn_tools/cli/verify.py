@@ -134,8 +134,9 @@ def verify(a, b, receipt, backends, tokens, seed, layers, shards_needed, experts
     readers (transformers' config class; for MLX also mlx_lm's ModelArgs, against what an export of A gives
     mlx_lm) and compared key by key (--allow-config KEY accepts one difference); B's config dtype must not
     cast its stored weights lossily; the tokenizer and generation files must match (--no-side-files skips
-    them); and B must load in its client (a client that refuses B's config fails; a missing client is exit
-    2). The report names every check that did not run.
+    them); and B must load in its client (a client that refuses B's config fails; without transformers the
+    check says it did not run; a missing mlx_lm or llama.cpp is exit 2). The report names every check that did
+    not run.
 
     Prints a table, worst FFN first, and a verdict. Exit status: 0 all pass, 1 something differs,
     2 verification could not run (bad arguments, unreadable input, no FFNs, backend unavailable), or a check
