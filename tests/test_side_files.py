@@ -294,6 +294,7 @@ def test_skipped_without_a_directory(a, tmp_path):
     res = compare_side_files(None, a)
     assert res.skipped == "A is a single weight file: no side files beside it" and res.passed
     assert res.line() == "side files: not compared (A is a single weight file: no side files beside it)"
+    assert res.as_dict()["passed"] is None  # a check that did not run is never a pass in the JSON
     (tmp_path / "w.safetensors").write_bytes(b"")
     res = compare_side_files(a, tmp_path / "w.safetensors")
     assert res.skipped == f"B {tmp_path / 'w.safetensors'} is not a directory: no side files beside it"

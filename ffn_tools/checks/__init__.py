@@ -9,7 +9,7 @@
 
 The runtime clients (``ffn_tools.clients``, implemented by the formats) produce these; ``verify`` gathers them
 into its report. Every result is a ``Check``: ``passed``, ``line()`` (one line of the report), ``failures()``
-(one line each), ``as_dict()`` (its JSON), ``skipped`` (why it did not run: never read as a pass).
+(one line each), ``as_dict()`` (its JSON), ``skipped`` (why it did not run: never read as a pass; its JSON's ``passed`` is null).
 """
 
 from __future__ import annotations
@@ -36,6 +36,11 @@ class Check:
     def passed(self) -> bool:
         return not self.problems
 
+    @property
+    def verdict(self) -> bool | None:
+        """``passed`` where the check ran; None where it did not (``skipped``): what its JSON says, never a pass."""
+        return None if self.skipped else self.passed
+
     def line(self) -> str:
         if self.skipped:
             return f"{self.name}: not compared ({self.skipped})"
@@ -45,4 +50,4 @@ class Check:
         return [f"{self.name}: {p}" for p in self.problems]
 
     def as_dict(self) -> dict:
-        return {"problems": self.problems, "notes": self.notes, "skipped": self.skipped, "passed": self.passed}
+        return {"problems": self.problems, "notes": self.notes, "skipped": self.skipped, "passed": self.verdict}

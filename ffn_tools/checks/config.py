@@ -86,7 +86,7 @@ class ConfigResult(Check):
 
     def as_dict(self) -> dict:
         return {"readers": self.readers, "compared": self.compared, "problems": self.problems, "notes": self.notes,
-                "allowed": self.allowed, "skipped": self.skipped, "passed": self.passed}
+                "allowed": self.allowed, "skipped": self.skipped, "passed": self.verdict}
 
 
 def _short(v) -> str:

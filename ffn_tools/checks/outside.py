@@ -59,7 +59,7 @@ class OutsideResult(Check):
         return {"identical": self.identical, "requantized": self.requantized, "codes": self.codes,
                 "within_tolerance": self.within,
                 "differ": self.differ, "only_a": self.only_a, "only_b": self.only_b, "skipped": self.skipped,
-                "passed": self.passed}
+                "passed": self.verdict}
 
 
 def outside_tolerance(name: str, a, b, tol) -> str | None:

@@ -77,7 +77,7 @@ class SideFilesResult(Check):
 
     def as_dict(self) -> dict:
         return {"identical": self.identical, "problems": self.problems, "notes": self.notes,
-                "skipped": self.skipped, "passed": self.passed}
+                "skipped": self.skipped, "passed": self.verdict}
 
 
 def compare_side_files(root_a: Path | None, root_b: Path | None, config_b: dict | None = None) -> SideFilesResult:
