@@ -440,6 +440,18 @@ def test_a_torchtitan_0_2_deepseek_keeps_its_router_bias(titan_step, tmp_path):
     _loads_in_transformers(tmp_path / "hf")
 
 
+def test_a_deepseek_step_without_a_router_bias_says_so(titan_step, tmp_path):
+    """torchtitan registers moe.expert_bias_E only where load balancing is on: without it no
+    e_score_correction_bias is written, and that is said (transformers starts it at zeros)."""
+    step, config, saved = titan_step
+    dcp.save({k: v for k, v in saved.items() if "expert_bias" not in k}, checkpoint_id=str(tmp_path / "step"),
+             no_dist=True)
+    r = run_cli("--config", config, "convert", tmp_path / "step", "--to", "torch", "-o", tmp_path / "hf")
+    assert ("1 MoE layer(s) have no router bias here (torchtitan's moe.expert_bias_E: load balancing off), so no "
+            "e_score_correction_bias is written for them") in r.stderr
+    assert not [n for n in tensors(tmp_path / "hf") if "e_score_correction_bias" in n]
+
+
 def test_dcp_to_dcp_writes_its_own_rank_files_not_the_inputs(llama, tmp_path):
     """A DCP's own files never travel as side files (formats.owner_of): a DCP in Hugging Face names written again in
     torchtitan's keeps the rank file and .metadata the writer wrote, so torch's own reader reads the new names."""

@@ -149,6 +149,12 @@ class DcpCheckpoint(Checkpoint):
         if self.training_state:
             progress.say(f"{root}: {len(self.training_state)} training-state key(s) not read as weights, left out: "
                          f"{parts.described()}")
+        unbiased = [n for n in infos if n.endswith(".mlp.gate.weight") and self.family == "deepseek_v3"
+                    and n.replace(".weight", ".e_score_correction_bias") not in infos]
+        if unbiased:  # torchtitan registers the buffer only where load balancing is on (load_balance_coeff)
+            progress.say(f"{root}: {len(unbiased)} MoE layer(s) have no router bias here (torchtitan's moe.expert_bias_E:"
+                         " load balancing off), so no e_score_correction_bias is written for them; transformers starts"
+                         " it at zeros, which routes as torchtitan did without one")
         say_assumed(root, self.assumed)
 
     def _locate(self, c: Chunk, dtype: str | None) -> Stored | None:
