@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ from ffn_tools.errors import FFNToolsError, pip_install
 from ffn_tools.io.store import read_config
 
 from . import models
+
+log = logging.getLogger(__name__)
 
 
 class MlxLm(Client):
@@ -245,12 +248,19 @@ def mlx_runs(module: str, args, max_positions=None, build=None) -> dict[str, Run
         if ws is not None:
             out["sliding_window"] = Runs(ws, windows_words(ws) + why)
     moe = any(isinstance(getattr(args, c, None), int) for c in EXPERT_COUNTS)
+    model = None
     if ("kv_lora_rank" in fields or moe) and build is not None:
-        model, eps = build(), {}
+        try:
+            model = build()
+        except Exception:  # noqa: BLE001 - mlx_lm's own failure to build it: the load check names it
+            log.info("mlx_lm's %s model does not build from this config: its MLA norms and router not read", module)
+    if model is not None:
+        eps: dict[str, float] = {}
         for name, m in model.named_modules():
             norm = name.rsplit(".", 1)[-1]
-            if norm in MLA_NORMS and norm not in eps:
-                eps[norm] = float(m.eps)
+            value = getattr(m, "eps", None)  # mlx.nn.RMSNorm's
+            if norm in MLA_NORMS and norm not in eps and isinstance(value, float):
+                eps[norm] = value
         out.update(mla_norm_runs(eps, f"mlx_lm's {module} model"))
         if moe:
             out.update(router_bias_runs(models.parameters(model), f"mlx_lm's {module} model"))
