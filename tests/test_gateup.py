@@ -417,3 +417,28 @@ def test_a_layout_other_than_the_familys_is_warned_at_split_time(model_dir, tmp_
             "--gate-up", "model.layers.{layer}.mlp.gate_up_proj.weight"]
     r = run_cli("split-gateup", src, "-o", tmp_path / "mine", "--layout", "interleaved", *mine)
     assert "split as" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("model_type", ["aria_text", "granitemoe", "granitemoeshared", "granitemoehybrid"])
+def test_split_then_fuse_gives_back_the_names_the_experts_had(model_type, tmp_path):
+    """A family that names its stacked experts two ways (Aria's ``experts.fc1``/``fc2`` and Granite-MoE's
+    ``input_linear``/``output_linear`` as saved, ``experts.gate_up_proj``/``down_proj`` in transformers 5's own
+    state dict) splits both to ``experts.{e}.gate_proj``: split-gateup records which it split (and the FFNs it left
+    separate), and fuse-gateup, without options, writes back the input's names, shapes and bytes (the v5 form came
+    back under the saved form's names, and Aria's separate shared experts fused); verify passes the result."""
+    import zoo
+
+    from ffn_tools.gateup.common import SPLIT_FROM
+
+    saved, state = tmp_path / "saved", tmp_path / "state-dict"
+    zoo.build(model_type, saved, extra=zoo.case(model_type)[1], state_dict=state)
+    for src in (saved, state):
+        split, back = tmp_path / f"{src.name}-split", tmp_path / f"{src.name}-back"
+        run_cli("split-gateup", src, "-o", split)
+        r = run_cli("fuse-gateup", split, "-o", back)
+        assert "FFNs fused back as split-gateup recorded they were (ffn_tools_split_from): " in r.output, r.output
+        assert_identical(tensors(back), tensors(src))
+        with open_checkpoint(back) as c:
+            assert SPLIT_FROM not in c.metadata  # the record is used up
+    r = run_cli("verify", state, tmp_path / "state-dict-back", "--backend", "reference", "--tokens", "4", ok=None)
+    assert r.exit_code == 0 and "PASS" in r.output, r.output

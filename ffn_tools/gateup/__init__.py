@@ -85,12 +85,14 @@ def _run(command: str, plan_fn, source, out, *, scheme, layout, dry_run, force, 
                        plan=plan.describe() if dry_run else None)
         with ThreadPoolExecutor(1) as pool:  # the load check (importing transformers) overlaps the copy
             changed = summary.pop("form_changes")
+            metadata = summary.pop("metadata", None)  # split-gateup's record of what it split (``SPLIT_FROM``)
             client = ckpt.format.client() if ckpt.format is not None and changed and load_check else None
             warning = pool.submit(client.load_warning, ckpt, plan, str(out)) if client else None
             if dry_run:
                 check_output(out, [path, *ckpt.files], force)
             else:
-                summary["files"] = execute(plan, out, force=force, max_shard_size=max_shard_size, desc=command)
+                summary["files"] = execute(plan, out, force=force, max_shard_size=max_shard_size, desc=command,
+                                           metadata=metadata)
             # the load check, where it ran, says what transformers does; else the family's data, where it knows
             w = warning.result() if warning is not None else \
                 None if out.suffix == ".safetensors" else held_form_warning(ckpt.config, changed, str(out))

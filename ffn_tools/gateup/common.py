@@ -3,12 +3,14 @@ expert's slice, a flat stack moved whole, and the plan assembled in input order.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 
 from ..detect import FFNSet
 from ..errors import LayoutError, NothingToDoError
 from ..ffn import FFN
 from ..layouts import GateUpLayout
-from ..library import LIBRARY, scheme_for_model_type
+from ..library import LIBRARY, SCHEMES, scheme_for_model_type
 from ..plan import Entry, Plan, copy_entry
 from ..quant import fp8
 from ..registry import Form
@@ -38,6 +40,56 @@ def name_in(template: str, f: FFN, config) -> str:
     """``template`` filled with the numbers in ``f``'s tensor names (its ref's, less the group's offsets)."""
     first_layer, first_expert = f.group.offsets(config)
     return template.format(layer=f.ref.layer - first_layer, expert=f.ref.expert - first_expert)
+
+
+SPLIT_FROM = "ffn_tools_split_from"  # safetensors metadata of split-gateup's output: {group: form} it split (JSON)
+
+
+def _twin(groups, g, form: str, names: list[str]):
+    """A group named in ``names`` other than ``g`` that stores form ``form`` under the same names as ``g`` (Aria's
+    ``experts.fc1`` and transformers 5's ``experts.gate_up_proj`` both split to ``experts.{e}.gate_proj``), or None."""
+    return next((h for h in groups if h.name in names and h.name != g.name and (h.kind, h.prefix) == (g.kind, g.prefix)
+                 and h.forms.get(form) == g.forms.get(form)), None)
+
+
+def _family(ffns: FFNSet) -> tuple:
+    """Every group of ``ffns``' family (detection keeps only those that matched), then its own."""
+    family = SCHEMES.get(ffns.scheme.name)
+    return (family.groups if family is not None else ()) + ffns.scheme.groups
+
+
+def split_record(ckpt, ffns: FFNSet, fused: list[FFN]) -> tuple[dict[str, str], list[str]]:
+    """The metadata of split-gateup's output and its changes line: the input's metadata, and where fuse-gateup
+    would not otherwise restore the input (another group of the family stores the split FFNs separate under the
+    same names, a stack whose group also has a per-FFN fused form, FFNs the input had separate), ``SPLIT_FROM``:
+    each group's form in the input, which fuse-gateup writes back."""
+    kept = {f.group.name: f.form_name for f in ffns.ffns if not f.form.fused}  # left separate: to stay so
+    family, every = _family(ffns), [h.name for h in _family(ffns)]
+    if not kept and not any(_twin(family, f.group, f.group.unfused or "separate", every)
+                            or (f.form_name == "stacked" and "fused" in f.group.forms) for f in fused):
+        return dict(ckpt.metadata), []
+    record = dict(sorted({**kept, **{f.group.name: f.form_name for f in fused}}.items()))
+    shown = ", ".join(f"{g} {form}" for g, form in record.items())
+    return {**ckpt.metadata, SPLIT_FROM: json.dumps(record)}, [
+        f"recorded the input's forms in the safetensors metadata ({SPLIT_FROM}: {shown}): fuse-gateup writes them "
+        "back so"]
+
+
+def as_split_from(ckpt, ffns: FFNSet, f: FFN) -> FFN:
+    """``f`` as found through the group split-gateup recorded it was split from (``SPLIT_FROM``), where that group
+    stores it separate under the same names; else ``f`` as found (the scheme's first group that matches)."""
+    names = list(split_from(ckpt))
+    twin = _twin(_family(ffns), f.group, f.form_name, names) if f.group.name not in names else None
+    return f if twin is None else dataclasses.replace(f, group=twin)
+
+
+def split_from(ckpt) -> dict[str, str]:
+    """split-gateup's record in ``ckpt`` (``SPLIT_FROM``): group -> the form its FFNs had; empty where none."""
+    try:
+        record = json.loads(ckpt.metadata.get(SPLIT_FROM, "{}"))
+    except ValueError:  # not ours: no record
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def target_form(f: FFN, form_name: str, verb: str) -> Form:

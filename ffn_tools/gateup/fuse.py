@@ -6,15 +6,15 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..detect import FFNSet
-from ..errors import LayoutError, NothingToDoError
+from ..errors import LayoutError, NothingToDoError, counted
 from ..ffn import FFN
 from ..io.dtypes import itemsize
 from ..layouts import GateUpLayout, fuse
 from ..plan import Entry, Plan, copy_entry
 from ..quant import fp8
 from ..registry import UNFUSED, Group, bias_name
-from .common import (MAX_PIECES, assemble, byte_runs, foreign_layout, name_in, packed_rename, restack, stack,
-                     target_form)
+from .common import (MAX_PIECES, SPLIT_FROM, as_split_from, assemble, byte_runs, foreign_layout, name_in,
+                     packed_rename, restack, split_from, stack, target_form)
 
 def _packed_fuse(ckpt, f: FFN, new: dict[str, str], replaced, packed: dict) -> bool:
     """Separate quantized gate and up fused part by part by their scheme, down's parts renamed; False: neither
@@ -94,12 +94,17 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False, packed: dict | No
 
     With ``stack_experts`` dense MLPs and shared experts keep their form, as transformers v5 stores them, but
     for those whose group's own (first declared) form is fused: those are fused, as their family stores them.
+    split-gateup's output (its record, ``common.SPLIT_FROM``) is fused back as its input was: each group in its
+    recorded form and names, stacks stacked, the FFNs it had separate left so.
 
     Raises:
         NothingToDoError: no FFN is separate, or the scheme has no fused form.
         LayoutError: shapes that cannot be fused in the layout.
     """
-    separate = [f for f in ffns.ffns if f.form_name in UNFUSED]
+    recorded = split_from(ckpt)  # split-gateup's output: fused back as its input had them, the rest left as they are
+    left = [f for f in ffns.ffns if f.form_name in UNFUSED and recorded.get(f.group.name) in UNFUSED]
+    separate = [as_split_from(ckpt, ffns, f) for f in ffns.ffns
+                if f.form_name in UNFUSED and recorded.get(f.group.name) not in UNFUSED]
     if not separate:
         raise NothingToDoError(f"{ckpt.path}: nothing to fuse: no FFN has separate gate and up projections "
                                f"(scheme {ffns.scheme.name}, forms {sorted({f.form_name for f in ffns.ffns})})")
@@ -108,6 +113,7 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False, packed: dict | No
     fused: list[FFN] = []
     for f in separate:
         only_stacked = "fused" not in f.group.forms and "stacked" in f.group.forms  # GPT-OSS, Llama-4, Granite
+        only_stacked |= recorded.get(f.group.name) == "stacked"  # split from a stack: stacked back
         home = next(iter(f.group.forms))  # a group's first form is its family's own
         if stack_experts or f.form.flat or (f.ref.kind == "expert" and only_stacked):
             if f.ref.kind == "expert":  # only routed experts: v5 keeps dense MLPs and shared experts as they are
@@ -172,6 +178,12 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False, packed: dict | No
     layout = changed[0].layout.oriented(target_form(changed[0], "stacked" if stacked else "fused", "fuse").turns("gate_up")) \
         if changed else separate[0].layout
     plan = assemble(ckpt, ffns, replaced, "fuse-gateup", len(changed), layout, (stacked, "stacked"), (fused, "fused"))
+    if SPLIT_FROM in ckpt.metadata:  # split-gateup's record, used: not carried
+        plan.summary["metadata"] = {k: v for k, v in ckpt.metadata.items() if k != SPLIT_FROM}
+        back = sorted({f"{f.group.name} {recorded[f.group.name]}" for f in changed if f.group.name in recorded})
+        plan.changes += [f"FFNs fused back as split-gateup recorded they were ({SPLIT_FROM}): {', '.join(back)}"
+                         ] if back else []
+        plan.changes += [f"{counted(len(left), 'FFN')} left separate, as split-gateup's input had them"] if left else []
     if w := foreign_layout(ffns, changed, "fused"):
         plan.summary["warnings"].append(w)
     return plan

@@ -14,7 +14,7 @@ from ..plan import Entry, Plan
 from ..quant import fp8
 from ..registry import Form, bias_name
 from .common import (MAX_PIECES, assemble, byte_runs, foreign_layout, index_entry, name_in, packed_rename, restack,
-                     target_form)
+                     split_record, target_form)
 
 def _split_entries(ckpt, f: FFN, src: str, is_bias: bool, names: dict[str, str], target: Form) -> list[Entry]:
     """gate and up entries cut from the fused tensor ``src`` (expert ``f.index`` when stacked), as ``target``
@@ -97,6 +97,8 @@ def plan_split(ckpt, ffns: FFNSet, packed: dict | None = None) -> Plan:
     for experts in flat.values():
         restack(ckpt, experts, experts[0].group.forms[experts[0].group.unfused or "separate"], replaced)
     plan = assemble(ckpt, ffns, replaced, "split-gateup", len(fused), fused[0].layout, (fused, "separate"))
+    plan.summary["metadata"], said = split_record(ckpt, ffns, fused)  # fuse-gateup writes them back as they were
+    plan.changes += said
     if w := foreign_layout(ffns, fused, "split as"):
         plan.summary["warnings"].append(w)
     return plan
