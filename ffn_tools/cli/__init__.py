@@ -221,7 +221,9 @@ def _gateup_command(name: str, fn, help_text: str, extra=()):
     @click.option("--load-check", is_flag=True, help="Check that transformers would load the output under the "
                   "config.json it carries (the load check of verify, on the planned names and shapes) and warn "
                   "where it would not. Off by default: it imports transformers, and split/fuse run at the speed of "
-                  "a copy without it; `ffn-tools verify IN OUT` checks everything.")
+                  "a copy without it; without it, a family whose model class holds its FFNs in the other form "
+                  "(Phi-3 fused, Llama split) is still warned from the registry's data, and `ffn-tools verify IN "
+                  "OUT` checks everything.")
     @upload_option
     @resume_option
     @ray_option
