@@ -100,7 +100,7 @@ def pieces(path: Path) -> list[tuple[str, float, int]] | None:
     try:
         from sentencepiece import sentencepiece_model_pb2
 
-        model = sentencepiece_model_pb2.ModelProto()
+        model = sentencepiece_model_pb2.ModelProto()  # type: ignore[attr-defined]  # (protobuf-generated)
         model.ParseFromString(path.read_bytes())
     except Exception:  # noqa: BLE001 - no sentencepiece, or no model: compared as bytes
         return None
