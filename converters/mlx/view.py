@@ -337,8 +337,9 @@ class MLXCheckpoint(Checkpoint):
         (``inverse.saved_as_line``)."""
         from .inverse import SAVED_AS, saved_as_line
 
-        stacks = SAVED_AS in self.raw.metadata or any(s.kind == "stack" for s in self.inverse.sources.values())
-        return {}, [saved_as_line(self.raw.metadata)] if stacks else []
+        inv = self.inverse
+        stacks = SAVED_AS in self.raw.metadata or any(s.kind == "stack" for s in inv.sources.values())
+        return {}, [saved_as_line(self.raw.metadata)] if stacks and not inv.skipped else []  # skipped: MLX names
 
     def rebuilt_files(self) -> tuple[dict[str, str | bytes], list[str]]:
         """The model card with transformers' labels for mlx_lm's (``card.transformers_card``), where it has them."""
