@@ -21,7 +21,7 @@ import importlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from ffn_tools.checks.semantics import differences
+from ffn_tools.checks.semantics import Difference, differences
 from ffn_tools.errors import CheckpointError, FFNToolsError, pip_install
 from ffn_tools.formats import Format
 from ffn_tools.io import nogc, sample
@@ -106,13 +106,17 @@ def open_sides(path, side: str, absent_shards: bool = False,
 
 
 def convert(path: str | Path, to: str, out: str | Path, *, dtype: str | None = None, force: bool = False,
-            max_shard_size: int | None = None, allow_config: Sequence[str] = (), **options) -> dict:
+            max_shard_size: int | None = None, allow_config: Sequence[str] = (), unbounded: bool = False,
+            **options) -> dict:
     """Convert the checkpoint at ``path`` to format ``to`` in ``out``.
 
     Options not meaningful for the target (e.g. ``quantize`` for flax) are refused, not ignored. Where the
     output's client would run the same weights as another function than the input's client does (a setting it
     reads otherwise: ``client_differences``), the conversion is refused, naming the setting and both
-    behaviours, unless ``allow_config`` names it: then it is written and the summary's warnings say so.
+    behaviours, unless ``allow_config`` names it: then it is written and the summary's warnings say so. A
+    difference that shows only past a sequence length (a sliding window one client applies and the other not) is
+    written, the summary's warnings and ``bounded`` saying the length up to which the two agree, unless
+    ``unbounded`` asks for the same function at every length: then it is refused as any other.
 
     Returns:
         The target format's export summary.
@@ -132,19 +136,26 @@ def convert(path: str | Path, to: str, out: str | Path, *, dtype: str | None = N
         # the export's slow start and the sources' hashing run beside these checks
         with nogc.paused():  # transformers' import and config classes: a quarter of their time was the collector's
             differ = client_differences(ckpt, target)
-        refused = [line for key, line in differ if key not in allow_config]
+        allowed = [d for d in differ if d.key in allow_config]
+        bounded = [d for d in differ if d not in allowed and d.tokens is not None and not unbounded]
+        refused = [d for d in differ if d not in allowed and d not in bounded]
         if refused:
-            keys = " ".join(f"--allow-config {k}" for k, line in differ if line in refused)
+            keys = " ".join(f"--allow-config {d.key}" for d in refused)
+            bound = min((d.tokens for d in refused if d.tokens is not None), default=None)
+            also = f" (without --unbounded: the two agree on sequences of up to {bound} tokens)" if bound else ""
             raise FFNToolsError(f"{path}: its {to} output would compute another function than the input: "
-                                f"{'; '.join(refused)}; {keys} writes it anyway")
+                                f"{'; '.join(d.line for d in refused)}; {keys} writes it anyway{also}")
         summary = target.export(ckpt, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, **given)
-    allowed = [f"{line} (--allow-config {key})" for key, line in differ]
-    return {**summary, "warnings": [*summary.get("warnings", []), *allowed]} if allowed else summary
+    said = [*(f"{d.line} (--allow-config {d.key})" for d in allowed),
+            *(f"{d.line} (--unbounded refuses it)" for d in bounded)]
+    if bounded:
+        summary = {**summary, "bounded": [{"key": d.key, "tokens": d.tokens, "line": d.line} for d in bounded]}
+    return {**summary, "warnings": [*summary.get("warnings", []), *said]} if said else summary
 
 
-def client_differences(ckpt: Checkpoint, target: Format) -> list[tuple[str, str]]:
-    """(setting, sentence) for each setting the ``target`` format's client would run otherwise, from ``ckpt``'s
-    config as the output carries it, than ``ckpt``'s own client runs it (``checks.semantics``)."""
+def client_differences(ckpt: Checkpoint, target: Format) -> list[Difference]:
+    """Each setting the ``target`` format's client would run otherwise, from ``ckpt``'s config as the output
+    carries it, than ``ckpt``'s own client runs it (``checks.semantics``; a bounded one says its length)."""
     source, client = ckpt.format.client(), target.client()
     if source.runtime == client.runtime or not ckpt.config:
         return []

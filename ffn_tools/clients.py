@@ -134,14 +134,17 @@ class Client(ABC):
         return res
 
     def compare_runs(self, res: ConfigResult, ca, cb, allow: set) -> None:
-        """Into ``res``: each setting A's client runs otherwise than this client runs B's (``semantics``)."""
+        """Into ``res``: each setting A's client runs otherwise than this client runs B's (``semantics``); one
+        that shows only past a sequence length into ``res.bounded``."""
         theirs = ca.format.client() if ca.format is not None else None
         if theirs is None or theirs.runtime == self.runtime:
             return
-        for key, line in differences(theirs.runs_of(ca), self.runs_of(cb),
-                                     f"A's client ({theirs.name})", f"B's client ({self.name})",
-                                     config=ca.config or {}, ckpt=ca):
-            (res.allowed if key in allow else res.problems).append(line)
+        for d in differences(theirs.runs_of(ca), self.runs_of(cb), f"A's client ({theirs.name})",
+                             f"B's client ({self.name})", config=ca.config or {}, ckpt=ca):
+            if d.key not in allow and d.tokens is not None:  # the same function up to a sequence length
+                res.bounded.append({"key": d.key, "tokens": d.tokens, "line": d.line})
+            else:
+                (res.allowed if d.key in allow else res.problems).append(d.line)
 
     def config_of(self, ckpt) -> dict:
         """The config this client reads for ``ckpt`` (its config.json, as the view presents it)."""

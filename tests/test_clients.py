@@ -25,24 +25,66 @@ def _with(src, tmp_path, name: str, **config):
     return out
 
 
-def test_mistral_sliding_window_to_mlx_is_refused_then_verify_names_both_behaviours(hf, tmp_path):
+def _last_logits(src, mlx_out, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of every position of ``tokens`` as transformers runs ``src`` and as mlx_lm runs ``mlx_out``."""
+    import mlx.core as mx
+    import mlx_lm
+    import numpy as np
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model(torch.tensor([tokens])).logits[0]
+    mlx_model, _ = mlx_lm.load(str(mlx_out))
+    ours = mlx_model(mx.array([tokens]))[0].astype(mx.float32)
+    return theirs, torch.from_numpy(np.array(ours))
+
+
+def test_mistral_sliding_window_to_mlx_is_written_with_its_bound(hf, tmp_path):
+    """issue 60 item 22: mlx_lm attends to every token where transformers' Mistral slides its window: the two
+    compute the same on every sequence of up to the window's length, and differ past it (run here through both
+    real clients). convert writes it saying the bound in one line; verify passes saying it; --unbounded refuses
+    and fails it as any other difference."""
     src = _with(hf("mistral", torch.float32), tmp_path, "src", sliding_window=8)  # 8 < max_position_embeddings
     out = tmp_path / "mlx"
-    r = run_cli("convert", str(src), "--to", "mlx", "-o", str(out), ok=False)
+    line = ("sliding_window: the input's client (transformers) runs a 8-token window on every layer of 2; the "
+            "output's client (mlx_lm) would run full attention on every layer (2) (mlx_lm's llama model slides only "
+            "the layers its layer_types mark sliding_attention: none here): the two agree on sequences of up to 8 "
+            "tokens")
+    r = run_cli("convert", str(src), "--to", "mlx", "-o", str(out), "--unbounded", ok=False)
     assert r.exit_code == 2 and not out.exists(), r.output
-    assert ("sliding_window: the input's client (transformers) runs a 8-token window on every layer of 2; the "
-            "output's client (mlx_lm) would run full attention on every layer (2)") in r.output, r.output
-    assert "--allow-config sliding_window writes it anyway" in r.output and "Traceback" not in r.output
-    r = run_cli("convert", str(src), "--to", "mlx", "-o", str(out), "--allow-config", "sliding_window")
-    assert "warning: sliding_window:" in r.output and (out / "config.json").is_file()  # said, and written
-    # mlx_lm itself runs full attention: its logits past the window are the unwindowed model's
+    assert line in r.output and "--allow-config sliding_window writes it anyway (without --unbounded: the two " \
+        "agree on sequences of up to 8 tokens)" in r.output and "Traceback" not in r.output, r.output
+    r = run_cli("convert", str(src), "--to", "mlx", "-o", str(out), "--json")
+    assert r.stderr.strip().splitlines()[-1] == f"warning: {line} (--unbounded refuses it)", r.stderr
+    data = json.loads(r.stdout)
+    assert data["bounded"] == [{"key": "sliding_window", "tokens": 8, "line": line}]
+    assert f"{line} (--unbounded refuses it)" in data["warnings"]
+    # the bound is the clients' own: the same logits on 8 tokens, and past the window only the positions past it
+    # differ (transformers' token 8 no longer sees token 0; mlx_lm's does)
+    theirs, ours = _last_logits(src, out, [5, 17, 3, 42, 9, 77, 23, 11, 60, 31, 8, 50])
+    assert torch.allclose(theirs[:8], ours[:8], atol=1e-4), (theirs[:8] - ours[:8]).abs().max()
+    assert (theirs[8:] - ours[8:]).abs().amax(dim=-1).min() > 1e-2
+    short_theirs, short_ours = _last_logits(src, out, [5, 17, 3, 42, 9, 77, 23, 11])
+    assert torch.allclose(short_theirs, short_ours, atol=1e-4)
+    verified = line.replace("the input's client (transformers)", "A's client (transformers)").replace(
+        "the output's client (mlx_lm) would run", "B's client (mlx_lm) runs")
+    r = run_cli("verify", str(src), str(out), "--backend", "reference", "--json")
+    data = json.loads(r.stdout)
+    assert data["passed"] and data["equivalent_up_to"] == 8, data["verdict"]
+    assert data["config"]["bounded"] == [{"key": "sliding_window", "tokens": 8, "line": verified}]
+    assert data["config"]["problems"] == [] and data["config"]["passed"]
+    assert data["verdict"].startswith("PASS: ") and "; equivalent up to 8 tokens (sliding_window differs past that, " \
+        "see the config line; --unbounded fails it)" in data["verdict"], data["verdict"]
+    r = run_cli("verify", str(src), str(out), "--backend", "reference")
+    assert f"; bounded: {verified}" in r.output and "equivalent up to 8 tokens" in r.output.splitlines()[-1]
+    r = run_cli("verify", str(src), str(out), "--backend", "reference", "--unbounded", ok=None)
+    assert r.exit_code == 1 and f"FAIL: config differs; first: config: {verified} (--unbounded)" in r.output, r.output
+    # --logits runs past the window: the logits differ there, and the bound is named as their cause
     r = run_cli("verify", str(src), str(out), "--backend", "reference", "--logits", ok=None)
-    assert r.exit_code == 1, r.output
-    assert ("config: sliding_window: A's client (transformers) runs a 8-token window on every layer of 2; B's "
-            "client (mlx_lm) runs full attention on every layer (2)") in r.output
-    assert "likely cause, from the config check: sliding_window:" in r.output  # --logits names the cause
+    assert r.exit_code == 1 and f"likely cause, from the config check: {verified}" in r.output, r.output
     r = run_cli("verify", str(src), str(out), "--backend", "reference", "--allow-config", "sliding_window")
-    assert "PASS" in r.output  # a difference accepted on purpose
+    assert "PASS" in r.output and "equivalent up to" not in r.output  # a difference accepted on purpose
 
 
 def test_a_window_no_shorter_than_the_context_is_no_difference(hf, tmp_path):
@@ -54,9 +96,14 @@ def test_a_window_no_shorter_than_the_context_is_no_difference(hf, tmp_path):
 def test_mlx_lm_without_a_sliding_window_is_named(hf, tmp_path):
     """Gemma 2's mlx_lm model has no sliding window at all (its ModelArgs has none): every other layer of
     transformers' Gemma 2 slides."""
-    r = run_cli("convert", str(hf("gemma2", torch.float32)), "--to", "mlx", "-o", str(tmp_path / "mlx"), ok=False)
+    r = run_cli("convert", str(hf("gemma2", torch.float32)), "--to", "mlx", "-o", str(tmp_path / "mlx"),
+                "--unbounded", ok=False)
     assert r.exit_code == 2 and "a 6-token window on layer 0 of 2" in r.output
     assert "(mlx_lm's gemma2 model has no sliding window)" in r.output
+    # only layer 0 slides, at 6 tokens: the same bound as Mistral's (issue 60 item 22), written saying it
+    r = run_cli("convert", str(hf("gemma2", torch.float32)), "--to", "mlx", "-o", str(tmp_path / "mlx"))
+    assert "(mlx_lm's gemma2 model has no sliding window): the two agree on sequences of up to 6 tokens " \
+        "(--unbounded refuses it)" in r.stderr, r.stderr
 
 
 def test_mlx_lm_convert_of_a_v5_llama3_fails_verify_naming_the_rope_base(tmp_path):
@@ -149,7 +196,8 @@ def test_renormalizing_is_no_difference_where_every_expert_is_chosen(gguf_model,
                   num_experts_per_tok=experts)
     assert cfg["num_experts_per_tok"] < experts
     gguf = converters.get("gguf")
-    assert [k for k, _ in converters.client_differences(converters.open_any(some), gguf)] == ["norm_topk_prob"]
+    differ = converters.client_differences(converters.open_any(some), gguf)
+    assert [(d.key, d.tokens) for d in differ] == [("norm_topk_prob", None)]  # at any length: no bound
     assert converters.client_differences(converters.open_any(every), gguf) == []
 
 

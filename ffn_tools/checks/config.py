@@ -76,17 +76,31 @@ class ConfigResult(Check):
     compared: int = 0  # keys compared
     allowed: list[str] = field(default_factory=list)  # "key: A x, B y" accepted by --allow-config
     ties: tuple = (None, None)  # each side's tie_word_embeddings as its client reads it (None: unknown)
+    # settings the clients run otherwise only past a sequence length: {"key", "tokens" (the longest sequence on
+    # which they agree), "line"}; a pass up to the shortest such length (``unbind``: a failure instead)
+    bounded: list[dict] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int | None:
+        """The longest sequence on which A and B compute the same where a setting differs past it; None: no bound."""
+        return min((b["tokens"] for b in self.bounded), default=None)
+
+    def unbind(self) -> None:
+        """Count each bounded difference as a problem (``--unbounded``: the same function at every length)."""
+        self.problems += [f"{b['line']} (--unbounded)" for b in self.bounded]
+        self.bounded = []
 
     def line(self) -> str:
         if self.skipped:
             return f"config: not compared ({self.skipped})"
         allowed = f", {len(self.allowed)} allowed by --allow-config" if self.allowed else ""
-        return (f"config: {self.compared} keys compared as {' and '.join(self.readers)} read them, "
+        head = (f"config: {self.compared} keys compared as {' and '.join(self.readers)} read them, "
                 f"{len(self.problems)} differ{allowed}")
+        return head + "".join(f"; bounded: {b['line']}" for b in self.bounded)
 
     def as_dict(self) -> dict:
         return {"readers": self.readers, "compared": self.compared, "problems": self.problems, "notes": self.notes,
-                "allowed": self.allowed, "skipped": self.skipped, "passed": self.verdict}
+                "allowed": self.allowed, "bounded": self.bounded, "skipped": self.skipped, "passed": self.verdict}
 
 
 def _short(v) -> str:

@@ -13,12 +13,15 @@ architecture. ``differences`` compares two clients' readings, setting by setting
                      the top-k experts by (read off each client's model: transformers' ERNIE 4.5 MoE has one,
                      mlx_lm's sanitize drops it); moot where the checkpoint's bias is zero everywhere
 
-A setting a client's reading leaves out is one it is not known to read otherwise, and is not compared.
+A setting a client's reading leaves out is one it is not known to read otherwise, and is not compared. A difference
+in the windows is bounded: the two clients compute the same on every sequence up to the smallest window among the
+layers that differ (``sequences_alike``); every other difference shows at any length.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import listing
 
@@ -152,13 +155,39 @@ def moot(config: dict, ckpt=None) -> set[str]:
     return out
 
 
+class Difference(NamedTuple):
+    """A setting two clients run otherwise: its ``key``, the ``line`` that says both behaviours, and ``tokens``: the
+    longest sequence on which the two still compute the same (None: they differ at any length)."""
+
+    key: str
+    line: str
+    tokens: int | None = None
+
+
+def sequences_alike(key: str, a, b) -> int | None:
+    """The longest sequence on which setting ``key`` run as ``a`` and as ``b`` computes the same, or None where no
+    length is safe. Windows (``sliding_window``, one per layer): a layer windowed at W lets each token see itself
+    and the W-1 before it (transformers' mask keeps ``q - kv < W``; llama.cpp's and mlx_lm's alike), which on a
+    sequence of at most W tokens is every token before it: full attention. So two readings agree up to the
+    smallest window among the layers they run otherwise."""
+    if key != "sliding_window" or not isinstance(a, list) or not isinstance(b, list) or len(a) != len(b):
+        return None
+    differ = [w for wa, wb in zip(a, b) if wa != wb for w in (wa, wb) if w is not None]
+    return min(differ) if differ else None
+
+
 def differences(a: dict[str, Runs], b: dict[str, Runs], a_who: str, b_who: str,
-                b_runs: str = "runs", config: dict | None = None, ckpt=None) -> list[tuple[str, str]]:
-    """(setting, sentence) for each setting both readings have and run otherwise, but for those ``moot`` under
-    ``config`` and the weights of ``ckpt`` (the first side's); ``a_who``, ``b_who`` name the clients in the sentence
-    ("A's client (transformers)"), ``b_runs`` the second one's verb ("would run")."""
+                b_runs: str = "runs", config: dict | None = None, ckpt=None) -> list[Difference]:
+    """Each setting both readings have and run otherwise, but for those ``moot`` under ``config`` and the weights
+    of ``ckpt`` (the first side's); ``a_who``, ``b_who`` name the clients in the line ("A's client
+    (transformers)"), ``b_runs`` the second one's verb ("would run"). A difference that only shows past a
+    sequence length (``sequences_alike``) says that length in its line and ``tokens``."""
     out, same = [], moot(config or {}, ckpt)
     for key in sorted(set(a) & set(b) - same):
         if a[key].value != b[key].value:
-            out.append((key, f"{key}: {a_who} runs {a[key].words}; {b_who} {b_runs} {b[key].words}"))
+            line = f"{key}: {a_who} runs {a[key].words}; {b_who} {b_runs} {b[key].words}"
+            tokens = sequences_alike(key, a[key].value, b[key].value)
+            if tokens is not None:
+                line += f": the two agree on sequences of up to {tokens} tokens"
+            out.append(Difference(key, line, tokens))
     return out

@@ -353,8 +353,12 @@ def _quantize_value(ctx, param, value):
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--allow-config", "allow_config", multiple=True, metavar="KEY",
               help="Write the output although its client runs setting KEY otherwise than the input's client (say "
-                   "mlx_lm ignoring Mistral's sliding_window, llama.cpp renormalizing Qwen3-MoE's top-k weights): "
-                   "without it such a conversion is refused, naming the setting and both behaviours. Repeatable.")
+                   "mlx_lm renormalizing Jamba's top-k weights, llama.cpp renormalizing Qwen3-MoE's): without it "
+                   "such a conversion is refused, naming the setting and both behaviours. Repeatable.")
+@click.option("--unbounded", is_flag=True,
+              help="Refuse also a difference that shows only past a sequence length. By default an output whose "
+                   "client differs only there (mlx_lm attending to every token where transformers' Mistral slides a "
+                   "4096-token window) is written, and a warning says the length up to which the two agree.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 @upload_option
 @resume_option
@@ -363,7 +367,7 @@ def _quantize_value(ctx, param, value):
 @scheme_options
 @layout_options
 def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, token_embedding_type, imatrix, mlx_path, dtype, quantize, q_bits, q_group_size, q_mode, quant_predicate,
-            dequantize, flax_layout, orbax_layout, dcp_naming, dcp_ranks, base, dry_run, estimate, force, allow_config, as_json, upload_repo, resume, ray, max_shard_size, scheme, layout):
+            dequantize, flax_layout, orbax_layout, dcp_naming, dcp_ranks, base, dry_run, estimate, force, allow_config, unbounded, as_json, upload_repo, resume, ray, max_shard_size, scheme, layout):
     """Convert the checkpoint at PATH to PyTorch safetensors, MLX, Flax msgpack, GGUF, DCP or Orbax.
 
     The input may be any format ffn-tools reads. MLX output is what mlx_lm.convert writes for the same
@@ -431,8 +435,8 @@ def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, tok
                 dry_run=dry_run or None, flax_layout=flax_layout, orbax_layout=orbax_layout, dcp_naming=dcp_naming,
                 dcp_ranks=dcp_ranks, outtype=outtype, requantize=requantize, output_tensor_type=output_tensor_type,
                 token_embedding_type=token_embedding_type, imatrix=imatrix, scheme=scheme, layout=layout,
-                upload_repo=upload_repo, allow_config=allow_config, base=base, resume=resume, estimate=estimate,
-                ray=ray)
+                upload_repo=upload_repo, allow_config=allow_config, unbounded=unbounded, base=base, resume=resume,
+                estimate=estimate, ray=ray)
     emit(r, as_json, [*(r.get("plan") or []), r["summary"], *r.get("changes", []), *estimated(r), *uploaded(r)])
 
 

@@ -91,6 +91,10 @@ b_layout_options = layout_options_for(
               help="Accept a difference in this config key on purpose (a dotted key such as "
                    "rope_parameters.rope_theta, or its top-level key); repeat for several. By default every key "
                    "the clients read that differs fails.")
+@click.option("--unbounded", is_flag=True,
+              help="Fail also a setting the clients run otherwise only past a sequence length. By default such a "
+                   "pair passes (mlx_lm attending to every token where transformers' Mistral slides a 4096-token "
+                   "window), and the verdict says the length up to which the two are equivalent.")
 @click.option("--side-files/--no-side-files", default=True, show_default=True,
               help="Compare the files a client reads beside the weights: tokenizer (vocabulary, merges, added "
                    "and special tokens), tokenizer_config (chat template), special_tokens_map, "
@@ -112,7 +116,7 @@ b_layout_options = layout_options_for(
 @layout_options
 @b_layout_options
 def verify(a, b, receipt, backends, tokens, seed, layers, shards_needed, experts, atol, rtol, exact, logits, generate, prompts,
-           new_tokens, profile, allow_unmatched, ffn_only, load_check, allow_config, side_files,
+           new_tokens, profile, allow_unmatched, ffn_only, load_check, allow_config, unbounded, side_files,
            all_ffns_on_every_backend, as_json, resume, ray, scheme, layout, b_layout):
     """Check that checkpoint B holds the same FFNs as checkpoint A.
 
@@ -197,6 +201,7 @@ def verify(a, b, receipt, backends, tokens, seed, layers, shards_needed, experts
                      experts=experts, atol=atol, rtol=rtol, exact=exact, logits=logits, scheme=scheme,
                      layout=layout, b_layout=b_layout, allow_unmatched=allow_unmatched,
                      ffn_only=ffn_only, load_check=load_check, allow_config=allow_config, side_files=side_files,
+                     unbounded=unbounded or None,  # (None: not given, as the adapters' verify takes it)
                      all_ffns_on_every_backend=all_ffns_on_every_backend, generate=generate, prompts=prompts,
                      new_tokens=new_tokens, profile=profile, ray=ray, resume=resume)
     if as_json:

@@ -106,7 +106,7 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
            b_layout: GateUpLayout | None = None, allow_unmatched: bool = False, ffn_only: bool = False,
            load_check: bool = True, allow_config: Sequence[str] = (), side_files: bool = True,
            all_ffns_on_every_backend: bool = False, generate: bool = False, prompts: str | None = None,
-           new_tokens: int = NEW_TOKENS, profile: str = DEFAULT_PROFILE) -> VerifyReport:
+           new_tokens: int = NEW_TOKENS, profile: str = DEFAULT_PROFILE, unbounded: bool = False) -> VerifyReport:
     """Verify that checkpoint ``b`` holds the same FFNs as checkpoint ``a``.
 
     Args:
@@ -135,6 +135,8 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
             nothing left over, shapes equal.
         allow_config: config keys whose difference is accepted on purpose (``model_config``); every other
             difference in what the clients read fails.
+        unbounded: fail a setting the clients run otherwise only past a sequence length (a sliding window one
+            applies and the other not); by default it passes, the verdict saying up to which length.
         side_files: compare tokenizer, generation_config and the other side files (``side_files``).
         all_ffns_on_every_backend: run every FFN on every backend; by default every FFN runs on the float64
             reference and the other backends run the first FFN of each kind (shape, form, layout, dtype,
@@ -231,6 +233,8 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
                 report.notes += compare_recorded(report.outside, ca, cb, recorded)
             run_kernels()  # after the outside comparison: its tensors and theirs are not held at once
         report.config, report.side_files, report.tokenization = model.result()
+        if unbounded and report.config is not None:
+            report.config.unbind()
         recipe = cb.format.recipe(cb, report.b.get("dtype"), bool(report.b.get("quantization"))) if generate else None
         mods, report.skipped_backends = kernels.result()
         report.backends = list(mods)
@@ -254,6 +258,11 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
                                     profile,
                                     skip=None if generate else "--generate runs both models on prompts through "
                                     "their clients", blocked=blocked or no_logits, refused=refused)
+    bound = report.config.tokens if report.config is not None else None
+    if bound is not None and report.generation is not None and report.generation.decided:
+        report.notes.append(f"generation: on sequences past {bound} tokens A's and B's clients compute otherwise (the "
+                            "config line's bound); there its floor, A converted to B's form and run by B's client, "
+                            "computes as B's client does, so the statistics judge B's weights, not that difference")
     return report
 
 

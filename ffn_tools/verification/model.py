@@ -99,5 +99,6 @@ def run_logits(report: VerifyReport, a, b, ca, cb, clients: tuple[Client, Client
                             f"{' '.join(str(e).split())[:160]}")
         report.logits = compare_logits(a, b, clients, tol, seed, vocab, probe, wider)
     config = report.config
-    if not report.logits["passed"] and config is not None and config.problems:  # what differs is likely that
-        report.logits["problems"].append(f"likely cause, from the config check: {config.problems[0]}")
+    causes = [*config.problems, *(b["line"] for b in config.bounded)] if config is not None else []
+    if not report.logits["passed"] and causes:  # what differs is likely that (a bound: past it, logits differ)
+        report.logits["problems"].append(f"likely cause, from the config check: {causes[0]}")

@@ -248,7 +248,7 @@ class VerifyReport:
             if self.generation is not None and not self.generation.skipped:
                 logits += ", generation within its noise floor"
             return (f"PASS: {n} FFN{'s' * (n != 1)} of A and B agree on {', '.join(self.backends)}{bits}{logits}"
-                    + "".join(f"; {s}" for s in self.not_run()))
+                    + self.bound() + "".join(f"; {s}" for s in self.not_run()))
         bad = sum(not r.passed for r in self.results)
         unpaired = len(self.only_a) + len(self.only_b)
         counts = [f"{bad} of {n} FFNs differ"] if n and bad else []
@@ -261,11 +261,21 @@ class VerifyReport:
                    if c is not None and not c.passed]
         return f"FAIL: {', '.join(counts) + '; ' if counts else ''}first: {self.failures()[0]}"
 
+    def bound(self) -> str:
+        """``; equivalent up to N tokens (...)`` where the clients run a setting otherwise past N tokens, or ""."""
+        config = self.config
+        if config is None or config.tokens is None:
+            return ""
+        keys = ", ".join(dict.fromkeys(b["key"] for b in config.bounded))
+        return (f"; equivalent up to {config.tokens} tokens ({keys} differs past that, see the config line; "
+                "--unbounded fails it)")
+
     def as_dict(self) -> dict:
         """What ``ffn-tools verify --json`` prints: the keys every command's JSON starts with, then the report."""
         return {"command": "verify", "input": [self.a.get("path"), self.b.get("path")], "output": None,
                 "summary": self.verdict, "warnings": [],
-                "passed": self.passed, "verdict": self.verdict, "a": self.a, "b": self.b,
+                "passed": self.passed, "verdict": self.verdict,
+                "equivalent_up_to": self.config.tokens if self.config else None, "a": self.a, "b": self.b,
                 "backends": self.backends, "skipped_backends": self.skipped_backends, "tokens": self.tokens,
                 "seed": self.seed, "tolerance": self.tolerance.as_dict() if self.tolerance else None,
                 "problems": self.problems, "notes": self.notes, "only_a": self.only_a, "only_b": self.only_b,
