@@ -60,6 +60,8 @@ def test_mistral_sliding_window_to_mlx_is_written_with_its_bound(hf, tmp_path):
     data = json.loads(r.stdout)
     assert data["bounded"] == [{"key": "sliding_window", "tokens": 8, "line": line}]
     assert f"{line} (--unbounded refuses it)" in data["warnings"]
+    r = run_cli("convert", str(src), "--to", "mlx", "-o", str(tmp_path / "q4"), "-q")  # quantized alike
+    assert f"warning: {line} (--unbounded refuses it)" in r.stderr, r.stderr
     # the bound is the clients' own: the same logits on 8 tokens, and past the window only the positions past it
     # differ (transformers' token 8 no longer sees token 0; mlx_lm's does)
     theirs, ours = _last_logits(src, out, [5, 17, 3, 42, 9, 77, 23, 11, 60, 31, 8, 50])
