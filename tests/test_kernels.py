@@ -10,7 +10,8 @@ Bit-exactness, stated per backend (see test_rounding_structure_is_exact and test
   to round(act32(g) * u), where act32 is that backend's own float32 activation: the rounding structure of
   eager `F.silu(g) * u` holds exactly.
 * Against eager `F.silu(g) * u` itself on the CPU, bits can differ only because each backend's float32
-  exp/erf/tanh differ from PyTorch's: EAGER_ULPS_FP32 / EAGER_ULPS_16BIT hold the bounds measured here
+  exp/erf/tanh differ from PyTorch's: EAGER_ULPS_FP32 (float32: from the float64 result rounded once) /
+  EAGER_ULPS_16BIT hold the bounds measured here
   (gelu forms for g >= -1: below, PyTorch's own CPU erf/tanh tail is thousands of ulp off and only the
   float64 reference is trusted). On CUDA the Triton kernel promises bit-exact equality with eager silu;
   benchmarks/gpu_kernels.py checks that on a GPU.
@@ -44,7 +45,7 @@ EXTRA_SHAPES = ((1, 1), (5, 1001))  # and silu on these (a jax compile per shape
 EAGER = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
          "relu2": lambda x: F.relu(x).square()}
 
-# Max ulp distance from eager `act(g) * u` on the CPU for float32, where |eager| >= 2**-100 (further down,
+# Max ulp distance from `act(g) * u` for float32, where |eager| >= 2**-100 (further down,
 # each exp library handles float32 underflow differently; there the absolute difference must stay below
 # 2**-100). The float32 exp/erf/tanh libraries differ (numpy for the Triton interpreter, MLX's own, XLA's)
 # from PyTorch's; MLX's exp is the loosest at large |x|. gelu and gelu_tanh are compared for g >= -1 only:
@@ -52,10 +53,16 @@ EAGER = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approx
 # reference checks that range). 16-bit dtypes: a float32 ulp can flip the first rounding, which moves the
 # product by at most 2 ulp of the dtype, and at most 0.1% of the elements may differ at all (measured: no
 # bfloat16 difference anywhere, float16 a few in 10**4).
+# For float32 the distance is measured from the float64 result rounded once (``F64``), not from eager: eager's own
+# float32 erf depends on the CPU's vector unit (torch's AVX2 gelu is 9 ulp off that rounding on these EPYCs, where
+# the AVX-512 build that set the earlier eager bounds was closer), so a bound from eager moved with the machine.
+# relu2 is the same float32 ops as eager and is compared with eager, bit for bit. Measured 2026-12-07 (AVX2).
+F64 = {"silu": lambda x: F.silu(x.double()), "gelu": lambda x: F.gelu(x.double()),
+       "gelu_tanh": lambda x: F.gelu(x.double(), approximate="tanh")}
 EAGER_ULPS_FP32 = {
-    "silu": {"triton": 5, "mlx": 64, "jax": 4},
-    "gelu": {"triton": 6, "mlx": 9, "jax": 7},
-    "gelu_tanh": {"triton": 5, "mlx": 4, "jax": 5},
+    "silu": {"triton": 3, "mlx": 59, "jax": 2},
+    "gelu": {"triton": 3, "mlx": 8, "jax": 5},
+    "gelu_tanh": {"triton": 6, "mlx": 5, "jax": 6},
     "relu2": {"triton": 0, "mlx": 0, "jax": 0},  # max and one multiply: the same float32 ops as eager
 }
 EAGER_ULPS_16BIT = 2
@@ -174,7 +181,8 @@ def test_ulps_from_eager(backend, dtype, activation):
     eager = EAGER[activation](g) * u
     domain = (g >= -1) if activation != "silu" else torch.ones_like(g, dtype=torch.bool)
     normal = eager.abs() >= 2.0**-100
-    ulps = (ulp_key(res) - ulp_key(eager)).abs()[domain & normal]
+    want = (F64[activation](g) * u.double()).float() if dtype == torch.float32 and activation in F64 else eager
+    ulps = (ulp_key(res) - ulp_key(want)).abs()[domain & normal]
     bound = EAGER_ULPS_FP32[activation][backend] if dtype == torch.float32 else EAGER_ULPS_16BIT
     assert int(ulps.max()) <= bound, f"{int(ulps.max())} ulp > {bound}"
     tiny = (res.double() - eager.double()).abs()[domain & ~normal]
