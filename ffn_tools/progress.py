@@ -6,6 +6,7 @@ Before a step has bytes to count (imports, loading a model, a converter's start)
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Iterator
@@ -33,7 +34,30 @@ def visible() -> bool:
 def say(line: str) -> None:
     """One line on stderr, unless --quiet: what a long step is about to cost, before it starts."""
     if _enabled:
-        print(line, file=sys.stderr, flush=True)
+        with above_status():
+            print(line, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def above_status() -> Iterator[None]:
+    """Write to stderr above ``doing``'s status line: it is erased first and drawn again after, so a line said
+    meanwhile (a warning, a cost) stands on its own line rather than glued to the status."""
+    if not _doing:
+        yield
+        return
+    _draw("")
+    try:
+        yield
+    finally:
+        _draw(_doing[-1])
+
+
+class StatusAwareHandler(logging.StreamHandler):
+    """The CLI's logging handler: each record written above ``doing``'s status line (``above_status``)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with above_status():
+            super().emit(record)
 
 
 @contextmanager

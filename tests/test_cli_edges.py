@@ -276,3 +276,32 @@ def test_a_terminal_is_told_what_runs_before_the_first_progress_bar(model_dir, t
         assert steps[0].startswith("verify: opening A and B") and "verify: the load check (would B load in " \
             "transformers?)" in steps, steps
         assert text.endswith(CLEAR), text[-200:]  # erased: the report starts on a clean line
+
+
+def test_a_line_said_during_a_status_stands_on_its_own_line(monkeypatch):
+    """A warning or a cost line said while ``doing``'s status is drawn is written above it (the status erased,
+    the line written, the status drawn again), never glued to the end of the status text."""
+    import io
+    import logging
+
+    from ffn_tools import progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    term = Terminal()
+    monkeypatch.setattr("sys.stderr", term)
+    log = logging.getLogger("ffn_tools.test_status")
+    handler = progress.StatusAwareHandler()
+    log.addHandler(handler)
+    try:
+        with progress.doing("verify: opening A and B"):
+            progress.say("this costs 3 s")
+            log.warning("a warning")
+    finally:
+        log.removeHandler(handler)
+    text = term.getvalue()
+    c = progress.CLEAR
+    assert text == (f"{c}verify: opening A and B{c}this costs 3 s\n{c}verify: opening A and B{c}a warning\n"
+                    f"{c}verify: opening A and B{c}"), repr(text)

@@ -147,7 +147,8 @@ def cli(quiet: bool, verbose: bool, config: str | None) -> None:
     """
     from ..io.store import give_config
 
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
+                        handlers=[progress.StatusAwareHandler()])  # above a status line, never glued to it
     progress.set_enabled(not quiet)
     give_config(Path(config) if config else None)
 
