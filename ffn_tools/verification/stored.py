@@ -185,23 +185,13 @@ def scale_defect(cb, y: FFN, role: str, a: dict, b: dict, same_form: bool) -> st
     sentence naming B's scale tensor, the first differing block (in B's tensor: a fused gate_up's row blocks as B
     stores them) and both values; None where every scale value is A's (rounded to B's dtype, where B stores its
     scales in another: a cast, which the tolerance row judges)."""
-    import torch
-
     m = cb.quantized(stored_name(y, role if role != "gate_up" else "gate"))
     if m is None or m.scheme.name not in ROW_SCHEMES or "weight" not in a:
         return None
     for p, sa in a.items():
-        sb = b[p]
-        if p == "weight" or tuple(sa.shape) != tuple(sb.shape):
+        if p == "weight" or (found := scale_differs(sa, b[p])) is None:
             continue
-        va, vb = sa.to(torch.float64), sb.to(torch.float64)
-        if sa.dtype != sb.dtype and sb.dtype.is_floating_point:  # a scale stored in another dtype: A's, rounded
-            va = sa.to(sb.dtype).to(torch.float64)
-        off = ~((va == vb) | (va.isnan() & vb.isnan()))
-        if not bool(off.any()):
-            continue
-        first = [int(i) for i in off.nonzero()[0]]
-        got, had = float(vb[tuple(first)]), float(va[tuple(first)])
+        off, first, had, got = found
         if role in ("gate", "up") and "gate_up" in y.names and not same_form:  # B's own row block of it
             seg = next(sg for sg in y.layout.segments(2 * sa.shape[0]) if sg[0] == role and sg[2] <= first[0] < sg[2] + sg[3])
             first[0] = seg[1] + first[0] - seg[2]
@@ -214,6 +204,24 @@ def scale_defect(cb, y: FFN, role: str, a: dict, b: dict, same_form: bool) -> st
                 f"{n} of {off.numel()} block{'s' * (off.numel() != 1)}, first {where}: A {had:.9g}, B {got:.9g}; a "
                 "re-quantization that changes a scale changes its block's codes, so this is a defect, not rounding")
     return None
+
+
+def scale_differs(sa: "torch.Tensor", sb: "torch.Tensor") -> tuple["torch.Tensor", list[int], float, float] | None:
+    """Where scale part ``sb`` (B's) is not A's ``sa`` of the same shape: (which values differ, the first one's index,
+    A's value there, B's); None where every value is A's (rounded to B's dtype, where B stores its scales in another:
+    a cast, which the tolerance row judges) or the shapes differ."""
+    import torch
+
+    if tuple(sa.shape) != tuple(sb.shape):
+        return None
+    va, vb = sa.to(torch.float64), sb.to(torch.float64)
+    if sa.dtype != sb.dtype and sb.dtype.is_floating_point:  # a scale stored in another dtype: A's, rounded
+        va = sa.to(sb.dtype).to(torch.float64)
+    off = ~((va == vb) | (va.isnan() & vb.isnan()))
+    if not bool(off.any()):
+        return None
+    first = [int(i) for i in off.nonzero()[0]]
+    return off, first, float(va[tuple(first)]), float(vb[tuple(first)])
 
 
 def quantized_alike(ca, cb, name: str) -> bool:
@@ -248,8 +256,6 @@ def scale_under_same_codes(ca, cb, name: str) -> str | None:
     (the ``weight`` part) are A's byte for byte but a scale part's values are not, the sentence naming the part,
     how many values differ and the first; None otherwise (codes differ too: a re-quantization, judged by the
     tolerance row)."""
-    import torch
-
     if not quantized_alike(ca, cb, name):
         return None
     ma, mb = ca.quantized(name), cb.quantized(name)
@@ -260,18 +266,12 @@ def scale_under_same_codes(ca, cb, name: str) -> str | None:
         if not _equal_bytes(ra[ma.parts["weight"]], rb[mb.parts["weight"]]):
             return None
         for p, n in ma.parts.items():
-            if p == "weight":
+            if p == "weight" or (found := scale_differs(ra[n], rb[mb.parts[p]])) is None:
                 continue
-            va, vb = ra[n].to(torch.float64), rb[mb.parts[p]].to(torch.float64)
-            if tuple(va.shape) != tuple(vb.shape):
-                continue
-            off = ~((va == vb) | (va.isnan() & vb.isnan()))
-            if bool(off.any()):
-                first = [int(i) for i in off.nonzero()[0]]
-                return (f"{name}: B's codes are A's byte for byte but its scale {mb.parts[p]} is not A's at "
-                        f"{int(off.sum())} of {off.numel()} values, first {first}: A {float(va[tuple(first)]):.9g}, "
-                        f"B {float(vb[tuple(first)]):.9g}; a re-quantization that changes a scale changes its codes, "
-                        "so this is a defect, not rounding")
+            off, first, had, got = found
+            return (f"{name}: B's codes are A's byte for byte but its scale {mb.parts[p]} is not A's at "
+                    f"{int(off.sum())} of {off.numel()} values, first {first}: A {had:.9g}, B {got:.9g}; a "
+                    "re-quantization that changes a scale changes its codes, so this is a defect, not rounding")
         return None
     finally:
         for m in (ra, rb):
