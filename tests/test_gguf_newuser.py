@@ -453,7 +453,7 @@ def test_pad_id_kept_elsewhere_is_the_same_pad_id(gguf_model, tmp_path):
     v = json.loads(run_cli("verify", src, back, "--backend", "reference", "--json", ok=None).stdout)
     assert v["passed"], v["failures"]
     assert any(n.startswith("generation_config.json: pad_token_id is kept in A's config.json or tokenizer and B's "
-                            "generation_config.json: [151643] in both") for n in v["side_files"]["notes"]), v
+                            "generation_config.json: 151643 in both") for n in v["side_files"]["notes"]), v
     doc = json.loads((back / "generation_config.json").read_text())
     doc["pad_token_id"] = 151644
     (back / "generation_config.json").write_text(json.dumps(doc))

@@ -161,7 +161,8 @@ def settle_token_ids(ra: Path, rb: Path, da: dict, db: dict, notes: list[str]) -
     if ia is not None and ia == ib:
         kept = [f"{side}'s {'generation_config.json' if key in d else 'config.json or tokenizer'}"
                 for side, d in (("A", da), ("B", db))]
-        notes.append(f"generation_config.json: {key} is kept in {kept[0]} and {kept[1]}: {ia} in both")
+        notes.append(f"generation_config.json: {key} is kept in {kept[0]} and {kept[1]}: "
+                     f"{ia[0] if len(ia) == 1 else ia} in both")
         da.pop(key, None)
         db.pop(key, None)
 

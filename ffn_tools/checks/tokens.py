@@ -38,4 +38,4 @@ class TokenizationResult(Check):
         return {"compared": self.compared, "left_out": self.left_out, "lacking": self.lacking, "what": self.what,
                 "skipped": self.skipped, "problems": self.problems,
                 "differ": [{"text": t, "a": a, "b": b} for t, a, b in self.differ],
-                "passed": None if self.skipped else self.passed}  # not compared: no verdict
+                "passed": self.verdict}  # not compared: no verdict

@@ -131,8 +131,8 @@ class Ledger:
     ``reusable(name)`` says whether shard ``name`` is finished (manifest of this key, size and digest of its
     bytes as recorded); ``finished(name)`` queues the shard just closed for hashing and its manifest;
     ``close()`` waits for the shards queued (their digests are the receipt's, ``io.receipt``: the last one is
-    the only shard hashed after the writing), or, where the writing failed, stops; ``remove()`` deletes the
-    ledger (``atomic_output`` does, last, just before the output moves into place: ``remove_ledger``).
+    the only shard hashed after the writing), or, where the writing failed, stops. The ledger is deleted by
+    ``atomic_output``, last, just before the output moves into place (``remove_ledger``).
     """
 
     def __init__(self, tmp: Path, key: str):
@@ -213,10 +213,6 @@ class Ledger:
         self._thread.join()
         if self._error is not None and not failed:
             raise self._error
-
-    def remove(self) -> None:
-        remove_ledger(self.tmp)
-
 
 def remove_ledger(tmp: Path) -> None:
     """Delete the ledger of the temporary output ``tmp``, if it has one: the last step before ``tmp`` is moved into
