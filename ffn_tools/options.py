@@ -152,7 +152,7 @@ ray_option = ray_flag("Write the output's shards as Ray tasks, each where its in
                       "ADDRESS (--ray=ADDRESS, e.g. --ray=auto, --ray=ray://head:10001; the output directory and the "
                       "inputs on storage every node sees, or the inputs on each node), or, alone, on a Ray started "
                       "here on every core. The output, receipt included, is byte-identical to a one-node run's. "
-                      "Directory outputs of safetensors shards only; needs ffn-tools[ray].")
+                      "Directory outputs of safetensors shards only; needs the ray extra.")
 
 
 def resume_option(f):

@@ -2,7 +2,7 @@
 
 Every backend module (`kernels.reference`, `.triton`, `.metal`, `.mlx`, `.jax`) provides
 
-    available() -> bool, why_unavailable() -> str
+    available() -> bool, why_unavailable() -> str, EXTRA (the ffn-tools extra installing its framework, or None)
     silu_mul(gate, up, *, activation="silu", single_rounding=False, out=None)
     silu_mul_fused(gate_up, *, order="gate-up", interleaved=False, activation="silu", single_rounding=False, out=None)
     ffn(x, gate_w, up_w, down_w, biases=None, *, activation="silu", single_rounding=False)

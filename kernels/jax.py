@@ -31,6 +31,7 @@ from ffn_tools.kernels._surface import (
 )
 
 __all__ = ["available", "why_unavailable", "silu_mul", "silu_mul_fused", "ffn"]
+EXTRA = "flax"  # the ffn-tools extra that installs this backend's framework (None: torch alone)
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,7 +42,7 @@ def why_unavailable() -> str:
         import jax.numpy as jnp
         import ml_dtypes  # noqa: F401  (bfloat16 for numpy)
     except ImportError as exc:
-        return f"jax is not installed ({one_line(exc)}); install ffn-tools[flax]"
+        return f"jax is not installed ({one_line(exc)}); it comes with ffn-tools' {EXTRA} extra"
     try:
         jax.block_until_ready(jax.jit(lambda a: a + 1)(jnp.ones(1)))
     except Exception as exc:

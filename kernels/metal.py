@@ -39,6 +39,7 @@ __all__ = [
     "silu_mul_fused",
     "ffn",
 ]
+EXTRA = "mlx"  # the ffn-tools extra that installs this backend's framework (None: torch alone)
 
 HEADER = r"""
 // ffn-tools: float math shared by every gated-activation variant. ACT: 0 silu, 1 gelu (erf), 2 gelu_tanh, 3 relu2.
@@ -169,7 +170,8 @@ def why_unavailable() -> str:
     try:
         import mlx.core as mx
     except ImportError as exc:
-        return f"mlx is not installed ({one_line(exc)}); Metal kernels need ffn-tools[mlx] on Apple silicon"
+        return (f"mlx is not installed ({one_line(exc)}); Metal kernels need ffn-tools' {EXTRA} extra on Apple "
+                "silicon")
     try:
         probe = cast(_MetalKernel, mx.fast.metal_kernel(
             name="ffn_tools_probe",

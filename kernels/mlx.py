@@ -10,6 +10,7 @@ exactly (bfloat16 as raw bits).
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Mapping
 
 import torch
@@ -31,6 +32,8 @@ from ffn_tools.kernels._surface import (
 )
 
 __all__ = ["available", "why_unavailable", "silu_mul", "silu_mul_fused", "ffn"]
+# the ffn-tools extra that installs this backend's framework (None: torch alone)
+EXTRA = "mlx" if sys.platform == "darwin" else "mlx-cpu"
 
 
 
@@ -40,7 +43,7 @@ def why_unavailable() -> str:
     try:
         import mlx.core as mx
     except ImportError as exc:
-        return f"mlx is not installed ({one_line(exc)}); install ffn-tools[mlx] or ffn-tools[mlx-cpu]"
+        return f"mlx is not installed ({one_line(exc)}); it comes with ffn-tools' {EXTRA} extra"
     try:
         mx.eval(mx.array([1.0]) + 1)
     except Exception as exc:

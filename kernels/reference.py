@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from ffn_tools.kernels._surface import GLU, check_activation, check_ffn, check_out, check_pair, emit, fused_views
 
 __all__ = ["available", "why_unavailable", "silu_mul", "silu_mul_fused", "ffn", "ffn_lora"]
+EXTRA = None  # the ffn-tools extra that installs this backend's framework (None: torch alone)
 
 
 def available() -> bool:

@@ -45,6 +45,7 @@ __all__ = [
     "silu_mul_fused",
     "ffn",
 ]
+EXTRA = "cuda"  # the ffn-tools extra that installs this backend's framework (None: torch alone)
 
 
 class LaunchConfig(NamedTuple):
@@ -60,7 +61,7 @@ def _load() -> tuple[object | None, str]:
     try:
         import triton  # noqa: F401  (the real package: this module is kernels.triton)
     except ImportError as exc:
-        return None, f"triton is not installed ({one_line(exc)}); install ffn-tools[cuda]"
+        return None, f"triton is not installed ({one_line(exc)}); it comes with ffn-tools' {EXTRA} extra"
     if not INTERPRETED and not torch.cuda.is_available():
         return None, "no CUDA device and the Triton interpreter is off (TRITON_INTERPRET is not 1)"
     try:

@@ -111,7 +111,7 @@ b_layout_options = layout_options_for(
 @ray_flag("Verify the FFN pairs as Ray tasks, each where its tensors' files are: on the Ray cluster at ADDRESS "
           "(--ray=ADDRESS), or, alone, on a Ray started here on every core. This process keeps the first FFN of each "
           "kind (the kernel backends run it) and every check that is not an FFN pair; the report is a one-node run's. "
-          "Needs ffn-tools[ray].")
+          "Needs the ray extra.")
 @scheme_options
 @layout_options
 @b_layout_options

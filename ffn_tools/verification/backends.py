@@ -38,7 +38,7 @@ def resolve_backends(names: Sequence[str] | None = None, runtime: Sequence[str] 
             elif why := kernels.emulated(n):
                 skipped[n] = f"{why} (--backend {n} runs it so)"
             elif not (mod := kernels.get_backend(n)).available():
-                skipped[n] = mod.why_unavailable()
+                skipped[n] = why_unavailable(mod)
             else:
                 chosen.append(n)
         return {n: kernels.get_backend(n) for n in chosen}, skipped
@@ -53,7 +53,7 @@ def resolve_backends(names: Sequence[str] | None = None, runtime: Sequence[str] 
         for n in chosen:
             mod = kernels.get_backend(n)
             if not mod.available():
-                raise BackendError(f"backend {n!r} is not available here: {mod.why_unavailable()}")
+                raise BackendError(f"backend {n!r} is not available here: {why_unavailable(mod)}")
     else:
         chosen = []
         for n in kernels.BACKENDS:
@@ -61,6 +61,17 @@ def resolve_backends(names: Sequence[str] | None = None, runtime: Sequence[str] 
             if mod.available():
                 chosen.append(n)
             else:
-                skipped[n] = mod.why_unavailable()
+                skipped[n] = why_unavailable(mod)
     chosen.sort(key=lambda n: n != "reference")
     return {n: kernels.get_backend(n) for n in chosen}, skipped
+
+
+def why_unavailable(mod) -> str:
+    """A backend module's reason it cannot run, with the pip command that installs its extra from where ffn-tools
+    came from (``errors.pip_install``) where its framework is what is missing (kernels/ imports nothing of ours)."""
+    why = mod.why_unavailable()
+    if mod.EXTRA and " is not installed (" in why:
+        from ..errors import pip_install
+
+        why += f": {pip_install(mod.EXTRA)}"
+    return why
