@@ -18,6 +18,7 @@ adding a format is adding a package and a line here.
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -33,6 +34,9 @@ FORMATS = {"torch": "pytorch", "mlx": "mlx", "flax": "flax", "gguf": "gguf", "dc
            "native": "native"}
 WRITES = ("torch", "mlx", "flax", "gguf", "dcp", "orbax")  # the --to choices, known without importing a format (tested against
 # each FORMAT's ``writes``)
+# The extra whose packages a format's own module imports (its FORMAT.extra, for when that import fails); None: torch's.
+IMPORT_EXTRAS = {"mlx": "mlx" if sys.platform == "darwin" else "mlx-cpu", "flax": "flax", "orbax": "flax",
+                 "gguf": "gguf", "torch": None, "dcp": None, "native": None}
 # Options whose command-line flags are not simply --the-name.
 FLAGS = {"scheme": "--scheme/--scheme-file/--gate/--up/--down", "layout": "--layout/--order/--tp"}
 
@@ -50,8 +54,9 @@ def get(fmt: str) -> Format:
     try:
         module = importlib.import_module(f"{__name__}.{FORMATS[fmt]}")
     except ImportError as e:
-        raise FFNToolsError(f"format {fmt!r} needs a package that is not installed ({e}); "
-                            f"install with: {pip_install(fmt)}") from None
+        extra = IMPORT_EXTRAS.get(fmt)
+        raise FFNToolsError(f"format {fmt!r} needs a package that is not installed ({e})"
+                            + (f"; install with: {pip_install(extra)}" if extra else "")) from None
     return module.FORMAT
 
 

@@ -62,6 +62,8 @@ def pip_install(extra: str, dist=None) -> str:
         return f"pip install {shlex.quote(f'{name}[{extra}] @ {url}')}"
     marker = f'extra == "{extra}"'  # the checkout or archive is gone: what the extra installs, by name
     needs = [r.split(";")[0].replace(" ", "") for r in dist.requires or [] if marker in r.replace("'", '"')]
+    if not needs:  # no such extra recorded: say which, never an empty command
+        return f"pip install ffn-tools' {extra!r} extra from its source (it was installed from {local}, gone now)"
     return "pip install " + " ".join(shlex.quote(r) for r in needs)
 
 

@@ -50,3 +50,16 @@ def test_python_api_returns_what_json_prints(model_dir, tmp_path):
 @pytest.mark.parametrize("fn", ["inspect", "extract", "split_gateup", "fuse_gateup", "convert", "verify"])
 def test_api_functions_are_exported(fn):
     assert callable(getattr(ffn_tools, fn)) and fn in ffn_tools.__all__
+
+
+def test_a_formats_import_extra_is_its_own_extra():
+    """converters.IMPORT_EXTRAS (the hint where a format's own import fails, so its FORMAT cannot be asked) names
+    the extra each FORMAT declares (MLX: mlx-cpu here, mlx on Apple silicon; none: torch's own packages)."""
+    import sys
+
+    from ffn_tools import converters
+
+    for name in converters.FORMATS:
+        fmt = converters.get(name)
+        want = "mlx" if fmt.extra == "mlx-cpu" and sys.platform == "darwin" else fmt.extra or None
+        assert converters.IMPORT_EXTRAS[name] == want, name
