@@ -371,7 +371,9 @@ def _titan_deepseek(tmp_path) -> tuple:
     torch.manual_seed(4)
     model = spec.model.build()
     for p in model.parameters():  # bf16 weights, half the bytes; its buffers as torchtitan keeps them (float32, the
-        p.data = p.data.to(torch.bfloat16)  # rotary table complex)
+        # rotary table complex). build() leaves the weights as allocated (its trainer calls init_weights on the
+        # device): seeded values here, or a step holds whatever memory was there (inf/nan, one run in several)
+        p.data = (torch.randn(p.shape) * 0.02).to(torch.bfloat16)
     optimizers = OptimizersContainer(OptimizersContainer.Config(
         param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3})],
         implementation="for-loop"), model_parts=[model])

@@ -134,10 +134,11 @@ def compare_tokenizer(root_a: Path, cb) -> SideFilesResult:
         vb = cb.fields.get(key)
         if va is not None and vb is not None and int(va) != int(vb):
             res.problems.append(f"tokenizer: {what} token id A {va}, B {vb} ({key})")
-    templates = compare_chat_templates(chat_templates(tok), gguf_chat_templates(cb.fields))
-    res.problems += templates
+    ta, tb = chat_templates(tok), gguf_chat_templates(cb.fields)
+    res.problems += compare_chat_templates(ta, tb)
     if not res.problems:
-        res.identical.append(f"tokenizer ({len(vocab)} tokens as tokenizer.ggml.tokens, special ids, chat template)")
+        said = f", {len(ta)} chat template{'s' * (len(ta) > 1)}" if ta else ""
+        res.identical.append(f"tokenizer ({len(vocab)} tokens as tokenizer.ggml.tokens, special ids{said})")
     return res
 
 
