@@ -56,13 +56,15 @@ EAGER = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approx
 # For float32 the distance is measured from the float64 result rounded once (``F64``), not from eager: eager's own
 # float32 erf depends on the CPU's vector unit (torch's AVX2 gelu is 9 ulp off that rounding on these EPYCs, where
 # the AVX-512 build that set the earlier eager bounds was closer), so a bound from eager moved with the machine.
-# relu2 is the same float32 ops as eager and is compared with eager, bit for bit. Measured 2026-12-07 (AVX2).
+# relu2 is the same float32 ops as eager and is compared with eager, bit for bit. Measured 2026-12-07 (AVX2): silu
+# triton 3, mlx 59, jax 2; gelu 3, 8, 5; gelu_tanh 6, 5, 6; each bound one ulp above (the backends' own libm, numpy's
+# and XLA's, may pick another vector path on another CPU).
 F64 = {"silu": lambda x: F.silu(x.double()), "gelu": lambda x: F.gelu(x.double()),
        "gelu_tanh": lambda x: F.gelu(x.double(), approximate="tanh")}
 EAGER_ULPS_FP32 = {
-    "silu": {"triton": 3, "mlx": 59, "jax": 2},
-    "gelu": {"triton": 3, "mlx": 8, "jax": 5},
-    "gelu_tanh": {"triton": 6, "mlx": 5, "jax": 6},
+    "silu": {"triton": 4, "mlx": 60, "jax": 3},
+    "gelu": {"triton": 4, "mlx": 9, "jax": 6},
+    "gelu_tanh": {"triton": 7, "mlx": 6, "jax": 7},
     "relu2": {"triton": 0, "mlx": 0, "jax": 0},  # max and one multiply: the same float32 ops as eager
 }
 EAGER_ULPS_16BIT = 2
