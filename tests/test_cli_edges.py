@@ -244,8 +244,10 @@ def test_a_terminal_is_told_what_runs_before_the_first_progress_bar(model_dir, t
     nothing: see test_a_passing_verify_prints_nothing_on_stderr)."""
     import os
     import pty
+    import select
     import subprocess
     import sys
+    import time
     from pathlib import Path
 
     from ffn_tools.progress import CLEAR
@@ -253,11 +255,17 @@ def test_a_terminal_is_told_what_runs_before_the_first_progress_bar(model_dir, t
     script = str(Path(sys.executable).parent / "ffn-tools")
     for quiet in ([], ["-q"]):
         leader, follower = pty.openpty()
-        p = subprocess.Popen([script, *quiet, "verify", str(model_dir("llama")), str(model_dir("llama"))],
-                             stdout=subprocess.PIPE, stderr=follower, cwd=tmp_path, text=True)
+        stdout = tmp_path / f"stdout{len(quiet)}"
+        with open(stdout, "w") as sink:  # a file, not a pipe: nothing waits on a full pipe while the pty is read
+            p = subprocess.Popen([script, *quiet, "verify", str(model_dir("llama")), str(model_dir("llama"))],
+                                 stdout=sink, stderr=follower, cwd=tmp_path, text=True)
         os.close(follower)
-        drawn = b""
-        while True:
+        drawn, deadline = b"", time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if not select.select([leader], [], [], 1.0)[0]:
+                if p.poll() is not None:
+                    break
+                continue
             try:
                 chunk = os.read(leader, 65536)
             except OSError:  # the child closed its end
@@ -265,8 +273,12 @@ def test_a_terminal_is_told_what_runs_before_the_first_progress_bar(model_dir, t
             if not chunk:
                 break
             drawn += chunk
-        out, _ = p.communicate(timeout=300)
+        else:
+            p.kill()
+            pytest.fail("ffn-tools verify on a pty did not end in 300 s")
+        p.wait(timeout=60)
         os.close(leader)
+        out = stdout.read_text()
         assert p.returncode == 0 and out.splitlines()[-1].startswith("PASS: "), out[-500:]
         text = drawn.decode().replace("\r\n", "\n")
         if quiet:
