@@ -120,7 +120,8 @@ class Client(ABC):
 
     def load_warning(self, ckpt, plan, out: str | None = None) -> str | None:
         """One line when the output of ``plan`` (split or fuse of ``ckpt``) would not load in this client under the
-        config.json it carries; None when it loads or nothing tells (no config to build the model from)."""
+        config.json it carries; None when it loads or nothing tells (no config to build the model from). Raises
+        ``checks.load.MissingClient`` where this client is not installed."""
         return None
 
     def compare_config(self, ca, cb, allow=()) -> ConfigResult:

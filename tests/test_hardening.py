@@ -532,3 +532,16 @@ def test_degenerate_ffn_tensors(tmp_path, case):
     assert words in r.output
     r = run_cli("verify", d, d, ok=None)  # found, but not an FFN one can run: a failed check naming the tensor
     assert r.exit_code == 1 and words in r.output and "Traceback" not in r.output
+
+
+def test_split_load_check_without_transformers_says_so_and_warns_from_the_familys_data(model_dir, tmp_path):
+    """--load-check asked for where transformers is not installed: it says it did not run, and the family's data
+    still warns that Phi-3's class holds its FFNs fused (asking for the stronger check gave no warning at all)."""
+    out = tmp_path / "split"
+    code = ("import sys\nsys.modules['transformers'] = None\nfrom ffn_tools.cli import main\n"
+            f"sys.argv = ['ffn-tools', 'split-gateup', {str(model_dir('phi3'))!r}, '-o', {str(out)!r}, "
+            "'--load-check']\nmain()\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-800:]
+    assert "--load-check did not run: " in p.stderr and "pip install transformers" in p.stderr, p.stderr
+    assert "phi3 model class holds its FFNs fused" in p.stderr, p.stderr

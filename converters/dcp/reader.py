@@ -91,10 +91,10 @@ class DcpCheckpoint(Checkpoint):
             else None
         if self.family:  # a model's buffers are weights where its family maps them (DeepSeek's router bias)
             buffers = {k for k in weights if BUFFERS.search(k) and not to_hf(k.removeprefix(prefix), self.family)}
-            rotary = sorted(k for k in buffers if k.endswith("freqs_cis"))
-            if rotary:  # every torchtitan step saves it; transformers computes its own from the config
-                parts.left_out["the rotary table (freqs_cis: transformers computes its own from the config)"] = rotary
-            if moe := sorted(buffers.difference(rotary)):
+            tables = sorted(k for k in buffers if k.endswith("freqs_cis"))
+            if tables:  # every torchtitan step saves it; transformers computes its own from the config
+                parts.left_out["the rotary table (freqs_cis: transformers computes its own from the config)"] = tables
+            if moe := sorted(buffers.difference(tables)):
                 parts.left_out[f"MoE load-balancing buffers of no Hugging Face name in torchtitan's {self.family}"] = moe
             weights = [k for k in weights if k not in buffers]
         kept = set(weights)

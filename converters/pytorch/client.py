@@ -249,8 +249,10 @@ def _check_dtype(res: ConfigResult, cb) -> None:
 def form_change_warning(ckpt, plan, out: str | None = None) -> str | None:
     """One line when the output of a split or fuse would not load in transformers under the config.json it
     carries, checked by the load check itself on the planned names and shapes (nothing is written or read);
-    None when it loads, when there is nothing to check (no model_type, a single file beside its source) or
-    no transformers to check with (the warning would be a guess).
+    None when it loads, or when there is nothing to check (no model_type, a single file beside its source).
+
+    Raises:
+        MissingClient: no transformers to check with.
 
     Args:
         ckpt: the input checkpoint.
@@ -262,8 +264,8 @@ def form_change_warning(ckpt, plan, out: str | None = None) -> str | None:
         return None  # a single file beside its source is not what a client loads
     try:
         import transformers  # noqa: F401
-    except ImportError:
-        return None
+    except ImportError as e:  # the caller says what it knows without it (the family's data)
+        raise MissingClient(_no_transformers(e)) from None
     res = check_transformers(_Planned(ckpt, plan))
     if res.ok or res.skipped:
         return None

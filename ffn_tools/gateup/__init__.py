@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .. import quant
 from ..detect import find_ffns
+from ..checks.load import MissingClient
 from ..errors import FFNToolsError
 from ..io.output import check_output
 from ..io.readers import open_checkpoint
@@ -94,8 +95,13 @@ def _run(command: str, plan_fn, source, out, *, scheme, layout, dry_run, force, 
                 summary["files"] = execute(plan, out, force=force, max_shard_size=max_shard_size, desc=command,
                                            metadata=metadata)
             # the load check, where it ran, says what transformers does; else the family's data, where it knows
-            w = warning.result() if warning is not None else \
-                None if out.suffix == ".safetensors" else held_form_warning(ckpt.config, changed, str(out))
+            try:
+                w = warning.result() if warning is not None else None
+            except MissingClient as e:  # asked for, but its client is not installed: said, and the data speaks
+                summary["warnings"] = [*summary["warnings"], f"--load-check did not run: {e}"]
+                warning = None
+            if warning is None:
+                w = None if out.suffix == ".safetensors" else held_form_warning(ckpt.config, changed, str(out))
             if w:  # (a single file beside its source is not what a client loads)
                 summary["warnings"] = [*summary["warnings"], w]
         return summary
