@@ -130,12 +130,14 @@ class AgreementResult(Check):
         if not bad:
             return []
         ds = d["statistics"]
+        a, b = self.clients[0], self.clients[1]
+        floor_words = f"between {a} and {b}" if a != b else f"A against A in B's form, both in {a}"
         return [f"B against A' (A in B's form, both run by {d['client']}): KL(A'||B) mean {_num(ds['kl_ab_mean'])} max "
                 f"{_num(ds['kl_ab_max'])}, top-1 disagreement {ds['top1_disagreement']:.1%}; {bad} of {len(DIRECT)} "
                 f"statistics above the client's run-to-run noise ({d['noise_words']}; {self.profile} allows "
                 f"{_slack(profile)} above it): B is not A in B's form, its weights or config differ by more than the "
-                f"conversion, which the floor between {self.clients[0]} and {self.clients[1]} (KL mean "
-                f"{_num(self.floor_stats['kl_ab_mean'])}) can hide"]
+                f"conversion, which the floor ({floor_words}, KL mean {_num(self.floor_stats['kl_ab_mean'])}) "
+                f"can hide"]
 
     def _failure(self, key: str, kind: str, words: str, value: float, floor: float, allowed: float) -> str:
         n = len(self.prompts)
