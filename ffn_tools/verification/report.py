@@ -236,7 +236,7 @@ class VerifyReport:
         n = len(self.results)
         if self.agrees and self.incomplete:
             return (f"INCOMPLETE: {'; '.join(self.incomplete)}; everything that ran agrees ({n} FFN{'s' * (n != 1)} "
-                    f"on {', '.join(self.backends)})" + "".join(f"; {s}" for s in self.not_run()))
+                    f"on {', '.join(self.backends)})" + self.bound() + "".join(f"; {s}" for s in self.not_run()))
         if self.passed:
             exact = sum(r.exact == "identical" for r in self.results)
             requantized = sum(r.exact == "requantized" for r in self.results)
