@@ -252,8 +252,9 @@ def mlx_runs(module: str, args, max_positions=None, build=None) -> dict[str, Run
     if ("kv_lora_rank" in fields or moe) and build is not None:
         try:
             model = build()
-        except Exception:  # noqa: BLE001 - mlx_lm's own failure to build it: the load check names it
-            log.info("mlx_lm's %s model does not build from this config: its MLA norms and router not read", module)
+        except Exception as e:  # noqa: BLE001 - mlx_lm's own failure to build it: said, not silent
+            log.warning("mlx_lm's %s model does not build from this config (%s): the eps of its MLA norms and its "
+                        "router's bias were not compared with the other client's", module, type(e).__name__)
     if model is not None:
         eps: dict[str, float] = {}
         for name, m in model.named_modules():

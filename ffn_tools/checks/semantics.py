@@ -20,10 +20,14 @@ layers that differ (``sequences_alike``); every other difference shows at any le
 
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..errors import listing
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,10 @@ def transformers_model_runs(config: dict) -> dict[str, Runs]:
         cfg = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "transformers_version"})
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(cfg)
-    except Exception:  # noqa: BLE001 - transformers' own refusal of this config (the load check names it)
+    except Exception as e:  # noqa: BLE001 - no transformers, or its own refusal of this config: said, not silent
+        log.warning("transformers' %s model was not built (%s: %s): the eps of its MLA norms and its router's bias "
+                    "were not compared with the other client's", config.get("model_type"), type(e).__name__,
+                    str(e).splitlines()[0][:160] if str(e) else "")
         return {}
     eps = {}
     for name, module in model.named_modules():
