@@ -152,7 +152,13 @@ def as_mlx_lm_reads(root) -> tuple[str, Any, dict, Any]:
             naming mlx_lm's own error.
     """
     utils = models.mlx_lm_module("utils")
-    classes = inspect.signature(utils.load_model).parameters["get_model_classes"].default
+    picker = inspect.signature(utils.load_model).parameters.get("get_model_classes")
+    if picker is None or not callable(classes := picker.default):  # how mlx_lm.load picks a model class (0.32)
+        import importlib.metadata
+
+        raise FFNToolsError(f"this mlx_lm ({importlib.metadata.version('mlx-lm')}) picks "
+                            "its model class otherwise than the mlx_lm ffn-tools reads configs as (0.32: load_model's "
+                            "get_model_classes); install mlx-lm 0.32")
     try:
         config = utils.load_config(Path(root))
         model_class, args_class = classes(config=config)
