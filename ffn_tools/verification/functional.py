@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..io.dtypes import short_name
 from ..layouts import GateUpLayout
 from ..tolerances import Tolerance
-from .report import BackendResult
+from .report import NOT_COMPUTED, SAME_AS_A, BackendResult
 
 if TYPE_CHECKING:
     from ..kernels import GLU
@@ -206,8 +206,6 @@ def nonfinite_values(t: torch.Tensor) -> str:
     return " and ".join(parts)
 
 
-SAME_AS_A = "ffn (float64) = A's output: bit-identical weights"
-NOT_COMPUTED = "not computed: bit-identical, finite weights, so B's float64 output is A's"
 
 
 def all_finite(tensors, let_go: Callable[[], None] | None = None) -> bool:
