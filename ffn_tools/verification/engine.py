@@ -196,7 +196,7 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
                 clients = (client_for(ca, "A"), client_for(cb, "B"))
             except FFNToolsError as e:
                 blocked = str(e) if logits else str(e).replace("--logits:", "--generate:", 1)
-        # first: a missing client is could-not-run (exit 2) before any work
+        # first, before any work: a missing client of B's format says so (transformers': its load check not run)
         with progress.doing(f"verify: the load check (would B load in {client.name}?)"):  # seconds: its imports
             load = client.load_check(cb.stored) if load_check else None
         if kernels is None:  # the reference and B's runtime's kernels
