@@ -20,7 +20,8 @@ from .ffn import CLAMPED_RECORD, FFN, canonical_weights, clamped_record
 from .io.dtypes import short_name
 from .io.output import check_output, check_parent
 from .layouts import GateUpLayout, split
-from .plan import DEQUANTIZED, Entry, Plan, copy_entry, execute, side_files
+from .plan import DEQUANTIZED, Entry, Plan, copy_entry
+from .executor import execute, side_files
 from .registry import Scheme
 from .specs import parse_spec
 

@@ -1,10 +1,7 @@
-"""Every command is a plan, then a stream.
+"""Every command is a plan, then a stream (``ffn_tools.executor``).
 
 A ``Plan`` has one ``Entry`` per output tensor saying how it is made from input tensors. ``--dry-run``
-prints it; ``execute`` streams it into shards in a temporary path renamed into place only when everything
-succeeded, then carries config.json and the tokenizer/generation files over. Shards are safetensors unless
-the caller passes another ``io.writer.Writer`` (the Flax export's msgpack trees): every format's output goes
-through this one executor.
+prints it; ``executor.execute`` streams it into its output.
 
 An entry has two equivalent recipes: ``compute`` (a pure function of the input tensors, always present)
 and, when the output is a pure rearrangement of contiguous byte runs of its inputs, ``pieces`` (byte
@@ -14,36 +11,15 @@ ranges the writer copies with ``copy_file_range``, the data never entering Pytho
 
 from __future__ import annotations
 
-import json
-import logging
-import shutil
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-from .io.dtypes import as_st, nbytes, short_name, torch_dtype
-from .errors import FFNToolsError
-from .formats import owner_of
+from .io.dtypes import as_st, nbytes, short_name
+from .io.store import Checkpoint
 
 DEQUANTIZED = "ffn_tools_dequantized_from"  # safetensors metadata: the quantization weights were read from
-from . import cluster
-from .io import receipt, sample
-from .io.output import atomic_output
-from .io.resume import Ledger, input_stamp, plan_key
-from .progress import Progress
-from .sizes import human
-from .io.store import WEIGHT_INDEXES, WEIGHT_SUFFIXES, Checkpoint
-from .io.writer import SAFETENSORS, ByteRange, OutTensor, Placed, Writer
-
-log = logging.getLogger(__name__)
-
-# Carried beside a single .safetensors input (a directory input carries every non-weight file).
-KNOWN_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                    "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
-                    "added_tokens.json", "chat_template.jinja", "chat_template.json")
 
 
 @dataclass(frozen=True)
@@ -79,6 +55,22 @@ class Entry:
     @property
     def st_dtype(self) -> str:
         return as_st(self.dtype)
+
+    # What the executor reads of an entry (and nothing else): ``apply``, ``pieces``, ``into``, ``place``, ``shared``.
+    def apply(self, tensors: list):
+        """The output tensor made from the input tensors (or ``io.writer.Placed``: written in place by ``place``)."""
+        return self.compute(tensors)
+
+    @property
+    def place(self):
+        """Where the output is written by its own maker, told its path and offset (a quantizing worker), or None."""
+        return getattr(self.compute, "place", None)
+
+    @property
+    def shared(self):
+        """The work this entry shares with others (a quantized weight's parts, made once for all), or None: an
+        object with a settable ``wanted`` (False: no entry that needs it is written, and it is not done)."""
+        return getattr(self.compute, "shared", None)
 
     @property
     def nbytes(self) -> int:
@@ -125,165 +117,6 @@ class Plan:
     def read_bytes(self) -> int:
         """Input bytes the plan consumes: what progress counts."""
         return sum(e.nbytes if e.reads is None else e.reads for e in self.entries)
-
-
-def _out_tensor(e: Entry, ckpt: Checkpoint, cache: dict) -> OutTensor:
-    infos = [ckpt.info(n) for n in e.inputs]
-
-    def produce():
-        if e.pieces is not None and all(i.start is not None for i in infos):
-            return [ByteRange(infos[k].file, infos[k].start + off, n) for k, off, n in e.pieces]
-        for n in [n for n in cache if n not in e.inputs]:
-            del cache[n]  # keep only this entry's inputs alive (a stacked tensor serves E entries)
-        tensors = [cache[n] if n in cache else cache.setdefault(n, ckpt[n]) for n in e.inputs]
-        out = e.compute(tensors)
-        if isinstance(out, Placed):  # written into the output by the compute itself (the writer checks its size)
-            return out
-        if as_st(out.dtype) != e.st_dtype or tuple(out.shape) != tuple(e.shape):
-            raise RuntimeError(f"internal error: {e.name} computed {out.dtype}{list(out.shape)}, "
-                               f"planned {e.dtype}{list(e.shape)}")
-        return out
-
-    stream = None
-    if e.into is not None and e.pieces is None and len(infos) == 1 and infos[0].start is not None:
-        from .io import chunked
-
-        stream = partial(chunked.chunks, infos[0], torch_dtype(e.dtype), e.into)
-    start = None
-    starts = [i.start for i in infos if i.start is not None]
-    if e.pieces and len(starts) == len(infos):  # every input's bytes lie in its file: starts[k] is infos[k]'s
-        k, off, _ = e.pieces[0]
-        start = starts[k] + off
-    return OutTensor(e.name, e.st_dtype, tuple(e.shape), e.nbytes, produce, start, e.reads,
-                     getattr(e.compute, "place", None), stream)
-
-
-def side_files(ckpt: Checkpoint) -> list[Path]:
-    """Non-weight files to carry over: all of a directory input's but a format's own (``formats.owner_of``: a
-    DCP's rank files, Orbax's metadata), or the known ones beside a file."""
-    if ckpt.path.is_dir() or ckpt.path.name.endswith(".index.json"):
-        return sorted(p for p in ckpt.root.iterdir() if p.is_file() and not p.name.startswith(".")
-                      and p.suffix not in WEIGHT_SUFFIXES and p.name not in (*WEIGHT_INDEXES, receipt.NAME)
-                      and owner_of(p.name) is None)
-    return [ckpt.root / n for n in KNOWN_SIDE_FILES if (ckpt.root / n).is_file()]
-
-
-def _files_of(plan: Plan) -> list[set[str]]:
-    """Each entry's input files (where its bytes lie in a file): where a --ray task writing it is best placed."""
-    ckpt = plan.source
-    return [{str(f) for n in e.inputs if (f := getattr(ckpt.info(n), "file", None)) is not None} for e in plan.entries]
-
-
-def _indexes(ckpt: Checkpoint) -> list[Path]:
-    """The weight index a sharded input was read through, if any."""
-    if len(ckpt.files) < 2:
-        return []
-    return [p for p in (ckpt.root / n for n in WEIGHT_INDEXES) if p.is_file()]
-
-
-def check_shardable(out: Path, max_shard_size: int | None, suffix: str = SAFETENSORS.suffix) -> None:
-    """Refuse --max-shard-size for a single-file output (a path ending in ``suffix``, the writer's).
-
-    Raises:
-        FFNToolsError: naming the path and the fix.
-    """
-    if out.suffix == suffix and max_shard_size:
-        raise FFNToolsError(f"{out}: --max-shard-size needs a directory output, not a {suffix} file")
-
-
-def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int | None = None,
-            metadata: dict | None = None, desc: str = "writing", carry: bool = True,
-            extra_files: Mapping[str, str | bytes] | None = None, writer: Writer = SAFETENSORS) -> list[str]:
-    """Stream a plan to ``out``: one weight file (a path ending in ``writer.suffix``), or a directory of shards
-    plus side files.
-
-    Args:
-        carry: copy the input's non-weight files (tokenizer, generation config, ...) into a directory output.
-        extra_files: more files (name -> text, or bytes: a sentencepiece tokenizer.model) to write into a
-            directory output.
-        writer: the weight file format (default safetensors; ``metadata`` goes to it).
-
-    Returns:
-        The weight files written (names relative to ``out`` for a directory).
-
-    Raises:
-        OutputExistsError: ``out`` exists without ``force``, or overlaps the input.
-    """
-    ckpt = plan.source
-    check_shardable(out, max_shard_size, writer.suffix)
-    meta = dict(ckpt.metadata if metadata is None else metadata)
-    meta.setdefault("format", "pt")
-    facts: dict = {}  # the sample run's (io.sample): what it measured
-    if (sampling := sample.settings()) is not None:  # --dry-run's sample run, in its child (io.sample)
-        started = time.time()
-        whole = [_out_tensor(e, ckpt, {}) for e in plan.entries]  # the whole output's bytes, known without writing
-        weight_bytes = writer.output_bytes(whole, max_shard_size=max_shard_size, metadata=meta,
-                                           single=out.suffix == writer.suffix)
-        plan, facts = sample.narrow(plan)
-        facts["weight_bytes"] = weight_bytes
-        out, force = Path(sampling["out"]) / out.name, True
-        if max_shard_size and facts["bytes"]:  # as many shards as the run writes, hashed as they are
-            max_shard_size = max(1, int(max_shard_size * facts["sample_bytes"] / facts["bytes"]))
-    cache: dict = {}
-    items = [_out_tensor(e, ckpt, cache) for e in plan.entries]
-    progress = Progress(plan.read_bytes, desc)
-    inputs = [ckpt.path, *ckpt.files, *plan.also_read]
-    key = None
-    if out.suffix != writer.suffix and writer.resumable:  # shards a killed run's --resume can reuse
-        key = plan_key(command=desc, writer=type(writer).__name__, out=out.name, shard=max_shard_size, metadata=meta,
-                       entries=plan.describe(), config=plan.config, carry=carry, extra=sorted(extra_files or {}),
-                       inputs=input_stamp(inputs))
-    if (shard := cluster.task("shard")) is not None:  # a --ray task: its one shard, and nothing else of the command
-        cluster.write_one(shard, items, plan.entries, max_shard_size=max_shard_size, metadata=meta)
-    distributed = cluster.ADDRESS.get() is not None and key is not None  # --ray: shards written by Ray tasks
-    token = sample.STREAMING.set(facts["sample_reads"] or 1) if sampling is not None else None
-    try:
-        read = [*_indexes(ckpt), *ckpt.files, *(side_files(ckpt) if carry else []), *plan.also_read]  # the receipt's
-        with atomic_output(out, inputs=inputs, force=force, nbytes=plan.total_bytes, resume_key=key,
-                           sources=read, distributed=distributed) as tmp:
-            writing = time.time()
-            if out.suffix == writer.suffix:
-                writer.write_file(tmp, items, meta, progress)
-                written, facts["writing"] = [out.name], time.time() - writing
-            else:
-                tmp.mkdir(exist_ok=key is not None)  # --resume: the killed run's directory, its shards in it
-                if key is None:
-                    written = writer.write_sharded(tmp, items, max_shard_size=max_shard_size, metadata=meta,
-                                                   progress=progress)
-                else:
-                    ledger = Ledger(tmp, key)
-                    try:
-                        if distributed:
-                            written = cluster.write_sharded(tmp, items, _files_of(plan), max_shard_size=max_shard_size,
-                                                            metadata=meta, progress=progress, ledger=ledger)
-                        else:
-                            written = writer.write_sharded(tmp, items, max_shard_size=max_shard_size, metadata=meta,
-                                                           progress=progress, ledger=ledger)
-                    except BaseException:
-                        ledger.close(failed=True)
-                        raise
-                    ledger.close()  # the ledger stays until the output moves into place (atomic_output removes it)
-                    if ledger.reused:
-                        log.info("--resume: kept %d finished shard(s) of %d", len(ledger.reused), len(written))
-                facts["writing"] = time.time() - writing  # the sample's time that scales with its bytes (io.sample)
-                for p in side_files(ckpt) if carry else []:
-                    if p.name != "config.json":
-                        shutil.copy2(p, tmp / p.name)
-                if plan.config is not None:
-                    (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
-                for name, content in (extra_files or {}).items():
-                    if isinstance(content, bytes):
-                        (tmp / name).write_bytes(content)
-                    else:
-                        (tmp / name).write_text(content)
-    finally:
-        progress.close()
-        if token is not None:
-            sample.STREAMING.reset(token)
-    if sampling is not None:
-        sample.report(sampling["report"], facts, started, out)  # ends the process
-    log.info("wrote %s (%s in %d file(s))", out, human(plan.total_bytes), len(written))
-    return written
 
 
 def dequantized_line(plan: Plan, fmt: str) -> list[str]:

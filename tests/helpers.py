@@ -102,7 +102,7 @@ def progress_bars(monkeypatch) -> list:
         def close(self):
             pass
 
-    monkeypatch.setattr("ffn_tools.plan.Progress", Recorder)
+    monkeypatch.setattr("ffn_tools.executor.Progress", Recorder)
     return bars
 
 

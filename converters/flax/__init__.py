@@ -18,7 +18,7 @@ from pathlib import Path
 from ffn_tools.formats import Format
 from ffn_tools.io.dtypes import parse_user_dtype
 from ffn_tools.io.store import Checkpoint
-from ffn_tools.plan import check_shardable, execute
+from ffn_tools.executor import check_shardable, execute
 
 from .export import LAYOUTS, build_plan
 from .reader import FlaxCheckpoint

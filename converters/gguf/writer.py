@@ -33,7 +33,7 @@ from ffn_tools.child import python_env
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.io.output import atomic_output
 from ffn_tools.io.store import Checkpoint
-from ffn_tools.plan import side_files
+from ffn_tools.executor import side_files
 from ffn_tools.sizes import human
 
 from . import kquant, zygote

@@ -26,7 +26,8 @@ from ffn_tools.io import nogc
 from ffn_tools.io.dtypes import DTYPE_CHOICES, USER_DTYPES, short_name
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.io.writer import OutTensor, plan_shards
-from ffn_tools.plan import Plan, copy_entry, execute
+from ffn_tools.plan import Plan, copy_entry
+from ffn_tools.executor import execute
 
 from . import from_ct, said
 from .card import model_card

@@ -17,7 +17,7 @@ from ffn_tools.errors import FFNToolsError
 from ffn_tools.formats import Format
 from ffn_tools.io.dtypes import parse_user_dtype
 from ffn_tools.io.store import Checkpoint
-from ffn_tools.plan import execute
+from ffn_tools.executor import execute
 
 from .export import build_plan
 from .export import LAYOUTS

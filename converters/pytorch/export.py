@@ -17,7 +17,8 @@ from pathlib import Path
 from ffn_tools import quant
 from ffn_tools.io.dtypes import parse_user_dtype, short_name
 from ffn_tools.errors import FFNToolsError
-from ffn_tools.plan import DEQUANTIZED, Entry, Plan, cast_entry, execute, unquantized_config
+from ffn_tools.plan import DEQUANTIZED, Entry, Plan, cast_entry, unquantized_config
+from ffn_tools.executor import execute
 from ffn_tools.io.store import Checkpoint, config_dtype
 from ffn_tools.quant.fp8 import is_companion
 

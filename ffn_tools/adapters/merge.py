@@ -16,7 +16,8 @@ from pathlib import Path
 
 from ..errors import listing
 from ..io.dtypes import short_name
-from ..plan import Entry, Plan, copy_entry, execute
+from ..plan import Entry, Plan, copy_entry
+from ..executor import execute
 from .conform import conform
 from .model import AdapterError, Lora
 

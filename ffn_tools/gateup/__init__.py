@@ -21,7 +21,7 @@ from ..io.output import check_output
 from ..io.readers import open_checkpoint
 from ..io.store import Checkpoint
 from ..layouts import GateUpLayout
-from ..plan import check_shardable, execute
+from ..executor import check_shardable, execute
 from ..registry import Scheme
 from ..sizes import human
 from .common import held_form_warning

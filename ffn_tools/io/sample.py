@@ -77,7 +77,7 @@ def keep_shared(entries, chosen) -> list[int]:
     """``chosen`` (entry positions) with every entry that shares work with one of them (a quantized weight's parts:
     ``compute.shared``, done and its bytes read once for all); the shared work no chosen entry needs is never done
     (``wanted`` False: a quantization pool skips it). For a sample run, and for a ``--ray`` task's one shard."""
-    shared = [getattr(e.compute, "shared", None) for e in entries]
+    shared = [e.shared for e in entries]
     kept = {id(shared[i]) for i in chosen if shared[i] is not None}
     for w in shared:
         if w is not None:
