@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     from .checks.outside import OutsideResult
     from .checks.tokens import TokenizationResult
+    from .formats import Format
 
 
 class Pairing(ABC):
@@ -239,3 +240,35 @@ class NoClient(Client):
 
     def load_check(self, ckpt) -> LoadCheck:
         return LoadCheck(self.label, skipped=self.why)
+
+
+class NotApplicable(FFNToolsError):
+    """A question a runtime has no answer to (its client does not implement that hook): the caller reports
+    "not applicable for <runtime>", never a pass and never another runtime's answer. Raised by ``Client``'s
+    hooks that a runtime may leave unanswered; an FFNToolsError, so a caller that does not expect it stops
+    with this message rather than passing.
+
+    Attributes:
+        runtime: the client's name.
+        what: the question, as reports name it ("the settings it runs", "side files").
+    """
+
+    def __init__(self, runtime: str, what: str):
+        self.runtime, self.what = runtime, what
+        super().__init__(f"{what}: not applicable for {runtime}")
+
+
+def runtime(fmt: "Format", name: str | None = None) -> Client:
+    """The client of the runtime ``name`` among those that load ``fmt`` (``Format.runtimes``; None: the first,
+    the default); a ``NoClient`` saying why where no runtime here loads the format.
+
+    Raises:
+        FFNToolsError: ``name`` is not one of the format's runtimes (naming them).
+    """
+    if name is None and not fmt.runtimes:
+        return NoClient(fmt.name, fmt.unloaded or f"no runtime here loads {fmt.name} checkpoints")
+    if name is not None and name not in fmt.runtimes:
+        have = (f"the runtimes that load them: {fmt.runtimes[0]} (the default){''.join(', ' + r for r in fmt.runtimes[1:])}"
+                if fmt.runtimes else f"no runtime here loads them{f' ({fmt.unloaded})' if fmt.unloaded else ''}")
+        raise FFNToolsError(f"runtime {name!r} (--client) does not load {fmt.name} checkpoints here; {have}")
+    return fmt.load_runtime(name or fmt.runtimes[0])

@@ -4,10 +4,10 @@
 A format says what it is as declared data (its name, the options its export takes and the flags that set
 them, whether it writes, whether an index of it may name shards not on disk, the files of its own layout) and
 does four things: recognise a path (``can_read``), open it as a lazy ``Checkpoint`` with Hugging Face PyTorch
-names (``open``), write any checkpoint in its own layout from a plan (``export``), and name the runtime that
-loads it (``client``: how that runtime reads a config, whether it would load a checkpoint, its logits, its
-tokenizer). The core and ``verify`` talk to formats only through this interface: they never ask which format a
-checkpoint is.
+names (``open``), write any checkpoint in its own layout from a plan (``export``), and name the runtimes that
+load it (``runtimes``, built by ``load_runtime``; ``clients.runtime`` picks one: how that runtime reads a config,
+whether it would load a checkpoint, its logits, its tokenizer). The core and ``verify`` talk to formats only
+through this interface: they never ask which format a checkpoint is.
 """
 
 from __future__ import annotations
@@ -91,6 +91,10 @@ class Format(ABC):
     def export(self, ckpt: "Checkpoint", out: Path, **options) -> dict:
         """Write ``ckpt`` (any format's view) in this format at ``out``; returns the summary (``output``, ...).
 
+        runtimes: the names of the runtimes that load it here (``Client.runtime``: "transformers", "mlx_lm"), the
+            default first; ``verify --client NAME`` picks another. Empty: no runtime here loads it (``unloaded``
+            says why, and ``clients.runtime`` gives a ``NoClient`` saying so).
+        unloaded: why no runtime here loads it, where ``runtimes`` is empty.
         Raises:
             FFNToolsError: this format is read only, or the output cannot be written.
         """
@@ -101,12 +105,23 @@ class Format(ABC):
         """The ``convert`` options that write an unquantized checkpoint in ``ckpt``'s form: its dtype (``dtype``,
         as verify names its weights') and quantization (``quantized``: it has some), as this format's export
         takes them; None where no export of ffn-tools re-derives it (``verify --generate``'s noise floor is then
+    runtimes: ClassVar[tuple[str, ...]] = ()
+    unloaded: ClassVar[str] = ""
         not measured, and says so)."""
         return None
 
-    @abstractmethod
+    def load_runtime(self, name: str) -> "Client":
+        """The client of the runtime ``name``, one of ``runtimes`` (``clients.runtime`` checks the name and picks
+        the default; call that). Imports the runtime's module only now (a torch-only install never imports
+        mlx_lm's)."""
+        raise FFNToolsError(f"the {self.name} format declares the runtimes {self.runtimes} but builds none of them "
+                            "(its load_runtime is missing)")
+
     def client(self) -> "Client":
-        """The runtime that loads checkpoints of this format (``ffn_tools.clients``)."""
+        """The default runtime's client: ``clients.runtime(self)``."""
+        from .clients import runtime
+
+        return runtime(self)
 
     def __repr__(self) -> str:
         return f"<format {self.name}>"

@@ -52,7 +52,9 @@ class Dcp(Format):
     def recipe(self, ckpt: Checkpoint, dtype: str | None, quantized: bool) -> dict | None:
         return None if quantized else {"dtype": dtype, "dcp_naming": getattr(ckpt, "naming", "torchtitan")}
 
-    def client(self):
+    runtimes = ("transformers",)
+
+    def load_runtime(self, name: str):
         from .client import DcpClient
 
         return DcpClient()

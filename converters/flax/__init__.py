@@ -57,7 +57,9 @@ class Flax(Format):
         """Its dtype (Flax trees are not quantized here); the hf layout only (linen holds FFNs only)."""
         return {"dtype": dtype} if dtype and getattr(ckpt, "layout", "hf") == "hf" and not quantized else None
 
-    def client(self):
+    runtimes = ("transformers",)
+
+    def load_runtime(self, name: str):
         from .client import FlaxWeights
 
         return FlaxWeights()

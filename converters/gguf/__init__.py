@@ -67,7 +67,9 @@ class Gguf(Format):
         outtype = name.removeprefix("MOSTLY_").removeprefix("ALL_").lower()
         return {"outtype": outtype} if outtype in OUTTYPES else None
 
-    def client(self):
+    runtimes = ("llama.cpp",)
+
+    def load_runtime(self, name: str):
         from .client import LlamaCpp
 
         return LlamaCpp()

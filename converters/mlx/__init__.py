@@ -85,7 +85,9 @@ class Mlx(Format):
             return None
         return {"quantize": True, "q_bits": q["bits"], "q_group_size": q["group_size"], "q_mode": q.get("mode")}
 
-    def client(self):
+    runtimes = ("mlx_lm",)
+
+    def load_runtime(self, name: str):
         from .client import MlxLm
 
         return MlxLm()

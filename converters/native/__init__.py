@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ffn_tools.clients import NoClient
 from ffn_tools.formats import Format
 from ffn_tools.io.store import Checkpoint
 
@@ -44,9 +43,9 @@ class Native(Format):
         raise FFNToolsError("ffn-tools reads Meta and Mistral native checkpoints but does not write them; "
                             "convert to torch, mlx or flax")
 
-    def client(self):
-        return NoClient("native", "Meta's and Mistral's own code loads native checkpoints, not a client here; "
-                                  "`ffn-tools convert --to torch` makes one transformers loads")
+    runtimes = ()  # clients.runtime gives a NoClient saying so
+    unloaded = ("Meta's and Mistral's own code loads native checkpoints, not a client here; "
+                "`ffn-tools convert --to torch` makes one transformers loads")
 
 
 FORMAT = Native()

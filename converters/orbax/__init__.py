@@ -52,7 +52,9 @@ class Orbax(Format):
         layout = getattr(ckpt, "layout", "hf")
         return None if quantized or layout == "nnx" else {"dtype": dtype, "orbax_layout": layout}
 
-    def client(self):
+    runtimes = ("transformers",)
+
+    def load_runtime(self, name: str):
         from .client import OrbaxClient
 
         return OrbaxClient()

@@ -43,7 +43,9 @@ class PyTorch(Format):
         """Its dtype; None for a quantized one (ffn-tools writes no PyTorch quantization)."""
         return None if quantized or dtype is None else {"dtype": dtype}
 
-    def client(self):
+    runtimes = ("transformers",)
+
+    def load_runtime(self, name: str):
         from .client import Transformers
 
         return Transformers()
