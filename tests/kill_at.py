@@ -87,11 +87,12 @@ if MANIFESTS:
 if IN_RECEIPT:
     receipt.make = _in_receipt(receipt.make)
 if WORKERS:
-    import ffn_tools.converters.mlx.quant as quant
+    import ffn_tools.converters.mlx.quantize as quantize
+    import ffn_tools.converters.mlx.workers as workers
 
-    quant.PARALLEL_MIN_BYTES = 0
-    quant.idle_cores = lambda: WORKERS
-    quant.QuantJob.part = _pooled(quant.QuantJob.part)
+    workers.PARALLEL_MIN_BYTES = 0
+    workers.idle_cores = lambda: WORKERS
+    quantize.QuantJob.part = _pooled(quantize.QuantJob.part)
 
 if __name__ == "__main__":
     from ffn_tools.cli import main

@@ -179,26 +179,27 @@ def test_chunked_quantization_equals_whole_tensor(workers, shard, pieces, hf, ml
     shards, many of them), so nothing comes back through the pipe to wait. ``pieces``: a weight larger than
     ``PIECE_BYTES`` is quantized by several workers, a row range each (Mixtral's stacked experts: pieces that
     begin in one expert and end in the next)."""
+    from ffn_tools.converters.mlx import quantize as mlx_quantize, workers as mlx_workers
     from ffn_tools.io.writer import Placed
 
     monkeypatch.setattr(mlx_quant, "CHUNK_BYTES", 100)  # one row per chunk
     split = []
     if pieces:
-        monkeypatch.setattr(mlx_quant, "PIECE_BYTES", 1000)  # 7.8 rows of 64 bf16 values
-        monkeypatch.setattr(mlx_quant.QuantJob, "pieces", lambda self, f=mlx_quant.QuantJob.pieces:
+        monkeypatch.setattr(mlx_quantize, "PIECE_BYTES", 1000)  # 7.8 rows of 64 bf16 values
+        monkeypatch.setattr(mlx_quantize.QuantJob, "pieces", lambda self, f=mlx_quantize.QuantJob.pieces:
                             split.append((self, f(self))) or split[-1][1])
     if workers:  # the worker processes big models use, here for a tiny one
-        monkeypatch.setattr(mlx_quant, "PARALLEL_MIN_BYTES", 0)
-        monkeypatch.setattr(mlx_quant, "MAX_WORKERS", 2)
-        monkeypatch.setattr(mlx_quant, "idle_cores", lambda: 2)
+        monkeypatch.setattr(mlx_workers, "PARALLEL_MIN_BYTES", 0)
+        monkeypatch.setattr(mlx_workers, "MAX_WORKERS", 2)
+        monkeypatch.setattr(mlx_workers, "idle_cores", lambda: 2)
     started, given, window = [], [], []
-    monkeypatch.setattr(mlx_quant.QuantPool, "ahead", lambda self, job, f=mlx_quant.QuantPool.ahead:
+    monkeypatch.setattr(mlx_workers.QuantPool, "ahead", lambda self, job, f=mlx_workers.QuantPool.ahead:
                         started.append(job.index) or f(self, job) or
                         window.append(self.submitted - min(job.index + 1 + 2 * self.workers, len(self.jobs))))
-    monkeypatch.setattr(mlx_quant.QuantJob, "part", lambda self, k, f=mlx_quant.QuantJob.part:
+    monkeypatch.setattr(mlx_quantize.QuantJob, "part", lambda self, k, f=mlx_quantize.QuantJob.part:
                         given.append(f(self, k)) or given[-1])
     early = []  # the workers started as the export began, as the pool took them
-    monkeypatch.setattr(mlx_quant.Workers, "take", lambda self, f=mlx_quant.Workers.take: early.append(f(self)) or
+    monkeypatch.setattr(mlx_workers.Workers, "take", lambda self, f=mlx_workers.Workers.take: early.append(f(self)) or
                         early[-1])
     convert(hf("mixtral", torch.bfloat16), "mlx", tmp_path / "out", quantize=4, max_shard_size=shard)
     assert bool(started) == workers
@@ -224,20 +225,20 @@ def test_workers_started_early_end_when_planning_fails(hf, tmp_path, monkeypatch
     are shut down and end (none is left behind), and the error is planning's own."""
     from multiprocessing.connection import wait
 
-    from ffn_tools.converters.mlx import exporter
+    from ffn_tools.converters.mlx import exporter, workers as mlx_workers
 
-    monkeypatch.setattr(mlx_quant, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(mlx_quant, "idle_cores", lambda: 2)
+    monkeypatch.setattr(mlx_workers, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(mlx_workers, "idle_cores", lambda: 2)
     started = []
 
-    def start(self, f=mlx_quant.Workers._start):
+    def start(self, f=mlx_workers.Workers._start):
         f(self)
         started.append(list(self.executor._processes.values()))  # spawned at submit, before the plan exists
 
     def fail(*args, **kwargs):
         raise FFNToolsError("planted planning failure")
 
-    monkeypatch.setattr(mlx_quant.Workers, "_start", start)
+    monkeypatch.setattr(mlx_workers.Workers, "_start", start)
     monkeypatch.setattr(exporter, "match_or_dequantize", fail)
     with pytest.raises(FFNToolsError, match="planted planning failure"):
         convert(hf("llama", torch.bfloat16), "mlx", tmp_path / "out", quantize=4)
@@ -259,18 +260,20 @@ def test_idle_cores_see_a_busy_core_now_not_a_minute_ago():
     import subprocess
     import sys
 
+    from ffn_tools.converters.mlx import workers as mlx_workers
+
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         import time
 
         time.sleep(0.3)
-        busy = mlx_quant.busy_cores()
+        busy = mlx_workers.busy_cores()
     finally:
         spin.kill()
         spin.wait()
     assert busy is not None and 0.8 <= busy <= (os.cpu_count() or 1) + 0.01, busy
     cores = len(os.sched_getaffinity(0))
-    assert 1 <= mlx_quant.idle_cores() <= cores
+    assert 1 <= mlx_workers.idle_cores() <= cores
 
 
 @pytest.mark.parametrize("machine,own,other", [(1.5, 1.0, 0.5), (1.0, 1.0, 0.0), (0.5, 1.0, 0.0), (2.0, 0.0, 2.0)])
@@ -284,6 +287,8 @@ def test_this_process_busy_on_another_thread_is_not_a_busy_core(monkeypatch, mac
     import io
     import types
 
+    from ffn_tools.converters.mlx import workers as mlx_workers
+
     cores = os.cpu_count() or 1
     ticks = 1000 * cores  # jiffies over the window, all cores
     idle = [0, round(ticks * (1 - machine / cores))]
@@ -295,9 +300,9 @@ def test_this_process_busy_on_another_thread_is_not_a_busy_core(monkeypatch, mac
         clock["own"] += own * seconds
 
     fake_time = types.SimpleNamespace(sleep=sleep, monotonic=lambda: clock["at"], process_time=lambda: clock["own"])
-    monkeypatch.setattr(mlx_quant, "time", fake_time)
-    monkeypatch.setattr(mlx_quant, "open", lambda path: io.StringIO(next(stat)), raising=False)
-    assert mlx_quant.busy_cores() == pytest.approx(other, abs=1e-9)
+    monkeypatch.setattr(mlx_workers, "time", fake_time)
+    monkeypatch.setattr(mlx_workers, "open", lambda path: io.StringIO(next(stat)), raising=False)
+    assert mlx_workers.busy_cores() == pytest.approx(other, abs=1e-9)
 
 
 @pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("llama", torch.bfloat16), ("mixtral", torch.bfloat16),

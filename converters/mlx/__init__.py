@@ -4,7 +4,9 @@
     names     mlx_lm's sanitize on stand-ins: which input becomes which parameter
     recipe    what ``mlx_lm.convert -q`` quantizes, by mlx_lm's rules
     tensors   one plan entry per parameter: byte copies, streamed casts and quantization
-    quant     MLX's quantize/cast in row chunks, worker processes; dequantize
+    quant     MLX's quantize/cast in row chunks; dequantize
+    quantize  one weight quantized once for its parts
+    workers   the quantizing worker processes, started early
     scheme    MLX's quantization modes as registered schemes (``ffn_tools.quant``)
     config    config.json as mlx_lm writes it; the keys export added
     card      the model card README.md
@@ -62,9 +64,9 @@ class Mlx(Format):
         return MLXCheckpoint(Path(path), absent_shards, like=like)
 
     def preparing(self, ckpt: Checkpoint, **options):
-        """With ``-q``, the quantizing workers started now (``quant.started_early``): a worker's start overlaps
-        the conversion's checks and planning instead of following them."""
-        from .quant import started_early
+        """With ``-q``, the quantizing workers started now (``workers.started_early``): a worker's start overlaps
+        the conversion's checks and planning instead of following them; the export of ``ckpt`` takes them."""
+        from .workers import started_early
 
         return started_early(ckpt, options.get("quantize") not in (None, False) and not options.get("dry_run"))
 

@@ -19,7 +19,8 @@ from ffn_tools.io.writer import Placed
 from ffn_tools.plan import Entry, copy_entry
 
 from .names import Output, SanitizeRun
-from .quant import MX_DTYPES, QuantJob, cast_fn, from_mx, part_specs, stream, to_mx, torch_bytes, torch_to_mx
+from .quant import MX_DTYPES, cast_fn, from_mx, part_specs, stream, to_mx, torch_bytes, torch_to_mx
+from .quantize import QuantJob
 
 _FLOATS = ("F32", "F16", "BF16", "F64")
 
