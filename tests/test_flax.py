@@ -26,8 +26,9 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 nn = pytest.importorskip("flax.linen")
 serialization = pytest.importorskip("flax.serialization")
-flax_format = pytest.importorskip("ffn_tools.converters.flax")
-flax_writer = pytest.importorskip("ffn_tools.converters.flax.writer")
+# our own modules: with jax and flax present they must import (an importorskip here would hide a broken one)
+import ffn_tools.converters.flax as flax_format  # noqa: E402
+import ffn_tools.converters.flax.writer as flax_writer  # noqa: E402
 
 ARCHS = ["llama", "qwen2", "mixtral", "llama-bias"]
 DTYPES = [torch.float32, torch.bfloat16]

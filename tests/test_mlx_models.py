@@ -12,12 +12,13 @@ from ffn_tools.errors import FFNToolsError
 
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
-models = pytest.importorskip("ffn_tools.converters.mlx.models")
-recipe = pytest.importorskip("ffn_tools.converters.mlx.recipe")
 
 import mlx.nn as nn  # noqa: E402
 import mlx_lm.utils  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
+
+import ffn_tools.converters.mlx.models as models  # noqa: E402  (our own: must import where mlx does)
+import ffn_tools.converters.mlx.recipe as recipe  # noqa: E402
 
 mlx_convert = importlib.import_module("mlx_lm.convert")  # the module: mlx_lm.convert is its convert function
 
