@@ -19,13 +19,15 @@ from ffn_tools.errors import CheckpointError, FFNToolsError, OutputExistsError
 
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
-mlx_format = pytest.importorskip("ffn_tools.converters.mlx")
-mlx_quant = pytest.importorskip("ffn_tools.converters.mlx.quant")
+# our own modules: with mlx and mlx_lm present they must import (an importorskip here would hide a broken one)
+import ffn_tools.converters.mlx as mlx_format  # noqa: E402
+import ffn_tools.converters.mlx.models as mlx_models  # noqa: E402
+import ffn_tools.converters.mlx.quant as mlx_quant  # noqa: E402
 
 ARCHS = ["llama", "qwen2", "mistral", "phi3", "mixtral", "qwen2_moe"]
 TOKENS = torch.arange(3, 19).reshape(2, 8)
 # Keys the export adds because mlx-lm reads transformers v4 names (see converters/mlx/models.py ALIASES).
-V4_KEYS = {*pytest.importorskip("ffn_tools.converters.mlx.models").ALIASES, "rope_scaling"}
+V4_KEYS = {*mlx_models.ALIASES, "rope_scaling"}
 # mlx_lm cannot read transformers v5's Qwen3-MoE config; its reference conversion gets the v4 keys.
 QWEN3_MOE_V4 = {"num_experts": 4, "rope_theta": 10000.0}
 
