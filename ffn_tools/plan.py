@@ -3,85 +3,145 @@
 A ``Plan`` has one ``Entry`` per output tensor saying how it is made from input tensors. ``--dry-run``
 prints it; ``executor.execute`` streams it into its output.
 
-An entry has two equivalent recipes: ``compute`` (a pure function of the input tensors, always present)
-and, when the output is a pure rearrangement of contiguous byte runs of its inputs, ``pieces`` (byte
-ranges the writer copies with ``copy_file_range``, the data never entering Python). The executor uses
-``pieces`` whenever every input's bytes sit in a safetensors file; tests check both recipes agree.
+An entry's recipe is data: a tuple of ``ffn_tools.ops`` applied to its inputs (``Entry.apply``). Where every op
+is a pure move of contiguous byte runs, the same ops give ``pieces`` (byte ranges the writer copies with
+``copy_file_range``, the data never entering Python). The executor uses ``pieces`` whenever every input's bytes
+sit in a safetensors file; tests check both recipes agree.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from .io.dtypes import as_st, nbytes, short_name
+from . import ops as oplib
+from .io.dtypes import as_st, itemsize, nbytes, short_name
 from .io.store import Checkpoint
+from .ops import MAX_RUNS, Cast, Copy, Fn, Op
 
 DEQUANTIZED = "ffn_tools_dequantized_from"  # safetensors metadata: the quantization weights were read from
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Entry:
-    """One output tensor and how to make it.
+    """One output tensor and how to make it: ``ops`` (``ffn_tools.ops``) applied to its input tensors.
 
     Attributes:
         name, dtype, shape: the output tensor.
-        inputs: input tensor names ``compute`` receives, in order.
-        compute: pure function from the input tensors to the output tensor. One with a ``place(path, offset)``
-            method is told where the output's bytes go in its file, and may write them there itself and return
-            ``io.writer.Placed`` (a quantizing worker's bytes never pass through the writer).
-        pieces: (input position, byte offset in that input, nbytes) runs whose concatenation is the
-            output's bytes, or None when the output is not such a rearrangement.
-        note: how it is made, for --dry-run ("rows 0:96 of X").
+        inputs: input tensor names the ops receive, in order.
+        ops: the steps making the output from the inputs (data: picklable, reversible where they can be).
         reads: input bytes it consumes, for progress (None: its own size; a quantized weight reads more
             than it writes, its scales nothing).
-        into: ``compute`` again, for an elementwise output of one input (a cast): ``into(src, out)`` writes into
-            the flat tensor ``out`` the outputs of the flat input elements ``src``. Where the input's bytes lie in
-            a file, the executor then makes the output a chunk at a time in reused buffers (``io.chunked``).
+        sources: the inputs' (dtype, shape) as stored, from which ``pieces`` is derived (None: not derived).
+        text: the --dry-run note where the plan words it itself (None: the ops' own words).
+
+    ``Entry(name, dtype, shape, inputs, compute, pieces, note, reads=..., into=...)`` with a callable for ``ops`` is
+    the TRANSITIONAL old shape: it becomes one ``ops.Fn`` op (converters' sites, until they are ops).
     """
 
     name: str
     dtype: Any  # torch dtype or safetensors dtype string
     shape: tuple[int, ...]
     inputs: tuple[str, ...]
-    compute: Callable[[list], Any]  # list[torch.Tensor] -> torch.Tensor
-    pieces: tuple[tuple[int, int, int], ...] | None
-    note: str
+    ops: tuple[Op, ...]
     reads: int | None = None
-    into: Callable[[Any, Any], object] | None = None
+    sources: tuple[tuple[str, tuple[int, ...]], ...] | None = None
+    text: str | None = None
+
+    def __init__(self, name: str, dtype: Any, shape: tuple[int, ...], inputs: tuple[str, ...],
+                 ops: "tuple[Op, ...] | Op | Callable[[list], Any]", *legacy: Any, reads: int | None = None,
+                 sources: tuple[tuple[str, tuple[int, ...]], ...] | None = None, text: str | None = None,
+                 into: Callable[[Any, Any], object] | None = None) -> None:
+        if callable(ops) and not isinstance(ops, Op):  # transitional: compute, pieces, note[, reads]
+            pieces, note = (list(legacy) + [None, ""])[:2]
+            reads = legacy[2] if len(legacy) > 2 else reads
+            ops = (Fn(ops, pieces, note, into),)
+        elif legacy or into is not None:
+            raise TypeError("Entry(name, dtype, shape, inputs, ops, reads=..., sources=..., text=...)")
+        for key, value in (("name", name), ("dtype", dtype), ("shape", tuple(shape)), ("inputs", tuple(inputs)),
+                           ("ops", (ops,) if isinstance(ops, Op) else tuple(ops)), ("reads", reads),
+                           ("sources", sources), ("text", text)):
+            object.__setattr__(self, key, value)
 
     @property
     def st_dtype(self) -> str:
         return as_st(self.dtype)
 
+    @property
+    def note(self) -> str:
+        """How it is made, for --dry-run ("rows 0:96 of X")."""
+        if self.text is not None:
+            return self.text
+        if len(self.ops) == 1 and isinstance(self.ops[0], Fn):
+            return self.ops[0].text
+        return f"{oplib.describe(self.ops)} of {', '.join(self.inputs)}"
+
     # What the executor reads of an entry (and nothing else): ``apply``, ``pieces``, ``into``, ``place``, ``shared``.
     def apply(self, tensors: list):
         """The output tensor made from the input tensors (or ``io.writer.Placed``: written in place by ``place``)."""
-        return self.compute(tensors)
+        out = oplib.run(self.ops, tensors)
+        if len(out) != 1:
+            raise RuntimeError(f"internal error: {self.name}'s ops made {len(out)} tensors, not one")
+        return out[0]
+
+    def compute(self, tensors: list):
+        """TRANSITIONAL alias of ``apply`` (converters read it until they are ops)."""
+        return self.apply(tensors)
+
+    @cached_property
+    def pieces(self) -> tuple[tuple[int, int, int], ...] | None:
+        """(input position, byte offset in that input, nbytes) runs whose concatenation is the output's bytes, or
+        None when the output is not such a rearrangement (or of more runs than copying is worth)."""
+        if len(self.ops) == 1 and isinstance(self.ops[0], Fn):
+            return self.ops[0].pieces
+        if self.sources is None:
+            return None
+        views = [oplib.View(tuple(shape), itemsize(dt), ((k, 0, nbytes(dt, shape)),))
+                 for k, (dt, shape) in enumerate(self.sources)]
+        out = oplib.runs(self.ops, views, MAX_RUNS * max(1, len(self.inputs) // 2))
+        if out is None or len(out) != 1 or out[0].nbytes != self.nbytes:
+            return None
+        return out[0].runs
+
+    @property
+    def into(self) -> Callable[[Any, Any], object] | None:
+        """For an elementwise output of one input (a cast): ``into(src, out)`` writes into the flat tensor ``out``
+        the outputs of the flat input elements ``src``. Where the input's bytes lie in a file, the executor then
+        makes the output a chunk at a time in reused buffers (``io.chunked``)."""
+        return self.ops[0].into if len(self.ops) == 1 and self.ops[0].elementwise else None
 
     @property
     def place(self):
-        """Where the output is written by its own maker, told its path and offset (a quantizing worker), or None."""
-        return getattr(self.compute, "place", None)
+        """Where the output is written by its own maker, told its path and offset (a quantizing worker), or None:
+        the last op's declared ``placement``."""
+        return self.ops[-1].placement if self.ops else None
 
     @property
     def shared(self):
         """The work this entry shares with others (a quantized weight's parts, made once for all), or None: an
         object with a settable ``wanted`` (False: no entry that needs it is written, and it is not done)."""
-        return getattr(self.compute, "shared", None)
+        return next((s for op in self.ops if (s := op.shares) is not None), None)
 
     @property
     def nbytes(self) -> int:
         return nbytes(self.dtype, self.shape)
 
 
+def source(ckpt: Checkpoint, name: str) -> tuple[str, tuple[int, ...]]:
+    """Input ``name``'s (dtype, shape) as ``Entry.sources`` takes it."""
+    info = ckpt.info(name)
+    return info.st_dtype, tuple(info.shape)
+
+
 def copy_entry(ckpt: Checkpoint, name: str, new_name: str | None = None) -> Entry:
     """An entry copying (and optionally renaming) one tensor byte for byte."""
     info = ckpt.info(name)
     note = "unchanged" if new_name in (None, name) else f"renamed from {name}"
-    return Entry(new_name or name, info.st_dtype, info.shape, (name,), lambda ts: ts[0], ((0, 0, info.nbytes),), note)
+    return Entry(new_name or name, info.st_dtype, info.shape, (name,), (Copy(),), sources=(source(ckpt, name),),
+                 text=note)
 
 
 @dataclass
@@ -135,8 +195,8 @@ def cast_entry(ckpt, name: str, dtype) -> Entry:
     info = ckpt.info(name)
     if dtype is None or not info.dtype.is_floating_point or info.dtype == dtype:
         return copy_entry(ckpt, name)
-    return Entry(name, dtype, info.shape, (name,), lambda ts: ts[0].to(dtype), None,
-                 f"cast {short_name(info.dtype)} -> {short_name(dtype)}", into=lambda src, out: out.copy_(src))
+    return Entry(name, dtype, info.shape, (name,), (Cast(as_st(dtype), info.st_dtype),),
+                 text=f"cast {short_name(info.dtype)} -> {short_name(dtype)}")
 
 
 def unquantized_config(config: dict | None, target) -> tuple[dict | None, list[str]]:

@@ -1,0 +1,135 @@
+"""Ops that change values: casts, affine maps, constants; and ``Fn``, the transitional callable."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..io.dtypes import as_st, short_name, torch_dtype
+from .base import Op
+from .views import View
+
+# Casts that hold every value of the narrower type exactly: their reverse gives back the input bit for bit.
+_EXACT = {("BF16", "F32"), ("F16", "F32"), ("BF16", "F64"), ("F16", "F64"), ("F32", "F64"), ("I8", "I16"),
+          ("I8", "I32"), ("I8", "I64"), ("I16", "I32"), ("I16", "I64"), ("I32", "I64"), ("U8", "I16"),
+          ("U8", "I32"), ("U8", "I64"), ("U8", "U16"), ("U8", "U32"), ("U8", "U64"), ("F8_E4M3", "F32"),
+          ("F8_E4M3", "BF16"), ("F8_E4M3", "F16"), ("F8_E5M2", "F32"), ("F8_E5M2", "F16"), ("F8_E5M2", "BF16")}
+
+
+@dataclass(frozen=True)
+class Cast(Op):
+    """Each tensor cast to ``dtype`` (a safetensors dtype string); ``source``: the input's, where known."""
+
+    dtype: str
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", as_st(self.dtype))
+        if self.source is not None:
+            object.__setattr__(self, "source", as_st(self.source))
+
+    def apply(self, ts: list) -> list:
+        to = torch_dtype(self.dtype)
+        return [t.to(to) for t in ts]
+
+    def reverse(self) -> Op | None:
+        """The cast back, where this one widens exactly (bf16 -> f32 -> bf16 gives the same bits)."""
+        if self.source is None:
+            return None
+        if self.source == self.dtype:
+            return self
+        return Cast(self.source, self.dtype) if (self.source, self.dtype) in _EXACT else None
+
+    def describe(self) -> str:
+        frm = f"{short_name(self.source)} " if self.source else ""
+        return f"cast {frm}-> {short_name(self.dtype)}" if frm else f"cast to {short_name(self.dtype)}"
+
+    def runs(self, views: list[View], cap: int) -> list[View] | None:
+        return list(views) if self.source == self.dtype else None
+
+    @property
+    def elementwise(self) -> bool:
+        return True
+
+    def into(self, src: Any, out: Any) -> object:
+        return out.copy_(src)
+
+
+@dataclass(frozen=True)
+class Affine(Op):
+    """Each tensor ``t * scale + shift`` computed in float32, stored back in its dtype (a norm's +1 shift).
+    No exact reverse: rounding in a narrow dtype may not undo."""
+
+    scale: float = 1.0
+    shift: float = 0.0
+
+    def apply(self, ts: list) -> list:
+        import torch
+
+        return [(t.to(torch.float32) * self.scale + self.shift).to(t.dtype) for t in ts]
+
+    def describe(self) -> str:
+        parts = ([f"x {self.scale:g}"] if self.scale != 1 else []) + ([f"{self.shift:+g}"] if self.shift else [])
+        return " ".join(parts) or "identity"
+
+    @property
+    def elementwise(self) -> bool:
+        return True
+
+    def into(self, src: Any, out: Any) -> object:
+        import torch
+
+        return out.copy_(src.to(torch.float32) * self.scale + self.shift)
+
+
+@dataclass(frozen=True)
+class Const(Op):
+    """A constant 1-D tensor (its inputs ignored): compressed-tensors' ``weight_shape``."""
+
+    values: tuple[int, ...]
+    dtype: str = "I64"
+
+    def apply(self, ts: list) -> list:
+        import torch
+
+        return [torch.tensor(list(self.values), dtype=torch_dtype(self.dtype))]
+
+    def describe(self) -> str:
+        return f"constant {list(self.values)}"
+
+
+@dataclass(frozen=True)
+class Fn(Op):
+    """TRANSITIONAL: a callable made the whole output (``Entry(name, dtype, shape, inputs, compute, pieces, note)``,
+    the shape entries had before ops). Not picklable where ``fn`` is a closure, not reversible, not priced: each
+    site that still builds one is to become ops. ``placement``/``shares`` are the callable's ``place``/``shared``."""
+
+    fn: Callable[[list], Any] = field(compare=False)
+    pieces: tuple[tuple[int, int, int], ...] | None = None
+    text: str = ""
+    into_fn: Callable[[Any, Any], object] | None = field(default=None, compare=False)
+
+    def apply(self, ts: list) -> list:
+        return [self.fn(ts)]
+
+    def describe(self) -> str:
+        return self.text
+
+    @property
+    def elementwise(self) -> bool:
+        return self.into_fn is not None
+
+    def into(self, src: Any, out: Any) -> object:
+        if self.into_fn is None:
+            return super().into(src, out)
+        return self.into_fn(src, out)
+
+    @property
+    def placement(self) -> Callable[[Path, int], object] | None:
+        return getattr(self.fn, "place", None)  # transitional: MLX's QuantJob parts until they are Quantize ops
+
+    @property
+    def shares(self) -> Any:
+        return getattr(self.fn, "shared", None)
