@@ -10,37 +10,35 @@
                                                                     transformers runs its weights
     native    Meta's and Mistral's own layouts (read only)          client: none here
 
-``FORMATS`` is the one table: name -> the module that defines its ``FORMAT``, imported on first use (a
-torch-only install never imports mlx or jax). Converting is ``get(to).export(open_any(path), out, ...)``;
-adding a format is adding a package and a line here.
+``FORMATS`` is the one table: name -> the module that defines its ``FORMAT`` (relative to this package, or
+absolute), imported on first use (a torch-only install never imports mlx or jax). Converting is
+``get(to).export(open_any(path), out, ...)``. Adding a format is adding a package and a line here: its
+``FORMAT`` declares whether it writes and its options (``formats.Option``), from which the command line draws
+``convert --to``'s choices and the format's flags; nothing else names it.
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from ffn_tools.checks.semantics import Difference, differences
-from ffn_tools.errors import CheckpointError, FFNToolsError, pip_install
-from ffn_tools.formats import Format
+from ffn_tools.clients import runtime
+from ffn_tools.errors import CheckpointError, FFNToolsError
+from ffn_tools.formats import Format, Option, missing_package
 from ffn_tools.io import nogc, sample
+from ffn_tools.io.run import NO_RUN, Run
 from ffn_tools.io.digests import ahead
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.io.readers import open_checkpoint
 
-FORMATS = {"torch": "pytorch", "mlx": "mlx", "flax": "flax", "gguf": "gguf", "dcp": "dcp", "orbax": "orbax",
-           "native": "native"}
-WRITES = ("torch", "mlx", "flax", "gguf", "dcp", "orbax")  # the --to choices, known without importing a format (tested against
-# each FORMAT's ``writes``)
-# The extra whose packages a format's own module imports (its FORMAT.extra, for when that import fails); None: torch's.
-IMPORT_EXTRAS = {"mlx": "mlx" if sys.platform == "darwin" else "mlx-cpu", "flax": "flax", "orbax": "flax",
-                 "gguf": "gguf", "torch": None, "dcp": None, "native": None}
-# Options whose command-line flags are not simply --the-name.
+FORMATS = {"torch": ".pytorch", "mlx": ".mlx", "flax": ".flax", "gguf": ".gguf", "dcp": ".dcp", "orbax": ".orbax",
+           "native": ".native"}
+# convert's own options a format may take (``Format.takes``) whose flags are not simply --the-name.
 FLAGS = {"scheme": "--scheme/--scheme-file/--gate/--up/--down", "layout": "--layout/--order/--tp"}
 
-__all__ = ["FORMATS", "WRITES", "get", "detect_format", "open_any", "open_sides", "convert", "client_differences"]
+__all__ = ["FORMATS", "get", "writable", "options", "detect_format", "open_any", "open_sides", "convert", "client_differences"]
 
 
 def get(fmt: str) -> Format:
@@ -50,14 +48,56 @@ def get(fmt: str) -> Format:
         FFNToolsError: unknown format, or its framework is not installed.
     """
     if fmt not in FORMATS:
-        raise FFNToolsError(f"unknown format {fmt!r}; use one of {', '.join(WRITES)}")
+        raise FFNToolsError(f"unknown format {fmt!r}; use one of {', '.join(writable())}")
     try:
-        module = importlib.import_module(f"{__name__}.{FORMATS[fmt]}")
+        module = importlib.import_module(FORMATS[fmt], __name__)
     except ImportError as e:
-        extra = IMPORT_EXTRAS.get(fmt)
+        hint = missing_package(e)  # which extra installs the package: the one table, ``formats.EXTRAS``
         raise FFNToolsError(f"format {fmt!r} needs a package that is not installed ({e})"
-                            + (f"; install with: {pip_install(extra)}" if extra else "")) from None
+                            + (f"; {hint}" if hint else "")) from None
     return module.FORMAT
+
+
+def writable() -> tuple[str, ...]:
+    """The formats ``convert`` writes (``--to``'s choices), in the registry's order: each whose ``FORMAT.writes``,
+    and any whose package does not import here (``get`` then says what to install, rather than ``--to`` not
+    knowing the name)."""
+    out = []
+    for name in FORMATS:
+        try:
+            if not get(name).writes:
+                continue
+        except FFNToolsError:
+            pass
+        out.append(name)
+    return tuple(out)
+
+
+def options(command: str = "convert") -> list[Option]:
+    """Every option the writable formats declare for ``command`` (``Format.options``), once each, in the registry's
+    order: what the command line draws its flags from. Two formats may declare one option (the same keyword) only
+    alike.
+
+    Raises:
+        FFNToolsError: two formats declare one keyword or one flag otherwise.
+    """
+    seen: dict[str, Option] = {}
+    flags: dict[str, str] = {}
+    for name in writable():
+        try:
+            declared = get(name).options
+        except FFNToolsError:
+            continue
+        for o in declared:
+            if command not in o.commands:
+                continue
+            if o.name in seen and seen[o.name] != o:
+                raise FFNToolsError(f"format {name!r} declares option {o.name!r} otherwise than another format")
+            for f in o.cli_flags:
+                if flags.setdefault(f, o.name) != o.name:
+                    raise FFNToolsError(f"format {name!r} declares {f} for {o.name!r}, another format's flag")
+            seen.setdefault(o.name, o)
+    return list(seen.values())
 
 
 def _available() -> list[Format]:
@@ -112,7 +152,7 @@ def open_sides(path, side: str, absent_shards: bool = False,
 
 def convert(path: str | Path, to: str, out: str | Path, *, dtype: str | None = None, force: bool = False,
             max_shard_size: int | None = None, allow_config: Sequence[str] = (), unbounded: bool = False,
-            **options) -> dict:
+            run: Run = NO_RUN, **options) -> dict:
     """Convert the checkpoint at ``path`` to format ``to`` in ``out``.
 
     Options not meaningful for the target (e.g. ``quantize`` for flax) are refused, not ignored. Where the
@@ -132,10 +172,7 @@ def convert(path: str | Path, to: str, out: str | Path, *, dtype: str | None = N
     """
     target = get(to)
     given = {k: v for k, v in options.items() if v is not None}
-    wrong = sorted(set(given) - set(target.options))
-    if wrong:
-        flags = ", ".join(FLAGS.get(w, "--" + w.replace("_", "-")) for w in wrong)
-        raise FFNToolsError(f"{flags} does not apply to --to {to}")
+    _check_options(to, target, given)
     prehash = not given.get("dry_run") and sample.settings() is None  # the receipt's sources, hashed from now
     with open_any(path) as ckpt, target.preparing(ckpt, **given), ahead(ckpt.files if prehash else []):
         # the export's slow start and the sources' hashing run beside these checks
@@ -150,7 +187,8 @@ def convert(path: str | Path, to: str, out: str | Path, *, dtype: str | None = N
             also = f" (without --unbounded: the two agree on sequences of up to {bound} tokens)" if bound else ""
             raise FFNToolsError(f"{path}: its {to} output would compute another function than the input: "
                                 f"{'; '.join(d.line for d in refused)}; {keys} writes it anyway{also}")
-        summary = target.export(ckpt, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, **given)
+        summary = target.export(ckpt, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, run=run,
+                                **given)
     said = [*(f"{d.line} (--allow-config {d.key})" for d in allowed),
             *(f"{d.line} (--unbounded refuses it)" for d in bounded)]
     if bounded:
@@ -158,10 +196,25 @@ def convert(path: str | Path, to: str, out: str | Path, *, dtype: str | None = N
     return {**summary, "warnings": [*summary.get("warnings", []), *said]} if said else summary
 
 
+def _check_options(to: str, target: Format, given: dict) -> None:
+    """Refuse an option ``to`` does not take (named by its flag) and two it declares exclusive (``Option.excludes``)."""
+    wrong = sorted(set(given) - target.accepts())
+    if wrong:
+        declared = {o.name: o.flag for o in options()}
+        flags = ", ".join(FLAGS.get(w) or declared.get(w) or "--" + w.replace("_", "-") for w in wrong)
+        raise FFNToolsError(f"{flags} does not apply to --to {to}")
+    own = {o.name: o for o in target.options}
+    for name in given:
+        for other in own[name].excludes if name in own else ():
+            if given[name] not in (None, False) and given.get(other) not in (None, False):
+                raise FFNToolsError(f"choose either {'/'.join(own[other].cli_flags)} or {'/'.join(own[name].cli_flags)}"
+                                    ", not both")
+
+
 def client_differences(ckpt: Checkpoint, target: Format) -> list[Difference]:
     """Each setting the ``target`` format's client would run otherwise, from ``ckpt``'s config as the output
     carries it, than ``ckpt``'s own client runs it (``checks.semantics``; a bounded one says its length)."""
-    source, client = ckpt.format.client(), target.client()
+    source, client = runtime(ckpt.format), runtime(target)
     if source.runtime == client.runtime or not ckpt.config:
         return []
     return differences(source.runs_of(ckpt), client.runs(ckpt.config),

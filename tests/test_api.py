@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import run_cli
 
 import ffn_tools
+from ffn_tools.errors import FFNToolsError
 
 ENVELOPE = ["command", "input", "output", "summary", "warnings"]
 
@@ -52,14 +54,30 @@ def test_api_functions_are_exported(fn):
     assert callable(getattr(ffn_tools, fn)) and fn in ffn_tools.__all__
 
 
-def test_a_formats_import_extra_is_its_own_extra():
-    """converters.IMPORT_EXTRAS (the hint where a format's own import fails, so its FORMAT cannot be asked) names
-    the extra each FORMAT declares (MLX: mlx-cpu here, mlx on Apple silicon; none: torch's own packages)."""
+def test_a_formats_import_extra_is_its_own_extra(tmp_path, monkeypatch):
+    """The hint where a format's own import fails (so its FORMAT cannot be asked) comes from the one table of extras
+    (``formats.EXTRAS``, import name -> extras): for each format, the packages the table says its extra installs are
+    there, each extra is one pyproject.toml declares, and a format whose package fails to import one of them is
+    refused naming that extra (MLX: mlx-cpu here, mlx on Apple silicon; none: torch's own packages)."""
     import sys
+    import tomllib
 
     from ffn_tools import converters
+    from ffn_tools.errors import pip_install
+    from ffn_tools.formats import EXTRAS
 
-    for name in converters.FORMATS:
-        fmt = converters.get(name)
-        want = "mlx" if fmt.extra == "mlx-cpu" and sys.platform == "darwin" else fmt.extra or None
-        assert converters.IMPORT_EXTRAS[name] == want, name
+    declared = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert {e for extras in EXTRAS.values() for e in extras} <= set(declared["optional-dependencies"])
+    for name in list(converters.FORMATS):
+        extra = converters.get(name).extra
+        if not extra:
+            continue
+        packages = [p for p, extras in EXTRAS.items() if extra in extras]
+        assert packages, (name, extra)
+        (tmp_path / f"broken_{name}.py").write_text(f"import {packages[0]}.absent_for_the_test\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.setitem(sys.modules, packages[0], None)  # as Python's import system reads a package not there
+        monkeypatch.setitem(converters.FORMATS, f"broken-{name}", f"broken_{name}")
+        with pytest.raises(FFNToolsError, match="not installed") as e:
+            converters.get(f"broken-{name}")
+        assert pip_install(extra) in str(e.value), (name, str(e.value))

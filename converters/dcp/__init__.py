@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ffn_tools.errors import FFNToolsError
-from ffn_tools.formats import Format
+from ffn_tools.formats import Format, Option
 from ffn_tools.io.dtypes import parse_user_dtype
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.executor import execute
@@ -29,7 +29,12 @@ __all__ = ["FORMAT", "NAMINGS"]
 
 class Dcp(Format):
     name = "dcp"
-    options = frozenset({"dcp_naming", "dcp_ranks", "dry_run"})
+    options = (Option("dcp_naming", "DCP only: torchtitan = the keys of torchtitan's model of the architecture, as its "
+                      "state-dict adapter maps Hugging Face names (default; Llama, Qwen3, Qwen3-MoE, DeepSeek-V3); hf = "
+                      "the Hugging Face names as they are.", choices=NAMINGS),
+               Option("dcp_ranks", "DCP only: the world size the output is sharded for (default 1): each tensor cut "
+                      "along dim 0, one __R_0.distcp per rank.", type=int, minimum=1))
+    takes = frozenset({"dry_run"})
     detect_order = 30
     owns = ("*.distcp", METADATA)  # every rank's file and the metadata pointing into them
 

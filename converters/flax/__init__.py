@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ffn_tools.formats import Format
+from ffn_tools.formats import Format, Option
 from ffn_tools.io.dtypes import parse_user_dtype
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.executor import check_shardable, execute
@@ -32,7 +32,9 @@ TORCH_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mod
 
 class Flax(Format):
     name, extra = "flax", "flax"
-    options = frozenset({"flax_layout", "scheme", "layout", "dry_run"})
+    options = (Option("flax_layout", "Flax only: hf = the Hugging Face Flax parameter tree (default); linen = FFNs as "
+                      "nn.Dense gate/up/down.", choices=LAYOUTS),)
+    takes = frozenset({"scheme", "layout", "dry_run"})
     detect_order = 40
 
     def can_read(self, path: Path) -> bool:

@@ -9,16 +9,32 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ffn_tools.formats import Format
+from ffn_tools.formats import Format, Option
 from ffn_tools.io.store import Checkpoint
+from .writer import OUTTYPES
 
 __all__ = ["FORMAT"]
 
 
 class Gguf(Format):
     name, extra = "gguf", "gguf"
-    options = frozenset({"outtype", "dry_run", "output_tensor_type", "token_embedding_type", "imatrix",
-                         "requantize"})
+    options = (
+        Option("outtype", "GGUF only. f32, f16, bf16, q8_0, auto: convert_hf_to_gguf.py's flag, the type of the "
+               "weights (norms and other 1-D tensors stay f32); auto, the default, is bf16 for a bf16 model, else f16, "
+               "and a quantized model's weights from their codes (--requantize). llama-quantize's types (q4_k_m, "
+               "q5_k_m, q6_k, q3_k_m, q2_k, q4_0, iq4_xs, ...): llama.cpp's own quantizer run on the auto file, in one "
+               "command.", choices=OUTTYPES, case_sensitive=False, metavar="TYPE"),
+        Option("requantize", "GGUF, a quantized input: write the weights no GGUF type holds exactly as Q8_0 of their "
+               "dequantized values (said per tensor). Without it a quantized input (--outtype auto) is written from "
+               "its codes, each weight in the type that holds it bit for bit (int8 -> Q8_0, int4 -> Q4_0 / Q4_1), and "
+               "a weight none holds is refused, named with the numbers.", type=bool),
+        Option("output_tensor_type", "GGUF, with a llama-quantize --outtype: the type of output.weight, as "
+               "llama-quantize's flag (q8_0, q6_k, f16, ...).", metavar="TYPE"),
+        Option("token_embedding_type", "GGUF, with a llama-quantize --outtype: the type of token_embd.weight, as "
+               "llama-quantize's flag.", metavar="TYPE"),
+        Option("imatrix", "GGUF, with a llama-quantize --outtype: llama-imatrix's importance matrix (GGUF), as "
+               "llama-quantize's flag; i-quants below 3 bits need one.", existing_file=True))
+    takes = frozenset({"dry_run"})
     detect_order = 10
 
     def can_read(self, path: Path) -> bool:

@@ -20,17 +20,38 @@ from __future__ import annotations
 from pathlib import Path
 
 from ffn_tools.errors import FFNToolsError
-from ffn_tools.formats import Format
+from ffn_tools.formats import Format, Option
 from ffn_tools.io.store import Checkpoint, read_config
 from ffn_tools.io.readers import open_checkpoint
 
 __all__ = ["FORMAT"]
 
 
+def _older_bits(value: str) -> int:
+    """-q/--quantize is mlx_lm's flag, given bare; the older ``--quantize 4`` still gives bits."""
+    if value not in ("2", "3", "4", "5", "6", "8"):
+        raise ValueError(f"{value!r}: -q/--quantize takes no value (bits are --q-bits); put PATH before the options, "
+                         "or give it with --hf-path")
+    return int(value)
+
+
 class Mlx(Format):
     name, extra = "mlx", "mlx-cpu"
-    options = frozenset({"quantize", "group_size", "q_bits", "q_group_size", "q_mode", "quant_predicate", "dequantize",
-                         "dry_run"})
+    options = (
+        Option("quantize", "MLX only: quantize with mx.quantize, exactly the modules mlx_lm.convert -q would (default 4 "
+               "bits, group size 64, affine). In this command -q is quantize, as in mlx_lm; quiet is `ffn-tools -q "
+               "convert ...`.", flags=("-q", "--quantize"), optional_value=True, parse=_older_bits, metavar=""),
+        Option("q_bits", "MLX: bits per weight (default: 4; mxfp8 8).", type=int, choices=(2, 3, 4, 5, 6, 8)),
+        Option("q_group_size", "MLX: quantization group size (default 64 affine, 32 mxfp4/mxfp8, 16 nvfp4).",
+               flags=("--q-group-size", "--group-size"), type=int, choices=(16, 32, 64, 128)),
+        Option("q_mode", "MLX: quantization mode (default affine; mxfp4, nvfp4, mxfp8 are MLX's microscaling float "
+               "formats).", choices=("affine", "mxfp4", "nvfp4", "mxfp8")),
+        Option("quant_predicate", "MLX: one of mlx_lm's mixed-bit recipes (mixed_2_6, mixed_3_4, mixed_3_6, "
+               "mixed_4_6): more bits for v_proj/down_proj of some layers and lm_head, as mlx_lm.convert."),
+        Option("dequantize", "MLX: write a quantized MLX input dequantized. Without -d or -q it stays quantized, "
+               "copied as it is, as mlx_lm.convert keeps it; refused with -q, as in mlx_lm.", flags=("-d", "--dequantize"),
+               type=bool, excludes=("quantize",)))
+    takes = frozenset({"dry_run", "group_size"})  # group_size: the library's older name of q_group_size
     partial_shards = True
     detect_order = 30
 

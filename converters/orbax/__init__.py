@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ffn_tools.errors import FFNToolsError
-from ffn_tools.formats import Format
+from ffn_tools.formats import Format, Option
 from ffn_tools.io.dtypes import parse_user_dtype
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.executor import execute
@@ -29,7 +29,11 @@ __all__ = ["FORMAT", "LAYOUTS"]
 
 class Orbax(Format):
     name, extra = "orbax", "flax"
-    options = frozenset({"orbax_layout", "scheme", "layout", "dry_run"})
+    options = (Option("orbax_layout", "Orbax only: hf = the Hugging Face Flax tree (default); maxtext = MaxText's "
+                      "scanned decoder (layers stacked on axis 1, its query scaling; Llama, Mistral, Mixtral, Qwen3, "
+                      "Qwen3-MoE); nnx = each FFN as the NNX state of gate/up/down nnx.Linear (FFNs only).",
+                      choices=LAYOUTS),)
+    takes = frozenset({"scheme", "layout", "dry_run"})
     detect_order = 35
     owns = OWNED  # its metadata and OCDBT's manifest (its arrays are directories: never side files)
 

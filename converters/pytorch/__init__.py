@@ -16,7 +16,7 @@ __all__ = ["FORMAT"]
 
 class PyTorch(Format):
     name, extra = "torch", ""
-    options = frozenset({"dry_run"})
+    takes = frozenset({"dry_run"})
     partial_shards = True
     detect_order = 100  # the catch-all: anything no other format claims
 

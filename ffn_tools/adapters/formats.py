@@ -15,13 +15,13 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import ClassVar
 
-from ..errors import FFNToolsError, pip_install
+from ..errors import FFNToolsError
+from ..formats import missing_package
 from ..io.store import read_config
 from .model import Adapter, AdapterError
 
 ADAPTER_FORMATS = {"peft": "ffn_tools.converters.pytorch.peft", "mlx": "ffn_tools.converters.mlx.lora",
                    "gguf": "ffn_tools.converters.gguf.lora"}
-EXTRAS = {"mlx": ("mlx-cpu", "mlx"), "gguf": ("gguf",)}  # the extras a format's adapters need (PEFT's: none)
 
 
 class AdapterFormat(ABC):
@@ -66,7 +66,7 @@ def get(name: str) -> AdapterFormat:
     try:
         module = importlib.import_module(ADAPTER_FORMATS[name])
     except ImportError as e:
-        fix = " or ".join(pip_install(extra) for extra in EXTRAS.get(name, ()))
+        fix = missing_package(e)  # the one table of which extra installs what (``formats.EXTRAS``)
         raise FFNToolsError(f"adapter format {name!r} needs a package that is not installed ({e})"
                             + (f": {fix}" if fix else "")) from None
     return module.ADAPTER

@@ -11,26 +11,11 @@ from pathlib import Path
 import click
 
 from .. import progress
-from ..errors import FFNToolsError, pip_install
+from ..errors import FFNToolsError
+from ..formats import missing_package
 from ..options import (CHECKPOINT, emit, estimate_option, estimated, layout_options, ray_option, resume_option,
                        scheme_options, size_option, upload_option, uploaded)
 from .verify import verify as verify_command
-
-# Optional packages: import name -> the extras of ffn-tools that install it (one per platform where they differ;
-# none: the package is installed by its own name).
-EXTRAS = {"mlx": ("mlx", "mlx-cpu"), "mlx_lm": ("mlx", "mlx-cpu"), "jax": ("flax",), "flax": ("flax",),
-          "msgpack": ("flax",), "ml_dtypes": ("flax",), "triton": ("cuda",), "transformers": (),
-          "gguf": ("gguf",), "llama_cpp": ("gguf",)}
-PLATFORMS = {"mlx": "Apple silicon", "mlx-cpu": "Linux"}  # extras for one platform each
-
-
-def how_to_install(name: str) -> str:
-    """The pip command(s) that install the optional package ``name`` (a key of EXTRAS), from where this ffn-tools
-    was installed (``errors.pip_install``)."""
-    extras = EXTRAS[name]
-    if not extras:
-        return f"pip install {name}"
-    return " or ".join(pip_install(e) + (f" ({PLATFORMS[e]})" if e in PLATFORMS else "") for e in extras)
 
 
 class Trouble(click.ClickException):
@@ -48,30 +33,6 @@ class Trouble(click.ClickException):
         super().show(file)
 
 
-def missing_package(e: ImportError) -> str | None:
-    """One line naming the optional package an ImportError is about and how to install it, or None.
-
-    The package is the ImportError's ``name``; without one (a shared library that does not load, as
-    ``libmlx.so`` when mlx is installed without a backend), the optional package whose module was importing
-    when it failed (the innermost frame of the traceback that belongs to one).
-    """
-    name = (e.name or "").split(".")[0]
-    broken = False
-    if name not in EXTRAS:
-        frames = []
-        tb = e.__traceback__
-        while tb is not None:
-            frames.append(str(tb.tb_frame.f_globals.get("__name__", "")).split(".")[0])
-            tb = tb.tb_next
-        name = next((f for f in reversed(frames) if f in EXTRAS), "")
-        broken = True
-    if name not in EXTRAS:
-        return None
-    if broken:
-        return f"this needs {name}, which does not load here ({' '.join(str(e).split())[:160]}): {how_to_install(name)}"
-    return f"this needs {name}, which is not installed here: {how_to_install(name)}"
-
-
 class Interrupted(KeyboardInterrupt):
     """The command was stopped by SIGTERM or SIGHUP (SIGINT is KeyboardInterrupt itself); exit status 128 + its
     number. A KeyboardInterrupt, so everything on the way out treats it as Ctrl-C (an interrupted output keeps its
@@ -83,7 +44,19 @@ class Interrupted(KeyboardInterrupt):
 
 
 class Group(click.Group):
-    """Turns every failure into one line and exit status 2 (never a traceback); see ``cli``'s help."""
+    """Turns every failure into one line and exit status 2 (never a traceback); see ``cli``'s help. ``convert`` is
+    drawn from the format registry when it is asked for (``cli.convert``): a format registered after this module was
+    imported has its ``--to`` choice and flags, and a command that converts nothing imports no format."""
+
+    def list_commands(self, ctx):
+        return sorted([*super().list_commands(ctx), "convert"])
+
+    def get_command(self, ctx, name):
+        if name == "convert":
+            from .convert import command
+
+            return command()
+        return super().get_command(ctx, name)
 
     def invoke(self, ctx):
         as_json = "--json" in ctx.args
@@ -273,174 +246,6 @@ _gateup_command("fuse-gateup", _fuse, """Fuse gate_proj and up_proj into one gat
                                   "stores them; dense MLPs and shared experts are left as they are."),))
 
 
-QUANT_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
-# convert_hf_to_gguf.py's --outtype, then llama-quantize's types (converters/gguf/kquant.py, whose FTYPES the tests
-# hold this list to: the CLI does not import the converters to draw its --help)
-GGUF_OUTTYPES = ("f32", "f16", "bf16", "q8_0", "auto", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4_moe", "q2_k", "q2_k_s",
-                 "q3_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k", "q4_k_s", "q4_k_m", "q5_k", "q5_k_s", "q5_k_m", "q6_k",
-                 "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq3_xxs", "iq3_xs", "iq3_s", "iq3_m",
-                 "iq4_nl", "iq4_xs", "tq1_0", "tq2_0")
-
-
-def _quantize_value(ctx, param, value):
-    """-q/--quantize is mlx_lm's flag; the older ``--quantize 4`` still gives bits."""
-    if value in (None, "flag"):
-        return value and True
-    if value not in ("2", "3", "4", "5", "6", "8"):
-        raise click.BadParameter(f"{value!r}: -q/--quantize takes no value (bits are --q-bits); put PATH before "
-                                 "the options, or give it with --hf-path", ctx, param)
-    return int(value)
-
-
-@cli.command()
-@click.argument("path", type=CHECKPOINT, required=False)
-@click.option("--hf-path", "--model", "hf_path", type=CHECKPOINT, help="The input, as mlx_lm.convert names it "
-              "(instead of PATH).")
-@click.option("--to", "to", type=click.Choice(("torch", "mlx", "flax", "gguf", "dcp", "orbax")),
-              help="Output format (mlx when --mlx-path is given).")
-@click.option("-o", "--out", type=click.Path(), help="Output directory (a .gguf file for --to gguf).")
-@click.option("--outtype", type=click.Choice(GGUF_OUTTYPES, case_sensitive=False), metavar="TYPE",
-              help="GGUF only. f32, f16, bf16, q8_0, auto: convert_hf_to_gguf.py's flag, the type of the weights "
-              "(norms and other 1-D tensors stay f32); auto, the default, is bf16 for a bf16 model, else f16, and "
-              "a quantized model's weights from their codes (--requantize). "
-              "llama-quantize's types (q4_k_m, q5_k_m, q6_k, q3_k_m, q2_k, q4_0, iq4_xs, ...): llama.cpp's own "
-              "quantizer run on the auto file, in one command.")
-@click.option("--requantize", is_flag=True, default=None, help="GGUF, a quantized input: write the weights no GGUF "
-              "type holds exactly as Q8_0 of their dequantized values (said per tensor). Without it a quantized "
-              "input (--outtype auto) is written from its codes, each weight in the type that holds it bit for bit "
-              "(int8 -> Q8_0, int4 -> Q4_0 / Q4_1), and a weight none holds is refused, named with the numbers.")
-@click.option("--output-tensor-type", metavar="TYPE", help="GGUF, with a llama-quantize --outtype: the type of "
-              "output.weight, as llama-quantize's flag (q8_0, q6_k, f16, ...).")
-@click.option("--token-embedding-type", metavar="TYPE", help="GGUF, with a llama-quantize --outtype: the type of "
-              "token_embd.weight, as llama-quantize's flag.")
-@click.option("--imatrix", type=click.Path(exists=True, dir_okay=False), help="GGUF, with a llama-quantize "
-              "--outtype: llama-imatrix's importance matrix (GGUF), as llama-quantize's flag; i-quants below 3 bits "
-              "need one.")
-@click.option("--mlx-path", type=click.Path(), help="Output directory of an MLX export, as mlx_lm.convert names it "
-              "(instead of --to mlx -o).")
-@click.option("--dtype", type=click.Choice(("float32", "float16", "bfloat16")), help="Cast floating weights to this "
-              "dtype (MLX: those the model's cast_predicate allows, as mlx_lm.convert).")
-@click.option("-q", "--quantize", is_flag=False, flag_value="flag", default=None, callback=_quantize_value, metavar="",
-              help="MLX only: quantize with mx.quantize, exactly the modules mlx_lm.convert -q would "
-                   "(default 4 bits, group size 64, affine). In this command -q is quantize, as in mlx_lm; "
-                   "quiet is `ffn-tools -q convert ...`.")
-@click.option("--q-bits", type=click.Choice(("2", "3", "4", "5", "6", "8")), help="MLX: bits per weight "
-              "(default: 4; mxfp8 8).")
-@click.option("--q-group-size", "--group-size", "q_group_size", type=click.Choice(("16", "32", "64", "128")),
-              help="MLX: quantization group size (default 64 affine, 32 mxfp4/mxfp8, 16 nvfp4).")
-@click.option("--q-mode", type=click.Choice(QUANT_MODES), help="MLX: quantization mode (default affine; mxfp4, "
-              "nvfp4, mxfp8 are MLX's microscaling float formats).")
-@click.option("--quant-predicate", help="MLX: one of mlx_lm's mixed-bit recipes (mixed_2_6, mixed_3_4, mixed_3_6, "
-              "mixed_4_6): more bits for v_proj/down_proj of some layers and lm_head, as mlx_lm.convert.")
-@click.option("-d", "--dequantize", is_flag=True, help="MLX: write a quantized MLX input dequantized. Without -d "
-              "or -q it stays quantized, copied as it is, as mlx_lm.convert keeps it; refused with -q, as in mlx_lm.")
-@click.option("--flax-layout", type=click.Choice(("hf", "linen")),
-              help="Flax only: hf = the Hugging Face Flax parameter tree (default); linen = FFNs as nn.Dense gate/up/down.")
-@click.option("--orbax-layout", type=click.Choice(("hf", "maxtext", "nnx")), help="Orbax only: hf = the Hugging Face "
-              "Flax tree (default); maxtext = MaxText's scanned decoder (layers stacked on axis 1, its query scaling; "
-              "Llama, Mistral, Mixtral, Qwen3, Qwen3-MoE); nnx = each FFN as the NNX state of gate/up/down "
-              "nnx.Linear (FFNs only).")
-@click.option("--dcp-naming", type=click.Choice(("torchtitan", "hf")), help="DCP only: torchtitan = the keys of "
-              "torchtitan's model of the architecture, as its state-dict adapter maps Hugging Face names (default; "
-              "Llama, Qwen3, Qwen3-MoE, DeepSeek-V3); hf = the Hugging Face names as they are.")
-@click.option("--dcp-ranks", type=click.IntRange(min=1), help="DCP only: the world size the output is sharded for "
-              "(default 1): each tensor cut along dim 0, one __R_0.distcp per rank.")
-@click.option("--base", type=CHECKPOINT, help="PATH is a LoRA adapter: its base model (the config.json mlx_lm's and "
-              "llama.cpp's names come from; --to mlx and --to gguf need it, unless the adapter names a local base).")
-@click.option("--dry-run", is_flag=True, help="Print every output tensor and how it is made (for mlx, what mlx_lm's "
-              "model expects, checked), and the estimate of the run (output bytes, temporary disk, peak RSS, time) from "
-              "a sample of it run here; write nothing.")
-@estimate_option
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-@click.option("--allow-config", "allow_config", multiple=True, metavar="KEY",
-              help="Write the output although its client runs setting KEY otherwise than the input's client (say "
-                   "mlx_lm renormalizing Jamba's top-k weights, llama.cpp renormalizing Qwen3-MoE's): without it "
-                   "such a conversion is refused, naming the setting and both behaviours. Repeatable.")
-@click.option("--unbounded", is_flag=True,
-              help="Refuse also a difference that shows only past a sequence length. By default an output whose "
-                   "client differs only there (mlx_lm attending to every token where transformers' Mistral slides a "
-                   "4096-token window) is written, and a warning says the length up to which the two agree.")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
-@upload_option
-@resume_option
-@ray_option
-@size_option
-@scheme_options
-@layout_options
-def convert(path, hf_path, to, out, outtype, requantize, output_tensor_type, token_embedding_type, imatrix, mlx_path, dtype, quantize, q_bits, q_group_size, q_mode, quant_predicate,
-            dequantize, flax_layout, orbax_layout, dcp_naming, dcp_ranks, base, dry_run, estimate, force, allow_config, unbounded, as_json, upload_repo, resume, ray, max_shard_size, scheme, layout):
-    """Convert the checkpoint at PATH to PyTorch safetensors, MLX, Flax msgpack, GGUF, DCP or Orbax.
-
-    The input may be any format ffn-tools reads. MLX output is what mlx_lm.convert writes for the same
-    model: the parameters of mlx_lm's own model class (checked before anything is written), config.json,
-    tokenizer and a model card; mlx_lm.load opens it. mlx_lm.convert's flags work as there:
-
-    \b
-        ffn-tools convert --hf-path ./llama --mlx-path ./llama-4bit -q --q-bits 4
-
-    Flax output is flax_model.msgpack (sharded with an index beyond --max-shard-size). Unquantized
-    conversions are lossless: converting back reproduces every bit.
-
-    GGUF output is what llama.cpp's convert_hf_to_gguf.py writes for the same model and --outtype, bit for
-    bit: its own model class runs, fed from ffn-tools' reader (so MLX and native inputs convert too). A GGUF
-    input converts to torch (config.json and tokenizer from its metadata). K-quants and i-quants
-    (--outtype q4_k_m, ...) are llama.cpp's own quantizer run on that file, in one command: the bytes
-    llama-quantize writes, the recipe in the metadata:
-
-    \b
-        ffn-tools convert ./llama --to gguf -o llama-q4_k_m.gguf --outtype q4_k_m
-
-    Orbax output is an item directory orbax.checkpoint restores (the Hugging Face Flax tree, or MaxText's
-    scanned decoder with --orbax-layout maxtext), written an array slab at a time.
-
-    DCP output is a torch.distributed.checkpoint directory (torchtitan's keys, or --dcp-naming hf) that
-    torch.distributed.checkpoint.load reads, config.json and the tokenizer beside it; a DCP input (a
-    torchtitan step-N directory) converts to any format, its training state left out.
-
-    A quantized input (int4/int8 compressed-tensors, GPTQ, AWQ, MLX 4-bit, ModelOpt NVFP4) goes into GGUF from its
-    codes, each weight in the type that holds it bit for bit; see --requantize. The scheme and layout options say
-    where the FFNs are for --flax-layout linen and --orbax-layout nnx, which write only the FFNs.
-
-    A LoRA adapter converts too: --to torch writes PEFT's adapter, --to mlx mlx_lm's (mlx_lm.load(...,
-    adapter_path=OUT)), --to gguf llama.cpp's GGUF LoRA (as convert_lora_to_gguf.py writes it; llama.cpp's
-    --lora); --base names the base model where the adapter does not:
-
-    \b
-        ffn-tools convert ./my-lora --to gguf --base ./llama -o my-lora.gguf
-    """
-    from ..api import convert as run
-
-    if path and hf_path:
-        raise click.UsageError("give the input once: PATH or --hf-path")
-    path = path or hf_path
-    if path is None:
-        raise click.UsageError("missing the input: PATH (or --hf-path)")
-    if mlx_path is not None:
-        if out is not None or to not in (None, "mlx"):
-            raise click.UsageError("--mlx-path is the output of --to mlx; give either it or --to/-o")
-        to, out = "mlx", mlx_path
-    if to is None or out is None:
-        raise click.UsageError("missing " + " and ".join(n for n, v in (("--to", to), ("-o", out)) if v is None))
-    if dequantize and quantize:
-        raise click.UsageError("choose either -q/--quantize or -d/--dequantize, not both (as mlx_lm.convert)")
-    if not (force or dry_run):  # an existing output refused before the imports a conversion needs (seconds)
-        from ..io.output import check_output
-
-        check_output(Path(out), [], force)
-    # until a step has a progress bar (seconds: torch's and the clients' imports, a converter's start) the terminal
-    # says what runs; steps that take long on their own say more
-    with progress.doing(f"convert: opening {Path(path).name} and checking its {to} output's client"):
-        r = run(path, to, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, quantize=quantize,
-                q_bits=int(q_bits) if q_bits else None, q_group_size=int(q_group_size) if q_group_size else None,
-                q_mode=q_mode, quant_predicate=quant_predicate, dequantize=dequantize or None,
-                dry_run=dry_run or None, flax_layout=flax_layout, orbax_layout=orbax_layout, dcp_naming=dcp_naming,
-                dcp_ranks=dcp_ranks, outtype=outtype, requantize=requantize, output_tensor_type=output_tensor_type,
-                token_embedding_type=token_embedding_type, imatrix=imatrix, scheme=scheme, layout=layout,
-                upload_repo=upload_repo, allow_config=allow_config, unbounded=unbounded, base=base, resume=resume,
-                estimate=estimate, ray=ray)
-    emit(r, as_json, [*(r.get("plan") or []), r["summary"], *r.get("changes", []), *estimated(r), *uploaded(r)])
-
-
 @cli.command()
 @click.argument("base", type=CHECKPOINT)
 @click.argument("adapter", type=CHECKPOINT)
@@ -469,6 +274,17 @@ def merge(base, adapter, out, force, as_json, resume, ray, max_shard_size, schem
 
 
 cli.add_command(verify_command)
+
+
+def __getattr__(name: str):
+    """``GGUF_OUTTYPES``: the --outtype choices convert offers, read from the command drawn from the registry (the
+    name tests/test_gguf_kquant.py imports; the choices themselves are declared once, by the GGUF format)."""
+    if name == "GGUF_OUTTYPES":
+        from .convert import command
+
+        return next(tuple(p.type.choices) for p in command().params
+                    if p.name == "outtype" and isinstance(p.type, click.Choice))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _terminate(signum, frame):
