@@ -17,36 +17,36 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from .. import cluster, progress, quant
-from ..checks.agreement import DEFAULT_PROFILE, PROFILES, AgreementResult
-from ..checks.prompts import NEW_TOKENS, load_prompts
-from ..checks.outside import OutsideResult, outside_tolerance
-from ..checks.rounded import compare_recorded, recorded_shifts
+from ..checks.agreement import AgreementResult
+from ..checks.outside import OutsideResult
+from ..checks.prompts import load_prompts
+from ..clients import Client
 from ..detect import FFNSet
 from ..errors import FFNToolsError
-from ..layouts import GateUpLayout
-from ..registry import Scheme
 from ..specs import parse_spec
-from ..tolerances import tolerance_for
-from . import partial, tied
+from . import partial
 from .backends import ALL, resolve_backends
+from .expected import Expected, Sides
 from .functional import reference_backend
 from .model import model_checks, run_logits
+from .options import DEFAULT_TOKENS, VerifyOptions, runtime_client  # noqa: F401  (DEFAULT_TOKENS: verify's, as before)
 from .outside import compare_outside, in_blocks
 from .report import VerifyReport
 from .sides import describe_side, extract_selection, extracts, find
-from .steps import check_pairs
+from .pairrun import check_pairs
+from .steps import PairOptions
 from .stored import quantized_alike
 from .stream import Streamed, TensorStream
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TOKENS = 32
 OUTSIDE_READ_AHEAD = 256 << 20  # the outside comparison holds the pair it compares while it reads the next
 Opener = Callable[..., tuple]
 T = TypeVar("T")
@@ -99,18 +99,12 @@ def done(value: T) -> "Future[T]":
     return f
 
 
-def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, tokens: int = DEFAULT_TOKENS, seed: int = 0,
-           layers: str | None = None, experts: str | None = None, atol: float | None = None,
-           rtol: float | None = None, exact: bool | None = None, logits: bool = False,
-           scheme: Scheme | None = None, layout: GateUpLayout | None = None,
-           b_layout: GateUpLayout | None = None, allow_unmatched: bool = False, ffn_only: bool = False,
-           load_check: bool = True, allow_config: Sequence[str] = (), side_files: bool = True,
-           all_ffns_on_every_backend: bool = False, generate: bool = False, prompts: str | None = None,
-           new_tokens: int = NEW_TOKENS, profile: str = DEFAULT_PROFILE, unbounded: bool = False) -> VerifyReport:
+def verify(a, b, *, opener: Opener, **options) -> VerifyReport:
     """Verify that checkpoint ``b`` holds the same FFNs as checkpoint ``a``.
 
     Args:
         a, b: paths of checkpoints ``opener`` opens.
+        options: the fields of ``VerifyOptions``, each below.
         opener: ``(path, side, absent_shards, like=A's checkpoint or None) -> (checkpoint, None)`` or
             ``(None, problem)`` where the files are there but cannot be read as their format (raising where there
             is no checkpoint at all): the format registry's (``converters.open_sides``), which the API passes.
@@ -135,6 +129,7 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
             nothing left over, shapes equal.
         allow_config: config keys whose difference is accepted on purpose (``model_config``); every other
             difference in what the clients read fails.
+        client: the runtime that judges B, one its format lists (None: its first; ``--client``).
         unbounded: fail a setting the clients run otherwise only past a sequence length (a sliding window one
             applies and the other not); by default it passes, the verdict saying up to which length.
         side_files: compare tokenizer, generation_config and the other side files (``side_files``).
@@ -155,129 +150,174 @@ def verify(a, b, *, opener: Opener, backends: Sequence[str] | None = None, token
             do not have, a load check whose client is not installed. (--logits a client cannot run here
             leaves the report ``incomplete``, saying why beside the other results.)
     """
-    if tokens < 1:
-        raise FFNToolsError(f"--tokens {tokens}: need at least 1 token")
-    if profile not in PROFILES:
-        raise FFNToolsError(f"--profile {profile!r}: use one of {', '.join(PROFILES)}")
-    if new_tokens < 1:
-        raise FFNToolsError(f"--new-tokens {new_tokens}: need at least 1 token")
-    prompt_texts = load_prompts(prompts) if generate else []  # a bad file: before any work
-    sel_layers = parse_spec(layers) if layers else None
-    sel_experts = parse_spec(experts) if experts else None
-    on_reference = not backends or "reference" in backends or list(backends) == [ALL]
+    o = VerifyOptions(**options)
+    o.refuse_bad()
+    prompt_texts = load_prompts(o.prompts) if o.generate else []  # a bad file: before any work
+    selection = (parse_spec(o.layers) if o.layers else None, parse_spec(o.experts) if o.experts else None)
     with ExitStack() as stack:
         # Backends the user named resolve now, so that one that cannot run here is refused before any work;
         # every available one (the default) is found in the background, beside the weight checks (importing
         # jax, mlx and triton takes seconds), after the load check's own imports.
         worker = stack.enter_context(background())
-        kernels = done(resolve_backends(backends)) if backends else None  # (a typo or one not here: now)
-        opened: list[tuple] = []
-        for path, side in ((a, "A"), (b, "B")):  # under --layers a sharded side may hold only some shards
-            c, e = opener(path, side, sel_layers is not None, like=opened[0][0] if opened else None)
-            opened.append((c and stack.enter_context(quant.decoded(c, every=True)), e))  # FP8 blocks too
-        (ca, ea), (cb, eb) = opened
+        kernels = done(resolve_backends(o.backends)) if o.backends else None  # (a typo or one not here: now)
+        (ca, ea), (cb, eb) = _open(a, b, opener, selection[0] is not None, stack)
         if ea or eb:
-            side_a, side_b = (describe_side(c, None) if c else {"path": str(p)} for c, p in ((ca, a), (cb, b)))
-            mods, skipped = kernels.result() if kernels else resolve_backends()
-            return VerifyReport(side_a, side_b, list(mods), skipped, tokens, seed, None,
-                                problems=[e for e in (ea, eb) if e])
-        client = cb.format.client()  # B's runtime: what it loads, reads and computes
-        partial_sides = [(side, c) for side, c in (("A", ca), ("B", cb)) if c.stored.absent]
-        if partial_sides and (needs := partial.refusal(partial_sides, layers or "", experts, scheme)):
-            raise needs  # a selected FFN's tensor lies in a shard not here: before any work
-        clients = None
-        no_logits = (f"{' and '.join(s for s, _ in partial_sides)} {'have' if len(partial_sides) > 1 else 'has'} "
-                     "shards absent: the clients load every shard") if (logits or generate) and partial_sides else None
-        blocked = None  # why --logits cannot run here, known before any work: said beside the other results
-        if (logits or generate) and not no_logits:
-            from .logits import client_for
-
-            try:
-                clients = (client_for(ca, "A"), client_for(cb, "B"))
-            except FFNToolsError as e:
-                blocked = str(e) if logits else str(e).replace("--logits:", "--generate:", 1)
+            return _unreadable(a, b, ca, cb, (ea, eb), kernels, o)
+        run = Run(a, b, o, ca, cb, runtime_client(cb.format, o.client), selection)  # B's runtime: what it loads
+        _before_work(run)
         # first, before any work: a missing client of B's format says so (transformers': its load check not run)
-        with progress.doing(f"verify: the load check (would B load in {client.name}?)"):  # seconds: its imports
-            load = client.load_check(cb.stored) if load_check else None
+        with progress.doing(f"verify: the load check (would B load in {run.client.name}?)"):  # seconds: its imports
+            load = run.client.load_check(cb.stored) if o.load_check else None
         if kernels is None:  # the reference and B's runtime's kernels
             reference_backend()  # imported here, not beside the background's imports
-            kernels = worker.submit(resolve_backends, None, client.kernels, client.name)
-        selection = (sel_layers, sel_experts)
-        (fa, pa), (fb, pb) = (find(ca, "A", scheme, layout, selection),
-                              find(cb, "B", scheme, b_layout or layout, selection))
-        report = VerifyReport(describe_side(ca, fa), describe_side(cb, fb), [], {}, tokens, seed, None, load=load)
-        report.notes += [f"{side}: {c.absent_line()}: only the FFNs of --layers {layers} are read from it; "
-                         "what needs every shard (the load check, logits) does not run" for side, c in partial_sides]
-        report.problems += [p for p in (pa, pb) if p]
-        extract = extracts(fa, fb)  # an FFN-only output has no model around its FFNs to compare
-        # beside the FFNs; not in a --ray task, which verifies its range of FFN steps and nothing else
-        model: Future = (done(None) if cluster.task("steps") is not None
-                         else worker.submit(model_checks, client, ca, cb, extract, allow_config, side_files))
-        for side, found in (("A", fa), ("B", fb)):
-            if found and (w := found.unmatched_warning()):
-                (report.notes if allow_unmatched else report.problems).append(
-                    f"{side}: {w}" + ("" if allow_unmatched else "; --allow-unmatched accepts them unchecked"))
-        if fa and fb and sel_layers is None and sel_experts is None:
-            sel_layers, sel_experts = extract_selection(report, ca, cb, fa, fb)
-        pairing = client.pairing(ca, cb) if fa and fb else None  # A as B's client loads it: FFNs and outside
+            kernels = worker.submit(resolve_backends, None, run.client.kernels, run.client.name)
+        report, fa, fb, model = _pair(run, load, worker)
+        expected = Expected.derive(run.client, ca, cb, bool(fa and fb))  # B as derived from A through B's client
         if fa and fb:
-            run_kernels = check_pairs(report, ca, cb, fa, fb, kernels, on_reference, sel_layers, sel_experts, atol,
-                                      rtol, exact, seed, tokens, pairing, stack, all_ffns_on_every_backend)
-            elsewhere = client.stored_otherwise(cb)  # compared by B's client, below
-            recorded = recorded_shifts(cb.metadata)  # B read back from a GGUF storing them plus one: its record
-            report.outside = _outside(ca, cb, fa, fb, ffn_only or bool(sel_layers or sel_experts), atol, rtol,
-                                      elsewhere | set(recorded))
-            if elsewhere and not report.outside.skipped:
-                report.notes += client.settle_otherwise(report.outside, ca, cb, atol, rtol)
-            if recorded:
-                report.notes += compare_recorded(report.outside, ca, cb, recorded)
-            run_kernels()  # after the outside comparison: its tensors and theirs are not held at once
+            _compare(run, report, (fa, fb), kernels, expected, stack)
         report.config, report.side_files, report.tokenization = model.result()
-        if unbounded and report.config is not None:
+        if o.unbounded and report.config is not None:
             report.config.unbind()
-        recipe = cb.format.recipe(cb, report.b.get("dtype"), bool(report.b.get("quantization"))) if generate else None
+        recipe = cb.format.recipe(cb, report.b.get("dtype"), bool(report.b.get("quantization"))) if o.generate else None
         mods, report.skipped_backends = kernels.result()
         report.backends = list(mods)
-        if report.outside is not None and not report.outside.skipped:
-            if pairing is not None:
-                report.notes += pairing.settle(report.outside, cb, _tolerance_check(atol, rtol))
-            report.notes += tied.reconcile(report.outside, ca, cb, report.config.ties)
+        ties = report.config.ties if report.config is not None else (None, None)
+        report.notes += expected.settle(report.outside, Sides(ca, cb, o.atol, o.rtol, ties))
+    _whole_models(run, report, fa, recipe, prompt_texts)
+    return report
+
+
+@dataclass
+class Run:
+    """One verify as it runs: its paths and options, both sides open, B's client, the FFNs selected, and what the
+    checks of whole models (``--logits``, ``--generate``) will have: both clients, or why they cannot run."""
+
+    a: object
+    b: object
+    o: VerifyOptions
+    ca: Any
+    cb: Any
+    client: Client
+    selection: tuple
+    partial: list = field(default_factory=list)
+    clients: tuple[Client, Client] | None = None
+    no_logits: str | None = None  # shards absent: the clients load every shard
+    blocked: str | None = None  # why a client cannot run a side here, known before any work
+
+
+def _open(a, b, opener: Opener, some_layers: bool, stack: ExitStack) -> list[tuple]:
+    """Both sides opened, each ``(checkpoint, None)`` or ``(None, problem)``; quantized ones decoded (FP8 blocks
+    too), held until ``stack`` closes. ``some_layers``: under --layers a sharded side may hold only some shards."""
+    opened: list[tuple] = []
+    for path, side in ((a, "A"), (b, "B")):
+        c, e = opener(path, side, some_layers, like=opened[0][0] if opened else None)
+        opened.append((c and stack.enter_context(quant.decoded(c, every=True)), e))
+    return opened
+
+
+def _unreadable(a, b, ca, cb, problems: tuple, kernels: Future | None, o: VerifyOptions) -> VerifyReport:
+    """The report where a side's files are there but cannot be read as their format."""
+    side_a, side_b = (describe_side(c, None) if c else {"path": str(p)} for c, p in ((ca, a), (cb, b)))
+    mods, skipped = kernels.result() if kernels else resolve_backends()
+    return VerifyReport(side_a, side_b, list(mods), skipped, o.tokens, o.seed, None,
+                        problems=[e for e in problems if e])
+
+
+def _before_work(run: Run) -> None:
+    """Refusals and what is known before any work: a selected FFN's tensor in a shard not here (raised), and
+    whether the clients can run the whole models (``run.clients``, or why not)."""
+    o = run.o
+    run.partial = [(side, c) for side, c in (("A", run.ca), ("B", run.cb)) if c.stored.absent]
+    if run.partial and (needs := partial.refusal(run.partial, o.layers or "", o.experts, o.scheme)):
+        raise needs  # a selected FFN's tensor lies in a shard not here: before any work
+    if o.whole_models and run.partial:
+        run.no_logits = (f"{' and '.join(s for s, _ in run.partial)} {'have' if len(run.partial) > 1 else 'has'} "
+                         "shards absent: the clients load every shard")
+    elif o.whole_models:
+        from .logits import client_for
+
+        try:
+            run.clients = (client_for(run.ca, "A"), client_for(run.cb, "B", o.client))
+        except FFNToolsError as e:
+            run.blocked = str(e) if o.logits else str(e).replace("--logits:", "--generate:", 1)
+
+
+def _pair(run: Run, load, worker) -> tuple[VerifyReport, FFNSet | None, FFNSet | None, Future]:
+    """Each side's FFNs found and the report begun (what each side is, FFN-like tensors of no FFN); the model
+    checks (config, side files, tokenization: ``model_checks``) started on ``worker``; the selection made
+    explicit where an extract output holds part of the FFNs (``extract_selection``)."""
+    o, ca, cb = run.o, run.ca, run.cb
+    (fa, pa), (fb, pb) = (find(ca, "A", o.scheme, o.layout, run.selection),
+                          find(cb, "B", o.scheme, o.b_layout or o.layout, run.selection))
+    report = VerifyReport(describe_side(ca, fa), describe_side(cb, fb), [], {}, o.tokens, o.seed, None, load=load)
+    report.notes += [f"{side}: {c.absent_line()}: only the FFNs of --layers {o.layers} are read from it; "
+                     "what needs every shard (the load check, logits) does not run" for side, c in run.partial]
+    report.problems += [p for p in (pa, pb) if p]
+    extract = extracts(fa, fb)  # an FFN-only output has no model around its FFNs to compare
+    # beside the FFNs; not in a --ray task, which verifies its range of FFN steps and nothing else
+    model: Future = (done(None) if cluster.task("steps") is not None
+                     else worker.submit(model_checks, run.client, ca, cb, extract, o.allow_config, o.side_files))
+    for side, found in (("A", fa), ("B", fb)):
+        if found and (w := found.unmatched_warning()):
+            (report.notes if o.allow_unmatched else report.problems).append(
+                f"{side}: {w}" + ("" if o.allow_unmatched else "; --allow-unmatched accepts them unchecked"))
+    if fa and fb and run.selection == (None, None):
+        run.selection = extract_selection(report, ca, cb, fa, fb)
+    return report, fa, fb, model
+
+
+def _compare(run: Run, report: VerifyReport, ffns: tuple[FFNSet, FFNSet], kernels: Future, expected: Expected,
+             stack: ExitStack) -> None:
+    """B against A as derived (``expected``): the FFN pairs, the tensors outside them but those a transform
+    settles, then the kernel backends on the first FFN of each kind."""
+    o, (fa, fb) = run.o, ffns
+    on_reference = not o.backends or "reference" in o.backends or list(o.backends) == [ALL]
+    pairs = check_pairs(report, (run.ca, run.cb), ffns, kernels, expected.pairing, stack,
+                        PairOptions.of(o, run.selection, on_reference))
+    report.outside = _outside(run.ca, run.cb, fa, fb, o.ffn_only or bool(any(run.selection)), o.atol, o.rtol,
+                              expected.left_out())
+    pairs.run_kernels()  # after the outside comparison: its tensors and theirs are not held at once
+
+
+def _whole_models(run: Run, report: VerifyReport, fa: FFNSet | None, recipe, prompts: list[str]) -> None:
+    """``--logits`` and ``--generate`` (the checkpoints are closed: the clients load the whole models), or why
+    they did not run."""
+    o = run.o
     refused = report.load is not None and report.load.refused
-    if blocked:
-        report.incomplete.append(blocked)
+    if run.blocked:
+        report.incomplete.append(run.blocked)
         report.logits_skipped = "no client here runs a side as a whole model (see above)"
-    elif no_logits:
-        report.logits_skipped = no_logits
-    elif logits and refused:
+    elif run.no_logits:
+        report.logits_skipped = run.no_logits
+    elif o.logits and refused:
         report.logits_skipped = "B's client cannot build B (the load check's failure)"
-    elif logits and clients is not None:  # the checkpoints are closed: the clients load the whole models
-        run_logits(report, a, b, ca, cb, clients, fa.activation.function if fa else None, atol, rtol, seed)
+    elif o.logits and run.clients is not None:
+        run_logits(report, run.a, run.b, run.ca, run.cb, run.clients, fa.activation.function if fa else None,
+                   o.atol, o.rtol, o.seed)
     else:
         report.logits_skipped = "--logits runs both whole models through their clients"
-    report.generation = _generation(report, a, b, ca, cb, clients, recipe, allow_config, prompt_texts, new_tokens,
-                                    profile,
-                                    skip=None if generate else "--generate runs both models on prompts through "
-                                    "their clients", blocked=blocked or no_logits, refused=refused)
+    skip = None if o.generate else "--generate runs both models on prompts through their clients"
+    why = skip or run.blocked or run.no_logits or ("B's client cannot build B (the load check's failure)"
+                                                  if refused else None)
+    report.generation = _generation(report, run, recipe, prompts, why)
     bound = report.config.tokens if report.config is not None else None
     if bound is not None and report.generation is not None and report.generation.decided:
         report.notes.append(f"generation: on sequences past {bound} tokens A's and B's clients compute otherwise (the "
                             "config line's bound); there its floor, A converted to B's form and run by B's client, "
                             "computes as B's client does, so the statistics judge B's weights, not that difference")
-    return report
 
 
-def _generation(report: VerifyReport, a, b, ca, cb, clients, recipe, allow_config, prompts, new_tokens, profile, *,
-                skip, blocked, refused) -> AgreementResult:
-    """``verify --generate`` (``generate.run_generation``), or why it did not run; a client that cannot run its
+def _generation(report: VerifyReport, run: Run, recipe, prompts: list[str], why: str | None) -> AgreementResult:
+    """``verify --generate`` (``generate.run_generation``), or ``why`` it did not run; a client that cannot run its
     model here leaves the report incomplete, saying why."""
-    why = skip or blocked or ("B's client cannot build B (the load check's failure)" if refused else None)
-    if why or clients is None:
+    if why or run.clients is None:
         return AgreementResult(skipped=why or "no client here runs a side as a whole model")
     from .generate import run_generation
 
+    o = run.o
     try:
-        res = run_generation(a, b, ca, cb, clients, recipe, report.a.get("dtype"), prompts, new_tokens, profile,
-                             allow_config)
+        res = run_generation(run.a, run.b, run.ca, run.cb, run.clients, recipe, report.a.get("dtype"), prompts,
+                             o.new_tokens, o.profile, o.allow_config)
         if res.not_judged:  # the statistics are reported; with no floor they are no verdict
             report.incomplete.append(f"--generate: not judged: {res.not_judged}")
         return res
@@ -305,10 +345,3 @@ def _outside(ca, cb, fa: FFNSet, fb: FFNSet, ffn_only: bool, atol, rtol, elsewhe
     with TensorStream((ca, cb), steps, budget=OUTSIDE_READ_AHEAD, advance=True) as stream:
         return compare_outside(Streamed(ca, stream.side(0)), Streamed(cb, stream.side(1)), fa, fb, atol=atol,
                                rtol=rtol, elsewhere=elsewhere)
-
-
-def _tolerance_check(atol, rtol):
-    """``(name, a, b, bits) -> why or None``: a tensor pair within its row (the outside check's criterion)."""
-    def check(name, a, b, bits):
-        return outside_tolerance(name, a, b, tolerance_for([a.dtype, b.dtype], bits, atol=atol, rtol=rtol))
-    return check

@@ -20,6 +20,7 @@ from ..clients import Client
 from ..errors import FFNToolsError
 from ..tolerances import DTYPE_TOLERANCES, Tolerance
 from .functional import compare
+from .options import runtime_client
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,9 @@ def client_floor(tol: Tolerance, clients: tuple[Client, Client], function: str |
     return tol, None
 
 
-def client_for(ckpt, side: str) -> Client:
-    """The client that runs ``ckpt`` as a whole model (``Format.client``), once it says it can here.
+def client_for(ckpt, side: str, name: str | None = None) -> Client:
+    """The client that runs ``ckpt`` as a whole model (runtime ``name`` of its format, None: its first;
+    ``options.runtime_client``), once it says it can here.
 
     Raises:
         FFNToolsError: none does (a Flax checkpoint, an FFN-only extract, a single file, no config, the client
@@ -50,7 +52,7 @@ def client_for(ckpt, side: str) -> Client:
     """
     if ckpt.format is None:
         raise FFNToolsError(f"--logits: {side} ({ckpt.path}) was opened without its format; no client is known")
-    client = ckpt.format.client()
+    client = runtime_client(ckpt.format, name)
     client.ready_for_logits(ckpt, side)
     return client
 

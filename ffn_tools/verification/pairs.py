@@ -4,7 +4,7 @@
 exact-check mode, the input seed) and ``check(ref, a_ffn, b_ffn, tol, quantized)`` returns its
 ``FFNResult`` (the tolerance row is per FFN: mixed quantization recipes give layers different bits).
 It reads tensors through ``read_a`` / ``read_b``: the checkpoints themselves, or the ``stream`` that reads the
-next pairs ahead and holds each tensor only while a pair needs it (``verify`` sets them). A pair ``from_pages``
+next pairs ahead and holds each tensor only while a pair needs it (``reading``). A pair ``from_pages``
 says is too large to hold whole is read instead through ``raw_a`` / ``raw_b`` (views of the files' mapped pages,
 ``io.mapped``): its roles compared one pair at a time and its float64 runs block by block, the pages let go after
 each (``_let_go``).
@@ -21,7 +21,8 @@ as before, which reports it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -63,15 +64,30 @@ class PairChecker:
     exact: bool | None  # True demand, False skip, None where lossless
     seed: int
     tokens: int
+    bytes_first: Callable[[FFN, FFN], bool] | None = None  # pairs compared as stored bytes first (``candidates``)
+    from_pages: Callable[[FFN, FFN], bool] = lambda x, y: False  # read from raw_a/raw_b's mapped pages, by parts
+    a_view: Callable[[Mapping], Mapping] = lambda m: m  # A's tensors as B's client holds them, read through a mapping
 
     def __post_init__(self) -> None:
-        self.read_a: Mapping = self.ca  # what tensors are read through (``verify``: its read-ahead stream)
+        self.read_a: Mapping = self.a_view(self.ca)  # what tensors are read through (``reading``: a read-ahead stream)
         self.read_b: Mapping = self.cb
         self.raw_a: Mapping = self.ca.stored  # the stored tensors, for comparing stored bytes (``stored``)
         self.raw_b: Mapping = self.cb.stored
-        self.as_bytes = lambda x, y: candidates(self.ca, self.cb, x, y)  # pairs compared as stored bytes first
-        self.from_pages = lambda x, y: False  # pairs read from raw_a/raw_b's mapped pages, a part at a time
+        self.as_bytes: Callable[[FFN, FFN], bool] = (self.bytes_first if self.bytes_first is not None
+                                                     else lambda x, y: candidates(self.ca, self.cb, x, y))
         self._bits = tuple((quantization(c) or {}).get("bits") for c in (self.ca, self.cb))  # global, as the engine
+
+    @contextmanager
+    def reading(self, read: tuple[Mapping, Mapping], raw: tuple[Mapping, Mapping]) -> Iterator[None]:
+        """Tensors read through ``read`` (A's through ``a_view``) and stored bytes through ``raw`` meanwhile; the
+        checkpoints themselves again after."""
+        self.read_a, self.read_b = self.a_view(read[0]), read[1]
+        self.raw_a, self.raw_b = raw
+        try:
+            yield
+        finally:
+            self.read_a, self.read_b = self.a_view(self.ca), self.cb
+            self.raw_a, self.raw_b = self.ca.stored, self.cb.stored
 
     def check(self, ref: FFNRef, x: FFN, y: FFN, tol: Tolerance, quantized: bool,
               backends: dict | None = None, compute_identical: bool = True,

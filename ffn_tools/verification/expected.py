@@ -1,0 +1,141 @@
+"""What B should hold, given A, as B's client will hold it: derived once per verify (``Expected.derive``) and
+compared once.
+
+A checkpoint B is not always A's tensors as stored. B's client may load A through transforms of its own (mlx_lm's
+sanitize: ``Client.pairing``), store some tensors in another form than it reads them (llama.cpp's norms plus one:
+``Client.stored_otherwise``), B may record tensors it read back through such a form (a GGUF's norms read back
+minus one: ``checks.rounded``), and a side whose config ties its head holds its embedding as its head whatever it
+stores (``tied``). Each is one ``Transform``: the names of B the plain comparison leaves to it (``left_out``), A's
+FFN tensors as B's client computes them (``Pairing.computed``/``read``, through ``a_as_loaded``), and its
+comparison of what it derived with what B holds, into the outside comparison's result (``settle``). ``verify``
+asks the derived ``Expected`` for the names to leave out, compares the rest once (``outside``), then settles the
+transforms in one loop, in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from ..checks.outside import outside_tolerance
+from ..checks.rounded import compare_recorded, recorded_shifts
+from ..tolerances import tolerance_for
+from . import tied
+
+if TYPE_CHECKING:
+    from ..checks.outside import OutsideResult
+    from ..clients import Client, Pairing
+
+
+@dataclass(frozen=True)
+class Sides:
+    """What a transform's comparison reads: both checkpoints, the tolerance overrides, and each side's tie of its
+    head to its embedding as its client reads its config (None: unknown)."""
+
+    ca: object
+    cb: object
+    atol: float | None
+    rtol: float | None
+    ties: tuple[bool | None, bool | None]
+
+
+class Transform(Protocol):
+    """One way B's client holds something other than A's tensors as stored (see the module docstring)."""
+
+    def left_out(self) -> frozenset[str]:
+        """B's tensors the plain comparison leaves to this transform."""
+
+    def settle(self, outside: "OutsideResult", sides: Sides) -> list[str]:
+        """Compare what this transform derives from A with what B holds, into ``outside``; returns notes."""
+
+
+@dataclass(frozen=True)
+class StoredOtherwise:
+    """Tensors B's client stores in another form than it reads them (``Client.stored_otherwise``)."""
+
+    client: "Client"
+    names: frozenset[str]
+
+    def left_out(self) -> frozenset[str]:
+        return self.names
+
+    def settle(self, outside, sides: Sides) -> list[str]:
+        return self.client.settle_otherwise(outside, sides.ca, sides.cb, sides.atol, sides.rtol) if self.names else []
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """Tensors B records as read back from a form storing them plus a constant (``checks.rounded``)."""
+
+    shifts: Mapping[str, float]
+
+    def left_out(self) -> frozenset[str]:
+        return frozenset(self.shifts)
+
+    def settle(self, outside, sides: Sides) -> list[str]:
+        return compare_recorded(outside, sides.ca, sides.cb, dict(self.shifts)) if self.shifts else []
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A as B's client loads it (``Client.pairing``): its FFN tensors read as computed (``Expected.a_as_loaded``),
+    the tensors outside them settled against what its load makes of A's."""
+
+    pairing: "Pairing"
+
+    def left_out(self) -> frozenset[str]:
+        return frozenset()
+
+    def settle(self, outside, sides: Sides) -> list[str]:
+        return self.pairing.settle(outside, sides.cb, tolerance_check(sides.atol, sides.rtol))
+
+
+class TiedHead:
+    """A head stored on one side only, where that side's client ties it to its embedding (``tied``)."""
+
+    def left_out(self) -> frozenset[str]:
+        return frozenset()
+
+    def settle(self, outside, sides: Sides) -> list[str]:
+        return tied.reconcile(outside, sides.ca, sides.cb, sides.ties)
+
+
+def tolerance_check(atol, rtol) -> Callable:
+    """``(name, a, b, bits) -> why or None``: a tensor pair within its row (the outside check's criterion)."""
+    def check(name, a, b, bits):
+        return outside_tolerance(name, a, b, tolerance_for([a.dtype, b.dtype], bits, atol=atol, rtol=rtol))
+    return check
+
+
+@dataclass(frozen=True)
+class Expected:
+    """B as derived from A through B's client (see the module docstring): the transforms, in the order their
+    comparisons run, and ``pairing`` (A's FFN tensors as B's client computes them), or None."""
+
+    transforms: tuple[Transform, ...]
+    pairing: "Pairing | None"
+
+    @classmethod
+    def derive(cls, client: "Client", ca, cb, paired: bool) -> "Expected":
+        """What B should hold given A, as ``client`` (B's) will hold it; ``paired``: both sides have FFNs (without
+        them nothing is compared and nothing is derived)."""
+        if not paired:
+            return cls((), None)
+        pairing = client.pairing(ca, cb)  # A as B's client loads it: FFNs and outside
+        transforms: list[Transform] = [StoredOtherwise(client, client.stored_otherwise(cb)),
+                                       Recorded(recorded_shifts(cb.metadata))]
+        if pairing is not None:
+            transforms.append(Loaded(pairing))
+        transforms.append(TiedHead())
+        return cls(tuple(transforms), pairing)
+
+    def left_out(self) -> frozenset[str]:
+        """B's tensors the plain outside comparison leaves to a transform."""
+        return frozenset().union(*(t.left_out() for t in self.transforms))
+
+    def settle(self, outside: "OutsideResult | None", sides: Sides) -> list[str]:
+        """Every transform's comparison into ``outside`` (nothing where it was not compared); returns notes."""
+        if outside is None or outside.skipped:
+            return []
+        return [note for t in self.transforms for note in t.settle(outside, sides)]
