@@ -553,6 +553,21 @@ def test_bad_input_exits_2_saying_why(model_dir, tmp_path, args, message):
     assert message in r.output and "Traceback" not in r.output
 
 
+def test_client_names_the_runtime_that_judges_b(model_dir):
+    """--client transformers (the PyTorch format's runtime) gives the report verify gives without it; a name the
+    format does not list is refused (exit 2) naming the runtimes that load it."""
+    src = model_dir("llama")
+    code, plain = verify_json(src, src, "--seed", "3")
+    code_t, named = verify_json(src, src, "--seed", "3", "--client", "transformers")
+    assert code == code_t == 0
+    assert named["load_check"] == plain["load_check"] and named["failures"] == plain["failures"] == []
+    assert [f["exact"] for f in named["ffns"]] == [f["exact"] for f in plain["ffns"]]
+    r = CliRunner().invoke(cli, ["verify", str(src), str(src), "--tokens", "2", "--client", "nope"])
+    assert r.exit_code == 2, r.output
+    assert "--client nope" in r.output or "nope" in r.output
+    assert "transformers" in r.output and "Traceback" not in r.output
+
+
 def test_custom_templates_apply_where_they_match(model_dir, tmp_path):
     """A checkpoint with its own names (like the seed APEX-1's W_gate/W_up/W_down) against the original."""
     src = model_dir("llama", torch.float16)

@@ -10,15 +10,16 @@ import json
 
 import click
 
+from ..checks.agreement import DEFAULT_PROFILE, PROFILES
 from ..checks.prompts import NEW_TOKENS
 from ..options import CHECKPOINT, emit, layout_options, layout_options_for, ray_flag, scheme_options
 from ..tolerances import HELP as TOLERANCE_HELP
+from ..verification.options import DEFAULT_TOKENS
 
 # what verify of LoRA adapters takes (``adapters.verify``); the other options are refused there
 ADAPTER_OPTIONS = ("a", "b", "tokens", "seed", "as_json", "backends", "scheme_name", "scheme_file", "gate", "up", "down",
                    "gate_up")
-DEFAULT_TOKENS = 32  # = verify.DEFAULT_TOKENS (not imported: that module imports torch)
-PROFILE_NAMES = ("strict", "standard", "relaxed")  # = checks.agreement.PROFILES (tested)
+PROFILE_NAMES = tuple(PROFILES)
 BACKEND_NAMES = "reference, triton, metal, mlx, jax"
 
 
@@ -73,11 +74,15 @@ b_layout_options = layout_options_for(
                    "lines with a \"prompt\" field.")
 @click.option("--new-tokens", type=click.IntRange(min=1), default=NEW_TOKENS, show_default=True,
               help="With --generate: greedy tokens generated per prompt (A's continuation, which B is scored on).")
-@click.option("--profile", type=click.Choice(PROFILE_NAMES), default="standard", show_default=True,
+@click.option("--profile", type=click.Choice(PROFILE_NAMES), default=DEFAULT_PROFILE, show_default=True,
               help="With --generate: how far above its noise floor a statistic may be. strict: not at all (B's "
                    "logits as the floor's); standard: 2x + 1e-7 nats / 1 position; relaxed: 5x + 1e-5 nats / 3 "
                    "positions. Prompts tokenized otherwise or stopping otherwise fail above the floor's count in "
                    "every profile.")
+@click.option("--client", "client", metavar="NAME",
+              help="The runtime that judges B, one of those that load B's format (the load check, config, side files "
+                   "and tokenizer as it reads them, its kernels, --logits and --generate run by it). Default: the "
+                   "format's first (transformers for PyTorch, mlx_lm for MLX, llama.cpp for GGUF).")
 @click.option("--allow-unmatched", is_flag=True, help="Pass even when tensors that look like FFN projections "
               "(mlp/ffn/expert + gate/up/down/w1/fc...) belong to no FFN found; by default they fail the check, "
               "since they were never run.")
@@ -116,7 +121,7 @@ b_layout_options = layout_options_for(
 @layout_options
 @b_layout_options
 def verify(a, b, receipt, backends, tokens, seed, layers, shards_needed, experts, atol, rtol, exact, logits, generate, prompts,
-           new_tokens, profile, allow_unmatched, ffn_only, load_check, allow_config, unbounded, side_files,
+           new_tokens, profile, client, allow_unmatched, ffn_only, load_check, allow_config, unbounded, side_files,
            all_ffns_on_every_backend, as_json, resume, ray, scheme, layout, b_layout):
     """Check that checkpoint B holds the same FFNs as checkpoint A.
 
@@ -203,7 +208,7 @@ def verify(a, b, receipt, backends, tokens, seed, layers, shards_needed, experts
                      ffn_only=ffn_only, load_check=load_check, allow_config=allow_config, side_files=side_files,
                      unbounded=unbounded or None,  # (None: not given, as the adapters' verify takes it)
                      all_ffns_on_every_backend=all_ffns_on_every_backend, generate=generate, prompts=prompts,
-                     new_tokens=new_tokens, profile=profile, ray=ray, resume=resume)
+                     new_tokens=new_tokens, profile=profile, client=client, ray=ray, resume=resume)
     if as_json:
         from ..api import json_of
 
