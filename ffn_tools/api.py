@@ -26,8 +26,8 @@ from . import cluster, rerun
 from .envelope import ENVELOPE, envelope  # noqa: F401  (the keys every command's JSON starts with)
 from .errors import FFNToolsError, counted
 from .hub import resolve
-from .io.receipt import recorded
-from .io.resume import requested
+from .io.receipt import record
+from .io.run import Run
 
 
 def _run_again(call: dict) -> None:
@@ -46,9 +46,9 @@ def _command(command: str):
         def run(*args, estimate: bool | None = None, ray: str | None = None, **kwargs):
             given = dict(signature.bind(*args, **kwargs).arguments)
             given.update(given.pop("options", {}))
-            call = rerun.replay(fn.__name__, given, _run_again) if ray is not None else None
-            with recorded(command, **given), cluster.requested(ray, call):
-                r = fn(*args, **kwargs)
+            # the run's options as one value, handed down to the one executor (``io.run``): no ambient state
+            run = Run(command=record(command, given), ray=ray, resume=bool(given.get("resume")))
+            r = fn(*args, run=run, **kwargs)
             if given.get("dry_run") and r.get("output"):
                 from . import estimate as estimates
 
@@ -141,56 +141,59 @@ def inspect(path, *, scheme=None, layout=None, tensors: bool = False, base=None)
 @_command("extract")
 def extract(path, out, *, layers: str | None = None, experts: str | None = None, scheme=None, layout=None,
             force: bool = False, max_shard_size: int | None = None, upload_repo: str | None = None,
-            resume: bool = False) -> dict:
+            resume: bool = False, run: Run = Run()) -> dict:
     """``ffn-tools extract PATH -o OUT --json``: the FFNs alone, canonical names; returns the manifest.
     ``upload_repo``: push the output to that Hub repo afterwards (every writing command takes it); ``resume``:
-    continue what a killed run of the same command left (``io.resume``; every writing command takes it)."""
+    continue what a killed run of the same command left (``io.resume``; every writing command takes it); ``run``: the
+    run's options the command wrapper made (``io.run.Run``)."""
     from ffn_tools.converters import open_any
 
-    from .extraction import extract as run
+    from .extraction import extract as extracting
 
     _upload_first(upload_repo)
-    with open_any(resolve(str(path))) as ckpt, requested(resume):
-        m = run(ckpt, Path(out), layers=layers, experts=experts, scheme=scheme, layout=layout, force=force,
-                max_shard_size=max_shard_size)
+    with open_any(resolve(str(path))) as ckpt:
+        m = extracting(ckpt, Path(out), layers=layers, experts=experts, scheme=scheme, layout=layout, force=force,
+                       max_shard_size=max_shard_size, run=run)
     line = f"wrote {out}: {counted(m['ffns'], 'FFN')}, {counted(m['tensors'], 'tensor')} ({m['dtype']})" + (
         f"; {m['dequantized']}" if m.get("dequantized") else "")
     return _published(envelope("extract", str(path), out, line, m), upload_repo)
 
 
 @_command("split-gateup")
-def split_gateup(path, out=None, *, upload_repo: str | None = None, resume: bool = False, **options) -> dict:
+def split_gateup(path, out=None, *, upload_repo: str | None = None, resume: bool = False, run: Run = Run(),
+                **options) -> dict:
     """``ffn-tools split-gateup PATH [-o OUT] --json`` (options as ``gateup.split_gateup``)."""
     from ffn_tools.converters import open_any
 
-    from .gateup import split_gateup as run
+    from .gateup import split_gateup as rewrite
 
     if (kw := _adapter_options(path, "split-gateup", {**options, "upload_repo": upload_repo, "resume": resume},
                                ADAPTER_OPTIONS["relayout"])) is not None:
         from .adapters.api import relayout
 
-        return relayout("split-gateup", path, out, **kw)
+        return relayout("split-gateup", path, out, run=run, **kw)
     _upload_first(upload_repo, options.get("dry_run"))
-    with open_any(resolve(str(path))) as ckpt, requested(resume):  # any format: its rule refuses what it cannot
-        r = run(ckpt, out, **options)
+    with open_any(resolve(str(path))) as ckpt:  # any format: its rule refuses what it cannot
+        r = rewrite(ckpt, out, run=run, **options)
     return _published(_gateup("split-gateup", path, r), upload_repo)
 
 
 @_command("fuse-gateup")
-def fuse_gateup(path, out=None, *, upload_repo: str | None = None, resume: bool = False, **options) -> dict:
+def fuse_gateup(path, out=None, *, upload_repo: str | None = None, resume: bool = False, run: Run = Run(),
+                **options) -> dict:
     """``ffn-tools fuse-gateup PATH [-o OUT] --json`` (options as ``gateup.fuse_gateup``)."""
     from ffn_tools.converters import open_any
 
-    from .gateup import fuse_gateup as run
+    from .gateup import fuse_gateup as rewrite
 
     if (kw := _adapter_options(path, "fuse-gateup", {**options, "upload_repo": upload_repo, "resume": resume},
                                ADAPTER_OPTIONS["relayout"])) is not None:
         from .adapters.api import relayout
 
-        return relayout("fuse-gateup", path, out, **kw)
+        return relayout("fuse-gateup", path, out, run=run, **kw)
     _upload_first(upload_repo, options.get("dry_run"))
-    with open_any(resolve(str(path))) as ckpt, requested(resume):
-        r = run(ckpt, out, **options)
+    with open_any(resolve(str(path))) as ckpt:
+        r = rewrite(ckpt, out, run=run, **options)
     return _published(_gateup("fuse-gateup", path, r), upload_repo)
 
 
@@ -202,19 +205,19 @@ def _gateup(command: str, path, r: dict) -> dict:
 
 
 @_command("convert")
-def convert(path, to: str, out, *, upload_repo: str | None = None, resume: bool = False, **options) -> dict:
+def convert(path, to: str, out, *, upload_repo: str | None = None, resume: bool = False, run: Run = Run(),
+            **options) -> dict:
     """``ffn-tools convert PATH --to FORMAT -o OUT --json`` (options as ``converters.convert``)."""
-    from ffn_tools.converters import convert as run
+    from ffn_tools.converters import convert as converting
 
     if (kw := _adapter_options(path, "convert", {**options, "upload_repo": upload_repo, "resume": resume},
                                ADAPTER_OPTIONS["convert"])) is not None:
         from .adapters.api import convert as adapter_convert
 
-        return adapter_convert(path, to, out, **kw)
+        return adapter_convert(path, to, out, run=run, **kw)
     options.pop("base", None)
     _upload_first(upload_repo, options.get("dry_run"))
-    with requested(resume):
-        r = run(resolve(str(path)), to, Path(out), **options)
+    r = converting(resolve(str(path)), to, Path(out), run=run, **options)
     verb = "would write" if options.get("dry_run") else "wrote"
     line = r.get("summary") or f"{verb} {r['output']} ({to})"  # a converter's own line says more (GGUF's does)
     return _published(envelope("convert", str(path), r["output"], line, r), upload_repo)
@@ -238,12 +241,11 @@ def shards_needed(a, b, *, layers: str, experts: str | None = None, scheme=None)
 
 
 @_command("merge")
-def merge(base, adapter, out, *, resume: bool = False, **options) -> dict:
+def merge(base, adapter, out, *, resume: bool = False, run: Run = Run(), **options) -> dict:
     """``ffn-tools merge BASE ADAPTER -o OUT --json``: the LoRA merged into the base (``adapters.merge``)."""
-    from .adapters.api import merge as run
+    from .adapters.api import merge as merging
 
-    with requested(resume):
-        return run(resolve(str(base)), adapter, out, **options)
+    return merging(resolve(str(base)), adapter, out, run=run, **options)
 
 
 def verify_receipt(out) -> dict:

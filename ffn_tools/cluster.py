@@ -44,11 +44,6 @@ LINK: ContextVar[_Link | None] = ContextVar("ffn_tools_ray_link", default=None)
 # {"kind": "steps", "indices"}: verify those FFN steps)
 TASK: ContextVar[dict | None] = ContextVar("ffn_tools_ray_task", default=None)
 
-NOT_DISTRIBUTED = ("--ray writes the shards of a directory of safetensors shards as Ray tasks (split-gateup, "
-                   "fuse-gateup, convert --to torch or mlx, with a directory -o); this output is written whole by one "
-                   "writer: run without --ray")
-
-
 class Done(BaseException):
     """Raised in a task once its part is done (a shard in place, FFN steps verified), carrying what it returns: the
     rest of the command does not run there (not an Exception: nothing on the way out mistakes it for a failure)."""
@@ -219,13 +214,15 @@ def _task(call: dict, job: dict):
 
 
 @contextmanager
-def connected() -> Iterator:
-    """Ray, connected to (or started here) for the command, and let go after; yields the ``ray`` module. Where the
-    command began connecting as it started (``requested(..., early=True)``), that connection, let go of as it ends."""
+def connected(address: str | None = None) -> Iterator:
+    """Ray at ``address`` (default: verify's, ``ADDRESS``), connected to (or started here) for the command, and let
+    go after; yields the ``ray`` module. Where the command began connecting as it started (``requested(...,
+    early=True)``), that connection, let go of as it ends."""
     if (link := LINK.get()) is not None:
         yield link.ray()
         return
-    address, _ = ADDRESS.get() or (LOCAL, {})
+    if address is None:
+        address, _ = ADDRESS.get() or (LOCAL, {})
     started = _connect(address)
     try:
         import ray
@@ -258,24 +255,43 @@ def results(ray, pending: dict, what) -> Iterator[tuple[int, Any]]:
         yield k, value
 
 
-def write_sharded(out_dir: Path, items: Sequence, files_of: list[set[str]], *, max_shard_size: int | None,
-                  metadata: dict, progress=None, ledger=None) -> list[str]:
-    """The driver's ``io.writer.write_sharded``: the shards written by Ray tasks (a shard the resume ledger says is
-    finished is kept); the index written here. ``files_of``: each item's input files, for placement."""
+def _job(job: tuple) -> Any:
+    """A Ray task: ``job`` is ``(function, args)``, pickled together (a checkpoint its arguments share is opened
+    again once: ``io.store.Checkpoint.__reduce__``); what the function returns."""
+    from .child import clean_path
+
+    clean_path()
+    fn, args = job
+    return fn(*args)
+
+
+def submit_jobs(ray, jobs: list[tuple], files_of: list[set[str]]) -> dict:
+    """One task per ``(function, args)`` job, each placed (softly) where its files are; ``{ref: job index}``."""
+    fn = ray.remote(num_cpus=1, max_retries=RETRIES, retry_exceptions=False)(_job)
+    places = _placement(ray, files_of)
+    return {fn.options(scheduling_strategy=place).remote(job): k for k, (job, place) in enumerate(zip(jobs, places))}
+
+
+def write_sharded(out_dir: Path, items: Sequence, entries: Sequence, files_of: list[set[str]], *, write,
+                  address: str, max_shard_size: int | None, metadata: dict, progress=None, ledger=None) -> list[str]:
+    """The driver's ``io.writer.write_sharded``: each shard to write (the resume ledger's finished ones are kept) is
+    one Ray task, ``write(its entries, out_dir, name, metadata)`` (``executor.write_slice``: the plan's slice, never
+    the command again); the index written here. ``items``: the entries' output tensors, as the driver shards them;
+    ``files_of``: each entry's input files, for placement."""
     from .io.writer import kept, plan_shards, shard_names, write_index
 
-    _, call = ADDRESS.get() or (LOCAL, {})
     shards = plan_shards(items, max_shard_size, metadata)
     names = shard_names(len(shards))
     try:
-        with connected() as ray:
+        with connected(address) as ray:
             at, spans = 0, []
             for shard in shards:
                 spans.append((at, at + len(shard)))
                 at += len(shard)
             todo = [k for k, name in enumerate(names) if not kept(ledger, name, shards[k], progress)]
-            jobs = [{"kind": "shard", "dir": str(out_dir), "index": k, "names": names} for k in todo]
-            pending = submit(ray, call, jobs, [set().union(*files_of[slice(*spans[k])]) for k in todo])
+            jobs = [(write, (list(entries[slice(*spans[k])]), str(out_dir.resolve()), names[k], metadata))
+                    for k in todo]
+            pending = submit_jobs(ray, jobs, [set().union(*files_of[slice(*spans[k])]) for k in todo])
             for done, (j, _) in enumerate(results(ray, pending, lambda j: f"shard {names[todo[j]]}"), 1):
                 k = todo[j]
                 if progress:
@@ -294,24 +310,15 @@ def _cause(e: BaseException) -> str:
     return str(cause or e).strip().splitlines()[-1]
 
 
-def write_one(shard: dict, items: Sequence, entries: Sequence, *, max_shard_size: int | None, metadata: dict) -> None:
-    """In a task: write the shard ``shard`` asks for from this run's own plan (the driver's shards, checked), and
-    raise ``Done``."""
-    from .io.sample import keep_shared
-    from .io.writer import plan_shards, shard_names, write_file
+def write_part(out_dir: Path, name: str, items: Sequence, metadata: dict) -> tuple[str, int]:
+    """In a task: ``items`` written as shard ``name`` of ``out_dir``, under a name of its own until it is whole (a
+    task that dies leaves only that, removed by the driver); (name, size)."""
+    from .io.writer import write_file
 
-    shards = plan_shards(items, max_shard_size, metadata)
-    if shard_names(len(shards)) != shard["names"]:
-        raise FFNToolsError(f"--ray: this node plans {len(shards)} shards, the driver {len(shard['names'])}: the "
-                            "nodes must run the same ffn-tools and libraries on the same inputs")
-    k = shard["index"]
-    start = sum(len(s) for s in shards[:k])
-    keep_shared(entries, range(start, start + len(shards[k])))  # a quantization pool works on this shard only
-    name = shard["names"][k]
-    part = Path(shard["dir"]) / f"{PART}{uuid.uuid4().hex}"
+    part = out_dir / f"{PART}{uuid.uuid4().hex}"
     try:
-        write_file(part, shards[k], metadata)
-        os.replace(part, Path(shard["dir"]) / name)
+        write_file(part, items, metadata)
+        os.replace(part, out_dir / name)
     finally:
         part.unlink(missing_ok=True)
-    raise Done((name, (Path(shard["dir"]) / name).stat().st_size))
+    return name, (out_dir / name).stat().st_size

@@ -11,7 +11,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
@@ -22,18 +22,18 @@ from .io import receipt, sample
 from .io.dtypes import as_st, torch_dtype
 from .io.output import atomic_output
 from .io.resume import Ledger, input_stamp, plan_key
-from .io.store import WEIGHT_INDEXES, WEIGHT_SUFFIXES, Checkpoint
-from .io.writer import SAFETENSORS, ByteRange, OutTensor, Placed, Writer
+from .io.run import Run
+from .io.store import SIDE_FILES, WEIGHT_INDEXES, WEIGHT_SUFFIXES, Checkpoint
+from .io.writer import SAFETENSORS, ByteRange, OutTensor, Placed
 from .plan import Entry, Plan
 from .progress import Progress
 from .sizes import human
 
 log = logging.getLogger(__name__)
 
-# Carried beside a single .safetensors input (a directory input carries every non-weight file).
-KNOWN_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                    "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
-                    "added_tokens.json", "chat_template.jinja", "chat_template.json")
+# Carried beside a single .safetensors input (a directory input carries every non-weight file): config.json and the
+# side files a client reads (``io.store.SIDE_FILES``, those named alone: a file beside it, not a pattern).
+KNOWN_SIDE_FILES = ("config.json", *(n for n in SIDE_FILES if "*" not in n))
 
 
 def _out_tensor(e: Entry, ckpt: Checkpoint, cache: dict) -> OutTensor:
@@ -65,6 +65,19 @@ def _out_tensor(e: Entry, ckpt: Checkpoint, cache: dict) -> OutTensor:
         start = starts[k] + off
     return OutTensor(e.name, e.st_dtype, tuple(e.shape), e.nbytes, produce, start, e.reads,
                      e.place, stream)
+
+
+def write_slice(source: Checkpoint, entries: Sequence[Entry], out_dir: str, name: str,
+                metadata: dict) -> tuple[str, int]:
+    """A ``--ray`` task's work (``cluster.write_sharded``): one shard's ``entries``, the driver's plan slice, read
+    from ``source`` (opened again here: ``io.store.Checkpoint.__reduce__``) and written as shard ``name`` of the
+    driver's temporary output ``out_dir``; (name, size)."""
+    from .io.sample import keep_shared
+
+    keep_shared(entries, range(len(entries)))  # a quantization pool works on this shard's entries only
+    cache: dict = {}
+    items = [_out_tensor(e, source, cache) for e in entries]
+    return cluster.write_part(Path(out_dir), name, items, metadata)
 
 
 def side_files(ckpt: Checkpoint) -> list[Path]:
@@ -100,17 +113,10 @@ def check_shardable(out: Path, max_shard_size: int | None, suffix: str = SAFETEN
         raise FFNToolsError(f"{out}: --max-shard-size needs a directory output, not a {suffix} file")
 
 
-def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int | None = None,
-            metadata: dict | None = None, desc: str = "writing", carry: bool = True,
-            extra_files: Mapping[str, str | bytes] | None = None, writer: Writer = SAFETENSORS) -> list[str]:
-    """Stream a plan to ``out``: one weight file (a path ending in ``writer.suffix``), or a directory of shards
-    plus side files.
-
-    Args:
-        carry: copy the input's non-weight files (tokenizer, generation config, ...) into a directory output.
-        extra_files: more files (name -> text, or bytes: a sentencepiece tokenizer.model) to write into a
-            directory output.
-        writer: the weight file format (default safetensors; ``metadata`` goes to it).
+def execute(plan: Plan, run: Run) -> list[str]:
+    """Stream a plan to ``run.out``: one weight file (a path ending in the writer's suffix), or a directory of shards
+    plus side files; as ``run`` says (``io.run.Run``: force, shard size, metadata, what to carry, --resume, --ray,
+    the receipt's command and hash limit).
 
     Returns:
         The weight files written (names relative to ``out`` for a directory).
@@ -118,6 +124,10 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
     Raises:
         OutputExistsError: ``out`` exists without ``force``, or overlaps the input.
     """
+    if run.out is None:
+        raise FFNToolsError("internal error: execute needs the run's output path (Run.out)")
+    out, force, max_shard_size, writer = Path(run.out), run.force, run.max_shard_size, run.writer or SAFETENSORS
+    metadata, desc, carry, extra_files = run.metadata, run.desc, run.carry, run.extra_files
     ckpt = plan.source
     check_shardable(out, max_shard_size, writer.suffix)
     meta = dict(ckpt.metadata if metadata is None else metadata)
@@ -133,6 +143,7 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
         out, force = Path(sampling["out"]) / out.name, True
         if max_shard_size and facts["bytes"]:  # as many shards as the run writes, hashed as they are
             max_shard_size = max(1, int(max_shard_size * facts["sample_bytes"] / facts["bytes"]))
+        run = run.but(hash_limit=facts["sample_reads"] or 1)  # the receipt hashes the sample's share of the input
     cache: dict = {}
     items = [_out_tensor(e, ckpt, cache) for e in plan.entries]
     progress = Progress(plan.read_bytes, desc)
@@ -142,14 +153,11 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
         key = plan_key(command=desc, writer=type(writer).__name__, out=out.name, shard=max_shard_size, metadata=meta,
                        entries=plan.describe(), config=plan.config, carry=carry, extra=sorted(extra_files or {}),
                        inputs=input_stamp(inputs))
-    if (shard := cluster.task("shard")) is not None:  # a --ray task: its one shard, and nothing else of the command
-        cluster.write_one(shard, items, plan.entries, max_shard_size=max_shard_size, metadata=meta)
-    distributed = cluster.ADDRESS.get() is not None and key is not None  # --ray: shards written by Ray tasks
-    token = sample.STREAMING.set(facts["sample_reads"] or 1) if sampling is not None else None
+    distributed = run.ray is not None and key is not None  # --ray: shards written by Ray tasks
     try:
         read = [*_indexes(ckpt), *ckpt.files, *(side_files(ckpt) if carry else []), *plan.also_read]  # the receipt's
         with atomic_output(out, inputs=inputs, force=force, nbytes=plan.total_bytes, resume_key=key,
-                           sources=read, distributed=distributed) as tmp:
+                           sources=read, distributed=distributed, run=run) as tmp:
             writing = time.time()
             if out.suffix == writer.suffix:
                 writer.write_file(tmp, items, meta, progress)
@@ -163,8 +171,10 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
                     ledger = Ledger(tmp, key)
                     try:
                         if distributed:
-                            written = cluster.write_sharded(tmp, items, _files_of(plan), max_shard_size=max_shard_size,
-                                                            metadata=meta, progress=progress, ledger=ledger)
+                            written = cluster.write_sharded(
+                                tmp, items, plan.entries, _files_of(plan), write=partial(write_slice, ckpt),
+                                address=str(run.ray), max_shard_size=max_shard_size, metadata=meta,
+                                progress=progress, ledger=ledger)
                         else:
                             written = writer.write_sharded(tmp, items, max_shard_size=max_shard_size, metadata=meta,
                                                            progress=progress, ledger=ledger)
@@ -187,8 +197,6 @@ def execute(plan: Plan, out: Path, *, force: bool = False, max_shard_size: int |
                         (tmp / name).write_text(content)
     finally:
         progress.close()
-        if token is not None:
-            sample.STREAMING.reset(token)
     if sampling is not None:
         sample.report(sampling["report"], facts, started, out)  # ends the process
     log.info("wrote %s (%s in %d file(s))", out, human(plan.total_bytes), len(written))

@@ -22,6 +22,7 @@ from .io.output import check_output, check_parent
 from .layouts import GateUpLayout, split
 from .plan import DEQUANTIZED, Entry, Plan, copy_entry
 from .executor import execute, side_files
+from .io.run import NO_RUN, Run
 from .registry import Scheme
 from .specs import parse_spec
 
@@ -89,7 +90,7 @@ def _scale_entries(ckpt, f: FFN, prefix: str) -> list[Entry]:
 
 def extract(ckpt, out: Path, *, layers: str | None = None, experts: str | None = None,
             scheme: Scheme | None = None, layout: GateUpLayout | None = None, force: bool = False,
-            max_shard_size: int | None = None) -> dict:
+            max_shard_size: int | None = None, run: Run = NO_RUN) -> dict:
     """Write the (selected) FFNs of ``ckpt`` with canonical names, plus a manifest.
 
     Args:
@@ -132,10 +133,11 @@ def extract(ckpt, out: Path, *, layers: str | None = None, experts: str | None =
         metadata[DEQUANTIZED] = json.dumps({k: quantized[0].get(k) for k in ("bits", "group_size", "mode")}
                                                             | {"weights": len(quantized)})
     if out.suffix == ".safetensors":
-        _execute_file(plan, out, force, max_shard_size, metadata, manifest)
+        _execute_file(plan, run.but(out=out, force=force, max_shard_size=max_shard_size, metadata=metadata,
+                                    desc="extracting"), manifest)
     else:
-        execute(plan, out, force=force, max_shard_size=max_shard_size, metadata=metadata, desc="extracting",
-                extra_files={MANIFEST: json.dumps(manifest, indent=2) + "\n"}, carry=False)
+        execute(plan, run.but(out=out, force=force, max_shard_size=max_shard_size, metadata=metadata, desc="extracting",
+                              extra_files={MANIFEST: json.dumps(manifest, indent=2) + "\n"}, carry=False))
     return manifest
 
 
@@ -156,9 +158,9 @@ def _select(ckpt, ffns, layers: str | None, experts: str | None) -> list[FFN]:
     return [f for f in ffns if f.ref.layer in keep_layers and (f.ref.kind != "expert" or f.ref.expert in keep_experts)]
 
 
-def _execute_file(plan: Plan, out: Path, force: bool, max_shard_size, metadata, manifest) -> None:
+def _execute_file(plan: Plan, run: Run, manifest) -> None:
     """A .safetensors output and its OUT.json manifest, both checked first and both moved in only on success."""
-    ckpt = plan.source
+    ckpt, out, force = plan.source, Path(str(run.out)), run.force
     manifest_path = out.with_suffix(".json")
     check_output(manifest_path, [ckpt.path, *ckpt.files, *side_files(ckpt), ckpt.root / "config.json"], force,
                  replaceable=_is_manifest)
@@ -171,7 +173,7 @@ def _execute_file(plan: Plan, out: Path, force: bool, max_shard_size, metadata, 
         raise OutputError(f"{out}: cannot write its manifest {manifest_path.name} beside it ({e.strerror}); choose "
                           "another -o path") from None
     try:
-        execute(plan, out, force=force, max_shard_size=max_shard_size, metadata=metadata, desc="extracting")
+        execute(plan, run)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

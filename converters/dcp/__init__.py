@@ -17,6 +17,7 @@ from ffn_tools.formats import Format, Option
 from ffn_tools.io.dtypes import parse_user_dtype
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.executor import execute
+from ffn_tools.io.run import NO_RUN, Run
 
 from .export import build_plan
 from .metadata import METADATA
@@ -70,7 +71,7 @@ FORMAT = Dcp()
 
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
            max_shard_size: int | None = None, dcp_naming: str | None = None, dcp_ranks: int | None = None,
-           dry_run: bool = False) -> dict:
+           dry_run: bool = False, run: Run = NO_RUN) -> dict:
     """Write ``ckpt`` as a DCP directory: ``__R_0.distcp`` per rank, ``.metadata``, config.json and the tokenizer.
 
     Args:
@@ -92,8 +93,8 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     naming = dcp_naming or "torchtitan"
     plan = build_plan(ckpt, naming, parse_user_dtype(dtype) if dtype else None)
     out = Path(out)
-    files = [] if dry_run else execute(plan, out, force=force, desc=f"converting to dcp ({naming})",
-                                       writer=DcpWriter(ranks))
+    made = run.but(out=out, force=force, desc=f"converting to dcp ({naming})", writer=DcpWriter(ranks))
+    files = [] if dry_run else execute(plan, made)
     summary = {"output": str(out), "format": "dcp", "naming": naming, "ranks": ranks, "files": files,
                "tensors": len(plan.entries), "bytes": plan.total_bytes,
                "changes": [*plan.changes, f"sharded for {ranks} rank(s) along dim 0"]}

@@ -19,6 +19,7 @@ from ffn_tools.formats import Format, Option
 from ffn_tools.io.dtypes import parse_user_dtype
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.executor import check_shardable, execute
+from ffn_tools.io.run import NO_RUN, Run
 
 from .export import LAYOUTS, build_plan
 from .reader import FlaxCheckpoint
@@ -72,7 +73,7 @@ FORMAT = Flax()
 
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
            max_shard_size: int | None = None, flax_layout: str | None = None, scheme=None, layout=None,
-           dry_run: bool = False) -> dict:
+           dry_run: bool = False, run: Run = NO_RUN) -> dict:
     """Write ``ckpt`` as a Flax msgpack tree: a directory (``flax_model.msgpack`` or shards + index, plus
     config.json and, for ``hf``, the tokenizer and generation files), or one ``.msgpack`` file.
 
@@ -94,12 +95,13 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     out = Path(out)
     plan, writer = build_plan(ckpt, tree_layout, parse_user_dtype(dtype) if dtype else None, scheme, layout,
                               with_config=out.suffix != MsgpackWriter.suffix)
+    made = run.but(out=out, force=force, max_shard_size=max_shard_size, carry=tree_layout == "hf",
+                   desc=f"converting to flax ({tree_layout})", writer=writer)
     if dry_run:
         check_shardable(out, max_shard_size, writer.suffix)  # what the run would refuse, the plan refuses
         files = []
     else:
-        files = execute(plan, out, force=force, max_shard_size=max_shard_size, carry=tree_layout == "hf",
-                        desc=f"converting to flax ({tree_layout})", writer=writer)
+        files = execute(plan, made)
     summary = {"output": str(out), "format": "flax", "layout": tree_layout, "files": files,
                "tensors": len(plan.entries), "bytes": plan.total_bytes, "changes": plan.changes}
     return {**summary, "plan": plan.describe()} if dry_run else summary

@@ -32,6 +32,7 @@ from ffn_tools import progress
 from ffn_tools.child import python_env
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.io.output import atomic_output
+from ffn_tools.io.run import NO_RUN, Run
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.executor import side_files
 from ffn_tools.sizes import human
@@ -48,7 +49,7 @@ READING = "llama.cpp's converter is reading the model (its class, the vocabulary
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
            max_shard_size: int | None = None, outtype: str | None = None, dry_run: bool = False,
            native: bool = True, output_tensor_type: str | None = None, token_embedding_type: str | None = None,
-           imatrix: str | Path | None = None, requantize: bool | None = None) -> dict:
+           imatrix: str | Path | None = None, requantize: bool | None = None, run: Run = NO_RUN) -> dict:
     """Write ``ckpt`` as the GGUF file ``out``.
 
     Args:
@@ -107,7 +108,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         _refuse(ckpt, result.get("codes") or [])  # what the conversion would refuse, the plan refuses
         return _summary(out, result, said, plan=True)
     read = [*ckpt.files, *side_files(ckpt), *([Path(imatrix)] if imatrix else [])]  # the receipt's sources
-    with atomic_output(out, inputs=[Path(ckpt.path)], force=force, sources=read) as tmp:
+    with atomic_output(out, inputs=[Path(ckpt.path)], force=force, sources=read, run=run) as tmp:
         # a K-quant's intermediate: the converter's file beside the temporary output, removed whatever happens
         first = tmp.with_name(tmp.name + ".intermediate.gguf") if quantizing else tmp
         try:

@@ -28,6 +28,7 @@ from ffn_tools.io.store import Checkpoint
 from ffn_tools.io.writer import OutTensor, plan_shards
 from ffn_tools.plan import Plan, copy_entry
 from ffn_tools.executor import execute
+from ffn_tools.io.run import NO_RUN, Run
 
 from . import from_ct, said
 from .card import model_card
@@ -59,7 +60,7 @@ def _sizing_only() -> NoReturn:
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
            max_shard_size: int | None = None, quantize=None, q_bits: int | None = None,
            q_group_size: int | None = None, q_mode: str | None = None, quant_predicate: str | None = None,
-           group_size: int | None = None, dequantize: bool = False, dry_run: bool = False) -> dict:
+           group_size: int | None = None, dequantize: bool = False, dry_run: bool = False, run: Run = NO_RUN) -> dict:
     """Write ``ckpt`` as an MLX model directory ``out`` that ``mlx_lm.load`` opens (see the module doc).
 
     Args:
@@ -93,7 +94,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
 
     kept = [q for q in ckpt.decoded() if ckpt.format is FORMAT]
     if kept and not quant and not dequantize:
-        return _keep_quantized(ckpt, out, kept, target_st, force, max_shard_size, dry_run)
+        return _keep_quantized(ckpt, out, kept, target_st, force, max_shard_size, dry_run, run)
     from .workers import early
 
     started = early(ckpt)  # the workers ``Mlx.preparing`` started for this checkpoint, if it did
@@ -126,7 +127,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         return {**summary, "files": [], "plan": plan.describe()}
     # act: the directory, written atomically; the summary reports from the plan
     return {**summary, "files": _write(ckpt, tg.config, plan, block, out, force, max_shard_size, jobs,
-                                       started)}
+                                       started, run)}
 
 
 def _kept_codes(ckpt: Checkpoint, config: dict, outputs, view, quant, dequantize: bool, target_st,
@@ -150,7 +151,7 @@ def _kept_codes(ckpt: Checkpoint, config: dict, outputs, view, quant, dequantize
 
 
 def _write(ckpt: Checkpoint, config: dict, plan: Plan, block, out: Path, force: bool, max_shard_size, jobs,
-           started) -> list:
+           started, run: Run = NO_RUN) -> list:
     """The MLX directory of ``plan``: its shards (an index even for one, as mlx-lm writes), config.json as mlx_lm
     writes it, the model card, the side files the input rebuilds, quantizing in worker processes (``started``: the
     ones started early, if any)."""
@@ -178,15 +179,15 @@ def _write(ckpt: Checkpoint, config: dict, plan: Plan, block, out: Path, force: 
 
     pool = start_pool(jobs, started)
     try:
-        return execute(plan, out, force=force, max_shard_size=shard, metadata=metadata, desc="converting to mlx",
-                       extra_files=extra)
+        return execute(plan, run.but(out=out, force=force, max_shard_size=shard, metadata=metadata,
+                                     desc="converting to mlx", extra_files=extra))
     finally:
         if pool is not None:
             pool.close()
 
 
 def _keep_quantized(ckpt: Checkpoint, out: Path, kept: list[dict], target_st, force, max_shard_size,
-                    dry_run) -> dict:
+                    dry_run, run: Run = NO_RUN) -> dict:
     """An MLX-quantized input exported without -q or -d: kept as it is stored, every tensor copied byte for
     byte with its config.json (``mlx_lm.convert`` keeps a quantized model quantized), not silently
     dequantized."""
@@ -205,6 +206,6 @@ def _keep_quantized(ckpt: Checkpoint, out: Path, kept: list[dict], target_st, fo
                "unquantized": [], "changes": changes}
     if dry_run:
         return {**summary, "files": [], "plan": plan.describe()}
-    files = execute(plan, out, force=force, max_shard_size=max_shard_size or MAX_SHARD_SIZE,
-                    metadata={**METADATA, **raw.metadata}, desc="copying mlx")
+    files = execute(plan, run.but(out=out, force=force, max_shard_size=max_shard_size or MAX_SHARD_SIZE,
+                                  metadata={**METADATA, **raw.metadata}, desc="copying mlx"))
     return {**summary, "files": files}

@@ -18,6 +18,7 @@ from ffn_tools.formats import Format, Option
 from ffn_tools.io.dtypes import parse_user_dtype
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.executor import execute
+from ffn_tools.io.run import NO_RUN, Run
 
 from .export import build_plan
 from .export import LAYOUTS
@@ -69,7 +70,7 @@ FORMAT = Orbax()
 
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
            max_shard_size: int | None = None, orbax_layout: str | None = None, scheme=None, layout=None,
-           dry_run: bool = False) -> dict:
+           dry_run: bool = False, run: Run = NO_RUN) -> dict:
     """Write ``ckpt`` as an Orbax item directory (``_METADATA``, the OCDBT database) with config.json and the
     tokenizer beside: what ``orbax.checkpoint``'s checkpointers restore (MaxText: point ``load_parameters_path`` at
     it).
@@ -88,8 +89,8 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     tree = orbax_layout or "hf"
     plan, writer = build_plan(ckpt, tree, parse_user_dtype(dtype) if dtype else None, scheme, layout)
     out = Path(out)
-    files = [] if dry_run else execute(plan, out, force=force, desc=f"converting to orbax ({tree})", writer=writer,
-                                       carry=tree != "nnx")
+    made = run.but(out=out, force=force, desc=f"converting to orbax ({tree})", writer=writer, carry=tree != "nnx")
+    files = [] if dry_run else execute(plan, made)
     summary = {"output": str(out), "format": "orbax", "layout": tree, "files": files, "tensors": len(plan.entries),
                "bytes": plan.total_bytes, "changes": plan.changes}
     return {**summary, "plan": plan.describe()} if dry_run else summary

@@ -19,6 +19,7 @@ from ffn_tools.io.dtypes import parse_user_dtype, short_name
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.plan import DEQUANTIZED, Entry, Plan, cast_entry, unquantized_config
 from ffn_tools.executor import execute
+from ffn_tools.io.run import NO_RUN, Run
 from ffn_tools.io.store import Checkpoint, config_dtype
 from ffn_tools.quant.fp8 import is_companion
 
@@ -65,7 +66,7 @@ def _dequantized_line(kept: list[dict], target) -> str:
 
 
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
-           max_shard_size: int | None = None, dry_run: bool = False) -> dict:
+           max_shard_size: int | None = None, dry_run: bool = False, run: Run = NO_RUN) -> dict:
     """Write ``ckpt`` as Hugging Face PyTorch safetensors in directory ``out``.
 
     Args:
@@ -114,7 +115,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     recorded, said = ckpt.carried_metadata()  # a GGUF's Gemma norms: back within 2**-24, not bit for bit
     metadata.update(recorded)
     changes += said
-    files = execute(plan, out, force=force, max_shard_size=max_shard_size, metadata=metadata,
-                    desc="converting to torch", extra_files=extra or None)
+    files = execute(plan, run.but(out=out, force=force, max_shard_size=max_shard_size, metadata=metadata,
+                                  desc="converting to torch", extra_files=extra or None))
     return {"output": str(out), "format": "torch", "files": files, "tensors": len(plan.entries),
             "bytes": plan.total_bytes, "changes": changes}

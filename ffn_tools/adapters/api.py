@@ -16,6 +16,7 @@ from ..envelope import envelope
 from ..errors import counted
 from ..io.dtypes import short_name
 from ..io.output import atomic_output
+from ..io.run import NO_RUN, Run
 from . import formats
 from .formats import base_config, load, no_base
 from .conform import conform
@@ -99,7 +100,7 @@ def _coverage(adapter: Adapter, base, scheme) -> dict:
             "line": line, "changes": changes}
 
 
-def _write(adapter: Adapter, to: str, out: Path, force: bool, base=None, **options) -> list[str]:
+def _write(adapter: Adapter, to: str, out: Path, force: bool, base=None, run: Run = NO_RUN, **options) -> list[str]:
     fmt = formats.get(TO.get(to, to))
     root, config = base_config(adapter.path, base)
     if fmt.needs_base and config is None:
@@ -108,12 +109,13 @@ def _write(adapter: Adapter, to: str, out: Path, force: bool, base=None, **optio
                            f"{no_base(adapter.path, base)}: give the base model's directory with base=",
                            flags={"base=": "--base"})
     read = [adapter.path] + ([root / "config.json"] if root and (root / "config.json").is_file() else [])
-    with atomic_output(out, inputs=[adapter.path] + ([root] if root else []), force=force, sources=read) as tmp:
+    with atomic_output(out, inputs=[adapter.path] + ([root] if root else []), force=force, sources=read,
+                       run=run) as tmp:
         return fmt.write(adapter, tmp, config or adapter.config, root, **options)
 
 
 def relayout(command: str, path, out, *, stack_experts: bool = False, force: bool = False, base=None,
-             scheme=None, dry_run: bool = False) -> dict:
+             scheme=None, dry_run: bool = False, run: Run = NO_RUN) -> dict:
     """``ffn-tools split-gateup|fuse-gateup ADAPTER -o OUT``: the adapter re-laid out (``adapters.relayout``),
     written as a PEFT adapter."""
     from .relayout import fuse, split
@@ -123,30 +125,31 @@ def relayout(command: str, path, out, *, stack_experts: bool = False, force: boo
     out = Path(out) if out else Path(str(path).rstrip("/") + ("-split" if command == "split-gateup" else "-fused"))
     plan = [f"{t}  A{list(x.a.shape)} B{list(x.b.shape)} x{x.scale:g}" for t, x in new.loras.items()]
     if not dry_run:
-        _write(new, "peft", out, force, base)
+        _write(new, "peft", out, force, base, run)
     verb = "would write" if dry_run else "wrote"
     line = f"{verb} {out}: PEFT adapter, {counted(len(new.loras), 'LoRA target')} (from {len(adapter.loras)})"
     return envelope(command, str(path), None if dry_run else out, line,
                     {"changes": changes, "plan": plan if dry_run else None, "targets": list(new.loras)})
 
 
-def convert(path, to: str, out, *, base=None, force: bool = False, scheme=None, **options) -> dict:
+def convert(path, to: str, out, *, base=None, force: bool = False, scheme=None, run: Run = NO_RUN, **options) -> dict:
     """``ffn-tools convert ADAPTER --to torch|mlx|gguf -o OUT [--base BASE]``: the adapter in another runtime's
     format (torch: PEFT), its factors' bytes unchanged wherever the format stores them as they are."""
     adapter = load(path, base)
     given = {k: v.lower() if k == "outtype" else v for k, v in options.items() if v is not None}
     if set(given) - ({"outtype"} if TO.get(to, to) == "gguf" else set()):
         raise AdapterError(f"{', '.join(sorted(given))} do not apply to converting an adapter to {to}")
-    written = _write(adapter, to, Path(out), force, base, **given)
+    written = _write(adapter, to, Path(out), force, base, run, **given)
     line = f"wrote {out}: {TO.get(to, to)} adapter, {counted(len(adapter.loras), 'LoRA target')}"
     return envelope("convert", str(path), out, line, {"files": written, "format": TO.get(to, to)})
 
 
-def merge(base, path, out, *, force: bool = False, max_shard_size: int | None = None, scheme=None) -> dict:
+def merge(base, path, out, *, force: bool = False, max_shard_size: int | None = None, scheme=None,
+          run: Run = NO_RUN) -> dict:
     """``ffn-tools merge BASE ADAPTER -o OUT``: see ``adapters.merge``."""
-    from .merge import merge as run
+    from .merge import merge as merging
 
-    r = run(Path(base), Path(path), Path(out), force=force, max_shard_size=max_shard_size, scheme=scheme)
+    r = merging(Path(base), Path(path), Path(out), force=force, max_shard_size=max_shard_size, scheme=scheme, run=run)
     line = (f"wrote {out}: {counted(r['merged'], 'tensor')} merged (base + scale·B·A, float32, rounded once to "
             f"{r['dtype']}), {r['copied']} copied")
     return envelope("merge", [str(base), str(path)], out, line, r)

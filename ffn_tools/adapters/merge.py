@@ -18,6 +18,7 @@ from ..errors import listing
 from ..io.dtypes import short_name
 from ..plan import Entry, Plan, copy_entry
 from ..executor import execute
+from ..io.run import NO_RUN, Run
 from .conform import conform
 from .model import AdapterError, Lora
 
@@ -48,7 +49,7 @@ def _merged(ckpt, name: str, lora: Lora) -> Entry:
 
 
 def merge(base: Path, adapter_path: Path, out: Path, *, force: bool = False, max_shard_size: int | None = None,
-          scheme=None) -> dict:
+          scheme=None, run: Run = NO_RUN) -> dict:
     """Write ``base`` + the adapter at ``adapter_path`` to ``out`` (see the module docstring).
 
     Raises:
@@ -75,7 +76,7 @@ def merge(base: Path, adapter_path: Path, out: Path, *, force: bool = False, max
                                "changes every weight of each; merge into the unquantized base instead")
         entries = [_merged(ckpt, n, adapter.loras[n]) if n in adapter.loras else copy_entry(ckpt, n) for n in ckpt]
         plan = Plan(ckpt, entries, ckpt.config, changes=changes, also_read=[Path(adapter_path)])
-        execute(plan, out, force=force, max_shard_size=max_shard_size, desc="merging")
+        execute(plan, run.but(out=out, force=force, max_shard_size=max_shard_size, desc="merging"))
         dtypes = sorted({short_name(ckpt.info(n).dtype) for n in adapter.loras})
     return {"merged": len(adapter.loras), "copied": len(entries) - len(adapter.loras), "dtype": "/".join(dtypes),
             "changes": changes, "adapter": str(adapter_path)}

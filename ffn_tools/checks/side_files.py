@@ -27,6 +27,7 @@ from typing import ClassVar
 
 from ..errors import listing
 from ..io import nogc
+from ..io.store import SIDE_FILES
 from . import Check
 from .json_diff import Unreadable, diff, diff_text, merge_order, parse_file, read_json
 from .tokenizer_behaviour import settle
@@ -35,21 +36,6 @@ from .tokenizer_config import IGNORED, content, tokenizer_views
 MAX_LISTED = 8
 MISSING = "is in A and missing in B"
 
-SIDE_FILES = (
-    "tokenizer.json",  # fast tokenizer (transformers, mlx_lm, vLLM): vocab, merges, added tokens, post-processor
-    "tokenizer.model",  # sentencepiece model: slow tokenizers, llama.cpp's converter (bytes)
-    "tokenizer.model.v3",  # mistral_common's sentencepiece tokenizer (vLLM --tokenizer-mode mistral; bytes)
-    "tekken.json",  # mistral_common's tiktoken-style tokenizer: ranked vocab, special tokens
-    "tokenizer_config.json",  # transformers: tokenizer class, special tokens, chat template, max length
-    "special_tokens_map.json",  # legacy special tokens, read when tokenizer_config.json has no added_tokens_decoder
-    "added_tokens.json",  # legacy added tokens of slow tokenizers, {token: id}
-    "vocab.json",  # vocabulary of slow byte-level BPE (GPT-2 style) tokenizers, {token: id}
-    "merges.txt",  # their merges, one a line, in priority order
-    "chat_template.jinja",  # the chat template (transformers >= 4.47 reads it before tokenizer_config.json's)
-    "additional_chat_templates/*.jinja",  # named templates (tool_use, rag), read beside it
-    "chat_template.json",  # a processor's chat template (multimodal models)
-    "generation_config.json",  # generate()'s defaults: eos/bos/pad ids, do_sample, temperature, top_p, ...
-)
 BINARY = ("tokenizer.model", "tokenizer.model.v3")
 TABLE_FILES = ("vocab.json", "added_tokens.json")  # {token: id} at the top: keys print as ['token']
 

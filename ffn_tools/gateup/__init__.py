@@ -22,6 +22,7 @@ from ..io.readers import open_checkpoint
 from ..io.store import Checkpoint
 from ..layouts import GateUpLayout
 from ..executor import check_shardable, execute
+from ..io.run import NO_RUN, Run
 from ..registry import Scheme
 from ..sizes import human
 from .common import held_form_warning
@@ -65,7 +66,7 @@ def check_rewritable(ckpt: Checkpoint, command: str) -> None:
 
 
 def _run(command: str, plan_fn, source, out, *, scheme, layout, dry_run, force, max_shard_size, load_check,
-         **kw) -> dict:
+         run: Run = NO_RUN, **kw) -> dict:
     """``source``: a path (opened here as PyTorch weights) or a checkpoint already open (the API's, any format)."""
     with ExitStack() as stack:
         ckpt = source if isinstance(source, Checkpoint) else stack.enter_context(open_checkpoint(Path(source)))
@@ -89,11 +90,11 @@ def _run(command: str, plan_fn, source, out, *, scheme, layout, dry_run, force, 
             metadata = summary.pop("metadata", None)  # split-gateup's record of what it split (``SPLIT_FROM``)
             client = ckpt.format.client() if ckpt.format is not None and changed and load_check else None
             warning = pool.submit(client.load_warning, ckpt, plan, str(out)) if client else None
+            made = run.but(out=out, force=force, max_shard_size=max_shard_size, desc=command, metadata=metadata)
             if dry_run:
                 check_output(out, [path, *ckpt.files], force)
             else:
-                summary["files"] = execute(plan, out, force=force, max_shard_size=max_shard_size, desc=command,
-                                           metadata=metadata)
+                summary["files"] = execute(plan, made)
             # the load check, where it ran, says what transformers does; else the family's data, where it knows
             try:
                 w = warning.result() if warning is not None else None
@@ -109,7 +110,7 @@ def _run(command: str, plan_fn, source, out, *, scheme, layout, dry_run, force, 
 
 def split_gateup(path, out=None, *, scheme: Scheme | None = None, layout: GateUpLayout | None = None,
                  dry_run: bool = False, force: bool = False, max_shard_size: int | None = None,
-                 load_check: bool = False) -> dict:
+                 load_check: bool = False, run: Run = NO_RUN) -> dict:
     """Split every fused gate_up tensor of a checkpoint into gate and up projections.
 
     Args:
@@ -124,21 +125,23 @@ def split_gateup(path, out=None, *, scheme: Scheme | None = None, layout: GateUp
             warn, naming what it would not load, where it does not (imports transformers: off by default,
             since split and fuse otherwise run at the speed of a copy without it). Without it the family's data
             says where the model's own class holds its dense FFNs in another form (``held_form_warning``).
+        run: the run's options from the command (``io.run.Run``: --resume, --ray, the receipt's record).
 
     Returns:
         A summary: scheme, layout, counts, output path, files (and the plan lines when ``dry_run``).
     """
     return _run("split-gateup", plan_split, path, out, scheme=scheme, layout=layout, dry_run=dry_run,
-                force=force, max_shard_size=max_shard_size, load_check=load_check)
+                force=force, max_shard_size=max_shard_size, load_check=load_check, run=run)
 
 
 def fuse_gateup(path, out=None, *, scheme: Scheme | None = None, layout: GateUpLayout | None = None,
                 stack_experts: bool = False, dry_run: bool = False, force: bool = False,
-                max_shard_size: int | None = None, load_check: bool = False) -> dict:
+                max_shard_size: int | None = None, load_check: bool = False, run: Run = NO_RUN) -> dict:
     """Fuse gate and up projections into one gate_up tensor per FFN (the inverse of ``split_gateup``).
 
     Args are as for ``split_gateup``, plus ``stack_experts``: stack routed experts into transformers-v5
     tensors ``mlp.experts.gate_up_proj`` (E, 2I, H) and ``mlp.experts.down_proj`` (E, H, I).
     """
     return _run("fuse-gateup", plan_fuse, path, out, scheme=scheme, layout=layout, dry_run=dry_run,
-                force=force, max_shard_size=max_shard_size, load_check=load_check, stack_experts=stack_experts)
+                force=force, max_shard_size=max_shard_size, load_check=load_check, stack_experts=stack_experts,
+                run=run)

@@ -18,11 +18,11 @@ from contextlib import contextmanager
 from glob import escape as glob_escape
 from pathlib import Path
 
-from .. import cluster
 from ..errors import OutputError, OutputExistsError, counted
 from ..progress import say
 from ..sizes import human
 from . import receipt, resume, sample
+from .run import NO_RUN, Run
 from .store import WEIGHT_SUFFIXES
 
 log = logging.getLogger(__name__)
@@ -178,6 +178,9 @@ def _lock(out: Path) -> Iterator[None]:
         os.close(fd)
 
 
+NOT_DISTRIBUTED = ("--ray writes the shards of a directory of safetensors shards as Ray tasks (split-gateup, "
+                   "fuse-gateup, convert --to torch or mlx, with a directory -o); this output is written whole by one "
+                   "writer: run without --ray")
 NOT_RESUMABLE = ("--resume continues a directory of safetensors shards (split-gateup, fuse-gateup, merge, extract, "
                  "convert --to torch or mlx, with a directory -o); this output is written whole, so no part of it can "
                  "be reused: run without --resume")
@@ -186,11 +189,11 @@ NOT_RESUMABLE = ("--resume continues a directory of safetensors shards (split-ga
 @contextmanager
 def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | None = None,
                   resume_key: str | None = None, sources: list[Path] | None = None,
-                  distributed: bool = False) -> Iterator[Path]:
+                  distributed: bool = False, run: Run = NO_RUN) -> Iterator[Path]:
     """Yield a temporary path beside ``out``; on success it replaces ``out``, on failure (an exception) it is
     removed. Interrupted (Ctrl-C, or SIGTERM / SIGHUP, which the CLI raises as a ``KeyboardInterrupt``), it is kept
     where its resume ledger has finished shards (``kept_for_resume``), else removed. Temporaries that killed or
-    interrupted processes left for ``out`` are removed first, except, under ``--resume`` (``resume.REQUESTED``), the
+    interrupted processes left for ``out`` are removed first, except, under ``--resume`` (``run.resume``), the
     newest whose ledger has ``resume_key``: that one is yielded, its finished shards in it (see ``resume``); where
     there is none, a line says so.
 
@@ -203,17 +206,19 @@ def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | N
         sources: the files the output is made of, for its receipt (``io.receipt``; default: ``inputs``, directories
             whole), hashed while the caller writes.
         distributed: the caller writes it with Ray tasks under ``--ray`` (``cluster``); any other output refuses
-            --ray up front.
+            --ray (``run.ray``) up front.
+        run: the run's options this reads: ``resume``, ``ray``, ``command`` (the receipt's record) and
+            ``hash_limit`` (the receipt hashes that many bytes of the sources; None: all).
 
     Raises:
         OutputExistsError / OutputError: before anything is written (see ``check_output``, ``check_parent``,
             ``_lock``), or the disk filled up (naming ``out`` and the space needed).
     """
-    if sample.settings() is not None and not sample.STREAMING.get():
+    if sample.settings() is not None and run.hash_limit is None:
         os._exit(sample.NOT_SAMPLED)  # --dry-run's sample run (io.sample) of an output the executor does not stream
-    if cluster.ADDRESS.get() is not None and not distributed:
-        raise OutputError(f"{out}: {cluster.NOT_DISTRIBUTED}")
-    resuming = resume.REQUESTED.get()
+    if run.ray is not None and not distributed:
+        raise OutputError(f"{out}: {NOT_DISTRIBUTED}")
+    resuming = run.resume
     if resuming and resume_key is None:
         raise OutputError(f"{out}: {NOT_RESUMABLE}")
     check_output(out, inputs, force)
@@ -233,11 +238,11 @@ def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | N
         elif resuming:
             say(f"{out}: --resume: no unfinished output of this same run was left (by a killed or interrupted run); "
                 "writing it from the start")
-        hashing = receipt.Sources(inputs if sources is None else sources, sample.STREAMING.get() or None)
+        hashing = receipt.Sources(inputs if sources is None else sources, run.hash_limit)
         beside = out.parent / f".{out.name}.tmp-{tag}.{receipt.NAME}"  # a one-file output's receipt, until in place
         try:
             yield tmp
-            made = receipt.make(out, tmp, hashing)
+            made = receipt.make(out, tmp, hashing, run.command)
             receipt.write(made, tmp / receipt.NAME if tmp.is_dir() else beside)
         except OSError as e:
             hashing.stop()

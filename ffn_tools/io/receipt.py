@@ -25,35 +25,24 @@ import functools
 import json
 import os
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import contextmanager
-from contextvars import ContextVar
 from pathlib import Path
 
 from .digests import ALGORITHM, ALGORITHMS, file_digest, hash_into
-from .resume import LEDGER, tool_version
+from .resume import LEDGER, LIBRARIES, tool_version
 
 NAME = "ffn-tools-receipt.json"
 VERSION = 2  # 1: SHA-256 digests (read still: ``DIGESTS``)
 DIGESTS = {1: "sha256", 2: ALGORITHM}  # receipt version -> its digests' key and algorithm
 HASHERS = 4  # threads hashing the output's files at the end (the hashing releases the GIL)
-LIBRARIES = ("torch", "safetensors", "transformers", "mlx", "mlx-lm", "gguf", "jax", "flax", "orbax-checkpoint")
 # given to a command, but not what its output is made of: --resume (a resumed output is the uninterrupted one's), and
 # where the output is written (the receipt travels with it; ``output`` holds its name)
 NOT_OPTIONS = ("resume", "out", "ray")  # --ray: a Ray run's output is the one-node run's, receipt included
 
-COMMAND: ContextVar[tuple[str, dict] | None] = ContextVar("ffn_tools_receipt_command", default=None)
-
-
-@contextmanager
-def recorded(command: str, **options) -> Iterator[None]:
-    """Within it, what is written records ``command`` and ``options`` in its receipt (``api`` sets it)."""
-    token = COMMAND.set((command, {k: _plain(v) for k, v in options.items() if k not in NOT_OPTIONS}))
-    try:
-        yield
-    finally:
-        COMMAND.reset(token)
+def record(command: str, options: dict) -> tuple[str, dict]:
+    """What a receipt records of ``command`` and the ``options`` it was given (``io.run.Run.command``; ``api``
+    makes it): the options as JSON holds them, less those that are not what the output is made of."""
+    return command, {k: _plain(v) for k, v in options.items() if k not in NOT_OPTIONS}
 
 
 def _plain(v):
@@ -176,12 +165,13 @@ def hashed(files: list[Path], algorithm: str = ALGORITHM) -> list[tuple[int, str
         return list(pool.map(one, files))
 
 
-def make(out: Path, tmp: Path, sources: Sources) -> dict:
-    """The receipt of the output at ``tmp``, to be moved to ``out``."""
-    command, options = COMMAND.get() or (None, {})
+def make(out: Path, tmp: Path, sources: Sources, command: tuple[str, dict] | None = None) -> dict:
+    """The receipt of the output at ``tmp``, to be moved to ``out``; ``command``: ``record``'s (None: a library call
+    below the api, recorded as no command)."""
+    name, options = command or (None, {})
     named = output_files(tmp, out.name)
     digests = hashed([f for _, f in named])
-    return {"receipt": VERSION, "tool": copy.deepcopy(_tool()), "command": command, "options": options, "output": out.name,
+    return {"receipt": VERSION, "tool": copy.deepcopy(_tool()), "command": name, "options": options, "output": out.name,
             "sources": sources.digests(),
             "outputs": [{"path": rel, "size": size, ALGORITHM: digest}
                         for (rel, _), (size, digest) in zip(named, digests)]}

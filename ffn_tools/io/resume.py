@@ -22,8 +22,8 @@ before the output is moved into place), so a kill in the end phase loses no fini
 byte-identical to an uninterrupted one, file for file. Without ``--resume``, such a directory is removed as before,
 and a line says what was thrown away; ``--resume`` with no such directory of this run says so, and writes it all.
 
-``REQUESTED`` carries the flag from the command (``api``) to the one place that writes (``output.atomic_output``):
-an output that cannot be continued (one file, GGUF, Orbax, DCP, Flax, an adapter) refuses ``--resume`` up front.
+``io.run.Run.resume`` carries the flag from the command (``api``) to the one place that writes
+(``output.atomic_output``): an output that cannot be continued (one file, GGUF, Orbax, DCP, Flax, an adapter) refuses ``--resume`` up front.
 """
 
 from __future__ import annotations
@@ -34,10 +34,7 @@ import json
 import os
 import queue
 import threading
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from contextvars import ContextVar
 from pathlib import Path
 
 from .digests import ALGORITHM, EVERY_CORE, file_digest
@@ -45,21 +42,12 @@ from .digests import ALGORITHM, EVERY_CORE, file_digest
 LEDGER = ".ffn-tools-resume"
 CHECKERS = 4  # threads hashing finished shards again on --resume (at most the cores)
 
-# the libraries whose code makes shards (where they are installed, and when, is part of a run's key: an upgrade
-# between a kill and --resume could change what a shard holds)
-LIBRARIES = ("torch", "numpy", "safetensors", "transformers", "mlx", "mlx_lm", "gguf")
-
-REQUESTED: ContextVar[bool] = ContextVar("ffn_tools_resume", default=False)
-
-
-@contextmanager
-def requested(on: bool) -> Iterator[None]:
-    """Within it, a writing command continues an unfinished output of the same run (``--resume``)."""
-    token = REQUESTED.set(bool(on))
-    try:
-        yield
-    finally:
-        REQUESTED.reset(token)
+# the libraries whose code makes output bytes, by distribution name -> module: their versions are in every receipt
+# (``io.receipt``), where they are installed, and when, in a run's key (an upgrade between a kill and --resume could
+# change what a shard holds)
+LIBRARIES = {"torch": "torch", "numpy": "numpy", "safetensors": "safetensors", "transformers": "transformers",
+             "mlx": "mlx", "mlx-lm": "mlx_lm", "gguf": "gguf", "jax": "jax", "flax": "flax",
+             "orbax-checkpoint": "orbax.checkpoint"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,7 +74,7 @@ def installed() -> dict[str, tuple[str, int]]:
     import importlib.util
 
     out = {}
-    for name in LIBRARIES:
+    for name in LIBRARIES.values():
         try:
             spec = importlib.util.find_spec(name)
         except (ImportError, ValueError):

@@ -22,6 +22,23 @@ PICKLE_SUFFIXES = (".bin", ".pth", ".pt")
 # Files that hold weights; everything else in a checkpoint directory is carried over by writers.
 WEIGHT_SUFFIXES = (".safetensors", ".msgpack", ".gguf", *PICKLE_SUFFIXES)
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json", "flax_model.msgpack.index.json")
+# The non-weight files a client reads beside the weights: what verify compares (``checks.side_files``) and, with
+# config.json, what an output carries over from beside a single weight file (``executor.side_files``).
+SIDE_FILES = (
+    "tokenizer.json",  # fast tokenizer (transformers, mlx_lm, vLLM): vocab, merges, added tokens, post-processor
+    "tokenizer.model",  # sentencepiece model: slow tokenizers, llama.cpp's converter (bytes)
+    "tokenizer.model.v3",  # mistral_common's sentencepiece tokenizer (vLLM --tokenizer-mode mistral; bytes)
+    "tekken.json",  # mistral_common's tiktoken-style tokenizer: ranked vocab, special tokens
+    "tokenizer_config.json",  # transformers: tokenizer class, special tokens, chat template, max length
+    "special_tokens_map.json",  # legacy special tokens, read when tokenizer_config.json has no added_tokens_decoder
+    "added_tokens.json",  # legacy added tokens of slow tokenizers, {token: id}
+    "vocab.json",  # vocabulary of slow byte-level BPE (GPT-2 style) tokenizers, {token: id}
+    "merges.txt",  # their merges, one a line, in priority order
+    "chat_template.jinja",  # the chat template (transformers >= 4.47 reads it before tokenizer_config.json's)
+    "additional_chat_templates/*.jinja",  # named templates (tool_use, rag), read beside it
+    "chat_template.json",  # a processor's chat template (multimodal models)
+    "generation_config.json",  # generate()'s defaults: eos/bos/pad ids, do_sample, temperature, top_p, ...
+)
 
 if TYPE_CHECKING:
     import torch
@@ -198,6 +215,12 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
     def total_bytes(self) -> int:
         return sum(i.nbytes for i in self._infos.values())
 
+    def __reduce__(self):
+        """Pickled as how to open it again, not as its open files: its format plug-in (``Format.open``, the core's
+        reader where none opened it), path and ``absent_shards``, and which of what that opens it is (the view, or
+        the checkpoint the view decodes). A ``--ray`` task's plan slice reads its input so (``cluster``)."""
+        return reopen, (self.format, self.path, bool(self.stored.absent), type(self))
+
     def close(self) -> None:
         """Release open files; the mapping is unusable afterwards."""
 
@@ -318,3 +341,22 @@ def config_dtype(config: dict | None) -> str | None:
         return None
     value = config.get("dtype") or config.get("torch_dtype")
     return str(value).removeprefix("torch.") if value else None
+
+
+def reopen(fmt, path: Path, absent_shards: bool, kind: type) -> Checkpoint:
+    """``Checkpoint.__reduce__``'s other half: ``path`` opened again as ``fmt`` opened it, the one of type ``kind``
+    (the view, or what it decodes).
+
+    Raises:
+        CheckpointError: ``path`` no longer reads as it did (another node sees other files there).
+    """
+    if fmt is None:
+        from .readers import open_checkpoint
+
+        ckpt = open_checkpoint(path, absent_shards)
+    else:
+        ckpt = fmt.open(path, absent_shards=absent_shards)
+    for c in (ckpt, ckpt.stored):
+        if type(c) is kind:
+            return c
+    raise CheckpointError(f"{path}: opened again here, it reads as {type(ckpt).__name__}, not {kind.__name__}")
