@@ -1,14 +1,17 @@
 """The one interface every runtime client implements: what a runtime (transformers, mlx_lm, llama.cpp) does with
 a checkpoint, as ``verify`` asks it.
 
-A format names its client (``Format.client``). ``verify`` compares A and B as their clients will run them and
-asks B's client, never which format B is: would B load (``load_check``), what B's client computes from B's
-config against what A's side computes from A's (``compare_config``, ``differences``), B's side files and
-tokenizer as B's client reads them (``compare_side_files``, ``compare_tokenization``), A seen through the
-transforms B's client applies when it loads a model (``pairing``: mlx_lm's sanitize), the tensors B stores in
-another form (``stored_otherwise``: llama.cpp's norms plus one), whole-model logits (``logits``) and prompts run
-as the client runs them: its tokenizer and chat template, its greedy decoding, where it stops (``generate``). The
-defaults are those of a client that reads Hugging Face checkpoints as they are.
+``verify`` compares A and B as their clients will run them and asks B's client, never which format B is: would B
+load (``load_check``), what B's client computes from B's config against what A's side computes from A's
+(``compare_config``, ``differences``), B's side files and tokenizer as B's client reads them
+(``compare_side_files``, ``compare_tokenization``), A seen through the transforms B's client applies when it loads a
+model (``pairing``: mlx_lm's sanitize), the tensors B stores in another form (``stored_otherwise``: llama.cpp's
+norms plus one), whole-model logits (``logits``) and prompts run as the client runs them: its tokenizer and chat
+template, its greedy decoding, where it stops (``generate``).
+
+A format names the runtimes that load it (``Format.runtimes``, the default first) and ``runtime(fmt, name)``
+gives one's client (``verify --client NAME``). No hook defaults to another runtime's answer: a question a runtime
+does not answer is "not applicable for <runtime>" (``NotApplicable``), never a pass (see ``Client``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,22 @@ if TYPE_CHECKING:
     from .checks.outside import OutsideResult
     from .checks.tokens import TokenizationResult
     from .formats import Format
+
+
+class NotApplicable(FFNToolsError):
+    """A question a runtime has no answer to (its client does not implement that hook): the caller reports
+    "not applicable for <runtime>", never a pass and never another runtime's answer. Raised by ``Client``'s
+    hooks that a runtime may leave unanswered; an FFNToolsError, so a caller that does not expect it stops
+    with this message rather than passing.
+
+    Attributes:
+        runtime: the client's name.
+        what: the question, as reports name it ("the settings it runs", "side files").
+    """
+
+    def __init__(self, runtime: str, what: str):
+        self.runtime, self.what = runtime, what
+        super().__init__(f"{what}: not applicable for {runtime}")
 
 
 class Pairing(ABC):
@@ -90,6 +109,19 @@ class Generation:
 class Client(ABC):
     """A runtime that loads checkpoints (see the module docstring).
 
+    Every hook is one of three kinds, so that no runtime answers with another's semantics by default:
+
+    - abstract, answered by every runtime: ``load_check``;
+    - answered where the runtime can, else "not applicable for <runtime>" (the default): ``compare_config``,
+      ``compare_side_files``, ``compare_tokenization`` (a check result ``skipped`` so, which the report names as
+      not compared), ``runs`` and ``load_warning`` (``NotApplicable``, which their callers report as such),
+      ``ready_for_logits``, ``logits`` and ``generate`` (``NotApplicable``: an FFNToolsError verify reports as
+      not run);
+    - declared neutral, where the default is no transform of the runtime's own, so that a runtime that does not
+      say otherwise can only make verify stricter, never pass what it would fail: ``pairing`` (A as stored),
+      ``stored_otherwise`` and ``settle_otherwise`` (every tensor as read), ``config_of`` (the view's config),
+      ``runs_of`` (``runs`` of that), ``hint`` (no advice), ``runs_instead`` (no other dtype), and the attributes.
+
     Attributes:
         name: as reports name it ("transformers", "mlx_lm", "llama.cpp").
         precision: the FFN activation (as the kernels name it) -> the dtype this client computes it in, where
@@ -111,6 +143,10 @@ class Client(ABC):
         classes (Flax, DCP, Orbax) runs as transformers does, so no setting differs between them."""
         return self.name
 
+    def not_applicable(self, what: str) -> NotApplicable:
+        """The error this runtime's unanswered hook ``what`` raises."""
+        return NotApplicable(self.name, what)
+
     @abstractmethod
     def load_check(self, ckpt) -> LoadCheck:
         """Whether the client would load ``ckpt`` (as stored): every parameter provided, nothing left over.
@@ -121,32 +157,19 @@ class Client(ABC):
 
     def load_warning(self, ckpt, plan, out: str | None = None) -> str | None:
         """One line when the output of ``plan`` (split or fuse of ``ckpt``) would not load in this client under the
-        config.json it carries; None when it loads or nothing tells (no config to build the model from). Raises
-        ``checks.load.MissingClient`` where this client is not installed."""
-        return None
+        config.json it carries; None when it loads or nothing tells (no config to build the model from).
+
+        Raises:
+            MissingClient: this client is not installed here.
+            NotApplicable: this runtime has no load check of a planned output (the default).
+        """
+        raise self.not_applicable("the load check of a planned output")
 
     def compare_config(self, ca, cb, allow=()) -> ConfigResult:
         """A's config as A's side computes it against B's as this client (B's) computes it, key by key; and where
-        A's client is another, the settings the two clients run otherwise from the same keys (``runs``)."""
-        res, readings = compare_configs(ca, cb, allow)
-        if readings is not None:
-            self.compare_config_further(res, ca, cb, readings, set(allow))
-            self.compare_runs(res, ca, cb, set(allow))
-        note_unused(res, allow)
-        return res
-
-    def compare_runs(self, res: ConfigResult, ca, cb, allow: set) -> None:
-        """Into ``res``: each setting A's client runs otherwise than this client runs B's (``semantics``); one
-        that shows only past a sequence length into ``res.bounded``."""
-        theirs = ca.format.client() if ca.format is not None else None
-        if theirs is None or theirs.runtime == self.runtime:
-            return
-        for d in differences(theirs.runs_of(ca), self.runs_of(cb), f"A's client ({theirs.name})",
-                             f"B's client ({self.name})", config=ca.config or {}, ckpt=ca):
-            if d.key not in allow and d.tokens is not None:  # the same function up to a sequence length
-                res.bounded.append({"key": d.key, "tokens": d.tokens, "line": d.line})
-            else:
-                (res.allowed if d.key in allow else res.problems).append(d.line)
+        A's client is another, the settings the two clients run otherwise from the same keys (``runs``). A client
+        that reads config.json answers with ``compare_config_json``; the default: not compared, not applicable."""
+        return ConfigResult(skipped=str(self.not_applicable("the config as this runtime reads it")))
 
     def config_of(self, ckpt) -> dict:
         """The config this client reads for ``ckpt`` (its config.json, as the view presents it)."""
@@ -158,30 +181,32 @@ class Client(ABC):
         return self.runs(self.config_of(ckpt))
 
     def runs(self, config: dict) -> dict[str, Runs]:
-        """How this client runs the settings clients read differently (``checks.semantics``), from ``config``;
-        the default: as transformers' config classes and modeling code do."""
-        normalized, _ = transformers_view(config)
-        return {**transformers_runs(normalized if normalized is not None else config),
-                **transformers_model_runs(config)}
+        """How this client runs the settings clients read differently (``checks.semantics``), from ``config``.
 
-    def compare_config_further(self, res: ConfigResult, ca, cb, readings: tuple[dict, dict], allow: set) -> None:
-        """What this client reads beyond the normalized configs ``readings`` (A's, B's), added to ``res``."""
+        Raises:
+            NotApplicable: this runtime does not say (the default); its callers say the settings were not compared.
+        """
+        raise self.not_applicable("the settings this runtime runs from a config")
 
     def compare_side_files(self, ca, cb) -> SideFilesResult:
-        """A's side files (tokenizer, generation config, ...) against B's, as this client reads B's."""
-        return compare_side_files(Path(ca.root), Path(cb.root), cb.config)
+        """A's side files (tokenizer, generation config, ...) against B's, as this client reads B's; the default:
+        not compared, not applicable."""
+        return SideFilesResult(skipped=str(self.not_applicable("the side files as this runtime reads them")))
 
-    def compare_tokenization(self, ca, cb) -> "TokenizationResult | None":
-        """Texts through A's tokenizer and through B's as this client tokenizes; None where B's tokenizer is
-        the side files compared (the same files, the same tokenizer code)."""
-        return None
+    def compare_tokenization(self, ca, cb) -> "TokenizationResult":
+        """Texts through A's tokenizer and through B's as this client tokenizes (asked only where ``tokenizes``);
+        the default: not compared, not applicable."""
+        from .checks.tokens import TokenizationResult
+
+        return TokenizationResult(skipped=str(self.not_applicable("tokenization by this runtime's own tokenizer")))
 
     def pairing(self, ca, cb) -> Pairing | None:
-        """A as this client loads it (None: as stored)."""
+        """A as this client loads it (None, the default: as stored)."""
         return None
 
     def stored_otherwise(self, cb) -> frozenset[str]:
-        """B's tensors this client stores in another form than read (compared by ``settle_otherwise``)."""
+        """B's tensors this client stores in another form than read (compared by ``settle_otherwise``); the
+        default: none."""
         return frozenset()
 
     def settle_otherwise(self, outside: "OutsideResult", ca, cb, atol, rtol) -> list[str]:
@@ -193,9 +218,9 @@ class Client(ABC):
 
         Raises:
             FFNToolsError: naming why (no client, a single file, the client not installed).
+            NotApplicable: this runtime runs no whole model here (the default).
         """
-        raise FFNToolsError(f"--logits: {side} ({ckpt.path}) is {ckpt.described} checkpoint; no client here runs "
-                            "it as a whole model")
+        raise self.not_applicable(f"--logits of {side} ({ckpt.path}) as a whole model")
 
     def hint(self, error: str) -> str:
         """What to add to this client's own ``error`` running logits here (how to make it run), or ""."""
@@ -209,8 +234,12 @@ class Client(ABC):
     def logits(self, path: Path, tokens: "torch.Tensor", dtype: str | None = None) -> tuple["torch.Tensor", list[str]]:
         """The client's logits of ``tokens`` (float64), computed in float dtype ``dtype`` where the client can
         (None: its weights'), and what went wrong loading the model (a list of lines: weights missing or left
-        over); the client's own errors raise."""
-        raise FFNToolsError(f"{self.name} runs no logits here")
+        over); the client's own errors raise.
+
+        Raises:
+            NotApplicable: this runtime runs no logits here (the default).
+        """
+        raise self.not_applicable("whole-model logits")
 
     def generate(self, path: Path, prompts: list[str], new_tokens: int, score: list[list[int]] | None = None,
                  dtype: str | None = None) -> Generation:
@@ -222,16 +251,62 @@ class Client(ABC):
 
         Raises:
             FFNToolsError: this client runs no model here.
+            NotApplicable: this runtime runs no prompts here (the default).
         """
-        raise FFNToolsError(f"{self.name} runs no prompts here")
+        raise self.not_applicable("prompts run (--generate)")
 
     def __repr__(self) -> str:
         return f"<client {self.name}>"
 
 
+def compare_config_json(client: Client, ca, cb, allow=(), further: Callable[[ConfigResult], None] | None = None
+                        ) -> ConfigResult:
+    """``compare_config`` of a client that reads config.json: A's against B's key by key, normalized as
+    transformers' config classes normalize them (``checks.config.compare_configs``); ``further(res)``: what
+    ``client`` reads beyond them (transformers: the dtype against the stored weights; mlx_lm: its ModelArgs),
+    added to the result; and where A's client is another runtime, each setting the two run otherwise
+    (``compare_runs``)."""
+    res, readings = compare_configs(ca, cb, allow)
+    if readings is not None:
+        if further is not None:
+            further(res)
+        compare_runs(client, res, ca, cb, set(allow))
+    note_unused(res, allow)
+    return res
+
+
+def compare_runs(client: Client, res: ConfigResult, ca, cb, allow: set) -> None:
+    """Into ``res``: each setting A's client (its format's default runtime) runs otherwise than ``client`` runs
+    B's (``semantics``); one that shows only past a sequence length into ``res.bounded``. A runtime that does not
+    say how it runs them (``NotApplicable``) is said in a note, and nothing is compared."""
+    theirs = runtime(ca.format) if ca.format is not None else None
+    if theirs is None or theirs.runtime == client.runtime:
+        return
+    try:
+        found = differences(theirs.runs_of(ca), client.runs_of(cb), f"A's client ({theirs.name})",
+                            f"B's client ({client.name})", config=ca.config or {}, ckpt=ca)
+    except NotApplicable as e:
+        res.notes.append(f"the settings A's client ({theirs.name}) and B's ({client.name}) run otherwise were not "
+                         f"compared: {e}")
+        return
+    for d in found:
+        if d.key not in allow and d.tokens is not None:  # the same function up to a sequence length
+            res.bounded.append({"key": d.key, "tokens": d.tokens, "line": d.line})
+        else:
+            (res.allowed if d.key in allow else res.problems).append(d.line)
+
+
+def transformers_reads(config: dict) -> dict[str, Runs]:
+    """How transformers' config classes and modeling code run ``config``'s settings (``checks.semantics``): the
+    ``runs`` of clients whose model runs in transformers."""
+    normalized, _ = transformers_view(config)
+    return {**transformers_runs(normalized if normalized is not None else config), **transformers_model_runs(config)}
+
+
 class NoClient(Client):
     """A format no runtime here loads (Flax after transformers 5, Meta's and Mistral's own code): the load check
-    and logits say they did not run; configs and side files are compared as written."""
+    and logits say they did not run; configs and side files are compared as written, the config as transformers
+    reads it (the view's config is Hugging Face's: what ``convert --to torch`` hands transformers)."""
 
     name = "none"
 
@@ -241,21 +316,18 @@ class NoClient(Client):
     def load_check(self, ckpt) -> LoadCheck:
         return LoadCheck(self.label, skipped=self.why)
 
+    def compare_config(self, ca, cb, allow=()) -> ConfigResult:
+        return compare_config_json(self, ca, cb, allow)
 
-class NotApplicable(FFNToolsError):
-    """A question a runtime has no answer to (its client does not implement that hook): the caller reports
-    "not applicable for <runtime>", never a pass and never another runtime's answer. Raised by ``Client``'s
-    hooks that a runtime may leave unanswered; an FFNToolsError, so a caller that does not expect it stops
-    with this message rather than passing.
+    def runs(self, config: dict) -> dict[str, Runs]:
+        return transformers_reads(config)
 
-    Attributes:
-        runtime: the client's name.
-        what: the question, as reports name it ("the settings it runs", "side files").
-    """
+    def compare_side_files(self, ca, cb) -> SideFilesResult:
+        return compare_side_files(Path(ca.root), Path(cb.root), cb.config)
 
-    def __init__(self, runtime: str, what: str):
-        self.runtime, self.what = runtime, what
-        super().__init__(f"{what}: not applicable for {runtime}")
+    def ready_for_logits(self, ckpt, side: str) -> None:
+        raise FFNToolsError(f"--logits: {side} ({ckpt.path}) is {ckpt.described} checkpoint; no client here runs "
+                            "it as a whole model")
 
 
 def runtime(fmt: "Format", name: str | None = None) -> Client:

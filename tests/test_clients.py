@@ -251,3 +251,112 @@ def test_logits_no_client_runs_leaves_the_report_incomplete_not_discarded(model_
     data = json.loads(run_cli("verify", str(src), str(tmp_path / "ffn"), "--backend", "reference", "--logits",
                               "--json", ok=None).stdout)
     assert not data["passed"] and data["incomplete"] and data["logits"] is None
+
+
+# Runtimes per format (issue 54 item 2): a format lists the runtimes that load it, ``clients.runtime`` picks one,
+# and a runtime that does not answer a hook says "not applicable" for it, never transformers' answer.
+
+class _Toy:
+    """A toy runtime declared for the torch format, answering only what every runtime must (``load_check``)."""
+
+    @staticmethod
+    def client():
+        from ffn_tools.checks.load import LoadCheck
+        from ffn_tools.clients import Client
+
+        class Toy(Client):
+            name = "toy"
+
+            def load_check(self, ckpt):
+                return LoadCheck(self.name, architecture="toy")
+
+        return Toy()
+
+    @staticmethod
+    def format():
+        """The torch format with the toy runtime declared after transformers."""
+        from ffn_tools import converters
+        from ffn_tools.converters.pytorch import PyTorch
+
+        class WithToy(PyTorch):
+            runtimes = ("transformers", "toy")
+
+            def load_runtime(self, name):
+                return _Toy.client() if name == "toy" else converters.get("torch").load_runtime(name)
+
+        return WithToy()
+
+
+def test_a_format_lists_its_runtimes_and_the_lookup_names_them():
+    from ffn_tools import converters
+    from ffn_tools.clients import NoClient, runtime
+    from ffn_tools.errors import FFNToolsError
+
+    fmt = _Toy.format()
+    assert runtime(fmt).name == "transformers" and runtime(fmt, "toy").name == "toy"  # the first is the default
+    assert runtime(converters.get("mlx")).name == "mlx_lm" and runtime(converters.get("gguf")).name == "llama.cpp"
+    with pytest.raises(FFNToolsError, match=r"'nope' .*torch checkpoints.*transformers \(the default\), toy"):
+        runtime(fmt, "nope")
+    native = converters.get("native")
+    assert native.runtimes == () and isinstance(runtime(native), NoClient)
+    assert "Meta's and Mistral's own code" in runtime(native).load_check(None).skipped
+    with pytest.raises(FFNToolsError, match="no runtime here loads them .Meta's"):
+        runtime(native, "transformers")
+
+
+def test_a_runtime_without_an_answer_says_not_applicable_not_transformers_answer(model_dir):
+    """Its config, side files, settings, load warning, logits and prompts: each "not applicable for toy", where the
+    same checkpoints under transformers compare (its answer is not inherited)."""
+    from ffn_tools.converters import open_any
+    from ffn_tools.clients import NotApplicable, runtime
+    from ffn_tools.verification.model import model_checks
+
+    src = model_dir("llama")
+    fmt = _Toy.format()
+    toy, transformers = runtime(fmt, "toy"), runtime(fmt)
+    with open_any(src) as ca, open_any(src) as cb:
+        config, side, tokens = model_checks(toy, ca, cb, None, (), True)  # as verify asks B's client
+
+        assert tokens is None  # toy does not tokenize with code of its own
+        for check in (config, side):
+            assert check.verdict is None and check.skipped.endswith("as this runtime reads them: not applicable for toy"
+                                                               if check is side else
+                                                               "as this runtime reads it: not applicable for toy")
+            assert "not compared (" in check.line() and "not applicable for toy" in check.line()
+        theirs, their_side, _ = model_checks(transformers, ca, cb, None, (), True)
+        assert theirs.skipped is None and their_side.skipped is None and their_side.identical  # transformers answers
+        assert transformers.runs({"model_type": "llama"}) is not None
+        for call in (lambda: toy.runs({"model_type": "llama"}), lambda: toy.load_warning(ca, None),
+                     lambda: toy.ready_for_logits(ca, "B"), lambda: toy.logits(Path(src), torch.zeros(1, 1)),
+                     lambda: toy.generate(Path(src), ["hi"], 1)):
+            with pytest.raises(NotApplicable, match="not applicable for toy"):
+                call()
+
+
+def test_settings_a_runtime_does_not_say_are_noted_not_compared(model_dir):
+    """A's client (transformers) against a toy B's: the settings they run otherwise are not compared, and the
+    config check says why, instead of reading toy's settings as transformers'."""
+    from ffn_tools.converters import open_any
+    from ffn_tools.clients import compare_config_json, runtime
+
+    src = model_dir("llama")
+    toy = runtime(_Toy.format(), "toy")
+    with open_any(src) as ca, open_any(src) as cb:
+        res = compare_config_json(toy, ca, cb)
+    assert any("A's client (transformers) and B's (toy) run otherwise were not compared" in n
+               and n.endswith("not applicable for toy") for n in res.notes), res.notes
+
+
+def test_a_load_check_of_a_planned_output_the_runtime_has_not_is_said(model_dir, tmp_path, monkeypatch):
+    """fuse-gateup --load-check where the input's runtime has no load check of a planned output: the warning says
+    it did not run, not applicable, and the family's data speaks (not a silent pass)."""
+    from ffn_tools import converters
+
+    torch_format = converters.get("torch")
+    monkeypatch.setattr(torch_format, "load_runtime", lambda name: _Toy.client())
+    monkeypatch.setattr(type(torch_format), "runtimes", ("toy",))
+    r = json.loads(run_cli("fuse-gateup", model_dir("llama"), "-o", tmp_path / "fused", "--json",
+                           "--load-check").stdout)
+    assert r["warnings"][0] == ("--load-check did not run: the load check of a planned output: not applicable "
+                                "for toy"), r["warnings"]
+    assert len(r["warnings"]) == 2 and "transformers' llama model class holds its FFNs" in r["warnings"][1]  # its data

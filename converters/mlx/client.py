@@ -25,7 +25,8 @@ from ffn_tools.checks.config import ConfigResult, compare_keys, generation_eos
 from ffn_tools.checks.load import LoadCheck, MissingClient
 from ffn_tools.checks.semantics import (EXPERT_COUNTS, MLA_NORMS, Runs, mla_norm_runs, router_bias_runs, topk_words,
                                         windows, windows_words)
-from ffn_tools.clients import Client
+from ffn_tools.checks.side_files import SideFilesResult, compare_side_files
+from ffn_tools.clients import Client, compare_config_json
 from ffn_tools.errors import FFNToolsError, pip_install
 from ffn_tools.io.store import read_config
 
@@ -45,8 +46,14 @@ class MlxLm(Client):
             return LoadCheck(self.name, skipped=f"{absent}; the client loads every shard")
         return check_mlx(ckpt.root)
 
-    def compare_config_further(self, res: ConfigResult, ca, cb, readings, allow) -> None:
-        _compare_mlx(res, ca, cb, allow)
+    def compare_config(self, ca, cb, allow=()) -> ConfigResult:
+        """config.json key by key, and B's as mlx_lm's ModelArgs read it against A's (``_compare_mlx``)."""
+        return compare_config_json(self, ca, cb, allow, further=lambda res: _compare_mlx(res, ca, cb, set(allow)))
+
+    def compare_side_files(self, ca, cb) -> SideFilesResult:
+        """The side files file by file (``checks.side_files``): mlx_lm's tokenizer is transformers' AutoTokenizer
+        reading the same files."""
+        return compare_side_files(Path(ca.root), Path(cb.root), cb.config)
 
     def config_of(self, ckpt) -> dict:
         """The config.json on disk: what mlx_lm reads (the view restores the source's)."""

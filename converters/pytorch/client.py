@@ -19,7 +19,9 @@ from typing import Any, cast
 from ffn_tools import quant
 from ffn_tools.checks.config import ConfigResult
 from ffn_tools.checks.load import LoadCheck, MissingClient
-from ffn_tools.clients import Client
+from ffn_tools.checks.semantics import Runs
+from ffn_tools.checks.side_files import SideFilesResult, compare_side_files
+from ffn_tools.clients import Client, compare_config_json, transformers_reads
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.io.store import config_dtype, read_config
 from ffn_tools.quant.fp8 import is_companion
@@ -61,8 +63,16 @@ class Transformers(Client):
     def load_warning(self, ckpt, plan, out: str | None = None) -> str | None:
         return form_change_warning(ckpt, plan, out)
 
-    def compare_config_further(self, res: ConfigResult, ca, cb, readings, allow) -> None:
-        _check_dtype(res, cb)
+    def compare_config(self, ca, cb, allow=()) -> ConfigResult:
+        """config.json as transformers' config classes read it, and B's dtype against its stored weights'."""
+        return compare_config_json(self, ca, cb, allow, further=lambda res: _check_dtype(res, cb))
+
+    def runs(self, config: dict) -> dict[str, Runs]:
+        return transformers_reads(config)
+
+    def compare_side_files(self, ca, cb) -> SideFilesResult:
+        """The side files as from_pretrained and AutoTokenizer read them, file by file (``checks.side_files``)."""
+        return compare_side_files(Path(ca.root), Path(cb.root), cb.config)
 
     def ready_for_logits(self, ckpt, side: str) -> None:
         if not Path(ckpt.path).is_dir() or "model_type" not in (ckpt.config or {}):

@@ -202,6 +202,7 @@ def _live(x, w: dict, factors: dict, act, backend) -> "torch.Tensor":
 
 
 def _ffns(report: AdapterReport, a, m, adapter: Adapter, tokens: int, seed: int, scheme, backends=None) -> None:
+    from ..clients import runtime
     import torch
 
     from ..detect import find_ffns
@@ -210,7 +211,7 @@ def _ffns(report: AdapterReport, a, m, adapter: Adapter, tokens: int, seed: int,
     from ..tolerances import tolerance_for
     from ..verification.backends import resolve_backends
 
-    client = m.format.client()
+    client = runtime(m.format)
     mods, skipped = resolve_backends(backends, client.kernels, f"the merged checkpoint's client ({client.name})")
     fa, fm = find_ffns(a, scheme), find_ffns(m)
     ours = {f.ref: f for f in fm.ffns}

@@ -16,6 +16,7 @@ from pathlib import Path
 from .. import quant
 from ..detect import find_ffns
 from ..checks.load import MissingClient
+from ..clients import NotApplicable, runtime
 from ..errors import FFNToolsError
 from ..io.output import check_output
 from ..io.readers import open_checkpoint
@@ -88,7 +89,7 @@ def _run(command: str, plan_fn, source, out, *, scheme, layout, dry_run, force, 
         with ThreadPoolExecutor(1) as pool:  # the load check (importing transformers) overlaps the copy
             changed = summary.pop("form_changes")
             metadata = summary.pop("metadata", None)  # split-gateup's record of what it split (``SPLIT_FROM``)
-            client = ckpt.format.client() if ckpt.format is not None and changed and load_check else None
+            client = runtime(ckpt.format) if ckpt.format is not None and changed and load_check else None
             warning = pool.submit(client.load_warning, ckpt, plan, str(out)) if client else None
             made = run.but(out=out, force=force, max_shard_size=max_shard_size, desc=command, metadata=metadata)
             if dry_run:
@@ -98,7 +99,8 @@ def _run(command: str, plan_fn, source, out, *, scheme, layout, dry_run, force, 
             # the load check, where it ran, says what transformers does; else the family's data, where it knows
             try:
                 w = warning.result() if warning is not None else None
-            except MissingClient as e:  # asked for, but its client is not installed: said, and the data speaks
+            except (MissingClient, NotApplicable) as e:  # asked for, but its client is not installed or has none:
+                # said, and the data speaks
                 summary["warnings"] = [*summary["warnings"], f"--load-check did not run: {e}"]
                 warning = None
             if warning is None:
