@@ -202,9 +202,9 @@ def _live(x, w: dict, factors: dict, act, backend) -> "torch.Tensor":
 
 
 def _ffns(report: AdapterReport, a, m, adapter: Adapter, tokens: int, seed: int, scheme, backends=None) -> None:
-    from ..clients import runtime
     import torch
 
+    from ..clients import runtime
     from ..detect import find_ffns
     from ..ffn import canonical_weights
     from ..kernels import reference
