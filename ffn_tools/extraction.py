@@ -16,15 +16,17 @@ from pathlib import Path
 from .quant import fp8
 from .detect import find_ffns
 from .errors import FFNToolsError, OutputError
-from .ffn import CLAMPED_RECORD, FFN, canonical_weights, clamped_record
+from .ffn import CLAMPED_RECORD, FFN, clamped_record
 from .io.dtypes import short_name
 from .io.output import check_output, check_parent
-from .layouts import GateUpLayout, split
-from .plan import DEQUANTIZED, Entry, Plan, copy_entry
+from .layouts import GateUpLayout
+from .ops import Copy, Op, Rows, Select, Transpose
+from .plan import DEQUANTIZED, Entry, Plan, copy_entry, source
 from .executor import execute, side_files
 from .io.run import NO_RUN, Run
 from .registry import Scheme
 from .specs import parse_spec
+from .stacks import split_ops
 
 MANIFEST = "ffn_manifest.json"
 
@@ -43,7 +45,6 @@ def _entries(ckpt, f: FFN) -> list[Entry]:
                 "up_bias": "up_bias" in f.names or "gate_up_bias" in f.names, "down_bias": "down_bias" in f.names}
     roles = ["gate", "up", "down"] + [r for r, present in has_bias.items() if present]
     dtype = ckpt.info(f.names["down"]).st_dtype
-    inputs = tuple(dict.fromkeys(f.names.values()))
     out = []
     for role in roles:
         name = f"{prefix}.{role.split('_')[0]}.{'bias' if role.endswith('_bias') else 'weight'}"
@@ -51,12 +52,25 @@ def _entries(ckpt, f: FFN) -> list[Entry]:
             out.append(copy_entry(ckpt, f.names[role], name))
             continue
 
-        def compute(ts, role=role):
-            return canonical_weights(dict(zip(inputs, ts)), f)[role].contiguous()
-
         src = f.names.get(role) or f.names["gate_up_bias" if role.endswith("_bias") else "gate_up"]
-        out.append(Entry(name, dtype, shapes[role], inputs, compute, None, f"{role} of {f.ref} ({src})"))
+        out.append(Entry(name, dtype, shapes[role], (src,), _canonical_ops(f, role, src), sources=(source(ckpt, src),),
+                         text=f"{role} of {f.ref} ({src})"))
     return out + _scale_entries(ckpt, f, prefix)
+
+
+def _canonical_ops(f: FFN, role: str, src: str) -> tuple[Op, ...]:
+    """The ops making canonical ``role`` (gate, up, down, or a bias; (out, in)) from stored ``src``, as
+    ``ffn.canonical_weights`` reads it: the expert's part, split (fuse-gateup's definition reversed), turned."""
+    bias, base = role.endswith("_bias"), role.removesuffix("_bias")
+    part: tuple[Op, ...] = ()
+    if f.index is not None:  # a stack's slice, or a flat stack's row block
+        stored = role if role in f.names else ("gate_up_bias" if bias else "gate_up")
+        n = f.form.rows(stored, f.d_model, f.d_ffn)
+        part = (Rows(f.index * n, n),) if f.form.flat else (Select(f.index),)
+    turn = not bias and f.form.turns(base)
+    if role in f.names:
+        return (*part, *((Transpose(),) if turn else ()))
+    return (*part, *split_ops(f.layout, 0 if base == "gate" else 1, bias, turn, name=src))
 
 
 def _scale_entries(ckpt, f: FFN, prefix: str) -> list[Entry]:
@@ -78,13 +92,11 @@ def _scale_entries(ckpt, f: FFN, prefix: str) -> list[Entry]:
             if fused:
                 shape[0] //= 2
 
-            def compute(ts, role=role, fused=fused, sc=sc):
-                t = ts[0] if f.index is None else ts[0][f.index]
-                if fused:
-                    t = split(t, f.layout, is_bias=t.dim() == 1, name=sc)[0 if role == "gate" else 1]
-                return t.contiguous()
-
-            out.append(Entry(name, info.st_dtype, tuple(shape), (sc,), compute, None, f"{role} scale of {f.ref} ({sc})"))
+            made: tuple[Op, ...] = (Select(f.index),) if f.index is not None else ()
+            if fused:
+                made += split_ops(f.layout, 0 if role == "gate" else 1, len(shape) == 1, name=sc)
+            out.append(Entry(name, info.st_dtype, tuple(shape), (sc,), made or (Copy(),), sources=(source(ckpt, sc),),
+                             text=f"{role} scale of {f.ref} ({sc})"))
     return out
 
 

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 from .ffn import FFN
 from .layouts import GateUpLayout, fuse, split
+from . import ops as oplib
+from .ops import Fuse, Op, Stack, Transpose
 from .plan import Entry
 from .registry import FUSED, Form, bias_name
 
@@ -19,6 +21,36 @@ if TYPE_CHECKING:
     import torch
 
 WEIGHTS = ("gate", "up", "down")
+
+
+def fuse_ops(layout: GateUpLayout, is_bias: bool = False, transpose: bool = False, experts: int | None = None,
+             name: str = "tensor") -> tuple[Op, ...]:
+    """THE definition of a fused gate/up tensor as stored, from (gate, up) pairs (one pair per expert of a stack of
+    ``experts``): each part turned first where ``transpose`` (stored (in, out)), fused in ``layout``, stacked.
+    fuse-gateup's entries are these ops; split-gateup's are these ops reversed (``split_ops``)."""
+    return (*((Transpose(),) if transpose else ()), Fuse(layout, is_bias, name),
+            *((Stack(experts),) if experts is not None else ()))
+
+
+def split_ops(layout: GateUpLayout, part: int, is_bias: bool = False, transpose: bool = False,
+              expert: int | None = None, experts: int | None = None, name: str = "tensor") -> tuple[Op, ...]:
+    """Part ``part`` (0 gate, 1 up) of a fused tensor (expert ``expert`` of a stack of ``experts``): ``fuse_ops``
+    reversed, then that part taken (the slice of that expert split, not the whole stack)."""
+    back = oplib.reverse(fuse_ops(layout, is_bias, transpose, experts, name))
+    assert back is not None  # every op of fuse_ops has its reverse
+    return oplib.take(back, (2 * (expert or 0) + part,), 1)
+
+
+def stack_ops(experts: int, transpose: bool = False) -> tuple[Op, ...]:
+    """THE definition of a stack of experts' tensors (``transpose``: each turned first); ``unstack_ops`` reverses it."""
+    return (*((Transpose(),) if transpose else ()), Stack(experts))
+
+
+def unstack_ops(experts: int, index: int, transpose: bool = False) -> tuple[Op, ...]:
+    """Expert ``index``'s tensor of a stack of ``experts``: ``stack_ops`` reversed, that expert taken."""
+    back = oplib.reverse(stack_ops(experts, transpose))
+    assert back is not None
+    return oplib.take(back, (index,), 1)
 
 
 def stored_roles(form: Form, names: dict[str, str]) -> list[str]:

@@ -1,5 +1,5 @@
-"""What split-gateup's and fuse-gateup's plans share: byte runs of a slice, the output names and forms, an
-expert's slice, a flat stack moved whole, and the plan assembled in input order."""
+"""What split-gateup's and fuse-gateup's plans share: the output names and forms, an expert's slice, a flat stack moved whole, and the plan
+assembled in input order."""
 
 from __future__ import annotations
 
@@ -11,30 +11,10 @@ from ..errors import LayoutError, NothingToDoError
 from ..ffn import FFN
 from ..layouts import GateUpLayout
 from ..library import LIBRARY, SCHEMES, scheme_for_model_type
-from ..plan import Entry, Plan, copy_entry
+from ..plan import Entry, Plan, copy_entry, source
 from ..quant import fp8
 from ..registry import Form
-from ..stacks import restack_entries
-
-MAX_PIECES = 256  # above this many byte runs (interleaved, column axis) computing is faster than copying
-
-
-def byte_runs(shape: tuple[int, ...], isz: int, dim: int, start: int, length: int, base: int = 0) -> list[tuple[int, int]]:
-    """Byte runs of ``t.narrow(dim, start, length)`` for a C-contiguous ``t``, one per index before ``dim``."""
-    outer = 1
-    for d in shape[:dim]:
-        outer *= d
-    inner = isz
-    for d in shape[dim + 1:]:
-        inner *= d
-    return [(base + (o * shape[dim] + start) * inner, length * inner) for o in range(outer)]
-
-
-def stack(tensors):
-    import torch
-
-    return torch.stack(tensors)
-
+from ..stacks import fuse_ops, restack_entries, split_ops, stack_ops, unstack_ops  # noqa: F401 (re-exported)
 
 def name_in(template: str, f: FFN, config) -> str:
     """``template`` filled with the numbers in ``f``'s tensor names (its ref's, less the group's offsets)."""
@@ -108,12 +88,9 @@ def index_entry(ckpt, src: str, index: int | None, name: str, transpose: bool = 
     if index is None:
         return copy_entry(ckpt, src, name)
     info = ckpt.info(src)
-    n = info.nbytes // info.shape[0]
-    if transpose:
-        return Entry(name, info.st_dtype, info.shape[1:][::-1], (src,), lambda ts: ts[0][index].T.contiguous(),
-                     None, f"[{index}] of {src}, transposed to (out, in)")
-    return Entry(name, info.st_dtype, info.shape[1:], (src,), lambda ts: ts[0][index].contiguous(),
-                 ((0, index * n, n),), f"[{index}] of {src}")
+    return Entry(name, info.st_dtype, info.shape[1:][::-1] if transpose else info.shape[1:], (src,),
+                 unstack_ops(info.shape[0], index, transpose), sources=(source(ckpt, src),),
+                 text=f"[{index}] of {src}" + (", transposed to (out, in)" if transpose else ""))
 
 
 def restack(ckpt, experts: list[FFN], target: Form, replaced) -> None:

@@ -8,13 +8,12 @@ from collections import defaultdict
 from ..detect import FFNSet
 from ..errors import LayoutError, NothingToDoError, counted
 from ..ffn import FFN
-from ..io.dtypes import itemsize
-from ..layouts import GateUpLayout, fuse
-from ..plan import Entry, Plan, copy_entry
+from ..layouts import GateUpLayout
+from ..plan import Entry, Plan, copy_entry, source
 from ..quant import fp8
 from ..registry import UNFUSED, Group, bias_name
-from .common import (MAX_PIECES, SPLIT_FROM, as_split_from, assemble, byte_runs, foreign_layout, name_in,
-                     packed_rename, restack, split_from, stack, target_form)
+from .common import (SPLIT_FROM, as_split_from, assemble, foreign_layout, fuse_ops, name_in, packed_rename, restack,
+                     split_from, stack_ops, target_form)
 
 def _packed_fuse(ckpt, f: FFN, new: dict[str, str], replaced, packed: dict) -> bool:
     """Separate quantized gate and up fused part by part by their scheme, down's parts renamed; False: neither
@@ -32,19 +31,6 @@ def _packed_fuse(ckpt, f: FFN, new: dict[str, str], replaced, packed: dict) -> b
         replaced[name] += []
     packed_rename(ckpt, packed, f.names["down"], new["down"], replaced)
     return True
-def _fuse_pieces(parts: list[tuple[int, tuple[int, ...], int]], layout: GateUpLayout, is_bias: bool,
-                 isz: int) -> tuple[tuple[int, int, int], ...]:
-    """Byte pieces of fused tensors built from (gate input position, shape, up input position) triples,
-    stacked one after the other (one triple per expert)."""
-    pieces = []
-    for g, shape, u in parts:
-        dim = layout.dim(len(shape), is_bias)
-        segs = layout.segments(2 * shape[dim])
-        runs = [(g if r == "gate" else u, byte_runs(shape, isz, dim, p, ln)) for r, _, p, ln in segs]
-        pieces += [(pos, *rs[o]) for o in range(len(runs[0][1])) for pos, rs in runs]
-    return tuple(pieces)
-
-
 def _fuse_entry(ckpt, name: str, srcs: list[tuple[str, str]], layout: GateUpLayout, is_bias: bool,
                 stacked: bool = False, transpose: bool = False) -> Entry:
     """One fused tensor from (gate, up) name pairs: one pair, or one per expert stacked on dim 0
@@ -61,19 +47,11 @@ def _fuse_entry(ckpt, name: str, srcs: list[tuple[str, str]], layout: GateUpLayo
     shape[dim] *= 2
     layout.segments(shape[dim])  # raises LayoutError for a bad --tp before anything is written
     inputs = tuple(n for pair in srcs for n in pair)
-    pieces = None if transpose else _fuse_pieces([(2 * k, gi.shape, 2 * k + 1) for k in range(len(srcs))], layout,
-                                                 is_bias, itemsize(gi.st_dtype))
-
-    def compute(ts, n=name):
-        ts = [t.T for t in ts] if transpose else ts
-        fused = [fuse(ts[2 * k], ts[2 * k + 1], layout, is_bias=is_bias, name=n) for k in range(len(ts) // 2)]
-        return stack(fused) if stacked else fused[0]
-
     out_shape = (len(srcs), *shape) if stacked else tuple(shape)
     first = f"{srcs[0][0]} + {srcs[0][1]}" + (f" … ({len(srcs)} experts stacked)" if stacked else "")
-    return Entry(name, gi.st_dtype, out_shape, inputs, compute,
-                 pieces if pieces and len(pieces) <= MAX_PIECES * len(srcs) else None,
-                 f"fuse({first}; {layout.describe()})")
+    return Entry(name, gi.st_dtype, out_shape, inputs,
+                 fuse_ops(layout, is_bias, transpose, len(srcs) if stacked else None, name),
+                 sources=tuple(source(ckpt, n) for n in inputs), text=f"fuse({first}; {layout.describe()})")
 
 
 def _stack_entry(ckpt, name: str, srcs: list[str], transpose: bool = False) -> Entry:
@@ -81,11 +59,9 @@ def _stack_entry(ckpt, name: str, srcs: list[str], transpose: bool = False) -> E
     for s in srcs:
         if ckpt.info(s).shape != info.shape or ckpt.info(s).st_dtype != info.st_dtype:
             raise LayoutError(f"cannot stack {s} {list(ckpt.info(s).shape)} with {srcs[0]} {list(info.shape)}")
-    if transpose:  # stored (in, out)
-        return Entry(name, info.st_dtype, (len(srcs), *info.shape[::-1]), tuple(srcs),
-                     lambda ts: stack([t.T for t in ts]), None, f"stack({srcs[0]} … {len(srcs)} experts, transposed)")
-    return Entry(name, info.st_dtype, (len(srcs), *info.shape), tuple(srcs), stack,
-                 tuple((k, 0, info.nbytes) for k in range(len(srcs))), f"stack({srcs[0]} … {len(srcs)} experts)")
+    return Entry(name, info.st_dtype, (len(srcs), *(info.shape[::-1] if transpose else info.shape)), tuple(srcs),
+                 stack_ops(len(srcs), transpose), sources=tuple(source(ckpt, s) for s in srcs),
+                 text=f"stack({srcs[0]} … {len(srcs)} experts{', transposed' if transpose else ''})")
 
 
 def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False, packed: dict | None = None) -> Plan:

@@ -8,51 +8,37 @@ from collections import defaultdict
 from ..detect import FFNSet
 from ..errors import LayoutError, NothingToDoError
 from ..ffn import FFN
-from ..io.dtypes import itemsize
-from ..layouts import split
-from ..plan import Entry, Plan
+from ..plan import Entry, Plan, source
 from ..quant import fp8
 from ..registry import Form, bias_name
-from .common import (MAX_PIECES, assemble, byte_runs, foreign_layout, index_entry, name_in, packed_rename, restack,
-                     split_record, target_form)
+from .common import (assemble, foreign_layout, index_entry, name_in, packed_rename, restack, split_ops, split_record,
+                     target_form)
 
 def _split_entries(ckpt, f: FFN, src: str, is_bias: bool, names: dict[str, str], target: Form) -> list[Entry]:
     """gate and up entries cut from the fused tensor ``src`` (expert ``f.index`` when stacked), as ``target``
     stores them."""
     info = ckpt.info(src)
-    shape, base = info.shape, 0
-    if f.index is not None:  # (E, 2I, ...) -> expert f.index
-        shape = shape[1:]
-        base = f.index * info.nbytes // info.shape[0]
+    shape = info.shape[1:] if f.index is not None else info.shape  # (E, 2I, ...) -> expert f.index
     layout = f.layout
     dim = layout.dim(len(shape), is_bias)
     segs = layout.segments(shape[dim])
     out = []
-    for role in ("gate", "up"):
-        runs = [byte_runs(shape, itemsize(info.st_dtype), dim, s, ln, base) for r, s, _, ln in segs if r == role]
-        pieces = tuple((0, off, n) for o in range(len(runs[0])) for seg in runs for off, n in [seg[o]])
+    for k, role in enumerate(("gate", "up")):
         rows = [f"{s}:{s + ln}" for r, s, _, ln in segs if r == role]
         where = f"[{f.index}] " if f.index is not None else ""
         what = "rows" if layout.axis == "rows" or is_bias else "columns"
         note = f"{what} {','.join(rows[:4])}{',…' if len(rows) > 4 else ''} of {src}{where and ' ' + where.strip()}" \
                f" ({layout.describe()})"
-        k = 0 if role == "gate" else 1
         out_shape = list(shape)
         out_shape[dim] //= 2
-
         turn = f.form.turns("gate_up") != target.turns(role) and not is_bias  # (H, 2I) stored (in, out): each
         # half goes back to (I, H), unless the target is stored (in, out) too
-
-        def compute(ts, k=k, index=f.index, b=is_bias, name=src, turn=turn):
-            t = ts[0] if index is None else ts[0][index]
-            part = split(t, layout, is_bias=b, name=name)[k]
-            return part.T.contiguous() if turn else part
-
         if turn:
             out_shape, note = out_shape[::-1], note + (", transposed to (in, out)" if target.turns(role) else
                                                        ", transposed to (out, in)")
-        out.append(Entry(names[role], info.st_dtype, tuple(out_shape), (src,), compute,
-                         pieces if len(pieces) <= MAX_PIECES and not turn else None, note))
+        made = split_ops(layout, k, is_bias, turn, f.index, info.shape[0] if f.index is not None else None, src)
+        out.append(Entry(names[role], info.st_dtype, tuple(out_shape), (src,), made, sources=(source(ckpt, src),),
+                         text=note))
     return out
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .base import Op
+from .base import Each, Op
 from .moves import Chunk, Concat, Copy, Fuse, Permute, Reshape, Rows, Select, Split, Stack, Take, Transpose, Unstack
 from .values import Affine, Cast, Const, Fn
 from .views import TooMany, View
@@ -34,7 +34,7 @@ MAX_RUNS = 256  # byte runs per pair of inputs above which computing is faster t
 
 __all__ = ["MAX_RUNS", "Op", "Copy", "Take", "Select", "Rows", "Split", "Fuse", "Stack", "Unstack", "Concat", "Chunk",
            "Transpose", "Reshape", "Permute", "Cast", "Affine", "Const", "Fn", "View", "run", "reverse",
-           "runs", "describe"]
+           "runs", "describe", "take", "Each"]
 
 
 def run(ops: Sequence[Op], tensors: list) -> list:
@@ -54,6 +54,20 @@ def reverse(ops: Sequence[Op]) -> tuple[Op, ...] | None:
             return None
         out.append(r)
     return tuple(out)
+
+
+def take(ops: Sequence[Op], index: tuple[int, ...], inputs: int | None = None) -> tuple[Op, ...]:
+    """``ops`` then ``Take(index)``, the ``Take`` moved as far ahead as the ops let it (``Op.pull``): one expert's
+    gate from a fused stack is that expert's slice split, not the whole stack split. ``inputs``: how many inputs
+    the ops take, to drop a leading ``Take`` that keeps them all."""
+    suffix: tuple[Op, ...] = ()
+    for i in range(len(ops) - 1, -1, -1):
+        got = ops[i].pull(index)
+        if got is None:
+            return (*ops[:i + 1], Take(index), *suffix)
+        index, made = got
+        suffix = made + suffix
+    return suffix if inputs is not None and index == tuple(range(inputs)) else (Take(index), *suffix)
 
 
 def runs(ops: Sequence[Op], views: list[View], cap: int) -> list[View] | None:

@@ -29,6 +29,11 @@ class Op:
         """How it moves or changes the tensors, for --dry-run."""
         return type(self).__name__.lower()
 
+    def pull(self, index: tuple[int, ...]) -> "tuple[tuple[int, ...], tuple[Op, ...]] | None":
+        """To make only outputs ``index``: the inputs needed, and the ops making those outputs from them (None:
+        every input). ``ops.take`` moves a ``Take`` ahead this way (one expert's part, not the whole stack's)."""
+        return None
+
     def runs(self, views: list[View], cap: int) -> list[View] | None:
         """The output views of input views (a pure byte move), or None: it computes."""
         return None
@@ -51,3 +56,11 @@ class Op:
     def shares(self) -> Any:
         """The work this op shares with other entries' (an object with a settable ``wanted``), or None."""
         return None
+
+
+@dataclass(frozen=True)
+class Each(Op):
+    """An op on each tensor alone (one tensor in, one out): a ``Take`` passes ahead of it."""
+
+    def pull(self, index: tuple[int, ...]) -> "tuple[tuple[int, ...], tuple[Op, ...]]":
+        return index, (self,)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..layouts import CONCAT, GateUpLayout, fuse, split
-from .base import Op
+from .base import Each, Op
 from .views import View, cat, narrow
 
 
@@ -14,7 +14,7 @@ def _dim(d: int, ndim: int) -> int:
 
 
 @dataclass(frozen=True)
-class Copy(Op):
+class Copy(Each):
     """The tensors as they are."""
 
     def apply(self, ts: list) -> list:
@@ -42,12 +42,15 @@ class Take(Op):
     def describe(self) -> str:
         return f"part {','.join(map(str, self.index))}"
 
+    def pull(self, index: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[Op, ...]]:
+        return tuple(self.index[i] for i in index), ()
+
     def runs(self, views: list[View], cap: int) -> list[View]:
         return [views[i] for i in self.index]
 
 
 @dataclass(frozen=True)
-class Select(Op):
+class Select(Each):
     """``t[index]`` along ``dim`` of each tensor (one expert of a stack), contiguous."""
 
     index: int
@@ -69,7 +72,7 @@ class Select(Op):
 
 
 @dataclass(frozen=True)
-class Rows(Op):
+class Rows(Each):
     """``t.narrow(dim, start, length)`` of each tensor, contiguous."""
 
     start: int
@@ -103,6 +106,10 @@ class Split(Op):
     def describe(self) -> str:
         return f"split ({self.layout.describe()})"
 
+    def pull(self, index: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[Op, ...]]:
+        need = tuple(dict.fromkeys(i // 2 for i in index))
+        return need, (self, Take(tuple(2 * need.index(i // 2) + i % 2 for i in index)))
+
     def runs(self, views: list[View], cap: int) -> list[View]:
         out = []
         for v in views:
@@ -131,6 +138,9 @@ class Fuse(Op):
     def describe(self) -> str:
         return f"fuse ({self.layout.describe()})"
 
+    def pull(self, index: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[Op, ...]]:
+        return tuple(j for i in index for j in (2 * i, 2 * i + 1)), (self,)
+
     def runs(self, views: list[View], cap: int) -> list[View]:
         out = []
         for k in range(0, len(views), 2):
@@ -143,7 +153,9 @@ class Fuse(Op):
 
 @dataclass(frozen=True)
 class Stack(Op):
-    """The whole list stacked on a new dim 0 (experts into one tensor)."""
+    """The whole list stacked on a new dim 0 (experts into one tensor); ``n``: how many, where known."""
+
+    n: int | None = None
 
     def apply(self, ts: list) -> list:
         import torch
@@ -151,7 +163,7 @@ class Stack(Op):
         return [torch.stack(ts)]
 
     def reverse(self) -> Op:
-        return Unstack()
+        return Unstack(self.n)
 
     def describe(self) -> str:
         return "stack"
@@ -162,16 +174,23 @@ class Stack(Op):
 
 @dataclass(frozen=True)
 class Unstack(Op):
-    """Each tensor cut along dim 0 into its slices (a stack into its experts)."""
+    """Each tensor cut along dim 0 into its slices (a stack into its experts); ``n``: its dim 0, where known."""
+
+    n: int | None = None
 
     def apply(self, ts: list) -> list:
         return [s.contiguous() for t in ts for s in t.unbind(0)]
 
     def reverse(self) -> Op:
-        return Stack()
+        return Stack(self.n)
 
     def describe(self) -> str:
         return "unstack"
+
+    def pull(self, index: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[Op, ...]] | None:
+        if self.n is None or len(index) != 1:
+            return None
+        return (index[0] // self.n,), (Select(index[0] % self.n),)
 
     def runs(self, views: list[View], cap: int) -> list[View]:
         return [narrow(v, 0, i, 1, cap).reshaped(v.shape[1:]) for v in views for i in range(v.shape[0])]
@@ -215,6 +234,12 @@ class Chunk(Op):
     def describe(self) -> str:
         return f"cut along dim {self.dim} into {list(self.sizes)}"
 
+    def pull(self, index: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[Op, ...]] | None:
+        if len(index) != 1:
+            return None
+        k, i = divmod(index[0], len(self.sizes))
+        return (k,), (Rows(sum(self.sizes[:i]), self.sizes[i], self.dim),)
+
     def runs(self, views: list[View], cap: int) -> list[View]:
         out = []
         for v in views:
@@ -226,7 +251,7 @@ class Chunk(Op):
 
 
 @dataclass(frozen=True)
-class Transpose(Op):
+class Transpose(Each):
     """Dims ``a`` and ``b`` of each tensor swapped, contiguous (a kernel stored (in, out) turned to (out, in))."""
 
     a: int = -2
@@ -243,7 +268,7 @@ class Transpose(Op):
 
 
 @dataclass(frozen=True)
-class Reshape(Op):
+class Reshape(Each):
     """Each tensor viewed as ``shape`` (flattening or unflattening a stack): the bytes unchanged."""
 
     shape: tuple[int, ...]
@@ -263,7 +288,7 @@ class Reshape(Op):
 
 
 @dataclass(frozen=True)
-class Permute(Op):
+class Permute(Each):
     """Each tensor's blocks along ``dim`` reordered: block ``i`` of the output is block ``order[i]`` of the input
     (``block`` entries each; rotary q/k rows reordered per head)."""
 

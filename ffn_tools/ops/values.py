@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..io.dtypes import as_st, short_name, torch_dtype
-from .base import Op
+from .base import Each, Op
 from .views import View
 
 # Casts that hold every value of the narrower type exactly: their reverse gives back the input bit for bit.
@@ -19,7 +19,7 @@ _EXACT = {("BF16", "F32"), ("F16", "F32"), ("BF16", "F64"), ("F16", "F64"), ("F3
 
 
 @dataclass(frozen=True)
-class Cast(Op):
+class Cast(Each):
     """Each tensor cast to ``dtype`` (a safetensors dtype string); ``source``: the input's, where known."""
 
     dtype: str
@@ -58,7 +58,7 @@ class Cast(Op):
 
 
 @dataclass(frozen=True)
-class Affine(Op):
+class Affine(Each):
     """Each tensor ``t * scale + shift`` computed in float32, stored back in its dtype (a norm's +1 shift).
     No exact reverse: rounding in a narrow dtype may not undo."""
 
