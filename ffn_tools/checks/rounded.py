@@ -1,13 +1,14 @@
-"""Weights read back from a format that stores them plus a constant (a GGUF's Gemma norms), recorded in what an
-export of them writes (``convert x.gguf --to torch|mlx``), and compared by ``verify`` against their source.
+"""Weights read back from a form that stores them plus a constant (llama.cpp's converter stores Gemma's norms so),
+recorded in what an export of them writes (``convert x --to torch|mlx``), and compared by ``verify`` against their
+source. Which format stores what so is its reader's to say (``Checkpoint.carried_metadata``); this module holds
+the arithmetic and the record, and names no format.
 
-llama.cpp's converter stores Gemma's norms as ``w + 1`` in float32; read back they are ``fl(fl(w + 1) - 1)``
-(the GGUF reader), within half a float32 ulp of ``w + 1`` of the source's ``w``: 2**-24 for ``|w + 1| < 1``, not
-bit for bit. The torch or MLX export of such a GGUF says so in its safetensors metadata (``PLUS_ONE``: name ->
-what was added; ``Checkpoint.carried_metadata``), and verify of the source against that export recomputes each
-one from A as the round trip does (``plus(a) - 1``, float32) and compares bit for bit: equal is the documented
-bound held exactly (counted within tolerance, with a note), anything else (a zeroed norm, another model's)
-differs.
+The converter stores such a norm as ``w + 1`` in float32; read back it is ``fl(fl(w + 1) - 1)``, within half a
+float32 ulp of ``w + 1`` of the source's ``w``: 2**-24 for ``|w + 1| < 1``, not bit for bit. The export says so in
+its safetensors metadata (``PLUS_ONE``: name -> what was added), and verify of the source against that export
+recomputes each one from A as the round trip does (``plus(a) - 1``, float32) and compares bit for bit: equal is
+the documented bound held exactly (counted within tolerance, with a note), anything else (a zeroed norm, another
+model's) differs.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import json
 
 from ..errors import listing
 
-PLUS_ONE = "ffn_tools_gguf_plus_one"  # safetensors metadata: {HF name: what the GGUF's converter added}
+# safetensors metadata: {HF name: what the storing form added}; the key is spelled as exports already written carry it
+PLUS_ONE = "ffn_tools_gguf_plus_one"
 
 
 def plus(w, shift: float):
@@ -40,7 +42,7 @@ def record(shifts: dict[str, float]) -> tuple[dict[str, str], list[str]]:
 
 
 def recorded_shifts(metadata: dict[str, str]) -> dict[str, float]:
-    """The weights a checkpoint's metadata records as read back from a GGUF storing them plus one."""
+    """The weights a checkpoint's metadata records as read back from a form storing them plus a constant."""
     try:
         shifts = json.loads(metadata.get(PLUS_ONE) or "{}")
     except ValueError:
@@ -49,7 +51,7 @@ def recorded_shifts(metadata: dict[str, str]) -> dict[str, float]:
 
 
 def compare_recorded(outside, ca, cb, shifts: dict[str, float]) -> list[str]:
-    """B's weights read back from a GGUF storing them plus one (``shifts``) against A's, as the round trip
+    """B's weights read back from a form storing them plus a constant (``shifts``) against A's, as the round trip
     computes them: ``plus(a, shift) - shift`` in float32, bit for bit. Adds the outcome to ``outside``
     (whose comparison left them out) and returns the note saying how they were compared."""
     from .diagnose import first_difference  # torch: verify has it; an export that records shifts need not

@@ -143,14 +143,14 @@ def floor_side(a: Path, ca, cb, recipe: dict | None, a_dtype: str | None, client
     fa, fb = ca.format, cb.format
     if recipe is None:
         return f"B's form ({cb.described}) cannot be re-derived from A here"
-    plain = fa.name == fb.name and set(recipe) <= {"dtype"}
+    plain = fa is fb and set(recipe) <= {"dtype"}
     if plain and recipe.get("dtype") in (None, a_dtype):
         return a, clients[0], None, f"A run again by {clients[0].name} (its run-to-run noise)"
     if plain:
         return a, clients[0], recipe["dtype"], f"A computed in B's dtype {recipe['dtype']} by {clients[0].name}"
     from ..converters import convert
 
-    out = tmp / ("floor.gguf" if fb.name == "gguf" else "floor")
+    out = floor_path(tmp, Path(cb.path))
     words = ", ".join(f"{k} {v}" for k, v in recipe.items() if v is not None and v is not True)
     log.info("re-deriving B's form from A for the noise floor (%s: %s)", fb.name, words)
     try:
@@ -158,6 +158,13 @@ def floor_side(a: Path, ca, cb, recipe: dict | None, a_dtype: str | None, client
     except FFNToolsError as e:
         return f"B's form ({fb.name}, {words}) could not be re-derived from A: {e}"
     return out, clients[1], None, f"A converted to B's form ({fb.name}, {words}) by ffn-tools, run by {clients[1].name}"
+
+
+def floor_path(tmp: Path, b: Path) -> Path:
+    """Where A' is written: laid out as B is, a file named with B's suffix where B is one file (a format whose
+    checkpoint is one file is read by its name), else a directory. (A B that its client runs as a whole model and
+    is one file is such a format's: a directory's clients refuse a file, ``Client.ready_for_logits``.)"""
+    return tmp / ("floor" + b.suffix if b.is_file() else "floor")
 
 
 def run_generation(a, b, ca, cb, clients: tuple[Client, Client], recipe: dict | None, a_dtype: str | None,

@@ -1,6 +1,6 @@
-"""Codes kept, in ``verify``: where one side says a tensor holds the other side's stored codes (a GGUF written from
-codes: ``Checkpoint.kept_codes``, from its ``ffn_tools.codes.kept`` metadata), its values must be the other side's
-as its codes define them (``QuantScheme.exact_values``: ``s * (c - z)``, NVFP4's ``e2m1 * scale * scale_2``)
+"""Codes kept, in ``verify``: where one side says a tensor holds the other side's stored codes (a checkpoint
+written from codes: ``Checkpoint.kept_codes``, which its reader declares from the ``ffn_tools.codes.kept``
+metadata its writer recorded), its values must be the other side's as its codes define them (``QuantScheme.exact_values``: ``s * (c - z)``, NVFP4's ``e2m1 * scale * scale_2``)
 exactly, in float32, every one: not within a tolerance row, which a scale block shifted by one, a zero point off
 by one or an inverted global scale's small model would pass. A side that says so of a tensor the other side does
 not store as integer codes fails too: the claim cannot be true.
@@ -15,14 +15,14 @@ from ..checks.diagnose import first_difference
 if TYPE_CHECKING:
     import torch
 
-KEPT_KEY = "ffn_tools.codes.kept"  # where a GGUF says so (converters/gguf/kept.py writes it)
+KEPT_KEY = "ffn_tools.codes.kept"  # the key under which a format records it (its reader gives ``kept_codes``)
 
 
 def kept_side(ca, cb, name_a: str, name_b: str) -> tuple[str, str] | None:
     """("B", "A") where B says its ``name_b`` holds A's codes, ("A", "B") the other way round, else None."""
-    if name_b in getattr(cb, "kept_codes", ()):
+    if name_b in cb.kept_codes:
         return "B", "A"
-    if name_a in getattr(ca, "kept_codes", ()):
+    if name_a in ca.kept_codes:
         return "A", "B"
     return None
 
