@@ -510,3 +510,25 @@ def test_gguf_lora_of_stacked_experts_and_rslora_run_as_peft_runs_them(gguf_mode
         got = _llama_cpp_logits(gguf_ref(arch, "f32"), IDS, tmp_path / f"{arch}.gguf")
         plain = _llama_cpp_logits(gguf_ref(arch, "f32"), IDS)
         assert np.abs(got - want).max() < 1e-4 < np.abs(plain - want).max(), arch
+
+
+def test_merge_takes_pytorch_weights_as_stored_and_convert_only_the_target_formats_options(base, tmp_path):
+    """merge refuses a base that is not Hugging Face PyTorch weights as stored (the checkpoint's declared
+    ``rewritable``, not its format's name), naming what it is; an adapter conversion takes only the options its
+    target format declares (``AdapterFormat.options``: GGUF's outtype), refused by name for any other."""
+    from ffn_tools.adapters import api as adapters
+    from ffn_tools.adapters.model import AdapterError
+    from ffn_tools.converters import convert
+
+    model, path = base("llama")
+    good = peft_adapter(model, tmp_path / "lora", target_modules=FFN)
+    convert(path, "flax", tmp_path / "flax")
+    with pytest.raises(AdapterError, match="this is a Flax checkpoint: convert it to torch first"):
+        adapters.merge(tmp_path / "flax", good, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert formats.get("gguf").options == {"outtype"} and formats.get("peft").options == frozenset()
+    for to in ("torch", "mlx"):
+        with pytest.raises(AdapterError, match=f"outtype do not apply to converting an adapter to {to}"):
+            adapters.convert(good, to, tmp_path / to, base=path, outtype="q8_0")
+        assert not (tmp_path / to).exists()
+    assert adapters.convert(good, "torch", tmp_path / "peft")["format"] == "peft"

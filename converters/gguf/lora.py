@@ -47,6 +47,7 @@ def _is_lora_gguf(path: Path) -> bool:
 class GgufAdapter(AdapterFormat):
     name = "gguf"
     needs_base = True
+    options = frozenset({"outtype"})
 
     def can_read(self, path: Path) -> bool:
         return _is_lora_gguf(path)

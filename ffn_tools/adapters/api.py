@@ -24,8 +24,6 @@ from .model import Adapter, AdapterError, Lora
 from .places import places
 
 ROLE_ORDER = ("gate", "up", "gate_up", "down")
-# the --to names of convert -> the adapter format each writes
-TO = {"torch": "peft", "peft": "peft", "mlx": "mlx", "gguf": "gguf"}
 
 
 def _lora_text(lora: Lora) -> str:
@@ -73,11 +71,9 @@ def inspect(path, base=None, scheme=None) -> dict:
 
 def _coverage(adapter: Adapter, base, scheme) -> dict:
     """Which FFNs of the base get factors: every FFN, each projection with a non-zero delta or not."""
-    from ffn_tools.converters import open_any
-
     from ..detect import find_ffns
 
-    with open_any(Path(base)) as ckpt:
+    with formats.open_checkpoint(Path(base)) as ckpt:
         adapter, changes = conform(adapter, {n: ckpt.info(n).shape for n in ckpt}, scheme)
         ffns = find_ffns(ckpt, scheme).ffns
     without, partial = [], []
@@ -101,7 +97,7 @@ def _coverage(adapter: Adapter, base, scheme) -> dict:
 
 
 def _write(adapter: Adapter, to: str, out: Path, force: bool, base=None, run: Run = NO_RUN, **options) -> list[str]:
-    fmt = formats.get(TO.get(to, to))
+    fmt = formats.get(formats.named(to))
     root, config = base_config(adapter.path, base)
     if fmt.needs_base and config is None:
         raise AdapterError(f"{adapter.path}: converting to {fmt.name} needs the base model's config.json "
@@ -137,11 +133,12 @@ def convert(path, to: str, out, *, base=None, force: bool = False, scheme=None, 
     format (torch: PEFT), its factors' bytes unchanged wherever the format stores them as they are."""
     adapter = load(path, base)
     given = {k: v.lower() if k == "outtype" else v for k, v in options.items() if v is not None}
-    if set(given) - ({"outtype"} if TO.get(to, to) == "gguf" else set()):
+    name = formats.named(to)
+    if given and set(given) - (formats.get(name).options if name in formats.ADAPTER_FORMATS else frozenset()):
         raise AdapterError(f"{', '.join(sorted(given))} do not apply to converting an adapter to {to}")
     written = _write(adapter, to, Path(out), force, base, run, **given)
-    line = f"wrote {out}: {TO.get(to, to)} adapter, {counted(len(adapter.loras), 'LoRA target')}"
-    return envelope("convert", str(path), out, line, {"files": written, "format": TO.get(to, to)})
+    line = f"wrote {out}: {name} adapter, {counted(len(adapter.loras), 'LoRA target')}"
+    return envelope("convert", str(path), out, line, {"files": written, "format": name})
 
 
 def merge(base, path, out, *, force: bool = False, max_shard_size: int | None = None, scheme=None,

@@ -6,6 +6,10 @@ checkpoints): a format reads a directory or file into an ``Adapter`` and writes 
     gguf   a GGUF of general.type "adapter", as llama.cpp's convert_lora_to_gguf  converters/gguf/lora.py
 
 Formats are imported on first use (reading a PEFT adapter never imports mlx).
+
+The dependency goes one way: ``converters/`` implement this package's interfaces (``AdapterFormat``, ``Adapter``,
+``conform``); nothing in ``adapters/`` imports ``converters/``. It reaches an adapter format through this table and
+a checkpoint through ``open_checkpoint`` below, both by the registry's module name, in this one module.
 """
 
 from __future__ import annotations
@@ -22,14 +26,18 @@ from .model import Adapter, AdapterError
 
 ADAPTER_FORMATS = {"peft": "ffn_tools.converters.pytorch.peft", "mlx": "ffn_tools.converters.mlx.lora",
                    "gguf": "ffn_tools.converters.gguf.lora"}
+ALIASES = {"torch": "peft"}  # convert's --to names that write another adapter format's (a torch adapter: PEFT's)
+CHECKPOINTS = "ffn_tools.converters"  # the checkpoint formats' registry (``open_any``: any format, detected)
 
 
 class AdapterFormat(ABC):
     """An adapter format. ``needs_base``: writing it needs the base model's config.json (its names or
-    architecture are the runtime's, not Hugging Face's)."""
+    architecture are the runtime's, not Hugging Face's); ``options``: the options of ``write`` (any other given to
+    a conversion to it is refused)."""
 
     name: ClassVar[str]
     needs_base: ClassVar[bool] = False
+    options: ClassVar[frozenset[str]] = frozenset()  # the keyword options its ``write`` takes (GGUF's outtype)
 
     @abstractmethod
     def can_read(self, path: Path) -> bool:
@@ -70,6 +78,17 @@ def get(name: str) -> AdapterFormat:
         raise FFNToolsError(f"adapter format {name!r} needs a package that is not installed ({e})"
                             + (f": {fix}" if fix else "")) from None
     return module.ADAPTER
+
+
+def named(to: str) -> str:
+    """The adapter format ``convert --to TO`` writes (``ALIASES``; else the format called ``to``)."""
+    return ALIASES.get(to, to)
+
+
+def open_checkpoint(path, like=None):
+    """The checkpoint at ``path`` opened by whichever format reads it (the registry's ``open_any``; ``like``:
+    the checkpoint it will be compared with): the one way adapters reach a checkpoint format."""
+    return importlib.import_module(CHECKPOINTS).open_any(path, like=like)
 
 
 def detect(path: Path) -> AdapterFormat | None:

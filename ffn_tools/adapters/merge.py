@@ -56,14 +56,12 @@ def merge(base: Path, adapter_path: Path, out: Path, *, force: bool = False, max
         AdapterError / FFNToolsError: the adapter does not fit the base, a target is quantized, the base is not
             a PyTorch checkpoint, ``out`` exists without ``force``.
     """
-    from ffn_tools.converters import open_any
+    from .formats import load, open_checkpoint
 
-    from .formats import load
-
-    with open_any(base) as ckpt:
-        if ckpt.format.name != "torch":
-            raise AdapterError(f"{base}: merge writes a PyTorch checkpoint from a PyTorch base; this is a "
-                               f"{ckpt.format.name} checkpoint: convert it to torch first (ffn-tools convert "
+    with open_checkpoint(base) as ckpt:
+        if not ckpt.rewritable:  # Hugging Face PyTorch weights as stored, what the executor writes
+            raise AdapterError(f"{base}: merge writes a PyTorch checkpoint from a PyTorch base; this is "
+                               f"{ckpt.described} checkpoint: convert it to torch first (ffn-tools convert "
                                f"{base} --to torch -o BASE-torch)")
         adapter = load(adapter_path, base)
         adapter.config = adapter.config or ckpt.config

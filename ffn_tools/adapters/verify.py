@@ -95,12 +95,10 @@ def _where(p, target: str) -> str:
 def verify_merge(base: Path, adapter_path: Path, merged: Path, *, tokens: int = 32, seed: int = 0,
                  scheme=None, backends=None) -> AdapterReport:
     """BASE+ADAPTER against MERGED (see the module docstring)."""
-    from ffn_tools.converters import open_any
-
-    from .formats import load
+    from .formats import load, open_checkpoint
 
     report = AdapterReport(f"{base}+{adapter_path}", str(merged), "merge")
-    with open_any(base) as a, open_any(merged, like=a) as m:
+    with open_checkpoint(base) as a, open_checkpoint(merged, like=a) as m:
         adapter = load(adapter_path, base)
         adapter.config = adapter.config or a.config
         try:
