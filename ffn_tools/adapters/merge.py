@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..errors import listing
 from ..io.dtypes import short_name
+from ..ops import AddLowRank
 from ..plan import Entry, Plan, copy_entry
 from ..executor import execute
 from ..io.run import NO_RUN, Run
@@ -28,24 +29,8 @@ BLOCK = 1 << 21  # float32 elements of the running sum at a time (8 MiB)
 
 def _merged(ckpt, name: str, lora: Lora) -> Entry:
     info = ckpt.info(name)
-
-    def compute(ts):
-        import torch
-
-        w = ts[0]
-        out = torch.empty_like(w)
-        a, b = lora.a.to(torch.float32), lora.b.to(torch.float32)
-        for e in range(w.shape[0]) if w.ndim == 3 else (None,):  # a stacked tensor: expert by expert
-            we, oe, ae, be = (w, out, a, b) if e is None else (w[e], out[e], a[e], b[e])
-            step = max(1, BLOCK // we.shape[1])
-            for r in range(0, we.shape[0], step):  # a block of rows at a time: float32 only for the block
-                acc = we[r:r + step].to(torch.float32, copy=True)  # never the input's own memory
-                acc.addmm_(be[r:r + step], ae, alpha=lora.scale)  # acc += scale·B·A, in place
-                oe[r:r + step] = acc
-        return out
-
-    return Entry(name, info.st_dtype, info.shape, (name,), compute, None,
-                 f"+ {lora.scale:g}·B·A (rank {lora.rank}), float32, rounded once")
+    return Entry(name, info.st_dtype, info.shape, (name,), (AddLowRank(lora.a, lora.b, lora.scale, BLOCK),),
+                 text=f"+ {lora.scale:g}·B·A (rank {lora.rank}), float32, rounded once")
 
 
 def merge(base: Path, adapter_path: Path, out: Path, *, force: bool = False, max_shard_size: int | None = None,

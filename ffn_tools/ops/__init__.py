@@ -27,13 +27,13 @@ from collections.abc import Sequence
 
 from .base import Each, Op
 from .moves import Chunk, Concat, Copy, Fuse, Permute, Reshape, Rows, Select, Split, Stack, Take, Transpose, Unstack
-from .values import Affine, Cast, Const, Fn
+from .values import AddLowRank, Affine, Cast, Const, Fn
 from .views import TooMany, View
 
 MAX_RUNS = 256  # byte runs per pair of inputs above which computing is faster than copying run by run
 
 __all__ = ["MAX_RUNS", "Op", "Copy", "Take", "Select", "Rows", "Split", "Fuse", "Stack", "Unstack", "Concat", "Chunk",
-           "Transpose", "Reshape", "Permute", "Cast", "Affine", "Const", "Fn", "View", "run", "reverse",
+           "Transpose", "Reshape", "Permute", "Cast", "Affine", "AddLowRank", "Const", "Fn", "View", "run", "reverse",
            "runs", "describe", "take", "Each"]
 
 

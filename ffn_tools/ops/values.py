@@ -133,3 +133,34 @@ class Fn(Op):
     @property
     def shares(self) -> Any:
         return getattr(self.fn, "shared", None)
+
+
+@dataclass(frozen=True)
+class AddLowRank(Each):
+    """Each tensor ``W + scale·B·A`` (a LoRA merged), summed in float32 a block of rows at a time and rounded once
+    to W's dtype; a stacked (E, out, in) W takes (E, ...) factors, expert by expert. Not reversible (rounding)."""
+
+    a: Any = field(compare=False)  # (rank, in) or (E, rank, in)
+    b: Any = field(compare=False)  # (out, rank) or (E, out, rank)
+    scale: float = 1.0
+    block: int = 1 << 21  # float32 elements of the running sum at a time (8 MiB)
+
+    def apply(self, ts: list) -> list:
+        return [self._one(w) for w in ts]
+
+    def _one(self, w: Any) -> Any:
+        import torch
+
+        out = torch.empty_like(w)
+        a, b = self.a.to(torch.float32), self.b.to(torch.float32)
+        for e in range(w.shape[0]) if w.ndim == 3 else (None,):  # a stacked tensor: expert by expert
+            we, oe, ae, be = (w, out, a, b) if e is None else (w[e], out[e], a[e], b[e])
+            step = max(1, self.block // we.shape[1])
+            for r in range(0, we.shape[0], step):  # a block of rows at a time: float32 only for the block
+                acc = we[r:r + step].to(torch.float32, copy=True)  # never the input's own memory
+                acc.addmm_(be[r:r + step], ae, alpha=self.scale)  # acc += scale·B·A, in place
+                oe[r:r + step] = acc
+        return out
+
+    def describe(self) -> str:
+        return f"+ {self.scale:g}·B·A (rank {self.a.shape[-2]}), float32, rounded once"

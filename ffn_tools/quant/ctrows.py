@@ -13,9 +13,13 @@ fused, gate's and up's must be the same number, else the fused tensor would need
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..errors import LayoutError
-from ..layouts import GateUpLayout, fuse, split
-from ..plan import Entry
+from ..layouts import GateUpLayout
+from ..ops import Const, Copy
+from ..plan import Entry, source
+from ..stacks import fuse_ops, split_ops
 from .base import Module, check_pair
 from .ctconfig import PER_TENSOR
 from .fp8 import fits
@@ -33,10 +37,7 @@ def _zero_point_check(m: Module, fused_rows: int, layout: GateUpLayout, verb: st
 
 
 def _shape_entry(name: str, rows: int, cols: int, src: str) -> Entry:
-    import torch
-
-    return Entry(name, "I64", (2,), (src,), lambda ts: torch.tensor([rows, cols], dtype=torch.int64), None,
-                 f"[{rows}, {cols}] (the new rows)")
+    return Entry(name, "I64", (2,), (src,), (Const((rows, cols), "I64"),), text=f"[{rows}, {cols}] (the new rows)")
 
 
 def split_entries(m: Module, layout: GateUpLayout, new: dict[str, str], ckpt) -> dict[str, list[Entry]]:
@@ -59,21 +60,23 @@ def split_entries(m: Module, layout: GateUpLayout, new: dict[str, str], ckpt) ->
             if suffix == "weight_shape":
                 out[src].append(_shape_entry(name, rows // 2, cols, src))
             elif suffix in PER_TENSOR or (suffix == "weight_scale" and m.args.strategy == "tensor"):
-                info = ckpt.info(src)
-                out[src].append(Entry(name, info.st_dtype, info.shape, (src,), lambda ts: ts[0].clone(), None,
-                                      f"{src} (one number: each half keeps it)"))
+                out[src].append(_kept(ckpt, name, src, f"{src} (one number: each half keeps it)"))
             else:
                 out[src].append(_rows_entry(name, src, k, layout))
         out[src] = finish(out[src], ckpt)
     return out
 
 
-def _rows_entry(name: str, src: str, k: int, layout: GateUpLayout) -> Entry:
-    """Half ``k`` of ``src``'s rows per ``layout``; shape and dtype filled in by ``finish``."""
-    def compute(ts):
-        return split(ts[0], layout, name=src)[k].contiguous()
+def _kept(ckpt, name: str, src: str, note: str) -> Entry:
+    """``src`` as it is, under ``name`` (a per-tensor number both halves keep)."""
+    info = ckpt.info(src)
+    return Entry(name, info.st_dtype, info.shape, (src,), (Copy(),), sources=(source(ckpt, src),), text=note)
 
-    return Entry(name, None, (), (src,), compute, None, f"{'gate' if k == 0 else 'up'} rows of {src} ({layout.describe()})")
+
+def _rows_entry(name: str, src: str, k: int, layout: GateUpLayout) -> Entry:
+    """Half ``k`` of ``src``'s rows per ``layout`` (fuse reversed); shape and dtype filled in by ``finish``."""
+    return Entry(name, None, (), (src,), split_ops(layout, k, name=src),
+                 text=f"{'gate' if k == 0 else 'up'} rows of {src} ({layout.describe()})")
 
 
 def finish(entries: list[Entry], ckpt) -> list[Entry]:
@@ -84,7 +87,8 @@ def finish(entries: list[Entry], ckpt) -> list[Entry]:
             infos = [ckpt.info(n) for n in e.inputs]
             shape = list(infos[0].shape)
             shape[0] = shape[0] // 2 if len(infos) == 1 else shape[0] * 2
-            e = Entry(e.name, infos[0].st_dtype, tuple(shape), e.inputs, e.compute, None, e.note)
+            e = dataclasses.replace(e, dtype=infos[0].st_dtype, shape=tuple(shape),
+                                    sources=tuple((i.st_dtype, tuple(i.shape)) for i in infos))
         out.append(e)
     return out
 
@@ -118,9 +122,8 @@ def fuse_entries(g: Module, u: Module, layout: GateUpLayout, name: str, ckpt) ->
                                   f"{sb.item() / sa.item():.6g}); the fused tensor would need one {what[:-1]} for two, "
                                   "and taking either (or their max) changes the other half's values, so no exact fuse "
                                   "exists (re-quantizing one half is not done here)")
-            out.append(Entry(base + suffix, ckpt.info(a).st_dtype, ckpt.info(a).shape, (a,), lambda ts: ts[0].clone(),
-                             None, f"{a} (gate's and up's, equal)"))
+            out.append(_kept(ckpt, base + suffix, a, f"{a} (gate's and up's, equal)"))
         else:
-            out.append(Entry(base + suffix, None, (), (a, b), lambda ts: fuse(ts[0], ts[1], layout, name=name), None,
-                             f"fuse({a} + {b}; {layout.describe()})"))
+            out.append(Entry(base + suffix, None, (), (a, b), fuse_ops(layout, name=name),
+                             text=f"fuse({a} + {b}; {layout.describe()})"))
     return finish(out, ckpt)

@@ -12,8 +12,10 @@ gate's and up's must be the same (GPTQ orders by the layer input, which gate and
 from __future__ import annotations
 
 from ..errors import LayoutError
-from ..layouts import GateUpLayout, fuse, split
-from ..plan import Entry
+from ..layouts import GateUpLayout
+from ..ops import Copy
+from ..plan import Entry, source
+from ..stacks import fuse_ops, split_ops
 from .base import check_pair
 from .fp8 import fits
 
@@ -33,15 +35,18 @@ def _check_words(m, out_rows: int, layout: GateUpLayout, verb: str) -> None:
                               f"{half / 8:g} words) do not fall on word boundaries: no exact {verb} of the words exists")
 
 
-def _columns(name: str, src: tuple[str, ...], shape: tuple[int, ...], dtype: str, k: int | None,
+def _columns(ckpt, name: str, src: tuple[str, ...], shape: tuple[int, ...], dtype: str, k: int | None,
              layout: GateUpLayout, note: str) -> Entry:
-    """Half ``k`` of ``src[0]``'s columns, or (``k`` None) gate's and up's columns fused."""
-    def compute(ts):
-        if k is None:
-            return fuse(ts[0].T, ts[1].T, layout, name=name).T.contiguous()
-        return split(ts[0].T, layout, name=src[0])[k].T.contiguous()
+    """Half ``k`` of ``src[0]``'s columns, or (``k`` None) gate's and up's columns fused: the layout on the
+    columns (the output rows of a Linear stored (in, out)), fuse's definition or its reverse."""
+    columns = layout.oriented(layout.axis == "rows")  # the stored tensor's other axis (the transposed Linear's)
+    made = fuse_ops(columns, name=name) if k is None else split_ops(columns, k, name=src[0])
+    return Entry(name, dtype, shape, src, made, sources=tuple(source(ckpt, n) for n in src), text=note)
 
-    return Entry(name, dtype, shape, src, compute, None, note)
+
+def _kept(ckpt, name: str, src: str, note: str) -> Entry:
+    info = ckpt.info(src)
+    return Entry(name, info.st_dtype, info.shape, (src,), (Copy(),), sources=(source(ckpt, src),), text=note)
 
 
 def split_entries(m, layout: GateUpLayout, new: dict[str, str], ckpt) -> dict[str, list[Entry]]:
@@ -55,11 +60,10 @@ def split_entries(m, layout: GateUpLayout, new: dict[str, str], ckpt) -> dict[st
         for k, role in enumerate(("gate", "up")):
             name = new[role][: -len("weight")] + suffix
             if suffix == "g_idx":
-                out[src].append(Entry(name, info.st_dtype, info.shape, (src,), lambda ts: ts[0].clone(), None,
-                                      f"{src} (input rows' groups: each half keeps them)"))
+                out[src].append(_kept(ckpt, name, src, f"{src} (input rows' groups: each half keeps them)"))
                 continue
             shape = (info.shape[0], info.shape[1] // 2)
-            out[src].append(_columns(name, (src,), shape, info.st_dtype, k, layout,
+            out[src].append(_columns(ckpt, name, (src,), shape, info.st_dtype, k, layout,
                                      f"{role} columns of {src} ({layout.describe()})"))
     return out
 
@@ -80,9 +84,8 @@ def fuse_entries(g, u, layout: GateUpLayout, name: str, ckpt) -> list[Entry]:
             if not torch.equal(ga, gb):
                 raise LayoutError(f"{a} and {b} differ in {int((ga != gb).sum())} of {ga.numel()} input rows' groups: "
                                   "one fused tensor has one g_idx, so no exact fuse exists")
-            out.append(Entry(base + suffix, info.st_dtype, info.shape, (a,), lambda ts: ts[0].clone(), None,
-                             f"{a} (gate's and up's, equal)"))
+            out.append(_kept(ckpt, base + suffix, a, f"{a} (gate's and up's, equal)"))
             continue
-        out.append(_columns(base + suffix, (a, b), (info.shape[0], info.shape[1] * 2), info.st_dtype, None, layout,
+        out.append(_columns(ckpt, base + suffix, (a, b), (info.shape[0], info.shape[1] * 2), info.st_dtype, None, layout,
                             f"fuse(columns of {a} + {b}; {layout.describe()})"))
     return out
