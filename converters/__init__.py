@@ -174,7 +174,10 @@ def convert(path: str | Path, to: str, out: str | Path, *, dtype: str | None = N
     given = {k: v for k, v in options.items() if v is not None}
     _check_options(to, target, given)
     prehash = not given.get("dry_run") and sample.settings() is None  # the receipt's sources, hashed from now
-    with open_any(path) as ckpt, target.preparing(ckpt, **given), ahead(ckpt.files if prehash else []):
+    # a dry run priced by its estimate (``run.estimate``) starts as the run does (MLX's early workers): its sample
+    # then streams as the run would
+    starting = {**given, "dry_run": False} if run.estimate is not None else given
+    with open_any(path) as ckpt, target.preparing(ckpt, **starting), ahead(ckpt.files if prehash else []):
         # the export's slow start and the sources' hashing run beside these checks
         with nogc.paused():  # transformers' import and config classes: a quarter of their time was the collector's
             differ = client_differences(ckpt, target)

@@ -23,6 +23,7 @@ from inspect import signature as _signature
 from pathlib import Path
 
 from . import cluster, rerun
+from . import estimate as estimates
 from .envelope import ENVELOPE, envelope  # noqa: F401  (the keys every command's JSON starts with)
 from .errors import FFNToolsError, counted
 from .hub import resolve
@@ -48,12 +49,11 @@ def _command(command: str):
             given.update(given.pop("options", {}))
             # the run's options as one value, handed down to the one executor (``io.run``): no ambient state
             run = Run(command=record(command, given), ray=ray, resume=bool(given.get("resume")))
+            if given.get("dry_run") and estimates.wanted(estimate):  # the dry run prices its plan (``estimate``)
+                run = run.but(estimate=estimates.began())
             r = fn(*args, run=run, **kwargs)
-            if given.get("dry_run") and r.get("output"):
-                from . import estimate as estimates
-
-                if estimates.wanted(estimate):
-                    r = {**r, "estimate": estimates.estimate(fn.__name__, given, r["output"])}
+            if run.estimate is not None and r.get("output") and "estimate" not in r:
+                r = {**r, "estimate": estimates.NOT_STREAMED}  # written by its own writer (GGUF): no plan to price
             return r
 
         return run

@@ -1,5 +1,5 @@
-"""--dry-run's estimates (ffn_tools.estimate): a sample of the run, in a child process, against the real run; and
-the sample's choice of tensors (io.sample.narrow)."""
+"""--dry-run's estimates (ffn_tools.estimate): a sample of the command's own plan streamed in this process (no child
+re-running the command), against the real run; and the sample's choice of tensors (io.sample.narrow)."""
 
 from __future__ import annotations
 
@@ -70,6 +70,43 @@ def test_no_estimate_where_the_output_is_not_streamed_through_the_executor(model
     e = json.loads(r.stdout)["estimate"]
     assert e == {"made": False, "why": e["why"]} and "not streamed through the plan executor" in e["why"]
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("to,args", [("mlx", ["-q"]), ("dcp", []), ("flax", []), ("orbax", [])])
+def test_every_streamed_format_s_estimate_is_its_run_s_output(hf, tmp_path, to, args):
+    """MLX quantized (its shared quantization jobs and pool), and the formats whose writers cannot size their
+    output before writing (DCP, Flax, Orbax: the sample's bytes scaled): the estimate's bytes are the run's."""
+    src, out = hf("llama", torch.bfloat16), tmp_path / "out"
+    cmd = ["convert", src, "--to", to, *args, "-o", out]
+    e = json.loads(run_cli(*cmd, "--dry-run", "--estimate", "--json").stdout)["estimate"]
+    assert e["made"] and e["sample"]["tensors"] == e["sample"]["of"] > 0, e
+    assert list(tmp_path.iterdir()) == []  # nothing written, the sample's directory removed
+    run_cli(*cmd)
+    assert abs(e["output_bytes"] - _size(out)) <= 0.02 * _size(out), (e["output_bytes"], _size(out))
+
+
+def test_the_estimate_prices_the_plan_the_command_made_without_running_it_again(model_dir, tmp_path, monkeypatch):
+    """The dry run plans once and streams a sample of that plan here: the command is neither planned again nor run
+    again in a child process."""
+    import subprocess
+
+    import ffn_tools
+    from ffn_tools import gateup
+
+    planned = []
+    real = gateup.plan_split
+    monkeypatch.setattr(gateup, "plan_split", lambda *a, **k: planned.append(1) or real(*a, **k))
+
+    def no_child(*a, **k):
+        raise AssertionError(f"a child process was started: {a[:1]}")
+
+    monkeypatch.setattr(subprocess, "Popen", no_child)
+    r = ffn_tools.split_gateup(model_dir("phi3", torch.bfloat16), tmp_path / "out", dry_run=True, estimate=True)
+    e = r["estimate"]
+    assert e["made"] and e["exact"] and e["peak_rss"] > 20e6 and e["seconds"] > 0, e
+    assert planned == [1] and list(tmp_path.iterdir()) == []
+    r = ffn_tools.split_gateup(model_dir("phi3", torch.bfloat16), tmp_path / "out", dry_run=True, estimate=False)
+    assert "estimate" not in r
 
 
 def _entry(i: int, n: int) -> Entry:

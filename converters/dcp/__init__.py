@@ -16,6 +16,7 @@ from ffn_tools.errors import FFNToolsError
 from ffn_tools.formats import Format, Option
 from ffn_tools.io.dtypes import parse_user_dtype
 from ffn_tools.io.store import Checkpoint
+from ffn_tools.estimate import priced
 from ffn_tools.executor import execute
 from ffn_tools.io.run import NO_RUN, Run
 
@@ -98,4 +99,4 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     summary = {"output": str(out), "format": "dcp", "naming": naming, "ranks": ranks, "files": files,
                "tensors": len(plan.entries), "bytes": plan.total_bytes,
                "changes": [*plan.changes, f"sharded for {ranks} rank(s) along dim 0"]}
-    return {**summary, "plan": plan.describe()} if dry_run else summary
+    return {**summary, "plan": plan.describe(), **priced(plan, made)} if dry_run else summary

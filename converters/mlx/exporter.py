@@ -27,6 +27,7 @@ from ffn_tools.io.dtypes import DTYPE_CHOICES, USER_DTYPES, short_name
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.io.writer import OutTensor, plan_shards
 from ffn_tools.plan import Plan, copy_entry
+from ffn_tools.estimate import estimate, priced
 from ffn_tools.executor import execute
 from ffn_tools.io.run import NO_RUN, Run
 
@@ -123,11 +124,14 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
                "tensors": len(entries), "bytes": plan.total_bytes, "dtype": short_name(target_st) if target_st else None,
                "quantization": block, "quantized": len(chosen),
                "unquantized": [f"{m}.weight" for m in d.skipped] if d else [], "changes": changes}
-    if dry_run:
+    if dry_run and run.estimate is None:
         return {**summary, "files": [], "plan": plan.describe()}
-    # act: the directory, written atomically; the summary reports from the plan
-    return {**summary, "files": _write(ckpt, tg.config, plan, block, out, force, max_shard_size, jobs,
-                                       started, run)}
+    # act: the directory, written atomically (or, for a dry run's estimate, a sample of it); the summary reports
+    # from the plan
+    made = _write(ckpt, tg.config, plan, block, out, force, max_shard_size, jobs, started, run, dry_run)
+    if dry_run:
+        return {**summary, "files": [], "plan": plan.describe(), "estimate": made}
+    return {**summary, "files": made}
 
 
 def _kept_codes(ckpt: Checkpoint, config: dict, outputs, view, quant, dequantize: bool, target_st,
@@ -151,10 +155,11 @@ def _kept_codes(ckpt: Checkpoint, config: dict, outputs, view, quant, dequantize
 
 
 def _write(ckpt: Checkpoint, config: dict, plan: Plan, block, out: Path, force: bool, max_shard_size, jobs,
-           started, run: Run = NO_RUN) -> list:
+           started, run: Run = NO_RUN, pricing: bool = False):
     """The MLX directory of ``plan``: its shards (an index even for one, as mlx-lm writes), config.json as mlx_lm
     writes it, the model card, the side files the input rebuilds, quantizing in worker processes (``started``: the
-    ones started early, if any)."""
+    ones started early, if any). ``pricing``: a dry run's estimate of that (``ffn_tools.estimate``: a sample of the
+    plan streamed as the run would, its pool included), returned instead of the files written."""
     shard = max_shard_size or MAX_SHARD_SIZE
     if ckpt.config is None:  # target() refused it already
         raise FFNToolsError(f"{ckpt.path}: no config.json; MLX export needs it")
@@ -179,8 +184,9 @@ def _write(ckpt: Checkpoint, config: dict, plan: Plan, block, out: Path, force: 
 
     pool = start_pool(jobs, started)
     try:
-        return execute(plan, run.but(out=out, force=force, max_shard_size=shard, metadata=metadata,
-                                     desc="converting to mlx", extra_files=extra))
+        return (estimate if pricing else execute)(plan, run.but(out=out, force=force, max_shard_size=shard,
+                                                                metadata=metadata, desc="converting to mlx",
+                                                                extra_files=extra))
     finally:
         if pool is not None:
             pool.close()
@@ -204,8 +210,8 @@ def _keep_quantized(ckpt: Checkpoint, out: Path, kept: list[dict], target_st, fo
                "mlx_model": None, "tensors": len(entries), "bytes": plan.total_bytes, "dtype": None,
                "quantization": (raw.config or {}).get("quantization"), "quantized": sum(q["weights"] for q in kept),
                "unquantized": [], "changes": changes}
+    made = run.but(out=out, force=force, max_shard_size=max_shard_size or MAX_SHARD_SIZE,
+                   metadata={**METADATA, **raw.metadata}, desc="copying mlx")
     if dry_run:
-        return {**summary, "files": [], "plan": plan.describe()}
-    files = execute(plan, run.but(out=out, force=force, max_shard_size=max_shard_size or MAX_SHARD_SIZE,
-                                  metadata={**METADATA, **raw.metadata}, desc="copying mlx"))
-    return {**summary, "files": files}
+        return {**summary, "files": [], "plan": plan.describe(), **priced(plan, made)}
+    return {**summary, "files": execute(plan, made)}

@@ -17,6 +17,7 @@ from ffn_tools.errors import FFNToolsError
 from ffn_tools.formats import Format, Option
 from ffn_tools.io.dtypes import parse_user_dtype
 from ffn_tools.io.store import Checkpoint
+from ffn_tools.estimate import priced
 from ffn_tools.executor import execute
 from ffn_tools.io.run import NO_RUN, Run
 
@@ -93,4 +94,4 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     files = [] if dry_run else execute(plan, made)
     summary = {"output": str(out), "format": "orbax", "layout": tree, "files": files, "tensors": len(plan.entries),
                "bytes": plan.total_bytes, "changes": plan.changes}
-    return {**summary, "plan": plan.describe()} if dry_run else summary
+    return {**summary, "plan": plan.describe(), **priced(plan, made)} if dry_run else summary

@@ -18,6 +18,7 @@ from ffn_tools import quant
 from ffn_tools.io.dtypes import parse_user_dtype, short_name
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.plan import DEQUANTIZED, Entry, Plan, cast_entry, unquantized_config
+from ffn_tools.estimate import estimate
 from ffn_tools.executor import execute
 from ffn_tools.io.run import NO_RUN, Run
 from ffn_tools.io.store import Checkpoint, config_dtype
@@ -107,15 +108,17 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
                            f"{p.get('mode', 'affine')}, group {p.get('group_size')}): {where}")
     changes += _config_dtype(config, entries, scales)
     plan = Plan(ckpt, entries, config, changes)
-    if dry_run:
-        return {"output": str(out), "format": "torch", "files": [], "tensors": len(plan.entries),
-                "bytes": plan.total_bytes, "changes": changes, "plan": plan.describe()}
+    summary = {"output": str(out), "format": "torch", "files": [], "tensors": len(plan.entries),
+               "bytes": plan.total_bytes, "changes": changes}
+    if dry_run and run.estimate is None:
+        return {**summary, "plan": plan.describe()}
     extra, said = ckpt.rebuilt_files()  # what the input stores otherwise: a GGUF's tokenizer, an MLX card
     changes += said
     recorded, said = ckpt.carried_metadata()  # a GGUF's Gemma norms: back within 2**-24, not bit for bit
     metadata.update(recorded)
     changes += said
-    files = execute(plan, run.but(out=out, force=force, max_shard_size=max_shard_size, metadata=metadata,
-                                  desc="converting to torch", extra_files=extra or None))
-    return {"output": str(out), "format": "torch", "files": files, "tensors": len(plan.entries),
-            "bytes": plan.total_bytes, "changes": changes}
+    made = run.but(out=out, force=force, max_shard_size=max_shard_size, metadata=metadata,
+                   desc="converting to torch", extra_files=extra or None)
+    if dry_run:  # the estimate asked for: a sample of this plan streamed as the run would stream it
+        return {**summary, "plan": plan.describe(), "estimate": estimate(plan, made)}
+    return {**summary, "files": execute(plan, made)}

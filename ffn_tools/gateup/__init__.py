@@ -22,6 +22,7 @@ from ..io.output import check_output
 from ..io.readers import open_checkpoint
 from ..io.store import Checkpoint
 from ..layouts import GateUpLayout
+from ..estimate import priced
 from ..executor import check_shardable, execute
 from ..io.run import NO_RUN, Run
 from ..registry import Scheme
@@ -94,6 +95,7 @@ def _run(command: str, plan_fn, source, out, *, scheme, layout, dry_run, force, 
             made = run.but(out=out, force=force, max_shard_size=max_shard_size, desc=command, metadata=metadata)
             if dry_run:
                 check_output(out, [path, *ckpt.files], force)
+                summary.update(priced(plan, made))  # the estimate, where asked for: a sample of this plan streamed
             else:
                 summary["files"] = execute(plan, made)
             # the load check, where it ran, says what transformers does; else the family's data, where it knows

@@ -34,6 +34,9 @@ class Run:
         carry: copy the input's non-weight files into a directory output.
         extra_files: more files (name -> text, or bytes) to write into a directory output.
         writer: the weight files' format (an ``io.writer.Writer``; None: safetensors).
+        estimate: under ``--dry-run``, the estimate of the run is asked for (``ffn_tools.estimate``): the time
+            (``time.time()``) the command began, its start-up measured from it; None: none. The command's dry run
+            then hands its plan and this run to ``estimate.priced`` instead of ``executor.execute``.
     """
 
     out: Path | None = None
@@ -48,6 +51,7 @@ class Run:
     carry: bool = True
     extra_files: Mapping[str, str | bytes] | None = None
     writer: Any = None  # an io.writer.Writer (typed loosely: writer imports this module's users)
+    estimate: float | None = None
 
     def but(self, **changes) -> Run:
         """This run with ``changes`` (an ``out`` given as a string becomes a ``Path``)."""
