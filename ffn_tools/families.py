@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from difflib import get_close_matches
 from pathlib import Path
 
 from .errors import SchemeError
@@ -34,6 +35,7 @@ PREFIX_KEYS = ("prefix", "first_layer")
 LAYOUT_KEYS = tuple(f.name for f in dataclasses.fields(GateUpLayout))
 LIBRARY_KEYS = ("layer_prefixes", "groups", "schemes")
 _PLACEHOLDER = re.compile(r"\{(\w*)\}")
+_PLACED: dict[tuple[Group, tuple[Prefix, ...]], list[Group]] = {}  # _place: each group under its layer prefixes
 
 
 class Problems:
@@ -75,15 +77,9 @@ def _at(where: str, key) -> str:
 def _unknown_keys(data: dict, known: tuple[str, ...], where: str, problems: Problems) -> None:
     for k in data:
         if k not in known:
-            near = _close(str(k), known)
+            near = get_close_matches(str(k), known, n=1)
             problems(_at(where, k), "unknown key" + (f"; did you mean {near[0]!r}?" if near else
                                                      f"; known keys: {', '.join(known)}"))
-
-
-def _close(word: str, known) -> list[str]:
-    import difflib  # only when a file has a mistake
-
-    return difflib.get_close_matches(word, list(known), n=1)
 
 
 def read_json(path: Path):
@@ -241,9 +237,6 @@ def _place(group: Group, prefixes: tuple[Prefix, ...]) -> list[Group]:
     return _PLACED[group, prefixes]
 
 
-_PLACED: dict[tuple[Group, tuple[Prefix, ...]], list[Group]] = {}
-
-
 def _prefixes(data, where: str, problems: Problems) -> tuple[Prefix, ...] | None:
     """Layer prefixes, each with the config key its layers are numbered from (None: from 0)."""
     if not isinstance(data, list) or not data or not all(isinstance(p, (str, dict)) for p in data):
@@ -327,7 +320,7 @@ def read_scheme(data, where: str, problems: Problems, named: dict[str, Group], p
         if isinstance(entry, str):
             group = named.get(entry)
             if group is None:
-                near = _close(entry, named)
+                near = get_close_matches(entry, list(named), n=1)
                 problems(at, f"no built-in group {entry!r}" + (f"; did you mean {near[0]!r}?" if near else ""))
             elif used is not None:
                 used.add(entry)
