@@ -27,7 +27,7 @@ from ffn_tools.checks.semantics import Difference, differences
 from ffn_tools.clients import runtime
 from ffn_tools.errors import CheckpointError, FFNToolsError
 from ffn_tools.formats import Format, Option, missing_package
-from ffn_tools.io import nogc, sample
+from ffn_tools.io import nogc
 from ffn_tools.io.run import NO_RUN, Run
 from ffn_tools.io.digests import ahead
 from ffn_tools.io.store import Checkpoint
@@ -173,7 +173,7 @@ def convert(path: str | Path, to: str, out: str | Path, *, dtype: str | None = N
     target = get(to)
     given = {k: v for k, v in options.items() if v is not None}
     _check_options(to, target, given)
-    prehash = not given.get("dry_run") and sample.settings() is None  # the receipt's sources, hashed from now
+    prehash = not given.get("dry_run")  # the receipt's sources, hashed from now (a dry run's sample hashes its share)
     # a dry run priced by its estimate (``run.estimate``) starts as the run does (MLX's early workers): its sample
     # then streams as the run would
     starting = {**given, "dry_run": False} if run.estimate is not None else given
