@@ -8,10 +8,11 @@ command:
     cast    ``convert --to torch --dtype float16`` (every tensor computed)
     mlx4    ``convert --to mlx -q`` (4-bit quantization, worker processes)
 
-runs ``ffn-tools -q CMD --dry-run --json`` (the estimate: a sample of the run, in a child process) and then the real
-``ffn-tools -q CMD`` ``--repeat`` times in fresh processes, timed (the median: what an estimate predicts is a run, and
-the runs of one command spread by a third here, with the kernel's page-cache work), its peak RSS from ``os.wait4`` (the
-largest process of its tree, as the estimate measures its sample), its output's bytes counted; and prints each
+runs ``ffn-tools -q CMD --dry-run --json`` (the estimate: a sample of the dry run's own plan streamed in that
+process, ``ffn_tools.estimate``) and then the real ``ffn-tools -q CMD`` ``--repeat`` times in fresh processes, timed
+(the median: what an estimate predicts is a run, and the runs of one command spread by a third here, with the
+kernel's page-cache work), its peak RSS from ``os.wait4`` (the largest process of its tree, as the estimate measures
+the dry run's), its output's bytes counted; and prints each
 estimate over the measured value (target: within 0.8-1.2 for output bytes, temporary disk, peak RSS and time).
 
 Every run, the estimate's included, starts ``--settle`` seconds after the previous output was removed and synced. On

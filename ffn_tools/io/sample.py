@@ -1,14 +1,15 @@
-"""The sample run behind ``--dry-run``'s estimates (``ffn_tools.estimate``), on the child's side.
+"""The sample behind ``--dry-run``'s estimate (``ffn_tools.estimate``): which of a plan's entries it streams.
 
-``--dry-run`` runs the same command again in a child process with ``FFN_TOOLS_SAMPLE`` set (JSON: ``out``, a
-directory to write into, and ``report``, a file to write the measurements to). There the one executor
-(``plan.execute``) plans the whole output as always, then streams only a sample of its tensors (``narrow``: every
-k-th, and the one that reads the most with its neighbours, which set the peak memory; about 3% of the bytes read, at
-least 48 MB and twice the largest tensor's, at most 1 GB) into ``out``, receipt included (its source hashes limited to
-the sample's share of the input; its shards made smaller in the same proportion, so that it writes as many as the
-run and hashes each as the run does), writes what it measured, and ends the process (its worker processes first). An
-output that is not streamed through the executor (GGUF, adapters) is refused in sample mode before anything is
-written (``io.output``), so the child never runs a whole conversion.
+``narrow`` keeps every k-th output tensor, and the one that reads the most with its neighbours, which set the peak
+memory: about 3% of the bytes read, at least 48 MB and twice the largest tensor's, at most 1 GB; ``keep_shared``
+adds the entries that share work with a kept one (a quantized weight's parts) and marks the shared work no kept
+entry needs as not wanted. The estimate streams the narrowed plan through the one executor in the dry run's own
+process, into a temporary directory, its receipt hashing the sample's share of the input (``Run.hash_limit``) and its
+shards made smaller in the same proportion, so that it writes as many as the run and hashes each as the run does.
+
+``settings``, ``STREAMING``, ``NOT_SAMPLED`` and ``report`` are the sample child's mode from before the estimate ran
+in process (``FFN_TOOLS_SAMPLE``, which nothing sets now): kept only while the executor and ``io.output`` still read
+them.
 """
 
 from __future__ import annotations
