@@ -5,6 +5,7 @@ is refused where its flag does not apply, and runs end to end through the comman
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 
 import pytest
@@ -91,3 +92,24 @@ def test_two_formats_may_not_declare_one_flag_otherwise(toy, monkeypatch):
     monkeypatch.setattr(converters.get("toy"), "options", (Option("toy_scale", "clash", flags=("--outtype",)),))
     with pytest.raises(ffn_tools.errors.FFNToolsError, match="--outtype"):
         converters.options()
+
+
+def test_a_read_only_format_is_no_choice_of_to(toy, monkeypatch):
+    """``--to`` is each registered format whose FORMAT says it writes (``Format.writes``, read, not listed again)."""
+    toy()
+    assert "native" not in converters.writable() and "toy" in converters.writable()
+    monkeypatch.setattr(type(converters.get("toy")), "writes", False)
+    assert "toy" not in converters.writable()
+    assert "'toy' is not one of" in run_cli("convert", "x", "--to", "toy", "-o", "y", ok=False).output
+
+
+def test_the_command_list_draws_no_format(tmp_path):
+    """``ffn-tools --help`` lists convert from its help text alone: drawing the command imports every format."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from ffn_tools.cli import main; sys.argv = ['ffn-tools', '--help']\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in sys.modules if m.startswith('ffn_tools.converters.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert re.search(r"^ +convert +Convert the checkpoint at PATH", out, re.M) and out.strip().endswith("\n[]"), out

@@ -43,6 +43,9 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+LISTING = "ffn_tools.listing"  # ctx.meta's key: the help is listing the commands
+
+
 class Group(click.Group):
     """Turns every failure into one line and exit status 2 (never a traceback); see ``cli``'s help. ``convert`` is
     drawn from the format registry when it is asked for (``cli.convert``): a format registered after this module was
@@ -53,10 +56,18 @@ class Group(click.Group):
 
     def get_command(self, ctx, name):
         if name == "convert":
-            from .convert import command
+            from .convert import HELP, command
 
-            return command()
+            # the command list needs only its help: drawing it imports every format (~0.2 s)
+            return click.Command(name, help=HELP) if ctx.meta.get(LISTING) else command()
         return super().get_command(ctx, name)
+
+    def format_commands(self, ctx, formatter):
+        ctx.meta[LISTING] = True
+        try:
+            super().format_commands(ctx, formatter)
+        finally:
+            ctx.meta[LISTING] = False
 
     def invoke(self, ctx):
         as_json = "--json" in ctx.args
