@@ -120,9 +120,7 @@ b_layout_options = layout_options_for(
 @scheme_options
 @layout_options
 @b_layout_options
-def verify(a, b, receipt, backends, tokens, seed, layers, shards_needed, experts, atol, rtol, exact, logits, generate, prompts,
-           new_tokens, profile, client, allow_unmatched, ffn_only, load_check, allow_config, unbounded, side_files,
-           all_ffns_on_every_backend, as_json, resume, ray, scheme, layout, b_layout):
+def verify(a, b, receipt, shards_needed, as_json, resume, ray, **options):
     """Check that checkpoint B holds the same FFNs as checkpoint A.
 
     A and B are any checkpoints ffn-tools reads (PyTorch safetensors or pickles, split or fused, MLX plain
@@ -180,7 +178,8 @@ def verify(a, b, receipt, backends, tokens, seed, layers, shards_needed, experts
         if given:
             raise click.UsageError(f"{', '.join(given)} do not apply to verifying LoRA adapters (their verify takes "
                                    "--backend, --tokens, --seed and the scheme options)")
-        report = run_adapters(a, b, tokens=tokens, seed=seed, scheme=scheme, backends=list(backends) or None)
+        report = run_adapters(a, b, tokens=options["tokens"], seed=options["seed"], scheme=options["scheme"],
+                              backends=list(options["backends"]) or None)
         if as_json:
             click.echo(json.dumps({"command": "verify", "input": [a, b], "output": None, "summary": report.verdict,
                                    "warnings": [], **report.as_dict()}, indent=2, default=str))
@@ -189,11 +188,11 @@ def verify(a, b, receipt, backends, tokens, seed, layers, shards_needed, experts
                 click.echo(line)
         click.get_current_context().exit(0 if report.passed else 1)
     if shards_needed:
-        if not layers:
+        if not options["layers"]:
             raise click.UsageError("--shards-needed lists the shards a --layers range needs; give --layers")
         from ..api import shards_needed as needs
 
-        r = needs(a, b, layers=layers, experts=experts, scheme=scheme)
+        r = needs(a, b, layers=options["layers"], experts=options["experts"], scheme=options["scheme"])
         emit(r, as_json, [*r["lines"], r["summary"]])
         return
     from .. import progress
@@ -202,13 +201,10 @@ def verify(a, b, receipt, backends, tokens, seed, layers, shards_needed, experts
     # could-not-run (FFNToolsError) becomes exit 2 and one line in cli.Group, as for every command; until the FFN
     # steps' progress bar, the terminal says what runs (seconds: torch's import, the load check's model)
     with progress.doing("verify: opening A and B (importing torch), then the load check, configs and tokenizers"):
-        report = run(a, b, backends=list(backends) or None, tokens=tokens, seed=seed, layers=layers,
-                     experts=experts, atol=atol, rtol=rtol, exact=exact, logits=logits, scheme=scheme,
-                     layout=layout, b_layout=b_layout, allow_unmatched=allow_unmatched,
-                     ffn_only=ffn_only, load_check=load_check, allow_config=allow_config, side_files=side_files,
-                     unbounded=unbounded or None,  # (None: not given, as the adapters' verify takes it)
-                     all_ffns_on_every_backend=all_ffns_on_every_backend, generate=generate, prompts=prompts,
-                     new_tokens=new_tokens, profile=profile, client=client, ray=ray, resume=resume)
+        # the library's options under the command's names (``VerifyOptions``); unbounded None: not given, as
+        # the adapters' verify takes it
+        report = run(a, b, **{**options, "backends": list(options["backends"]) or None,
+                              "unbounded": options["unbounded"] or None}, ray=ray, resume=resume)
     if as_json:
         from ..api import json_of
 

@@ -36,7 +36,7 @@ from .backends import ALL, resolve_backends
 from .expected import Expected, Sides
 from .functional import reference_backend
 from .model import model_checks, run_logits
-from .options import DEFAULT_TOKENS, VerifyOptions, runtime_client  # noqa: F401  (DEFAULT_TOKENS: verify's, as before)
+from .options import DEFAULT_TOKENS, Models, VerifyOptions, runtime_client  # noqa: F401  (DEFAULT_TOKENS: verify's, as before)
 from .outside import compare_outside, in_blocks
 from .report import VerifyReport
 from .sides import describe_side, extract_selection, extracts, find
@@ -204,6 +204,11 @@ class Run:
     no_logits: str | None = None  # shards absent: the clients load every shard
     blocked: str | None = None  # why a client cannot run a side here, known before any work
 
+    def models(self) -> Models:
+        """Both sides as whole models, run by ``clients`` (which are there)."""
+        assert self.clients is not None
+        return Models((self.a, self.b), (self.ca, self.cb), self.clients)
+
 
 def _open(a, b, opener: Opener, some_layers: bool, stack: ExitStack) -> list[tuple]:
     """Both sides opened, each ``(checkpoint, None)`` or ``(None, problem)``; quantized ones decoded (FP8 blocks
@@ -292,8 +297,7 @@ def _whole_models(run: Run, report: VerifyReport, fa: FFNSet | None, recipe, pro
     elif o.logits and refused:
         report.logits_skipped = "B's client cannot build B (the load check's failure)"
     elif o.logits and run.clients is not None:
-        run_logits(report, run.a, run.b, run.ca, run.cb, run.clients, fa.activation.function if fa else None,
-                   o.atol, o.rtol, o.seed)
+        run_logits(report, run.models(), fa.activation.function if fa else None, o)
     else:
         report.logits_skipped = "--logits runs both whole models through their clients"
     skip = None if o.generate else "--generate runs both models on prompts through their clients"
@@ -314,10 +318,8 @@ def _generation(report: VerifyReport, run: Run, recipe, prompts: list[str], why:
         return AgreementResult(skipped=why or "no client here runs a side as a whole model")
     from .generate import run_generation
 
-    o = run.o
     try:
-        res = run_generation(run.a, run.b, run.ca, run.cb, run.clients, recipe, report.a.get("dtype"), prompts,
-                             o.new_tokens, o.profile, o.allow_config)
+        res = run_generation(run.models(), recipe, report.a.get("dtype"), prompts, run.o)
         if res.not_judged:  # the statistics are reported; with no floor they are no verdict
             report.incomplete.append(f"--generate: not judged: {res.not_judged}")
         return res

@@ -33,6 +33,7 @@ from ..clients import Client, Generation
 from ..errors import FFNToolsError
 from ..progress import say
 from .logits import could_not_run
+from .options import Models, VerifyOptions
 
 log = logging.getLogger(__name__)
 
@@ -167,15 +168,16 @@ def floor_path(tmp: Path, b: Path) -> Path:
     return tmp / ("floor" + b.suffix if b.is_file() else "floor")
 
 
-def run_generation(a, b, ca, cb, clients: tuple[Client, Client], recipe: dict | None, a_dtype: str | None,
-                   prompts: list[str], new_tokens: int, profile: str,
-                   allow_config: Sequence[str] = ()) -> AgreementResult:
+def run_generation(models: Models, recipe: dict | None, a_dtype: str | None, prompts: list[str],
+                   o: VerifyOptions) -> AgreementResult:
     """The check (see the module docstring). ``recipe``: B's form as ``convert`` options (``Format.recipe``);
-    ``a_dtype``: A's weights' dtype.
+    ``a_dtype``: A's weights' dtype; ``o``: verify's options (``new_tokens``, ``profile``, ``allow_config``).
 
     Raises:
         FFNToolsError: a client cannot run its model here; an unknown profile.
     """
+    (a, b), (ca, cb), clients = models.paths, models.ckpts, models.clients
+    new_tokens, profile, allow_config = o.new_tokens, o.profile, o.allow_config
     if profile not in PROFILES:
         raise FFNToolsError(f"--profile {profile!r}: use one of {', '.join(PROFILES)}")
     res = AgreementResult(clients=(clients[0].name, clients[1].name), profile=profile, new_tokens=new_tokens)

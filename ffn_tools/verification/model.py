@@ -11,6 +11,7 @@ from ..checks.tokens import TokenizationResult
 from ..clients import Client
 from ..tolerances import Tolerance, tolerance_for, widened
 from .report import VerifyReport
+from .options import Models, VerifyOptions
 
 EXACT = Tolerance(0.0, 0.0, 0.0, "exact: bit-identical weights under the same client")  # atol 0: every logit equal
 PROBE_MAX = 512  # longest token batch run to reach a config's window (tiny models only)
@@ -67,8 +68,7 @@ def compute_dtype(report: VerifyReport) -> str | None:
     return min(dtypes, key=WIDER.index)
 
 
-def run_logits(report: VerifyReport, a, b, ca, cb, clients: tuple[Client, Client], function: str | None, atol,
-               rtol, seed: int) -> None:
+def run_logits(report: VerifyReport, models: Models, function: str | None, o: VerifyOptions) -> None:
     """Whole-model logits of A and B through their ``clients``, into ``report.logits``: exactly equal where one
     client runs bit-identical weights, else within the FFNs' loosest row widened for whole models (no finer
     than a client's own precision: ``logits.client_floor``), both computed in the wider of their dtypes
@@ -76,6 +76,7 @@ def run_logits(report: VerifyReport, a, b, ca, cb, clients: tuple[Client, Client
     from ..errors import FFNToolsError
     from .logits import client_floor, compare_logits
 
+    (a, b), (ca, cb), clients, atol, rtol, seed = models.paths, models.ckpts, models.clients, o.atol, o.rtol, o.seed
     same = clients[0].name == clients[1].name and bit_identical(report)
     row, why = client_floor(report.tolerance or tolerance_for([], None, atol=atol, rtol=rtol), clients, function)
     if why and not same:

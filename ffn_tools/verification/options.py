@@ -70,6 +70,16 @@ class VerifyOptions:
         return self.logits or self.generate
 
 
+@dataclass(frozen=True)
+class Models:
+    """Both sides as whole models (``--logits``, ``--generate``): their paths, their checkpoints open, and the
+    clients that run them (A's, B's)."""
+
+    paths: tuple[Any, Any]
+    ckpts: tuple[Any, Any]
+    clients: "tuple[Client, Client]"
+
+
 def runtime_client(fmt: Any, name: str | None = None) -> "Client":
     """The client of runtime ``name`` that loads checkpoints of format ``fmt`` (None: the format's first).
 
