@@ -22,18 +22,13 @@ import functools
 from inspect import signature as _signature
 from pathlib import Path
 
-from . import cluster, rerun
+from . import cluster
 from . import estimate as estimates
 from .envelope import ENVELOPE, envelope  # noqa: F401  (the keys every command's JSON starts with)
 from .errors import FFNToolsError, counted
 from .hub import resolve
 from .io.receipt import record
 from .io.run import Run
-
-
-def _run_again(call: dict) -> None:
-    """A library call run again in this process (``rerun.replay``'s call: a ``--ray`` task's)."""
-    globals()[call["function"]](**call["options"])
 
 
 def _command(command: str):
@@ -271,18 +266,12 @@ def verify(a, b, **options):
 
         return adapter_verify(a, b, **_taken("verify", options, ADAPTER_OPTIONS["verify"]))
 
-    from .verification import distributed, ledger
+    from .verification import ledger
 
     ray, resume = options.pop("ray", None), bool(options.pop("resume", False))
-    call = None
-    if ray is not None:
-        call = distributed.task_call(rerun.replay("verify", {"a": str(a), "b": str(b), **options}, _run_again))
     a, b = resolve(str(a)), resolve(str(b))
-    token = ledger.RUN.set((ledger.key(a, b, options), resume))
-    try:
-        with cluster.requested(ray, call, early=True):  # connecting to Ray while the engine's imports (torch) run
-            from .verification.engine import verify as run
+    steps = (ledger.key(a, b, options), resume)  # the FFN steps' ledger (--resume), handed down as data
+    with cluster.linked(ray) as link:  # --ray: connecting to Ray while the engine's imports (torch) run
+        from .verification.engine import verify as run
 
-            return run(a, b, opener=open_sides, **options)
-    finally:
-        ledger.RUN.reset(token)
+        return run(a, b, opener=open_sides, ray=link, ledger=steps, **options)

@@ -1,12 +1,11 @@
 """``--ray [ADDRESS]``: a command's output shards written by Ray tasks, on as many nodes as the cluster has.
 
 The plan is made once, by the command as it runs here (the driver): which tensors go in which shard
-(``io.writer.plan_shards``), in the order a one-node run writes them. Each shard to write is then one Ray task: it
-runs the same command again (``rerun``: the same command line, or the same library call, by the CLI's or the API's
-own runner) in shard mode (``TASK``), where the one executor (``plan.execute``) plans the output again, checks that
-its shards are the driver's, writes its one shard into the driver's temporary output directory (shared storage)
-under a name of its own, and renames it into place; nothing else of the command runs there. (``verify --ray`` runs
-FFN steps the same way: ``verification.distributed``.) The driver keeps everything around the shards as a one-node
+(``io.writer.plan_shards``), in the order a one-node run writes them. Each shard to write is then one Ray task given
+the driver's plan slice, the shard's entries (``executor.write_slice``; the input checkpoint travels as how to open
+it again by path, ``io.store.Checkpoint.__reduce__``): it writes that shard into the driver's temporary output
+directory (shared storage) under a name of its own and renames it into place. A task never parses or runs the
+command again. (``verify --ray`` sends its FFN steps the same way: ``verification.distributed``.) The driver keeps everything around the shards as a one-node
 run does (the temporary output, the lock, the resume ledger, the index, config and tokenizer files, the receipt, the
 move into place), so the output, files and receipt, is byte-identical to a one-node run's.
 
@@ -26,7 +25,6 @@ import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -36,50 +34,21 @@ LOCAL = "local"  # --ray without an address: a Ray started here
 RETRIES = 3  # a task whose node or worker died runs again, this many times at most
 PART = ".ffn-tools-part-"  # a task's file before it is renamed into place
 
-# --ray's address in the driver (None: not asked; LOCAL: a Ray started here), and how to run the command again
-ADDRESS: ContextVar[tuple[str, dict] | None] = ContextVar("ffn_tools_ray", default=None)
-# the connection begun as the command started (``requested(..., early=True)``), where one was
-LINK: ContextVar[_Link | None] = ContextVar("ffn_tools_ray_link", default=None)
-# in a task: what to do of the command run again ({"kind": "shard", "dir", "index", "names"}: write that shard;
-# {"kind": "steps", "indices"}: verify those FFN steps)
-TASK: ContextVar[dict | None] = ContextVar("ffn_tools_ray_task", default=None)
-
-class Done(BaseException):
-    """Raised in a task once its part is done (a shard in place, FFN steps verified), carrying what it returns: the
-    rest of the command does not run there (not an Exception: nothing on the way out mistakes it for a failure)."""
-
-    def __init__(self, value):
-        super().__init__("task done")
-        self.value = value
-
-
-def task(kind: str) -> dict | None:
-    """In a Ray task of ``kind``, what it is to do; None elsewhere."""
-    t = TASK.get()
-    return t if t is not None and t["kind"] == kind else None
 
 
 @contextmanager
-def requested(address: str | None, call: dict | None, *, early: bool = False) -> Iterator[None]:
-    """Within it, a command's shards are written by Ray tasks (``address``: a cluster's, or ``LOCAL``); ``call`` runs
-    the command again (``rerun.replay``; None: it cannot be, and --ray is refused). ``early``: connect now, on a
-    thread, while the command imports, opens and plans (``_Link``); Ray is let go of as it ends."""
-    if address is not None and call is None:
-        raise FFNToolsError("--ray runs the command again in each task: a library call's options must be plain data "
-                            "(JSON) for that")
-    token = ADDRESS.set(None if address is None else (address, call or {}))
-    link = _Link(address) if address is not None and early and TASK.get() is None else None
-    linked = LINK.set(link)
+def linked(address: str | None) -> Iterator[Link | None]:
+    """``verify --ray``'s connection, begun now on a thread while the command imports, opens and plans (``Link``),
+    let go of as the block ends; None without --ray."""
+    link = Link(address) if address is not None else None
     try:
-        yield
+        yield link
     finally:
-        LINK.reset(linked)
-        ADDRESS.reset(token)
         if link is not None:
             link.close()
 
 
-class _Link:
+class Link:
     """Ray, connected to on a thread from the command's start, while this process imports torch, opens both sides
     and plans: connecting (or starting a local Ray) is then off the way to the first task (0.6-0.8 s of an 8 GB
     verify's 7 s, measured on the 2-core machine). The thread lives until the command ends and lets go of Ray
@@ -197,33 +166,15 @@ def _placement(ray, files_of: list[set[str]]) -> list:
     return out
 
 
-def _task(call: dict, job: dict):
-    """A Ray task: the command again, doing only ``job`` (``TASK``); what its ``Done`` carries."""
-    from .child import clean_path
-
-    os.chdir(call["cwd"])  # the paths of the command line as the driver sees them (the same on every node)
-    clean_path()
-    token = TASK.set(job)
-    try:
-        call["runner"](call)
-    except Done as done:
-        return done.value
-    finally:
-        TASK.reset(token)
-    raise RuntimeError(f"the command run again for its {job['kind']} never reached it")
-
-
 @contextmanager
-def connected(address: str | None = None) -> Iterator:
-    """Ray at ``address`` (default: verify's, ``ADDRESS``), connected to (or started here) for the command, and let
-    go after; yields the ``ray`` module. Where the command began connecting as it started (``requested(...,
-    early=True)``), that connection, let go of as it ends."""
-    if (link := LINK.get()) is not None:
-        yield link.ray()
+def connected(where: str | Link) -> Iterator:
+    """Ray, connected to (or started here) for the command, and let go after; yields the ``ray`` module.
+    ``where``: an address (``LOCAL``: a Ray started here), or the connection the command began as it started
+    (``linked``), let go of as that ends."""
+    if isinstance(where, Link):
+        yield where.ray()
         return
-    if address is None:
-        address, _ = ADDRESS.get() or (LOCAL, {})
-    started = _connect(address)
+    started = _connect(where)
     try:
         import ray
 
@@ -233,14 +184,6 @@ def connected(address: str | None = None) -> Iterator:
             import ray
 
             ray.shutdown()
-
-
-def submit(ray, call: dict, jobs: list[dict], files_of: list[set[str]]) -> dict:
-    """One task per job, each placed (softly) where its files are; ``{ref: job index}``."""
-    fn = ray.remote(num_cpus=1, max_retries=RETRIES, retry_exceptions=False)(_task)
-    places = _placement(ray, files_of)
-    return {fn.options(scheduling_strategy=place).remote(call, job): k
-            for k, (job, place) in enumerate(zip(jobs, places))}
 
 
 def results(ray, pending: dict, what) -> Iterator[tuple[int, Any]]:
@@ -265,7 +208,7 @@ def _job(job: tuple) -> Any:
     return fn(*args)
 
 
-def submit_jobs(ray, jobs: list[tuple], files_of: list[set[str]]) -> dict:
+def submit(ray, jobs: list[tuple], files_of: list[set[str]]) -> dict:
     """One task per ``(function, args)`` job, each placed (softly) where its files are; ``{ref: job index}``."""
     fn = ray.remote(num_cpus=1, max_retries=RETRIES, retry_exceptions=False)(_job)
     places = _placement(ray, files_of)
@@ -291,7 +234,7 @@ def write_sharded(out_dir: Path, items: Sequence, entries: Sequence, files_of: l
             todo = [k for k, name in enumerate(names) if not kept(ledger, name, shards[k], progress)]
             jobs = [(write, (list(entries[slice(*spans[k])]), str(out_dir.resolve()), names[k], metadata))
                     for k in todo]
-            pending = submit_jobs(ray, jobs, [set().union(*files_of[slice(*spans[k])]) for k in todo])
+            pending = submit(ray, jobs, [set().union(*files_of[slice(*spans[k])]) for k in todo])
             for done, (j, _) in enumerate(results(ray, pending, lambda j: f"shard {names[todo[j]]}"), 1):
                 k = todo[j]
                 if progress:

@@ -23,7 +23,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .. import cluster, progress, quant
+from .. import progress, quant
 from ..checks.agreement import AgreementResult
 from ..checks.outside import OutsideResult
 from ..checks.prompts import load_prompts
@@ -259,9 +259,8 @@ def _pair(run: Run, load, worker) -> tuple[VerifyReport, FFNSet | None, FFNSet |
                      "what needs every shard (the load check, logits) does not run" for side, c in run.partial]
     report.problems += [p for p in (pa, pb) if p]
     extract = extracts(fa, fb)  # an FFN-only output has no model around its FFNs to compare
-    # beside the FFNs; not in a --ray task, which verifies its range of FFN steps and nothing else
-    model: Future = (done(None) if cluster.task("steps") is not None
-                     else worker.submit(model_checks, run.client, ca, cb, extract, o.allow_config, o.side_files))
+    # beside the FFNs
+    model: Future = worker.submit(model_checks, run.client, ca, cb, extract, o.allow_config, o.side_files)
     for side, found in (("A", fa), ("B", fb)):
         if found and (w := found.unmatched_warning()):
             (report.notes if o.allow_unmatched else report.problems).append(

@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import shutil
-from contextvars import ContextVar
 from pathlib import Path
 
 from ..errors import counted
@@ -32,9 +31,7 @@ from ..progress import say
 from ..tolerances import Tolerance
 from .report import BackendResult, FFNResult
 
-# (key of this verify, whether --resume was asked): set by the API's verify, read by the steps
-RUN: ContextVar[tuple[str, bool] | None] = ContextVar("ffn_tools_verify_run", default=None)
-NOT_OPTIONS = ("resume", "ray")  # how verify runs, not what it finds
+NOT_OPTIONS = ("resume", "ray", "ledger")  # how verify runs, not what it finds
 
 log = logging.getLogger(__name__)
 

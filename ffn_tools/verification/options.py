@@ -50,6 +50,10 @@ class VerifyOptions:
     profile: str = DEFAULT_PROFILE
     unbounded: bool | None = False
     client: str | None = None
+    # how it runs, not what it finds (the api sets them): --ray's connection (``cluster.Link``) or None, and the
+    # steps' ledger (``ledger.StepLedger``: this verify's key, and whether --resume was asked) or None
+    ray: Any = None
+    ledger: tuple[str, bool] | None = None
 
     def refuse_bad(self) -> None:
         """Refuse values no check can run with, before any work.

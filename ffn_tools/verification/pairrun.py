@@ -82,7 +82,7 @@ class PairRun:
                  kernels: Future, pairing: Pairing | None, opts: PairOptions):
         self.report, (self.ca, self.cb), self.pairs, self.rb, self.kernels = report, sides, pairs, rb, kernels
         self.bits, self.rows = _rows(report, self.ca, self.cb, pairs, opts)
-        self.exact = opts.exact
+        self.exact, self.opts = opts.exact, opts
         self.reference = {"reference": reference_backend()} if opts.on_reference else {}
         names = [n for _, x, _ in pairs for n in x.names.values()]
         self.computed = pairing.computed(names) if pairing is not None else set()
@@ -131,24 +131,14 @@ class PairRun:
         Ray tasks still run the others, ``finish``. What is held until the tasks' results are in (the ledger, the
         connection to Ray) is held on ``later``, verify's own stack, which lets go of it where verify fails before."""
         mine = list(range(len(self.steps)))  # the steps this process runs
-        job = cluster.task("steps")
-        if job is not None:  # a --ray task (verification.distributed): its range of the driver's steps
-            if job["count"] != len(self.steps):
-                raise FFNToolsError(f"--ray: this node plans {len(self.steps)} verify steps, the driver {job['count']}: "
-                                    "the nodes must run the same ffn-tools and libraries on the same checkpoints")
-            mine = job["indices"]
-        elif (run := ledger.RUN.get()) is not None:
-            mine = self._resume(run, mine)
+        if self.opts.ledger is not None:
+            mine = self._resume(self.opts.ledger, mine)
         self.held = later.enter_context(ExitStack())
         if self.book is not None:
             self.held.push(self.book.leave)  # removed at the end, kept for --resume where an interruption ended it
-        if job is None and cluster.ADDRESS.get() is not None:
+        if self.opts.ray is not None:
             mine = self._send_away()
         self._run(mine)
-        if job is not None:
-            self.bar.close()
-            self.held.close()
-            raise cluster.Done(self.done)
         self.at = len(self.report.notes), len(self.report.problems)  # where what is said of the results goes
         if not self.pending:
             self.finish()
@@ -169,12 +159,30 @@ class PairRun:
     def _send_away(self) -> list[int]:
         """--ray: the steps but the first FFN of each kind started as Ray tasks; the driver's steps."""
         steps = self.steps
-        self.ray = self.held.enter_context(cluster.connected())
+        self.ray = self.held.enter_context(cluster.connected(self.opts.ray))
         away = [k for k, s in enumerate(steps) if not s.on_all and k not in self.done]
         work = sum(self.nbytes(x, y) * (1 if self.as_bytes(x, y) else distributed.COMPUTED) for k in away
                    for _, x, y in steps[k].items)
-        self.pending, self.parts = distributed.start(self.ray, self.ca, self.cb, steps, away, work)
+        self.pending, self.parts = distributed.start(self.ray, self, away, work)
         return [k for k, s in enumerate(steps) if s.on_all]
+
+    def __getstate__(self) -> dict:
+        """What a --ray task runs its range of steps with (``in_task``): the checks, the planned steps and both
+        sides (each checkpoint pickled as how to open it again), not what this process holds while they run (the
+        report, the kernels' future, the progress bar, the ledger, Ray, the results so far)."""
+        state = dict(self.__dict__)
+        for held in ("report", "kernels", "bar", "held", "ray", "pending", "parts", "book", "at"):
+            state.pop(held, None)
+        return {**state, "done": {}, "ran": {}, "opts": None}
+
+    def in_task(self, indices: list[int]) -> dict[int, list]:
+        """In a --ray task (``distributed``): the steps ``indices`` of the driver's plan run here; {step: results}."""
+        self.bar, self.book = progress.Progress(0, "verifying FFNs"), None
+        try:
+            self._run(indices)
+        finally:
+            self.bar.close()
+        return self.done
 
     def _run(self, mine: list[int]) -> None:
         """The steps ``mine``, their tensors read ahead (a batch: its own equality per role)."""

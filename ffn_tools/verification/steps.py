@@ -133,13 +133,15 @@ class PairOptions:
     seed: int
     tokens: int
     every_backend: bool
+    ray: Any = None  # --ray's connection (``cluster.Link``), or None: every step here
+    ledger: tuple[str, bool] | None = None  # the steps' ledger: (this verify's key, --resume asked), or None
 
     @classmethod
     def of(cls, o, selection: tuple, on_reference: bool) -> "PairOptions":
         """From verify's options ``o`` (``VerifyOptions``) and the selection it settled on."""
         layers, experts = selection
         return cls(on_reference, layers, experts, o.atol, o.rtol, o.exact, o.seed, o.tokens,
-                   o.all_ffns_on_every_backend)
+                   o.all_ffns_on_every_backend, o.ray, o.ledger)
 
 
 def coarsest(qa, qb):
