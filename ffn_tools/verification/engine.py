@@ -27,7 +27,7 @@ from .. import progress, quant
 from ..checks.agreement import AgreementResult
 from ..checks.outside import OutsideResult
 from ..checks.prompts import load_prompts
-from ..clients import Client
+from ..clients import Client, runtime
 from ..detect import FFNSet
 from ..errors import FFNToolsError
 from ..specs import parse_spec
@@ -36,7 +36,7 @@ from .backends import ALL, resolve_backends
 from .expected import Expected, Sides
 from .functional import reference_backend
 from .model import model_checks, run_logits
-from .options import DEFAULT_TOKENS, Models, VerifyOptions, runtime_client  # noqa: F401  (DEFAULT_TOKENS: verify's, as before)
+from .options import DEFAULT_TOKENS, Models, VerifyOptions  # noqa: F401  (DEFAULT_TOKENS: verify's, as before)
 from .outside import compare_outside, in_blocks
 from .report import VerifyReport
 from .sides import describe_side, extract_selection, extracts, find
@@ -163,7 +163,7 @@ def verify(a, b, *, opener: Opener, **options) -> VerifyReport:
         (ca, ea), (cb, eb) = _open(a, b, opener, selection[0] is not None, stack)
         if ea or eb:
             return _unreadable(a, b, ca, cb, (ea, eb), kernels, o)
-        run = Run(a, b, o, ca, cb, runtime_client(cb.format, o.client), selection)  # B's runtime: what it loads
+        run = Run(a, b, o, ca, cb, runtime(cb.format, o.client), selection)  # B's runtime: what it loads
         _before_work(run)
         # first, before any work: a missing client of B's format says so (transformers': its load check not run)
         with progress.doing(f"verify: the load check (would B load in {run.client.name}?)"):  # seconds: its imports

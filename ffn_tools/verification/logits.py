@@ -16,11 +16,10 @@ from pathlib import Path
 
 import torch
 
-from ..clients import Client
+from ..clients import Client, runtime
 from ..errors import FFNToolsError
 from ..tolerances import DTYPE_TOLERANCES, Tolerance
 from .functional import compare
-from .options import runtime_client
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +43,7 @@ def client_floor(tol: Tolerance, clients: tuple[Client, Client], function: str |
 
 def client_for(ckpt, side: str, name: str | None = None) -> Client:
     """The client that runs ``ckpt`` as a whole model (runtime ``name`` of its format, None: its first;
-    ``options.runtime_client``), once it says it can here.
+    ``clients.runtime``), once it says it can here.
 
     Raises:
         FFNToolsError: none does (a Flax checkpoint, an FFN-only extract, a single file, no config, the client
@@ -52,7 +51,7 @@ def client_for(ckpt, side: str, name: str | None = None) -> Client:
     """
     if ckpt.format is None:
         raise FFNToolsError(f"--logits: {side} ({ckpt.path}) was opened without its format; no client is known")
-    client = runtime_client(ckpt.format, name)
+    client = runtime(ckpt.format, name)
     client.ready_for_logits(ckpt, side)
     return client
 

@@ -1,4 +1,4 @@
-"""What ``verify A B`` was asked, as one value (``VerifyOptions``), and B's runtime client it names.
+"""What ``verify A B`` was asked, as one value (``VerifyOptions``); both sides as whole models (``Models``).
 
 Torch-free: the CLI reads its defaults from here (``DEFAULT_TOKENS``) without importing the checks.
 """
@@ -82,21 +82,3 @@ class Models:
     paths: tuple[Any, Any]
     ckpts: tuple[Any, Any]
     clients: "tuple[Client, Client]"
-
-
-def runtime_client(fmt: Any, name: str | None = None) -> "Client":
-    """The client of runtime ``name`` that loads checkpoints of format ``fmt`` (None: the format's first).
-
-    Raises:
-        FFNToolsError: ``fmt`` lists no runtime ``name`` (the message names those it lists).
-    """
-    from .. import clients
-
-    lookup = getattr(clients, "runtime", None)  # the per-runtime lookup (#54 item 2), where it has landed
-    if lookup is not None:
-        return lookup(fmt, name)
-    client = fmt.client()
-    if name is None or name == client.name:
-        return client
-    raise FFNToolsError(f"--client {name}: B ({fmt.name}) is loaded by {client.name} here; "
-                        f"use one of: {client.name}")
