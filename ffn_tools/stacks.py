@@ -3,22 +3,19 @@
 
 split-gateup and fuse-gateup use it where a form is flat (DBRX's ``w1``/``v1``/``w2``, (E * I, H), ``w2`` stored
 (in, out)): one output tensor holds every expert of the layer, so the entries are per layer, not per FFN. Every
-step is a pure move (unflatten, transpose, ``layouts.split``/``fuse``), so a round trip is bit-exact.
+step is a pure move (unflatten, transpose, split/fuse), so a round trip is bit-exact: each form's ``stored_ops`` is
+the one definition, read back by its reverse. ``fuse_ops``/``stack_ops`` are the same for one FFN's (or expert's)
+gate/up and a stack of them: split-gateup's entries are their reverse.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .ffn import FFN
-from .layouts import GateUpLayout, fuse, split
+from .layouts import GateUpLayout
 from . import ops as oplib
-from .ops import Fuse, Op, Stack, Transpose
+from .ops import Fuse, Op, Reshape, Stack, Transpose
 from .plan import Entry
 from .registry import FUSED, Form, bias_name
-
-if TYPE_CHECKING:
-    import torch
 
 WEIGHTS = ("gate", "up", "down")
 
@@ -75,68 +72,60 @@ def stack_shape(form: Form, role: str, experts: int, d_model: int, d_ffn: int) -
     return (experts * one[0], *one[1:]) if form.flat else (experts, *one)
 
 
-def canonical_stack(ts: dict[str, "torch.Tensor"], form: Form, layout: GateUpLayout, d_model: int,
-                    d_ffn: int) -> dict[str, "torch.Tensor"]:
-    """The canonical (E, ...) weights and biases of a layer from its stored tensors (role -> tensor)."""
-    def stack(role: str) -> "torch.Tensor":
-        t = ts[role]
-        if form.flat:  # (E * n, ...): expert e is rows e * n : (e + 1) * n
-            n = form.rows(role, d_model, d_ffn)
-            t = t.unflatten(0, (t.shape[0] // n, n))
-        return t
-
-    out: dict[str, torch.Tensor] = {}
-    if FUSED in ts:
-        out["gate"], out["up"] = split(stack(FUSED), layout.oriented(form.turns(FUSED)), name="gate_up")
-        if f"{FUSED}_bias" in ts:
-            out["gate_bias"], out["up_bias"] = split(stack(f"{FUSED}_bias"), layout, is_bias=True, name="bias")
-    for role in (*WEIGHTS, *(f"{r}_bias" for r in WEIGHTS)):
-        if role in ts:
-            out[role] = stack(role)
-    for r in WEIGHTS:
-        if form.turns(r):  # (E, in, out) -> (E, out, in)
-            out[r] = out[r].transpose(1, 2)
-    return out
-
-
-def stored(c: dict[str, "torch.Tensor"], form: Form, role: str, layout: GateUpLayout) -> "torch.Tensor":
-    """Tensor ``role`` of ``form`` from a layer's canonical stack ``c`` (``canonical_stack``'s inverse)."""
-    bias = role.endswith("_bias")
-    base = role.removesuffix("_bias")
-    suffix = "_bias" if bias else ""
+def stored_ops(form: Form, role: str, layout: GateUpLayout, experts: int, d_model: int, d_ffn: int) -> tuple[Op, ...]:
+    """THE definition of a layer's stored tensor ``role`` of ``form`` from its canonical stack: gate, up (E, I, H),
+    down (E, H, I), biases (E, n) (gate_up's from [gate, up], gate_up_bias's from [gate_bias, up_bias]): turned
+    where ``form`` stores (in, out), fused in ``layout`` on the stored axis, flattened where ``form`` is flat.
+    Its reverse reads the canonical stack back from the stored tensor (``canonical_ops``)."""
+    bias, base = role.endswith("_bias"), role.removesuffix("_bias")
     turn = not bias and form.turns(base)
+    made: list[Op] = [Transpose()] if turn else []
     if base == FUSED:
-        g, u = (c[f"{r}{suffix}"].transpose(1, 2) if turn else c[f"{r}{suffix}"] for r in ("gate", "up"))
-        t = fuse(g, u, layout.oriented(turn), is_bias=bias, name=role)  # the axis of the target's tensor
-    else:
-        t = c[role].transpose(1, 2) if turn else c[role]
-    return (t.flatten(0, 1) if form.flat else t).contiguous()
+        made.append(Fuse(layout.oriented(turn), bias, role))
+    if form.flat:
+        one = expert_shape(form, role, d_model, d_ffn)
+        made.append(Reshape((experts * one[0], *one[1:]), (experts, *one)))
+    return tuple(made)
+
+
+def canonical_ops(form: Form, role: str, parts: tuple[str, ...], layout: GateUpLayout, experts: int, d_model: int,
+                  d_ffn: int) -> tuple[Op, ...]:
+    """Canonical ``parts`` (gate, up, down, biases) of a layer's stack from its stored tensor ``role`` of ``form``:
+    ``stored_ops`` reversed (and, from a fused tensor, those parts taken)."""
+    back = oplib.reverse(stored_ops(form, role, layout, experts, d_model, d_ffn))
+    assert back is not None  # every op of stored_ops has its reverse
+    if role.removesuffix("_bias") != FUSED or len(parts) == 2:
+        return back
+    return oplib.take(back, (0 if parts[0].startswith("gate") else 1,), 1)
 
 
 def restack_entries(ckpt, experts: list[FFN], target: Form, names: dict[str, str]) -> list[Entry]:
     """The entries writing one layer's ``experts`` (every expert of one stack, in order) as ``target``, whose
-    weight tensors are ``names`` (role -> name; biases are named after their weights)."""
+    weight tensors are ``names`` (role -> name; biases are named after their weights): each the source form's
+    ``stored_ops`` reversed (to the canonical stack), then the target's ``stored_ops``."""
     f0 = experts[0]
-    src = {r: n for r, n in f0.names.items()}
-    inputs = tuple(dict.fromkeys(src.values()))
+    src = dict(f0.names)
     dtype = ckpt.info(f0.names["down"]).st_dtype
     roles = [r for r in target.templates()]
     roles += [f"{r}_bias" for r in roles if any(f"{p}_bias" in src for p in _parts(r))]
+    size = (len(experts), f0.d_model, f0.d_ffn)
     out = []
     for role in roles:
-        base = role.removesuffix("_bias")
-        name = bias_name(names[base]) if role.endswith("_bias") else names[base]
-
-        def compute(ts, role=role):
-            c = canonical_stack(dict(zip(src, (ts[inputs.index(n)] for n in src.values()))), f0.form, f0.layout,
-                                f0.d_model, f0.d_ffn)
-            return stored(c, target, role, f0.layout)
-
-        shape = stack_shape(target, role, len(experts), f0.d_model, f0.d_ffn)
+        bias, base = role.endswith("_bias"), role.removesuffix("_bias")
+        name = bias_name(names[base]) if bias else names[base]
+        suffix = "_bias" if bias else ""
+        parts = (f"gate{suffix}", f"up{suffix}") if base == FUSED else (role,)
+        held = parts[0] if parts[0] in src else f"{FUSED}{suffix}"  # the source role holding them (gate's form
+        # is up's: one path for both)
+        inputs = tuple(dict.fromkeys(src[p if p in src else held] for p in parts))
+        back = canonical_ops(f0.form, held, parts if len(inputs) == 1 else parts[:1], f0.layout, *size)
         how = "flattened" if target.flat else "stacked"
-        out.append(Entry(name, dtype, shape, inputs, compute, None,
-                         f"{role} of layer {f0.ref.layer}'s {len(experts)} experts from {', '.join(inputs)}, {how}"
-                         + (", stored (in, out)" if not role.endswith("_bias") and target.turns(base) else "")))
+        out.append(Entry(name, dtype, stack_shape(target, role, *size), inputs,
+                         (*back, *stored_ops(target, role, f0.layout, *size)),
+                         sources=tuple((ckpt.info(n).st_dtype, tuple(ckpt.info(n).shape)) for n in inputs),
+                         text=f"{role} of layer {f0.ref.layer}'s {len(experts)} experts from "
+                              f"{', '.join(dict.fromkeys(src.values()))}, {how}"
+                              + (", stored (in, out)" if not bias and target.turns(base) else "")))
     return out
 
 

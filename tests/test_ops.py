@@ -17,7 +17,8 @@ from ffn_tools.layouts import ARRANGEMENTS, ORDERS, GateUpLayout
 from ffn_tools.ops import (AddLowRank, Affine, Cast, Chunk, Concat, Const, Copy, Fuse, Permute, Reshape, Rows, Select,
                            Split, Stack, Take, Transpose, Unstack)
 from ffn_tools.plan import Entry
-from ffn_tools.stacks import fuse_ops, split_ops, stack_ops, unstack_ops
+from ffn_tools.registry import Form
+from ffn_tools.stacks import canonical_ops, fuse_ops, split_ops, stack_ops, stack_shape, stored_ops, unstack_ops
 
 FAST = settings(max_examples=25, deadline=None)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.int32,
@@ -305,3 +306,37 @@ def test_the_old_closure_shape_still_builds_one_transitional_op():
     assert torch.equal(e.apply([torch.ones(2)]), torch.full((2,), 2.0))
     with pytest.raises(TypeError):
         Entry("w", "F32", (2,), ("a",), (Copy(),), ((0, 0, 8),))
+
+
+@st.composite
+def stacked_forms(draw):
+    """A stacked or flat form of a layer's experts (fused or not, turned or not), its layout, and a canonical stack."""
+    fused, flat = draw(st.booleans()), draw(st.booleans())
+    transposed = draw(st.booleans())
+    turned = () if transposed else tuple(draw(st.sets(st.sampled_from(["gate_up" if fused else "gate", "down"]))))
+    if not fused and "gate" in turned:
+        turned += ("up",)
+    form = Form(gate=None if fused else "g", up=None if fused else "u", down="d", gate_up="gu" if fused else None,
+                stacked=not flat, transposed=transposed, turned=turned, flat=flat, experts="n" if flat else None)
+    layout = draw(layouts())
+    e, h, i = draw(st.integers(1, 3)), draw(st.integers(1, 3)), layout.tp * draw(st.integers(1, 2))
+    dtype = draw(st.sampled_from(DTYPES))
+    canonical = {"gate": (e, i, h), "up": (e, i, h), "down": (e, h, i), "gate_bias": (e, i), "up_bias": (e, i),
+                 "down_bias": (e, h)}
+    return form, layout, (e, h, i), {r: tensor(draw, s, dtype) for r, s in canonical.items()}
+
+
+@given(stacked_forms())
+@FAST
+def test_every_stacked_form_reads_back_the_canonical_stack_it_was_written_from(case):
+    """``stacks.stored_ops`` is each form's one definition; ``canonical_ops`` (its reverse) gives the stack back."""
+    form, layout, size, c = case
+    for role in [*form.templates(), *(f"{r}_bias" for r in form.templates())]:
+        base = role.removesuffix("_bias")
+        suffix = role[len(base):]
+        parts = (f"gate{suffix}", f"up{suffix}") if base == "gate_up" else (role,)
+        stored = ops.run(stored_ops(form, role, layout, *size), [c[p] for p in parts])
+        assert len(stored) == 1 and tuple(stored[0].shape) == stack_shape(form, role, *size)
+        assert same(ops.run(canonical_ops(form, role, parts, layout, *size), stored), [c[p] for p in parts])
+        for p in parts:
+            assert same(ops.run(canonical_ops(form, role, (p,), layout, *size), stored), [c[p]])
