@@ -10,6 +10,12 @@ the float64 reference, B's on every requested backend (``functional``), within t
 compared too (``outside``). What is not weights, B's client compares (``model``: config, side files,
 tokenization); A is paired with B as B's client loads it (``Client.pairing``), and ``logits`` adds a
 whole-model check through both real clients.
+
+``verify`` runs in phases, each a function here: open both sides (``_open``; refusals and what the whole-model
+checks will have, ``_before_work``), B's client's load check, pair the FFNs (``_pair``, which also starts the
+model checks), derive what B should hold given A as B's client will hold it (``expected.Expected.derive``),
+compare (``_compare``: the FFN pairs, ``pairrun``, and the tensors outside them but those a transform derives),
+settle every transform's comparison once (``Expected.settle``), then the whole models (``_whole_models``).
 """
 
 from __future__ import annotations
@@ -104,42 +110,10 @@ def verify(a, b, *, opener: Opener, **options) -> VerifyReport:
 
     Args:
         a, b: paths of checkpoints ``opener`` opens.
-        options: the fields of ``VerifyOptions``, each below.
+        options: the fields of ``VerifyOptions`` (which documents each).
         opener: ``(path, side, absent_shards, like=A's checkpoint or None) -> (checkpoint, None)`` or
             ``(None, problem)`` where the files are there but cannot be read as their format (raising where there
             is no checkpoint at all): the format registry's (``converters.open_sides``), which the API passes.
-        backends: kernel backends for B's FFN (default: the reference and B's runtime's kernels that run natively
-            here, ``Client.kernels``; ``["all"]``: every one available here).
-        tokens: rows of the seeded random input per FFN.
-        seed: seed of the inputs (and of the logits token batch).
-        layers, experts: selections like ``0-3,7`` (None: all; ``experts`` keeps dense and shared FFNs).
-        atol, rtol: override the tolerance table (see ``tolerances``).
-        exact: True: demand bit-identical canonical tensors; False: skip; None: where both sides should
-            be lossless copies (same dtype, neither quantized).
-        logits: also compare whole-model logits through transformers / mlx_lm.
-        scheme, layout: naming scheme and fused gate/up layout, for both checkpoints (detected / the
-            scheme's by default).
-        b_layout: B's fused gate/up layout, when it differs from A's: then ``layout`` applies to A only
-            (None: B's is ``layout`` too).
-        allow_unmatched: tensors that look like FFN projections but belong to no FFN found are a note,
-            not a failure (they are never run as FFNs).
-        ffn_only: compare the FFNs only; by default every tensor outside them is compared too
-            (``outside``).
-        load_check: check that B would load in its real client (``loadable``): every parameter provided,
-            nothing left over, shapes equal.
-        allow_config: config keys whose difference is accepted on purpose (``model_config``); every other
-            difference in what the clients read fails.
-        client: the runtime that judges B, one its format lists (None: its first; ``--client``).
-        unbounded: fail a setting the clients run otherwise only past a sequence length (a sliding window one
-            applies and the other not); by default it passes, the verdict saying up to which length.
-        side_files: compare tokenizer, generation_config and the other side files (``side_files``).
-        all_ffns_on_every_backend: run every FFN on every backend; by default every FFN runs on the float64
-            reference and the other backends run the first FFN of each kind (shape, form, layout, dtype,
-            quantization, biases): what proves the kernels, at a fraction of the time on a large model.
-        generate: also run both models on prompts through their clients, token by token against a measured
-            noise floor (``generate``); ``prompts``: a file of prompts (None: the built-in set), ``new_tokens``
-            greedy tokens per prompt, ``profile`` how far above its floor a statistic may be
-            (``checks.agreement.PROFILES``).
 
     Returns:
         The report; ``report.passed`` is the verdict.
