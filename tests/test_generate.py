@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -74,9 +73,7 @@ def _failed(g: dict) -> set[str]:
 def test_correct_conversions_are_within_their_measured_floor(chatty, tmp_path, to, options, floor):
     b = tmp_path / ("b.gguf" if to == "gguf" else "b")
     api.convert(chatty, to, b, **options)
-    t = time.perf_counter()
     report = api.verify(chatty, b, generate=True, new_tokens=8)
-    took = time.perf_counter() - t
     g = _gen(report)
     assert report.passed, "\n".join(report.lines())
     s, f = g["statistics"], g["floor_statistics"]
@@ -92,7 +89,6 @@ def test_correct_conversions_are_within_their_measured_floor(chatty, tmp_path, t
     assert "within the floor" in report.generation.line() and "generation within its noise floor" in report.verdict
     d = g["direct"]  # B and A' hold the same bytes in the same client: the same logits, no noise to measure
     assert d["passed"] and not any(d["statistics"].values()) and "bit-identical logits" in d["noise_words"], d
-    assert took < 30  # the issue's bar is 10 s added on these tiny models (benchmarks/bench_generate.py measures it)
 
 
 # --- six planted model-level defects, each failing with the statistic that caught it ---

@@ -119,19 +119,14 @@ def test_header_reader_builds_what_gguf_py_builds(gguf_ref, arch, outtype):
     """``header.Reader`` (what ffn-tools opens GGUFs with) gives gguf-py's GGUFReader's fields (every part's
     bytes and dtype, indices, types, offsets) and tensors, on a byte-level BPE vocabulary (GPT-2's 50,257
     tokens and 50,000 merges: gguf-py reads it in 1.8 s here, Qwen's 151,936 in 6.2 s) and a sentencepiece one
-    (scores, token types), in a fraction of the time."""
-    import time
-
+    (scores, token types). How much faster is ``benchmarks/bench_timings.py``'s (a time, not a unit test's)."""
     from gguf import GGUFReader
 
     from ffn_tools.converters.gguf.header import Reader
 
     path = gguf_ref(arch, outtype)
-    t0 = time.perf_counter()
     theirs = GGUFReader(path)
-    t1 = time.perf_counter()
     ours = Reader(path)
-    t2 = time.perf_counter()
     assert list(ours.fields) == list(theirs.fields)
     for key, f in theirs.fields.items():
         g = ours.fields[key]
@@ -141,8 +136,6 @@ def test_header_reader_builds_what_gguf_py_builds(gguf_ref, arch, outtype):
     assert [(t.name, t.tensor_type, list(t.shape), t.data_offset, t.n_bytes) for t in ours.tensors] == \
         [(t.name, t.tensor_type, list(t.shape), t.data_offset, t.n_bytes) for t in theirs.tensors]
     assert all(np.array_equal(a.data.view(np.uint8), b.data.view(np.uint8)) for a, b in zip(ours.tensors, theirs.tensors))
-    if arch == "qwen3_moe":
-        assert t2 - t1 < (t1 - t0) / 3, (t1 - t0, t2 - t1)  # measured: 1.8 s and 0.12 s
 
 
 @pytest.mark.parametrize("vocab", ["gpt-2", "llama-spm"])

@@ -318,10 +318,10 @@ def test_msgpack_work_is_bounded_by_the_file(tmp_path):
     p = tmp_path / "flax_model.msgpack"
     n = 30_000_000
     p.write_bytes(b"\x81\xa1a\xdd" + struct.pack(">I", n) + b"\x01" * 1000)  # claims 30M items in 1 KB
-    t0 = time.perf_counter()
     r = run_cli("inspect", p, ok=None)
     _one_line_exit_2(r)
-    assert time.perf_counter() - t0 < 5 and "30000000" in r.output
+    # refused from the claim against the bytes left, before any item is read (its time: bench_timings.py)
+    assert "an array of 30000000 items where 1000 bytes remain" in r.output, r.output
 
 
 def test_mlx_directory_without_mlx_names_the_extra(model_dir, tmp_path):
