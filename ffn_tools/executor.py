@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import time
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 from . import cluster
 from .errors import FFNToolsError
 from .formats import owner_of
-from .io import receipt, sample
+from .io import receipt
 from .io.dtypes import as_st, torch_dtype
 from .io.output import atomic_output
 from .io.resume import Ledger, input_stamp, plan_key
@@ -126,78 +125,71 @@ def execute(plan: Plan, run: Run) -> list[str]:
     """
     if run.out is None:
         raise FFNToolsError("internal error: execute needs the run's output path (Run.out)")
-    out, force, max_shard_size, writer = Path(run.out), run.force, run.max_shard_size, run.writer or SAFETENSORS
-    metadata, desc, carry, extra_files = run.metadata, run.desc, run.carry, run.extra_files
-    ckpt = plan.source
-    check_shardable(out, max_shard_size, writer.suffix)
-    meta = dict(ckpt.metadata if metadata is None else metadata)
+    out, writer, ckpt = Path(run.out), run.writer or SAFETENSORS, plan.source
+    check_shardable(out, run.max_shard_size, writer.suffix)
+    meta = dict(ckpt.metadata if run.metadata is None else run.metadata)
     meta.setdefault("format", "pt")
-    facts: dict = {}  # the sample run's (io.sample): what it measured
-    if (sampling := sample.settings()) is not None:  # --dry-run's sample run, in its child (io.sample)
-        started = time.time()
-        whole = [_out_tensor(e, ckpt, {}) for e in plan.entries]  # the whole output's bytes, known without writing
-        weight_bytes = writer.output_bytes(whole, max_shard_size=max_shard_size, metadata=meta,
-                                           single=out.suffix == writer.suffix)
-        plan, facts = sample.narrow(plan)
-        facts["weight_bytes"] = weight_bytes
-        out, force = Path(sampling["out"]) / out.name, True
-        if max_shard_size and facts["bytes"]:  # as many shards as the run writes, hashed as they are
-            max_shard_size = max(1, int(max_shard_size * facts["sample_bytes"] / facts["bytes"]))
-        run = run.but(hash_limit=facts["sample_reads"] or 1)  # the receipt hashes the sample's share of the input
     cache: dict = {}
     items = [_out_tensor(e, ckpt, cache) for e in plan.entries]
-    progress = Progress(plan.read_bytes, desc)
     inputs = [ckpt.path, *ckpt.files, *plan.also_read]
     key = None
     if out.suffix != writer.suffix and writer.resumable:  # shards a killed run's --resume can reuse
-        key = plan_key(command=desc, writer=type(writer).__name__, out=out.name, shard=max_shard_size, metadata=meta,
-                       entries=plan.describe(), config=plan.config, carry=carry, extra=sorted(extra_files or {}),
-                       inputs=input_stamp(inputs))
-    distributed = run.ray is not None and key is not None  # --ray: shards written by Ray tasks
+        key = plan_key(command=run.desc, writer=type(writer).__name__, out=out.name, shard=run.max_shard_size,
+                       metadata=meta, entries=plan.describe(), config=plan.config, carry=run.carry,
+                       extra=sorted(run.extra_files or {}), inputs=input_stamp(inputs))
+    read = [*_indexes(ckpt), *ckpt.files, *(side_files(ckpt) if run.carry else []), *plan.also_read]  # the receipt's
+    progress = Progress(plan.read_bytes, run.desc)
     try:
-        read = [*_indexes(ckpt), *ckpt.files, *(side_files(ckpt) if carry else []), *plan.also_read]  # the receipt's
-        with atomic_output(out, inputs=inputs, force=force, nbytes=plan.total_bytes, resume_key=key,
-                           sources=read, distributed=distributed, run=run) as tmp:
-            writing = time.time()
+        with atomic_output(out, inputs=inputs, force=run.force, nbytes=plan.total_bytes, resume_key=key,
+                           sources=read, distributed=run.ray is not None and key is not None, run=run) as tmp:
             if out.suffix == writer.suffix:
                 writer.write_file(tmp, items, meta, progress)
-                written, facts["writing"] = [out.name], time.time() - writing
+                written = [out.name]
             else:
                 tmp.mkdir(exist_ok=key is not None)  # --resume: the killed run's directory, its shards in it
-                if key is None:
-                    written = writer.write_sharded(tmp, items, max_shard_size=max_shard_size, metadata=meta,
-                                                   progress=progress)
-                else:
-                    ledger = Ledger(tmp, key)
-                    try:
-                        if distributed:
-                            written = cluster.write_sharded(
-                                tmp, items, plan.entries, _files_of(plan), write=partial(write_slice, ckpt),
-                                address=str(run.ray), max_shard_size=max_shard_size, metadata=meta,
-                                progress=progress, ledger=ledger)
-                        else:
-                            written = writer.write_sharded(tmp, items, max_shard_size=max_shard_size, metadata=meta,
-                                                           progress=progress, ledger=ledger)
-                    except BaseException:
-                        ledger.close(failed=True)
-                        raise
-                    ledger.close()  # the ledger stays until the output moves into place (atomic_output removes it)
-                    if ledger.reused:
-                        log.info("--resume: kept %d finished shard(s) of %d", len(ledger.reused), len(written))
-                facts["writing"] = time.time() - writing  # the sample's time that scales with its bytes (io.sample)
-                for p in side_files(ckpt) if carry else []:
-                    if p.name != "config.json":
-                        shutil.copy2(p, tmp / p.name)
-                if plan.config is not None:
-                    (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
-                for name, content in (extra_files or {}).items():
-                    if isinstance(content, bytes):
-                        (tmp / name).write_bytes(content)
-                    else:
-                        (tmp / name).write_text(content)
+                written = _shards(plan, items, tmp, key, meta, progress, run)
+                _side_files(plan, tmp, run)
     finally:
         progress.close()
-    if sampling is not None:
-        sample.report(sampling["report"], facts, started, out)  # ends the process
     log.info("wrote %s (%s in %d file(s))", out, human(plan.total_bytes), len(written))
     return written
+
+
+def _shards(plan: Plan, items: list[OutTensor], tmp: Path, key: str | None, meta: dict, progress: Progress,
+            run: Run) -> list[str]:
+    """A directory output's shards, written into ``tmp``: by the writer here, or (--ray) by Ray tasks given the
+    plan's slices (``cluster``); where ``key`` is given, through the resume ledger (finished shards kept)."""
+    writer = run.writer or SAFETENSORS
+    if key is None:
+        return writer.write_sharded(tmp, items, max_shard_size=run.max_shard_size, metadata=meta, progress=progress)
+    ledger = Ledger(tmp, key)
+    try:
+        if run.ray is not None:
+            written = cluster.write_sharded(tmp, items, plan.entries, _files_of(plan),
+                                            write=partial(write_slice, plan.source), address=run.ray,
+                                            max_shard_size=run.max_shard_size, metadata=meta, progress=progress,
+                                            ledger=ledger)
+        else:
+            written = writer.write_sharded(tmp, items, max_shard_size=run.max_shard_size, metadata=meta,
+                                           progress=progress, ledger=ledger)
+    except BaseException:
+        ledger.close(failed=True)
+        raise
+    ledger.close()  # the ledger stays until the output moves into place (atomic_output removes it)
+    if ledger.reused:
+        log.info("--resume: kept %d finished shard(s) of %d", len(ledger.reused), len(written))
+    return written
+
+
+def _side_files(plan: Plan, tmp: Path, run: Run) -> None:
+    """A directory output's other files: the input's side files (``run.carry``), config.json, ``run.extra_files``."""
+    for p in side_files(plan.source) if run.carry else []:
+        if p.name != "config.json":
+            shutil.copy2(p, tmp / p.name)
+    if plan.config is not None:
+        (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
+    for name, content in (run.extra_files or {}).items():
+        if isinstance(content, bytes):
+            (tmp / name).write_bytes(content)
+        else:
+            (tmp / name).write_text(content)

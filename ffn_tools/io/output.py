@@ -21,7 +21,7 @@ from pathlib import Path
 from ..errors import OutputError, OutputExistsError, counted
 from ..progress import say
 from ..sizes import human
-from . import receipt, resume, sample
+from . import receipt, resume
 from .run import NO_RUN, Run
 from .store import WEIGHT_SUFFIXES
 
@@ -214,8 +214,6 @@ def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | N
         OutputExistsError / OutputError: before anything is written (see ``check_output``, ``check_parent``,
             ``_lock``), or the disk filled up (naming ``out`` and the space needed).
     """
-    if sample.settings() is not None and run.hash_limit is None:
-        os._exit(sample.NOT_SAMPLED)  # --dry-run's sample run (io.sample) of an output the executor does not stream
     if run.ray is not None and not distributed:
         raise OutputError(f"{out}: {NOT_DISTRIBUTED}")
     resuming = run.resume
@@ -257,8 +255,7 @@ def atomic_output(out: Path, *, inputs: list[Path], force: bool, nbytes: int | N
             raise
         except BaseException as e:
             hashing.stop()
-            if not (isinstance(e, KeyboardInterrupt) and resume_key is not None and sample.settings() is None
-                    and kept_for_resume(out, tmp)):  # a --dry-run's sample run is never continued
+            if not (isinstance(e, KeyboardInterrupt) and resume_key is not None and kept_for_resume(out, tmp)):
                 _remove(tmp)
             beside.unlink(missing_ok=True)
             raise
