@@ -26,6 +26,7 @@ An output the executor does not stream (GGUF, adapters) has no estimate, and the
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import tempfile
@@ -41,6 +42,8 @@ from .io.store import WEIGHT_INDEXES, WEIGHT_SUFFIXES
 from .io.writer import SAFETENSORS
 from .plan import Plan
 from .sizes import human
+
+log = logging.getLogger(__name__)
 
 ENV = "FFN_TOOLS_ESTIMATE"  # "0": dry runs plan only (as --no-estimate)
 NOT_STREAMED = {"made": False, "why": "this output is not streamed through the plan executor (GGUF and adapters are "
@@ -106,8 +109,9 @@ def estimate(plan: Plan, run: Run) -> dict:
         try:
             with _quiet():
                 execute(narrowed, sampled)
-        except FFNToolsError as e:
-            return {"made": False, "why": f"the sample run failed ({e})"}
+        except Exception as e:  # the dry run stands without its estimate, which says why (KeyboardInterrupt ends it)
+            log.debug("the estimate's sample run failed", exc_info=True)
+            return {"made": False, "why": f"the sample run failed ({e if isinstance(e, FFNToolsError) else repr(e)})"}
         ended = time.time()
         files = [f for f in into.rglob("*") if f.is_file()] if into.is_dir() else [into] if into.exists() else []
         size = {f: f.stat().st_size for f in files}

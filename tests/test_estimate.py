@@ -109,6 +109,19 @@ def test_the_estimate_prices_the_plan_the_command_made_without_running_it_again(
     assert "estimate" not in r
 
 
+def test_a_sample_run_that_fails_leaves_the_dry_run_standing_and_says_why(model_dir, tmp_path, monkeypatch):
+    import ffn_tools
+    from ffn_tools import executor
+
+    def full(plan, run):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(executor, "execute", full)
+    r = ffn_tools.split_gateup(model_dir("phi3", torch.bfloat16), tmp_path / "out", dry_run=True, estimate=True)
+    assert r["plan"] and r["estimate"]["made"] is False and "No space left" in r["estimate"]["why"]
+    assert list(tmp_path.iterdir()) == []
+
+
 def _entry(i: int, n: int) -> Entry:
     return Entry(f"t{i}", "U8", (n,), (f"t{i}",), lambda ts: ts[0], ((0, 0, n),), "unchanged")
 
