@@ -1,7 +1,7 @@
 """``--ray [ADDRESS]``: a command's output shards written by Ray tasks, on as many nodes as the cluster has.
 
 The plan is made once, by the command as it runs here (the driver): which tensors go in which shard
-(``io.writer.plan_shards``), in the order a one-node run writes them. Each shard to write is then one Ray task given
+(``io.shards.plan_shards``), in the order a one-node run writes them. Each shard to write is then one Ray task given
 the driver's plan slice, the shard's entries (``executor.write_slice``; the input checkpoint travels as how to open
 it again by path, ``io.store.Checkpoint.__reduce__``): it writes that shard into the driver's temporary output
 directory (shared storage) under a name of its own and renames it into place. A task never parses or runs the
@@ -221,7 +221,7 @@ def write_sharded(out_dir: Path, items: Sequence, entries: Sequence, files_of: l
     one Ray task, ``write(its entries, out_dir, name, metadata)`` (``executor.write_slice``: the plan's slice, never
     the command again); the index written here. ``items``: the entries' output tensors, as the driver shards them;
     ``files_of``: each entry's input files, for placement."""
-    from .io.writer import kept, plan_shards, shard_names, write_index
+    from .io.shards import kept, plan_shards, shard_names, write_index
 
     shards = plan_shards(items, max_shard_size, metadata)
     names = shard_names(len(shards))

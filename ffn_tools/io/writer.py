@@ -5,13 +5,12 @@ array, a bytes-like object, or a list of ``ByteRange`` (pieces of input files co
 ``copy_file_range``, never entering Python). Shards are filled greedily in the given order so that every
 file, header included, is at most ``max_shard_size`` bytes (a tensor larger than that gets a shard alone).
 
-``Writer`` is the file format ``plan.execute`` streams into: ``SAFETENSORS`` (these functions) by default; a
+``Writer`` is the file format ``executor.execute`` streams into: ``SAFETENSORS`` (these functions) by default; a
 format module gives its own (``converters.flax.writer.MsgpackWriter``) to reuse the executor unchanged.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -21,7 +20,8 @@ from typing import Any, BinaryIO
 
 from ..progress import Progress
 from .resume import Ledger
-from .safetensors_format import PAGE, build_header, header_entry_size
+from .safetensors_format import PAGE, build_header
+from .shards import index_text, kept, plan_shards, shard_names, write_index  # noqa: F401  (callers import them here too)
 
 
 @dataclass(frozen=True)
@@ -64,38 +64,6 @@ class OutTensor:
     @property
     def progress_bytes(self) -> int:
         return self.nbytes if self.reads is None else self.reads
-
-
-def plan_shards(items: Sequence[OutTensor], max_shard_size: int | None, metadata: dict | None) -> list[list[OutTensor]]:
-    """Split ``items`` into consecutive shards whose files are each at most ``max_shard_size`` bytes."""
-    if not max_shard_size:
-        return [list(items)] if items else [[]]
-    meta_len = len(build_header([], metadata)) - 8
-    shards: list[list[OutTensor]] = []
-    cur: list[OutTensor] = []
-    data = 0
-    head = meta_len
-    aligned = False  # does the current shard copy bytes (then its header may be padded up to a page)?
-    for t in items:
-        add = header_entry_size(t.name, t.dtype, t.shape, data, t.nbytes)
-        pad = 8 + (PAGE if aligned or t.source_start is not None else 0)  # worst-case header padding
-        if cur and 8 + head + add + pad + data + t.nbytes > max_shard_size:
-            shards.append(cur)
-            cur, data, head, aligned = [], 0, meta_len, False
-            add = header_entry_size(t.name, t.dtype, t.shape, 0, t.nbytes)
-        aligned = aligned or t.source_start is not None
-        cur.append(t)
-        data += t.nbytes
-        head += add
-    shards.append(cur)
-    return shards
-
-
-def shard_names(n: int, prefix: str = "model") -> list[str]:
-    """Hugging Face shard names: model.safetensors alone, else model-00001-of-0000N.safetensors."""
-    if n == 1:
-        return [f"{prefix}.safetensors"]
-    return [f"{prefix}-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
 
 
 def write_file(path: Path, items: Sequence[OutTensor], metadata: dict | None, progress: Progress | None = None,
@@ -232,34 +200,6 @@ def write_sharded(out_dir: Path, items: Sequence[OutTensor], *, max_shard_size: 
             ledger.finished(name, last=k == len(todo) - 1)
     write_index(out_dir, items, shards, names, prefix)
     return names
-
-
-def kept(ledger: Ledger | None, name: str, shard: Sequence[OutTensor], progress: Progress | None) -> bool:
-    """Whether the resume ledger says shard ``name`` is finished (then it is counted done); else it is about to be
-    written (again), and its manifest no longer holds."""
-    if ledger is not None and ledger.reusable(name):
-        if progress:
-            progress.update(sum(t.progress_bytes for t in shard))
-        return True
-    if ledger is not None:
-        ledger.forget(name)
-    return False
-
-
-def write_index(out_dir: Path, items: Sequence[OutTensor], shards: list[list[OutTensor]], names: list[str],
-                prefix: str = "model") -> None:
-    """The Hugging Face index of a sharded output (none for one shard)."""
-    if (text := index_text(items, shards, names)) is not None:
-        (out_dir / f"{prefix}.safetensors.index.json").write_text(text)
-
-
-def index_text(items: Sequence[OutTensor], shards: list[list[OutTensor]], names: list[str]) -> str | None:
-    """The text of a sharded output's Hugging Face index; None for one shard (it has none)."""
-    if len(shards) <= 1:
-        return None
-    weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
-    index = {"metadata": {"total_size": sum(t.nbytes for t in items)}, "weight_map": dict(sorted(weight_map.items()))}
-    return json.dumps(index, indent=2) + "\n"
 
 
 def output_bytes(items: Sequence[OutTensor], max_shard_size: int | None, metadata: dict | None,
