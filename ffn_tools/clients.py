@@ -335,12 +335,19 @@ def runtime(fmt: "Format", name: str | None = None) -> Client:
     the default); a ``NoClient`` saying why where no runtime here loads the format.
 
     Raises:
-        FFNToolsError: ``name`` is not one of the format's runtimes (naming them).
+        FFNToolsError: ``name`` is not one of the format's runtimes (naming them), or the format builds another
+            runtime's client for it.
     """
     if name is None and not fmt.runtimes:
         return NoClient(fmt.name, fmt.unloaded or f"no runtime here loads {fmt.name} checkpoints")
     if name is not None and name not in fmt.runtimes:
-        have = (f"the runtimes that load them: {fmt.runtimes[0]} (the default){''.join(', ' + r for r in fmt.runtimes[1:])}"
-                if fmt.runtimes else f"no runtime here loads them{f' ({fmt.unloaded})' if fmt.unloaded else ''}")
+        others = "".join(f", {r}" for r in fmt.runtimes[1:])
+        have = (f"the runtimes that load them: {fmt.runtimes[0]} (the default){others}" if fmt.runtimes else
+                f"no runtime here loads them{f' ({fmt.unloaded})' if fmt.unloaded else ''}")
         raise FFNToolsError(f"runtime {name!r} (--client) does not load {fmt.name} checkpoints here; {have}")
-    return fmt.load_runtime(name or fmt.runtimes[0])
+    picked = name or fmt.runtimes[0]
+    client = fmt.load_runtime(picked)
+    if client.runtime != picked:  # a declaration that builds another runtime than it names: never judged by it
+        raise FFNToolsError(f"the {fmt.name} format's load_runtime({picked!r}) built {client!r}, whose runtime is "
+                            f"{client.runtime}: its runtimes and load_runtime disagree")
+    return client

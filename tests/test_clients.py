@@ -302,6 +302,9 @@ def test_a_format_lists_its_runtimes_and_the_lookup_names_them():
     assert "Meta's and Mistral's own code" in runtime(native).load_check(None).skipped
     with pytest.raises(FFNToolsError, match="no runtime here loads them .Meta's"):
         runtime(native, "transformers")
+    fmt.load_runtime = lambda name: converters.get("torch").load_runtime("transformers")  # ignores its name
+    with pytest.raises(FFNToolsError, match=r"load_runtime\('toy'\) built <client transformers>.*disagree"):
+        runtime(fmt, "toy")
 
 
 def test_a_runtime_without_an_answer_says_not_applicable_not_transformers_answer(model_dir):
