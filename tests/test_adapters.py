@@ -117,7 +117,7 @@ def test_relayout_is_exact_both_ways(arch, lora, first, then, base, tmp_path):
 
 def test_fusing_gate_and_up_with_different_a_is_a_block_structure():
     """Two LoRAs whose A differ fuse into rank r_gate + r_up, A stacked, B block-diagonal: the same deltas."""
-    from ffn_tools.adapters.model import Adapter, Lora
+    from ffn_tools.adapters.model import Adapter, AdapterError, Lora
 
     torch.manual_seed(0)
     names = [f"model.layers.0.mlp.{p}.weight" for p in FFN]
@@ -128,7 +128,7 @@ def test_fusing_gate_and_up_with_different_a_is_a_block_structure():
     assert gu.rank == 5 and "block structure" in " ".join(changes)
     assert torch.equal(gu.delta(torch.float64)[:12], loras[names[0]].delta(torch.float64))
     assert torch.equal(gu.delta(torch.float64)[12:], loras[names[1]].delta(torch.float64))
-    with pytest.raises(Exception, match="different scales"):
+    with pytest.raises(AdapterError, match="different scales"):
         relayout.fuse(Adapter(Path("x"), "peft", {**loras, names[1]: Lora(names[1], loras[names[1]].a,
                                                                           loras[names[1]].b, 0.25)}))
 
