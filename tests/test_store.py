@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,3 +148,42 @@ def test_zip_pickles_are_read_and_copied_by_offset(model_dir, tmp_path):
     torch.save(full, legacy / "pytorch_model.bin", _use_new_zipfile_serialization=False)
     with open_checkpoint(legacy) as c:
         assert all(c.info(n).start is None for n in c) and all(torch.equal(c[n], full[n]) for n in c)
+
+
+def test_a_checkpoint_pickles_as_how_to_open_it_again(model_dir, tmp_path, monkeypatch):
+    """A --ray task's plan slice carries its input checkpoint: pickled as its format, path (absolute) and which
+    object of what opening it gives, never its open files; opened again elsewhere (another working directory), it
+    reads the same tensors."""
+    import pickle
+
+    from ffn_tools.converters import open_any
+
+    src = model_dir("llama")
+    monkeypatch.chdir(src.parent)
+    with open_any(src.name) as ckpt:  # a relative path, as a user gives it
+        want = {name: ckpt[name] for name in ckpt}
+        blob, blob_stored = pickle.dumps(ckpt), pickle.dumps(ckpt.stored)  # in the driver's working directory
+        assert len(blob) < 2000  # a recipe, not the tensors
+        monkeypatch.chdir(tmp_path)  # the task's working directory is not the driver's
+        again = pickle.loads(blob)
+        assert type(again) is type(ckpt) and again.format.name == ckpt.format.name
+        assert Path(again.path) == src.resolve() and list(again) == list(ckpt)
+        for name, t in want.items():
+            assert torch.equal(again[name], t)
+        stored = pickle.loads(blob_stored)  # the checkpoint a view decodes comes back as itself
+        assert type(stored) is type(ckpt.stored)
+
+
+def test_a_single_file_carries_every_side_file_verify_compares(tmp_path):
+    """Beside a single .safetensors input, the executor carries config.json and every side file a client reads
+    (``io.store.SIDE_FILES``: the list verify compares, mistral_common's tekken.json and tokenizer.model.v3 too)."""
+    from ffn_tools.executor import side_files
+    from ffn_tools.io.store import SIDE_FILES
+
+    save_file({"w": torch.zeros(2, 2)}, tmp_path / "model.safetensors")
+    for name in ("config.json", "tekken.json", "tokenizer.model.v3", "tokenizer.json", "notes.txt"):
+        (tmp_path / name).write_text("{}")
+    with open_checkpoint(tmp_path / "model.safetensors") as ckpt:
+        carried = {p.name for p in side_files(ckpt)}
+    assert carried == {"config.json", "tekken.json", "tokenizer.model.v3", "tokenizer.json"}
+    assert {"tekken.json", "tokenizer.model.v3"} <= set(SIDE_FILES)

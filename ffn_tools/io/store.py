@@ -217,9 +217,9 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
 
     def __reduce__(self):
         """Pickled as how to open it again, not as its open files: its format plug-in (``Format.open``, the core's
-        reader where none opened it), path and ``absent_shards``, and which of what that opens it is (the view, or
+        reader where none opened it), path (made absolute: a task runs elsewhere) and ``absent_shards``, and which of what that opens it is (the view, or
         the checkpoint the view decodes). A ``--ray`` task's plan slice reads its input so (``cluster``)."""
-        return reopen, (self.format, self.path, bool(self.stored.absent), type(self))
+        return reopen, (self.format, Path(os.path.abspath(self.path)), bool(self.stored.absent), type(self))
 
     def close(self) -> None:
         """Release open files; the mapping is unusable afterwards."""
