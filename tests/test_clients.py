@@ -363,3 +363,24 @@ def test_a_load_check_of_a_planned_output_the_runtime_has_not_is_said(model_dir,
     assert r["warnings"][0] == ("--load-check did not run: the load check of a planned output: not applicable "
                                 "for toy"), r["warnings"]
     assert len(r["warnings"]) == 2 and "transformers' llama model class holds its FFNs" in r["warnings"][1]  # its data
+
+
+def test_verify_client_picks_a_runtime_and_names_what_it_does_not_answer(model_dir, monkeypatch):
+    """verify --client toy: B judged by the toy runtime (its load check), and its config and side files said not
+    compared, not applicable for toy, in the verdict itself (never transformers' answer passed off as toy's)."""
+    from ffn_tools import converters
+
+    torch_format = converters.get("torch")
+    real = torch_format.load_runtime
+    monkeypatch.setattr(type(torch_format), "runtimes", ("transformers", "toy"))
+    monkeypatch.setattr(torch_format, "load_runtime", lambda name: _Toy.client() if name == "toy" else real(name))
+    src = model_dir("llama")
+    data = json.loads(run_cli("verify", src, src, "--client", "toy", "--backend", "reference", "--json",
+                              ok=None).stdout)
+    assert data["load_check"]["client"] == "toy" and data["load_check"]["ok"]
+    said = [s for s in data["not_run"] if "not applicable for toy" in s]
+    assert len(said) == 2 and said[0].startswith("config not compared") and said[1].startswith("side files not"), \
+        data["not_run"]
+    assert all(s in data["verdict"] for s in said), data["verdict"]
+    r = run_cli("verify", src, src, "--client", "nope", "--backend", "reference", ok=False)
+    assert "'nope'" in r.output and "transformers (the default), toy" in r.output
