@@ -257,7 +257,7 @@ def verify(a, b, **options):
     any format the registry reads (``converters.open_sides``). ``verify("BASE+ADAPTER", MERGED)`` and
     ``verify(ADAPTER, ADAPTER2)`` verify adapters (``adapters.verify``: ``tokens``, ``seed``, ``scheme`` and
     ``backends`` apply)."""
-    from ffn_tools.converters import open_sides
+    from ffn_tools.converters import convert as converting, open_sides
 
     from .adapters.verify import involves_adapters
 
@@ -274,4 +274,4 @@ def verify(a, b, **options):
     with cluster.linked(ray) as link:  # --ray: connecting to Ray while the engine's imports (torch) run
         from .verification.engine import verify as run
 
-        return run(a, b, opener=open_sides, ray=link, ledger=steps, **options)
+        return run(a, b, opener=open_sides, converter=converting, ray=link, ledger=steps, **options)

@@ -105,7 +105,7 @@ def done(value: T) -> "Future[T]":
     return f
 
 
-def verify(a, b, *, opener: Opener, **options) -> VerifyReport:
+def verify(a, b, *, opener: Opener, converter: Callable[..., object] | None = None, **options) -> VerifyReport:
     """Verify that checkpoint ``b`` holds the same FFNs as checkpoint ``a``.
 
     Args:
@@ -114,6 +114,8 @@ def verify(a, b, *, opener: Opener, **options) -> VerifyReport:
         opener: ``(path, side, absent_shards, like=A's checkpoint or None) -> (checkpoint, None)`` or
             ``(None, problem)`` where the files are there but cannot be read as their format (raising where there
             is no checkpoint at all): the format registry's (``converters.open_sides``), which the API passes.
+        converter: the format registry's conversion (``converters.convert``, which the API passes): re-derives
+            B's form from A for --generate's noise floor (None: that floor is not measured, and the report says so).
 
     Returns:
         The report; ``report.passed`` is the verdict.
@@ -137,7 +139,7 @@ def verify(a, b, *, opener: Opener, **options) -> VerifyReport:
         (ca, ea), (cb, eb) = _open(a, b, opener, selection[0] is not None, stack)
         if ea or eb:
             return _unreadable(a, b, ca, cb, (ea, eb), kernels, o)
-        run = Run(a, b, o, ca, cb, runtime(cb.format, o.client), selection)  # B's runtime: what it loads
+        run = Run(a, b, o, ca, cb, runtime(cb.format, o.client), selection, converter)  # B's runtime: what it loads
         _before_work(run)
         # first, before any work: a missing client of B's format says so (transformers': its load check not run)
         with progress.doing(f"verify: the load check (would B load in {run.client.name}?)"):  # seconds: its imports
@@ -173,6 +175,7 @@ class Run:
     cb: Any
     client: Client
     selection: tuple
+    converter: Callable[..., object] | None = None
     partial: list = field(default_factory=list)
     clients: tuple[Client, Client] | None = None
     no_logits: str | None = None  # shards absent: the clients load every shard
@@ -181,7 +184,7 @@ class Run:
     def models(self) -> Models:
         """Both sides as whole models, run by ``clients`` (which are there)."""
         assert self.clients is not None
-        return Models((self.a, self.b), (self.ca, self.cb), self.clients)
+        return Models((self.a, self.b), (self.ca, self.cb), self.clients, self.converter)
 
 
 def _open(a, b, opener: Opener, some_layers: bool, stack: ExitStack) -> list[tuple]:

@@ -135,12 +135,13 @@ def _tokens_differ(i: int, text: str, a: Generation, b: Generation) -> str:
     return f"prompt {i + 1} {text[:SHOWN]!r}: token {k + 1} is {sa} in A, {sb} in B ({len(x)} vs {len(y)} tokens)"
 
 
-def floor_side(a: Path, ca, cb, recipe: dict | None, a_dtype: str | None, clients: tuple[Client, Client],
-               tmp: Path, allow_config: Sequence[str] = ()) -> tuple[Path, Client, str | None, str] | str:
+def floor_side(models: Models, recipe: dict | None, a_dtype: str | None, tmp: Path,
+               allow_config: Sequence[str] = ()) -> tuple[Path, Client, str | None, str] | str:
     """A' (see the module docstring): (its path, the client that runs it, the dtype to compute in, how it was
     made in words), or why there is none. ``recipe``: B's form as ``convert`` options (``Format.recipe``);
     ``a_dtype``: A's weights' dtype; ``allow_config``: the settings verify accepts differing, which the floor's
-    conversion accepts too."""
+    conversion (``models.convert``, the registry's) accepts too."""
+    a, (ca, cb), clients = Path(models.paths[0]), models.ckpts, models.clients
     fa, fb = ca.format, cb.format
     if recipe is None:
         return f"B's form ({cb.described}) cannot be re-derived from A here"
@@ -149,13 +150,13 @@ def floor_side(a: Path, ca, cb, recipe: dict | None, a_dtype: str | None, client
         return a, clients[0], None, f"A run again by {clients[0].name} (its run-to-run noise)"
     if plain:
         return a, clients[0], recipe["dtype"], f"A computed in B's dtype {recipe['dtype']} by {clients[0].name}"
-    from ..converters import convert
-
+    if models.convert is None:
+        return f"B's form ({cb.described}) cannot be re-derived from A here (no converter was given)"
     out = floor_path(tmp, Path(cb.path))
     words = ", ".join(f"{k} {v}" for k, v in recipe.items() if v is not None and v is not True)
     log.info("re-deriving B's form from A for the noise floor (%s: %s)", fb.name, words)
     try:
-        convert(str(a), fb.name, out, allow_config=allow_config, **recipe)
+        models.convert(str(a), fb.name, out, allow_config=allow_config, **recipe)
     except FFNToolsError as e:
         return f"B's form ({fb.name}, {words}) could not be re-derived from A: {e}"
     return out, clients[1], None, f"A converted to B's form ({fb.name}, {words}) by ffn-tools, run by {clients[1].name}"
@@ -187,7 +188,7 @@ def run_generation(models: Models, recipe: dict | None, a_dtype: str | None, pro
     gb = _run(clients[1], Path(b), "B", prompts, new_tokens, ga.sequences, notes=res.notes)
     res.stats, res.prompts, res.positions = statistics(prompts, ga, gb)
     with tempfile.TemporaryDirectory(prefix="ffn-tools-floor-") as d:
-        side = floor_side(Path(a), ca, cb, recipe, a_dtype, clients, Path(d), allow_config)
+        side = floor_side(models, recipe, a_dtype, Path(d), allow_config)
         if isinstance(side, str):
             res.not_judged = side
             res.floor_stats = {}

@@ -5,7 +5,7 @@ Torch-free: the CLI reads its defaults from here (``DEFAULT_TOKENS``) without im
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -112,9 +112,11 @@ class VerifyOptions:
 
 @dataclass(frozen=True)
 class Models:
-    """Both sides as whole models (``--logits``, ``--generate``): their paths, their checkpoints open, and the
-    clients that run them (A's, B's)."""
+    """Both sides as whole models (``--logits``, ``--generate``): their paths, their checkpoints open, the clients
+    that run them (A's, B's), and ``convert``: the format registry's conversion (``converters.convert``, which
+    the API passes), that re-derives B's form from A for --generate's noise floor; None: no floor is measured."""
 
     paths: tuple[Any, Any]
     ckpts: tuple[Any, Any]
     clients: "tuple[Client, Client]"
+    convert: Callable[..., Any] | None = None
