@@ -149,6 +149,18 @@ def test_every_reversible_op_is_undone_by_its_reverse_bit_for_bit(case):
     assert same(back.apply(op.apply(ts)), ts)
 
 
+@given(st.integers(3, 8).flatmap(lambda n: st.permutations(range(n))), st.integers(1, 3), st.sampled_from(DTYPES),
+       st.data())
+@FAST
+def test_a_row_order_is_undone_by_its_inverse_order(order, block, dtype, data):
+    """Permute (rotary q/k rows reordered per head): its reverse is the inverse order, not the order again."""
+    t = tensor(data.draw, (len(order) * block, 2), dtype)
+    op = Permute(tuple(order), 0, block)
+    moved = op.apply([t])
+    assert same(op.reverse().apply(moved), [t])
+    assert same(moved, [torch.cat([t[i * block:(i + 1) * block] for i in order])])
+
+
 @pytest.mark.parametrize("src,dst", [("BF16", "F32"), ("F16", "F32"), ("F32", "F64"), ("I8", "I16"), ("U8", "I32"),
                                      ("F8_E4M3", "BF16"), ("BF16", "BF16")])
 @given(seed=st.integers(0, 2**31 - 1))

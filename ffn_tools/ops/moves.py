@@ -275,7 +275,7 @@ class Reshape(Each):
     before: tuple[int, ...] | None = None  # the input's shape: what ``reverse`` gives back
 
     def apply(self, ts: list) -> list:
-        return [t.reshape(self.shape) for t in ts]
+        return [t.reshape(self.shape).contiguous() for t in ts]
 
     def reverse(self) -> Op | None:
         return None if self.before is None else Reshape(self.before, self.shape)
