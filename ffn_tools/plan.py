@@ -56,7 +56,8 @@ class Entry:
                  sources: tuple[tuple[str, tuple[int, ...]], ...] | None = None, text: str | None = None,
                  into: Callable[[Any, Any], object] | None = None) -> None:
         if callable(ops) and not isinstance(ops, Op):  # transitional: compute, pieces, note[, reads]
-            pieces, note = (list(legacy) + [None, ""])[:2]
+            pieces = legacy[0] if legacy else None
+            note = legacy[1] if len(legacy) > 1 else ""
             reads = legacy[2] if len(legacy) > 2 else reads
             ops = (Fn(ops, pieces, note, into),)
         elif legacy or into is not None:
