@@ -167,12 +167,15 @@ def test_nodes_on_this_machine_are_not_probed_and_the_others_are(cluster, tmp_pa
 
 
 def test_the_library_runs_on_ray_as_the_command_line_does(cluster, sharded, tmp_path):
-    """ffn_tools.fuse_gateup(..., ray=ADDRESS): the tasks run the same library call again (its options are plain)."""
+    """ffn_tools.fuse_gateup(..., ray=ADDRESS): the tasks are given the plan's slices, as for the command line."""
     import ffn_tools
 
+    from ffn_tools.layouts import CONCAT
+
     one, many = tmp_path / "one" / "out", tmp_path / "ray" / "out"
-    ffn_tools.fuse_gateup(str(sharded), str(one), max_shard_size=30_000)
-    ffn_tools.fuse_gateup(str(sharded), str(many), max_shard_size=30_000, ray=cluster.address)
+    ffn_tools.fuse_gateup(str(sharded), str(one), max_shard_size=30_000, layout=CONCAT)
+    # an option that is not plain data (a layout object): nothing runs the call again, so nothing needs it to be
+    ffn_tools.fuse_gateup(str(sharded), str(many), max_shard_size=30_000, layout=CONCAT, ray=cluster.address)
     assert _digest(many) == _digest(one)
 
 
