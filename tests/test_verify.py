@@ -799,3 +799,20 @@ def test_expected_is_derived_once_from_b_client_and_settled_in_one_loop():
     assert expected.settle(outside, sides) == ["norm settled by the client"]
     assert calls == [(0.5, 0.25)] and outside.within == 1 and outside.passed
     assert Expected.derive(Client(), ca, cb, paired=False).left_out() == frozenset()
+    assert expected.a_as_loaded(["model.norm.weight"])[::2] == (frozenset(), None)  # A as stored: no pairing
+
+    class Sanitize:  # B's client computes one of A's FFN tensors when it loads A
+        def computed(self, names):
+            return {n for n in names if n.endswith("gate_proj.weight")}
+
+        def read(self, name):
+            return torch.full((2,), 7.0)
+
+        def describe(self, names):
+            return f"computed: {names}"
+
+    loaded = Expected(expected.transforms, Sanitize())
+    computed, view, note = loaded.a_as_loaded(["mlp.gate_proj.weight", "mlp.up_proj.weight"])
+    assert computed == {"mlp.gate_proj.weight"} and note == "computed: ['mlp.gate_proj.weight']"
+    a = view({"mlp.gate_proj.weight": torch.zeros(2), "mlp.up_proj.weight": torch.ones(2)})
+    assert torch.equal(a["mlp.gate_proj.weight"], torch.full((2,), 7.0)) and torch.equal(a["mlp.up_proj.weight"], torch.ones(2))

@@ -253,7 +253,7 @@ def _compare(run: Run, report: VerifyReport, ffns: tuple[FFNSet, FFNSet], kernel
     settles, then the kernel backends on the first FFN of each kind."""
     o, (fa, fb) = run.o, ffns
     on_reference = not o.backends or "reference" in o.backends or list(o.backends) == [ALL]
-    pairs = check_pairs(report, (run.ca, run.cb), ffns, kernels, expected.pairing, stack,
+    pairs = check_pairs(report, (run.ca, run.cb), ffns, kernels, expected, stack,
                         PairOptions.of(o, run.selection, on_reference))
     report.outside = _outside(run.ca, run.cb, fa, fb, o.ffn_only or bool(any(run.selection)), o.atol, o.rtol,
                               expected.left_out())

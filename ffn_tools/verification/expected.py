@@ -101,6 +101,42 @@ class TiedHead:
         return tied.reconcile(outside, sides.ca, sides.cb, sides.ties)
 
 
+class AsLoaded(Mapping):
+    """A's tensors read through ``through`` (its checkpoint, or the read-ahead stream), except ``computed``
+    (``Pairing.computed``): those as B's client computes them (``pairing.read``)."""
+
+    def __init__(self, through: Mapping, pairing: Pairing, computed: set[str]):
+        self.through, self.pairing, self.computed = through, pairing, computed
+
+    def __getitem__(self, name: str):
+        return self.pairing.read(name) if name in self.computed else self.through[name]
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self.through
+
+    def __iter__(self):
+        return iter(self.through)
+
+    def __len__(self) -> int:
+        return len(self.through)
+
+
+@dataclass(frozen=True)
+class LoadedView:
+    """A mapping of A's tensors seen as B's client loads A (``AsLoaded``): what ``PairChecker`` reads A through."""
+
+    pairing: "Pairing"
+    computed: frozenset[str]
+
+    def __call__(self, through: Mapping) -> Mapping:
+        return AsLoaded(through, self.pairing, set(self.computed))
+
+
+def as_stored(through: Mapping) -> Mapping:
+    """A's tensors as stored: B's client computes none of them."""
+    return through
+
+
 def tolerance_check(atol, rtol) -> Callable:
     """``(name, a, b, bits) -> why or None``: a tensor pair within its row (the outside check's criterion)."""
     def check(name, a, b, bits):
@@ -129,6 +165,14 @@ class Expected:
             transforms.append(Loaded(pairing))
         transforms.append(TiedHead())
         return cls(tuple(transforms), pairing)
+
+    def a_as_loaded(self, names: list[str]) -> tuple[frozenset[str], Callable[[Mapping], Mapping], str | None]:
+        """Of A's FFN tensors ``names``, those B's client computes when it loads A (``Pairing.computed``), how to
+        read A's tensors so (a view of a mapping of them), and the note saying so (None where it computes none)."""
+        computed = frozenset(self.pairing.computed(names)) if self.pairing is not None else frozenset()
+        if self.pairing is None or not computed:
+            return frozenset(), as_stored, None
+        return computed, LoadedView(self.pairing, computed), self.pairing.describe(sorted(computed))
 
     def left_out(self) -> frozenset[str]:
         """B's tensors the plain outside comparison leaves to a transform."""

@@ -11,18 +11,18 @@ from contextlib import ExitStack
 from typing import Any
 
 from .. import cluster, progress
-from ..clients import Pairing
 from ..detect import FFNSet
 from ..errors import FFNToolsError
 from ..ffn import ACTIVATIONS, FFN
 from ..io.mapped import Mapped
 from . import distributed, ledger, steps as planned
+from .expected import Expected
 from .experts import check_batch
 from .functional import NOT_COMPUTED, reference_backend
 from .pairs import PairChecker
 from .report import VerifyReport
 from .sides import check_selection, select
-from .steps import AsLoaded, PairOptions, Step, _as_stored, _reads, _rows, coarsest, plan_steps
+from .steps import PairOptions, Step, _as_stored, _reads, _rows, coarsest, plan_steps
 from .stored import candidates
 from .stream import TensorStream
 
@@ -30,15 +30,15 @@ log = logging.getLogger(__name__)
 
 
 def check_pairs(report: VerifyReport, sides: tuple, ffns: tuple[FFNSet, FFNSet], kernels: Future,
-                pairing: Pairing | None, later: ExitStack, opts: PairOptions) -> "PairRun | NoPairs":
-    """Every FFN pair's checks (``PairChecker``), the weights streamed (``TensorStream``); ``pairing``: A as B's
-    client loads it (``Client.pairing``); ``later``: verify's stack, which lets go of what the run holds where
+                expected: Expected, later: ExitStack, opts: PairOptions) -> "PairRun | NoPairs":
+    """Every FFN pair's checks (``PairChecker``), the weights streamed (``TensorStream``); ``expected``: B as
+    derived from A through B's client (A's FFN tensors as it computes them, ``Expected.a_as_loaded``); ``later``: verify's stack, which lets go of what the run holds where
     verify fails before it ends. Returns the run, whose ``run_kernels`` (``kernels``: the future resolving them)
     ``verify`` calls after the outside comparison."""
     pairs, rb = _paired(report, ffns, opts)
     if not pairs:
         return NoPairs()
-    run = PairRun(report, sides, ffns, pairs, rb, kernels, pairing, opts)
+    run = PairRun(report, sides, ffns, pairs, rb, kernels, expected, opts)
     run.start(later)
     return run
 
@@ -79,17 +79,15 @@ class PairRun:
     driver's part here and the rest as tasks), their results and what is said of them into the report."""
 
     def __init__(self, report: VerifyReport, sides: tuple, ffns: tuple[FFNSet, FFNSet], pairs: list, rb: dict,
-                 kernels: Future, pairing: Pairing | None, opts: PairOptions):
+                 kernels: Future, expected: Expected, opts: PairOptions):
         self.report, (self.ca, self.cb), self.pairs, self.rb, self.kernels = report, sides, pairs, rb, kernels
         self.bits, self.rows = _rows(report, self.ca, self.cb, pairs, opts)
         self.exact, self.opts = opts.exact, opts
         self.reference = {"reference": reference_backend()} if opts.on_reference else {}
         names = [n for _, x, _ in pairs for n in x.names.values()]
-        self.computed = pairing.computed(names) if pairing is not None else set()
-        loads = pairing if self.computed else None  # A's FFN tensors B's client computes: read so
-        if loads is not None:
-            report.notes.append(loads.describe(sorted(self.computed)))
-        view = (lambda m: AsLoaded(m, loads, self.computed)) if loads is not None else (lambda m: m)
+        self.computed, view, note = expected.a_as_loaded(names)  # A's FFN tensors B's client computes: read so
+        if note is not None:
+            report.notes.append(note)
         self.checker = PairChecker(self.ca, self.cb, *ffns, self.reference, opts.exact, opts.seed, opts.tokens,
                                    bytes_first=self.as_bytes, from_pages=self.from_pages, a_view=view)
         log.info("verifying %d FFN pairs, %d tokens, tolerance %s", len(pairs), opts.tokens,

@@ -5,15 +5,14 @@ tolerance row; what a step reads ahead (``stream``). ``pairrun`` runs them."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..clients import Pairing
 from ..ffn import FFN
 from ..io.dtypes import short_name
 from ..tolerances import tolerance_for
+from .expected import AsLoaded  # noqa: F401  (where it was: A's tensors as B's client computes them)
 from .experts import BATCH_BYTES, batch_key, pair_bytes
 from .functional import KERNEL_DTYPES
 from .pairs import PairChecker
@@ -22,26 +21,6 @@ from .report import VerifyReport
 
 log = logging.getLogger(__name__)
 PAGED_PAIR_BYTES = 1 << 30  # a pair above this (A's FFN + B's) is read from mapped pages by parts, not held whole
-
-
-class AsLoaded(Mapping):
-    """A's tensors read through ``through`` (its checkpoint, or the read-ahead stream), except ``computed``
-    (``Pairing.computed``): those as B's client computes them (``pairing.read``)."""
-
-    def __init__(self, through: Mapping, pairing: Pairing, computed: set[str]):
-        self.through, self.pairing, self.computed = through, pairing, computed
-
-    def __getitem__(self, name: str):
-        return self.pairing.read(name) if name in self.computed else self.through[name]
-
-    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
-        return name in self.through
-
-    def __iter__(self):
-        return iter(self.through)
-
-    def __len__(self) -> int:
-        return len(self.through)
 
 
 def _kernel_kind(cb, y: FFN, bits) -> tuple:
