@@ -461,3 +461,19 @@ def test_dcp_to_dcp_writes_its_own_rank_files_not_the_inputs(llama, tmp_path):
     run_cli("convert", tmp_path / "hf-names", "--to", "dcp", "-o", tmp_path / "titan")
     expected = _adapter("llama3", "debugmodel").from_hf(dict(tensors(llama)))
     assert_identical(_dcp_load(tmp_path / "titan"), {k: v.contiguous() for k, v in expected.items()})
+
+
+@pytest.mark.parametrize("rows,heads", [(64, 4), (96, 3), (8, 1)])
+def test_torchtitan_rotary_order_is_unpermute_as_a_permute_op(rows, heads):
+    """The torchtitan export's q/k rows are a ``Permute`` op (data, reversible) of the order ``native.layout.unpermute``
+    computes, and its reverse is ``permute``: both bit for bit."""
+    from ffn_tools.converters.dcp.export import _rotary_order
+    from ffn_tools.converters.native.layout import permute, unpermute
+    from ffn_tools.ops import Permute
+
+    w = torch.randn(rows, 5, dtype=torch.bfloat16)
+    op = Permute(_rotary_order(rows, heads))
+    (out,) = op.apply([w])
+    assert torch.equal(out, unpermute(w, heads)) and not (rows > 2 and torch.equal(out, w))
+    (back,) = op.reverse().apply([out])
+    assert torch.equal(back, w) and torch.equal(permute(out, heads), w)

@@ -254,7 +254,7 @@ def test_v4_keys_fill_nulls_and_read_back_null(tmp_path, model_dir):
 
 def test_runs_through_the_one_executor(model_dir, tmp_path, monkeypatch):
     """The plan is what is written: --dry-run lists it, progress counts it, a failure leaves nothing behind."""
-    import ffn_tools.plan as plan_mod
+    import ffn_tools.executor as executor
 
     src = model_dir("llama")
     dry = convert(src, "flax", tmp_path / "dry", dry_run=True, flax_layout="linen")
@@ -268,8 +268,8 @@ def test_runs_through_the_one_executor(model_dir, tmp_path, monkeypatch):
                                                       ".msgpack file")):
         convert(src, "flax", tmp_path / "one.msgpack", max_shard_size=10_000, dry_run=True)
     calls = []
-    real = plan_mod.execute
-    monkeypatch.setattr(flax_format, "execute", lambda *a, **k: calls.append(k["writer"]) or real(*a, **k))
+    real = executor.execute
+    monkeypatch.setattr(flax_format, "execute", lambda plan, run: calls.append(run.writer) or real(plan, run))
     bars = progress_bars(monkeypatch)
     r = convert(src, "flax", tmp_path / "out", dtype="bfloat16")
     assert r["tensors"] == len(dry["plan"]) and r["bytes"] == dry["bytes"] // 2 and r["changes"][-1] == \

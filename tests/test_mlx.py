@@ -563,3 +563,34 @@ def test_the_view_traces_b_through_a_s_layout_when_a_is_its_source(arch, hf, exp
     if arch == "llama":
         with open_any(fused) as a, open_any(out, like=a) as b:
             assert built and {n: tuple(b.info(n).shape) for n in b} == want
+
+
+def test_quantize_op_declares_its_place_and_shared_job_and_travels_as_data(hf, tmp_path):
+    """A quantized weight's parts are ``Quantize`` ops of one ``QuantJob``: the entry's ``place`` and ``shared`` come
+    from what the op declares (the job, told where each part goes), and pickled with its entries (a ``--ray`` task's
+    slice) the parts still share one job, without the pool, futures or places of the process that planned them,
+    and make the bytes ``mx.quantize`` makes of the whole weight."""
+    import pickle
+
+    from ffn_tools.converters.mlx.ops import Quantize
+    from ffn_tools.converters.mlx.quant import part_specs
+    from ffn_tools.converters.mlx.quantize import PARTS, QuantJob
+    from ffn_tools.plan import Entry
+
+    ckpt = open_any(hf("llama", torch.bfloat16))
+    name = "model.layers.0.mlp.gate_proj.weight"
+    info = ckpt.info(name)
+    job = QuantJob(ckpt, (name,), tuple(info.shape), "BF16", None, 64, 4)
+    specs = part_specs(tuple(info.shape), "BF16", 64, 4, "affine")
+    entries = [Entry(f"w.{PARTS[k]}", st, shape, (), (Quantize(job, k),), reads=0) for k, (st, shape) in
+               enumerate(specs)]
+    assert all(e.shared is job for e in entries) and all(e.place is not None for e in entries)
+    job.dests = {0: ("planned-here", 0)}  # what running it here holds does not travel
+    copies = pickle.loads(pickle.dumps(entries))
+    jobs = {id(e.shared) for e in copies}
+    assert len(jobs) == 1 and copies[0].shared is not job and copies[0].shared.dests == {}
+    assert copies[0].shared.pool is None and copies[0].shared.sources == (name,)
+    w = mx.array(ckpt[name].float().numpy()).astype(mx.bfloat16)
+    want = [mlx_quant.from_mx(a) for a in mx.quantize(w, group_size=64, bits=4)]
+    got = [e.apply([]) for e in copies]
+    assert [bytes(g) for g in got] == [bytes(x) for x in want]

@@ -11,30 +11,35 @@ directory reads back as the same model.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ffn_tools.detect import find_ffns
 from ffn_tools.errors import FFNToolsError, SchemeError, listing
 from ffn_tools.ffn import canonical_weights
 from ffn_tools.io.store import Checkpoint
+from ffn_tools.ops import Permute
 from ffn_tools.plan import Entry, Plan, cast_entry, dequantized_line, unquantized_config
 
-from ..native.layout import unpermute
 from .names import NAMINGS, family_of, heads_of, stacked, to_titan
 
 if TYPE_CHECKING:
     import torch
 
+def _rotary_order(rows: int, heads: int) -> tuple[int, ...]:
+    """The row order of q/k in torchtitan's rotary order (``native.layout.unpermute``: each head's rows from
+    Hugging Face's halves back to interleaved pairs): output row i is input row order[i]."""
+    per, half = rows // heads, rows // heads // 2
+    return tuple(h * per + p * half + j for h in range(heads) for j in range(half) for p in range(2))
+
+
 def _entry(ckpt: Checkpoint, name: str, key: str, dtype, heads: int | None) -> Entry:
     base = cast_entry(ckpt, name, dtype)
     if heads is None:
-        return Entry(key, base.dtype, base.shape, base.inputs, base.compute, base.pieces, f"{name}, {base.note}")
-
-    def compute(ts, cast=base.compute, heads=heads):
-        return unpermute(cast(ts), heads).contiguous()
-
-    return Entry(key, base.dtype, base.shape, base.inputs, compute, None,
-                 f"{name}, rows in torchtitan's rotary order ({heads} heads), {base.note}")
+        return replace(base, name=key, text=f"{name}, {base.note}")
+    return Entry(key, base.dtype, base.shape, base.inputs, (*base.ops, Permute(_rotary_order(base.shape[0], heads))),
+                 reads=base.reads, sources=base.sources,
+                 text=f"{name}, rows in torchtitan's rotary order ({heads} heads), {base.note}")
 
 
 def _experts(ckpt: Checkpoint, dtype, family: str) -> tuple[list[Entry], set[str]]:

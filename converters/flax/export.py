@@ -11,7 +11,6 @@ pure move; a cast is torch's ``.to``.
 from __future__ import annotations
 
 import json
-import operator
 from typing import TYPE_CHECKING, Any
 
 from ffn_tools.detect import find_ffns
@@ -19,6 +18,7 @@ from ffn_tools.errors import FFNToolsError, counted
 from ffn_tools.ffn import FFN, canonical_weights
 from ffn_tools.io.dtypes import FLOAT_ST, as_st, short_name, torch_dtype
 from ffn_tools.io.store import Checkpoint
+from ffn_tools.ops import Cast, Copy, Take, Transpose
 from ffn_tools.plan import Entry, Plan, dequantized_line, unquantized_config
 
 from . import tree
@@ -45,17 +45,13 @@ def hf_entry(ckpt: Checkpoint, name: str, dtype: torch.dtype | None) -> tuple[En
     out = _out_dtype(info.st_dtype, dtype)
     cast = out != info.st_dtype
     shape = info.shape[::-1] if transpose else info.shape  # kernel = W.T: (out, in) -> (in, out)
+    sources = ((info.st_dtype, tuple(info.shape)),)
     if not cast and not transpose:
-        copy = Entry(tree_name(path), out, shape, (name,), lambda ts: ts[0], ((0, 0, info.nbytes),), f"copy of {name}")
-        return copy, path
-
-    def compute(ts, to=torch_dtype(out) if cast else None):
-        t = ts[0].to(to) if to is not None else ts[0]
-        return t.T.contiguous() if transpose else t
-
+        return Entry(tree_name(path), out, shape, (name,), (Copy(),), sources=sources, text=f"copy of {name}"), path
+    ops = ((Cast(out, info.st_dtype),) if cast else ()) + ((Transpose(),) if transpose else ())  # a 2-D W: W.T
     how = [f"cast {short_name(info.st_dtype)} -> {short_name(out)}"] if cast else []
     how += ["transposed (kernel = W.T)"] if transpose else []
-    return Entry(tree_name(path), out, shape, (name,), compute, None, f"{name}, {', '.join(how)}"), path
+    return Entry(tree_name(path), out, shape, (name,), ops, sources=sources, text=f"{name}, {', '.join(how)}"), path
 
 
 class _Canonical:
@@ -84,8 +80,9 @@ def _linen_entries(ckpt: Checkpoint, f: FFN, dtype: torch.dtype | None, canonica
             path = (*prefix, role, leaf)
             src = f.names.get(key) or f.names["gate_up_bias" if leaf == "bias" else "gate_up"]
             if leaf == "bias" and key in f.names and f.index is None and ckpt.info(src).st_dtype == out_st:
-                yield Entry(tree_name(path), out_st, shape, inputs, operator.itemgetter(inputs.index(src)),
-                            ((inputs.index(src), 0, ckpt.info(src).nbytes),), f"{key} of {f.ref}: copy of {src}"), path
+                sources = tuple((ckpt.info(n).st_dtype, tuple(ckpt.info(n).shape)) for n in inputs)
+                yield Entry(tree_name(path), out_st, shape, inputs, (Take((inputs.index(src),)),), sources=sources,
+                            text=f"{key} of {f.ref}: copy of {src}"), path
                 continue
 
             def compute(ts, key=key, to=torch_dtype(out_st)):

@@ -40,7 +40,7 @@ def as_exported(entry, source: Checkpoint):
     """The torch tensor the MLX plan's ``entry`` computes from A (``source``)."""
     from .quant import RawTensor
 
-    made = entry.compute([source[n] for n in entry.inputs])
+    made = entry.apply([source[n] for n in entry.inputs])
     return made.to_torch() if isinstance(made, RawTensor) else made
 
 

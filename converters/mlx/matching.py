@@ -16,6 +16,7 @@ from ffn_tools.detect import find_ffns
 from ffn_tools.errors import FFNToolsError, NothingToDoError, listing
 from ffn_tools.gateup import plan_fuse, plan_split
 from ffn_tools.io.store import Checkpoint
+from ffn_tools.ops import Transpose
 from ffn_tools.plan import Entry, copy_entry
 
 from . import names as mlx_names
@@ -57,7 +58,8 @@ def _out_in(ckpt: Checkpoint, ffns) -> list[Entry]:
             continue
         info = ckpt.info(n)
         out.append(Entry(f"{n}.weight", info.st_dtype, (info.shape[0], info.shape[2], info.shape[1]), (n,),
-                         lambda ts: ts[0].transpose(1, 2).contiguous(), None, f"{n} turned to (E, out, in)"))
+                         (Transpose(1, 2),), sources=((info.st_dtype, tuple(info.shape)),),
+                         text=f"{n} turned to (E, out, in)"))
     return out
 
 

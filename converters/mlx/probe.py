@@ -98,7 +98,7 @@ class Probe:
             elif math.prod(e.shape) <= TORCH_PROBE_MAX:
                 import torch
 
-                made = e.compute([torch.from_numpy(np.array(inputs[n])) for n in e.inputs])
+                made = e.apply([torch.from_numpy(np.array(inputs[n])) for n in e.inputs])
                 out[e.name] = mx.array(made.double().contiguous().numpy())
             else:  # too large to compute eagerly: its outputs read as constants, so they are not inverted
                 out[e.name] = mx.zeros(tuple(e.shape), mx.float64)

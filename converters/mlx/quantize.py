@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .workers import QuantPool
 
 PIECE_BYTES = 64 << 20  # a weight larger than this is quantized by workers in pieces of about this many input bytes
+PARTS = ("weight", "scales", "biases")  # a quantized weight's parts, in ``part_specs``' order
 
 
 class QuantJob:
@@ -54,6 +55,18 @@ class QuantJob:
         self.dests: dict[int, tuple[str, int]] = {}  # part -> (output file, offset) a worker writes it at
         self._parts: list[RawTensor | None] | None = None
         self._left: set[int] = set()
+
+    def describe(self) -> str:
+        """How the weight is quantized, for --dry-run."""
+        cast = f" after cast to {self.target}" if self.target else ""
+        return f"mx.quantize {self.bits}-bit group {self.group_size} {self.mode}{cast}"
+
+    def __getstate__(self) -> dict:
+        """What the job is, without what running it holds (its pool, futures, parts, places): pickled with its
+        entries (a ``--ray`` task's plan slice), it runs again where it lands, in that process."""
+        state = dict(self.__dict__)
+        state.update(pool=None, index=-1, futures=[], dests={}, _parts=None, _left=set())
+        return state
 
     def args(self, rows: tuple[int, int] | None = None) -> tuple:
         """Arguments of ``quantize_files`` for this job (``rows``: one piece of it)."""

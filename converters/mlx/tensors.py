@@ -10,17 +10,18 @@ the data are input tensors, and take the whole array otherwise.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import mlx.core as mx
 
 from ffn_tools.io.dtypes import nbytes, short_name
-from ffn_tools.io.raw import RawTensor
-from ffn_tools.io.writer import Placed
+from ffn_tools.ops import Stack
 from ffn_tools.plan import Entry, copy_entry
 
 from .names import Output, SanitizeRun
-from .quant import MX_DTYPES, cast_fn, from_mx, part_specs, stream, to_mx, torch_bytes, torch_to_mx
-from .quantize import QuantJob
+from .ops import Members, MxCast, Quantize, Sanitized, StreamCast
+from .quant import part_specs, to_mx, torch_bytes, torch_to_mx
+from .quantize import PARTS, QuantJob
 
 _FLOATS = ("F32", "F16", "BF16", "F64")
 
@@ -34,27 +35,16 @@ def _plain(ckpt, e: Entry) -> str | None:
     return None
 
 
-def _torch_stack(ts):
-    import torch
-
-    return torch.stack(ts)
-
-
-def _combined(name: str, members: list[Entry], dtype: str, shape: tuple[int, ...], note: str) -> Entry:
-    """Entries stacked on a new first axis: their inputs concatenated, their pieces too where all have them."""
+def _combined(ckpt, name: str, members: list[Entry], dtype: str, shape: tuple[int, ...], note: str) -> Entry:
+    """Entries stacked on a new first axis: each made by its own ops from its inputs (concatenated), then stacked;
+    byte runs where every member has them."""
+    groups: list[tuple[int, Entry]] = []
     inputs: list[str] = []
-    pieces: list[tuple[int, int, int]] | None = []
-    spans: list[tuple[int, int]] = []
     for e in members:
-        spans.append((len(inputs), len(e.inputs)))
-        base = len(inputs)
+        groups.append((len(inputs), e))
         inputs += e.inputs
-        pieces = None if pieces is None or e.pieces is None else pieces + [(base + k, o, n) for k, o, n in e.pieces]
-
-    def compute(ts):
-        return _torch_stack([e.compute(ts[a:a + n]) for e, (a, n) in zip(members, spans)])
-
-    return Entry(name, dtype, shape, tuple(inputs), compute, tuple(pieces) if pieces is not None else None, note)
+    sources = tuple((ckpt.info(n).st_dtype, tuple(ckpt.info(n).shape)) for n in inputs)
+    return Entry(name, dtype, shape, tuple(inputs), (Members(tuple(groups)), Stack()), sources=sources, text=note)
 
 
 class _Source:
@@ -85,7 +75,7 @@ class _Source:
             return self.run().get(self.o.name)
         parts = []
         for e in self.members:
-            t = e.compute([self.ckpt[n] for n in e.inputs])
+            t = e.apply([self.ckpt[n] for n in e.inputs])
             parts.append(torch_to_mx(t))
         return parts[0] if len(parts) == 1 else mx.stack(parts)
 
@@ -93,41 +83,23 @@ class _Source:
         """The output unchanged: byte copies where it can."""
         o = self.o
         if o.computed:
-            return Entry(o.name, o.dtype, o.shape, (), lambda _: from_mx(self.array()), None, self.note())
+            return Entry(o.name, o.dtype, o.shape, (), (Sanitized(o.name, self.run),), text=self.note())
         if len(self.members) == 1:
-            e = self.members[0]
             if self.inputs:
                 return copy_entry(self.ckpt, self.inputs[0], o.name)
-            return Entry(o.name, e.dtype, e.shape, e.inputs, e.compute, e.pieces, e.note)
-        return _combined(o.name, self.members, o.dtype, o.shape, self.note())
+            return replace(self.members[0], name=o.name)
+        return _combined(self.ckpt, o.name, self.members, o.dtype, o.shape, self.note())
 
     def cast_entry(self, to: str) -> Entry:
-        """The output cast to ``to``: input rows streamed through MLX where it has them, else the whole array."""
+        """The output cast to ``to`` with MLX: input rows streamed where it has them, else the whole tensor."""
         o, inputs, note = self.o, self.inputs, f"cast to {short_name(to)} {self.note()}"
         if inputs:
-            return Entry(o.name, to, o.shape, (), lambda _: stream(self.ckpt, inputs, [(to, o.shape)], cast_fn(to))[0],
-                         None, note, reads=self.nbytes)
-        return Entry(o.name, to, o.shape, (), lambda _: from_mx(self.array().astype(MX_DTYPES[to])), None, note,
-                     reads=self.nbytes)
-
-
-class _Part:
-    """The compute of a quantized weight's part ``k``: taken from its job (the entry reads no inputs itself).
-    ``shared``: the work it is part of, which a sample run keeps only for its sampled entries (``io.sample``)."""
-
-    def __init__(self, job: QuantJob, k: int):
-        self.shared, self.k = job, k
-
-    def __call__(self, _) -> RawTensor | Placed:
-        return self.shared.part(self.k)
-
-    def place(self, path, offset: int) -> None:
-        """Where the part's bytes go (``OutTensor.place``): the job's worker may write them there."""
-        self.shared.place(self.k, path, offset)
-
-
-def _part(job: QuantJob, k: int) -> Callable[[list], RawTensor | Placed]:
-    return _Part(job, k)
+            return Entry(o.name, to, o.shape, (), (StreamCast(self.ckpt, inputs, to, tuple(o.shape)),),
+                         reads=self.nbytes, text=note)
+        if o.computed:
+            return Entry(o.name, to, o.shape, (), (Sanitized(o.name, self.run, to),), reads=self.nbytes, text=note)
+        made = self.entry()
+        return Entry(o.name, to, o.shape, made.inputs, (*made.ops, MxCast(to)), reads=self.nbytes, text=note)
 
 
 def plan_outputs(ckpt, tg, view: list[Entry], outputs: list[Output], cast: str | None, chosen: dict[str, dict],
@@ -158,14 +130,13 @@ def plan_outputs(ckpt, tg, view: list[Entry], outputs: list[Output], cast: str |
             job = QuantJob(ckpt, src.inputs or (), o.shape, o.dtype, to, g, b, mode,
                            None if src.inputs else src.array)
             jobs.append(job)
-            how = f"mx.quantize {b}-bit group {g} {mode}{' after cast to ' + to if to else ''} {src.note()}".rstrip()
-            parts = ("weight", "scales", "biases")
+            how = f"{job.describe()} {src.note()}".rstrip()
             for k, (st, shape) in enumerate(part_specs(o.shape, to or o.dtype, g, b, mode)):
-                name = f"{module}.{parts[k]}"
+                name = f"{module}.{PARTS[k]}"
                 if name in qshapes and tuple(qshapes[name]) != tuple(shape):
                     raise RuntimeError(f"internal error: {name} planned {list(shape)}, MLX's model {list(qshapes[name])}")
-                entries.append(Entry(name, st, shape, (), _part(job, k), None, f"{parts[k]} of {how}",
-                                     reads=src.nbytes if k == 0 else 0))
+                entries.append(Entry(name, st, shape, (), (Quantize(job, k),), reads=src.nbytes if k == 0 else 0,
+                                     text=f"{PARTS[k]} of {how}"))
             continue
         entries.append(src.entry() if to is None else src.cast_entry(to))
     return entries, jobs
@@ -188,6 +159,6 @@ def load_inputs(ckpt, view: list[Entry]) -> dict[str, mx.array]:
             raw = ckpt.read_raw(name)
             out[e.name] = to_mx(memoryview(raw), raw.dtype, raw.shape)
         else:
-            t = e.compute([ckpt[n] for n in e.inputs])
+            t = e.apply([ckpt[n] for n in e.inputs])
             out[e.name] = to_mx(torch_bytes(t), e.st_dtype, tuple(t.shape))
     return out
