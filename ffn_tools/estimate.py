@@ -103,8 +103,9 @@ def estimate(plan: Plan, run: Run) -> dict:
     where = out.parent if out.parent.is_dir() else Path(tempfile.gettempdir())
     with tempfile.TemporaryDirectory(prefix=".ffn-tools-estimate-", dir=where) as tmp:
         into = Path(tmp) / out.name
+        timed = _Timed(writer)
         sampled = run.but(out=into, force=True, max_shard_size=shard, resume=False, ray=None, estimate=None,
-                          hash_limit=facts["sample_reads"] or 1)  # the receipt hashes the sample's share
+                          hash_limit=facts["sample_reads"] or 1, writer=timed)  # the receipt hashes the sample's share
         started = time.time()
         try:
             with _quiet():
@@ -120,7 +121,33 @@ def estimate(plan: Plan, run: Run) -> dict:
         heavy = [f for f in files if size[f] >= 1 << 20]  # the weights: what the disk's speed is timed on
         throttle = writeback.measure(heavy, facts["bytes"])  # after ``ended``: not part of the sample's own time
     return _scaled({**facts, "weight_bytes": weight_bytes, "started": started, "ended": ended, "files": sizes,
-                    "peak_rss": rss, "writeback": throttle, "extra": sorted(run.extra_files or {})}, begun, planned)
+                    "peak_rss": rss, "writeback": throttle, "extra": sorted(run.extra_files or {}),
+                    "writing": timed.seconds}, begun, planned)
+
+
+class _Timed:
+    """The run's writer, timed: the sample's time that scales with its tensors is the writer's (the tensors made,
+    written and hashed, a quantization pool's start included); the rest (side files, the receipt, the move into place)
+    is once a run."""
+
+    def __init__(self, writer):
+        self.writer, self.seconds = writer, 0.0
+
+    def __getattr__(self, name: str):
+        return getattr(self.writer, name)  # suffix, resumable, output_bytes: the writer's own
+
+    def write_file(self, *args, **kwargs):
+        return self._timed(self.writer.write_file, *args, **kwargs)
+
+    def write_sharded(self, *args, **kwargs):
+        return self._timed(self.writer.write_sharded, *args, **kwargs)
+
+    def _timed(self, write, *args, **kwargs):
+        begun = time.time()
+        try:
+            return write(*args, **kwargs)
+        finally:
+            self.seconds += time.time() - begun
 
 
 @contextmanager
