@@ -18,6 +18,7 @@ from ffn_tools.errors import FFNToolsError, listing
 from ffn_tools.io.dtypes import as_st, short_name, torch_dtype
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.io.writer import OutTensor, Writer, produced_tensor
+from ffn_tools.ops import Cast, Copy
 from ffn_tools.plan import Entry, Plan, dequantized_line, unquantized_config
 
 from ..flax.export import hf_entry, linen
@@ -96,16 +97,15 @@ def _maxtext(ckpt: Checkpoint, dtype) -> tuple[list[Entry], dict[str, tuple[Arra
         chunks = ((1, 1, *slab) if p.expert else (slab[0], 1, *slab[1:])) if p.scanned else shape
         where = mt.index(layer, e)
 
-        def compute(ts, p=p, to=out):
-            return mt.to_slab(p, ts[0].to(to), model)
-
         how = {"as_is": "as it is", "T": "transposed"}.get(p.kind, "transposed, heads split")
         if p.kind == "query" and model.scale_query:
             how += f", scaled by head_dim**-0.5 ({short_name(store)})"
         if model.interleaves(p):
             how += ", rotary pairs interleaved"
         name = _name(keys, where)
-        entries.append(Entry(name, store, slab, (n,), compute, None, f"{n}, {how}"))
+        made = ((Cast(as_st(out), info.st_dtype),) if out != src else ()) + mt.slab_ops(p, tuple(info.shape), out, model)
+        entries.append(Entry(name, store, slab, (n,), made or (Copy(),), sources=((info.st_dtype, tuple(info.shape)),),
+                             text=f"{n}, {how}"))
         slots[name] = (Array(keys, shape, as_st(store), chunks), where)
     return entries, slots
 

@@ -33,6 +33,9 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ffn_tools.io.dtypes import as_st
+from ffn_tools.ops import Cast, Op, Permute, Reshape, Transpose
+
 if TYPE_CHECKING:
     import torch
 
@@ -147,10 +150,11 @@ def find(name: str) -> tuple[Param, int | None, int | None] | None:
     return None
 
 
-def _interleave(w: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Rows of each head from halves order (Hugging Face) to interleaved pairs, as MaxText's ``adjust_rope``."""
-    rows, cols = w.shape
-    return w.view(rows // head_dim, 2, head_dim // 2, cols).transpose(1, 2).reshape(rows, cols)
+def rotary_order(rows: int, head_dim: int) -> tuple[int, ...]:
+    """Row order of each head from halves order (Hugging Face) to interleaved pairs, as MaxText's ``adjust_rope``:
+    output row i is input row order[i] (``Permute``)."""
+    half = head_dim // 2
+    return tuple(h * head_dim + p * half + j for h in range(rows // head_dim) for j in range(half) for p in range(2))
 
 
 def _halves(w: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -176,22 +180,35 @@ def scale_in(model: Model, dtype: torch.dtype) -> float:
     return float(torch.tensor(model.scale, dtype=torch.float64).to(dtype).to(torch.float64))
 
 
-def to_slab(p: Param, w: torch.Tensor, model: Model) -> torch.Tensor:
-    """Hugging Face tensor ``w`` as its slab of MaxText's array (a pure move but for the query's scaling)."""
+@dataclass(frozen=True)
+class Scale(Op):
+    """Each tensor times ``factor`` in its own dtype: MaxText's query scaling (the product its converter computes)."""
 
+    factor: float
+
+    def apply(self, ts: list) -> list:
+        return [t * self.factor for t in ts]
+
+    def describe(self) -> str:
+        return f"scaled by {self.factor!r}"
+
+
+def slab_ops(p: Param, shape: tuple[int, ...], dtype: torch.dtype, model: Model) -> tuple[Op, ...]:
+    """The ops making Hugging Face tensor ``p`` (of ``shape``, in ``dtype``) its slab of MaxText's array: pure moves
+    but for the query's scaling (``from_slab`` undoes them)."""
     if p.kind == "as_is":
-        return w
+        return ()
     if p.kind == "T":
-        return w.T.contiguous()
+        return (Transpose(),)
     heads = model.heads if p.heads == "q" else model.kv_heads
+    rows, cols = shape
     if p.kind == "heads_out":  # o_proj (H, heads*hd) -> (heads, hd, H)
-        return w.T.reshape(heads, model.head_dim, w.shape[0]).contiguous()
-    if model.interleaves(p):
-        w = _interleave(w, model.head_dim)
+        return Transpose(), Reshape((heads, model.head_dim, rows), (cols, rows))
+    ops: list[Op] = [Permute(rotary_order(rows, model.head_dim))] if model.interleaves(p) else []
     if p.kind == "query" and model.scale_query:
-        wide = query_dtype(model, w.dtype)
-        w = w.to(wide) * scale_in(model, wide)  # computed in the stored dtype, as MaxText's converter (float32)
-    return w.T.reshape(w.shape[1], heads, model.head_dim).contiguous()
+        wide = query_dtype(model, dtype)  # computed in the stored dtype, as MaxText's converter (float32)
+        ops += [Cast(as_st(wide), as_st(dtype)), Scale(scale_in(model, wide))]
+    return *ops, Transpose(), Reshape((cols, heads, model.head_dim), (cols, rows))
 
 
 def from_slab(p: Param, s: torch.Tensor, model: Model, dtype: torch.dtype) -> torch.Tensor:
