@@ -7,37 +7,18 @@ entry needs as not wanted. The estimate streams the narrowed plan through the on
 process, into a temporary directory, its receipt hashing the sample's share of the input (``Run.hash_limit``) and its
 shards made smaller in the same proportion, so that it writes as many as the run and hashes each as the run does.
 
-``settings``, ``STREAMING``, ``NOT_SAMPLED`` and ``report`` are the sample child's mode from before the estimate ran
-in process (``FFN_TOOLS_SAMPLE``, which nothing sets now): kept only while the executor and ``io.output`` still read
-them.
+``peak`` is a process's peak RSS, as the estimate and the benchmarks measure it.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import time
-from contextvars import ContextVar
 from dataclasses import replace
 from pathlib import Path
 
-from . import writeback
-
-ENV = "FFN_TOOLS_SAMPLE"
 SHARE = 0.03  # of the bytes read: the sample
 SMALLEST = 48 << 20  # a sample reads at least this much (or everything, for a smaller output)
 LARGEST = 1 << 30  # and at most this much
-NOT_SAMPLED = 3  # the child's exit status where the output is not streamed through the executor
-
-# set by the executor around its output, in the sample run: the bytes of input the receipt may hash (0: not streaming)
-STREAMING: ContextVar[int] = ContextVar("ffn_tools_sample_streaming", default=0)
-
-
-def settings() -> dict | None:
-    """The sample run's settings, in the child of a ``--dry-run``; None in every other process."""
-    text = os.environ.get(ENV)
-    return json.loads(text) if text else None
 
 
 def reads(e) -> int:
@@ -76,7 +57,7 @@ def narrow(plan):
 
 def keep_shared(entries, chosen) -> list[int]:
     """``chosen`` (entry positions) with every entry that shares work with one of them (a quantized weight's parts:
-    ``compute.shared``, done and its bytes read once for all); the shared work no chosen entry needs is never done
+    ``Entry.shared``, done and its bytes read once for all); the shared work no chosen entry needs is never done
     (``wanted`` False: a quantization pool skips it). For a sample run, and for a ``--ray`` task's one shard."""
     shared = [e.shared for e in entries]
     kept = {id(shared[i]) for i in chosen if shared[i] is not None}
@@ -84,24 +65,6 @@ def keep_shared(entries, chosen) -> list[int]:
         if w is not None:
             w.wanted = id(w) in kept
     return sorted(set(chosen) | {i for i, w in enumerate(shared) if w is not None and id(w) in kept})
-
-
-def report(path: Path, facts: dict, started: float, out: Path) -> None:
-    """Write what the sample run measured, and end the process (nothing after the write matters to the estimate)."""
-    files = [f for f in out.rglob("*") if f.is_file()] if out.is_dir() else [out] if out.exists() else []
-    size = {f: f.stat().st_size for f in files}
-    sizes = {(f.relative_to(out).as_posix() if out.is_dir() else f.name): size[f] for f in files}
-    ended = time.time()
-    import multiprocessing
-
-    for child in multiprocessing.active_children():  # worker processes (a quantization pool): not left behind, and
-        child.kill()  # reaped first, so that their peak RSS is counted
-        child.join()
-    heavy = [f for f in files if size[f] >= 1 << 20]  # the weights: what the disk's speed is timed on
-    throttle = writeback.measure(heavy, facts["bytes"])  # after ``ended``: not part of the sample's own time
-    Path(path).write_text(json.dumps({**facts, "started": started, "ended": ended, "files": sizes, "peak_rss": peak(),
-                                      "writeback": throttle}))
-    os._exit(0)
 
 
 def peak() -> int:
