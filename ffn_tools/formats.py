@@ -143,6 +143,7 @@ class Format(ABC):
         """
         ckpt = self.read(Path(path), absent_shards=absent_shards and self.partial_shards, like=like)
         ckpt.format = ckpt.stored.format = self  # a decoding view and what it decodes
+        ckpt.like = ckpt.stored.like = like  # what it was read beside: opened again so (``Checkpoint.__reduce__``)
         return ckpt
 
     def preparing(self, ckpt: "Checkpoint", **options) -> ContextManager[None]:

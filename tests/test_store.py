@@ -172,6 +172,9 @@ def test_a_checkpoint_pickles_as_how_to_open_it_again(model_dir, tmp_path, monke
             assert torch.equal(again[name], t)
         stored = pickle.loads(blob_stored)  # the checkpoint a view decodes comes back as itself
         assert type(stored) is type(ckpt.stored)
+    with open_any(src) as a, open_any(src, like=a) as b:  # read beside another (an MLX B traces A's layout)
+        read_beside = pickle.loads(pickle.dumps(b)).like
+        assert read_beside is not None and Path(read_beside.path) == src.resolve()
 
 
 def test_a_single_file_carries_every_side_file_verify_compares(tmp_path):

@@ -110,6 +110,7 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
     absent: Mapping[str, tuple[str, ...]] = MappingProxyType({})
     resolves_quantization = False  # True: ``quantized`` says per tensor how it is stored (views that decode)
     kept_codes: frozenset[str] = frozenset()  # tensors that hold another checkpoint's stored codes (a GGUF's)
+    like: "Checkpoint | None" = None  # the checkpoint its format read it beside (``Format.open``'s ``like``)
 
     def __init__(self, path: Path, root: Path, files: list[Path], infos: dict[str, TensorInfo],
                  metadata: dict[str, str] | None = None, config: dict | None = None):
@@ -217,9 +218,12 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
 
     def __reduce__(self):
         """Pickled as how to open it again, not as its open files: its format plug-in (``Format.open``, the core's
-        reader where none opened it), path (made absolute: a task runs elsewhere) and ``absent_shards``, and which of what that opens it is (the view, or
-        the checkpoint the view decodes). A ``--ray`` task's plan slice reads its input so (``cluster``)."""
-        return reopen, (self.format, Path(os.path.abspath(self.path)), bool(self.stored.absent), type(self))
+        reader where none opened it), path (made absolute: a task runs elsewhere), ``absent_shards`` and ``like``
+        (the checkpoint it was read beside: an MLX model's layout is traced from its source's), and which of what
+        that opens it is (the view, or the checkpoint the view decodes). A ``--ray`` task's plan slice reads its input
+        so (``cluster``), and ``verify --ray``'s tasks both sides."""
+        return reopen, (self.format, Path(os.path.abspath(self.path)), bool(self.stored.absent), type(self),
+                        self.like)
 
     def close(self) -> None:
         """Release open files; the mapping is unusable afterwards."""
@@ -343,7 +347,7 @@ def config_dtype(config: dict | None) -> str | None:
     return str(value).removeprefix("torch.") if value else None
 
 
-def reopen(fmt, path: Path, absent_shards: bool, kind: type) -> Checkpoint:
+def reopen(fmt, path: Path, absent_shards: bool, kind: type, like: Checkpoint | None = None) -> Checkpoint:
     """``Checkpoint.__reduce__``'s other half: ``path`` opened again as ``fmt`` opened it, the one of type ``kind``
     (the view, or what it decodes).
 
@@ -355,7 +359,7 @@ def reopen(fmt, path: Path, absent_shards: bool, kind: type) -> Checkpoint:
 
         ckpt = open_checkpoint(path, absent_shards)
     else:
-        ckpt = fmt.open(path, absent_shards=absent_shards)
+        ckpt = fmt.open(path, absent_shards=absent_shards, like=like)
     for c in (ckpt, ckpt.stored):
         if type(c) is kind:
             return c
