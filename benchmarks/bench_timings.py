@@ -29,9 +29,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
 
 def busy(repeat: int) -> None:
     from ffn_tools.converters.mlx import workers
