@@ -545,3 +545,27 @@ def test_split_load_check_without_transformers_says_so_and_warns_from_the_family
     assert p.returncode == 0, p.stderr[-800:]
     assert "--load-check did not run: " in p.stderr and "pip install transformers" in p.stderr, p.stderr
     assert "phi3 model class holds its FFNs fused" in p.stderr, p.stderr
+
+
+def test_run_options_travel_as_one_value_and_io_imports_nothing_above_it():
+    """#53: no ContextVar carries a run option anywhere (the executor takes ``io.run.Run``; verify's Ray connection
+    and ledger are its options' fields); ``io/`` imports only the leaf modules beside it (errors, progress, sizes),
+    never the executor, Ray or the commands; nothing re-runs a command (``rerun`` is gone)."""
+    import ast
+
+    import ffn_tools
+
+    root = Path(ffn_tools.__file__).resolve().parent
+    sources = [p for base in (root, root.parent / "converters") for p in base.rglob("*.py")]
+    assert len(sources) > 100
+    carriers = [str(p) for p in sources if "ContextVar" in p.read_text()]
+    assert carriers == []
+    assert not (root / "rerun.py").exists()
+    above = []
+    for p in (root / "io").glob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level >= 2:
+                top = (node.module or "").split(".")[0]
+                if node.level > 2 or top not in ("errors", "progress", "sizes"):
+                    above.append(f"{p.name}: from {'.' * node.level}{node.module}")
+    assert above == []
