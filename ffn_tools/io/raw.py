@@ -1,6 +1,6 @@
 """``RawTensor``: a tensor's bytes with its safetensors dtype and shape, without torch.
 
-What ``Checkpoint.read_raw`` returns and ``plan.execute`` writes: readers and exports that never need torch
+What ``Checkpoint.read_raw`` returns and ``executor.execute`` writes: readers and exports that never need torch
 (MLX, byte copies) pass tensors as these (importing torch costs over a second).
 """
 

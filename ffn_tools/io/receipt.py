@@ -1,6 +1,6 @@
 """Receipts: every output says what made it and what it holds.
 
-Every output ffn-tools writes (``output.atomic_output``: plan.execute's shards, GGUF, Orbax, DCP, Flax, adapters)
+Every output ffn-tools writes (``output.atomic_output``: executor.execute's shards, GGUF, Orbax, DCP, Flax, adapters)
 carries a receipt, ``ffn-tools-receipt.json``, inside a directory output, or beside a one-file output as
 ``OUT.ffn-tools-receipt.json``:
 

@@ -1,6 +1,6 @@
 """``--resume``: a killed conversion continues from the shards it had finished.
 
-Every directory output of shards (``plan.execute`` with a writer that writes safetensors shards: split-gateup,
+Every directory output of shards (``executor.execute`` with a writer that writes safetensors shards: split-gateup,
 fuse-gateup, merge, extract, convert --to torch and --to mlx) keeps, in its temporary directory, a ledger
 ``.ffn-tools-resume/``:
 

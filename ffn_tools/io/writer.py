@@ -213,7 +213,7 @@ def output_bytes(items: Sequence[OutTensor], max_shard_size: int | None, metadat
 
 
 class Writer:
-    """How ``plan.execute`` lays the tensor stream out on disk: one file, or shards (+ an index) in a directory.
+    """How ``executor.execute`` lays the tensor stream out on disk: one file, or shards (+ an index) in a directory.
 
     The executor owns everything around it (the atomic temporary output, --force, the lock, progress, side
     files, config.json, cleanup on errors and signals); a writer only turns ``OutTensor`` items, in plan order,

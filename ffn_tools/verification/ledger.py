@@ -1,6 +1,6 @@
 """``verify --resume``: a killed verify continues from the FFN steps it had finished.
 
-Every verify keeps a ledger of its FFN steps (``steps.check_pairs``) in this user's cache (``io.cache``),
+Every verify keeps a ledger of its FFN steps (``pairrun.PairRun``) in this user's cache (``io.cache``),
 ``verify/KEY-PID/`` (``~/.cache/ffn-tools`` by default; a verify of the same pair beside it keeps its
 own; a cache that cannot be written only leaves nothing to resume from): ``plan.json`` (the key: the tool's version and
 its libraries' installs, both sides' files with their sizes and modification times, every option that shapes the
