@@ -18,7 +18,9 @@ from ffn_tools.detect import find_ffns
 from ffn_tools.errors import FFNToolsError, SchemeError, listing
 from ffn_tools.ffn import canonical_weights
 from ffn_tools.io.store import Checkpoint
-from ffn_tools.ops import Permute
+from ffn_tools.io.dtypes import as_st
+from ffn_tools.ops import Cast, Op, Permute, Stack, Transpose
+from ffn_tools.stacks import canonical_ops, stack_shape
 from ffn_tools.plan import Entry, Plan, cast_entry, dequantized_line, unquantized_config
 
 from .names import NAMINGS, family_of, heads_of, stacked, to_titan
@@ -40,6 +42,25 @@ def _entry(ckpt: Checkpoint, name: str, key: str, dtype, heads: int | None) -> E
     return Entry(key, base.dtype, base.shape, base.inputs, (*base.ops, Permute(_rotary_order(base.shape[0], heads))),
                  reads=base.reads, sources=base.sources,
                  text=f"{name}, rows in torchtitan's rotary order ({heads} heads), {base.note}")
+
+
+def _stack_ops(ckpt: Checkpoint, experts: list, role: str) -> tuple[tuple[str, ...], tuple[Op, ...]] | None:
+    """The inputs and ops making ``role``'s canonical stack (E, out, in) of a layer's ``experts`` (in order): one
+    tensor per expert stacked (each turned first where its form stores (in, out)), or the layer's stored stack read
+    back (``stacks.canonical_ops``: its ``stored_ops`` reversed); None for the other forms (a fused tensor per
+    expert, a stack some of whose experts are not written)."""
+    f0, count = experts[0], len(experts)
+    if f0.index is None and role in f0.names and not f0.form.flat:
+        used = tuple(f.names[role] for f in experts)
+        if len(set(used)) == count:
+            return used, (*((Transpose(),) if f0.form.turns(role) else ()), Stack(count))
+        return None
+    held = role if role in f0.names else "gate_up"
+    src = f0.names.get(held)
+    if (src is None or any(f.names.get(held) != src for f in experts) or [f.index for f in experts] != list(range(count))
+            or tuple(ckpt.info(src).shape) != stack_shape(f0.form, held, count, f0.d_model, f0.d_ffn)):
+        return None
+    return (src,), canonical_ops(f0.form, held, (role,), f0.layout, count, f0.d_model, f0.d_ffn)
 
 
 def _experts(ckpt: Checkpoint, dtype, family: str) -> tuple[list[Entry], set[str]]:
@@ -69,14 +90,23 @@ def _experts(ckpt: Checkpoint, dtype, family: str) -> tuple[list[Entry], set[str
             h, i = experts[0].d_model, experts[0].d_ffn
             shape = (len(experts), h, i) if role == "down" else (len(experts), i, h)
 
-            def compute(ts, role=role, experts=experts, inputs=inputs, out=out):
-                import torch
+            text = f"{role} of the {len(experts)} experts of layer {layer}, stacked"
+            made = _stack_ops(ckpt, experts, role)
+            if made is not None:
+                used, ops = made
+                cast = Cast(as_st(out), ckpt.info(used[0]).st_dtype)
+                entries.append(Entry(template.format(L=layer), out, shape, used, (*ops, cast),
+                                     sources=tuple((ckpt.info(n).st_dtype, tuple(ckpt.info(n).shape)) for n in used),
+                                     text=text))
+                continue
+
+            def compute(ts, role=role, experts=experts, inputs=inputs, out=out):  # TRANSITIONAL: a fused expert of
+                import torch  # its own, or a partial stack: canonical_weights per expert
 
                 named = dict(zip(inputs, ts))
                 return torch.stack([canonical_weights(named, f)[role].to(out) for f in experts])
 
-            entries.append(Entry(template.format(L=layer), out, shape, inputs, compute, None,
-                                 f"{role} of the {len(experts)} experts of layer {layer}, stacked"))
+            entries.append(Entry(template.format(L=layer), out, shape, inputs, compute, None, text))
     return entries, taken
 
 

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from ffn_tools.detect import find_ffns
 from ffn_tools.errors import FFNToolsError, counted
-from ffn_tools.ffn import FFN, canonical_weights
-from ffn_tools.io.dtypes import FLOAT_ST, as_st, short_name, torch_dtype
+from ffn_tools.extraction import _canonical_ops as canonical_ops  # one FFN's role as ``extract`` reads it
+from ffn_tools.ffn import FFN
+from ffn_tools.io.dtypes import FLOAT_ST, as_st, short_name
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.ops import Cast, Copy, Take, Transpose
 from ffn_tools.plan import Entry, Plan, dequantized_line, unquantized_config
@@ -54,20 +55,7 @@ def hf_entry(ckpt: Checkpoint, name: str, dtype: torch.dtype | None) -> tuple[En
     return Entry(tree_name(path), out, shape, (name,), ops, sources=sources, text=f"{name}, {', '.join(how)}"), path
 
 
-class _Canonical:
-    """The canonical weights of the FFN being written, computed once for its gate, up and down leaves."""
-
-    def __init__(self):
-        self.ref, self.weights = None, None
-
-    def __call__(self, f: FFN, inputs: tuple[str, ...], ts: list) -> dict:
-        if self.ref != f.ref:
-            self.ref = self.weights = None  # the previous FFN's weights go before this one's are made
-            self.weights, self.ref = canonical_weights(dict(zip(inputs, ts)), f), f.ref
-        return self.weights
-
-
-def _linen_entries(ckpt: Checkpoint, f: FFN, dtype: torch.dtype | None, canonical: _Canonical):
+def _linen_entries(ckpt: Checkpoint, f: FFN, dtype: torch.dtype | None):
     prefix = tree.linen_subtree(f.ref.layer, f.ref.kind, f.ref.expert)
     out_st = _out_dtype(ckpt.info(f.names["down"]).st_dtype, dtype)
     inputs = tuple(dict.fromkeys(f.names.values()))
@@ -84,13 +72,12 @@ def _linen_entries(ckpt: Checkpoint, f: FFN, dtype: torch.dtype | None, canonica
                 yield Entry(tree_name(path), out_st, shape, inputs, (Take((inputs.index(src),)),), sources=sources,
                             text=f"{key} of {f.ref}: copy of {src}"), path
                 continue
-
-            def compute(ts, key=key, to=torch_dtype(out_st)):
-                t = canonical(f, inputs, ts)[key].to(to)
-                return t.T.contiguous() if t.ndim == 2 else t.contiguous()  # kernel = W.T (in, out)
-
+            info = ckpt.info(src)
+            made = (*canonical_ops(f, key, src), Cast(out_st, info.st_dtype),
+                    *((Transpose(),) if leaf == "kernel" else ()))  # kernel = W.T (in, out)
             how = "transposed (kernel = W.T)" if leaf == "kernel" else "as it is"
-            yield Entry(tree_name(path), out_st, shape, inputs, compute, None, f"{key} of {f.ref} ({src}), {how}"), path
+            yield Entry(tree_name(path), out_st, shape, (src,), made, sources=((info.st_dtype, tuple(info.shape)),),
+                        text=f"{key} of {f.ref} ({src}), {how}"), path
 
 
 def linen(ckpt: Checkpoint, dtype: torch.dtype | None, scheme, layout) -> tuple[list, list, dict]:
@@ -105,8 +92,7 @@ def linen(ckpt: Checkpoint, dtype: torch.dtype | None, scheme, layout) -> tuple[
     if mixed:
         raise FFNToolsError(f"{ckpt.path}: the linen layout writes each FFN in one dtype but "
                             f"{'; '.join(mixed)}; pass --dtype to choose one")
-    canonical = _Canonical()
-    pairs = [pair for f in ffns.ffns for pair in _linen_entries(ckpt, f, dtype, canonical)]
+    pairs = [pair for f in ffns.ffns for pair in _linen_entries(ckpt, f, dtype)]
     entries, paths = [e for e, _ in pairs], [p for _, p in pairs]
     chosen = ffns.ffns
     manifest = {
