@@ -477,3 +477,28 @@ def test_torchtitan_rotary_order_is_unpermute_as_a_permute_op(rows, heads):
     assert torch.equal(out, unpermute(w, heads)) and not (rows > 2 and torch.equal(out, w))
     (back,) = op.reverse().apply([out])
     assert torch.equal(back, w) and torch.equal(permute(out, heads), w)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_torchtitan_experts_from_a_stored_stack_are_its_ops_reversed(dtype, tmp_path):
+    """A transformers-5 Qwen3-MoE (``experts.gate_up_proj`` (E, 2I, H)) written in torchtitan's names: each expert
+    stack is the stored stack's ops reversed (no closure), the stacked canonical weights bit for bit, and a byte
+    copy where nothing is cast."""
+    from tiny_models import make_model
+
+    from ffn_tools.converters.dcp.export import build_plan
+    from ffn_tools.detect import find_ffns
+    from ffn_tools.ffn import canonical_weights
+    from ffn_tools.ops import Fn
+
+    make_model("qwen3_moe").save_pretrained(tmp_path / "src", save_original_format=False)
+    ckpt = open_any(tmp_path / "src")
+    experts = [e for e in build_plan(ckpt, "torchtitan", dtype).entries if ".inner_experts." in e.name]
+    ffns = sorted((f for f in find_ffns(ckpt).ffns if f.ref.kind == "expert"), key=lambda f: f.ref.expert)
+    assert len(experts) == 6 and not any(isinstance(op, Fn) for e in experts for op in e.ops)
+    for e in experts:
+        layer = int(e.name.split(".")[1])
+        role = {"w1": "gate", "w3": "up", "w2": "down"}[e.name.rsplit(".", 1)[1][:2]]
+        want = torch.stack([canonical_weights(ckpt, f)[role] for f in ffns if f.ref.layer == layer])
+        assert torch.equal(e.apply([ckpt[n] for n in e.inputs]), want if dtype is None else want.to(dtype))
+        assert (e.pieces is not None) == (dtype is None)
