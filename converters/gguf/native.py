@@ -18,6 +18,13 @@ imported. ``worker`` proves each recipe against the converter's own bytes before
 
 Run by ``writer`` as ``python -m ffn_tools.converters.gguf.native REQUEST.json`` with llama.cpp's vendored
 gguf-py on the path (the quantizer the converter uses); prints one JSON line.
+
+The recipes are not ``ffn_tools.ops``, on purpose: an op's ``apply`` makes a whole torch tensor, a recipe here is
+run a few rows at a time in numpy (``pieces``/``encode``: pread, permute, plus one, gguf-py's cast, pwrite) in a
+process that imports no torch, and each is proved against the converter's own bytes (``worker.check_classes``).
+Their ops would be Copy, Permute (``rotary_rows``), Stack and a plus-one in the converter's dtype rules, then
+gguf-py's encoding (Q8_0), which no op has: sending those ops would need a second, chunked numpy interpreter of them
+here, the semantics written twice, for no reader of the plan (the converter, not the plan, decides the file).
 """
 
 from __future__ import annotations
