@@ -19,8 +19,12 @@ and says so (``-q`` quantizes them with mx.quantize instead, as asked).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 from ffn_tools.io.raw import RawTensor
 from ffn_tools.io.store import Checkpoint
+from ffn_tools.ops import Op
 from ffn_tools.plan import Entry
 from ffn_tools.quant import Module
 from ffn_tools.quant.ctdecode import zero_points
@@ -89,58 +93,69 @@ def block(modules: dict[str, Module]) -> dict | None:
     return out
 
 
-def entries(ckpt: Checkpoint, path: str, m: Module) -> list[Entry]:
-    """``path``'s weight (the packed words as uint32), scales and biases, from ``m``'s stored parts."""
-    raw = ckpt.stored
-    if m.args.format in ("gptq", "awq"):
-        return _gptq_entries(ckpt, path, m)
-    packed, scale = m.parts["weight_packed"], m.parts["weight_scale"]
-    pinfo, sinfo = raw.info(packed), raw.info(scale)
+@dataclass(frozen=True)
+class KeptCodes(Op):
+    """Part ``part`` (0 the packed words as uint32, 1 the scales, 2 the biases, both float32) of ``module``'s
+    stored codes as MLX affine (see the module doc). A source op: it reads ``ckpt``'s stored parts itself (the view
+    the plan reads hides them), so its entry has no inputs."""
 
-    def weight(_ts) -> RawTensor:
-        return RawTensor("U32", pinfo.shape, raw.read_raw(packed))
+    ckpt: Any = field(compare=False)
+    module: Module = field(compare=False)
+    part: int = 0
 
-    def scales(_ts):
-        return raw[scale].float()  # exact: a float16 or bfloat16 widens without rounding
-
-    def biases(_ts):
+    def apply(self, ts: list) -> list:
+        m, raw = self.module, self.ckpt.stored
+        if m.args.format in ("gptq", "awq"):
+            return [self._gptq()]
+        if self.part == 0:
+            packed = m.parts["weight_packed"]
+            return [RawTensor("U32", raw.info(packed).shape, raw.read_raw(packed))]
+        s = raw[m.parts["weight_scale"]].float()  # exact: a float16 or bfloat16 widens without rounding
+        if self.part == 1:
+            return [s]
         import torch
 
-        s = raw[scale].float()
         z = zero_points(m, raw[m.parts["weight_zero_point"]]) if "weight_zero_point" in m.parts else torch.zeros_like(s)
-        return -(s * (z.float() + (1 << (m.args.bits - 1))))  # exact in float32 (module doc)
+        return [-(s * (z.float() + (1 << (m.args.bits - 1))))]  # exact in float32 (module doc)
 
+    def _gptq(self):
+        """GPTQ/AWQ codes laid out again as MLX's (the same codes, one row of words per output row)."""
+        import torch
+
+        from ffn_tools.quant import gptq
+
+        m = self.module
+        t = gptq.mlx_affine(m, self.ckpt.quantized_parts(m.weight))[self.part]
+        if self.part == 0:  # int64 words below 2^32 -> their uint32 bytes
+            rows, cols = m.shape
+            return RawTensor("U32", (rows, cols // 8), t.to(torch.int64).numpy().astype("<u4").tobytes())
+        return t
+
+    def describe(self) -> str:
+        return f"{('packed words', 'scales', 'biases')[self.part]} of {self.module.args.name} codes kept as MLX affine"
+
+
+def entries(ckpt: Checkpoint, path: str, m: Module) -> list[Entry]:
+    """``path``'s weight (the packed words as uint32), scales and biases, from ``m``'s stored parts."""
     how = f"{m.args.name} codes kept as MLX affine"
-    return [Entry(f"{path}.weight", "U32", pinfo.shape, (), weight, None, f"{packed} as uint32 ({how})",
-                  reads=pinfo.nbytes),
-            Entry(f"{path}.scales", "F32", sinfo.shape, (), scales, None, f"{scale} in float32 ({how})", reads=0),
-            Entry(f"{path}.biases", "F32", sinfo.shape, (), biases, None,
-                  f"-{scale} * (zero point + {1 << (m.args.bits - 1)}) in float32 ({how})", reads=0)]
-
-
-def _gptq_entries(ckpt: Checkpoint, path: str, m: Module) -> list[Entry]:
-    """GPTQ/AWQ codes laid out again as MLX's (the same codes, one row of words per output row)."""
-    from ffn_tools.quant import gptq
-
-    rows, cols = m.shape
-    groups = cols // (m.args.group_size or cols)
-
-    def part(k: int):
-        def make(_ts):
-            import torch
-
-            t = gptq.mlx_affine(m, ckpt.quantized_parts(m.weight))[k]
-            if k == 0:  # int64 words below 2^32 -> their uint32 bytes
-                return RawTensor("U32", (rows, cols // 8), t.to(torch.int64).numpy().astype("<u4").tobytes())
-            return t
-        return make
-
-    how = f"{m.args.name} codes kept as MLX affine"
-    return [Entry(f"{path}.weight", "U32", (rows, cols // 8), (), part(0), None, f"{m.packed} re-laid out ({how})"),
-            Entry(f"{path}.scales", "F32", (rows, groups), (), part(1), None,
-                  f"{m.parts['scales']} transposed, in float32 ({how})", reads=0),
-            Entry(f"{path}.biases", "F32", (rows, groups), (), part(2), None,
-                  f"-scales * zero points in float32 ({how})", reads=0)]
+    if m.args.format in ("gptq", "awq"):
+        rows, cols = m.shape
+        groups = cols // (m.args.group_size or cols)
+        return [Entry(f"{path}.weight", "U32", (rows, cols // 8), (), (KeptCodes(ckpt, m, 0),),
+                      text=f"{m.packed} re-laid out ({how})"),
+                Entry(f"{path}.scales", "F32", (rows, groups), (), (KeptCodes(ckpt, m, 1),), reads=0,
+                      text=f"{m.parts['scales']} transposed, in float32 ({how})"),
+                Entry(f"{path}.biases", "F32", (rows, groups), (), (KeptCodes(ckpt, m, 2),), reads=0,
+                      text=f"-scales * zero points in float32 ({how})")]
+    raw = ckpt.stored
+    packed, scale = m.parts["weight_packed"], m.parts["weight_scale"]
+    pinfo, sinfo = raw.info(packed), raw.info(scale)
+    return [Entry(f"{path}.weight", "U32", pinfo.shape, (), (KeptCodes(ckpt, m, 0),), reads=pinfo.nbytes,
+                  text=f"{packed} as uint32 ({how})"),
+            Entry(f"{path}.scales", "F32", sinfo.shape, (), (KeptCodes(ckpt, m, 1),), reads=0,
+                  text=f"{scale} in float32 ({how})"),
+            Entry(f"{path}.biases", "F32", sinfo.shape, (), (KeptCodes(ckpt, m, 2),), reads=0,
+                  text=f"-{scale} * (zero point + {1 << (m.args.bits - 1)}) in float32 ({how})")]
 
 
 def changes(modules: dict[str, Module], refused: dict[str, str]) -> list[str]:
