@@ -16,7 +16,8 @@ the output (same disk), removed after: the command is not run again. From it:
   tensor (its own high-water mark, or its workers' where larger: the largest process of its tree, as the
   benchmarks measure it);
 - ``seconds``: the command's start-up (the process, its imports and the planning, measured: the run does the same),
-  plus the sample's streaming time scaled by the bytes read. Where the whole output would pass the kernel's
+  plus the sample's time from its writer's start (the tensors made, written and hashed) scaled by the bytes read,
+  and the sample's time before it (its temporary directory, lock, resume key) once. Where the whole output would pass the kernel's
   dirty-page freerun point, the sample's output is flushed to time the disk, and the tensors' part is the time to
   write the output at the sample's speed under that throttle (``io.writeback``): ``sample.waits_on_disk`` says how
   much of the estimate that wait is.
@@ -122,32 +123,28 @@ def estimate(plan: Plan, run: Run) -> dict:
         throttle = writeback.measure(heavy, facts["bytes"])  # after ``ended``: not part of the sample's own time
     return _scaled({**facts, "weight_bytes": weight_bytes, "started": started, "ended": ended, "files": sizes,
                     "peak_rss": rss, "writeback": throttle, "extra": sorted(run.extra_files or {}),
-                    "writing": timed.seconds}, begun, planned)
+                    "writing": ended - (timed.begun or started)}, begun, planned)
 
 
 class _Timed:
-    """The run's writer, timed: the sample's time that scales with its tensors is the writer's (the tensors made,
-    written and hashed, a quantization pool's start included); the rest (side files, the receipt, the move into place)
-    is once a run."""
+    """The run's writer, told when it begins: the sample's time from there on scales with its tensors (made,
+    written, hashed for the resume ledger and the receipt, a quantization pool's start included); the time before
+    it (the output's temporary directory, its lock, the resume key) is once a run, as is the rest of the run's
+    start-up."""
 
     def __init__(self, writer):
-        self.writer, self.seconds = writer, 0.0
+        self.writer, self.begun = writer, None
 
     def __getattr__(self, name: str):
         return getattr(self.writer, name)  # suffix, resumable, output_bytes: the writer's own
 
     def write_file(self, *args, **kwargs):
-        return self._timed(self.writer.write_file, *args, **kwargs)
+        self.begun = self.begun or time.time()
+        return self.writer.write_file(*args, **kwargs)
 
     def write_sharded(self, *args, **kwargs):
-        return self._timed(self.writer.write_sharded, *args, **kwargs)
-
-    def _timed(self, write, *args, **kwargs):
-        begun = time.time()
-        try:
-            return write(*args, **kwargs)
-        finally:
-            self.seconds += time.time() - begun
+        self.begun = self.begun or time.time()
+        return self.writer.write_sharded(*args, **kwargs)
 
 
 @contextmanager
