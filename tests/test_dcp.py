@@ -480,18 +480,24 @@ def test_torchtitan_rotary_order_is_unpermute_as_a_permute_op(rows, heads):
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
-def test_torchtitan_experts_from_a_stored_stack_are_its_ops_reversed(dtype, tmp_path):
-    """A transformers-5 Qwen3-MoE (``experts.gate_up_proj`` (E, 2I, H)) written in torchtitan's names: each expert
-    stack is the stored stack's ops reversed (no closure), the stacked canonical weights bit for bit, and a byte
-    copy where nothing is cast."""
-    from tiny_models import make_model
+@pytest.mark.parametrize("stored", ["stack", "fused"])
+def test_torchtitan_experts_from_a_stored_stack_are_its_ops_reversed(stored, dtype, tmp_path):
+    """A transformers-5 Qwen3-MoE (``experts.gate_up_proj`` (E, 2I, H)), or one with a fused gate_up per expert,
+    written in torchtitan's names: each expert stack is ops (the stored stack's reversed; each expert's split), no
+    closure, the stacked canonical weights bit for bit, and a byte copy where nothing is cast."""
+    from tiny_models import build, make_model
 
+    from ffn_tools.api import fuse_gateup
     from ffn_tools.converters.dcp.export import build_plan
     from ffn_tools.detect import find_ffns
     from ffn_tools.ffn import canonical_weights
     from ffn_tools.ops import Fn
 
-    make_model("qwen3_moe").save_pretrained(tmp_path / "src", save_original_format=False)
+    if stored == "stack":
+        make_model("qwen3_moe").save_pretrained(tmp_path / "src", save_original_format=False)
+    else:
+        build("qwen3_moe", tmp_path / "hf")
+        fuse_gateup(tmp_path / "hf", tmp_path / "src")
     ckpt = open_any(tmp_path / "src")
     experts = [e for e in build_plan(ckpt, "torchtitan", dtype).entries if ".inner_experts." in e.name]
     ffns = sorted((f for f in find_ffns(ckpt).ffns if f.ref.kind == "expert"), key=lambda f: f.ref.expert)

@@ -19,7 +19,7 @@ from ffn_tools.errors import FFNToolsError, SchemeError, listing
 from ffn_tools.ffn import canonical_weights
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.io.dtypes import as_st
-from ffn_tools.ops import Cast, Op, Permute, Stack, Transpose
+from ffn_tools.ops import Cast, Op, Permute, Split, Stack, Take, Transpose
 from ffn_tools.stacks import canonical_ops, stack_shape
 from ffn_tools.plan import Entry, Plan, cast_entry, dequantized_line, unquantized_config
 
@@ -47,13 +47,19 @@ def _entry(ckpt: Checkpoint, name: str, key: str, dtype, heads: int | None) -> E
 def _stack_ops(ckpt: Checkpoint, experts: list, role: str) -> tuple[tuple[str, ...], tuple[Op, ...]] | None:
     """The inputs and ops making ``role``'s canonical stack (E, out, in) of a layer's ``experts`` (in order): one
     tensor per expert stacked (each turned first where its form stores (in, out)), or the layer's stored stack read
-    back (``stacks.canonical_ops``: its ``stored_ops`` reversed); None for the other forms (a fused tensor per
-    expert, a stack some of whose experts are not written)."""
+    back (``stacks.canonical_ops``: its ``stored_ops`` reversed), or a fused tensor per expert split; None for the
+    other forms (a fused tensor per expert stored (in, out), a stack some of whose experts are not written)."""
     f0, count = experts[0], len(experts)
     if f0.index is None and role in f0.names and not f0.form.flat:
         used = tuple(f.names[role] for f in experts)
         if len(set(used)) == count:
             return used, (*((Transpose(),) if f0.form.turns(role) else ()), Stack(count))
+        return None
+    if f0.index is None and "gate_up" in f0.names and not f0.form.flat and not f0.form.turns("gate_up"):
+        used = tuple(f.names["gate_up"] for f in experts)  # a fused tensor per expert: each split, one part kept
+        if len(set(used)) == count and all(f.layout == f0.layout for f in experts):
+            part = 0 if role == "gate" else 1
+            return used, (Split(f0.layout, False, used[0]), Take(tuple(range(part, 2 * count, 2))), Stack(count))
         return None
     held = role if role in f0.names else "gate_up"
     src = f0.names.get(held)
@@ -100,8 +106,8 @@ def _experts(ckpt: Checkpoint, dtype, family: str) -> tuple[list[Entry], set[str
                                      text=text))
                 continue
 
-            def compute(ts, role=role, experts=experts, inputs=inputs, out=out):  # TRANSITIONAL: a fused expert of
-                import torch  # its own, or a partial stack: canonical_weights per expert
+            def compute(ts, role=role, experts=experts, inputs=inputs, out=out):  # TRANSITIONAL: a turned fused
+                import torch  # tensor per expert, or a partial stack: canonical_weights per expert
 
                 named = dict(zip(inputs, ts))
                 return torch.stack([canonical_weights(named, f)[role].to(out) for f in experts])
