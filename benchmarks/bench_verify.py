@@ -183,11 +183,12 @@ def scope_overhead(src: Path, split: Path, tokens: int, rounds: int) -> tuple[fl
 def model_checks(src: Path, split: Path, rounds: int) -> float:
     """Best time of the checks of the model around the weights that verify runs beside them: both configs
     through transformers' config class, and the side files (tokenizer, generation_config)."""
+    from ffn_tools.clients import runtime
     from ffn_tools.converters import open_any
 
     best = float("inf")
     with open_any(src) as ca, open_any(split) as cb:
-        client = cb.format.client()
+        client = runtime(cb.format)
         for _ in range(rounds + 1):
             t0 = time.perf_counter()
             client.compare_config(ca, cb), client.compare_side_files(ca, cb)

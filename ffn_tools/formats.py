@@ -176,12 +176,6 @@ class Format(ABC):
         raise FFNToolsError(f"the {self.name} format declares the runtimes {self.runtimes} but builds none of them "
                             "(its load_runtime is missing)")
 
-    def client(self) -> "Client":
-        """The default runtime's client: ``clients.runtime(self)``."""
-        from .clients import runtime
-
-        return runtime(self)
-
     def __repr__(self) -> str:
         return f"<format {self.name}>"
 

@@ -26,6 +26,7 @@ TOY = textwrap.dedent('''
         options = (Option("toy_scale", "Toy only: the scale the toy writes beside the names (default 1).", type=int,
                           minimum=1),)
         takes = frozenset({"dry_run"})
+        runtimes = ("transformers",)  # what loads its input: no client difference to refuse
 
         def can_read(self, path):
             return (Path(path) / "toy.json").is_file()
@@ -39,10 +40,10 @@ TOY = textwrap.dedent('''
             (out / "toy.json").write_text(json.dumps({"names": names, "scale": toy_scale or 1}))
             return {"output": str(out), "summary": f"wrote {out}: {len(names)} names (toy)"}
 
-        def client(self):
+        def load_runtime(self, name):
             from ffn_tools.converters import get
 
-            return get("torch").client()  # what loads its input: no client difference to refuse
+            return get("torch").load_runtime(name)  # transformers, as for the PyTorch format
 
 
     FORMAT = Toy()

@@ -24,6 +24,7 @@ from test_zoo import BUDGET, TOO_BIG, UNBUILDABLE, zoo_root
 
 import zoo
 import ffn_tools
+from ffn_tools.clients import runtime
 from ffn_tools.converters import convert, open_any
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.verification.steps import AsLoaded
@@ -293,7 +294,7 @@ def test_folded_multipliers_are_exported_as_mlx_lm_folds_them(tmp_path):
         assert how != "re-quantized" or any("re-quantized with B's parameters, bit for bit" in n for n in report.notes)
     up = gate.replace("gate_proj", "up_proj")
     with open_any(src) as ca, open_any(out) as cb:  # what verify reads A through: the folded gate, as often as asked
-        pairing = cb.format.client().pairing(ca, cb)  # A as B's client, mlx_lm, loads it
+        pairing = runtime(cb.format).pairing(ca, cb)  # A as B's client, mlx_lm, loads it
         computed = pairing.computed([gate, up])
         assert computed == {gate}
         as_loaded = AsLoaded(ca, pairing, computed)
