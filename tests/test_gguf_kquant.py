@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
+from ffn_tools import converters
 from ffn_tools.converters.gguf import kquant
 from ffn_tools.converters.gguf.header import Reader
 from ffn_tools.converters.gguf.reader import field_values
-from ffn_tools.cli import GGUF_OUTTYPES
 from ffn_tools.converters.gguf.writer import OUTTYPES
 from ffn_tools.io.receipt import NAME as RECEIPT
 from gguf_models import convert_reference
@@ -219,4 +219,11 @@ def test_quantize_options_refused_where_they_do_not_apply(wide, tmp_path):
 
 
 def test_the_cli_offers_the_writer_types():
-    assert set(GGUF_OUTTYPES) == set(OUTTYPES)
+    """--outtype's choices are declared once, by the GGUF format's Option: the writer's types, and the flag the
+    convert command draws from it offers exactly those."""
+    from ffn_tools.cli.convert import command
+
+    declared = next(o for o in converters.get("gguf").options if o.name == "outtype").choices
+    assert declared is not None and set(declared) == set(OUTTYPES)
+    offered = next(p.type.choices for p in command().params if p.name == "outtype")
+    assert set(offered) == set(declared)

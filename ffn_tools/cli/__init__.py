@@ -160,17 +160,6 @@ for command in (extract, split_gateup, fuse_gateup, merge, verify_command):
     cli.add_command(command)
 
 
-def __getattr__(name: str):
-    """``GGUF_OUTTYPES``: the --outtype choices convert offers, read from the command drawn from the registry (the
-    name tests/test_gguf_kquant.py imports; the choices themselves are declared once, by the GGUF format)."""
-    if name == "GGUF_OUTTYPES":
-        from .convert import command
-
-        return next(tuple(p.type.choices) for p in command().params
-                    if p.name == "outtype" and isinstance(p.type, click.Choice))
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _terminate(signum, frame):
     """SIGTERM / SIGHUP end the command like Ctrl-C: temporary outputs are removed (or kept for --resume) on the
     way out, and the exit status is 128 + the signal's number (143, 129)."""
