@@ -1,20 +1,22 @@
 """Checkpoint formats: one package each, each one ``ffn_tools.formats.Format`` object, registered here.
 
-    pytorch   Hugging Face safetensors and weights-only pickles     client: transformers
-    mlx       the model directories mlx_lm reads and writes         client: mlx_lm
-    flax      flax.serialization msgpack trees (hf, linen layouts)  client: none here (transformers 5 has no Flax)
-    gguf      llama.cpp's files                                     client: llama.cpp
-    dcp       torch.distributed.checkpoint dirs (torchtitan, FSDP) client: torch.distributed.checkpoint (load);
-                                                                    transformers runs its weights
-    orbax     orbax.checkpoint dirs (Flax/JAX, MaxText)             client: orbax.checkpoint (load);
-                                                                    transformers runs its weights
-    native    Meta's and Mistral's own layouts (read only)          client: none here
+    pytorch   Hugging Face safetensors and weights-only pickles     runtimes: transformers
+    mlx       the model directories mlx_lm reads and writes         runtimes: mlx_lm
+    flax      flax.serialization msgpack trees (hf, linen layouts)  runtimes: transformers, running its weights (no
+                                                                    Flax runtime here: transformers 5 has none)
+    gguf      llama.cpp's files                                     runtimes: llama.cpp
+    dcp       torch.distributed.checkpoint dirs (torchtitan, FSDP) runtimes: transformers, running its weights
+                                                                    (torch.distributed.checkpoint loads it)
+    orbax     orbax.checkpoint dirs (Flax/JAX, MaxText)             runtimes: transformers, running its weights
+                                                                    (orbax.checkpoint loads it)
+    native    Meta's and Mistral's own layouts (read only)          runtimes: none here (``Format.unloaded``)
 
 ``FORMATS`` is the one table: name -> the module that defines its ``FORMAT`` (relative to this package, or
 absolute), imported on first use (a torch-only install never imports mlx or jax). Converting is
 ``get(to).export(open_any(path), out, ...)``. Adding a format is adding a package and a line here: its
 ``FORMAT`` declares whether it writes and its options (``formats.Option``), from which the command line draws
-``convert --to``'s choices and the format's flags; nothing else names it.
+``convert --to``'s choices and the format's flags, and the runtimes that load it (``Format.runtimes``, the default
+first, each built by its ``load_runtime``; ``clients.runtime(fmt, name)`` picks one); nothing else names it.
 """
 
 from __future__ import annotations
