@@ -508,3 +508,54 @@ def test_torchtitan_experts_from_a_stored_stack_are_its_ops_reversed(stored, dty
         want = torch.stack([canonical_weights(ckpt, f)[role] for f in ffns if f.ref.layer == layer])
         assert torch.equal(e.apply([ckpt[n] for n in e.inputs]), want if dtype is None else want.to(dtype))
         assert (e.pieces is not None) == (dtype is None)
+
+
+class _Stored(dict):
+    """Tensors by name, with ``info(name).shape`` as a checkpoint gives it."""
+
+    def info(self, name):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(shape=tuple(self[name].shape))
+
+
+@pytest.mark.parametrize("stored", ["turned-fused-per-expert", "partial-stack", "flat-partial-stack"])
+def test_torchtitan_experts_from_every_stored_form_are_ops(stored):
+    """The forms that once kept a closure over canonical_weights (a fused gate_up per expert stored (in, out); a
+    stack or flattened stack some of whose experts are not written, or are in another order) are ops too: plain
+    pickle carries them, and they give each role's stack of canonical weights bit for bit."""
+    from types import SimpleNamespace
+
+    from ffn_tools.converters.dcp.export import _stack_ops
+    from ffn_tools.ffn import canonical_weights
+    from ffn_tools.layouts import GateUpLayout
+    from ffn_tools.ops import run
+    from ffn_tools.registry import Form
+
+    h, i = 4, 3
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    if stored == "turned-fused-per-expert":
+        form = Form(gate_up="e{expert}.gate_up", down="e{expert}.down", transposed=True)
+        layout = GateUpLayout(arrangement="interleaved").oriented(True)
+        ckpt = _Stored({f"e{k}.{r}": rand(h, 2 * i) if r == "gate_up" else rand(i, h)
+                        for k in range(3) for r in ("gate_up", "down")})
+        ffns = [({"gate_up": f"e{k}.gate_up", "down": f"e{k}.down"}, None) for k in range(3)]
+    elif stored == "partial-stack":
+        form = Form(gate_up="gu", down="d", stacked=True)
+        layout = GateUpLayout()
+        ckpt = _Stored({"gu": rand(4, 2 * i, h), "d": rand(4, h, i)})
+        ffns = [({"gate_up": "gu", "down": "d"}, k) for k in (3, 0, 2)]
+    else:
+        form = Form(gate="w1", up="v1", down="w2", flat=True, turned=("down",))
+        layout = GateUpLayout()
+        ckpt = _Stored({"w1": rand(4 * i, h), "v1": rand(4 * i, h), "w2": rand(4 * i, h)})
+        ffns = [({"gate": "w1", "up": "v1", "down": "w2"}, k) for k in (1, 3)]
+    experts = [SimpleNamespace(form=form, layout=layout, names=names, index=index, d_model=h, d_ffn=i,
+                               ref=SimpleNamespace(layer=0)) for names, index in ffns]
+    for role in ("gate", "up", "down"):
+        inputs, ops = _stack_ops(ckpt, experts, role)
+        ops = pickle.loads(pickle.dumps(ops))
+        [got] = run(ops, [ckpt[n] for n in inputs])
+        want = torch.stack([canonical_weights(ckpt, f)[role] for f in experts])
+        assert torch.equal(got, want), (stored, role)

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 from ffn_tools.detect import find_ffns
 from ffn_tools.errors import FFNToolsError, SchemeError, listing
-from ffn_tools.ffn import canonical_weights
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.io.dtypes import as_st
-from ffn_tools.ops import Cast, Op, Permute, Split, Stack, Take, Transpose
+from ffn_tools import ops as oplib
+from ffn_tools.ops import Cast, Op, Permute, Stack, Take, Unstack
 from ffn_tools.stacks import canonical_ops, stack_shape
 from ffn_tools.plan import Entry, Plan, cast_entry, dequantized_line, unquantized_config
 
@@ -44,29 +44,39 @@ def _entry(ckpt: Checkpoint, name: str, key: str, dtype, heads: int | None) -> E
                  text=f"{name}, rows in torchtitan's rotary order ({heads} heads), {base.note}")
 
 
-def _stack_ops(ckpt: Checkpoint, experts: list, role: str) -> tuple[tuple[str, ...], tuple[Op, ...]] | None:
-    """The inputs and ops making ``role``'s canonical stack (E, out, in) of a layer's ``experts`` (in order): one
-    tensor per expert stacked (each turned first where its form stores (in, out)), or the layer's stored stack read
-    back (``stacks.canonical_ops``: its ``stored_ops`` reversed), or a fused tensor per expert split; None for the
-    other forms (a fused tensor per expert stored (in, out), a stack some of whose experts are not written)."""
+def _stack_ops(ckpt: Checkpoint, experts: list, role: str) -> tuple[tuple[str, ...], tuple[Op, ...]]:
+    """The inputs and ops making ``role``'s canonical stack (E, out, in) of a layer's ``experts`` (in order), every
+    stored form a pure move: one tensor per expert (or a fused gate_up per expert), each read back to canonical
+    (``stacks.canonical_ops``: its ``stored_ops`` reversed: turned where stored (in, out), split where fused), the
+    part kept, stacked; or the layer's stored stack read back, and where it holds experts not written (or in
+    another order), it unstacked, the experts taken, stacked again.
+
+    Raises:
+        FFNToolsError: experts stored in no one form (mixed layouts, a stack in several tensors)."""
     f0, count = experts[0], len(experts)
-    if f0.index is None and role in f0.names and not f0.form.flat:
-        used = tuple(f.names[role] for f in experts)
-        if len(set(used)) == count:
-            return used, (*((Transpose(),) if f0.form.turns(role) else ()), Stack(count))
-        return None
-    if f0.index is None and "gate_up" in f0.names and not f0.form.flat and not f0.form.turns("gate_up"):
-        used = tuple(f.names["gate_up"] for f in experts)  # a fused tensor per expert: each split, one part kept
-        if len(set(used)) == count and all(f.layout == f0.layout for f in experts):
-            part = 0 if role == "gate" else 1
-            return used, (Split(f0.layout, False, used[0]), Take(tuple(range(part, 2 * count, 2))), Stack(count))
-        return None
+    h, i = f0.d_model, f0.d_ffn
     held = role if role in f0.names else "gate_up"
-    src = f0.names.get(held)
-    if (src is None or any(f.names.get(held) != src for f in experts) or [f.index for f in experts] != list(range(count))
-            or tuple(ckpt.info(src).shape) != stack_shape(f0.form, held, count, f0.d_model, f0.d_ffn)):
-        return None
-    return (src,), canonical_ops(f0.form, held, (role,), f0.layout, count, f0.d_model, f0.d_ffn)
+    used = tuple(f.names.get(held) for f in experts)
+    if f0.index is None and not f0.form.flat and None not in used and len(set(used)) == count and all(
+            f.index is None and f.form == f0.form and f.layout == f0.layout for f in experts):
+        if held == role:
+            return used, (*canonical_ops(f0.form, role, (role,), f0.layout, 1, h, i), Stack(count))
+        back = canonical_ops(f0.form, held, ("gate", "up"), f0.layout, 1, h, i)  # 2 per expert: gate, up
+        part = 0 if role == "gate" else 1
+        return used, (*oplib.take(back, tuple(range(part, 2 * count, 2)), count), Stack(count))
+    src = used[0]
+    shape = tuple(ckpt.info(src).shape) if src is not None else ()
+    one = stack_shape(f0.form, held, 1, h, i)
+    total = shape[0] // one[0] if shape and shape[0] % one[0] == 0 else 0
+    index = tuple(f.index for f in experts)
+    if (src is None or any(n != src for n in used) or None in index or not total
+            or shape != stack_shape(f0.form, held, total, h, i)):
+        raise FFNToolsError(f"layer {f0.ref.layer}'s experts' {role} is stored in no one form torchtitan's stack "
+                            "is made from (one tensor per expert, or one stack); write --dcp-naming hf")
+    ops = canonical_ops(f0.form, held, (role,), f0.layout, total, h, i)
+    if index != tuple(range(total)):
+        ops = (*ops, Unstack(total), Take(index), Stack(count))  # some experts not written, or reordered
+    return (src,), ops
 
 
 def _experts(ckpt: Checkpoint, dtype, family: str) -> tuple[list[Entry], set[str]]:
@@ -97,22 +107,11 @@ def _experts(ckpt: Checkpoint, dtype, family: str) -> tuple[list[Entry], set[str
             shape = (len(experts), h, i) if role == "down" else (len(experts), i, h)
 
             text = f"{role} of the {len(experts)} experts of layer {layer}, stacked"
-            made = _stack_ops(ckpt, experts, role)
-            if made is not None:
-                used, ops = made
-                cast = Cast(as_st(out), ckpt.info(used[0]).st_dtype)
-                entries.append(Entry(template.format(L=layer), out, shape, used, (*ops, cast),
-                                     sources=tuple((ckpt.info(n).st_dtype, tuple(ckpt.info(n).shape)) for n in used),
-                                     text=text))
-                continue
-
-            def compute(ts, role=role, experts=experts, inputs=inputs, out=out):  # TRANSITIONAL: a turned fused
-                import torch  # tensor per expert, or a partial stack: canonical_weights per expert
-
-                named = dict(zip(inputs, ts))
-                return torch.stack([canonical_weights(named, f)[role].to(out) for f in experts])
-
-            entries.append(Entry(template.format(L=layer), out, shape, inputs, compute, None, text))
+            used, ops = _stack_ops(ckpt, experts, role)
+            cast = Cast(as_st(out), ckpt.info(used[0]).st_dtype)
+            entries.append(Entry(template.format(L=layer), out, shape, used, (*ops, cast),
+                                 sources=tuple((ckpt.info(n).st_dtype, tuple(ckpt.info(n).shape)) for n in used),
+                                 text=text))
     return entries, taken
 
 
