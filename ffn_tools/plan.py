@@ -12,7 +12,7 @@ sit in a safetensors file; tests check both recipes agree.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -20,26 +20,27 @@ from typing import Any
 from . import ops as oplib
 from .io.dtypes import as_st, itemsize, nbytes, short_name
 from .io.store import Checkpoint
-from .ops import MAX_RUNS, Cast, Copy, Fn, Op
+from .ops import MAX_RUNS, Cast, Copy, Op
 
 DEQUANTIZED = "ffn_tools_dequantized_from"  # safetensors metadata: the quantization weights were read from
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class Entry:
     """One output tensor and how to make it: ``ops`` (``ffn_tools.ops``) applied to its input tensors.
 
     Attributes:
         name, dtype, shape: the output tensor.
         inputs: input tensor names the ops receive, in order.
-        ops: the steps making the output from the inputs (data: picklable, reversible where they can be).
+        ops: the steps making the output from the inputs (data: picklable, reversible where they can be); one op
+            is taken as a tuple of one.
         reads: input bytes it consumes, for progress (None: its own size; a quantized weight reads more
             than it writes, its scales nothing).
         sources: the inputs' (dtype, shape) as stored, from which ``pieces`` is derived (None: not derived).
         text: the --dry-run note where the plan words it itself (None: the ops' own words).
 
-    ``Entry(name, dtype, shape, inputs, compute, pieces, note, reads=..., into=...)`` with a callable for ``ops`` is
-    the TRANSITIONAL old shape: it becomes one ``ops.Fn`` op (converters' sites, until they are ops).
+    Raises:
+        TypeError: ``ops`` not ops (a callable: the closure shape entries had before ops is gone).
     """
 
     name: str
@@ -47,25 +48,18 @@ class Entry:
     shape: tuple[int, ...]
     inputs: tuple[str, ...]
     ops: tuple[Op, ...]
+    _: KW_ONLY
     reads: int | None = None
     sources: tuple[tuple[str, tuple[int, ...]], ...] | None = None
     text: str | None = None
 
-    def __init__(self, name: str, dtype: Any, shape: tuple[int, ...], inputs: tuple[str, ...],
-                 ops: "tuple[Op, ...] | Op | Callable[[list], Any]", *legacy: Any, reads: int | None = None,
-                 sources: tuple[tuple[str, tuple[int, ...]], ...] | None = None, text: str | None = None,
-                 into: Callable[[Any, Any], object] | None = None) -> None:
-        if callable(ops) and not isinstance(ops, Op):  # transitional: compute, pieces, note[, reads]
-            pieces = legacy[0] if legacy else None
-            note = legacy[1] if len(legacy) > 1 else ""
-            reads = legacy[2] if len(legacy) > 2 else reads
-            ops = (Fn(ops, pieces, note, into),)
-        elif legacy or into is not None:
-            raise TypeError("Entry(name, dtype, shape, inputs, ops, reads=..., sources=..., text=...)")
-        for key, value in (("name", name), ("dtype", dtype), ("shape", tuple(shape)), ("inputs", tuple(inputs)),
-                           ("ops", (ops,) if isinstance(ops, Op) else tuple(ops)), ("reads", reads),
-                           ("sources", sources), ("text", text)):
-            object.__setattr__(self, key, value)
+    def __post_init__(self) -> None:
+        ops = (self.ops,) if isinstance(self.ops, Op) else self.ops
+        if not isinstance(ops, (tuple, list)) or not all(isinstance(op, Op) for op in ops):
+            raise TypeError(f"{self.name}: Entry's ops are a tuple of ffn_tools.ops, not {self.ops!r}")
+        object.__setattr__(self, "ops", tuple(ops))
+        object.__setattr__(self, "shape", tuple(self.shape))
+        object.__setattr__(self, "inputs", tuple(self.inputs))
 
     @property
     def st_dtype(self) -> str:
@@ -76,8 +70,6 @@ class Entry:
         """How it is made, for --dry-run ("rows 0:96 of X")."""
         if self.text is not None:
             return self.text
-        if len(self.ops) == 1 and isinstance(self.ops[0], Fn):
-            return self.ops[0].text
         return f"{oplib.describe(self.ops)} of {', '.join(self.inputs)}"
 
     # What the executor reads of an entry (and nothing else): ``apply``, ``pieces``, ``into``, ``place``, ``shared``.
@@ -88,16 +80,10 @@ class Entry:
             raise RuntimeError(f"internal error: {self.name}'s ops made {len(out)} tensors, not one")
         return out[0]
 
-    def compute(self, tensors: list):
-        """TRANSITIONAL alias of ``apply`` (converters read it until they are ops)."""
-        return self.apply(tensors)
-
     @cached_property
     def pieces(self) -> tuple[tuple[int, int, int], ...] | None:
         """(input position, byte offset in that input, nbytes) runs whose concatenation is the output's bytes, or
         None when the output is not such a rearrangement (or of more runs than copying is worth)."""
-        if len(self.ops) == 1 and isinstance(self.ops[0], Fn):
-            return self.ops[0].pieces
         if self.sources is None:
             return None
         views = [oplib.View(tuple(shape), itemsize(dt), ((k, 0, nbytes(dt, shape)),))

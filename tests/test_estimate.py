@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ffn_tools.io import sample
+from ffn_tools.ops import Copy
 from ffn_tools.plan import Entry, Plan
 
 from helpers import run_cli
@@ -125,7 +126,7 @@ def test_a_sample_run_that_fails_leaves_the_dry_run_standing_and_says_why(model_
 
 
 def _entry(i: int, n: int) -> Entry:
-    return Entry(f"t{i}", "U8", (n,), (f"t{i}",), lambda ts: ts[0], ((0, 0, n),), "unchanged")
+    return Entry(f"t{i}", "U8", (n,), (f"t{i}",), (Copy(),), sources=(("U8", (n,)),), text="unchanged")
 
 
 def test_the_sample_is_every_kth_tensor_and_the_largest():

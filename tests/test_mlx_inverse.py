@@ -27,6 +27,7 @@ mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 from ffn_tools.converters.mlx import inverse  # noqa: E402
 from ffn_tools.converters.mlx.probe import NotRearranged, Probe  # noqa: E402
+from ffn_tools.ops import Copy  # noqa: E402
 from ffn_tools.plan import Entry  # noqa: E402
 from test_zoo_mlx import REFUSED, _built, _candidates, _exported, allowed  # noqa: E402
 # allowed(model_type): the setting mlx_lm and transformers run otherwise (jamba's norm_topk_prob), allowed on both
@@ -197,7 +198,7 @@ class _Model:
 
 
 def _probe(fn, shapes):
-    view = [Entry(n, "F32", s, (n,), lambda ts: ts[0], ((0, 0, 4 * int(torch.tensor(s).prod())),), "")
+    view = [Entry(n, "F32", s, (n,), (Copy(),), sources=(("F32", tuple(s)),), text="")
             for n, s in shapes.items()]
     return Probe(lambda: _Model(fn), shapes, view, "F32")
 

@@ -312,12 +312,19 @@ def test_placement_and_shared_work_are_declared_by_an_op_not_probed():
     assert plain.place is None and plain.shared is None
 
 
-def test_the_old_closure_shape_still_builds_one_transitional_op():
-    e = Entry("w", "F32", (2,), ("a",), lambda ts: ts[0] * 2, ((0, 0, 8),), "doubled", into=lambda s, o: o.copy_(s))
-    assert e.pieces == ((0, 0, 8),) and e.note == "doubled" and e.into is not None
-    assert torch.equal(e.apply([torch.ones(2)]), torch.full((2,), 2.0))
+def test_an_entry_is_made_of_ops_only():
+    """The closure shape entries had before ops (a callable, then pieces and a note) is refused, not wrapped; one op
+    is a tuple of one."""
     with pytest.raises(TypeError):
-        Entry("w", "F32", (2,), ("a",), (Copy(),), ((0, 0, 8),))
+        Entry("w", "F32", (2,), ("a",), lambda ts: ts[0] * 2, ((0, 0, 8),), "doubled")  # type: ignore
+    with pytest.raises(TypeError, match="tuple of ffn_tools.ops"):
+        Entry("w", "F32", (2,), ("a",), lambda ts: ts[0] * 2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="tuple of ffn_tools.ops"):
+        Entry("w", "F32", (2,), ("a",), (Copy(), lambda ts: ts))  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        Entry("w", "F32", (2,), ("a",), (Copy(),), ((0, 0, 8),))  # type: ignore[misc]
+    one = Entry("w", "F32", [2], ["a"], Copy(), sources=(("F32", (2,)),))  # type: ignore[arg-type]
+    assert one.ops == (Copy(),) and one.shape == (2,) and one.inputs == ("a",) and one.pieces == ((0, 0, 8),)
 
 
 @st.composite
