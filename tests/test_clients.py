@@ -367,7 +367,9 @@ def test_a_load_check_of_a_planned_output_the_runtime_has_not_is_said(model_dir,
 
 def test_verify_client_picks_a_runtime_and_names_what_it_does_not_answer(model_dir, monkeypatch):
     """verify --client toy: B judged by the toy runtime (its load check), and its config and side files said not
-    compared, not applicable for toy, in the verdict itself (never transformers' answer passed off as toy's)."""
+    compared, not applicable for toy, in the verdict itself (never transformers' answer passed off as toy's), which
+    is INCOMPLETE with exit status 2, as for a check asked for that could not run: a check that did not run never
+    reads as a PASS."""
     from ffn_tools import converters
 
     torch_format = converters.get("torch")
@@ -375,12 +377,17 @@ def test_verify_client_picks_a_runtime_and_names_what_it_does_not_answer(model_d
     monkeypatch.setattr(type(torch_format), "runtimes", ("transformers", "toy"))
     monkeypatch.setattr(torch_format, "load_runtime", lambda name: _Toy.client() if name == "toy" else real(name))
     src = model_dir("llama")
-    data = json.loads(run_cli("verify", src, src, "--client", "toy", "--backend", "reference", "--json",
-                              ok=None).stdout)
+    r = run_cli("verify", src, src, "--client", "toy", "--backend", "reference", "--json", ok=None)
+    data = json.loads(r.stdout)
     assert data["load_check"]["client"] == "toy" and data["load_check"]["ok"]
     said = [s for s in data["not_run"] if "not applicable for toy" in s]
     assert len(said) == 2 and said[0].startswith("config not compared") and said[1].startswith("side files not"), \
         data["not_run"]
     assert all(s in data["verdict"] for s in said), data["verdict"]
+    assert r.exit_code == 2 and not data["passed"] and data["incomplete"] == said, (r.exit_code, data["incomplete"])
+    assert data["verdict"].startswith("INCOMPLETE: config not compared") and "everything that ran agrees" in \
+        data["verdict"] and data["verdict"].count("not applicable for toy") == 2, data["verdict"]
+    text = run_cli("verify", src, src, "--client", "toy", "--backend", "reference", ok=None)
+    assert text.exit_code == 2 and text.output.strip().splitlines()[-1] == data["verdict"], text.output
     r = run_cli("verify", src, src, "--client", "nope", "--backend", "reference", ok=False)
     assert "'nope'" in r.output and "transformers (the default), toy" in r.output

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 from ..errors import listing
@@ -20,6 +19,7 @@ if TYPE_CHECKING:
     from ..checks.tokens import TokenizationResult
 
 MAX_ROWS = 40  # passing rows beyond this are summarised in one line (--json has them all)
+NOT_APPLICABLE = ": not applicable for "  # a check B's runtime has no answer to (``clients.NotApplicable``'s words)
 # The paths of B's float64 reference result where it was not run (``functional``): its weights are A's bit for bit
 SAME_AS_A = "ffn (float64) = A's output: bit-identical weights"
 NOT_COMPUTED = "not computed: bit-identical, finite weights, so B's float64 output is A's"
@@ -134,8 +134,15 @@ class VerifyReport:
 
     @property
     def passed(self) -> bool:
-        """Every check passed and every check asked for ran (``incomplete``: exit status 2, not 1)."""
-        return not self.incomplete and self.agrees
+        """Every check passed and every check asked for ran (``unrun``: exit status 2, not 1)."""
+        return not self.unrun and self.agrees
+
+    @property
+    def unrun(self) -> list[str]:
+        """Checks that did not run, so no PASS: those asked for that could not run here (``incomplete``), then
+        those B's runtime has no answer to ("config not compared (...: not applicable for <runtime>)")."""
+        return [*self.incomplete, *(f"{c.name} not compared ({c.skipped})" for c in self._model_checks
+                                    if c is not None and c.skipped and NOT_APPLICABLE in c.skipped)]
 
     @property
     def agrees(self) -> bool:
@@ -237,10 +244,10 @@ class VerifyReport:
     @property
     def verdict(self) -> str:
         n = len(self.results)
-        if self.agrees and self.incomplete:
-            return (f"INCOMPLETE: {'; '.join(self.incomplete)}; everything that ran agrees ({n} FFN{'s' * (n != 1)} "
+        if self.agrees and (unrun := self.unrun):
+            return (f"INCOMPLETE: {'; '.join(unrun)}; everything that ran agrees ({n} FFN{'s' * (n != 1)} "
                     f"on {', '.join(self.backends)})" + self.bound()
-                    + "".join(f"; {s}" for s in self.not_run() if not any(i in s for i in self.incomplete)))
+                    + "".join(f"; {s}" for s in self.not_run() if not any(i in s for i in unrun)))
         if self.passed:
             exact = sum(r.exact == "identical" for r in self.results)
             requantized = sum(r.exact == "requantized" for r in self.results)
@@ -291,7 +298,7 @@ class VerifyReport:
                 "side_files": self.side_files.as_dict() if self.side_files else None,
                 "tokenization": self.tokenization.as_dict() if self.tokenization else None,
                 "generation": self.generation.as_dict() if self.generation else None,
-                "logits_skipped": self.logits_skipped, "incomplete": self.incomplete, "not_run": self.not_run(),
+                "logits_skipped": self.logits_skipped, "incomplete": self.unrun, "not_run": self.not_run(),
                 "coverage": self.coverage()}
 
     def lines(self, max_rows: int = MAX_ROWS) -> list[str]:
@@ -328,7 +335,7 @@ class VerifyReport:
             out.append(f"load check: {self.load.summary()}")
         out += ["", *[f"  - {f}" for f in self.failures()]] if not self.passed else []
         if not self.agrees:  # a FAIL's verdict names the first failure: what did not run is said here
-            out += [f"  not run: {i}" for i in self.incomplete]
+            out += [f"  not run: {i}" for i in self.unrun]
         if self.logits is not None:
             lg = self.logits
             out.append(f"logits ({lg['client_a']} vs {lg['client_b']}, {lg['shape']}): max abs diff "
@@ -340,9 +347,8 @@ class VerifyReport:
 
 
 def _not_computed(b: BackendResult) -> bool:
-    """``b`` is B on the float64 reference taken as A's output, not run: B's weights are A's bit for bit
-    (``functional.not_computed``, and ``SAME_AS_A`` where A's output was computed for the kernel backends); its
-    figures (error 0, cosine 1) hold by construction, nothing measured them."""
+    """``b`` is B on the float64 reference taken as A's output, not run, B's weights A's bit for bit (``SAME_AS_A``,
+    ``functional.not_computed``): its figures (error 0, cosine 1) hold by construction, nothing measured them."""
     return b.path in (NOT_COMPUTED, SAME_AS_A)
 
 
