@@ -17,8 +17,8 @@ tensors (``Op.apply``); an entry's ops run in order from its inputs and end with
   of one quantized weight, made once): an object with a settable ``wanted`` (``Entry.shared``). The executor reads
   these only through the entry; no probe of the op.
 
-``Fn`` is transitional: an old-style closure (``Entry(name, dtype, shape, inputs, compute, pieces, note)``), kept
-until the converters' sites become ops.
+A format's own ops (MLX's ``Quantize``, ``StreamCast``, ``Sanitized``; the kept codes of a quantized module) subclass
+``Op`` in the format's package; there is no op wrapping an arbitrary callable.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from collections.abc import Sequence
 
 from .base import Each, Op
 from .moves import Chunk, Concat, Copy, Fuse, Permute, Reshape, Rows, Select, Split, Stack, Take, Transpose, Unstack
-from .values import AddLowRank, Affine, Cast, Const, Fn
+from .values import AddLowRank, Affine, Cast, Const
 from .views import TooMany, View
 
 MAX_RUNS = 256  # byte runs per pair of inputs above which computing is faster than copying run by run
 
 __all__ = ["MAX_RUNS", "Op", "Copy", "Take", "Select", "Rows", "Split", "Fuse", "Stack", "Unstack", "Concat", "Chunk",
-           "Transpose", "Reshape", "Permute", "Cast", "Affine", "AddLowRank", "Const", "Fn", "View", "run", "reverse",
+           "Transpose", "Reshape", "Permute", "Cast", "Affine", "AddLowRank", "Const", "View", "run", "reverse",
            "runs", "describe", "take", "Each"]
 
 

@@ -1,10 +1,8 @@
-"""Ops that change values: casts, affine maps, constants; and ``Fn``, the transitional callable."""
+"""Ops that change values: casts, affine maps, a low-rank sum, constants."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ..io.dtypes import as_st, short_name, torch_dtype
@@ -98,41 +96,6 @@ class Const(Op):
 
     def describe(self) -> str:
         return f"constant {list(self.values)}"
-
-
-@dataclass(frozen=True)
-class Fn(Op):
-    """TRANSITIONAL: a callable made the whole output (``Entry(name, dtype, shape, inputs, compute, pieces, note)``,
-    the shape entries had before ops). Not picklable where ``fn`` is a closure, not reversible, not priced: each
-    site that still builds one is to become ops. ``placement``/``shares`` are the callable's ``place``/``shared``."""
-
-    fn: Callable[[list], Any] = field(compare=False)
-    pieces: tuple[tuple[int, int, int], ...] | None = None
-    text: str = ""
-    into_fn: Callable[[Any, Any], object] | None = field(default=None, compare=False)
-
-    def apply(self, ts: list) -> list:
-        return [self.fn(ts)]
-
-    def describe(self) -> str:
-        return self.text
-
-    @property
-    def elementwise(self) -> bool:
-        return self.into_fn is not None
-
-    def into(self, src: Any, out: Any) -> object:
-        if self.into_fn is None:
-            return super().into(src, out)
-        return self.into_fn(src, out)
-
-    @property
-    def placement(self) -> Callable[[Path, int], object] | None:
-        return getattr(self.fn, "place", None)  # transitional: MLX's QuantJob parts until they are Quantize ops
-
-    @property
-    def shares(self) -> Any:
-        return getattr(self.fn, "shared", None)
 
 
 @dataclass(frozen=True)
