@@ -53,14 +53,15 @@ def _entries(ckpt, f: FFN) -> list[Entry]:
             continue
 
         src = f.names.get(role) or f.names["gate_up_bias" if role.endswith("_bias") else "gate_up"]
-        out.append(Entry(name, dtype, shapes[role], (src,), _canonical_ops(f, role, src), sources=(source(ckpt, src),),
+        out.append(Entry(name, dtype, shapes[role], (src,), role_ops(f, role, src), sources=(source(ckpt, src),),
                          text=f"{role} of {f.ref} ({src})"))
     return out + _scale_entries(ckpt, f, prefix)
 
 
-def _canonical_ops(f: FFN, role: str, src: str) -> tuple[Op, ...]:
-    """The ops making canonical ``role`` (gate, up, down, or a bias; (out, in)) from stored ``src``, as
-    ``ffn.canonical_weights`` reads it: the expert's part, split (fuse-gateup's definition reversed), turned."""
+def role_ops(f: FFN, role: str, src: str) -> tuple[Op, ...]:
+    """The ops making FFN ``f``'s canonical ``role`` (gate, up, down, or a bias; (out, in)) from its stored tensor
+    ``src``, as ``ffn.canonical_weights`` reads it: the expert's part, split (fuse-gateup's definition reversed),
+    turned. What ``extract`` writes, and what a format reading one FFN's weights builds on (flax's linen leaves)."""
     bias, base = role.endswith("_bias"), role.removesuffix("_bias")
     part: tuple[Op, ...] = ()
     if f.index is not None:  # a stack's slice, or a flat stack's row block

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ffn_tools.detect import find_ffns
 from ffn_tools.errors import FFNToolsError, counted
-from ffn_tools.extraction import _canonical_ops as canonical_ops  # one FFN's role as ``extract`` reads it
+from ffn_tools.extraction import role_ops  # one FFN's role as ``extract`` reads it
 from ffn_tools.ffn import FFN
 from ffn_tools.io.dtypes import FLOAT_ST, as_st, short_name
 from ffn_tools.io.store import Checkpoint
@@ -73,7 +73,7 @@ def _linen_entries(ckpt: Checkpoint, f: FFN, dtype: torch.dtype | None):
                             text=f"{key} of {f.ref}: copy of {src}"), path
                 continue
             info = ckpt.info(src)
-            made = (*canonical_ops(f, key, src), Cast(out_st, info.st_dtype),
+            made = (*role_ops(f, key, src), Cast(out_st, info.st_dtype),
                     *((Transpose(),) if leaf == "kernel" else ()))  # kernel = W.T (in, out)
             how = "transposed (kernel = W.T)" if leaf == "kernel" else "as it is"
             yield Entry(tree_name(path), out_st, shape, (src,), made, sources=((info.st_dtype, tuple(info.shape)),),
