@@ -18,7 +18,8 @@ tensors (``Op.apply``); an entry's ops run in order from its inputs and end with
   these only through the entry; no probe of the op.
 
 A format's own ops (MLX's ``Quantize``, ``StreamCast``, ``Sanitized``; the kept codes of a quantized module) subclass
-``Op`` in the format's package; there is no op wrapping an arbitrary callable.
+``Op`` in the format's package. No op wraps an arbitrary callable; the one holding a callable is MLX's ``Sanitized``
+(a run of mlx_lm's own ``sanitize``, shared by its outputs: not plain-picklable, as a ``QuantJob`` given its array).
 """
 
 from __future__ import annotations
