@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from .checks.config import ConfigResult, compare_configs, note_unused, transformers_view
 from .checks.load import LoadCheck
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 
     from .checks.outside import OutsideResult
     from .checks.tokens import TokenizationResult
-    from .formats import Format
 
 
 class NotApplicable(FFNToolsError):
@@ -330,7 +329,22 @@ class NoClient(Client):
                             "it as a whole model")
 
 
-def runtime(fmt: "Format", name: str | None = None) -> Client:
+class Loaded(Protocol):
+    """What ``runtime`` asks of a format (``formats.Format`` answers it; this module sits below the formats)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def runtimes(self) -> tuple[str, ...]: ...
+
+    @property
+    def unloaded(self) -> str: ...
+
+    def load_runtime(self, name: str) -> Client: ...
+
+
+def runtime(fmt: Loaded, name: str | None = None) -> Client:
     """The client of the runtime ``name`` among those that load ``fmt`` (``Format.runtimes``; None: the first,
     the default); a ``NoClient`` saying why where no runtime here loads the format.
 

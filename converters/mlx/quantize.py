@@ -11,7 +11,7 @@ head no longer leaves one worker busy while the others wait, at the start of an 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 
@@ -25,10 +25,15 @@ from .quant import _rows_cols, from_mx, part_specs, quantize_fn, stream
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from .workers import QuantPool
 
 PIECE_BYTES = 64 << 20  # a weight larger than this is quantized by workers in pieces of about this many input bytes
 PARTS = ("weight", "scales", "biases")  # a quantized weight's parts, in ``part_specs``' order
+
+
+class Pool(Protocol):
+    """What a job asks of the pool that computes it ahead of the writer (``workers.QuantPool``)."""
+
+    def ahead(self, job: QuantJob) -> None: ...
 
 
 class QuantJob:
@@ -48,7 +53,7 @@ class QuantJob:
         infos = [ckpt.info(n) for n in self.sources]
         self.infos = infos if infos and all(i.start is not None for i in infos) else None  # what a worker can read
         self.nbytes = sum(i.nbytes for i in infos)
-        self.pool: QuantPool | None = None
+        self.pool: Pool | None = None
         self.wanted = True  # False: no entry of a sample run (io.sample) asks for it, so the pool never runs it
         self.index = -1
         self.futures: list[Future[list[RawTensor | None]]] = []  # the pool's: the whole job, or its pieces

@@ -295,3 +295,6 @@ def _open_files(path: Path, root: Path, files: list[Path], index: Path | None = 
     if all(f.suffix in PICKLE_SUFFIXES for f in files):
         return PickleCheckpoint(path, root, files)
     raise CheckpointError(f"{path}: mixes safetensors and pickle files; point at one of them")
+
+
+Checkpoint.opener = staticmethod(open_checkpoint)  # how a checkpoint no format opened is opened again (``reopen``)

@@ -13,7 +13,7 @@ from .safetensors_format import PAGE, build_header, header_entry_size
 if TYPE_CHECKING:
     from ..progress import Progress
     from .resume import Ledger
-    from .writer import OutTensor
+    from .outtensor import OutTensor
 
 
 def plan_shards(items: Sequence[OutTensor], max_shard_size: int | None, metadata: dict | None) -> list[list[OutTensor]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -111,6 +111,9 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
     resolves_quantization = False  # True: ``quantized`` says per tensor how it is stored (views that decode)
     kept_codes: frozenset[str] = frozenset()  # tensors that hold another checkpoint's stored codes (a GGUF's)
     like: "Checkpoint | None" = None  # the checkpoint its format read it beside (``Format.open``'s ``like``)
+    # what opens it again where no format did (``io.readers`` registers its ``open_checkpoint`` as it is imported:
+    # a checkpoint without a format was opened by it; the store imports no reader)
+    opener: Any = None
 
     def __init__(self, path: Path, root: Path, files: list[Path], infos: dict[str, TensorInfo],
                  metadata: dict[str, str] | None = None, config: dict | None = None):
@@ -223,7 +226,7 @@ class Checkpoint(Mapping[str, "torch.Tensor"]):
         that opens it is (the view, or the checkpoint the view decodes). A ``--ray`` task's plan slice reads its input
         so (``cluster``), and ``verify --ray``'s tasks both sides."""
         return reopen, (self.format, Path(os.path.abspath(self.path)), bool(self.stored.absent), type(self),
-                        self.like)
+                        self.like, None if self.format is not None else self.opener)
 
     def close(self) -> None:
         """Release open files; the mapping is unusable afterwards."""
@@ -347,7 +350,8 @@ def config_dtype(config: dict | None) -> str | None:
     return str(value).removeprefix("torch.") if value else None
 
 
-def reopen(fmt, path: Path, absent_shards: bool, kind: type, like: Checkpoint | None = None) -> Checkpoint:
+def reopen(fmt, path: Path, absent_shards: bool, kind: type, like: Checkpoint | None = None,
+           opener: Callable[[Path, bool], Checkpoint] | None = None) -> Checkpoint:
     """``Checkpoint.__reduce__``'s other half: ``path`` opened again as ``fmt`` opened it, the one of type ``kind``
     (the view, or what it decodes).
 
@@ -355,11 +359,12 @@ def reopen(fmt, path: Path, absent_shards: bool, kind: type, like: Checkpoint | 
         CheckpointError: ``path`` no longer reads as it did (another node sees other files there).
     """
     if fmt is None:
-        from .readers import open_checkpoint
-
-        ckpt = open_checkpoint(path, absent_shards)
+        if opener is None:
+            raise CheckpointError(f"{path}: opened by neither a format nor a reader, it cannot be opened again")
+        ckpt = opener(path, absent_shards)
     else:
         ckpt = fmt.open(path, absent_shards=absent_shards, like=like)
+    c: Checkpoint
     for c in (ckpt, ckpt.stored):
         if type(c) is kind:
             return c
