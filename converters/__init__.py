@@ -17,6 +17,13 @@ absolute), imported on first use (a torch-only install never imports mlx or jax)
 ``FORMAT`` declares whether it writes and its options (``formats.Option``), from which the command line draws
 ``convert --to``'s choices and the format's flags, and the runtimes that load it (``Format.runtimes``, the default
 first, each built by its ``load_runtime``; ``clients.runtime(fmt, name)`` picks one); nothing else names it.
+
+``ADAPTERS`` is the same table for LoRA adapters (``ffn_tools.adapters.formats.AdapterFormat``, each module defining
+``ADAPTER``), which ``ffn_tools.adapters`` reaches only through it:
+
+    peft   adapter_config.json + adapter_model.safetensors, as PEFT saves a LoRA   pytorch/peft.py
+    mlx    adapter_config.json + adapters.safetensors, as mlx_lm.lora saves one    mlx/lora.py
+    gguf   a GGUF of general.type "adapter", as llama.cpp's convert_lora_to_gguf  gguf/lora.py
 """
 
 from __future__ import annotations
@@ -37,10 +44,12 @@ from ffn_tools.io.readers import open_checkpoint
 
 FORMATS = {"torch": ".pytorch", "mlx": ".mlx", "flax": ".flax", "gguf": ".gguf", "dcp": ".dcp", "orbax": ".orbax",
            "native": ".native"}
+ADAPTERS = {"peft": ".pytorch.peft", "mlx": ".mlx.lora", "gguf": ".gguf.lora"}  # in detection order
+ADAPTER_ALIASES = {"torch": "peft"}  # convert's --to names that write another adapter format's (a torch adapter: PEFT's)
 # convert's own options a format may take (``Format.takes``) whose flags are not simply --the-name.
 FLAGS = {"scheme": "--scheme/--scheme-file/--gate/--up/--down", "layout": "--layout/--order/--tp"}
 
-__all__ = ["FORMATS", "get", "writable", "options", "detect_format", "open_any", "open_sides", "convert", "client_differences"]
+__all__ = ["FORMATS", "ADAPTERS", "ADAPTER_ALIASES", "get", "writable", "options", "detect_format", "open_any", "open_sides", "convert", "client_differences"]
 
 
 def get(fmt: str) -> Format:

@@ -134,7 +134,7 @@ def convert(path, to: str, out, *, base=None, force: bool = False, scheme=None, 
     adapter = load(path, base)
     given = {k: v.lower() if k == "outtype" else v for k, v in options.items() if v is not None}
     name = formats.named(to)
-    if given and set(given) - (formats.get(name).options if name in formats.ADAPTER_FORMATS else frozenset()):
+    if given and set(given) - (formats.get(name).options if name in formats.names() else frozenset()):
         raise AdapterError(f"{', '.join(sorted(given))} do not apply to converting an adapter to {to}")
     written = _write(adapter, to, Path(out), force, base, run, **given)
     line = f"wrote {out}: {name} adapter, {counted(len(adapter.loras), 'LoRA target')}"

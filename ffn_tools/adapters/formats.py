@@ -1,15 +1,11 @@
-"""The one interface every adapter format implements, and the table of them (as ``converters.FORMATS`` is for
-checkpoints): a format reads a directory or file into an ``Adapter`` and writes one back.
-
-    peft   adapter_config.json + adapter_model.safetensors, as PEFT saves a LoRA   converters/pytorch/peft.py
-    mlx    adapter_config.json + adapters.safetensors, as mlx_lm.lora saves one    converters/mlx/lora.py
-    gguf   a GGUF of general.type "adapter", as llama.cpp's convert_lora_to_gguf  converters/gguf/lora.py
-
-Formats are imported on first use (reading a PEFT adapter never imports mlx).
+"""The one interface every adapter format implements (``AdapterFormat``), and the way to them: the formats'
+registry's ``ADAPTERS`` table (``converters.ADAPTERS``, beside ``converters.FORMATS``): a format reads a directory
+or file into an ``Adapter`` and writes one back. Formats are imported on first use (reading a PEFT adapter never
+imports mlx).
 
 The dependency goes one way: ``converters/`` implement this package's interfaces (``AdapterFormat``, ``Adapter``,
-``conform``); nothing in ``adapters/`` imports ``converters/``. It reaches an adapter format through this table and
-a checkpoint through ``open_checkpoint`` below, both by the registry's module name, in this one module.
+``conform``); nothing in ``adapters/`` imports ``converters/`` or names a format. It reaches the adapter formats and
+a checkpoint (``open_checkpoint`` below) through the registry, by its module name, in this one module.
 """
 
 from __future__ import annotations
@@ -24,10 +20,16 @@ from ..formats import missing_package
 from ..io.store import read_config
 from .model import Adapter, AdapterError
 
-ADAPTER_FORMATS = {"peft": "ffn_tools.converters.pytorch.peft", "mlx": "ffn_tools.converters.mlx.lora",
-                   "gguf": "ffn_tools.converters.gguf.lora"}
-ALIASES = {"torch": "peft"}  # convert's --to names that write another adapter format's (a torch adapter: PEFT's)
-CHECKPOINTS = "ffn_tools.converters"  # the checkpoint formats' registry (``open_any``: any format, detected)
+REGISTRY = "ffn_tools.converters"  # the formats' registry: ``ADAPTERS``, ``ADAPTER_ALIASES``, ``open_any``
+
+
+def _registry():
+    return importlib.import_module(REGISTRY)
+
+
+def names() -> tuple[str, ...]:
+    """The adapter formats' names, in detection order."""
+    return tuple(_registry().ADAPTERS)
 
 
 class AdapterFormat(ABC):
@@ -69,10 +71,11 @@ class AdapterFormat(ABC):
 
 def get(name: str) -> AdapterFormat:
     """The adapter format called ``name``."""
-    if name not in ADAPTER_FORMATS:
-        raise FFNToolsError(f"unknown adapter format {name!r}; use one of {', '.join(ADAPTER_FORMATS)}")
+    table = _registry().ADAPTERS
+    if name not in table:
+        raise FFNToolsError(f"unknown adapter format {name!r}; use one of {', '.join(table)}")
     try:
-        module = importlib.import_module(ADAPTER_FORMATS[name])
+        module = importlib.import_module(table[name], REGISTRY)
     except ImportError as e:
         fix = missing_package(e)  # the one table of which extra installs what (``formats.EXTRAS``)
         raise FFNToolsError(f"adapter format {name!r} needs a package that is not installed ({e})"
@@ -81,19 +84,20 @@ def get(name: str) -> AdapterFormat:
 
 
 def named(to: str) -> str:
-    """The adapter format ``convert --to TO`` writes (``ALIASES``; else the format called ``to``)."""
-    return ALIASES.get(to, to)
+    """The adapter format ``convert --to TO`` writes (the registry's ``ADAPTER_ALIASES``; else the format called
+    ``to``)."""
+    return _registry().ADAPTER_ALIASES.get(to, to)
 
 
 def open_checkpoint(path, like=None):
     """The checkpoint at ``path`` opened by whichever format reads it (the registry's ``open_any``; ``like``:
     the checkpoint it will be compared with): the one way adapters reach a checkpoint format."""
-    return importlib.import_module(CHECKPOINTS).open_any(path, like=like)
+    return _registry().open_any(path, like=like)
 
 
 def detect(path: Path) -> AdapterFormat | None:
     """The format of the adapter at ``path``, or None when it is no adapter any format reads."""
-    for name in ADAPTER_FORMATS:
+    for name in names():
         try:
             fmt = get(name)
         except FFNToolsError:
