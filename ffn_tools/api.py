@@ -26,6 +26,7 @@ from . import cluster
 from . import estimate as estimates
 from .envelope import ENVELOPE, envelope  # noqa: F401  (the keys every command's JSON starts with)
 from .errors import FFNToolsError, counted
+from .formats import registry
 from .hub import resolve
 from .io.receipt import record
 from .io.run import Run
@@ -118,7 +119,7 @@ ADAPTER_OPTIONS = {"inspect": ("base", "scheme"), "relayout": ("force", "scheme"
 def inspect(path, *, scheme=None, layout=None, tensors: bool = False, base=None) -> dict:
     """``ffn-tools inspect PATH --json``: architecture, scheme, FFNs, sizes (and every tensor with ``tensors``).
     A LoRA adapter: what each LoRA targets (``adapters.api.inspect``; ``base``: which of its FFNs get none)."""
-    from ffn_tools.converters import open_any
+    open_any = registry().open_any
 
     given = {"layout": layout, "tensors": tensors, "base": base, "scheme": scheme}
     if (kw := _adapter_options(path, "inspect", given, ADAPTER_OPTIONS["inspect"])) is not None:
@@ -141,7 +142,7 @@ def extract(path, out, *, layers: str | None = None, experts: str | None = None,
     ``upload_repo``: push the output to that Hub repo afterwards (every writing command takes it); ``resume``:
     continue what a killed run of the same command left (``io.resume``; every writing command takes it); ``run``: the
     run's options the command wrapper made (``io.run.Run``)."""
-    from ffn_tools.converters import open_any
+    open_any = registry().open_any
 
     from .extraction import extract as extracting
 
@@ -158,7 +159,7 @@ def extract(path, out, *, layers: str | None = None, experts: str | None = None,
 def split_gateup(path, out=None, *, upload_repo: str | None = None, resume: bool = False, run: Run = Run(),
                 **options) -> dict:
     """``ffn-tools split-gateup PATH [-o OUT] --json`` (options as ``gateup.split_gateup``)."""
-    from ffn_tools.converters import open_any
+    open_any = registry().open_any
 
     from .gateup import split_gateup as rewrite
 
@@ -177,7 +178,7 @@ def split_gateup(path, out=None, *, upload_repo: str | None = None, resume: bool
 def fuse_gateup(path, out=None, *, upload_repo: str | None = None, resume: bool = False, run: Run = Run(),
                 **options) -> dict:
     """``ffn-tools fuse-gateup PATH [-o OUT] --json`` (options as ``gateup.fuse_gateup``)."""
-    from ffn_tools.converters import open_any
+    open_any = registry().open_any
 
     from .gateup import fuse_gateup as rewrite
 
@@ -203,7 +204,7 @@ def _gateup(command: str, path, r: dict) -> dict:
 def convert(path, to: str, out, *, upload_repo: str | None = None, resume: bool = False, run: Run = Run(),
             **options) -> dict:
     """``ffn-tools convert PATH --to FORMAT -o OUT --json`` (options as ``converters.convert``)."""
-    from ffn_tools.converters import convert as converting
+    converting = registry().convert
 
     if (kw := _adapter_options(path, "convert", {**options, "upload_repo": upload_repo, "resume": resume},
                                ADAPTER_OPTIONS["convert"])) is not None:
@@ -257,7 +258,7 @@ def verify(a, b, **options):
     any format the registry reads (``converters.open_sides``). ``verify("BASE+ADAPTER", MERGED)`` and
     ``verify(ADAPTER, ADAPTER2)`` verify adapters (``adapters.verify``: ``tokens``, ``seed``, ``scheme`` and
     ``backends`` apply)."""
-    from ffn_tools.converters import convert as converting, open_sides
+    converting, open_sides = registry().convert, registry().open_sides
 
     from .adapters.verify import involves_adapters
 

@@ -180,6 +180,18 @@ class Format(ABC):
         return f"<format {self.name}>"
 
 
+REGISTRY = "ffn_tools.converters"  # the package that registers the formats (``FORMATS``, ``ADAPTERS``)
+
+
+def registry():
+    """The formats' registry module (``converters``: ``FORMATS``, ``ADAPTERS``, ``get``, ``open_any``, ``convert``...),
+    imported by name on first use: the one way the core (the api, the command line, adapters) reaches the formats;
+    it imports no format's package and names none."""
+    import importlib
+
+    return importlib.import_module(REGISTRY)
+
+
 _DECLARED: list[type[Format]] = []  # every Format class defined (imported) so far: what ``owner_of`` knows
 
 

@@ -16,15 +16,12 @@ from pathlib import Path
 from typing import ClassVar
 
 from ..errors import FFNToolsError
-from ..formats import missing_package
+from ..formats import REGISTRY, missing_package, registry
 from ..io.store import read_config
 from .model import Adapter, AdapterError
 
-REGISTRY = "ffn_tools.converters"  # the formats' registry: ``ADAPTERS``, ``ADAPTER_ALIASES``, ``open_any``
-
-
 def _registry():
-    return importlib.import_module(REGISTRY)
+    return registry()  # the formats' registry: ``ADAPTERS``, ``ADAPTER_ALIASES``, ``open_any``
 
 
 def names() -> tuple[str, ...]:

@@ -86,7 +86,9 @@ def click_option(o: Option):
 
 def command() -> click.Command:
     """The ``convert`` command as the registry is now: ``--to`` its writable formats, a flag per declared option."""
-    from ffn_tools import converters
+    from ..formats import registry
+
+    converters = registry()
 
     def convert(path, hf_path, to, out, mlx_path, dry_run, as_json, **options):
         from ..api import convert as run
