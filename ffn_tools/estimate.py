@@ -85,7 +85,7 @@ def estimate(plan: Plan, run: Run) -> dict:
     """The estimate of ``execute(plan, run)`` (``run.estimate``: when the command began; None: now), from a sample
     of ``plan`` streamed here into a temporary directory beside ``run.out``: ``made`` False and ``why`` where none
     could be made."""
-    from .executor import _out_tensor, execute  # its items: the writer aligns each copy's bytes as in its input
+    from .executor import out_tensor, execute  # its items: the writer aligns each copy's bytes as in its input
 
     begun = run.estimate if run.estimate is not None else time.time()
     planned = time.time()  # the command's start-up ends here: what the run does before it streams
@@ -94,7 +94,7 @@ def estimate(plan: Plan, run: Run) -> dict:
     out, writer = Path(run.out), run.writer or SAFETENSORS
     meta = dict(plan.source.metadata if run.metadata is None else run.metadata)
     meta.setdefault("format", "pt")  # as the executor writes it
-    sized = [_out_tensor(e, plan.source, {}) for e in plan.entries]  # as the executor makes them: nothing produced
+    sized = [out_tensor(e, plan.source, {}) for e in plan.entries]  # as the executor makes them: nothing produced
     weight_bytes = writer.output_bytes(sized, max_shard_size=run.max_shard_size, metadata=meta,
                                        single=out.suffix == writer.suffix)
     narrowed, facts = sample.narrow(plan)

@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 KNOWN_SIDE_FILES = ("config.json", *(n for n in SIDE_FILES if "*" not in n))
 
 
-def _out_tensor(e: Entry, ckpt: Checkpoint, cache: dict) -> OutTensor:
+def out_tensor(e: Entry, ckpt: Checkpoint, cache: dict) -> OutTensor:
+    """``e``'s output tensor as the writer takes it (its bytes made when the writer asks: nothing is read here);
+    ``cache`` holds the inputs one entry's neighbours share. The estimate sizes a plan's output with it."""
     infos = [ckpt.info(n) for n in e.inputs]
 
     def produce():
@@ -75,7 +77,7 @@ def write_slice(source: Checkpoint, entries: Sequence[Entry], out_dir: str, name
 
     keep_shared(entries, range(len(entries)))  # a quantization pool works on this shard's entries only
     cache: dict = {}
-    items = [_out_tensor(e, source, cache) for e in entries]
+    items = [out_tensor(e, source, cache) for e in entries]
     return cluster.write_part(Path(out_dir), name, items, metadata)
 
 
@@ -130,7 +132,7 @@ def execute(plan: Plan, run: Run) -> list[str]:
     meta = dict(ckpt.metadata if run.metadata is None else run.metadata)
     meta.setdefault("format", "pt")
     cache: dict = {}
-    items = [_out_tensor(e, ckpt, cache) for e in plan.entries]
+    items = [out_tensor(e, ckpt, cache) for e in plan.entries]
     inputs = [ckpt.path, *ckpt.files, *plan.also_read]
     key = None
     if out.suffix != writer.suffix and writer.resumable:  # shards a killed run's --resume can reuse
