@@ -7,7 +7,7 @@ read with ``pread`` into one buffer and cast into another, and handed to the wri
 for the next: no page is faulted after the first chunk, and what the process holds is two chunks, whatever the
 tensor's size (docs/performance.md#casts).
 
-Used by ``plan._out_tensor`` where an entry has an ``into`` (``plan.Entry``) and its one input's bytes lie in a file
+Used by ``executor.out_tensor`` where an entry has an ``into`` (``plan.Entry``) and its one input's bytes lie in a file
 as stored (``TensorInfo.start``); the writer takes the chunks through ``OutTensor.stream``.
 """
 
