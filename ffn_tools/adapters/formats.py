@@ -20,13 +20,9 @@ from ..formats import REGISTRY, missing_package, registry
 from ..io.store import read_config
 from .model import Adapter, AdapterError
 
-def _registry():
-    return registry()  # the formats' registry: ``ADAPTERS``, ``ADAPTER_ALIASES``, ``open_any``
-
-
 def names() -> tuple[str, ...]:
     """The adapter formats' names, in detection order."""
-    return tuple(_registry().ADAPTERS)
+    return tuple(registry().ADAPTERS)
 
 
 class AdapterFormat(ABC):
@@ -68,7 +64,7 @@ class AdapterFormat(ABC):
 
 def get(name: str) -> AdapterFormat:
     """The adapter format called ``name``."""
-    table = _registry().ADAPTERS
+    table = registry().ADAPTERS
     if name not in table:
         raise FFNToolsError(f"unknown adapter format {name!r}; use one of {', '.join(table)}")
     try:
@@ -83,13 +79,13 @@ def get(name: str) -> AdapterFormat:
 def named(to: str) -> str:
     """The adapter format ``convert --to TO`` writes (the registry's ``ADAPTER_ALIASES``; else the format called
     ``to``)."""
-    return _registry().ADAPTER_ALIASES.get(to, to)
+    return registry().ADAPTER_ALIASES.get(to, to)
 
 
 def open_checkpoint(path, like=None):
     """The checkpoint at ``path`` opened by whichever format reads it (the registry's ``open_any``; ``like``:
     the checkpoint it will be compared with): the one way adapters reach a checkpoint format."""
-    return _registry().open_any(path, like=like)
+    return registry().open_any(path, like=like)
 
 
 def detect(path: Path) -> AdapterFormat | None:
