@@ -201,7 +201,7 @@ def _scaled(f: dict, begun: float, planned: float | None = None) -> dict:
             "temporary_disk": out_bytes, "peak_rss": f["peak_rss"],
             "seconds": round(seconds, 2),
             "sample": {"tensors": f["sampled"], "of": f["entries"], "reads": f["sample_reads"], "of_reads": f["reads"],
-                       "startup_seconds": round(startup, 2), "seconds": round(streaming, 3),
+                       "startup_seconds": round(startup, 3), "seconds": round(streaming, 3),
                        "writing_seconds": round(writing, 3), "waits_on_disk": round(max(written - computing, 0), 2)}}
 
 

@@ -31,7 +31,8 @@ def test_dry_run_estimates_the_run_from_a_sample_and_writes_nothing(model_dir, t
     assert e["made"], e
     assert not out.exists() and list(tmp_path.iterdir()) == []  # the sample's directory removed, nothing written
     assert e["sample"]["tensors"] == e["sample"]["of"] > 0  # a tiny model: sampled whole
-    assert e["peak_rss"] > 20e6 and 0 < e["seconds"] < 120 and e["sample"]["startup_seconds"] > 0
+    # in-process the start-up (planning) of a tiny model can take under a millisecond: within the run, never negative
+    assert e["peak_rss"] > 20e6 and 0 < e["seconds"] < 120 and 0 <= e["sample"]["startup_seconds"] <= e["seconds"]
     # the writer's time is what scales with the tensors; the side files, the receipt and the move are once a run
     assert 0 < e["sample"]["writing_seconds"] < e["sample"]["seconds"]
     text = run_cli(*cmd, "--dry-run", "--estimate").output
