@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from .detect import FFNSet, find_ffns
+from . import mtp
 from .io.dtypes import short_name
 from . import quant
 from .quant.fp8 import is_companion
@@ -55,7 +56,10 @@ def inspect_checkpoint(ckpt: Checkpoint, scheme: Scheme | None = None, layout: G
     config = ckpt.config or {}
     kinds: dict[str, dict] = {}
     per_kind = defaultdict(list)
-    for f in ffns.ffns:
+    heads = mtp.find_heads(ckpt, config)  # MTP heads: listed apart, their FFNs not counted as the main layers'
+    in_heads = mtp.head_tensors(heads)
+    main = [f for f in ffns.ffns if f.names["down"] not in in_heads]
+    for f in main:
         per_kind[f.ref.kind].append(f)
     for kind, fs in per_kind.items():
         forms = Counter(f.form_name for f in fs)
@@ -81,7 +85,7 @@ def inspect_checkpoint(ckpt: Checkpoint, scheme: Scheme | None = None, layout: G
         "model_type": config.get("model_type"),
         "scheme": ffns.scheme.name,
         "scheme_description": ffns.scheme.description,
-        "layers": len({f.ref.layer for f in ffns.ffns}),
+        "layers": len({f.ref.layer for f in main}),
         "config_layers": config.get("num_hidden_layers"),
         "routed_experts": len({f.ref.expert for f in experts}),
         "shared_experts": 1 if "shared" in per_kind else 0,
@@ -98,9 +102,18 @@ def inspect_checkpoint(ckpt: Checkpoint, scheme: Scheme | None = None, layout: G
         "ffn_tensors": len(ffns.tensors),
         "outside_ffn": {"count": len(outside), "bytes": sum(ckpt.info(n).nbytes for n in outside)},
         "unmatched_ffn_like": list(ffns.unmatched),
-        "warnings": [w] if (w := ffns.unmatched_warning()) else [],
+        "mtp": [_head(ckpt, h, ffns) for h in heads],
+        "warnings": [w for w in (ffns.unmatched_warning(), mtp.check_count(heads, config)) if w],
         **({"tensor_table": tensor_table(ckpt, ffns)} if tensors else {}),
     }
+
+
+def _head(ckpt: Checkpoint, head: mtp.Head, ffns: FFNSet) -> dict:
+    """An MTP head as ``inspect`` lists it: its name, layout, blocks, FFNs per kind, own modules, tensors, bytes."""
+    inside = set(head.tensors)
+    kinds = Counter(f.ref.kind for f in ffns.ffns if f.names["down"] in inside)
+    return {"name": head.name, "layout": head.layout.name, "blocks": list(head.blocks), "ffn": dict(kinds),
+            "own": head.own(), "tensors": len(head.tensors), "bytes": sum(ckpt.info(n).nbytes for n in head.tensors)}
 
 
 def format_summary(s: dict) -> list[str]:
@@ -127,6 +140,10 @@ def format_summary(s: dict) -> list[str]:
         how = q.get("how", "split, fuse and extract move it with its weight")
         lines.append(f"  quantized     {counted(q['weights'], 'weight')} {q['dtype']}, one _{q['scales']} per {q['block'][0]}x"
                      f"{q['block'][1]} block ({how})")
+    for h in s.get("mtp") or []:
+        ffn = ", ".join(f"{counted(n, kind + ' FFN')}" for kind, n in h["ffn"].items()) or "no FFN"
+        lines.append(f"  mtp head      {h['name']} ({h['layout']}, not a main layer): {ffn}, "
+                     f"{', '.join(h['own']) or 'no own modules'}; {counted(h['tensors'], 'tensor')}, {human(h['bytes'])}")
     o = s["outside_ffn"]
     lines.append(f"  outside FFNs  {counted(o['count'], 'tensor')}, {human(o['bytes'])}")
     lines += [f"  warning       {w}" for w in s["warnings"]]

@@ -1,0 +1,211 @@
+"""Multi-token-prediction (MTP, NextN) heads: found by their names as each family lays them out (declared as data in
+``schemes/mtp.json``), named, and kept, dropped or taken alone on purpose (``convert --mtp``).
+
+DeepSeek-V3/V3.2 and GLM-4.5+ number their NextN blocks after the main layers (``model.layers.61`` of a 61-layer
+model, with ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm/head`` and ``embed_tokens`` beside the block);
+Qwen3-Next/Qwen3.5 keep theirs under ``mtp.``, MiMo under ``model.mtp_layers.``. How many there are is the
+config's (``num_nextn_predict_layers``, ``mtp_num_hidden_layers``) or, with no such key, counted from the tensors.
+A head's FFNs are FFNs like any other (its block's experts are found by the family's scheme); what this module
+adds is which tensors are the head, so that ``inspect`` lists them apart from the main layers, a conversion never
+drops them without saying so and recording it (``RECORD`` in the output's metadata), and ``verify`` names a head B
+lacks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import FFNToolsError, listing
+
+DATA = Path(__file__).with_name("schemes") / "mtp.json"
+RECORD = "ffn_tools_mtp"  # safetensors metadata key: what ``--mtp`` did to the heads ({"mtp": "drop", ...})
+MODES = ("keep", "drop", "only")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One family's MTP layout (a row of ``schemes/mtp.json``)."""
+
+    name: str
+    description: str
+    kind: str  # "numbered": blocks numbered after the main layers; "prefix": everything under ``prefix``
+    blocks: str  # a block's module path, ``{layer}`` its number
+    counts: tuple[str, ...]  # config keys saying how many blocks
+    own: tuple[str, ...]  # the head's modules beside its blocks
+    model_types: tuple[str, ...]
+    prefix: str = ""
+
+    def block_number(self, name: str) -> int | None:
+        """The block number of tensor ``name`` under this layout's blocks, or None."""
+        head, _, tail = self.blocks.partition("{layer}")
+        if not name.startswith(head):
+            return None
+        digits = name[len(head):].split(".", 1)[0]
+        return int(digits) if digits.isdigit() and name[len(head) + len(digits):].startswith(tail + ".") else None
+
+
+def _load() -> tuple[Layout, ...]:
+    rows = json.loads(DATA.read_text())["layouts"]
+    return tuple(Layout(r["name"], r["description"], r["kind"], r["blocks"], tuple(r["counts"]), tuple(r["own"]),
+                        tuple(r["model_types"]), r.get("prefix", "")) for r in rows)
+
+
+LAYOUTS = _load()
+
+
+@dataclass(frozen=True)
+class Head:
+    """One MTP head: a NextN block numbered after the main layers, or a family's whole ``mtp.`` module.
+
+    Attributes:
+        layout: the family layout it was found by.
+        name: how messages name it (``model.layers.2``, ``mtp``).
+        blocks: its decoder blocks' numbers (the layer number of a NextN block; ``mtp.layers.{i}``'s i).
+        tensors: every tensor of the head, sorted.
+    """
+
+    layout: Layout
+    name: str
+    blocks: tuple[int, ...]
+    tensors: tuple[str, ...]
+
+    def own(self) -> list[str]:
+        """The head's own modules found (``enorm``, ``eh_proj``, ...), in the layout's order."""
+        return [m for m in self.layout.own if any(f".{m}." in f".{t[len(self.name) + 1:]}" for t in self.tensors)]
+
+    def describe(self) -> str:
+        return f"MTP head {self.name}.* ({self.layout.name}: {len(self.tensors)} tensors)"
+
+
+def declared(config: Mapping | None, layout: Layout | None = None) -> tuple[str, int] | None:
+    """The config key saying how many MTP blocks there are and its value (of ``layout``'s keys, or any layout's)."""
+    for key in (layout.counts if layout else tuple(k for lay in LAYOUTS for k in lay.counts)):
+        value = (config or {}).get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return key, value
+    return None
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def find_heads(names: Iterable[str], config: Mapping | None) -> tuple[Head, ...]:
+    """The MTP heads among tensor ``names`` (a checkpoint's), by each family's layout.
+
+    A block numbered after the main layers (``num_hidden_layers``) is a NextN head where the config declares
+    NextN blocks, its model_type is a NextN family's, or the block holds a head's own tensor (``eh_proj``); a
+    ``prefix`` layout's module is a head wherever its tensors are.
+    """
+    names = list(names)
+    config = config or {}
+    heads: list[Head] = []
+    for lay in LAYOUTS:
+        if lay.kind == "prefix":
+            mine = sorted(n for n in names if n.startswith(lay.prefix))
+            if mine:
+                blocks = sorted({b for n in mine if (b := lay.block_number(n)) is not None})
+                heads.append(Head(lay, lay.prefix.rstrip("."), tuple(blocks), tuple(mine)))
+            continue
+        main = config.get("num_hidden_layers")
+        by_block: dict[int, list[str]] = {}
+        for n in names:
+            b = lay.block_number(n)
+            if b is not None:
+                by_block.setdefault(b, []).append(n)
+        count = declared(config, lay)
+        family = config.get("model_type") in lay.model_types or bool(count and count[1])
+        for b in sorted(by_block):
+            mine = sorted(by_block[b])
+            block = lay.blocks.format(layer=b)
+            marked = any(n.startswith(f"{block}.{m}.") for n in mine for m in lay.own)
+            past = isinstance(main, int) and b >= main
+            if marked and (past or not isinstance(main, int)) or past and family:
+                heads.append(Head(lay, block, (b,), tuple(mine)))
+    return tuple(heads)
+
+
+def head_tensors(heads: Iterable[Head]) -> frozenset[str]:
+    return frozenset(t for h in heads for t in h.tensors)
+
+
+def head_of(name: str, heads: Iterable[Head]) -> Head | None:
+    """The head tensor ``name`` belongs to (a companion ``.scales`` beside a head's weight too), or None."""
+    module = name.rpartition(".")[0]
+    for h in heads:
+        if name in h.tensors or any(t.rpartition(".")[0] == module for t in h.tensors):
+            return h
+    return None
+
+
+def check_count(heads: tuple[Head, ...], config: Mapping | None) -> str | None:
+    """A line where the config declares another number of MTP blocks than the tensors hold (a head lost on the
+    way, or a config copied from another model); None where they agree or nothing is declared."""
+    said = declared(config)
+    if said is None:
+        return None
+    key, n = said
+    found = sum(len(h.blocks) or 1 for h in heads)
+    if n == found:
+        return None
+    where = listing([h.name for h in heads], 4) if heads else "none"
+    return f"config.json's {key} is {n} but the tensors hold {found} MTP block{'s' * (found != 1)} ({where})"
+
+
+def select(names: Iterable[str], heads: tuple[Head, ...], mode: str) -> list[str]:
+    """The tensor names ``--mtp MODE`` writes: all (keep), all but the heads' (drop), the heads' alone (only).
+
+    Raises:
+        FFNToolsError: an unknown mode, or ``only`` of a checkpoint with no head.
+    """
+    if mode not in MODES:
+        raise FFNToolsError(f"--mtp {mode}: choose one of {', '.join(MODES)}")
+    names = list(names)
+    if mode == "keep":
+        return names
+    if not heads:
+        if mode == "only":
+            raise FFNToolsError("--mtp only: the checkpoint has no MTP head (no NextN block past num_hidden_layers, "
+                                f"no {', '.join(lay.prefix + '*' for lay in LAYOUTS if lay.prefix)} tensors)")
+        return names
+    inside = {n for n in names if head_of(n, heads) is not None}
+    return [n for n in names if (n in inside) == (mode == "only")]
+
+
+def record(mode: str, heads: tuple[Head, ...]) -> dict[str, str]:
+    """The metadata an output written with ``--mtp MODE`` carries (``RECORD``): what was done to which heads."""
+    if mode == "keep" or not heads:
+        return {}
+    return {RECORD: json.dumps({"mtp": mode, "heads": [h.name for h in heads],
+                                "tensors": sum(len(h.tensors) for h in heads)})}
+
+
+def recorded(metadata: Mapping[str, str] | None) -> dict | None:
+    """What an output's metadata says ``--mtp`` did (``record``), or None."""
+    raw = (metadata or {}).get(RECORD)
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def said(mode: str, heads: tuple[Head, ...]) -> list[str]:
+    """The summary's line for what ``--mtp MODE`` did; [] where there is no head to speak of."""
+    if not heads:
+        return []
+    what = listing([h.name for h in heads], 4)
+    n = sum(len(h.tensors) for h in heads)
+    if mode == "drop":
+        return [f"dropped the MTP head{'s' * (len(heads) > 1)} {what} ({n} tensors; --mtp drop), recorded in the "
+                f"metadata as {RECORD}"]
+    if mode == "only":
+        return [f"wrote the MTP head{'s' * (len(heads) > 1)} {what} alone ({n} tensors; --mtp only), recorded in the "
+                f"metadata as {RECORD}"]
+    return [f"kept the MTP head{'s' * (len(heads) > 1)} {what} ({n} tensors, names as the source; --mtp drop leaves "
+            "it out)"]

@@ -1,0 +1,104 @@
+"""MTP (NextN) heads (``ffn_tools.mtp``, issue #55): found and named as each family lays them out, listed apart by
+``inspect``, kept / dropped / taken alone on purpose by ``convert --to torch --mtp``, and a head B lacks named by
+``verify``.
+
+The checkpoints are tiny transformers models built with one decoder layer more than their config declares: that
+last block, renamed nothing, is the NextN block, and the head's own tensors are written beside it as the published
+checkpoints lay them out (DeepSeek-V3's ``model.layers.61.{enorm,hnorm,eh_proj,shared_head.norm,shared_head.head,
+embed_tokens}``, GLM-4.5's alike), ``num_nextn_predict_layers`` 1 in config.json.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ffn_tools import mtp
+from ffn_tools.io.readers import open_checkpoint
+from helpers import run_cli, tensors
+
+import tiny_models
+
+GLM = ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+       {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 48,
+        "first_k_dense_replace": 1, "head_dim": 16, "n_group": 1, "topk_group": 1, "partial_rotary_factor": 0.5})
+
+
+def with_head(arch: str, path: Path, spec=None) -> Path:
+    """A tiny ``arch`` checkpoint (transformers) of 2 main layers and one NextN block ``model.layers.2`` laid out
+    as the published checkpoints are; config.json declares ``num_hidden_layers`` 2, ``num_nextn_predict_layers``
+    1."""
+    import transformers
+
+    cfg_name, model_name, extra = spec or tiny_models.ARCHS[arch]
+    config = getattr(transformers, cfg_name)(**{**tiny_models.COMMON, **extra, "num_hidden_layers": 3})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    h, v = config.hidden_size, config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    for name, shape in (("enorm", (h,)), ("hnorm", (h,)), ("eh_proj", (h, 2 * h)), ("shared_head.norm", (h,)),
+                        ("shared_head.head", (v, h)), ("embed_tokens", (v, h))):
+        state[f"model.layers.2.{name}.weight"] = torch.randn(shape, generator=g) * 0.05 + (1.0 if "norm" in name
+                                                                                             else 0.0)
+    path.mkdir(parents=True)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = {**config.to_dict(), "num_hidden_layers": 2, "num_nextn_predict_layers": 1,
+           "architectures": [model_name]}
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory) -> Path:
+    return with_head("deepseek_v3", tmp_path_factory.mktemp("mtp-ds") / "model")
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory) -> Path:
+    return with_head("glm4_moe", tmp_path_factory.mktemp("mtp-glm") / "model", GLM)
+
+
+def test_found_and_named(deepseek, glm):
+    for path in (deepseek, glm):
+        with open_checkpoint(path) as c:
+            heads = mtp.find_heads(c, c.config)
+            assert [h.name for h in heads] == ["model.layers.2"] and heads[0].layout.name == "nextn"
+            assert heads[0].own() == ["enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head",
+                                      "embed_tokens"]
+            assert set(heads[0].tensors) == {n for n in c if n.startswith("model.layers.2.")}
+            assert mtp.check_count(heads, c.config) is None
+            assert mtp.find_heads([n for n in c if not n.startswith("model.layers.2.")], c.config) == ()
+            # config says 1 block, the tensors hold none: said
+            line = mtp.check_count((), c.config)
+            assert line and "num_nextn_predict_layers is 1" in line and "0 MTP blocks" in line
+
+
+def test_found_without_config():
+    """No config: a block holding a head's own tensors is one (counted from the tensors)."""
+    names = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(3)] + ["model.layers.2.eh_proj.weight"]
+    assert [h.name for h in mtp.find_heads(names, None)] == ["model.layers.2"]
+    assert mtp.find_heads(names[:3], None) == ()  # a plain third layer is no head
+    q = ["mtp.fc.weight", "mtp.layers.0.mlp.gate_proj.weight", "mtp.norm.weight", "model.norm.weight"]
+    (head,) = mtp.find_heads(q, {"model_type": "qwen3_next", "mtp_num_hidden_layers": 1})
+    assert head.name == "mtp" and head.blocks == (0,) and head.own() == ["fc", "norm"] and len(head.tensors) == 3
+    mimo = ["model.mtp_layers.0.input_proj.weight", "model.mtp_layers.0.mlp.up_proj.weight"]
+    assert [h.blocks for h in mtp.find_heads(mimo, {"num_nextn_predict_layers": 1})] == [(0,)]
+
+
+def test_inspect_lists_the_head_apart(deepseek):
+    r = run_cli("inspect", deepseek, "--json")
+    s = json.loads(r.output)
+    assert s["layers"] == 2 and s["config_layers"] == 2
+    (head,) = s["mtp"]
+    assert head["name"] == "model.layers.2" and head["ffn"] == {"expert": 4, "shared": 1}
+    assert s["ffn"]["expert"]["layers"] == 1  # the main model's one MoE layer, not the head's
+    text = run_cli("inspect", deepseek).output
+    assert "config: 2" not in text and "mtp head" in text and "model.layers.2" in text
