@@ -113,6 +113,24 @@ def resolve_layout(arrangement: str | None, order: str | None, tp: int | None, f
     return GateUpLayout(order or "gate-up", arrangement or "concat", tp or 1)
 
 
+OUT_HELP = "Output directory (or a .safetensors file)."
+
+
+def output_options(out_help: str = OUT_HELP, *, required: bool = True, json_help: str = "Print a JSON summary."):
+    """-o/--out (``out``, ``required`` or not), --force (``force``: replace OUT if it exists) and --json
+    (``as_json``): what every command that writes an output takes, declared once."""
+
+    def decorator(f):
+        for option in reversed((
+                click.option("-o", "--out", required=required, type=click.Path(), help=out_help),
+                click.option("--force", is_flag=True, help="Replace OUT if it exists."),
+                click.option("--json", "as_json", is_flag=True, help=json_help))):
+            f = option(f)
+        return f
+
+    return decorator
+
+
 def upload_option(f):
     return click.option("--upload-repo", metavar="ORG/NAME", help="Then upload the output to this Hugging Face Hub "
                         "repo (created if missing; huggingface_hub's token), as mlx_lm.convert --upload-repo.")(f)

@@ -11,8 +11,8 @@ import click
 
 from .. import progress
 from ..formats import Option
-from ..options import (CHECKPOINT, emit, estimate_option, estimated, layout_options, ray_option, resume_option,
-                       scheme_options, size_option, upload_option, uploaded)
+from ..options import (CHECKPOINT, emit, estimate_option, estimated, layout_options, output_options, ray_option,
+                       resume_option, scheme_options, size_option, upload_option, uploaded)
 
 HELP = """Convert the checkpoint at PATH to PyTorch safetensors, MLX, Flax msgpack, GGUF, DCP or Orbax.
 
@@ -120,7 +120,7 @@ def command() -> click.Command:
                      help="The input, as mlx_lm.convert names it (instead of PATH)."),
         click.option("--to", "to", type=click.Choice(converters.writable()),
                      help="Output format (mlx when --mlx-path is given)."),
-        click.option("-o", "--out", type=click.Path(), help="Output directory (a .gguf file for --to gguf)."),
+        output_options("Output directory (a .gguf file for --to gguf).", required=False),
         click.option("--mlx-path", type=click.Path(), help="Output directory of an MLX export, as mlx_lm.convert "
                      "names it (instead of --to mlx -o)."),
         click.option("--dtype", type=click.Choice(("float32", "float16", "bfloat16")), help="Cast floating weights "
@@ -133,7 +133,6 @@ def command() -> click.Command:
                      "mlx_lm's model expects, checked), and the estimate of the run (output bytes, temporary disk, "
                      "peak RSS, time) from a sample of it run here; write nothing."),
         estimate_option,
-        click.option("--force", is_flag=True, help="Replace OUT if it exists."),
         click.option("--allow-config", "allow_config", multiple=True, metavar="KEY",
                      help="Write the output although its client runs setting KEY otherwise than the input's client "
                           "(say mlx_lm renormalizing Jamba's top-k weights, llama.cpp renormalizing Qwen3-MoE's): "
@@ -144,7 +143,6 @@ def command() -> click.Command:
                           "whose client differs only there (mlx_lm attending to every token where transformers' "
                           "Mistral slides a 4096-token window) is written, and a warning says the length up to "
                           "which the two agree."),
-        click.option("--json", "as_json", is_flag=True, help="Print a JSON summary."),
         upload_option, resume_option, ray_option, size_option, scheme_options, layout_options,
     ]
     for decorator in reversed(decorators):

@@ -7,17 +7,15 @@ from pathlib import Path
 
 import click
 
-from ..options import (CHECKPOINT, emit, estimate_option, estimated, layout_options, ray_option, resume_option,
-                       scheme_options, size_option, upload_option, uploaded)
+from ..options import (CHECKPOINT, emit, estimate_option, estimated, layout_options, output_options, ray_option,
+                       resume_option, scheme_options, size_option, upload_option, uploaded)
 
 
 @click.command()
 @click.argument("path", type=CHECKPOINT)
-@click.option("-o", "--out", required=True, type=click.Path(), help="Output directory (or a .safetensors file).")
+@output_options(json_help="Print the manifest as JSON.")
 @click.option("--layers", help="Layers to keep, e.g. 0-3,7 (default: all).")
 @click.option("--experts", help="Routed experts to keep, e.g. 0,5 (default: all; dense and shared FFNs are kept).")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @upload_option
 @resume_option
 @ray_option
@@ -40,15 +38,13 @@ def extract(path, out, as_json, **options):
 
 def _gateup_command(name: str, fn, help_text: str, extra=()):
     @click.argument("path", type=CHECKPOINT)
-    @click.option("-o", "--out", type=click.Path(), help="Output file or directory. Default: beside the input, "
-                  "under a new name: DIR-split/ for a directory or a file inside a checkpoint directory, "
-                  "model.split.safetensors for a lone file (-fused / .fused for fuse).")
+    @output_options("Output file or directory. Default: beside the input, under a new name: DIR-split/ for a "
+                    "directory or a file inside a checkpoint directory, model.split.safetensors for a lone file "
+                    "(-fused / .fused for fuse).", required=False, json_help="Print a JSON summary of what was done.")
     @click.option("--dry-run", is_flag=True, help="Print the plan (every output tensor and how it is made) and the "
                   "estimate of the run: output bytes, temporary disk, peak RSS and time, from a sample of it run here "
                   "(a few seconds); write nothing.")
     @estimate_option
-    @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-    @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of what was done.")
     @click.option("--load-check", is_flag=True, help="Check that transformers would load the output under the "
                   "config.json it carries (the load check of verify, on the planned names and shapes) and warn "
                   "where it would not. Off by default: it imports transformers, and split/fuse run at the speed of "
@@ -104,9 +100,7 @@ fuse_gateup = _gateup_command("fuse-gateup", _fuse, """Fuse gate_proj and up_pro
 @click.command()
 @click.argument("base", type=CHECKPOINT)
 @click.argument("adapter", type=CHECKPOINT)
-@click.option("-o", "--out", required=True, type=click.Path(), help="Output directory (or a .safetensors file).")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+@output_options()
 @resume_option
 @ray_option
 @size_option
