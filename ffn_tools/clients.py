@@ -20,8 +20,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
+from .checks import Check
 from .checks.config import ConfigResult, compare_configs, note_unused, transformers_view
 from .checks.load import LoadCheck
 from .checks.semantics import Runs, differences, transformers_model_runs, transformers_runs
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 
     from .checks.outside import OutsideResult
     from .checks.tokens import TokenizationResult
+
+C = TypeVar("C", bound=Check)
 
 
 class NotApplicable(FFNToolsError):
@@ -146,6 +149,11 @@ class Client(ABC):
         """The error this runtime's unanswered hook ``what`` raises."""
         return NotApplicable(self.name, what)
 
+    def unanswered(self, result: type[C], what: str) -> C:
+        """A ``result`` check of question ``what`` this runtime has no answer to: skipped, saying so
+        (``NotApplicable``'s words), and flagged ``not_applicable`` (verify's verdict is then incomplete)."""
+        return result(skipped=str(self.not_applicable(what)), not_applicable=True)
+
     @abstractmethod
     def load_check(self, ckpt) -> LoadCheck:
         """Whether the client would load ``ckpt`` (as stored): every parameter provided, nothing left over.
@@ -168,7 +176,7 @@ class Client(ABC):
         """A's config as A's side computes it against B's as this client (B's) computes it, key by key; and where
         A's client is another, the settings the two clients run otherwise from the same keys (``runs``). A client
         that reads config.json answers with ``compare_config_json``; the default: not compared, not applicable."""
-        return ConfigResult(skipped=str(self.not_applicable("the config as this runtime reads it")))
+        return self.unanswered(ConfigResult, "the config as this runtime reads it")
 
     def config_of(self, ckpt) -> dict:
         """The config this client reads for ``ckpt`` (its config.json, as the view presents it)."""
@@ -190,14 +198,14 @@ class Client(ABC):
     def compare_side_files(self, ca, cb) -> SideFilesResult:
         """A's side files (tokenizer, generation config, ...) against B's, as this client reads B's; the default:
         not compared, not applicable."""
-        return SideFilesResult(skipped=str(self.not_applicable("the side files as this runtime reads them")))
+        return self.unanswered(SideFilesResult, "the side files as this runtime reads them")
 
     def compare_tokenization(self, ca, cb) -> "TokenizationResult":
         """Texts through A's tokenizer and through B's as this client tokenizes (asked only where ``tokenizes``);
         the default: not compared, not applicable."""
         from .checks.tokens import TokenizationResult
 
-        return TokenizationResult(skipped=str(self.not_applicable("tokenization by this runtime's own tokenizer")))
+        return self.unanswered(TokenizationResult, "tokenization by this runtime's own tokenizer")
 
     def pairing(self, ca, cb) -> Pairing | None:
         """A as this client loads it (None, the default: as stored)."""

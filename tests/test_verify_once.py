@@ -50,3 +50,39 @@ def test_output_options_give_out_force_and_as_json():
     assert r.output == "None False False\n"
     helps = {p.name: p.help for p in cmd.params}
     assert helps == {"out": "where", "force": "Replace OUT if it exists.", "as_json": "as JSON"}
+
+
+def _report(**checks):
+    from ffn_tools.verification.report import VerifyReport
+
+    return VerifyReport({}, {}, ["reference"], {}, 4, 0, None, **checks)
+
+
+def test_a_check_the_runtime_has_no_answer_to_is_flagged_and_the_report_reads_the_flag():
+    """``Client.unanswered``: the default hooks' results carry ``not_applicable``; the report's verdict is
+    INCOMPLETE because of that flag, whatever the skip's wording, and a skip for another reason (nothing to compare)
+    that happens to say "not applicable" leaves it complete."""
+    from ffn_tools.checks.config import ConfigResult
+    from ffn_tools.checks.load import LoadCheck
+    from ffn_tools.checks.side_files import SideFilesResult
+    from ffn_tools.clients import Client
+
+    class Mute(Client):
+        name = "mute"
+
+        def load_check(self, ckpt):
+            return LoadCheck(self.name)
+
+    mute = Mute()
+    config, side, tokens = mute.compare_config(None, None), mute.compare_side_files(None, None), \
+        mute.compare_tokenization(None, None)
+    for check in (config, side, tokens):
+        assert check.not_applicable and check.verdict is None and check.skipped.endswith("not applicable for mute")
+    assert isinstance(config, ConfigResult) and isinstance(side, SideFilesResult)
+    report = _report(config=config, side_files=side)
+    assert not report.passed and report.unrun == [f"config not compared ({config.skipped})",
+                                                  f"side files not compared ({side.skipped})"]
+    reworded = _report(config=ConfigResult(skipped="asked elsewhere", not_applicable=True))
+    assert reworded.unrun == ["config not compared (asked elsewhere)"] and not reworded.passed
+    worded = _report(config=ConfigResult(skipped="A has no config: not applicable for anyone"))
+    assert worded.unrun == [] and worded.passed  # a skip by wording alone is not the flag

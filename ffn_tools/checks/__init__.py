@@ -9,7 +9,9 @@
 
 The runtime clients (``ffn_tools.clients``, implemented by the formats) produce these; ``verify`` gathers them
 into its report. Every result is a ``Check``: ``passed``, ``line()`` (one line of the report), ``failures()``
-(one line each), ``as_dict()`` (its JSON), ``skipped`` (why it did not run: never read as a pass; its JSON's ``passed`` is null).
+(one line each), ``as_dict()`` (its JSON), ``skipped`` (why it did not run: never read as a pass; its JSON's ``passed`` is null)
+and ``not_applicable`` (it did not run because the runtime asked has no answer to it: ``clients.NotApplicable``, which
+leaves verify's verdict incomplete).
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ __all__ = ["Check"]
 class Check:
     """One check's outcome (see the module docstring). ``problems`` are failures, ``notes`` facts that are not;
     ``skipped`` says why the check did not run, and a skipped check passes only in that it found nothing: the
-    report says it did not run."""
+    report says it did not run. ``not_applicable``: it was skipped because the runtime asked has no answer to it
+    (``clients.Client.unanswered``), not for want of something to compare: verify's verdict is then incomplete."""
 
     name: ClassVar[str] = "check"
 
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     skipped: str | None = None
+    not_applicable: bool = False
 
     @property
     def passed(self) -> bool:

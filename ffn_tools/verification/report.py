@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from ..checks.tokens import TokenizationResult
 
 MAX_ROWS = 40  # passing rows beyond this are summarised in one line (--json has them all)
-NOT_APPLICABLE = ": not applicable for "  # a check B's runtime has no answer to (``clients.NotApplicable``'s words)
 # The paths of B's float64 reference result where it was not run (``functional``): its weights are A's bit for bit
 SAME_AS_A = "ffn (float64) = A's output: bit-identical weights"
 NOT_COMPUTED = "not computed: bit-identical, finite weights, so B's float64 output is A's"
@@ -140,9 +139,9 @@ class VerifyReport:
     @property
     def unrun(self) -> list[str]:
         """Checks that did not run, so no PASS: those asked for that could not run here (``incomplete``), then
-        those B's runtime has no answer to ("config not compared (...: not applicable for <runtime>)")."""
+        those B's runtime has no answer to (flagged ``not_applicable``: "config not compared (...)")."""
         return [*self.incomplete, *(f"{c.name} not compared ({c.skipped})" for c in self._model_checks
-                                    if c is not None and c.skipped and NOT_APPLICABLE in c.skipped)]
+                                    if c is not None and c.not_applicable)]
 
     @property
     def agrees(self) -> bool:
