@@ -1,0 +1,61 @@
+"""The expert surgery commands: ``prune-experts`` and ``reorder-experts`` (``ffn_tools.surgery``)."""
+
+from __future__ import annotations
+
+import click
+
+from ..options import CHECKPOINT, emit, scheme_options, size_option
+
+SPEC = ("a list or range the same for every MoE layer (0,2,5 or 0-5), or a JSON file: a list, or {layer: "
+        "[experts]} naming every MoE layer")
+
+
+def _common(f):
+    for option in reversed((
+            click.option("-o", "--out", required=True, type=click.Path(),
+                         help="Output directory (or a .safetensors file)."),
+            click.option("--dry-run", is_flag=True, help="Print the plan (every output tensor and how it is made); "
+                                                         "write nothing."),
+            click.option("--force", is_flag=True, help="Replace OUT if it exists."),
+            click.option("--json", "as_json", is_flag=True, help="Print a JSON summary."))):
+        f = option(f)
+    return scheme_options(size_option(f))
+
+
+def _emit(r: dict, as_json: bool) -> None:
+    emit(r, as_json, [*(r["plan"] or []), r["summary"], *r["changes"]])
+
+
+@click.command("prune-experts")
+@click.argument("path", type=CHECKPOINT)
+@click.option("--keep", help=f"Experts to keep: {SPEC}.")
+@click.option("--drop", help=f"Experts to drop: {SPEC}.")
+@_common
+def prune_experts(path, as_json, **options):
+    """Keep some routed experts of each MoE layer of PATH (the same count per layer), renumbered in order.
+
+    Kept experts move as stored bytes (per-expert tensors renamed, transformers-v5 stacks sliced), the router's
+    rows (gate.weight, e_score_correction_bias, router biases) in step; shared experts and dense layers are
+    copied. config.json's expert count is updated and num_experts_per_tok checked. The mapping new -> source
+    expert is recorded in the weight files' metadata and expert_map.json; `ffn-tools verify PATH OUT` pairs the
+    experts through it.
+    """
+    from ..surgery.run import prune_experts as run
+
+    _emit(run(path, **options), as_json)
+
+
+@click.command("reorder-experts")
+@click.argument("path", type=CHECKPOINT)
+@click.option("--order", required=True, help="JSON file: each MoE layer's experts in their new order (a list, the "
+                                             "same for every layer, or {layer: [experts]}).")
+@_common
+def reorder_experts(path, as_json, **options):
+    """Reorder the routed experts of each MoE layer of PATH (e.g. grouped by usage for expert parallelism): the
+    experts and the router's rows moved together, so the model computes the same function exactly."""
+    from ..surgery.run import reorder_experts as run
+
+    _emit(run(path, **options), as_json)
+
+
+COMMANDS = (prune_experts, reorder_experts)

@@ -1,0 +1,140 @@
+"""Each MoE layer of a checkpoint as expert surgery moves it: its routed experts' tensors (per expert, or the
+stacks holding them all), and its router's, found from the scheme's names (``detect.find_ffns``) and the router
+names of ``routers``.
+
+Per-expert names are renamed by their expert segment (``{head}{expert}.`` -> ``{head}{new}.``, every tensor of
+that expert's module: weights, biases, scales); a stack's tensors are every tensor beside its FFN tensors
+(``{module}.*``: the weights, their biases, scales and blocks), each of dim 0 E (or E blocks of rows, flat).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ..detect import FFNSet
+from ..errors import FFNToolsError
+from ..ffn import FFN
+from .routers import ROUTER_TENSORS
+
+
+@dataclass
+class MoELayer:
+    """One layer's routed experts as stored.
+
+    Attributes:
+        layer: its number (``FFNRef.layer``).
+        experts: E, its routed experts.
+        heads: per-expert form: expert -> the prefix its tensors' names start with (``...experts.3.``).
+        tensors: per-expert form: expert -> its tensors' names.
+        stacks: stacked form: the tensors holding every expert (dim 0 E), name -> True where flat (E blocks of
+            rows).
+        routers: the router's tensors (dim 0 E).
+    """
+
+    layer: int
+    experts: int
+    heads: dict[int, str] = field(default_factory=dict)
+    tensors: dict[int, list[str]] = field(default_factory=dict)
+    stacks: dict[str, bool] = field(default_factory=dict)
+    routers: list[str] = field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        """Every tensor this layer's surgery rewrites."""
+        return [*(n for ns in self.tensors.values() for n in ns), *self.stacks, *self.routers]
+
+
+def _head(f: FFN) -> str:
+    """``model.layers.0.mlp.experts.`` of a per-expert FFN: its name before the expert index."""
+    role, name = next((r, n) for r, n in f.names.items() if r in f.form.templates())
+    tail = f.form.templates()[role].split("{expert}", 1)[1]
+    stem = f"{f.ref.expert}{tail}"
+    if not name.endswith(stem) or not tail.startswith("."):
+        raise FFNToolsError(f"{name}: cannot tell its expert index's place in the name (template "
+                            f"{f.form.templates()[role]})")
+    return name[:-len(stem)]
+
+
+def _module(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def moe_layers(ckpt, ffns: FFNSet) -> dict[int, MoELayer]:
+    """Every layer with routed experts, as ``MoELayer``.
+
+    Raises:
+        FFNToolsError: a layer's experts in two groups or forms, numbered from an offset, quantized (read
+            decoded: their stored parts are not moved here yet), a stack's tensor whose dim 0 is not E, a router
+            not found or of another dim 0.
+    """
+    by_layer: dict[int, list[FFN]] = defaultdict(list)
+    for f in ffns.ffns:
+        if f.ref.kind == "expert":
+            by_layer[f.ref.layer].append(f)
+    if not by_layer:
+        raise FFNToolsError(f"{ckpt.path}: no routed experts (scheme {ffns.scheme.name}): nothing to prune")
+    names = list(ckpt)
+    heads: dict[str, tuple[int, int]] = {}
+    layers: dict[int, MoELayer] = {}
+    for layer, experts in sorted(by_layer.items()):
+        f0 = experts[0]
+        if len({(f.group.name, f.form_name) for f in experts}) > 1:
+            raise FFNToolsError(f"layer {layer}: its routed experts are in several groups or forms "
+                                f"({sorted({f.group.name for f in experts})}): one set of experts per layer")
+        if f0.group.first_expert is not None:
+            raise FFNToolsError(f"layer {layer}: experts numbered after others ({f0.group.name}: its router scores "
+                                "them with the routed ones): not handled by expert surgery")
+        if any(ckpt.quantized(n) for f in experts for n in f.names.values()):
+            raise FFNToolsError(f"{ckpt.path}: layer {layer}'s experts are stored quantized ({ckpt.label}): moving "
+                                "their stored parts is not done yet (issue #56)")
+        if sorted(f.ref.expert for f in experts) != list(range(len(experts))):
+            raise FFNToolsError(f"layer {layer}: experts {sorted(f.ref.expert for f in experts)} are not 0-"
+                                f"{len(experts) - 1}")
+        m = layers[layer] = MoELayer(layer, len(experts))
+        if f0.index is None:
+            for f in experts:
+                m.heads[f.ref.expert] = head = _head(f) + f"{f.ref.expert}."
+                heads[head] = (layer, f.ref.expert)
+                m.tensors[f.ref.expert] = []
+            container = _module(m.heads[0].rstrip("."))
+        else:
+            modules = {_module(n) for n in f0.names.values()}
+            for n in names:
+                if _module(n) in modules:
+                    m.stacks[n] = _stack_rows(ckpt, n, len(experts), f0.form.flat)
+            container = _module(f0.names["down"])
+        m.routers = _routers(ckpt, layer, container, len(experts))
+    for n in names:  # every tensor of a per-expert module: its weights, biases, scales
+        parts = n.split(".")
+        for i in range(1, len(parts) - 1):
+            if parts[i].isdigit() and (hit := heads.get(".".join(parts[:i + 1]) + ".")) is not None:
+                layers[hit[0]].tensors[hit[1]].append(n)
+                break
+    return layers
+
+
+def _stack_rows(ckpt, name: str, experts: int, flat: bool) -> bool:
+    shape = tuple(ckpt.info(name).shape)
+    if shape and (shape[0] == experts or (flat and shape[0] % experts == 0)):
+        return flat and shape[0] != experts
+    raise FFNToolsError(f"{name}: shape {list(shape)} beside a stack of {experts} experts, but its dim 0 is not "
+                        f"{experts}{' (or a multiple, flat)' if flat else ''}: cannot tell its experts apart")
+
+
+def _routers(ckpt, layer: int, container: str, experts: int) -> list[str]:
+    """The router tensors of the block above the experts (``container``: ``model.layers.0.mlp.experts``)."""
+    block, tried = container, []
+    for _ in range(2):
+        block = _module(block)
+        found = [n for s in ROUTER_TENSORS if (n := f"{block}.{s}") in ckpt]
+        tried.append(block)
+        if found:
+            bad = [n for n in found if not ckpt.info(n).shape or ckpt.info(n).shape[0] != experts]
+            if bad:
+                raise FFNToolsError(f"layer {layer}: router tensor {bad[0]} has shape "
+                                    f"{list(ckpt.info(bad[0]).shape)}, not {experts} rows (one per expert)")
+            return found
+    raise FFNToolsError(f"layer {layer}: no router found beside its experts (looked for "
+                        f"{', '.join(ROUTER_TENSORS)} under {' and '.join(tried)}): its rows must move with the "
+                        "experts")

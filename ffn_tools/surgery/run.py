@@ -1,0 +1,75 @@
+"""``prune-experts`` and ``reorder-experts`` as library functions: each returns what its ``--json`` prints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..detect import find_ffns
+from ..envelope import envelope
+from ..errors import FFNToolsError
+from ..executor import execute
+from ..io.receipt import record
+from ..io.run import Run
+from ..io.writer import SAFETENSORS
+from . import mapping
+from .layers import moe_layers
+from .planning import surgery_plan
+from .routers import updated_config
+from .selection import chosen
+
+STORED_KINDS = ("safetensors", "mlx")  # tensors stored as safetensors bytes: what the plan moves
+
+
+def prune_experts(path, out, *, keep: str | None = None, drop: str | None = None, force: bool = False,
+                  dry_run: bool = False, max_shard_size: int | None = None, scheme=None, layout=None) -> dict:
+    """``ffn-tools prune-experts PATH -o OUT --keep SPEC | --drop SPEC --json``: each MoE layer's experts
+    ``keep`` (or all but ``drop``), renumbered in order; see ``ffn_tools.surgery``."""
+    given = {"path": path, "out": out, "keep": keep, "drop": drop, "max_shard_size": max_shard_size}
+    return _surgery("prune-experts", path, out, given, dict(keep=keep, drop=drop), force, dry_run, max_shard_size,
+                    scheme, layout)
+
+
+def reorder_experts(path, out, *, order: str, force: bool = False, dry_run: bool = False,
+                    max_shard_size: int | None = None, scheme=None, layout=None) -> dict:
+    """``ffn-tools reorder-experts PATH --order FILE -o OUT --json``: each MoE layer's experts in the order
+    ``order`` gives (a permutation per layer); the same function exactly."""
+    given = {"path": path, "out": out, "order": order, "max_shard_size": max_shard_size}
+    return _surgery("reorder-experts", path, out, given, dict(order=order), force, dry_run, max_shard_size,
+                    scheme, layout)
+
+
+def _surgery(command: str, path, out, given: dict, spec: dict, force: bool, dry_run: bool,
+             max_shard_size: int | None, scheme, layout) -> dict:
+    from ..formats import registry
+    from ..hub import resolve
+
+    with registry().open_any(resolve(str(path))) as ckpt:
+        if ckpt.kind not in STORED_KINDS:
+            raise FFNToolsError(f"{ckpt.path}: {ckpt.described} checkpoint: expert surgery moves safetensors "
+                                "tensors; its own form (GGUF _exps) is not done yet (issue #56)")
+        layers = moe_layers(ckpt, find_ffns(ckpt, scheme, layout))
+        counts = {m.experts for m in layers.values()}
+        if len(counts) > 1:
+            raise FFNToolsError(f"{ckpt.path}: MoE layers hold different numbers of experts ({sorted(counts)})")
+        experts = counts.pop()
+        picked = chosen({k: m.experts for k, m in layers.items()}, **spec)
+        kept = len(next(iter(picked.values())))
+        config, changes = updated_config(ckpt.config, experts, kept)
+        plan = surgery_plan(ckpt, layers, picked, config, changes)
+        identity = all(v == tuple(range(experts)) for v in picked.values())
+        full, source_experts = mapping.composed(mapping.recorded(ckpt), picked)
+        kept_map = mapping.as_json(full, source_experts or experts, command)
+        text = json.dumps(kept_map)
+        run = Run(command=record(command, given)).but(
+            out=Path(out), force=force, max_shard_size=max_shard_size, desc=command,
+            metadata=None if identity else {**ckpt.metadata, mapping.METADATA_KEY: text},
+            extra_files=None if identity or Path(out).suffix == SAFETENSORS.suffix else {mapping.FILE: text + "\n"})
+        written = [] if dry_run else execute(plan, run)
+        verb = "would write" if dry_run else "wrote"
+        line = (f"{verb} {out}: {len(layers)} MoE layers, {kept} of {experts} experts each"
+                + (" (reordered)" if kept == experts and not identity else "") + f", {len(plan.entries)} tensors")
+        result = {"experts": experts, "kept": kept, "layers": kept_map["layers"], "changes": plan.changes,
+                  "files": written, "dry_run": dry_run, "plan": plan.describe() if dry_run else None,
+                  **plan.summary}
+        return envelope(command, str(path), None if dry_run else out, line, result)
