@@ -16,6 +16,7 @@ from ..formats import missing_package
 from ..options import CHECKPOINT, emit, layout_options, scheme_options
 from .rewrite import extract, fuse_gateup, merge, split_gateup
 from .verify import verify as verify_command
+from .surgery import COMMANDS as surgery_commands
 
 
 class Trouble(click.ClickException):
@@ -157,6 +158,8 @@ def inspect(path, as_json, **options):
 
 
 for command in (extract, split_gateup, fuse_gateup, merge, verify_command):
+    cli.add_command(command)
+for command in surgery_commands:  # prune-experts, reorder-experts (cli/surgery.py)
     cli.add_command(command)
 
 
