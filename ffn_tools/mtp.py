@@ -20,10 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import FFNToolsError, listing
+from .formats import Option
 
 DATA = Path(__file__).with_name("schemes") / "mtp.json"
 RECORD = "ffn_tools_mtp"  # safetensors metadata key: what ``--mtp`` did to the heads ({"mtp": "drop", ...})
 MODES = ("keep", "drop", "only")
+OPTION = Option("mtp", "What to do with the model's multi-token-prediction (MTP, NextN) heads (DeepSeek-V3's and "
+                "GLM-4.5's blocks past num_hidden_layers, Qwen3-Next's mtp.*): keep (the default: written as the "
+                "source names them), drop (left out, and recorded in the output's metadata so verify knows it was "
+                "on purpose), only (the heads alone, a draft model's weights). Every conversion says what it did "
+                "with them.", choices=MODES)
 
 
 @dataclass(frozen=True)
@@ -141,11 +147,13 @@ def head_of(name: str, heads: Iterable[Head]) -> Head | None:
     return None
 
 
-def check_count(heads: tuple[Head, ...], config: Mapping | None) -> str | None:
+def check_count(heads: tuple[Head, ...], config: Mapping | None, metadata: Mapping[str, str] | None = None
+                ) -> str | None:
     """A line where the config declares another number of MTP blocks than the tensors hold (a head lost on the
-    way, or a config copied from another model); None where they agree or nothing is declared."""
+    way, or a config copied from another model); None where they agree, nothing is declared, or the checkpoint
+    records that its heads were left out on purpose (``--mtp drop``: ``metadata``'s ``RECORD``)."""
     said = declared(config)
-    if said is None:
+    if said is None or (recorded(metadata) or {}).get("mtp") == "drop":
         return None
     key, n = said
     found = sum(len(h.blocks) or 1 for h in heads)

@@ -103,7 +103,7 @@ def inspect_checkpoint(ckpt: Checkpoint, scheme: Scheme | None = None, layout: G
         "outside_ffn": {"count": len(outside), "bytes": sum(ckpt.info(n).nbytes for n in outside)},
         "unmatched_ffn_like": list(ffns.unmatched),
         "mtp": [_head(ckpt, h, ffns) for h in heads],
-        "warnings": [w for w in (ffns.unmatched_warning(), mtp.check_count(heads, config)) if w],
+        "warnings": [w for w in (ffns.unmatched_warning(), mtp.check_count(heads, config, ckpt.metadata)) if w],
         **({"tensor_table": tensor_table(ckpt, ffns)} if tensors else {}),
     }
 

@@ -102,3 +102,29 @@ def test_inspect_lists_the_head_apart(deepseek):
     assert s["ffn"]["expert"]["layers"] == 1  # the main model's one MoE layer, not the head's
     text = run_cli("inspect", deepseek).output
     assert "config: 2" not in text and "mtp head" in text and "model.layers.2" in text
+
+
+@pytest.mark.parametrize("mode", ["keep", "drop", "only"])
+def test_torch_mtp(deepseek, tmp_path, mode):
+    out = tmp_path / "out"
+    args = ("convert", deepseek, "--to", "torch", "-o", out, "--json") + (("--mtp", mode) if mode != "keep" else ())
+    r = json.loads(run_cli(*args).output)
+    src, got = tensors(deepseek), tensors(out)
+    head = {n for n in src if n.startswith("model.layers.2.")}
+    want = {"keep": set(src), "drop": set(src) - head, "only": head}[mode]
+    assert set(got) == want
+    assert all(torch.equal(got[n], src[n]) for n in got)
+    said = [c for c in r["changes"] if "MTP head model.layers.2" in c]
+    assert len(said) == 1 and {"keep": "kept", "drop": "dropped", "only": "alone"}[mode] in said[0]
+    with open_checkpoint(out) as c:
+        rec = mtp.recorded(c.metadata)
+    assert (rec or {}).get("mtp") == (None if mode == "keep" else mode)
+    if mode == "drop":
+        assert rec["heads"] == ["model.layers.2"]
+        s = json.loads(run_cli("inspect", out, "--json").output)
+        assert s["mtp"] == [] and not s["warnings"]  # dropped on purpose, recorded: no count warning
+
+
+def test_mtp_refused_where_it_does_not_apply(deepseek, tmp_path):
+    r = run_cli("convert", deepseek, "--to", "flax", "-o", tmp_path / "f", "--mtp", "drop", ok=False)
+    assert "--mtp does not apply to --to flax" in r.output

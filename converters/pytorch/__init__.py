@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ffn_tools import quant
+from ffn_tools.mtp import OPTION as MTP
 from ffn_tools.formats import Format
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.io.readers import open_checkpoint
@@ -17,6 +18,7 @@ __all__ = ["FORMAT"]
 class PyTorch(Format):
     name, extra = "torch", ""
     takes = frozenset({"dry_run"})
+    options = (MTP,)  # --mtp keep|drop|only: the MTP heads (ffn_tools.mtp)
     partial_shards = True
     detect_order = 100  # the catch-all: anything no other format claims
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ffn_tools import quant
+from ffn_tools import mtp as heads_of, quant
 from ffn_tools.io.dtypes import parse_user_dtype, short_name
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.plan import DEQUANTIZED, Entry, Plan, cast_entry, unquantized_config
@@ -67,11 +67,14 @@ def _dequantized_line(kept: list[dict], target) -> str:
 
 
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
-           max_shard_size: int | None = None, dry_run: bool = False, run: Run = NO_RUN) -> dict:
+           max_shard_size: int | None = None, dry_run: bool = False, mtp: str | None = None,
+           run: Run = NO_RUN) -> dict:
     """Write ``ckpt`` as Hugging Face PyTorch safetensors in directory ``out``.
 
     Args:
         dry_run: plan only; ``plan`` in the summary lists every output tensor and how it is made.
+        mtp: ``--mtp``: keep (default), drop or only the MTP heads (``ffn_tools.mtp``); said, and recorded
+            in the metadata where not kept.
 
     Returns:
         Summary: output path, files, tensor count, bytes, dtype.
@@ -92,8 +95,10 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         scales = frozenset(n for n in ckpt if is_companion(n, ckpt))
     else:
         config, changes = unquantized_config(ckpt.config, target)
-    entries = [cast_entry(ckpt, n, target) for n in ckpt]
-    metadata = {"format": "pt"}
+    heads = heads_of.find_heads(ckpt, ckpt.config)
+    entries = [cast_entry(ckpt, n, target) for n in heads_of.select(ckpt, heads, mtp or "keep")]
+    metadata = {"format": "pt", **heads_of.record(mtp or "keep", heads)}
+    changes += heads_of.said(mtp or "keep", heads)
     dequantized = [m.params for n in ckpt if (m := ckpt.quantized(n))]
     if dequantized:  # recorded, so verify against the quantized model's source knows B carries its error
         p = dequantized[0]
