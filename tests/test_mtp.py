@@ -128,3 +128,42 @@ def test_torch_mtp(deepseek, tmp_path, mode):
 def test_mtp_refused_where_it_does_not_apply(deepseek, tmp_path):
     r = run_cli("convert", deepseek, "--to", "flax", "-o", tmp_path / "f", "--mtp", "drop", ok=False)
     assert "--mtp does not apply to --to flax" in r.output
+
+
+@pytest.fixture(scope="module")
+def dropped(deepseek, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("mtp-drop") / "out"
+    run_cli("convert", deepseek, "--to", "torch", "-o", out, "--mtp", "drop")
+    return out
+
+
+def unrecorded(src: Path, dst: Path) -> Path:
+    """``src`` without its head and without the record of ``--mtp drop``: a head silently lost."""
+    dst.mkdir(parents=True)
+    (dst / "config.json").write_bytes((src / "config.json").read_bytes())
+    state = {n: t for n, t in tensors(src).items() if not n.startswith("model.layers.2.")}
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_verify_names_a_lost_head(deepseek, dropped, tmp_path):
+    lost = unrecorded(deepseek, tmp_path / "lost")
+    r = json.loads(run_cli("verify", deepseek, lost, "--json", "--no-load-check", ok=None).output)
+    assert not r["passed"]
+    (line,) = [p for p in r["problems"] if "MTP head model.layers.2" in p]
+    assert "B lacks" in line and "--mtp drop" in line
+    assert not any("layer 2" in x for x in r["only_a"])  # the head's FFNs named once, as the head
+    # the same head left out by --mtp drop, recorded in B: a note, and the rest verified
+    r = json.loads(run_cli("verify", deepseek, dropped, "--json", "--no-load-check").output)
+    assert r["passed"] and any("MTP head model.layers.2" in n and "on purpose" in n for n in r["notes"])
+
+
+def test_verify_names_a_part_of_a_head(deepseek, tmp_path):
+    part = tmp_path / "part"
+    part.mkdir()
+    (part / "config.json").write_bytes((deepseek / "config.json").read_bytes())
+    state = {n: t for n, t in tensors(deepseek).items() if n != "model.layers.2.eh_proj.weight"}
+    save_file(state, str(part / "model.safetensors"), metadata={"format": "pt"})
+    r = json.loads(run_cli("verify", deepseek, part, "--json", "--no-load-check", ok=None).output)
+    assert not r["passed"] and any("only part of A's MTP head model.layers.2" in p and "eh_proj" in p
+                                   for p in r["problems"])

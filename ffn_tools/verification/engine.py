@@ -45,7 +45,7 @@ from .model import model_checks, run_logits
 from .options import DEFAULT_TOKENS, Models, VerifyOptions  # noqa: F401  (DEFAULT_TOKENS: verify's, as before)
 from .outside import compare_outside, in_blocks
 from .report import VerifyReport
-from .sides import describe_side, extract_selection, extracts, find
+from .sides import describe_side, extract_selection, extracts, find, settle_heads
 from .pairrun import check_pairs
 from .steps import PairOptions
 from .stored import quantized_alike
@@ -160,6 +160,7 @@ def verify(a, b, *, opener: Opener, converter: Callable[..., object] | None = No
         ties = report.config.ties if report.config is not None else (None, None)
         report.notes += expected.settle(report.outside, Sides(ca, cb, o.atol, o.rtol, ties))
     _whole_models(run, report, fa, recipe, prompt_texts)
+        settle_heads(report, ca, cb, fa)  # an MTP head B lacks: named (or left out on purpose, recorded)
     return report
 
 

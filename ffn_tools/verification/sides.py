@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..detect import FFNSet, choose_scheme, find_ffns
-from ..errors import FFNToolsError, SchemeError
+from ..errors import FFNToolsError, SchemeError, listing
 from ..ffn import FFN, FFNRef
+from .. import mtp
 from ..io.dtypes import short_name
 from ..layouts import GateUpLayout
 from ..registry import Scheme, compile_template
@@ -134,3 +135,33 @@ def check_selection(fa: FFNSet, fb: FFNSet, sel_layers: set[int] | None, sel_exp
                             f"in neither A nor B ({held})")
     if problems:
         raise FFNToolsError("; ".join(problems))
+
+
+def settle_heads(report: VerifyReport, ca, cb, fa: FFNSet | None) -> None:
+    """A's MTP heads (``ffn_tools.mtp``) that B lacks, named: a head B lacks whole is one failure naming it (its FFNs
+    and tensors taken out of the "only in A" lists it would otherwise hide in), or a note where B records that it
+    was left out on purpose (``--mtp drop``, its metadata's ``mtp.RECORD``); a head B holds only part of is a
+    failure naming it, beside the tensors listed."""
+    heads = mtp.find_heads(ca, ca.config)
+    if not heads:
+        return
+    dropped = mtp.recorded(cb.metadata) or {}
+    for head in heads:
+        missing = [t for t in head.tensors if t not in cb]
+        if not missing:
+            continue
+        what = f"A's MTP head {head.name} ({head.layout.name}, {len(head.tensors)} tensors)"
+        if len(missing) < len(head.tensors):
+            report.problems.append(f"B holds only part of {what}: {len(missing)} of its tensors are not in B "
+                                   f"({listing(missing, 3)})")
+            continue
+        inside = set(head.tensors)
+        refs = {str(f.ref) for f in (fa.ffns if fa else ()) if f.names["down"] in inside}
+        report.only_a = [r for r in report.only_a if r not in refs]
+        if report.outside is not None:
+            report.outside.only_a = [n for n in report.outside.only_a if n not in inside]
+        if dropped.get("mtp") == "drop" and head.name in dropped.get("heads", ()):
+            report.notes.append(f"{what} is not in B: left out on purpose (B records --mtp drop)")
+        else:
+            report.problems.append(f"B lacks {what}: the model's speculative-decoding draft is gone; convert with "
+                                   "--mtp keep (the default), or --mtp drop to leave it out on purpose (recorded)")
