@@ -159,8 +159,8 @@ def verify(a, b, *, opener: Opener, converter: Callable[..., object] | None = No
         report.backends = list(mods)
         ties = report.config.ties if report.config is not None else (None, None)
         report.notes += expected.settle(report.outside, Sides(ca, cb, o.atol, o.rtol, ties))
-    _whole_models(run, report, fa, recipe, prompt_texts)
         settle_heads(report, ca, cb, fa)  # an MTP head B lacks: named (or left out on purpose, recorded)
+    _whole_models(run, report, fa, recipe, prompt_texts)
     return report
 
 
