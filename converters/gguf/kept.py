@@ -16,7 +16,9 @@ rounding to its dtype. ``choose`` picks, per tensor, the first type every block 
 (8-bit codes: Q8_0; 4-bit: Q4_0, then Q4_1, then Q8_0), and counts the blocks each would hold. NVFP4
 (``QuantScheme.fp4_codes``) goes into GGUF's NVFP4 (``choose_fp4``): 64 values as four F8_E4M3 scales without
 their sign bit and 32 bytes of E2M1 codes, the per-tensor float32 in a ``.scale`` tensor llama.cpp multiplies the
-product by (ModelOpt's ``scale_2``; compressed-tensors' ``1 / global_scale`` only where that is exact).
+product by (ModelOpt's ``scale_2``; compressed-tensors' ``1 / global_scale`` only where that is exact). A GGUF
+source's blocks (``QuantScheme.blocks``: any of its types, K-quants and i-quants too) go in as they are, byte for
+byte, in their own type (``choose_blocks``).
 
 A tensor some block of which no type holds (a scale that is not a float16 number, ``-s * z`` needing more than
 float16's 11 bits, int8 with zero points, groups of 16, 2- or 3-bit codes, act-order groups, FP8, MXFP4) is
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from ffn_tools.quant import Fp4Codes, IntCodes, Module
+    from ffn_tools.quant import Blocks, Fp4Codes, IntCodes, Module
 
 BLOCK = 32
 BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "NVFP4": 18}  # per 32 values (NVFP4's blocks: 36 bytes per 64)
@@ -46,6 +48,7 @@ KEPT = KEPT_KEY  # GGUF metadata: the tensors whose blocks are the source's code
 REQUANTIZED = "ffn_tools.codes.requantized"  # ... and those dequantized and quantized again (Q8_0)
 FILE_TYPES = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "NVFP4": "MOSTLY_NVFP4"}
 NVFP4_BLOCK = 64
+GGUF = "gguf"  # the name of GGUF's own scheme (``codes.GGUF_TYPES``), whose blocks a GGUF output copies
 
 
 @dataclass
@@ -115,6 +118,15 @@ def choose_fp4(c: "Fp4Codes") -> Choice:
                       "unsigned E4M3 scales do not hold")
     return Choice("NVFP4", blocks, blocks) if torch.isfinite(torch.tensor(c.multiplier)) else \
         Choice(None, 0, blocks, f"its per-tensor scale is {c.multiplier}")
+
+
+def choose_blocks(b: "Blocks") -> Choice:
+    """A GGUF source's blocks: their own type, every block (copied byte for byte)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size = GGML_QUANT_SIZES[GGMLQuantizationType[b.type]][1]
+    n = b.rows.shape[0] * (b.rows.shape[1] // size)
+    return Choice(b.type, n, n)
 
 
 def encode_fp4(c: "Fp4Codes") -> "np.ndarray":
@@ -212,11 +224,15 @@ def choices(view, modules: dict[str, "Module"]) -> dict[str, dict]:
     out = {}
     for h, m in modules.items():
         parts = view.quantized_parts(h)
-        codes, fp4 = m.scheme.int_codes(m, parts), m.scheme.fp4_codes(m, parts)
-        c = (choose(codes) if codes is not None else choose_fp4(fp4) if fp4 is not None else
+        b = m.scheme.blocks(m, parts) if m.scheme.name == GGUF else None
+        codes = m.scheme.int_codes(m, parts) if b is None else None
+        fp4 = m.scheme.fp4_codes(m, parts) if b is None and codes is None else None
+        c = (choose_blocks(b) if b is not None else choose(codes) if codes is not None else
+             choose_fp4(fp4) if fp4 is not None else
              Choice(None, 0, -(-m.shape[0] * m.shape[1] // BLOCK),
                     f"{m.scheme.what(m)}: no GGUF type holds its values exactly"))
-        out[h] = {**dataclasses.asdict(c), "multiplier": fp4.multiplier if fp4 is not None else None}
+        mult = b.multiplier if b is not None else fp4.multiplier if fp4 is not None else None
+        out[h] = {**dataclasses.asdict(c), "multiplier": mult}
     return out
 
 
@@ -277,9 +293,12 @@ def tensor_bytes(ckpt, t: Tensor) -> "np.ndarray":
     for h, m in zip(t.sources, t.modules):
         if t.action == "kept":  # plan() kept it: its codes fit t.qtype, every block
             parts = ckpt.quantized_parts(h)
-            fp4 = m.scheme.fp4_codes(m, parts) if t.qtype == "NVFP4" else None
-            codes = m.scheme.int_codes(m, parts) if fp4 is None else None
-            if fp4 is not None:
+            b = m.scheme.blocks(m, parts) if m.scheme.name == GGUF else None
+            fp4 = m.scheme.fp4_codes(m, parts) if b is None and t.qtype == "NVFP4" else None
+            codes = m.scheme.int_codes(m, parts) if b is None and fp4 is None else None
+            if b is not None and b.type == t.qtype:
+                rows = b.rows.numpy()
+            elif fp4 is not None:
                 rows = encode_fp4(fp4)
             elif codes is not None:
                 rows = encode(codes, t.qtype or "")
@@ -297,7 +316,7 @@ def apply(ckpt, writer, tensors: list[Tensor]) -> None:
     """Replace each kept or requantized tensor's entry in the converter's ``writer`` by its blocks, read when
     written (a lazy tensor of gguf-py's), and record the lists in the metadata."""
     import numpy as np
-    from gguf import GGMLQuantizationType, LazyNumpyTensor
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LazyNumpyTensor
 
     infos = writer.tensors[0]
     for t in tensors:
@@ -305,8 +324,9 @@ def apply(ckpt, writer, tensors: list[Tensor]) -> None:
             continue
         ti = infos[t.name]
         qtype = t.qtype or "Q8_0"
-        nbytes = math.prod(int(d) for d in ti.shape) // BLOCK * BYTES[qtype]
-        byte_shape = (*[int(d) for d in ti.shape[:-1]], int(ti.shape[-1]) // BLOCK * BYTES[qtype])
+        block, size = GGML_QUANT_SIZES[getattr(GGMLQuantizationType, qtype)]
+        nbytes = math.prod(int(d) for d in ti.shape) // block * size
+        byte_shape = (*[int(d) for d in ti.shape[:-1]], int(ti.shape[-1]) // block * size)
         meta = LazyNumpyTensor.meta_with_dtype_and_shape(np.uint8, byte_shape)
         ti.dtype, ti.nbytes = getattr(GGMLQuantizationType, qtype), nbytes
         ti.tensor = LazyNumpyTensor(meta=meta, args=(t,), func=lambda x: tensor_bytes(ckpt, x))
@@ -323,5 +343,11 @@ def apply(ckpt, writer, tensors: list[Tensor]) -> None:
 
 def file_type(tensors: list[Tensor]) -> str | None:
     """The ``general.file_type`` name (``LlamaFileType``) of the type most kept tensors are, None where none is."""
+    from gguf import LlamaFileType
+
     types = [t.qtype for t in tensors if t.action == "kept" and t.qtype]
-    return FILE_TYPES[max(set(types), key=types.count)] if types else None
+    if not types:
+        return None
+    most = max(set(types), key=types.count)  # a K-quant's file types are its mixes: the _M one
+    return FILE_TYPES.get(most) or next((f"MOSTLY_{most}{x}" for x in ("", "_M")
+                                         if f"MOSTLY_{most}{x}" in LlamaFileType.__members__), None)

@@ -16,6 +16,7 @@ converter stored plus one (Gemma's norms, ``Family.plus_one``) read with the one
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,32 +30,12 @@ from ffn_tools.checks.rounded import record
 from ffn_tools.io.store import Checkpoint, TensorInfo
 from ffn_tools.verification.kept import KEPT_KEY
 
+from .codes import GGUF_TYPES, TYPE_BITS
 from .config import hf_config
 from .names import DROPPED, FAMILIES, expert_names, family_for, hf_names, plus_one
 
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
-# The bits whose tolerance row a GGUF type gets (``tolerances.QUANT_TOLERANCES``): its bits per weight,
-# rounded down; ternary and 1-bit types the coarsest row.
-TYPE_BITS = {"Q8_0": 8, "Q8_1": 8, "Q8_K": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q4_0": 4, "Q4_1": 4,
-             "Q4_K": 4, "IQ4_NL": 4, "IQ4_XS": 4, "MXFP4": 4, "NVFP4": 4, "Q3_K": 3, "IQ3_XXS": 3, "IQ3_S": 3,
-             "Q2_K": 2, "IQ2_XXS": 2, "IQ2_XS": 2, "IQ2_S": 2, "IQ1_S": 2, "IQ1_M": 2, "TQ1_0": 2, "TQ2_0": 2}
 LOSSLESS = {"F32": "F32", "F16": "F16", "BF16": "BF16", "F64": "F64"}
-
-
-class GgufType(quant.QuantScheme):
-    """GGUF's quantized types (Q8_0, Q4_K, IQ4_XS, ...), read dequantized by gguf-py's ``gguf.quants`` (the reader
-    decodes them; a module's parameters are {bits: ``TYPE_BITS``, group_size: the type's block, mode: the type})."""
-
-    name, label = "gguf", "GGUF"
-
-    def decode(self, m, parts):
-        raise NotImplementedError("the GGUF reader decodes its tensors itself")
-
-    def params(self, m) -> dict:
-        return dict(m.args)
-
-
-GGUF_TYPES = quant.register(GgufType())
 
 
 def split_files(path: Path) -> list[Path]:
@@ -282,6 +263,26 @@ class GGUFCheckpoint(Checkpoint):
         info = self.info(name)
         return quant.Module(name, GGUF_TYPES, {}, tuple(info.shape), info.st_dtype,
                             {"bits": TYPE_BITS.get(qtype, 2), "group_size": block, "mode": qtype})
+
+    def quantized_parts(self, name: str):
+        """Quantized tensor ``name``'s stored parts (``codes``): ``blocks``, its rows of blocks as stored, in the
+        order the weight reads (q/k rows put back in transformers' order; one expert of a stack), and ``scale``,
+        an NVFP4 weight's per-tensor multiplier where it has one; None where it is stored as it reads, or joined
+        from pieces (no one stored tensor holds it)."""
+        import torch
+
+        src = self._sources.get(name)
+        if src is None or self.types[name] in LOSSLESS or src.parts or src.shift:
+            return None
+        data = np.array(src.tensor.data if src.expert is None else src.tensor.data[src.expert])  # a copy, writable
+        shape = self.info(name).shape
+        rows = torch.from_numpy(data.reshape(math.prod(shape[:-1]), -1))
+        if src.heads:
+            rows = rotary_to_hf(rows, src.heads)
+        parts = {"blocks": rows}
+        if (scale := self._scales.get(src.tensor.name)) is not None:
+            parts["scale"] = torch.tensor(float(np.asarray(scale.data, np.float32).reshape(-1)[src.expert or 0]))
+        return parts
 
     def carried_metadata(self) -> tuple[dict[str, str], list[str]]:
         """The weights this GGUF stores plus one (``shifts``), recorded for verify against the source of an export

@@ -98,40 +98,59 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
                                f"--outtype {outtype} writes every weight dequantized, then as {outtype}"))
     dequantized = 0 if codes else sum(1 for n in ckpt if ckpt.quantized(n))
     said = {"dequantized": dequantized, "format": ckpt.kind, "asked": outtype}
-    request = {"source": str(ckpt.path), "dir_model": str(ckpt.root), "outtype": "auto" if quantizing else outtype,
-               "dry_run": dry_run, "progress": progress.visible(), "native": native, "codes": codes}
-    if codes:  # what each quantized weight can be, from its codes read once, before the converter starts
-        request["choices"] = _choices(ckpt, view, modules, refuse=codes == "keep")
-    if dry_run:
-        with progress.doing(f"{out.name}: {READING}"):  # its writer in its dry-run mode writes nothing
-            result = _run({**request, "out": str(out)})
-        _refuse(ckpt, result.get("codes") or [])  # what the conversion would refuse, the plan refuses
-        return _summary(out, result, said, plan=True)
-    read = [*ckpt.files, *side_files(ckpt), *([Path(imatrix)] if imatrix else [])]  # the receipt's sources
-    with atomic_output(out, inputs=[Path(ckpt.path)], force=force, sources=read, run=run) as tmp:
-        # a K-quant's intermediate: the converter's file beside the temporary output, removed whatever happens
-        first = tmp.with_name(tmp.name + ".intermediate.gguf") if quantizing else tmp
-        try:
-            with progress.doing(f"{out.name}: {READING}"):  # seconds before its tensors are written: said
-                result = _run({**request, "out": str(first)})
-            _refuse(ckpt, result.get("codes") or [])
-            if result.get("native"):
-                with progress.doing(f"{out.name}: starting the tensor writer"):  # its bar replaces the line
-                    _run({"out": str(first), "tensors": result["native"], "progress": request["progress"]},
-                         "native")
-            if quantizing:
-                steps = {"intermediate": result["outtype"], "intermediate_bytes": first.stat().st_size}
-                rec = kquant.recipe(outtype, result["outtype"], output_tensor_type, token_embedding_type,
-                                    Path(imatrix) if imatrix else None)
-                q = _run({"input": str(first), "out": str(tmp), "outtype": outtype, "recipe": rec,
-                          "output_tensor_type": output_tensor_type, "token_embedding_type": token_embedding_type,
-                          "imatrix": str(imatrix) if imatrix else None, "progress": request["progress"]}, "kquant")
-                result = {**result, "tensors": q["tensors"], "outtype": outtype,
-                          "quantized": {**steps, "recipe": rec, "fallbacks": q.get("fallbacks", [])}}
-        finally:
-            if quantizing:
-                first.unlink(missing_ok=True)
-    return _summary(out, result, said, plan=False)
+    with _model_dir(ckpt) as dir_model:  # config.json and the tokenizer, where the converter reads them
+        request = {"source": str(ckpt.path), "dir_model": str(dir_model),
+                   "outtype": "auto" if quantizing else outtype, "dry_run": dry_run, "progress": progress.visible(),
+                   "native": native, "codes": codes}
+        if codes:  # what each quantized weight can be, from its codes read once, before the converter starts
+            request["choices"] = _choices(ckpt, view, modules, refuse=codes == "keep")
+        if dry_run:
+            with progress.doing(f"{out.name}: {READING}"):  # its writer in its dry-run mode writes nothing
+                result = _run({**request, "out": str(out)})
+            _refuse(ckpt, result.get("codes") or [])  # what the conversion would refuse, the plan refuses
+            return _summary(out, result, said, plan=True)
+        read = [*ckpt.files, *side_files(ckpt), *([Path(imatrix)] if imatrix else [])]  # the receipt's sources
+        with atomic_output(out, inputs=[Path(ckpt.path)], force=force, sources=read, run=run) as tmp:
+            # a K-quant's intermediate: the converter's file beside the temporary output, removed whatever happens
+            first = tmp.with_name(tmp.name + ".intermediate.gguf") if quantizing else tmp
+            try:
+                with progress.doing(f"{out.name}: {READING}"):  # seconds before its tensors are written: said
+                    result = _run({**request, "out": str(first)})
+                _refuse(ckpt, result.get("codes") or [])
+                if result.get("native"):
+                    with progress.doing(f"{out.name}: starting the tensor writer"):  # its bar replaces the line
+                        _run({"out": str(first), "tensors": result["native"], "progress": request["progress"]},
+                             "native")
+                if quantizing:
+                    steps = {"intermediate": result["outtype"], "intermediate_bytes": first.stat().st_size}
+                    rec = kquant.recipe(outtype, result["outtype"], output_tensor_type, token_embedding_type,
+                                        Path(imatrix) if imatrix else None)
+                    q = _run({"input": str(first), "out": str(tmp), "outtype": outtype, "recipe": rec,
+                              "output_tensor_type": output_tensor_type, "token_embedding_type": token_embedding_type,
+                              "imatrix": str(imatrix) if imatrix else None, "progress": request["progress"]}, "kquant")
+                    result = {**result, "tensors": q["tensors"], "outtype": outtype,
+                              "quantized": {**steps, "recipe": rec, "fallbacks": q.get("fallbacks", [])}}
+            finally:
+                if quantizing:
+                    first.unlink(missing_ok=True)
+        return _summary(out, result, said, plan=False)
+
+
+@contextmanager
+def _model_dir(ckpt: Checkpoint):
+    """The directory llama.cpp's converter reads config.json and the tokenizer from: the input's own where it has
+    a config.json, else a temporary one holding the input's config and the side files it rebuilds (a GGUF's
+    tokenizer from its metadata), removed after."""
+    if (Path(ckpt.root) / "config.json").is_file():
+        yield Path(ckpt.root)
+        return
+    with tempfile.TemporaryDirectory(prefix="ffn-tools-gguf-") as tmp:
+        d = Path(tmp)
+        (d / "config.json").write_text(json.dumps(ckpt.config or {}, indent=2))
+        files, _ = ckpt.rebuilt_files()
+        for name, text in files.items():
+            (d / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+        yield d
 
 
 def _fallback_line(fallbacks: list[dict], total: int) -> str:

@@ -14,7 +14,7 @@ package is imported (``register``); their checkpoint views decode them and say s
 
 from __future__ import annotations
 
-from .base import DIFFERS, IDENTICAL, WITHIN, Fp4Codes, IntCodes, Module, QuantScheme
+from .base import DIFFERS, IDENTICAL, WITHIN, Blocks, Fp4Codes, IntCodes, Module, QuantScheme
 from .ctensors import CT_FLOAT8, CT_INT, CT_NVFP4
 from .fp8 import FP8_BLOCKS
 from .gptq import AWQ, GPTQ
@@ -22,7 +22,7 @@ from .mxfp4 import MXFP4
 from .nvfp4 import MODELOPT_NVFP4
 from .view import DecodedView
 
-__all__ = ["SCHEMES", "register", "find", "decoded", "kept", "describe", "QuantScheme", "Module", "IntCodes", "Fp4Codes", "DecodedView", "IDENTICAL",
+__all__ = ["SCHEMES", "register", "find", "decoded", "kept", "describe", "QuantScheme", "Module", "IntCodes", "Fp4Codes", "Blocks", "DecodedView", "IDENTICAL",
            "WITHIN", "DIFFERS"]
 
 # In the order they claim stored tensors: compressed-tensors' FP8 modules before FP8 blocks (both are a weight

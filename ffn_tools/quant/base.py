@@ -136,6 +136,26 @@ class Fp4Codes:
         return x * torch.tensor(self.multiplier, dtype=torch.float32) if self.multiplier is not None else x
 
 
+@dataclass(frozen=True)
+class Blocks:
+    """A weight stored as a format's own blocks, which no other scheme reads as codes (GGUF's K-quants, i-quants):
+    what a target of the same scheme and type copies byte for byte (``QuantScheme.blocks``).
+
+    Attributes:
+        scheme: the name of the scheme whose blocks they are (``QuantScheme.name``).
+        type: the block type's name in that scheme.
+        rows: (rows, row bytes) uint8, each row's blocks as stored, the rows in the order the weight reads.
+        block: values per block.
+        multiplier: a per-tensor float32 number the blocks' values are multiplied by, or None.
+    """
+
+    scheme: str
+    type: str
+    rows: "torch.Tensor"
+    block: int
+    multiplier: float | None = None
+
+
 class QuantScheme(ABC):
     """A quantization scheme: one registered object per scheme (see the module docstring).
 
@@ -204,6 +224,11 @@ class QuantScheme(ABC):
     def fp4_codes(self, m: Module, parts) -> Fp4Codes | None:
         """``m``'s E2M1 codes, F8_E4M3 scales and per-tensor multiplier (NVFP4) from its stored ``parts``; None where
         this scheme's weights are not that."""
+        return None
+
+    def blocks(self, m: Module, parts) -> Blocks | None:
+        """``m``'s stored blocks as ``Blocks`` from its stored ``parts``; None where this scheme has no blocks of its
+        own (its codes are ``int_codes`` or ``fp4_codes``, or it stores none)."""
         return None
 
     def exact_values(self, m: Module, parts) -> "torch.Tensor | None":

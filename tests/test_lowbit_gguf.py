@@ -1,0 +1,76 @@
+"""A GGUF input written as GGUF from its codes (``converters/gguf/codes.py``, ``kept.choose_blocks``): a file made
+by llama.cpp's own converter and quantizer (Q4_K_M: Q4_K and Q6_K; Q8_0) converted with the default
+``--outtype auto`` keeps every quantized tensor's blocks byte for byte, and verify proves the values kept."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ffn_tools.converters import open_any
+from ffn_tools.converters.gguf.header import Reader
+from ffn_tools.converters.gguf.reader import field_values
+from gguf_models import convert_reference
+from helpers import once, run_cli
+
+
+@pytest.fixture(scope="module")
+def quantized(shared_dir):
+    """``quantized(ftype) -> Path``: llama-quantize's ``ftype`` file of a tiny Llama with 256-wide rows
+    (K-quants' super-block), from convert_hf_to_gguf.py's bf16 file (the kquant tests' model, shared)."""
+    import gguf_models
+    from test_gguf_kquant import llama_quantize
+
+    def make(tmp):  # the same as test_gguf_kquant's ``wide``: one build per run where both run
+        gguf_models.build("llama", tmp / "model", torch.bfloat16, hidden_size=256, intermediate_size=512,
+                          head_dim=64)
+        convert_reference(tmp / "model", tmp / "bf16.gguf", "bf16")
+    made = once(shared_dir / "kquant-llama", make)
+
+    def get(ftype: str):
+        return once(shared_dir / f"lowbit-{ftype}", lambda tmp: tmp.mkdir() or llama_quantize(
+            made / "bf16.gguf", tmp / "q.gguf", ftype, {})) / "q.gguf"
+    return get
+
+
+def tensors(path) -> dict[str, tuple[str, bytes]]:
+    return {t.name: (t.tensor_type.name, np.asarray(t.data).tobytes()) for t in Reader(path, "r").tensors}
+
+
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q8_0"])
+def test_gguf_to_gguf_keeps_every_block(quantized, tmp_path, ftype):
+    src = quantized(ftype)
+    out = tmp_path / "out.gguf"
+    r = json.loads(run_cli("-q", "convert", src, "--to", "gguf", "-o", out, "--json").stdout)
+    a, b = tensors(src), tensors(out)
+    assert a.keys() == b.keys()
+    lossy = {n for n, (t, _) in a.items() if t not in ("F32", "F16", "BF16")}
+    assert len(lossy) >= 14  # every projection, the embedding and the output
+    if ftype == "Q4_K_M":
+        assert {a[n][0] for n in lossy} >= {"Q4_K", "Q6_K"}
+    for n in lossy:  # the quantized tensors: their blocks, byte for byte (q/k rows un- and re-permuted)
+        assert b[n] == a[n], n
+    kept = [t for t in r["codes"] if t["action"] == "kept"]
+    assert len(kept) == len(r["codes"]) == len(lossy) and all(t["blocks_exact"] == t["blocks"] > 0 for t in kept)
+    assert set(field_values(Reader(out, "r"))["ffn_tools.codes.kept"]) == lossy
+    if ftype == "Q4_K_M":  # verify: each kept tensor's values are A's, exactly
+        v = json.loads(run_cli("verify", src, out, "--backend", "reference", "--json").stdout)
+        assert v["passed"] and v["load_check"]["ok"]
+        assert {f["exact"] for f in v["ffns"]} == {"codes"}
+
+
+def test_gguf_int_codes_are_gguf_py_values(quantized):
+    """Q8_0 and Q4_0 blocks read as integer codes (``IntCodes``): their values are gguf-py's dequantization."""
+    for ftype in ("Q8_0", "Q4_0"):
+        with open_any(quantized(ftype)) as g:
+            name = "model.layers.0.self_attn.q_proj.weight"  # rows re-permuted: the reader's order
+            m = g.quantized(name)
+            parts = g.quantized_parts(name)
+            codes = m.scheme.int_codes(m, parts)
+            assert codes is not None and codes.bits == (8 if ftype == "Q8_0" else 4)
+            assert torch.equal(codes.values(), g[name].float()), ftype
+            assert torch.equal(m.scheme.exact_values(m, parts), g[name].float())
+            assert int(codes.codes.min()) >= 0 and int(codes.codes.max()) < 2 ** codes.bits
