@@ -96,6 +96,14 @@ class Transformers(Client):
             raise FFNToolsError("; ".join(problems))
         return run(self.name, model, AutoTokenizer.from_pretrained(path), prompts, new_tokens, score)
 
+    def activations(self, path: Path, sequences, dtype=None):
+        from .activations import capture
+
+        model, problems = load_model(path, dtype)
+        if problems:  # transformers would run weights it made up: that is not the model
+            raise FFNToolsError("; ".join(problems))
+        return capture(model.eval(), sequences, getattr(model.config, "num_experts_per_tok", None))
+
 
 def load_model(path: Path, dtype: str | None):
     """``AutoModelForCausalLM.from_pretrained`` in ``dtype`` (None: the config's), and what went wrong loading it

@@ -69,6 +69,11 @@ b_layout_options = layout_options_for(
               "prompts alike; each held against the same statistics between A and A re-derived in B's form (its "
               "dtype, quantization, format; run by B's client): the noise floor. Costs one model load and one "
               "forward pass per token per side and for the floor.")
+@click.option("--locate", is_flag=True, help="Also say where B parts from A: both models run on a seeded token batch "
+              "with hooks in their clients, and every part of every layer (norms, attention, the hidden state after "
+              "it, router logits and top-k choice, shared and routed experts, the FFN block, the hidden state after "
+              "it) is compared with A's and held against its own floor (A in B's form, as --generate's); the first "
+              "part that leaves its floor is named, with a per-layer table (--json: every figure).")
 @click.option("--prompts", "prompts", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
               help="With --generate: prompts to run instead of the built-in six: one per line, a JSON list, or JSON "
                    "lines with a \"prompt\" field.")
@@ -120,7 +125,7 @@ b_layout_options = layout_options_for(
 @scheme_options
 @layout_options
 @b_layout_options
-def verify(a, b, receipt, shards_needed, as_json, resume, ray, **options):
+def verify(a, b, receipt, shards_needed, as_json, resume, ray, locate, **options):
     """Check that checkpoint B holds the same FFNs as checkpoint A.
 
     A and B are any checkpoints ffn-tools reads (PyTorch safetensors or pickles, split or fused, MLX plain
@@ -205,14 +210,33 @@ def verify(a, b, receipt, shards_needed, as_json, resume, ray, **options):
         # the adapters' verify takes it
         report = run(a, b, **{**options, "backends": list(options["backends"]) or None,
                               "unbounded": options["unbounded"] or None}, ray=ray, resume=resume)
+    located, status = _locate(a, b, options) if locate else (None, report.exit_status)
     if as_json:
         from ..api import json_of
 
-        click.echo(json.dumps(json_of(report), indent=2, default=str))
+        click.echo(json.dumps({**json_of(report), **({"locate": located} if locate else {})}, indent=2, default=str))
     else:
         for line in report.lines():
             click.echo(line)
-    click.get_current_context().exit(report.exit_status)
+        for line in (located or {}).get("lines", []):
+            click.echo(line)
+    click.get_current_context().exit(max(report.exit_status, status))
+
+
+def _locate(a, b, options) -> tuple[dict, int]:
+    """``verify --locate`` (``verification.locate``): its figures and lines, and its exit status (1: B parts from A;
+    2: it could not run or had no floor)."""
+    from ..errors import FFNToolsError
+    from ..formats import registry
+    from ..hub import resolve
+    from ..verification.locate import locate
+
+    try:
+        r = locate(resolve(str(a)), resolve(str(b)), opener=registry().open_sides, converter=registry().convert,
+                   client=options["client"], seed=options["seed"], allow_config=options["allow_config"])
+    except FFNToolsError as e:
+        return {"passed": None, "error": str(e), "lines": [f"--locate: could not run: {e}"]}, 2
+    return {**r.as_dict(), "lines": r.lines()}, {True: 0, False: 1, None: 2}[r.passed]
 
 
 def _receipt(out, a, b, as_json) -> None:

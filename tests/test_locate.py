@@ -1,0 +1,143 @@
+"""``verify --locate``: where two models part (``verification.locate``, ``converters/pytorch/activations.py``).
+
+Defects planted at test time in a tiny Qwen2-MoE (2 layers, hidden 64, 4 routed experts and a shared one): each
+must be named by its layer and part, the first part in the model's order that leaves its floor; a correct
+conversion (a bfloat16 cast) stays within every floor.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ffn_tools import api
+from ffn_tools.formats import registry
+from ffn_tools.verification.locate import figure, locate, ordered
+from helpers import run_cli
+
+BUDGET_S = 10.0  # added time per pair, on the tests' tiny models
+
+
+@pytest.fixture(scope="module")
+def moe(model_dir, tmp_path_factory) -> Path:
+    """The tiny Qwen2-MoE, copied (the defects are planted in copies of it)."""
+    a = tmp_path_factory.mktemp("locate") / "a"
+    shutil.copytree(model_dir("qwen2_moe"), a)
+    return a
+
+
+def _plant(a: Path, b: Path, edit) -> Path:
+    shutil.copytree(a, b)
+    for f in b.glob("*.safetensors"):
+        sd = load_file(f)
+        edit(sd)
+        save_file(sd, f, metadata={"format": "pt"})
+    return b
+
+
+def _swap(sd, x: str, y: str) -> None:
+    sd[x], sd[y] = sd[y].clone(), sd[x].clone()
+
+
+def _rows(sd, name: str, i: int, j: int) -> None:
+    w = sd[name]
+    w[[i, j]] = w[[j, i]].clone()
+
+
+def _rotary_other_order(sd, layer: int, heads: dict[str, int], head_dim: int = 16) -> None:
+    """One layer's q and k rows in the other rotary order (each head's interleaved pairs as halves: the permute
+    a converter applies once too often or not at all), their biases with them."""
+    for proj, n in heads.items():
+        for kind in ("weight", "bias"):
+            name = f"model.layers.{layer}.self_attn.{proj}.{kind}"
+            if name in sd:
+                t = sd[name]
+                shape = t.shape
+                t = t.reshape(n, head_dim // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+                sd[name] = t.contiguous()
+
+
+def _add_one(sd, name: str) -> None:
+    sd[name] = sd[name] + 1.0
+
+
+DEFECTS = {
+    "shared expert gate and up swapped": (
+        lambda sd: _swap(sd, "model.layers.1.mlp.shared_expert.gate_proj.weight",
+                         "model.layers.1.mlp.shared_expert.up_proj.weight"), "L1.shared"),
+    "a norm +1 twice": (lambda sd: _add_one(sd, "model.layers.1.post_attention_layernorm.weight"), "L1.ffn_norm"),
+    "an attention norm +1 twice": (lambda sd: _add_one(sd, "model.layers.0.input_layernorm.weight"), "L0.attn_norm"),
+    "q/k rows in the other rotary order": (
+        lambda sd: _rotary_other_order(sd, 0, {"q_proj": 4, "k_proj": 2}), "L0.attn"),
+    "router rows of two experts swapped": (lambda sd: _rows(sd, "model.layers.1.mlp.gate.weight", 0, 2), "L1.router"),
+}
+
+
+def _locate(a: Path, b: Path):
+    return locate(a, b, opener=registry().open_sides, converter=registry().convert)
+
+
+@pytest.mark.parametrize("defect", list(DEFECTS))
+def test_a_planted_defect_is_named_by_its_layer_and_part(moe, tmp_path, defect):
+    edit, where = DEFECTS[defect]
+    b = _plant(moe, tmp_path / "b", edit)
+    start = time.perf_counter()
+    r = _locate(moe, b)
+    took = time.perf_counter() - start
+    assert r.passed is False, r.lines()
+    assert r.first is not None and r.first.key == where, r.lines()
+    before = [row for row in r.rows if row.key != where][: [x.key for x in r.rows].index(where)]
+    assert before and not any(row.left for row in before), r.lines()  # every earlier part within its floor
+    assert where in r.verdict() and "layer" in r.verdict()
+    assert took < BUDGET_S, f"--locate took {took:.1f}s on a tiny pair"
+
+
+def test_the_router_defect_moves_the_top_k_choice(moe, tmp_path):
+    b = _plant(moe, tmp_path / "b", DEFECTS["router rows of two experts swapped"][0])
+    parts = {row.key: row for row in _locate(moe, b).rows}
+    assert parts["L1.topk"].left and parts["L1.topk"].b["choice"] > 0.1
+    assert not parts["L0.topk"].left and parts["L0.topk"].b["choice"] == 0.0
+
+
+def test_a_correct_bf16_cast_stays_within_its_floors(moe, tmp_path):
+    b = tmp_path / "bf16"
+    api.convert(moe, "torch", b, dtype="bfloat16")
+    r = _locate(moe, b)
+    assert r.passed is True, r.lines()
+    assert "bfloat16" in r.floor
+    # the floor is real (A in bf16 is not A) and every part of B sits on it
+    assert any(row.floor and row.floor.get("rel", 0) > 1e-4 for row in r.rows)
+    assert {row.part for row in r.rows} >= {"attn_norm", "attn", "after_attn", "ffn_norm", "router", "topk",
+                                            "shared", "routed", "ffn", "hidden"}
+
+
+def test_cli_locate_json_and_table(moe, tmp_path):
+    b = _plant(moe, tmp_path / "b", DEFECTS["router rows of two experts swapped"][0])
+    res = run_cli("verify", moe, b, "--locate", "--json", "--ffn-only", "--no-side-files", ok=None)
+    assert res.exit_code == 1, res.output
+    data = json.loads(res.stdout)  # (progress lines go to stderr)
+    assert data["locate"]["first"]["key"] == "L1.router"
+    assert {p["key"] for p in data["locate"]["parts"]} >= {"embed", "L0.attn", "L1.routed", "final_norm", "logits"}
+    text = run_cli("verify", moe, moe, "--locate", "--ffn-only").output
+    assert "--locate: every part of every layer within its floor" in text
+    assert "layer" in text and "router" in text
+
+
+def test_figures_and_order():
+    import numpy as np
+
+    a = np.ones((4, 8), np.float32)
+    same = figure(a, a)
+    assert same["rel"] == same["max_rel"] == 0.0 and same["cosine"] == pytest.approx(1.0)
+    assert figure(a, 2 * a)["rel"] == pytest.approx(1.0)
+    ids = np.array([[0, 1], [1, 2]])
+    assert figure(ids, np.array([[0, 1], [1, 3]])) == {"choice": 0.5}
+    assert ordered(["logits", "L1.attn", "L0.hidden", "embed", "L0.attn_norm", "final_norm", "L10.attn"]) == [
+        "embed", "L0.attn_norm", "L0.hidden", "L1.attn", "L10.attn", "final_norm", "logits"]
+    assert torch  # the tiny models are torch's
