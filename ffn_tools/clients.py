@@ -262,6 +262,15 @@ class Client(ABC):
         """
         raise self.not_applicable("prompts run (--generate)")
 
+    def activations(self, path: Path, sequences: list[list[int]], dtype: str | None = None) -> dict[str, "np.ndarray"]:
+        """The model at ``path`` run on ``sequences`` (token ids), each part's activations kept (``verify --locate``:
+        ``verification.locate`` names the keys), computed in float dtype ``dtype`` where the client can.
+
+        Raises:
+            NotApplicable: this runtime exposes no activations (the default).
+        """
+        raise self.not_applicable("activations (--locate)")
+
     def __repr__(self) -> str:
         return f"<client {self.name}>"
 
@@ -272,15 +281,6 @@ def compare_config_json(client: Client, ca, cb, allow=(), further: Callable[[Con
     transformers' config classes normalize them (``checks.config.compare_configs``); ``further(res)``: what
     ``client`` reads beyond them (transformers: the dtype against the stored weights; mlx_lm: its ModelArgs),
     added to the result; and where A's client is another runtime, each setting the two run otherwise
-    def activations(self, path: Path, sequences: list[list[int]], dtype: str | None = None) -> dict[str, "np.ndarray"]:
-        """The model at ``path`` run on ``sequences`` (token ids), each part's activations kept (``verify --locate``:
-        ``verification.locate`` names the keys), computed in float dtype ``dtype`` where the client can.
-
-        Raises:
-            NotApplicable: this runtime exposes no activations (the default).
-        """
-        raise self.not_applicable("activations (--locate)")
-
     (``compare_runs``)."""
     res, readings = compare_configs(ca, cb, allow)
     if readings is not None:
