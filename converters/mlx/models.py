@@ -21,8 +21,7 @@ import dataclasses
 import importlib
 import importlib.util
 import types
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from ffn_tools.errors import FFNToolsError, pip_install
@@ -180,6 +179,22 @@ def _period(layer_types, kind: str) -> int | None:
     return p if ok else None
 
 
+@dataclass(frozen=True)
+class Builder:
+    """Makes a new lazy model of mlx_lm's ``mlx_lm.models.<module>`` from ``config``: plain data (the module's
+    name and the config), so a plan holding it pickles with plain ``pickle`` and builds the model again where it
+    lands (a ``--ray`` task: the module is imported there, on first use)."""
+
+    module: str
+    config: dict = field(compare=False)  # the Target's own dict: keys the export adds later are seen
+
+    def __call__(self) -> nn.Module:
+        mod = _import_model_module(self.module)
+        m = mod.Model(mod.ModelArgs.from_dict(self.config))
+        m.eval()
+        return m
+
+
 @dataclass
 class Target:
     """mlx_lm's model for a config, built lazily.
@@ -190,7 +205,7 @@ class Target:
         config: the config it was built from (the source's, completed).
         added: config keys added to the source's (``complete_config``, ``tie_word_embeddings``).
         params: parameter name -> shape, as ``mlx_lm.load`` demands them.
-        build: makes a new lazy model; renamed: the source's model_type when config has mlx_lm's instead.
+        build: makes a new lazy model (a ``Builder``: data); renamed: the source's model_type when config has mlx_lm's instead.
         args: the module's ``ModelArgs.from_dict(config)``, as ``mlx_lm.load`` reads the config (an instance
             of its own: the model may change the one it was built with).
     """
@@ -200,12 +215,14 @@ class Target:
     config: dict
     added: list[str]
     params: dict[str, tuple[int, ...]]
-    build: Callable[[], nn.Module] | None = None  # a new lazy model: sanitize may change one, so each run gets its own
+    build: Builder | None = None  # a new lazy model: sanitize may change one, so each run gets its own
     renamed: str | None = None  # the source's model_type where mlx_lm needs another (see ``loadable_type``)
     prequant: dict | None = None  # the quantization the input keeps (MXFP4), as mlx_lm's config block says it
     args: Any = None  # the module's ModelArgs dataclass: a class known only once the module is imported
 
-    def fresh(self):
+    def fresh(self) -> nn.Module:
+        if self.build is None:
+            raise RuntimeError("internal error: this Target has no Builder to make a new model with")
         return self.build()
 
 
@@ -272,12 +289,7 @@ def target(config: dict | None, where: str, has_head: bool | None = None) -> Tar
     except Exception as e:  # noqa: BLE001 - mlx_lm's own failure on this config, any type
         raise FFNToolsError(f"{where}: mlx_lm's {name} model cannot be built from this config.json "
                             f"({type(e).__name__}: {e}); mlx_lm.load would fail the same way") from None
-    def build():
-        m = mod.Model(mod.ModelArgs.from_dict(config))
-        m.eval()
-        return m
-
-    return Target(name, model, config, added, parameters(model), build, renamed,
+    return Target(name, model, config, added, parameters(model), Builder(name, config), renamed,
                   args=mod.ModelArgs.from_dict(config))
 
 

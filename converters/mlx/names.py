@@ -142,6 +142,9 @@ class SanitizeRun:
     ``load()`` gives every input as an ``mx.array`` (lazily loaded where it can be: ``mx.load`` of the
     safetensors file reads a tensor only when it is used). Evaluated arrays keep their inputs' data, so a run
     is started afresh after ``budget`` bytes of outputs: memory stays near that plus one output's inputs.
+
+    It is data: ``models`` and ``load`` are values that pickle (``models.Builder``: mlx_lm's module name and the
+    config; ``tensors.Inputs``: the checkpoint and the view), and a pickled run leaves what it computed behind.
     """
 
     def __init__(self, models: Callable[[], object], load: Callable[[], dict[str, mx.array]], budget: int = 1 << 30):
@@ -149,6 +152,10 @@ class SanitizeRun:
         self.models, self.load, self.budget = models, load, budget
         self._result: dict[str, mx.array] | None = None
         self._spent = 0
+
+    def __getstate__(self) -> dict:
+        """What the run is, without what it computed: it runs again where it lands."""
+        return {**self.__dict__, "_result": None, "_spent": 0}
 
     def get(self, name: str) -> mx.array:
         if self._result is None or self._spent > self.budget or name not in self._result:  # asked again: afresh

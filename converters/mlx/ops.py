@@ -12,7 +12,8 @@ input never passes through torch. ``Quantize`` DECLARES what the executor reads 
 
 ``MxCast`` casts a tensor the plan made (a split piece of a fused input, a stack of them) with MLX's ``astype``;
 ``Members`` applies each stacked member's own ops to its inputs (experts stacked from view entries); ``Sanitized`` is
-an output mlx_lm's ``sanitize`` computes (the callable is mlx_lm's code: it stays one).
+an output mlx_lm's ``sanitize`` computes, named as data (``names.SanitizeRun``: mlx_lm's module and the config, the
+checkpoint and its view), so every op here pickles with plain ``pickle``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 from ffn_tools.io.dtypes import itemsize, short_name
 from ffn_tools.ops import Op, View
 
+from .names import SanitizeRun
 from .quant import MX_DTYPES, cast_fn, from_mx, stream, torch_to_mx
 from .quantize import PARTS, QuantJob
 
@@ -107,15 +109,15 @@ class Members(Op):
 
 @dataclass(frozen=True)
 class Sanitized(Op):
-    """Output ``name`` as mlx_lm's ``sanitize`` computes it from the whole input (``run()``: that run, made once
+    """Output ``name`` as mlx_lm's ``sanitize`` computes it from the whole input (``run``: that run, made once
     for every such output), cast to ``dtype`` with MLX where given. A source op: the entry has no inputs."""
 
     name: str
-    run: Callable[[], Any] = field(compare=False)
+    run: SanitizeRun = field(compare=False)
     dtype: str | None = None
 
     def apply(self, ts: list) -> list:
-        a = self.run().get(self.name)
+        a = self.run.get(self.name)
         return [from_mx(a.astype(MX_DTYPES[self.dtype]) if self.dtype else a)]
 
     def describe(self) -> str:

@@ -10,7 +10,7 @@ head no longer leaves one worker busy while the others wait, at the start of an 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
@@ -36,6 +36,12 @@ class Pool(Protocol):
     def ahead(self, job: QuantJob) -> None: ...
 
 
+class Whole(Protocol):
+    """A weight's whole data, where it is not input rows (``tensors.Whole``: data, so a job pickles)."""
+
+    def array(self) -> mx.array: ...
+
+
 class QuantJob:
     """One weight's quantization, shared by its entries (weight, scales and, affine only, biases).
 
@@ -44,10 +50,10 @@ class QuantJob:
     """
 
     def __init__(self, ckpt, sources: Sequence[str], shape: tuple[int, ...], dtype: str, target: str | None,
-                 group_size: int, bits: int, mode: str = "affine", array: Callable[[], mx.array] | None = None):
-        """``sources``: input tensors whose rows, in order, are the weight's; or ``array``, a function giving
-        the whole weight (one that ``sanitize`` computed, or a split piece of an input)."""
-        self.ckpt, self.sources, self.target, self.array = ckpt, tuple(sources), target, array
+                 group_size: int, bits: int, mode: str = "affine", whole: Whole | None = None):
+        """``sources``: input tensors whose rows, in order, are the weight's; or ``whole``, the whole weight
+        (one that ``sanitize`` computed, or a split piece of an input)."""
+        self.ckpt, self.sources, self.target, self.whole = ckpt, tuple(sources), target, whole
         self.group_size, self.bits, self.mode = group_size, bits, mode
         self.specs = part_specs(shape, target or dtype, group_size, bits, mode)
         infos = [ckpt.info(n) for n in self.sources]
@@ -102,8 +108,8 @@ class QuantJob:
             if self.futures:
                 done = [f.result() for f in self.futures]  # pieces: every part written by the workers
                 self._parts, self.futures = (done[0] if len(done) == 1 else [None] * len(self.specs)), []
-            elif self.array is not None:
-                a = self.array()
+            elif self.whole is not None:
+                a = self.whole.array()
                 parts = [from_mx(r) for r in fn(a.reshape(-1, a.shape[-1]))]
                 for p, (st, shape) in zip(parts, self.specs):
                     p.shape = tuple(shape)

@@ -4,13 +4,16 @@ An output's data is one of three things (``names.Output``): input tensors as the
 stacked: rows in order, so byte copies and row-chunked streaming both work), a view entry the plan computes
 (a split piece of a fused ``gate_up_proj``), or an array ``sanitize`` computes (``names.SanitizeRun``).
 Untouched data are byte copies; casts and quantization stream input rows through MLX (``quant``) where
-the data are input tensors, and take the whole array otherwise.
+the data are input tensors, and take the whole array otherwise (``Whole``).
+
+Every entry is data (plain ``pickle`` sends it to a ``--ray`` task): what ``sanitize`` computes is named by
+mlx_lm's module and the config (``models.Builder``) and the inputs it reads (``Inputs``), not by a closure.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import mlx.core as mx
 
@@ -47,10 +50,40 @@ def _combined(ckpt, name: str, members: list[Entry], dtype: str, shape: tuple[in
     return Entry(name, dtype, shape, tuple(inputs), (Members(tuple(groups)), Stack()), sources=sources, text=note)
 
 
+@dataclass(frozen=True)
+class Inputs:
+    """Every view tensor as an mx array for ``sanitize`` (``load_inputs``), named by data: the checkpoint and
+    the view (a ``names.SanitizeRun``'s ``load``)."""
+
+    ckpt: Any = field(compare=False)
+    view: tuple[Entry, ...] = field(compare=False)
+
+    def __call__(self) -> dict[str, mx.array]:
+        return load_inputs(self.ckpt, list(self.view))
+
+
+@dataclass(frozen=True)
+class Whole:
+    """Output ``name``'s data as one mx array, where a quantized weight is not input rows (``QuantJob.whole``):
+    computed by ``sanitize`` (``run``), else its view entries' tensors read from ``ckpt`` (a split piece of an
+    input), stacked on a new first axis when several."""
+
+    name: str
+    run: SanitizeRun | None = field(default=None, compare=False)
+    ckpt: Any = field(default=None, compare=False)
+    members: tuple[Entry, ...] = field(default=(), compare=False)
+
+    def array(self) -> mx.array:
+        if self.run is not None:
+            return self.run.get(self.name)
+        parts = [torch_to_mx(e.apply([self.ckpt[n] for n in e.inputs])) for e in self.members]
+        return parts[0] if len(parts) == 1 else mx.stack(parts)
+
+
 class _Source:
     """Where one output's data come from, with a way to get it whole as an mx array."""
 
-    def __init__(self, ckpt, o: Output, view: dict[str, Entry], run: Callable[[], SanitizeRun]):
+    def __init__(self, ckpt, o: Output, view: dict[str, Entry], run: SanitizeRun):
         self.ckpt, self.o, self.run = ckpt, o, run
         self.members = [view[n] for n in o.sources]
         plain = [p for e in self.members if (p := _plain(ckpt, e))]
@@ -70,14 +103,10 @@ class _Source:
         src = self.o.sources[0]
         return "" if src == self.o.name else f"from {src}"
 
-    def array(self) -> mx.array:
+    def whole(self) -> Whole:
         if self.o.computed:
-            return self.run().get(self.o.name)
-        parts = []
-        for e in self.members:
-            t = e.apply([self.ckpt[n] for n in e.inputs])
-            parts.append(torch_to_mx(t))
-        return parts[0] if len(parts) == 1 else mx.stack(parts)
+            return Whole(self.o.name, self.run)
+        return Whole(self.o.name, None, self.ckpt, tuple(self.members))
 
     def entry(self) -> Entry:
         """The output unchanged: byte copies where it can."""
@@ -111,12 +140,7 @@ def plan_outputs(ckpt, tg, view: list[Entry], outputs: list[Output], cast: str |
         (entries, quantization jobs).
     """
     by_name = {e.name: e for e in view}
-    state: dict = {}
-
-    def run() -> SanitizeRun:
-        if "run" not in state:
-            state["run"] = SanitizeRun(tg.fresh, lambda: load_inputs(ckpt, view))
-        return state["run"]
+    run = SanitizeRun(tg.build or tg.fresh, Inputs(ckpt, tuple(view)))  # one for every computed output
 
     cast_ok = getattr(tg.model, "cast_predicate", lambda _: True)
     entries, jobs = [], []
@@ -128,7 +152,7 @@ def plan_outputs(ckpt, tg, view: list[Entry], outputs: list[Output], cast: str |
         if params is not None:
             g, b, mode = params["group_size"], params["bits"], params["mode"]
             job = QuantJob(ckpt, src.inputs or (), o.shape, o.dtype, to, g, b, mode,
-                           None if src.inputs else src.array)
+                           None if src.inputs else src.whole())
             jobs.append(job)
             how = f"{job.describe()} {src.note()}".rstrip()
             for k, (st, shape) in enumerate(part_specs(o.shape, to or o.dtype, g, b, mode)):
