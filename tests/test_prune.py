@@ -181,3 +181,80 @@ def test_reorder_refuses_a_partial_order(model_dir, tmp_path):
     order.write_text(json.dumps([0, 2, 1]))
     r = run_cli("reorder-experts", model_dir("mixtral"), "--order", order, "-o", tmp_path / "out", ok=False)
     assert "names each of its 4 experts once" in r.output
+
+
+# verify through the recorded mapping (``verification.expert_map``). verify's engine calls ``expert_map.paired``
+# once both sides' FFNs are found; until engine._pair makes that call itself, these tests add it around _pair.
+@pytest.fixture
+def mapped_verify(monkeypatch):
+    import inspect
+
+    from ffn_tools.verification import engine, expert_map
+
+    if "expert_map.paired" not in inspect.getsource(engine):
+        before = engine._pair
+
+        def _pair(run, load, worker):
+            report, fa, fb, model = before(run, load, worker)
+            if fa and fb:
+                fa, fb = expert_map.paired(report, run.ca, run.cb, fa, fb)
+            return report, fa, fb, model
+
+        monkeypatch.setattr(engine, "_pair", _pair)
+
+    def verify(a, b, *args):
+        return run_cli("verify", a, b, "--backend", "reference", "--no-load-check", "--no-side-files", "--tokens",
+                       "8", "--allow-config", "num_local_experts", *args, ok=None)
+
+    return verify
+
+
+@pytest.fixture(scope="module")
+def pruned(model_dir, tmp_path_factory, keep_file):
+    out = tmp_path_factory.mktemp("pruned") / "model"
+    run_cli("prune-experts", model_dir("mixtral"), "--keep", keep_file, "-o", out)
+    return out
+
+
+def _forged(pruned, tmp_path, change) -> object:
+    """A copy of ``pruned`` whose weights ``change`` edits (the recorded mapping kept in the metadata)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = tmp_path / "forged"
+    shutil.copytree(pruned, out)
+    with safe_open(str(pruned / "model.safetensors"), "pt") as f:
+        meta, t = f.metadata(), {n: f.get_tensor(n) for n in f.keys()}
+    change(t)
+    save_file(t, str(out / "model.safetensors"), metadata=meta)
+    return out
+
+
+def test_verify_pairs_experts_through_the_mapping(mapped_verify, model_dir, pruned):
+    r = mapped_verify(model_dir("mixtral"), pruned)
+    assert r.exit_code == 0 and "PASS" in r.output, r.output
+    assert "B records an expert mapping" in r.output and "layer 0 expert 1" in r.output  # dropped: named
+
+
+def test_verify_fails_a_router_out_of_step(mapped_verify, model_dir, pruned, tmp_path):
+    def swap(t):
+        g = t["model.layers.0.block_sparse_moe.gate.weight"]
+        t["model.layers.0.block_sparse_moe.gate.weight"] = g[[0, 2, 1]].contiguous()  # rows off by one expert
+
+    r = mapped_verify(model_dir("mixtral"), _forged(pruned, tmp_path, swap))
+    assert r.exit_code == 1 and "FAIL" in r.output
+    assert "B's row 1 (expert 1) is A's row 3, not A's row 2" in r.output
+
+
+def test_verify_fails_a_kept_expert_from_another_index(mapped_verify, model_dir, pruned, tmp_path):
+    a = tensors(model_dir("mixtral"))
+
+    def other(t):  # B's expert 1 of layer 0 should be A's expert 2; it holds A's expert 1 (dropped)
+        for w in ("w1", "w2", "w3"):
+            t[f"model.layers.0.block_sparse_moe.experts.1.{w}.weight"] = \
+                a[f"model.layers.0.block_sparse_moe.experts.1.{w}.weight"]
+
+    r = mapped_verify(model_dir("mixtral"), _forged(pruned, tmp_path, other))
+    assert r.exit_code == 1 and "FAIL" in r.output
+    assert "layer 0 expert 1: not bit-identical" in r.output

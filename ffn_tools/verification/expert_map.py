@@ -1,0 +1,113 @@
+"""``verify A B`` where B records an expert mapping (``prune-experts``, ``reorder-experts``: ``surgery.mapping``):
+each of B's routed experts is paired with its source expert in A through the mapping (then compared as every pair
+is, bit for bit), the experts B dropped are named and left out of the pairing, and the routers' tensors are
+compared row by row through the mapping here (B's row n must be A's row of B's expert n's source, bit for bit)
+instead of as tensors outside the FFNs, whose shapes differ.
+
+``paired`` runs once both sides' FFNs are found and before they are compared (``engine``'s ``_pair``); it returns
+the sides unchanged where B records no mapping. Where A records one too (both pruned from one source), B's
+experts are paired with A's holding the same source expert.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..detect import FFNSet
+from ..errors import FFNToolsError
+from ..ffn import FFNRef
+from ..surgery import mapping
+from ..surgery.layers import moe_layers
+from ..surgery.selection import spans
+
+
+def _sources(ckpt, experts: dict[int, int]) -> dict[int, tuple[int, ...]]:
+    """Each MoE layer's source expert of each of ``ckpt``'s experts (itself where it records no mapping)."""
+    rec = mapping.recorded(ckpt)
+    if rec is None:
+        return {k: tuple(range(n)) for k, n in experts.items()}
+    return rec["layers"]
+
+
+def paired(report, ca, cb, fa: FFNSet, fb: FFNSet) -> tuple[FFNSet, FFNSet]:
+    """A's and B's FFNs as ``verify`` pairs them where B records an expert mapping: A's routed experts re-keyed
+    to the B expert made from each (those B dropped left out, said in ``report.notes``), both sides' router
+    tensors counted as FFN tensors (not compared outside) and compared here through the mapping (a row out of
+    step is a problem in ``report``). Unchanged where B records none."""
+    rec = mapping.recorded(cb)
+    if rec is None:
+        return fa, fb
+    try:
+        la, lb = moe_layers(ca, fa), moe_layers(cb, fb)
+    except FFNToolsError as e:
+        report.problems.append(f"B records an expert mapping ({mapping.FILE}), but the experts cannot be paired "
+                               f"through it: {e}")
+        return fa, fb
+    held = _sources(ca, {k: m.experts for k, m in la.items()})
+    problems, dropped, pairs = [], [], {}
+    if set(rec["layers"]) != set(la) or set(lb) != set(la):
+        problems.append(f"B's expert mapping names layers {spans(rec['layers'])}; A's MoE layers are {spans(la)}, "
+                        f"B's {spans(lb)}")
+    for layer, sources in sorted(rec["layers"].items()):
+        if layer not in la or layer not in lb:
+            continue
+        where = {s: i for i, s in enumerate(held[layer])}  # source expert -> A's index holding it
+        if len(sources) != lb[layer].experts:
+            problems.append(f"layer {layer}: B's expert mapping names {len(sources)} experts, B holds "
+                            f"{lb[layer].experts}")
+            continue
+        lost = [s for s in sources if s not in where]
+        if lost:
+            problems.append(f"layer {layer}: B's experts come from source experts {spans(lost)}, which A does not "
+                            "hold")
+            continue
+        index = tuple(where[s] for s in sources)  # B's expert n is A's expert index[n]
+        pairs[layer] = index
+        dropped += [f"layer {layer} expert {e}" for e in range(la[layer].experts) if e not in index]
+        problems += _routers(ca, cb, la[layer].routers, lb[layer].routers, index, layer)
+    report.problems += problems
+    rekeyed = []
+    for f in fa.ffns:
+        if f.ref.kind == "expert" and f.ref.layer in pairs:
+            index = pairs[f.ref.layer]
+            if f.ref.expert in index:
+                rekeyed.append(dataclasses.replace(f, ref=FFNRef(f.ref.layer, "expert", index.index(f.ref.expert))))
+            continue
+        rekeyed.append(f)
+    moved = sum(1 for k, v in pairs.items() for n, e in enumerate(v) if n != e)
+    report.notes.append(
+        f"B records an expert mapping ({rec.get('command', 'expert surgery')}, {mapping.FILE}): each of B's experts "
+        f"is compared with its source expert in A ({moved} renumbered; the table numbers B's experts), the "
+        f"routers' rows through it ({sum(len(la[k].routers) for k in pairs)} router tensors"
+        f"{', every row in step' if not problems else ''})"
+        + (f"; A's experts B dropped are not compared: {', '.join(dropped)}" if dropped else ""))
+    routers_a = {n for m in la.values() for n in m.routers}
+    routers_b = {n for m in lb.values() for n in m.routers}
+    return (dataclasses.replace(fa, ffns=tuple(sorted(rekeyed, key=lambda f: f.ref)), tensors=fa.tensors | routers_a),
+            dataclasses.replace(fb, tensors=fb.tensors | routers_b))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(t.shape[0], -1).view(torch.uint8) if t.numel() else t.reshape(t.shape[0], 0)
+
+
+def _routers(ca, cb, names_a: list[str], names_b: list[str], index: tuple[int, ...], layer: int) -> list[str]:
+    """B's router tensors against A's rows ``index``, bit for bit; the problems found."""
+    if sorted(names_a) != sorted(names_b):
+        return [f"layer {layer}: the router's tensors differ: A has {', '.join(names_a)}, B {', '.join(names_b)}"]
+    out = []
+    for name in names_a:
+        a, b = _bits(ca[name]), _bits(cb[name])
+        if a.dtype != b.dtype or a.shape[1:] != b.shape[1:] or b.shape[0] != len(index):
+            out.append(f"{name}: B's {list(cb.info(name).shape)} {cb.info(name).st_dtype} is not A's "
+                       f"{list(ca.info(name).shape)} {ca.info(name).st_dtype} cut to {len(index)} rows")
+            continue
+        for n, e in enumerate(index):
+            if not torch.equal(a[e], b[n]):
+                same = [k for k in range(a.shape[0]) if torch.equal(a[k], b[n])]
+                held = f"A's row {same[0]}" if same else "no row of A's"
+                out.append(f"{name}: B's row {n} (expert {n}) is {held}, not A's row {e} (the mapping's source "
+                           "expert): the router is out of step with the experts")
+    return out
