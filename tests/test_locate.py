@@ -141,3 +141,12 @@ def test_figures_and_order():
     assert ordered(["logits", "L1.attn", "L0.hidden", "embed", "L0.attn_norm", "final_norm", "L10.attn"]) == [
         "embed", "L0.attn_norm", "L0.hidden", "L1.attn", "L10.attn", "final_norm", "logits"]
     assert torch  # the tiny models are torch's
+
+
+def test_a_failed_generate_says_where(hf, tmp_path):
+    a = hf("qwen2_moe")
+    b = _plant(a, tmp_path / "b", DEFECTS["a norm +1 twice"][0])
+    report = api.verify(a, b, generate=True, new_tokens=4, ffn_only=True, side_files=False)
+    g = report.as_dict()["generation"]
+    assert g["passed"] is False, report.lines()
+    assert any("B parts from A first at layer 1 FFN's input norm (L1.ffn_norm)" in n for n in g["notes"]), g["notes"]

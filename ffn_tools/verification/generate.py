@@ -199,7 +199,11 @@ def run_generation(models: Models, recipe: dict | None, a_dtype: str | None, pro
         res.floor_stats, _, _ = statistics(prompts, ga, gf)
         res.direct = direct(prompts, gf, gb, (client, clients[1]), path == Path(a) and dtype is None,
                             lambda: _run(clients[1], Path(b), "B", prompts, new_tokens, ga.sequences, notes=res.notes))
-    res.judge()
+        res.judge()
+        if res.problems:  # where they part: A's sequences run again with hooks (verify --locate)
+            from .locate import after_generate
+
+            res.notes += after_generate(models, ga.sequences, side, Path(d))
     return res
 
 

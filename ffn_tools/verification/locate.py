@@ -135,6 +135,16 @@ def run_locate(models: Models, sequences: list[list[int]], floor: tuple[Path, Cl
     return res
 
 
+def after_generate(models: Models, sequences: list[list[int]], floor: tuple[Path, Client, str | None, str],
+                   tmp: Path) -> list[str]:
+    """Where B parts from A, for a failed ``--generate``: its sequences run again with hooks, against its floor;
+    the verdict and the per-layer table as lines (or why it could not run)."""
+    try:
+        return run_locate(models, sequences, floor, tmp).lines()
+    except FFNToolsError as e:
+        return [f"--locate could not run: {e}"]
+
+
 def locate(a, b, *, opener: Callable, converter: Callable | None, client: str | None = None, seed: int = 0,
            length: int = LENGTH, allow_config: Sequence[str] = ()) -> LocateResult:
     """``verify A B --locate``: both sides opened (``opener``: the format registry's ``open_sides``), run on the
