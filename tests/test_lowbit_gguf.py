@@ -74,3 +74,49 @@ def test_gguf_int_codes_are_gguf_py_values(quantized):
             assert torch.equal(codes.values(), g[name].float()), ftype
             assert torch.equal(m.scheme.exact_values(m, parts), g[name].float())
             assert int(codes.codes.min()) >= 0 and int(codes.codes.max()) < 2 ** codes.bits
+
+
+@pytest.fixture(scope="module")
+def w4a4(gguf_model, shared_dir):
+    """A tiny ModelOpt NVFP4 W4A4 Llama: compressed-tensors' NVFP4 compressor's weights in ModelOpt's layout
+    (``ct_models.to_modelopt``), each Linear with the float32 ``input_scale`` ModelOpt writes for its activations,
+    and the sentencepiece tokenizer llama.cpp's converter reads."""
+    pytest.importorskip("compressed_tensors")
+    import shutil
+
+    import ct_models
+    from safetensors.torch import load_file, save_file
+
+    tok = gguf_model("llama")
+
+    def make(tmp):
+        _, ct = ct_models.build("llama", tmp, {"g": (["Linear"], ct_models.nvfp4_args())},
+                                fmt="nvfp4-pack-quantized", vocab_size=384, intermediate_size=128)
+        q = ct_models.to_modelopt(ct, tmp / "modelopt")
+        sd = load_file(q / "model.safetensors")
+        gen = torch.Generator().manual_seed(0)
+        for k in [k for k in sd if k.endswith(".weight_scale_2")]:  # amax / (6 * 448), as ModelOpt calibrates
+            sd[k.replace(".weight_scale_2", ".input_scale")] = (torch.rand((), generator=gen) * 4 + 1) / 2688
+        save_file(sd, q / "model.safetensors", metadata={"format": "pt"})
+        for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
+            if (tok / f).exists():
+                shutil.copy(tok / f, q / f)
+        for d in (ct, tmp / "twin"):
+            shutil.rmtree(d, ignore_errors=True)
+    return once(shared_dir / "lowbit-nvfp4-w4a4", make) / "modelopt"
+
+
+def test_nvfp4_w4a4_input_scales_as_llama_cpps_converter(w4a4, tmp_path):
+    """ModelOpt NVFP4 W4A4 into GGUF from its codes: the .input_scale tensors llama.cpp's converter writes are
+    written, each with the converter's bytes (its blocks and .scale too), and the GGUF reads back."""
+    from gguf_models import convert_reference
+
+    out = tmp_path / "q.gguf"
+    r = json.loads(run_cli("-q", "convert", w4a4, "--to", "gguf", "-o", out, "--json").stdout)
+    assert {(t["action"], t["type"]) for t in r["codes"]} == {("kept", "NVFP4")}
+    ref = convert_reference(w4a4, tmp_path / "ref.gguf", "auto")
+    ours, theirs = tensors(out), tensors(ref)
+    assert sum(n.endswith(".input_scale") for n in theirs) == 14  # every Linear: the converter writes them
+    assert ours == theirs  # names, types and bytes: .weight, .scale and .input_scale
+    with open_any(out) as g:  # the reader takes .input_scale as the weight's, not an unknown tensor
+        assert "model.layers.0.mlp.gate_proj.weight" in g and not any("input_scale" in n for n in g)

@@ -203,6 +203,7 @@ class Tensor:
     why: str | None = None
     report: dict = field(default_factory=dict)
     multipliers: list[float] = field(default_factory=list)  # NVFP4: each source's per-tensor scale (.scale)
+    input_scales: list[float] = field(default_factory=list)  # ... and W4A4's activation scale (.input_scale)
 
 
 def quantized(ckpt) -> tuple[object, dict[str, "Module"]]:
@@ -232,7 +233,8 @@ def choices(view, modules: dict[str, "Module"]) -> dict[str, dict]:
              Choice(None, 0, -(-m.shape[0] * m.shape[1] // BLOCK),
                     f"{m.scheme.what(m)}: no GGUF type holds its values exactly"))
         mult = b.multiplier if b is not None else fp4.multiplier if fp4 is not None else None
-        out[h] = {**dataclasses.asdict(c), "multiplier": mult}
+        out[h] = {**dataclasses.asdict(c), "multiplier": mult,
+                  "input_scale": fp4.input_scale if fp4 is not None else None}
     return out
 
 
@@ -271,6 +273,8 @@ def plan(modules: dict[str, "Module"], chosen: dict[str, dict], routes: dict[str
                           ("Q8_0" if action == "requantized" else None), choice.exact, choice.blocks, choice.why))
         if choice.qtype == "NVFP4":
             out[-1].multipliers = [float(x) for x in multipliers if x is not None]
+            acts = [chosen[h].get("input_scale") for h in hf if h in chosen]
+            out[-1].input_scales = [float(x) for x in acts if x is not None]
     for h, m in modules.items():
         if h not in reached:
             out.append(Tensor(h, [h], [m], "", None, "dequantized" if requantize_rest else "refused", None, 0, 0,
@@ -330,15 +334,26 @@ def apply(ckpt, writer, tensors: list[Tensor]) -> None:
         meta = LazyNumpyTensor.meta_with_dtype_and_shape(np.uint8, byte_shape)
         ti.dtype, ti.nbytes = getattr(GGMLQuantizationType, qtype), nbytes
         ti.tensor = LazyNumpyTensor(meta=meta, args=(t,), func=lambda x: tensor_bytes(ckpt, x))
-        if t.multipliers and any(x != 1.0 for x in t.multipliers):  # NVFP4's per-tensor scale, as the converter
-            scale = t.name.removesuffix(".weight") + ".scale"          # names it (llama.cpp multiplies by it)
-            writer.add_tensor(scale, np.array(t.multipliers, dtype=np.float32))
+        for suffix, values in ((".scale", t.multipliers), (".input_scale", t.input_scales)):
+            if values and not trivial(values, t.op == "stack"):  # NVFP4's per-tensor scale (llama.cpp multiplies
+                # the product by it) and W4A4's activation scale, as the converter names and writes them
+                writer.add_tensor(t.name.removesuffix(".weight") + suffix, np.array(values, dtype=np.float32))
     kept = [t.name for t in tensors if t.action == "kept"]
     again = [t.name for t in tensors if t.action == "requantized"]
     if kept:
         writer.add_array(KEPT, kept)
     if again:
         writer.add_array(REQUANTIZED, again)
+
+
+def trivial(values: list[float], stacked: bool) -> bool:
+    """Per-tensor scales llama.cpp's converter leaves unwritten: a weight's one scale within 1e-6 of 1
+    (``_scale_is_trivial``), a stack's all close to 1 (``_write_scales_tensor``: numpy's allclose, atol 1e-6)."""
+    import numpy as np
+
+    if stacked:
+        return bool(np.allclose(values, 1.0, atol=1e-6))
+    return len(values) == 1 and abs(values[0] - 1.0) < 1e-6
 
 
 def file_type(tensors: list[Tensor]) -> str | None:

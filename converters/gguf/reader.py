@@ -121,6 +121,9 @@ class GGUFCheckpoint(Checkpoint):
         self._scales = {n.removesuffix(".scale") + ".weight": t for n, t in tensors.items()
                         if n.endswith(".scale") and n.removesuffix(".scale") + ".weight" in tensors}
         joined |= {n.removesuffix(".weight") + ".scale" for n in self._scales}
+        # W4A4's activation scale beside an NVFP4 weight (X.input_scale): llama.cpp's, for its activations; no weight's
+        joined |= {n for n in tensors if n.endswith(".input_scale") and n.removesuffix(".input_scale") + ".weight"
+                   in tensors}
         for gname, t in tensors.items():
             if gname in joined:
                 continue

@@ -117,6 +117,8 @@ class Fp4Codes:
             reciprocal is exact).
         group: values per scale (16).
         why: where ``multiplier`` is None, why.
+        input_scale: W4A4's per-tensor float32 activation scale, as ModelOpt stores it (``input_scale``;
+            compressed-tensors' ``input_global_scale`` is its reciprocal), or None where the weight has none (W4A16).
     """
 
     nibbles: "torch.Tensor"
@@ -124,6 +126,7 @@ class Fp4Codes:
     multiplier: float | None
     group: int = 16
     why: str | None = None
+    input_scale: float | None = None
 
     def values(self) -> "torch.Tensor":
         """``e2m1 * scale`` (exact in float32), times the multiplier, rounded once to float32: a GGUF NVFP4 block's

@@ -87,6 +87,18 @@ def quantize(weight: "torch.Tensor", scale: "torch.Tensor", per_tensor: "torch.T
     return torch.where(x < 0, -place, place)
 
 
+def input_scale(parts, modelopt: bool) -> float | None:
+    """A W4A4 weight's activation scale in ModelOpt's convention (``input_scale``; compressed-tensors'
+    ``input_global_scale`` is its reciprocal, taken in float32 as llama.cpp's converter takes it), or None (W4A16)."""
+    import torch
+
+    if modelopt:
+        x = parts.get("input_scale")
+        return None if x is None else float(x.to(torch.float32).reshape(-1)[0])
+    x = parts.get("input_global_scale")
+    return None if x is None else float(1.0 / x.to(torch.float32).reshape(-1)[0])
+
+
 def modelopt_config(ckpt) -> dict | None:
     """ModelOpt's quantization settings (flat), from config.json or hf_quant_config.json; None: not ModelOpt."""
     q = (ckpt.config or {}).get("quantization_config")
@@ -186,15 +198,16 @@ class Nvfp4(ArgsScheme):
         nibbles = torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(b.shape[0], -1)
         bits = parts["weight_scale"].contiguous().view(torch.uint8)
         g = parts[self.scale_name].to(torch.float32).reshape(-1)[0]
+        act = input_scale(parts, self.modelopt)
         if self.modelopt:
-            return Fp4Codes(nibbles, bits, float(g), GROUP)
+            return Fp4Codes(nibbles, bits, float(g), GROUP, input_scale=act)
         inv = torch.tensor(1.0, dtype=torch.float64) / g.double()
         if torch.isfinite(inv) and float(inv.float()) == float(inv) and float(inv.float()) * float(g) == 1.0:
-            return Fp4Codes(nibbles, bits, float(inv), GROUP)
+            return Fp4Codes(nibbles, bits, float(inv), GROUP, input_scale=act)
         return Fp4Codes(nibbles, bits, None, GROUP,
                         f"its global scale {float(g):.9g} divides: its reciprocal is not a float32 number, and llama.cpp "
                         "multiplies by a per-tensor scale (llama.cpp's own converter rounds that reciprocal, silently; "
-                        "ModelOpt's scale_2 convention converts exactly)")
+                        "ModelOpt's scale_2 convention converts exactly)", act)
 
     def requantized(self, label, a, m, parts, src="A", q="B"):
         if (wrong := shape_differs(label, m, a, src, q)) is not None:
