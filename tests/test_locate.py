@@ -150,3 +150,13 @@ def test_a_failed_generate_says_where(hf, tmp_path):
     g = report.as_dict()["generation"]
     assert g["passed"] is False, report.lines()
     assert any("B parts from A first at layer 1 FFN's input norm (L1.ffn_norm)" in n for n in g["notes"]), g["notes"]
+
+
+def test_the_built_in_prompts_probe_other_scripts_and_a_tool_call():
+    import unicodedata
+
+    from ffn_tools.checks.prompts import PROMPTS
+
+    scripts = {unicodedata.name(ch).split()[0] for p in PROMPTS for ch in p if ord(ch) > 0x7F}
+    assert {"CJK", "HIRAGANA", "HANGUL", "ARABIC"} <= scripts, scripts
+    assert any("def " in p for p in PROMPTS) and any("<tool_call>" in p for p in PROMPTS)

@@ -1,9 +1,11 @@
 """The prompts ``verify --generate`` runs both models on, and how a Hugging Face tokenizer turns them into ids.
 
 The built-in set (``PROMPTS``) is short and varied (a question, an instruction, arithmetic, code, a completion,
-another language): each side's client runs all of them, so a small set keeps the cost to seconds on the tests'
-tiny models and to a few forward passes on a real one. ``--prompts FILE`` replaces it: one prompt per line, or a
-JSON list of strings, or JSON lines with a ``prompt`` (or ``text``) field.
+another language; then text in CJK, Hangul and Arabic scripts and a tool call as chat templates write one, where
+tokenizer and byte-fallback defects show before they show in English): each side's client runs all of them, so a
+small set keeps the cost to seconds on the tests' tiny models and to a few forward passes on a real one. ``--prompts
+FILE`` replaces it: one prompt per line, or a JSON list of strings, or JSON lines with a ``prompt`` (or ``text``)
+field.
 
 Where a side has a chat template, each prompt is one user message rendered by it with the generation prompt
 added, and tokenized without adding special tokens again (``apply_chat_template``'s own way, and
@@ -25,6 +27,11 @@ PROMPTS: tuple[str, ...] = (
     "Translate 'good morning' into German.",
     "def add(a, b):",
     "Once upon a time, there was a",
+    # where tokenizer and byte-fallback defects show first (vllm#54150: U+FFFD in a Hangul probe, none in English)
+    "长城有多长？日本の首都はどこですか。",
+    "한국의 수도는 어디입니까?",
+    "ما هي عاصمة مصر؟",
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>',
 )
 NEW_TOKENS = 16  # greedy tokens generated per prompt by default
 

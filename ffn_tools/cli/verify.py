@@ -75,7 +75,8 @@ b_layout_options = layout_options_for(
               "it) is compared with A's and held against its own floor (A in B's form, as --generate's); the first "
               "part that leaves its floor is named, with a per-layer table (--json: every figure).")
 @click.option("--prompts", "prompts", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
-              help="With --generate: prompts to run instead of the built-in six: one per line, a JSON list, or JSON "
+              help="With --generate: prompts to run instead of the built-in ten (English, CJK, Hangul, Arabic, code, "
+                   "a tool call): one per line, a JSON list, or JSON "
                    "lines with a \"prompt\" field.")
 @click.option("--new-tokens", type=click.IntRange(min=1), default=NEW_TOKENS, show_default=True,
               help="With --generate: greedy tokens generated per prompt (A's continuation, which B is scored on).")
