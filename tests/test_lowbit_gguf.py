@@ -120,3 +120,62 @@ def test_nvfp4_w4a4_input_scales_as_llama_cpps_converter(w4a4, tmp_path):
     assert ours == theirs  # names, types and bytes: .weight, .scale and .input_scale
     with open_any(out) as g:  # the reader takes .input_scale as the weight's, not an unknown tensor
         assert "model.layers.0.mlp.gate_proj.weight" in g and not any("input_scale" in n for n in g)
+
+
+@pytest.fixture(scope="module")
+def two_groups(gguf_model, shared_dir):
+    """A tiny compressed-tensors Llama of two config groups, as llm-compressor writes a mixed recipe: FP8 per
+    channel attention (``float-quantized``) and int4 group-32 MLP (``pack-quantized``), by compressed-tensors'
+    own compressor (format ``mixed-precision``)."""
+    pytest.importorskip("compressed_tensors")
+    import shutil
+
+    import compressed_tensors.quantization as cq
+    import ct_models
+    from compressed_tensors.quantization import QuantizationArgs
+
+    tok = gguf_model("llama")
+    fmts = {"re:.*self_attn.*": "float-quantized", "re:.*mlp.*": "pack-quantized"}
+
+    def make(tmp):
+        scheme = cq.QuantizationScheme  # ct_models.build names no group format: each group's given here
+        cq.QuantizationScheme = lambda targets, weights: scheme(targets=targets, weights=weights,
+                                                                 format=fmts[targets[0]])
+        try:
+            fp8 = QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True)
+            _, q = ct_models.build("llama", tmp, {"attn": (["re:.*self_attn.*"], fp8),
+                                                  "mlp": (["re:.*mlp.*"], ct_models.args(4, group_size=32))},
+                                   fmt=None, vocab_size=384)
+        finally:
+            cq.QuantizationScheme = scheme
+        for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
+            if (tok / f).exists():
+                shutil.copy(tok / f, q / f)
+    return once(shared_dir / "lowbit-two-groups", make) / "ct"
+
+
+def test_two_groups_each_in_the_type_that_holds_it(two_groups, tmp_path):
+    """FP8 attention + int4 MLP into GGUF: by default refused for the FP8 group alone, saying the int4 group keeps
+    its codes; with --requantize the FP8 group is Q8_0 of its values, said per tensor, and the int4 group is still
+    its codes as Q4_0 (values exactly its ``IntCodes``), verified."""
+    cfg = json.loads((two_groups / "config.json").read_text())["quantization_config"]
+    assert cfg["format"] == "mixed-precision" and len(cfg["config_groups"]) == 2
+    refused = run_cli("convert", two_groups, "--to", "gguf", "-o", tmp_path / "r.gguf", ok=False)
+    msg = refused.output
+    assert "8 of 14 quantized weights" in msg and "self_attn" in msg and "mlp." not in msg.split("(the other")[0]
+    assert "the other 6 keep their codes exactly: 6 int4 group 32 symmetric (pack-quantized) as Q4_0" in msg
+    assert not list(tmp_path.iterdir())
+    out = tmp_path / "q.gguf"
+    r = json.loads(run_cli("-q", "convert", two_groups, "--to", "gguf", "-o", out, "--requantize", "--json").stdout)
+    by = {t["tensor"]: (t["action"], t["type"]) for t in r["codes"]}
+    assert {v for k, v in by.items() if "attn" in k} == {("requantized", "Q8_0")} and len(by) == 14
+    assert {v for k, v in by.items() if "ffn" in k} == {("kept", "Q4_0")}
+    said = [c for c in r["changes"] if c.startswith("re-quantized ")]
+    assert len(said) == 8 and all("fp8 per channel" in c for c in said)
+    assert any(c.startswith("kept the codes of 6 quantized tensors (int4") for c in r["changes"])
+    with open_any(out) as g, open_any(two_groups) as src:
+        for name, m in src.modules.items():
+            if ".mlp." in name:
+                assert torch.equal(g[name].float(), m.scheme.int_codes(m, src.quantized_parts(name)).values())
+    v = json.loads(run_cli("verify", two_groups, out, "--backend", "reference", "--json").stdout)
+    assert v["passed"] and [f["exact"] for f in v["ffns"]] == ["codes", "codes"]

@@ -230,8 +230,8 @@ def choices(view, modules: dict[str, "Module"]) -> dict[str, dict]:
         fp4 = m.scheme.fp4_codes(m, parts) if b is None and codes is None else None
         c = (choose_blocks(b) if b is not None else choose(codes) if codes is not None else
              choose_fp4(fp4) if fp4 is not None else
-             Choice(None, 0, -(-m.shape[0] * m.shape[1] // BLOCK),
-                    f"{m.scheme.what(m)}: no GGUF type holds its values exactly"))
+             Choice(None, 0, -(-m.shape[0] * m.shape[1] // BLOCK), "no GGUF type holds its values exactly (they are "
+                    "not integer codes of a scale per group of 32, NVFP4 or GGUF blocks)"))
         mult = b.multiplier if b is not None else fp4.multiplier if fp4 is not None else None
         out[h] = {**dataclasses.asdict(c), "multiplier": mult,
                   "input_scale": fp4.input_scale if fp4 is not None else None}

@@ -176,7 +176,7 @@ def _choices(ckpt: Checkpoint, view, modules: dict, refuse: bool) -> dict[str, d
 
     chosen = kept.choices(view, modules)
     if refuse:
-        _refuse(ckpt, [{"tensor": h, "scheme": modules[h].scheme.what(modules[h]), "why": c["why"],
+        _refuse(ckpt, [{"tensor": h, "scheme": modules[h].scheme.what(modules[h]), "why": c["why"], "type": c["qtype"],
                         "action": "refused" if c["qtype"] is None else "kept"} for h, c in chosen.items()])
     return chosen
 
@@ -193,10 +193,17 @@ def _refuse(ckpt: Checkpoint, report: list[dict]) -> None:
         return
     shown = "; ".join(f"{t['tensor']} ({t['scheme']}): {t['why']}" for t in refused[:3])
     more = f"; and {len(refused) - 3} more" if len(refused) > 3 else ""
+    kept: dict[str, set] = {}  # the others (another config group, say), which keep their codes either way
+    for t in report:
+        if t["action"] == "kept":
+            kept.setdefault(t["scheme"], set()).add(t.get("type"))
+    held = "; ".join(f"{sum(t['action'] == 'kept' and t['scheme'] == s for t in report)} {s} as "
+                     f"{'/'.join(sorted(map(str, ty)))}" for s, ty in sorted(kept.items()))
+    others = f" (the other {len(report) - len(refused)} keep their codes exactly: {held})" if kept else ""
     raise FFNToolsError(f"{ckpt.path}: {len(refused)} of {len(report)} quantized weights cannot be written into GGUF "
-                        f"from their codes, exactly: {shown}{more}. --requantize writes those as Q8_0 of their "
-                        "dequantized values (said per tensor); --outtype bf16 (or f16, f32) writes every weight "
-                        "dequantized")
+                        f"from their codes, exactly: {shown}{more}{others}. --requantize writes those as Q8_0 of their "
+                        "dequantized values and keeps the others' codes (said per tensor); --outtype bf16 (or f16, "
+                        "f32) writes every weight dequantized")
 
 
 def _check_quantize_options(outtype: str, quantizing: bool, output_tensor_type, token_embedding_type, imatrix):
