@@ -21,8 +21,11 @@ from pathlib import Path
 
 from .errors import FFNToolsError, listing
 from .formats import Option
+from .io.safetensors_format import build_header
+from .io.store import Checkpoint, TensorInfo
 
 DATA = Path(__file__).with_name("schemes") / "mtp.json"
+HEAD_FILE = "mtp.safetensors"  # the heads beside a model whose runtime has no place for them (MLX), source names
 RECORD = "ffn_tools_mtp"  # safetensors metadata key: what ``--mtp`` did to the heads ({"mtp": "drop", ...})
 MODES = ("keep", "drop", "only")
 OPTION = Option("mtp", "What to do with the model's multi-token-prediction (MTP, NextN) heads (DeepSeek-V3's and "
@@ -183,8 +186,12 @@ def select(names: Iterable[str], heads: tuple[Head, ...], mode: str) -> list[str
     return [n for n in names if (n in inside) == (mode == "only")]
 
 
-def record(mode: str, heads: tuple[Head, ...]) -> dict[str, str]:
-    """The metadata an output written with ``--mtp MODE`` carries (``RECORD``): what was done to which heads."""
+def record(mode: str, heads: tuple[Head, ...], metadata: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The metadata an output written with ``--mtp MODE`` carries (``RECORD``): what was done to which heads; an
+    input without heads that records them dropped (its ``metadata``) passes its record on, so a chain of
+    conversions still says the heads were left out on purpose."""
+    if not heads and (recorded(metadata) or {}).get("mtp") == "drop":
+        return {RECORD: (metadata or {})[RECORD]}
     if mode == "keep" or not heads:
         return {}
     return {RECORD: json.dumps({"mtp": mode, "heads": [h.name for h in heads],
@@ -217,3 +224,82 @@ def said(mode: str, heads: tuple[Head, ...]) -> list[str]:
                 f"metadata as {RECORD}"]
     return [f"kept the MTP head{'s' * (len(heads) > 1)} {what} ({n} tensors, names as the source; --mtp drop leaves "
             "it out)"]
+
+
+class Without(Checkpoint):
+    """``ckpt`` without the tensors ``drop`` (its MTP heads): what an export whose model has no place for a head
+    writes the model from, the head placed otherwise (``HEAD_FILE``)."""
+
+    def __init__(self, ckpt: Checkpoint, drop: frozenset[str]):
+        self.base, self.drop = ckpt, drop
+        infos = {n: ckpt.info(n) for n in ckpt if n not in drop}
+        super().__init__(ckpt.path, ckpt.root, ckpt.files, infos, ckpt.metadata, ckpt.config)
+        self.view_of(ckpt)
+        self.like, self.absent, self.kept_codes = ckpt.like, ckpt.absent, ckpt.kept_codes
+
+    def _read(self, info: TensorInfo):
+        return self.base[info.name]
+
+    def read_raw(self, name: str):
+        return self.base.read_raw(name)
+
+    def quantized(self, name: str):
+        return self.base.quantized(name)
+
+    def quantized_parts(self, name: str):
+        return self.base.quantized_parts(name)
+
+    def carried_metadata(self):
+        return self.base.carried_metadata()
+
+    def rebuilt_files(self):
+        return self.base.rebuilt_files()
+
+    def decoded(self) -> list[dict]:
+        return self.base.decoded()
+
+    @property
+    def stored(self) -> Checkpoint:
+        return self.base.stored
+
+    def __reduce__(self):  # a worker process opens the checkpoint again and drops the same names
+        return Without, (self.base, self.drop)
+
+    def close(self) -> None:
+        self.base.close()
+
+
+def without(ckpt: Checkpoint, heads: tuple[Head, ...]) -> Checkpoint:
+    """``ckpt`` without its heads' tensors (their companions too: an FP8 weight's ``_scale_inv``)."""
+    return Without(ckpt, frozenset(n for n in ckpt if head_of(n, heads) is not None))
+
+
+def head_file(ckpt: Checkpoint, heads: tuple[Head, ...]) -> bytes:
+    """The heads' tensors as one safetensors file (``HEAD_FILE``), bytes as read, names as the source's; its
+    metadata says what it is."""
+    names = sorted(n for n in ckpt if head_of(n, heads) is not None)
+    raws = [ckpt.read_raw(n) for n in names]
+    meta = {"format": "pt", RECORD: json.dumps({"mtp": "beside", "heads": [h.name for h in heads],
+                                                "tensors": len(names)})}
+    return build_header([(n, r.dtype, r.shape, len(r)) for n, r in zip(names, raws)], meta) + b"".join(raws)
+
+
+def beside(root: Path) -> tuple[Path | None, dict[str, TensorInfo]]:
+    """The heads written beside a model (``HEAD_FILE`` in ``root``): its path and its tensors' infos (source
+    names, byte offsets in it); (None, {}) where there is none."""
+    path = Path(root) / HEAD_FILE
+    if not path.is_file():
+        return None, {}
+    from .io.readers import open_checkpoint
+
+    with open_checkpoint(path) as c:
+        return path, {n: c.info(n) for n in c}
+
+
+def placed(heads: tuple[Head, ...], where: str) -> list[str]:
+    """The summary's line for heads written beside the model as ``HEAD_FILE`` (``where``: why there)."""
+    if not heads:
+        return []
+    return [f"wrote the MTP head{'s' * (len(heads) > 1)} {listing([h.name for h in heads], 4)} "
+            f"({sum(len(h.tensors) for h in heads)} tensors, as stored, names as the source) beside the model as "
+            f"{HEAD_FILE}: {where}; convert --to torch from this directory brings it back"]

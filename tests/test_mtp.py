@@ -167,3 +167,37 @@ def test_verify_names_a_part_of_a_head(deepseek, tmp_path):
     r = json.loads(run_cli("verify", deepseek, part, "--json", "--no-load-check", ok=None).output)
     assert not r["passed"] and any("only part of A's MTP head model.layers.2" in p and "eh_proj" in p
                                    for p in r["problems"])
+
+
+def test_mlx_places_the_head_beside_the_model(deepseek, tmp_path):
+    """mlx_lm's model has no place for a NextN block (its sanitize drops it, or the load fails): the MLX model is
+    written without it and the head beside it as mtp.safetensors, said; --to torch from that directory brings it
+    back bit for bit, and verify against the source compares the head too."""
+    pytest.importorskip("mlx_lm")
+    out, back = tmp_path / "mlx", tmp_path / "back"
+    r = json.loads(run_cli("convert", deepseek, "--to", "mlx", "-o", out, "--json").output)
+    assert any("MTP head model.layers.2" in c and mtp.HEAD_FILE in c for c in r["changes"])
+    with open_checkpoint(out / mtp.HEAD_FILE) as c:
+        assert set(c) == {n for n in tensors(deepseek) if n.startswith("model.layers.2.")}
+    with open_checkpoint(out) as c:  # the model's own weights hold no head tensor: mlx_lm loads them strictly
+        assert not any(n.startswith("model.layers.2.") for n in c)
+    run_cli("convert", out, "--to", "torch", "-o", back)
+    src, got = tensors(deepseek), tensors(back)
+    assert set(got) == set(src) and all(torch.equal(got[n], src[n]) for n in src)
+    v = json.loads(run_cli("verify", deepseek, out, "--json", "--no-load-check").output)
+    assert v["passed"] and not v["only_a"] and v["outside"]["only_a"] == []
+
+
+def test_mlx_drop_is_recorded_and_only_refused(glm, tmp_path):
+    pytest.importorskip("mlx_lm")
+    out = tmp_path / "mlx"
+    r = json.loads(run_cli("convert", glm, "--to", "mlx", "-o", out, "--mtp", "drop", "--json").output)
+    assert any(c.startswith("dropped the MTP head model.layers.2") for c in r["changes"])
+    assert not (out / mtp.HEAD_FILE).exists()
+    with open_checkpoint(out) as c:
+        assert mtp.recorded(c.metadata)["mtp"] == "drop"
+    run_cli("convert", out, "--to", "torch", "-o", tmp_path / "back")  # the record travels on: still on purpose
+    v = json.loads(run_cli("verify", glm, tmp_path / "back", "--json", "--no-load-check").output)
+    assert v["passed"] and any("left out on purpose" in n for n in v["notes"])
+    r = run_cli("convert", glm, "--to", "mlx", "-o", tmp_path / "only", "--mtp", "only", ok=False)
+    assert "--mtp only" in r.output and "--to torch --mtp only" in r.output

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.formats import Format, Option
+from ffn_tools.mtp import OPTION as MTP
 from ffn_tools.io.store import Checkpoint, read_config
 from ffn_tools.io.readers import open_checkpoint
 
@@ -50,7 +51,8 @@ class Mlx(Format):
                "mixed_4_6): more bits for v_proj/down_proj of some layers and lm_head, as mlx_lm.convert."),
         Option("dequantize", "MLX: write a quantized MLX input dequantized. Without -d or -q it stays quantized, "
                "copied as it is, as mlx_lm.convert keeps it; refused with -q, as in mlx_lm.", flags=("-d", "--dequantize"),
-               type=bool, excludes=("quantize",)))
+               type=bool, excludes=("quantize",)),
+        MTP)  # --mtp: the MTP heads, written beside the model (ffn_tools.mtp.HEAD_FILE) or dropped
     takes = frozenset({"dry_run", "group_size"})  # group_size: the library's older name of q_group_size
     partial_shards = True
     detect_order = 30

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 from typing import NoReturn
 
+from ffn_tools import mtp as heads_of
 from ffn_tools.errors import FFNToolsError, counted
 from ffn_tools.io import nogc
 from ffn_tools.io.dtypes import DTYPE_CHOICES, USER_DTYPES, short_name
@@ -61,7 +62,8 @@ def _sizing_only() -> NoReturn:
 def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool = False,
            max_shard_size: int | None = None, quantize=None, q_bits: int | None = None,
            q_group_size: int | None = None, q_mode: str | None = None, quant_predicate: str | None = None,
-           group_size: int | None = None, dequantize: bool = False, dry_run: bool = False, run: Run = NO_RUN) -> dict:
+           group_size: int | None = None, dequantize: bool = False, dry_run: bool = False, mtp: str | None = None,
+           run: Run = NO_RUN) -> dict:
     """Write ``ckpt`` as an MLX model directory ``out`` that ``mlx_lm.load`` opens (see the module doc).
 
     Args:
@@ -73,6 +75,8 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         dequantize: an MLX-quantized input is written dequantized (``-d``); without it (and without ``-q``)
             it stays quantized as it is, as ``mlx_lm.convert`` keeps it.
         dry_run: plan and check only; ``plan`` in the summary lists every output tensor.
+        mtp: ``--mtp``: the MTP heads (``ffn_tools.mtp``), which mlx_lm's model has no place for: keep (default)
+            writes them beside the model as ``mtp.HEAD_FILE``, drop leaves them out (recorded); only is refused.
 
     Returns:
         Summary: output, format, model_type, mlx_model, files, tensors, bytes, dtype, quantization,
@@ -93,12 +97,23 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
                     quant_predicate)
     from . import FORMAT
 
+    heads, source = heads_of.find_heads(ckpt, ckpt.config), ckpt
+    if heads and mtp == "only":
+        raise FFNToolsError(f"{ckpt.path}: --mtp only: mlx_lm has no model of an MTP head alone; --to torch --mtp "
+                            "only writes it")
+    beside = {heads_of.HEAD_FILE: heads_of.head_file(source, heads)} if heads and mtp != "drop" and not dry_run else {}
     kept = [q for q in ckpt.decoded() if ckpt.format is FORMAT]
     if kept and not quant and not dequantize:
-        return _keep_quantized(ckpt, out, kept, target_st, force, max_shard_size, dry_run, run)
+        if heads and mtp == "drop":
+            raise FFNToolsError(f"{ckpt.path}: --mtp drop of an MLX-quantized model kept as it is: give -d or -q")
+        r = _keep_quantized(ckpt, out, kept, target_st, force, max_shard_size, dry_run,
+                            run.but(extra_files=beside) if beside else run)  # its heads' file carried again
+        return {**r, "changes": [*r["changes"], *heads_of.placed(heads, "mlx_lm's model has no place for it")]}
     from .workers import early
 
     started = early(ckpt)  # the workers ``Mlx.preparing`` started for this checkpoint, if it did
+    if heads:  # mlx_lm's model has no place for them: the model written without them, they beside it (or dropped)
+        ckpt = heads_of.without(ckpt, heads)
     # decide: mlx_lm's model and the view of the input that fits it, what is quantized, what keeps its codes
     with nogc.paused():  # mlx_lm's import (transformers, torch) and its model: a quarter of it was the collector's
         tg, view, outputs, unused, changes, ckpt = match_or_dequantize(ckpt, quantizing=bool(quant))
@@ -110,6 +125,10 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
             target_st = _ST[legacy]
             changes.append(f"cast floating tensors to {legacy} (config.json torch_dtype), as mlx_lm.convert does")
     changes += said.config_changes(tg) + said.output_changes(outputs, unused)
+    if mtp == "drop":
+        changes += heads_of.said("drop", heads)
+    else:
+        changes += heads_of.placed(heads, "mlx_lm's model has no place for it")
     d = decide(tg.model, quant) if quant else None
     chosen, block = (d.chosen, d.block) if d else ({}, tg.prequant)
     ct_kept, block = _kept_codes(ckpt, tg.config, outputs, view, quant, dequantize, target_st, block, changes)
@@ -128,7 +147,8 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         return {**summary, "files": [], "plan": plan.describe()}
     # act: the directory, written atomically (or, for a dry run's estimate, a sample of it); the summary reports
     # from the plan
-    made = _write(ckpt, tg.config, plan, block, out, force, max_shard_size, jobs, started, run, dry_run)
+    made = _write(ckpt, tg.config, plan, block, out, force, max_shard_size, jobs, started, run, dry_run, beside,
+                  heads_of.record(mtp or "keep", heads, source.metadata))
     if dry_run:
         return {**summary, "files": [], "plan": plan.describe(), "estimate": made}
     return {**summary, "files": made}
@@ -155,20 +175,22 @@ def _kept_codes(ckpt: Checkpoint, config: dict, outputs, view, quant, dequantize
 
 
 def _write(ckpt: Checkpoint, config: dict, plan: Plan, block, out: Path, force: bool, max_shard_size, jobs,
-           started, run: Run = NO_RUN, pricing: bool = False):
+           started, run: Run = NO_RUN, pricing: bool = False, beside: dict[str, bytes] | None = None,
+           recorded_mtp: dict[str, str] | None = None):
     """The MLX directory of ``plan``: its shards (an index even for one, as mlx-lm writes), config.json as mlx_lm
     writes it, the model card, the side files the input rebuilds, quantizing in worker processes (``started``: the
     ones started early, if any). ``pricing``: a dry run's estimate of that (``ffn_tools.estimate``: a sample of the
-    plan streamed as the run would, its pool included), returned instead of the files written."""
+    plan streamed as the run would, its pool included), returned instead of the files written. ``beside``: files
+    written beside the model (the MTP heads' file); ``recorded_mtp``: the metadata saying they were dropped."""
     shard = max_shard_size or MAX_SHARD_SIZE
     if ckpt.config is None:  # target() refused it already
         raise FFNToolsError(f"{ckpt.path}: no config.json; MLX export needs it")
     metadata = {**METADATA, **added_metadata(ckpt.config, config),  # what reading back removes
-                **saved_as(ckpt)}  # and how it names the experts
+                **saved_as(ckpt), **(recorded_mtp or {})}  # and how it names the experts
     items = [OutTensor(e.name, e.st_dtype, tuple(e.shape), e.nbytes, _sizing_only) for e in plan.entries]
     extra: dict[str, str | bytes] = {"config.json": mlx_config(ckpt, config, block), "README.md": model_card(ckpt)}
     rebuilt, lines = ckpt.rebuilt_files()  # a GGUF's tokenizer, as transformers writes it from tokenizer.ggml.*
-    extra = {**rebuilt, **extra}
+    extra = {**rebuilt, **extra, **(beside or {})}
     plan.changes += [line for line in lines if not line.startswith("README.md")]  # mlx_lm's card is written
     from . import FORMAT
 

@@ -31,6 +31,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ffn_tools import mtp
 from ffn_tools.checks.rounded import PLUS_ONE
 from ffn_tools.errors import CheckpointError
 from ffn_tools.io.store import Checkpoint, TensorInfo, read_bytes
@@ -146,8 +147,13 @@ class MLXCheckpoint(Checkpoint):
             log.info("%s: MLX names kept (%s)", raw.root, e)
             self.inverse, self._recipes, self._derived = Inverse(skipped=str(e)), {}, {}
             infos = self._infos_from(config)
-        kept = {k: v for k, v in raw.metadata.items() if k == PLUS_ONE}  # a GGUF's norms read back (gguf.record)
-        super().__init__(raw.path, raw.root, raw.files, infos, {"format": "pt", **kept}, config)
+        kept = {k: v for k, v in raw.metadata.items() if k in (PLUS_ONE, mtp.RECORD)}  # a GGUF's norms read back
+        # (gguf.record), MTP heads dropped (--mtp drop); heads written beside the model, read under their own names
+        head_file, heads = mtp.beside(raw.root)
+        if collide := sorted(set(heads) & set(infos)):
+            raise CheckpointError(f"{head_file}: its tensors {', '.join(collide[:3])} are the model's names too")
+        super().__init__(raw.path, raw.root, [*raw.files, *([head_file] if head_file else [])], {**infos, **heads},
+                         {"format": "pt", **kept}, config)
         self.absent = raw.absent
 
     def _infos_from(self, config: dict) -> dict[str, TensorInfo]:

@@ -97,7 +97,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         config, changes = unquantized_config(ckpt.config, target)
     heads = heads_of.find_heads(ckpt, ckpt.config)
     entries = [cast_entry(ckpt, n, target) for n in heads_of.select(ckpt, heads, mtp or "keep")]
-    metadata = {"format": "pt", **heads_of.record(mtp or "keep", heads)}
+    metadata = {"format": "pt", **heads_of.record(mtp or "keep", heads, ckpt.metadata)}
     changes += heads_of.said(mtp or "keep", heads)
     dequantized = [m.params for n in ckpt if (m := ckpt.quantized(n))]
     if dequantized:  # recorded, so verify against the quantized model's source knows B carries its error
