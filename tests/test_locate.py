@@ -160,3 +160,25 @@ def test_the_built_in_prompts_probe_other_scripts_and_a_tool_call():
     scripts = {unicodedata.name(ch).split()[0] for p in PROMPTS for ch in p if ord(ch) > 0x7F}
     assert {"CJK", "HIRAGANA", "HANGUL", "ARABIC"} <= scripts, scripts
     assert any("def " in p for p in PROMPTS) and any("<tool_call>" in p for p in PROMPTS)
+
+
+def test_an_mlx_b_runs_in_mlx_lm_and_a_defect_in_it_is_named(moe, tmp_path):
+    pytest.importorskip("mlx_lm")
+    b = tmp_path / "mlx"
+    api.convert(moe, "mlx", b, dtype="bfloat16")
+    r = _locate(moe, b)
+    assert r.clients == ("transformers", "mlx_lm"), r.lines()
+    assert not any("exposes no activations" in n for n in r.notes), r.notes  # mlx_lm's own, not A's client
+    assert r.passed is True, r.lines()
+    assert "mlx" in r.floor and "mlx_lm" in r.floor
+    parts = {row.key: row for row in r.rows}
+    assert parts["L1.routed"].b is None and "no such part" in parts["L1.routed"].note  # mlx_lm combines them inside
+    assert parts["L1.shared"].floor["rel"] > 1e-4  # a real floor: bf16 in another client
+    bad = tmp_path / "mlx-bad"
+    shutil.copytree(b, bad)
+    for f in bad.glob("*.safetensors"):
+        sd = load_file(f)
+        _swap(sd, "model.layers.1.mlp.shared_expert.gate_proj.weight", "model.layers.1.mlp.shared_expert.up_proj.weight")
+        save_file(sd, f, metadata={"format": "mlx"})
+    r = _locate(moe, bad)
+    assert r.first is not None and r.first.key == "L1.shared", r.lines()

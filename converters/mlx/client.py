@@ -119,6 +119,11 @@ class MlxLm(Client):
 
         return generate(path, prompts, new_tokens, score, dtype)
 
+    def activations(self, path: Path, sequences, dtype=None):
+        from .activations import capture
+
+        return capture(path, sequences, dtype)
+
 
 def check_mlx(path: Path) -> LoadCheck:
     """Whether ``mlx_lm.load`` would accept the MLX directory at ``path`` (lazily: no weight is evaluated)."""

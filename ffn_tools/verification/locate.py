@@ -112,7 +112,11 @@ def _activations(models: Models, client: Client, path: Path, side: str, sequence
         raise
     except Exception as e:  # the client's own errors: it cannot run the model here
         line, first = could_not_run("--locate", client, side, path, e)
-        raise FFNToolsError(line + client.hint(first)) from None
+        wider = client.runs_instead(line) if dtype is None else None  # MLX's CPU: MoE layers in float32 only
+        if wider is None:
+            raise FFNToolsError(line + client.hint(first)) from None
+    notes.append(f"{client.name} ran {side} in {wider}: it cannot here in the weights' dtype ({first})")
+    return _activations(models, client, path, side, sequences, wider, tmp, notes)
 
 
 def run_locate(models: Models, sequences: list[list[int]], floor: tuple[Path, Client, str | None, str] | str,
