@@ -258,3 +258,57 @@ def test_verify_fails_a_kept_expert_from_another_index(mapped_verify, model_dir,
     r = mapped_verify(model_dir("mixtral"), _forged(pruned, tmp_path, other))
     assert r.exit_code == 1 and "FAIL" in r.output
     assert "layer 0 expert 1: not bit-identical" in r.output
+
+
+@pytest.fixture(scope="module")
+def mlx4(model_dir, tmp_path_factory):
+    """Qwen3-MoE exported to MLX 4-bit: switch_mlp stacks with scales and biases, its router quantized 8-bit."""
+    pytest.importorskip("mlx_lm")
+    from ffn_tools.api import convert
+
+    out = tmp_path_factory.mktemp("mlx4") / "model"
+    convert(model_dir("qwen3_moe"), "mlx", out, quantize=4)
+    return out
+
+
+def _mlx_logits(path, keep: dict | None = None):
+    import mlx.core as mx
+    from mlx_lm import load
+
+    model, _ = load(str(path))
+    for layer, kept in (keep or {}).items():
+        mlp = model.model.layers[int(layer)].mlp
+        gate = mlp.gate
+        mask = mx.array([0.0 if e in kept else float("-inf") for e in range(4)])
+
+        def masked(x, gate=gate, mask=mask):
+            out = gate(x)
+            return out + mask.astype(out.dtype)
+
+        mlp.gate = masked
+    return model(mx.array(TOKENS.tolist()))
+
+
+def test_prune_mlx_quantized_stacks_bit_for_bit(mlx4, tmp_path, mapped_verify):
+    import mlx.core as mx
+
+    keep = {"0": [0, 2, 3], "1": [1, 2, 3]}  # in order: mlx_lm sums the k experts' outputs in the order it picks
+    # them, so a reordered model is A's function up to that sum's rounding, a pruned one in order bit for bit
+    (tmp_path / "keep.json").write_text(json.dumps(keep))
+    run_cli("prune-experts", mlx4, "--keep", tmp_path / "keep.json", "-o", tmp_path / "out")
+    a, b = tensors_raw(mlx4), tensors_raw(tmp_path / "out")
+    moved = [n for n in a if ".switch_mlp." in n or ".mlp.gate." in n]
+    assert {n.rsplit(".", 1)[1] for n in moved} == {"weight", "scales", "biases"}
+    for n in moved:  # packed codes, scales and biases: the kept experts' slices, as stored
+        assert torch.equal(b[n], a[n][keep[n.split(".")[2]]])
+    assert all(torch.equal(a[n], b[n]) for n in a if n not in moved)
+    assert mx.array_equal(_mlx_logits(tmp_path / "out"), _mlx_logits(mlx4, keep)).item()  # bit for bit in MLX
+    assert not mx.allclose(_mlx_logits(tmp_path / "out"), _mlx_logits(mlx4)).item()
+    r = mapped_verify(mlx4, tmp_path / "out", "--allow-config", "num_experts")
+    assert r.exit_code == 0 and "PASS" in r.output, r.output
+
+
+def tensors_raw(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {n: t for p in sorted(path.glob("*.safetensors")) for n, t in load_file(p).items()}

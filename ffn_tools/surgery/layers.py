@@ -30,6 +30,7 @@ class MoELayer:
         stacks: stacked form: the tensors holding every expert (dim 0 E), name -> True where flat (E blocks of
             rows).
         routers: the router's tensors (dim 0 E).
+        block: the module holding the router (``model.layers.0.mlp``).
     """
 
     layer: int
@@ -38,6 +39,7 @@ class MoELayer:
     tensors: dict[int, list[str]] = field(default_factory=dict)
     stacks: dict[str, bool] = field(default_factory=dict)
     routers: list[str] = field(default_factory=list)
+    block: str = ""
 
     @property
     def names(self) -> list[str]:
@@ -61,12 +63,14 @@ def _module(name: str) -> str:
 
 
 def moe_layers(ckpt, ffns: FFNSet) -> dict[int, MoELayer]:
-    """Every layer with routed experts, as ``MoELayer``.
+    """Every layer with routed experts, as ``MoELayer``: the FFNs ``ffns`` found in ``ckpt`` (the names its readers
+    give), their tensors as ``ckpt.stored`` holds them (the same names, or, where a view reads the experts of a
+    stack one by one, as MLX's ``switch_mlp`` does, the stacks: every stored tensor beside the router of dim 0 E
+    but the layer's other FFNs'). Quantized parts (scales, biases, blocks) move with their weights.
 
     Raises:
-        FFNToolsError: a layer's experts in two groups or forms, numbered from an offset, quantized (read
-            decoded: their stored parts are not moved here yet), a stack's tensor whose dim 0 is not E, a router
-            not found or of another dim 0.
+        FFNToolsError: a layer's experts in two groups or forms, numbered from an offset, a stack's tensor whose
+            dim 0 is not E, a router not found or of another dim 0, per-expert tensors not stored anywhere.
     """
     by_layer: dict[int, list[FFN]] = defaultdict(list)
     for f in ffns.ffns:
@@ -74,7 +78,8 @@ def moe_layers(ckpt, ffns: FFNSet) -> dict[int, MoELayer]:
             by_layer[f.ref.layer].append(f)
     if not by_layer:
         raise FFNToolsError(f"{ckpt.path}: no routed experts (scheme {ffns.scheme.name}): nothing to prune")
-    names = list(ckpt)
+    stored = ckpt.stored
+    names = list(stored)
     heads: dict[str, tuple[int, int]] = {}
     layers: dict[int, MoELayer] = {}
     for layer, experts in sorted(by_layer.items()):
@@ -85,9 +90,6 @@ def moe_layers(ckpt, ffns: FFNSet) -> dict[int, MoELayer]:
         if f0.group.first_expert is not None:
             raise FFNToolsError(f"layer {layer}: experts numbered after others ({f0.group.name}: its router scores "
                                 "them with the routed ones): not handled by expert surgery")
-        if any(ckpt.quantized(n) for f in experts for n in f.names.values()):
-            raise FFNToolsError(f"{ckpt.path}: layer {layer}'s experts are stored quantized ({ckpt.label}): moving "
-                                "their stored parts is not done yet (issue #56)")
         if sorted(f.ref.expert for f in experts) != list(range(len(experts))):
             raise FFNToolsError(f"layer {layer}: experts {sorted(f.ref.expert for f in experts)} are not 0-"
                                 f"{len(experts) - 1}")
@@ -102,16 +104,36 @@ def moe_layers(ckpt, ffns: FFNSet) -> dict[int, MoELayer]:
             modules = {_module(n) for n in f0.names.values()}
             for n in names:
                 if _module(n) in modules:
-                    m.stacks[n] = _stack_rows(ckpt, n, len(experts), f0.form.flat)
+                    m.stacks[n] = _stack_rows(stored, n, len(experts), f0.form.flat)
             container = _module(f0.names["down"])
-        m.routers = _routers(ckpt, layer, container, len(experts))
+        m.block, m.routers = _routers(stored, layer, container, len(experts))
     for n in names:  # every tensor of a per-expert module: its weights, biases, scales
         parts = n.split(".")
         for i in range(1, len(parts) - 1):
             if parts[i].isdigit() and (hit := heads.get(".".join(parts[:i + 1]) + ".")) is not None:
                 layers[hit[0]].tensors[hit[1]].append(n)
                 break
+    for layer, m in layers.items():
+        if m.heads and not any(m.tensors.values()):  # read per expert, stored stacked
+            _stacked_beside(stored, m, ffns)
     return layers
+
+
+def _stacked_beside(stored, m: MoELayer, ffns: FFNSet) -> None:
+    """``m``'s experts, read one by one, as ``stored`` holds them: the tensors under the router's module of dim
+    0 E that are neither the router's nor another FFN's of the layer (the shared expert's)."""
+    block = m.block
+    others = {_module(n) for f in ffns.ffns if f.ref.layer == m.layer and f.ref.kind != "expert"
+              for n in f.names.values()}
+    for n in stored:
+        if n.startswith(block + ".") and n not in m.routers and _module(n) not in others:
+            shape = tuple(stored.info(n).shape)
+            if shape and shape[0] == m.experts:
+                m.stacks[n] = False
+    if not m.stacks:
+        raise FFNToolsError(f"layer {m.layer}: its experts ({m.heads[0]}...) are stored neither under those names "
+                            f"nor as stacks of {m.experts} under {block}")
+    m.heads, m.tensors = {}, {}
 
 
 def _stack_rows(ckpt, name: str, experts: int, flat: bool) -> bool:
@@ -122,8 +144,9 @@ def _stack_rows(ckpt, name: str, experts: int, flat: bool) -> bool:
                         f"{experts}{' (or a multiple, flat)' if flat else ''}: cannot tell its experts apart")
 
 
-def _routers(ckpt, layer: int, container: str, experts: int) -> list[str]:
-    """The router tensors of the block above the experts (``container``: ``model.layers.0.mlp.experts``)."""
+def _routers(ckpt, layer: int, container: str, experts: int) -> tuple[str, list[str]]:
+    """The block above the experts (``container``: ``model.layers.0.mlp.experts``) holding the router, and the
+    router's tensors."""
     block, tried = container, []
     for _ in range(2):
         block = _module(block)
@@ -134,7 +157,7 @@ def _routers(ckpt, layer: int, container: str, experts: int) -> list[str]:
             if bad:
                 raise FFNToolsError(f"layer {layer}: router tensor {bad[0]} has shape "
                                     f"{list(ckpt.info(bad[0]).shape)}, not {experts} rows (one per expert)")
-            return found
+            return block, found
     raise FFNToolsError(f"layer {layer}: no router found beside its experts (looked for "
                         f"{', '.join(ROUTER_TENSORS)} under {' and '.join(tried)}): its rows must move with the "
                         "experts")

@@ -49,21 +49,22 @@ def _surgery(command: str, path, out, given: dict, spec: dict, force: bool, dry_
             raise FFNToolsError(f"{ckpt.path}: {ckpt.described} checkpoint: expert surgery moves safetensors "
                                 "tensors; its own form (GGUF _exps) is not done yet (issue #56)")
         layers = moe_layers(ckpt, find_ffns(ckpt, scheme, layout))
+        stored = ckpt.stored  # the tensors as stored (a view reading them otherwise: MLX's stacks, FP8 decoded)
         counts = {m.experts for m in layers.values()}
         if len(counts) > 1:
             raise FFNToolsError(f"{ckpt.path}: MoE layers hold different numbers of experts ({sorted(counts)})")
         experts = counts.pop()
         picked = chosen({k: m.experts for k, m in layers.items()}, **spec)
         kept = len(next(iter(picked.values())))
-        config, changes = updated_config(ckpt.config, experts, kept)
-        plan = surgery_plan(ckpt, layers, picked, config, changes)
+        config, changes = updated_config(stored.config, experts, kept)
+        plan = surgery_plan(stored, layers, picked, config, changes)
         identity = all(v == tuple(range(experts)) for v in picked.values())
-        full, source_experts = mapping.composed(mapping.recorded(ckpt), picked)
+        full, source_experts = mapping.composed(mapping.recorded(stored), picked)
         kept_map = mapping.as_json(full, source_experts or experts, command)
         text = json.dumps(kept_map)
         run = Run(command=record(command, given)).but(
             out=Path(out), force=force, max_shard_size=max_shard_size, desc=command,
-            metadata=None if identity else {**ckpt.metadata, mapping.METADATA_KEY: text},
+            metadata=None if identity else {**stored.metadata, mapping.METADATA_KEY: text},
             extra_files=None if identity or Path(out).suffix == SAFETENSORS.suffix else {mapping.FILE: text + "\n"})
         written = [] if dry_run else execute(plan, run)
         verb = "would write" if dry_run else "wrote"

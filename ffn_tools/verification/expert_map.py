@@ -66,7 +66,7 @@ def paired(report, ca, cb, fa: FFNSet, fb: FFNSet) -> tuple[FFNSet, FFNSet]:
         index = tuple(where[s] for s in sources)  # B's expert n is A's expert index[n]
         pairs[layer] = index
         dropped += [f"layer {layer} expert {e}" for e in range(la[layer].experts) if e not in index]
-        problems += _routers(ca, cb, la[layer].routers, lb[layer].routers, index, layer)
+        problems += _routers(ca.stored, cb.stored, la[layer].routers, lb[layer].routers, index, layer)
     report.problems += problems
     rekeyed = []
     for f in fa.ffns:
@@ -94,7 +94,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _routers(ca, cb, names_a: list[str], names_b: list[str], index: tuple[int, ...], layer: int) -> list[str]:
-    """B's router tensors against A's rows ``index``, bit for bit; the problems found."""
+    """B's router tensors against A's rows ``index``, bit for bit as stored (a quantized router's codes, scales
+    and biases each); the problems found."""
     if sorted(names_a) != sorted(names_b):
         return [f"layer {layer}: the router's tensors differ: A has {', '.join(names_a)}, B {', '.join(names_b)}"]
     out = []
