@@ -312,3 +312,30 @@ def tensors_raw(path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return {n: t for p in sorted(path.glob("*.safetensors")) for n, t in load_file(p).items()}
+
+
+def test_deepseek_v3_sigmoid_router_bias_in_step(hf, tmp_path):
+    """DeepSeek-V3: sigmoid scores plus e_score_correction_bias pick the experts; the bias is sliced with the
+    router's rows, the dense first layer and the shared experts are copied. With one expert group, A with the
+    dropped experts' selection score masked (their bias -inf) is the pruned model."""
+    src = hf("deepseek_v3", n_group=1, topk_group=1)
+    run_cli("prune-experts", src, "--drop", "1", "-o", tmp_path / "out")
+    a, b = tensors(src), tensors(tmp_path / "out")
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert torch.equal(b[bias], a[bias][[0, 2, 3]])
+    same = [n for n in a if not n.startswith("model.layers.1.mlp.") or "shared_experts" in n]
+    assert any(n.startswith("model.layers.0.mlp.") for n in same) and all(torch.equal(a[n], b[n]) for n in same)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["n_routed_experts"] == 3
+
+    model, info = _model(src)
+    assert not _model(tmp_path / "out")[1]["missing_keys"]
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.e_score_correction_bias[1] = float("-inf")
+        masked = model(TOKENS).logits
+    torch.testing.assert_close(_logits(tmp_path / "out"), masked, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("keep,said", [("0-2", "do not divide into 2 groups"), ("0,2", "groups of at least 2")])
+def test_deepseek_v3_grouped_routing_refusals(model_dir, tmp_path, keep, said):
+    r = run_cli("prune-experts", model_dir("deepseek_v3"), "--keep", keep, "-o", tmp_path / "out", ok=False)
+    assert said in r.output

@@ -24,6 +24,7 @@ EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "mo
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "ffn_config.moe_top_k", "num_experts_per_token")
 # DeepSeek's grouped routing: the experts fall into n_group contiguous groups
 GROUP_KEY = "n_group"
+TOP_GROUPS_KEY = "topk_group"  # ... of which each token's experts come from this many
 NESTED = ("text_config", "language_config")  # a multimodal config's language model
 
 
@@ -77,9 +78,13 @@ def updated_config(config: dict | None, experts: int, kept: int) -> tuple[dict |
                                     "kept; keep at least that many")
         groups = c.get(GROUP_KEY)
         if isinstance(groups, int) and groups > 1 and kept != experts:
-            if kept % groups:
+            if kept % groups or kept // groups < 2:
                 raise FFNToolsError(f"config.json {GROUP_KEY} is {groups} (grouped routing): {kept} experts kept do "
-                                    f"not divide into {groups} groups")
+                                    f"not divide into {groups} groups of at least 2 (a group is scored by its top 2)")
+            top_k, picked = _get(c, "num_experts_per_tok"), c.get(TOP_GROUPS_KEY)
+            if isinstance(top_k, int) and isinstance(picked, int) and picked * (kept // groups) < top_k:
+                raise FFNToolsError(f"config.json {TOP_GROUPS_KEY} is {picked} of {groups} groups: {picked} groups of "
+                                    f"{kept // groups} kept experts hold fewer than the {top_k} each token runs")
             changes.append(f"config.json: grouped routing ({GROUP_KEY} {groups}): each group is now {kept // groups} "
                            "consecutive kept experts, which need not be the source's groups")
     if not found:
