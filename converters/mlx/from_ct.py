@@ -15,6 +15,12 @@ for bit. GPTQ and AWQ (float16 scales) the same.
 MLX affine takes groups of 32, 64 and 128: per-channel and per-tensor schemes, other group sizes and 3, 5,
 6, 7 bits (packed across words) cannot keep their codes; the export then writes those weights dequantized
 and says so (``-q`` quantizes them with mx.quantize instead, as asked).
+
+A GGUF's Q8_0, Q4_0 and Q4_1 blocks are integer codes in groups of 32 with float16 scales (``IntCodes``, from GGUF's
+scheme: Q8_0 ``d * q`` as ``q + 128`` with zero point 128, Q4_0 ``n`` with 8, Q4_1 ``n`` with bias ``m``): MLX
+affine 8- and 4-bit group 32, scales ``d`` and biases ``-128 d``, ``-8 d`` (exact in float32) or ``m``, in
+float32, so that MLX's ``d * c + b`` is gguf-py's dequantization exactly (``s * c`` exact, then at most the one
+rounding gguf-py makes too).
 """
 
 from __future__ import annotations
@@ -34,15 +40,32 @@ MLX_BITS = (2, 4, 8)
 # The schemes whose modules an MLX export keeps as codes where it can, and says why where it cannot (the others,
 # MXFP4 and the formats' own, are mlx_lm's to keep or the input's to dequantize).
 SCHEMES = ("compressed-tensors-int", "compressed-tensors-fp8", "nvfp4-compressed-tensors", "nvfp4-modelopt", "gptq", "awq")
+GGUF, GGUF_INT = "gguf", ("Q8_0", "Q4_0", "Q4_1")  # GGUF's scheme, and its types whose blocks are integer codes
 
 
 def modules(ckpt: Checkpoint) -> dict[str, Module]:
     """``X.weight`` -> its module, for the weights ``ckpt`` reads decoded under one of ``SCHEMES``."""
-    return {n: q for n in ckpt if (q := ckpt.quantized(n)) is not None and q.scheme.name in SCHEMES}
+    return {n: q for n in ckpt if (q := ckpt.quantized(n)) is not None and (q.scheme.name in SCHEMES or (
+        q.scheme.name == GGUF and q.args["mode"] in GGUF_INT))}
+
+
+def _gguf(m: Module) -> bool:
+    return m.scheme.name == GGUF
+
+
+def _group_bits(m: Module) -> tuple[int, int]:
+    """(group size, bits) of ``m``'s codes as MLX affine keeps them."""
+    return (32, m.args["bits"]) if _gguf(m) else (m.args.group_size, m.args.bits)
+
+
+def _name(m: Module) -> str:
+    return m.scheme.what(m) if _gguf(m) else m.args.name
 
 
 def why_not(m: Module) -> str | None:
     """Why module ``m``'s codes cannot be kept in MLX affine, or None."""
+    if _gguf(m):  # Q8_0, Q4_0, Q4_1 (``modules``): groups of 32, 8 or 4 bits
+        return None
     s = m.args
     if s.nvfp4:
         return (f"{s.name}: MLX's nvfp4 QuantizedLinear has no per-tensor scale to hold it, and folding it into "
@@ -71,8 +94,8 @@ def kept(found: dict[str, Module], outputs, view: list[Entry]) -> tuple[dict[str
         m = found.get(e.inputs[0]) if e is not None and len(e.inputs) == 1 else None
         if m is None:
             continue
-        why = why_not(m) or (None if tuple(o.shape) == m.shape and e is not None and e.pieces is not None
-                             else f"{m.weight} is rearranged on its way to {o.name}")
+        same = tuple(o.shape) == m.shape and e is not None and (e.pieces is not None or (_gguf(m) and not e.ops))
+        why = why_not(m) or (None if same else f"{m.weight} is rearranged on its way to {o.name}")
         if why:
             refused[m.weight] = why
         else:
@@ -84,12 +107,12 @@ def block(modules: dict[str, Module]) -> dict | None:
     """mlx_lm's ``quantization`` block: the most common parameters, other modules' own."""
     if not modules:
         return None
-    params = [(m.args.group_size, m.args.bits) for m in modules.values()]
+    params = [_group_bits(m) for m in modules.values()]
     g, b = max(set(params), key=params.count)
     out: dict = {"group_size": g, "bits": b, "mode": "affine"}
     for path, m in modules.items():
-        if (m.args.group_size, m.args.bits) != (g, b):
-            out[path] = {"group_size": m.args.group_size, "bits": m.args.bits, "mode": "affine"}
+        if _group_bits(m) != (g, b):
+            out[path] = {"group_size": _group_bits(m)[0], "bits": _group_bits(m)[1], "mode": "affine"}
     return out
 
 
@@ -104,7 +127,10 @@ class KeptCodes(Op):
     part: int = 0
 
     def apply(self, ts: list) -> list:
-        m, raw = self.module, self.ckpt.stored
+        m = self.module
+        if _gguf(m):
+            return [self._gguf()]
+        raw = self.ckpt.stored
         if m.args.format in ("gptq", "awq"):
             return [self._gptq()]
         if self.part == 0:
@@ -131,13 +157,39 @@ class KeptCodes(Op):
             return RawTensor("U32", (rows, cols // 8), t.to(torch.int64).numpy().astype("<u4").tobytes())
         return t
 
+    def _gguf(self):
+        """A GGUF's Q8_0/Q4_0/Q4_1 codes as MLX affine (the module doc): packed words, scales, biases."""
+        import numpy as np
+        import torch
+
+        m = self.module
+        c = m.scheme.int_codes(m, self.ckpt.quantized_parts(m.weight))
+        if self.part == 1:
+            return c.scale.float()
+        if self.part == 2:
+            return c.bias.float() if c.zero is None else -(c.scale.float() * c.zero.float())
+        rows, cols = m.shape
+        per = 32 // c.bits  # codes per word, element i at bit i * bits
+        shifts = torch.arange(per, dtype=torch.int64) * c.bits
+        words = (c.codes.to(torch.int64).reshape(rows, cols // per, per) << shifts).sum(-1)
+        return RawTensor("U32", (rows, cols // per), words.numpy().astype("<u4").tobytes())
+
     def describe(self) -> str:
-        return f"{('packed words', 'scales', 'biases')[self.part]} of {self.module.args.name} codes kept as MLX affine"
+        return f"{('packed words', 'scales', 'biases')[self.part]} of {_name(self.module)} codes kept as MLX affine"
 
 
 def entries(ckpt: Checkpoint, path: str, m: Module) -> list[Entry]:
     """``path``'s weight (the packed words as uint32), scales and biases, from ``m``'s stored parts."""
-    how = f"{m.args.name} codes kept as MLX affine"
+    how = f"{_name(m)} codes kept as MLX affine"
+    if _gguf(m):
+        rows, cols = m.shape
+        bits = m.args["bits"]
+        return [Entry(f"{path}.weight", "U32", (rows, cols * bits // 32), (), (KeptCodes(ckpt, m, 0),),
+                      text=f"{m.weight}'s {m.args['mode']} codes packed as uint32 ({how})"),
+                Entry(f"{path}.scales", "F32", (rows, cols // 32), (), (KeptCodes(ckpt, m, 1),), reads=0,
+                      text=f"its blocks' float16 scales in float32 ({how})"),
+                Entry(f"{path}.biases", "F32", (rows, cols // 32), (), (KeptCodes(ckpt, m, 2),), reads=0,
+                      text=f"-scale * zero point (Q4_1: its offsets) in float32 ({how})")]
     if m.args.format in ("gptq", "awq"):
         rows, cols = m.shape
         groups = cols // (m.args.group_size or cols)
@@ -162,10 +214,10 @@ def changes(modules: dict[str, Module], refused: dict[str, str]) -> list[str]:
     """What the summary says: codes kept, and the weights written dequantized with why (grouped)."""
     out = []
     if modules:
-        schemes = sorted({m.args.name for m in modules.values()})
+        schemes = sorted({_name(m) for m in modules.values()})
         out.append(f"kept the codes of {len(modules)} quantized weights ({', '.join(schemes)}) as MLX affine "
-                   "quantization, not re-quantized: packed words as uint32, scales and biases -s * (z + 2^(bits-1)) in "
-                   "float32, so that MLX's dequantization is the source's values with no rounding of its own (mlx_lm "
+                   "quantization, not re-quantized: packed words as uint32, scales and biases -s * (z + 2^(bits-1)) "
+                   "(a GGUF's -128 d, -8 d or Q4_1 offsets) in float32, so that MLX's dequantization is the source's values with no rounding of its own (mlx_lm "
                    "computes those layers in float32); config.json gets the quantization block")
     whys: dict[str, list[str]] = {}
     for name, why in refused.items():
