@@ -32,6 +32,7 @@ import importlib
 from collections.abc import Sequence
 from pathlib import Path
 
+from ffn_tools import mtp
 from ffn_tools.checks.semantics import Difference, differences
 from ffn_tools.clients import runtime
 from ffn_tools.errors import CheckpointError, FFNToolsError
@@ -203,11 +204,23 @@ def convert(path: str | Path, to: str, out: str | Path, *, dtype: str | None = N
                                 f"{'; '.join(d.line for d in refused)}; {keys} writes it anyway{also}")
         summary = target.export(ckpt, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, run=run,
                                 **given)
+        if (heads := mtp.find_heads(ckpt, ckpt.config)) and not given.get("dry_run"):  # said, never dropped silently
+            summary = mtp.said_of_output(heads, to, summary, lambda: _reopened(Path(out), to))
     said = [*(f"{d.line} (--allow-config {d.key})" for d in allowed),
             *(f"{d.line} (--unbounded refuses it)" for d in bounded)]
     if bounded:
         summary = {**summary, "bounded": [{"key": d.key, "tokens": d.tokens, "line": d.line} for d in bounded]}
     return {**summary, "warnings": [*summary.get("warnings", []), *said]} if said else summary
+
+
+def _reopened(out: Path, to: str) -> tuple[frozenset[str], dict[str, str]] | None:
+    """A conversion's output opened again as its format: its tensor names and metadata (``mtp.said_of_output``
+    asks what it holds), or None where it cannot be."""
+    try:
+        with open_any(out, to) as c:
+            return frozenset(c), dict(c.metadata)
+    except (FFNToolsError, OSError, ValueError):
+        return None
 
 
 def _check_options(to: str, target: Format, given: dict) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -210,8 +210,9 @@ def recorded(metadata: Mapping[str, str] | None) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def said(mode: str, heads: tuple[Head, ...]) -> list[str]:
-    """The summary's line for what ``--mtp MODE`` did; [] where there is no head to speak of."""
+def said(mode: str, heads: tuple[Head, ...], hint: bool = True) -> list[str]:
+    """The summary's line for what ``--mtp MODE`` did; [] where there is no head to speak of. ``hint``: a kept
+    head's line names ``--mtp drop`` (the output format takes it)."""
     if not heads:
         return []
     what = listing([h.name for h in heads], 4)
@@ -222,8 +223,8 @@ def said(mode: str, heads: tuple[Head, ...]) -> list[str]:
     if mode == "only":
         return [f"wrote the MTP head{'s' * (len(heads) > 1)} {what} alone ({n} tensors; --mtp only), recorded in the "
                 f"metadata as {RECORD}"]
-    return [f"kept the MTP head{'s' * (len(heads) > 1)} {what} ({n} tensors, names as the source; --mtp drop leaves "
-            "it out)"]
+    return [f"kept the MTP head{'s' * (len(heads) > 1)} {what} ({n} tensors, names as the source"
+            + ("; --mtp drop leaves it out)" if hint else ")")]
 
 
 class Without(Checkpoint):
@@ -303,3 +304,29 @@ def placed(heads: tuple[Head, ...], where: str) -> list[str]:
     return [f"wrote the MTP head{'s' * (len(heads) > 1)} {listing([h.name for h in heads], 4)} "
             f"({sum(len(h.tensors) for h in heads)} tensors, as stored, names as the source) beside the model as "
             f"{HEAD_FILE}: {where}; convert --to torch from this directory brings it back"]
+
+
+def said_of_output(heads: tuple[Head, ...], to: str, summary: dict,
+                   reopen: Callable[[], tuple[frozenset[str], Mapping[str, str]] | None]) -> dict:
+    """``summary`` (a conversion's) with what became of the input's MTP ``heads`` said, from what the output
+    (opened again by ``reopen``: its tensor names and metadata) holds, where its export said nothing of them: kept (every head
+    tensor there, by name), or a warning naming each head the output lacks without recording that it was dropped
+    (never a silent drop). An output that could not be opened again (None) is said so."""
+    changes = list(summary.get("changes") or [])
+    if not heads or any("MTP head" in c for c in changes):
+        return summary
+    output = reopen()
+    if output is None:
+        lost = [f"the MTP head{'s' * (len(heads) > 1)} {listing([h.name for h in heads], 4)} of the input: "
+                f"not checked in the {to} output (it could not be opened again)"]
+        return {**summary, "warnings": [*summary.get("warnings", []), *lost]}
+    names, metadata = output
+    missing = [h for h in heads if any(t not in names for t in h.tensors)]
+    if not missing:
+        return {**summary, "changes": [*changes, *said("keep", heads, hint=False)]}
+    if (recorded(metadata) or {}).get("mtp") == "drop":
+        return {**summary, "changes": [*changes, *said("drop", tuple(missing))]}
+    lost = [f"the {to} output lacks the MTP head {h.name} ({h.layout.name}, {len(h.tensors)} tensors; a "
+            "speculative-decoding draft): its writer has no place for it under the source's names; --to torch keeps "
+            "it" for h in missing]
+    return {**summary, "warnings": [*summary.get("warnings", []), *lost]}

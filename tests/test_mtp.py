@@ -201,3 +201,24 @@ def test_mlx_drop_is_recorded_and_only_refused(glm, tmp_path):
     assert v["passed"] and any("left out on purpose" in n for n in v["notes"])
     r = run_cli("convert", glm, "--to", "mlx", "-o", tmp_path / "only", "--mtp", "only", ok=False)
     assert "--mtp only" in r.output and "--to torch --mtp only" in r.output
+
+
+def test_other_formats_say_what_became_of_the_head(deepseek, tmp_path):
+    """A format with no --mtp of its own: the output, opened again, says whether it holds the head (Flax's
+    Hugging Face tree keeps every name)."""
+    r = json.loads(run_cli("convert", deepseek, "--to", "flax", "-o", tmp_path / "f", "--json").output)
+    assert any(c.startswith("kept the MTP head model.layers.2") and "--mtp" not in c for c in r["changes"])
+
+
+def test_a_silent_drop_is_a_warning():
+    """An output lacking a head it does not record dropping (say a writer with no place for it): a warning naming
+    the head; recorded: said as dropped; an export that said it already: nothing added."""
+    (head,) = mtp.find_heads(["model.layers.2.eh_proj.weight", "model.layers.2.mlp.up_proj.weight"],
+                             {"num_hidden_layers": 2, "num_nextn_predict_layers": 1})
+    base = {"changes": ["wrote x"]}
+    lost = mtp.said_of_output((head,), "gguf", base, lambda: (frozenset({"model.embed_tokens.weight"}), {}))
+    assert lost["changes"] == ["wrote x"] and "gguf output lacks the MTP head model.layers.2" in lost["warnings"][0]
+    dropped = mtp.said_of_output((head,), "gguf", base, lambda: (frozenset(), mtp.record("drop", (head,))))
+    assert dropped["changes"][-1].startswith("dropped the MTP head model.layers.2") and "warnings" not in dropped
+    told = {"changes": ["dropped the MTP head model.layers.2 (...)"]}
+    assert mtp.said_of_output((head,), "gguf", told, lambda: None) is told
