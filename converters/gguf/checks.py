@@ -19,8 +19,8 @@ import numpy as np
 
 from ffn_tools.checks.config import ConfigResult, transformers_view
 from ffn_tools.checks.diagnose import first_difference
-from ffn_tools.checks.rounded import plus
-from ffn_tools.checks.outside import outside_tolerance
+from ffn_tools.checks.outside import DIFFER, IDENTICAL, WITHIN, Derived, outside_tolerance
+from ffn_tools.checks.rounded import derive, plus_ops
 from ffn_tools.checks.side_files import SideFilesResult
 from ffn_tools.checks.tokenizer_behaviour import transformers_tokenizer
 from ffn_tools.errors import listing
@@ -178,14 +178,13 @@ def compare_chat_templates(a: dict[str, str], b: dict[str, str]) -> list[str]:
 
 
 def compare_plus_one(outside, ca, cb, atol=None, rtol=None) -> list[str]:
-    """B's weights the converter stored plus one (Gemma's norms, ``cb.shifts``) against A's plus one, computed
-    in the converter's own operations (``checks.rounded.plus``): stored F32 (as this converter writes them),
-    the bits must be equal; stored otherwise (a GGUF some other tool quantized), within the tolerance row.
-    The outcome is added to ``outside`` (which left these tensors out: ``compare_outside``'s ``elsewhere``);
-    returns a note saying how they were compared.
+    """B's weights the converter stores plus one (Gemma's norms, ``cb.shifts``), each compared once with what the
+    converter's own ops make of A's (``checks.rounded.plus_ops``: the expected B tensor, A's through the ops that
+    make B), never with A's as stored: stored F32 (as this converter writes them), the bits must be equal; stored
+    otherwise (a GGUF some other tool quantized), within the tolerance row. A GGUF A that stores them so too is
+    compared by its stored bits. The outcomes are added to ``outside`` (which left these tensors out:
+    ``compare_outside``'s ``elsewhere``); returns the note saying how they were compared.
     """
-    from .reader import LOSSLESS  # gguf and numpy: a GGUF B has them
-
     names = sorted(cb.shifts)
     if not names or outside.skipped:
         return []
@@ -194,23 +193,29 @@ def compare_plus_one(outside, ca, cb, atol=None, rtol=None) -> list[str]:
         if name not in ca:
             outside.only_b.append(name)
             continue
-        a, b = ca[name], cb.read_stored(name)
-        if tuple(a.shape) != tuple(b.shape):
-            outside.differ.append(f"{name}: A is {list(a.shape)}, B is {list(b.shape)}")
-            continue
-        # A a GGUF storing it plus one as well: its stored bits (its reading, minus one, rounded)
-        same_kind = ca.format is cb.format and name in ca.shifts
-        want = ca.read_stored(name) if same_kind else plus(a, cb.shifts[name])
-        lossless = cb.types[name] in LOSSLESS and b.dtype == want.dtype
-        why = (first_difference(name, want, b) if lossless else
-               outside_tolerance(name, want, b, tolerance_for([b.dtype], None, atol=atol, rtol=rtol)))
-        if why:
-            outside.differ.append(f"{why} (B stores it plus one: compared with A's plus one)")
-        elif lossless:
-            exact += 1
-        else:
-            outside.within += 1
-    outside.identical += exact
+        d = _plus_one(name, ca, cb, atol, rtol)
+        outside.add(d)
+        exact += d.outcome == IDENTICAL
     outside.only_b.sort()
     return [f"{len(names)} of B's tensors are stored plus one by llama.cpp's converter (Gemma's norms: "
-            f"{listing(names, 3)}): compared with A's plus one as the converter computes it, {exact} bit for bit"]
+            f"{listing(names, 3)}): compared with A's through the converter's ops (plus one, float32), "
+            f"{exact} bit for bit"]
+
+
+def _plus_one(name: str, ca, cb, atol, rtol) -> Derived:
+    """B's ``name``, stored plus ``cb.shifts[name]``, against A's through the converter's ops (see
+    ``compare_plus_one``)."""
+    from .reader import LOSSLESS  # gguf and numpy: a GGUF B has them
+
+    a, b = ca[name], cb.read_stored(name)
+    if tuple(a.shape) != tuple(b.shape):
+        return Derived(name, DIFFER, f"{name}: A is {list(a.shape)}, B is {list(b.shape)}")
+    same_kind = ca.format is cb.format and name in ca.shifts  # A a GGUF storing it so too: its stored bits
+    want = ca.read_stored(name) if same_kind else derive(plus_ops(a.dtype, cb.shifts[name]), a)
+    lossless = cb.types[name] in LOSSLESS and b.dtype == want.dtype
+    why = (first_difference(name, want, b) if lossless else
+           outside_tolerance(name, want, b, tolerance_for([b.dtype], None, atol=atol, rtol=rtol)))
+    if why:
+        return Derived(name, DIFFER, f"{why} (B stores it plus one: compared with A's plus one, as the converter "
+                                     "computes it)")
+    return Derived(name, IDENTICAL if lossless else WITHIN)

@@ -2,12 +2,14 @@
 
 An MLX model is what ``mlx_lm``'s ``sanitize`` makes of a Hugging Face checkpoint: names prefixed
 (``language_model.``), tensors computed (DeepSeek's ``embed_q``/``unembed_out`` from ``kv_b_proj``, Qwen3-Next's
-norms +1, conv weights transposed), buffers dropped. Reading B back cannot undo every one of those, so the plain
-pairing by name lists them as differences although the export is exactly what ``mlx_lm.convert`` writes. Where
-that pairing fails, the failing tensors are compared again against A exported by the same plan the MLX export
-runs (``converters.mlx.exporter.mlx_entries``: mlx_lm's own model class and sanitize): a B tensor equal to what
-sanitize makes of A passes, exactly where B stores it unquantized in the same dtype; A's tensors that sanitize
-consumed or dropped are then not missing from B. What still differs stays a failure.
+norms +1, conv weights transposed), buffers dropped. Reading B back cannot undo every one of those (a constant
+added in bfloat16 rounds), so B is not compared by name with A where sanitize computed it: which of B's tensors
+its load computes is decided from A's MLX export plan (``converters.mlx.matching.mlx_entries``: mlx_lm's own
+model class and sanitize) and B's view before anything is compared (``derives``), and each is compared once, B's
+MLX tensors as stored against what that plan computes from A (``compare``): bit for bit where B stores it
+unquantized in the plan's dtype, re-quantized where B is quantized, else within the tolerance row. A norm B holds
+shifted twice, or not at all, differs from A's shifted once and fails, naming it. A's tensors sanitize uses or
+drops are not looked for in B. Nothing compared by name is forgiven after.
 
 The FFNs are paired the same way, before their checks (``computed``): where B is MLX and A is not, each
 of A's FFN tensors that the plan computes through sanitize (Falcon-H1's ``mlp_multipliers`` folded into gate
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 
 from ffn_tools.checks.diagnose import first_difference
+from ffn_tools.checks.outside import DIFFER, IDENTICAL, WITHIN, Derived
 from ffn_tools.clients import Pairing
 from ffn_tools.errors import FFNToolsError, listing
 from ffn_tools.io.store import Checkpoint
@@ -29,11 +32,6 @@ from .requant import check_requantized
 from .scheme import SCHEMES
 
 log = logging.getLogger(__name__)
-
-
-def _name(line: str) -> str:
-    """The tensor a failure line of ``OutsideResult.differ`` names (the text before ``[`` or ``:``)."""
-    return line.split(":", 1)[0].split("[", 1)[0]
 
 
 def as_exported(entry, source: Checkpoint):
@@ -85,54 +83,53 @@ class AsMlxLoads(Pairing):
                 "MLX export's own computation, bit for bit), not as A stores them (A as mlx_lm loads it): "
                 f"{listing(sorted(names), 4)}")
 
-    def settle(self, outside, cb, compare) -> list[str]:
-        """Settle ``outside``'s failures for an MLX B through A's MLX export; returns notes (see ``Pairing``)."""
-        if outside.skipped or outside.passed:
-            return []
-        entries = self.entries
-        bad = {_name(d): d for d in outside.differ}
-        settled: list[str] = []
-        consumed: set[str] = set()
-        exact = 0
-        for name in [*outside.only_b, *bad]:
-            stored = cb.made_from(name) if name in cb else ()  # B's MLX tensors it is read from, as mlx_lm names them
-            if not stored or any(m not in entries for m in stored):
-                continue
-            whys: list[str] = []
-            same, used = True, set[str]()
-            for m in stored:  # as B stores them: the view may have undone sanitize (taken 1.0 off a norm, rounding)
-                entry = entries[m]
-                a = as_exported(entry, self.source)
-                b, parts = cb.read_stored(m).to_torch(), cb.stored_parts(m)
-                outcome, why = check_requantized(m, a, parts) if parts is not None else ("within", None)
-                if outcome == "within":  # not quantized, or its bits cannot be reproduced: bits or the tolerance row
-                    params = parts[3] if parts is not None else None
-                    lossless = params is None and a.dtype == b.dtype
-                    bits = SCHEMES[params["mode"]].row_bits(params) if params else None
-                    why = first_difference(m, a, b) if lossless else compare(m, a, b, bits)
-                    outcome = "identical" if lossless else "within"
-                if why:
-                    whys.append(why)
-                same &= outcome == "identical"
-                used.update(entry.inputs)
-            if whys:
-                bad[name] = "; ".join(whys)  # the failure against what sanitize makes of A is the one that counts
-                continue
-            exact += same
-            settled.append(name)
-            consumed |= used
-        outside.only_b[:] = [n for n in outside.only_b if n not in settled]
-        outside.differ[:] = [why for n, why in bad.items() if n not in settled]
-        gone = [n for n in outside.only_a if n in consumed or n in self.dropped]
-        outside.only_a[:] = [n for n in outside.only_a if n not in gone]
-        outside.identical += exact
-        outside.within += len(settled) - exact
-        notes = []
-        if settled:
-            notes.append(f"{len(settled)} of B's tensors are what mlx_lm's sanitize makes of A's ({exact} bit for "
-                         f"bit, re-quantized where B is quantized): {listing(settled, 4)}; compared so, as mlx_lm "
-                         "loads B")
-        if gone:
-            notes.append(f"A's {listing(gone, 4)}: renamed, used or dropped by mlx_lm's sanitize, so B's client has "
-                         "no tensor of that name")
-        return notes
+    def derives(self, a_names, b_names) -> tuple[frozenset[str], frozenset[str]]:
+        """B's tensors outside the FFNs that mlx_lm's sanitize computes from A's (decided from the export plan and
+        B's view before any comparison): those read back from MLX tensors the plan computes through sanitize (no
+        input by name: a norm it added 1.0 to, ``embed_q`` from ``kv_b_proj``, a folded multiplier), or taken
+        back by removing a constant it added, or with no tensor of that name in A; and A's the plan uses for them
+        or sanitize drops, which B has no tensor of."""
+        sources, derived, used = self.cb.inverse.sources, set[str](), set[str]()
+        for n in b_names:
+            stored = self.cb.made_from(n)
+            if not stored or any(m not in self.entries for m in stored):
+                continue  # not made by A's export: compared by name (and listed where it is only in B)
+            entries = [self.entries[m] for m in stored]
+            offset = n in sources and sources[n].offset
+            if offset or n not in a_names or any(not e.inputs for e in entries):
+                derived.add(n)
+                used.update(i for e in entries for i in e.inputs)
+        gone = {n for n in a_names if n not in b_names and (n in used or n in self.dropped)}
+        return frozenset(derived), frozenset(gone)
+
+    def compare(self, names, compare) -> tuple[list[Derived], list[str]]:
+        """Each of B's tensors ``names`` (``derives``'s) against A through its MLX export plan, once: B's MLX
+        tensors as stored (not as the view reads them back) against what the plan computes from A, re-quantized
+        with B's parameters where B is quantized, bit for bit where B stores them unquantized in the plan's dtype,
+        else within the tolerance row."""
+        outcomes = [self._compare_one(n, compare) for n in names]
+        exact = sum(d.outcome == IDENTICAL for d in outcomes)
+        notes = [f"{len(names)} of B's tensors compared with what mlx_lm's sanitize makes of A's, as mlx_lm loads B "
+                 f"(the MLX export's own plan; {exact} bit for bit, re-quantized where B is quantized): "
+                 f"{listing(list(names), 4)}"] if names else []
+        return outcomes, notes
+
+    def _compare_one(self, name: str, compare) -> Derived:
+        whys: list[str] = []
+        same = True
+        for m in self.cb.made_from(name):  # B's MLX tensors it is read from, as mlx_lm names them
+            a = as_exported(self.entries[m], self.source)
+            b, parts = self.cb.read_stored(m).to_torch(), self.cb.stored_parts(m)
+            outcome, why = check_requantized(m, a, parts) if parts is not None else ("within", None)
+            if outcome == "within":  # not quantized, or its bits cannot be reproduced: bits or the tolerance row
+                params = parts[3] if parts is not None else None
+                lossless = params is None and a.dtype == b.dtype
+                bits = SCHEMES[params["mode"]].row_bits(params) if params else None
+                why = first_difference(m, a, b) if lossless else compare(m, a, b, bits)
+                outcome = "identical" if lossless else "within"
+            if why:
+                whys.append(why)
+            same &= outcome == "identical"
+        if whys:
+            return Derived(name, DIFFER, "; ".join(whys) + " (B as mlx_lm's sanitize makes it of A)")
+        return Derived(name, IDENTICAL if same else WITHIN)

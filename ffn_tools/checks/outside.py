@@ -19,6 +19,18 @@ from . import Check
 from .diagnose import Blocks, first_difference_in_blocks
 
 MAX_LISTED = 8
+IDENTICAL, WITHIN, DIFFER = "identical", "within", "differ"  # a derived tensor's outcome (``Derived``)
+
+
+@dataclass(frozen=True)
+class Derived:
+    """One of B's tensors compared once with what B's client derives from A (``verification.expected``): the
+    tensor A's would become through the ops that make B, against B's as stored. ``outcome``: ``IDENTICAL`` (bit
+    for bit), ``WITHIN`` (the tolerance row) or ``DIFFER`` (``why``, naming the tensor)."""
+
+    name: str
+    outcome: str
+    why: str | None = None
 
 
 @dataclass
@@ -38,6 +50,15 @@ class OutsideResult(Check):
     @property
     def passed(self) -> bool:
         return not (self.differ or self.only_a or self.only_b)
+
+    def add(self, d: Derived) -> None:
+        """Count one derived tensor's comparison (``Derived``): it is counted once, where its outcome says."""
+        if d.outcome == IDENTICAL:
+            self.identical += 1
+        elif d.outcome == WITHIN:
+            self.within += 1
+        else:
+            self.differ.append(d.why or f"{d.name}: differs from what B's client derives from A")
 
     def line(self) -> str:
         if self.skipped:

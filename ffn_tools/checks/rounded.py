@@ -21,14 +21,38 @@ from ..errors import listing
 PLUS_ONE = "ffn_tools_gguf_plus_one"
 
 
-def plus(w, shift: float):
-    """``w`` plus ``shift`` as llama.cpp's converter computes it: cast to float32 unless float16 or float32
-    (``prepare_tensors``), ``+ shift`` in that dtype (the family's ``modify_tensors``), then float32 (1-D and norm
-    tensors are stored F32)."""
+def plus_ops(dtype, shift: float) -> tuple:
+    """The ops by which llama.cpp's converter stores a weight of torch ``dtype`` plus ``shift``: cast to float32
+    unless float16 or float32 (``prepare_tensors``), ``+ shift`` in that dtype (the family's ``modify_tensors``;
+    ``Affine`` adds in float32 and rounds once to it, which for a float16 weight is float16's own addition, checked
+    over every float16), then float32 (1-D and norm tensors are stored F32)."""
     import torch
 
-    x = w if w.dtype in (torch.float16, torch.float32) else w.float()
-    return (x + shift).float()
+    from ..ops import Affine, Cast
+
+    first = () if dtype in (torch.float16, torch.float32) else (Cast("F32"),)
+    return (*first, Affine(shift=shift), Cast("F32"))
+
+
+def read_back_ops(dtype, shift: float, to) -> tuple:
+    """``plus_ops`` then the reader's ``- shift`` in float32, cast to torch dtype ``to``: a weight of ``dtype`` as
+    a GGUF storing it plus ``shift`` gives it back (``fl(fl(w + shift) - shift)``)."""
+    from ..io.dtypes import as_st
+    from ..ops import Affine, Cast
+
+    return (*plus_ops(dtype, shift), Affine(shift=-shift), Cast(as_st(to)))
+
+
+def derive(ops: tuple, w):
+    """``w`` through ``ops`` (an entry's ops, ``ffn_tools.ops``): the one tensor they make."""
+    from ..ops import run
+
+    return run(ops, [w])[0]
+
+
+def plus(w, shift: float):
+    """``w`` plus ``shift`` as llama.cpp's converter computes it (``plus_ops``)."""
+    return derive(plus_ops(w.dtype, shift), w)
 
 
 def record(shifts: dict[str, float]) -> tuple[dict[str, str], list[str]]:
@@ -68,7 +92,7 @@ def compare_recorded(outside, ca, cb, shifts: dict[str, float]) -> list[str]:
         if tuple(a.shape) != tuple(b.shape):
             outside.differ.append(f"{name}: A is {list(a.shape)}, B is {list(b.shape)}")
             continue
-        want = (plus(a, shifts[name]) - shifts[name]).to(b.dtype)  # B's dtype: float32, unless cast since
+        want = derive(read_back_ops(a.dtype, shifts[name], b.dtype), a)  # B's dtype: float32, unless cast since
         why = first_difference(name, want, b)
         if why:
             outside.differ.append(f"{why} (B records it read back from a GGUF storing it plus one: compared with A's "

@@ -15,7 +15,7 @@ whole-model check through both real clients.
 checks will have, ``_before_work``), B's client's load check, pair the FFNs (``_pair``, which also starts the
 model checks), derive what B should hold given A as B's client will hold it (``expected.Expected.derive``),
 compare (``_compare``: the FFN pairs, ``pairrun``, and the tensors outside them but those a transform derives),
-settle every transform's comparison once (``Expected.settle``), then the whole models (``_whole_models``).
+compare those each transform derives, once (``Expected.settle``), then the whole models (``_whole_models``).
 """
 
 from __future__ import annotations
@@ -148,7 +148,8 @@ def verify(a, b, *, opener: Opener, converter: Callable[..., object] | None = No
             reference_backend()  # imported here, not beside the background's imports
             kernels = worker.submit(resolve_backends, None, run.client.kernels, run.client.name)
         report, fa, fb, model = _pair(run, load, worker)
-        expected = Expected.derive(run.client, ca, cb, bool(fa and fb))  # B as derived from A through B's client
+        ffns = (fa.tensors, fb.tensors) if fa and fb else (frozenset(), frozenset())
+        expected = Expected.derive(run.client, ca, cb, bool(fa and fb), ffns)  # B from A through B's client
         if fa and fb:
             _compare(run, report, (fa, fb), kernels, expected, stack)
         report.config, report.side_files, report.tokenization = model.result()

@@ -5,11 +5,15 @@ A checkpoint B is not always A's tensors as stored. B's client may load A throug
 sanitize: ``Client.pairing``), store some tensors in another form than it reads them (llama.cpp's norms plus one:
 ``Client.stored_otherwise``), B may record tensors it read back through such a form (a GGUF's norms read back
 minus one: ``checks.rounded``), and a side whose config ties its head holds its embedding as its head whatever it
-stores (``tied``). Each is one ``Transform``: the names of B the plain comparison leaves to it (``left_out``), A's
-FFN tensors as B's client computes them (``Pairing.computed``/``read``, through ``a_as_loaded``), and its
-comparison of what it derived with what B holds, into the outside comparison's result (``settle``). ``verify``
-asks the derived ``Expected`` for the names to leave out, compares the rest once (``outside``), then settles the
-transforms in one loop, in one place.
+stores (``tied``). Each is one ``Transform``: the names it takes from the plain comparison by name, decided before
+anything is compared (``left_out``: B's tensors it derives from A, A's its load uses or drops), and its comparison
+of B's tensors with A's through the ops that made B (llama.cpp's plus one: ``checks.rounded.plus_ops``; mlx_lm's
+sanitize: the MLX export's own plan), each tensor once, into the outside result (``settle``). A's FFN tensors B's
+client computes are read so before the FFN checks (``Pairing.computed``/``read``, through ``a_as_loaded``).
+``verify`` asks the derived ``Expected`` for the names to leave out, compares the rest by name once
+(``outside``), then each transform's derived tensors, in one loop, in one place. Nothing compared by name is
+forgiven after: a tensor is compared either by name or against its derivation, never both (the tied head, which
+one side's client never reads, is the one settled after: ``tied``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..checks.outside import outside_tolerance
 from ..checks.rounded import compare_recorded, recorded_shifts
+from ..errors import listing
 from ..tolerances import tolerance_for
 from . import tied
 
@@ -79,16 +84,25 @@ class Recorded:
 
 @dataclass(frozen=True)
 class Loaded:
-    """A as B's client loads it (``Client.pairing``): its FFN tensors read as computed (``Expected.a_as_loaded``),
-    the tensors outside them settled against what its load makes of A's."""
+    """A as B's client loads it (``Client.pairing``): its FFN tensors read as computed (``Expected.a_as_loaded``);
+    outside them, B's tensors its load computes from A's (``derived``) compared once with what it computes, and A's
+    it uses or drops (``gone``) not looked for in B (``Pairing.derives``, decided before any comparison)."""
 
     pairing: "Pairing"
+    derived: frozenset[str] = frozenset()
+    gone: frozenset[str] = frozenset()
 
     def left_out(self) -> frozenset[str]:
-        return frozenset()
+        return self.derived | self.gone
 
     def settle(self, outside, sides: Sides) -> list[str]:
-        return self.pairing.settle(outside, sides.cb, tolerance_check(sides.atol, sides.rtol))
+        outcomes, notes = self.pairing.compare(sorted(self.derived), tolerance_check(sides.atol, sides.rtol))
+        for d in outcomes:
+            outside.add(d)
+        if self.gone:
+            notes.append(f"A's {listing(sorted(self.gone), 4)}: renamed, used or dropped by B's client when it loads "
+                         "A, so B has no tensor of that name")
+        return notes
 
 
 class TiedHead:
@@ -153,16 +167,19 @@ class Expected:
     pairing: "Pairing | None"
 
     @classmethod
-    def derive(cls, client: "Client", ca, cb, paired: bool) -> "Expected":
+    def derive(cls, client: "Client", ca, cb, paired: bool,
+               ffns: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())) -> "Expected":
         """What B should hold given A, as ``client`` (B's) will hold it; ``paired``: both sides have FFNs (without
-        them nothing is compared and nothing is derived)."""
+        them nothing is compared and nothing is derived); ``ffns``: A's and B's FFN tensors (compared as pairs,
+        not here)."""
         if not paired:
             return cls((), None)
         pairing = client.pairing(ca, cb)  # A as B's client loads it: FFNs and outside
         transforms: list[Transform] = [StoredOtherwise(client, client.stored_otherwise(cb)),
                                        Recorded(recorded_shifts(cb.metadata))]
         if pairing is not None:
-            transforms.append(Loaded(pairing))
+            outside = (frozenset(n for n in ca if n not in ffns[0]), frozenset(n for n in cb if n not in ffns[1]))
+            transforms.append(Loaded(pairing, *pairing.derives(*outside)))
         transforms.append(TiedHead())
         return cls(tuple(transforms), pairing)
 
