@@ -1,5 +1,5 @@
-"""What split-gateup's and fuse-gateup's plans share: the output names and forms, an expert's slice, a flat stack moved whole, and the plan
-assembled in input order."""
+"""What split-gateup's and fuse-gateup's plans share: the output forms (their names and pairs: ``naming``), an expert's
+slice, a flat stack moved whole, and the plan assembled in input order."""
 
 from __future__ import annotations
 
@@ -15,12 +15,7 @@ from ..plan import Entry, Plan, copy_entry, source
 from ..quant import fp8
 from ..registry import Form
 from ..stacks import fuse_ops, restack_entries, split_ops, stack_ops, unstack_ops  # noqa: F401 (re-exported)
-
-def name_in(template: str, f: FFN, config) -> str:
-    """``template`` filled with the numbers in ``f``'s tensor names (its ref's, less the group's offsets)."""
-    first_layer, first_expert = f.group.offsets(config)
-    return template.format(layer=f.ref.layer - first_layer, expert=f.ref.expert - first_expert)
-
+from .naming import name_in
 
 SPLIT_FROM = "ffn_tools_split_from"  # safetensors metadata of split-gateup's output: {group: form} it split (JSON)
 

@@ -11,9 +11,10 @@ from ..ffn import FFN
 from ..layouts import GateUpLayout
 from ..plan import Entry, Plan, copy_entry, source
 from ..quant import fp8
-from ..registry import UNFUSED, Group, bias_name
-from .common import (SPLIT_FROM, as_split_from, assemble, foreign_layout, fuse_ops, name_in, packed_rename, restack,
-                     split_from, stack_ops, target_form)
+from ..registry import UNFUSED, Group
+from .common import (SPLIT_FROM, as_split_from, assemble, foreign_layout, fuse_ops, packed_rename, restack, split_from,
+                     stack_ops, target_form)
+from .naming import COUNTERPARTS, Pair, out_names, pairs
 
 def _packed_fuse(ckpt, f: FFN, new: dict[str, str], replaced, packed: dict) -> bool:
     """Separate quantized gate and up fused part by part by their scheme, down's parts renamed; False: neither
@@ -31,7 +32,7 @@ def _packed_fuse(ckpt, f: FFN, new: dict[str, str], replaced, packed: dict) -> b
         replaced[name] += []
     packed_rename(ckpt, packed, f.names["down"], new["down"], replaced)
     return True
-def _fuse_entry(ckpt, name: str, srcs: list[tuple[str, str]], layout: GateUpLayout, is_bias: bool,
+def _fuse_entry(ckpt, name: str, srcs: list[tuple[str, ...]], layout: GateUpLayout, is_bias: bool,
                 stacked: bool = False, transpose: bool = False) -> Entry:
     """One fused tensor from (gate, up) name pairs: one pair, or one per expert stacked on dim 0
     (``transpose``: stored (in, out), each (I, H) projection turned to (H, I) before fusing its columns)."""
@@ -99,24 +100,20 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False, packed: dict | No
                 continue
         target = target_form(f, "fused", "fuse")
         fused.append(f)
-        new = {r: name_in(t, f, ckpt.config) for r, t in target.templates().items()}
+        new = out_names(f, target, ckpt.config)
         if packed and _packed_fuse(ckpt, f, new, replaced, packed):
             continue
-        replaced[f.names["gate"]].append(_fuse_entry(ckpt, new["gate_up"], [(f.names["gate"], f.names["up"])],
-                                                     f.layout.oriented(target.turns("gate_up")), False))
-        replaced[f.names["up"]] += []
-        if target.separate_biases:  # gate and up biases stay apart, named as the separate form names them
-            for r in ("gate", "up"):
-                src, dst = f.names.get(f"{r}_bias"), bias_name(name_in(f.group.forms["separate"].templates()[r], f,
-                                                                     ckpt.config))
-                if src and src != dst:
-                    replaced[src].append(copy_entry(ckpt, src, dst))
-        else:
-            _fuse_biases(ckpt, f, replaced, [f], bias_name(new["gate_up"]))
-        _fuse_scales(ckpt, [f], new, replaced)
-        for src, dst in ((f.names["down"], new["down"]), (f.names.get("down_bias"), bias_name(new["down"]))):
-            if src and src != dst:
-                replaced[src].append(copy_entry(ckpt, src, dst))
+        if not target.separate_biases:  # gate's and up's biases fused: both or neither
+            _check_biases([f])
+        moved = pairs(new, f.names)  # split's pairs, read from the separate side
+        for p in moved:
+            if p.cut:  # gate and up (or their biases) fused into one
+                layout = f.layout if p.bias else f.layout.oriented(target.turns("gate_up"))
+                replaced[p.apart[0]].append(_fuse_entry(ckpt, p.fused, [p.apart], layout, p.bias))
+                replaced[p.apart[1]] += []
+            elif p.apart[0] != p.fused:  # down and its bias, and biases a fused form keeps apart: renamed at most
+                replaced[p.apart[0]].append(copy_entry(ckpt, p.apart[0], p.fused))
+        _fuse_scales(ckpt, [f], [moved], replaced)
     for (layer, _), experts in by_layer.items():
         held = [packed[n] for f in experts for r in ("gate", "up", "down") if packed and (n := f.names[r]) in packed]
         if held:  # compressed-tensors / GPTQ / AWQ experts (ctrows moves single modules, not stacks)
@@ -133,17 +130,19 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False, packed: dict | No
         if [f.ref.expert - first for f in experts] != list(range(len(experts))):
             raise LayoutError(f"layer {layer}: experts {[f.ref.expert for f in experts]} are not "
                               f"{first}..{first + len(experts) - 1}; cannot stack")
-        new = {r: name_in(t, f0, ckpt.config) for r, t in target.templates().items()}
-        replaced[f0.names["gate"]].append(_fuse_entry(
-            ckpt, new["gate_up"], [(f.names["gate"], f.names["up"]) for f in experts],
-            f0.layout.oriented(target.turns("gate_up")), False, True, target.turns("gate_up")))
-        replaced[f0.names["down"]].append(_stack_entry(ckpt, new["down"], [f.names["down"] for f in experts],
-                                                       target.turns("down")))
-        _fuse_biases(ckpt, f0, replaced, experts, bias_name(new["gate_up"]), stacked=True)
-        _fuse_scales(ckpt, experts, new, replaced, stacked=True, transposed=target.turns("gate_up"))
-        if "down_bias" in f0.names:
-            replaced[f0.names["down_bias"]].append(_stack_entry(ckpt, bias_name(new["down"]),
-                                                                [f.names["down_bias"] for f in experts]))
+        new = out_names(f0, target, ckpt.config)
+        _check_biases(experts)
+        for p in pairs(new, f0.names):  # each of f0's pairs, made from every expert's tensors of its roles
+            srcs = [tuple(f.names[r] for r in COUNTERPARTS[p.role]) for f in experts]
+            if p.cut:  # gate and up (or their biases) fused, experts stacked
+                turn = not p.bias and target.turns("gate_up")
+                layout = f0.layout if p.bias else f0.layout.oriented(turn)
+                replaced[p.apart[0]].append(_fuse_entry(ckpt, p.fused, srcs, layout, p.bias, True, turn))
+            else:  # down and its bias: stacked
+                replaced[p.apart[0]].append(_stack_entry(ckpt, p.fused, [n for n, in srcs],
+                                                         p.role == "down" and target.turns("down")))
+        _fuse_scales(ckpt, experts, [pairs(new, f.names) for f in experts], replaced, stacked=True,
+                     transposed=target.turns("gate_up"))
         for f in experts:
             for role in f.names:
                 replaced[f.names[role]] += []
@@ -165,42 +164,40 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False, packed: dict | No
     return plan
 
 
-def _fuse_scales(ckpt, group: list[FFN], new: dict[str, str], replaced, stacked: bool = False,
+def _fuse_scales(ckpt, group: list[FFN], moved: list[list[Pair]], replaced, stacked: bool = False,
                  transposed: bool = False) -> None:
-    """Gate's and up's FP8 scales fused (and stacked) as their weights are; down's renamed (or stacked)."""
+    """Gate's and up's FP8 scales fused (and stacked) as their weights are; down's renamed (or stacked).
+    ``moved``: each FFN's pairs (``naming.pairs``)."""
     f0 = group[0]
     for suffix in fp8.SUFFIXES:
-        pairs = [(f.names["gate"] + suffix, f.names["up"] + suffix) for f in group]
-        present = [n for pair in pairs for n in pair if n in ckpt]
+        gate_up, down = ([p.scaled(suffix) for ps in moved for p in ps if p.role == role]
+                         for role in ("gate_up", "down"))
+        both = [q.apart for q in gate_up]
+        present = [n for pair in both for n in pair if n in ckpt]
         if present:
-            if len(present) != 2 * len(pairs):
-                missing = next(n for pair in pairs for n in pair if n not in ckpt)
+            if len(present) != 2 * len(both):
+                missing = next(n for pair in both for n in pair if n not in ckpt)
                 raise LayoutError(f"{missing} is missing: gate and up (and every expert) need the same scales to "
                                   "be fused")
             gate = ckpt.info(f0.names["gate"]).shape
-            fp8.check(ckpt, f0.names["gate"], pairs[0][0], f0.layout, False, fused_rows=2 * gate[0],
+            fp8.check(ckpt, f0.names["gate"], both[0][0], f0.layout, False, fused_rows=2 * gate[0],
                          transposed=transposed or f0.form.transposed)
-            vector = len(ckpt.info(pairs[0][0]).shape) == 1
-            replaced[pairs[0][0]].append(_fuse_entry(ckpt, new["gate_up"] + suffix, pairs, f0.layout, vector,
+            vector = len(ckpt.info(both[0][0]).shape) == 1
+            replaced[both[0][0]].append(_fuse_entry(ckpt, gate_up[0].fused, both, f0.layout, vector,
                                                      stacked))
             for name in present[1:]:
                 replaced[name] += []
-        downs = [f.names["down"] + suffix for f in group if f.names["down"] + suffix in ckpt]
+        downs = [q.apart[0] for q in down if q.apart[0] in ckpt]
         if downs and stacked:
-            replaced[downs[0]].append(_stack_entry(ckpt, new["down"] + suffix, downs))
+            replaced[downs[0]].append(_stack_entry(ckpt, down[0].fused, downs))
             for name in downs[1:]:
                 replaced[name] += []
-        elif downs and downs[0] != new["down"] + suffix:
-            replaced[downs[0]].append(copy_entry(ckpt, downs[0], new["down"] + suffix))
+        elif downs and downs[0] != down[0].fused:
+            replaced[downs[0]].append(copy_entry(ckpt, downs[0], down[0].fused))
 
 
-def _fuse_biases(ckpt, f0: FFN, replaced, group: list[FFN], name: str, stacked: bool = False) -> None:
+def _check_biases(group: list[FFN]) -> None:
+    """Gate's and up's biases are fused together: each FFN of ``group`` has both, or none has either."""
     has = [("gate_bias" in f.names, "up_bias" in f.names) for f in group]
-    if not any(a or b for a, b in has):
-        return
-    if not all(a and b for a, b in has):
-        raise LayoutError(f"{f0.ref}: gate and up must both have biases (or neither) to be fused")
-    replaced[f0.names["gate_bias"]].append(
-        _fuse_entry(ckpt, name, [(f.names["gate_bias"], f.names["up_bias"]) for f in group], f0.layout, True, stacked))
-    for f in group:
-        replaced[f.names["up_bias"]] += []
+    if any(a or b for a, b in has) and not all(a and b for a, b in has):
+        raise LayoutError(f"{group[0].ref}: gate and up must both have biases (or neither) to be fused")

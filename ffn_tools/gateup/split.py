@@ -10,9 +10,9 @@ from ..errors import LayoutError, NothingToDoError
 from ..ffn import FFN
 from ..plan import Entry, Plan, source
 from ..quant import fp8
-from ..registry import Form, bias_name
-from .common import (assemble, foreign_layout, index_entry, name_in, packed_rename, restack, split_ops, split_record,
-                     target_form)
+from ..registry import Form
+from .common import assemble, foreign_layout, index_entry, packed_rename, restack, split_ops, split_record, target_form
+from .naming import Pair, out_names, pairs
 
 def _split_entries(ckpt, f: FFN, src: str, is_bias: bool, names: dict[str, str], target: Form) -> list[Entry]:
     """gate and up entries cut from the fused tensor ``src`` (expert ``f.index`` when stacked), as ``target``
@@ -61,25 +61,23 @@ def plan_split(ckpt, ffns: FFNSet, packed: dict | None = None) -> Plan:
     flat: dict[str, list[FFN]] = defaultdict(list)  # a stack -> its experts, split into a flat stack
     for f in fused:
         target = target_form(f, f.group.unfused or "separate", "split")
-        new = {r: name_in(t, f, ckpt.config) for r, t in target.templates().items()}
         if target.flat:
             flat[f.names["gate_up"]].append(f)
             continue
+        new = out_names(f, target, ckpt.config)
         if packed and _packed_split(ckpt, f, new, replaced, packed):
             continue
-        replaced[f.names["gate_up"]] += _split_entries(ckpt, f, f.names["gate_up"], False, new, target)
-        if "gate_up_bias" in f.names:
-            replaced[f.names["gate_up_bias"]] += _split_entries(
-                ckpt, f, f.names["gate_up_bias"], True, {r: bias_name(new[r]) for r in ("gate", "up")}, target)
-        for r in ("gate", "up") if f.form.separate_biases else ():  # biases stored apart: renamed at most
-            src = f.names.get(f"{r}_bias")
-            if src and src != bias_name(new[r]):
-                replaced[src].append(index_entry(ckpt, src, None, bias_name(new[r])))
-        for src, dst, turn in ((f.names["down"], new["down"], f.form.turns("down") != target.turns("down")),
-                               (f.names.get("down_bias"), bias_name(new["down"]), False)):
-            if src and (f.index is not None or src != dst):
-                replaced[src].append(index_entry(ckpt, src, f.index, dst, turn))
-        _split_scales(ckpt, f, new, replaced, target)
+        moved = pairs(f.names, new)  # the input's fused tensors and their names apart (fuse reads them backwards)
+        for p in moved:
+            if p.cut:  # gate_up and its bias: cut in two
+                replaced[p.fused] += _split_entries(ckpt, f, p.fused, p.bias, _roles(p), target)
+            elif p.role in ("gate_bias", "up_bias"):  # a fused form's biases stored apart: renamed at most
+                if p.fused != p.apart[0]:
+                    replaced[p.fused].append(index_entry(ckpt, p.fused, None, p.apart[0]))
+            elif f.index is not None or p.fused != p.apart[0]:  # down and its bias: an expert's slice, or renamed
+                turn = p.role == "down" and f.form.turns("down") != target.turns("down")
+                replaced[p.fused].append(index_entry(ckpt, p.fused, f.index, p.apart[0], turn))
+        _split_scales(ckpt, f, moved, replaced, target)
     for experts in flat.values():
         restack(ckpt, experts, experts[0].group.forms[experts[0].group.unfused or "separate"], replaced)
     plan = assemble(ckpt, ffns, replaced, "split-gateup", len(fused), fused[0].layout, (fused, "separate"))
@@ -104,13 +102,22 @@ def _packed_split(ckpt, f: FFN, new: dict[str, str], replaced, packed: dict) -> 
     return True
 
 
-def _split_scales(ckpt, f: FFN, new: dict[str, str], replaced, target: Form) -> None:
+def _roles(p: Pair) -> dict[str, str]:
+    """A cut pair's names apart, by role (gate's, up's)."""
+    return dict(zip(("gate", "up"), p.apart))
+
+
+def _split_scales(ckpt, f: FFN, moved: list[Pair], replaced, target: Form) -> None:
     """A fused weight's FP8 scales split with it (row blocks), the down projection's renamed with it."""
-    gate_up, stacked = f.names["gate_up"], f.index is not None
-    for suffix, sc in fp8.companions(ckpt, gate_up).items():
-        fp8.check(ckpt, gate_up, sc, f.layout, stacked, transposed=f.form.transposed)
-        vector = len(ckpt.info(sc).shape) == (2 if stacked else 1)
-        replaced[sc] += _split_entries(ckpt, f, sc, vector, {r: new[r] + suffix for r in ("gate", "up")}, target)
-    for suffix, sc in fp8.companions(ckpt, f.names["down"]).items():
-        if stacked or sc != new["down"] + suffix:
-            replaced[sc].append(index_entry(ckpt, sc, f.index, new["down"] + suffix))
+    stacked = f.index is not None
+    for p in moved:
+        if p.bias:
+            continue
+        for suffix in fp8.companions(ckpt, p.fused):
+            sc = p.scaled(suffix)
+            if p.cut:
+                fp8.check(ckpt, p.fused, sc.fused, f.layout, stacked, transposed=f.form.transposed)
+                vector = len(ckpt.info(sc.fused).shape) == (2 if stacked else 1)
+                replaced[sc.fused] += _split_entries(ckpt, f, sc.fused, vector, _roles(sc), target)
+            elif stacked or sc.fused != sc.apart[0]:
+                replaced[sc.fused].append(index_entry(ckpt, sc.fused, f.index, sc.apart[0]))
