@@ -6,7 +6,8 @@ the arithmetic and the record, and names no format.
 The converter stores such a norm as ``w + 1`` in float32; read back it is ``fl(fl(w + 1) - 1)``, within half a
 float32 ulp of ``w + 1`` of the source's ``w``: 2**-24 for ``|w + 1| < 1``, not bit for bit. The export says so in
 its safetensors metadata (``PLUS_ONE``: name -> what was added), and verify of the source against that export
-recomputes each one from A as the round trip does (``plus(a) - 1``, float32) and compares bit for bit: equal is
+derives each one from A through the round trip's ops (``read_back_ops``: the converter's ``plus_ops``, then the
+reader's ``- 1`` in float32) and compares it once, bit for bit: equal is
 the documented bound held exactly (counted within tolerance, with a note), anything else (a zeroed norm, another
 model's) differs.
 """
@@ -79,6 +80,7 @@ def compare_recorded(outside, ca, cb, shifts: dict[str, float]) -> list[str]:
     computes them: ``plus(a, shift) - shift`` in float32, bit for bit. Adds the outcome to ``outside``
     (whose comparison left them out) and returns the note saying how they were compared."""
     from .diagnose import first_difference  # torch: verify has it; an export that records shifts need not
+    from .outside import DIFFER, WITHIN, Derived
 
     names = sorted(n for n in shifts if n in ca or n in cb)
     if not names or outside.skipped:
@@ -90,16 +92,13 @@ def compare_recorded(outside, ca, cb, shifts: dict[str, float]) -> list[str]:
             continue
         a, b = ca[name], cb[name]
         if tuple(a.shape) != tuple(b.shape):
-            outside.differ.append(f"{name}: A is {list(a.shape)}, B is {list(b.shape)}")
+            outside.add(Derived(name, DIFFER, f"{name}: A is {list(a.shape)}, B is {list(b.shape)}"))
             continue
         want = derive(read_back_ops(a.dtype, shifts[name], b.dtype), a)  # B's dtype: float32, unless cast since
         why = first_difference(name, want, b)
-        if why:
-            outside.differ.append(f"{why} (B records it read back from a GGUF storing it plus one: compared with A's "
-                                  "plus one minus one, in float32)")
-        else:
-            held += 1
-    outside.within += held
+        outside.add(Derived(name, DIFFER, f"{why} (B records it read back from a GGUF storing it plus one: compared "
+                                          "with A's plus one minus one, in float32)") if why else Derived(name, WITHIN))
+        held += not why
     outside.only_a.sort()
     outside.only_b.sort()
     return [f"{len(names)} of B's tensors were read back from a GGUF that stores them plus one (recorded in B's "
