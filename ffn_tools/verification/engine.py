@@ -307,8 +307,8 @@ def _generation(report: VerifyReport, run: Run, recipe, prompts: list[str], why:
 
 
 def _outside(ca, cb, fa: FFNSet, fb: FFNSet, ffn_only: bool, atol, rtol, elsewhere) -> OutsideResult:
-    """The tensors outside the FFNs, compared; or why not (--ffn-only or a selection, an extract output). B's
-    ``elsewhere`` are left to B's client (``Client.stored_otherwise``)."""
+    """The tensors outside the FFNs, compared by name; or why not (--ffn-only or a selection, an extract output).
+    ``elsewhere`` are left to the transforms that derive them from A (``Expected.left_out``), compared there once."""
     if ffn_only:
         return OutsideResult(skipped="--ffn-only, or --layers/--experts select part of the FFNs")
     extract = extracts(fa, fb)
