@@ -108,7 +108,8 @@ def w4a4(gguf_model, shared_dir):
 
 def test_nvfp4_w4a4_input_scales_as_llama_cpps_converter(w4a4, tmp_path):
     """ModelOpt NVFP4 W4A4 into GGUF from its codes: the .input_scale tensors llama.cpp's converter writes are
-    written, each with the converter's bytes (its blocks and .scale too), and the GGUF reads back."""
+    written, each with the converter's bytes (its blocks and .scale too); the GGUF reads back, and into GGUF
+    again keeps all three."""
     from gguf_models import convert_reference
 
     out = tmp_path / "q.gguf"
@@ -120,6 +121,10 @@ def test_nvfp4_w4a4_input_scales_as_llama_cpps_converter(w4a4, tmp_path):
     assert ours == theirs  # names, types and bytes: .weight, .scale and .input_scale
     with open_any(out) as g:  # the reader takes .input_scale as the weight's, not an unknown tensor
         assert "model.layers.0.mlp.gate_proj.weight" in g and not any("input_scale" in n for n in g)
+    again = tmp_path / "again.gguf"  # and that GGUF into GGUF: its NVFP4 blocks, .scale and .input_scale kept
+    r = json.loads(run_cli("-q", "convert", out, "--to", "gguf", "-o", again, "--json").stdout)
+    assert {(t["action"], t["type"]) for t in r["codes"]} == {("kept", "NVFP4")}
+    assert tensors(again) == theirs
 
 
 @pytest.fixture(scope="module")

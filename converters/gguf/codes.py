@@ -7,7 +7,8 @@ float16 scale (``IntCodes``: Q8_0 ``d * q`` as codes ``q + 128`` with zero point
 codes ``n`` with zero point 8, Q4_1 ``d * n + m`` as codes ``n`` with bias ``m``), which any target holding such
 codes keeps (MLX's affine modes). A tensor's stored parts (``GGUFCheckpoint.quantized_parts``): ``blocks``, the
 rows of its blocks as stored, in the order the weight reads (q/k rows put back in transformers' order, one
-expert of a stack), and ``scale``, the per-tensor multiplier beside an NVFP4 weight where there is one.
+expert of a stack), ``scale``, the per-tensor multiplier beside an NVFP4 weight where there is one, and
+``input_scale``, W4A4's activation scale beside it.
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ class GgufType(quant.QuantScheme):
     def blocks(self, m, parts) -> quant.Blocks | None:
         if not parts or "blocks" not in parts:
             return None
-        scale = parts.get("scale")
+        scale, act = parts.get("scale"), parts.get("input_scale")
         return quant.Blocks(self.name, m.args["mode"], parts["blocks"], int(m.args["group_size"]),
-                            float(scale) if scale is not None else None)
+                            float(scale) if scale is not None else None, float(act) if act is not None else None)
 
     def int_codes(self, m, parts) -> quant.IntCodes | None:
         if not parts or "blocks" not in parts or m.args["mode"] not in INT_TYPES or "scale" in parts:

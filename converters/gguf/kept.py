@@ -233,8 +233,8 @@ def choices(view, modules: dict[str, "Module"]) -> dict[str, dict]:
              Choice(None, 0, -(-m.shape[0] * m.shape[1] // BLOCK), "no GGUF type holds its values exactly (they are "
                     "not integer codes of a scale per group of 32, NVFP4 or GGUF blocks)"))
         mult = b.multiplier if b is not None else fp4.multiplier if fp4 is not None else None
-        out[h] = {**dataclasses.asdict(c), "multiplier": mult,
-                  "input_scale": fp4.input_scale if fp4 is not None else None}
+        act = b.input_scale if b is not None else fp4.input_scale if fp4 is not None else None
+        out[h] = {**dataclasses.asdict(c), "multiplier": mult, "input_scale": act}
     return out
 
 

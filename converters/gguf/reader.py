@@ -122,8 +122,9 @@ class GGUFCheckpoint(Checkpoint):
                         if n.endswith(".scale") and n.removesuffix(".scale") + ".weight" in tensors}
         joined |= {n.removesuffix(".weight") + ".scale" for n in self._scales}
         # W4A4's activation scale beside an NVFP4 weight (X.input_scale): llama.cpp's, for its activations; no weight's
-        joined |= {n for n in tensors if n.endswith(".input_scale") and n.removesuffix(".input_scale") + ".weight"
-                   in tensors}
+        self._input_scales = {n.removesuffix(".input_scale") + ".weight": t for n, t in tensors.items()
+                              if n.endswith(".input_scale") and n.removesuffix(".input_scale") + ".weight" in tensors}
+        joined |= {n.removesuffix(".weight") + ".input_scale" for n in self._input_scales}
         for gname, t in tensors.items():
             if gname in joined:
                 continue
@@ -270,7 +271,8 @@ class GGUFCheckpoint(Checkpoint):
     def quantized_parts(self, name: str):
         """Quantized tensor ``name``'s stored parts (``codes``): ``blocks``, its rows of blocks as stored, in the
         order the weight reads (q/k rows put back in transformers' order; one expert of a stack), and ``scale``,
-        an NVFP4 weight's per-tensor multiplier where it has one; None where it is stored as it reads, or joined
+        an NVFP4 weight's per-tensor multiplier where it has one, and ``input_scale``, W4A4's activation scale;
+        None where it is stored as it reads, or joined
         from pieces (no one stored tensor holds it)."""
         import torch
 
@@ -283,8 +285,9 @@ class GGUFCheckpoint(Checkpoint):
         if src.heads:
             rows = rotary_to_hf(rows, src.heads)
         parts = {"blocks": rows}
-        if (scale := self._scales.get(src.tensor.name)) is not None:
-            parts["scale"] = torch.tensor(float(np.asarray(scale.data, np.float32).reshape(-1)[src.expert or 0]))
+        for role, of in (("scale", self._scales), ("input_scale", self._input_scales)):
+            if (t := of.get(src.tensor.name)) is not None:
+                parts[role] = torch.tensor(float(np.asarray(t.data, np.float32).reshape(-1)[src.expert or 0]))
         return parts
 
     def carried_metadata(self) -> tuple[dict[str, str], list[str]]:

@@ -150,6 +150,7 @@ class Blocks:
         rows: (rows, row bytes) uint8, each row's blocks as stored, the rows in the order the weight reads.
         block: values per block.
         multiplier: a per-tensor float32 number the blocks' values are multiplied by, or None.
+        input_scale: a per-tensor activation scale stored beside them (W4A4's), or None.
     """
 
     scheme: str
@@ -157,6 +158,7 @@ class Blocks:
     rows: "torch.Tensor"
     block: int
     multiplier: float | None = None
+    input_scale: float | None = None
 
 
 class QuantScheme(ABC):
