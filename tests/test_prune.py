@@ -339,3 +339,48 @@ def test_deepseek_v3_sigmoid_router_bias_in_step(hf, tmp_path):
 def test_deepseek_v3_grouped_routing_refusals(model_dir, tmp_path, keep, said):
     r = run_cli("prune-experts", model_dir("deepseek_v3"), "--keep", keep, "-o", tmp_path / "out", ok=False)
     assert said in r.output
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """GPT-OSS (router with a bias, experts stacked (in, out) with biases) and its MXFP4 twin as OpenAI ships it
+    (``*_blocks`` + ``*_scales``): test_mxfp4's."""
+    import shutil
+
+    import zoo
+    from safetensors.torch import load_file, save_file
+    from test_mxfp4 import to_mxfp4
+
+    root = tmp_path_factory.mktemp("gptoss")
+    zoo.build("gpt_oss", root / "plain")
+    shutil.copytree(root / "plain", root / "mxfp4")
+    out = {}
+    for k, v in load_file(root / "plain" / "model.safetensors").items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[k + "_blocks"], out[k + "_scales"] = to_mxfp4(v)
+        else:
+            out[k] = v
+    save_file(out, root / "mxfp4" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((root / "mxfp4" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+    (root / "mxfp4" / "config.json").write_text(json.dumps(config))
+    return root / "plain", root / "mxfp4"
+
+
+def test_gpt_oss_mxfp4_blocks_and_router_bias(gpt_oss, tmp_path, mapped_verify):
+    plain, packed = gpt_oss
+    run_cli("prune-experts", packed, "--drop", "1", "-o", tmp_path / "packed")
+    a, b = tensors_raw(packed), tensors_raw(tmp_path / "packed")
+    stacked = [n for n in a if ".mlp.experts." in n or ".mlp.router." in n]
+    assert any(n.endswith("_blocks") for n in stacked) and any(n.endswith("_scales") for n in stacked)
+    assert all(torch.equal(b[n], a[n][[0, 2, 3]]) for n in stacked)  # MXFP4 codes and scales, as stored
+    r = mapped_verify(packed, tmp_path / "packed")
+    assert r.exit_code == 0 and "PASS" in r.output, r.output
+
+    run_cli("prune-experts", plain, "--drop", "1", "-o", tmp_path / "plain")
+    model, _ = _model(plain)
+    with torch.no_grad():  # GPT-OSS picks the top-k of its router's logits, then softmaxes them: a -inf bias masks
+        for layer in model.model.layers:
+            layer.mlp.router.bias[1] = float("-inf")
+        masked = model(TOKENS).logits
+    torch.testing.assert_close(_logits(tmp_path / "plain"), masked, atol=1e-5, rtol=1e-5)
