@@ -222,3 +222,38 @@ def test_a_silent_drop_is_a_warning():
     assert dropped["changes"][-1].startswith("dropped the MTP head model.layers.2") and "warnings" not in dropped
     told = {"changes": ["dropped the MTP head model.layers.2 (...)"]}
     assert mtp.said_of_output((head,), "gguf", told, lambda: None) is told
+
+
+def _planted(src: Path, dst: Path, edit) -> Path:
+    dst.mkdir(parents=True)
+    (dst / "config.json").write_bytes((src / "config.json").read_bytes())
+    state = tensors(src)
+    edit(state)
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _swap_halves(s):
+    w = s["model.layers.2.eh_proj.weight"]
+    s["model.layers.2.eh_proj.weight"] = torch.cat(w.chunk(2, dim=1)[::-1], dim=1).contiguous()
+
+
+def _swap_norms(s):
+    s["model.layers.2.enorm.weight"], s["model.layers.2.hnorm.weight"] = (s["model.layers.2.hnorm.weight"],
+                                                                          s["model.layers.2.enorm.weight"])
+
+
+def _other_head(s):
+    s["model.layers.2.shared_head.head.weight"] = torch.randn_like(s["model.layers.2.shared_head.head.weight"])
+
+
+@pytest.mark.parametrize("edit, names", [(_swap_halves, ["eh_proj"]), (_swap_norms, ["enorm", "hnorm"]),
+                                         (_other_head, ["shared_head.head"])])
+def test_planted_head_defects_fail_naming_the_head(deepseek, tmp_path, edit, names):
+    bad = _planted(deepseek, tmp_path / "bad", edit)
+    r = json.loads(run_cli("verify", deepseek, bad, "--json", "--no-load-check", ok=None).output)
+    assert not r["passed"]
+    differ = " ".join(r["outside"]["differ"])
+    assert all(f"model.layers.2.{n}.weight" in differ for n in names)
+    (line,) = [p for p in r["problems"] if p.startswith("A's MTP head model.layers.2")]
+    assert "differs in B" in line and all(n in line for n in names)

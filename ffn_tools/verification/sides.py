@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -140,17 +141,20 @@ def check_selection(fa: FFNSet, fb: FFNSet, sel_layers: set[int] | None, sel_exp
 def settle_heads(report: VerifyReport, ca, cb, fa: FFNSet | None) -> None:
     """A's MTP heads (``ffn_tools.mtp``) that B lacks, named: a head B lacks whole is one failure naming it (its FFNs
     and tensors taken out of the "only in A" lists it would otherwise hide in), or a note where B records that it
-    was left out on purpose (``--mtp drop``, its metadata's ``mtp.RECORD``); a head B holds only part of is a
-    failure naming it, beside the tensors listed."""
+    was left out on purpose (``--mtp drop``, its metadata's ``mtp.RECORD``); a head B holds only part of, or whose
+    tensors differ outside the FFNs, is a failure naming it, beside the tensors listed."""
     heads = mtp.find_heads(ca, ca.config)
     if not heads:
         return
     dropped = mtp.recorded(cb.metadata) or {}
+    differ = {re.split(r"[\[:]", d, maxsplit=1)[0] for d in (report.outside.differ if report.outside else [])}
     for head in heads:
+        what = f"A's MTP head {head.name} ({head.layout.name}, {len(head.tensors)} tensors)"
+        if bad := sorted(differ & set(head.tensors)):
+            report.problems.append(f"{what} differs in B: {listing(bad, 3)} (B's draft tokens are not A's)")
         missing = [t for t in head.tensors if t not in cb]
         if not missing:
             continue
-        what = f"A's MTP head {head.name} ({head.layout.name}, {len(head.tensors)} tensors)"
         if len(missing) < len(head.tensors):
             report.problems.append(f"B holds only part of {what}: {len(missing)} of its tensors are not in B "
                                    f"({listing(missing, 3)})")
