@@ -182,3 +182,26 @@ def test_an_mlx_b_runs_in_mlx_lm_and_a_defect_in_it_is_named(moe, tmp_path):
         save_file(sd, f, metadata={"format": "mlx"})
     r = _locate(moe, bad)
     assert r.first is not None and r.first.key == "L1.shared", r.lines()
+
+
+
+def test_a_client_exposing_no_activations_runs_b_in_a_client_class_and_says_so(moe, tmp_path, monkeypatch):
+    """Where B's client exposes no activations (llama.cpp), B's weights (and the floor's) are converted to A's
+    format and run in A's client, and the report says so. (A GGUF B takes this path: ~7 s a pair here, but its
+    conversions take ~25 s more on a loaded CPU, so the mechanism is tested with a client that declines.)"""
+    from ffn_tools.converters.pytorch.client import Transformers
+    from ffn_tools.clients import Client
+
+    b = _plant(moe, tmp_path / "b", DEFECTS["router rows of two experts swapped"][0])
+    real = Transformers.activations
+
+    def declines_b(self, path, sequences, dtype=None):
+        if Path(path) == b:
+            return Client.activations(self, path, sequences, dtype)  # NotApplicable, as llama.cpp's
+        return real(self, path, sequences, dtype)
+
+    monkeypatch.setattr(Transformers, "activations", declines_b)
+    r = _locate(moe, b)
+    assert r.clients[1] == "transformers (as torch: transformers exposes no activations)", r.lines()
+    assert any("the weights of B were converted to A's format (torch)" in n for n in r.notes), r.notes
+    assert r.first is not None and r.first.key == "L1.router", r.lines()

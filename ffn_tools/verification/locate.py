@@ -90,11 +90,11 @@ def rows(acts_a: dict, acts_b: dict, acts_f: dict | None) -> list[Row]:
 
 
 def _activations(models: Models, client: Client, path: Path, side: str, sequences: list[list[int]],
-                 dtype: str | None, tmp: Path, notes: list[str]) -> dict:
-    """``client.activations``; where it exposes none, ``path`` converted to A's format and run in A's client (said
-    in ``notes``)."""
+                 dtype: str | None, tmp: Path, notes: list[str]) -> tuple[dict, str]:
+    """``client.activations`` and the name of the client that ran them: where ``client`` exposes none, ``path``
+    converted to A's format and run in A's client (said in ``notes``)."""
     try:
-        return client.activations(path, sequences, dtype)
+        return client.activations(path, sequences, dtype), client.name
     except NotApplicable:
         a_client, a_format = models.clients[0], models.ckpts[0].format
         if models.convert is None or a_format is None or client is a_client:
@@ -105,9 +105,10 @@ def _activations(models: Models, client: Client, path: Path, side: str, sequence
         except FFNToolsError as e:
             raise FFNToolsError(f"--locate: {client.name} exposes no activations and {side} could not be converted "
                                 f"to A's format ({a_format.name}) to run in {a_client.name}: {e}") from None
-        notes.append(f"{client.name} exposes no activations: {side}'s weights were converted to A's format "
+        notes.append(f"{client.name} exposes no activations: the weights of {side} were converted to A's format "
                      f"({a_format.name}) by ffn-tools and run in {a_client.name}")
-        return _activations(models, a_client, out, side, sequences, dtype, tmp, notes)
+        acts, _ = _activations(models, a_client, out, side, sequences, dtype, tmp, notes)
+        return acts, f"{a_client.name} (as {a_format.name}: {client.name} exposes no activations)"
     except FFNToolsError:
         raise
     except Exception as e:  # the client's own errors: it cannot run the model here
@@ -125,16 +126,18 @@ def run_locate(models: Models, sequences: list[list[int]], floor: tuple[Path, Cl
     run on ``sequences``, their parts compared (see the module docstring). ``tmp``: where B or A' converted to A's
     format is written, where its client exposes no activations."""
     (a, b), clients = models.paths, models.clients
-    res = LocateResult(clients=(clients[0].name, clients[1].name), sequences=len(sequences),
-                       positions=sum(len(s) for s in sequences))
-    acts_a = _activations(models, clients[0], Path(a), "A", sequences, None, tmp, res.notes)
-    acts_b = _activations(models, clients[1], Path(b), "B", sequences, None, tmp, res.notes)
+    res = LocateResult(sequences=len(sequences), positions=sum(len(s) for s in sequences))
+    acts_a, ran_a = _activations(models, clients[0], Path(a), "A", sequences, None, tmp, res.notes)
+    acts_b, ran_b = _activations(models, clients[1], Path(b), "B", sequences, None, tmp, res.notes)
+    res.clients = (ran_a, ran_b)
     acts_f = None
     if isinstance(floor, str):
         res.not_judged = floor
     else:
         path, client, dtype, res.floor = floor
-        acts_f = _activations(models, client, path, "A'", sequences, dtype, tmp, res.notes)
+        acts_f, ran_f = _activations(models, client, path, "A'", sequences, dtype, tmp, res.notes)
+        if ran_f != client.name:
+            res.floor += f"; its activations by {ran_f}"
     res.rows = rows(acts_a, acts_b, acts_f)
     return res
 
