@@ -60,17 +60,29 @@ def test_gguf_to_gguf_keeps_every_block(quantized, tmp_path, ftype):
         v = json.loads(run_cli("verify", src, out, "--backend", "reference", "--json").stdout)
         assert v["passed"] and v["load_check"]["ok"]
         assert {f["exact"] for f in v["ffns"]} == {"codes"}
+        # a planted defect a 4-bit tolerance row passes: one Q4_K super-block's scale d taken from the next block
+        t = next(t for t in Reader(out, "r").tensors if t.name == "blk.1.ffn_up.weight")
+        assert t.tensor_type.name == "Q4_K"
+        data, at = bytearray(out.read_bytes()), int(t.data_offset)
+        k = next(i for i in range(1, 64) if data[at + 144 * i:at + 144 * i + 2] != data[at:at + 2])
+        data[at:at + 2] = data[at + 144 * k:at + 144 * k + 2]
+        bad = tmp_path / "bad.gguf"
+        bad.write_bytes(bytes(data))
+        result = run_cli("verify", src, bad, "--backend", "reference", "--json", ok=None)
+        assert result.exit_code == 1
+        failed = [f for f in json.loads(result.stdout)["ffns"] if not f["passed"]]
+        assert [f["ffn"] for f in failed] == ["layer 1"] and "holds A's codes" in " ".join(failed[0]["problems"])
 
 
 def test_gguf_int_codes_are_gguf_py_values(quantized):
-    """Q8_0 and Q4_0 blocks read as integer codes (``IntCodes``): their values are gguf-py's dequantization."""
-    for ftype in ("Q8_0", "Q4_0"):
+    """Q8_0, Q4_0 and Q4_1 blocks read as integer codes (``IntCodes``): their values are gguf-py's dequantization."""
+    for ftype in ("Q8_0", "Q4_0", "Q4_1"):
         with open_any(quantized(ftype)) as g:
             name = "model.layers.0.self_attn.q_proj.weight"  # rows re-permuted: the reader's order
             m = g.quantized(name)
             parts = g.quantized_parts(name)
             codes = m.scheme.int_codes(m, parts)
-            assert codes is not None and codes.bits == (8 if ftype == "Q8_0" else 4)
+            assert codes is not None and codes.bits == (8 if ftype == "Q8_0" else 4) and g.types[name] == ftype
             assert torch.equal(codes.values(), g[name].float()), ftype
             assert torch.equal(m.scheme.exact_values(m, parts), g[name].float())
             assert int(codes.codes.min()) >= 0 and int(codes.codes.max()) < 2 ** codes.bits

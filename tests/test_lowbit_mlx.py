@@ -42,3 +42,22 @@ def test_gguf_codes_kept_as_mlx_affine(quantized, tmp_path, ftype, bits):  # noq
     if ftype == "Q4_0":  # mlx_lm loads it; its values within the 4-bit row of the GGUF's (they are equal)
         v = json.loads(run_cli("verify", src, out, "--backend", "reference", "--json").stdout)
         assert v["passed"] and v["load_check"]["ok"] and v["load_check"]["client"] == "mlx_lm"
+
+
+@pytest.mark.parametrize("ftype,bits", [("Q4_1", 4), ("Q8_0", 8)])
+def test_each_int_type_as_mlx_parts(quantized, ftype, bits):  # noqa: F811
+    """The MLX parts ``from_ct.KeptCodes`` makes of a GGUF tensor's Q4_1 (bias ``m``) or Q8_0 (bias ``-128 d``)
+    blocks: ``mx.dequantize`` of them is gguf-py's dequantization, every value (in process: no conversion)."""
+    import mlx.core as mx
+
+    from ffn_tools.converters.mlx.from_ct import KeptCodes, modules
+
+    with open_any(quantized(ftype)) as g:
+        found = modules(g)
+        name = "model.layers.1.self_attn.k_proj.weight"  # q/k rows: re-permuted by the reader, codes with them
+        assert name in found and g.types[name] == ftype
+        m = found[name]
+        w, s, b = (KeptCodes(g, m, i).apply([])[0] for i in range(3))
+        packed = mx.array(np.frombuffer(bytes(w), "<u4").reshape(w.shape))
+        deq = mx.dequantize(packed, mx.array(s.numpy()), mx.array(b.numpy()), group_size=32, bits=bits)
+        assert np.array_equal(np.array(deq), g[name].float().numpy())
