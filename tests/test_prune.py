@@ -384,3 +384,17 @@ def test_gpt_oss_mxfp4_blocks_and_router_bias(gpt_oss, tmp_path, mapped_verify):
             layer.mlp.router.bias[1] = float("-inf")
         masked = model(TOKENS).logits
     torch.testing.assert_close(_logits(tmp_path / "plain"), masked, atol=1e-5, rtol=1e-5)
+
+
+def test_prune_by_saliency_scores(model_dir, tmp_path):
+    scores = tmp_path / "scores.json"
+    scores.write_text(json.dumps({"layers": {"0": {"reap": [0.5, 0.1, 0.9, 0.3], "frequency": [1, 9, 9, 9]},
+                                             "1": {"reap": [0.2, 0.2, 0.0, 0.7], "frequency": [9, 9, 9, 1]}}}))
+    r = json.loads(run_cli("prune-experts", model_dir("mixtral"), "--saliency", scores, "--keep-ratio", "0.75",
+                           "-o", tmp_path / "out", "--json").output)
+    assert r["layers"] == {"0": [0, 2, 3], "1": [0, 1, 3]}  # the top 3 by REAP score, ties to the lower index
+    r = json.loads(run_cli("prune-experts", model_dir("mixtral"), "--saliency", scores, "--keep-ratio", "0.5",
+                           "--score", "frequency", "-o", tmp_path / "f", "--dry-run", "--json").output)
+    assert r["layers"] == {"0": [1, 2], "1": [0, 1]} and not (tmp_path / "f").exists()
+    r = run_cli("prune-experts", model_dir("mixtral"), "--saliency", scores, "-o", tmp_path / "x", ok=False)
+    assert "go together" in r.output

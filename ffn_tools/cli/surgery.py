@@ -30,6 +30,11 @@ def _emit(r: dict, as_json: bool) -> None:
 @click.argument("path", type=CHECKPOINT)
 @click.option("--keep", help=f"Experts to keep: {SPEC}.")
 @click.option("--drop", help=f"Experts to drop: {SPEC}.")
+@click.option("--saliency", type=click.Path(exists=True, dir_okay=False),
+              help="A scores file (what `ffn-tools saliency` writes): keep each layer's top experts by --score.")
+@click.option("--keep-ratio", type=float, help="With --saliency: the fraction of each layer's experts kept (0.75).")
+@click.option("--score", type=click.Choice(["reap", "frequency"]), default="reap", show_default=True,
+              help="With --saliency: which score ranks the experts.")
 @_common
 def prune_experts(path, as_json, **options):
     """Keep some routed experts of each MoE layer of PATH (the same count per layer), renumbered in order.

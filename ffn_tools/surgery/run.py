@@ -21,13 +21,15 @@ from .selection import chosen
 STORED_KINDS = ("safetensors", "mlx")  # tensors stored as safetensors bytes: what the plan moves
 
 
-def prune_experts(path, out, *, keep: str | None = None, drop: str | None = None, force: bool = False,
-                  dry_run: bool = False, max_shard_size: int | None = None, scheme=None, layout=None) -> dict:
-    """``ffn-tools prune-experts PATH -o OUT --keep SPEC | --drop SPEC --json``: each MoE layer's experts
-    ``keep`` (or all but ``drop``), renumbered in order; see ``ffn_tools.surgery``."""
-    given = {"path": path, "out": out, "keep": keep, "drop": drop, "max_shard_size": max_shard_size}
-    return _surgery("prune-experts", path, out, given, dict(keep=keep, drop=drop), force, dry_run, max_shard_size,
-                    scheme, layout)
+def prune_experts(path, out, *, keep: str | None = None, drop: str | None = None, saliency: str | None = None,
+                  keep_ratio: float | None = None, score: str = "reap", force: bool = False, dry_run: bool = False,
+                  max_shard_size: int | None = None, scheme=None, layout=None) -> dict:
+    """``ffn-tools prune-experts PATH -o OUT --keep SPEC | --drop SPEC | --saliency FILE --keep-ratio R --json``:
+    each MoE layer's experts ``keep`` (or all but ``drop``, or the top ``keep_ratio`` by ``score`` in the scores
+    file ``saliency``), renumbered in order; see ``ffn_tools.surgery``."""
+    spec = dict(keep=keep, drop=drop, saliency=saliency, keep_ratio=keep_ratio, score=score)
+    given = {"path": path, "out": out, **spec, "max_shard_size": max_shard_size}
+    return _surgery("prune-experts", path, out, given, spec, force, dry_run, max_shard_size, scheme, layout)
 
 
 def reorder_experts(path, out, *, order: str, force: bool = False, dry_run: bool = False,

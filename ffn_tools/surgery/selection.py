@@ -43,18 +43,27 @@ def _read(spec: str, option: str, layers: list[int], ordered: bool) -> dict[int,
 
 
 def chosen(experts: dict[int, int], *, keep: str | None = None, drop: str | None = None,
-           order: str | None = None) -> Chosen:
-    """Each MoE layer's source experts in their new order, from exactly one of ``keep``, ``drop``, ``order``;
+           order: str | None = None, saliency: str | None = None, keep_ratio: float | None = None,
+           score: str = "reap") -> Chosen:
+    """Each MoE layer's source experts in their new order, from exactly one of ``keep``, ``drop``, ``order``,
+    ``saliency`` (a scores file, with ``keep_ratio``: each layer's top experts by ``score``, in source order);
     ``experts``: each MoE layer's expert count.
 
     Raises:
         FFNToolsError: none or several of them given, a layer not named or not a MoE layer, an expert out of
             range or named twice, layers keeping different counts, nothing kept, an order that is no permutation.
     """
-    given = [(o, s) for o, s in (("--keep", keep), ("--drop", drop), ("--order", order)) if s is not None]
+    given = [(o, s) for o, s in (("--keep", keep), ("--drop", drop), ("--order", order), ("--saliency", saliency))
+             if s is not None]
     if len(given) != 1:
-        raise FFNToolsError("give exactly one of --keep, --drop (prune-experts) or --order (reorder-experts)")
+        raise FFNToolsError("give exactly one of --keep, --drop, --saliency (prune-experts) or --order "
+                            "(reorder-experts)")
+    if (saliency is None) != (keep_ratio is None):
+        raise FFNToolsError("--saliency FILE and --keep-ratio R go together")
     option, spec = given[0]
+    if saliency is not None:
+        assert keep_ratio is not None
+        return top_scored(experts, saliency, keep_ratio, score)
     layers = sorted(experts)
     per = _read(spec, option, layers, ordered=option == "--order")
     unknown = sorted(set(per) - set(layers))
@@ -84,6 +93,31 @@ def chosen(experts: dict[int, int], *, keep: str | None = None, drop: str | None
     if len(counts) > 1:
         raise FFNToolsError(f"{option} {spec}: every layer keeps the same number of experts (the runtimes have one "
                             "expert count); found " + ", ".join(f"layer {k}: {len(v)}" for k, v in out.items()))
+    return out
+
+
+def top_scored(experts: dict[int, int], path: str, ratio: float, score: str) -> Chosen:
+    """Each layer's ``round(E * ratio)`` experts of the highest ``score`` in the scores file ``path`` (what
+    ``saliency`` writes: ``{"layers": {layer: {score: [one per expert], ...}}}``), kept in source order; ties
+    keep the lower index.
+
+    Raises:
+        FFNToolsError: an unreadable file, a layer or score missing, a count not the layer's, a ratio out of (0, 1].
+    """
+    if not 0 < ratio <= 1:
+        raise FFNToolsError(f"--keep-ratio {ratio}: a fraction in (0, 1]")
+    try:
+        layers = json.loads(Path(path).read_text())["layers"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise FFNToolsError(f"--saliency {path}: not a scores file ({e!r}): saliency writes one") from None
+    out: Chosen = {}
+    for layer, n in sorted(experts.items()):
+        scores = (layers.get(str(layer)) or {}).get(score) if isinstance(layers, dict) else None
+        if not isinstance(scores, list) or len(scores) != n or not all(isinstance(v, (int, float)) for v in scores):
+            raise FFNToolsError(f"--saliency {path}: layer {layer}: no {score!r} list of its {n} experts' scores")
+        k = max(1, round(n * ratio))
+        best = sorted(range(n), key=lambda e: (-scores[e], e))[:k]
+        out[layer] = tuple(sorted(best))
     return out
 
 
