@@ -257,3 +257,26 @@ def test_planted_head_defects_fail_naming_the_head(deepseek, tmp_path, edit, nam
     assert all(f"model.layers.2.{n}.weight" in differ for n in names)
     (line,) = [p for p in r["problems"] if p.startswith("A's MTP head model.layers.2")]
     assert "differs in B" in line and all(n in line for n in names)
+
+
+def test_draft_acceptance(deepseek, tmp_path):
+    """The NextN block run as a draft (DeepSeek form) on A's hidden states: A's head agrees with itself, a head with
+    eh_proj's halves swapped does not, and a draft at position i reads no token past i+1 (causal)."""
+    from ffn_tools.formats import registry
+    from ffn_tools.verification.draft import acceptance, drafts
+
+    bad = _planted(deepseek, tmp_path / "bad", _swap_halves)
+    tokens = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    with registry().open_any(deepseek) as a, registry().open_any(bad) as b:
+        (same,) = acceptance(a, a, tokens)
+        (swapped,) = acceptance(a, b, tokens)
+        assert same.agree == 1.0 and same.a == same.b and same.positions == 22
+        assert swapped.agree < 0.5 and "model.layers.2" in swapped.line()
+        (head,) = mtp.find_heads(a, a.config)
+        t = {n: a[n] for n in head.tensors}
+        hidden = torch.randn(1, 12, 64, generator=torch.Generator().manual_seed(1))
+        embed = a["model.embed_tokens.weight"]
+        later = tokens[:1].clone()
+        later[0, -1] = (later[0, -1] + 1) % 96
+        d1, d2 = (drafts(a.config, t, head, hidden, x, embed) for x in (tokens[:1], later))
+        assert torch.equal(d1[0, :-1], d2[0, :-1])

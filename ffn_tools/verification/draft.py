@@ -1,0 +1,126 @@
+"""An MTP (NextN) head run as a draft, DeepSeek-V3 / GLM-4.5 form (issue #55 item 3), in float32 with transformers'
+own decoder layer for the family: on the main model's hidden states after its final norm (as vLLM's and SGLang's
+DeepSeek MTP take them), position i's draft is
+
+    x_i = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)])  ->  the NextN block  ->  shared_head.norm  ->  shared_head.head
+
+whose greedy top-1 is the head's guess of t_{i+2}. ``acceptance`` compares two checkpoints' heads fed the same
+hidden states (A's main model's): how often B's draft is A's, and how often each draft is the main model's own
+greedy next token (the rate a serving engine accepts it at).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..errors import FFNToolsError
+from ..mtp import Head, find_heads
+
+if TYPE_CHECKING:
+    import torch
+
+OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """One head's drafts on ``positions`` positions: ``agree`` the share where B's draft is A's, ``a``/``b`` the share
+    where A's/B's draft is the main model's greedy next token."""
+
+    head: str
+    positions: int
+    agree: float
+    a: float
+    b: float
+
+    def line(self) -> str:
+        return (f"MTP head {self.head}: B's drafts are A's on {self.agree:.1%} of {self.positions} positions; they "
+                f"match the main model's next token on {self.b:.1%} (A's head: {self.a:.1%})")
+
+
+def _rms(x: "torch.Tensor", w: "torch.Tensor", eps: float) -> "torch.Tensor":
+    import torch
+
+    return w.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _config(config: Mapping, layers: int):
+    import transformers
+
+    cfg = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version", "dtype",
+                                                         "torch_dtype", "quantization_config")}
+    cfg.update(num_hidden_layers=layers, num_nextn_predict_layers=0)
+    if "first_k_dense_replace" in cfg and layers == 1:  # the NextN block is a MoE block: layer 0 of the draft
+        cfg["first_k_dense_replace"] = 0
+    return transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+
+
+def draft_model(config: Mapping, tensors: Mapping[str, "torch.Tensor"], head: Head):
+    """The head's block as a one-layer model of the family (transformers' classes): layer 0 the NextN block, its
+    final norm ``shared_head.norm``, its head ``shared_head.head``; run on ``inputs_embeds``."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(_config(config, 1)).float().eval()
+    prefix = head.name + "."
+    state = {f"model.layers.0.{n[len(prefix):]}": tensors[n].float() for n in head.tensors
+             if not n[len(prefix):].startswith(OWN)}
+    state["model.norm.weight"] = tensors[f"{prefix}shared_head.norm.weight"].float()
+    state["lm_head.weight"] = tensors[f"{prefix}shared_head.head.weight"].float()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.startswith("model.embed_tokens.")]
+    if missing or unexpected:
+        raise FFNToolsError(f"MTP head {head.name}: its block does not fit the family's decoder layer (missing "
+                            f"{missing[:3]}, unexpected {unexpected[:3]})")
+    return model
+
+
+def drafts(config: Mapping, tensors: Mapping[str, "torch.Tensor"], head: Head, hidden: "torch.Tensor",
+           tokens: "torch.Tensor", embed: "torch.Tensor") -> "torch.Tensor":
+    """The head's greedy drafts for positions 0..T-2 of each sequence (B, T-1): the guess of t_{i+2}."""
+    import torch
+
+    p, eps = head.name + ".", float(config.get("rms_norm_eps", 1e-6))
+    table = tensors[f"{p}embed_tokens.weight"].float() if f"{p}embed_tokens.weight" in head.tensors else embed
+    e = _rms(table[tokens[:, 1:]], tensors[f"{p}enorm.weight"], eps)
+    h = _rms(hidden[:, :-1].float(), tensors[f"{p}hnorm.weight"], eps)
+    x = torch.cat([e, h], dim=-1) @ tensors[f"{p}eh_proj.weight"].float().T
+    with torch.no_grad():
+        return draft_model(config, tensors, head)(inputs_embeds=x).logits.argmax(-1)
+
+
+def acceptance(a, b, tokens: "torch.Tensor") -> list[Acceptance]:
+    """Each NextN head of checkpoint ``a`` (a lazy ``Checkpoint``, Hugging Face names) and ``b``'s same head, run
+    as drafts on A's main model's hidden states for ``tokens`` (B, T) (see the module docstring).
+
+    Raises:
+        FFNToolsError: a head of A that B lacks, or a head layout this reference does not run (only ``nextn``).
+    """
+    import torch
+    import transformers
+
+    config = dict(a.config or {})
+    heads = find_heads(a, config)
+    if not heads:
+        return []
+    main = transformers.AutoModelForCausalLM.from_config(_config(config, config["num_hidden_layers"])).float().eval()
+    inside = {t for h in heads for t in h.tensors}
+    main.load_state_dict({n: a[n].float() for n in a if n not in inside}, strict=False)
+    with torch.no_grad():
+        hidden = main.model(tokens).last_hidden_state
+        nxt = main.lm_head(hidden).argmax(-1)[:, 1:]  # the main model's greedy t_{i+2}, at position i+1
+    embed = main.model.embed_tokens.weight.float()
+    out = []
+    for head in heads:
+        if head.layout.name != "nextn":
+            raise FFNToolsError(f"MTP head {head.name}: the draft reference runs DeepSeek/GLM NextN blocks, not "
+                                f"{head.layout.name}")
+        missing = [t for t in head.tensors if t not in b]
+        if missing:
+            raise FFNToolsError(f"MTP head {head.name}: B lacks {len(missing)} of its tensors")
+        da = drafts(config, {t: a[t] for t in head.tensors}, head, hidden, tokens, embed)
+        db = drafts(config, {t: b[t] for t in head.tensors}, head, hidden, tokens, embed)
+        out.append(Acceptance(head.name, da.numel(), (da == db).float().mean().item(),
+                              (da == nxt).float().mean().item(), (db == nxt).float().mean().item()))
+    return out
