@@ -72,16 +72,16 @@ def check(ckpt, weight: str, scale: str, layout: GateUpLayout, stacked: bool, fu
                           "of the scale exists")
 
 
-def dequantize(weight, scale):
-    """``weight`` (any float dtype, FP8 included) times its block scale, in float64."""
+def dequantize(weight, scale, blocks: tuple[int, int] | None = None):
+    """``weight`` (any float dtype, FP8 included) times its block scale, in float64; ``blocks``: the rows and
+    columns each scale covers (None: ``block`` of the shapes)."""
     import torch
 
     w = weight.to(torch.float64)
     s = scale.to(torch.float64)
     if s.dim() == 1:
         s = s[:, None]
-    rb = -(-w.shape[-2] // s.shape[-2])
-    cb = -(-w.shape[-1] // s.shape[-1])
+    rb, cb = blocks or block(tuple(w.shape), tuple(s.shape))
     full = s.repeat_interleave(rb, dim=-2).repeat_interleave(cb, dim=-1)
     return w * full[..., : w.shape[-2], : w.shape[-1]]
 
@@ -90,8 +90,8 @@ DECODE_BYTES = 64 << 20  # float32 output a decode makes at a time (``decode``),
 NARROW = ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "bfloat16", "float16", "float32")  # held by float32
 
 
-def decode(weight, scale):
-    """``dequantize(weight, scale)`` rounded to float32, bit for bit, made a strip of row blocks at a time.
+def decode(weight, scale, blocks: tuple[int, int] | None = None):
+    """``dequantize(weight, scale, blocks)`` rounded to float32, bit for bit, made a strip of row blocks at a time.
 
     Where weight and scale are no wider than float32 (FP8 codes, bfloat16, float32 scales), their product is
     exact in float64 (at most 24 + 24 significant bits), so rounding it to float32 is float32's own correctly
@@ -103,11 +103,11 @@ def decode(weight, scale):
 
     s = scale[:, None] if scale.dim() == 1 else scale
     if any(str(t.dtype).removeprefix("torch.") not in NARROW for t in (weight, s)) or not 2 <= s.dim() == weight.dim():
-        return dequantize(weight, scale).to(torch.float32)
+        return dequantize(weight, scale, blocks).to(torch.float32)
     w3 = weight.reshape(-1, *weight.shape[-2:])  # (stack, rows, cols): experts stacked on dim 0, or one weight
     s3 = s.reshape(-1, *s.shape[-2:])
     rows, cols = w3.shape[1:]
-    rb, cb = -(-rows // s3.shape[1]), -(-cols // s3.shape[2])  # rows and columns each scale covers
+    rb, cb = blocks or block(tuple(w3.shape), tuple(s3.shape))  # rows and columns each scale covers
     out = torch.empty(w3.shape, dtype=torch.float32)
     step = max(1, DECODE_BYTES // (4 * max(1, cols) * rb)) * rb  # whole row blocks per strip
     for e in range(w3.shape[0]):
@@ -129,13 +129,28 @@ class Scaled:
     block: tuple[int, int]
 
 
-def block(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> tuple[int, int]:
-    """Rows and columns of the weight each scale covers (a 1-D scale: one per row)."""
+def block(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...],
+          given: tuple[int, int] | None = None) -> tuple[int, int]:
+    """Rows and columns of the weight each scale covers (a 1-D scale: one per row): ``given`` (the config's
+    ``weight_block_size``) where it gives the scale's shape, else from the shapes (``_covers``)."""
     ws = weight_shape[-2:]
     ss = scale_shape[-2:] if len(scale_shape) >= 2 else (scale_shape[-1], 1)
     if len(ws) != 2:
         return (1, 1)
-    return (-(-ws[0] // ss[0]), -(-ws[1] // ss[1]))
+    if given is not None and all(-(-n // b) == k for n, k, b in zip(ws, ss, given)):
+        return (int(given[0]), int(given[1]))
+    return (_covers(ws[0], ss[0]), _covers(ws[1], ss[1]))
+
+
+def _covers(n: int, k: int) -> int:
+    """How many of ``n`` rows (columns) each of ``k`` scales covers: ``n / k`` where it divides; else the power of
+    two that gives ``k`` blocks with a partial last one (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows over 5 scales
+    of 128, where ``ceil(576 / 5)`` = 116 would shift every scale after the first), else ``ceil(n / k)``."""
+    if k <= 1 or n % k == 0:
+        return max(1, n // max(k, 1)) if k >= 1 else 1
+    up = -(-n // k)
+    p = 1 << (up - 1).bit_length()
+    return p if -(-n // p) == k else up
 
 
 class Fp8Blocks(QuantScheme):
@@ -147,17 +162,20 @@ class Fp8Blocks(QuantScheme):
 
     def find(self, ckpt) -> dict[str, Module]:
         out = {}
+        q = (ckpt.config or {}).get("quantization_config") or {}
+        b = q.get("weight_block_size") if isinstance(q, dict) else None
+        given = (int(b[0]), int(b[1])) if isinstance(b, list) and len(b) == 2 else None
         for name in ckpt:
             found = companions(ckpt, name)
             if found and not is_companion(name, ckpt):
                 suffix, scale = next(iter(found.items()))
                 w, sc = ckpt.info(name), ckpt.info(scale)
-                facts = Scaled(suffix, w.st_dtype, block(tuple(w.shape), tuple(sc.shape)))
+                facts = Scaled(suffix, w.st_dtype, block(tuple(w.shape), tuple(sc.shape), given))
                 out[name] = Module(name, self, {"weight": name, "scale": scale}, tuple(w.shape), "F32", facts)
         return out
 
     def decode(self, m: Module, parts):
-        return decode(parts["weight"], parts["scale"])
+        return decode(parts["weight"], parts["scale"], m.args.block)
 
     def params(self, m: Module) -> dict:
         return {"bits": FP8_ROW_BITS, "group_size": m.args.block[1], "mode": "fp8"}
