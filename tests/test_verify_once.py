@@ -82,10 +82,14 @@ def test_a_check_the_runtime_has_no_answer_to_is_flagged_and_the_report_reads_th
     report = _report(config=config, side_files=side)
     assert not report.passed and report.unrun == [f"config not compared ({config.skipped})",
                                                   f"side files not compared ({side.skipped})"]
+    data = report.as_dict()
+    assert data["config"]["not_applicable"] is True and data["side_files"]["not_applicable"] is True
+    assert data["incomplete"] == report.unrun and data["config"]["passed"] is None
     reworded = _report(config=ConfigResult(skipped="asked elsewhere", not_applicable=True))
     assert reworded.unrun == ["config not compared (asked elsewhere)"] and not reworded.passed
     worded = _report(config=ConfigResult(skipped="A has no config: not applicable for anyone"))
     assert worded.unrun == [] and worded.passed  # a skip by wording alone is not the flag
+    assert "not_applicable" not in worded.as_dict()["config"]
 
 
 def test_a_derived_tensor_is_compared_once_and_nothing_by_name_is_forgiven():

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-__all__ = ["Check"]
+__all__ = ["Check", "as_json"]
 
 
 @dataclass(kw_only=True)
@@ -55,3 +55,11 @@ class Check:
 
     def as_dict(self) -> dict:
         return {"problems": self.problems, "notes": self.notes, "skipped": self.skipped, "passed": self.verdict}
+
+
+def as_json(check: Check | None) -> dict | None:
+    """``check``'s JSON (``as_dict``), with ``"not_applicable": true`` where the runtime asked has no answer to it;
+    None for no check."""
+    if check is None:
+        return None
+    return {**check.as_dict(), "not_applicable": True} if check.not_applicable else check.as_dict()

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..checks import as_json
 from ..errors import listing
 from ..ffn import FFNRef
 from ..tolerances import Tolerance
@@ -293,9 +294,8 @@ class VerifyReport:
                 "ffns": [r.as_dict() for r in sorted(self.results, key=FFNResult.sort_key)], "logits": self.logits,
                 "outside": self.outside.as_dict() if self.outside else None,
                 "load_check": self.load.as_dict() if self.load else None,
-                "config": self.config.as_dict() if self.config else None,
-                "side_files": self.side_files.as_dict() if self.side_files else None,
-                "tokenization": self.tokenization.as_dict() if self.tokenization else None,
+                "config": as_json(self.config), "side_files": as_json(self.side_files),
+                "tokenization": as_json(self.tokenization),  # each flagged where B's runtime has no answer
                 "generation": self.generation.as_dict() if self.generation else None,
                 "logits_skipped": self.logits_skipped, "incomplete": self.unrun, "not_run": self.not_run(),
                 "coverage": self.coverage()}
