@@ -103,7 +103,9 @@ def inspect_checkpoint(ckpt: Checkpoint, scheme: Scheme | None = None, layout: G
         "outside_ffn": {"count": len(outside), "bytes": sum(ckpt.info(n).nbytes for n in outside)},
         "unmatched_ffn_like": list(ffns.unmatched),
         "mtp": [_head(ckpt, h, ffns) for h in heads],
-        "warnings": [w for w in (ffns.unmatched_warning(), mtp.check_count(heads, config, ckpt.metadata)) if w],
+        "mtp_count": mtp.check_count(heads, config, ckpt.metadata),  # config and tensors disagree (transformers'
+        # save drops a head its config still declares): said, not a warning
+        "warnings": [w] if (w := ffns.unmatched_warning()) else [],
         **({"tensor_table": tensor_table(ckpt, ffns)} if tensors else {}),
     }
 
@@ -144,6 +146,8 @@ def format_summary(s: dict) -> list[str]:
         ffn = ", ".join(f"{counted(n, kind + ' FFN')}" for kind, n in h["ffn"].items()) or "no FFN"
         lines.append(f"  mtp head      {h['name']} ({h['layout']}, not a main layer): {ffn}, "
                      f"{', '.join(h['own']) or 'no own modules'}; {counted(h['tensors'], 'tensor')}, {human(h['bytes'])}")
+    if s.get("mtp_count"):
+        lines.append(f"  mtp heads     {s['mtp_count']}")
     o = s["outside_ffn"]
     lines.append(f"  outside FFNs  {counted(o['count'], 'tensor')}, {human(o['bytes'])}")
     lines += [f"  warning       {w}" for w in s["warnings"]]

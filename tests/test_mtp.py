@@ -93,7 +93,7 @@ def test_found_without_config():
     assert [h.blocks for h in mtp.find_heads(mimo, {"num_nextn_predict_layers": 1})] == [(0,)]
 
 
-def test_inspect_lists_the_head_apart(deepseek):
+def test_inspect_lists_the_head_apart(deepseek, tmp_path):
     r = run_cli("inspect", deepseek, "--json")
     s = json.loads(r.output)
     assert s["layers"] == 2 and s["config_layers"] == 2
@@ -102,6 +102,10 @@ def test_inspect_lists_the_head_apart(deepseek):
     assert s["ffn"]["expert"]["layers"] == 1  # the main model's one MoE layer, not the head's
     text = run_cli("inspect", deepseek).output
     assert "config: 2" not in text and "mtp head" in text and "model.layers.2" in text
+    lost = unrecorded(deepseek, tmp_path / "lost")  # the head gone, unrecorded (as transformers' save leaves it)
+    s = json.loads(run_cli("inspect", lost, "--json").output)
+    assert s["mtp"] == [] and "num_nextn_predict_layers is 1 but the tensors hold 0" in s["mtp_count"]
+    assert "mtp heads" in run_cli("inspect", lost).output
 
 
 @pytest.mark.parametrize("mode", ["keep", "drop", "only"])
@@ -122,7 +126,9 @@ def test_torch_mtp(deepseek, tmp_path, mode):
     if mode == "drop":
         assert rec["heads"] == ["model.layers.2"]
         s = json.loads(run_cli("inspect", out, "--json").output)
-        assert s["mtp"] == [] and not s["warnings"]  # dropped on purpose, recorded: no count warning
+        assert s["mtp"] == [] and s["mtp_count"] is None  # dropped on purpose, recorded: no count disagreement
+    else:
+        assert json.loads(run_cli("inspect", out, "--json").output)["mtp_count"] is None
 
 
 def test_mtp_refused_where_it_does_not_apply(deepseek, tmp_path):
