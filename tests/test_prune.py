@@ -398,3 +398,34 @@ def test_prune_by_saliency_scores(model_dir, tmp_path):
     assert r["layers"] == {"0": [1, 2], "1": [0, 1]} and not (tmp_path / "f").exists()
     r = run_cli("prune-experts", model_dir("mixtral"), "--saliency", scores, "-o", tmp_path / "x", ok=False)
     assert "go together" in r.output
+
+
+def test_saliency_scores_then_prunes(hf, tmp_path):
+    """REAP's score is of the expert's own output: an expert whose down_proj is zero scores 0 though routed to;
+    the frequencies of a layer sum to top-k (every token runs k experts)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "model"
+    shutil.copytree(hf("mixtral"), src)
+    t = load_file(src / "model.safetensors")
+    dead = "model.layers.0.block_sparse_moe.experts.{}.w2.weight"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(" ".join(chr(97 + (i * 7 + j) % 26) * 3 for j in range(12)) for i in range(6)))
+    first = json.loads(run_cli("saliency", src, "--prompts", prompts, "-o", tmp_path / "s0.json", "--json").stdout)
+    routed = max(range(4), key=lambda e: first["layers"]["0"]["frequency"][e])
+    t[dead.format(routed)] = torch.zeros_like(t[dead.format(routed)])
+    save_file(t, src / "model.safetensors", metadata={"format": "pt"})
+    run_cli("saliency", src, "--prompts", prompts, "-o", tmp_path / "s.json")
+    scores = json.loads((tmp_path / "s.json").read_text())
+    assert scores["prompts"] == 6 and scores["tokens"] > 0
+    for layer in ("0", "1"):
+        assert sum(scores["layers"][layer]["frequency"]) == pytest.approx(2.0)
+        assert all(v >= 0 for v in scores["layers"][layer]["reap"])
+    assert scores["layers"]["0"]["frequency"][routed] > 0 and scores["layers"]["0"]["reap"][routed] == 0.0
+    assert first["layers"]["0"]["reap"][routed] > 0
+    r = json.loads(run_cli("prune-experts", src, "--saliency", tmp_path / "s.json", "--keep-ratio", "0.5", "-o",
+                           tmp_path / "out", "--json").output)
+    reap = scores["layers"]["0"]["reap"]
+    assert r["layers"]["0"] == sorted(sorted(range(4), key=lambda e: (-reap[e], e))[:2])

@@ -63,4 +63,32 @@ def reorder_experts(path, as_json, **options):
     _emit(run(path, **options), as_json)
 
 
-COMMANDS = (prune_experts, reorder_experts)
+@click.command("saliency")
+@click.argument("path", type=CHECKPOINT)
+@click.option("-o", "--out", required=True, type=click.Path(dir_okay=False), help="The scores file (JSON) to write.")
+@click.option("--prompts", type=click.Path(exists=True, dir_okay=False),
+              help="Prompts: a JSON list of strings, or one a line (default: a small built-in set).")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Each prompt cut to this many tokens.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print the scores as JSON too.")
+def saliency(path, out, prompts, max_tokens, force, as_json):
+    """Score each routed expert of PATH on prompts, run through transformers: REAP's score (the mean, over the
+    tokens routed to it, of its router weight times the norm of its output) and its routing frequency.
+    `prune-experts PATH --saliency OUT --keep-ratio 0.75` keeps each layer's top experts by it."""
+    import json
+    from pathlib import Path
+
+    from ..envelope import envelope
+    from ..errors import FFNToolsError
+    from ..surgery.saliency import saliency as run
+
+    if Path(out).exists() and not force:
+        raise FFNToolsError(f"{out} exists: --force replaces it")
+    scores = run(path, prompts=prompts, max_tokens=max_tokens)
+    Path(out).write_text(json.dumps(scores, indent=1) + "\n")
+    line = f"wrote {out}: {len(scores['layers'])} MoE layers scored on {scores['tokens']} tokens"
+    emit(envelope("saliency", str(path), out, line, scores), as_json, [line])
+
+
+COMMANDS = (prune_experts, reorder_experts, saliency)
