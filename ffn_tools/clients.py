@@ -281,6 +281,13 @@ class Client(ABC):
         """
         raise self.not_applicable("activations (--locate)")
 
+    def anchor(self, a: Path, recipe: dict, out: Path, like: Path | None = None) -> str | None:
+        """B's form (``recipe``: ``Format.recipe``'s convert options) re-derived from the Hugging Face model ``a`` by
+        another tool than ffn-tools where this runtime's is installed (``verify --locate``'s independent floor),
+        written to ``out``: how, in words; None where there is none here (the default). ``like``: ffn-tools' own
+        derivation, whose configuration stands in for settings the tool drops (said in the words)."""
+        return None
+
     def __repr__(self) -> str:
         return f"<client {self.name}>"
 

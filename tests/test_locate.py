@@ -205,3 +205,28 @@ def test_a_client_exposing_no_activations_runs_b_in_a_client_class_and_says_so(m
     assert r.clients[1] == "transformers (as torch: transformers exposes no activations)", r.lines()
     assert any("the weights of B were converted to A's format (torch)" in n for n in r.notes), r.notes
     assert r.first is not None and r.first.key == "L1.router", r.lines()
+
+
+def test_a_defect_in_ffn_tools_own_mlx_export_is_caught_by_the_independent_floor(moe, tmp_path):
+    """ffn-tools' MLX export patched to shift a norm: B and ffn-tools' own floor share the defect, mlx_lm.convert's
+    floor does not."""
+    pytest.importorskip("mlx_lm")
+    real = registry().convert
+
+    def patched(path, to, out, **kw):
+        done = real(path, to, out, **kw)
+        for f in Path(out).glob("*.safetensors"):
+            sd = load_file(f)
+            _add_one(sd, "model.layers.1.post_attention_layernorm.weight")
+            save_file(sd, f, metadata={"format": "mlx"})
+        return done
+
+    b = tmp_path / "mlx"
+    patched(moe, "mlx", b, dtype="float32")
+    r = locate(moe, b, opener=registry().open_sides, converter=patched)
+    assert r.anchor.startswith("A converted to B's form by mlx_lm.convert"), r.lines()
+    assert r.first is not None and r.first.key == "L1.ffn_norm", r.lines()
+    assert "independent floor" in r.verdict()
+    assert r.floors_part is not None and r.floors_part.key == "L1.ffn_norm"  # ffn-tools' floor shares the defect
+    assert r.first.b == r.first.floor  # B sits on ffn-tools' floor (one patched conversion made both)
+    assert any("floors DIFFER" in line for line in r.lines())

@@ -124,6 +124,11 @@ class MlxLm(Client):
 
         return capture(path, sequences, dtype)
 
+    def anchor(self, a: Path, recipe: dict, out: Path, like: Path | None = None) -> str | None:
+        from .anchor import anchor
+
+        return anchor(a, recipe, out, like)
+
 
 def check_mlx(path: Path) -> LoadCheck:
     """Whether ``mlx_lm.load`` would accept the MLX directory at ``path`` (lazily: no weight is evaluated)."""

@@ -64,8 +64,14 @@ def figure(a: np.ndarray, b: np.ndarray) -> dict:
             "cosine": cos}
 
 
-def rows(acts_a: dict, acts_b: dict, acts_f: dict | None) -> list[Row]:
-    """Every part of A, B's figure and the floor's (None: not measured), judged."""
+def _limit(row: Row, floor: dict) -> float:
+    stat = row.statistic
+    return FACTOR * floor[stat] + (CHOICE_SLACK if stat == "choice" else SLACK)
+
+
+def rows(acts_a: dict, acts_b: dict, acts_f: dict | None, acts_n: dict | None = None) -> list[Row]:
+    """Every part of A, B's figure, the floor's and the anchor's (None: not measured), judged: against the
+    anchor's where there is one (independent of ffn-tools' converter), else against the floor."""
     out = []
     for key in ordered(acts_a):
         layer, part = (int(key[1:].split(".")[0]), key.split(".", 1)[1]) if key.startswith("L") else (None, key)
@@ -80,11 +86,15 @@ def rows(acts_a: dict, acts_b: dict, acts_f: dict | None) -> list[Row]:
         f = acts_f.get(key) if acts_f is not None else None
         if f is not None and f.shape == a.shape:
             row.floor = figure(a, f)
-        if row.b is not None and row.floor is not None:
-            stat = "choice" if "choice" in row.b else "rel"
-            slack = CHOICE_SLACK if stat == "choice" else SLACK
-            row.allowed = FACTOR * row.floor[stat] + slack
-            row.left = row.b[stat] > row.allowed
+        n = acts_n.get(key) if acts_n is not None else None
+        if n is not None and n.shape == a.shape:
+            row.anchor = figure(a, n)
+        held = row.anchor if acts_n is not None else row.floor
+        if row.b is not None and held is not None:
+            row.allowed = _limit(row, held)
+            row.left = row.b[row.statistic] > row.allowed
+        if row.floor is not None and row.anchor is not None:  # ffn-tools' floor against the anchor's
+            row.floor_leaves_anchor = row.floor[row.statistic] > _limit(row, row.anchor)
         out.append(row)
     return out
 
@@ -121,10 +131,11 @@ def _activations(models: Models, client: Client, path: Path, side: str, sequence
 
 
 def run_locate(models: Models, sequences: list[list[int]], floor: tuple[Path, Client, str | None, str] | str,
-               tmp: Path) -> LocateResult:
+               tmp: Path, anchor: tuple[Path, str] | None = None) -> LocateResult:
     """A, B and the floor A' (``generate.floor_side``'s answer: (path, client, dtype, words), or why there is none)
     run on ``sequences``, their parts compared (see the module docstring). ``tmp``: where B or A' converted to A's
-    format is written, where its client exposes no activations."""
+    format is written, where its client exposes no activations. ``anchor``: B's form re-derived by another tool
+    (``Client.anchor``: its path and words), run by B's client: the floor B is then held against."""
     (a, b), clients = models.paths, models.clients
     res = LocateResult(sequences=len(sequences), positions=sum(len(s) for s in sequences))
     acts_a, ran_a = _activations(models, clients[0], Path(a), "A", sequences, None, tmp, res.notes)
@@ -138,7 +149,11 @@ def run_locate(models: Models, sequences: list[list[int]], floor: tuple[Path, Cl
         acts_f, ran_f = _activations(models, client, path, "A'", sequences, dtype, tmp, res.notes)
         if ran_f != client.name:
             res.floor += f"; its activations by {ran_f}"
-    res.rows = rows(acts_a, acts_b, acts_f)
+    acts_n = None
+    if anchor is not None:
+        res.anchor = f"A converted to B's form by {anchor[1]}, run by {clients[1].name}"
+        acts_n, _ = _activations(models, clients[1], anchor[0], "the anchor", sequences, None, tmp, res.notes)
+    res.rows = rows(acts_a, acts_b, acts_f, acts_n)
     return res
 
 
@@ -186,4 +201,18 @@ def locate(a, b, *, opener: Callable, converter: Callable | None, client: str | 
     say(f"--locate: A, B and the floor run on {len(sequences)} x {length} tokens, every part of every layer kept")
     with tempfile.TemporaryDirectory(prefix="ffn-tools-locate-") as d:
         floor = floor_side(models, recipe, da.get("dtype"), Path(d), allow_config)
-        return run_locate(models, sequences, floor, Path(d))
+        made = None
+        if not isinstance(floor, str) and recipe is not None and floor[0] != Path(a):  # B's form is another
+            made = _anchor(clients[1], Path(a), recipe, Path(d) / "anchor", floor[0])
+        return run_locate(models, sequences, floor, Path(d), made)
+
+
+def _anchor(client: Client, a: Path, recipe: dict, out: Path, like: Path) -> tuple[Path, str] | None:
+    """The independent floor's model (``Client.anchor``), or None where B's client has no tool here; a tool that
+    fails is no floor, and says so."""
+    try:
+        words = client.anchor(a, recipe, out, like)
+    except Exception as e:  # the tool's own errors
+        raise FFNToolsError(f"--locate: the independent floor's tool ({client.name}'s) could not convert A: "
+                            f"{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}") from None
+    return None if words is None else (out, words)

@@ -24,7 +24,9 @@ class Row:
     part: str
     b: dict | None = None
     floor: dict | None = None
+    anchor: dict | None = None
     allowed: float | None = None
+    floor_leaves_anchor: bool = False
     left: bool = False
     note: str = ""
 
@@ -41,9 +43,10 @@ class Row:
         if self.b is None:
             return "-" if not self.left else "shape!"
         s, v = self.statistic, self.b[self.statistic]
-        if self.floor is None:
+        held = self.anchor if self.anchor is not None else self.floor
+        if held is None:
             return f"{v:.1e}"
-        f = self.floor[s]
+        f = held[s]
         text = "=" if v == 0 and f == 0 else (f"{v / f:.1f}x" if f > 0 else f"{v:.0e}")
         return text + ("!" if self.left else "")
 
@@ -56,6 +59,7 @@ class LocateResult:
     sequences: int = 0
     positions: int = 0
     floor: str = ""  # how the floor was made, in words
+    anchor: str = ""  # how the independent floor was made, in words ("": none here)
     not_judged: str | None = None  # why there is no floor
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -72,22 +76,34 @@ class LocateResult:
             return False
         return None if self.not_judged else True
 
+    @property
+    def floors_part(self) -> Row | None:
+        """The first part where ffn-tools' floor leaves the anchor's: a defect of ffn-tools' own conversion."""
+        return next((r for r in self.rows if r.floor_leaves_anchor), None)
+
     def verdict(self) -> str:
+        which = f"the independent floor ({self.anchor})" if self.anchor else f"its floor ({self.floor})"
         if (r := self.first) is not None:
             if r.b is None:
                 return f"--locate: B parts from A at {r.words()}: {r.note}"
             s = r.statistic
             name = "share of positions choosing other experts" if s == "choice" else "relative error"
-            return (f"--locate: B parts from A first at {r.words()}: {name} {r.b[s]:.3g} against its floor "
-                    f"{r.floor[s] if r.floor else 0:.3g} (at most {r.allowed:.3g} allowed)")
+            held = r.anchor if self.anchor else r.floor
+            return (f"--locate: B parts from A first at {r.words()}: {name} {r.b[s]:.3g} against {which}'s "
+                    f"{held[s] if held else 0:.3g} (at most {r.allowed:.3g} allowed)")
         if self.not_judged:
             return f"--locate: not judged ({self.not_judged}); the figures are B's against A"
-        return f"--locate: every part of every layer within its floor ({self.floor})"
+        return f"--locate: every part of every layer within {which}"
 
     def lines(self) -> list[str]:
         out = [self.verdict(),
                f"  A run by {self.clients[0]}, B by {self.clients[1]}, on {self.sequences} sequences "
-               f"({self.positions} positions); floor: {self.floor or 'none'}"]
+               f"({self.positions} positions)" + ("" if self.anchor else f"; floor: {self.floor or 'none'}")]
+        if self.anchor:
+            out.append(f"  ffn-tools' floor: {self.floor}")
+        if (f := self.floors_part) is not None:
+            out.append(f"  floors DIFFER: ffn-tools' floor leaves the independent floor first at {f.words()}: "
+                       "ffn-tools' conversion to B's form computes otherwise than the anchor's")
         out += [f"  note: {n}" for n in self.notes]
         layers = sorted({r.layer for r in self.rows if r.layer is not None})
         parts = [p for p in SHORT if any(r.part == p for r in self.rows)]
@@ -105,5 +121,7 @@ class LocateResult:
         first = self.first
         return {"passed": self.passed, "first": None if first is None else {**asdict(first), "words": first.words()},
                 "verdict": self.verdict(), "clients": list(self.clients), "sequences": self.sequences,
-                "positions": self.positions, "floor": self.floor, "not_judged": self.not_judged, "notes": self.notes,
+                "positions": self.positions, "floor": self.floor, "anchor": self.anchor,
+                "floors_differ_at": None if self.floors_part is None else self.floors_part.key,
+                "not_judged": self.not_judged, "notes": self.notes,
                 "parts": [asdict(r) for r in self.rows]}
