@@ -196,3 +196,23 @@ def test_mlx_norm_shifted_twice_or_not_at_all_is_caught_naming_it(request, tmp_p
         bad = _edited_mlx(out, tmp_path / defect.replace(" ", "-"), edit)
         why = _one_failure(ffn_tools.verify(src, bad, backends=["reference"], tokens=4), MLX_NORM)
         assert why.startswith(MLX_NORM) and "as mlx_lm's sanitize makes it of A" in why, (defect, why)
+
+
+def test_plus_ops_are_the_converters_arithmetic_for_every_16_bit_value():
+    """``checks.rounded.plus_ops`` (Cast, Affine) against llama.cpp's converter's own arithmetic (``w + 1`` in
+    float16 or float32, else in float32 after a cast; stored float32) over every float16 and bfloat16 bit pattern,
+    and ``read_back_ops`` against the reader's ``- 1`` in float32: bit for bit (NaNs where both have them)."""
+    import torch
+
+    from ffn_tools.checks.rounded import derive, plus_ops, read_back_ops
+
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    for dtype, theirs in ((torch.float16, lambda w: (w + 1.0).float()),
+                          (torch.bfloat16, lambda w: (w.float() + 1.0).float()),
+                          (torch.float32, lambda w: (w + 1.0).float())):
+        w = every.view(dtype) if dtype != torch.float32 else every.view(torch.float16).float()
+        want, got = theirs(w), derive(plus_ops(w.dtype, 1.0), w)
+        assert got.dtype == torch.float32 and torch.equal(want.isnan(), got.isnan()), dtype
+        assert torch.equal(want[~want.isnan()], got[~got.isnan()]), dtype
+        back = derive(read_back_ops(w.dtype, 1.0, torch.float32), w)
+        assert torch.equal((want - 1.0)[~want.isnan()], back[~back.isnan()]), dtype
