@@ -35,6 +35,8 @@ from ffn_tools.plan import Entry
 from ffn_tools.quant import Module
 from ffn_tools.quant.ctdecode import zero_points
 
+from . import from_fp8
+
 MLX_GROUPS = (32, 64, 128)
 MLX_BITS = (2, 4, 8)
 # The schemes whose modules an MLX export keeps as codes where it can, and says why where it cannot (the others,
@@ -46,25 +48,33 @@ GGUF, GGUF_INT = "gguf", ("Q8_0", "Q4_0", "Q4_1")  # GGUF's scheme, and its type
 def modules(ckpt: Checkpoint) -> dict[str, Module]:
     """``X.weight`` -> its module, for the weights ``ckpt`` reads decoded under one of ``SCHEMES``."""
     return {n: q for n in ckpt if (q := ckpt.quantized(n)) is not None and (q.scheme.name in SCHEMES or (
-        q.scheme.name == GGUF and q.args["mode"] in GGUF_INT))}
+        q.scheme.name == GGUF and q.args["mode"] in GGUF_INT) or from_fp8.holds(q, ckpt.quantized_parts(n)))}
 
 
 def _gguf(m: Module) -> bool:
     return m.scheme.name == GGUF
 
 
+def _fp8(m: Module) -> bool:
+    return m.scheme.name == from_fp8.FP8
+
+
 def _group_bits(m: Module) -> tuple[int, int]:
-    """(group size, bits) of ``m``'s codes as MLX affine keeps them."""
-    return (32, m.args["bits"]) if _gguf(m) else (m.args.group_size, m.args.bits)
+    """(group size, bits) of ``m``'s codes as MLX keeps them."""
+    return (32, m.args["bits"]) if _gguf(m) else (32, 8) if _fp8(m) else (m.args.group_size, m.args.bits)
+
+
+def _mode(m: Module) -> str:
+    return "mxfp8" if _fp8(m) else "affine"
 
 
 def _name(m: Module) -> str:
-    return m.scheme.what(m) if _gguf(m) else m.args.name
+    return m.scheme.what(m) if _gguf(m) or _fp8(m) else m.args.name
 
 
 def why_not(m: Module) -> str | None:
     """Why module ``m``'s codes cannot be kept in MLX affine, or None."""
-    if _gguf(m):  # Q8_0, Q4_0, Q4_1 (``modules``): groups of 32, 8 or 4 bits
+    if _gguf(m) or _fp8(m):  # Q8_0, Q4_0, Q4_1; FP8 of power-of-two scales (``modules`` chose them)
         return None
     s = m.args
     if s.nvfp4:
@@ -94,7 +104,7 @@ def kept(found: dict[str, Module], outputs, view: list[Entry]) -> tuple[dict[str
         m = found.get(e.inputs[0]) if e is not None and len(e.inputs) == 1 else None
         if m is None:
             continue
-        same = tuple(o.shape) == m.shape and e is not None and (e.pieces is not None or (_gguf(m) and not e.ops))
+        same = tuple(o.shape) == m.shape and e is not None and (e.pieces is not None or ((_gguf(m) or _fp8(m)) and not e.ops))
         why = why_not(m) or (None if same else f"{m.weight} is rearranged on its way to {o.name}")
         if why:
             refused[m.weight] = why
@@ -107,12 +117,12 @@ def block(modules: dict[str, Module]) -> dict | None:
     """mlx_lm's ``quantization`` block: the most common parameters, other modules' own."""
     if not modules:
         return None
-    params = [_group_bits(m) for m in modules.values()]
-    g, b = max(set(params), key=params.count)
-    out: dict = {"group_size": g, "bits": b, "mode": "affine"}
+    params = [(*_group_bits(m), _mode(m)) for m in modules.values()]
+    g, b, mode = max(set(params), key=params.count)
+    out: dict = {"group_size": g, "bits": b, "mode": mode}
     for path, m in modules.items():
-        if _group_bits(m) != (g, b):
-            out[path] = {"group_size": _group_bits(m)[0], "bits": _group_bits(m)[1], "mode": "affine"}
+        if (*_group_bits(m), _mode(m)) != (g, b, mode):
+            out[path] = {"group_size": _group_bits(m)[0], "bits": _group_bits(m)[1], "mode": _mode(m)}
     return out
 
 
@@ -130,6 +140,8 @@ class KeptCodes(Op):
         m = self.module
         if _gguf(m):
             return [self._gguf()]
+        if _fp8(m):
+            return [from_fp8.part(m, self.ckpt.quantized_parts(m.weight), self.part)]
         raw = self.ckpt.stored
         if m.args.format in ("gptq", "awq"):
             return [self._gptq()]
@@ -181,6 +193,8 @@ class KeptCodes(Op):
 def entries(ckpt: Checkpoint, path: str, m: Module) -> list[Entry]:
     """``path``'s weight (the packed words as uint32), scales and biases, from ``m``'s stored parts."""
     how = f"{_name(m)} codes kept as MLX affine"
+    if _fp8(m):
+        return from_fp8.entries(path, m, lambda i: KeptCodes(ckpt, m, i))
     if _gguf(m):
         rows, cols = m.shape
         bits = m.args["bits"]
@@ -213,6 +227,11 @@ def entries(ckpt: Checkpoint, path: str, m: Module) -> list[Entry]:
 def changes(modules: dict[str, Module], refused: dict[str, str]) -> list[str]:
     """What the summary says: codes kept, and the weights written dequantized with why (grouped)."""
     out = []
+    if fp8 := [m for m in modules.values() if _fp8(m)]:
+        out.append(f"kept the codes of {len(fp8)} FP8 weights ({', '.join(sorted({_name(m) for m in fp8}))}) as MLX "
+                   "mxfp8, not dequantized: their E4M3 bytes as uint32 words and their power-of-two scales as E8M0 "
+                   "exponents per 32 values, MLX's values the source's exactly")
+        modules = {p: m for p, m in modules.items() if not _fp8(m)}
     if modules:
         schemes = sorted({_name(m) for m in modules.values()})
         out.append(f"kept the codes of {len(modules)} quantized weights ({', '.join(schemes)}) as MLX affine "
