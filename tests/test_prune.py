@@ -156,6 +156,7 @@ def test_keep_all_is_a_copy(model_dir, tmp_path):
     run_cli("prune-experts", src, "--keep", "0-3", "-o", tmp_path / "out")
     a, b = tensors(src), tensors(tmp_path / "out")
     assert a.keys() == b.keys() and all(_raw(src, n) == _raw(tmp_path / "out", n) for n in a)
+    assert (src / "model.safetensors").read_bytes() == (tmp_path / "out" / "model.safetensors").read_bytes()
     assert not (tmp_path / "out" / mapping.FILE).exists()
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_local_experts"] == 4
 
