@@ -18,6 +18,7 @@ from .io.dtypes import FLOAT_ST
 from .ffn import FFN, Activation, FFNRef, activation_from_config
 from .layouts import GateUpLayout
 from .library import LIBRARY, SCHEMES, scheme_for_model_type
+from . import mtp
 from .registry import Form, Group, Scheme, bias_name, compile_template, config_int
 from .quant.fp8 import is_companion
 
@@ -257,7 +258,8 @@ def find_ffns(ckpt, scheme: Scheme | None = None, layout: GateUpLayout | None = 
         raise SchemeError(f"{ckpt.path}: inconsistent FFN tensors under scheme {scheme.name!r}: " + "; ".join(sorted(problems)))
     tensors = frozenset(n for f in ffns for n in f.names.values())
     ungated = [compile_template(t) for t in scheme.ungated]  # declared by the family: no gated FFN
-    unmatched = tuple(sorted(n for n in names if n not in tensors and looks_like_ffn(n)
+    heads = mtp.head_tensors(mtp.find_heads(names, ckpt.config))  # an MTP module's (mtp.*): the head's, said so
+    unmatched = tuple(sorted(n for n in names if n not in tensors and looks_like_ffn(n) and n not in heads
                              and not is_companion(n, tensors) and not any(p.fullmatch(n) for p in ungated)))
     return FFNSet(scheme, tuple(sorted(ffns, key=lambda f: f.ref)), activation_from_config(ckpt.config), tensors,
                   unmatched)

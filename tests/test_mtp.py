@@ -286,3 +286,64 @@ def test_draft_acceptance(deepseek, tmp_path):
         later[0, -1] = (later[0, -1] + 1) % 96
         d1, d2 = (drafts(a.config, t, head, hidden, x, embed) for x in (tokens[:1], later))
         assert torch.equal(d1[0, :-1], d2[0, :-1])
+
+
+QWEN3_NEXT = ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+              {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+               "shared_expert_intermediate_size": 48, "head_dim": 16, "linear_num_value_heads": 4,
+               "linear_num_key_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+               "layer_types": ["linear_attention", "full_attention"], "decoder_sparse_step": 1})
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory) -> Path:
+    """A tiny Qwen3-Next (transformers) with its MTP module written as the published checkpoints lay it out:
+    ``mtp.fc``, ``mtp.pre_fc_norm_embedding``/``hidden``, ``mtp.norm`` and one block ``mtp.layers.0`` (a
+    full-attention MoE layer, experts one by one), ``mtp_num_hidden_layers`` 1."""
+    import transformers
+
+    cfg_name, model_name, extra = QWEN3_NEXT
+    config = getattr(transformers, cfg_name)(**{**tiny_models.COMMON, **extra})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).eval()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    h, i = config.hidden_size, config.moe_intermediate_size
+    g = torch.Generator().manual_seed(2)
+    for name, t in list(state.items()):
+        if name.startswith("model.layers.1."):
+            tail = name.removeprefix("model.layers.1.")
+            if tail == "mlp.experts.gate_up_proj":
+                for e in range(t.shape[0]):
+                    state[f"mtp.layers.0.mlp.experts.{e}.gate_proj.weight"] = t[e, :i].clone()
+                    state[f"mtp.layers.0.mlp.experts.{e}.up_proj.weight"] = t[e, i:].clone()
+            elif tail == "mlp.experts.down_proj":
+                for e in range(t.shape[0]):
+                    state[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"] = t[e].clone()
+            else:
+                state[f"mtp.layers.0.{tail}"] = t.clone() + 0.01
+    for name, shape in (("fc", (h, 2 * h)), ("pre_fc_norm_embedding", (h,)), ("pre_fc_norm_hidden", (h,)),
+                        ("norm", (h,))):
+        state[f"mtp.{name}.weight"] = torch.randn(shape, generator=g) * 0.05
+    path = tmp_path_factory.mktemp("mtp-qn") / "model"
+    path.mkdir()
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps({**config.to_dict(), "mtp_num_hidden_layers": 1,
+                                                  "architectures": [model_name]}, indent=2))
+    return path
+
+
+def test_an_mtp_module_family(qwen3_next, tmp_path):
+    """Qwen3-Next's ``mtp.*``: found and listed apart (not FFN-like tensors no FFN claimed: its tensors are the
+    head's, compared as such), dropped on purpose or named when lost."""
+    s = json.loads(run_cli("inspect", qwen3_next, "--json").output)
+    (head,) = s["mtp"]
+    assert head["name"] == "mtp" and head["blocks"] == [0] and head["layout"] == "mtp"
+    assert head["own"] == ["fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"]
+    assert s["unmatched_ffn_like"] == [] and s["warnings"] == [] and s["mtp_count"] is None
+    run_cli("convert", qwen3_next, "--to", "torch", "-o", tmp_path / "d", "--mtp", "drop")
+    assert not any(n.startswith("mtp.") for n in tensors(tmp_path / "d"))
+    lost = _planted(qwen3_next, tmp_path / "lost", lambda s: [s.pop(n) for n in list(s) if n.startswith("mtp.")])
+    r = json.loads(run_cli("verify", qwen3_next, lost, "--json", "--no-load-check", ok=None).output)
+    assert not r["passed"] and any(p.startswith("B lacks A's MTP head mtp (mtp,") for p in r["problems"])
+    r = json.loads(run_cli("verify", qwen3_next, tmp_path / "d", "--json", "--no-load-check").output)
+    assert r["passed"]
