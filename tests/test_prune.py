@@ -259,3 +259,20 @@ def test_verify_fails_a_kept_expert_from_another_index(mapped_verify, model_dir,
     r = mapped_verify(model_dir("mixtral"), _forged(pruned, tmp_path, other))
     assert r.exit_code == 1 and "FAIL" in r.output
     assert "layer 0 expert 1: not bit-identical" in r.output
+
+
+def test_config_expert_count_nested_and_dotted_keys():
+    from ffn_tools.errors import FFNToolsError
+    from ffn_tools.surgery.routers import updated_config
+
+    vlm = {"model_type": "x", "text_config": {"num_experts": 8, "num_experts_per_tok": 2}}
+    out, changes = updated_config(vlm, 8, 6)
+    assert out["text_config"]["num_experts"] == 6 and vlm["text_config"]["num_experts"] == 8  # a copy
+    assert changes == ["config.json: num_experts 8 -> 6"]
+    dbrx = {"ffn_config": {"moe_num_experts": 16, "moe_top_k": 4}}
+    out, _ = updated_config(dbrx, 16, 12)
+    assert out["ffn_config"] == {"moe_num_experts": 12, "moe_top_k": 4} and dbrx["ffn_config"]["moe_num_experts"] == 16
+    for bad, said in (({"num_experts": 4}, "layers hold 8"), ({"hidden_size": 8}, "names no routed expert count"),
+                      ({"ffn_config": {"moe_num_experts": 8, "moe_top_k": 7}}, "more than the 6 kept")):
+        with pytest.raises(FFNToolsError, match=said):
+            updated_config(bad, 8, 6)
