@@ -225,6 +225,12 @@ def choices(view, modules: dict[str, "Module"]) -> dict[str, dict]:
     out = {}
     for h, m in modules.items():
         parts = view.quantized_parts(h)
+        if m.scheme.name == GGUF and parts is None:  # DeepSeek's kv_b_proj, read joined from attn_k_b and attn_v_b
+            n = -(-m.shape[0] * m.shape[1] // int(m.args["group_size"]))
+            out[h] = {**dataclasses.asdict(Choice(None, 0, n, "read joined from two GGUF tensors, which the converter "
+                      "makes again from its values: no one tensor's blocks to copy")), "multiplier": None,
+                      "input_scale": None}
+            continue
         b = m.scheme.blocks(m, parts) if m.scheme.name == GGUF else None
         codes = m.scheme.int_codes(m, parts) if b is None else None
         fp4 = m.scheme.fp4_codes(m, parts) if b is None and codes is None else None

@@ -272,16 +272,21 @@ class GGUFCheckpoint(Checkpoint):
         """Quantized tensor ``name``'s stored parts (``codes``): ``blocks``, its rows of blocks as stored, in the
         order the weight reads (q/k rows put back in transformers' order; one expert of a stack), and ``scale``,
         an NVFP4 weight's per-tensor multiplier where it has one, and ``input_scale``, W4A4's activation scale;
-        None where it is stored as it reads, or joined
-        from pieces (no one stored tensor holds it)."""
+        None where it is stored as it reads, or joined from pieces (no one stored tensor holds it). ``blocks`` is
+        a read-only view of the mapped file (nothing is read until used: a GGUF's types are chosen from shapes),
+        a copy only where q/k rows are put back in order."""
+        import warnings
+
         import torch
 
         src = self._sources.get(name)
         if src is None or self.types[name] in LOSSLESS or src.parts or src.shift:
             return None
-        data = np.array(src.tensor.data if src.expert is None else src.tensor.data[src.expert])  # a copy, writable
+        data = src.tensor.data if src.expert is None else src.tensor.data[src.expert]
         shape = self.info(name).shape
-        rows = torch.from_numpy(data.reshape(math.prod(shape[:-1]), -1))
+        with warnings.catch_warnings():  # the mapping is read-only, and nothing writes into these rows
+            warnings.simplefilter("ignore", UserWarning)
+            rows = torch.from_numpy(np.asarray(data).reshape(math.prod(shape[:-1]), -1))
         if src.heads:
             rows = rotary_to_hf(rows, src.heads)
         parts = {"blocks": rows}
