@@ -236,6 +236,7 @@ def test_verify_pairs_experts_through_the_mapping(mapped_verify, model_dir, prun
     r = mapped_verify(model_dir("mixtral"), pruned)
     assert r.exit_code == 0 and "PASS" in r.output, r.output
     assert "B records an expert mapping" in r.output and "layer 0 expert 1" in r.output  # dropped: named
+    assert "--allow-config num_local_experts accepts it" in r.output
 
 
 def test_verify_fails_a_router_out_of_step(mapped_verify, model_dir, pruned, tmp_path):

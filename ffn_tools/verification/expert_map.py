@@ -20,6 +20,7 @@ from ..errors import FFNToolsError
 from ..ffn import FFNRef
 from ..surgery import mapping
 from ..surgery.layers import moe_layers
+from ..surgery.routers import EXPERT_COUNT_KEYS
 from ..surgery.selection import spans
 
 
@@ -83,10 +84,21 @@ def paired(report, ca, cb, fa: FFNSet, fb: FFNSet) -> tuple[FFNSet, FFNSet]:
         f"routers' rows through it ({sum(len(la[k].routers) for k in pairs)} router tensors"
         f"{', every row in step' if not problems else ''})"
         + (f"; A's experts B dropped are not compared: {', '.join(dropped)}" if dropped else ""))
+    keys = [k for k in EXPERT_COUNT_KEYS if _count(ca.config, k) not in (None, _count(cb.config, k))]
+    if keys:
+        report.notes.append(f"config.json's expert count ({', '.join(keys)}) is B's kept experts, as its mapping says: "
+                            + " ".join(f"--allow-config {k}" for k in keys) + " accepts it in the config check")
     routers_a = {n for m in la.values() for n in m.routers}
     routers_b = {n for m in lb.values() for n in m.routers}
     return (dataclasses.replace(fa, ffns=tuple(sorted(rekeyed, key=lambda f: f.ref)), tensors=fa.tensors | routers_a),
             dataclasses.replace(fb, tensors=fb.tensors | routers_b))
+
+
+def _count(config: dict | None, key: str):
+    """``config``'s value at (dotted) ``key``, or None."""
+    for part in key.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
