@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from ffn_tools import mtp
 from ffn_tools.io.readers import open_checkpoint
@@ -41,7 +41,9 @@ def with_head(arch: str, path: Path, spec=None) -> Path:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    saved = path.parent / "saved"  # transformers' save: experts one by one, as the published checkpoints hold them
+    model.save_pretrained(saved)
+    state = load_file(str(saved / "model.safetensors"))
     h, v = config.hidden_size, config.vocab_size
     g = torch.Generator().manual_seed(1)
     for name, shape in (("enorm", (h,)), ("hnorm", (h,)), ("eh_proj", (h, 2 * h)), ("shared_head.norm", (h,)),

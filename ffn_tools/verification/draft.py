@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import FFNToolsError
 from ..mtp import Head, find_heads
@@ -57,23 +57,49 @@ def _config(config: Mapping, layers: int):
     return transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
 
 
+def _loaded(config, state: Mapping[str, "torch.Tensor"], what: str):
+    """A model of ``config`` with ``state`` (Hugging Face names as checkpoints store them) loaded through
+    transformers' own ``from_pretrained`` (its renames: experts one by one into its stacks), in float32.
+
+    Raises:
+        FFNToolsError: a parameter the state does not provide, or a tensor the model has no place for.
+    """
+    import tempfile
+
+    import transformers
+    from safetensors.torch import save_file
+
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # verify's own report is the output (its --json above all)
+    try:
+        with tempfile.TemporaryDirectory(prefix="ffn-tools-draft-") as tmp:
+            config.save_pretrained(tmp)
+            save_file({k: v.float().contiguous() for k, v in state.items()}, f"{tmp}/model.safetensors",
+                      metadata={"format": "pt"})
+            loaded: Any = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype="float32",
+                                                                            output_loading_info=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    model, info = loaded
+    missing = [m for m in info.get("missing_keys", ()) if not m.endswith("embed_tokens.weight")]
+    if missing or info.get("unexpected_keys"):
+        raise FFNToolsError(f"{what} does not fit the family's model (missing {sorted(missing)[:3]}, unexpected "
+                            f"{sorted(info.get('unexpected_keys') or ())[:3]})")
+    return model.eval()
+
+
 def draft_model(config: Mapping, tensors: Mapping[str, "torch.Tensor"], head: Head):
     """The head's block as a one-layer model of the family (transformers' classes): layer 0 the NextN block, its
     final norm ``shared_head.norm``, its head ``shared_head.head``; run on ``inputs_embeds``."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_config(_config(config, 1)).float().eval()
     prefix = head.name + "."
-    state = {f"model.layers.0.{n[len(prefix):]}": tensors[n].float() for n in head.tensors
+    state = {f"model.layers.0.{n[len(prefix):]}": tensors[n] for n in head.tensors
              if not n[len(prefix):].startswith(OWN)}
-    state["model.norm.weight"] = tensors[f"{prefix}shared_head.norm.weight"].float()
-    state["lm_head.weight"] = tensors[f"{prefix}shared_head.head.weight"].float()
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not m.startswith("model.embed_tokens.")]
-    if missing or unexpected:
-        raise FFNToolsError(f"MTP head {head.name}: its block does not fit the family's decoder layer (missing "
-                            f"{missing[:3]}, unexpected {unexpected[:3]})")
-    return model
+    state["model.norm.weight"] = tensors[f"{prefix}shared_head.norm.weight"]
+    state["lm_head.weight"] = tensors[f"{prefix}shared_head.head.weight"]
+    return _loaded(_config(config, 1), state, f"MTP head {head.name}'s block")
 
 
 def drafts(config: Mapping, tensors: Mapping[str, "torch.Tensor"], head: Head, hidden: "torch.Tensor",
@@ -98,15 +124,14 @@ def acceptance(a, b, tokens: "torch.Tensor") -> list[Acceptance]:
         FFNToolsError: a head of A that B lacks, or a head layout this reference does not run (only ``nextn``).
     """
     import torch
-    import transformers
 
     config = dict(a.config or {})
     heads = find_heads(a, config)
     if not heads:
         return []
-    main = transformers.AutoModelForCausalLM.from_config(_config(config, config["num_hidden_layers"])).float().eval()
     inside = {t for h in heads for t in h.tensors}
-    main.load_state_dict({n: a[n].float() for n in a if n not in inside}, strict=False)
+    main = _loaded(_config(config, config["num_hidden_layers"]), {n: a[n] for n in a if n not in inside},
+                   "A's main model")
     with torch.no_grad():
         hidden = main.model(tokens).last_hidden_state
         nxt = main.lm_head(hidden).argmax(-1)[:, 1:]  # the main model's greedy t_{i+2}, at position i+1
