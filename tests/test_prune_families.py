@@ -181,3 +181,18 @@ def test_saliency_scores_then_prunes(hf, tmp_path):
                            tmp_path / "out", "--json").output)
     reap = scores["layers"]["0"]["reap"]
     assert r["layers"]["0"] == sorted(sorted(range(4), key=lambda e: (-reap[e], e))[:2])
+
+
+def test_fp8_block_scales_move_with_their_experts(model_dir, tmp_path, mapped_verify):
+    from test_fp8 import quantize_fp8
+
+    q = quantize_fp8(model_dir("qwen3_moe"), tmp_path / "q")
+    run_cli("prune-experts", q, "--drop", "1", "-o", tmp_path / "out")
+    a, b = tensors_raw(q), tensors_raw(tmp_path / "out")
+    for new, old in enumerate((0, 2, 3)):
+        for part in ("gate_proj.weight", "gate_proj.weight_scale_inv", "down_proj.weight"):
+            n = f"model.layers.1.mlp.experts.{{}}.{part}"
+            assert b[n.format(new)].dtype == a[n.format(old)].dtype
+            assert torch.equal(b[n.format(new)].view(torch.uint8), a[n.format(old)].view(torch.uint8))
+    r = mapped_verify(q, tmp_path / "out", "--allow-config", "num_experts")
+    assert r.exit_code == 0 and "PASS" in r.output, r.output
