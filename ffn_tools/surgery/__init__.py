@@ -1,4 +1,4 @@
-"""Expert surgery (issue #56): ``prune-experts`` and ``reorder-experts``.
+"""Expert surgery (issue #56): ``prune-experts``, ``reorder-experts`` and ``saliency``.
 
 A MoE checkpoint's routed experts kept, dropped or reordered per layer, as a plan of pure byte moves run by the
 one executor (``executor.execute``): a per-expert tensor renamed to its new index, a stacked one (transformers
@@ -11,6 +11,7 @@ files' metadata, ``expert_map.json`` beside them, and the receipt's command.
 
 Modules: ``selection`` (--keep/--drop/--order read per layer), ``layers`` (each MoE layer's experts, their
 tensors and its router, found from the scheme's names), ``routers`` (router tensor names and config keys, as
-data), ``planning`` (the plan and the config), ``mapping`` (the recorded mapping, read back by verify), ``run``
-(the commands' library functions).
+data), ``planning`` (the plan and the config), ``mapping`` (the recorded mapping, read back by verify's
+``verification.expert_map``), ``run`` (the commands' library functions), ``saliency`` (each expert's REAP score
+and routing frequency on prompts, which ``prune-experts --saliency`` ranks by).
 """
