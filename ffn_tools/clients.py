@@ -131,7 +131,7 @@ class Client(ABC):
       not run);
     - declared neutral, where the default is no transform of the runtime's own, so that a runtime that does not
       say otherwise can only make verify stricter, never pass what it would fail: ``pairing`` (A as stored),
-      ``stored_otherwise`` and ``settle_otherwise`` (every tensor as read), ``config_of`` (the view's config),
+      ``stored_otherwise`` and ``compare_stored_otherwise`` (every tensor as read), ``config_of`` (the view's config),
       ``runs_of`` (``runs`` of that), ``hint`` (no advice), ``runs_instead`` (no other dtype), and the attributes.
 
     Attributes:
@@ -222,11 +222,11 @@ class Client(ABC):
         return None
 
     def stored_otherwise(self, cb) -> frozenset[str]:
-        """B's tensors this client stores in another form than read (compared by ``settle_otherwise``); the
+        """B's tensors this client stores in another form than read (compared by ``compare_stored_otherwise``); the
         default: none."""
         return frozenset()
 
-    def settle_otherwise(self, outside: "OutsideResult", ca, cb, atol, rtol) -> list[str]:
+    def compare_stored_otherwise(self, outside: "OutsideResult", ca, cb, atol, rtol) -> list[str]:
         """Compare ``stored_otherwise``'s tensors with A's, into ``outside``; returns notes."""
         return []
 

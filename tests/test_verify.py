@@ -757,11 +757,11 @@ def test_the_table_prints_no_figures_for_a_reference_not_computed(model_dir):
     assert rep["ffns"][-1]["backends"][0]["max_abs"] == 0.0  # --json keeps the figures, with the path saying how
 
 
-def test_expected_is_derived_once_from_b_client_and_settled_in_one_loop():
+def test_expected_is_derived_once_from_b_client_and_compared_in_one_loop():
     """verify derives what B should hold from A through B's client once (``expected.Expected``): the names the plain
     outside comparison leaves to a transform are the client's stored-otherwise tensors and those B's metadata
     records as read back shifted; each transform's comparison then runs in one loop, in order, into the outside
-    result; nothing is derived without FFN pairs, and nothing settled where the outside check was skipped."""
+    result; nothing is derived without FFN pairs, and nothing compared where the outside check was skipped."""
     from ffn_tools.checks.outside import OutsideResult
     from ffn_tools.checks.rounded import PLUS_ONE
     from ffn_tools.verification.expected import Expected, Recorded, Sides, StoredOtherwise, TiedHead
@@ -782,10 +782,10 @@ def test_expected_is_derived_once_from_b_client_and_settled_in_one_loop():
         def stored_otherwise(self, cb):
             return frozenset({"model.norm.weight"})
 
-        def settle_otherwise(self, outside, ca, cb, atol, rtol):
+        def compare_stored_otherwise(self, outside, ca, cb, atol, rtol):
             calls.append((atol, rtol))
             outside.within += 1
-            return ["norm settled by the client"]
+            return ["norm compared by the client"]
 
     ca = Side({"model.norm.weight": torch.ones(4)}, {})
     cb = Side({"model.norm.weight": torch.ones(4)}, {PLUS_ONE: json.dumps({"model.layers.0.norm.weight": 1.0})})
@@ -794,9 +794,9 @@ def test_expected_is_derived_once_from_b_client_and_settled_in_one_loop():
     assert expected.pairing is None
     assert expected.left_out() == {"model.norm.weight", "model.layers.0.norm.weight"}
     sides = Sides(ca, cb, 0.5, 0.25, (None, None))
-    assert expected.settle(OutsideResult(skipped="--ffn-only"), sides) == [] and calls == []
+    assert expected.compare_derived(OutsideResult(skipped="--ffn-only"), sides) == [] and calls == []
     outside = OutsideResult(identical=3)
-    assert expected.settle(outside, sides) == ["norm settled by the client"]
+    assert expected.compare_derived(outside, sides) == ["norm compared by the client"]
     assert calls == [(0.5, 0.25)] and outside.within == 1 and outside.passed
     assert Expected.derive(Client(), ca, cb, paired=False).left_out() == frozenset()
     assert expected.a_as_loaded(["model.norm.weight"])[::2] == (frozenset(), None)  # A as stored: no pairing

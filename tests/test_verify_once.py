@@ -129,7 +129,7 @@ def test_a_derived_tensor_is_compared_once_and_nothing_by_name_is_forgiven():
     assert loaded.derived == {"a.norm", "b.norm", "c.norm"} and loaded.gone == {"kv"}  # B's FFN norm is the pairs'
     assert expected.left_out() == {"a.norm", "b.norm", "c.norm", "kv"}
     outside = OutsideResult(identical=1, differ=["embed: A 1 vs B 2"])  # the comparison by name: embed differs
-    notes = expected.settle(outside, Sides(ca, cb, None, None, (None, None)))
+    notes = expected.compare_derived(outside, Sides(ca, cb, None, None, (None, None)))
     assert Sanitize.asked == [["a.norm", "b.norm", "c.norm"]]
     assert outside.differ == ["embed: A 1 vs B 2", "c.norm: shifted twice"]  # not forgiven, and c.norm said once
     assert (outside.identical, outside.within) == (2, 1) and not outside.passed

@@ -71,7 +71,7 @@ class LlamaCpp(Client):
     def stored_otherwise(self, cb) -> frozenset[str]:
         return frozenset(cb.shifts)
 
-    def settle_otherwise(self, outside, ca, cb, atol, rtol) -> list[str]:
+    def compare_stored_otherwise(self, outside, ca, cb, atol, rtol) -> list[str]:
         return compare_plus_one(outside, ca, cb, atol, rtol)
 
     def ready_for_logits(self, ckpt, side: str) -> None:

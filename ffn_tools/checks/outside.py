@@ -1,5 +1,5 @@
 """The tensors outside the FFNs: what their comparison found (``OutsideResult``; ``verify`` compares them,
-and B's client settles what its own transforms explain), and the criterion of a tensor within its tolerance
+and what B's client derives from A, compared once), and the criterion of a tensor within its tolerance
 row (``outside_tolerance``).
 
 Within tolerance means, for weights ``a`` (A) and ``b`` (B): every ``|b - a| <= atol * rms(a) + rtol * |a|``

@@ -2,7 +2,7 @@
 
     engine      ``verify``: open both sides, run the checks in phases, build the report
     options     what verify was asked, as one value (``VerifyOptions``); both sides as whole models
-    expected    what B should hold given A, as B's client will hold it: derived once, settled once
+    expected    what B should hold given A, as B's client will hold it: derived once, compared once
     sides       what each side holds: its FFNs, its description, the selection compared
     pairrun     the FFN pairs run: here, or as Ray tasks; resumed; their results into the report
     steps       the FFN pairs as steps: experts batched, the first of each kind alone, tolerance rows

@@ -15,7 +15,7 @@ whole-model check through both real clients.
 checks will have, ``_before_work``), B's client's load check, pair the FFNs (``_pair``, which also starts the
 model checks), derive what B should hold given A as B's client will hold it (``expected.Expected.derive``),
 compare (``_compare``: the FFN pairs, ``pairrun``, and the tensors outside them but those a transform derives),
-compare those each transform derives, once (``Expected.settle``), then the whole models (``_whole_models``).
+compare those each transform derives, once (``Expected.compare_derived``), then the whole models (``_whole_models``).
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def verify(a, b, *, opener: Opener, converter: Callable[..., object] | None = No
         mods, report.skipped_backends = kernels.result()
         report.backends = list(mods)
         ties = report.config.ties if report.config is not None else (None, None)
-        report.notes += expected.settle(report.outside, Sides(ca, cb, o.atol, o.rtol, ties))
+        report.notes += expected.compare_derived(report.outside, Sides(ca, cb, o.atol, o.rtol, ties))
         settle_heads(report, ca, cb, fa)  # an MTP head B lacks: named (or left out on purpose, recorded)
     _whole_models(run, report, fa, recipe, prompt_texts)
     return report

@@ -8,12 +8,12 @@ minus one: ``checks.rounded``), and a side whose config ties its head holds its 
 stores (``tied``). Each is one ``Transform``: the names it takes from the plain comparison by name, decided before
 anything is compared (``left_out``: B's tensors it derives from A, A's its load uses or drops), and its comparison
 of B's tensors with A's through the ops that made B (llama.cpp's plus one: ``checks.rounded.plus_ops``; mlx_lm's
-sanitize: the MLX export's own plan), each tensor once, into the outside result (``settle``). A's FFN tensors B's
+sanitize: the MLX export's own plan), each tensor once, into the outside result (``compare``). A's FFN tensors B's
 client computes are read so before the FFN checks (``Pairing.computed``/``read``, through ``a_as_loaded``).
 ``verify`` asks the derived ``Expected`` for the names to leave out, compares the rest by name once
 (``outside``), then each transform's derived tensors, in one loop, in one place. Nothing compared by name is
-forgiven after: a tensor is compared either by name or against its derivation, never both (the tied head, which
-one side's client never reads, is the one settled after: ``tied``).
+forgiven after: a tensor is compared either by name or against its derivation, never both (the tied head too: the
+head one side stores and the other does not is decided before, compared once where that side ties it: ``tied``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ..checks.outside import outside_tolerance
 from ..checks.rounded import compare_recorded, recorded_shifts
 from ..errors import listing
 from ..tolerances import tolerance_for
-from . import tied
+from .tied import TiedHead
 
 if TYPE_CHECKING:
     from ..checks.outside import OutsideResult
@@ -51,7 +51,7 @@ class Transform(Protocol):
     def left_out(self) -> frozenset[str]:
         """B's tensors the plain comparison leaves to this transform."""
 
-    def settle(self, outside: "OutsideResult", sides: Sides) -> list[str]:
+    def compare(self, outside: "OutsideResult", sides: Sides) -> list[str]:
         """Compare what this transform derives from A with what B holds, into ``outside``; returns notes."""
 
 
@@ -65,8 +65,9 @@ class StoredOtherwise:
     def left_out(self) -> frozenset[str]:
         return self.names
 
-    def settle(self, outside, sides: Sides) -> list[str]:
-        return self.client.settle_otherwise(outside, sides.ca, sides.cb, sides.atol, sides.rtol) if self.names else []
+    def compare(self, outside, sides: Sides) -> list[str]:
+        return (self.client.compare_stored_otherwise(outside, sides.ca, sides.cb, sides.atol, sides.rtol)
+                if self.names else [])
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class Recorded:
     def left_out(self) -> frozenset[str]:
         return frozenset(self.shifts)
 
-    def settle(self, outside, sides: Sides) -> list[str]:
+    def compare(self, outside, sides: Sides) -> list[str]:
         return compare_recorded(outside, sides.ca, sides.cb, dict(self.shifts)) if self.shifts else []
 
 
@@ -95,7 +96,7 @@ class Loaded:
     def left_out(self) -> frozenset[str]:
         return self.derived | self.gone
 
-    def settle(self, outside, sides: Sides) -> list[str]:
+    def compare(self, outside, sides: Sides) -> list[str]:
         outcomes, notes = self.pairing.compare(sorted(self.derived), tolerance_check(sides.atol, sides.rtol))
         for d in outcomes:
             outside.add(d)
@@ -103,16 +104,6 @@ class Loaded:
             notes.append(f"A's {listing(sorted(self.gone), 4)}: renamed, used or dropped by B's client when it loads "
                          "A, so B has no tensor of that name")
         return notes
-
-
-class TiedHead:
-    """A head stored on one side only, where that side's client ties it to its embedding (``tied``)."""
-
-    def left_out(self) -> frozenset[str]:
-        return frozenset()
-
-    def settle(self, outside, sides: Sides) -> list[str]:
-        return tied.reconcile(outside, sides.ca, sides.cb, sides.ties)
 
 
 class AsLoaded(Mapping):
@@ -177,10 +168,10 @@ class Expected:
         pairing = client.pairing(ca, cb)  # A as B's client loads it: FFNs and outside
         transforms: list[Transform] = [StoredOtherwise(client, client.stored_otherwise(cb)),
                                        Recorded(recorded_shifts(cb.metadata))]
+        outside = (frozenset(n for n in ca if n not in ffns[0]), frozenset(n for n in cb if n not in ffns[1]))
         if pairing is not None:
-            outside = (frozenset(n for n in ca if n not in ffns[0]), frozenset(n for n in cb if n not in ffns[1]))
             transforms.append(Loaded(pairing, *pairing.derives(*outside)))
-        transforms.append(TiedHead())
+        transforms.append(TiedHead.decide(outside, frozenset().union(*(t.left_out() for t in transforms))))
         return cls(tuple(transforms), pairing)
 
     def a_as_loaded(self, names: list[str]) -> tuple[frozenset[str], Callable[[Mapping], Mapping], str | None]:
@@ -195,8 +186,8 @@ class Expected:
         """B's tensors the plain outside comparison leaves to a transform."""
         return frozenset().union(*(t.left_out() for t in self.transforms))
 
-    def settle(self, outside: "OutsideResult | None", sides: Sides) -> list[str]:
+    def compare_derived(self, outside: "OutsideResult | None", sides: Sides) -> list[str]:
         """Every transform's comparison into ``outside`` (nothing where it was not compared); returns notes."""
         if outside is None or outside.skipped:
             return []
-        return [note for t in self.transforms for note in t.settle(outside, sides)]
+        return [note for t in self.transforms for note in t.compare(outside, sides)]
