@@ -175,6 +175,12 @@ def test_verify_names_a_part_of_a_head(deepseek, tmp_path):
     r = json.loads(run_cli("verify", deepseek, part, "--json", "--no-load-check", ok=None).output)
     assert not r["passed"] and any("only part of A's MTP head model.layers.2" in p and "eh_proj" in p
                                    for p in r["problems"])
+    fused = tmp_path / "fused"  # its FFNs fused: paired as FFNs, the head whole
+    run_cli("fuse-gateup", deepseek, "-o", fused)
+    r = json.loads(run_cli("verify", deepseek, fused, "--json", "--no-load-check").output)
+    assert r["passed"] and not any("MTP" in p for p in r["problems"])
+    s = json.loads(run_cli("inspect", fused, "--json").output)
+    assert s["mtp"][0]["ffn"] == {"expert": 4, "shared": 1} and s["layers"] == 2
 
 
 def test_mlx_places_the_head_beside_the_model(deepseek, tmp_path):

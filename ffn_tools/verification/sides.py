@@ -152,15 +152,16 @@ def settle_heads(report: VerifyReport, ca, cb, fa: FFNSet | None) -> None:
         what = f"A's MTP head {head.name} ({head.layout.name}, {len(head.tensors)} tensors)"
         if bad := sorted(differ & set(head.tensors)):
             report.problems.append(f"{what} differs in B: {listing(bad, 3)}{_drafts(ca, cb, head.name)}")
-        missing = [t for t in head.tensors if t not in cb]
+        inside = set(head.tensors)
+        ffn_tensors = fa.tensors if fa else frozenset()
+        refs = {str(f.ref) for f in (fa.ffns if fa else ()) if f.names["down"] in inside}
+        own = [t for t in head.tensors if t not in ffn_tensors]  # its FFNs are paired as FFNs (a fused one renamed)
+        missing = [t for t in own if t not in cb] + sorted(refs & set(report.only_a))
         if not missing:
             continue
-        if len(missing) < len(head.tensors):
-            report.problems.append(f"B holds only part of {what}: {len(missing)} of its tensors are not in B "
-                                   f"({listing(missing, 3)})")
+        if len(missing) < len(own) + len(refs):
+            report.problems.append(f"B holds only part of {what}: {listing(missing, 3)} not in B")
             continue
-        inside = set(head.tensors)
-        refs = {str(f.ref) for f in (fa.ffns if fa else ()) if f.names["down"] in inside}
         report.only_a = [r for r in report.only_a if r not in refs]
         if report.outside is not None:
             report.outside.only_a = [n for n in report.outside.only_a if n not in inside]
