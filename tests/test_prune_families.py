@@ -145,6 +145,8 @@ def test_prune_by_saliency_scores(model_dir, tmp_path):
     r = json.loads(run_cli("prune-experts", model_dir("mixtral"), "--saliency", scores, "--keep-ratio", "0.75",
                            "-o", tmp_path / "out", "--json").output)
     assert r["layers"] == {"0": [0, 2, 3], "1": [0, 1, 3]}  # the top 3 by REAP score, ties to the lower index
+    assert r["kept_share"]["0"] == {"reap": pytest.approx(1.7 / 1.8), "frequency": pytest.approx(19 / 28)}
+    assert "layer 0 keeps 67.9% of its routing frequency, the least" in r["changes"][-1]
     r = json.loads(run_cli("prune-experts", model_dir("mixtral"), "--saliency", scores, "--keep-ratio", "0.5",
                            "--score", "frequency", "-o", tmp_path / "f", "--dry-run", "--json").output)
     assert r["layers"] == {"0": [1, 2], "1": [0, 1]} and not (tmp_path / "f").exists()

@@ -16,7 +16,7 @@ from . import mapping
 from .layers import moe_layers
 from .planning import surgery_plan
 from .routers import updated_config
-from .selection import chosen
+from .selection import chosen, kept_share
 
 STORED_KINDS = ("safetensors", "mlx")  # tensors stored as safetensors bytes: what the plan moves
 
@@ -72,7 +72,13 @@ def _surgery(command: str, path, out, given: dict, spec: dict, force: bool, dry_
         verb = "would write" if dry_run else "wrote"
         line = (f"{verb} {out}: {len(layers)} MoE layers, {kept} of {experts} experts each"
                 + (" (reordered)" if kept == experts and not identity else "") + f", {len(plan.entries)} tensors")
+        if spec.get("saliency"):  # what the pruning keeps of the routing, by the scores it ranked on
+            share = kept_share(spec["saliency"], picked)
+            worst = min(share, key=lambda k: share[k].get("frequency", 1.0))
+            plan.changes.append(f"routing kept (of the scores' tokens): layer {worst} keeps "
+                                f"{share[worst].get('frequency', 1.0):.1%} of its routing frequency, the least")
         result = {"experts": experts, "kept": kept, "layers": kept_map["layers"], "changes": plan.changes,
+                  **({"kept_share": share} if spec.get("saliency") else {}),
                   "files": written, "dry_run": dry_run, "plan": plan.describe() if dry_run else None,
                   **plan.summary}
         return envelope(command, str(path), None if dry_run else out, line, result)

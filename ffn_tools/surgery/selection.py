@@ -121,6 +121,18 @@ def top_scored(experts: dict[int, int], path: str, ratio: float, score: str) -> 
     return out
 
 
+def kept_share(path: str, picked: Chosen) -> dict[str, dict[str, float]]:
+    """Per layer, the share of each score of the scores file ``path`` (``top_scored``'s) that the ``picked``
+    experts hold: what the pruning keeps of the routing (1.0 where a score sums to 0)."""
+    layers = json.loads(Path(path).read_text())["layers"]
+    out = {}
+    for layer, kept in picked.items():
+        scores = layers[str(layer)]
+        out[str(layer)] = {k: (sum(v[e] for e in kept) / sum(v) if sum(v) else 1.0) for k, v in scores.items()
+                           if isinstance(v, list) and len(v) > max(kept)}
+    return out
+
+
 def spans(ids) -> str:
     """``{0, 1, 2, 5}`` as ``0-2,5``."""
     out, ids = [], sorted(ids)
