@@ -202,9 +202,13 @@ def convert(path: str | Path, to: str, out: str | Path, *, dtype: str | None = N
             also = f" (without --unbounded: the two agree on sequences of up to {bound} tokens)" if bound else ""
             raise FFNToolsError(f"{path}: its {to} output would compute another function than the input: "
                                 f"{'; '.join(d.line for d in refused)}; {keys} writes it anyway{also}")
-        summary = target.export(ckpt, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size, run=run,
-                                **given)
-        if (heads := mtp.find_heads(ckpt, ckpt.config)) and not given.get("dry_run"):  # said, never dropped silently
+        heads = mtp.find_heads(ckpt, ckpt.config)
+        try:
+            summary = target.export(ckpt, Path(out), dtype=dtype, force=force, max_shard_size=max_shard_size,
+                                    run=run, **given)
+        except FFNToolsError as e:  # a refusal naming a head's tensors names the head
+            raise mtp.named_in(e, heads, to)
+        if heads and not given.get("dry_run"):  # said, never dropped silently
             summary = mtp.said_of_output(heads, to, summary, lambda: _reopened(Path(out), to))
     said = [*(f"{d.line} (--allow-config {d.key})" for d in allowed),
             *(f"{d.line} (--unbounded refuses it)" for d in bounded)]

@@ -330,3 +330,14 @@ def said_of_output(heads: tuple[Head, ...], to: str, summary: dict,
             "speculative-decoding draft): its writer has no place for it under the source's names; --to torch keeps "
             "it" for h in missing]
     return {**summary, "warnings": [*summary.get("warnings", []), *lost]}
+
+
+def named_in(error: FFNToolsError, heads: tuple[Head, ...], to: str) -> FFNToolsError:
+    """``error`` (a format's refusal), its message saying which MTP head the tensors it names are, where it names
+    some: ``--to dcp``'s torchtitan names have no place for DeepSeek's ``eh_proj``."""
+    named = [h.name for h in heads if any(t in str(error) for t in h.tensors)]
+    if named:
+        error.args = (f"{error} (of the MTP head{'s' * (len(named) > 1)} {listing(named, 4)}: the {to} layout has no "
+                      "place for it; --to torch keeps it, --mtp drop leaves it out where the format takes it)",
+                      *error.args[1:])
+    return error

@@ -355,3 +355,10 @@ def test_an_mtp_module_family(qwen3_next, tmp_path):
     assert not r["passed"] and any(p.startswith("B lacks A's MTP head mtp (mtp,") for p in r["problems"])
     r = json.loads(run_cli("verify", qwen3_next, tmp_path / "d", "--json", "--no-load-check").output)
     assert r["passed"]
+
+
+def test_a_refusal_names_the_head(deepseek, tmp_path):
+    """torchtitan's DeepSeek-V3 names have no place for the NextN head's own tensors: the refusal says they are
+    the head's."""
+    r = run_cli("convert", deepseek, "--to", "dcp", "-o", tmp_path / "d", ok=False)
+    assert "model.layers.2.eh_proj.weight" in r.output and "of the MTP head model.layers.2" in r.output
