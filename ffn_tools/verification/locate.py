@@ -20,6 +20,7 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -160,11 +161,13 @@ def run_locate(models: Models, sequences: list[list[int]], floor: tuple[Path, Cl
 def after_generate(models: Models, sequences: list[list[int]], floor: tuple[Path, Client, str | None, str],
                    tmp: Path) -> list[str]:
     """Where B parts from A, for a failed ``--generate``: its sequences run again with hooks, against its floor;
-    the verdict and the per-layer table as lines (or why it could not run)."""
+    the verdict and the per-layer table as lines (or why it could not run). A side whose client exposes no
+    activations is not converted to A's format here (seconds to minutes a side): ``verify --locate`` does that."""
     try:
-        return run_locate(models, sequences, floor, tmp).lines()
+        return run_locate(replace(models, convert=None), sequences, floor, tmp).lines()
     except FFNToolsError as e:
-        return [f"--locate could not run: {e}"]
+        return [f"--locate could not run: {e}" + ("; verify A B --locate runs it in A's client"
+                                                   if isinstance(e, NotApplicable) else "")]
 
 
 def locate(a, b, *, opener: Callable, converter: Callable | None, client: str | None = None, seed: int = 0,
