@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -119,11 +120,15 @@ def test_a_correct_bf16_cast_stays_within_its_floors(moe, tmp_path):
 
 def test_cli_locate_json_and_table(moe, tmp_path):
     b = _plant(moe, tmp_path / "b", DEFECTS["router rows of two experts swapped"][0])
-    res = run_cli("verify", moe, b, "--locate", "--json", "--ffn-only", "--no-side-files", ok=None)
+    res = run_cli("verify", moe, b, "--locate", "--json", "--ffn-only", "--no-side-files", "--plot",
+                  tmp_path / "where.svg", ok=None)
     assert res.exit_code == 1, res.output
     data = json.loads(res.stdout)  # (progress lines go to stderr)
     assert data["locate"]["first"]["key"] == "L1.router"
     assert {p["key"] for p in data["locate"]["parts"]} >= {"embed", "L0.attn", "L1.routed", "final_norm", "logits"}
+    svg = ET.parse(data["locate"]["plot"]).getroot()  # --plot: the table as an image
+    assert svg.tag.endswith("svg") and len(svg.findall("{http://www.w3.org/2000/svg}rect")) == 2 * 10
+    assert 'stroke="#000"' in Path(data["locate"]["plot"]).read_text()  # the first part that leaves, marked
     text = run_cli("verify", moe, moe, "--locate", "--ffn-only").output
     assert "--locate: every part of every layer within its floor" in text
     assert "layer" in text and "router" in text

@@ -74,6 +74,8 @@ b_layout_options = layout_options_for(
               "it, router logits and top-k choice, shared and routed experts, the FFN block, the hidden state after "
               "it) is compared with A's and held against its own floor (A in B's form, as --generate's); the first "
               "part that leaves its floor is named, with a per-layer table (--json: every figure).")
+@click.option("--plot", "plot", type=click.Path(dir_okay=False), metavar="FILE",
+              help="With --locate: also draw its per-layer table as a small SVG image at FILE.")
 @click.option("--prompts", "prompts", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
               help="With --generate: prompts to run instead of the built-in ten (English, CJK, Hangul, Arabic, code, "
                    "a tool call): one per line, a JSON list, or JSON "
@@ -126,7 +128,7 @@ b_layout_options = layout_options_for(
 @scheme_options
 @layout_options
 @b_layout_options
-def verify(a, b, receipt, shards_needed, as_json, resume, ray, locate, **options):
+def verify(a, b, receipt, shards_needed, as_json, resume, ray, locate, plot, **options):
     """Check that checkpoint B holds the same FFNs as checkpoint A.
 
     A and B are any checkpoints ffn-tools reads (PyTorch safetensors or pickles, split or fused, MLX plain
@@ -211,7 +213,9 @@ def verify(a, b, receipt, shards_needed, as_json, resume, ray, locate, **options
         # the adapters' verify takes it
         report = run(a, b, **{**options, "backends": list(options["backends"]) or None,
                               "unbounded": options["unbounded"] or None}, ray=ray, resume=resume)
-    located, status = _locate(a, b, options) if locate else (None, report.exit_status)
+    if plot and not locate:
+        raise click.UsageError("--plot FILE draws --locate's table: give --locate")
+    located, status = _locate(a, b, options, plot) if locate else (None, report.exit_status)
     if as_json:
         from ..api import json_of
 
@@ -224,7 +228,7 @@ def verify(a, b, receipt, shards_needed, as_json, resume, ray, locate, **options
     click.get_current_context().exit(max(report.exit_status, status))
 
 
-def _locate(a, b, options) -> tuple[dict, int]:
+def _locate(a, b, options, plot: str | None = None) -> tuple[dict, int]:
     """``verify --locate`` (``verification.locate``): its figures and lines, and its exit status (1: B parts from A;
     2: it could not run or had no floor)."""
     from ..errors import FFNToolsError
@@ -237,7 +241,12 @@ def _locate(a, b, options) -> tuple[dict, int]:
                    client=options["client"], seed=options["seed"], allow_config=options["allow_config"])
     except FFNToolsError as e:
         return {"passed": None, "error": str(e), "lines": [f"--locate: could not run: {e}"]}, 2
-    return {**r.as_dict(), "lines": r.lines()}, {True: 0, False: 1, None: 2}[r.passed]
+    lines = r.lines()
+    if plot:
+        from ..verification.locate_plot import write_svg
+
+        lines.append(f"  plot: {write_svg(r, plot)}")
+    return {**r.as_dict(), "lines": lines, "plot": plot}, {True: 0, False: 1, None: 2}[r.passed]
 
 
 def _receipt(out, a, b, as_json) -> None:
