@@ -184,28 +184,13 @@ def test_reorder_refuses_a_partial_order(model_dir, tmp_path):
     assert "names each of its 4 experts once" in r.output
 
 
-# verify through the recorded mapping (``verification.expert_map``). verify's engine calls ``expert_map.paired``
-# once both sides' FFNs are found; until engine._pair makes that call itself, these tests add it around _pair.
+# verify through the recorded mapping (``verification.expert_map``): engine._pair pairs B's experts through it, and
+# the config check accepts the expert count the mapping explains (no --allow-config needed).
 @pytest.fixture
-def mapped_verify(monkeypatch):
-    import inspect
-
-    from ffn_tools.verification import engine, expert_map
-
-    if "expert_map.paired" not in inspect.getsource(engine):
-        before = engine._pair
-
-        def _pair(run, load, worker):
-            report, fa, fb, model = before(run, load, worker)
-            if fa and fb:
-                fa, fb = expert_map.paired(report, run.ca, run.cb, fa, fb)
-            return report, fa, fb, model
-
-        monkeypatch.setattr(engine, "_pair", _pair)
-
+def mapped_verify():
     def verify(a, b, *args):
         return run_cli("verify", a, b, "--backend", "reference", "--no-load-check", "--no-side-files", "--tokens",
-                       "8", "--allow-config", "num_local_experts", *args, ok=None)
+                       "8", *args, ok=None)
 
     return verify
 
@@ -236,7 +221,7 @@ def test_verify_pairs_experts_through_the_mapping(mapped_verify, model_dir, prun
     r = mapped_verify(model_dir("mixtral"), pruned)
     assert r.exit_code == 0 and "PASS" in r.output, r.output
     assert "B records an expert mapping" in r.output and "layer 0 expert 1" in r.output  # dropped: named
-    assert "--allow-config num_local_experts accepts it" in r.output
+    assert "differs as B's mapping says" in r.output and "allowed" in r.output
 
 
 def test_verify_fails_a_router_out_of_step(mapped_verify, model_dir, pruned, tmp_path):

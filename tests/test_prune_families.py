@@ -56,7 +56,7 @@ def test_prune_mlx_quantized_stacks_bit_for_bit(mlx4, tmp_path, mapped_verify):
     assert all(torch.equal(a[n], b[n]) for n in a if n not in moved)
     assert mx.array_equal(_mlx_logits(tmp_path / "out"), _mlx_logits(mlx4, keep)).item()  # bit for bit in MLX
     assert not mx.allclose(_mlx_logits(tmp_path / "out"), _mlx_logits(mlx4)).item()
-    r = mapped_verify(mlx4, tmp_path / "out", "--allow-config", "num_experts")
+    r = mapped_verify(mlx4, tmp_path / "out")
     assert r.exit_code == 0 and "PASS" in r.output, r.output
 
 
@@ -196,5 +196,5 @@ def test_fp8_block_scales_move_with_their_experts(model_dir, tmp_path, mapped_ve
             n = f"model.layers.1.mlp.experts.{{}}.{part}"
             assert b[n.format(new)].dtype == a[n.format(old)].dtype
             assert torch.equal(b[n.format(new)].view(torch.uint8), a[n.format(old)].view(torch.uint8))
-    r = mapped_verify(q, tmp_path / "out", "--allow-config", "num_experts")
+    r = mapped_verify(q, tmp_path / "out")
     assert r.exit_code == 0 and "PASS" in r.output, r.output

@@ -46,6 +46,7 @@ from .options import DEFAULT_TOKENS, Models, VerifyOptions  # noqa: F401  (DEFAU
 from .outside import compare_outside, in_blocks
 from .report import VerifyReport
 from .sides import describe_side, extract_selection, extracts, find, settle_heads
+from . import expert_map
 from .pairrun import check_pairs
 from .steps import PairOptions
 from .stored import quantized_alike
@@ -239,11 +240,14 @@ def _pair(run: Run, load, worker) -> tuple[VerifyReport, FFNSet | None, FFNSet |
     report.problems += [p for p in (pa, pb) if p]
     extract = extracts(fa, fb)  # an FFN-only output has no model around its FFNs to compare
     # beside the FFNs
-    model: Future = worker.submit(model_checks, run.client, ca, cb, extract, o.allow_config, o.side_files)
+    allow = (*o.allow_config, *expert_map.explained(ca, cb))  # an expert count B's recorded mapping explains
+    model: Future = worker.submit(model_checks, run.client, ca, cb, extract, allow, o.side_files)
     for side, found in (("A", fa), ("B", fb)):
         if found and (w := found.unmatched_warning()):
             (report.notes if o.allow_unmatched else report.problems).append(
                 f"{side}: {w}" + ("" if o.allow_unmatched else "; --allow-unmatched accepts them unchecked"))
+    if fa and fb:  # B pruned or reordered (prune-experts, reorder-experts): its experts paired through its mapping
+        fa, fb = expert_map.paired(report, ca, cb, fa, fb)
     if fa and fb and run.selection == (None, None):
         run.selection = extract_selection(report, ca, cb, fa, fb)
     return report, fa, fb, model

@@ -84,14 +84,25 @@ def paired(report, ca, cb, fa: FFNSet, fb: FFNSet) -> tuple[FFNSet, FFNSet]:
         f"routers' rows through it ({sum(len(la[k].routers) for k in pairs)} router tensors"
         f"{', every row in step' if not problems else ''})"
         + (f"; A's experts B dropped are not compared: {', '.join(dropped)}" if dropped else ""))
-    keys = [k for k in EXPERT_COUNT_KEYS if _count(ca.config, k) not in (None, _count(cb.config, k))]
-    if keys:
-        report.notes.append(f"config.json's expert count ({', '.join(keys)}) is B's kept experts, as its mapping says: "
-                            + " ".join(f"--allow-config {k}" for k in keys) + " accepts it in the config check")
+    if explained(ca, cb):
+        report.notes.append("config.json's expert count differs as B's mapping says (its kept experts): accepted in "
+                            "the config check")
     routers_a = {n for m in la.values() for n in m.routers}
     routers_b = {n for m in lb.values() for n in m.routers}
     return (dataclasses.replace(fa, ffns=tuple(sorted(rekeyed, key=lambda f: f.ref)), tensors=fa.tensors | routers_a),
             dataclasses.replace(fb, tensors=fb.tensors | routers_b))
+
+
+def explained(ca, cb) -> list[str]:
+    """The expert-count keys of config.json whose difference B's recorded mapping explains: B's count is the number
+    of experts each layer of its mapping holds, and A's is not, under any of the count's names ([] where B records
+    none)."""
+    rec = mapping.recorded(cb)
+    if rec is None or not rec["layers"]:
+        return []
+    kept = {len(v) for v in rec["layers"].values()}
+    held = [k for k in EXPERT_COUNT_KEYS if {_count(cb.config, k)} == kept != {_count(ca.config, k)}]
+    return list(EXPERT_COUNT_KEYS) if held else []  # every name of the count (a reader may hold one of several)
 
 
 def _count(config: dict | None, key: str):
