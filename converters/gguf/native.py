@@ -8,7 +8,8 @@ it writes the header. What it does to each tensor's values is, for the families 
 - ``rotary``: q/k rows permuted into llama.cpp's rotary order, head by head (its ``LlamaModel.permute``);
 - ``stack``: a layer's experts stacked into one (E, rows, cols) tensor (``ffn_{gate,up,down}_exps``);
 - ``plus_one``: the weight plus one, added in its dtype after the cast to float32 unless float16 (Gemma's
-  norms, ``Family.plus_one``);
+  norms, ``Family.plus_one``): the recipe carries the steps (``values``) written from the ops that define it,
+  ``checks.rounded.plus_ops`` (Cast, Affine: ``steps_of``), which ``encode`` runs in numpy as the ops run in torch;
 
 then the cast every tensor goes through (to float32, then gguf-py's ``quants.quantize`` to F32, F16, BF16 or
 Q8_0). All of them work on whole rows, so a tensor is written a few megabytes at a time, by a pool of threads
@@ -22,9 +23,11 @@ gguf-py on the path (the quantizer the converter uses); prints one JSON line.
 The recipes are not ``ffn_tools.ops``, on purpose: an op's ``apply`` makes a whole torch tensor, a recipe here is
 run a few rows at a time in numpy (``pieces``/``encode``: pread, permute, plus one, gguf-py's cast, pwrite) in a
 process that imports no torch, and each is proved against the converter's own bytes (``worker.check_classes``).
-Their ops would be Copy, Permute (``rotary_rows``), Stack and a plus-one in the converter's dtype rules, then
-gguf-py's encoding (Q8_0), which no op has: sending those ops would need a second, chunked numpy interpreter of them
-here, the semantics written twice, for no reader of the plan (the converter, not the plan, decides the file).
+Their ops would be Copy, Permute (``rotary_rows``), Stack and the plus one, then gguf-py's encoding (Q8_0), which no
+op has: sending those ops would need a second, chunked numpy interpreter of them here, for no reader of the plan
+(the converter, not the plan, decides the file). The one exception is the plus one, whose arithmetic (which dtype
+it is added in) verify derives too: it is defined once, by ``plus_ops``, and its recipe's steps are written from
+those ops (``steps_of``: Cast and Affine only, each a line of numpy in ``run_steps``).
 """
 
 from __future__ import annotations
@@ -80,7 +83,60 @@ def recipe(gguf_name: str, shape: list[int], family, config: dict, names: dict[s
         return None
     if heads is not None and sources[0]["shape"][0] % (2 * heads):
         return None  # rows that do not split into heads of two halves: the converter would fail too
-    return {"op": op, "sources": sources, "heads": heads}
+    rec: dict = {"op": op, "sources": sources, "heads": heads}
+    if op == "plus_one":
+        rec["values"] = plus_steps(sources[0]["dtype"])
+    return rec
+
+
+def plus_steps(dtype: str) -> list[list]:
+    """The steps by which the converter stores a weight of safetensors ``dtype`` plus one: ``plus_ops``'s, as
+    ``steps_of`` writes them (run here by ``run_steps``)."""
+    from ffn_tools.checks.rounded import plus_ops
+    from ffn_tools.io.dtypes import torch_dtype
+
+    return steps_of(plus_ops(torch_dtype(dtype), 1.0))
+
+
+def steps_of(ops) -> list[list]:
+    """Value ops (``ffn_tools.ops``: Cast, Affine) as a recipe's JSON steps: ``["cast", dtype]``,
+    ``["affine", scale, shift]``.
+
+    Raises:
+        ValueError: an op that is not one of them (``run_steps`` runs no other).
+    """
+    from ffn_tools.ops import Affine, Cast
+
+    steps: list[list] = []
+    for op in ops:
+        if isinstance(op, Cast) and op.dtype in STEP_DTYPES:
+            steps.append(["cast", op.dtype])
+        elif isinstance(op, Affine):
+            steps.append(["affine", float(op.scale), float(op.shift)])
+        else:
+            raise ValueError(f"no recipe step runs {op.describe()}")
+    return steps
+
+
+STEP_DTYPES = {"F32": "float32", "F16": "float16"}  # numpy has no bfloat16: a step casts to these only
+
+
+def run_steps(x, steps: list[list]):
+    """Numpy ``x`` through a recipe's ``steps`` (``steps_of``), as their ops run in torch: a cast, or ``x * scale +
+    shift`` computed in float32 and stored back in ``x``'s dtype (``Affine``)."""
+    import numpy as np
+
+    for step in steps:
+        if step[0] == "cast":
+            x = x.astype(STEP_DTYPES[step[1]], copy=False)
+        elif step[0] == "affine":
+            y = x.astype(np.float32)
+            if step[1] != 1.0:
+                y = y * np.float32(step[1])
+            x = (y + np.float32(step[2])).astype(x.dtype, copy=False)
+        else:
+            raise ValueError(f"unknown recipe step {step!r}")
+    return x
 
 
 def route(gguf_name: str, shape: list[int], family, config: dict,
@@ -132,8 +188,9 @@ def pieces(rec: dict) -> Iterator[tuple[dict, int, int, int | None]]:
 
 
 def encode(src: dict, r0: int, r1: int, head: int | None, qtype: str,
-           one: bool = False) -> bytes | bytearray | memoryview:
-    """Rows [r0, r1) of ``src`` as the converter writes them in ``qtype`` (``one``: plus one, as ``plus_one``)."""
+           steps: list[list] | None = None) -> bytes | bytearray | memoryview:
+    """Rows [r0, r1) of ``src`` as the converter writes them in ``qtype`` (``steps``: the recipe's ``values``,
+    the plus one, run on the values as read)."""
     import numpy as np
 
     from ffn_tools.io.store import read_bytes
@@ -143,9 +200,9 @@ def encode(src: dict, r0: int, r1: int, head: int | None, qtype: str,
     raw: bytes | bytearray = read_bytes(src["file"], src["start"] + r0 * cols * size, (r1 - r0) * cols * size)
     if head is not None:
         raw = rotary_rows(np.frombuffer(raw, np.uint8).reshape(r1 - r0, cols * size), head).tobytes()
-    if qtype == src["dtype"] and qtype in ("F32", "F16") and not one:
+    if qtype == src["dtype"] and qtype in ("F32", "F16") and not steps:
         return raw  # the converter keeps a float32 or float16 tensor as it is
-    if qtype == "BF16" and src["dtype"] == "BF16" and not one:
+    if qtype == "BF16" and src["dtype"] == "BF16" and not steps:
         return _bf16_as_bf16(raw)
     if src["dtype"] == "BF16":  # bfloat16 -> float32 is exact: the bits, shifted
         bits = np.empty(len(raw) // 2, np.uint32)
@@ -155,8 +212,8 @@ def encode(src: dict, r0: int, r1: int, head: int | None, qtype: str,
         x = np.frombuffer(raw, np.float16)
     else:
         x = np.frombuffer(raw, np.float32)
-    if one:
-        x = x + x.dtype.type(1)  # in the tensor's dtype, as the converter adds it (float16 stays float16)
+    if steps:
+        x = run_steps(x, steps)  # bfloat16's exact float32 is what its Cast("F32") makes
     return encode_values(x.astype(np.float32, copy=False).reshape(r1 - r0, cols), qtype)
 
 
@@ -264,8 +321,7 @@ def _encoded_bytes(n: int, qtype: str) -> int:
 
 def tensor_bytes(rec: dict, qtype: str) -> bytes:
     """The whole tensor as the recipe writes it (for the worker's check against the converter)."""
-    one = rec["op"] == "plus_one"
-    return b"".join(encode(src, r0, r1, head, qtype, one) for src, r0, r1, head in pieces(rec))
+    return b"".join(encode(src, r0, r1, head, qtype, rec.get("values")) for src, r0, r1, head in pieces(rec))
 
 
 def write(tensors: list[dict], out: Path, *, threads: int | None = None, progress: bool = False) -> int:
@@ -285,7 +341,7 @@ def write(tensors: list[dict], out: Path, *, threads: int | None = None, progres
         pos = t["offset"]
         for src, r0, r1, head in pieces(t["recipe"]):
             size = _encoded_bytes((r1 - r0) * _count(src["shape"][1:]), t["type"])
-            jobs.append((src, r0, r1, head, t["type"], t["recipe"]["op"] == "plus_one", pos, size))
+            jobs.append((src, r0, r1, head, t["type"], t["recipe"].get("values"), pos, size))
             pos += size
         if pos - t["offset"] != t["bytes"]:
             raise ValueError(f"{t['name']}: the recipe makes {pos - t['offset']} bytes, the header says {t['bytes']}")
@@ -295,8 +351,8 @@ def write(tensors: list[dict], out: Path, *, threads: int | None = None, progres
     fd = os.open(out, os.O_WRONLY)
     try:
         def one(job) -> int:
-            src, r0, r1, head, qtype, plus, pos, size = job
-            data = encode(src, r0, r1, head, qtype, plus)
+            src, r0, r1, head, qtype, steps, pos, size = job
+            data = encode(src, r0, r1, head, qtype, steps)
             if len(data) != size:
                 raise ValueError(f"a chunk of {len(data)} bytes where {size} belong")
             write_at(fd, memoryview(data), pos)
