@@ -55,7 +55,10 @@ def test_gguf_to_gguf_keeps_every_block(quantized, tmp_path, ftype):
         assert b[n] == a[n], n
     kept = [t for t in r["codes"] if t["action"] == "kept"]
     assert len(kept) == len(r["codes"]) == len(lossy) and all(t["blocks_exact"] == t["blocks"] > 0 for t in kept)
-    assert set(field_values(Reader(out, "r"))["ffn_tools.codes.kept"]) == lossy
+    meta, before = field_values(Reader(out, "r")), field_values(Reader(src, "r"))
+    assert set(meta["ffn_tools.codes.kept"]) == lossy
+    # the metadata is the source's (general.name, file type, the tokenizer rebuilt and written again), ours added
+    assert {k: v for k, v in meta.items() if not k.startswith("ffn_tools.")} == before
     if ftype == "Q4_K_M":  # verify: each kept tensor's values are A's, exactly
         v = json.loads(run_cli("verify", src, out, "--backend", "reference", "--json").stdout)
         assert v["passed"] and v["load_check"]["ok"]

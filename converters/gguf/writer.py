@@ -22,6 +22,7 @@ user's cache, where it is fetched once from the installed llama-cpp-python's sou
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -144,8 +145,14 @@ def _model_dir(ckpt: Checkpoint):
     if (Path(ckpt.root) / "config.json").is_file():
         yield Path(ckpt.root)
         return
+    from .reader import GGUFCheckpoint
+
+    # named as the input (a GGUF's general.name), from which the converter derives general.name and basename
+    name = str(ckpt.fields.get("general.name") or "") if isinstance(ckpt, GGUFCheckpoint) else ""
+    name = re.sub(r"[^\w.+-]+", "-", name or Path(ckpt.path).stem).strip(".-") or "model"
     with tempfile.TemporaryDirectory(prefix="ffn-tools-gguf-") as tmp:
-        d = Path(tmp)
+        d = Path(tmp) / name
+        d.mkdir()
         (d / "config.json").write_text(json.dumps(ckpt.config or {}, indent=2))
         files, _ = ckpt.rebuilt_files()
         for name, text in files.items():
