@@ -35,16 +35,31 @@ def _tap_class():
             for name, value in (("_key", key), ("_got", got), ("_before", before), ("_top_k", top_k)):
                 object.__setattr__(self, name, value)  # not parameters: kept out of the module's tree
 
+        def __getattr__(self, name: str):  # what else the model asks of the part (a tied head: as_linear)
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                inner = dict.get(self, "inner")
+                if inner is None:
+                    raise
+                return getattr(inner, name)
+
         def __call__(self, *args, **kwargs):
             out = self.inner(*args, **kwargs)
+            if self._top_k and isinstance(out, tuple):  # a router that gives its choice (DeepSeek's: ids, scores)
+                ids = next(t for t in out if mx.issubdtype(t.dtype, mx.integer))
+                self._keep("topk", np.sort(np.array(ids).reshape(-1, ids.shape[-1]), -1).astype(np.int64))
+                return out  # its logits stay inside it: no such part
             t = args[0] if self._before else (out[0] if isinstance(out, tuple) else out)
             self._got.setdefault(self._key, []).append(np.array(t.astype(mx.float32)).reshape(-1, t.shape[-1]))
-            if self._top_k:  # a router: the experts its logits choose
+            if self._top_k:  # a router giving logits: the experts they choose
                 probs = mx.softmax(t.astype(mx.float32), axis=-1)
                 chosen = mx.argpartition(-probs, kth=self._top_k - 1, axis=-1)[..., : self._top_k]
-                c = np.sort(np.array(chosen).reshape(-1, self._top_k), -1).astype(np.int64)
-                self._got.setdefault(self._key[: -len("router")] + "topk", []).append(c)
+                self._keep("topk", np.sort(np.array(chosen).reshape(-1, self._top_k), -1).astype(np.int64))
             return out
+
+        def _keep(self, part: str, value: np.ndarray) -> None:
+            self._got.setdefault(self._key[: -len("router")] + part, []).append(value)
 
     return Tap
 

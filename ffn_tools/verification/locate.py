@@ -204,18 +204,22 @@ def locate(a, b, *, opener: Callable, converter: Callable | None, client: str | 
     say(f"--locate: A, B and the floor run on {len(sequences)} x {length} tokens, every part of every layer kept")
     with tempfile.TemporaryDirectory(prefix="ffn-tools-locate-") as d:
         floor = floor_side(models, recipe, da.get("dtype"), Path(d), allow_config)
-        made = None
+        made, why = None, None
         if not isinstance(floor, str) and recipe is not None and floor[0] != Path(a):  # B's form is another
-            made = _anchor(clients[1], Path(a), recipe, Path(d) / "anchor", floor[0])
-        return run_locate(models, sequences, floor, Path(d), made)
+            made, why = _anchor(clients[1], Path(a), recipe, Path(d) / "anchor", floor[0])
+        res = run_locate(models, sequences, floor, Path(d), made)
+        res.notes += [why] if why else []
+        return res
 
 
-def _anchor(client: Client, a: Path, recipe: dict, out: Path, like: Path) -> tuple[Path, str] | None:
-    """The independent floor's model (``Client.anchor``), or None where B's client has no tool here; a tool that
-    fails is no floor, and says so."""
+def _anchor(client: Client, a: Path, recipe: dict, out: Path, like: Path) -> tuple[tuple[Path, str] | None,
+                                                                                  str | None]:
+    """The independent floor's model (``Client.anchor``) or None where B's client has no tool here; and, where the
+    tool failed (no floor then: ffn-tools' floor is the measure), why."""
     try:
         words = client.anchor(a, recipe, out, like)
     except Exception as e:  # the tool's own errors
-        raise FFNToolsError(f"--locate: the independent floor's tool ({client.name}'s) could not convert A: "
-                            f"{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}") from None
-    return None if words is None else (out, words)
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        return None, (f"no independent floor: {client.name}'s converter could not convert A ({first}); B is held "
+                      "against ffn-tools' floor")
+    return (None if words is None else (out, words)), None
