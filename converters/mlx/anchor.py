@@ -24,14 +24,39 @@ def anchor(a: Path, recipe: dict, out: Path, like: Path | None) -> str | None:
         return None
     quantize = bool(recipe.get("quantize"))
     kw = {k: recipe[k] for k in ("q_bits", "q_group_size", "q_mode") if quantize and recipe.get(k) is not None}
-    with contextlib.redirect_stdout(sys.stderr):  # its progress lines: never into verify's --json
-        convert(hf_path=str(a), mlx_path=str(out), dtype=recipe.get("dtype"), quantize=quantize, **kw)
     words = f"mlx_lm.convert {__version__}"
+    source, lifted = _staged(a, like, out.parent / f"{out.name}-input")
+    if lifted:
+        words += f" (given A's {', '.join(lifted)} as mlx_lm must read them, which A's config.json holds otherwise)"
+    with contextlib.redirect_stdout(sys.stderr):  # its progress lines: never into verify's --json
+        convert(hf_path=str(source), mlx_path=str(out), dtype=recipe.get("dtype"), quantize=quantize, **kw)
     if like is not None and (like / "config.json").is_file():
         mine, theirs = (json.loads((p / "config.json").read_text()) for p in (like, out))
-        dropped = sorted(k for k in mine if k not in theirs and k not in ("quantization", "quantization_config"))
+        dropped = _missing(mine, theirs)
         if dropped:
             (out / "config.json").write_text(json.dumps({**theirs, **{k: mine[k] for k in dropped}}, indent=2))
             words += (f" (its tensors with A's {', '.join(dropped)}, which its config.json lacks: mlx_lm would read "
                       "its default)")
     return words
+
+
+def _missing(mine: dict, theirs: dict) -> list[str]:
+    return sorted(k for k in mine if k not in theirs and k not in ("quantization", "quantization_config"))
+
+
+def _staged(a: Path, like: Path | None, where: Path) -> tuple[Path, list[str]]:
+    """A as mlx_lm.convert is given it: A itself, or where ffn-tools' derivation (``like``) has top-level settings
+    A's config.json holds otherwise (transformers 5: ``rope_parameters.rope_theta``, ``num_local_experts``), A's
+    files linked beside a config.json that also has them; and the settings so added."""
+    if like is None or not (like / "config.json").is_file() or not (a / "config.json").is_file():
+        return a, []
+    mine, theirs = (json.loads((p / "config.json").read_text()) for p in (like, a))
+    lifted = _missing(mine, theirs)
+    if not lifted:
+        return a, []
+    where.mkdir(parents=True)
+    for f in a.iterdir():
+        if f.name != "config.json":
+            (where / f.name).symlink_to(f.resolve())
+    (where / "config.json").write_text(json.dumps({**theirs, **{k: mine[k] for k in lifted}}, indent=2))
+    return where, lifted
