@@ -200,6 +200,7 @@ def test_mlx_places_the_head_beside_the_model(deepseek, tmp_path):
     assert set(got) == set(src) and all(torch.equal(got[n], src[n]) for n in src)
     v = json.loads(run_cli("verify", deepseek, out, "--json", "--no-load-check").output)
     assert v["passed"] and not v["only_a"] and v["outside"]["only_a"] == []
+    assert "A's MTP head model.layers.2 (nextn, 32 tensors): in B and agreeing with A's (its drafts are A's)" in v["notes"]
 
 
 def test_mlx_drop_is_recorded_and_only_refused(glm, tmp_path):

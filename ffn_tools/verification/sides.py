@@ -158,6 +158,8 @@ def settle_heads(report: VerifyReport, ca, cb, fa: FFNSet | None) -> None:
         own = [t for t in head.tensors if t not in ffn_tensors]  # its FFNs are paired as FFNs (a fused one renamed)
         missing = [t for t in own if t not in cb] + sorted(refs & set(report.only_a))
         if not missing:
+            if not bad and report.outside is not None and not report.outside.skipped:
+                report.notes.append(f"{what}: in B and agreeing with A's (its drafts are A's)")
             continue
         if len(missing) < len(own) + len(refs):
             report.problems.append(f"B holds only part of {what}: {listing(missing, 3)} not in B")
