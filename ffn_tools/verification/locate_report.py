@@ -89,8 +89,8 @@ class LocateResult:
             s = r.statistic
             name = "share of positions choosing other experts" if s == "choice" else "relative error"
             held = r.anchor if self.anchor else r.floor
-            return (f"--locate: B parts from A first at {r.words()}: {name} {r.b[s]:.3g} against {which}'s "
-                    f"{held[s] if held else 0:.3g} (at most {r.allowed:.3g} allowed)")
+            return (f"--locate: B parts from A first at {r.words()}: {name} {r.b[s]:.3g}, {held[s] if held else 0:.3g} "
+                    f"at {which}, at most {r.allowed:.3g} allowed")
         if self.not_judged:
             return f"--locate: not judged ({self.not_judged}); the figures are B's against A"
         return f"--locate: every part of every layer within {which}"
