@@ -157,7 +157,14 @@ def _model_dir(ckpt: Checkpoint):
         files, _ = ckpt.rebuilt_files()
         for name, text in files.items():
             (d / name).write_bytes(text if isinstance(text, bytes) else text.encode())
-        yield d
+        try:
+            yield d
+        except FFNToolsError as e:
+            if "pre-tokenizer was not recognized" not in str(e):
+                raise
+            raise FFNToolsError(f"{e} (the input has no tokenizer files: the converter read the ones rebuilt from "
+                                f"{ckpt.path.name}'s metadata, whose BPE pre-tokenizer it does not recognise; put "
+                                "the model's own tokenizer.json and config.json beside the input)") from None
 
 
 def _fallback_line(fallbacks: list[dict], total: int) -> str:
