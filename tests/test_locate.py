@@ -235,3 +235,28 @@ def test_a_defect_in_ffn_tools_own_mlx_export_is_caught_by_the_independent_floor
     assert r.floors_part is not None and r.floors_part.key == "L1.ffn_norm"  # ffn-tools' floor shares the defect
     assert r.first.b == r.first.floor  # B sits on ffn-tools' floor (one patched conversion made both)
     assert any("floors DIFFER" in line for line in r.lines())
+
+
+def test_a_b_made_by_the_anchor_is_held_against_ffn_tools_floor(moe, tmp_path):
+    """B is mlx_lm.convert's own output: the anchor is no floor independent of B, so ffn-tools' floor judges it; a
+    defect of ffn-tools' export (patched) then shows as the floors' disagreement, not as B's."""
+    pytest.importorskip("mlx_lm")
+    real = registry().convert
+
+    def patched(path, to, out, **kw):
+        done = real(path, to, out, **kw)
+        for f in Path(out).glob("*.safetensors"):
+            sd = load_file(f)
+            _add_one(sd, "model.layers.0.input_layernorm.weight")
+            save_file(sd, f, metadata={"format": "mlx"})
+        return done
+
+    b = tmp_path / "by-mlx-lm"
+    patched(moe, "mlx", tmp_path / "like", dtype="float32")  # for A's settings, as the anchor is given them
+    from ffn_tools.converters.mlx.anchor import anchor
+
+    anchor(moe, {"dtype": "float32"}, b, tmp_path / "like")
+    r = locate(moe, b, opener=registry().open_sides, converter=patched)
+    assert r.anchor_is_b and any("B came from that tool" in n for n in r.notes), r.lines()
+    assert r.passed is True, r.lines()
+    assert r.floors_part is not None and r.floors_part.key == "L0.attn_norm", r.lines()

@@ -70,9 +70,10 @@ def _limit(row: Row, floor: dict) -> float:
     return FACTOR * floor[stat] + (CHOICE_SLACK if stat == "choice" else SLACK)
 
 
-def rows(acts_a: dict, acts_b: dict, acts_f: dict | None, acts_n: dict | None = None) -> list[Row]:
+def rows(acts_a: dict, acts_b: dict, acts_f: dict | None, acts_n: dict | None = None,
+         on_anchor: bool = True) -> list[Row]:
     """Every part of A, B's figure, the floor's and the anchor's (None: not measured), judged: against the
-    anchor's where there is one (independent of ffn-tools' converter), else against the floor."""
+    anchor's where there is one (independent of ffn-tools' converter) and ``on_anchor``, else against the floor."""
     out = []
     for key in ordered(acts_a):
         layer, part = (int(key[1:].split(".")[0]), key.split(".", 1)[1]) if key.startswith("L") else (None, key)
@@ -90,7 +91,7 @@ def rows(acts_a: dict, acts_b: dict, acts_f: dict | None, acts_n: dict | None = 
         n = acts_n.get(key) if acts_n is not None else None
         if n is not None and n.shape == a.shape:
             row.anchor = figure(a, n)
-        held = row.anchor if acts_n is not None else row.floor
+        held = row.anchor if acts_n is not None and on_anchor else row.floor
         if row.b is not None and held is not None:
             row.allowed = _limit(row, held)
             row.left = row.b[row.statistic] > row.allowed
@@ -154,8 +155,17 @@ def run_locate(models: Models, sequences: list[list[int]], floor: tuple[Path, Cl
     if anchor is not None:
         res.anchor = f"A converted to B's form by {anchor[1]}, run by {clients[1].name}"
         acts_n, _ = _activations(models, clients[1], anchor[0], "the anchor", sequences, None, tmp, res.notes)
-    res.rows = rows(acts_a, acts_b, acts_f, acts_n)
+    made_by_anchor = acts_n is not None and acts_f is not None and _same(acts_b, acts_n) and not _same(acts_b, acts_f)
+    if made_by_anchor:  # B is the anchor's output: the anchor is no floor independent of B, ffn-tools' is
+        res.notes.append("B computes bit for bit as the anchor's output, not as ffn-tools' floor: B came from that "
+                         "tool, so B is held against ffn-tools' floor")
+        res.anchor_is_b = True
+    res.rows = rows(acts_a, acts_b, acts_f, acts_n, on_anchor=not made_by_anchor)
     return res
+
+
+def _same(x: dict, y: dict) -> bool:
+    return x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
 
 
 def after_generate(models: Models, sequences: list[list[int]], floor: tuple[Path, Client, str | None, str],

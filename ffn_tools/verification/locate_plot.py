@@ -13,10 +13,10 @@ from .locate_report import SHORT, LocateResult, Row
 CELL, LEFT, TOP = 34, 46, 64
 
 
-def _shade(row: Row | None) -> str:
+def _shade(row: Row | None, anchor_is_b: bool) -> str:
     if row is None or row.b is None:
         return "#eeeeee"
-    held = row.anchor if row.anchor is not None else row.floor
+    held = row.anchor if row.anchor is not None and not anchor_is_b else row.floor
     s = row.statistic
     v, f = row.b[s], (held or {}).get(s, 0.0)
     ratio = v / f if f > 0 else (1.0 if v == 0 else 1e3)
@@ -47,8 +47,8 @@ def write_svg(r: LocateResult, path: str | Path) -> Path:
             stroke = ('stroke="#000" stroke-width="3"' if row is not None and row is first else
                       'stroke="#c00" stroke-width="1.5"' if row is not None and row.left else 'stroke="#999"')
             out.append(f'<rect x="{LEFT + j * CELL}" y="{y}" width="{CELL - 2}" height="{CELL - 2}" '
-                       f'fill="{_shade(row)}" {stroke}><title>{escape(row.key if row else "")} '
-                       f'{escape(row.cell() if row else "no such part")}</title></rect>')
+                       f'fill="{_shade(row, r.anchor_is_b)}" {stroke}><title>{escape(row.key if row else "")} '
+                       f'{escape(row.cell(r.anchor_is_b) if row else "no such part")}</title></rect>')
     out.append(f'<text x="4" y="{height - 8}">layers down, parts across; shade: B\'s figure over its floor\'s '
                '(log, 1x white to 10x red); outlined: leaves it</text></svg>')
     Path(path).write_text("\n".join(out))

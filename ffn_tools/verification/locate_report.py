@@ -38,12 +38,12 @@ class Row:
         where = f"layer {self.layer} " if self.layer is not None else ""
         return f"{where}{WORDS.get(self.part, self.part)} ({self.key})"
 
-    def cell(self) -> str:
+    def cell(self, anchor_is_b: bool = False) -> str:
         """The part's figure as a multiple of its floor's: "1.0" at it, "=" both 0, "!" marks one that leaves."""
         if self.b is None:
             return "-" if not self.left else "shape!"
         s, v = self.statistic, self.b[self.statistic]
-        held = self.anchor if self.anchor is not None else self.floor
+        held = self.anchor if self.anchor is not None and not anchor_is_b else self.floor
         if held is None:
             return f"{v:.1e}"
         f = held[s]
@@ -60,6 +60,7 @@ class LocateResult:
     positions: int = 0
     floor: str = ""  # how the floor was made, in words
     anchor: str = ""  # how the independent floor was made, in words ("": none here)
+    anchor_is_b: bool = False  # B computes as the anchor's output: held against ffn-tools' floor instead
     not_judged: str | None = None  # why there is no floor
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -82,13 +83,14 @@ class LocateResult:
         return next((r for r in self.rows if r.floor_leaves_anchor), None)
 
     def verdict(self) -> str:
-        which = f"the independent floor ({self.anchor})" if self.anchor else f"its floor ({self.floor})"
+        on_anchor = self.anchor and not self.anchor_is_b
+        which = f"the independent floor ({self.anchor})" if on_anchor else f"its floor ({self.floor})"
         if (r := self.first) is not None:
             if r.b is None:
                 return f"--locate: B parts from A at {r.words()}: {r.note}"
             s = r.statistic
             name = "share of positions choosing other experts" if s == "choice" else "relative error"
-            held = r.anchor if self.anchor else r.floor
+            held = r.anchor if on_anchor else r.floor
             return (f"--locate: B parts from A first at {r.words()}: {name} {r.b[s]:.3g}, {held[s] if held else 0:.3g} "
                     f"at {which}, at most {r.allowed:.3g} allowed")
         if self.not_judged:
@@ -100,14 +102,15 @@ class LocateResult:
                f"  A run by {self.clients[0]}, B by {self.clients[1]}, on {self.sequences} sequences "
                f"({self.positions} positions)" + ("" if self.anchor else f"; floor: {self.floor or 'none'}")]
         if self.anchor:
-            out.append(f"  ffn-tools' floor: {self.floor}")
+            out.append(f"  ffn-tools' floor: {self.floor}" if not self.anchor_is_b else
+                       f"  independent floor (B's own maker, so not B's floor): {self.anchor}")
         if (f := self.floors_part) is not None:
             out.append(f"  floors DIFFER: ffn-tools' floor leaves the independent floor first at {f.words()}: "
                        "ffn-tools' conversion to B's form computes otherwise than the anchor's")
         out += [f"  note: {n}" for n in self.notes]
         layers = sorted({r.layer for r in self.rows if r.layer is not None})
         parts = [p for p in SHORT if any(r.part == p for r in self.rows)]
-        cells = {r.key: r.cell() for r in self.rows}
+        cells = {r.key: r.cell(self.anchor_is_b) for r in self.rows}
         out.append("  per layer, B's figure as a multiple of its floor's (=: both 0; !: leaves it; -: no such part)")
         out.append("  " + "layer".ljust(6) + "".join(SHORT[p].rjust(9) for p in parts))
         for layer in layers:
@@ -121,7 +124,7 @@ class LocateResult:
         first = self.first
         return {"passed": self.passed, "first": None if first is None else {**asdict(first), "words": first.words()},
                 "verdict": self.verdict(), "clients": list(self.clients), "sequences": self.sequences,
-                "positions": self.positions, "floor": self.floor, "anchor": self.anchor,
+                "positions": self.positions, "floor": self.floor, "anchor": self.anchor, "anchor_is_b": self.anchor_is_b,
                 "floors_differ_at": None if self.floors_part is None else self.floors_part.key,
                 "not_judged": self.not_judged, "notes": self.notes,
                 "parts": [asdict(r) for r in self.rows]}
