@@ -260,3 +260,15 @@ def test_a_b_made_by_the_anchor_is_held_against_ffn_tools_floor(moe, tmp_path):
     assert r.anchor_is_b and any("B came from that tool" in n for n in r.notes), r.lines()
     assert r.passed is True, r.lines()
     assert r.floors_part is not None and r.floors_part.key == "L0.attn_norm", r.lines()
+
+
+def test_a_remapped_token_row_is_named_at_the_embedding(moe, tmp_path):
+    """A byte-fallback token's row moved to another id (a vocabulary remapped in the weights): the first part
+    that leaves its floor is the embedding rows, before any layer."""
+    from ffn_tools.verification.logits import token_batch
+
+    seen = sorted(set(token_batch(96, 0, 32).flatten().tolist()))
+    b = _plant(moe, tmp_path / "b", lambda sd: _rows(sd, "model.embed_tokens.weight", seen[3], seen[4]))
+    r = _locate(moe, b)
+    assert r.first is not None and r.first.key == "embed" and r.first.layer is None, r.lines()
+    assert "embedding rows" in r.verdict()
