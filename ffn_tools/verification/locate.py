@@ -208,7 +208,10 @@ def locate(a, b, *, opener: Callable, converter: Callable | None, client: str | 
         except FFNToolsError as e:
             raise FFNToolsError(str(e).replace("--logits:", "--locate:", 1)) from None
         recipe = cb.format.recipe(cb, db.get("dtype"), bool(db.get("quantization")))
-        vocab = int((ca.config or {}).get("vocab_size") or (ca.config or {}).get("text_config", {}).get("vocab_size"))
+        config = ca.config or {}
+        vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+        if not isinstance(vocab, int):
+            raise FFNToolsError("--locate: A's config.json names no vocab_size: the token batch needs one")
     sequences = token_batch(vocab, seed, length).tolist()
     models = Models((a, b), (ca, cb), clients, converter)
     say(f"--locate: A, B and the floor run on {len(sequences)} x {length} tokens, every part of every layer kept")
