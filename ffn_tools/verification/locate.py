@@ -5,7 +5,7 @@ logits and top-k choice, the shared expert's output, the routed experts' combine
 (the dense FFN or the MoE block), the hidden state after the FFN, then the final norm and the logits.
 
 Each part is held against its own floor: the same figure between A and A', the change that is not a defect (B's
-form re-derived from A, as ``--generate``'s floor: ``generate.floor_side``). The first part, in the order the model
+form re-derived from A, as ``--generate``'s floor: ``floor.floor_side``). The first part, in the order the model
 computes them, whose figure leaves its floor is where B parts from A: every part after it inherits the difference.
 The figure is the relative error ``||x_B - x_A|| / ||x_A||`` over every position (the top-k choice: the share of
 positions choosing another set of experts); a part leaves its floor above ``FACTOR`` x the floor's figure plus
@@ -28,6 +28,7 @@ import numpy as np
 from ..clients import Client, NotApplicable
 from ..errors import FFNToolsError
 from ..progress import say
+from .floor import floor_side
 from .locate_report import LocateResult, Row
 from .logits import client_for, could_not_run, token_batch
 from .options import Models
@@ -134,7 +135,7 @@ def _activations(models: Models, client: Client, path: Path, side: str, sequence
 
 def run_locate(models: Models, sequences: list[list[int]], floor: tuple[Path, Client, str | None, str] | str,
                tmp: Path, anchor: tuple[Path, str] | None = None) -> LocateResult:
-    """A, B and the floor A' (``generate.floor_side``'s answer: (path, client, dtype, words), or why there is none)
+    """A, B and the floor A' (``floor.floor_side``'s answer: (path, client, dtype, words), or why there is none)
     run on ``sequences``, their parts compared (see the module docstring). ``tmp``: where B or A' converted to A's
     format is written, where its client exposes no activations. ``anchor``: B's form re-derived by another tool
     (``Client.anchor``: its path and words), run by B's client: the floor B is then held against."""
@@ -190,7 +191,6 @@ def locate(a, b, *, opener: Callable, converter: Callable | None, client: str | 
         FFNToolsError: a side cannot be read, or run as a whole model here.
     """
     from .. import quant
-    from .generate import floor_side
     from .sides import describe_side, find
 
     with ExitStack() as stack:
