@@ -258,6 +258,18 @@ class Client(ABC):
         """
         raise self.not_applicable("whole-model logits")
 
+    def masked_logits(self, path: Path, tokens: "torch.Tensor", dtype: str | None, dropped: dict[int, tuple[int, ...]],
+                      ungrouped: bool = False) -> tuple["torch.Tensor", list[str], dict[int, float]]:
+        """``logits`` with each MoE layer's experts ``dropped`` (layer -> expert indices) masked out of the routing
+        (router logits -inf; a sigmoid router's selection score), in one expert group where ``ungrouped``; and
+        each masked layer's routing mass lost: the share of the top-k routing weight its router, unmasked, gives
+        the dropped experts, mean over the tokens (``verify --logits`` of a pruned B: ``expert_map.masking``).
+
+        Raises:
+            NotApplicable: this runtime masks no experts here (the default).
+        """
+        raise self.not_applicable("whole-model logits with experts masked")
+
     def generate(self, path: Path, prompts: list[str], new_tokens: int, score: list[list[int]] | None = None,
                  dtype: str | None = None) -> Generation:
         """The model at ``path`` run on ``prompts`` as this client runs them: tokenized by its tokenizer (in its

@@ -86,6 +86,11 @@ class Transformers(Client):
         with torch.no_grad():
             return model.eval()(tokens).logits.to(torch.float64), problems
 
+    def masked_logits(self, path: Path, tokens, dtype, dropped, ungrouped=False):
+        from .masking import masked_logits
+
+        return masked_logits(path, tokens, dtype, dropped, ungrouped)
+
     def generate(self, path: Path, prompts, new_tokens, score=None, dtype=None):
         from transformers import AutoTokenizer
 

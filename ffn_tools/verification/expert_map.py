@@ -20,7 +20,7 @@ from ..errors import FFNToolsError
 from ..ffn import FFNRef
 from ..surgery import mapping
 from ..surgery.layers import moe_layers
-from ..surgery.routers import EXPERT_COUNT_KEYS
+from ..surgery.routers import EXPERT_COUNT_KEYS, GROUP_KEY
 from ..surgery.selection import spans
 
 
@@ -135,3 +135,65 @@ def _routers(ca, cb, names_a: list[str], names_b: list[str], index: tuple[int, .
                 out.append(f"{name}: B's row {n} (expert {n}) is {held}, not A's row {e} (the mapping's source "
                            "expert): the router is out of step with the experts")
     return out
+
+
+@dataclasses.dataclass
+class Masking:
+    """What ``verify --logits`` runs A with where B records an expert mapping (``masked``).
+
+    Attributes:
+        dropped: A's MoE layer -> A's experts B does not hold (their router logits masked to -inf in A's run;
+            empty for a reorder: A runs as it is).
+        ungrouped: A's config routes in expert groups (DeepSeek's n_group > 1): the pruned model regroups its
+            kept experts, which A masked does not, so both sides run with one group instead.
+        row: the dtype row (``tolerances.DTYPE_TOLERANCES``) of A's routers: the logits are held to it, widened,
+            where they would be bit for bit (B's router has fewer or reordered rows, its experts' outputs summed
+            in another order: equal up to that rounding, not bit for bit).
+    """
+
+    dropped: dict[int, tuple[int, ...]]
+    ungrouped: bool
+    row: str
+    lost: dict[int, float] = dataclasses.field(default_factory=dict)  # filled by A's run (Client.masked_logits)
+
+    def describe(self) -> str:
+        """The words for the logits line: what A ran as, and the most routing mass a layer lost."""
+        n = sum(len(v) for v in self.dropped.values())
+        what = (f"A with the {n} experts B dropped masked out of its routing" if n
+                else "A as it is (B reorders its experts)")
+        if self.lost:
+            worst = max(self.lost, key=lambda k: self.lost[k])
+            what += f" (routing mass lost on these tokens: up to {self.lost[worst]:.1%}, layer {worst})"
+        return what + ("; both sides routed in one expert group (B regroups its experts)" if self.ungrouped else "")
+
+    def as_dict(self) -> dict:
+        return {"dropped": {str(k): list(v) for k, v in sorted(self.dropped.items())}, "ungrouped": self.ungrouped,
+                "routing_mass_lost": {str(k): v for k, v in sorted(self.lost.items())}, "row": self.row}
+
+
+def masking(pa, pb) -> Masking | None:
+    """How A must run for its logits to be B's where B (at ``pb``) records an expert mapping, or None where it
+    records none. A softmax router's dropped experts masked to -inf before its softmax is the pruned model
+    (renormalization included); a top-k-then-softmax router's (GPT-OSS) too; DeepSeek's sigmoid router masks the
+    selection score (correction bias included), which holds with one expert group: grouped routing is run
+    ungrouped on both sides (``Masking.ungrouped``)."""
+    from ..adapters.formats import open_checkpoint
+    from ..detect import find_ffns
+    from ..tolerances import coarsest
+
+    cb = open_checkpoint(pb)
+    rec = mapping.recorded(cb)
+    if rec is None:
+        return None
+    ca = open_checkpoint(pa, like=cb)
+    la = moe_layers(ca, find_ffns(ca))
+    held = _sources(ca, {k: m.experts for k, m in la.items()})
+    dropped = {}
+    for layer, sources in rec["layers"].items():
+        if layer in held:
+            dropped[layer] = tuple(i for i, s in enumerate(held[layer]) if s not in set(sources))
+    groups = [c.get(GROUP_KEY) for c in (ca.config or {}, *(v for v in (ca.config or {}).values()
+                                                            if isinstance(v, dict)))]
+    dtypes = {ca.info(n).st_dtype for m in la.values() for n in m.routers}
+    row = coarsest({"F16": "float16", "BF16": "bfloat16"}.get(d, "float32") for d in dtypes)
+    return Masking({k: v for k, v in dropped.items() if v}, any(isinstance(g, int) and g > 1 for g in groups), row)

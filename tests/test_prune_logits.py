@@ -1,0 +1,125 @@
+"""``verify A B --logits`` of a pruned or reordered B (issue #56 item 4): A runs through its client with the experts
+B dropped masked out of its routing (``converters.pytorch.masking``, driven by B's recorded mapping:
+``verification.expert_map.masking``), and the routing mass each layer lost is reported; a reordered B's logits
+are A's. The prune/reorder/saliency functions through ``ffn_tools.api``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import run_cli
+from test_prune import KEEP, TOKENS, _logits, _model
+
+from ffn_tools.verification import expert_map
+
+
+def _verify(a, b):
+    r = run_cli("verify", a, b, "--backend", "reference", "--no-load-check", "--no-side-files", "--tokens", "8",
+                "--logits", "--json", ok=None)
+    return r, json.loads(r.stdout[r.stdout.index("{"):])
+
+
+@pytest.fixture(scope="module")
+def mixtral(model_dir, tmp_path_factory):
+    """Tiny Mixtral, and it pruned by KEEP (different sets per layer, layer 1 reordered too)."""
+    root = tmp_path_factory.mktemp("prune-logits")
+    (root / "keep.json").write_text(json.dumps(KEEP))
+    run_cli("prune-experts", model_dir("mixtral"), "--keep", root / "keep.json", "-o", root / "pruned")
+    return model_dir("mixtral"), root / "pruned"
+
+
+def test_masking_is_driven_by_the_recorded_mapping(mixtral, model_dir, tmp_path):
+    src, pruned = mixtral
+    m = expert_map.masking(src, pruned)
+    assert m is not None and m.dropped == {0: (1,), 1: (2,)} and not m.ungrouped and m.row == "float32"
+    assert expert_map.masking(src, src) is None  # B records no mapping: A runs as it is
+    run_cli("prune-experts", pruned, "--keep", "0,2", "-o", tmp_path / "twice")  # of B's, i.e. source 0,3 / 3,0
+    assert expert_map.masking(src, tmp_path / "twice").dropped == {0: (1, 2), 1: (1, 2)}
+    assert expert_map.masking(pruned, tmp_path / "twice").dropped == {0: (1,), 1: (1,)}  # A's own indices
+
+
+def test_client_masking_is_the_pruned_model(mixtral):
+    """The client's masking gives what the routers' own code gives run masked by hand (test_prune), and the
+    pruned model's logits; the routing mass lost is the share of layer 0's top-k weight on its dropped expert."""
+    from ffn_tools.converters.pytorch.masking import masked_logits
+
+    src, pruned = mixtral
+    dropped = {0: (1,), 1: (2,)}
+    masked, problems, lost = masked_logits(src, TOKENS, None, dropped, False)
+    assert not problems and set(lost) == {0, 1}
+    torch.testing.assert_close(masked.float(), _logits(src, KEEP), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(masked.float(), _logits(pruned), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(masked.float(), _logits(src), atol=1e-3)
+
+    model, _ = _model(src)
+    seen = []
+    model.model.layers[0].mlp.gate.register_forward_hook(lambda m, i, o: seen.append(o))
+    with torch.no_grad():
+        model(TOKENS)
+    _, weights, idx = seen[0]
+    share = ((weights * (idx == 1)).sum(-1) / weights.sum(-1)).double().mean()
+    assert 0 < lost[0] < 1 and lost[0] == pytest.approx(float(share), rel=1e-6)
+
+
+def test_verify_logits_of_a_pruned_model_passes_against_masked_a(mixtral):
+    src, pruned = mixtral
+    r, report = _verify(src, pruned)
+    assert r.exit_code == 0, r.output
+    lg = report["logits"]
+    assert lg["passed"] and lg["max_abs"] < 1e-5 and lg["tolerance"]["row"] == "float32 (logits)"
+    assert lg["masked"]["dropped"] == {"0": [1], "1": [2]}
+    assert set(lg["masked"]["routing_mass_lost"]) == {"0", "1"}
+    assert all(0 < v < 1 for v in lg["masked"]["routing_mass_lost"].values())
+    assert "experts B dropped masked" in lg["client_a"] and "routing mass lost" in lg["client_a"]
+
+
+def test_verify_logits_fails_a_router_out_of_step(mixtral, tmp_path):
+    """B's router rows swapped: its weights fail, and its logits are not masked A's."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src, pruned = mixtral
+    out = tmp_path / "forged"
+    shutil.copytree(pruned, out)
+    with safe_open(str(pruned / "model.safetensors"), "pt") as f:
+        meta, t = f.metadata(), {n: f.get_tensor(n) for n in f.keys()}
+    g = "model.layers.0.block_sparse_moe.gate.weight"
+    t[g] = t[g][[0, 2, 1]].contiguous()
+    save_file(t, str(out / "model.safetensors"), metadata=meta)
+    r, report = _verify(src, out)
+    assert r.exit_code == 1 and not report["logits"]["passed"]
+
+
+def test_verify_logits_of_a_reordered_model_are_a_s(mixtral, tmp_path):
+    src, _ = mixtral
+    (tmp_path / "order.json").write_text(json.dumps({"0": [3, 2, 1, 0], "1": [1, 3, 0, 2]}))
+    run_cli("reorder-experts", src, "--order", tmp_path / "order.json", "-o", tmp_path / "out")
+    assert expert_map.masking(src, tmp_path / "out").dropped == {}
+    r, report = _verify(src, tmp_path / "out")
+    assert r.exit_code == 0 and report["logits"]["passed"], r.output
+    assert report["logits"]["masked"]["routing_mass_lost"] == {} and "reorders" in report["logits"]["client_a"]
+
+
+def test_verify_logits_deepseek_v3_sigmoid_router(hf, tmp_path):
+    """DeepSeek-V3, one expert group: the dropped experts' selection score masked (correction bias -inf)."""
+    src = hf("deepseek_v3", n_group=1, topk_group=1)
+    run_cli("prune-experts", src, "--drop", "1", "-o", tmp_path / "out")
+    r, report = _verify(src, tmp_path / "out")
+    assert r.exit_code == 0 and report["logits"]["passed"], r.output
+    assert report["logits"]["masked"]["dropped"] == {"1": [1]} and not report["logits"]["masked"]["ungrouped"]
+    assert 0 < report["logits"]["masked"]["routing_mass_lost"]["1"] < 1
+
+
+def test_verify_logits_deepseek_v3_grouped_reorder_runs_ungrouped(model_dir, tmp_path):
+    """Grouped routing (n_group 2): a reorder that moves experts across groups is not A's function; both sides
+    are compared routed in one group, and said."""
+    src = model_dir("deepseek_v3")
+    (tmp_path / "order.json").write_text(json.dumps([2, 0, 3, 1]))
+    run_cli("reorder-experts", src, "--order", tmp_path / "order.json", "-o", tmp_path / "out")
+    r, report = _verify(src, tmp_path / "out")
+    assert r.exit_code == 0 and report["logits"]["passed"], r.output
+    assert report["logits"]["masked"]["ungrouped"] and "one expert group" in report["logits"]["client_a"]
