@@ -363,3 +363,36 @@ def test_a_refusal_names_the_head(deepseek, tmp_path):
     the head's."""
     r = run_cli("convert", deepseek, "--to", "dcp", "-o", tmp_path / "d", ok=False)
     assert "model.layers.2.eh_proj.weight" in r.output and "of the MTP head model.layers.2" in r.output
+
+
+def test_an_mtp_module_s_ffns_are_ffns(qwen3_next, tmp_path):
+    """The ``mtp.layers.*`` blocks' FFNs are FFNs numbered after the main layers (``mtp.layers.0`` is layer 2 of a
+    2-layer model, as DeepSeek numbers its NextN block): inspect counts them as the head's, extract --layers 2
+    takes them, and verify pairs the head's experts (a defect in one fails as that FFN)."""
+    s = json.loads(run_cli("inspect", qwen3_next, "--json").output)
+    assert s["mtp"][0]["ffn"] == {"expert": 4, "shared": 1} and s["layers"] == 2
+    assert s["ffn"]["expert"]["layers"] == 2  # the main model's two MoE layers, not the head's
+    out = tmp_path / "x"
+    run_cli("extract", qwen3_next, "--layers", "2", "-o", out)
+    got = tensors(out)
+    assert len(got) == 15 and any(".experts." in n for n in got)
+    with open_checkpoint(qwen3_next) as c:
+        assert torch.equal(got["layers.2.experts.3.down.weight"], c["mtp.layers.0.mlp.experts.3.down_proj.weight"])
+    v = json.loads(run_cli("verify", qwen3_next, qwen3_next, "--json", "--no-load-check", "--layers", "2").output)
+    assert v["passed"] and sorted(f["ffn"] for f in v["ffns"]) == sorted(
+        [f"layer 2 expert {e}" for e in range(4)] + ["layer 2 shared expert"])
+    name = "mtp.layers.0.mlp.experts.3.down_proj.weight"
+    bad = _planted(qwen3_next, tmp_path / "bad", lambda s: s.__setitem__(name, s[name] * 1.5))
+    v = json.loads(run_cli("verify", qwen3_next, bad, "--json", "--no-load-check", ok=None).output)
+    failed = [f["ffn"] for f in v["ffns"] if not f["passed"]]
+    assert not v["passed"] and failed == ["layer 2 expert 3"] and name not in " ".join(v["outside"]["differ"])
+
+
+def test_every_mtp_module_is_numbered_after_the_main_layers():
+    """Each ``prefix`` layout of schemes/mtp.json has its blocks among the families' layer prefixes, numbered from
+    ``num_hidden_layers`` (families.json): a head's FFNs are found as FFNs of every family with a head."""
+    from ffn_tools.library import LIBRARY
+
+    placed = {(g.prefix, g.first_layer) for g in LIBRARY}
+    prefixed = [lay for lay in mtp.LAYOUTS if lay.kind == "prefix"]
+    assert len(prefixed) == 3 and all((lay.blocks, "num_hidden_layers") in placed for lay in prefixed)

@@ -30,7 +30,8 @@ def _scheme_file(tmp_path, data) -> str:
 
 def test_the_registry_serves_the_builtin_file():
     prefixes, groups, schemes = families.load_library(families.BUILTIN)
-    assert tuple(p for p, _ in prefixes) == LAYER_PREFIXES == tuple(BUILTIN["layer_prefixes"]) and schemes == SCHEMES
+    assert tuple(p for p, _ in prefixes) == LAYER_PREFIXES == tuple(
+        p if isinstance(p, str) else p["prefix"] for p in BUILTIN["layer_prefixes"]) and schemes == SCHEMES
     assert list(SCHEMES) == [s["name"] for s in BUILTIN["schemes"]] and set(groups) == set(BUILTIN["groups"])
     for entry in BUILTIN["schemes"]:  # named groups expand under every layer prefix, groups outer, in file order
         own = [p if isinstance(p, str) else p["prefix"] for p in entry.get("layer_prefixes", LAYER_PREFIXES)]
