@@ -1,0 +1,144 @@
+"""verify of low-bit checkpoints read at their own block and scale (#57 item 3): an FP8 checkpoint of 32 x 32 blocks
+whose rows divide evenly over its scales (100 rows over 4 scales: 25 by division, 32 by its config) is verified
+right, a defect is named at the block the checkpoint uses, and a B whose values were made reading the scales at
+another block (128, a hard-coded size; 25, the division) fails."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import run_cli
+from safetensors.torch import load_file, save_file
+
+BLOCK = 32
+
+
+def fp8_32(w: torch.Tensor, factors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` as F8_E4M3 codes and one scale per 32 x 32 block (a partial last block where the shape is not a
+    multiple of 32), the blocks first scaled by ``factors`` (so neighbouring blocks' scales differ widely)."""
+    r, c = w.shape
+    rb, cb = -(-r // BLOCK), -(-c // BLOCK)
+    f = factors[:rb, :cb].repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:r, :c]
+    x = w.float() * f
+    pad = torch.zeros(rb * BLOCK, cb * BLOCK)
+    pad[:r, :c] = x
+    scale = pad.reshape(rb, BLOCK, cb, BLOCK).abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448
+    full = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:r, :c]
+    return (x / full).to(torch.float8_e4m3fn), scale
+
+
+def decoded(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """DeepSeek's ``weight_dequant`` read at ``block``: element (i, j) times ``scale[i // b0, j // b1]`` (an index
+    past the scales clamped to the last, as a reader that assumes the block does)."""
+    i = (torch.arange(codes.shape[0]) // block[0]).clamp(max=scale.shape[0] - 1)
+    j = (torch.arange(codes.shape[1]) // block[1]).clamp(max=scale.shape[1] - 1)
+    return codes.float() * scale[i][:, j]
+
+
+@pytest.fixture(scope="module")
+def fp8_model(tmp_path_factory):
+    """A tiny Llama (hidden 64, intermediate 100, 1 layer) with every projection F8_E4M3 in 32 x 32 blocks, as
+    DeepSeek V4.1 stores them (``weight_scale_inv``, ``weight_block_size: [32, 32]``)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=100, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    path = tmp_path_factory.mktemp("fp8-32") / "model"
+    model.save_pretrained(path)
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for n, w in load_file(path / "model.safetensors").items():
+        if not n.endswith("proj.weight"):
+            out[n] = w
+            continue
+        factors = torch.exp2(torch.randint(-3, 4, (8, 8), generator=g).float())
+        out[n], out[n + "_scale_inv"] = fp8_32(w, factors)
+    save_file(out, path / "model.safetensors", metadata={"format": "pt"})
+    c = json.loads((path / "config.json").read_text())
+    c["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                "weight_block_size": [BLOCK, BLOCK]}
+    (path / "config.json").write_text(json.dumps(c))
+    return path
+
+
+def _verify(a, b) -> dict:
+    r = run_cli("verify", a, b, "--backend", "reference", "--no-load-check", "--json", ok=None)
+    return json.loads(r.stdout)
+
+
+def _problems(j: dict) -> list[str]:
+    return [p for f in j["ffns"] for p in f["problems"]]
+
+
+def _dequantized(src, dst, block):
+    """``src``'s FP8 weights written as float32 values read at ``block`` (the config's quantization dropped)."""
+    shutil.copytree(src, dst)
+    w = load_file(dst / "model.safetensors")
+    out = {n: t for n, t in w.items() if not n.endswith("_scale_inv")}
+    for n in out:
+        if n + "_scale_inv" in w:
+            out[n] = decoded(w[n], w[n + "_scale_inv"], block)
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    c = json.loads((dst / "config.json").read_text())
+    c.pop("quantization_config")
+    c.update({k: "float32" for k in ("dtype", "torch_dtype") if k in c})
+    (dst / "config.json").write_text(json.dumps(c))
+    return dst
+
+
+def test_rows_that_divide_are_read_at_the_configs_block(fp8_model):
+    """100 rows over 4 scales divide as 25, the config says 32: the scheme reads 32 (which the tests below rely on:
+    a reader at 25 is the defect they plant)."""
+    from ffn_tools import quant
+    from ffn_tools.converters import open_any
+
+    with open_any(fp8_model) as raw:
+        c = quant.decoded(raw, every=True)
+        m = c.quantized("model.layers.0.mlp.gate_proj.weight")
+        assert m is not None and m.args.block == (BLOCK, BLOCK)
+        assert tuple(raw.info(m.parts["scale"]).shape) == (4, 2)
+        w = load_file(fp8_model / "model.safetensors")
+        want = decoded(w[m.weight], w[m.parts["scale"]], (BLOCK, BLOCK))
+        assert torch.equal(c[m.weight].float(), want)
+        assert not torch.equal(want, decoded(w[m.weight], w[m.parts["scale"]], (25, 32)))
+
+
+def test_values_read_at_the_right_block_verify(fp8_model, tmp_path):
+    j = _verify(fp8_model, _dequantized(fp8_model, tmp_path / "f32", (BLOCK, BLOCK)))
+    assert j["passed"], json.dumps({k: v for k, v in j.items() if k != "ffns"})[:3000]
+
+
+@pytest.mark.parametrize("block", [(128, 128), (25, 25)])
+def test_values_read_at_another_block_fail(fp8_model, tmp_path, block):
+    """The issue's "a block size read as 128 when it is 32" (and the division's 25): B's values are A's codes
+    times the wrong blocks' scales, which verify finds beyond FP8's row."""
+    j = _verify(fp8_model, _dequantized(fp8_model, tmp_path / "wrong", block))
+    (f,) = j["ffns"]
+    assert not j["passed"] and not f["passed"] and f["backends"][0]["cosine"] < 0.99
+    assert f["exact"] != "requantized", f  # it claimed "A's codes re-derived, every one" of these wrong values
+
+
+@pytest.mark.parametrize("name,index,where", [
+    ("model.layers.0.mlp.gate_proj.weight_scale_inv", (1, 0), "rows 32-63, columns 0-31"),
+    ("model.layers.0.mlp.down_proj.weight_scale_inv", (1, 2), "rows 32-63, columns 64-95"),
+])
+def test_a_scale_under_kept_codes_is_named_at_its_block(fp8_model, tmp_path, name, index, where):
+    """B keeps A's codes with one block's scale doubled: verify names that block's rows and columns as the
+    checkpoint's 32 x 32 blocks lie (it said rows 25-49 of a 100-row weight: its block inferred by division)."""
+    b = tmp_path / "b"
+    shutil.copytree(fp8_model, b)
+    w = load_file(b / "model.safetensors")
+    w[name] = w[name].clone()
+    w[name][index] *= 2
+    save_file(w, b / "model.safetensors", metadata={"format": "pt"})
+    j = _verify(fp8_model, b)
+    assert not j["passed"]
+    said = [p for p in _problems(j) + [d for f in j["ffns"] for d in f.get("notes", [])] if "codes are A's" in p]
+    text = json.dumps(j)
+    assert f"block {list(index)} ({where})" in text, (said, text[:3000])
