@@ -276,3 +276,54 @@ def verify(a, b, **options):
         from .verification.engine import verify as run
 
         return run(a, b, opener=open_sides, converter=converting, ray=link, ledger=steps, **options)
+
+
+def prune_experts(path, out, **options) -> dict:
+    """``ffn-tools prune-experts PATH -o OUT --json``: ``keep=`` / ``drop=`` (a spec or a JSON file), or
+    ``saliency=`` (a scores file) with ``keep_ratio=`` and ``score=``; ``force``, ``dry_run``, ``max_shard_size``,
+    ``scheme``, ``layout`` (``surgery.run.prune_experts``)."""
+    from .surgery.run import prune_experts as run
+
+    return run(path, out, **options)
+
+
+def reorder_experts(path, out, *, order, **options) -> dict:
+    """``ffn-tools reorder-experts PATH --order FILE -o OUT --json`` (``surgery.run.reorder_experts``)."""
+    from .surgery.run import reorder_experts as run
+
+    return run(path, out, order=order, **options)
+
+
+def saliency(path, out=None, *, prompts=None, max_tokens: int = 512, force: bool = False) -> dict:
+    """``ffn-tools saliency PATH -o OUT --json``: each MoE layer's experts' REAP score and routing frequency on
+    ``prompts`` (a file; None: the built-in set), the scores file written to ``out`` (None: returned only; what
+    ``prune_experts(saliency=OUT)`` reads).
+
+    Raises:
+        FFNToolsError: ``out`` exists and not ``force``.
+    """
+    import json
+
+    from .surgery.saliency import saliency as run
+
+    if out is not None and Path(out).exists() and not force:
+        raise FFNToolsError(f"{out} exists: --force replaces it")
+    scores = run(resolve(str(path)), prompts=prompts, max_tokens=max_tokens)
+    if out is not None:
+        Path(out).write_text(json.dumps(scores, indent=1) + "\n")
+    line = (f"{'wrote ' + str(out) if out is not None else 'scored'}: {len(scores['layers'])} MoE layers scored on "
+            f"{scores['tokens']} tokens")
+    return envelope("saliency", str(path), None if out is None else str(out), line, scores)
+
+
+def locate(a, b, *, client: str | None = None, seed: int = 0, allow_config=()):
+    """``ffn-tools verify A B --locate``: where B's computation first leaves A's, layer by layer, against the
+    floor re-derived from A (``verification.locate``): its result (``.passed``, ``.lines()``, ``.as_dict()``).
+
+    Raises:
+        FFNToolsError: a side cannot be read, or run as a whole model here.
+    """
+    from .verification.locate import locate as run
+
+    return run(resolve(str(a)), resolve(str(b)), opener=registry().open_sides, converter=registry().convert,
+               client=client, seed=seed, allow_config=allow_config)

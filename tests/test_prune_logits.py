@@ -123,3 +123,28 @@ def test_verify_logits_deepseek_v3_grouped_reorder_runs_ungrouped(model_dir, tmp
     r, report = _verify(src, tmp_path / "out")
     assert r.exit_code == 0 and report["logits"]["passed"], r.output
     assert report["logits"]["masked"]["ungrouped"] and "one expert group" in report["logits"]["client_a"]
+
+
+def test_api_prune_reorder_saliency_locate(hf, mixtral, tmp_path):
+    """The surgery commands as library functions, returning what their --json prints."""
+    import ffn_tools.api as api
+
+    src, pruned = mixtral
+    r = api.prune_experts(src, tmp_path / "p", keep=str(pruned.parent / "keep.json"))
+    assert r["command"] == "prune-experts" and r["layers"] == KEEP and r["output"] == str(tmp_path / "p")
+    assert (tmp_path / "p" / "model.safetensors").read_bytes() == (pruned / "model.safetensors").read_bytes()
+    (tmp_path / "order.json").write_text(json.dumps([1, 0, 3, 2]))
+    r = api.reorder_experts(src, tmp_path / "r", order=str(tmp_path / "order.json"), dry_run=True)
+    assert r["layers"] == {"0": [1, 0, 3, 2], "1": [1, 0, 3, 2]} and r["output"] is None
+    assert not (tmp_path / "r").exists()
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("abc def ghi\njkl mno pqr stu\n")
+    r = api.saliency(hf("mixtral"), tmp_path / "s.json", prompts=str(prompts))
+    assert r["command"] == "saliency" and json.loads((tmp_path / "s.json").read_text())["layers"] == r["layers"]
+    assert sum(r["layers"]["0"]["frequency"]) == pytest.approx(2.0)
+    with pytest.raises(Exception, match="exists"):
+        api.saliency(hf("mixtral"), tmp_path / "s.json", prompts=str(prompts))
+
+    located = api.locate(src, src)
+    assert located.passed is True and located.as_dict()["clients"] == ["transformers", "transformers"]

@@ -76,19 +76,10 @@ def saliency(path, out, prompts, max_tokens, force, as_json):
     """Score each routed expert of PATH on prompts, run through transformers: REAP's score (the mean, over the
     tokens routed to it, of its router weight times the norm of its output) and its routing frequency.
     `prune-experts PATH --saliency OUT --keep-ratio 0.75` keeps each layer's top experts by it."""
-    import json
-    from pathlib import Path
+    from ..api import saliency as run
 
-    from ..envelope import envelope
-    from ..errors import FFNToolsError
-    from ..surgery.saliency import saliency as run
-
-    if Path(out).exists() and not force:
-        raise FFNToolsError(f"{out} exists: --force replaces it")
-    scores = run(path, prompts=prompts, max_tokens=max_tokens)
-    Path(out).write_text(json.dumps(scores, indent=1) + "\n")
-    line = f"wrote {out}: {len(scores['layers'])} MoE layers scored on {scores['tokens']} tokens"
-    emit(envelope("saliency", str(path), out, line, scores), as_json, [line])
+    r = run(path, out, prompts=prompts, max_tokens=max_tokens, force=force)
+    emit(r, as_json, [r["summary"]])
 
 
 COMMANDS = (prune_experts, reorder_experts, saliency)
