@@ -22,6 +22,8 @@ from .io.dtypes import as_st, itemsize, nbytes, short_name
 from .io.store import Checkpoint
 from .ops import MAX_RUNS, Cast, Copy, Op
 
+RUN_BYTES = 1 << 12  # runs averaging a page or more are worth copying as runs, however many (a 300-expert stack)
+
 DEQUANTIZED = "ffn_tools_dequantized_from"  # safetensors metadata: the quantization weights were read from
 
 
@@ -83,12 +85,15 @@ class Entry:
     @cached_property
     def pieces(self) -> tuple[tuple[int, int, int], ...] | None:
         """(input position, byte offset in that input, nbytes) runs whose concatenation is the output's bytes, or
-        None when the output is not such a rearrangement (or of more runs than copying is worth)."""
+        None when the output is not such a rearrangement (or of more runs than copying is worth: more than
+        ``MAX_RUNS`` per pair of inputs, unless its runs average ``RUN_BYTES`` or more, as the experts of a stack
+        of hundreds do)."""
         if self.sources is None:
             return None
         views = [oplib.View(tuple(shape), itemsize(dt), ((k, 0, nbytes(dt, shape)),))
                  for k, (dt, shape) in enumerate(self.sources)]
-        out = oplib.runs(self.ops, views, MAX_RUNS * max(1, len(self.inputs) // 2))
+        cap = max(MAX_RUNS * max(1, len(self.inputs) // 2), self.nbytes // RUN_BYTES)
+        out = oplib.runs(self.ops, views, cap)
         if out is None or len(out) != 1 or out[0].nbytes != self.nbytes:
             return None
         return out[0].runs

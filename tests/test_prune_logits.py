@@ -148,3 +148,24 @@ def test_api_prune_reorder_saliency_locate(hf, mixtral, tmp_path):
 
     located = api.locate(src, src)
     assert located.passed is True and located.as_dict()["clients"] == ["transformers", "transformers"]
+
+
+@pytest.mark.parametrize("shape,as_runs", [((300, 64, 32), True), ((300, 4, 4), False)])
+def test_a_stack_of_hundreds_of_experts_reorders_as_byte_runs(shape, as_runs):
+    """Reversing a 300-expert stack is 300 runs, past the 256-run cap, each 8 KiB: still copied as byte runs of
+    the input (no whole-tensor load); 300 runs of 64 bytes are not worth it (the small-run protection)."""
+    from ffn_tools.plan import Entry
+    from ffn_tools.surgery.planning import taken_ops
+
+    order = tuple(range(shape[0] - 1, -1, -1))
+    e = Entry("experts.down_proj", "F32", shape, ("experts.down_proj",), taken_ops(shape, shape[0], order, False),
+              sources=(("F32", shape),))
+    if not as_runs:
+        assert e.pieces is None
+        return
+    assert e.pieces is not None and len(e.pieces) == shape[0]
+    x = torch.randn(shape)
+    raw = x.view(torch.uint8).reshape(-1)
+    joined = torch.cat([raw[off:off + n] for _, off, n in e.pieces])
+    assert torch.equal(joined, e.apply([x]).contiguous().view(torch.uint8).reshape(-1))
+    assert torch.equal(e.apply([x]), x.flip(0))
