@@ -200,7 +200,9 @@ def test_mlx_places_the_head_beside_the_model(deepseek, tmp_path):
     assert set(got) == set(src) and all(torch.equal(got[n], src[n]) for n in src)
     v = json.loads(run_cli("verify", deepseek, out, "--json", "--no-load-check").output)
     assert v["passed"] and not v["only_a"] and v["outside"]["only_a"] == []
-    assert "A's MTP head model.layers.2 (nextn, 32 tensors): in B and agreeing with A's (its drafts are A's)" in v["notes"]
+    (note,) = [n for n in v["notes"] if "MTP head" in n]  # its drafts run, said always, with their floor
+    assert note.startswith("A's MTP head model.layers.2 (nextn, 32 tensors): in B and agreeing with A's (B's drafts "
+                           "are A's on 100.0% of 124 positions") and "floor, A's head in float32: 100.0% as A's" in note
 
 
 def test_mlx_drop_is_recorded_and_only_refused(glm, tmp_path):
@@ -396,3 +398,50 @@ def test_every_mtp_module_is_numbered_after_the_main_layers():
     placed = {(g.prefix, g.first_layer) for g in LIBRARY}
     prefixed = [lay for lay in mtp.LAYOUTS if lay.kind == "prefix"]
     assert len(prefixed) == 3 and all((lay.blocks, "num_hidden_layers") in placed for lay in prefixed)
+
+
+def test_a_head_b_lacks_is_decided_before_the_comparison(deepseek, dropped, tmp_path):
+    """``heads.Heads.decide``: a head B lacks whole is left out before anything is compared (its tensors out of the
+    comparison by name, its FFNs out of the pairing), and said once; a head B holds even in part is compared."""
+    from ffn_tools.detect import find_ffns
+    from ffn_tools.formats import registry
+    from ffn_tools.verification.heads import Heads
+
+    part = _planted(deepseek, tmp_path / "part", lambda s: s.pop("model.layers.2.eh_proj.weight"))
+    with registry().open_any(deepseek) as a, registry().open_any(dropped) as b, registry().open_any(part) as p:
+        fa, fb, fp = find_ffns(a), find_ffns(b), find_ffns(p)
+        heads = Heads.decide(a, b, fa, fb)
+        ((head, recorded),) = heads.absent
+        assert recorded and heads.present == () and heads.left_out() == frozenset(head.tensors)
+        kept = heads.without(fa)
+        assert {f.ref.layer for f in kept.ffns} == {0, 1} and not kept.tensors & heads.left_out()
+        assert len(fa.ffns) - len(kept.ffns) == 5  # the head's 4 experts and its shared expert
+        partly = Heads.decide(a, p, fa, fp)
+        assert partly.absent == () and [h.name for h in partly.present] == ["model.layers.2"]
+        assert partly.left_out() == frozenset() and partly.without(fa) is fa
+    r = json.loads(run_cli("verify", deepseek, dropped, "--json", "--no-load-check").output)
+    assert r["passed"] and [n for n in r["notes"] if "MTP head" in n] == [
+        "A's MTP head model.layers.2 (nextn, 32 tensors) is not in B: left out on purpose (B records --mtp drop)"]
+    assert not r["only_a"] and not any(n.startswith("model.layers.2.") for n in r["outside"]["only_a"])
+
+
+def test_drafts_held_to_their_floor(deepseek, tmp_path):
+    """B's head in bfloat16 is its own floor (A's head cast to B's dtype): its drafts are the floor's, said with
+    it, and verify passes; a share below the floor past its slack fails, naming what fell."""
+    from ffn_tools.formats import registry
+    from ffn_tools.verification.draft import Acceptance, acceptance
+
+    bf16 = _planted(deepseek, tmp_path / "bf16", lambda s: s.update({n: t.to(torch.bfloat16) for n, t in s.items()}))
+    tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    with registry().open_any(deepseek) as a, registry().open_any(bf16) as b:
+        (x,) = acceptance(a, b, tokens)
+    assert x.dtype == "bfloat16" and (x.agree, x.b) == (x.floor_agree, x.floor_b) and x.below() is None
+    v = json.loads(run_cli("verify", deepseek, bf16, "--json", "--no-load-check").output)
+    (note,) = [n for n in v["notes"] if "MTP head" in n]
+    assert v["passed"] and "agreeing" in note and "floor, A's head in bfloat16" in note
+    low = Acceptance("model.layers.2", 124, agree=0.7, a=0.1, b=0.1, floor_agree=0.95, floor_b=0.1, dtype="bfloat16")
+    assert "B's drafts as A's 70.0% < 95.0%" in low.below() and "next token" not in low.below()
+    near = Acceptance("model.layers.2", 124, agree=0.93, a=0.1, b=0.1, floor_agree=0.95, floor_b=0.1, dtype="bf16")
+    assert near.below() is None  # within three standard deviations of 124 positions
+    quant = Acceptance("h", 124, agree=0.7, a=0.1, b=0.1, unjudged="B's head is quantized")
+    assert quant.below() is None and "not judged: B's head is quantized" in quant.line()

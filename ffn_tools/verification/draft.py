@@ -11,6 +11,7 @@ greedy next token (the rate a serving engine accepts it at).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,23 +22,51 @@ from ..mtp import Head, find_heads
 if TYPE_CHECKING:
     import torch
 
+MAIN_LIMIT = 4 * 2**30  # bytes of A's main model in float32 the reference runs on the CPU
 OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
 
 
 @dataclass(frozen=True)
 class Acceptance:
     """One head's drafts on ``positions`` positions: ``agree`` the share where B's draft is A's, ``a``/``b`` the share
-    where A's/B's draft is the main model's greedy next token."""
+    where A's/B's draft is the main model's greedy next token; its floor, measured in the same run: A's head cast to
+    B's dtype (``dtype``), run alike: ``floor_agree`` its share of A's drafts, ``floor_b`` of the main model's
+    next tokens (None: not measured, ``unjudged`` says why)."""
 
     head: str
     positions: int
     agree: float
     a: float
     b: float
+    floor_agree: float | None = None
+    floor_b: float | None = None
+    dtype: str = ""
+    unjudged: str | None = None
 
-    def line(self) -> str:
-        return (f"MTP head {self.head}: B's drafts are A's on {self.agree:.1%} of {self.positions} positions; they "
+    def slack(self, floor: float) -> float:
+        """How far below ``floor`` a share may fall by chance: three binomial standard deviations over the
+        positions (at least one position's worth)."""
+        return 3 * math.sqrt(max(floor * (1 - floor), 1 / self.positions) / self.positions)
+
+    def below(self) -> str | None:
+        """Why B's drafts fail their floor (B accepts fewer drafts than A's head in B's dtype, past the slack),
+        or None."""
+        if self.floor_agree is None or self.floor_b is None:
+            return None
+        low = [f"{what} {got:.1%} < {floor:.1%} - {self.slack(floor):.1%}"
+               for what, got, floor in (("B's drafts as A's", self.agree, self.floor_agree),
+                                        ("B's drafts as the main model's next token", self.b, self.floor_b))
+               if got < floor - self.slack(floor)]
+        return f"below the floor (A's head in {self.dtype}): {'; '.join(low)}" if low else None
+
+    def line(self, named: bool = True) -> str:
+        """What the drafts did, as one sentence (``named``: starting with the head's name)."""
+        text = (f"MTP head {self.head}: " * named + f"B's drafts are A's on {self.agree:.1%} of {self.positions} positions; they "
                 f"match the main model's next token on {self.b:.1%} (A's head: {self.a:.1%})")
+        if self.floor_agree is not None and self.floor_b is not None:
+            return text + (f"; floor, A's head in {self.dtype}: {self.floor_agree:.1%} as A's, {self.floor_b:.1%} "
+                           "as the main model's")
+        return text + (f"; not judged: {self.unjudged}" if self.unjudged else "")
 
 
 def _rms(x: "torch.Tensor", w: "torch.Tensor", eps: float) -> "torch.Tensor":
@@ -116,20 +145,48 @@ def drafts(config: Mapping, tensors: Mapping[str, "torch.Tensor"], head: Head, h
         return draft_model(config, tensors, head)(inputs_embeds=x).logits.argmax(-1)
 
 
-def acceptance(a, b, tokens: "torch.Tensor") -> list[Acceptance]:
+def quantized_head(b, names) -> str | None:
+    """Why B's head has no floor here: its tensors ``names`` quantized (the floor would be A's head quantized the
+    same way, which this reference does not derive), or None."""
+    from ..errors import listing
+    from .quant import quantization, tensor_bits
+
+    default = None if b.resolves_quantization else (quantization(b) or {}).get("bits")
+    q = [n for n in names if tensor_bits(b, n, default) is not None]
+    return (f"B's head is quantized ({listing(q, 2)}): its floor would be A's head quantized the same way, which the "
+            "draft reference does not derive") if q else None
+
+
+def acceptance(a, b, tokens: "torch.Tensor", floor: bool = True) -> list[Acceptance]:
     """Each NextN head of checkpoint ``a`` (a lazy ``Checkpoint``, Hugging Face names) and ``b``'s same head, run
-    as drafts on A's main model's hidden states for ``tokens`` (B, T) (see the module docstring).
+    as drafts on A's main model's hidden states for ``tokens`` (B, T) (see the module docstring); with ``floor``,
+    A's head cast to B's dtypes (each tensor to its B counterpart's) run alike, the floor B's drafts are held to
+    (``Acceptance.below``).
 
     Raises:
-        FFNToolsError: a head of A that B lacks, or a head layout this reference does not run (only ``nextn``).
+        FFNToolsError: a head of A that B lacks, a head layout this reference does not run (only ``nextn``), or a
+            main model past ``MAIN_LIMIT`` in float32 (the reference runs it on this machine's CPU).
     """
     import torch
+
+    from ..io.dtypes import short_name
 
     config = dict(a.config or {})
     heads = find_heads(a, config)
     if not heads:
         return []
+    for head in heads:
+        if head.layout.name != "nextn":
+            raise FFNToolsError(f"MTP head {head.name}: the draft reference runs DeepSeek/GLM NextN blocks, not "
+                                f"{head.layout.name}")
+        missing = [t for t in head.tensors if t not in b]
+        if missing:
+            raise FFNToolsError(f"MTP head {head.name}: B lacks {len(missing)} of its tensors")
     inside = {t for h in heads for t in h.tensors}
+    size = 4 * sum(math.prod(a.info(n).shape) for n in a if n not in inside)
+    if size > MAIN_LIMIT:
+        raise FFNToolsError(f"A's main model is {size / 2**30:.1f} GiB in float32, past the draft reference's "
+                            f"{MAIN_LIMIT / 2**30:.0f} GiB (it runs the main model on this machine's CPU)")
     main = _loaded(_config(config, config["num_hidden_layers"]), {n: a[n] for n in a if n not in inside},
                    "A's main model")
     with torch.no_grad():
@@ -138,14 +195,20 @@ def acceptance(a, b, tokens: "torch.Tensor") -> list[Acceptance]:
     embed = main.model.embed_tokens.weight.float()
     out = []
     for head in heads:
-        if head.layout.name != "nextn":
-            raise FFNToolsError(f"MTP head {head.name}: the draft reference runs DeepSeek/GLM NextN blocks, not "
-                                f"{head.layout.name}")
-        missing = [t for t in head.tensors if t not in b]
-        if missing:
-            raise FFNToolsError(f"MTP head {head.name}: B lacks {len(missing)} of its tensors")
-        da = drafts(config, {t: a[t] for t in head.tensors}, head, hidden, tokens, embed)
-        db = drafts(config, {t: b[t] for t in head.tensors}, head, hidden, tokens, embed)
-        out.append(Acceptance(head.name, da.numel(), (da == db).float().mean().item(),
-                              (da == nxt).float().mean().item(), (db == nxt).float().mean().item()))
+        ta, tb = {t: a[t] for t in head.tensors}, {t: b[t] for t in head.tensors}
+        def run(t: Mapping[str, "torch.Tensor"], head: Head = head) -> "torch.Tensor":
+            return drafts(config, t, head, hidden, tokens, embed)
+
+        da, db = run(ta), run(tb)
+        share = {"agree": (da == db).float().mean().item(), "a": (da == nxt).float().mean().item(),
+                 "b": (db == nxt).float().mean().item()}
+        why = quantized_head(b, head.tensors) if floor else "no floor asked"
+        if why is None:
+            tf = {t: ta[t].to(tb[t].dtype) for t in head.tensors}
+            df = da if all(tf[t].dtype == ta[t].dtype for t in tf) else run(tf)
+            dtypes = ", ".join(sorted({short_name(tb[t].dtype) for t in head.tensors}))
+            out.append(Acceptance(head.name, da.numel(), **share, floor_agree=(df == da).float().mean().item(),
+                                  floor_b=(df == nxt).float().mean().item(), dtype=dtypes))
+        else:
+            out.append(Acceptance(head.name, da.numel(), **share, unjudged=why))
     return out

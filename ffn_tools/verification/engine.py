@@ -45,7 +45,8 @@ from .model import model_checks, run_logits
 from .options import DEFAULT_TOKENS, Models, VerifyOptions  # noqa: F401  (DEFAULT_TOKENS: verify's, as before)
 from .outside import compare_outside, in_blocks
 from .report import VerifyReport
-from .sides import describe_side, extract_selection, extracts, find, settle_heads
+from .heads import Heads
+from .sides import describe_side, extract_selection, extracts, find
 from . import expert_map
 from .pairrun import check_pairs
 from .steps import PairOptions
@@ -149,10 +150,12 @@ def verify(a, b, *, opener: Opener, converter: Callable[..., object] | None = No
             reference_backend()  # imported here, not beside the background's imports
             kernels = worker.submit(resolve_backends, None, run.client.kernels, run.client.name)
         report, fa, fb, model = _pair(run, load, worker)
+        heads = Heads.decide(ca, cb, fa, fb)  # A's MTP heads B lacks whole: left out before any comparison
+        heads.said(report)
         ffns = (fa.tensors, fb.tensors) if fa and fb else (frozenset(), frozenset())
-        expected = Expected.derive(run.client, ca, cb, bool(fa and fb), ffns)  # B from A through B's client
+        expected = Expected.derive(run.client, ca, cb, bool(fa and fb), ffns, (heads,))  # B from A via B's client
         if fa and fb:
-            _compare(run, report, (fa, fb), kernels, expected, stack)
+            _compare(run, report, (heads.without(fa), fb), kernels, expected, stack)
         report.config, report.side_files, report.tokenization = model.result()
         if o.unbounded and report.config is not None:
             report.config.unbind()
@@ -161,7 +164,7 @@ def verify(a, b, *, opener: Opener, converter: Callable[..., object] | None = No
         report.backends = list(mods)
         ties = report.config.ties if report.config is not None else (None, None)
         report.notes += expected.compare_derived(report.outside, Sides(ca, cb, o.atol, o.rtol, ties))
-        settle_heads(report, ca, cb, fa)  # an MTP head B lacks: named (or left out on purpose, recorded)
+        heads.report(report, ca, cb, fa)  # the heads B holds: in part, differing, their drafts against the floor
     _whole_models(run, report, fa, recipe, prompt_texts)
     return report
 

@@ -159,14 +159,15 @@ class Expected:
 
     @classmethod
     def derive(cls, client: "Client", ca, cb, paired: bool,
-               ffns: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())) -> "Expected":
+               ffns: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset()),
+               decided: tuple[Transform, ...] = ()) -> "Expected":
         """What B should hold given A, as ``client`` (B's) will hold it; ``paired``: both sides have FFNs (without
         them nothing is compared and nothing is derived); ``ffns``: A's and B's FFN tensors (compared as pairs,
-        not here)."""
+        not here); ``decided``: transforms decided before (A's MTP heads B lacks: ``heads.Heads``)."""
         if not paired:
             return cls((), None)
         pairing = client.pairing(ca, cb)  # A as B's client loads it: FFNs and outside
-        transforms: list[Transform] = [StoredOtherwise(client, client.stored_otherwise(cb)),
+        transforms: list[Transform] = [*decided, StoredOtherwise(client, client.stored_otherwise(cb)),
                                        Recorded(recorded_shifts(cb.metadata))]
         outside = (frozenset(n for n in ca if n not in ffns[0]), frozenset(n for n in cb if n not in ffns[1]))
         if pairing is not None:

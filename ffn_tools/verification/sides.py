@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..detect import FFNSet, choose_scheme, find_ffns
-from ..errors import FFNToolsError, SchemeError, listing
+from ..errors import FFNToolsError, SchemeError
 from ..ffn import FFN, FFNRef
-from .. import mtp
 from ..io.dtypes import short_name
 from ..layouts import GateUpLayout
 from ..registry import Scheme, compile_template
@@ -136,57 +134,3 @@ def check_selection(fa: FFNSet, fb: FFNSet, sel_layers: set[int] | None, sel_exp
                             f"in neither A nor B ({held})")
     if problems:
         raise FFNToolsError("; ".join(problems))
-
-
-def settle_heads(report: VerifyReport, ca, cb, fa: FFNSet | None) -> None:
-    """A's MTP heads (``ffn_tools.mtp``) that B lacks, named: a head B lacks whole is one failure naming it (its FFNs
-    and tensors taken out of the "only in A" lists it would otherwise hide in), or a note where B records that it
-    was left out on purpose (``--mtp drop``, its metadata's ``mtp.RECORD``); a head B holds only part of, or whose
-    tensors differ outside the FFNs, is a failure naming it, beside the tensors listed."""
-    heads = mtp.find_heads(ca, ca.config)
-    if not heads:
-        return
-    dropped = mtp.recorded(cb.metadata) or {}
-    differ = {re.split(r"[\[:]", d, maxsplit=1)[0] for d in (report.outside.differ if report.outside else [])}
-    for head in heads:
-        what = f"A's MTP head {head.name} ({head.layout.name}, {len(head.tensors)} tensors)"
-        if bad := sorted(differ & set(head.tensors)):
-            report.problems.append(f"{what} differs in B: {listing(bad, 3)}{_drafts(ca, cb, head.name)}")
-        inside = set(head.tensors)
-        ffn_tensors = fa.tensors if fa else frozenset()
-        refs = {str(f.ref) for f in (fa.ffns if fa else ()) if f.names["down"] in inside}
-        own = [t for t in head.tensors if t not in ffn_tensors]  # its FFNs are paired as FFNs (a fused one renamed)
-        missing = [t for t in own if t not in cb] + sorted(refs & set(report.only_a))
-        if not missing:
-            if not bad and report.outside is not None and not report.outside.skipped:
-                report.notes.append(f"{what}: in B and agreeing with A's (its drafts are A's)")
-            continue
-        if len(missing) < len(own) + len(refs):
-            report.problems.append(f"B holds only part of {what}: {listing(missing, 3)} not in B")
-            continue
-        report.only_a = [r for r in report.only_a if r not in refs]
-        if report.outside is not None:
-            report.outside.only_a = [n for n in report.outside.only_a if n not in inside]
-        if dropped.get("mtp") == "drop" and head.name in dropped.get("heads", ()):
-            report.notes.append(f"{what} is not in B: left out on purpose (B records --mtp drop)")
-        else:
-            report.problems.append(f"B lacks {what}: the model's speculative-decoding draft is gone; convert with "
-                                   "--mtp keep (the default), or --mtp drop to leave it out on purpose (recorded)")
-
-
-def _drafts(ca, cb, name: str) -> str:
-    """How far B's head's drafts are A's (``draft.acceptance`` on 4 random sequences of 32 tokens), said as the
-    end of a sentence; why not, where the reference cannot run it."""
-    import torch
-
-    from .draft import acceptance
-
-    vocab = int((ca.config or {}).get("vocab_size") or 0)
-    try:
-        if vocab < 2:
-            raise FFNToolsError("no vocab_size in config.json")
-        tokens = torch.randint(0, vocab, (4, 32), generator=torch.Generator().manual_seed(0))
-        found = [x for x in acceptance(ca, cb, tokens) if x.head == name]
-    except (FFNToolsError, ImportError, ValueError, KeyError, RuntimeError) as e:
-        return f" (its drafts not run: {e})"
-    return f" ({found[0].line()})" if found else ""
