@@ -142,3 +142,97 @@ def test_a_scale_under_kept_codes_is_named_at_its_block(fp8_model, tmp_path, nam
     said = [p for p in _problems(j) + [d for f in j["ffns"] for d in f.get("notes", [])] if "codes are A's" in p]
     text = json.dumps(j)
     assert f"block {list(index)} ({where})" in text, (said, text[:3000])
+
+
+# --- codes kept into MLX, recorded (ffn_tools.codes.kept) and proved exactly by verify ---
+
+def _mlx_edit(path, name, fn):
+    """``path``'s MLX tensor ``name`` replaced by ``fn`` of it (numpy), in whichever shard holds it."""
+    import mlx.core as mx
+    import numpy as np
+
+    for f in path.glob("*.safetensors"):
+        arrays, meta = mx.load(str(f), return_metadata=True)
+        if name in arrays:
+            arrays[name] = mx.array(fn(np.array(arrays[name])))
+            mx.save_safetensors(str(f), arrays, metadata=meta)
+            return
+    raise KeyError(name)
+
+
+@pytest.fixture(scope="module")
+def fp8_mlx(model_dir, tmp_path_factory):
+    """A tiny bf16 Llama's projections as FP8 32 x 32 blocks of power-of-two scales, and its MLX export (mxfp8,
+    codes kept): (source, output, the export's summary)."""
+    pytest.importorskip("mlx_lm")
+    from test_lowbit_mlx import fp8_blocks
+
+    base = tmp_path_factory.mktemp("fp8-mlx")
+    src = fp8_blocks(model_dir("llama", torch.bfloat16), base / "fp8", True)
+    out = base / "mlx"
+    r = json.loads(run_cli("-q", "convert", src, "--to", "mlx", "-o", out, "--json").stdout)
+    return src, out, r
+
+
+def test_fp8_kept_as_mxfp8_is_said_truthfully(fp8_mlx):
+    """Every FP8 weight's codes kept as mxfp8: the summary says so, and no line says they were dequantized (it
+    said "dequantized 14 F8_E4M3 weights" beside "kept the codes of 14 FP8 weights")."""
+    _, _, r = fp8_mlx
+    assert any(c.startswith("kept the codes of 14 FP8 weights") for c in r["changes"]), r["changes"]
+    assert not any(c.startswith("dequantized") for c in r["changes"]), r["changes"]
+
+
+def test_fp8_not_all_kept_says_which_and_why(model_dir, tmp_path):
+    """One FP8 weight whose scales are not powers of two: it alone is said dequantized, naming it and why."""
+    pytest.importorskip("mlx_lm")
+    from test_lowbit_mlx import fp8_blocks
+
+    src = fp8_blocks(model_dir("llama", torch.bfloat16), tmp_path / "fp8", True)
+    name = "model.layers.1.mlp.up_proj.weight_scale_inv"
+    w = load_file(src / "model.safetensors")
+    w[name] = w[name] * 1.5
+    save_file(w, src / "model.safetensors", metadata={"format": "pt"})
+    r = json.loads(run_cli("-q", "convert", src, "--to", "mlx", "-o", tmp_path / "mlx", "--json").stdout)
+    assert any(c.startswith("kept the codes of 13 FP8 weights") for c in r["changes"]), r["changes"]
+    (line,) = [c for c in r["changes"] if c.startswith("dequantized")]
+    assert line.startswith("dequantized 1 F8_E4M3 weight (times their _scale_inv) to float32") and \
+        "not all powers of two" in line and line.endswith("model.layers.1.mlp.up_proj.weight"), line
+
+
+def test_fp8_mxfp8_codes_are_recorded_and_proved_exactly(fp8_mlx):
+    _, out, _ = fp8_mlx
+    from safetensors import safe_open
+
+    from ffn_tools.verification.kept import KEPT_KEY
+
+    (f,) = out.glob("*.safetensors")
+    with safe_open(f, "np") as s:
+        kept = json.loads(s.metadata()[KEPT_KEY])
+    assert len(kept) == 14 and "model.layers.0.mlp.gate_proj.weight" in kept
+    src = fp8_mlx[0]
+    j = _verify(src, out)
+    assert j["passed"], j["failures"]
+    assert {f["exact"] for f in j["ffns"]} == {"codes"}, [f["notes"] for f in j["ffns"]]
+    assert j["outside"]["codes"] == 8  # the attention projections, two layers
+
+
+@pytest.mark.parametrize("defect", ["doubled", "reciprocal"])
+def test_fp8_mxfp8_scale_defect_fails(fp8_mlx, tmp_path, defect):
+    """One group's E8M0 exponent one higher (its scale doubled), or every exponent read as the scale's reciprocal:
+    verify's kept-codes check fails naming the tensor (a 3-bit FP8 row might pass the first)."""
+    src, out, _ = fp8_mlx
+    b = tmp_path / "b"
+    shutil.copytree(out, b)
+
+    def edit(e):
+        e = e.copy()
+        if defect == "doubled":
+            e[3, 1] += 1
+            return e
+        return (254 - e.astype("int32")).astype(e.dtype)
+
+    _mlx_edit(b, "model.layers.1.mlp.down_proj.scales", edit)
+    j = _verify(src, b)
+    bad = {f["ffn"]: f for f in j["ffns"]}["layer 1"]
+    assert not j["passed"] and bad["exact"] == "differs", bad
+    assert "ffn_tools.codes.kept" in bad["problems"][0] and "down" in bad["problems"][0], bad["problems"]

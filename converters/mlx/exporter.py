@@ -36,7 +36,7 @@ from . import from_ct, said
 from .card import model_card
 from .config import added_metadata, mlx_config
 from .inverse import saved_as
-from .matching import match_or_dequantize
+from .matching import fp8_said, match_or_dequantize
 from .models import check_runs
 from .recipe import decide, resolve
 
@@ -131,7 +131,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
         changes += heads_of.placed(heads, "mlx_lm's model has no place for it")
     d = decide(tg.model, quant) if quant else None
     chosen, block = (d.chosen, d.block) if d else ({}, tg.prequant)
-    ct_kept, block = _kept_codes(ckpt, tg.config, outputs, view, quant, dequantize, target_st, block, changes)
+    ct_kept, block = _kept_codes(ckpt, tg.config, outputs, view, quant, dequantize, target_st, block, changes, tg.module)
     from .tensors import plan_outputs
 
     entries, jobs = plan_outputs(ckpt, tg, view, outputs, target_st, chosen, d.shapes if d else {})
@@ -148,18 +148,20 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
     # act: the directory, written atomically (or, for a dry run's estimate, a sample of it); the summary reports
     # from the plan
     made = _write(ckpt, tg.config, plan, block, out, force, max_shard_size, jobs, started, run, dry_run, beside,
-                  heads_of.record(mtp or "keep", heads, source.metadata))
+                  {**heads_of.record(mtp or "keep", heads, source.metadata), **_kept_record(ct_kept)})
     if dry_run:
         return {**summary, "files": [], "plan": plan.describe(), "estimate": made}
     return {**summary, "files": made}
 
 
 def _kept_codes(ckpt: Checkpoint, config: dict, outputs, view, quant, dequantize: bool, target_st,
-                block, changes: list[str]) -> tuple[dict, dict | None]:
+                block, changes: list[str], tg_module: str) -> tuple[dict, dict | None]:
     """A compressed-tensors, GPTQ or AWQ input's group-wise int codes kept as MLX affine where they fit
     (``from_ct``): (output module -> its module, the quantization block); the config loses the quantizer's own
-    block (mlx_lm reads only its own); what happens to each is said in ``changes``."""
+    block (mlx_lm reads only its own); what happens to each is said in ``changes`` (FP8 weights no MLX form holds
+    first, ``fp8_said``: mlx_lm's ``tg_module`` model has no FP8 form)."""
     ct_modules = from_ct.modules(ckpt)
+    changes[:0] = fp8_said(ckpt, tg_module, set(ct_modules), bool(quant))  # the FP8 the lines below do not name
     if not ct_modules:
         return {}, block
     config.pop("quantization_config", None)
@@ -174,6 +176,15 @@ def _kept_codes(ckpt: Checkpoint, config: dict, outputs, view, quant, dequantize
     return ct_kept, from_ct.block(ct_kept) or block
 
 
+def _kept_record(kept: dict) -> dict[str, str]:
+    """The safetensors metadata that says which tensors hold the source's codes (``verification.kept.KEPT_KEY``: a
+    JSON list of the names the MLX view reads them by, the source's), so verify proves them exactly, not within a
+    tolerance row; {} where none is kept."""
+    from ffn_tools.verification.kept import KEPT_KEY
+
+    return {KEPT_KEY: json.dumps(sorted(m.weight for m in kept.values()))} if kept else {}
+
+
 def _write(ckpt: Checkpoint, config: dict, plan: Plan, block, out: Path, force: bool, max_shard_size, jobs,
            started, run: Run = NO_RUN, pricing: bool = False, beside: dict[str, bytes] | None = None,
            recorded_mtp: dict[str, str] | None = None):
@@ -181,7 +192,8 @@ def _write(ckpt: Checkpoint, config: dict, plan: Plan, block, out: Path, force: 
     writes it, the model card, the side files the input rebuilds, quantizing in worker processes (``started``: the
     ones started early, if any). ``pricing``: a dry run's estimate of that (``ffn_tools.estimate``: a sample of the
     plan streamed as the run would, its pool included), returned instead of the files written. ``beside``: files
-    written beside the model (the MTP heads' file); ``recorded_mtp``: the metadata saying they were dropped."""
+    written beside the model (the MTP heads' file); ``recorded_mtp``: the metadata saying they were dropped (and
+    which tensors keep the source's codes: ``_kept_record``)."""
     shard = max_shard_size or MAX_SHARD_SIZE
     if ckpt.config is None:  # target() refused it already
         raise FFNToolsError(f"{ckpt.path}: no config.json; MLX export needs it")

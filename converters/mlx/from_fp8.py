@@ -26,16 +26,25 @@ GROUP = 32
 
 def holds(m: Module, parts) -> bool:
     """Whether MLX's mxfp8 holds ``m`` (an FP8 block module, its stored ``parts``) exactly (module doc)."""
+    return m.scheme.name == FP8 and why_not(m, parts) is None
+
+
+def why_not(m: Module, parts) -> str | None:
+    """Why MLX's mxfp8 cannot hold FP8 block module ``m`` exactly (its stored ``parts``), or None where it can."""
     import torch
 
-    if m.scheme.name != FP8 or parts is None or len(m.shape) != 2 or m.args.dtype != "F8_E4M3":
-        return False
+    if parts is None or len(m.shape) != 2:
+        return "stacked or unreadable parts"
+    if m.args.dtype != "F8_E4M3":
+        return f"{m.args.dtype} codes, not E4M3"
     rows, cols = m.shape
     if cols % GROUP or (m.args.block[1] % GROUP and m.args.block[1] < cols):
-        return False
+        return f"blocks of {m.args.block[1]} columns, not a multiple of {GROUP}"
     s = parts["scale"].to(torch.float32)
     mant, exp = torch.frexp(s)
-    return bool(((s > 0) & torch.isfinite(s) & (mant == 0.5) & (exp - 1 >= -127) & (exp - 1 <= 127)).all())
+    if not bool(((s > 0) & torch.isfinite(s) & (mant == 0.5) & (exp - 1 >= -127) & (exp - 1 <= 127)).all()):
+        return "scales not all powers of two (mxfp8's are E8M0)"
+    return None
 
 
 def exponents(m: Module, scale: "torch.Tensor") -> "torch.Tensor":

@@ -19,6 +19,7 @@ from ffn_tools.io.store import Checkpoint
 from ffn_tools.ops import Transpose
 from ffn_tools.plan import Entry, copy_entry
 
+from . import from_fp8
 from . import names as mlx_names
 from .models import Target, parameters, target
 from .tensors import plan_outputs
@@ -181,11 +182,30 @@ def match_or_dequantize(ckpt: Checkpoint, quantizing: bool = False):
             raise
     deq = quant.decoded(ckpt, every=True)
     found = match(deq, str(ckpt.path))
-    n = sum(q["weights"] for q in scaled)
-    found[4].insert(0, f"dequantized {n} {scaled[0]['dtype']} weight{'s' * (n != 1)} (times their _{scaled[0]['scales']}) to "
-                       f"float32: mlx_lm's {found[0].module} model has no FP8 form (pass --dtype to store them "
-                       "smaller, -q to quantize)")
-    return (*found, deq)
+    return (*found, deq)  # what becomes of each FP8 weight (codes kept or dequantized) is said by ``fp8_said``
+
+
+def fp8_said(source: Checkpoint, module: str, said: set[str], quantizing: bool) -> list[str]:
+    """What became of the FP8 weights ``source`` (``match_or_dequantize``'s view) reads dequantized and no other
+    line says (``said``: the ones ``from_ct`` keeps as mxfp8 or says it did not), grouped by why MLX's mxfp8 does
+    not hold them (``from_fp8.why_not``): written dequantized to float32, or (``quantizing``) quantized as asked.
+    [] where there are none."""
+    mods = [m for n in source if (m := source.quantized(n)) is not None and m.scheme.name == from_fp8.FP8]
+    whys: dict[str, list] = {}
+    for m in mods:
+        if m.weight not in said:
+            why = from_fp8.why_not(m, source.quantized_parts(m.weight)) or "not kept"
+            whys.setdefault(why, []).append(m)
+    out = []
+    for why, ms in whys.items():
+        n, first = len(ms), ms[0]
+        names = ", ".join(m.weight for m in ms[:3]) + (", ..." if n > 3 else "")
+        then = ", then quantized as asked (-q)" if quantizing else " to float32"
+        out.append(f"dequantized {n} {first.args.dtype} weight{'s' * (n != 1)} (times their "
+                   f"_{first.args.suffix.lstrip('_')}){then}: mlx_lm's {module} model has no FP8 form and MLX's "
+                   f"mxfp8 does not hold them ({why})"
+                   + ("" if quantizing else "; pass --dtype to store them smaller, -q to quantize") + f": {names}")
+    return out
 
 
 def mlx_entries(ckpt: Checkpoint) -> tuple[Checkpoint, dict[str, Entry], set[str]]:

@@ -177,6 +177,11 @@ class Fp8Blocks(QuantScheme):
     def decode(self, m: Module, parts):
         return decode(parts["weight"], parts["scale"], m.args.block)
 
+    def exact_values(self, m: Module, parts):
+        """The values a target keeping the codes and scales holds (MLX's mxfp8 where the scales are powers of two):
+        each code times its block's scale, rounded once to float32 (``decode``: exact where the scales are)."""
+        return decode(parts["weight"], parts["scale"], m.args.block) if parts is not None else None
+
     def requantized(self, label, a, m, parts, src="A", q="B"):
         """FP8 codes are not re-derived from the other side's values here: the tolerance row decides, said (the
         default's silent WITHIN let verify call a B read at another block "re-quantized, every code")."""

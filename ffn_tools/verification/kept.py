@@ -8,6 +8,7 @@ not store as integer codes fails too: the claim cannot be true.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from ..checks.diagnose import first_difference
@@ -18,11 +19,31 @@ if TYPE_CHECKING:
 KEPT_KEY = "ffn_tools.codes.kept"  # the key under which a format records it (its reader gives ``kept_codes``)
 
 
+def kept_names(c) -> frozenset[str]:
+    """The tensors checkpoint ``c`` says hold another checkpoint's stored codes: its reader's ``kept_codes`` (a
+    GGUF's, from its metadata), and the names its stored safetensors metadata records under ``KEPT_KEY`` (a JSON
+    list: an MLX output's, whose view reads those tensors by the same names)."""
+    raw = c.stored.metadata.get(KEPT_KEY)
+    return frozenset(c.kept_codes) | (_recorded(raw) if isinstance(raw, str) else frozenset())
+
+
+@lru_cache(maxsize=8)
+def _recorded(raw: str) -> frozenset[str]:
+    """``KEPT_KEY``'s JSON list, parsed once per distinct value (it is asked of every FFN role)."""
+    import json
+
+    try:
+        names = json.loads(raw) if raw else []
+    except ValueError:
+        return frozenset()
+    return frozenset(n for n in names if isinstance(n, str)) if isinstance(names, list) else frozenset()
+
+
 def kept_side(ca, cb, name_a: str, name_b: str) -> tuple[str, str] | None:
     """("B", "A") where B says its ``name_b`` holds A's codes, ("A", "B") the other way round, else None."""
-    if name_b in cb.kept_codes:
+    if name_b in kept_names(cb):
         return "B", "A"
-    if name_a in ca.kept_codes:
+    if name_a in kept_names(ca):
         return "A", "B"
     return None
 
