@@ -236,3 +236,55 @@ def test_fp8_mxfp8_scale_defect_fails(fp8_mlx, tmp_path, defect):
     bad = {f["ffn"]: f for f in j["ffns"]}["layer 1"]
     assert not j["passed"] and bad["exact"] == "differs", bad
     assert "ffn_tools.codes.kept" in bad["problems"][0] and "down" in bad["problems"][0], bad["problems"]
+
+
+@pytest.fixture(scope="module")
+def gguf_mlx(tmp_path_factory, request):
+    """``gguf_mlx(ftype) -> (source GGUF, its MLX export)``: llama-quantize's Q8_0/Q4_0 tiny Llama kept as MLX
+    affine (``test_lowbit_gguf``'s file), one export per type."""
+    pytest.importorskip("mlx_lm")
+    quantized = request.getfixturevalue("quantized")
+    made: dict = {}
+
+    def get(ftype: str):
+        if ftype not in made:
+            src, out = quantized(ftype), tmp_path_factory.mktemp(f"gguf-mlx-{ftype}") / "mlx"
+            run_cli("-q", "convert", src, "--to", "mlx", "-o", out)
+            made[ftype] = src, out
+        return made[ftype]
+    return get
+
+
+from test_lowbit_gguf import quantized  # noqa: E402,F401  (the fixture: llama-quantize's files of a tiny Llama)
+
+
+@pytest.mark.parametrize("ftype", ["Q8_0", "Q4_0"])
+def test_gguf_codes_in_mlx_are_proved_exactly(gguf_mlx, ftype):
+    src, out = gguf_mlx(ftype)
+    j = _verify(src, out)
+    assert j["passed"], j["failures"]
+    assert {f["exact"] for f in j["ffns"]} == {"codes"}, [(f["exact"], f["notes"]) for f in j["ffns"]]
+
+
+@pytest.mark.parametrize("defect", ["doubled", "reciprocal"])
+def test_gguf_codes_in_mlx_scale_defect_fails(gguf_mlx, tmp_path, defect):
+    """A Q4_0 block's scale doubled in B (its bias left: the codes' zero point moves too, as a writer that scaled
+    one group would), or every scale read as its reciprocal: the kept-codes check fails naming the tensor."""
+    import numpy as np
+
+    src, out = gguf_mlx("Q4_0")
+    b = tmp_path / "b"
+    shutil.copytree(out, b)
+
+    def edit(s):
+        s = s.copy()
+        if defect == "doubled":
+            s[5, 2] *= 2
+            return s
+        return np.float32(1) / s
+
+    _mlx_edit(b, "model.layers.1.mlp.up_proj.scales", edit)
+    j = _verify(src, b)
+    bad = {f["ffn"]: f for f in j["ffns"]}["layer 1"]
+    assert not j["passed"] and bad["exact"] == "differs", bad
+    assert "ffn_tools.codes.kept" in bad["problems"][0] and "up" in bad["problems"][0], bad["problems"]
