@@ -169,3 +169,18 @@ def test_a_stack_of_hundreds_of_experts_reorders_as_byte_runs(shape, as_runs):
     joined = torch.cat([raw[off:off + n] for _, off, n in e.pieces])
     assert torch.equal(joined, e.apply([x]).contiguous().view(torch.uint8).reshape(-1))
     assert torch.equal(e.apply([x]), x.flip(0))
+
+
+def test_verify_logits_mlx_pruned_bit_for_bit_against_masked_a(model_dir, tmp_path):
+    """MLX 4-bit Qwen3-MoE pruned in order: mlx_lm runs A with the dropped experts' router logits -inf (its
+    ``mlp.gate`` wrapped), and B's logits are those bit for bit (held to the widened row all the same)."""
+    pytest.importorskip("mlx_lm")
+    from ffn_tools.api import convert
+
+    convert(model_dir("qwen3_moe"), "mlx", tmp_path / "a", quantize=4)
+    run_cli("prune-experts", tmp_path / "a", "--drop", "1", "-o", tmp_path / "b")
+    r, report = _verify(tmp_path / "a", tmp_path / "b")
+    lg = report["logits"]
+    assert r.exit_code == 0 and lg["passed"] and lg["client_a"].startswith("mlx_lm"), r.output
+    assert lg["max_abs"] == 0 and lg["masked"]["dropped"] == {"0": [1], "1": [1]}
+    assert all(0 < v < 1 for v in lg["masked"]["routing_mass_lost"].values())

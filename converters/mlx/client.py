@@ -114,6 +114,11 @@ class MlxLm(Client):
         out = model(mx.array(tokens.numpy()))
         return torch.from_numpy(np.array(out.astype(mx.float32))).to(torch.float64), []
 
+    def masked_logits(self, path: Path, tokens, dtype, dropped, ungrouped=False):
+        from .masking import masked_logits
+
+        return masked_logits(path, tokens, dtype, dropped, ungrouped)
+
     def generate(self, path: Path, prompts, new_tokens, score=None, dtype=None):
         from .generation import generate
 

@@ -194,6 +194,6 @@ def masking(pa, pb) -> Masking | None:
             dropped[layer] = tuple(i for i, s in enumerate(held[layer]) if s not in set(sources))
     groups = [c.get(GROUP_KEY) for c in (ca.config or {}, *(v for v in (ca.config or {}).values()
                                                             if isinstance(v, dict)))]
-    dtypes = {ca.info(n).st_dtype for m in la.values() for n in m.routers}
+    dtypes = {ca.stored.info(n).st_dtype for m in la.values() for n in m.routers}  # as stored (MLX: codes, scales)
     row = coarsest({"F16": "float16", "BF16": "bfloat16"}.get(d, "float32") for d in dtypes)
     return Masking({k: v for k, v in dropped.items() if v}, any(isinstance(g, int) and g > 1 for g in groups), row)
