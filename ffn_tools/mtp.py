@@ -36,6 +36,23 @@ OPTION = Option("mtp", "What to do with the model's multi-token-prediction (MTP,
 
 
 @dataclass(frozen=True)
+class DraftForm:
+    """How a family's head runs as a draft (``verification.draft``), its modules by leaf name under the head:
+    ``x = proj([embed_norm(embed(t+1)); hidden_norm(h)])`` -> its blocks -> ``norm`` -> ``head`` (None: the main
+    model's output head; ``embed`` None: the main model's embedding); ``plus_one``: its norms scale by 1 + w
+    (Qwen3-Next's); ``layer_type``: the config ``layer_types`` entry its blocks run as (None: the config has none)."""
+
+    embed_norm: str
+    hidden_norm: str
+    proj: str
+    norm: str
+    head: str | None
+    embed: str | None
+    plus_one: bool
+    layer_type: str | None
+
+
+@dataclass(frozen=True)
 class Layout:
     """One family's MTP layout (a row of ``schemes/mtp.json``)."""
 
@@ -47,6 +64,7 @@ class Layout:
     own: tuple[str, ...]  # the head's modules beside its blocks
     model_types: tuple[str, ...]
     prefix: str = ""
+    draft: DraftForm | None = None  # None: the draft reference does not run this family's form
 
     def block_number(self, name: str) -> int | None:
         """The block number of tensor ``name`` under this layout's blocks, or None."""
@@ -60,7 +78,8 @@ class Layout:
 def _load() -> tuple[Layout, ...]:
     rows = json.loads(DATA.read_text())["layouts"]
     return tuple(Layout(r["name"], r["description"], r["kind"], r["blocks"], tuple(r["counts"]), tuple(r["own"]),
-                        tuple(r["model_types"]), r.get("prefix", "")) for r in rows)
+                        tuple(r["model_types"]), r.get("prefix", ""), DraftForm(**r["draft"]) if r.get("draft") else None)
+                 for r in rows)
 
 
 LAYOUTS = _load()

@@ -445,3 +445,25 @@ def test_drafts_held_to_their_floor(deepseek, tmp_path):
     assert near.below() is None  # within three standard deviations of 124 positions
     quant = Acceptance("h", 124, agree=0.7, a=0.1, b=0.1, unjudged="B's head is quantized")
     assert quant.below() is None and "not judged: B's head is quantized" in quant.line()
+
+
+def test_qwen3_next_drafts(qwen3_next, tmp_path):
+    """Qwen3-Next's form (``mtp.fc`` over the normed embedding and hidden state, the block as full attention,
+    ``mtp.norm``, the main model's head) run as a draft: A's head agrees with itself, ``mtp.fc``'s halves swapped do
+    not, and verify says the drafts of a head that agrees, with their floor."""
+    from ffn_tools.formats import registry
+    from ffn_tools.verification.draft import acceptance
+
+    def swap(s):
+        s["mtp.fc.weight"] = torch.cat(s["mtp.fc.weight"].chunk(2, dim=1)[::-1], dim=1).contiguous()
+
+    bad = _planted(qwen3_next, tmp_path / "bad", swap)
+    tokens = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    with registry().open_any(qwen3_next) as a, registry().open_any(bad) as b:
+        (same,) = acceptance(a, a, tokens)
+        (swapped,) = acceptance(a, b, tokens)
+    assert same.agree == 1.0 and same.floor_agree == 1.0 and same.positions == 22
+    assert swapped.agree < 0.7 and swapped.below() is not None
+    v = json.loads(run_cli("verify", qwen3_next, qwen3_next, "--json", "--no-load-check").output)
+    (note,) = [n for n in v["notes"] if "MTP head" in n]
+    assert v["passed"] and "B's drafts are A's on 100.0%" in note and "floor, A's head in" in note

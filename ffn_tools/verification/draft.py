@@ -1,12 +1,15 @@
-"""An MTP (NextN) head run as a draft, DeepSeek-V3 / GLM-4.5 form (issue #55 item 3), in float32 with transformers'
-own decoder layer for the family: on the main model's hidden states after its final norm (as vLLM's and SGLang's
-DeepSeek MTP take them), position i's draft is
+"""An MTP (NextN) head run as a draft (issue #55 item 3), in float32 with transformers' own decoder layer for the
+family: on the main model's hidden states after its final norm (as vLLM's and SGLang's DeepSeek and Qwen3-Next MTP
+take them), position i's draft is, in DeepSeek-V3 / GLM-4.5's form,
 
     x_i = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)])  ->  the NextN block  ->  shared_head.norm  ->  shared_head.head
 
-whose greedy top-1 is the head's guess of t_{i+2}. ``acceptance`` compares two checkpoints' heads fed the same
-hidden states (A's main model's): how often B's draft is A's, and how often each draft is the main model's own
-greedy next token (the rate a serving engine accepts it at).
+and in Qwen3-Next's ``mtp.fc([pre_fc_norm_embedding(embed(t_{i+1})); pre_fc_norm_hidden(h_i)])`` -> ``mtp.layers.*``
+(full attention) -> ``mtp.norm`` -> the main model's ``lm_head``, its norms scaling by 1 + w (each family's form
+is data: ``schemes/mtp.json``'s ``draft``; MiMo's differs and is not run). Its greedy top-1 is the head's guess of
+t_{i+2}. ``acceptance`` compares two checkpoints' heads fed the same hidden states (A's main model's): how often
+B's draft is A's, and how often each draft is the main model's own greedy next token (the rate a serving engine
+accepts it at), beside the floor measured in the same run (A's head cast to B's dtypes).
 """
 
 from __future__ import annotations
@@ -17,13 +20,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import FFNToolsError
-from ..mtp import Head, find_heads
+from ..mtp import LAYOUTS, DraftForm, Head, find_heads
 
 if TYPE_CHECKING:
     import torch
 
 MAIN_LIMIT = 4 * 2**30  # bytes of A's main model in float32 the reference runs on the CPU
-OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
 
 
 @dataclass(frozen=True)
@@ -69,13 +71,13 @@ class Acceptance:
         return text + (f"; not judged: {self.unjudged}" if self.unjudged else "")
 
 
-def _rms(x: "torch.Tensor", w: "torch.Tensor", eps: float) -> "torch.Tensor":
+def _rms(x: "torch.Tensor", w: "torch.Tensor", eps: float, plus_one: bool = False) -> "torch.Tensor":
     import torch
 
-    return w.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    return (w.float() + plus_one) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def _config(config: Mapping, layers: int):
+def _config(config: Mapping, layers: int, layer_type: str | None = None):
     import transformers
 
     cfg = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version", "dtype",
@@ -83,6 +85,8 @@ def _config(config: Mapping, layers: int):
     cfg.update(num_hidden_layers=layers, num_nextn_predict_layers=0)
     if "first_k_dense_replace" in cfg and layers == 1:  # the NextN block is a MoE block: layer 0 of the draft
         cfg["first_k_dense_replace"] = 0
+    if layer_type and "layer_types" in cfg:  # the head's blocks as their kind of layer (Qwen3-Next's: full attention)
+        cfg["layer_types"] = [layer_type] * layers
     return transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
 
 
@@ -120,29 +124,55 @@ def _loaded(config, state: Mapping[str, "torch.Tensor"], what: str):
     return model.eval()
 
 
-def draft_model(config: Mapping, tensors: Mapping[str, "torch.Tensor"], head: Head):
-    """The head's block as a one-layer model of the family (transformers' classes): layer 0 the NextN block, its
-    final norm ``shared_head.norm``, its head ``shared_head.head``; run on ``inputs_embeds``."""
-    prefix = head.name + "."
-    state = {f"model.layers.0.{n[len(prefix):]}": tensors[n] for n in head.tensors
-             if not n[len(prefix):].startswith(OWN)}
-    state["model.norm.weight"] = tensors[f"{prefix}shared_head.norm.weight"]
-    state["lm_head.weight"] = tensors[f"{prefix}shared_head.head.weight"]
-    return _loaded(_config(config, 1), state, f"MTP head {head.name}'s block")
+def _form(head: Head) -> DraftForm:
+    """How ``head``'s family runs it as a draft (``schemes/mtp.json``'s ``draft``).
+
+    Raises:
+        FFNToolsError: a family whose form this reference does not run.
+    """
+    if head.layout.draft is None:
+        runs = ", ".join(lay.name for lay in LAYOUTS if lay.draft)
+        raise FFNToolsError(f"MTP head {head.name}: the draft reference runs the {runs} forms, not "
+                            f"{head.layout.name}'s")
+    return head.layout.draft
+
+
+def draft_model(config: Mapping, tensors: Mapping[str, "torch.Tensor"], head: Head,
+                main_head: "torch.Tensor | None" = None):
+    """The head's blocks as a model of the family (transformers' classes): its layers the head's blocks, its final
+    norm the head's, its output head the head's own or the main model's (``main_head``); run on
+    ``inputs_embeds``."""
+    form = _form(head)
+    own = tuple(f"{m}." for m in (form.embed_norm, form.hidden_norm, form.proj, form.norm, form.head, form.embed) if m)
+    state = {}
+    for i, b in enumerate(head.blocks):
+        block = head.layout.blocks.format(layer=b) + "."
+        for n in head.tensors:  # a NextN block holds the head's own modules too: not the block's
+            if n.startswith(block) and not (block == head.name + "." and n[len(block):].startswith(own)):
+                state[f"model.layers.{i}.{n[len(block):]}"] = tensors[n]
+    state["model.norm.weight"] = tensors[f"{head.name}.{form.norm}.weight"]
+    out = tensors[f"{head.name}.{form.head}.weight"] if form.head else main_head
+    if out is None:
+        raise FFNToolsError(f"MTP head {head.name} drafts through the main model's output head, which was not given")
+    state["lm_head.weight"] = out
+    return _loaded(_config(config, len(head.blocks), form.layer_type), state, f"MTP head {head.name}'s block")
 
 
 def drafts(config: Mapping, tensors: Mapping[str, "torch.Tensor"], head: Head, hidden: "torch.Tensor",
-           tokens: "torch.Tensor", embed: "torch.Tensor") -> "torch.Tensor":
-    """The head's greedy drafts for positions 0..T-2 of each sequence (B, T-1): the guess of t_{i+2}."""
+           tokens: "torch.Tensor", embed: "torch.Tensor", main_head: "torch.Tensor | None" = None) -> "torch.Tensor":
+    """The head's greedy drafts for positions 0..T-2 of each sequence (B, T-1): the guess of t_{i+2} (``embed``,
+    ``main_head``: the main model's embedding and output head, where the head has none of its own)."""
     import torch
 
+    form = _form(head)
     p, eps = head.name + ".", float(config.get("rms_norm_eps", 1e-6))
-    table = tensors[f"{p}embed_tokens.weight"].float() if f"{p}embed_tokens.weight" in head.tensors else embed
-    e = _rms(table[tokens[:, 1:]], tensors[f"{p}enorm.weight"], eps)
-    h = _rms(hidden[:, :-1].float(), tensors[f"{p}hnorm.weight"], eps)
-    x = torch.cat([e, h], dim=-1) @ tensors[f"{p}eh_proj.weight"].float().T
+    own = f"{p}{form.embed}.weight" if form.embed else ""
+    table = tensors[own].float() if own in head.tensors else embed
+    e = _rms(table[tokens[:, 1:]], tensors[f"{p}{form.embed_norm}.weight"], eps, form.plus_one)
+    h = _rms(hidden[:, :-1].float(), tensors[f"{p}{form.hidden_norm}.weight"], eps, form.plus_one)
+    x = torch.cat([e, h], dim=-1) @ tensors[f"{p}{form.proj}.weight"].float().T
     with torch.no_grad():
-        return draft_model(config, tensors, head)(inputs_embeds=x).logits.argmax(-1)
+        return draft_model(config, tensors, head, main_head)(inputs_embeds=x).logits.argmax(-1)
 
 
 def quantized_head(b, names) -> str | None:
@@ -164,7 +194,7 @@ def acceptance(a, b, tokens: "torch.Tensor", floor: bool = True) -> list[Accepta
     (``Acceptance.below``).
 
     Raises:
-        FFNToolsError: a head of A that B lacks, a head layout this reference does not run (only ``nextn``), or a
+        FFNToolsError: a head of A that B lacks, a head whose family's form this reference does not run, or a
             main model past ``MAIN_LIMIT`` in float32 (the reference runs it on this machine's CPU).
     """
     import torch
@@ -176,9 +206,7 @@ def acceptance(a, b, tokens: "torch.Tensor", floor: bool = True) -> list[Accepta
     if not heads:
         return []
     for head in heads:
-        if head.layout.name != "nextn":
-            raise FFNToolsError(f"MTP head {head.name}: the draft reference runs DeepSeek/GLM NextN blocks, not "
-                                f"{head.layout.name}")
+        _form(head)
         missing = [t for t in head.tensors if t not in b]
         if missing:
             raise FFNToolsError(f"MTP head {head.name}: B lacks {len(missing)} of its tensors")
@@ -192,12 +220,12 @@ def acceptance(a, b, tokens: "torch.Tensor", floor: bool = True) -> list[Accepta
     with torch.no_grad():
         hidden = main.model(tokens).last_hidden_state
         nxt = main.lm_head(hidden).argmax(-1)[:, 1:]  # the main model's greedy t_{i+2}, at position i+1
-    embed = main.model.embed_tokens.weight.float()
+    embed, out_head = main.model.embed_tokens.weight.float(), main.lm_head.weight.float()
     out = []
     for head in heads:
         ta, tb = {t: a[t] for t in head.tensors}, {t: b[t] for t in head.tensors}
         def run(t: Mapping[str, "torch.Tensor"], head: Head = head) -> "torch.Tensor":
-            return drafts(config, t, head, hidden, tokens, embed)
+            return drafts(config, t, head, hidden, tokens, embed, out_head)
 
         da, db = run(ta), run(tb)
         share = {"agree": (da == db).float().mean().item(), "a": (da == nxt).float().mean().item(),
