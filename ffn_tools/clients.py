@@ -270,6 +270,17 @@ class Client(ABC):
         """
         raise self.not_applicable("whole-model logits with experts masked")
 
+    def expert_saliency(self, path: Path, texts: list[str], max_tokens: int
+                        ) -> tuple[int, dict[int, tuple[list[float], list[int]]]]:
+        """``ffn-tools saliency`` (``surgery.saliency``): the model run on ``texts`` (each cut to ``max_tokens``
+        tokens), and the tokens run and each MoE layer's per-expert sums (router weight x the norm of the expert's
+        own output, over the tokens routed to it; the count of those tokens).
+
+        Raises:
+            NotApplicable: this runtime scores no experts here (the default).
+        """
+        raise self.not_applicable("expert saliency")
+
     def generate(self, path: Path, prompts: list[str], new_tokens: int, score: list[list[int]] | None = None,
                  dtype: str | None = None) -> Generation:
         """The model at ``path`` run on ``prompts`` as this client runs them: tokenized by its tokenizer (in its

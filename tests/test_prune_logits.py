@@ -184,3 +184,26 @@ def test_verify_logits_mlx_pruned_bit_for_bit_against_masked_a(model_dir, tmp_pa
     assert r.exit_code == 0 and lg["passed"] and lg["client_a"].startswith("mlx_lm"), r.output
     assert lg["max_abs"] == 0 and lg["masked"]["dropped"] == {"0": [1], "1": [1]}
     assert all(0 < v < 1 for v in lg["masked"]["routing_mass_lost"].values())
+
+
+def test_saliency_of_an_mlx_checkpoint_runs_in_mlx_lm(hf, tmp_path):
+    """An MLX export scored through mlx_lm: the same routing frequencies as its transformers source (the float32
+    export computes the same routing on these tokens), REAP scores close to them, top-k frequencies summing to k."""
+    pytest.importorskip("mlx_lm")
+    import shutil
+
+    import ffn_tools.api as api
+
+    src = hf("qwen3_moe")
+    api.convert(src, "mlx", tmp_path / "mlx")
+    for f in src.glob("tokenizer*"):
+        shutil.copy(f, tmp_path / "mlx" / f.name)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("abc def ghi jkl\nmno pqr stu vwx yz\n")
+    a = api.saliency(src, prompts=str(prompts))
+    b = api.saliency(tmp_path / "mlx", prompts=str(prompts))
+    assert a["client"] == "transformers" and b["client"] == "mlx_lm" and a["tokens"] == b["tokens"] > 0
+    for layer in ("0", "1"):
+        assert sum(b["layers"][layer]["frequency"]) == pytest.approx(2.0)  # top-2
+        assert b["layers"][layer]["frequency"] == pytest.approx(a["layers"][layer]["frequency"])
+        assert b["layers"][layer]["reap"] == pytest.approx(a["layers"][layer]["reap"], rel=1e-3, abs=1e-5)

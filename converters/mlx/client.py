@@ -114,6 +114,11 @@ class MlxLm(Client):
         out = model(mx.array(tokens.numpy()))
         return torch.from_numpy(np.array(out.astype(mx.float32))).to(torch.float64), []
 
+    def expert_saliency(self, path: Path, texts, max_tokens):
+        from .saliency import expert_saliency
+
+        return expert_saliency(path, texts, max_tokens)
+
     def masked_logits(self, path: Path, tokens, dtype, dropped, ungrouped=False):
         from .masking import masked_logits
 

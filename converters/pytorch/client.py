@@ -86,6 +86,11 @@ class Transformers(Client):
         with torch.no_grad():
             return model.eval()(tokens).logits.to(torch.float64), problems
 
+    def expert_saliency(self, path: Path, texts, max_tokens):
+        from .saliency import expert_saliency
+
+        return expert_saliency(path, texts, max_tokens)
+
     def masked_logits(self, path: Path, tokens, dtype, dropped, ungrouped=False):
         from .masking import masked_logits
 
