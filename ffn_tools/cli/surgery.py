@@ -73,8 +73,9 @@ def reorder_experts(path, as_json, **options):
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the scores as JSON too.")
 def saliency(path, out, prompts, max_tokens, force, as_json):
-    """Score each routed expert of PATH on prompts, run through transformers: REAP's score (the mean, over the
-    tokens routed to it, of its router weight times the norm of its output) and its routing frequency.
+    """Score each routed expert of PATH on prompts, run by its client (transformers; mlx_lm for an MLX
+    checkpoint): REAP's score (the mean, over the tokens routed to it, of its router weight times the norm of its
+    output) and its routing frequency.
     `prune-experts PATH --saliency OUT --keep-ratio 0.75` keeps each layer's top experts by it."""
     from ..api import saliency as run
 
