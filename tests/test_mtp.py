@@ -423,6 +423,10 @@ def test_a_head_b_lacks_is_decided_before_the_comparison(deepseek, dropped, tmp_
     assert r["passed"] and [n for n in r["notes"] if "MTP head" in n] == [
         "A's MTP head model.layers.2 (nextn, 32 tensors) is not in B: left out on purpose (B records --mtp drop)"]
     assert not r["only_a"] and not any(n.startswith("model.layers.2.") for n in r["outside"]["only_a"])
+    r = json.loads(run_cli("verify", deepseek, dropped, "--json", "--no-load-check", "--layers", "1-2").output)
+    assert r["passed"] and {f["layer"] for f in r["ffns"]} == {1}  # the head's layer not compared, said once
+    r = run_cli("verify", deepseek, dropped, "--no-load-check", "--layers", "2", ok=False)
+    assert "the layers of A's MTP head model.layers.2 alone, which B does not hold" in r.output
 
 
 def test_drafts_held_to_their_floor(deepseek, tmp_path):

@@ -152,6 +152,7 @@ def verify(a, b, *, opener: Opener, converter: Callable[..., object] | None = No
         report, fa, fb, model = _pair(run, load, worker)
         heads = Heads.decide(ca, cb, fa, fb)  # A's MTP heads B lacks whole: left out before any comparison
         heads.said(report)
+        run.selection = heads.selected(run.selection)  # --layers naming an absent head's: not compared
         ffns = (fa.tensors, fb.tensors) if fa and fb else (frozenset(), frozenset())
         expected = Expected.derive(run.client, ca, cb, bool(fa and fb), ffns, (heads,))  # B from A via B's client
         if fa and fb:

@@ -23,6 +23,7 @@ from .. import mtp
 from ..errors import FFNToolsError, listing
 from ..ffn import FFNRef
 from .draft import Acceptance, acceptance
+from .sides import spans
 
 if TYPE_CHECKING:
     from ..checks.outside import OutsideResult
@@ -41,6 +42,7 @@ class Heads:
     absent: tuple[tuple[mtp.Head, bool], ...] = ()
     present: tuple[mtp.Head, ...] = ()
     names: frozenset[str] = frozenset()
+    layers: frozenset[int] = frozenset()  # the absent heads' FFNs' layers
 
     @classmethod
     def decide(cls, ca, cb, fa: "FFNSet | None", fb: "FFNSet | None") -> "Heads":
@@ -49,14 +51,31 @@ class Heads:
             return cls()
         dropped = mtp.recorded(cb.metadata) or {}
         in_b = set(fb.by_ref()) if fb else set()
-        absent, present = [], []
+        absent, present, layers = [], [], set()
         for head in heads:
             own, refs = _parts(head, fa)
             if any(t in cb for t in own) or refs & in_b:
                 present.append(head)
             else:
                 absent.append((head, dropped.get("mtp") == "drop" and head.name in dropped.get("heads", ())))
-        return cls(tuple(absent), tuple(present), frozenset(t for h, _ in absent for t in h.tensors))
+                layers |= {r.layer for r in refs}
+        return cls(tuple(absent), tuple(present), frozenset(t for h, _ in absent for t in h.tensors),
+                   frozenset(layers))
+
+    def selected(self, selection: tuple) -> tuple:
+        """``--layers``/``--experts`` (``selection``) without the absent heads' layers, which are not compared.
+
+        Raises:
+            FFNToolsError: ``--layers`` naming only those layers.
+        """
+        layers, experts = selection
+        if layers is None or not layers & self.layers:
+            return selection
+        if not layers - self.layers:
+            heads = listing([h.name for h, _ in self.absent], 3)
+            raise FFNToolsError(f"--layers {spans(layers)}: the layers of A's MTP head {heads} alone, which B does "
+                                "not hold (verify without --layers says whether it was left out on purpose)")
+        return layers - self.layers, experts
 
     def left_out(self) -> frozenset[str]:
         """A's tensors of the heads B lacks: left out of the comparison by name (an ``expected.Transform``)."""
