@@ -288,3 +288,96 @@ def test_gguf_codes_in_mlx_scale_defect_fails(gguf_mlx, tmp_path, defect):
     bad = {f["ffn"]: f for f in j["ffns"]}["layer 1"]
     assert not j["passed"] and bad["exact"] == "differs", bad
     assert "ffn_tools.codes.kept" in bad["problems"][0] and "up" in bad["problems"][0], bad["problems"]
+
+
+# --- NVFP4: a fused gate_up with one ModelOpt global scale per half (weight_scale_2 of two values) ---
+
+@pytest.fixture(scope="module")
+def nvfp4_halves(tmp_path_factory):
+    """(A, B): a tiny Phi-3 (fused gate_up_proj) in bfloat16 whose up rows are doubled, and its ModelOpt NVFP4
+    twin whose gate_up keeps the codes of the model before doubling under ``weight_scale_2 = [g, 2 g]``, so each
+    half is read with its own global scale (B's up is A's up quantized, every code)."""
+    import ct_models
+
+    path = tmp_path_factory.mktemp("nvfp4-halves")
+    twin, ct = ct_models.build("phi3", path, {"g": (["Linear"], ct_models.nvfp4_args())}, fmt="nvfp4-pack-quantized")
+    mo = ct_models.to_modelopt(ct, path / "modelopt")
+    w = load_file(mo / "model.safetensors")
+    t = load_file(twin / "model.safetensors")
+    fused = [k[: -len(".weight")] for k in t if k.endswith("gate_up_proj.weight")]
+    assert fused
+    for base in fused:
+        g = w[base + ".weight_scale_2"].reshape(-1)[0]
+        w[base + ".weight_scale_2"] = torch.stack([g, 2 * g]).to(torch.float32)
+        rows = t[base + ".weight"].shape[0]
+        t[base + ".weight"] = t[base + ".weight"].clone()
+        t[base + ".weight"][rows // 2:] *= 2  # exact in bfloat16
+    save_file(w, mo / "model.safetensors", metadata={"format": "pt"})
+    save_file(t, twin / "model.safetensors", metadata={"format": "pt"})
+    return twin, mo, fused
+
+
+def test_nvfp4_global_scale_per_half_is_read_per_half(nvfp4_halves):
+    """Each half of the fused gate_up is read with its own global scale: B's up is exactly twice what one global
+    scale would give, and verify passes B against A (its codes A's weights re-quantized, every one)."""
+    from ffn_tools import quant
+    from ffn_tools.converters import open_any
+    from ffn_tools.quant import nvfp4
+
+    a, b, fused = nvfp4_halves
+    with open_any(b) as raw:
+        c = quant.decoded(raw)
+        name = fused[0] + ".weight"
+        m = c.quantized(name)
+        assert m is not None and m.scheme.name == "nvfp4-modelopt"
+        parts = c.quantized_parts(name)
+        one = nvfp4.dequantize(nvfp4.unpack(parts["weight"]), parts["weight_scale"],
+                               parts["weight_scale_2"][:1], True)
+        got, rows = c[name], one.shape[0]
+        assert torch.equal(got[: rows // 2], one[: rows // 2])
+        assert torch.equal(got[rows // 2:].float(), one[rows // 2:].float() * 2)
+    j = _verify(a, b)
+    assert j["passed"], j["failures"]
+
+
+def test_nvfp4_a_halfs_global_scale_swapped_fails(nvfp4_halves, tmp_path):
+    """The issue's "a half's global scale swapped": [2 g, g] fails verify, naming the FFN."""
+    a, b, fused = nvfp4_halves
+    bad = tmp_path / "swapped"
+    shutil.copytree(b, bad)
+    w = load_file(bad / "model.safetensors")
+    k = fused[1 % len(fused)] + ".weight_scale_2"
+    w[k] = w[k].flip(0).contiguous()
+    save_file(w, bad / "model.safetensors", metadata={"format": "pt"})
+    j = _verify(a, bad)
+    assert not j["passed"]
+    assert any(not f["passed"] for f in j["ffns"]), j["failures"]
+
+
+def test_nvfp4_per_half_scale_refused_by_gguf_saying_why(nvfp4_halves):
+    from ffn_tools import quant
+    from ffn_tools.converters import open_any
+
+    _, b, fused = nvfp4_halves
+    with open_any(b) as raw:
+        c = quant.decoded(raw)
+        name = fused[0] + ".weight"
+        m = c.quantized(name)
+        codes = m.scheme.fp4_codes(m, c.quantized_parts(name))
+        assert codes.multiplier is None and "one global scale per half" in codes.why
+
+
+def test_nvfp4_per_half_scales_split_each_to_its_half(nvfp4_halves, tmp_path):
+    """split-gateup gives gate the first global scale and up the second (each half keeping the whole pair would
+    read gate's rows as two halves), and the split verifies against A."""
+    a, b, fused = nvfp4_halves
+    out = tmp_path / "split"
+    run_cli("split-gateup", b, "-o", out)
+    w = load_file(b / "model.safetensors")
+    s = load_file(out / "model.safetensors")
+    base = fused[0].removesuffix("gate_up_proj")
+    g2 = w[fused[0] + ".weight_scale_2"]
+    assert torch.equal(s[base + "gate_proj.weight_scale_2"].reshape(-1), g2[:1])
+    assert torch.equal(s[base + "up_proj.weight_scale_2"].reshape(-1), g2[1:])
+    j = _verify(a, out)
+    assert j["passed"], j["failures"]

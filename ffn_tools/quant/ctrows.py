@@ -5,7 +5,8 @@ A pack-quantized weight packs its codes along each row (``weight_packed``), and 
 their scales: a scale group never spans two rows. Zero points are packed *down* the rows, ``32 / bits`` rows
 to an int32 word (3, 5, 6 and 7 bits straddle words), so a gate/up boundary must fall on a word boundary of
 the zero points; where it does not (I = 92 rows at 4 bits: 11.5 words), no exact split of the words exists
-and the command refuses, with the numbers. A per-tensor scale is one number: split, each half keeps it;
+and the command refuses, with the numbers. A per-tensor scale is one number: split, each half keeps it (two, one per half of the rows: each half takes its
+own, ``nvfp4.per_row``, in the concatenated layout only);
 fused, gate's and up's must be the same number, else the fused tensor would need one scale for two.
 ``weight_shape`` is written for the new rows. The output's module names must resolve, under the config's
 ``quantization_config`` (carried unchanged), to the scheme their parts are stored in.
@@ -16,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import LayoutError
-from ..layouts import GateUpLayout
-from ..ops import Const, Copy
+from ..layouts import CONCAT, GateUpLayout
+from ..ops import Const, Copy, Rows
 from ..plan import Entry, source
 from ..stacks import fuse_ops, split_ops
 from .base import Module, check_pair
@@ -59,6 +60,13 @@ def split_entries(m: Module, layout: GateUpLayout, new: dict[str, str], ckpt) ->
             name = new[role][: -len("weight")] + suffix
             if suffix == "weight_shape":
                 out[src].append(_shape_entry(name, rows // 2, cols, src))
+            elif suffix in PER_TENSOR and tuple(ckpt.info(src).shape) == (2,):  # one per half (nvfp4.per_row)
+                if not layout.same_arrangement(CONCAT):
+                    raise LayoutError(f"{src}: one global scale per half of the rows, which the "
+                                      f"{layout.describe()} layout does not split into gate and up")
+                info = ckpt.info(src)
+                out[src].append(Entry(name, info.st_dtype, (1,), (src,), (Rows(k, 1),), sources=(source(ckpt, src),),
+                                      text=f"{src}[{k}] ({role}'s own global scale)"))
             elif suffix in PER_TENSOR or (suffix == "weight_scale" and m.args.strategy == "tensor"):
                 out[src].append(_kept(ckpt, name, src, f"{src} (one number: each half keeps it)"))
             else:

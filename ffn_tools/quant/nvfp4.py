@@ -13,6 +13,9 @@ inversion that makes a checkpoint load and run wrong when one convention is read
 compressed-tensors computes in float32 and rounds the result to bfloat16 (``NVFP4PackedCompressor.decompress``);
 ModelOpt's definition is read the same way, in float32, rounded to bfloat16.
 
+A fused gate_up may carry one global scale per half (ModelOpt: ``weight_scale_2`` of two float32 values, the first
+for the first half of the rows, gate, the second for up; ``per_row``): each half is read with its own.
+
 ModelOpt's modules are those with a uint8 ``X.weight`` beside ``X.weight_scale`` and ``X.weight_scale_2``,
 its config ``quantization_config`` (``quant_method: modelopt``) in config.json or ``hf_quant_config.json``
 (``quantization: {quant_algo: NVFP4, group_size, exclude_modules}``), as mlx_lm reads it.
@@ -47,13 +50,26 @@ def unpack(packed: "torch.Tensor") -> "torch.Tensor":
     return torch.stack((lut[(b & 0x0F).long()], lut[(b >> 4).long()]), dim=-1).reshape(*b.shape[:-1], -1)
 
 
+def per_row(per_tensor: "torch.Tensor", rows: int) -> "torch.Tensor":
+    """The global scale for ``rows`` rows: one number for all, as stored (its shape decides torch's promotion of a
+    bfloat16 scale divided by it: compressed-tensors' own arithmetic), or (two numbers: a fused gate_up's, one per
+    half) a float32 column, the first for the first ``rows / 2`` rows and the second for the rest."""
+    import torch
+
+    if per_tensor.numel() == 2:
+        return per_tensor.to(torch.float32).reshape(-1).repeat_interleave(rows // 2)[:, None]
+    return per_tensor
+
+
 def dequantize(values: "torch.Tensor", scale: "torch.Tensor", per_tensor: "torch.Tensor", modelopt: bool) -> "torch.Tensor":
-    """``values`` (rows, cols) times the group scales and the per-tensor number, bfloat16 (see the module doc)."""
+    """``values`` (rows, cols) times the group scales and the per-tensor number (``per_row``: one per half of a
+    fused gate_up where there are two), bfloat16 (see the module doc)."""
     import torch
 
     rows, cols = values.shape
     s = scale.to(torch.bfloat16)  # compressed-tensors' _decompress_scale: to the unpacked dtype first
-    s = s.float() * per_tensor.float() if modelopt else s / per_tensor  # bf16 / f32: float32
+    g = per_row(per_tensor, rows)
+    s = s.float() * g.float() if modelopt else s / g  # bf16 / f32: float32
     x = values.to(torch.bfloat16).float().reshape(rows, -1, GROUP) * s.reshape(rows, -1, 1)
     return x.reshape(rows, cols).to(torch.bfloat16)
 
@@ -75,7 +91,8 @@ def quantize(weight: "torch.Tensor", scale: "torch.Tensor", per_tensor: "torch.T
 
     rows, cols = weight.shape
     s = scale.to(torch.bfloat16).float()
-    s = s * per_tensor.float() if modelopt else s / per_tensor
+    g = per_row(per_tensor, rows)
+    s = s * g.float() if modelopt else s / g
     x = torch.clamp(weight.float().reshape(rows, -1, GROUP) / s.reshape(rows, -1, 1), -6.0, 6.0).reshape(rows, cols)
     a = x.abs()
     place = torch.zeros_like(a, dtype=torch.int16)  # compressed-tensors' cast_to_fp4, bucket by bucket
@@ -125,8 +142,10 @@ def excluded(settings: dict, base: str) -> bool:
     return any(fnmatch.fnmatchcase(base, p) for p in settings.get("exclude_modules") or [])
 
 
-def check(ckpt, base: str, parts: dict[str, str], packed: str, per_tensor: str) -> tuple[str | None, tuple[int, int]]:
-    """(why the NVFP4 parts of ``base`` do not fit, or None; the weight's (rows, cols))."""
+def check(ckpt, base: str, parts: dict[str, str], packed: str, per_tensor: str,
+          halves: bool = False) -> tuple[str | None, tuple[int, int]]:
+    """(why the NVFP4 parts of ``base`` do not fit, or None; the weight's (rows, cols)); ``halves``: two global
+    scales, one per half of the rows, fit too (a fused gate_up's)."""
     p, s = ckpt.info(parts[packed]), ckpt.info(parts["weight_scale"]) if "weight_scale" in parts else None
     if s is None:
         return f"{base}.weight_scale is missing", (0, 0)
@@ -139,8 +158,10 @@ def check(ckpt, base: str, parts: dict[str, str], packed: str, per_tensor: str) 
         return (f"{parts['weight_scale']}: {s.st_dtype} {list(s.shape)}, expected F8_E4M3 {[rows, cols // GROUP]} "
                 f"(one per {GROUP} values)"), (rows, cols)
     g = ckpt.info(parts[per_tensor])
-    if g.st_dtype != "F32" or max(g.shape or (1,)) != 1 or len(g.shape) > 1:
-        return f"{parts[per_tensor]}: {g.st_dtype} {list(g.shape)}, expected one float32", (rows, cols)
+    two = halves and tuple(g.shape) == (2,) and rows % 2 == 0
+    if g.st_dtype != "F32" or (max(g.shape or (1,)) != 1 and not two) or len(g.shape) > 1:
+        return (f"{parts[per_tensor]}: {g.st_dtype} {list(g.shape)}, expected one float32"
+                + (" (or two, one per half of an even number of rows: a fused gate_up's)" if halves else "")), (rows, cols)
     return None, (rows, cols)
 
 
@@ -169,7 +190,7 @@ class Nvfp4(ArgsScheme):
         out, problems = {}, []
         for base in bases:
             parts = {p: f"{base}.{p}" for p in MODELOPT_PARTS if f"{base}.{p}" in ckpt}
-            problem, shape = check(ckpt, base, parts, "weight", "weight_scale_2")
+            problem, shape = check(ckpt, base, parts, "weight", "weight_scale_2", halves=True)
             if problem is None and excluded(settings, base):
                 problem = f"{base}: stored NVFP4, but exclude_modules names it"
             if problem:
@@ -197,8 +218,11 @@ class Nvfp4(ArgsScheme):
         b = parts[self.packed_name].to(torch.uint8)
         nibbles = torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(b.shape[0], -1)
         bits = parts["weight_scale"].contiguous().view(torch.uint8)
-        g = parts[self.scale_name].to(torch.float32).reshape(-1)[0]
         act = input_scale(parts, self.modelopt)
+        if parts[self.scale_name].numel() == 2:
+            return Fp4Codes(nibbles, bits, None, GROUP, "one global scale per half of its rows (a fused gate_up's): "
+                            "llama.cpp's NVFP4 has one per tensor", act)
+        g = parts[self.scale_name].to(torch.float32).reshape(-1)[0]
         if self.modelopt:
             return Fp4Codes(nibbles, bits, float(g), GROUP, input_scale=act)
         inv = torch.tensor(1.0, dtype=torch.float64) / g.double()
