@@ -207,3 +207,17 @@ def test_saliency_of_an_mlx_checkpoint_runs_in_mlx_lm(hf, tmp_path):
         assert sum(b["layers"][layer]["frequency"]) == pytest.approx(2.0)  # top-2
         assert b["layers"][layer]["frequency"] == pytest.approx(a["layers"][layer]["frequency"])
         assert b["layers"][layer]["reap"] == pytest.approx(a["layers"][layer]["reap"], rel=1e-3, abs=1e-5)
+
+
+def test_verify_logits_gpt_oss_top_k_then_softmax_router(tmp_path):
+    """GPT-OSS's router (a bias; top-k of its logits, then softmax over them): its logits -inf at the dropped
+    expert is the pruned model."""
+    import zoo
+
+    zoo.build("gpt_oss", tmp_path / "a")
+    run_cli("prune-experts", tmp_path / "a", "--drop", "2", "-o", tmp_path / "b")
+    r, report = _verify(tmp_path / "a", tmp_path / "b")
+    lg = report["logits"]
+    assert r.exit_code == 0 and lg["passed"], r.output
+    assert lg["masked"]["dropped"] and all(v == [2] for v in lg["masked"]["dropped"].values())
+    assert lg["masked"]["routing_mass_lost"] and all(0 <= v < 1 for v in lg["masked"]["routing_mass_lost"].values())
