@@ -181,19 +181,19 @@ def masking(pa, pb) -> Masking | None:
     from ..detect import find_ffns
     from ..tolerances import coarsest
 
-    cb = open_checkpoint(pb)
-    rec = mapping.recorded(cb)
-    if rec is None:
-        return None
-    ca = open_checkpoint(pa, like=cb)
-    la = moe_layers(ca, find_ffns(ca))
-    held = _sources(ca, {k: m.experts for k, m in la.items()})
+    with open_checkpoint(pb) as cb:
+        rec = mapping.recorded(cb)
+        if rec is None:
+            return None
+        with open_checkpoint(pa, like=cb) as ca:
+            la = moe_layers(ca, find_ffns(ca))
+            held = _sources(ca, {k: m.experts for k, m in la.items()})
+            dtypes = {ca.stored.info(n).st_dtype for m in la.values() for n in m.routers}  # as stored (MLX: codes)
+            config = ca.config or {}
     dropped = {}
     for layer, sources in rec["layers"].items():
         if layer in held:
             dropped[layer] = tuple(i for i, s in enumerate(held[layer]) if s not in set(sources))
-    groups = [c.get(GROUP_KEY) for c in (ca.config or {}, *(v for v in (ca.config or {}).values()
-                                                            if isinstance(v, dict)))]
-    dtypes = {ca.stored.info(n).st_dtype for m in la.values() for n in m.routers}  # as stored (MLX: codes, scales)
+    groups = [c.get(GROUP_KEY) for c in (config, *(v for v in config.values() if isinstance(v, dict)))]
     row = coarsest({"F16": "float16", "BF16": "bfloat16"}.get(d, "float32") for d in dtypes)
     return Masking({k: v for k, v in dropped.items() if v}, any(isinstance(g, int) and g > 1 for g in groups), row)
