@@ -381,3 +381,12 @@ def test_nvfp4_per_half_scales_split_each_to_its_half(nvfp4_halves, tmp_path):
     assert torch.equal(s[base + "up_proj.weight_scale_2"].reshape(-1), g2[1:])
     j = _verify(a, out)
     assert j["passed"], j["failures"]
+
+
+def test_fuse_of_partial_fp8_blocks_is_refused(fp8_model, tmp_path):
+    """Gate and up of 100 rows in 32-row blocks (a partial last block each) fused would put up's first rows inside
+    gate's last block: no exact fuse of the scales exists, and it is refused naming the config's block (it wrote
+    200 rows over 8 scales, which a reader takes as blocks of 25)."""
+    r = run_cli("fuse-gateup", fp8_model, "-o", tmp_path / "fused", ok=False)
+    assert "weight_block_size [32, 32]" in r.output and "no exact fuse" in r.output, r.output
+    assert not (tmp_path / "fused").exists()

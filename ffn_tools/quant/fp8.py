@@ -70,6 +70,20 @@ def check(ckpt, weight: str, scale: str, layout: GateUpLayout, stacked: bool, fu
         raise LayoutError(f"{scale} {list(s)}: its row blocks do not fall on the {layout.describe()} gate/up "
                           f"boundaries of {weight} {list(w)} ({wr} rows over {sr} scale rows), so no exact split "
                           "of the scale exists")
+    given = config_block(ckpt)
+    read = given is not None and sr in (-(-wr // given[0]), 2 * -(-(wr // 2) // given[0]))  # the config's block
+    if given is not None and read and any(sg[1] % given[0] or sg[3] % given[0] for sg in layout.segments(wr)):
+        # a gate/up run not of whole blocks: rows / scales is not the block the config reads
+        raise LayoutError(f"{scale} {list(s)}: the {layout.describe()} gate/up runs of {wr} fused rows are not "
+                          f"whole blocks of the config's weight_block_size {list(given or ())} (a partial last "
+                          f"block), so no exact {'fuse' if fused_rows is not None else 'split'} of the scale exists")
+
+
+def config_block(ckpt) -> tuple[int, int] | None:
+    """The config's ``quantization_config.weight_block_size`` (rows, columns each scale covers), or None."""
+    q = (ckpt.config or {}).get("quantization_config") or {}
+    b = q.get("weight_block_size") if isinstance(q, dict) else None
+    return (int(b[0]), int(b[1])) if isinstance(b, list) and len(b) == 2 else None
 
 
 def dequantize(weight, scale, blocks: tuple[int, int] | None = None):
@@ -162,9 +176,7 @@ class Fp8Blocks(QuantScheme):
 
     def find(self, ckpt) -> dict[str, Module]:
         out = {}
-        q = (ckpt.config or {}).get("quantization_config") or {}
-        b = q.get("weight_block_size") if isinstance(q, dict) else None
-        given = (int(b[0]), int(b[1])) if isinstance(b, list) and len(b) == 2 else None
+        given = config_block(ckpt)
         for name in ckpt:
             found = companions(ckpt, name)
             if found and not is_companion(name, ckpt):
