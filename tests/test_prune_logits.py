@@ -221,3 +221,21 @@ def test_verify_logits_gpt_oss_top_k_then_softmax_router(tmp_path):
     assert r.exit_code == 0 and lg["passed"], r.output
     assert lg["masked"]["dropped"] and all(v == [2] for v in lg["masked"]["dropped"].values())
     assert lg["masked"]["routing_mass_lost"] and all(0 <= v < 1 for v in lg["masked"]["routing_mass_lost"].values())
+
+
+def test_verify_logits_deepseek_v3_mlx_bit_for_bit_and_across_clients(hf, tmp_path):
+    """DeepSeek-V3 (one group) exported to MLX and pruned: mlx_lm's MoEGate masked through its correction bias
+    gives B's logits bit for bit; A in transformers, masked there, against the MLX B within float32."""
+    pytest.importorskip("mlx_lm")
+    from ffn_tools.api import convert
+
+    src = hf("deepseek_v3", n_group=1, topk_group=1)
+    convert(src, "mlx", tmp_path / "a")
+    run_cli("prune-experts", tmp_path / "a", "--drop", "1", "-o", tmp_path / "b")
+    r, report = _verify(tmp_path / "a", tmp_path / "b")
+    assert r.exit_code == 0 and report["logits"]["max_abs"] == 0, r.output
+    assert "the 1 expert B dropped" in report["logits"]["client_a"]
+    r, report = _verify(src, tmp_path / "b")
+    lg = report["logits"]
+    assert r.exit_code == 0 and lg["passed"] and (lg["client_b"], lg["max_abs"] < 1e-5) == ("mlx_lm", True), r.output
+    assert lg["client_a"].startswith("transformers") and lg["masked"]["dropped"] == {"1": [1]}

@@ -159,7 +159,7 @@ class Masking:
     def describe(self) -> str:
         """The words for the logits line: what A ran as, and the most routing mass a layer lost."""
         n = sum(len(v) for v in self.dropped.values())
-        what = (f"A with the {n} experts B dropped masked out of its routing" if n
+        what = (f"A with the {n} expert{'s' * (n != 1)} B dropped masked out of its routing" if n
                 else "A as it is (B reorders its experts)")
         if self.lost:
             worst = max(self.lost, key=lambda k: self.lost[k])
