@@ -276,7 +276,7 @@ def _build(ckpt, group: Group, form_name: str, roles: dict[str, str], layer: int
     names.update({r: b for r, b in group.bias_names(form, layer, expert).items() if b in ckpt})
     shapes = {r: ckpt.info(n).shape for r, n in names.items()}
     try:
-        first_layer, first_expert = group.offsets(ckpt.config)
+        first_layer, first_expert = group.offsets(mtp.numbering(ckpt.config))
         n_flat = config_int(ckpt.config, form.experts, f"the {form_name} form of {group.name!r}") \
             if form.flat and form.experts else None
     except SchemeError as e:

@@ -118,6 +118,22 @@ def declared(config: Mapping | None, layout: Layout | None = None) -> tuple[str,
     return None
 
 
+NESTED = ("text_config", "language_config")  # a multimodal config's language model
+
+
+def numbering(config: Mapping | None) -> Mapping | None:
+    """``config`` as layers are numbered from it: its language model's ``num_hidden_layers`` at the top where only a
+    nested config holds it (Qwen3.5's multimodal config.json), which an MTP module's blocks are numbered after
+    (families.json's ``mtp.layers.{layer}`` prefixes); ``config`` itself otherwise."""
+    if not config or "num_hidden_layers" in config:
+        return config
+    for key in NESTED:
+        inner = config.get(key)
+        if isinstance(inner, Mapping) and "num_hidden_layers" in inner:
+            return {**config, "num_hidden_layers": inner["num_hidden_layers"]}
+    return config
+
+
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 

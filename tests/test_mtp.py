@@ -471,3 +471,19 @@ def test_qwen3_next_drafts(qwen3_next, tmp_path):
     v = json.loads(run_cli("verify", qwen3_next, qwen3_next, "--json", "--no-load-check").output)
     (note,) = [n for n in v["notes"] if "MTP head" in n]
     assert v["passed"] and "B's drafts are A's on 100.0%" in note and "floor, A's head in" in note
+
+
+def test_a_nested_config_numbers_the_head(qwen3_next, tmp_path):
+    """A multimodal config.json (Qwen3.5's) holds num_hidden_layers in text_config: the MTP module's blocks are
+    numbered after it all the same (not a refusal naming the missing key)."""
+    from ffn_tools.detect import find_ffns
+
+    nested = tmp_path / "nested"
+    nested.mkdir()
+    (nested / "model.safetensors").symlink_to(qwen3_next / "model.safetensors")
+    cfg = json.loads((qwen3_next / "config.json").read_text())
+    cfg["text_config"] = {"num_hidden_layers": cfg.pop("num_hidden_layers")}
+    (nested / "config.json").write_text(json.dumps(cfg))
+    with open_checkpoint(nested) as c:
+        layers = {f.ref.layer for f in find_ffns(c).ffns if f.names["down"].startswith("mtp.")}
+    assert layers == {2}
