@@ -127,8 +127,8 @@ class Client(ABC):
     - answered where the runtime can, else "not applicable for <runtime>" (the default): ``compare_config``,
       ``compare_side_files``, ``compare_tokenization`` (a check result ``skipped`` so, which the report names as
       not compared), ``runs`` and ``load_warning`` (``NotApplicable``, which their callers report as such),
-      ``ready_for_logits``, ``logits`` and ``generate`` (``NotApplicable``: an FFNToolsError verify reports as
-      not run);
+      ``ready_for_logits``, ``logits``, ``masked_logits``, ``expert_saliency`` and ``generate``
+      (``NotApplicable``: an FFNToolsError verify reports as not run);
     - declared neutral, where the default is no transform of the runtime's own, so that a runtime that does not
       say otherwise can only make verify stricter, never pass what it would fail: ``pairing`` (A as stored),
       ``stored_otherwise`` and ``compare_stored_otherwise`` (every tensor as read), ``config_of`` (the view's config),
