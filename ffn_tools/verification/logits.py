@@ -5,7 +5,9 @@ Each side runs in its own client (``Client.logits``: transformers' ``from_pretra
 shape, which transformers would fill with random values) fails rather than being compared. The metrics are
 those of the FFN check (max |b - a|, cosine, the tolerance ratio) plus top-1 agreement, which is reported; the
 verdict uses the tolerance row widened for whole models (``tolerances.widened``), and no finer than the
-precision a client computes in where it computes below the weights' (``Client.precision``).
+precision a client computes in where it computes below the weights' (``Client.precision``). Where B records an
+expert mapping (``prune-experts``, ``reorder-experts``), A runs with the experts B dropped masked out of its
+routing (``expert_map.masking``, ``Client.masked_logits``), each layer's routing mass lost reported.
 """
 
 from __future__ import annotations
