@@ -127,6 +127,7 @@ def test_values_read_at_another_block_fail(fp8_model, tmp_path, block):
 @pytest.mark.parametrize("name,index,where", [
     ("model.layers.0.mlp.gate_proj.weight_scale_inv", (1, 0), "rows 32-63, columns 0-31"),
     ("model.layers.0.mlp.down_proj.weight_scale_inv", (1, 2), "rows 32-63, columns 64-95"),
+    ("model.layers.0.mlp.down_proj.weight_scale_inv", (1, 3), "rows 32-63, columns 96-99"),  # the partial block
 ])
 def test_a_scale_under_kept_codes_is_named_at_its_block(fp8_model, tmp_path, name, index, where):
     """B keeps A's codes with one block's scale doubled: verify names that block's rows and columns as the

@@ -196,8 +196,9 @@ def scale_defect(cb, y: FFN, role: str, a: dict, b: dict, same_form: bool) -> st
             seg = next(sg for sg in y.layout.segments(2 * sa.shape[0]) if sg[0] == role and sg[2] <= first[0] < sg[2] + sg[3])
             first[0] = seg[1] + first[0] - seg[2]
         rb, cbk = m.args.block  # the checkpoint's own (its config's weight_block_size): 32 x 32 is not 25 x 25
-        where = f"block {first}" + (f" (rows {first[0] * rb}-{first[0] * rb + rb - 1}" + (
-            f", columns {first[1] * cbk}-{first[1] * cbk + cbk - 1})" if len(first) > 1 else ")"))
+        rows, cols = m.shape[-2:]  # a partial last block ends with the weight
+        where = f"block {first}" + (f" (rows {first[0] * rb}-{min(first[0] * rb + rb, rows) - 1}" + (
+            f", columns {first[1] * cbk}-{min(first[1] * cbk + cbk, cols) - 1})" if len(first) > 1 else ")"))
         expert = f" (expert {y.index})" if y.index is not None else ""
         n = int(off.sum())
         return (f"{role}: B's codes are A's byte for byte but its scale {m.parts.get(p, p)}{expert} is not A's at "
