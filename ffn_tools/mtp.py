@@ -50,6 +50,10 @@ class DraftForm:
     embed: str | None
     plus_one: bool
     layer_type: str | None
+    hidden_first: bool = False  # the projection reads [hidden_norm(h); embed_norm(embed)] (MiMo's order)
+    in_block: bool = False  # its modules sit in its (one) block, not beside it (MiMo's model.mtp_layers.0.input_proj)
+    family: str | None = None  # the transformers model_type its blocks and main model run as (MiMo's: qwen2)
+    mask_first: bool = False  # position 0's embedding zeroed (vLLM's MiMo MTP)
 
 
 @dataclass(frozen=True)

@@ -487,3 +487,56 @@ def test_a_nested_config_numbers_the_head(qwen3_next, tmp_path):
     with open_checkpoint(nested) as c:
         layers = {f.ref.layer for f in find_ffns(c).ffns if f.names["down"].startswith("mtp.")}
     assert layers == {2}
+
+
+@pytest.fixture(scope="module")
+def mimo(tmp_path_factory) -> Path:
+    """A tiny MiMo: a Qwen2 model of 2 main layers (config model_type mimo, as MiMo's remote code writes it) and one
+    MTP layer ``model.mtp_layers.0`` laid out as MiMo's checkpoints are: a Qwen2 decoder block with
+    ``token_layernorm``, ``hidden_layernorm``, ``input_proj`` and ``final_layernorm`` inside it."""
+    import transformers
+
+    cfg_name, model_name, extra = tiny_models.ARCHS["qwen2"]
+    config = getattr(transformers, cfg_name)(**{**tiny_models.COMMON, **extra, "num_hidden_layers": 3})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).eval()
+    state = {}
+    for n, t in model.state_dict().items():
+        state[n.replace("model.layers.2.", "model.mtp_layers.0.")] = t.contiguous() + torch.randn_like(t) * 0.02
+    h, g = config.hidden_size, torch.Generator().manual_seed(3)
+    for name, shape in (("token_layernorm", (h,)), ("hidden_layernorm", (h,)), ("input_proj", (h, 2 * h)),
+                        ("final_layernorm", (h,))):
+        state[f"model.mtp_layers.0.{name}.weight"] = (torch.randn(shape, generator=g) * 0.05
+                                                      + (1.0 if "norm" in name else 0.0))
+    path = tmp_path_factory.mktemp("mtp-mimo") / "model"
+    path.mkdir()
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = {**config.to_dict(), "model_type": "mimo", "num_hidden_layers": 2, "num_nextn_predict_layers": 1,
+           "architectures": ["MiMoForCausalLM"]}
+    cfg["layer_types"] = cfg["layer_types"][:2]
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+def test_mimo_drafts(mimo, tmp_path):
+    """MiMo's form ([hidden; embedding] into input_proj, the Qwen2 block, final_layernorm, the main lm_head): its
+    block's FFN is the head's (layer 2), A's head agrees with itself, input_proj's halves swapped do not."""
+    from ffn_tools.detect import find_ffns
+    from ffn_tools.formats import registry
+    from ffn_tools.verification.draft import acceptance
+
+    def swap(s):
+        w = s["model.mtp_layers.0.input_proj.weight"]
+        s["model.mtp_layers.0.input_proj.weight"] = torch.cat(w.chunk(2, dim=1)[::-1], dim=1).contiguous()
+
+    bad = _planted(mimo, tmp_path / "bad", swap)
+    tokens = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    with registry().open_any(mimo) as a, registry().open_any(bad) as b:
+        (head,) = mtp.find_heads(a, a.config)
+        assert head.name == "model.mtp_layers" and head.own() == ["token_layernorm", "hidden_layernorm",
+                                                                   "input_proj", "final_layernorm"]
+        assert [f.ref.layer for f in find_ffns(a).ffns] == [0, 1, 2]
+        (same,) = acceptance(a, a, tokens)
+        (swapped,) = acceptance(a, b, tokens)
+    assert same.agree == 1.0 and same.positions == 22
+    assert swapped.agree < 0.7 and swapped.below() is not None

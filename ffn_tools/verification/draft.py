@@ -4,12 +4,14 @@ take them), position i's draft is, in DeepSeek-V3 / GLM-4.5's form,
 
     x_i = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)])  ->  the NextN block  ->  shared_head.norm  ->  shared_head.head
 
-and in Qwen3-Next's ``mtp.fc([pre_fc_norm_embedding(embed(t_{i+1})); pre_fc_norm_hidden(h_i)])`` -> ``mtp.layers.*``
-(full attention) -> ``mtp.norm`` -> the main model's ``lm_head``, its norms scaling by 1 + w (each family's form
-is data: ``schemes/mtp.json``'s ``draft``; MiMo's differs and is not run). Its greedy top-1 is the head's guess of
-t_{i+2}. ``acceptance`` compares two checkpoints' heads fed the same hidden states (A's main model's): how often
-B's draft is A's, and how often each draft is the main model's own greedy next token (the rate a serving engine
-accepts it at), beside the floor measured in the same run (A's head cast to B's dtypes).
+in Qwen3-Next's ``mtp.fc([pre_fc_norm_embedding(embed(t_{i+1})); pre_fc_norm_hidden(h_i)])`` -> ``mtp.layers.*``
+(full attention) -> ``mtp.norm`` -> the main model's ``lm_head``, its norms scaling by 1 + w; in MiMo's (vLLM's
+mimo_mtp) ``input_proj([hidden_layernorm(h_i); token_layernorm(embed(t_{i+1}))])``, position 0's embedding zeroed,
+-> its Qwen2 block -> ``final_layernorm`` -> the main ``lm_head``. Each family's form is data (``schemes/mtp.json``'s
+``draft``). The draft's greedy top-1 is the head's guess of t_{i+2}. ``acceptance`` compares two checkpoints'
+heads fed the same hidden states (A's main model's): how often B's draft is A's, and how often each draft is the
+main model's own greedy next token (the rate a serving engine accepts it at), beside the floor measured in the same
+run (A's head cast to B's dtypes).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def _rms(x: "torch.Tensor", w: "torch.Tensor", eps: float, plus_one: bool = Fals
     return (w.float() + plus_one) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def _config(config: Mapping, layers: int, layer_type: str | None = None):
+def _config(config: Mapping, layers: int, layer_type: str | None = None, family: str | None = None):
     import transformers
 
     cfg = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version", "dtype",
@@ -85,9 +87,11 @@ def _config(config: Mapping, layers: int, layer_type: str | None = None):
     cfg.update(num_hidden_layers=layers, num_nextn_predict_layers=0)
     if "first_k_dense_replace" in cfg and layers == 1:  # the NextN block is a MoE block: layer 0 of the draft
         cfg["first_k_dense_replace"] = 0
-    if layer_type and "layer_types" in cfg:  # the head's blocks as their kind of layer (Qwen3-Next's: full attention)
-        cfg["layer_types"] = [layer_type] * layers
-    return transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    if isinstance(cfg.get("layer_types"), list):  # the head's blocks as their kind of layer (Qwen3-Next's: full
+        # attention), or as the first layers' where the family says none
+        cfg["layer_types"] = [layer_type] * layers if layer_type else cfg["layer_types"][:layers]
+    model_type = cfg.pop("model_type")
+    return transformers.AutoConfig.for_model(family or model_type, **cfg)
 
 
 def _loaded(config, state: Mapping[str, "torch.Tensor"], what: str):
@@ -137,6 +141,11 @@ def _form(head: Head) -> DraftForm:
     return head.layout.draft
 
 
+def _base(head: Head, form: DraftForm) -> str:
+    """Where the head's own modules are named from: its first block (``in_block``: MiMo's) or the head."""
+    return (head.layout.blocks.format(layer=head.blocks[0]) if form.in_block and head.blocks else head.name) + "."
+
+
 def draft_model(config: Mapping, tensors: Mapping[str, "torch.Tensor"], head: Head,
                 main_head: "torch.Tensor | None" = None):
     """The head's blocks as a model of the family (transformers' classes): its layers the head's blocks, its final
@@ -144,18 +153,20 @@ def draft_model(config: Mapping, tensors: Mapping[str, "torch.Tensor"], head: He
     ``inputs_embeds``."""
     form = _form(head)
     own = tuple(f"{m}." for m in (form.embed_norm, form.hidden_norm, form.proj, form.norm, form.head, form.embed) if m)
+    base = _base(head, form)
     state = {}
     for i, b in enumerate(head.blocks):
         block = head.layout.blocks.format(layer=b) + "."
-        for n in head.tensors:  # a NextN block holds the head's own modules too: not the block's
-            if n.startswith(block) and not (block == head.name + "." and n[len(block):].startswith(own)):
+        for n in head.tensors:  # a NextN (MiMo) block holds the head's own modules too: not the block's
+            if n.startswith(block) and not (block == base and n[len(block):].startswith(own)):
                 state[f"model.layers.{i}.{n[len(block):]}"] = tensors[n]
-    state["model.norm.weight"] = tensors[f"{head.name}.{form.norm}.weight"]
-    out = tensors[f"{head.name}.{form.head}.weight"] if form.head else main_head
+    state["model.norm.weight"] = tensors[f"{base}{form.norm}.weight"]
+    out = tensors[f"{base}{form.head}.weight"] if form.head else main_head
     if out is None:
         raise FFNToolsError(f"MTP head {head.name} drafts through the main model's output head, which was not given")
     state["lm_head.weight"] = out
-    return _loaded(_config(config, len(head.blocks), form.layer_type), state, f"MTP head {head.name}'s block")
+    return _loaded(_config(config, len(head.blocks), form.layer_type, form.family), state,
+                   f"MTP head {head.name}'s block")
 
 
 def drafts(config: Mapping, tensors: Mapping[str, "torch.Tensor"], head: Head, hidden: "torch.Tensor",
@@ -165,12 +176,15 @@ def drafts(config: Mapping, tensors: Mapping[str, "torch.Tensor"], head: Head, h
     import torch
 
     form = _form(head)
-    p, eps = head.name + ".", float(config.get("rms_norm_eps", 1e-6))
+    p, eps = _base(head, form), float(config.get("rms_norm_eps", 1e-6))
     own = f"{p}{form.embed}.weight" if form.embed else ""
     table = tensors[own].float() if own in head.tensors else embed
-    e = _rms(table[tokens[:, 1:]], tensors[f"{p}{form.embed_norm}.weight"], eps, form.plus_one)
+    rows = table[tokens[:, 1:]]
+    if form.mask_first:
+        rows[:, 0] = 0
+    e = _rms(rows, tensors[f"{p}{form.embed_norm}.weight"], eps, form.plus_one)
     h = _rms(hidden[:, :-1].float(), tensors[f"{p}{form.hidden_norm}.weight"], eps, form.plus_one)
-    x = torch.cat([e, h], dim=-1) @ tensors[f"{p}{form.proj}.weight"].float().T
+    x = torch.cat([h, e] if form.hidden_first else [e, h], dim=-1) @ tensors[f"{p}{form.proj}.weight"].float().T
     with torch.no_grad():
         return draft_model(config, tensors, head, main_head)(inputs_embeds=x).logits.argmax(-1)
 
@@ -215,8 +229,8 @@ def acceptance(a, b, tokens: "torch.Tensor", floor: bool = True) -> list[Accepta
     if size > MAIN_LIMIT:
         raise FFNToolsError(f"A's main model is {size / 2**30:.1f} GiB in float32, past the draft reference's "
                             f"{MAIN_LIMIT / 2**30:.0f} GiB (it runs the main model on this machine's CPU)")
-    main = _loaded(_config(config, config["num_hidden_layers"]), {n: a[n] for n in a if n not in inside},
-                   "A's main model")
+    main = _loaded(_config(config, config["num_hidden_layers"], family=_form(heads[0]).family),
+                   {n: a[n] for n in a if n not in inside}, "A's main model")
     with torch.no_grad():
         hidden = main.model(tokens).last_hidden_state
         nxt = main.lm_head(hidden).argmax(-1)[:, 1:]  # the main model's greedy t_{i+2}, at position i+1
