@@ -217,9 +217,11 @@ class QuantScheme(ABC):
 
         Returns:
             (IDENTICAL, None), (WITHIN, note or None: the tolerance row decides), or (DIFFERS, sentence). The
-            default, for schemes whose codes cannot be re-derived: WITHIN, no note.
+            default, for schemes whose codes cannot be re-derived: WITHIN, with a note saying so (without one,
+            verify's FFN pairs took the silence for every code re-derived and said "re-quantized").
         """
-        return WITHIN, None
+        return WITHIN, (f"{label}: {q}'s {self.label} codes are not re-derived from {src}'s values; compared within "
+                        "the tolerance row")
 
     def int_codes(self, m: Module, parts) -> IntCodes | None:
         """``m``'s stored codes, zero points and scales as ``IntCodes`` from its stored ``parts``; None where this

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..errors import LayoutError
 from ..layouts import GateUpLayout
 from ..tolerances import FP8_ROW_BITS
-from .base import WITHIN, Module, QuantScheme
+from .base import Module, QuantScheme
 
 SUFFIXES = ("_scale_inv", "_scale")  # after the weight's name: X.weight_scale_inv, X.weight_scale
 FP8 = ("F8_E4M3", "F8_E5M2")
@@ -193,12 +193,6 @@ class Fp8Blocks(QuantScheme):
         """The values a target keeping the codes and scales holds (MLX's mxfp8 where the scales are powers of two):
         each code times its block's scale, rounded once to float32 (``decode``: exact where the scales are)."""
         return decode(parts["weight"], parts["scale"], m.args.block) if parts is not None else None
-
-    def requantized(self, label, a, m, parts, src="A", q="B"):
-        """FP8 codes are not re-derived from the other side's values here: the tolerance row decides, said (the
-        default's silent WITHIN let verify call a B read at another block "re-quantized, every code")."""
-        return WITHIN, (f"{label}: {q}'s FP8 codes are not re-derived from {src}'s values; compared within the "
-                        "tolerance row")
 
     def params(self, m: Module) -> dict:
         return {"bits": FP8_ROW_BITS, "group_size": m.args.block[1], "mode": "fp8"}
