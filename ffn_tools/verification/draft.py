@@ -108,8 +108,9 @@ def _loaded(config, state: Mapping[str, "torch.Tensor"], what: str):
 
     from transformers.utils import logging as hf_logging
 
-    bars = hf_logging.is_progress_bar_enabled()
+    bars, level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()  # verify's own report is the output (its --json above all)
+    hf_logging.set_verbosity_error()  # its load report: what does not fit is this function's error, said once
     try:
         with tempfile.TemporaryDirectory(prefix="ffn-tools-draft-") as tmp:
             config.save_pretrained(tmp)
@@ -118,6 +119,7 @@ def _loaded(config, state: Mapping[str, "torch.Tensor"], what: str):
             loaded: Any = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype="float32",
                                                                             output_loading_info=True)
     finally:
+        hf_logging.set_verbosity(level)
         if bars:
             hf_logging.enable_progress_bar()
     model, info = loaded
