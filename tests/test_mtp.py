@@ -540,3 +540,19 @@ def test_mimo_drafts(mimo, tmp_path):
         (swapped,) = acceptance(a, b, tokens)
     assert same.agree == 1.0 and same.positions == 22
     assert swapped.agree < 0.7 and swapped.below() is not None
+
+
+def test_a_form_runs_for_its_own_family_only(qwen3_next, tmp_path):
+    """Another family laying its head out alike (EXAONE-MoE's ``mtp.*``) is not run in Qwen3-Next's form: refused,
+    naming the forms the reference runs."""
+    from ffn_tools.errors import FFNToolsError
+    from ffn_tools.formats import registry
+    from ffn_tools.verification.draft import acceptance
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "model.safetensors").symlink_to(qwen3_next / "model.safetensors")
+    cfg = json.loads((qwen3_next / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "model_type": "exaone_moe"}))
+    with registry().open_any(other) as a, pytest.raises(FFNToolsError, match="not the mtp head of a exaone_moe"):
+        acceptance(a, a, torch.zeros(1, 4, dtype=torch.long))

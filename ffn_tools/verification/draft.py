@@ -130,17 +130,20 @@ def _loaded(config, state: Mapping[str, "torch.Tensor"], what: str):
     return model.eval()
 
 
-def _form(head: Head) -> DraftForm:
-    """How ``head``'s family runs it as a draft (``schemes/mtp.json``'s ``draft``).
+def _form(head: Head, config: Mapping) -> DraftForm:
+    """How ``head``'s family runs it as a draft (``schemes/mtp.json``'s ``draft``), for a checkpoint of one of its
+    layout's model types (``config``'s): another family laying its head out alike (HY-V4's ``model.mtp_layers``,
+    EXAONE-MoE's ``mtp.``) may run it otherwise.
 
     Raises:
         FFNToolsError: a family whose form this reference does not run.
     """
-    if head.layout.draft is None:
-        runs = ", ".join(lay.name for lay in LAYOUTS if lay.draft)
-        raise FFNToolsError(f"MTP head {head.name}: the draft reference runs the {runs} forms, not "
-                            f"{head.layout.name}'s")
-    return head.layout.draft
+    form, model_type = head.layout.draft, config.get("model_type")
+    if form is None or model_type not in head.layout.model_types:
+        runs = "; ".join(f"{lay.name} of {', '.join(lay.model_types)}" for lay in LAYOUTS if lay.draft)
+        raise FFNToolsError(f"MTP head {head.name}: the draft reference runs the forms of {runs}, not the "
+                            f"{head.layout.name} head of a {model_type} model")
+    return form
 
 
 def _base(head: Head, form: DraftForm) -> str:
@@ -153,7 +156,7 @@ def draft_model(config: Mapping, tensors: Mapping[str, "torch.Tensor"], head: He
     """The head's blocks as a model of the family (transformers' classes): its layers the head's blocks, its final
     norm the head's, its output head the head's own or the main model's (``main_head``); run on
     ``inputs_embeds``."""
-    form = _form(head)
+    form = _form(head, config)
     own = tuple(f"{m}." for m in (form.embed_norm, form.hidden_norm, form.proj, form.norm, form.head, form.embed) if m)
     base = _base(head, form)
     state = {}
@@ -177,7 +180,7 @@ def drafts(config: Mapping, tensors: Mapping[str, "torch.Tensor"], head: Head, h
     ``main_head``: the main model's embedding and output head, where the head has none of its own)."""
     import torch
 
-    form = _form(head)
+    form = _form(head, config)
     p, eps = _base(head, form), float(config.get("rms_norm_eps", 1e-6))
     own = f"{p}{form.embed}.weight" if form.embed else ""
     table = tensors[own].float() if own in head.tensors else embed
@@ -222,7 +225,7 @@ def acceptance(a, b, tokens: "torch.Tensor", floor: bool = True) -> list[Accepta
     if not heads:
         return []
     for head in heads:
-        _form(head)
+        _form(head, config)
         missing = [t for t in head.tensors if t not in b]
         if missing:
             raise FFNToolsError(f"MTP head {head.name}: B lacks {len(missing)} of its tensors")
@@ -231,7 +234,7 @@ def acceptance(a, b, tokens: "torch.Tensor", floor: bool = True) -> list[Accepta
     if size > MAIN_LIMIT:
         raise FFNToolsError(f"A's main model is {size / 2**30:.1f} GiB in float32, past the draft reference's "
                             f"{MAIN_LIMIT / 2**30:.0f} GiB (it runs the main model on this machine's CPU)")
-    main = _loaded(_config(config, config["num_hidden_layers"], family=_form(heads[0]).family),
+    main = _loaded(_config(config, config["num_hidden_layers"], family=_form(heads[0], config).family),
                    {n: a[n] for n in a if n not in inside}, "A's main model")
     with torch.no_grad():
         hidden = main.model(tokens).last_hidden_state
