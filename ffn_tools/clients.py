@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
@@ -28,6 +27,8 @@ from .checks.load import LoadCheck
 from .checks.semantics import Runs, differences, transformers_model_runs, transformers_runs
 from .checks.side_files import SideFilesResult, compare_side_files
 from .errors import FFNToolsError
+from .generation import Generation
+from .pairing import Pairing
 
 if TYPE_CHECKING:
     import numpy as np
@@ -53,69 +54,6 @@ class NotApplicable(FFNToolsError):
     def __init__(self, runtime: str, what: str):
         self.runtime, self.what = runtime, what
         super().__init__(f"{what}: not applicable for {runtime}")
-
-
-class Pairing(ABC):
-    """A as B's client would load it: the tensors its load computes from A's (renamed, derived, folded), which B
-    stores as computed. ``verify`` compares B's tensors with those, not with A's as stored: decided before any
-    comparison (``computed`` for the FFNs, ``derives`` outside them) and compared once, never compared by name
-    first and forgiven after."""
-
-    @abstractmethod
-    def computed(self, names: list[str]) -> set[str]:
-        """Those of A's tensors ``names`` (its FFNs') that the client computes and B's view reads back by name."""
-
-    @abstractmethod
-    def read(self, name: str) -> "torch.Tensor":
-        """A's tensor ``name`` as the client computes it (one of ``computed``'s)."""
-
-    def describe(self, names: list[str]) -> str:
-        """The note saying that A's tensors ``names`` were compared as the client computes them."""
-        return (f"{len(names)} of A's FFN tensors compared as B's client computes them from A when it loads it, "
-                "not as A stores them")
-
-    def derives(self, a_names: frozenset[str], b_names: frozenset[str]) -> tuple[frozenset[str], frozenset[str]]:
-        """Of the tensors outside the FFNs (A's ``a_names``, B's ``b_names``), before any is compared: B's that the
-        client's load computes from A's otherwise than by name (``compare`` compares them with what it computes,
-        never by name with A's), and A's that its load uses or drops (B has no tensor of that name). The default:
-        none, every tensor compared by name."""
-        return frozenset(), frozenset()
-
-    def compare(self, names: list[str], compare: Callable) -> tuple[list["Derived"], list[str]]:
-        """B's tensors ``names`` (``derives``'s), each compared once with what the client computes from A: the
-        outcomes and the notes saying how. ``compare(name, a, b, bits) -> why or None`` is the outside check's
-        criterion."""
-        return [], []
-
-
-@dataclass
-class Generation:
-    """Prompts run by one client (``Client.generate``).
-
-    Attributes:
-        client: the client's name.
-        prompts: each prompt's token ids as this client makes them (its tokenizer, its chat template).
-        templated: whether a chat template made them.
-        eos: the token ids at which this client's generation stops (what it reads: generation_config.json,
-            config.json, a GGUF's end-of-generation tokens).
-        sequences: the ids run: each prompt followed by its greedy continuation (the stop token included where
-            one was generated), or the sequences the caller gave to score.
-        starts: where each sequence's continuation starts (its prompt's length).
-        logits: each sequence's next-token logits at every position, float32 (positions, vocabulary).
-        pieces: the text of each token id in ``sequences`` and of each position's most likely token.
-    """
-
-    client: str
-    prompts: list[list[int]]
-    templated: bool
-    eos: list[int]
-    sequences: list[list[int]]
-    starts: list[int]
-    logits: list["np.ndarray"]
-    pieces: dict[int, str] = field(default_factory=dict)
-
-    def piece(self, token: int) -> str:
-        return self.pieces.get(token, f"<{token}>")
 
 
 class Client(ABC):

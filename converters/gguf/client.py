@@ -107,7 +107,7 @@ class LlamaCpp(Client):
 
         import numpy as np
 
-        from ffn_tools.clients import Generation
+        from ffn_tools.generation import Generation
 
         from .llama_cpp_run import run
 

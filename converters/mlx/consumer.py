@@ -24,7 +24,7 @@ import logging
 
 from ffn_tools.checks.diagnose import first_difference
 from ffn_tools.checks.outside import DIFFER, IDENTICAL, WITHIN, Derived
-from ffn_tools.clients import Pairing
+from ffn_tools.pairing import Pairing
 from ffn_tools.errors import FFNToolsError, listing
 from ffn_tools.io.store import Checkpoint
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ffn_tools.checks.prompts import greedy, hf_prompt_ids, pieces
-from ffn_tools.clients import Generation
+from ffn_tools.generation import Generation
 
 
 def generate(path: Path, prompts: list[str], new_tokens: int, score, dtype) -> Generation:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import warnings
 
 from ffn_tools.checks.prompts import greedy, hf_prompt_ids, pieces
-from ffn_tools.clients import Generation
+from ffn_tools.generation import Generation
 
 
 def eos_ids(value) -> list[int]:

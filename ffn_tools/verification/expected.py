@@ -30,7 +30,8 @@ from .tied import TiedHead
 
 if TYPE_CHECKING:
     from ..checks.outside import OutsideResult
-    from ..clients import Client, Pairing
+    from ..clients import Client
+    from ..pairing import Pairing
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from ..checks.agreement import DIRECT, PROFILES, AgreementResult
-from ..clients import Client, Generation
+from ..clients import Client
+from ..generation import Generation
 from ..errors import FFNToolsError
 from ..progress import say
 from .floor import floor_side
