@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from ..ops import Op, Reshape, Stack, Take, Unstack
 from ..plan import Entry, Plan, copy_entry, source
+from ..specs import spans
 from .layers import MoELayer
-from .selection import Chosen, spans
+from .selection import Chosen
 
 
 def taken_ops(shape: tuple[int, ...], experts: int, keep: tuple[int, ...], flat: bool) -> tuple[Op, ...]:

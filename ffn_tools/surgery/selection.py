@@ -131,16 +131,3 @@ def kept_share(path: str, picked: Chosen) -> dict[str, dict[str, float]]:
         out[str(layer)] = {k: (sum(v[e] for e in kept) / sum(v) if sum(v) else 1.0) for k, v in scores.items()
                            if isinstance(v, list) and len(v) > max(kept)}
     return out
-
-
-def spans(ids) -> str:
-    """``{0, 1, 2, 5}`` as ``0-2,5``."""
-    out, ids = [], sorted(ids)
-    i = 0
-    while i < len(ids):
-        j = i
-        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
-            j += 1
-        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
-        i = j + 1
-    return ",".join(out)

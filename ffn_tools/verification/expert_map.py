@@ -21,7 +21,7 @@ from ..ffn import FFNRef
 from ..surgery import mapping
 from ..surgery.layers import moe_layers
 from ..surgery.routers import EXPERT_COUNT_KEYS, GROUP_KEY
-from ..surgery.selection import spans
+from ..specs import spans
 
 
 def _sources(ckpt, experts: dict[int, int]) -> dict[int, tuple[int, ...]]:
