@@ -206,6 +206,32 @@ def quantized_head(b, names) -> str | None:
             "draft reference does not derive") if q else None
 
 
+def as_named(a, b, head: Head) -> dict[str, "torch.Tensor"]:
+    """B's tensors of ``head`` under A's names: as stored where B holds that name, else (an FFN B holds in another
+    form: fuse-gateup's gate_up_proj) B's same FFN's weights where A stores that FFN separate, as A stores them.
+
+    Raises:
+        FFNToolsError: a tensor of the head B holds neither by name nor as its FFN.
+    """
+    out = {t: b[t] for t in head.tensors if t in b}
+    if len(out) == len(head.tensors):
+        return out
+    from ..detect import find_ffns
+    from ..ffn import canonical_weights
+
+    missing = set(head.tensors) - set(out)
+    theirs = find_ffns(b).by_ref()
+    for f in find_ffns(a).ffns:
+        roles = {r: n for r, n in f.names.items() if n in missing}
+        g = theirs.get(f.ref)
+        if roles and g is not None and f.form_name == "separate" and not any(f.form.turns(r) for r in roles):
+            weights = canonical_weights(b, g)
+            out.update({n: weights[r] for r, n in roles.items() if r in weights})
+    if still := sorted(missing - set(out)):
+        raise FFNToolsError(f"MTP head {head.name}: B lacks {len(still)} of its tensors ({still[0]}, ...)")
+    return out
+
+
 def acceptance(a, b, tokens: "torch.Tensor", floor: bool = True) -> list[Acceptance]:
     """Each NextN head of checkpoint ``a`` (a lazy ``Checkpoint``, Hugging Face names) and ``b``'s same head, run
     as drafts on A's main model's hidden states for ``tokens`` (B, T) (see the module docstring); with ``floor``,
@@ -224,11 +250,10 @@ def acceptance(a, b, tokens: "torch.Tensor", floor: bool = True) -> list[Accepta
     heads = find_heads(a, config)
     if not heads:
         return []
+    held = {}
     for head in heads:
         _form(head, config)
-        missing = [t for t in head.tensors if t not in b]
-        if missing:
-            raise FFNToolsError(f"MTP head {head.name}: B lacks {len(missing)} of its tensors")
+        held[head.name] = as_named(a, b, head)
     inside = {t for h in heads for t in h.tensors}
     size = 4 * sum(math.prod(a.info(n).shape) for n in a if n not in inside)
     if size > MAIN_LIMIT:
@@ -242,7 +267,7 @@ def acceptance(a, b, tokens: "torch.Tensor", floor: bool = True) -> list[Accepta
     embed, out_head = main.model.embed_tokens.weight.float(), main.lm_head.weight.float()
     out = []
     for head in heads:
-        ta, tb = {t: a[t] for t in head.tensors}, {t: b[t] for t in head.tensors}
+        ta, tb = {t: a[t] for t in head.tensors}, held[head.name]
         def run(t: Mapping[str, "torch.Tensor"], head: Head = head) -> "torch.Tensor":
             return drafts(config, t, head, hidden, tokens, embed, out_head)
 
