@@ -13,9 +13,11 @@ whole-model check through both real clients.
 
 ``verify`` runs in phases, each a function here: open both sides (``_open``; refusals and what the whole-model
 checks will have, ``_before_work``), B's client's load check, pair the FFNs (``_pair``, which also starts the
-model checks), derive what B should hold given A as B's client will hold it (``expected.Expected.derive``),
+model checks), decide A's MTP heads B lacks (``heads.Heads.decide``: left out before any comparison, said once),
+derive what B should hold given A as B's client will hold it (``expected.Expected.derive``),
 compare (``_compare``: the FFN pairs, ``pairrun``, and the tensors outside them but those a transform derives),
-compare those each transform derives, once (``Expected.compare_derived``), then the whole models (``_whole_models``).
+compare those each transform derives, once (``Expected.compare_derived``), say the heads B holds and their drafts
+(``Heads.report``), then the whole models (``_whole_models``).
 """
 
 from __future__ import annotations
