@@ -558,3 +558,15 @@ def test_a_form_runs_for_its_own_family_only(qwen3_next, tmp_path):
     (other / "config.json").write_text(json.dumps({**cfg, "model_type": "exaone_moe"}))
     with registry().open_any(other) as a, pytest.raises(FFNToolsError, match="not the mtp head of a exaone_moe"):
         acceptance(a, a, torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_a_large_main_model_is_not_run(deepseek, monkeypatch):
+    """The reference runs A's main model in float32 on this machine's CPU: past ``MAIN_LIMIT`` it refuses, saying
+    the size, and verify says the drafts were not run instead of loading hundreds of GiB."""
+    from ffn_tools.errors import FFNToolsError
+    from ffn_tools.formats import registry
+    from ffn_tools.verification import draft
+
+    monkeypatch.setattr(draft, "MAIN_LIMIT", 1024)
+    with registry().open_any(deepseek) as a, pytest.raises(FFNToolsError, match="in float32, past the draft"):
+        draft.acceptance(a, a, torch.zeros(1, 4, dtype=torch.long))
