@@ -489,6 +489,17 @@ def test_a_nested_config_numbers_the_head(qwen3_next, tmp_path):
     with open_checkpoint(nested) as c:
         layers = {f.ref.layer for f in find_ffns(c).ffns if f.names["down"].startswith("mtp.")}
     assert layers == {2}
+    # split and fuse name the head's tensors through the same numbering (they raised over the missing top-level key):
+    # the head's per-expert tensors come through split as stored, and fuse stacks them as the main layers' experts
+    run_cli("split-gateup", nested, "-o", tmp_path / "split")
+    run_cli("fuse-gateup", tmp_path / "split", "-o", tmp_path / "fused")
+    a, split = load_file(str(nested / "model.safetensors")), load_file(str(tmp_path / "split" / "model.safetensors"))
+    head = [k for k in a if k.startswith("mtp.") and ".experts." in k]
+    assert head and all(torch.equal(a[k], split[k]) for k in head)
+    fused = load_file(str(tmp_path / "fused" / "model.safetensors"))
+    stacked = fused["mtp.layers.0.mlp.experts.gate_up_proj"]
+    assert torch.equal(stacked[1], torch.cat([a["mtp.layers.0.mlp.experts.1.gate_proj.weight"],
+                                              a["mtp.layers.0.mlp.experts.1.up_proj.weight"]]))
 
 
 @pytest.fixture(scope="module")

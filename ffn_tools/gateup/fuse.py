@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from .. import mtp
 from ..detect import FFNSet
 from ..errors import LayoutError, NothingToDoError, counted
 from ..ffn import FFN
@@ -125,7 +126,7 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False, packed: dict | No
         if f0.form.flat:
             restack(ckpt, experts, target, replaced)
             continue
-        first = f0.group.offsets(ckpt.config)[1]
+        first = f0.group.offsets(mtp.numbering(ckpt.config))[1]
         experts.sort(key=lambda f: f.ref.expert)
         if [f.ref.expert - first for f in experts] != list(range(len(experts))):
             raise LayoutError(f"layer {layer}: experts {[f.ref.expert for f in experts]} are not "

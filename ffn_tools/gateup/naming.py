@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .. import mtp
 from ..ffn import FFN
 from ..registry import Form, bias_name
 
@@ -19,7 +20,7 @@ COUNTERPARTS: dict[str, tuple[str, ...]] = {
 
 def name_in(template: str, f: FFN, config) -> str:
     """``template`` filled with the numbers in ``f``'s tensor names (its ref's, less the group's offsets)."""
-    first_layer, first_expert = f.group.offsets(config)
+    first_layer, first_expert = f.group.offsets(mtp.numbering(config))  # an MTP module numbered after the model
     return template.format(layer=f.ref.layer - first_layer, expert=f.ref.expert - first_expert)
 
 
