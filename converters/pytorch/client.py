@@ -14,7 +14,6 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
 
 from ffn_tools import quant
 from ffn_tools.checks.config import ConfigResult
@@ -25,6 +24,8 @@ from ffn_tools.clients import Client, compare_config_json, transformers_reads
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.io.store import config_dtype, read_config
 from ffn_tools.quant.fp8 import is_companion
+
+from .loading import load_model
 
 MAIN_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
               "pytorch_model.bin.index.json")  # what from_pretrained reads in a directory
@@ -113,31 +114,6 @@ class Transformers(Client):
         if problems:  # transformers would run weights it made up: that is not the model
             raise FFNToolsError("; ".join(problems))
         return capture(model.eval(), sequences, getattr(model.config, "num_experts_per_tok", None))
-
-
-def load_model(path: Path, dtype: str | None):
-    """``AutoModelForCausalLM.from_pretrained`` in ``dtype`` (None: the config's), and what went wrong loading it
-    (weights missing, left over, of the wrong shape), as lines."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()  # loading problems are returned, as failures
-    hf_logging.disable_progress_bar()
-    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype) if dtype else "auto",
-                                                  output_loading_info=True)
-    model, info = cast("tuple[Any, dict]", loaded)  # transformers types the model alone; the flag adds the dict
-    problems = [f"transformers: {what} {_clip(info.get(key) or [])}"
-                for key, what in (("missing_keys", "initialised weights the checkpoint lacks:"),
-                                  ("unexpected_keys", "ignored weights it does not know:"),
-                                  ("mismatched_keys", "re-initialised weights of the wrong shape:"))
-                if info.get(key)]
-    return model, problems
-
-
-def _clip(items, n: int = 4) -> str:
-    items = sorted(items)
-    return ", ".join(items[:n]) + (f" ... ({len(items)} in all)" if len(items) > n else "")
 
 
 def _model_class(transformers, config: dict):

@@ -1,5 +1,5 @@
 """Prompts through transformers as a user runs a model with it: ``AutoTokenizer`` (its chat template), the model
-``client.load_model`` loads (``from_pretrained`` in the config's dtype), greedy decoding with the KV cache,
+``loading.load_model`` loads (``from_pretrained`` in the config's dtype), greedy decoding with the KV cache,
 stopping at the ids of the model's ``generation_config`` (generation_config.json, else the config's
 ``eos_token_id``: what ``generate`` stops at)."""
 

@@ -111,7 +111,7 @@ def mask(model, dropped: dict[int, tuple[int, ...]], ungrouped: bool) -> dict[in
 def masked_logits(path: Path, tokens, dtype: str | None, dropped: dict[int, tuple[int, ...]], ungrouped: bool):
     """``Transformers.masked_logits``: the logits (float64), the loading problems, each masked layer's routing
     mass lost (mean over the router's calls)."""
-    from .client import load_model
+    from .loading import load_model
 
     model, problems = load_model(path, dtype)
     lost = mask(model, dropped, ungrouped)

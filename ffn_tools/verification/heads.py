@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 from .. import mtp
 from ..errors import FFNToolsError, listing
 from ..ffn import FFNRef
+from ..specs import spans
 from .draft import Acceptance, acceptance
-from .sides import spans
 
 if TYPE_CHECKING:
     from ..checks.outside import OutsideResult

@@ -14,6 +14,7 @@ from ..ffn import FFN, FFNRef
 from ..io.dtypes import short_name
 from ..layouts import GateUpLayout
 from ..registry import Scheme, compile_template
+from ..specs import spans
 from . import partial
 from .quant import describe_quantization, quantization
 
@@ -100,19 +101,6 @@ def extracts(fa: FFNSet | None, fb: FFNSet | None) -> str | None:
     if not extracts:
         return None
     return f"{' and '.join(extracts)} {'is an' if len(extracts) == 1 else 'are'} FFN-only extract output"
-
-
-def spans(ids) -> str:
-    """``{0, 1, 2, 5}`` as ``0-2,5``."""
-    out, ids = [], sorted(ids)
-    i = 0
-    while i < len(ids):
-        j = i
-        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
-            j += 1
-        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def check_selection(fa: FFNSet, fb: FFNSet, sel_layers: set[int] | None, sel_experts: set[int] | None) -> None:
