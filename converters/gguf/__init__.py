@@ -73,8 +73,10 @@ class Gguf(Format):
 
         from .writer import OUTTYPES
 
+        from ffn_tools.quant.base import KEPT_KEY
+
         fields = getattr(ckpt, "fields", None) or {}
-        if fields.get("ffn_tools.codes.kept"):
+        if fields.get(KEPT_KEY):
             return {}
         try:
             name = LlamaFileType(int(fields.get("general.file_type", -1))).name

@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ffn_tools.verification.kept import KEPT_KEY
+from ffn_tools.quant.base import KEPT_KEY
 
 if TYPE_CHECKING:
     import numpy as np

@@ -28,7 +28,7 @@ from ffn_tools.errors import CheckpointError, listing
 from ffn_tools import quant
 from ffn_tools.checks.rounded import record
 from ffn_tools.io.store import Checkpoint, TensorInfo
-from ffn_tools.verification.kept import KEPT_KEY
+from ffn_tools.quant.base import KEPT_KEY
 
 from .codes import GGUF_TYPES, TYPE_BITS
 from .config import hf_config

@@ -177,10 +177,10 @@ def _kept_codes(ckpt: Checkpoint, config: dict, outputs, view, quant, dequantize
 
 
 def _kept_record(kept: dict) -> dict[str, str]:
-    """The safetensors metadata that says which tensors hold the source's codes (``verification.kept.KEPT_KEY``: a
+    """The safetensors metadata that says which tensors hold the source's codes (``quant.base.KEPT_KEY``: a
     JSON list of the names the MLX view reads them by, the source's), so verify proves them exactly, not within a
     tolerance row; {} where none is kept."""
-    from ffn_tools.verification.kept import KEPT_KEY
+    from ffn_tools.quant.base import KEPT_KEY
 
     return {KEPT_KEY: json.dumps(sorted(m.weight for m in kept.values()))} if kept else {}
 

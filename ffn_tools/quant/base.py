@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 # the stored parameters ("identical"), not reproducible bit for bit but within what the scheme allows ("within":
 # the tolerance row decides, with a note), or not that weight ("differs", with the sentence that says so).
 IDENTICAL, WITHIN, DIFFERS = "identical", "within", "differs"
+# the metadata key under which a writer records the tensors that hold a quantized source's codes (a GGUF's, an MLX
+# output's safetensors metadata): its reader declares them (``Checkpoint.kept_codes``), verify proves them exactly
+KEPT_KEY = "ffn_tools.codes.kept"
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,10 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from ..checks.diagnose import first_difference
+from ..quant.base import KEPT_KEY
 
 if TYPE_CHECKING:
     import torch
-
-KEPT_KEY = "ffn_tools.codes.kept"  # the key under which a format records it (its reader gives ``kept_codes``)
 
 
 def kept_names(c) -> frozenset[str]:
