@@ -72,6 +72,16 @@ def plant(src: Path, dst: Path, edit=None, config=None) -> Path:
     return dst
 
 
+def failed_ffns(src: Path, planted: bytes, tmp_path: Path) -> list[dict]:
+    """``verify SRC BAD --json`` where BAD is a GGUF of the bytes ``planted`` (a defect planted in an output's
+    blocks): it must fail (exit 1); the FFNs that failed, as its JSON gives them."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(planted)
+    result = run_cli("verify", src, bad, "--backend", "reference", "--json", ok=None)
+    assert result.exit_code == 1, result.output
+    return [f for f in json.loads(result.stdout)["ffns"] if not f["passed"]]
+
+
 def write_tokenizer(path: Path, vocab_size: int | None = None) -> None:
     """A real word-level tokenizer: mlx_lm.load and mlx_lm.convert load one, and there is no hub here."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -16,7 +16,7 @@ pytest.importorskip("compressed_tensors")
 
 import ct_models  # noqa: E402
 import gptq_models  # noqa: E402
-from helpers import once, run_cli, tree_digest  # noqa: E402
+from helpers import failed_ffns, once, run_cli, tree_digest  # noqa: E402
 
 from ffn_tools.converters import open_any  # noqa: E402
 from ffn_tools.converters.gguf.header import Reader  # noqa: E402
@@ -143,12 +143,7 @@ def test_verify_fails_planted_defects(q4_0, tmp_path, defect):
     else:
         u, m, _ = _block_bytes(out, "blk.1.ffn_gate.weight")
         data[g:g + n], data[u:u + n] = data[u:u + n], data[g:g + n]
-    bad = tmp_path / "bad.gguf"
-    bad.write_bytes(bytes(data))
-    result = run_cli("verify", src, bad, "--backend", "reference", "--json", ok=None)
-    assert result.exit_code == 1
-    v = json.loads(result.stdout)
-    failed = [f for f in v["ffns"] if not f["passed"]]
+    failed = failed_ffns(src, bytes(data), tmp_path)
     assert [f["ffn"] for f in failed] == ["layer 1"] and failed[0]["exact"] == "differs"
     assert "holds A's codes" in " ".join(failed[0]["problems"])
 
@@ -262,11 +257,7 @@ def test_nvfp4_modelopt_kept_as_llama_cpps_own_repack(source, tmp_path):
     at, n, _ = _block_bytes(out, "blk.1.ffn_up.scale")
     scale = np.frombuffer(bytes(data[at:at + 4]), np.float32)[0]
     data[at:at + 4] = np.float32(1 / scale).tobytes()  # the global scale inverted: the known mix-up
-    bad = tmp_path / "bad.gguf"
-    bad.write_bytes(bytes(data))
-    result = run_cli("verify", src, bad, "--backend", "reference", "--json", ok=None)
-    assert result.exit_code == 1
-    failed = [f for f in json.loads(result.stdout)["ffns"] if not f["passed"]]
+    failed = failed_ffns(src, bytes(data), tmp_path)
     assert [f["ffn"] for f in failed] == ["layer 1"] and "holds A's codes" in " ".join(failed[0]["problems"])
 
 

@@ -212,19 +212,27 @@ def test_a_client_exposing_no_activations_runs_b_in_a_client_class_and_says_so(m
     assert r.first is not None and r.first.key == "L1.router", r.lines()
 
 
-def test_a_defect_in_ffn_tools_own_mlx_export_is_caught_by_the_independent_floor(moe, tmp_path):
-    """ffn-tools' MLX export patched to shift a norm: B and ffn-tools' own floor share the defect, mlx_lm.convert's
-    floor does not."""
-    pytest.importorskip("mlx_lm")
+def _export_shifting(name: str):
+    """ffn-tools' convert, with the MLX output's tensor ``name`` shifted by one after it is written (a defect planted
+    in our own export path)."""
     real = registry().convert
 
     def patched(path, to, out, **kw):
         done = real(path, to, out, **kw)
         for f in Path(out).glob("*.safetensors"):
             sd = load_file(f)
-            _add_one(sd, "model.layers.1.post_attention_layernorm.weight")
+            _add_one(sd, name)
             save_file(sd, f, metadata={"format": "mlx"})
         return done
+
+    return patched
+
+
+def test_a_defect_in_ffn_tools_own_mlx_export_is_caught_by_the_independent_floor(moe, tmp_path):
+    """ffn-tools' MLX export patched to shift a norm: B and ffn-tools' own floor share the defect, mlx_lm.convert's
+    floor does not."""
+    pytest.importorskip("mlx_lm")
+    patched = _export_shifting("model.layers.1.post_attention_layernorm.weight")
 
     b = tmp_path / "mlx"
     patched(moe, "mlx", b, dtype="float32")
@@ -241,15 +249,7 @@ def test_a_b_made_by_the_anchor_is_held_against_ffn_tools_floor(moe, tmp_path):
     """B is mlx_lm.convert's own output: the anchor is no floor independent of B, so ffn-tools' floor judges it; a
     defect of ffn-tools' export (patched) then shows as the floors' disagreement, not as B's."""
     pytest.importorskip("mlx_lm")
-    real = registry().convert
-
-    def patched(path, to, out, **kw):
-        done = real(path, to, out, **kw)
-        for f in Path(out).glob("*.safetensors"):
-            sd = load_file(f)
-            _add_one(sd, "model.layers.0.input_layernorm.weight")
-            save_file(sd, f, metadata={"format": "mlx"})
-        return done
+    patched = _export_shifting("model.layers.0.input_layernorm.weight")
 
     b = tmp_path / "by-mlx-lm"
     patched(moe, "mlx", tmp_path / "like", dtype="float32")  # for A's settings, as the anchor is given them
