@@ -39,18 +39,17 @@ from ..clients import Client, runtime
 from ..detect import FFNSet
 from ..errors import FFNToolsError
 from ..specs import parse_spec
-from . import partial
+from . import expert_map, partial
 from .backends import ALL, resolve_backends
 from .expected import Expected, Sides
 from .functional import reference_backend
+from .heads import Heads
 from .model import model_checks, run_logits
 from .options import DEFAULT_TOKENS, Models, VerifyOptions  # noqa: F401  (DEFAULT_TOKENS: verify's, as before)
 from .outside import compare_outside, in_blocks
-from .report import VerifyReport
-from .heads import Heads
-from .sides import describe_side, extract_selection, extracts, find
-from . import expert_map
 from .pairrun import check_pairs
+from .report import VerifyReport
+from .sides import describe_side, extract_selection, extracts, find
 from .steps import PairOptions
 from .stored import quantized_alike
 from .stream import Streamed, TensorStream
