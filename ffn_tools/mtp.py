@@ -113,16 +113,31 @@ class Head:
         return f"MTP head {self.name}.* ({self.layout.name}: {len(self.tensors)} tensors)"
 
 
+NESTED = ("text_config", "language_config")  # a multimodal config's language model
+
+
+def text_view(config: Mapping | None) -> Mapping:
+    """``config`` as transformers' composite config classes read their language model's settings
+    (``get_text_config``): a multimodal config.json keeps ``num_hidden_layers`` and the MTP count in its
+    ``text_config`` (GLM-4.5V's glm4v_moe: ``num_nextn_predict_layers``; Qwen3.5's), each key the top level lacks
+    read from there; the top level's own keys (its ``model_type`` among them) stand."""
+    config = config or {}
+    for key in NESTED:
+        inner = config.get(key)
+        if isinstance(inner, Mapping):
+            return {**inner, **config}
+    return config
+
+
 def declared(config: Mapping | None, layout: Layout | None = None) -> tuple[str, int] | None:
-    """The config key saying how many MTP blocks there are and its value (of ``layout``'s keys, or any layout's)."""
+    """The config key saying how many MTP blocks there are and its value (of ``layout``'s keys, or any layout's),
+    at the top of ``config`` or in its language model's (``text_view``)."""
+    config = text_view(config)
     for key in (layout.counts if layout else tuple(k for lay in LAYOUTS for k in lay.counts)):
-        value = (config or {}).get(key)
+        value = config.get(key)
         if isinstance(value, int) and not isinstance(value, bool):
             return key, value
     return None
-
-
-NESTED = ("text_config", "language_config")  # a multimodal config's language model
 
 
 def numbering(config: Mapping | None) -> Mapping | None:
@@ -146,10 +161,11 @@ def find_heads(names: Iterable[str], config: Mapping | None) -> tuple[Head, ...]
 
     A block numbered after the main layers (``num_hidden_layers``) is a NextN head where the config declares
     NextN blocks, its model_type is a NextN family's, or the block holds a head's own tensor (``eh_proj``); a
-    ``prefix`` layout's module is a head wherever its tensors are.
+    ``prefix`` layout's module is a head wherever its tensors are. A multimodal config's counts are read from its
+    language model's (``text_view``).
     """
     names = list(names)
-    config = config or {}
+    config = text_view(config)
     heads: list[Head] = []
     for lay in LAYOUTS:
         if lay.kind == "prefix":

@@ -83,6 +83,40 @@ def test_found_and_named(deepseek, glm):
             assert line and "num_nextn_predict_layers is 1" in line and "0 MTP blocks" in line
 
 
+def test_a_nested_config_declares_the_head(glm, tmp_path):
+    """GLM-4.5V (glm4v_moe): its config.json (transformers' Glm4vMoeConfig) keeps num_hidden_layers and
+    num_nextn_predict_layers in text_config, and its language model's tensors, the NextN block among them, sit
+    under model.language_model.: the head is found and counted from there (it was not: inspect listed none, and
+    --mtp drop|only did not see it)."""
+    import transformers
+
+    v = tmp_path / "glm4v"
+    v.mkdir()
+    state = {("model.language_model." + n.removeprefix("model.") if n.startswith("model.") else n): t
+             for n, t in tensors(glm).items()}
+    save_file(state, str(v / "model.safetensors"), metadata={"format": "pt"})
+    text = {**tiny_models.COMMON, **GLM[2], "num_nextn_predict_layers": 1}
+    cfg = transformers.Glm4vMoeConfig(text_config=text, vision_config={"depth": 1, "hidden_size": 32,
+                                                                       "out_hidden_size": 64}).to_dict()
+    assert "num_hidden_layers" not in cfg and "num_nextn_predict_layers" not in cfg  # text_config's alone
+    (v / "config.json").write_text(json.dumps({**cfg, "architectures": ["Glm4vMoeForConditionalGeneration"]}))
+    block = "model.language_model.layers.2"
+    with open_checkpoint(v) as c:
+        (head,) = mtp.find_heads(c, c.config)
+        assert head.name == block and head.blocks == (2,) and len(head.own()) == 6
+        assert mtp.check_count((head,), c.config) is None
+        assert "num_nextn_predict_layers is 1 but the tensors hold 0" in mtp.check_count((), c.config)
+    s = json.loads(run_cli("inspect", v, "--json").output)
+    assert [h["name"] for h in s["mtp"]] == [block] and s["mtp"][0]["ffn"] == {"expert": 4, "shared": 1}
+    assert s["mtp_count"] is None
+    mine = {n for n in state if n.startswith(block + ".")}
+    for mode, want in (("drop", set(state) - mine), ("only", mine)):
+        run_cli("convert", v, "--to", "torch", "-o", tmp_path / mode, "--mtp", mode)
+        assert set(tensors(tmp_path / mode)) == want, mode
+        with open_checkpoint(tmp_path / mode) as c:
+            assert mtp.recorded(c.metadata)["heads"] == [block], mode
+
+
 def test_found_without_config():
     """No config: a block holding a head's own tensors is one (counted from the tensors)."""
     names = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(3)] + ["model.layers.2.eh_proj.weight"]
