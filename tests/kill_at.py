@@ -12,7 +12,8 @@ and the machine's load) kills it right after the Kth weight the workers quantize
 process handles as the console script does; or SIGSTOP, to stop it there for the caller to look at (its children)
 and kill.
 
-Used by tests/test_resume.py and benchmarks/bench_resume.py, in a child process: ``python tests/kill_at.py ARGS``.
+Used by tests/test_resume.py and benchmarks/bench_resume.py, in a child process: ``python tests/kill_at.py ARGS``
+(test_resume.py imports it for ``COUNTED``, to count an uninterrupted run's writes in its own process).
 """
 
 import os
@@ -79,22 +80,29 @@ def _pooled(orig):
     return f
 
 
-writer.write_all = _counted(writer.write_all)
-writer._copy_range = _counted(writer._copy_range)
-resume.Ledger._write = _manifest(resume.Ledger._write)
-if MANIFESTS:
-    resume.Ledger.finished = lambda self, name, last=False: self.manifest(name)  # at once, in the writer's thread
-if IN_RECEIPT:
-    receipt.make = _in_receipt(receipt.make)
-if WORKERS:
-    import ffn_tools.converters.mlx.quantize as quantize
-    import ffn_tools.converters.mlx.workers as workers
+COUNTED = ("write_all", "_copy_range")  # the writes counted: ffn_tools.io.writer's two primitives
 
-    workers.PARALLEL_MIN_BYTES = 0
-    workers.idle_cores = lambda: WORKERS
-    quantize.QuantJob.part = _pooled(quantize.QuantJob.part)
+
+def install() -> None:
+    """The settings above, patched into this process (only this script's: importing it patches nothing)."""
+    for name in COUNTED:
+        setattr(writer, name, _counted(getattr(writer, name)))
+    resume.Ledger._write = _manifest(resume.Ledger._write)
+    if MANIFESTS:
+        resume.Ledger.finished = lambda self, name, last=False: self.manifest(name)  # at once, in the writer's thread
+    if IN_RECEIPT:
+        receipt.make = _in_receipt(receipt.make)
+    if WORKERS:
+        import ffn_tools.converters.mlx.quantize as quantize
+        import ffn_tools.converters.mlx.workers as workers
+
+        workers.PARALLEL_MIN_BYTES = 0
+        workers.idle_cores = lambda: WORKERS
+        quantize.QuantJob.part = _pooled(quantize.QuantJob.part)
+
 
 if __name__ == "__main__":
+    install()
     from ffn_tools.cli import main
 
     try:

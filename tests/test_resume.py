@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -41,16 +40,31 @@ def _killed(args, at: int, cwd: Path, manifests: int = 0, **env: str) -> subproc
                                           **env}, timeout=300)
 
 
-def _resumed(args, cwd: Path, **env: str) -> subprocess.CompletedProcess:
-    """``ffn-tools ARGS --resume``, as the console script runs it."""
-    return subprocess.run([sys.executable, "-m", "ffn_tools", *map(str, args), "--resume"], cwd=cwd,
-                          capture_output=True, text=True, env={**python_env(), **env}, timeout=300)
+def _resumed(*args):
+    """``ffn-tools ARGS --resume``, in this process (the kill before it is what needs a process of its own)."""
+    return run_cli(*args, "--resume")
 
 
-def _writes(args, cwd: Path) -> int:
-    r = _killed(args, 0, cwd)
-    assert r.returncode == 0, r.stderr
-    return int(re.findall(r"writes: (\d+)", r.stderr)[-1])
+def _writes(args) -> int:
+    """``ffn-tools ARGS`` run whole, in this process: the number of writes kill_at.py counts (its ``KILL_AT=N``
+    falls among them). In-process: only the kills need a process of their own."""
+    import ffn_tools.io.writer as writer
+    from kill_at import COUNTED
+
+    calls = [0]
+
+    def counted(orig):
+        def f(*a, **k):
+            calls[0] += 1
+            return orig(*a, **k)
+
+        return f
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in COUNTED:
+            mp.setattr(writer, name, counted(getattr(writer, name)))
+        run_cli(*args)
+    return calls[0]
 
 
 def _temporaries(out: Path) -> list[Path]:
@@ -69,6 +83,9 @@ COMMANDS = {
     "split-gateup": None,  # of the fused model, below
     "convert-mlx-4bit": lambda src: ["convert", src, "--to", "mlx", "-q", "--q-bits", "4", "--max-shard-size", "12KB"],
 }
+# kills per command: a first run killed, then its --resume killed again (and again), each in a process of its own;
+# two are the property (killed, killed while resuming, resumed) where each process costs the MLX export's imports
+KILLS = {"fuse-gateup": 3, "split-gateup": 3, "convert-mlx-4bit": 2}
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
@@ -79,10 +96,10 @@ def test_killed_at_random_points_then_resumed_is_byte_identical(sharded, tmp_pat
         run_cli("fuse-gateup", sharded, "-o", src, "--max-shard-size", "100KB")
     args = (COMMANDS[command] or (lambda s: ["split-gateup", s, "--max-shard-size", SHARD]))(src)
     ref, out = tmp_path / "ref" / "out", tmp_path / "out"  # one name: the receipts name it
-    n = _writes([*args, "-o", ref], tmp_path)  # the uninterrupted run, counting its writes
+    n = _writes([*args, "-o", ref])  # the uninterrupted run, counting its writes
     assert len([p for p in ref.iterdir() if p.suffix == ".safetensors"]) >= 4  # shards to resume from
     rng = random.Random(f"resume-{command}")
-    points = sorted(rng.sample(range(1, n + 1), 3))
+    points = sorted(rng.sample(range(1, n + 1), KILLS[command]))
     first = _killed([*args, "-o", out], points[0], tmp_path)
     assert first.returncode == -9 and not out.exists()
     done = 0
@@ -93,10 +110,8 @@ def test_killed_at_random_points_then_resumed_is_byte_identical(sharded, tmp_pat
             break
         done = at
         assert not out.exists() and len(_temporaries(out)) == 1
-    if not out.exists():
-        r = subprocess.run([sys.executable, "-m", "ffn_tools", *map(str, args), "-o", out, "--resume"], cwd=tmp_path,
-                           capture_output=True, text=True, env=python_env(), timeout=300)
-        assert r.returncode == 0, r.stderr
+    if not out.exists():  # the last --resume, not killed: in this process
+        r = _resumed(*args, "-o", out)
         assert "--resume: continuing the unfinished output" in r.stderr
     assert _digest(out) == _digest(ref)  # every file, every byte; no ledger left in the output
     assert not _temporaries(out)
@@ -115,9 +130,7 @@ def test_a_changed_finished_shard_is_written_again(sharded, tmp_path):
     data[-1] ^= 0x01  # one bit of the last tensor: same size, other bytes
     victim.write_bytes(bytes(data))
     kept = {n: (tmp / n).stat().st_mtime_ns for n in finished[1:]}
-    r = subprocess.run([sys.executable, "-m", "ffn_tools", *map(str, args), "-o", out, "--resume"], cwd=tmp_path,
-                       capture_output=True, text=True, env=python_env(), timeout=300)
-    assert r.returncode == 0, r.stderr
+    r = _resumed(*args, "-o", out)
     assert f"({len(finished)} shards finished, each checked before reuse)" in r.stderr
     assert _digest(out) == _digest(ref)
     assert {n: (out / n).stat().st_mtime_ns for n in kept} == kept  # the good shards were kept, not written again
@@ -188,7 +201,7 @@ def test_a_merge_resumed_after_its_adapter_changed_starts_afresh(tmp_path):
     assert _digest(out) == _digest(ref)
 
 
-def test_a_killed_or_interrupted_verify_resumes_from_the_steps_it_finished(tmp_path):
+def test_a_killed_or_interrupted_verify_resumes_from_the_steps_it_finished(tmp_path, monkeypatch):
     """verify --json SIGKILLed, or interrupted (Ctrl-C: it says in one line what it kept), right after its first
     finished FFN step; --resume reuses it and runs the rest: the report is the uninterrupted run's (but for wall
     times), and the ledger is gone after; --resume with nothing to continue says so."""
@@ -213,13 +226,13 @@ def test_a_killed_or_interrupted_verify_resumes_from_the_steps_it_finished(tmp_p
         said = [ln for ln in stopped.stderr.splitlines() if "interrupted: kept" in ln]
         assert said == [f"verify: interrupted: kept the 1 FFN step it had finished in {left}; the same verify with "
                         f"--resume continues from them, without --resume (or rm -r {left}) discards them"]
-    whole = _resumed(args, tmp_path, FFN_TOOLS_CACHE=str(tmp_path / "other"))  # nothing to continue there
-    assert whole.returncode == 0, whole.stderr
+    monkeypatch.setenv("FFN_TOOLS_CACHE", str(tmp_path / "other"))
+    whole = _resumed(*args)  # nothing to continue there
     assert ("verify --resume: no FFN step of this same verify was left finished (by a killed or interrupted run); "
             "running every step") in whole.stderr.splitlines()
     for cache in caches.values():
-        resumed = _resumed(args, tmp_path, FFN_TOOLS_CACHE=str(cache))
-        assert resumed.returncode == 0, resumed.stderr
+        monkeypatch.setenv("FFN_TOOLS_CACHE", str(cache))
+        resumed = _resumed(*args)
         assert "FFN steps a killed run had finished, reused" in resumed.stderr
         assert "no FFN step of this same verify" not in resumed.stderr
         assert without_times(json.loads(resumed.stdout)) == without_times(json.loads(whole.stdout))
@@ -256,8 +269,7 @@ def test_an_interrupted_run_keeps_its_finished_shards_for_resume(sharded, tmp_pa
     assert f"Interrupted ({sig.name})" in r.stderr and not out.exists()
     finished = sorted(p.name.removesuffix(".json") for p in (tmp / LEDGER).glob("*.safetensors.json"))
     kept = {n: (tmp / n).stat().st_mtime_ns for n in finished}
-    resumed = _resumed([*args, "-o", out], tmp_path)
-    assert resumed.returncode == 0, resumed.stderr
+    resumed = _resumed(*args, "-o", out)
     assert "(2 shards finished, each checked before reuse)" in resumed.stderr
     assert _digest(out) == _digest(ref) and not _temporaries(out)
     assert {n: (out / n).stat().st_mtime_ns for n in kept} == kept  # reused, not written again
@@ -274,8 +286,7 @@ def test_a_kill_in_the_end_phase_keeps_every_shard(sharded, tmp_path):
     assert _killed([*args, "-o", out], 0, tmp_path, KILL_IN_RECEIPT="1").returncode == -9
     (tmp,) = _temporaries(out)
     kept = {n: (tmp / n).stat().st_mtime_ns for n in shards}
-    r = _resumed([*args, "-o", out], tmp_path)
-    assert r.returncode == 0, r.stderr
+    r = _resumed(*args, "-o", out)
     assert f"({len(shards)} shards finished, each checked before reuse)" in r.stderr
     assert _digest(out) == _digest(ref) and not _temporaries(out)  # no ledger in the output either
     assert {n: (out / n).stat().st_mtime_ns for n in shards} == kept
