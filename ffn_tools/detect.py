@@ -122,10 +122,31 @@ def _matches(names, scheme: Scheme, buckets=None) -> dict[tuple, dict[str, dict[
     return hits
 
 
+_GROUP_TEMPLATES: dict[int, tuple[Group, tuple[tuple[str, str | None, str], ...]]] = {}
+
+
+def _templates_of(group: Group) -> tuple[tuple[str, str | None, str], ...]:
+    """(template, shape, head) of every template of ``group``'s forms (as ``_candidates`` reads them), worked out
+    once per group object: ``choose_scheme`` matches every group of the library against each checkpoint."""
+    hit = _GROUP_TEMPLATES.get(id(group))
+    if hit is None or hit[0] is not group:  # the group itself is kept: its id is not reused while it is here
+        if len(_GROUP_TEMPLATES) > 4096:  # user schemes' groups, made anew call after call
+            _GROUP_TEMPLATES.clear()
+        ts = [t for form in group.forms.values() for t in form.templates().values()]
+        shapes = [_template_shape(t) for t in ts]
+        hit = _GROUP_TEMPLATES[id(group)] = (group, tuple((t, shape, "" if shape is not None else t[:t.index("{")])
+                                                          for t, shape in zip(ts, shapes)))
+    return hit[1]
+
+
 def _claims(group: Group, names, buckets) -> frozenset[str]:
-    """Every tensor name one of the group's templates matches."""
-    return frozenset(n for form in group.forms.values() for t in form.templates().values()
-                     for n in _candidates(t, names, buckets) if compile_template(t).fullmatch(n))
+    """Every tensor name one of the group's templates matches (its candidates as ``_candidates`` finds them)."""
+    out: set[str] = set()
+    for t, shape, head in _templates_of(group):
+        for n in (buckets.get(shape, ()) if shape is not None else [n for n in names if n.startswith(head)]):
+            if compile_template(t).fullmatch(n):
+                out.add(n)
+    return frozenset(out)
 
 
 def choose_scheme(names, config: Mapping | None, within: Scheme | None = None, buckets=None) -> Scheme:
