@@ -524,16 +524,41 @@ def test_a_nested_config_numbers_the_head(qwen3_next, tmp_path):
         layers = {f.ref.layer for f in find_ffns(c).ffns if f.names["down"].startswith("mtp.")}
     assert layers == {2}
     # split and fuse name the head's tensors through the same numbering (they raised over the missing top-level key):
-    # the head's per-expert tensors come through split as stored, and fuse stacks them as the main layers' experts
-    run_cli("split-gateup", nested, "-o", tmp_path / "split")
+    # the head's per-expert tensors come through split as stored, and fuse gives the input back
+    # (test_a_mixed_form_round_trip)
+    _round_trip(nested, tmp_path)
+
+
+def _round_trip(src: Path, tmp_path: Path) -> Path:
+    """split-gateup then fuse-gateup of ``src`` (its main layers' experts stacked, its MTP head's one by one): the
+    head's tensors come through split as stored, the main layers' are split, and fuse writes back ``src``'s file
+    byte for byte (names, layout, order, metadata); the fused output's path."""
+    run_cli("split-gateup", src, "-o", tmp_path / "split")
     run_cli("fuse-gateup", tmp_path / "split", "-o", tmp_path / "fused")
-    a, split = load_file(str(nested / "model.safetensors")), load_file(str(tmp_path / "split" / "model.safetensors"))
+    a, split = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "split" / "model.safetensors"))
     head = [k for k in a if k.startswith("mtp.") and ".experts." in k]
     assert head and all(torch.equal(a[k], split[k]) for k in head)
-    fused = load_file(str(tmp_path / "fused" / "model.safetensors"))
-    stacked = fused["mtp.layers.0.mlp.experts.gate_up_proj"]
-    assert torch.equal(stacked[1], torch.cat([a["mtp.layers.0.mlp.experts.1.gate_proj.weight"],
-                                              a["mtp.layers.0.mlp.experts.1.up_proj.weight"]]))
+    assert "model.layers.1.mlp.experts.gate_up_proj" in a and "model.layers.1.mlp.experts.gate_up_proj" not in split
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight" in split
+    fused = tmp_path / "fused"
+    assert set(tensors(fused)) == set(a)
+    assert (fused / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    return fused
+
+
+def test_a_mixed_form_round_trip(qwen3_next, tmp_path):
+    """A checkpoint whose MTP head's experts are stored one by one and its main layers' stacked (transformers 5's
+    state dict beside the published head) comes back from split-gateup + fuse-gateup as it was given, each layer's
+    experts in their own form, and verify passes it: fuse stacked the head's experts too, split-gateup's record
+    holding one form per group for the whole checkpoint (now also the layers whose form was not their group's)."""
+    from ffn_tools.gateup.common import SPLIT_FROM
+
+    fused = _round_trip(qwen3_next, tmp_path)
+    with open_checkpoint(tmp_path / "split") as c:
+        assert json.loads(c.metadata[SPLIT_FROM]) == {"mlp.experts": "stacked", "mlp.experts layer 2": "separate",
+                                                     "mlp.shared_expert": "separate"}
+    v = json.loads(run_cli("verify", qwen3_next, fused, "--json", "--no-load-check").output)
+    assert v["passed"] and not v["problems"]
 
 
 @pytest.fixture(scope="module")

@@ -43,11 +43,27 @@ def split_record(ckpt, ffns: FFNSet, fused: list[FFN]) -> tuple[dict[str, str], 
     if not kept and not any(_twin(family, f.group, f.group.unfused or "separate", every)
                             or (f.form_name == "stacked" and "fused" in f.group.forms) for f in fused):
         return dict(ckpt.metadata), []
-    record = dict(sorted({**kept, **{f.group.name: f.form_name for f in fused}}.items()))
+    record = {**kept, **{f.group.name: f.form_name for f in fused}}
+    for f in ffns.ffns:  # a layer whose FFNs of a group had another form than the group's recorded one (an MTP
+        if f.form_name != record[f.group.name]:  # head's experts one by one beside stacked main layers): its own
+            record[layer_key(f)] = f.form_name
+    record = dict(sorted(record.items()))
     shown = ", ".join(f"{g} {form}" for g, form in record.items())
     return {**ckpt.metadata, SPLIT_FROM: json.dumps(record)}, [
         f"recorded the input's forms in the safetensors metadata ({SPLIT_FROM}: {shown}): fuse-gateup writes them "
         "back so"]
+
+
+def layer_key(f: FFN) -> str:
+    """The key of split-gateup's record (``SPLIT_FROM``) for ``f``'s layer of its group, where that layer's form
+    was not the group's."""
+    return f"{f.group.name} layer {f.ref.layer}"
+
+
+def recorded_form(record: dict[str, str], f: FFN) -> str | None:
+    """The form split-gateup recorded ``f`` had (``split_from``): its layer's where the record names one, else its
+    group's; None where it records neither."""
+    return record.get(layer_key(f), record.get(f.group.name))
 
 
 def as_split_from(ckpt, ffns: FFNSet, f: FFN) -> FFN:

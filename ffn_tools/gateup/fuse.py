@@ -13,8 +13,8 @@ from ..layouts import GateUpLayout
 from ..plan import Entry, Plan, copy_entry, source
 from ..quant import fp8
 from ..registry import UNFUSED, Group
-from .common import (SPLIT_FROM, as_split_from, assemble, foreign_layout, fuse_ops, packed_rename, restack, split_from,
-                     stack_ops, target_form)
+from .common import (SPLIT_FROM, as_split_from, assemble, foreign_layout, fuse_ops, packed_rename, recorded_form,
+                     restack, split_from, stack_ops, target_form)
 from .naming import COUNTERPARTS, Pair, out_names, pairs
 
 def _packed_fuse(ckpt, f: FFN, new: dict[str, str], replaced, packed: dict) -> bool:
@@ -80,9 +80,9 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False, packed: dict | No
         LayoutError: shapes that cannot be fused in the layout.
     """
     recorded = split_from(ckpt)  # split-gateup's output: fused back as its input had them, the rest left as they are
-    left = [f for f in ffns.ffns if f.form_name in UNFUSED and recorded.get(f.group.name) in UNFUSED]
+    left = [f for f in ffns.ffns if f.form_name in UNFUSED and recorded_form(recorded, f) in UNFUSED]
     separate = [as_split_from(ckpt, ffns, f) for f in ffns.ffns
-                if f.form_name in UNFUSED and recorded.get(f.group.name) not in UNFUSED]
+                if f.form_name in UNFUSED and recorded_form(recorded, f) not in UNFUSED]
     if not separate:
         raise NothingToDoError(f"{ckpt.path}: nothing to fuse: no FFN has separate gate and up projections "
                                f"(scheme {ffns.scheme.name}, forms {sorted({f.form_name for f in ffns.ffns})})")
@@ -91,7 +91,7 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False, packed: dict | No
     fused: list[FFN] = []
     for f in separate:
         only_stacked = "fused" not in f.group.forms and "stacked" in f.group.forms  # GPT-OSS, Llama-4, Granite
-        only_stacked |= recorded.get(f.group.name) == "stacked"  # split from a stack: stacked back
+        only_stacked |= recorded_form(recorded, f) == "stacked"  # split from a stack: stacked back
         home = next(iter(f.group.forms))  # a group's first form is its family's own
         if stack_experts or f.form.flat or (f.ref.kind == "expert" and only_stacked):
             if f.ref.kind == "expert":  # only routed experts: v5 keeps dense MLPs and shared experts as they are
@@ -156,7 +156,7 @@ def plan_fuse(ckpt, ffns: FFNSet, stack_experts: bool = False, packed: dict | No
     plan = assemble(ckpt, ffns, replaced, "fuse-gateup", len(changed), layout, (stacked, "stacked"), (fused, "fused"))
     if SPLIT_FROM in ckpt.metadata:  # split-gateup's record, used: not carried
         plan.summary["metadata"] = {k: v for k, v in ckpt.metadata.items() if k != SPLIT_FROM}
-        back = sorted({f"{f.group.name} {recorded[f.group.name]}" for f in changed if f.group.name in recorded})
+        back = sorted({f"{f.group.name} {recorded_form(recorded, f)}" for f in changed if f.group.name in recorded})
         plan.changes += [f"FFNs fused back as split-gateup recorded they were ({SPLIT_FROM}): {', '.join(back)}"
                          ] if back else []
         plan.changes += [f"{counted(len(left), 'FFN')} left separate, as split-gateup's input had them"] if left else []
