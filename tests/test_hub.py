@@ -37,17 +37,24 @@ def ffn_tools(home: Path, *args, cwd=None) -> subprocess.CompletedProcess:
                           env=env, cwd=cwd, timeout=300)
 
 
-def test_repo_ids_work_where_paths_do(hf_home, model_dir, tmp_path):
-    r = ffn_tools(hf_home, "inspect", "acme/tiny-phi3", "--json")
+def test_repo_ids_work_where_paths_do(hf_home, model_dir, tmp_path, monkeypatch):
+    r = ffn_tools(hf_home, "inspect", "acme/tiny-phi3", "--json")  # HF_HOME and HF_HUB_OFFLINE as a user sets them
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
     assert s["scheme"] == "hf" and s["ffn"]["dense"]["count"] == 2 and REV in s["path"]
-    assert ffn_tools(hf_home, "inspect", f"acme/tiny-phi3@{REV}").returncode == 0
-    r = ffn_tools(hf_home, "split-gateup", "acme/tiny-phi3", "-o", tmp_path / "split")
-    assert r.returncode == 0 and (tmp_path / "split" / "model.safetensors").is_file(), r.stderr
-    r = ffn_tools(hf_home, "verify", model_dir("phi3", torch.float32), "acme/tiny-phi3", "--tokens", "2",
-                  "--backend", "reference")
-    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
+    # the other commands in this process (a process each cost a verify's imports), its huggingface_hub told what
+    # those variables tell one at its import: the cache under HF_HOME, offline
+    from huggingface_hub import constants
+
+    from helpers import run_cli
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert REV in json.loads(run_cli("inspect", f"acme/tiny-phi3@{REV}", "--json").stdout)["path"]
+    run_cli("split-gateup", "acme/tiny-phi3", "-o", tmp_path / "split")
+    assert (tmp_path / "split" / "model.safetensors").is_file()
+    r = run_cli("verify", model_dir("phi3", torch.float32), "acme/tiny-phi3", "--tokens", "2", "--backend", "reference")
+    assert "PASS" in r.stdout, r.output
 
 
 def test_unknown_repo_id_is_one_line_exit_2(hf_home, tmp_path):
