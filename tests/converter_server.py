@@ -51,7 +51,9 @@ def main() -> None:
 
     for line in sys.stdin:
         request = json.loads(line)
-        print(json.dumps({"code": convert(converter, request["argv"], request["log"])}), flush=True)
+        # "script": another of llama.cpp's scripts (convert_lora_to_gguf.py, which imports the same modules)
+        print(json.dumps({"code": convert(request.get("script", converter), request["argv"], request["log"])}),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -193,9 +193,11 @@ class _Server:
             self.proc.stdin.close()
         self.proc.wait()
 
-    def convert(self, argv: list[str], log: Path) -> int:
+    def convert(self, argv: list[str], log: Path, script: Path | None = None) -> int:
+        """``script`` (default: convert_hf_to_gguf.py) run on ``argv``, forked; its exit status."""
         assert self.proc.stdin and self.proc.stdout
-        self.proc.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
+        self.proc.stdin.write(json.dumps({"argv": argv, "log": str(log), **({"script": str(script)} if script else {})})
+                              + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         assert line, f"the converter server exited ({self.proc.poll()})"

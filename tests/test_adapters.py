@@ -445,17 +445,16 @@ def _llama_cpp_logits(model: Path, ids: list[int], lora: Path | None = None) -> 
 
 
 def _convert_lora_reference(base: Path, adapter: Path, out: Path, outtype: str = "f32") -> Path:
-    """llama.cpp's own convert_lora_to_gguf.py on ``adapter``."""
-    import subprocess
-    import sys
+    """llama.cpp's own convert_lora_to_gguf.py on ``adapter``, run by the converter server (``gguf_models``: a fork of
+    the process that imported its modules once, the script run as ``__main__``)."""
+    import gguf_models
 
-    from ffn_tools.child import python_env
-
-    root = Path(sys.prefix) / "llama.cpp"
-    r = subprocess.run([sys.executable, str(root / "convert_lora_to_gguf.py"), "--base", str(base), "--outtype", outtype,
-                        "--outfile", str(out), str(adapter)], env=python_env((str(root), str(root / "gguf-py"))),
-                       capture_output=True, text=True)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
+    log = out.with_name(out.name + ".log")
+    script = gguf_models.require_llama_cpp() / "convert_lora_to_gguf.py"
+    code = gguf_models._server().convert(["--base", str(base), "--outtype", outtype, "--outfile", str(out),
+                                          str(adapter)], log, script)
+    assert code == 0, log.read_text()[-2000:]
+    log.unlink()
     return out
 
 

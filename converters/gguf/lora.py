@@ -105,6 +105,7 @@ class GgufAdapter(AdapterFormat):
         from ffn_tools.adapters.conform import conform
         from ffn_tools.converters import open_any
 
+        from . import zygote
         from .source import LORA as CONVERTER
         from .source import cache_dir, llama_cpp_dir
         from .writer import _env
@@ -142,8 +143,14 @@ class GgufAdapter(AdapterFormat):
             get("peft").write(adapter, peft, config, None)
             if adapter.path.is_dir() and (adapter.path / "README.md").is_file():  # the converter's model card
                 shutil.copy2(adapter.path / "README.md", peft / "README.md")
-            proc = subprocess.run([sys.executable, str(root / CONVERTER), "--base", str(base), "--outtype", outtype,
-                                   "--outfile", str(out), str(peft)], env=_env(), capture_output=True, text=True)
+            argv = ["--base", str(base), "--outtype", outtype, "--outfile", str(out), str(peft)]
+            try:  # forked from the converter's zygote (its imports made once a process), the script as it is
+                proc = zygote.run({"script": str(root / CONVERTER), "argv": argv}, _env())
+            except OSError:
+                proc = None
+            if proc is None:  # another thread converts through it, or it could not start: a process of its own
+                proc = subprocess.run([sys.executable, str(root / CONVERTER), *argv], env=_env(), capture_output=True,
+                                      text=True)
         if proc.returncode != 0 or not out.is_file():
             why = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
             raise AdapterError(f"llama.cpp's {CONVERTER} could not convert this adapter: {why[0]}")

@@ -220,8 +220,28 @@ def imports(model_type: str) -> None:
         pass
 
 
+def script(request: dict) -> int:
+    """``python SCRIPT ARGV`` (``request["script"]``, ``request["argv"]``) run in this process, its imports made by
+    the zygote: llama.cpp's convert_lora_to_gguf.py for ``lora``, the same script on the same arguments; its exit
+    status as the interpreter would give it."""
+    import runpy
+
+    sys.argv = [request["script"], *request["argv"]]
+    try:
+        runpy.run_path(request["script"], run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    return 0
+
+
 def respond(request: dict) -> int:
-    """Run ``request``, print its JSON line (the result, or ``{"error": ...}``); the exit status."""
+    """Run ``request``, print its JSON line (the result, or ``{"error": ...}``); the exit status. A request with a
+    ``script`` runs that script instead (``script``)."""
+    if "script" in request:
+        return script(request)
     try:
         result = run(request)
     except Exception as e:  # noqa: BLE001 - the converter's own refusals (NotImplementedError, ValueError, ...)
