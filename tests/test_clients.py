@@ -156,7 +156,7 @@ def _children(module: str) -> list[int]:
 
 
 @pytest.mark.usefixtures("gguf_model")
-def test_qwen3_moe_without_norm_topk_prob_to_gguf(gguf_model, tmp_path):
+def test_qwen3_moe_without_norm_topk_prob_to_gguf(gguf_model, gguf_ref, tmp_path):
     """llama.cpp's qwen3moe graph renormalizes the top-k weights whatever the GGUF says (src/models/qwen3moe.cpp:
     build_moe_ffn's norm_w true); transformers' Qwen3-MoE does only with norm_topk_prob."""
     pytest.importorskip("llama_cpp")
@@ -179,11 +179,11 @@ def test_qwen3_moe_without_norm_topk_prob_to_gguf(gguf_model, tmp_path):
     assert r.exit_code == 1, r.output
     assert "config: norm_topk_prob: A False, but llama.cpp assumes True" in r.output
     assert "likely cause, from the config check: norm_topk_prob" in r.output
-    # the checkpoint that says true is the function llama.cpp runs: no difference, logits within tolerance
-    ok = tmp_path / "ok.gguf"
-    run_cli("convert", str(gguf_model("qwen3_moe")), "--to", "gguf", "-o", str(ok), "--outtype", "f32")
-    assert "PASS" in run_cli("verify", str(gguf_model("qwen3_moe")), str(ok), "--backend", "reference",
-                             "--logits").output
+    # the checkpoint that says true is the function llama.cpp runs: no difference, logits within tolerance (its GGUF
+    # as llama.cpp's converter writes it, made once a run: convert gives those bytes, test_gguf_convert's
+    # test_same_file_as_convert_hf_to_gguf[qwen3_moe-q8_0])
+    assert "PASS" in run_cli("verify", str(gguf_model("qwen3_moe")), str(gguf_ref("qwen3_moe", "f32")), "--backend",
+                             "reference", "--logits").output
 
 
 def test_renormalizing_is_no_difference_where_every_expert_is_chosen(gguf_model, tmp_path):
