@@ -218,7 +218,7 @@ def _round_trips(src, twin, state, logits, forms, tmp_path):
     _identical(separate, tmp_path / "split-again")
     restored = refused if fused else tmp_path / "split-again"
     _restores(restored, src, twin)
-    model = _load(restored)
+    model, info = _load(restored)
     loading = _holds(model, state, src)  # first the tensors: a logits difference below is then not the round trip's
     if logits is not None:  # None: the model's own forward fails at this size (the load is still checked)
         got = zoo.logits(model)
@@ -228,7 +228,7 @@ def _round_trips(src, twin, state, logits, forms, tmp_path):
             f"ones (max {(got - logits).abs().max().item():.3g}) on {zoo.THREADS} thread(s): its forward is not "
             f"deterministic")
     for form in (separate, refused):
-        loads = _load_check_agrees(form)
+        loads = _load_check_agrees(form, info if form == restored else None)  # the restored form: its load above
         r = run_cli("verify", src, form, "--backend", "reference", "--tokens", "4", ok=None)
         if loads:
             assert r.exit_code == 0 and "PASS" in r.output and "outside FFNs: " in r.output, r.output
@@ -254,8 +254,8 @@ def _restores(restored, src, twin) -> None:
         return {n: v for n, v in t.items() if n in ffn}, {n: v for n, v in t.items() if n not in ffn}
 
     got, rest = split(restored)
-    assert_identical(rest, split(src)[1])
-    ffn_src, ffn_twin = split(src)[0], split(twin)[0]
+    (ffn_src, rest_src), ffn_twin = split(src), split(twin)[0]
+    assert_identical(rest, rest_src)
     assert sorted(got) in (sorted(ffn_src), sorted(ffn_twin)), f"{restored}: FFN tensors of neither form"
     assert_identical(got, ffn_src if sorted(got) == sorted(ffn_src) else ffn_twin)
 
@@ -283,8 +283,9 @@ def _identical(a, b):
     assert_identical(tensors(a), tensors(b))
 
 
-def _load_check_agrees(path) -> bool:
-    """verify's load check on ``path`` says what ``from_pretrained`` then does (missing and unexpected keys)."""
+def _load_check_agrees(path, info: dict | None = None) -> bool:
+    """verify's load check on ``path`` says what ``from_pretrained`` then does (missing and unexpected keys);
+    ``info``: its loading info where the test has loaded ``path`` already (``_load``)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -294,28 +295,30 @@ def _load_check_agrees(path) -> bool:
     with open_checkpoint(path) as c:
         lc = check_transformers(c)
     assert lc.skipped is None, lc.summary()
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # a form it does not load: transformers warns about every fresh tensor
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
-    finally:
-        hf_logging.set_verbosity(verbosity)
+    if info is None:
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # a form it does not load: transformers warns about every fresh tensor
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+        finally:
+            hf_logging.set_verbosity(verbosity)
     assert lc.missing == sorted(info["missing_keys"]), path
     assert len(lc.unexpected) == len(info["unexpected_keys"]), path  # theirs renamed, ours as in the file
     return lc.ok
 
 
 def _load(path):
-    """The model transformers loads from ``path``, asserting that it loaded every tensor and missed none."""
+    """(the model transformers loads from ``path``, its loading info), asserting that it loaded every tensor and
+    missed none."""
     from transformers import AutoModelForCausalLM
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    return model.eval()
+    return model.eval(), info
 
 
 def test_zoo_coverage(request):
