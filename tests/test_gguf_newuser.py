@@ -345,12 +345,17 @@ def test_gguf_to_mlx_gives_back_its_side_files(llama3, llama3_gguf, tmp_path):
 
 
 @pytest.fixture(scope="session")
-def qwen3_moe_gguf(shared_dir) -> tuple[Path, Path]:
-    """(a tiny bf16 Qwen3-MoE with norm_topk_prob true, as Qwen3-30B-A3B's config, on Llama 3's tokenizer; its
-    GGUF by ffn-tools), made once per run (``shared_dir``): read-only."""
+def qwen3_moe_gguf(llama3, shared_dir) -> tuple[Path, Path]:
+    """(a tiny bf16 Qwen3-MoE with norm_topk_prob true, as Qwen3-30B-A3B's config, on Llama 3's tokenizer (the
+    files ``llama3_tokenizer`` saved for ``llama3``, copied: not built again from the 128K vocabulary); its GGUF by
+    ffn-tools), made once per run (``shared_dir``): read-only."""
+    from transformers import AutoTokenizer
 
     def make(d: Path) -> None:
-        save_tiny("qwen3_moe", d / "model", llama3_tokenizer(d / "model"), norm_topk_prob=True)
+        (d / "model").mkdir(parents=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(llama3 / name, d / "model" / name)
+        save_tiny("qwen3_moe", d / "model", AutoTokenizer.from_pretrained(d / "model"), norm_topk_prob=True)
         run_cli("-q", "convert", d / "model", "--to", "gguf", "-o", d / "qm.gguf")
 
     d = once(shared_dir / "newuser-qwen3-moe", make)
