@@ -189,7 +189,7 @@ def as_mlx_lm_reads(root) -> tuple[str, Any, dict, Any]:
     try:
         config = utils.load_config(Path(root))
         model_class, args_class = classes(config=config)
-        args = args_class.from_dict(config)
+        args = models.args_of(args_class, config)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise FFNToolsError(f"mlx_lm.load would fail on it ({type(e).__name__}: {' '.join(str(e).split())[:200]})") \
             from None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import inspect
 import types
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -190,7 +191,7 @@ class Builder:
 
     def __call__(self) -> nn.Module:
         mod = _import_model_module(self.module)
-        m = mod.Model(mod.ModelArgs.from_dict(self.config))
+        m = mod.Model(args_of(mod.ModelArgs, self.config))
         m.eval()
         return m
 
@@ -274,7 +275,7 @@ def target(config: dict | None, where: str, has_head: bool | None = None) -> Tar
         config[TIE_KEY] = not has_head
         added.append(TIE_KEY)
     try:
-        args = mod.ModelArgs.from_dict(config)
+        args = args_of(mod.ModelArgs, config)
     except TypeError as e:
         own = {f.name: f for f in dataclasses.fields(mod.ModelArgs)}
         missing = sorted(k for k, f in own.items() if f.default is dataclasses.MISSING
@@ -290,7 +291,25 @@ def target(config: dict | None, where: str, has_head: bool | None = None) -> Tar
         raise FFNToolsError(f"{where}: mlx_lm's {name} model cannot be built from this config.json "
                             f"({type(e).__name__}: {e}); mlx_lm.load would fail the same way") from None
     return Target(name, model, config, added, parameters(model), Builder(name, config), renamed,
-                  args=mod.ModelArgs.from_dict(config))
+                  args=args_of(mod.ModelArgs, config))
+
+
+_PARAMETERS: dict[type, frozenset[str]] = {}
+
+
+def args_of(cls: Any, config: dict) -> Any:
+    """``cls.from_dict(config)``: a module's ``ModelArgs`` as mlx_lm builds it. mlx_lm's ``BaseModelArgs.from_dict``
+    works out the class's signature again for every key of the config (0.1 s for a config of a hundred keys, and a
+    plan builds its model again and again); where the class keeps that ``from_dict``, the same keys are passed,
+    in the same order, its parameters read once per class."""
+    from mlx_lm.models.base import BaseModelArgs
+
+    if getattr(cls.from_dict, "__func__", None) is not getattr(BaseModelArgs.from_dict, "__func__"):
+        return cls.from_dict(config)  # its own
+    params = _PARAMETERS.get(cls)
+    if params is None:
+        params = _PARAMETERS[cls] = frozenset(inspect.signature(cls).parameters)
+    return cls(**{k: v for k, v in config.items() if k in params})
 
 
 def check_runs(tg: Target, where: str) -> str | None:
