@@ -69,6 +69,20 @@ def _mlx(request, sources, model_type: str, dtype: str, tmp_path: Path) -> Path:
     return tmp_path / "mlx"
 
 
+def _round_trip(request, sources, model_type: str, dtype: str, tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(the MLX export of ``sources(model_type, dtype)`` (``_mlx``), its ``convert --to torch``, that converted back
+    to MLX): in float32 from test_zoo_mlx's export, made once per run (read-only; test_every_zoo_export_reads_back
+    and test_deepseek_v3_round_trip_is_bit_exact_and_verifies read back the same export)."""
+    mlx = _mlx(request, sources, model_type, dtype, tmp_path)
+    allow = allowed(model_type)
+    if dtype != "float32":
+        convert(mlx, "torch", tmp_path / "back", allow_config=allow)
+        convert(tmp_path / "back", "mlx", tmp_path / "again", allow_config=allow)
+        return mlx, tmp_path / "back", tmp_path / "again"
+    back = once(mlx.parent / "mlx-back", lambda tmp: convert(mlx, "torch", tmp, allow_config=allow))
+    return mlx, back, once(mlx.parent / "mlx-again", lambda tmp: convert(back, "mlx", tmp, allow_config=allow))
+
+
 def _rounded_ok(model_type: str, names: set[str], src: dict, back: dict, mlx: Path, again: Path) -> None:
     """The tensors read back rounded are the norms sanitize adds 1.0 to; MLX of the read-back model is the
     MLX model it was read from, bit for bit (what mlx_lm computes with is kept exactly)."""
@@ -84,8 +98,7 @@ def _rounded_ok(model_type: str, names: set[str], src: dict, back: dict, mlx: Pa
 @pytest.mark.parametrize("model_type", KEY_TYPES)
 def test_torch_mlx_torch_gives_the_source(model_type, dtype, sources, tmp_path, request):
     src = sources(model_type, dtype)
-    mlx = _mlx(request, sources, model_type, dtype, tmp_path)
-    convert(mlx, "torch", tmp_path / "back", allow_config=allowed(model_type))
+    mlx, back, again = _round_trip(request, sources, model_type, dtype, tmp_path)
     with open_any(mlx) as view:
         assert view.inverse.skipped is None and not view.inverse.refused
         for n in view:
@@ -93,19 +106,18 @@ def test_torch_mlx_torch_gives_the_source(model_type, dtype, sources, tmp_path, 
         rounded = set(view.rounded)
         gathered = {o for s in view.inverse.sources.values() if s.kind == "gathered" for o in s.outputs}
     assert all(any(g in o for o in gathered) for g in GATHERED.get(model_type, ())), sorted(gathered)
-    a, b = tensors(src), tensors(tmp_path / "back")
+    a, b = tensors(src), tensors(back)
     exact = {n: t for n, t in a.items() if n not in rounded}
     assert sorted(a) == sorted(b)
     assert_identical({n: b[n] for n in exact}, exact)
-    convert(tmp_path / "back", "mlx", tmp_path / "again", allow_config=allowed(model_type))
-    _rounded_ok(model_type, rounded, a, b, mlx, tmp_path / "again")
-    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == model_type
-    assert check_transformers(open_checkpoint(tmp_path / "back")).ok
+    _rounded_ok(model_type, rounded, a, b, mlx, again)
+    assert json.loads((back / "config.json").read_text())["model_type"] == model_type
+    assert check_transformers(open_checkpoint(back)).ok
     from transformers import AutoModelForCausalLM
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "back", output_loading_info=True)
+        _, info = AutoModelForCausalLM.from_pretrained(back, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
 
 
@@ -121,8 +133,9 @@ def test_deepseek_v3_round_trip_is_bit_exact_and_verifies(sources, tmp_path, req
         assert view.made_from(name) == ("model.layers.0.self_attn.embed_q.weight",
                                         "model.layers.0.self_attn.unembed_out.weight")
         assert view.info(name).start is None and view.quantized(name) is None
-    convert(mlx, "torch", tmp_path / "back")
-    assert_identical(tensors(tmp_path / "back"), tensors(src))
+    assert allowed("deepseek_v3") == []  # so its export's convert --to torch is this one (_round_trip's)
+    _, back, _ = _round_trip(request, sources, "deepseek_v3", "float32", tmp_path)
+    assert_identical(tensors(back), tensors(src))
     report = ffn_tools.verify(src, mlx, backends=["reference"], tokens=4)
     assert report.passed, report.failures()
 
@@ -149,7 +162,7 @@ def _zoo_types() -> list[str]:
 
 
 @pytest.mark.parametrize("model_type", _zoo_types())
-def test_every_zoo_export_reads_back(model_type, request, tmp_path):
+def test_every_zoo_export_reads_back(model_type, sources, request, tmp_path):
     """Every zoo type the MLX zoo test exports: the source's names and bytes come back, but for what
     ``DROPPED`` and ``NORMS_PLUS_ONE`` say, and transformers' load check passes."""
     src, built = _built(request, model_type)
@@ -164,10 +177,9 @@ def test_every_zoo_export_reads_back(model_type, request, tmp_path):
     a = tensors(src)
     assert sorted(a) == sorted([*back, *view.inverse.dropped])
     assert_identical({n: back[n] for n in back if n not in rounded}, {n: a[n] for n in back if n not in rounded})
-    if rounded:
-        convert(mlx, "torch", tmp_path / "back", allow_config=allowed(model_type))
-        convert(tmp_path / "back", "mlx", tmp_path / "again", allow_config=allowed(model_type))
-        _rounded_ok(model_type, rounded, a, back, mlx, tmp_path / "again")
+    if rounded:  # converted back and forth as test_torch_mlx_torch_gives_the_source does (_round_trip)
+        _, _, again = _round_trip(request, sources, model_type, "float32", tmp_path)
+        _rounded_ok(model_type, rounded, a, back, mlx, again)
     else:
         assert model_type not in NORMS_PLUS_ONE
 
