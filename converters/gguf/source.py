@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -145,36 +144,43 @@ def download(version: str, into: Path) -> Path:
 
 def extract(sdist: Path, version: str, tree: Path) -> None:
     """``TREE`` from the archive's ``vendor/llama.cpp`` into ``tree``, after checking the archive is llama-cpp-python
-    ``version`` (its PKG-INFO).
+    ``version`` (its PKG-INFO). The archive is read in one pass (a gzip stream read again from its start for every
+    backward seek: listing it first, then going back for each file, decompressed it two to three times), the wanted
+    files (about 2 MB) held until the version is checked.
 
     Raises:
         FFNToolsError: another version, or no converter in it.
     """
+    top = stated = None
+    found = False
+    kept: list[tuple[str, bytes | None]] = []  # (path under tree, the file's bytes; None: a directory), in order
     with tarfile.open(sdist) as tar:
-        members = tar.getmembers()
-        top = members[0].name.split("/")[0] if members else ""
-        info = next((m for m in members if m.name == f"{top}/PKG-INFO"), None)
-        stated = None
-        if info is not None and (f := tar.extractfile(info)) is not None:
-            stated = next((ln.split(":", 1)[1].strip() for ln in f.read().decode("utf-8", "replace").splitlines()
-                           if ln.startswith("Version:")), None)
-        if stated != version:
-            raise FFNToolsError(f"{sdist.name}: pip downloaded llama-cpp-python {stated or '(no version)'} where "
-                                f"{version} is installed; the converter must be the installed llama.cpp's")
-        base = f"{top}/vendor/llama.cpp/"
-        wanted = [m for m in members if m.name.startswith(base) and (m.isfile() or m.isdir())  # no links
-                  and m.name[len(base):].split("/")[0] in (*TREE, LORA) and ".." not in m.name.split("/")]
-        tree.mkdir(parents=True)
-        for m in wanted:
-            m.name = m.name[len(base):]
-            if m.isdir():
-                (tree / m.name).mkdir(parents=True, exist_ok=True)
-                continue
-            (tree / m.name).parent.mkdir(parents=True, exist_ok=True)
-            src = tar.extractfile(m)
-            if src is not None:
-                with src, (tree / m.name).open("wb") as out:
-                    shutil.copyfileobj(src, out)
+        for m in tar:
+            if top is None:
+                top = m.name.split("/")[0]
+            if not found and m.name == f"{top}/PKG-INFO":
+                found = True
+                if (f := tar.extractfile(m)) is not None:
+                    stated = next((ln.split(":", 1)[1].strip() for ln in f.read().decode("utf-8", "replace")
+                                   .splitlines() if ln.startswith("Version:")), None)
+            base = f"{top}/vendor/llama.cpp/"
+            if (m.name.startswith(base) and (m.isfile() or m.isdir())  # no links
+                    and m.name[len(base):].split("/")[0] in (*TREE, LORA) and ".." not in m.name.split("/")):
+                if m.isdir():
+                    kept.append((m.name[len(base):], None))
+                elif (src := tar.extractfile(m)) is not None:
+                    with src:
+                        kept.append((m.name[len(base):], src.read()))
+    if stated != version:
+        raise FFNToolsError(f"{sdist.name}: pip downloaded llama-cpp-python {stated or '(no version)'} where "
+                            f"{version} is installed; the converter must be the installed llama.cpp's")
+    tree.mkdir(parents=True)
+    for name, data in kept:
+        if data is None:
+            (tree / name).mkdir(parents=True, exist_ok=True)
+            continue
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_bytes(data)
     if gone := missing(tree):
         raise FFNToolsError(f"{sdist.name} holds no {', '.join(gone)} under vendor/llama.cpp: this llama-cpp-python "
                             f"cannot give llama.cpp's converter; set {ENV} to a llama.cpp checkout")
