@@ -65,7 +65,7 @@ demo: $(BASE)
 # $(BIN)/pytest, not python -m pytest: -m puts the repository root first on sys.path, where the top-level kernels/
 # (installed as ffn_tools.kernels) would shadow Hugging Face's `kernels` package, which transformers 5.25 imports.
 test: $(DEV)
-	$(BIN)/pytest -n 2 --dist worksteal tests
+	$(BIN)/pytest -n 2 --dist worksteal --durations=25 tests
 
 bench: $(DEV)
 	$(BIN)/python benchmarks/bench_split.py
