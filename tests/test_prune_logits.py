@@ -47,8 +47,8 @@ def test_client_masking_is_the_pruned_model(mixtral):
 
     src, pruned = mixtral
     dropped = {0: (1,), 1: (2,)}
-    masked, problems, lost = masked_logits(src, TOKENS, None, dropped, False)
-    assert not problems and set(lost) == {0, 1}
+    masked, problems, lost, mass = masked_logits(src, TOKENS, None, dropped, False)
+    assert not problems and set(lost) == {0, 1} and set(mass) == {0, 1}
     torch.testing.assert_close(masked.float(), _logits(src, KEEP), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(masked.float(), _logits(pruned), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(masked.float(), _logits(src), atol=1e-3)
@@ -57,10 +57,16 @@ def test_client_masking_is_the_pruned_model(mixtral):
     seen = []
     model.model.layers[0].mlp.gate.register_forward_hook(lambda m, i, o: seen.append(o))
     with torch.no_grad():
-        model(TOKENS)
+        own = model(TOKENS, output_router_logits=True).router_logits
     _, weights, idx = seen[0]
     share = ((weights * (idx == 1)).sum(-1) / weights.sum(-1)).double().mean()
     assert 0 < lost[0] < 1 and lost[0] == pytest.approx(float(share), rel=1e-6)
+    # the routing mass B dropped: A's own (unmasked) router probability on the dropped experts, every token
+    for layer, experts in dropped.items():
+        p = own[layer].double().softmax(-1)[:, list(experts)].sum(-1)
+        assert p.numel() == TOKENS.numel()
+        assert mass[layer] == pytest.approx({"mean": float(p.mean()), "max": float(p.max())}, rel=1e-9), layer
+        assert 0 < mass[layer]["mean"] < mass[layer]["max"] < 1, layer
 
 
 def test_verify_logits_of_a_pruned_model_passes_against_masked_a(mixtral):
@@ -73,6 +79,27 @@ def test_verify_logits_of_a_pruned_model_passes_against_masked_a(mixtral):
     assert set(lg["masked"]["routing_mass_lost"]) == {"0", "1"}
     assert all(0 < v < 1 for v in lg["masked"]["routing_mass_lost"].values())
     assert "experts B dropped masked" in lg["client_a"] and "routing mass lost" in lg["client_a"]
+    em = report["expert_map"]  # the routing mass B dropped, under the expert-map check: information only
+    assert em["informational"] and em["tokens"] == lg["shape"][0] * lg["shape"][1]
+    assert em["routing_mass_dropped"] == lg["masked"]["routing_mass_dropped"] and set(em["routing_mass_dropped"]) \
+        == {"0", "1"} and all(0 < v["mean"] <= v["max"] < 1 for v in em["routing_mass_dropped"].values())
+    notes = report["notes"]
+    at = next(i for i, n in enumerate(notes) if n.startswith("B records an expert mapping"))
+    assert "routing mass B dropped" in notes[at + 1] and "not a pass/fail criterion" in notes[at + 1]
+    assert f"layer 0 mean {em['routing_mass_dropped']['0']['mean']:.1%}" in notes[at + 1]
+
+
+def test_verify_routing_mass_dropped_of_a_keep_all_prune_is_zero(mixtral, tmp_path):
+    """A prune keeping every expert (in another order: in order, B is A and records no mapping) drops no routing
+    mass: 0 in every layer, said under the expert-map check."""
+    src, _ = mixtral
+    (tmp_path / "keep.json").write_text(json.dumps({"0": [3, 0, 1, 2], "1": [1, 0, 2, 3]}))
+    run_cli("prune-experts", src, "--keep", tmp_path / "keep.json", "-o", tmp_path / "all")
+    assert expert_map.masking(src, tmp_path / "all").dropped == {}
+    r, report = _verify(src, tmp_path / "all")
+    assert r.exit_code == 0 and report["logits"]["passed"], r.output
+    assert report["expert_map"]["routing_mass_dropped"] == {k: {"mean": 0.0, "max": 0.0} for k in ("0", "1")}
+    assert any("layer 0 mean 0.0%, max 0.0%; layer 1 mean 0.0%, max 0.0%" in n for n in report["notes"])
 
 
 def test_verify_logits_fails_a_router_out_of_step(mixtral, tmp_path):
@@ -184,6 +211,8 @@ def test_verify_logits_mlx_pruned_bit_for_bit_against_masked_a(model_dir, tmp_pa
     assert r.exit_code == 0 and lg["passed"] and lg["client_a"].startswith("mlx_lm"), r.output
     assert lg["max_abs"] == 0 and lg["masked"]["dropped"] == {"0": [1], "1": [1]}
     assert all(0 < v < 1 for v in lg["masked"]["routing_mass_lost"].values())
+    mass = report["expert_map"]["routing_mass_dropped"]  # mlx_lm's A, unmasked: its routers' softmax
+    assert set(mass) == {"0", "1"} and all(0 < v["mean"] <= v["max"] < 1 for v in mass.values()), mass
 
 
 def test_saliency_of_an_mlx_checkpoint_runs_in_mlx_lm(hf, tmp_path):
@@ -235,7 +264,10 @@ def test_verify_logits_deepseek_v3_mlx_bit_for_bit_and_across_clients(hf, tmp_pa
     r, report = _verify(tmp_path / "a", tmp_path / "b")
     assert r.exit_code == 0 and report["logits"]["max_abs"] == 0, r.output
     assert "the 1 expert B dropped" in report["logits"]["client_a"]
+    assert any("routing mass B dropped" in n and "not measured (mlx_lm" in n for n in report["notes"])  # MoEGate
     r, report = _verify(src, tmp_path / "b")
     lg = report["logits"]
     assert r.exit_code == 0 and lg["passed"] and (lg["client_b"], lg["max_abs"] < 1e-5) == ("mlx_lm", True), r.output
     assert lg["client_a"].startswith("transformers") and lg["masked"]["dropped"] == {"1": [1]}
+    mass = report["expert_map"]["routing_mass_dropped"]  # transformers' A: its sigmoid scores on expert 1
+    assert set(mass) == {"1"} and 0 < mass["1"]["mean"] <= mass["1"]["max"] < 1, mass

@@ -11,7 +11,9 @@ Each MoE layer's router is the module named ``layers.N.<...>.gate`` or ``.router
 Before each masked call the router runs unmasked on the same input for the routing mass each layer loses: the
 share of the top-k routing weight the dropped experts would have had (a linear router's: of the softmax of its
 logits over the top-k, which is GPT-OSS's weights and the others' up to their renormalization; DeepSeek's: of its
-scores).
+scores). Then A runs once more unmasked for the share of a linear router's softmax probability on the dropped
+experts, every token (``verify``'s routing mass B dropped; not measured for a selection-bias router, whose gate
+gives no logits).
 """
 
 from __future__ import annotations
@@ -54,8 +56,11 @@ def _share(inds, weights, dropped) -> list[float]:
     return [float(np.asarray(mx.mean(lost)))]
 
 
-def mask(model, path: Path, dropped: dict[int, tuple[int, ...]], ungrouped: bool) -> dict[int, list]:
+def mask(model, path: Path, dropped: dict[int, tuple[int, ...]], ungrouped: bool,
+         shares: dict | None = None) -> dict[int, list]:
     """``model``'s routers replaced (module docstring); the lists each layer's routing mass lost fills, per call.
+    Where ``shares`` is given, ``shares["on"]`` set to True runs a linear router unmasked instead, each call's
+    per-token softmax probability on the dropped experts appended to ``shares[layer]``.
 
     Raises:
         FFNToolsError: a layer to mask has no router found.
@@ -82,7 +87,7 @@ def mask(model, path: Path, dropped: dict[int, tuple[int, ...]], ungrouped: bool
         idx = mx.array(list(experts))
         into = lost.setdefault(layer, [])
         if isinstance(gate, dict) and SELECTION_BIAS in gate:
-            def call(x, gate=gate, idx=idx, into=into):
+            def call(x, gate=gate, idx=idx, into=into, layer=layer):
                 inds, scores = gate(x)
                 into += _share(inds, scores, idx)
                 bias = gate[SELECTION_BIAS]
@@ -92,8 +97,15 @@ def mask(model, path: Path, dropped: dict[int, tuple[int, ...]], ungrouped: bool
                 finally:
                     gate[SELECTION_BIAS] = bias
         else:
-            def call(x, gate=gate, idx=idx, into=into):
+            if shares is not None:
+                shares[layer] = []
+
+            def call(x, gate=gate, idx=idx, into=into, layer=layer):
                 logits = gate(x)
+                if shares is not None and shares.get("on"):
+                    p = mx.softmax(logits.astype(mx.float32), axis=-1)
+                    shares[layer].append(mx.take(p, idx, axis=-1).sum(axis=-1).reshape(-1))
+                    return logits
                 probs = mx.softmax(logits.astype(mx.float32), axis=-1)
                 inds = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]
                 into += _share(inds, mx.take_along_axis(probs, inds, axis=-1), idx)
@@ -111,7 +123,8 @@ def _minus_inf(n: int, idx, dtype):
 
 def masked_logits(path: Path, tokens, dtype: str | None, dropped: dict[int, tuple[int, ...]], ungrouped: bool):
     """``MLXLM.masked_logits``: the logits (float64), the loading problems, each masked layer's routing mass lost
-    (mean over the router's calls)."""
+    (mean over the router's calls), and each linear router's share of its probability on the dropped experts,
+    ``{"mean", "max"}`` over the tokens (A run once more, unmasked)."""
     import mlx.core as mx
     import numpy as np
     import torch
@@ -123,7 +136,14 @@ def masked_logits(path: Path, tokens, dtype: str | None, dropped: dict[int, tupl
         return torch.empty(0), [f"mlx_lm: {str(e).splitlines()[0][:300]}"], {}
     if dtype is not None:
         model.set_dtype(getattr(mx, dtype))
-    lost = mask(model, path, dropped, ungrouped)
+    shares: dict = {}
+    lost = mask(model, path, dropped, ungrouped, shares)
     out = model(mx.array(tokens.numpy()))
+    logits = torch.from_numpy(np.array(out.astype(mx.float32))).to(torch.float64)
+    if any(k != "on" for k in shares):
+        shares["on"] = True
+        mx.eval(model(mx.array(tokens.numpy())))
     mass = {k: sum(v) / len(v) for k, v in lost.items() if v}
-    return torch.from_numpy(np.array(out.astype(mx.float32))).to(torch.float64), [], mass
+    held = {k: np.concatenate([np.asarray(t, dtype=np.float64) for t in v]) for k, v in shares.items()
+            if k != "on" and v}
+    return logits, [], mass, {k: {"mean": float(t.mean()), "max": float(t.max())} for k, t in held.items()}

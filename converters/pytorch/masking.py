@@ -13,7 +13,9 @@ Each MoE layer's router is found by its weight's name (``layers.N.<...>.gate.wei
 
 Before each masked call the router runs unmasked once more, on the same hidden states, for the routing mass each
 layer loses: the share of the top-k routing weight (its second output, over the indices of its third) the
-dropped experts would have had.
+dropped experts would have had. Then A runs once more unmasked (its own model, not the pruned one), for the share
+of each layer's router probability (softmax of its logits; a selection-bias router's sigmoid scores, normalized)
+on the dropped experts, mean and max over the tokens: ``verify``'s routing mass B dropped, reported as information.
 """
 
 from __future__ import annotations
@@ -64,8 +66,22 @@ def _mass(output, dropped: torch.Tensor) -> float | None:
     return float(lost.mean())
 
 
-def mask(model, dropped: dict[int, tuple[int, ...]], ungrouped: bool) -> dict[int, list]:
+def _shares(output, dropped: torch.Tensor, sigmoid: bool) -> torch.Tensor | None:
+    """Per token, the share of a router's probability on ``dropped``, from the logits its ``(logits, weights,
+    indices)`` starts with: softmax over every expert, or (``sigmoid``: a selection-bias router) the sigmoid scores
+    normalized by their sum (None: a router giving something else)."""
+    if not (isinstance(output, tuple) and output and torch.is_tensor(output[0]) and output[0].is_floating_point()):
+        return None
+    logits = output[0].double()
+    p = logits.sigmoid() if sigmoid else logits.softmax(-1)
+    return (p.index_select(-1, dropped).sum(-1) / p.sum(-1).clamp_min(1e-300)).reshape(-1)
+
+
+def mask(model, dropped: dict[int, tuple[int, ...]], ungrouped: bool,
+         shares: dict[int, list] | None = None) -> dict[int, list]:
     """``model``'s routers wrapped (module docstring); the lists each layer's routing mass lost fills, per call.
+    Where ``shares`` is given, ``shares["on"]`` set to True runs the routers unmasked instead, each call's
+    per-token probability share on the dropped experts (``_shares``) appended to ``shares[layer]``.
 
     Raises:
         FFNToolsError: a layer to mask has no router found, or one with fewer rows than an expert named.
@@ -92,7 +108,15 @@ def mask(model, dropped: dict[int, tuple[int, ...]], ungrouped: bool) -> dict[in
             bias = dict(router.named_parameters(recurse=False)).get(SELECTION_BIAS)
         forward = router.forward
 
-        def wrapped(*args, forward=forward, weight=weight, idx=idx, bias=bias, into=lost[layer], **kwargs):
+        if shares is not None:
+            shares[layer] = []
+
+        def wrapped(*args, forward=forward, weight=weight, idx=idx, bias=bias, into=lost[layer], layer=layer,
+                    **kwargs):
+            if shares is not None and shares.get("on"):
+                out = forward(*args, **kwargs)
+                shares[layer].append(_shares(out, idx, bias is not None))
+                return out
             into.append(_mass(forward(*args, **kwargs), idx))
             if bias is not None:
                 kept = bias.data.clone()
@@ -110,12 +134,18 @@ def mask(model, dropped: dict[int, tuple[int, ...]], ungrouped: bool) -> dict[in
 
 def masked_logits(path: Path, tokens, dtype: str | None, dropped: dict[int, tuple[int, ...]], ungrouped: bool):
     """``Transformers.masked_logits``: the logits (float64), the loading problems, each masked layer's routing
-    mass lost (mean over the router's calls)."""
+    mass lost (mean over the router's calls), and each masked layer's share of A's own router probability on the
+    dropped experts, ``{"mean", "max"}`` over the tokens (A run once more, unmasked: module docstring)."""
     from .loading import load_model
 
     model, problems = load_model(path, dtype)
-    lost = mask(model, dropped, ungrouped)
+    shares: dict = {}
+    lost = mask(model, dropped, ungrouped, shares)
     with torch.no_grad():
         logits = model.eval()(tokens).logits.to(torch.float64)
+        if dropped:
+            shares["on"] = True
+            model(tokens)
     mass = {k: sum(v) / len(v) for k, v in lost.items() if v and None not in v}
-    return logits, problems, mass
+    held = {k: torch.cat(v) for k, v in shares.items() if k != "on" and v and None not in v}
+    return logits, problems, mass, {k: {"mean": float(t.mean()), "max": float(t.max())} for k, t in held.items()}

@@ -155,6 +155,9 @@ class Masking:
     ungrouped: bool
     row: str
     lost: dict[int, float] = dataclasses.field(default_factory=dict)  # filled by A's run (Client.masked_logits)
+    # A's own router probability on the experts B dropped, per layer {"mean", "max"} over the tokens (A's run)
+    mass: dict[int, dict] = dataclasses.field(default_factory=dict)
+    layers: tuple[int, ...] = ()  # every MoE layer B's mapping names (those dropping none lose 0, unmeasured)
 
     def describe(self) -> str:
         """The words for the logits line: what A ran as, and the most routing mass a layer lost."""
@@ -168,7 +171,21 @@ class Masking:
 
     def as_dict(self) -> dict:
         return {"dropped": {str(k): list(v) for k, v in sorted(self.dropped.items())}, "ungrouped": self.ungrouped,
-                "routing_mass_lost": {str(k): v for k, v in sorted(self.lost.items())}, "row": self.row}
+                "routing_mass_lost": {str(k): v for k, v in sorted(self.lost.items())}, "row": self.row,
+                "routing_mass_dropped": {str(k): self.mass[k] if k in self.dropped else {"mean": 0.0, "max": 0.0}
+                                         for k in sorted({*self.layers, *self.mass})
+                                         if k in self.mass or k not in self.dropped}}
+
+
+def mass_note(masked: dict, tokens: int, client: str) -> str:
+    """The expert-map check's line for ``masked`` (``Masking.as_dict``): each layer's share of A's router
+    probability on the experts B dropped, over ``tokens`` tokens (0 in a layer where B drops none)."""
+    what = ("the routing mass B dropped (A's own router probability on the experts B dropped, softmax or sigmoid "
+            f"as it routes, over --logits' {tokens} tokens; information, not a pass/fail criterion): ")
+    mass = masked.get("routing_mass_dropped") or {}
+    if not mass or not set(masked["dropped"]) <= set(mass):
+        return what + f"not measured ({client} gives no router logits for it)"
+    return what + "; ".join(f"layer {k} mean {v['mean']:.1%}, max {v['max']:.1%}" for k, v in mass.items())
 
 
 def masking(pa, pb) -> Masking | None:
@@ -196,4 +213,5 @@ def masking(pa, pb) -> Masking | None:
             dropped[layer] = tuple(i for i, s in enumerate(held[layer]) if s not in set(sources))
     groups = [c.get(GROUP_KEY) for c in (config, *(v for v in config.values() if isinstance(v, dict)))]
     row = coarsest({"F16": "float16", "BF16": "bfloat16"}.get(d, "float32") for d in dtypes)
-    return Masking({k: v for k, v in dropped.items() if v}, any(isinstance(g, int) and g > 1 for g in groups), row)
+    return Masking({k: v for k, v in dropped.items() if v}, any(isinstance(g, int) and g > 1 for g in groups), row,
+                   layers=tuple(sorted(dropped)))

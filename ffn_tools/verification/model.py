@@ -3,6 +3,7 @@ them, the side files, the texts through both tokenizers; and whole-model logits 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from ..checks.config import ConfigResult
@@ -99,7 +100,29 @@ def run_logits(report: VerifyReport, models: Models, function: str | None, o: Ve
         report.notes.append(f"logits: both sides computed in {wider}, which their weights widen to exactly: "
                             f"{' '.join(str(e).split())[:160]}")
         report.logits = compare_logits(a, b, clients, tol, seed, vocab, probe, wider)
+    _expert_map_mass(report)
     config = report.config
     causes = [*config.problems, *(b["line"] for b in config.bounded)] if config is not None else []
     if not report.logits["passed"] and causes:  # what differs is likely that (a bound: past it, logits differ)
         report.logits["problems"].append(f"likely cause, from the config check: {causes[0]}")
+
+
+def _expert_map_mass(report: VerifyReport) -> None:
+    """A pruned B's routing mass dropped (``expert_map.mass_note``), measured by A's masked logits run: shown
+    under the expert-map check (its note, and ``expert_map`` in the JSON), as information: it fails nothing."""
+    from .expert_map import mass_note
+
+    lg = report.logits or {}
+    masked = lg.get("masked")
+    if masked is None:
+        return
+    tokens = math.prod(lg["shape"][:2])
+    line = mass_note(masked, tokens, lg["client_a"].split(",")[0])
+    report.expert_map = {"routing_mass_dropped": masked["routing_mass_dropped"], "tokens": tokens,
+                         "informational": True,
+                         "what": "per MoE layer, the share of A's router probability on the experts B dropped "
+                                 "(softmax, or sigmoid scores normalized), mean and max over the tokens; not a "
+                                 "pass/fail criterion"}
+    at = next((i + 1 for i, n in enumerate(report.notes) if n.startswith("B records an expert mapping")),
+              len(report.notes))
+    report.notes.insert(at, line)

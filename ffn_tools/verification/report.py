@@ -123,6 +123,7 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)  # checkpoint-level failures
     notes: list[str] = field(default_factory=list)
     logits: dict | None = None
+    expert_map: dict | None = None  # a pruned B's routing mass dropped, per layer (information: run_logits)
     outside: "OutsideResult | None" = None  # the tensors outside the FFNs (None: not reached)
     load: "LoadCheck | None" = None  # would B load in its client (a failure is listed last: the weights first)
     config: "ConfigResult | None" = None  # the configs as their clients read them
@@ -292,6 +293,7 @@ class VerifyReport:
                 "problems": self.problems, "notes": self.notes, "only_a": self.only_a, "only_b": self.only_b,
                 "failures": self.failures(),
                 "ffns": [r.as_dict() for r in sorted(self.results, key=FFNResult.sort_key)], "logits": self.logits,
+                "expert_map": self.expert_map,
                 "outside": self.outside.as_dict() if self.outside else None,
                 "load_check": self.load.as_dict() if self.load else None,
                 "config": as_json(self.config), "side_files": as_json(self.side_files),
