@@ -13,7 +13,7 @@ SPEC = ("a list or range the same for every MoE layer (0,2,5 or 0-5), or a JSON 
 def _common(f):
     for option in reversed((
             click.option("-o", "--out", required=True, type=click.Path(),
-                         help="Output directory (or a .safetensors file)."),
+                         help="Output directory (or a .safetensors file; for a GGUF input, a .gguf file)."),
             click.option("--dry-run", is_flag=True, help="Print the plan (every output tensor and how it is made); "
                                                          "write nothing."),
             click.option("--force", is_flag=True, help="Replace OUT if it exists."),
@@ -43,7 +43,8 @@ def prune_experts(path, as_json, **options):
     rows (gate.weight, e_score_correction_bias, router biases) in step; shared experts and dense layers are
     copied. config.json's expert count is updated and num_experts_per_tok checked. The mapping new -> source
     expert is recorded in the weight files' metadata and expert_map.json; `ffn-tools verify PATH OUT` pairs the
-    experts through it.
+    experts through it. A GGUF input's _exps stacks and router rows are sliced as stored bytes (any quant type),
+    its expert_count set; the mapping is recorded in its metadata.
     """
     from ..surgery.run import prune_experts as run
 

@@ -12,9 +12,10 @@ files' metadata, ``expert_map.json`` beside them, and the receipt's command.
 Modules: ``selection`` (--keep/--drop/--order read per layer), ``layers`` (each MoE layer's experts, their
 tensors and its router, found from the scheme's names), ``routers`` (router tensor names and config keys, as
 data), ``planning`` (the plan and the config), ``mapping`` (the recorded mapping, read back by verify's
-``verification.expert_map``), ``run`` (the commands' library functions), ``saliency`` (each expert's REAP score
-and routing frequency on prompts, which ``prune-experts --saliency`` ranks by, summed by the checkpoint's own
-client: ``Client.expert_saliency``).
+``verification.expert_map``), ``run`` (the commands' library functions), ``gguf`` (a GGUF input: its
+``_exps`` stacks' expert slabs and router rows sliced as stored bytes, any quant type), ``saliency`` (each
+expert's REAP score and routing frequency on prompts, which ``prune-experts --saliency`` ranks by, summed by the
+checkpoint's own client: ``Client.expert_saliency``).
 
 Proven by ``verify A B``: B's experts paired with their sources through the mapping, the routers' rows in step,
 and with ``--logits`` B against A run with the experts B dropped masked out of its routing (``expert_map.masking``,

@@ -47,9 +47,11 @@ def _surgery(command: str, path, out, given: dict, spec: dict, force: bool, dry_
     from ..hub import resolve
 
     with registry().open_any(resolve(str(path))) as ckpt:
+        if ckpt.kind == "gguf":
+            return _gguf(command, ckpt, out, given, spec, force, dry_run, max_shard_size)
         if ckpt.kind not in STORED_KINDS:
             raise FFNToolsError(f"{ckpt.path}: {ckpt.described} checkpoint: expert surgery moves safetensors "
-                                "tensors; its own form (GGUF _exps) is not done yet (issue #56)")
+                                "tensors (or a GGUF's _exps stacks)")
         layers = moe_layers(ckpt, find_ffns(ckpt, scheme, layout))
         stored = ckpt.stored  # the tensors as stored (a view reading them otherwise: MLX's stacks, FP8 decoded)
         counts = {m.experts for m in layers.values()}
@@ -82,3 +84,36 @@ def _surgery(command: str, path, out, given: dict, spec: dict, force: bool, dry_
                   "files": written, "dry_run": dry_run, "plan": plan.describe() if dry_run else None,
                   **plan.summary}
         return envelope(command, str(path), None if dry_run else out, line, result)
+
+
+def _gguf(command: str, ckpt, out, given: dict, spec: dict, force: bool, dry_run: bool,
+          max_shard_size: int | None) -> dict:
+    """The surgery of a GGUF file (``gguf``): its expert slabs sliced as stored, into the GGUF file ``out``."""
+    from ..io.output import atomic_output
+    from .gguf import prune_gguf
+
+    out = Path(out)
+    if len(ckpt.files) > 1:
+        raise FFNToolsError(f"{ckpt.path}: a split GGUF ({len(ckpt.files)} files): join it first (llama.cpp's "
+                            "gguf-split --merge); expert surgery writes one file")
+    if max_shard_size is not None:
+        raise FFNToolsError("--max-shard-size does not apply to a GGUF output: a GGUF is one file")
+    if out.suffix != ".gguf":
+        raise FFNToolsError(f"{out}: a GGUF input's surgery writes one file named *.gguf")
+    source = Path(ckpt.files[0])
+    if dry_run:
+        r = prune_gguf(source, None, spec, command)
+    else:
+        run = Run(command=record(command, given))
+        with atomic_output(out, inputs=[source], force=force, run=run) as tmp:
+            r = prune_gguf(source, tmp, spec, command)
+    kept, experts = r["kept"], r["experts"]
+    verb = "would write" if dry_run else "wrote"
+    line = (f"{verb} {out}: {r['moe_layers']} MoE layers, {kept} of {experts} experts each"
+            + (" (reordered)" if kept == experts and not r["identity"] else "")
+            + f", {r['tensors']} tensors ({r['sliced']} sliced as stored bytes)")
+    result = {"experts": experts, "kept": kept, "layers": r["layers"], "changes": r["changes"],
+              "files": [] if dry_run else [str(out)], "dry_run": dry_run, "plan": None,
+              "experts_dropped": r["moe_layers"] * (experts - kept),
+              "experts_moved": r["moved"]}
+    return envelope(command, str(ckpt.path), None if dry_run else str(out), line, result)

@@ -1,0 +1,124 @@
+"""prune-experts and reorder-experts on a GGUF input (issue #56; ``ffn_tools.surgery.gguf``): tiny real Qwen3-MoE
+converted by llama.cpp's convert_hf_to_gguf.py (q8_0, whose ffn_down_exps stays F16, and f32). Each kept expert's
+slab of every ``_exps`` stack and its router row are the source's bytes, the output loads and runs in llama.cpp,
+keeping every expert in order writes the input back byte for byte, and the result is the torch path's: the source
+checkpoint pruned by prune-experts with the same --keep and converted by ffn-tools' converter at the same outtype
+holds the same tensors (names, types, shapes, bytes) and gives the same logits through llama.cpp. (llama.cpp has no
+way to mask a GGUF's router logits to -inf, so the masked-router comparison is the torch path's, in
+test_prune.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from helpers import run_cli
+
+from ffn_tools.converters.gguf.header import Reader as GGUFReader  # gguf-py's, its header parsed faster
+from ffn_tools.surgery import mapping
+
+KEEP = {"0": [0, 2, 3], "1": [3, 1, 0]}  # different sets per layer, layer 1 reordered too
+TOKENS = list(range(3, 27))
+
+
+def _tensors(path) -> dict[str, tuple[str, list[int], bytes]]:
+    r = GGUFReader(str(path))
+    return {t.name: (t.tensor_type.name, [int(d) for d in t.shape], bytes(t.data.tobytes())) for t in r.tensors}
+
+
+def _logits(path) -> np.ndarray:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=False, logits_all=True, n_ctx=64, n_batch=64,
+                          verbose=False)
+    llm.eval(TOKENS)
+    out = np.array(llm.scores[:len(TOKENS)], dtype=np.float32)
+    llm.close()
+    return out
+
+
+@pytest.mark.parametrize("outtype", ["q8_0", "f32"])
+def test_gguf_prune_is_the_sources_slabs_and_the_torch_paths_gguf(gguf_model, gguf_ref, outtype, tmp_path):
+    src = gguf_ref("qwen3_moe", outtype)
+    keep = tmp_path / "keep.json"
+    keep.write_text(json.dumps(KEEP))
+    out = tmp_path / "pruned.gguf"
+    run_cli("prune-experts", src, "--keep", keep, "-o", out)
+
+    source, pruned = _tensors(src), _tensors(out)
+    assert list(pruned) == list(source), "the tensors, in the source's order"
+    sliced = 0
+    for name, (qtype, shape, data) in source.items():
+        layer = name.split(".")[1] if name.startswith("blk.") else None
+        got = pruned[name]
+        if layer in KEEP and ("_exps." in name or ".ffn_gate_inp." in name):
+            slab = len(data) // 4
+            assert shape[-1] == 4 and got[0] == qtype and got[1] == [*shape[:-1], 3], name
+            want = b"".join(data[e * slab:(e + 1) * slab] for e in KEEP[layer])
+            assert got[2] == want, f"{name}: the kept experts' slabs, in the new order"
+            sliced += 1
+        else:
+            assert got == (qtype, shape, data), f"{name}: copied as stored"
+    assert sliced == 8, "gate, up, down stacks and the router of both layers"
+    if outtype == "q8_0":
+        assert source["blk.0.ffn_gate_exps.weight"][0] == "Q8_0" and source["blk.0.ffn_down_exps.weight"][0] == "F16"
+
+    r = GGUFReader(str(out))
+    assert int(r.fields["qwen3moe.expert_count"].contents()) == 3
+    assert int(r.fields["qwen3moe.expert_used_count"].contents()) == 2
+    recorded = json.loads(r.fields[mapping.METADATA_KEY].contents())
+    assert recorded == {"command": "prune-experts", "source_experts": 4, "layers": KEEP}
+    source_fields = GGUFReader(str(src)).fields
+    for k, f in source_fields.items():  # every other key as the source holds it
+        if k not in ("qwen3moe.expert_count", "GGUF.kv_count"):
+            assert r.fields[k].contents() == f.contents(), k
+
+    # the torch path: the source checkpoint pruned the same way, converted by ffn-tools at the same outtype
+    hf = tmp_path / "hf-pruned"
+    run_cli("prune-experts", gguf_model("qwen3_moe"), "--keep", keep, "-o", hf)
+    theirs = tmp_path / "torch-path.gguf"
+    run_cli("convert", hf, "--to", "gguf", "--outtype", outtype, "-o", theirs)
+    other = _tensors(theirs)
+    assert list(other) == list(pruned)
+    for name, t in pruned.items():
+        assert other[name] == t, f"{name}: the torch path's GGUF holds another tensor"
+    assert int(GGUFReader(str(theirs)).fields["qwen3moe.expert_count"].contents()) == 3
+
+    got = _logits(out)  # loads and runs in llama.cpp
+    assert np.isfinite(got).all()
+    assert np.array_equal(got, _logits(theirs)), "the torch path's GGUF gives other logits"
+    assert not np.array_equal(got, _logits(src)), "pruning changed nothing"
+
+
+def test_gguf_keep_all_is_the_input_and_reorder_and_refusals(gguf_ref, tmp_path):
+    src = gguf_ref("qwen3_moe", "q8_0")
+    same = tmp_path / "same.gguf"
+    run_cli("prune-experts", src, "--keep", "0-3", "-o", same)
+    assert same.read_bytes() == src.read_bytes(), "keeping every expert in order writes the input back"
+
+    order = tmp_path / "order.json"
+    order.write_text(json.dumps([2, 0, 3, 1]))
+    moved = tmp_path / "reordered.gguf"
+    run_cli("reorder-experts", src, "--order", order, "-o", moved)
+    r = GGUFReader(str(moved))
+    assert int(r.fields["qwen3moe.expert_count"].contents()) == 4
+    assert json.loads(r.fields[mapping.METADATA_KEY].contents())["layers"] == {"0": [2, 0, 3, 1],
+                                                                               "1": [2, 0, 3, 1]}
+    a, b = _tensors(src), _tensors(moved)
+    gate = a["blk.1.ffn_gate_inp.weight"][2]
+    row = len(gate) // 4
+    assert b["blk.1.ffn_gate_inp.weight"][2] == b"".join(gate[e * row:(e + 1) * row] for e in (2, 0, 3, 1))
+    assert np.allclose(_logits(moved), _logits(src), rtol=0, atol=1e-4), "a reordered model is the same function"
+
+    # pruning the pruned composes the recorded mapping back to the first source
+    twice = tmp_path / "twice.gguf"
+    run_cli("prune-experts", moved, "--keep", "0,2", "-o", twice)
+    recorded = json.loads(GGUFReader(str(twice)).fields[mapping.METADATA_KEY].contents())
+    assert recorded["source_experts"] == 4 and recorded["layers"] == {"0": [2, 3], "1": [2, 3]}
+
+    result = run_cli("prune-experts", src, "--keep", "1", "-o", tmp_path / "one.gguf", ok=False)
+    assert "expert_used_count is 2" in result.output
+    assert not (tmp_path / "one.gguf").exists()
+    result = run_cli("prune-experts", src, "--keep", "0-2", "-o", tmp_path / "dir", ok=False)
+    assert "*.gguf" in result.output
