@@ -122,3 +122,26 @@ def test_gguf_keep_all_is_the_input_and_reorder_and_refusals(gguf_ref, tmp_path)
     assert not (tmp_path / "one.gguf").exists()
     result = run_cli("prune-experts", src, "--keep", "0-2", "-o", tmp_path / "dir", ok=False)
     assert "*.gguf" in result.output
+
+
+def test_gguf_deepseek_router_bias_in_step_and_groups(gguf_ref, tmp_path):
+    """DeepSeek-V3 (deepseek2 in llama.cpp: a leading dense layer, a shared expert, exp_probs_b, 2 expert groups):
+    a reorder within each group is the same function, exp_probs_b and ffn_gate_inp moved in step, the rest
+    copied; a kept count the groups cannot divide is refused."""
+    src = gguf_ref("deepseek_v3", "q8_0")
+    order = tmp_path / "order.json"
+    order.write_text(json.dumps([1, 0, 3, 2]))  # each group of 2 keeps its experts
+    moved = tmp_path / "reordered.gguf"
+    run_cli("reorder-experts", src, "--order", order, "-o", moved)
+    a, b = _tensors(src), _tensors(moved)
+    assert list(a) == list(b)
+    for name, (qtype, shape, data) in a.items():
+        if name.startswith("blk.1.") and ("_exps." in name or "ffn_gate_inp." in name or "exp_probs_b." in name):
+            slab = len(data) // 4
+            assert b[name] == (qtype, shape, b"".join(data[e * slab:(e + 1) * slab] for e in (1, 0, 3, 2))), name
+        else:
+            assert b[name] == (qtype, shape, data), f"{name}: copied as stored (dense layer, shared expert, MLA)"
+    assert "blk.1.exp_probs_b.bias" in a and "blk.1.ffn_gate_shexp.weight" in a and "blk.0.ffn_gate.weight" in a
+    assert np.allclose(_logits(moved), _logits(src), rtol=0, atol=1e-4), "a reordered model is the same function"
+    result = run_cli("prune-experts", src, "--keep", "0-2", "-o", tmp_path / "three.gguf", ok=False)
+    assert "expert_group_count is 2" in result.output
