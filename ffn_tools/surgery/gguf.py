@@ -89,9 +89,10 @@ def _checked_counts(r, arch: str, experts: int, kept: int) -> list[str]:
     return [f"{arch}.expert_count {experts} -> {kept}"] if kept != experts else []
 
 
-def prune_gguf(path: Path, tmp: Path | None, spec: dict, command: str) -> dict:
-    """Write ``path`` with each MoE layer's experts chosen by ``spec`` (``selection.chosen``'s options, new
-    order) to the file ``tmp`` (module doc; None: check and plan it, write nothing).
+def prune_gguf(r, path: Path, tmp: Path | None, spec: dict, command: str) -> dict:
+    """Write the GGUF ``path`` (``r``: its ``header.Reader``) with each MoE layer's experts chosen by ``spec``
+    (``selection.chosen``'s options, new order) to the file ``tmp`` (module doc; None: check and plan it, write
+    nothing).
 
     Returns:
         experts (E), kept, layers (the recorded mapping's), changes, tensors (written), sliced (how many were
@@ -102,9 +103,6 @@ def prune_gguf(path: Path, tmp: Path | None, spec: dict, command: str) -> dict:
         FFNToolsError: as ``layers_of`` and ``selection.chosen``; a kept count the metadata's routing cannot run
             (``expert_used_count`` above it, groups it does not divide); a recorded mapping that is none.
     """
-    from ..converters.gguf.header import Reader
-
-    r = Reader(str(path))
     if r.byte_order != "I":
         raise FFNToolsError(f"{path}: a GGUF in the other byte order: expert surgery reads little-endian files")
     arch = str(r.fields["general.architecture"].contents())

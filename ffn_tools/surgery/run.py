@@ -100,13 +100,13 @@ def _gguf(command: str, ckpt, out, given: dict, spec: dict, force: bool, dry_run
         raise FFNToolsError("--max-shard-size does not apply to a GGUF output: a GGUF is one file")
     if out.suffix != ".gguf":
         raise FFNToolsError(f"{out}: a GGUF input's surgery writes one file named *.gguf")
-    source = Path(ckpt.files[0])
+    source, reader = Path(ckpt.files[0]), ckpt.readers[0]  # its header as the checkpoint parsed it
     if dry_run:
-        r = prune_gguf(source, None, spec, command)
+        r = prune_gguf(reader, source, None, spec, command)
     else:
         run = Run(command=record(command, given))
         with atomic_output(out, inputs=[source], force=force, run=run) as tmp:
-            r = prune_gguf(source, tmp, spec, command)
+            r = prune_gguf(reader, source, tmp, spec, command)
     kept, experts = r["kept"], r["experts"]
     verb = "would write" if dry_run else "wrote"
     line = (f"{verb} {out}: {r['moe_layers']} MoE layers, {kept} of {experts} experts each"
