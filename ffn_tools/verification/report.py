@@ -285,15 +285,14 @@ class VerifyReport:
     def as_dict(self) -> dict:
         """What ``ffn-tools verify --json`` prints: the keys every command's JSON starts with, then the report."""
         return {"command": "verify", "input": [self.a.get("path"), self.b.get("path")], "output": None,
-                "summary": self.verdict, "warnings": [],
-                "passed": self.passed, "verdict": self.verdict,
+                "summary": self.verdict, "warnings": [], "passed": self.passed, "verdict": self.verdict,
                 "equivalent_up_to": self.config.tokens if self.config else None, "a": self.a, "b": self.b,
                 "backends": self.backends, "skipped_backends": self.skipped_backends, "tokens": self.tokens,
                 "seed": self.seed, "tolerance": self.tolerance.as_dict() if self.tolerance else None,
                 "problems": self.problems, "notes": self.notes, "only_a": self.only_a, "only_b": self.only_b,
                 "failures": self.failures(),
-                "ffns": [r.as_dict() for r in sorted(self.results, key=FFNResult.sort_key)], "logits": self.logits,
-                "expert_map": self.expert_map,
+                "ffns": [r.as_dict() for r in sorted(self.results, key=FFNResult.sort_key)],
+                "logits": self.logits, "expert_map": self.expert_map,
                 "outside": self.outside.as_dict() if self.outside else None,
                 "load_check": self.load.as_dict() if self.load else None,
                 "config": as_json(self.config), "side_files": as_json(self.side_files),
