@@ -117,6 +117,16 @@ def test_gguf_keep_all_is_the_input_and_reorder_and_refusals(gguf_ref, tmp_path)
     recorded = json.loads(GGUFReader(str(twice)).fields[mapping.METADATA_KEY].contents())
     assert recorded["source_experts"] == 4 and recorded["layers"] == {"0": [2, 3], "1": [2, 3]}
 
+    # verify reads the GGUF's recorded mapping as a safetensors' metadata: each kept expert against its source
+    for b in (moved, twice):
+        r = run_cli("verify", src, b, ok=None)
+        assert r.exit_code == 0 and "PASS" in r.output and "B records an expert mapping" in r.output, r.output
+    assert "B dropped are not compared: layer 0 expert 0, layer 0 expert 1, layer 1 expert 0, layer 1 expert 1" \
+        in r.output, r.output
+    # A masked at its router is not something llama.cpp can run: --logits says so, not a PASS
+    r = run_cli("verify", src, twice, "--logits", ok=None)
+    assert r.exit_code == 2 and "experts masked: not applicable for llama.cpp" in r.output, r.output
+
     result = run_cli("prune-experts", src, "--keep", "1", "-o", tmp_path / "one.gguf", ok=False)
     assert "expert_used_count is 2" in result.output
     assert not (tmp_path / "one.gguf").exists()
