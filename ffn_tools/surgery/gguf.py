@@ -89,10 +89,10 @@ def _checked_counts(r, arch: str, experts: int, kept: int) -> list[str]:
     return [f"{arch}.expert_count {experts} -> {kept}"] if kept != experts else []
 
 
-def prune_gguf(r, path: Path, tmp: Path | None, spec: dict, command: str) -> dict:
+def prune_gguf(r, path: Path, tmp: Path | None, spec: dict, command: str, prior: dict | None) -> dict:
     """Write the GGUF ``path`` (``r``: its ``header.Reader``) with each MoE layer's experts chosen by ``spec``
     (``selection.chosen``'s options, new order) to the file ``tmp`` (module doc; None: check and plan it, write
-    nothing).
+    nothing); ``prior``: the mapping the input records (``mapping.recorded``), composed with the new one.
 
     Returns:
         experts (E), kept, layers (the recorded mapping's), changes, tensors (written), sliced (how many were
@@ -101,7 +101,7 @@ def prune_gguf(r, path: Path, tmp: Path | None, spec: dict, command: str) -> dic
 
     Raises:
         FFNToolsError: as ``layers_of`` and ``selection.chosen``; a kept count the metadata's routing cannot run
-            (``expert_used_count`` above it, groups it does not divide); a recorded mapping that is none.
+            (``expert_used_count`` above it, groups it does not divide).
     """
     if r.byte_order != "I":
         raise FFNToolsError(f"{path}: a GGUF in the other byte order: expert surgery reads little-endian files")
@@ -114,15 +114,6 @@ def prune_gguf(r, path: Path, tmp: Path | None, spec: dict, command: str) -> dic
     kept = len(next(iter(picked.values())))
     identity = all(v == tuple(range(experts)) for v in picked.values())
     changes = _checked_counts(r, arch, experts, kept)
-    before = r.fields.get(mapping.METADATA_KEY)
-    prior = None
-    if before is not None:
-        text = str(before.contents())
-        try:
-            data = json.loads(text)
-            prior = {**data, "layers": {int(k): tuple(int(e) for e in v) for k, v in data["layers"].items()}}
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise FFNToolsError(f"{path}: metadata {mapping.METADATA_KEY}: not an expert mapping ({e})") from None
     full, source_experts = mapping.composed(prior, picked)
     kept_map = mapping.as_json(full, source_experts or experts, command)
     fields = [f for k, f in r.fields.items() if not k.startswith("GGUF.")]
@@ -132,11 +123,11 @@ def prune_gguf(r, path: Path, tmp: Path | None, spec: dict, command: str) -> dic
             value = f.parts[f.data[0]]
             size = sum(p.nbytes for p in f.parts) - value.nbytes
             out_fields.append(_field_bytes(r, f)[:size] + np.array([kept], dtype=value.dtype).tobytes())
-        elif f.name == mapping.METADATA_KEY and not identity:
+        elif f.name == mapping.METADATA_KEY and not identity:  # (prior: the same key, read by the checkpoint)
             out_fields.append(_string_field(f.name, json.dumps(kept_map)))
         else:
             out_fields.append(_field_bytes(r, f))
-    if not identity and before is None:
+    if not identity and prior is None:
         out_fields.append(_string_field(mapping.METADATA_KEY, json.dumps(kept_map)))
         changes.append(f"metadata {mapping.METADATA_KEY}: each layer's experts, new index -> source index")
     align = r.alignment

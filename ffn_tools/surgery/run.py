@@ -101,12 +101,13 @@ def _gguf(command: str, ckpt, out, given: dict, spec: dict, force: bool, dry_run
     if out.suffix != ".gguf":
         raise FFNToolsError(f"{out}: a GGUF input's surgery writes one file named *.gguf")
     source, reader = Path(ckpt.files[0]), ckpt.readers[0]  # its header as the checkpoint parsed it
+    prior = mapping.recorded(ckpt)  # a GGUF's mapping key, read as the checkpoint's metadata
     if dry_run:
-        r = prune_gguf(reader, source, None, spec, command)
+        r = prune_gguf(reader, source, None, spec, command, prior)
     else:
         run = Run(command=record(command, given))
         with atomic_output(out, inputs=[source], force=force, run=run) as tmp:
-            r = prune_gguf(reader, source, tmp, spec, command)
+            r = prune_gguf(reader, source, tmp, spec, command, prior)
     kept, experts = r["kept"], r["experts"]
     verb = "would write" if dry_run else "wrote"
     line = (f"{verb} {out}: {r['moe_layers']} MoE layers, {kept} of {experts} experts each"
