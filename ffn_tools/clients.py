@@ -197,12 +197,12 @@ class Client(ABC):
         raise self.not_applicable("whole-model logits")
 
     def masked_logits(self, path: Path, tokens: "torch.Tensor", dtype: str | None, dropped: dict[int, tuple[int, ...]],
-                      ungrouped: bool = False) -> tuple:
+                      ungrouped: bool = False) -> tuple["torch.Tensor", list[str], dict[int, float], dict[int, dict]]:
         """``logits`` with each MoE layer's experts ``dropped`` (layer -> expert indices) masked out of the routing
         (router logits -inf; a sigmoid router's selection score), in one expert group where ``ungrouped``; and
         each masked layer's routing mass lost: the share of the top-k routing weight its router, unmasked, gives
         the dropped experts, mean over the tokens (``verify --logits`` of a pruned B: ``expert_map.masking``);
-        optionally a fourth: each masked layer's share of A's own (unmasked) router probability on the dropped
+        and each masked layer's share of A's own (unmasked) router probability on the dropped
         experts, ``{"mean", "max"}`` over the tokens (``verify``'s routing mass B dropped, information only).
 
         Raises:

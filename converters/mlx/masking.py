@@ -133,7 +133,7 @@ def masked_logits(path: Path, tokens, dtype: str | None, dropped: dict[int, tupl
     try:
         model, _ = load_model(path)
     except ValueError as e:  # strict loading: missing or unexpected parameters
-        return torch.empty(0), [f"mlx_lm: {str(e).splitlines()[0][:300]}"], {}
+        return torch.empty(0), [f"mlx_lm: {str(e).splitlines()[0][:300]}"], {}, {}
     if dtype is not None:
         model.set_dtype(getattr(mx, dtype))
     shares: dict = {}

@@ -84,11 +84,10 @@ def _run(client: Client, path: Path, side: str, tokens: torch.Tensor,
     lost kept in ``masked.lost``); a client that cannot run the model here is trouble, not a difference."""
     try:
         if masked is not None and (masked.ungrouped or (side == "A" and masked.dropped)):
-            mass: list[dict]
-            la, problems, lost, *mass = client.masked_logits(path, tokens, dtype,
-                                                             masked.dropped if side == "A" else {}, masked.ungrouped)
+            la, problems, lost, mass = client.masked_logits(path, tokens, dtype, masked.dropped if side == "A" else {},
+                                                            masked.ungrouped)
             masked.lost.update(lost if side == "A" else {})
-            masked.mass.update(mass[0] if mass and side == "A" else {})
+            masked.mass.update(mass if side == "A" else {})
             return la, problems
         return client.logits(path, tokens, dtype)
     except Exception as e:
