@@ -70,6 +70,7 @@ def base(tmp_path_factory):
     ("phi3", dict(target_modules=["gate_up_proj", "down_proj"])),
     ("mixtral", STACKED),
     ("qwen3_moe", dict(STACKED, rank_pattern={"experts.down_proj": 2})),
+    ("qwen2_moe", dict(target_modules=FFN)),  # PEFT >= 0.22: the stacked experts too, as bare target_parameters
 ])
 def test_peft_reads_as_peft_merges_and_writes_back_bit_exact(arch, lora, base, tmp_path):
     """The delta read from PEFT's files is what PEFT's merge_and_unload adds (rank/alpha patterns, rsLoRA, v5

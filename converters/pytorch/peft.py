@@ -1,7 +1,7 @@
 """PEFT's LoRA adapters: ``adapter_config.json`` + ``adapter_model.safetensors`` (or a weights-only
 ``adapter_model.bin``), read into and written from ``ffn_tools.adapters.Adapter``.
 
-What PEFT 0.21 saves (checked against it; ``tests/test_adapters.py`` runs PEFT itself):
+What PEFT 0.21-0.22 saves (checked against both; ``tests/test_adapters.py`` runs PEFT itself):
 
 * ``target_modules``: per module ``base_model.model.<module>.lora_A.weight`` (r, in) and ``.lora_B.weight``
   (out, r); the module's weight ``<module>.weight`` is the target.
@@ -9,6 +9,9 @@ What PEFT 0.21 saves (checked against it; ``tests/test_adapters.py`` runs PEFT i
   the wrappers nest on the module in the order its parameters are registered, the first innermost, so with k
   parameters targeted the i-th's keys carry ``.base_layer`` k-1-i times. Its lora_A (r·E, in) holds expert e's
   rows at ``e·r:(e+1)·r``; its lora_B (out, r·E) holds expert e's columns at ``e::E`` (interleaved, unlike A).
+  PEFT 0.22 turns ``target_modules`` naming gate/up/down on such experts into ``target_parameters`` of bare names
+  (``gate_up_proj``, ``down_proj``; rank and alpha doubled for ``gate_up_proj`` by a pattern), so a name in both
+  lists is a ``target_modules`` weight on a module ``target_modules`` names, a parameter elsewhere.
 * how PEFT merges (``merge_and_unload``; its live forward the same): a ``target_modules`` LoRA's float32 delta
   is added to the weight in place, one rounding to the weight's dtype; a ``target_parameters`` one
   (``ParamWrapper.get_delta_weight``) is cast to the parameter's dtype first, then added: two roundings
@@ -98,7 +101,7 @@ class PeftAdapter(AdapterFormat):
             if set(ab) != {"A", "B"}:
                 raise AdapterError(f"{path}: {module} has lora_{next(iter(ab))} without lora_{'AB'[next(iter(ab)) == 'A']}")
             a, b = ab["A"], ab["B"]
-            target = _target(module, depth, params, path)
+            target = _target(module, depth, params, path, cfg.get("target_modules"))
             pattern_key = target if not target.endswith(".weight") else module
             r = int(pattern_value(cfg.get("rank_pattern"), pattern_key, r0))
             alpha = pattern_value(cfg.get("alpha_pattern"), pattern_key, alpha0)
@@ -201,9 +204,13 @@ def _tensors(path: Path) -> dict:
         return {n: ckpt[n] for n in ckpt}
 
 
-def _target(module: str, depth: int, params: list[str], path: Path) -> str:
+def _target(module: str, depth: int, params: list[str], path: Path, modules: list | str | None = None) -> str:
     """The base tensor a LoRA on ``module`` nested ``depth`` wrappers deep changes: the module's weight, or for
-    ``target_parameters`` the parameter registered at that depth."""
+    ``target_parameters`` the parameter registered at that depth. A module ``target_modules`` names is a linear
+    layer, its LoRA on its weight, even where a bare ``target_parameters`` name (PEFT 0.22 writes ``down_proj``
+    for stacked experts) ends its name as it ends every ``module.down_proj``."""
+    if not depth and _named(module, modules):
+        return f"{module}.weight"
     names = sorted({p.rpartition(".")[2] for p in params}, key=lambda p: _order("x." + p))
     mine = [p for p in names if any(f"{module}.{p}" == t or f"{module}.{p}".endswith("." + t) for t in params)]
     if not mine:
@@ -214,6 +221,14 @@ def _target(module: str, depth: int, params: list[str], path: Path) -> str:
     if depth >= len(mine):
         raise AdapterError(f"{path}: {module} nests {depth + 1} LoRA wrappers; target_parameters names {len(mine)}")
     return f"{module}.{mine[len(mine) - 1 - depth]}"
+
+
+def _named(module: str, modules: list | str | None) -> bool:
+    """PEFT's ``check_target_module_exists`` on ``target_modules``: a regex string matches the whole name, a list's
+    entry the name or a dot-bounded suffix of it."""
+    if isinstance(modules, str):
+        return re.fullmatch(modules, module) is not None
+    return any(module == m or module.endswith(f".{m}") for m in modules or ())
 
 
 ADAPTER = PeftAdapter()
