@@ -21,6 +21,11 @@ LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGG
 #          stamp's name holds the version), never a pyproject.toml edit
 #   dev    the dev extra (pytest, compressed-tensors, gguf, ...): after llama, so pip finds llama-cpp-python
 #          installed and does not build it again from PyPI without the CMake flags above
+# constraints.txt: the versions the suite is proven against, so that a client's new release (PEFT 0.22 changed the
+# adapters it writes, and CI's fresh install took it) breaks no run until someone moves to it: make test LOCK= in a
+# fresh clone installs the newest, make lock records what is installed.
+LOCK ?= constraints.txt
+PIP := $(if $(LOCK),PIP_CONSTRAINT=$(abspath $(LOCK))) $(BIN)/pip
 BASE := $(BIN)/.base
 LLAMA := $(VENV)/.llama-cpp-$(LLAMA_CPP)
 DEV := $(BIN)/.dev
@@ -28,17 +33,17 @@ DEV := $(BIN)/.dev
 # already, made with these flags: adopted, not built again
 ADOPT := $(and $(wildcard $(BIN)/.installed),$(wildcard $(VENV)/sdist/llama_cpp_python-$(LLAMA_CPP).tar.gz))
 
-$(BASE): pyproject.toml
+$(BASE): pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[mlx-cpu,flax,cuda]' 'transformers>=4.45'
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[mlx-cpu,flax,cuda]' 'transformers>=4.45'
 	touch $@
 
 $(LLAMA): | $(BASE)
 ifeq ($(ADOPT),)
-	$(BIN)/pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP) -d $(VENV)/sdist
-	CMAKE_BUILD_PARALLEL_LEVEL=$(NPROC) CMAKE_ARGS="$(LLAMA_CMAKE)" $(BIN)/pip install -q $(VENV)/sdist/llama_cpp_python-$(LLAMA_CPP).tar.gz
+	$(PIP) download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP) -d $(VENV)/sdist
+	CMAKE_BUILD_PARALLEL_LEVEL=$(NPROC) CMAKE_ARGS="$(LLAMA_CMAKE)" $(PIP) install -q $(VENV)/sdist/llama_cpp_python-$(LLAMA_CPP).tar.gz
 	rm -rf $(LLAMA_SRC) && mkdir -p $(LLAMA_SRC)
 	tar xzf $(VENV)/sdist/llama_cpp_python-$(LLAMA_CPP).tar.gz -C $(LLAMA_SRC) --strip-components=3 \
 	    --wildcards '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/convert_lora_to_gguf.py' \
@@ -51,12 +56,12 @@ endif
 # wandb, tensorboard, torchdata) the adapters never import: installed without those, with what they do import.
 TORCHTITAN := torchtitan==0.3.0 spmd_types==0.2.3
 
-$(DEV): $(BASE) $(LLAMA)
-	$(BIN)/pip install -q -e '.[dev]'
-	$(BIN)/pip install -q --no-deps $(TORCHTITAN)
+$(DEV): $(BASE) $(LLAMA) $(LOCK)
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps $(TORCHTITAN)
 	touch $@
 
-.PHONY: install demo test bench
+.PHONY: install demo test bench lock
 install: $(DEV)
 
 demo: $(BASE)
@@ -66,6 +71,12 @@ demo: $(BASE)
 # (installed as ffn_tools.kernels) would shadow Hugging Face's `kernels` package, which transformers 5.25 imports.
 test: $(DEV)
 	$(BIN)/pytest -n 2 --dist worksteal --durations=25 tests
+
+lock: $(DEV)
+	{ sed -n '1,/^[^#]/p' constraints.txt | grep '^#'; $(BIN)/pip freeze --exclude-editable | grep -v '^#' \
+	    | sed -e 's/^torch==\([0-9.]*\)+.*/torch==\1/' -e 's/^\(llama.cpp.python\) @ .*/\1==$(LLAMA_CPP)/'; } > constraints.tmp
+	mv constraints.tmp constraints.txt
+	touch $(BASE) $(DEV)
 
 bench: $(DEV)
 	$(BIN)/python benchmarks/bench_split.py
