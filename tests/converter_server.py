@@ -47,7 +47,11 @@ def main() -> None:
     sys.argv = [converter]
     runpy.run_path(converter, run_name="converter_server_preload")  # its imports: torch, transformers, gguf
     import sentencepiece  # noqa: F401 - imported by the converter when it reads a tokenizer
-    from transformers import AutoTokenizer  # noqa: F401
+    import torch._dynamo  # noqa: F401 - imported by every conversion's first lazy tensor op (1-1.4 s a child)
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401
+    from transformers import CONFIG_MAPPING, AutoTokenizer  # noqa: F401
+
+    CONFIG_MAPPING["llama"]  # noqa: B018 - the first config module a conversion imports, whatever its model type
 
     for line in sys.stdin:
         request = json.loads(line)

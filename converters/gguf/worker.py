@@ -203,19 +203,26 @@ def write_split(writer, recipes: dict, proven: dict) -> dict:
 
 
 def imports(model_type: str) -> None:
-    """The imports a conversion needs, made first: torch, gguf, llama.cpp's ``conversion`` and transformers' config
-    class of ``model_type``."""
+    """The imports a conversion needs, made first: torch (with the parts its lazy tensors reach), gguf, llama.cpp's
+    ``conversion`` and transformers' config class of ``model_type``."""
     import gguf  # noqa: F401
     import torch  # noqa: F401
 
     import conversion  # noqa: F401
     from ffn_tools.converters import open_any  # noqa: F401
 
+    # what every conversion imports on its first lazy tensor op (torch._refs' stack checks, torch._dynamo's
+    # disable wrapper): 1-1.4 s a child, made once here instead
+    import torch._dynamo  # noqa: F401
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401
+
     try:
         from transformers import CONFIG_MAPPING
 
-        if model_type in CONFIG_MAPPING:
-            CONFIG_MAPPING[model_type]  # noqa: B018 - imports its module, as the converter's AutoConfig will
+        # llama's config module: the first config module a conversion reads, whatever its model type (its tokenizer)
+        for name in dict.fromkeys(["llama", model_type]):
+            if name in CONFIG_MAPPING:
+                CONFIG_MAPPING[name]  # noqa: B018 - imports its module, as the converter's AutoConfig will
     except ImportError:
         pass
 
