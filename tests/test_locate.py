@@ -272,3 +272,24 @@ def test_a_remapped_token_row_is_named_at_the_embedding(moe, tmp_path):
     r = _locate(moe, b)
     assert r.first is not None and r.first.key == "embed" and r.first.layer is None, r.lines()
     assert "embedding rows" in r.verdict()
+
+
+def test_a_clamp_removed_is_named_at_the_routed_experts(tmp_path):
+    """GPT-OSS clamps its experts' gate and up (``swiglu_limit``); a B whose config.json lost the setting (the same
+    weights, run at transformers' default limit 7, which nothing of a tiny model reaches) computes an unclamped
+    SwiGLU: the first part that leaves its floor is layer 0's routed experts, the router and attention before them
+    within theirs."""
+    import zoo
+
+    a = tmp_path / "a"
+    zoo.build("gpt_oss", a, extra={"swiglu_limit": 0.05})  # a limit the tiny model's gates cross
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    config = json.loads((b / "config.json").read_text())
+    del config["swiglu_limit"]
+    (b / "config.json").write_text(json.dumps(config))
+    r = _locate(a, b)
+    assert r.passed is False and r.first is not None and r.first.key == "L0.routed", r.lines()
+    keys = [row.key for row in r.rows]
+    assert {"L0.router", "L0.attn"} <= set(keys[: keys.index("L0.routed")])
+    assert not any(row.left for row in r.rows[: keys.index("L0.routed")]), r.lines()
