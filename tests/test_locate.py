@@ -293,3 +293,30 @@ def test_a_clamp_removed_is_named_at_the_routed_experts(tmp_path):
     keys = [row.key for row in r.rows]
     assert {"L0.router", "L0.attn"} <= set(keys[: keys.index("L0.routed")])
     assert not any(row.left for row in r.rows[: keys.index("L0.routed")]), r.lines()
+
+
+def test_a_defect_in_ffn_tools_own_gguf_export_is_caught_by_llama_cpps_floor(gguf_model, tmp_path):
+    """ffn-tools' GGUF export patched to shift a norm in the file it writes: B and ffn-tools' own floor share the
+    defect; the floor llama.cpp's convert_hf_to_gguf.py makes from A does not, and names the norm (B, the floor and
+    that anchor each read back into A's format and run in transformers: llama.cpp exposes no activations)."""
+    import gguf
+
+    real = registry().convert
+
+    def patched(path, to, out, **kw):
+        done = real(path, to, out, **kw)
+        if to == "gguf":
+            reader = gguf.GGUFReader(out, "r+")
+            norm = next(t for t in reader.tensors if t.name == "blk.1.ffn_norm.weight")
+            norm.data[...] += 1.0
+            reader.data.flush()
+        return done
+
+    a, b = gguf_model("phi3"), tmp_path / "b.gguf"
+    patched(a, "gguf", b, outtype="f32")
+    r = locate(a, b, opener=registry().open_sides, converter=patched)
+    assert r.anchor.startswith("A converted to B's form by llama.cpp's convert_hf_to_gguf.py --outtype f32"), r.lines()
+    assert r.clients[1].startswith("transformers (as torch"), r.lines()
+    assert r.first is not None and r.first.key == "L1.ffn_norm", r.lines()
+    assert "independent floor" in r.verdict()
+    assert r.floors_part is not None and r.floors_part.key == "L1.ffn_norm", r.lines()  # ours shares the defect

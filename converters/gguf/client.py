@@ -99,6 +99,12 @@ class LlamaCpp(Client):
             return torch.from_numpy(np.load(Path(d) / "logits.npy")), []
 
 
+    def anchor(self, a: Path, recipe: dict, out: Path, like: Path | None = None) -> str | None:
+        """A converted by llama.cpp's own converter (and quantizer): ``verify --locate``'s independent floor."""
+        from .anchor import anchor
+
+        return anchor(a, recipe, out)
+
     def generate(self, path: Path, prompts, new_tokens, score=None, dtype=None):
         """The prompts as llama-cpp-python runs them (``llama_cpp_run.generate``), in a process of its own. It
         computes in its own types whatever ``dtype`` says."""

@@ -24,8 +24,6 @@ order), ``blk.L.ffn_*_exps`` into per-expert LoRAs; scale ``alpha / rank`` (llam
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -144,13 +142,7 @@ class GgufAdapter(AdapterFormat):
             if adapter.path.is_dir() and (adapter.path / "README.md").is_file():  # the converter's model card
                 shutil.copy2(adapter.path / "README.md", peft / "README.md")
             argv = ["--base", str(base), "--outtype", outtype, "--outfile", str(out), str(peft)]
-            try:  # forked from the converter's zygote (its imports made once a process), the script as it is
-                proc = zygote.run({"script": str(root / CONVERTER), "argv": argv}, _env())
-            except OSError:
-                proc = None
-            if proc is None:  # another thread converts through it, or it could not start: a process of its own
-                proc = subprocess.run([sys.executable, str(root / CONVERTER), *argv], env=_env(), capture_output=True,
-                                      text=True)
+            proc = zygote.script(root / CONVERTER, argv, _env())  # the script as it is, forked from the zygote
         if proc.returncode != 0 or not out.is_file():
             why = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
             raise AdapterError(f"llama.cpp's {CONVERTER} could not convert this adapter: {why[0]}")

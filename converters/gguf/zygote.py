@@ -104,6 +104,19 @@ def _run(request: dict, env: dict, model_type: str | None) -> subprocess.Complet
     raise OSError("llama.cpp's converter process could not be started")
 
 
+def script(path: Path, argv: list[str], env: dict) -> subprocess.CompletedProcess:
+    """``python PATH ARGV`` (one of llama.cpp's scripts: its converter, its LoRA converter), forked from the zygote
+    (its imports made once a process); in a process of its own where another thread converts through the zygote or
+    it could not start. Its exit status, stdout and stderr."""
+    try:
+        proc = run({"script": str(path), "argv": argv}, env)
+    except OSError:
+        proc = None
+    if proc is None:
+        proc = subprocess.run([sys.executable, str(path), *argv], env=env, capture_output=True, text=True)
+    return proc
+
+
 def _said(stdout, key: str):
     """The value of ``key`` in the zygote's next JSON line that has it (a line an import printed is passed over);
     None at the end of its output (it ended)."""

@@ -219,7 +219,8 @@ def locate(a, b, *, opener: Callable, converter: Callable | None, client: str | 
         floor = floor_side(models, recipe, da.get("dtype"), Path(d), allow_config)
         made, why = None, None
         if not isinstance(floor, str) and recipe is not None and floor[0] != Path(a):  # B's form is another
-            made, why = _anchor(clients[1], Path(a), recipe, Path(d) / "anchor", floor[0])
+            where = Path(d) / ("anchor" + (Path(b).suffix if Path(b).is_file() else ""))  # B's shape: a .gguf file
+            made, why = _anchor(clients[1], Path(a), recipe, where, floor[0])
         res = run_locate(models, sequences, floor, Path(d), made)
         res.notes += [why] if why else []
         return res
