@@ -243,3 +243,33 @@ def test_conversions_of_one_process_share_the_converters_imports(gguf_model, ggu
     with zygote._busy:  # another thread converting through it: this conversion runs in a process of its own
         run_cli("-q", "convert", src, "--to", "gguf", "-o", tmp_path / "own.gguf", "--outtype", "q8_0")
     assert (tmp_path / "own.gguf").read_bytes() == gguf_ref("llama", "q8_0").read_bytes()
+
+
+def test_llama_cpp_runs_fork_from_a_running_converter_zygote_and_give_the_same(gguf_ref, tmp_path, monkeypatch):
+    """Where a conversion of this process left the converter's zygote running, llama.cpp's runs (its logits, its
+    tokenization) are children forked from it (no fresh interpreter's imports), with the same results as a fresh
+    interpreter's; where none runs, a fresh interpreter (a zygote is not started for them: it imports more)."""
+    import numpy as np
+
+    from ffn_tools.converters.gguf import llama_cpp_run, zygote
+    from ffn_tools.converters.gguf.writer import _env
+
+    gguf = gguf_ref("llama", "q8_0")
+    zygote.ensure("llama", _env())  # as a conversion of this process starts it (writer.warm)
+    forked = []
+    real = zygote.run
+    monkeypatch.setattr(zygote, "run", lambda *a, **k: forked.append(a[0]) or real(*a, **k))
+    (tmp_path / "tokens.json").write_text(json.dumps([[1, 5, 9, 13], [1, 7, 2, 30]]))
+    (tmp_path / "texts.json").write_text(json.dumps(list(PROSE)))
+    outs = {}
+    for way in ("forked", "fresh"):
+        if way == "fresh":
+            zygote.stop()
+        llama_cpp_run.run(str(gguf), str(tmp_path / "tokens.json"), str(tmp_path / f"{way}.npy"))
+        llama_cpp_run.run("--tokenize", str(gguf), str(tmp_path / "texts.json"),
+                          str(tmp_path / f"{way}.json"))
+        outs[way] = (np.load(tmp_path / f"{way}.npy"), json.loads((tmp_path / f"{way}.json").read_text()))
+        assert len(forked) == 2  # the fresh way asked no zygote: none ran, and none was started for it
+        assert zygote.alive(_env()) == (way == "forked")
+    assert np.array_equal(outs["forked"][0], outs["fresh"][0]) and outs["forked"][1] == outs["fresh"][1]
+    assert [r["argv"][0] for r in forked] == [str(gguf), "--tokenize"]

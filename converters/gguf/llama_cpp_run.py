@@ -3,7 +3,8 @@ texts from its vocabulary alone (``tokenization``).
 
 llama.cpp is C: a failed assertion aborts, and a build for another CPU dies of an illegal instruction (a
 llama-cpp-python built with ``-march=native`` where the kernel does not grant AMX tiles, say); in its own
-process that is a line in verify's report, not the end of verify.
+process that is a line in verify's report, not the end of verify. Where this process's GGUF converter zygote runs
+(``zygote``: a conversion started it), that process is a fork of it, its imports made; else a fresh interpreter.
 
     python -m ffn_tools.converters.gguf.llama_cpp_run MODEL.gguf TOKENS.json OUT.npy
     python -m ffn_tools.converters.gguf.llama_cpp_run --tokenize MODEL.gguf TEXTS.json OUT.json
@@ -28,11 +29,25 @@ def run(*args: str) -> None:
     """
     import signal
     import subprocess
+    from pathlib import Path
 
     from ffn_tools.child import python_env
 
-    proc = subprocess.run([sys.executable, "-m", "ffn_tools.converters.gguf.llama_cpp_run", *args],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=python_env())
+    from . import zygote
+    from .source import installed_dir
+
+    proc = None
+    if installed_dir() is not None:  # forked from the converter's zygote where one runs (a conversion of this
+        from .writer import _env  # process started it): its imports made, ~0.5 s a run less; a child all the same
+
+        if zygote.alive(env := _env()):
+            try:
+                proc = zygote.run({"script": str(Path(__file__)), "argv": list(args)}, env)  # None: it is busy
+            except OSError:
+                proc = None
+    if proc is None:
+        proc = subprocess.run([sys.executable, "-m", "ffn_tools.converters.gguf.llama_cpp_run", *args],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=python_env())
     if proc.returncode < 0:
         name = signal.Signals(-proc.returncode).name
         raise RuntimeError(f"llama.cpp died of {name}" + (SIGILL_HINT if name == "SIGILL" else ""))

@@ -216,6 +216,11 @@ def imports(model_type: str) -> None:
     import torch._dynamo  # noqa: F401
     import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
+    try:  # llama.cpp's runs (``llama_cpp_run``) fork from here too where this process runs: its library loaded once
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        pass
+
     try:
         from transformers import CONFIG_MAPPING
 

@@ -104,6 +104,12 @@ def _run(request: dict, env: dict, model_type: str | None) -> subprocess.Complet
     raise OSError("llama.cpp's converter process could not be started")
 
 
+def alive(env: dict) -> bool:
+    """Whether a zygote for ``env`` runs now (started by an earlier conversion of this process)."""
+    proc = _live.get("proc")
+    return proc is not None and proc.poll() is None and _live.get("key") == _key(env)
+
+
 def script(path: Path, argv: list[str], env: dict) -> subprocess.CompletedProcess:
     """``python PATH ARGV`` (one of llama.cpp's scripts: its converter, its LoRA converter), forked from the zygote
     (its imports made once a process); in a process of its own where another thread converts through the zygote or
