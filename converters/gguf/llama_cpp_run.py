@@ -29,7 +29,6 @@ def run(*args: str) -> None:
     """
     import signal
     import subprocess
-    from pathlib import Path
 
     from ffn_tools.child import python_env
 
@@ -42,7 +41,7 @@ def run(*args: str) -> None:
 
         if zygote.alive(env := _env()):
             try:
-                proc = zygote.run({"script": str(Path(__file__)), "argv": list(args)}, env)  # None: it is busy
+                proc = zygote.run({"module": __name__, "argv": list(args)}, env)  # None: it is busy
             except OSError:
                 proc = None
     if proc is None:

@@ -233,14 +233,19 @@ def imports(model_type: str) -> None:
 
 
 def script(request: dict) -> int:
-    """``python SCRIPT ARGV`` (``request["script"]``, ``request["argv"]``) run in this process, its imports made by
-    the zygote: llama.cpp's convert_lora_to_gguf.py for ``lora``, the same script on the same arguments; its exit
+    """``python SCRIPT ARGV`` (``request["script"]``, ``request["argv"]``; or ``python -m MODULE ARGV`` for
+    ``request["module"]``) run in this process, its imports made by the zygote: llama.cpp's convert_lora_to_gguf.py
+    for ``lora``, ffn-tools' llama.cpp runner, tensor writer and quantizer, the same on the same arguments; its exit
     status as the interpreter would give it."""
     import runpy
 
-    sys.argv = [request["script"], *request["argv"]]
+    module = request.get("module")
+    sys.argv = [module or request["script"], *request["argv"]]
     try:
-        runpy.run_path(request["script"], run_name="__main__")
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(request["script"], run_name="__main__")
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             return e.code or 0
@@ -252,7 +257,7 @@ def script(request: dict) -> int:
 def respond(request: dict) -> int:
     """Run ``request``, print its JSON line (the result, or ``{"error": ...}``); the exit status. A request with a
     ``script`` runs that script instead (``script``)."""
-    if "script" in request:
+    if "script" in request or "module" in request:
         return script(request)
     try:
         result = run(request)
