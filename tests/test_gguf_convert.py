@@ -255,6 +255,7 @@ def test_llama_cpp_runs_fork_from_a_running_converter_zygote_and_give_the_same(g
     from ffn_tools.converters.gguf.writer import _env
 
     gguf = gguf_ref("llama", "q8_0")
+    monkeypatch.delenv("FFN_TOOLS_TEST_ZYGOTE", raising=False)
     zygote.ensure("llama", _env())  # as a conversion of this process starts it (writer.warm)
     forked = []
     real = zygote.run
@@ -263,8 +264,8 @@ def test_llama_cpp_runs_fork_from_a_running_converter_zygote_and_give_the_same(g
     (tmp_path / "texts.json").write_text(json.dumps(list(PROSE)))
     outs = {}
     for way in ("forked", "fresh"):
-        if way == "fresh":
-            zygote.stop()
+        if way == "fresh":  # another environment than the running zygote's: none runs for it (it is kept)
+            monkeypatch.setenv("FFN_TOOLS_TEST_ZYGOTE", "none runs for this one")
         llama_cpp_run.run(str(gguf), str(tmp_path / "tokens.json"), str(tmp_path / f"{way}.npy"))
         llama_cpp_run.run("--tokenize", str(gguf), str(tmp_path / "texts.json"),
                           str(tmp_path / f"{way}.json"))

@@ -25,8 +25,9 @@ from pathlib import Path
 
 _live: dict = {}  # "key": what it was started with; "proc": the zygote
 _busy = threading.Lock()  # one conversion at a time through the zygote's pipes
-VOLATILE = ("PYTEST_CURRENT_TEST",)  # changes with every test under pytest; no import reads it (the child gets the
-# request's environment whole: what a conversion reads at run time is the caller's)
+# read by no import (the child gets the request's environment whole: what a conversion reads at run time is the
+# caller's), so a change of one starts no other zygote: pytest's per test, the worker's proof limit (``prove``)
+VOLATILE = ("PYTEST_CURRENT_TEST", "FFN_TOOLS_GGUF_CHECK_LIMIT")
 
 
 def _key(env: dict) -> tuple:
