@@ -353,3 +353,15 @@ def test_the_collector_pause_is_counted_across_threads_and_ends_with_the_last():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_tokenizer_is_built_once_until_its_files_change(a):
+    """transformers' tokenizer of a directory is built once while its files stay as they are (a GGUF verify asks
+    for A's three times), and again, from the new files, when one changes."""
+    from ffn_tools.checks.tokenizer_behaviour import transformers_tokenizer
+
+    first = transformers_tokenizer(a)
+    assert transformers_tokenizer(a) is first
+    edit(a / "tokenizer_config.json", lambda d: d.update(model_max_length=77))
+    again = transformers_tokenizer(a)
+    assert again is not first and again.model_max_length == 77 and first.model_max_length != 77

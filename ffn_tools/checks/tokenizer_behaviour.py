@@ -228,8 +228,18 @@ def _config_agrees(ra: Path, rb: Path) -> bool:
 
 def transformers_tokenizer(root: Path):
     """transformers' ``AutoTokenizer`` of the files in ``root``, its warnings silenced, built with the cyclic
-    collector paused (``io.nogc``: a 128K-token vocabulary is millions of objects). Raises what transformers
-    raises (ImportError without it)."""
+    collector paused (``io.nogc``: a 128K-token vocabulary is millions of objects). The last few built are kept,
+    keyed on the files' names, sizes and modification times: a GGUF verify asks for A's three times (behaviour,
+    the tokenizer check, the tokenization check), 1-3 s each for a 128K vocabulary. Treat it as read-only. Raises
+    what transformers raises (ImportError without it)."""
+    root = Path(root).resolve()
+    files = tuple(sorted((f.name, st.st_size, st.st_mtime_ns) for f in root.iterdir()
+                         if f.is_file() and (st := f.stat()))) if root.is_dir() else ()
+    return _built(root, files)
+
+
+@functools.lru_cache(maxsize=4)
+def _built(root: Path, files: tuple):
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
