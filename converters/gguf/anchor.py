@@ -34,13 +34,11 @@ def anchor(a: Path, recipe: dict, out: Path) -> str | None:
     argv = [str(a), "--outfile", str(first), "--outtype", "auto" if quantizing else outtype]
     proc = zygote.script(root / "convert_hf_to_gguf.py", argv, _env())
     if proc.returncode != 0 or not first.is_file():
-        why = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-        raise RuntimeError(f"convert_hf_to_gguf.py: {why[0]}")
+        raise RuntimeError(f"convert_hf_to_gguf.py: {zygote.last_line(proc)}")
     words = f"llama.cpp's convert_hf_to_gguf.py --outtype {argv[-1]}"
     if quantizing:
         try:
-            _run({"input": str(first), "out": str(out), "outtype": outtype, "progress": False,
-                  "recipe": None, "output_tensor_type": None, "token_embedding_type": None, "imatrix": None}, "kquant")
+            _run({"input": str(first), "out": str(out), "outtype": outtype, "progress": False}, "kquant")
         finally:
             first.unlink(missing_ok=True)
         words += f", then llama.cpp's quantizer to {outtype}"

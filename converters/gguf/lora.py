@@ -144,8 +144,7 @@ class GgufAdapter(AdapterFormat):
             argv = ["--base", str(base), "--outtype", outtype, "--outfile", str(out), str(peft)]
             proc = zygote.script(root / CONVERTER, argv, _env())  # the script as it is, forked from the zygote
         if proc.returncode != 0 or not out.is_file():
-            why = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-            raise AdapterError(f"llama.cpp's {CONVERTER} could not convert this adapter: {why[0]}")
+            raise AdapterError(f"llama.cpp's {CONVERTER} could not convert this adapter: {zygote.last_line(proc)}")
         return [out.name]
 
 

@@ -124,6 +124,12 @@ def script(path: Path, argv: list[str], env: dict) -> subprocess.CompletedProces
     return proc
 
 
+def last_line(proc: subprocess.CompletedProcess) -> str:
+    """Why a failed ``script`` run failed: the last line it wrote (stderr, else stdout), or its exit status."""
+    lines = (proc.stderr or proc.stdout or "").strip().splitlines()
+    return lines[-1] if lines else f"exit status {proc.returncode}"
+
+
 def _said(stdout, key: str):
     """The value of ``key`` in the zygote's next JSON line that has it (a line an import printed is passed over);
     None at the end of its output (it ended)."""
