@@ -89,15 +89,22 @@ def test_verify_logits_of_a_pruned_model_passes_against_masked_a(mixtral):
     assert f"layer 0 mean {em['routing_mass_dropped']['0']['mean']:.1%}" in notes[at + 1]
 
 
+def _none_dropped(src, tmp_path, command: str, flag: str, experts: dict) -> dict:
+    """``command`` run on ``src`` with every expert kept in the order ``experts`` (given by ``flag``): the mapping
+    drops none, and verify --logits passes it against A; the JSON report."""
+    (tmp_path / "experts.json").write_text(json.dumps(experts))
+    run_cli(command, src, flag, tmp_path / "experts.json", "-o", tmp_path / "out")
+    assert expert_map.masking(src, tmp_path / "out").dropped == {}
+    r, report = _verify(src, tmp_path / "out")
+    assert r.exit_code == 0 and report["logits"]["passed"], r.output
+    return report
+
+
 def test_verify_routing_mass_dropped_of_a_keep_all_prune_is_zero(mixtral, tmp_path):
     """A prune keeping every expert (in another order: in order, B is A and records no mapping) drops no routing
     mass: 0 in every layer, said under the expert-map check."""
     src, _ = mixtral
-    (tmp_path / "keep.json").write_text(json.dumps({"0": [3, 0, 1, 2], "1": [1, 0, 2, 3]}))
-    run_cli("prune-experts", src, "--keep", tmp_path / "keep.json", "-o", tmp_path / "all")
-    assert expert_map.masking(src, tmp_path / "all").dropped == {}
-    r, report = _verify(src, tmp_path / "all")
-    assert r.exit_code == 0 and report["logits"]["passed"], r.output
+    report = _none_dropped(src, tmp_path, "prune-experts", "--keep", {"0": [3, 0, 1, 2], "1": [1, 0, 2, 3]})
     assert report["expert_map"]["routing_mass_dropped"] == {k: {"mean": 0.0, "max": 0.0} for k in ("0", "1")}
     assert any("layer 0 mean 0.0%, max 0.0%; layer 1 mean 0.0%, max 0.0%" in n for n in report["notes"])
 
@@ -123,11 +130,7 @@ def test_verify_logits_fails_a_router_out_of_step(mixtral, tmp_path):
 
 def test_verify_logits_of_a_reordered_model_are_a_s(mixtral, tmp_path):
     src, _ = mixtral
-    (tmp_path / "order.json").write_text(json.dumps({"0": [3, 2, 1, 0], "1": [1, 3, 0, 2]}))
-    run_cli("reorder-experts", src, "--order", tmp_path / "order.json", "-o", tmp_path / "out")
-    assert expert_map.masking(src, tmp_path / "out").dropped == {}
-    r, report = _verify(src, tmp_path / "out")
-    assert r.exit_code == 0 and report["logits"]["passed"], r.output
+    report = _none_dropped(src, tmp_path, "reorder-experts", "--order", {"0": [3, 2, 1, 0], "1": [1, 3, 0, 2]})
     assert report["logits"]["masked"]["routing_mass_lost"] == {} and "reorders" in report["logits"]["client_a"]
 
 
