@@ -222,8 +222,9 @@ def test_gguf_to_mlx(gguf_model, gguf_ref, tmp_path, arch):
 def test_conversions_of_one_process_share_the_converters_imports(gguf_model, gguf_ref, tmp_path, monkeypatch):
     """The converter's process (``zygote``) is kept between the conversions of one process: the second conversion
     forks from the one the first started (no second 3 s of imports), and each output is still convert_hf_to_gguf.py's
-    own file. One killed between two conversions is started again; another environment gets its own; while another
-    thread converts through it, a conversion runs in a process of its own."""
+    own file. One killed between two conversions is started again; another environment gets its own (not a switch read
+    at run time, as transformers' advisory warnings are); while another thread converts through it, a conversion runs
+    in a process of its own."""
     from ffn_tools.converters.gguf import zygote
 
     src = gguf_model("llama")
@@ -236,6 +237,10 @@ def test_conversions_of_one_process_share_the_converters_imports(gguf_model, ggu
         assert (tmp_path / f"{outtype}.gguf").read_bytes() == gguf_ref("llama", outtype).read_bytes()
         pids.append(zygote._live["proc"].pid)
     assert pids[0] == pids[1] != pids[2]
+    monkeypatch.setenv("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # as `import mlx_lm` sets it: read at each warning
+    run_cli("-q", "convert", src, "--to", "gguf", "-o", tmp_path / "advice.gguf", "--outtype", "bf16")
+    assert (tmp_path / "advice.gguf").read_bytes() == gguf_ref("llama", "bf16").read_bytes()
+    assert zygote._live["proc"].pid == pids[2]
     monkeypatch.setenv("FFN_TOOLS_TEST_ZYGOTE", "another environment")
     run_cli("-q", "convert", src, "--to", "gguf", "-o", tmp_path / "env.gguf", "--outtype", "bf16")
     assert (tmp_path / "env.gguf").read_bytes() == gguf_ref("llama", "bf16").read_bytes()

@@ -26,8 +26,10 @@ from pathlib import Path
 _live: dict = {}  # "key": what it was started with; "proc": the zygote
 _busy = threading.Lock()  # one conversion at a time through the zygote's pipes
 # read by no import (the child gets the request's environment whole: what a conversion reads at run time is the
-# caller's), so a change of one starts no other zygote: pytest's per test, the worker's proof limit (``prove``)
-VOLATILE = ("PYTEST_CURRENT_TEST", "FFN_TOOLS_GGUF_CHECK_LIMIT")
+# caller's), so a change of one starts no other zygote: pytest's per test, the worker's proof limit (``prove``),
+# the advisory-warnings switch transformers reads at each warning and ``import mlx_lm`` sets (a GGUF -> MLX export
+# started a second zygote for every later conversion of the process)
+VOLATILE = ("PYTEST_CURRENT_TEST", "FFN_TOOLS_GGUF_CHECK_LIMIT", "TRANSFORMERS_NO_ADVISORY_WARNINGS")
 
 
 def _key(env: dict) -> tuple:
