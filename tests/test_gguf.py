@@ -144,10 +144,12 @@ def test_transformers_reads_the_same_tokenizer_through_the_header_reader(vocab):
     its own reader a plain ndarray for its memmap: how convert reads a GGUF's tokenizer) gives the tokenizer
     transformers builds on its own: the same
     tokenizer.json, special tokens and encodings, on a byte-level BPE vocabulary with merges (GPT-2's) and a
-    sentencepiece one with scores (Llama's); and gguf-py's class is back in place after it."""
+    sentencepiece one with scores (Llama's); and gguf-py's class is back in place after it. Given a reader of the
+    file (convert's, which opened it), transformers reads through that one."""
     import gguf
     from transformers import AutoTokenizer
 
+    from ffn_tools.converters.gguf.header import Reader
     from ffn_tools.converters.gguf.sidefiles import header_reader
 
     models = gguf_models.require_llama_cpp() / "models"
@@ -155,15 +157,20 @@ def test_transformers_reads_the_same_tokenizer_through_the_header_reader(vocab):
     from transformers.integrations.gguf import reader as own  # transformers 5's own reader: over a plain ndarray
 
     original, mapped = gguf.GGUFReader, own._mapped
-    with header_reader():
-        assert gguf.GGUFReader is not original and own._mapped is not mapped
-        ours = AutoTokenizer.from_pretrained(models, gguf_file=f"ggml-vocab-{vocab}.gguf")
-    assert gguf.GGUFReader is original and own._mapped is mapped
-    assert type(ours) is type(theirs) and len(ours) == len(theirs) > 30000
-    assert ours.backend_tokenizer.to_str() == theirs.backend_tokenizer.to_str()
-    assert ours.special_tokens_map == theirs.special_tokens_map
-    for text in ("The quick brown fox, 1234567890.", "  Grüße\n\taus München"):
-        assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+    path = models / f"ggml-vocab-{vocab}.gguf"
+    opened = Reader(path)
+    for given in (None, opened):  # a reader of the file given: transformers gets it, not a second parse
+        with header_reader(given):
+            assert gguf.GGUFReader is not original and own._mapped is not mapped
+            assert (gguf.GGUFReader(str(path)) is opened) == (given is opened)
+            assert gguf.GGUFReader(models / "ggml-vocab-bert-bge.gguf") is not opened  # another file
+            ours = AutoTokenizer.from_pretrained(models, gguf_file=path.name)
+        assert gguf.GGUFReader is original and own._mapped is mapped
+        assert type(ours) is type(theirs) and len(ours) == len(theirs) > 30000
+        assert ours.backend_tokenizer.to_str() == theirs.backend_tokenizer.to_str()
+        assert ours.special_tokens_map == theirs.special_tokens_map
+        for text in ("The quick brown fox, 1234567890.", "  Grüße\n\taus München"):
+            assert ours(text)["input_ids"] == theirs(text)["input_ids"]
 
 
 def _edit(path, dst, tensors=None, fields=None):

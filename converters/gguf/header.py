@@ -24,6 +24,10 @@ class Reader(GGUFReader):
 
     _sizes: dict[Any, int] = {}
 
+    def __init__(self, path, mode: Any = "r") -> None:
+        self.path, self.mode = path, mode  # which file, how mapped: ``sidefiles.header_reader`` hands it on
+        super().__init__(path, mode)
+
     @property  # type: ignore[override]
     def data(self) -> np.ndarray:
         return self._plain

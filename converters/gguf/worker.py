@@ -209,7 +209,10 @@ def imports(model_type: str) -> None:
     import torch  # noqa: F401
 
     import conversion  # noqa: F401
-    from ffn_tools.converters import open_any  # noqa: F401
+    from ffn_tools import converters
+
+    # every format's package: a child's ``open_any`` detects its input's format by asking each (0.2 s a child)
+    converters._available()
 
     # what every conversion imports on its first lazy tensor op (torch._refs' stack checks, torch._dynamo's
     # disable wrapper): 1-1.4 s a child, made once here instead
