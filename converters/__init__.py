@@ -32,16 +32,19 @@ import importlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from ffn_tools import mtp
-from ffn_tools.checks.semantics import Difference, differences
-from ffn_tools.clients import runtime
+from typing import TYPE_CHECKING
+
 from ffn_tools.errors import CheckpointError, FFNToolsError
 from ffn_tools.formats import Format, Option, missing_package
 from ffn_tools.io import nogc
 from ffn_tools.io.run import NO_RUN, Run
-from ffn_tools.io.digests import ahead
 from ffn_tools.io.store import Checkpoint
-from ffn_tools.io.readers import open_checkpoint
+
+if TYPE_CHECKING:
+    from ffn_tools.checks.semantics import Difference
+
+# What only converting and reading need (MTP heads, the runtimes' semantics, the readers) is imported where it is
+# used: a format's child processes (the GGUF tensor writer's, its quantizer's) import this package first.
 
 FORMATS = {"torch": ".pytorch", "mlx": ".mlx", "flax": ".flax", "gguf": ".gguf", "dcp": ".dcp", "orbax": ".orbax",
            "native": ".native"}
@@ -156,6 +159,8 @@ def open_sides(path, side: str, absent_shards: bool = False,
         return open_any(path, absent_shards=absent_shards, like=like), None
     except CheckpointError as e:
         try:
+            from ffn_tools.io.readers import open_checkpoint
+
             open_checkpoint(path, absent_shards).close()  # plain weight files are there: what they hold is wrong
         except FFNToolsError:
             raise e from None
@@ -182,6 +187,9 @@ def convert(path: str | Path, to: str, out: str | Path, *, dtype: str | None = N
         FFNToolsError: unknown format or option, unreadable input, existing output, a setting the output's
             client runs otherwise, ...
     """
+    from ffn_tools import mtp
+    from ffn_tools.io.digests import ahead
+
     target = get(to)
     given = {k: v for k, v in options.items() if v is not None}
     _check_options(to, target, given)
@@ -245,6 +253,9 @@ def _check_options(to: str, target: Format, given: dict) -> None:
 def client_differences(ckpt: Checkpoint, target: Format) -> list[Difference]:
     """Each setting the ``target`` format's client would run otherwise, from ``ckpt``'s config as the output
     carries it, than ``ckpt``'s own client runs it (``checks.semantics``; a bounded one says its length)."""
+    from ffn_tools.checks.semantics import differences
+    from ffn_tools.clients import runtime
+
     source, client = runtime(ckpt.format), runtime(target)
     if source.runtime == client.runtime or not ckpt.config:
         return []

@@ -11,7 +11,12 @@ from pathlib import Path
 
 from ffn_tools.formats import Format, Option
 from ffn_tools.io.store import Checkpoint
-from .writer import OUTTYPES
+from .kquant import FTYPES
+
+# the package imports none of its writer or reader: the tensor writer's and quantizer's child processes
+# (``native``, ``kquant``) import it first, as Python imports a module's package
+CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0", "auto")  # convert_hf_to_gguf.py's --outtype
+OUTTYPES = (*CONVERTER_TYPES, *FTYPES)  # and llama-quantize's types, through its library
 
 __all__ = ["FORMAT"]
 
@@ -70,8 +75,6 @@ class Gguf(Format):
         """Its ``general.file_type`` as --outtype (None where that is not one ffn-tools writes); the default
         (codes kept) where it holds a quantized source's codes."""
         from gguf import LlamaFileType
-
-        from .writer import OUTTYPES
 
         from ffn_tools.quant.base import KEPT_KEY
 

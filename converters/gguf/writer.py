@@ -38,11 +38,9 @@ from ffn_tools.io.store import Checkpoint
 from ffn_tools.executor import side_files
 from ffn_tools.sizes import human
 
-from . import kquant, zygote
+from . import OUTTYPES, kquant, zygote
 from .source import llama_cpp_dir
 
-CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0", "auto")  # convert_hf_to_gguf.py's --outtype
-OUTTYPES = (*CONVERTER_TYPES, *kquant.FTYPES)  # and llama-quantize's types, through its library
 # what a terminal shows while llama.cpp's converter starts (before the tensors' progress bar: seconds)
 READING = "llama.cpp's converter is reading the model (its class, the vocabulary, the tensors' plan)"
 
