@@ -211,9 +211,12 @@ def module_tree_counts(model) -> Counts:
 def meta_model(model_type: str, keep: tuple[str, ...] = (), extra: dict | None = None):
     """(config, model on the meta device) of the tiny ``model_type`` (``keep``, ``extra``: as ``tiny_config``)."""
     from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
     config = tiny_config(model_type, keep, extra)
-    with torch.device("meta"), warnings.catch_warnings():
+    # no initialisation: on the meta device it computes nothing, yet each init op went through the device's
+    # function mode (the zoo's 350 meta builds 12 -> 8 s)
+    with torch.device("meta"), no_init_weights(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(config)
     return config, model
