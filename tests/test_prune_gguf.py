@@ -155,3 +155,25 @@ def test_gguf_deepseek_router_bias_in_step_and_groups(gguf_ref, tmp_path):
     assert np.allclose(_logits(moved), _logits(src), rtol=0, atol=1e-4), "a reordered model is the same function"
     result = run_cli("prune-experts", src, "--keep", "0-2", "-o", tmp_path / "three.gguf", ok=False)
     assert "expert_group_count is 2" in result.output
+
+
+def test_gguf_prune_by_saliency_says_what_the_torch_path_says(gguf_model, gguf_ref, tmp_path):
+    """--saliency on a GGUF input ranks its experts as on the torch source (blk.N is layer N) and says, as the torch
+    path does, what the kept experts hold of each layer's routing (``kept_share``, the least kept frequency), also
+    in a dry run; without --saliency neither is said."""
+    scores = tmp_path / "scores.json"
+    scores.write_text(json.dumps({"layers": {"0": {"reap": [0.5, 0.1, 0.9, 0.3], "frequency": [1, 9, 9, 9]},
+                                             "1": {"reap": [0.2, 0.2, 0.0, 0.7], "frequency": [9, 9, 9, 1]}}}))
+    args = ("--saliency", scores, "--keep-ratio", "0.75", "--json")
+    torch_way = json.loads(run_cli("prune-experts", gguf_model("qwen3_moe"), *args, "-o", tmp_path / "t").output)
+    for dry in ([], ["--dry-run"]):
+        out = tmp_path / f"g{len(dry)}.gguf"
+        r = json.loads(run_cli("prune-experts", gguf_ref("qwen3_moe", "q8_0"), *args, *dry, "-o", out).output)
+        assert r["layers"] == torch_way["layers"] == {"0": [0, 2, 3], "1": [0, 1, 3]}
+        assert r["kept_share"] == torch_way["kept_share"]
+        assert r["kept_share"]["0"] == {"reap": pytest.approx(1.7 / 1.8), "frequency": pytest.approx(19 / 28)}
+        assert "layer 0 keeps 67.9% of its routing frequency, the least" in r["changes"][-1], r["changes"]
+        assert out.exists() != bool(dry)
+    r = json.loads(run_cli("prune-experts", gguf_ref("qwen3_moe", "q8_0"), "--keep", "0-2", "--json", "-o",
+                           tmp_path / "k.gguf").output)
+    assert "kept_share" not in r and not any(c.startswith("routing kept") for c in r["changes"])

@@ -95,9 +95,9 @@ def prune_gguf(r, path: Path, tmp: Path | None, spec: dict, command: str, prior:
     nothing); ``prior``: the mapping the input records (``mapping.recorded``), composed with the new one.
 
     Returns:
-        experts (E), kept, layers (the recorded mapping's), changes, tensors (written), sliced (how many were
-        cut), identity (every expert kept in order: the input written back), moe_layers, moved (experts at
-        another index).
+        experts (E), kept, layers (the recorded mapping's), picked (layer -> the input's experts kept, in their
+        new order), changes, tensors (written), sliced (how many were cut), identity (every expert kept in order:
+        the input written back), moe_layers, moved (experts at another index).
 
     Raises:
         FFNToolsError: as ``layers_of`` and ``selection.chosen``; a kept count the metadata's routing cannot run
@@ -155,7 +155,7 @@ def prune_gguf(r, path: Path, tmp: Path | None, spec: dict, command: str, prior:
         _write(r, tmp, out_fields, infos, pieces)
     return {"experts": experts, "kept": kept, "layers": kept_map["layers"], "changes": changes,
             "tensors": len(pieces), "sliced": sliced, "identity": identity, "moe_layers": len(layers),
-            "moved": sum(1 for v in picked.values() for new, src in enumerate(v) if new != src)}
+            "picked": picked, "moved": sum(1 for v in picked.values() for new, src in enumerate(v) if new != src)}
 
 
 def _write(r, tmp: Path, out_fields: list[bytes], infos: list[bytes], pieces: list) -> None:

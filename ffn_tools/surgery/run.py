@@ -74,16 +74,22 @@ def _surgery(command: str, path, out, given: dict, spec: dict, force: bool, dry_
         verb = "would write" if dry_run else "wrote"
         line = (f"{verb} {out}: {len(layers)} MoE layers, {kept} of {experts} experts each"
                 + (" (reordered)" if kept == experts and not identity else "") + f", {len(plan.entries)} tensors")
-        if spec.get("saliency"):  # what the pruning keeps of the routing, by the scores it ranked on
-            share = kept_share(spec["saliency"], picked)
-            worst = min(share, key=lambda k: share[k].get("frequency", 1.0))
-            plan.changes.append(f"routing kept (of the scores' tokens): layer {worst} keeps "
-                                f"{share[worst].get('frequency', 1.0):.1%} of its routing frequency, the least")
         result = {"experts": experts, "kept": kept, "layers": kept_map["layers"], "changes": plan.changes,
-                  **({"kept_share": share} if spec.get("saliency") else {}),
-                  "files": written, "dry_run": dry_run, "plan": plan.describe() if dry_run else None,
+                  **_routing_kept(spec, picked, plan.changes), "files": written, "dry_run": dry_run, "plan": plan.describe() if dry_run else None,
                   **plan.summary}
         return envelope(command, str(path), None if dry_run else out, line, result)
+
+
+def _routing_kept(spec: dict, picked, changes: list[str]) -> dict:
+    """With ``--saliency``: ``{"kept_share": ...}``, what the ``picked`` experts keep of each score of the scores
+    they were ranked on, per layer (``kept_share``), the least kept frequency said in ``changes``; else {}."""
+    if not spec.get("saliency"):
+        return {}
+    share = kept_share(spec["saliency"], picked)
+    worst = min(share, key=lambda k: share[k].get("frequency", 1.0))
+    changes.append(f"routing kept (of the scores' tokens): layer {worst} keeps "
+                   f"{share[worst].get('frequency', 1.0):.1%} of its routing frequency, the least")
+    return {"kept_share": share}
 
 
 def _gguf(command: str, ckpt, out, given: dict, spec: dict, force: bool, dry_run: bool,
@@ -114,7 +120,7 @@ def _gguf(command: str, ckpt, out, given: dict, spec: dict, force: bool, dry_run
             + (" (reordered)" if kept == experts and not r["identity"] else "")
             + f", {r['tensors']} tensors ({r['sliced']} sliced as stored bytes)")
     result = {"experts": experts, "kept": kept, "layers": r["layers"], "changes": r["changes"],
-              "files": [] if dry_run else [str(out)], "dry_run": dry_run, "plan": None,
+              **_routing_kept(spec, r["picked"], r["changes"]), "files": [] if dry_run else [str(out)], "dry_run": dry_run, "plan": None,
               "experts_dropped": r["moe_layers"] * (experts - kept),
               "experts_moved": r["moved"]}
     return envelope(command, str(ckpt.path), None if dry_run else str(out), line, result)
