@@ -55,6 +55,45 @@ def model_class(ckpt):
     return FromView, arch
 
 
+def _pre_fallback(cls, pre: str | None) -> list:
+    """Where the converter's ``get_vocab_base_pre`` does not recognise a BPE tokenizer's pre-tokenizer by its
+    encodings, ``pre`` (the source GGUF's ``tokenizer.ggml.pre``: the tokenizer was rebuilt from its tokens and
+    merges) rather than its refusal; the list returned gets an item when that happens. Nothing changes without
+    ``pre``, or where the converter recognises it."""
+    used: list = []
+    own = getattr(cls, "get_vocab_base_pre", None)
+    if pre and own is not None:
+        def fallback(self, tokenizer):
+            try:
+                return own(self, tokenizer)
+            except NotImplementedError as e:
+                if "not recognized" not in str(e):
+                    raise
+                used.append(pre)
+                return pre
+
+        cls.get_vocab_base_pre = fallback  # ``model_class``'s subclass, made for this conversion
+    return used
+
+
+def _token_types_as_source(writer, fields: dict) -> list[int]:
+    """Where the converter wrote the source GGUF's own tokens (``fields``: a tokenizer rebuilt from them) but other
+    token types (transformers' reader makes the GGUF's pad token a special token, which the converter writes as
+    CONTROL: llama.cpp would then drop an ordinary "!" from what it decodes), the source's types; the ids
+    changed back (empty: none)."""
+    kv = writer.kv_data[0]
+    ours, theirs = kv.get("tokenizer.ggml.token_type"), fields.get("tokenizer.ggml.token_type")
+    tokens = kv.get("tokenizer.ggml.tokens")
+    if ours is None or theirs is None or tokens is None or list(tokens.value) != list(fields.get(
+            "tokenizer.ggml.tokens") or []) or len(ours.value) != len(theirs):
+        return []
+    changed = [i for i, (x, y) in enumerate(zip(ours.value, theirs)) if int(x) != int(y)]
+    if changed:
+        kv["tokenizer.ggml.token_type"] = type(ours)(value=[int(t) for t in theirs], type=ours.type,
+                                                     sub_type=ours.sub_type)
+    return changed
+
+
 def run(request: dict) -> dict:
     import gguf
     import torch
@@ -71,6 +110,8 @@ def run(request: dict) -> dict:
         if not quant.find(ckpt, every=True):  # the view decodes them all: the converter sees plain weights, and
             hparams.pop("quantization_config", None)  # its own dequantization (which asserts on some) must not run
         cls, arch = model_class(ckpt)
+        source = getattr(opened, "fields", None) if request.get("rebuilt") else None  # a GGUF's tokenizer, rebuilt
+        carried = _pre_fallback(cls, (source or {}).get("tokenizer.ggml.pre"))
         out = Path(request["out"])
         model = cls(Path(request["dir_model"]), getattr(gguf.LlamaFileType, FTYPES[request["outtype"]]), out,
                     hparams=hparams, dry_run=request["dry_run"])
@@ -90,6 +131,10 @@ def run(request: dict) -> dict:
             skip = {t.name for t in codes or () if t.action in ("kept", "requantized")}
             plan = prove(ckpt, writer, skip) if request.get("native") and len(writer.tensors) == 1 else None
             model.prepare_metadata(vocab_only=False)  # the tokenizer: after the proofs, so their memory is given back
+            if carried:
+                result["pre_carried"] = carried[0]
+            if source:
+                result["token_types"] = _token_types_as_source(writer, source)
             writer.write_header_to_file(path=out)
             writer.write_kv_data_to_file()
             if plan is not None:

@@ -97,10 +97,10 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
                                f"--outtype {outtype} writes every weight dequantized, then as {outtype}"))
     dequantized = 0 if codes else sum(1 for n in ckpt if ckpt.quantized(n))
     said = {"dequantized": dequantized, "format": ckpt.kind, "asked": outtype}
-    with _model_dir(ckpt) as dir_model:  # config.json and the tokenizer, where the converter reads them
+    with _model_dir(ckpt) as (dir_model, rebuilt):  # config.json and the tokenizer, where the converter reads them
         request = {"source": str(ckpt.path), "dir_model": str(dir_model),
                    "outtype": "auto" if quantizing else outtype, "dry_run": dry_run, "progress": progress.visible(),
-                   "native": native, "codes": codes}
+                   "native": native, "codes": codes, "rebuilt": rebuilt}
         if codes:  # what each quantized weight can be, from its codes read once, before the converter starts
             request["choices"] = _choices(ckpt, view, modules, refuse=codes == "keep")
         if dry_run:
@@ -137,11 +137,13 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
 
 @contextmanager
 def _model_dir(ckpt: Checkpoint):
-    """The directory llama.cpp's converter reads config.json and the tokenizer from: the input's own where it has
-    a config.json, else a temporary one holding the input's config and the side files it rebuilds (a GGUF's
-    tokenizer from its metadata), removed after."""
+    """(The directory llama.cpp's converter reads config.json and the tokenizer from, whether its tokenizer was
+    rebuilt from a GGUF's metadata): the input's own directory where it has a config.json, else a temporary one
+    holding the input's config and the side files it rebuilds (a GGUF's tokenizer from its metadata), removed
+    after. The converter then writes the GGUF's own pre-tokenizer name and token types where it would write
+    others (``worker._pre_fallback``, ``worker._token_types_as_source``)."""
     if (Path(ckpt.root) / "config.json").is_file():
-        yield Path(ckpt.root)
+        yield Path(ckpt.root), False
         return
     from .reader import GGUFCheckpoint
 
@@ -156,7 +158,7 @@ def _model_dir(ckpt: Checkpoint):
         for name, text in files.items():
             (d / name).write_bytes(text if isinstance(text, bytes) else text.encode())
         try:
-            yield d
+            yield d, isinstance(ckpt, GGUFCheckpoint)
         except FFNToolsError as e:
             if "pre-tokenizer was not recognized" not in str(e):
                 raise
@@ -297,6 +299,15 @@ def _summary(out: Path, result: dict, said: dict, plan: bool) -> dict:
                        f"them as {outtype}, with the quantization's error")
     if result.get("codes"):
         changes += _codes_changes(result["codes"])
+    if ids := result.get("token_types"):
+        changes.append(f"tokenizer.ggml.token_type of {len(ids)} token{'s' * (len(ids) != 1)} (id "
+                       f"{', '.join(map(str, ids[:3]))}{', ...' if len(ids) > 3 else ''}) as the input's: the tokenizer "
+                       "rebuilt from its metadata marks them otherwise (transformers' GGUF reader makes the padding "
+                       "token special), and llama.cpp decodes a CONTROL token as nothing")
+    if result.get("pre_carried"):
+        changes.append(f"tokenizer.ggml.pre {result['pre_carried']!r} as the input's: llama.cpp's converter does not "
+                       "recognise the pre-tokenizer of the tokenizer rebuilt from the input's tokens and merges by its "
+                       "encodings, and those are the input's own")
     if "quantized" in result:
         q = result["quantized"]
         changes.append(f"quantized to {q['recipe'][kquant.RECIPE + '.ftype']} by llama.cpp's own quantizer "
