@@ -100,7 +100,6 @@ def header_reader(opened: Any = None) -> Iterator[None]:
     - where it asks gguf-py for the file ``opened`` (a ``header.Reader`` in read mode) already holds, with that
       reader: its header is not parsed again (a Llama 3 GGUF's tokenizer read in 6.8 s of CPU instead of 9.3:
       ``load_gguf_checkpoint`` parses the whole header for the config it makes beside the tokenizer);
-
     - where it reads through gguf-py (``load_gguf_checkpoint`` imports ``gguf.GGUFReader`` when it runs), with
       ``header.Reader``: the same fields and parts (tests/test_gguf.py checks them equal on real files), a Llama 3
       vocabulary's in 0.5 s instead of 7.8 s (reading the tokenizer of a 128K-token GGUF took transformers 10.5 s);
