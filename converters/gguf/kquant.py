@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 # --outtype -> llama.cpp's llama_ftype name (llama-quantize's QUANT_OPTIONS, lower-cased; its aliases q3_k, q4_k,
-# q5_k). f32, f16, bf16 and q8_0 are the converter's own (the package's ``OUTTYPES``), as convert_hf_to_gguf.py writes them.
+# q5_k). f32, f16, bf16 and q8_0 are the converter's own (the package's ``OUTTYPES``), as convert_hf_to_gguf.py
+# writes them.
 FTYPES = {
     "q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1", "mxfp4_moe": "MXFP4_MOE",
     "q2_k": "Q2_K", "q2_k_s": "Q2_K_S", "q3_k": "Q3_K_M", "q3_k_s": "Q3_K_S", "q3_k_m": "Q3_K_M", "q3_k_l": "Q3_K_L",

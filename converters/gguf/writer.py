@@ -301,9 +301,9 @@ def _summary(out: Path, result: dict, said: dict, plan: bool) -> dict:
         changes += _codes_changes(result["codes"])
     if ids := result.get("token_types"):
         changes.append(f"tokenizer.ggml.token_type of {len(ids)} token{'s' * (len(ids) != 1)} (id "
-                       f"{', '.join(map(str, ids[:3]))}{', ...' if len(ids) > 3 else ''}) as the input's: the tokenizer "
-                       "rebuilt from its metadata marks them otherwise (transformers' GGUF reader makes the padding "
-                       "token special), and llama.cpp decodes a CONTROL token as nothing")
+                       f"{', '.join(map(str, ids[:3]))}{', ...' if len(ids) > 3 else ''}) as the input's: the "
+                       "tokenizer rebuilt from its metadata marks them otherwise (transformers' GGUF reader makes the "
+                       "padding token special), and llama.cpp decodes a CONTROL token as nothing")
     if result.get("pre_carried"):
         changes.append(f"tokenizer.ggml.pre {result['pre_carried']!r} as the input's: llama.cpp's converter does not "
                        "recognise the pre-tokenizer of the tokenizer rebuilt from the input's tokens and merges by its "

@@ -75,8 +75,8 @@ def _surgery(command: str, path, out, given: dict, spec: dict, force: bool, dry_
         line = (f"{verb} {out}: {len(layers)} MoE layers, {kept} of {experts} experts each"
                 + (" (reordered)" if kept == experts and not identity else "") + f", {len(plan.entries)} tensors")
         result = {"experts": experts, "kept": kept, "layers": kept_map["layers"], "changes": plan.changes,
-                  **_routing_kept(spec, picked, plan.changes), "files": written, "dry_run": dry_run, "plan": plan.describe() if dry_run else None,
-                  **plan.summary}
+                  **_routing_kept(spec, picked, plan.changes), "files": written, "dry_run": dry_run,
+                  "plan": plan.describe() if dry_run else None, **plan.summary}
         return envelope(command, str(path), None if dry_run else out, line, result)
 
 
@@ -120,7 +120,8 @@ def _gguf(command: str, ckpt, out, given: dict, spec: dict, force: bool, dry_run
             + (" (reordered)" if kept == experts and not r["identity"] else "")
             + f", {r['tensors']} tensors ({r['sliced']} sliced as stored bytes)")
     result = {"experts": experts, "kept": kept, "layers": r["layers"], "changes": r["changes"],
-              **_routing_kept(spec, r["picked"], r["changes"]), "files": [] if dry_run else [str(out)], "dry_run": dry_run, "plan": None,
+              **_routing_kept(spec, r["picked"], r["changes"]), "files": [] if dry_run else [str(out)],
+              "dry_run": dry_run, "plan": None,
               "experts_dropped": r["moe_layers"] * (experts - kept),
               "experts_moved": r["moved"]}
     return envelope(command, str(ckpt.path), None if dry_run else str(out), line, result)
