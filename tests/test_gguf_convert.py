@@ -250,6 +250,20 @@ def test_conversions_of_one_process_share_the_converters_imports(gguf_model, ggu
     assert (tmp_path / "own.gguf").read_bytes() == gguf_ref("llama", "q8_0").read_bytes()
 
 
+def test_the_converter_zygote_ends_silently():
+    """The zygote, its stdin closed (the command that started it ended), exits 0 and writes nothing on stderr (its
+    stderr is that command's terminal): torch._dynamo, imported before forking, imports triton, whose teardown at an
+    interpreter's exit printed some 70 lines of nanobind's "leaked" objects after a passing conversion."""
+    import subprocess
+    import sys
+
+    from ffn_tools.converters.gguf.writer import _env
+
+    proc = subprocess.run([sys.executable, "-m", "ffn_tools.converters.gguf.worker", "--zygote", "llama"],
+                          input="", capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+
+
 def test_llama_cpp_runs_fork_from_a_running_converter_zygote_and_give_the_same(gguf_ref, tmp_path, monkeypatch):
     """Where a conversion of this process left the converter's zygote running, llama.cpp's runs (its logits, its
     tokenization) are children forked from it (no fresh interpreter's imports), with the same results as a fresh

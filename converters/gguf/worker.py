@@ -366,7 +366,12 @@ def zygote(model_type: str) -> None:
 def main() -> None:
     if sys.argv[1] == "--zygote":
         zygote(sys.argv[2] if len(sys.argv) > 2 else "")
-        return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # nothing of it to finish: the interpreter's teardown would only run triton's (torch._dynamo imports it),
+        # whose nanobind bindings print some 70 lines of "leaked" objects on stderr, the terminal of the command
+        # that started it, after a passing conversion
+        os._exit(0)
     sys.exit(respond(json.loads(Path(sys.argv[1]).read_text())))
 
 
