@@ -125,6 +125,27 @@ def test_prune_stacked_moves_slices_as_bytes(stacked, tmp_path, keep_file):
     torch.testing.assert_close(_logits(tmp_path / "out"), _logits(stacked, KEEP), atol=1e-5, rtol=1e-5)
 
 
+def test_a_sharded_input_is_pruned_into_shards_like_its_own(stacked, model_dir, tmp_path):
+    """A sharded input's output is cut like the input (its largest file, said) unless --max-shard-size is given:
+    before, a 16 GB checkpoint of 2 GB shards was pruned into one 12 GB file, whose digest could be made only once
+    it was whole (benchmarks/bench_prune.py). The tensors are the single-file prune's."""
+    size = sum(f.stat().st_size for f in stacked.glob("*.safetensors"))
+    src = tmp_path / "in"  # ``stacked`` in shards
+    run_cli("fuse-gateup", model_dir("qwen3_moe"), "--stack-experts", "-o", src, "--max-shard-size", str(size // 3))
+    largest = max(f.stat().st_size for f in src.glob("*.safetensors"))
+    assert len(list(src.glob("*.safetensors"))) > 1
+    r = json.loads(run_cli("prune-experts", src, "--keep", "0,2,3", "-o", tmp_path / "out", "--json").stdout)
+    files = list((tmp_path / "out").glob("*.safetensors"))
+    assert len(files) > 1 and all(f.stat().st_size <= largest for f in files), [f.stat().st_size for f in files]
+    assert any("like the input's largest" in c for c in r["changes"]), r["changes"]
+    r = json.loads(run_cli("prune-experts", src, "--keep", "0,2,3", "-o", tmp_path / "one", "--json",
+                           "--max-shard-size", str(10 * size)).stdout)
+    assert [f.name for f in (tmp_path / "one").glob("*.safetensors")] == ["model.safetensors"]
+    assert not any("like the input's largest" in c for c in r["changes"])
+    a, b = tensors(tmp_path / "out"), tensors(tmp_path / "one")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+
 def test_reorder_gives_the_same_function(stacked, model_dir, tmp_path):
     order = tmp_path / "order.json"
     order.write_text(json.dumps({"0": [3, 2, 1, 0], "1": [1, 3, 0, 2]}))

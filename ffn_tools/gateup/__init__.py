@@ -25,8 +25,8 @@ from ..layouts import GateUpLayout
 from ..estimate import priced
 from ..executor import check_shardable, execute
 from ..io.run import NO_RUN, Run
+from ..io.shards import like_input
 from ..registry import Scheme
-from ..sizes import human
 from .common import held_form_warning
 from .fuse import plan_fuse
 from .split import plan_split
@@ -81,10 +81,8 @@ def _run(command: str, plan_fn, source, out, *, scheme, layout, dry_run, force, 
         plan = plan_fn(ckpt, find_ffns(seen, scheme, layout), **kw, **({"packed": packed} if packed else {}))
         out = Path(out) if out else default_output(path, "split" if command == "split-gateup" else "fused")
         check_shardable(out, max_shard_size)
-        if max_shard_size is None and len(ckpt.files) > 1 and out.suffix != ".safetensors":
-            max_shard_size = max(f.stat().st_size for f in ckpt.files)  # shard like the input
-            plan.changes.append(f"shards of at most {human(max_shard_size)}, like the input's largest "
-                                "(--max-shard-size to change)")
+        max_shard_size, sharded = like_input(ckpt.files, out, max_shard_size)
+        plan.changes.extend([sharded] if sharded else [])
         summary = dict(plan.summary, output=str(out), dry_run=dry_run, changes=plan.changes,
                        plan=plan.describe() if dry_run else None)
         with ThreadPoolExecutor(1) as pool:  # the load check (importing transformers) overlaps the copy

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..sizes import human
 from .safetensors_format import PAGE, build_header, header_entry_size
 
 if TYPE_CHECKING:
@@ -39,6 +40,16 @@ def plan_shards(items: Sequence[OutTensor], max_shard_size: int | None, metadata
         head += add
     shards.append(cur)
     return shards
+
+
+def like_input(files: Sequence[Path], out: Path, max_shard_size: int | None) -> tuple[int | None, str | None]:
+    """The shard size of a directory output of a sharded input when none was given: the input's largest file (a
+    16 GB checkpoint of 2 GB shards pruned into one 12 GB file loads as slowly as a file that size, and its digest
+    can be made only once it is whole). (size, the change that says so), or as given (and no change)."""
+    if max_shard_size is not None or len(files) < 2 or out.suffix == ".safetensors":
+        return max_shard_size, None
+    size = max(f.stat().st_size for f in files)
+    return size, f"shards of at most {human(size)}, like the input's largest (--max-shard-size to change)"
 
 
 def shard_names(n: int, prefix: str = "model") -> list[str]:

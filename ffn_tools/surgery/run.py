@@ -11,6 +11,7 @@ from ..errors import FFNToolsError
 from ..executor import execute
 from ..io.receipt import record
 from ..io.run import Run
+from ..io.shards import like_input
 from ..io.writer import SAFETENSORS
 from . import mapping
 from .layers import moe_layers
@@ -66,6 +67,8 @@ def _surgery(command: str, path, out, given: dict, spec: dict, force: bool, dry_
         full, source_experts = mapping.composed(mapping.recorded(stored), picked)
         kept_map = mapping.as_json(full, source_experts or experts, command)
         text = json.dumps(kept_map)
+        max_shard_size, sharded = like_input(ckpt.files, Path(out), max_shard_size)
+        plan.changes.extend([sharded] if sharded else [])
         run = Run(command=record(command, given)).but(
             out=Path(out), force=force, max_shard_size=max_shard_size, desc=command,
             metadata=None if identity else {**stored.metadata, mapping.METADATA_KEY: text},
