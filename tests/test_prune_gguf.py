@@ -1,5 +1,6 @@
 """prune-experts and reorder-experts on a GGUF input (issue #56; ``ffn_tools.surgery.gguf``): tiny real Qwen3-MoE
-converted by llama.cpp's convert_hf_to_gguf.py (q8_0, whose ffn_down_exps stays F16, and f32). Each kept expert's
+converted by llama.cpp's convert_hf_to_gguf.py (q8_0, whose ffn_down_exps stays F16, and f32), and a 256-wide one
+at q4_k_m (real K-quant super-blocks: llama-quantize's bytes, through ffn-tools' export). Each kept expert's
 slab of every ``_exps`` stack and its router row are the source's bytes, the output loads and runs in llama.cpp,
 keeping every expert in order writes the input back byte for byte, and the result is the torch path's: the source
 checkpoint pruned by prune-experts with the same --keep and converted by ffn-tools' converter at the same outtype
@@ -13,7 +14,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import run_cli
+from helpers import once, run_cli
 
 from ffn_tools.converters.gguf.header import Reader as GGUFReader  # gguf-py's, its header parsed faster
 from ffn_tools.surgery import mapping
@@ -41,6 +42,32 @@ def _logits(path) -> np.ndarray:
 @pytest.mark.parametrize("outtype", ["q8_0", "f32"])
 def test_gguf_prune_is_the_sources_slabs_and_the_torch_paths_gguf(gguf_model, gguf_ref, outtype, tmp_path):
     src = gguf_ref("qwen3_moe", outtype)
+    source = _pruned_is_slabs_and_the_torch_paths(src, gguf_model("qwen3_moe"), outtype, tmp_path)
+    if outtype == "q8_0":
+        assert source["blk.0.ffn_gate_exps.weight"][0] == "Q8_0" and source["blk.0.ffn_down_exps.weight"][0] == "F16"
+
+
+def test_a_q4_k_m_gguf_is_pruned_as_its_k_quant_slabs(shared_dir, tmp_path):
+    """A q4_k_m GGUF (ffn-tools' export: llama-quantize's bytes, test_gguf_kquant.py) of a Qwen3-MoE whose rows are
+    256 wide, so that its expert stacks are real K-quant super-blocks (Q4_K, and Q6_K where the mix puts it), not
+    the Q5_0/Q8_0 fallbacks of 64-wide rows: each kept expert's slab moves as stored, and the result is the torch
+    path's q4_k_m GGUF, tensors and llama.cpp's logits."""
+    import gguf_models
+
+    wide = once(shared_dir / "prune-qwen3-moe-256", lambda d: gguf_models.build(
+        "qwen3_moe", d / "model", hidden_size=256, moe_intermediate_size=256, head_dim=64)) / "model"
+    src = tmp_path / "q4_k_m.gguf"
+    run_cli("convert", wide, "--to", "gguf", "--outtype", "q4_k_m", "-o", src)
+    source = _pruned_is_slabs_and_the_torch_paths(src, wide, "q4_k_m", tmp_path)
+    types = {source[f"blk.{n}.ffn_{r}_exps.weight"][0] for n in (0, 1) for r in ("gate", "up", "down")}
+    assert "Q4_K" in types and types <= {"Q4_K", "Q5_K", "Q6_K"}, types
+
+
+def _pruned_is_slabs_and_the_torch_paths(src, hf_source, outtype: str, tmp_path) -> dict:
+    """``src`` (a GGUF of ``hf_source`` at ``outtype``) pruned to KEEP: every kept expert's slab of each ``_exps``
+    stack and router row is the source's bytes in the new order, everything else copied, the metadata the source's
+    but the expert count and the recorded mapping; and it is the torch path's GGUF (``hf_source`` pruned alike,
+    converted at ``outtype``): the same tensors, and the same logits through llama.cpp. The source's tensors."""
     keep = tmp_path / "keep.json"
     keep.write_text(json.dumps(KEEP))
     out = tmp_path / "pruned.gguf"
@@ -61,8 +88,6 @@ def test_gguf_prune_is_the_sources_slabs_and_the_torch_paths_gguf(gguf_model, gg
         else:
             assert got == (qtype, shape, data), f"{name}: copied as stored"
     assert sliced == 8, "gate, up, down stacks and the router of both layers"
-    if outtype == "q8_0":
-        assert source["blk.0.ffn_gate_exps.weight"][0] == "Q8_0" and source["blk.0.ffn_down_exps.weight"][0] == "F16"
 
     r = GGUFReader(str(out))
     assert int(r.fields["qwen3moe.expert_count"].contents()) == 3
@@ -76,7 +101,7 @@ def test_gguf_prune_is_the_sources_slabs_and_the_torch_paths_gguf(gguf_model, gg
 
     # the torch path: the source checkpoint pruned the same way, converted by ffn-tools at the same outtype
     hf = tmp_path / "hf-pruned"
-    run_cli("prune-experts", gguf_model("qwen3_moe"), "--keep", keep, "-o", hf)
+    run_cli("prune-experts", hf_source, "--keep", keep, "-o", hf)
     theirs = tmp_path / "torch-path.gguf"
     run_cli("convert", hf, "--to", "gguf", "--outtype", outtype, "-o", theirs)
     other = _tensors(theirs)
@@ -89,6 +114,7 @@ def test_gguf_prune_is_the_sources_slabs_and_the_torch_paths_gguf(gguf_model, gg
     assert np.isfinite(got).all()
     assert np.array_equal(got, _logits(theirs)), "the torch path's GGUF gives other logits"
     assert not np.array_equal(got, _logits(src)), "pruning changed nothing"
+    return source
 
 
 def test_gguf_keep_all_is_the_input_and_reorder_and_refusals(gguf_ref, tmp_path):
