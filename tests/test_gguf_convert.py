@@ -133,6 +133,27 @@ def test_gguf_to_torch(gguf_model, gguf_ref, tmp_path):
     assert any("dequantized 16 gguf-quantized weights" in c and "Q8_0" in c for c in r["changes"])
 
 
+def test_an_ordinary_padding_token_stays_ordinary(gguf_model, gguf_ref, tmp_path):
+    """convert_hf_to_gguf.py writes config.json's pad_token_id (0: GPT-2's "!", an ordinary token) as the GGUF's
+    padding token; transformers' GGUF reader made it a special added token, so "Hello!! world!" encoded as
+    [15496, 0, 0, 995, 0] where llama.cpp and the source give [15496, 3228, 995, 0]. GGUF -> torch leaves it out of
+    the special tokens, says so, and writes the source's tokenizer.json; config.json keeps pad_token_id."""
+    import llama_cpp
+    from transformers import AutoTokenizer
+
+    src, gguf, out = gguf_model("qwen3_moe"), gguf_ref("qwen3_moe", "f32"), tmp_path / "back"
+    said = json.loads(run_cli("-q", "convert", gguf, "--to", "torch", "-o", out, "--json").stdout)["changes"]
+    assert any(c.startswith("tokenizer: the GGUF's padding token '!' (id 0) is an ordinary token") for c in said), said
+    text = "Hello!! world! Wait!!! what?!"
+    model = llama_cpp.Llama(model_path=str(gguf), vocab_only=True, verbose=False)
+    theirs = model.tokenize(text.encode(), add_bos=False, special=True)
+    model.close()
+    ours, source = (AutoTokenizer.from_pretrained(p).encode(text) for p in (out, src))
+    assert ours == source == theirs and ours[:2] == [15496, 3228], (ours, source, theirs)  # "Hello", "!!"
+    assert json.loads((out / "tokenizer.json").read_text()) == json.loads((src / "tokenizer.json").read_text())
+    assert json.loads((out / "config.json").read_text())["pad_token_id"] == 0
+
+
 def test_gguf_to_torch_side_files_round_trip(gguf_model, gguf_ref, tmp_path):
     """A byte-level BPE GGUF (the qwen2 vocabulary) stores its merges in rank order: GGUF -> torch gives the
     source's tokenizer.json, tokenizer_config.json, chat template and generation_config.json, and verify

@@ -84,6 +84,7 @@ def tokenizer_files(ckpt: Checkpoint) -> tuple[dict[str, str | bytes], list[str]
         said = generic_class(Path(d), files, fields)
     changes = ["tokenizer files written from the GGUF's tokenizer.ggml.* by transformers' GGUF reader", *said]
     changes += invented(files, len(fields["tokenizer.ggml.tokens"]))
+    changes += ordinary_pad(files, fields)
     why = ranks_lost(fields)
     if why and "tokenizer.json" in files:
         files["tokenizer.json"], n = rank_by_position(str(files["tokenizer.json"]))
@@ -334,6 +335,39 @@ def invented(files: dict[str, str | bytes], n: int) -> list[str]:
     return [f"tokenizer.json: {', '.join(f'{t} (id {i})' for t, i in sorted(gone.items(), key=lambda x: x[1]))} left "
             f"out: transformers' GGUF reader adds it (its GPT-2 tokenizer class's default), the GGUF's {n} tokens and "
             "the model's embedding do not have it"]
+
+
+NORMAL = 1  # llama.cpp's token type of an ordinary token: tokenized as text, never matched as a special token
+
+
+def ordinary_pad(files: dict[str, str | bytes], fields: dict) -> list[str]:
+    """Where the GGUF's padding token is an ordinary token of its BPE vocabulary (type NORMAL: llama.cpp tokenizes it
+    as text; convert_hf_to_gguf.py writes config.json's pad_token_id, often 0, GPT-2's "!"), leave it out of
+    ``files``' special tokens: transformers' reader makes it a special added token, which the tokenizers library
+    matches before its BPE ("Hello!!" encoded [15496, 0, 0], llama.cpp and the source [15496, 3228]). config.json
+    and generation_config.json keep the id. Returns what the summary says."""
+    pad, types = fields.get("tokenizer.ggml.padding_token_id"), fields.get("tokenizer.ggml.token_type")
+    if pad is None or types is None or not 0 <= int(pad) < len(types) or int(types[int(pad)]) != NORMAL or \
+            "tokenizer.json" not in files:
+        return []
+    pad = int(pad)
+    doc = nogc.loads(files["tokenizer.json"])
+    entry = next((t for t in doc.get("added_tokens", []) if t["id"] == pad), None)
+    vocab = doc.get("model", {}).get("vocab")
+    if entry is None or not isinstance(vocab, dict) or vocab.get(entry["content"]) != pad:
+        return []
+    doc["added_tokens"] = [t for t in doc["added_tokens"] if t["id"] != pad]
+    files["tokenizer.json"] = json.dumps(doc, ensure_ascii=False, indent=2)
+    if "tokenizer_config.json" in files:
+        cfg = json.loads(files["tokenizer_config.json"])
+        if cfg.get("pad_token") == entry["content"]:
+            cfg.pop("pad_token")
+        if isinstance(cfg.get("added_tokens_decoder"), dict):
+            cfg["added_tokens_decoder"].pop(str(pad), None)
+        files["tokenizer_config.json"] = json.dumps(cfg, ensure_ascii=False, indent=2) + "\n"
+    return [f"tokenizer: the GGUF's padding token {entry['content']!r} (id {pad}) is an ordinary token of its "
+            "vocabulary, which llama.cpp tokenizes as text: not made a special token, as transformers' GGUF reader "
+            "makes it (text holding it would encode otherwise); config.json keeps pad_token_id"]
 
 
 # generation_config.json key -> the GGUF key convert_hf_to_gguf.py writes it to (gguf-py's Metadata.load reads
