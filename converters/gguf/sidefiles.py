@@ -12,9 +12,10 @@ them so; sentencepiece's BPE scores fall with the id), so when the scores carry 
 token position instead: 0 of the 244 differ, only runs of spaces can (the source may rank its whitespace pieces
 apart, which the GGUF no longer says). The summary says when this was done.
 
-Tokens transformers' reader adds that the GGUF does not have are left out (``invented``): its byte-level builder
-is GPT-2's tokenizer class, whose default special token ``<|endoftext|>`` it appends after the last id of a
-vocabulary without one (Llama 3's 128,256 tokens become 128,257, one more than the model's embedding rows).
+Tokens transformers' reader adds that the GGUF does not have are left out (``rebuilt_tokens.invented``): its
+byte-level builder is GPT-2's tokenizer class, whose default special token ``<|endoftext|>`` it appends after the
+last id of a vocabulary without one (Llama 3's 128,256 tokens become 128,257, one more than the model's embedding
+rows). A padding token the vocabulary holds as an ordinary token stays one (``rebuilt_tokens.ordinary_pad``).
 
 generation_config.json is what transformers writes for a model built from the config (``GenerationConfig.
 from_model_config``): bos/eos/pad ids from ``tokenizer.ggml.*_token_id``, so generate() stops at the GGUF's eos;
@@ -36,6 +37,8 @@ from typing import Any
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.io import nogc
 from ffn_tools.io.store import Checkpoint
+
+from .rebuilt_tokens import invented, ordinary_pad
 
 # GGUF architectures transformers' GGUF model loader refuses ("not supported yet"), which AutoTokenizer asks
 # first: their tokenizer is read by the fast tokenizer itself (the class AutoTokenizer gives DeepSeek's models).
@@ -306,68 +309,6 @@ def _part(tokenizer, name: str):
     has none."""
     part = getattr(tokenizer, name)
     return None if part is None else json.loads(part.__getstate__())
-
-
-def invented(files: dict[str, str | bytes], n: int) -> list[str]:
-    """Leave out of ``files``' tokenizer.json and tokenizer_config.json the tokens transformers' GGUF reader adds
-    with an id at or past ``n``, the GGUF's token count (``<|endoftext|>``, GPT-2's tokenizer class's default),
-    and the special-token settings naming them. Returns what the summary says."""
-    if "tokenizer.json" not in files:
-        return []
-    doc = nogc.loads(files["tokenizer.json"])
-    gone = {t["content"]: t["id"] for t in doc.get("added_tokens", []) if t["id"] >= n}
-    vocab = doc.get("model", {}).get("vocab")
-    if isinstance(vocab, dict):
-        gone.update({t: i for t, i in vocab.items() if isinstance(i, int) and i >= n})
-    if not gone:
-        return []
-    doc["added_tokens"] = [t for t in doc.get("added_tokens", []) if t["id"] < n]
-    if isinstance(vocab, dict):
-        doc["model"]["vocab"] = {t: i for t, i in vocab.items() if t not in gone}
-    files["tokenizer.json"] = json.dumps(doc, ensure_ascii=False, indent=2)
-    if "tokenizer_config.json" in files:
-        cfg = json.loads(files["tokenizer_config.json"])
-        for key in [k for k, v in cfg.items() if k.endswith("_token") and v in gone]:
-            cfg[key] = None
-        if isinstance(cfg.get("added_tokens_decoder"), dict):
-            cfg["added_tokens_decoder"] = {i: t for i, t in cfg["added_tokens_decoder"].items() if int(i) < n}
-        files["tokenizer_config.json"] = json.dumps(cfg, ensure_ascii=False, indent=2) + "\n"
-    return [f"tokenizer.json: {', '.join(f'{t} (id {i})' for t, i in sorted(gone.items(), key=lambda x: x[1]))} left "
-            f"out: transformers' GGUF reader adds it (its GPT-2 tokenizer class's default), the GGUF's {n} tokens and "
-            "the model's embedding do not have it"]
-
-
-NORMAL = 1  # llama.cpp's token type of an ordinary token: tokenized as text, never matched as a special token
-
-
-def ordinary_pad(files: dict[str, str | bytes], fields: dict) -> list[str]:
-    """Where the GGUF's padding token is an ordinary token of its BPE vocabulary (type NORMAL: llama.cpp tokenizes it
-    as text; convert_hf_to_gguf.py writes config.json's pad_token_id, often 0, GPT-2's "!"), leave it out of
-    ``files``' special tokens: transformers' reader makes it a special added token, which the tokenizers library
-    matches before its BPE ("Hello!!" encoded [15496, 0, 0], llama.cpp and the source [15496, 3228]). config.json
-    and generation_config.json keep the id. Returns what the summary says."""
-    pad, types = fields.get("tokenizer.ggml.padding_token_id"), fields.get("tokenizer.ggml.token_type")
-    if pad is None or types is None or not 0 <= int(pad) < len(types) or int(types[int(pad)]) != NORMAL or \
-            "tokenizer.json" not in files:
-        return []
-    pad = int(pad)
-    doc = nogc.loads(files["tokenizer.json"])
-    entry = next((t for t in doc.get("added_tokens", []) if t["id"] == pad), None)
-    vocab = doc.get("model", {}).get("vocab")
-    if entry is None or not isinstance(vocab, dict) or vocab.get(entry["content"]) != pad:
-        return []
-    doc["added_tokens"] = [t for t in doc["added_tokens"] if t["id"] != pad]
-    files["tokenizer.json"] = json.dumps(doc, ensure_ascii=False, indent=2)
-    if "tokenizer_config.json" in files:
-        cfg = json.loads(files["tokenizer_config.json"])
-        if cfg.get("pad_token") == entry["content"]:
-            cfg.pop("pad_token")
-        if isinstance(cfg.get("added_tokens_decoder"), dict):
-            cfg["added_tokens_decoder"].pop(str(pad), None)
-        files["tokenizer_config.json"] = json.dumps(cfg, ensure_ascii=False, indent=2) + "\n"
-    return [f"tokenizer: the GGUF's padding token {entry['content']!r} (id {pad}) is an ordinary token of its "
-            "vocabulary, which llama.cpp tokenizes as text: not made a special token, as transformers' GGUF reader "
-            "makes it (text holding it would encode otherwise); config.json keeps pad_token_id"]
 
 
 # generation_config.json key -> the GGUF key convert_hf_to_gguf.py writes it to (gguf-py's Metadata.load reads
