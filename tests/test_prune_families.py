@@ -12,24 +12,28 @@ from helpers import run_cli, tensors
 from test_prune import TOKENS, _logits, _model, mapped_verify  # noqa: F401  (mapped_verify: a fixture)
 
 
-@pytest.fixture(scope="module")
-def mlx4(model_dir, tmp_path_factory):
-    """Qwen3-MoE exported to MLX 4-bit: switch_mlp stacks with scales and biases, its router quantized 8-bit."""
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe"])
+def mlx4(model_dir, tmp_path_factory, request):
+    """Qwen3-MoE, Mixtral and Qwen2-MoE (a shared expert beside the routed ones) exported to MLX 4-bit: switch_mlp
+    stacks with scales and biases, the router quantized 8-bit."""
     pytest.importorskip("mlx_lm")
     from ffn_tools.api import convert
 
     out = tmp_path_factory.mktemp("mlx4") / "model"
-    convert(model_dir("qwen3_moe"), "mlx", out, quantize=4)
+    convert(model_dir(request.param), "mlx", out, quantize=4)
     return out
 
 
 def _mlx_logits(path, keep: dict | None = None):
-    import mlx.core as mx
-    from mlx_lm import load
+    from pathlib import Path
 
-    model, _ = load(str(path))
+    import mlx.core as mx
+    from mlx_lm.utils import load_model  # mlx_lm.load's model, without its tokenizer (the tiny Mixtral has none)
+
+    model, _ = load_model(Path(path))
     for layer, kept in (keep or {}).items():
-        mlp = model.model.layers[int(layer)].mlp
+        block = model.model.layers[int(layer)]
+        mlp = getattr(block, "block_sparse_moe", None) or block.mlp  # Mixtral's name in mlx_lm, the others'
         gate = mlp.gate
         mask = mx.array([0.0 if e in kept else float("-inf") for e in range(4)])
 
@@ -49,7 +53,7 @@ def test_prune_mlx_quantized_stacks_bit_for_bit(mlx4, tmp_path, mapped_verify):
     (tmp_path / "keep.json").write_text(json.dumps(keep))
     run_cli("prune-experts", mlx4, "--keep", tmp_path / "keep.json", "-o", tmp_path / "out")
     a, b = tensors_raw(mlx4), tensors_raw(tmp_path / "out")
-    moved = [n for n in a if ".switch_mlp." in n or ".mlp.gate." in n]
+    moved = [n for n in a if ".switch_mlp." in n or ".mlp.gate." in n or ".block_sparse_moe.gate." in n]
     assert {n.rsplit(".", 1)[1] for n in moved} == {"weight", "scales", "biases"}
     for n in moved:  # packed codes, scales and biases: the kept experts' slices, as stored
         assert torch.equal(b[n], a[n][keep[n.split(".")[2]]])
