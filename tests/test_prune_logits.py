@@ -255,6 +255,23 @@ def test_verify_logits_gpt_oss_top_k_then_softmax_router(tmp_path):
     assert lg["masked"]["routing_mass_lost"] and all(0 <= v < 1 for v in lg["masked"]["routing_mass_lost"].values())
 
 
+def test_verify_logits_deepseek_v3_mlx_4bit_bit_for_bit(hf, tmp_path):
+    """DeepSeek-V3 (one group) exported to MLX 4-bit and pruned: the quantized expert stacks and router slice as
+    stored, and mlx_lm's MoEGate masked through its correction bias gives B's logits bit for bit."""
+    pytest.importorskip("mlx_lm")
+    from ffn_tools.api import convert
+
+    from safetensors import safe_open
+
+    convert(hf("deepseek_v3", n_group=1, topk_group=1), "mlx", tmp_path / "a", quantize=4)
+    names = {k for f in (tmp_path / "a").glob("*.safetensors") for k in safe_open(str(f), "np").keys()}
+    assert "model.layers.1.mlp.switch_mlp.gate_proj.scales" in names  # the expert stacks are 4-bit codes
+    run_cli("prune-experts", tmp_path / "a", "--drop", "1", "-o", tmp_path / "b")
+    r, report = _verify(tmp_path / "a", tmp_path / "b")
+    assert r.exit_code == 0 and report["logits"]["max_abs"] == 0, r.output
+    assert "the 1 expert B dropped" in report["logits"]["client_a"]
+
+
 def test_verify_logits_deepseek_v3_mlx_bit_for_bit_and_across_clients(hf, tmp_path):
     """DeepSeek-V3 (one group) exported to MLX and pruned: mlx_lm's MoEGate masked through its correction bias
     gives B's logits bit for bit; A in transformers, masked there, against the MLX B within float32."""
