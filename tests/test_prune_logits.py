@@ -272,6 +272,29 @@ def test_verify_logits_deepseek_v3_mlx_4bit_bit_for_bit(hf, tmp_path):
     assert "the 1 expert B dropped" in report["logits"]["client_a"]
 
 
+def test_verify_logits_gpt_oss_mlx_4bit_bit_for_bit(tmp_path):
+    """GPT-OSS exported to MLX 4-bit (mlx_lm's layout: ``mlp.experts.{gate,up,down}_proj`` stacks, each with its
+    scales, biases and bias) and pruned: every stack under the experts module slices with the router. Before, only
+    the router was cut (the stacks sit one module below the experts the reader names): mlx_lm refused the output
+    ("Expected shape (3, 96, 8)"), written without a word. B's logits are mlx_lm's A masked, bit for bit."""
+    pytest.importorskip("mlx_lm")
+    import zoo
+    from safetensors import safe_open
+
+    from ffn_tools.api import convert
+
+    zoo.build("gpt_oss", tmp_path / "hf")
+    convert(tmp_path / "hf", "mlx", tmp_path / "a", quantize=4)
+    run_cli("prune-experts", tmp_path / "a", "--drop", "2", "-o", tmp_path / "b")
+    shapes = {k: h.get_slice(k).get_shape() for f in (tmp_path / "b").glob("*.safetensors")
+              for h in [safe_open(str(f), "np")] for k in h.keys()}
+    stacks = [k for k in shapes if ".mlp.experts." in k]
+    assert any(k.endswith(".scales") for k in stacks) and all(shapes[k][0] == 3 for k in stacks), shapes
+    r, report = _verify(tmp_path / "a", tmp_path / "b")
+    lg = report["logits"]
+    assert r.exit_code == 0 and lg["passed"] and lg["max_abs"] == 0 and lg["client_b"].startswith("mlx_lm"), r.output
+
+
 def test_verify_logits_deepseek_v3_mlx_bit_for_bit_and_across_clients(hf, tmp_path):
     """DeepSeek-V3 (one group) exported to MLX and pruned: mlx_lm's MoEGate masked through its correction bias
     gives B's logits bit for bit; A in transformers, masked there, against the MLX B within float32."""

@@ -102,9 +102,12 @@ def moe_layers(ckpt, ffns: FFNSet) -> dict[int, MoELayer]:
             container = _module(m.heads[0].rstrip("."))
         else:
             modules = {_module(n) for n in f0.names.values()}
-            for n in names:
-                if _module(n) in modules:
+            for n in names:  # the stack's tensors, or under it (MLX's GPT-OSS: experts.gate_proj.{weight,scales})
+                if _module(n) in modules or any(n.startswith(f"{mod}.") for mod in modules):
                     m.stacks[n] = _stack_rows(stored, n, len(experts), f0.form.flat)
+            if not m.stacks:  # the router alone would be cut: a model its runtime refuses, written without a word
+                raise FFNToolsError(f"layer {layer}: no stored tensor holds its {len(experts)} stacked experts (read "
+                                    f"as {sorted(f0.names.values())[0]}): expert surgery cannot move them")
             container = _module(f0.names["down"])
         m.block, m.routers = _routers(stored, layer, container, len(experts))
     for n in names:  # every tensor of a per-expert module: its weights, biases, scales
