@@ -259,9 +259,9 @@ def test_verify_logits_deepseek_v3_mlx_4bit_bit_for_bit(hf, tmp_path):
     """DeepSeek-V3 (one group) exported to MLX 4-bit and pruned: the quantized expert stacks and router slice as
     stored, and mlx_lm's MoEGate masked through its correction bias gives B's logits bit for bit."""
     pytest.importorskip("mlx_lm")
-    from ffn_tools.api import convert
-
     from safetensors import safe_open
+
+    from ffn_tools.api import convert
 
     convert(hf("deepseek_v3", n_group=1, topk_group=1), "mlx", tmp_path / "a", quantize=4)
     names = {k for f in (tmp_path / "a").glob("*.safetensors") for k in safe_open(str(f), "np").keys()}

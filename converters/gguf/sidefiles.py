@@ -38,7 +38,7 @@ from ffn_tools.errors import FFNToolsError
 from ffn_tools.io import nogc
 from ffn_tools.io.store import Checkpoint
 
-from .rebuilt_tokens import invented, ordinary_pad
+from .rebuilt_tokens import repaired
 
 # GGUF architectures transformers' GGUF model loader refuses ("not supported yet"), which AutoTokenizer asks
 # first: their tokenizer is read by the fast tokenizer itself (the class AutoTokenizer gives DeepSeek's models).
@@ -86,8 +86,7 @@ def tokenizer_files(ckpt: Checkpoint) -> tuple[dict[str, str | bytes], list[str]
         files: dict[str, str | bytes] = {p.name: p.read_text("utf-8") for p in Path(d).iterdir() if p.is_file()}
         said = generic_class(Path(d), files, fields)
     changes = ["tokenizer files written from the GGUF's tokenizer.ggml.* by transformers' GGUF reader", *said]
-    changes += invented(files, len(fields["tokenizer.ggml.tokens"]))
-    changes += ordinary_pad(files, fields)
+    changes += repaired(files, fields)  # invented tokens left out, an ordinary padding token made ordinary
     why = ranks_lost(fields)
     if why and "tokenizer.json" in files:
         files["tokenizer.json"], n = rank_by_position(str(files["tokenizer.json"]))

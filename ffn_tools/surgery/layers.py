@@ -103,7 +103,7 @@ def moe_layers(ckpt, ffns: FFNSet) -> dict[int, MoELayer]:
         else:
             modules = {_module(n) for n in f0.names.values()}
             for n in names:  # the stack's tensors, or under it (MLX's GPT-OSS: experts.gate_proj.{weight,scales})
-                if _module(n) in modules or any(n.startswith(f"{mod}.") for mod in modules):
+                if any(n.startswith(f"{mod}.") for mod in modules):
                     m.stacks[n] = _stack_rows(stored, n, len(experts), f0.form.flat)
             if not m.stacks:  # the router alone would be cut: a model its runtime refuses, written without a word
                 raise FFNToolsError(f"layer {layer}: no stored tensor holds its {len(experts)} stacked experts (read "
