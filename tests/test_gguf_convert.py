@@ -271,6 +271,9 @@ def test_conversions_of_one_process_share_the_converters_imports(gguf_model, ggu
     with zygote._busy:  # another thread converting through it: this conversion runs in a process of its own
         run_cli("-q", "convert", src, "--to", "gguf", "-o", tmp_path / "own.gguf", "--outtype", "q8_0")
     assert (tmp_path / "own.gguf").read_bytes() == gguf_ref("llama", "q8_0").read_bytes()
+    # and left that thread's zygote running (the command's early start of one for its own environment replaced it,
+    # under the other thread's conversion)
+    assert zygote._live["proc"].pid == pids[2] and zygote._live["proc"].poll() is None
 
 
 def test_the_converter_zygote_ends_silently():

@@ -255,7 +255,7 @@ def warm(model_type: str | None):
     from .source import installed_dir
 
     if installed_dir() is not None:
-        zygote.ensure(model_type, _env())
+        zygote.prestart(model_type, _env())
     yield
 
 

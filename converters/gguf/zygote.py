@@ -28,8 +28,9 @@ _busy = threading.Lock()  # one conversion at a time through the zygote's pipes
 # read by no import (the child gets the request's environment whole: what a conversion reads at run time is the
 # caller's), so a change of one starts no other zygote: pytest's per test, the worker's proof limit (``prove``),
 # the advisory-warnings switch transformers reads at each warning and ``import mlx_lm`` sets (a GGUF -> MLX export
-# started a second zygote for every later conversion of the process)
-VOLATILE = ("PYTEST_CURRENT_TEST", "FFN_TOOLS_GGUF_CHECK_LIMIT", "TRANSFORMERS_NO_ADVISORY_WARNINGS")
+# started a second zygote for every later conversion of the process), and the breakpoint hook ``breakpoint()`` reads
+# at each call, which ``ray.init`` sets (a process that started ray restarted the zygote)
+VOLATILE = ("PYTEST_CURRENT_TEST", "FFN_TOOLS_GGUF_CHECK_LIMIT", "TRANSFORMERS_NO_ADVISORY_WARNINGS", "PYTHONBREAKPOINT")
 
 
 def _key(env: dict) -> tuple:
@@ -48,6 +49,17 @@ def ensure(model_type: str | None, env: dict) -> subprocess.Popen:
         atexit.register(stop)
     _live.update(key=_key(env), proc=proc)
     return proc
+
+
+def prestart(model_type: str | None, env: dict) -> None:
+    """``ensure`` now, so that the start overlaps the caller's other work; nothing where another thread is
+    converting through the zygote (a zygote for another environment would have replaced it under that conversion,
+    and this one's conversion runs in a process of its own: ``run``)."""
+    if _busy.acquire(blocking=False):
+        try:
+            ensure(model_type, env)
+        finally:
+            _busy.release()
 
 
 def stop() -> None:
