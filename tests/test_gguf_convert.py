@@ -8,6 +8,7 @@ checkpoint transformers loads whose tensors are the source's, bit for bit, from 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -152,6 +153,23 @@ def test_an_ordinary_padding_token_stays_ordinary(gguf_model, gguf_ref, tmp_path
     assert ours == source == theirs and ours[:2] == [15496, 3228], (ours, source, theirs)  # "Hello", "!!"
     assert json.loads((out / "tokenizer.json").read_text()) == json.loads((src / "tokenizer.json").read_text())
     assert json.loads((out / "config.json").read_text())["pad_token_id"] == 0
+    # GPT2Tokenizer's saved `add_prefix_space: false` (a GGUF keeps none: null in B) is left to the behaviour check,
+    # which passes it; on main, verify failed this pair on it. Set otherwise in B, for a class that reads it (B's
+    # TokenizersBackend keeps tokenizer.json's pre-tokenizer), the check fails it, naming a text.
+    v = json.loads(run_cli("verify", src, out, "--backend", "reference", "--json").stdout)
+    assert v["passed"] and v["side_files"]["problems"] == [], v["side_files"]
+    assert any(n.startswith("tokenizer_config.json: add_prefix_space") and "compared by behaviour instead" in n
+               for n in v["side_files"]["notes"]), v["side_files"]
+    from ffn_tools.checks.side_files import compare_side_files
+
+    bad = tmp_path / "prefixed"
+    shutil.copytree(out, bad)
+    cfg = json.loads((bad / "tokenizer_config.json").read_text())
+    (bad / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_prefix_space": True,
+                                                                 "tokenizer_class": "GPT2Tokenizer"}))
+    problems = compare_side_files(src, bad).problems
+    assert len(problems) == 1 and problems[0].startswith("tokenizer_config.json: add_prefix_space is false in A, "
+                                                         "true in B; and the tokenizers differ in what they do: "), problems
 
 
 def test_gguf_to_torch_side_files_round_trip(gguf_model, gguf_ref, tmp_path):

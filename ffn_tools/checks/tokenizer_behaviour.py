@@ -10,8 +10,9 @@ fail ``side_files``' file comparison though nothing a client computes need chang
 
 ``settle`` takes each tokenizer.json / tokenizer_config.json problem whose pair agrees on every fact a vocabulary
 holds (``facts``: each token's id, the merges in rank order, each added token's id and special flag, the model's
-type and unknown token; tokenizer_config.json without ``tokenizer_class``, and without ``extra_special_tokens``
-where the other side's tokenizer.json marks each of those tokens special: ``_config_agrees``) and has
+type and unknown token; tokenizer_config.json without ``tokenizer_class`` and ``add_prefix_space`` (``OBSERVED``),
+and without ``extra_special_tokens`` where the other side's tokenizer.json marks each of those tokens special:
+``_config_agrees``) and has
 transformers load both tokenizers: when they encode the built-in corpus (``corpus``) to the same ids, decode
 those to the same text with special tokens kept and skipped, and mark the same tokens special, the problem
 becomes a note saying so and what was not compared; otherwise it stays, with the first text they treat
@@ -30,6 +31,10 @@ from .json_diff import diff, document, forget, merge_order, read_json
 from .tokenizer_config import IGNORED, tokenizer_views
 
 FILES = ("tokenizer.json", "tokenizer_config.json")
+# tokenizer_config.json settings left to the behaviour check: the class (a GGUF names none), and whether a space is
+# put before the first word (GPT-2's class saves false; a GGUF keeps no such key, and the rebuilt tokenizer's
+# pre-tokenizer decides; where the two sides' tokenizers do not agree, every corpus text's first word encodes otherwise)
+OBSERVED = ("tokenizer_class", "add_prefix_space")
 NOT_COMPARED = "texts beyond the corpus"
 NOT_COMPARED_LIST = ("the extra_special_tokens list (transformers' all_special_ids, which "
                      "convert_ids_to_tokens(skip_special_tokens=True) reads)")
@@ -215,7 +220,8 @@ def _config_agrees(ra: Path, rb: Path) -> bool:
             v.pop(k, None)
     va, vb = tokenizer_views(ra, rb, va, vb, [])
     for v in (va, vb):  # the class: a GGUF names none (transformers' reader picks one by architecture); a null
-        v.pop("tokenizer_class", None)  # setting (add_prefix_space: null, as Qwen2Tokenizer saves it) is no setting
+        for k in OBSERVED:  # setting (add_prefix_space: null, as Qwen2Tokenizer saves it) is no setting
+            v.pop(k, None)
         for k in [k for k, x in v.items() if x is None]:
             del v[k]
     for v, other in ((va, rb), (vb, ra)):

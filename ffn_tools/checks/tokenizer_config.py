@@ -15,8 +15,9 @@ from .json_diff import clip, parse, read_json
 IGNORED = {"tokenizer_config.json": ("name_or_path", "is_local", "local_files_only", "vocab_file"),
            "generation_config.json": ("transformers_version",)}
 # What transformers 5 uses for a tokenizer_config.json key it does not find: VERY_LARGE_INTEGER; the backend
-# the tokenizer's class picks.
-LOADER_DEFAULTS = {"model_max_length": (int(1e30),), "backend": ("tokenizers", "sentencepiece")}
+# the tokenizer's class picks; the byte decoder's error handling of the byte-level BPE classes (GPT-2's, Qwen's:
+# "replace", their default in transformers 4 and 5; 5 decodes through tokenizers, which reads none).
+LOADER_DEFAULTS = {"model_max_length": (int(1e30),), "backend": ("tokenizers", "sentencepiece"), "errors": ("replace",)}
 CLASS_ALIASES = ({"PreTrainedTokenizerFast", "TokenizersBackend"},)  # one class in transformers 5
 # tokenizer_config.json keys that may be set in B only: without a pad token A's tokenizer refuses to pad
 # (padding=True raises), so every call A's tokenizer answers, B's answers the same; the other special tokens
