@@ -168,8 +168,9 @@ def test_an_ordinary_padding_token_stays_ordinary(gguf_model, gguf_ref, tmp_path
     (bad / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_prefix_space": True,
                                                                  "tokenizer_class": "GPT2Tokenizer"}))
     problems = compare_side_files(src, bad).problems
-    assert len(problems) == 1 and problems[0].startswith("tokenizer_config.json: add_prefix_space is false in A, "
-                                                         "true in B; and the tokenizers differ in what they do: "), problems
+    assert len(problems) == 1 and problems[0].startswith(
+        "tokenizer_config.json: add_prefix_space is false in A, true in B; and the tokenizers differ in what they do: "
+    ), problems
 
 
 def test_gguf_to_torch_side_files_round_trip(gguf_model, gguf_ref, tmp_path):

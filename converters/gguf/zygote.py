@@ -30,7 +30,8 @@ _busy = threading.Lock()  # one conversion at a time through the zygote's pipes
 # the advisory-warnings switch transformers reads at each warning and ``import mlx_lm`` sets (a GGUF -> MLX export
 # started a second zygote for every later conversion of the process), and the breakpoint hook ``breakpoint()`` reads
 # at each call, which ``ray.init`` sets (a process that started ray restarted the zygote)
-VOLATILE = ("PYTEST_CURRENT_TEST", "FFN_TOOLS_GGUF_CHECK_LIMIT", "TRANSFORMERS_NO_ADVISORY_WARNINGS", "PYTHONBREAKPOINT")
+VOLATILE = ("PYTEST_CURRENT_TEST", "FFN_TOOLS_GGUF_CHECK_LIMIT", "TRANSFORMERS_NO_ADVISORY_WARNINGS",
+            "PYTHONBREAKPOINT")
 
 
 def _key(env: dict) -> tuple:
