@@ -263,6 +263,51 @@ def test_other_formats_say_what_became_of_the_head(deepseek, tmp_path):
     assert any(c.startswith("kept the MTP head model.layers.2") and "--mtp" not in c for c in r["changes"])
 
 
+def test_gguf_deepseek_v3_head_is_dropped_recorded_and_only_refused(gguf_model, tmp_path):
+    """llama.cpp's DeepSeek-V3 converter class (DeepseekV2Model) writes no NextN block and has no --mtp: --to gguf
+    writes its file (tensor for tensor, key for key convert_hf_to_gguf.py's), says the head was dropped and records
+    it in the metadata (read back as verify reads it: left out on purpose); --mtp drop writes the same file; --mtp only
+    is refused naming why, nothing written. On main the head's absence was a warning, and nothing recorded it."""
+    import shutil
+
+    import gguf_models
+    from ffn_tools.converters.gguf.header import Reader
+    from ffn_tools.converters.gguf.reader import field_values
+
+    src = gguf_model("deepseek_v3")  # GPT-2's vocabulary, which the converter's DeepSeek class reads
+    ids = {k: v for k, v in json.loads((src / "config.json").read_text()).items()
+           if k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
+    cfg_name, model_name, extra = tiny_models.ARCHS["deepseek_v3"]
+    a = with_head("deepseek_v3", tmp_path / "a", (cfg_name, model_name, {**extra, **ids}))
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, a / f.name)
+    out = tmp_path / "a.gguf"
+    r = json.loads(run_cli("-q", "convert", a, "--to", "gguf", "-o", out, "--outtype", "f32", "--json").stdout)
+    assert any(c.startswith("dropped the MTP head model.layers.2 (32 tensors): llama.cpp's converter class for this "
+                            "model (DeepseekV2Model) writes none") for c in r["changes"]), r["changes"]
+    assert not r.get("warnings"), r["warnings"]
+    (tmp_path / "ref").mkdir()
+    ref = gguf_models.convert_reference(a, tmp_path / "ref" / "a.gguf", "f32")
+    ours, theirs = Reader(out), Reader(ref)
+    assert [(t.name, t.tensor_type, bytes(t.data)) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, bytes(t.data)) for t in theirs.tensors]
+    fo, ft = field_values(ours), field_values(theirs)
+    assert json.loads(fo.pop(mtp.RECORD)) == {"mtp": "drop", "heads": ["model.layers.2"], "tensors": 32}
+    assert fo == ft
+    del ours, theirs
+    run_cli("-q", "convert", a, "--to", "gguf", "-o", tmp_path / "drop.gguf", "--outtype", "f32", "--mtp", "drop")
+    assert (tmp_path / "drop.gguf").read_bytes() == out.read_bytes()
+    refused = run_cli("convert", a, "--to", "gguf", "-o", tmp_path / "only.gguf", "--mtp", "only", ok=False)
+    assert "--mtp only: llama.cpp's converter class for this model (DeepseekV2Model) writes no MTP head" in \
+        " ".join(refused.output.split()) and not (tmp_path / "only.gguf").exists()
+    from ffn_tools.converters import open_any
+
+    with open_any(out) as b:  # read back as verify and inspect read it: dropped on purpose, no count disagreement
+        assert mtp.recorded(b.metadata)["mtp"] == "drop" and mtp.find_heads(b, b.config) == ()
+        assert mtp.check_count((), b.config, b.metadata) is None
+
+
 def test_a_silent_drop_is_a_warning():
     """An output lacking a head it does not record dropping (say a writer with no place for it): a warning naming
     the head; recorded: said as dropped; an export that said it already: nothing added."""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ffn_tools.formats import Format, Option
 from ffn_tools.io.store import Checkpoint
+from ffn_tools.mtp import OPTION as MTP
 from .kquant import FTYPES
 
 # the package imports none of its writer or reader: the tensor writer's and quantizer's child processes
@@ -38,7 +39,8 @@ class Gguf(Format):
         Option("token_embedding_type", "GGUF, with a llama-quantize --outtype: the type of token_embd.weight, as "
                "llama-quantize's flag.", metavar="TYPE"),
         Option("imatrix", "GGUF, with a llama-quantize --outtype: llama-imatrix's importance matrix (GGUF), as "
-               "llama-quantize's flag; i-quants below 3 bits need one.", existing_file=True))
+               "llama-quantize's flag; i-quants below 3 bits need one.", existing_file=True),
+        MTP)  # --mtp: llama.cpp's --mtp / --no-mtp where the family's converter class has them, else recorded
     takes = frozenset({"dry_run"})
     detect_order = 10
 

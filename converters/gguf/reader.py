@@ -30,6 +30,7 @@ from ffn_tools.checks.rounded import record
 from ffn_tools.io.store import Checkpoint, TensorInfo
 from ffn_tools.quant.base import KEPT_KEY
 from ffn_tools.surgery.mapping import METADATA_KEY as EXPERT_MAP
+from ffn_tools.mtp import RECORD
 
 from .codes import GGUF_TYPES, TYPE_BITS
 from .config import hf_config
@@ -158,8 +159,9 @@ class GGUFCheckpoint(Checkpoint):
         dtype = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(max(set(stored), key=stored.count)
                                                                              if stored else "F32", "float32")
         config = hf_config(self.fields, self.family, vocab, "lm_head.weight" not in infos, dtype)
-        # an expert surgery's mapping (``surgery.mapping``: a GGUF's string key), read as a safetensors' metadata
-        recorded = {k: v for k, v in self.fields.items() if k == EXPERT_MAP and isinstance(v, str)}
+        # an expert surgery's mapping (``surgery.mapping``: a GGUF's string key) and what --mtp did to the heads
+        # (``mtp.RECORD``), read as a safetensors' metadata
+        recorded = {k: v for k, v in self.fields.items() if k in (EXPERT_MAP, RECORD) and isinstance(v, str)}
         super().__init__(path, path.parent, files, infos, {"format": "gguf", **recorded}, config)
         # the tensors written from a quantized source's codes (converters/gguf/kept.py): verify demands their values
         kept = set(self.fields.get(KEPT_KEY) or ())

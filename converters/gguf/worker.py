@@ -110,6 +110,7 @@ def run(request: dict) -> dict:
         if not quant.find(ckpt, every=True):  # the view decodes them all: the converter sees plain weights, and
             hparams.pop("quantization_config", None)  # its own dequantization (which asserts on some) must not run
         cls, arch = model_class(ckpt)
+        heads = mtp_mode(cls, request.get("mtp"))
         source = getattr(opened, "fields", None) if request.get("rebuilt") else None  # a GGUF's tokenizer, rebuilt
         carried = _pre_fallback(cls, (source or {}).get("tokenizer.ggml.pre"))
         out = Path(request["out"])
@@ -122,6 +123,8 @@ def run(request: dict) -> dict:
         tensors = [{"name": n, "type": t.dtype.name, "shape": [int(d) for d in reversed(t.shape)], "bytes": t.nbytes}
                    for n, t in model.gguf_writer.tensors[0].items()]
         result = {"architecture": arch, "class": cls.__mro__[1].__name__, "tensors": tensors, "outtype": outtype}
+        if heads is not None:
+            result["mtp"] = heads
         if codes is not None:
             result["codes"] = [t.report for t in codes]
             if any(t.action == "refused" for t in codes):
@@ -135,6 +138,10 @@ def run(request: dict) -> dict:
                 result["pre_carried"] = carried[0]
             if source:
                 result["token_types"] = _token_types_as_source(writer, source)
+            if heads is not None and heads["record"]:
+                from ffn_tools.mtp import RECORD
+
+                writer.add_string(RECORD, heads["record"])  # what became of the heads, as other formats record it
             writer.write_header_to_file(path=out)
             writer.write_kv_data_to_file()
             if plan is not None:
@@ -143,6 +150,30 @@ def run(request: dict) -> dict:
                 writer.write_tensors_to_file(progress=request["progress"])
             writer.close()
         return result
+
+
+def mtp_mode(cls, asked: dict | None) -> dict | None:
+    """The converter class ``cls`` (``model_class``'s, made for this conversion) set for ``--mtp`` (``asked``: the
+    mode and each mode's metadata record; None: the model has no MTP head): convert_hf_to_gguf.py's --mtp (only) or
+    --no-mtp (drop) where its class exports heads (``supports_mtp_export``); a class without them writes none, and
+    only is refused. What was done: the mode, whether by the converter's flag, and the record to write (None: kept).
+
+    Raises:
+        FFNToolsError: --mtp only where the class has no --mtp.
+    """
+    from ffn_tools.errors import FFNToolsError
+
+    if asked is None:
+        return None
+    mode = asked["mode"]
+    if getattr(cls, "supports_mtp_export", False):
+        cls.no_mtp, cls.mtp_only = mode == "drop", mode == "only"
+        return {"mode": mode, "flag": True, "record": asked["record"].get(mode)}
+    if mode == "only":
+        raise FFNToolsError(f"--mtp only: llama.cpp's converter class for this model ({cls.__mro__[1].__name__}) "
+                            "writes no MTP head and has no --mtp (DeepSeek-V3.2's class has); --to torch --mtp only "
+                            "writes the head alone")
+    return {"mode": "drop", "flag": False, "record": asked["record"]["drop"]}
 
 
 def keep_codes(ckpt, model, request: dict):
@@ -307,8 +338,13 @@ def respond(request: dict) -> int:
     ``script`` runs that script instead (``script``)."""
     if "script" in request or "module" in request:
         return script(request)
+    from ffn_tools.errors import FFNToolsError
+
     try:
         result = run(request)
+    except FFNToolsError as e:  # ours: the message as it is, the writer's refusal
+        print(json.dumps({"error": str(e), "refused": True}))
+        return 1
     except Exception as e:  # noqa: BLE001 - the converter's own refusals (NotImplementedError, ValueError, ...)
         print(json.dumps({"error": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"}))
         return 1
