@@ -102,6 +102,8 @@ def run(request: dict) -> dict:
 
     from ffn_tools import quant
 
+    from . import heads as mtp_heads
+
     logging.getLogger("hf-to-gguf").setLevel(logging.WARNING)
     with open_any(request["source"]) as opened, torch.inference_mode():
         # from codes: every quantized weight read decoded (FP8 blocks too), the kept ones replaced after
@@ -110,7 +112,7 @@ def run(request: dict) -> dict:
         if not quant.find(ckpt, every=True):  # the view decodes them all: the converter sees plain weights, and
             hparams.pop("quantization_config", None)  # its own dequantization (which asserts on some) must not run
         cls, arch = model_class(ckpt)
-        heads = mtp_mode(cls, request.get("mtp"))
+        heads = mtp_heads.set_class(cls, request.get("mtp"))
         source = getattr(opened, "fields", None) if request.get("rebuilt") else None  # a GGUF's tokenizer, rebuilt
         carried = _pre_fallback(cls, (source or {}).get("tokenizer.ggml.pre"))
         out = Path(request["out"])
@@ -138,10 +140,7 @@ def run(request: dict) -> dict:
                 result["pre_carried"] = carried[0]
             if source:
                 result["token_types"] = _token_types_as_source(writer, source)
-            if heads is not None and heads["record"]:
-                from ffn_tools.mtp import RECORD
-
-                writer.add_string(RECORD, heads["record"])  # what became of the heads, as other formats record it
+            mtp_heads.record(writer, heads)  # what became of the heads, as other formats record it
             writer.write_header_to_file(path=out)
             writer.write_kv_data_to_file()
             if plan is not None:
@@ -150,30 +149,6 @@ def run(request: dict) -> dict:
                 writer.write_tensors_to_file(progress=request["progress"])
             writer.close()
         return result
-
-
-def mtp_mode(cls, asked: dict | None) -> dict | None:
-    """The converter class ``cls`` (``model_class``'s, made for this conversion) set for ``--mtp`` (``asked``: the
-    mode and each mode's metadata record; None: the model has no MTP head): convert_hf_to_gguf.py's --mtp (only) or
-    --no-mtp (drop) where its class exports heads (``supports_mtp_export``); a class without them writes none, and
-    only is refused. What was done: the mode, whether by the converter's flag, and the record to write (None: kept).
-
-    Raises:
-        FFNToolsError: --mtp only where the class has no --mtp.
-    """
-    from ffn_tools.errors import FFNToolsError
-
-    if asked is None:
-        return None
-    mode = asked["mode"]
-    if getattr(cls, "supports_mtp_export", False):
-        cls.no_mtp, cls.mtp_only = mode == "drop", mode == "only"
-        return {"mode": mode, "flag": True, "record": asked["record"].get(mode)}
-    if mode == "only":
-        raise FFNToolsError(f"--mtp only: llama.cpp's converter class for this model ({cls.__mro__[1].__name__}) "
-                            "writes no MTP head and has no --mtp (DeepSeek-V3.2's class has); --to torch --mtp only "
-                            "writes the head alone")
-    return {"mode": "drop", "flag": False, "record": asked["record"]["drop"]}
 
 
 def keep_codes(ckpt, model, request: dict):

@@ -29,16 +29,16 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from ffn_tools import mtp as mtp_heads, progress
+from ffn_tools import progress
 from ffn_tools.child import python_env
-from ffn_tools.errors import FFNToolsError, listing
+from ffn_tools.errors import FFNToolsError
 from ffn_tools.io.output import atomic_output
 from ffn_tools.io.run import NO_RUN, Run
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.executor import side_files
 from ffn_tools.sizes import human
 
-from . import OUTTYPES, kquant, zygote
+from . import OUTTYPES, heads as mtp_heads, kquant, zygote
 from .source import llama_cpp_dir
 
 # what a terminal shows while llama.cpp's converter starts (before the tensors' progress bar: seconds)
@@ -63,7 +63,7 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
             GGUF type that holds it exactly, and a weight no type holds is refused; True writes those as Q8_0 of
             their dequantized values instead (said per tensor).
         mtp: ``--mtp`` keep (the default), drop or only the MTP heads (``ffn_tools.mtp``): llama.cpp's ``--mtp`` /
-            ``--no-mtp`` where the family's converter class has them (``worker.mtp_mode``); where it has none (its
+            ``--no-mtp`` where the family's converter class has them (``heads``); where it has none (its
             DeepSeek-V3 class), the converter's file, which holds no head: said, recorded in the metadata as
             dropped, and ``only`` refused.
         dry_run: run the converter's plan (every tensor's name, type and shape) and write nothing.
@@ -101,16 +101,14 @@ def export(ckpt: Checkpoint, out: Path, *, dtype: str | None = None, force: bool
                             + ("this input holds no quantized weights" if not stored_quantized else
                                f"--outtype {outtype} writes every weight dequantized, then as {outtype}"))
     dequantized = 0 if codes else sum(1 for n in ckpt if ckpt.quantized(n))
-    heads = mtp_heads.find_heads(ckpt, ckpt.config)
-    mtp_heads.select((), heads, mtp or "keep")  # an unknown mode, or only of a model without a head: refused
+    heads, asked = mtp_heads.request(ckpt, mtp)  # an unknown mode, or only of a model without a head: refused
     said = {"dequantized": dequantized, "format": ckpt.kind, "asked": outtype, "heads": heads}
     with _model_dir(ckpt) as (dir_model, rebuilt):  # config.json and the tokenizer, where the converter reads them
         request = {"source": str(ckpt.path), "dir_model": str(dir_model),
                    "outtype": "auto" if quantizing else outtype, "dry_run": dry_run, "progress": progress.visible(),
                    "native": native, "codes": codes, "rebuilt": rebuilt}
-        if heads:  # what the converter is to do with them, and each mode's record (``worker.mtp_mode``)
-            request["mtp"] = {"mode": mtp or "keep", "record": {m: mtp_heads.record(m, heads)[mtp_heads.RECORD]
-                                                              for m in ("drop", "only")}}
+        if asked:  # what the converter is to do with the heads (``heads``)
+            request["mtp"] = asked
         if codes:  # what each quantized weight can be, from its codes read once, before the converter starts
             request["choices"] = _choices(ckpt, view, modules, refuse=codes == "keep")
         if dry_run:
@@ -175,18 +173,6 @@ def _model_dir(ckpt: Checkpoint):
             raise FFNToolsError(f"{e} (the input has no tokenizer files: the converter read the ones rebuilt from "
                                 f"{ckpt.path.name}'s metadata, whose BPE pre-tokenizer it does not recognise; put "
                                 "the model's own tokenizer.json and config.json beside the input)") from None
-
-
-def _mtp_changes(result: dict, heads) -> list[str]:
-    """What became of the MTP ``heads``: the converter's --mtp / --no-mtp as ``mtp.said`` says it, or, where its
-    class has neither, the heads it leaves out (recorded as dropped)."""
-    done = result.get("mtp") or {}
-    if done.get("flag"):
-        return mtp_heads.said(done["mode"], heads, hint=done["mode"] == "keep")
-    n = sum(len(h.tensors) for h in heads)
-    return [f"dropped the MTP head{'s' * (len(heads) > 1)} {listing([h.name for h in heads], 4)} ({n} tensors): "
-            f"llama.cpp's converter class for this model ({result.get('class')}) writes none and has no --mtp "
-            f"(DeepSeek-V3.2's class has); recorded in the metadata as {mtp_heads.RECORD} (--to torch keeps it)"]
 
 
 def _fallback_line(fallbacks: list[dict], total: int) -> str:
@@ -323,8 +309,7 @@ def _summary(out: Path, result: dict, said: dict, plan: bool) -> dict:
                        f"them as {outtype}, with the quantization's error")
     if result.get("codes"):
         changes += _codes_changes(result["codes"])
-    if heads := said["heads"]:
-        changes += _mtp_changes(result, heads)
+    changes += mtp_heads.changes(result, said["heads"])
     if ids := result.get("token_types"):
         changes.append(f"tokenizer.ggml.token_type of {len(ids)} token{'s' * (len(ids) != 1)} (id "
                        f"{', '.join(map(str, ids[:3]))}{', ...' if len(ids) > 3 else ''}) as the input's: the "
