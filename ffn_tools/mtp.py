@@ -20,19 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import FFNToolsError, listing
-from .formats import Option
+from .mtp_option import MODES, RECORD
 from .io.safetensors_format import build_header
 from .io.store import Checkpoint, TensorInfo
 
 DATA = Path(__file__).with_name("schemes") / "mtp.json"
 HEAD_FILE = "mtp.safetensors"  # the heads beside a model whose runtime has no place for them (MLX), source names
-RECORD = "ffn_tools_mtp"  # safetensors metadata key: what ``--mtp`` did to the heads ({"mtp": "drop", ...})
-MODES = ("keep", "drop", "only")
-OPTION = Option("mtp", "What to do with the model's multi-token-prediction (MTP, NextN) heads (DeepSeek-V3's and "
-                "GLM-4.5's blocks past num_hidden_layers, Qwen3-Next's mtp.*): keep (the default: written as the "
-                "source names them), drop (left out, and recorded in the output's metadata so verify knows it was "
-                "on purpose), only (the heads alone, a draft model's weights). Every conversion says what it did "
-                "with them.", choices=MODES)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ffn_tools.formats import Format, Option
 from ffn_tools.io.store import Checkpoint
-from ffn_tools.mtp import OPTION as MTP
+from ffn_tools.mtp_option import OPTION as MTP
 from .kquant import FTYPES
 
 # the package imports none of its writer or reader: the tensor writer's and quantizer's child processes

@@ -30,7 +30,7 @@ from ffn_tools.checks.rounded import record
 from ffn_tools.io.store import Checkpoint, TensorInfo
 from ffn_tools.quant.base import KEPT_KEY
 from ffn_tools.surgery.mapping import METADATA_KEY as EXPERT_MAP
-from ffn_tools.mtp import RECORD
+from ffn_tools.mtp_option import RECORD
 
 from .codes import GGUF_TYPES, TYPE_BITS
 from .config import hf_config

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ffn_tools.errors import FFNToolsError
 from ffn_tools.formats import Format, Option
-from ffn_tools.mtp import OPTION as MTP
+from ffn_tools.mtp_option import OPTION as MTP
 from ffn_tools.io.store import Checkpoint, read_config
 from ffn_tools.io.readers import open_checkpoint
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ffn_tools import quant
-from ffn_tools.mtp import OPTION as MTP
+from ffn_tools.mtp_option import OPTION as MTP
 from ffn_tools.formats import Format
 from ffn_tools.io.store import Checkpoint
 from ffn_tools.io.readers import open_checkpoint
