@@ -95,7 +95,8 @@ def test_a_nested_config_declares_the_head(glm, tmp_path):
     state = {("model.language_model." + n.removeprefix("model.") if n.startswith("model.") else n): t
              for n, t in tensors(glm).items()}
     save_file(state, str(v / "model.safetensors"), metadata={"format": "pt"})
-    text = {**tiny_models.COMMON, **GLM[2], "num_nextn_predict_layers": 1}
+    # (attention_bias: the glm fixture's weights have none, where Glm4vMoeTextConfig's default has them)
+    text = {**tiny_models.COMMON, **GLM[2], "num_nextn_predict_layers": 1, "attention_bias": False}
     cfg = transformers.Glm4vMoeConfig(text_config=text, vision_config={"depth": 1, "hidden_size": 32,
                                                                        "out_hidden_size": 64}).to_dict()
     assert "num_hidden_layers" not in cfg and "num_nextn_predict_layers" not in cfg  # text_config's alone
@@ -115,6 +116,16 @@ def test_a_nested_config_declares_the_head(glm, tmp_path):
         assert set(tensors(tmp_path / mode)) == want, mode
         with open_checkpoint(tmp_path / mode) as c:
             assert mtp.recorded(c.metadata)["heads"] == [block], mode
+    # its head runs as a draft as GLM-4.5's text model runs it (the language model's tensors and text_config): the
+    # drafts of the same weights stored as glm4_moe, share for share (verify said "not judged" for glm4v_moe)
+    from ffn_tools.formats import registry
+    from ffn_tools.verification.draft import acceptance
+
+    tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    with registry().open_any(v) as a, registry().open_any(glm) as g:
+        (x,), (y,) = acceptance(a, a, tokens), acceptance(g, g, tokens)
+    assert x.head == block and x.unjudged is None and x.agree == 1.0
+    assert (x.a, x.b, x.floor_agree) == (y.a, y.b, y.floor_agree), (x, y)
 
 
 def test_found_without_config():

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import FFNToolsError
-from ..mtp import LAYOUTS, DraftForm, Head, find_heads
+from ..mtp import LAYOUTS, NESTED, DraftForm, Head, find_heads, text_view
 
 if TYPE_CHECKING:
     import torch
@@ -128,6 +128,25 @@ def _loaded(config, state: Mapping[str, "torch.Tensor"], what: str):
         raise FFNToolsError(f"{what} does not fit the family's model (missing {sorted(missing)[:3]}, unexpected "
                             f"{sorted(info.get('unexpected_keys') or ())[:3]})")
     return model.eval()
+
+
+LANGUAGE_MODEL = "model.language_model."  # a multimodal checkpoint's language model (GLM-4.5V's)
+
+
+def _runs_as(config: Mapping | None) -> dict:
+    """``config`` as the draft reference runs its language model: a multimodal config's text settings
+    (``mtp.text_view``: GLM-4.5V's ``text_config``) at the top, without the nested configs."""
+    return {k: v for k, v in text_view(config).items() if k not in (*NESTED, "vision_config")}
+
+
+def _main_name(name: str, composite: bool) -> str | None:
+    """Tensor ``name``'s name in the family's text model: in a multimodal checkpoint (``composite``), its language
+    model's (``LANGUAGE_MODEL``) as ``model.``, its ``lm_head`` as it is, the rest (a vision tower) not run (None)."""
+    if not composite:
+        return name
+    if name.startswith(LANGUAGE_MODEL):
+        return "model." + name[len(LANGUAGE_MODEL):]
+    return name if name.startswith("lm_head.") else None
 
 
 def _form(head: Head, config: Mapping) -> DraftForm:
@@ -246,7 +265,7 @@ def acceptance(a, b, tokens: "torch.Tensor", floor: bool = True) -> list[Accepta
 
     from ..io.dtypes import short_name
 
-    config = dict(a.config or {})
+    config = _runs_as(a.config)
     heads = find_heads(a, config)
     if not heads:
         return []
@@ -255,12 +274,14 @@ def acceptance(a, b, tokens: "torch.Tensor", floor: bool = True) -> list[Accepta
         _form(head, config)
         held[head.name] = as_named(a, b, head)
     inside = {t for h in heads for t in h.tensors}
-    size = 4 * sum(math.prod(a.info(n).shape) for n in a if n not in inside)
+    composite = any(n.startswith(LANGUAGE_MODEL) for n in a)
+    size = 4 * sum(math.prod(a.info(n).shape) for n in a if n not in inside and _main_name(n, composite))
     if size > MAIN_LIMIT:
         raise FFNToolsError(f"A's main model is {size / 2**30:.1f} GiB in float32, past the draft reference's "
                             f"{MAIN_LIMIT / 2**30:.0f} GiB (it runs the main model on this machine's CPU)")
     main = _loaded(_config(config, config["num_hidden_layers"], family=_form(heads[0], config).family),
-                   {n: a[n] for n in a if n not in inside}, "A's main model")
+                   {k: a[n] for n in a if n not in inside and (k := _main_name(n, composite)) is not None},
+                   "A's main model")
     with torch.no_grad():
         hidden = main.model(tokens).last_hidden_state
         nxt = main.lm_head(hidden).argmax(-1)[:, 1:]  # the main model's greedy t_{i+2}, at position i+1
