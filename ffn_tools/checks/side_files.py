@@ -122,7 +122,7 @@ def _differs(name: str, ra: Path, rb: Path, notes: list[str]) -> str | None:
             db.pop(k, None)
         if name == "tokenizer.json" and da != db:  # as tokenizers reads them; named as written unless A is
             sa, sb = _canonical(ra / name, "A"), _canonical(rb / name, "B")  # in an older writer's form
-            if sa == sb:
+            if sa is not None and sa == sb:
                 return None
             if sa is not None and sb is not None:
                 ca, cb = nogc.loads(sa), nogc.loads(sb)
@@ -185,7 +185,7 @@ def _canonical(path: Path, side: str) -> str | None:
     128K-token files' parse was most of a side-files comparison)."""
     try:
         from tokenizers import Tokenizer
-    except ImportError:  # without the library, the JSON as written
+    except ImportError:  # without the library: the JSON compared as written
         return None
     try:
         return Tokenizer.from_file(str(path)).to_str()
