@@ -231,6 +231,18 @@ def test_added_token_changed_names_its_id(a, tmp_path):
                                                  "'<eos>' in B"]
 
 
+def test_without_tokenizers_tokenizer_json_is_compared_as_written(a, tmp_path, monkeypatch):
+    """Without the tokenizers library (its import fails), tokenizer.json is compared as written: a changed added
+    token still fails, named as with it (the text comparison of both files as tokenizers writes them needs it)."""
+    import sys
+
+    b = copy(a, tmp_path)
+    edit(b / "tokenizer.json", lambda d: d["added_tokens"][2].update(content="<eos>"))
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # `import tokenizers` raises ImportError
+    assert compare_side_files(a, b).problems == ["tokenizer.json: added_tokens[id=2].content is '</s>' in A, "
+                                                 "'<eos>' in B"]
+
+
 @pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "generation_config.json"])
 def test_missing_in_b_fails_naming_the_file(a, tmp_path, name):
     b = copy(a, tmp_path)
