@@ -146,7 +146,7 @@ def _drafts(ca, cb) -> dict[str, "Acceptance | str"]:
     by the head's name; where the reference cannot run them, why not, for every head."""
     import torch
 
-    vocab = int((ca.config or {}).get("vocab_size") or 0)
+    vocab = int(mtp.text_view(ca.config).get("vocab_size") or 0)  # a multimodal config's: its text_config's
     try:
         if vocab < 2:
             raise FFNToolsError("no vocab_size in config.json")
