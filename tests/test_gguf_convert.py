@@ -177,8 +177,6 @@ def test_gguf_to_torch_side_files_round_trip(gguf_model, gguf_ref, tmp_path):
     """A byte-level BPE GGUF (the qwen2 vocabulary) stores its merges in rank order: GGUF -> torch gives the
     source's tokenizer.json, tokenizer_config.json, chat template and generation_config.json, and verify
     passes comparing them. Planted tokenizer and generation defects in that output each fail it, exit 1."""
-    import shutil
-
     src, out = gguf_model("qwen3"), tmp_path / "back"
     said = json.loads(run_cli("-q", "convert", gguf_ref("qwen3", "f32"), "--to", "torch", "-o", out, "--json").stdout)
     assert not any("ranked by token position" in c for c in said["changes"])
